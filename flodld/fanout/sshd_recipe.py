@@ -1,0 +1,115 @@
+"""The guardrailed join sshd: text of the authorized_keys line and sshd configs (pure).
+
+A join key must be worth nothing more than one port forward to the controller port. Two
+layers enforce that, so a mistake in either is caught by the other:
+  * the key's own authorized_keys options (`restrict` + `port-forwarding` + `permitopen` +
+    a forced `command=`), and
+  * the daemon's configuration (a `Match User` block on a shared sshd, or global settings on
+    a dedicated, unprivileged sshd instance that serves join keys only).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+NOLOGIN = "/usr/sbin/nologin"
+_KEY_LINE = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com)\s+\S+")
+
+
+class RecipeError(ValueError):
+    """A recipe input is malformed; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class JoinSshdRecipe:
+    """What one join sshd needs: the controller port its keys may reach and the keys."""
+
+    controller_port: int
+    listen_port: int
+    public_keys: tuple[str, ...]
+    controller_host: str = "127.0.0.1"
+    join_user: str = "flodl-join"
+
+    def __post_init__(self) -> None:
+        for name, port in (("controller_port", self.controller_port), ("listen_port", self.listen_port)):
+            if not 1 <= port <= 65535:
+                raise RecipeError(f"{name} must be in 1..65535, got {port}")
+        for key in self.public_keys:
+            if not _KEY_LINE.match(key.strip()):
+                raise RecipeError(
+                    f"not an OpenSSH public key line: {key.strip()[:40]!r}; pass the contents of a .pub file"
+                )
+
+    @property
+    def permit_open(self) -> str:
+        return f"{self.controller_host}:{self.controller_port}"
+
+    def authorized_key_line(self, public_key: str) -> str:
+        """One authorized_keys entry: everything off, one forward on, commands neutralised."""
+        options = f'restrict,port-forwarding,permitopen="{self.permit_open}",command="{NOLOGIN}"'
+        return f"{options} {public_key.strip()}"
+
+    def authorized_keys(self) -> str:
+        return "".join(self.authorized_key_line(key) + "\n" for key in self.public_keys)
+
+    def match_block(self) -> str:
+        """The daemon-level layer for a shared system sshd (append to sshd_config)."""
+        return (
+            f"Match User {self.join_user}\n"
+            "    AllowTcpForwarding local\n"
+            f"    PermitOpen {self.permit_open}\n"
+            f"    ForceCommand {NOLOGIN}\n"
+            "    PermitTTY no\n"
+            "    X11Forwarding no\n"
+            "    AllowAgentForwarding no\n"
+            "    AllowStreamLocalForwarding no\n"
+            "    PermitTunnel no\n"
+            "    GatewayPorts no\n"
+        )
+
+    def dedicated_config(self, directory: Path) -> str:
+        """sshd_config for a dedicated instance on `listen_port` serving join keys only.
+
+        The restrictions are global here because every key this instance accepts is a join key.
+        """
+        return (
+            f"Port {self.listen_port}\n"
+            "ListenAddress 0.0.0.0\n"
+            f"HostKey {directory / 'ssh_host_ed25519_key'}\n"
+            f"PidFile {directory / 'sshd.pid'}\n"
+            f"AuthorizedKeysFile {directory / 'authorized_keys'}\n"
+            "StrictModes no\n"
+            "PasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\n"
+            "PubkeyAuthentication yes\n"
+            "UsePAM no\n"
+            "AllowTcpForwarding local\n"
+            f"PermitOpen {self.permit_open}\n"
+            f"ForceCommand {NOLOGIN}\n"
+            "PermitTTY no\n"
+            "X11Forwarding no\n"
+            "AllowAgentForwarding no\n"
+            "AllowStreamLocalForwarding no\n"
+            "PermitTunnel no\n"
+            "GatewayPorts no\n"
+            "PermitUserRC no\n"
+            "ClientAliveInterval 15\n"
+            "ClientAliveCountMax 4\n"
+            "LogLevel VERBOSE\n"
+        )
+
+    def write(self, directory: Path) -> list[Path]:
+        """Write sshd_config and authorized_keys into `directory` (host key: see `host_key_command`)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        config = directory / "sshd_config"
+        keys = directory / "authorized_keys"
+        config.write_text(self.dedicated_config(directory))
+        keys.write_text(self.authorized_keys())
+        keys.chmod(0o600)
+        return [config, keys]
+
+    @staticmethod
+    def host_key_command(directory: Path) -> list[str]:
+        return ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(directory / "ssh_host_ed25519_key")]
