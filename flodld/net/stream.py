@@ -1,0 +1,234 @@
+"""asyncio adapter: a FrameConnection driven by a StreamReader/StreamWriter pair.
+
+The stream reads exactly what the connection asks for (`bytes_wanted`), so it never reads past the
+frame a header announced, and an over-cap header is refused before its body is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+from types import TracebackType
+
+from flodld.net.timeouts import scaled
+from flodld.wire.errors import WireError
+from flodld.wire.frames import (
+    DEFAULT_MAX_TAIL,
+    MAX_PAYLOAD,
+    BytesLike,
+    Closed,
+    Frame,
+    FrameConnection,
+    NeedData,
+    Role,
+)
+from flodld.wire.magic import MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
+from flodld.wire.messages import Message
+
+READ_CHUNK = 4 * 1024 * 1024
+WRITE_STALL_SECS = 30.0
+CONNECT_ATTEMPTS = 60
+CONNECT_BACKOFF_SECS = 0.5
+HANDSHAKE_SECS = 10.0
+
+
+class ConnectError(ConnectionError):
+    """Every connection attempt failed; the message names what, where, how often and the last error."""
+
+
+class FramedStream:
+    """Authenticated frames over an asyncio stream pair (see flodld.wire.frames for the rules)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: FrameConnection) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.conn = conn
+        self._recv_lock = asyncio.Lock()
+
+    @property
+    def peername(self) -> tuple[str, int] | None:
+        peer = self.writer.get_extra_info("peername")
+        return (str(peer[0]), int(peer[1])) if peer else None
+
+    async def send(self, msg: Message, tail: BytesLike = b"") -> None:
+        """Write one message frame and wait (bounded by the write-stall timeout) until it is flushed."""
+        self.send_nowait(msg, tail)
+        await self.drain()
+
+    def send_nowait(self, msg: Message, tail: BytesLike = b"") -> None:
+        """Queue one message frame without waiting for the socket (for callbacks that cannot await)."""
+        self.writer.write(self.conn.send_message(msg, tail))
+
+    async def send_frame(self, kind: int, payload: bytes, tail: BytesLike = b"") -> None:
+        self.writer.write(self.conn.send_frame(kind, payload, tail))
+        await self.drain()
+
+    async def drain(self) -> None:
+        async with asyncio.timeout(scaled(WRITE_STALL_SECS)):
+            await self.writer.drain()
+
+    async def recv(self, timeout: float | None = None) -> Frame:
+        """The next frame. EOFError on a clean close; WireError on a violation; TimeoutError on timeout.
+
+        A timeout loses nothing: bytes already read stay buffered in the connection.
+        """
+        async with self._recv_lock, asyncio.timeout(timeout):
+            while True:
+                event = self.conn.next_event()
+                if isinstance(event, Frame):
+                    return event
+                if isinstance(event, Closed):
+                    raise EOFError("peer closed the connection")
+                await self._read_more()
+
+    async def _read_more(self) -> None:
+        want = min(max(self.conn.bytes_wanted, 1), READ_CHUNK)
+        try:
+            data = await self.reader.readexactly(want)
+        except asyncio.IncompleteReadError as short:
+            self.conn.receive_data(short.partial)
+            data = b""
+        except ConnectionResetError:
+            data = b""
+        self.conn.receive_data(data)
+
+    async def complete_handshake(self, timeout: float | None) -> None:
+        """Read until the peer's nonce has arrived."""
+        async with asyncio.timeout(timeout):
+            while not self.conn.ready:
+                event = self.conn.next_event()
+                if not isinstance(event, NeedData):  # pragma: no cover - frames cannot precede the nonce
+                    raise WireError("handshake", "unexpected event before the nonce exchange completed")
+                await self._read_more()
+
+    def rekey(self, salt: bytes) -> None:
+        self.conn.rekey(salt)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def aclose(self) -> None:
+        """Close and wait until the transport is gone."""
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+    async def __aenter__(self) -> FramedStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def open_channel(
+    host: str,
+    port: int,
+    channel: Channel,
+    key: bytes,
+    *,
+    timeout: float,
+    max_payload: int = MAX_PAYLOAD,
+    max_tail: int = DEFAULT_MAX_TAIL,
+) -> FramedStream:
+    """Dial `channel` on host:port: write magic and nonce, wait for the listener's nonce (all within `timeout`)."""
+    conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail)
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
+        stream = FramedStream(reader, writer, conn)
+        try:
+            _nodelay(writer)
+            writer.write(magic_prefix(channel) + conn.initial_bytes())
+            await writer.drain()
+            await stream.complete_handshake(None)
+        except BaseException:
+            writer.close()
+            raise
+    return stream
+
+
+async def accept_channel(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    key: bytes,
+    *,
+    timeout: float | None = None,
+    max_payload: int = MAX_PAYLOAD,
+    max_tail: int = DEFAULT_MAX_TAIL,
+) -> FramedStream:
+    """Listener side, after the mux consumed the magic: send our nonce, read the dialer's.
+
+    The wait for the dialer's nonce is always bounded: `timeout`, or scaled 10 s when None.
+    """
+    conn = FrameConnection(Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail)
+    _nodelay(writer)
+    writer.write(conn.initial_bytes())
+    stream = FramedStream(reader, writer, conn)
+    await stream.complete_handshake(timeout if timeout is not None else scaled(HANDSHAKE_SECS))
+    return stream
+
+
+async def connect_with_retry(
+    host: str,
+    port: int,
+    channel: Channel,
+    key: bytes,
+    *,
+    what: str,
+    attempts: int | None = None,
+    backoff: float = CONNECT_BACKOFF_SECS,
+    timeout: float | None = None,
+    max_payload: int = MAX_PAYLOAD,
+    max_tail: int = DEFAULT_MAX_TAIL,
+) -> FramedStream:
+    """`open_channel` retried on refused/reset/timed-out dials and unfinished handshakes.
+
+    Defaults: ceil(60 * scale) attempts, 0.5 s apart; each attempt bounded by `timeout` (scaled 10 s).
+    """
+    total = attempts if attempts is not None else max(1, math.ceil(CONNECT_ATTEMPTS * scaled(1.0)))
+    if total < 1:
+        raise ValueError(f"attempts must be >= 1, got {total}")
+    per_attempt = timeout if timeout is not None else scaled(HANDSHAKE_SECS)
+    last: BaseException | None = None
+    for attempt in range(total):
+        if attempt:
+            await asyncio.sleep(backoff)
+        try:
+            return await open_channel(
+                host, port, channel, key, timeout=per_attempt, max_payload=max_payload, max_tail=max_tail
+            )
+        except (OSError, TimeoutError) as error:
+            last = error
+        except WireError as error:
+            if error.code != "handshake":
+                raise
+            last = error
+    raise ConnectError(
+        f"{what}: connect to {_join_host_port(host, port)} ({channel} channel) failed after {total} attempts "
+        f"(~{total * backoff:.1f}s): {last!r}"
+    )
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def read_channel_prefix(reader: asyncio.StreamReader, *, timeout: float) -> tuple[Channel | None, bytes]:
+    """For a mux: read the 4-byte prefix and name its channel (None = unknown magic).
+
+    The prefix is consumed; an HTTP handler must put it back in front of the request it parses.
+    Raises asyncio.IncompleteReadError if the peer closes first, TimeoutError if it stays silent.
+    """
+    async with asyncio.timeout(timeout):
+        prefix = await reader.readexactly(MAGIC_BYTES)
+    return channel_for_prefix(prefix), prefix

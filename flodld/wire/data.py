@@ -1,0 +1,128 @@
+"""Data-plane messages (kinds 0x03xx): rank ⇄ relay loopback legs and relay ⇄ controller DATA channel.
+
+Tensors travel in the frame's tail as raw little-endian bytes, described in the payload by
+`TensorSpec`s; `flodld.fold.codec` converts. The payload carries the fold spec so every hop can
+rebuild the same reduction without configuration (a modular fold carries its moduli).
+
+Flow of one round: each rank sends `Deposit` to its relay; the relay sends one `HostFrame` (the
+partial sum of its live ranks) upstream; the controller folds hosts and sends `Broadcast` (the
+finished value) to every relay, which forwards it to its live ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import Field
+
+from flodld.wire.messages import (
+    BoundedList,
+    Count,
+    HostName,
+    Message,
+    Rank,
+    Reason,
+    ShortText,
+    WireModel,
+    register,
+)
+
+MAX_TENSOR_DIMS: Final = 8
+MAX_TENSORS_PER_FRAME: Final = 4096
+
+TensorDtype = Literal["float32", "float64", "float16", "bfloat16", "int64", "int32"]
+DTYPE_BYTES: Final[dict[str, int]] = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+}
+
+Dimension = Annotated[int, Field(ge=0, lt=2**40)]
+
+
+class TensorSpec(WireModel):
+    """dtype and shape of one tensor in the tail; its byte length follows from them."""
+
+    dtype: TensorDtype
+    shape: Annotated[list[Dimension], Field(max_length=MAX_TENSOR_DIMS)]
+
+    def nbytes(self) -> int:
+        count = 1
+        for dimension in self.shape:
+            count *= dimension
+        return count * DTYPE_BYTES[self.dtype]
+
+
+TensorSpecs = Annotated[list[TensorSpec], Field(max_length=MAX_TENSORS_PER_FRAME)]
+FoldSpec = ShortText
+Weight = Annotated[float, Field(ge=0)]
+
+
+@register(0x0301)
+class RelayHello(Message):
+    """Relay → controller, first frame on the DATA and on the CONTROL channel: who this relay speaks for."""
+
+    host: HostName
+    ranks: BoundedList[Rank]
+
+
+@register(0x0302)
+class HelloAck(Message):
+    """Answer to RelayHello or RankHello: the listener accepted the identity."""
+
+
+@register(0x0303)
+class RankHello(Message):
+    """Rank → relay, first frame on each loopback leg."""
+
+    rank: Rank
+
+
+@register(0x0304)
+class Deposit(Message):
+    """Rank → relay: this rank's weighted contribution to `round` (tail: tensors)."""
+
+    round: Count
+    fold: FoldSpec
+    weight: Weight
+    tensors: TensorSpecs
+
+
+@register(0x0305)
+class HostFrame(Message):
+    """Relay → controller: the partial fold of this host's live ranks for `round` (tail: tensors)."""
+
+    round: Count
+    fold: FoldSpec
+    weight: Weight
+    contributors: BoundedList[Rank]
+    tensors: TensorSpecs
+
+
+@register(0x0306)
+class Broadcast(Message):
+    """Controller → relay → rank: the finished value of `round` (tail: tensors)."""
+
+    round: Count
+    fold: FoldSpec
+    weight: Weight
+    contributors: BoundedList[Rank]
+    tensors: TensorSpecs
+
+
+@register(0x0307)
+class RankGone(Message):
+    """Relay → controller: a local rank closed its leg; fold it out of every later round."""
+
+    rank: Rank
+    reason: Reason = ""
+
+
+@register(0x0308)
+class DataPlaneError(Message):
+    """Either direction, just before closing: why this hop refuses to go on (double deposit, schema)."""
+
+    reason: Reason

@@ -1,0 +1,169 @@
+"""Join-channel messages (kinds 0x0101..): agent ⇄ controller admission and the formed world.
+
+Sequence: agent → Hello; controller → Accept or Reject; later → WorldFormed or Abort; agent → RankExited
+per rank child; the agent closing its side means the host is done. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
+
+from flodld.wire.messages import (
+    MAX_LIST_ITEMS,
+    BoundedList,
+    HexDigest,
+    HostName,
+    Message,
+    Name,
+    Port,
+    Rank,
+    Reason,
+    ReasonCode,
+    ShortText,
+    WireModel,
+    register,
+)
+from flodld.wire.salt import salt_from_hex, salt_to_hex
+
+DeviceName = Annotated[str, StringConstraints(min_length=3, max_length=32, pattern=r"^[a-z][a-z0-9_]*:[0-9]{1,5}$")]
+"""A torch device with its index: "cpu:0", "cuda:1"."""
+
+NcclVersion = Annotated[str, StringConstraints(max_length=32, pattern=r"^[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?$")]
+"""Major.minor[.patch], e.g. "2.27"."""
+
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("environment values cannot contain NUL characters")
+    return value
+
+
+EnvValue = Annotated[str, StringConstraints(max_length=16384), AfterValidator(_no_nul)]
+
+SaltHex = Annotated[str, StringConstraints(max_length=64), AfterValidator(lambda text: salt_to_hex(salt_from_hex(text)))]
+"""A session salt as 32 hex characters, normalised to lowercase."""
+
+Seconds = Annotated[float, Field(ge=0, le=10**9)]
+ExitCode = Annotated[int, Field(ge=-128, le=255)]
+
+
+def _require_unique(values: list[str] | list[int], what: str) -> None:
+    seen: set[str | int] = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{what} lists {value!r} twice; each entry must be unique")
+        seen.add(value)
+
+
+@register(0x0101)
+class Hello(Message):
+    """The agent's admission request: who it is, what it brings, what it was built against."""
+
+    host: HostName
+    devices: BoundedList[DeviceName]
+    device_labels: BoundedList[ShortText]
+    variant: Name
+    torch_version: Name
+    protocol_version: Annotated[int, Field(ge=0, le=0xFFFF)]
+    dataset_sig: HexDigest | None = None
+    run_id: Name | None = None
+    nccl_version: NcclVersion | None = None
+    model_sig: HexDigest | None = None
+    averaging: Name | None = None
+
+    @model_validator(mode="after")
+    def _devices_consistent(self) -> Hello:
+        _require_unique(self.devices, "devices")
+        if self.device_labels and len(self.device_labels) != len(self.devices):
+            raise ValueError(
+                f"device_labels has {len(self.device_labels)} entries for {len(self.devices)} devices; "
+                "send one label per device, or none"
+            )
+        return self
+
+
+@register(0x0102)
+class Accept(Message):
+    """Admission granted: provisional ranks; `salt_hex` only under open admission."""
+
+    ranks: BoundedList[Rank]
+    salt_hex: SaltHex | None = None
+    formation_wait_secs: Seconds
+    run_id: Name
+
+    @field_validator("ranks")
+    @classmethod
+    def _unique_ranks(cls, ranks: list[int]) -> list[int]:
+        _require_unique(ranks, "ranks")
+        return ranks
+
+
+@register(0x0103)
+class Reject(Message):
+    """Admission refused, with a stable code and a sentence for the operator."""
+
+    code: ReasonCode
+    reason: Reason
+
+
+class WorldEnvelope(WireModel):
+    """What one host needs to start its ranks: its global ranks and the world around them."""
+
+    run_id: Name
+    world_size: Annotated[int, Field(ge=1, le=2**31)]
+    ranks: BoundedList[Rank]
+    local_world_size: Annotated[int, Field(ge=1, le=MAX_LIST_ITEMS)]
+    hosts: BoundedList[HostName]
+    controller_host: HostName
+    controller_port: Port
+    averaging: Name
+    backend: Name
+    env: Annotated[dict[EnvName, EnvValue], Field(max_length=MAX_LIST_ITEMS)]
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_world(self) -> WorldEnvelope:
+        if not self.ranks:
+            raise ValueError("ranks is empty; a host in the world runs at least one rank")
+        first = self.ranks[0]
+        if self.ranks != list(range(first, first + len(self.ranks))):
+            raise ValueError(f"ranks {self.ranks} are not contiguous and ascending")
+        if self.ranks[-1] >= self.world_size:
+            raise ValueError(f"rank {self.ranks[-1]} does not fit a world of size {self.world_size}")
+        if self.local_world_size != len(self.ranks):
+            raise ValueError(f"local_world_size {self.local_world_size} != number of ranks {len(self.ranks)}")
+        if not self.hosts:
+            raise ValueError("hosts is empty; it lists every host of the world in admission order")
+        _require_unique(self.hosts, "hosts")
+        return self
+
+
+class RelaySpec(WireModel):
+    """Where this host's relay reaches the controller and how it folds."""
+
+    data_port: Port
+    control_port: Port
+    fold: Name
+    cadence: Annotated[int, Field(ge=1, le=2**31)]
+
+
+@register(0x0104)
+class WorldFormed(Message):
+    envelope: WorldEnvelope
+    relay: RelaySpec | None = None
+
+
+@register(0x0105)
+class RankExited(Message):
+    """A rank child exited; a negative code is the signal that killed it."""
+
+    rank: Rank
+    code: ExitCode
+
+
+@register(0x0106)
+class Abort(Message):
+    reason: Reason

@@ -1,0 +1,367 @@
+"""FrameConnection: handshake, framing, authentication, replay protection and caps, end to end in memory."""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import hmac
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flodld.wire.errors import WireError
+from flodld.wire.frames import (
+    CLOSED,
+    FRAME_MAGIC,
+    HEADER,
+    HEADER_BYTES,
+    NEED_DATA,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    TAG_BYTES,
+    Frame,
+    FrameConnection,
+    Role,
+    session_key,
+)
+from flodld.wire.join import Abort, RankExited
+from tests.flodld.wire.conftest import OTHER_SALT, SALT, connected_pair
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def deliver(receiver: FrameConnection, data: bytes) -> Frame:
+    receiver.receive_data(data)
+    event = receiver.next_event()
+    assert isinstance(event, Frame), event
+    return event
+
+
+def expect_error(receiver: FrameConnection, data: bytes, code: str) -> WireError:
+    receiver.receive_data(data)
+    with pytest.raises(WireError) as caught:
+        receiver.next_event()
+    assert caught.value.code == code, caught.value
+    return caught.value
+
+
+# --- handshake --------------------------------------------------------------------------------------
+
+
+def test_session_key_binds_salt_and_both_nonces() -> None:
+    dialer_nonce, listener_nonce = b"d" * 16, b"l" * 16
+    expected = hmac.digest(SALT, b"flodld/session/v1" + dialer_nonce + listener_nonce, hashlib.sha256)
+    assert session_key(SALT, dialer_nonce, listener_nonce) == expected
+    assert session_key(SALT, listener_nonce, dialer_nonce) != expected
+    assert session_key(OTHER_SALT, dialer_nonce, listener_nonce) != expected
+
+
+def test_initial_bytes_are_the_nonce_and_fresh_per_connection() -> None:
+    first = FrameConnection(Role.DIALER, SALT)
+    second = FrameConnection(Role.DIALER, SALT)
+    assert len(first.initial_bytes()) == NONCE_BYTES
+    assert first.initial_bytes() != second.initial_bytes()
+    assert FrameConnection(Role.DIALER, SALT, nonce=b"n" * 16).initial_bytes() == b"n" * 16
+
+
+def test_dialer_cannot_send_before_the_listener_nonce() -> None:
+    dialer = FrameConnection(Role.DIALER, SALT)
+    with pytest.raises(WireError) as caught:
+        dialer.send_message(Abort(reason="early"))
+    assert caught.value.code == "handshake"
+
+
+def test_listener_may_send_as_soon_as_it_has_the_dialer_nonce() -> None:
+    dialer = FrameConnection(Role.DIALER, SALT)
+    listener = FrameConnection(Role.LISTENER, SALT)
+    listener.receive_data(dialer.initial_bytes())
+    assert listener.ready
+    frame_bytes = listener.send_message(Abort(reason="go away"))
+    dialer.receive_data(listener.initial_bytes() + frame_bytes)  # nonce and first frame in one segment
+    event = dialer.next_event()
+    assert isinstance(event, Frame)
+    assert event.message() == Abort(reason="go away")
+
+
+def test_nonce_split_across_segments_completes_the_handshake() -> None:
+    dialer = FrameConnection(Role.DIALER, SALT)
+    listener = FrameConnection(Role.LISTENER, SALT)
+    nonce = dialer.initial_bytes()
+    listener.receive_data(nonce[:5])
+    assert not listener.ready and listener.bytes_wanted == NONCE_BYTES - 5
+    assert listener.next_event() is NEED_DATA
+    listener.receive_data(nonce[5:])
+    assert listener.ready
+
+
+def test_eof_before_the_nonce_is_a_handshake_error() -> None:
+    listener = FrameConnection(Role.LISTENER, SALT)
+    listener.receive_data(b"abc")
+    expect_error(listener, b"", "handshake")
+
+
+def test_keys_must_be_sixteen_bytes() -> None:
+    with pytest.raises(ValueError, match="16-byte"):
+        FrameConnection(Role.DIALER, b"short")
+    with pytest.raises(ValueError, match="nonce"):
+        FrameConnection(Role.DIALER, SALT, nonce=b"x")
+
+
+# --- framing ----------------------------------------------------------------------------------------
+
+
+def test_frame_layout_is_header_payload_tail_tag() -> None:
+    dialer, listener = connected_pair()
+    wire = dialer.send_frame(0x0106, b'{"reason":"x"}', b"TAIL")
+    magic, version, kind, seq, payload_len, tail_len = HEADER.unpack_from(wire)
+    assert (magic, version, kind, seq, payload_len, tail_len) == (FRAME_MAGIC, PROTOCOL_VERSION, 0x0106, 0, 14, 4)
+    assert wire[HEADER_BYTES : HEADER_BYTES + 14] == b'{"reason":"x"}'
+    assert wire[HEADER_BYTES + 14 : HEADER_BYTES + 18] == b"TAIL"
+    key = session_key(SALT, dialer.nonce, listener.nonce)
+    assert wire[-TAG_BYTES:] == hmac.digest(key, b"D" + wire[:-TAG_BYTES], hashlib.sha256)[:TAG_BYTES]
+    assert len(wire) == HEADER_BYTES + 18 + TAG_BYTES
+
+
+def test_empty_frame_is_header_plus_tag() -> None:
+    dialer, listener = connected_pair()
+    wire = dialer.send_frame(1, b"")
+    assert len(wire) == HEADER_BYTES + TAG_BYTES
+    assert deliver(listener, wire) == Frame(1, 0, b"", b"")
+
+
+def test_message_with_tail_round_trips_both_ways() -> None:
+    dialer, listener = connected_pair()
+    frame = deliver(listener, dialer.send_message(RankExited(rank=3, code=-9), b"\x00\x01"))
+    assert frame.message() == RankExited(rank=3, code=-9) and frame.tail == b"\x00\x01"
+    assert deliver(dialer, listener.send_message(Abort(reason="bye"))).message() == Abort(reason="bye")
+
+
+def test_byte_at_a_time_delivery_reassembles_frames_and_wants_exact_sizes() -> None:
+    dialer, listener = connected_pair()
+    wire = dialer.send_frame(7, b"payload", b"tail") + dialer.send_frame(8, b"p2")
+    events: list[Frame] = []
+    for index in range(len(wire)):
+        listener.receive_data(wire[index : index + 1])
+        while isinstance(event := listener.next_event(), Frame):
+            events.append(event)
+    assert [(f.kind, f.seq, f.payload, f.tail) for f in events] == [(7, 0, b"payload", b"tail"), (8, 1, b"p2", b"")]
+    assert listener.bytes_wanted == HEADER_BYTES
+
+
+def test_bytes_wanted_names_the_body_after_the_header() -> None:
+    dialer, listener = connected_pair()
+    wire = dialer.send_frame(7, b"12345", b"678")
+    listener.receive_data(wire[:HEADER_BYTES])
+    assert listener.next_event() is NEED_DATA
+    assert listener.bytes_wanted == 5 + 3 + TAG_BYTES
+
+
+def test_clean_eof_on_a_frame_boundary_is_closed() -> None:
+    dialer, listener = connected_pair()
+    deliver(listener, dialer.send_frame(1, b"x"))
+    listener.receive_data(b"")
+    assert listener.next_event() is CLOSED
+    assert listener.next_event() is CLOSED
+
+
+@pytest.mark.parametrize("cut", [1, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 3])
+def test_eof_inside_a_frame_is_truncated(cut: int) -> None:
+    dialer, listener = connected_pair()
+    wire = dialer.send_frame(1, b"abcdef")
+    listener.receive_data(wire[:cut])
+    listener.next_event()
+    expect_error(listener, b"", "truncated")
+
+
+def test_connection_is_dead_after_an_error() -> None:
+    dialer, listener = connected_pair()
+    wire = bytearray(dialer.send_frame(1, b"x"))
+    wire[-1] ^= 1
+    expect_error(listener, bytes(wire), "bad_tag")
+    for call in (listener.next_event, lambda: listener.receive_data(b"more"), lambda: listener.send_frame(1, b"")):
+        with pytest.raises(WireError) as caught:
+            call()
+        assert caught.value.code == "closed"
+
+
+def test_rekey_switches_both_directions_and_sequence_continues() -> None:
+    dialer, listener = connected_pair()
+    deliver(listener, dialer.send_frame(1, b"before"))
+    accept = listener.send_frame(2, b"accept")
+    listener.rekey(OTHER_SALT)
+    formed = listener.send_frame(3, b"formed")
+    dialer.receive_data(accept + formed)  # both frames arrive together; the second uses the new key
+    assert isinstance(first := dialer.next_event(), Frame) and first.payload == b"accept"
+    dialer.rekey(OTHER_SALT)
+    assert isinstance(second := dialer.next_event(), Frame) and (second.payload, second.seq) == (b"formed", 1)
+    assert deliver(listener, dialer.send_frame(4, b"after")).seq == 1
+
+
+def test_frame_under_the_old_key_after_rekey_is_rejected() -> None:
+    dialer, listener = connected_pair()
+    stale = dialer.send_frame(1, b"old key")
+    listener.rekey(OTHER_SALT)
+    expect_error(listener, stale, "bad_tag")
+
+
+def test_rekey_needs_the_handshake() -> None:
+    with pytest.raises(WireError) as caught:
+        FrameConnection(Role.DIALER, SALT).rekey(OTHER_SALT)
+    assert caught.value.code == "handshake"
+
+
+# --- rejection ---------------------------------------------------------------------------------------
+
+
+def test_wrong_salt_is_bad_tag() -> None:
+    dialer, listener = connected_pair(SALT, listener_salt=OTHER_SALT)
+    expect_error(listener, dialer.send_frame(1, b"x"), "bad_tag")
+
+
+def test_reflected_frame_is_rejected_by_its_sender() -> None:
+    dialer, _listener = connected_pair()
+    expect_error(dialer, dialer.send_frame(1, b"echo me"), "bad_tag")
+
+
+def test_replay_on_the_same_connection_is_rejected() -> None:
+    dialer, listener = connected_pair()
+    wire = dialer.send_frame(1, b"once")
+    deliver(listener, wire)
+    expect_error(listener, wire, "replay")
+
+
+def test_replay_on_a_fresh_connection_is_rejected() -> None:
+    dialer, listener = connected_pair()
+    captured = dialer.send_frame(1, b"captured")
+    deliver(listener, captured)
+    # The attacker even replays the original dialer nonce; the listener's fresh nonce changes the key.
+    fresh = FrameConnection(Role.LISTENER, SALT)
+    fresh.receive_data(dialer.nonce)
+    expect_error(fresh, captured, "bad_tag")
+
+
+def test_reordered_frames_are_rejected() -> None:
+    dialer, listener = connected_pair()
+    _first, second = dialer.send_frame(1, b"a"), dialer.send_frame(1, b"b")
+    expect_error(listener, second, "replay")
+
+
+def test_bad_magic_and_version_are_rejected_from_the_header() -> None:
+    dialer, listener = connected_pair()
+    wire = bytearray(dialer.send_frame(1, b"x"))
+    wire[0] ^= 0xFF
+    expect_error(listener, bytes(wire[:HEADER_BYTES]), "bad_magic")
+    dialer, listener = connected_pair()
+    wire = bytearray(dialer.send_frame(1, b"x"))
+    wire[4] = 2
+    expect_error(listener, bytes(wire[:HEADER_BYTES]), "bad_version")
+
+
+def test_sending_over_the_caps_is_refused() -> None:
+    dialer, _listener = connected_pair(max_payload=8, max_tail=4)
+    with pytest.raises(WireError) as caught:
+        dialer.send_frame(1, b"x" * 9)
+    assert caught.value.code == "too_large"
+    with pytest.raises(WireError) as caught:
+        dialer.send_frame(1, b"", b"t" * 5)
+    assert caught.value.code == "too_large"
+
+
+def _forged_header(payload_len: int, tail_len: int) -> bytes:
+    return HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 1, 0, payload_len, tail_len)
+
+
+@pytest.mark.parametrize(("payload_len", "tail_len"), [(16 * 1024 * 1024 + 1, 0), (0, 2**32 - 1)])
+def test_default_caps_refuse_a_claimed_length_from_the_header_alone(payload_len: int, tail_len: int) -> None:
+    _dialer, listener = connected_pair()
+    listener.receive_data(_forged_header(payload_len, tail_len))
+    with pytest.raises(WireError) as caught:
+        listener.next_event()  # not one body byte was fed
+    assert caught.value.code == "too_large"
+
+
+# --- properties ---------------------------------------------------------------------------------------
+
+frames_strategy = st.lists(
+    st.tuples(st.integers(0, 0xFFFF), st.binary(max_size=300), st.binary(max_size=300)), min_size=1, max_size=6
+)
+
+
+@PROPERTY
+@given(frames=frames_strategy, direction=st.sampled_from(["dial", "listen"]), chunk=st.integers(1, 64))
+def test_any_frame_sequence_round_trips(frames: list[tuple[int, bytes, bytes]], direction: str, chunk: int) -> None:
+    dialer, listener = connected_pair()
+    sender, receiver = (dialer, listener) if direction == "dial" else (listener, dialer)
+    wire = b"".join(sender.send_frame(kind, payload, tail) for kind, payload, tail in frames)
+    received = []
+    for start in range(0, len(wire), chunk):
+        receiver.receive_data(wire[start : start + chunk])
+        while isinstance(event := receiver.next_event(), Frame):
+            received.append(event)
+    assert received == [Frame(kind, seq, payload, tail) for seq, (kind, payload, tail) in enumerate(frames)]
+
+
+@PROPERTY
+@given(
+    payload=st.binary(max_size=64), tail=st.binary(max_size=64), data=st.data(), preceding=st.integers(0, 2)
+)
+def test_any_single_bit_flip_is_rejected(payload: bytes, tail: bytes, data: st.DataObject, preceding: int) -> None:
+    dialer, listener = connected_pair()
+    for _ in range(preceding):
+        deliver(listener, dialer.send_frame(5, b"ok"))
+    wire = bytearray(dialer.send_frame(9, payload, tail))
+    bit = data.draw(st.integers(0, len(wire) * 8 - 1), label="bit")
+    wire[bit // 8] ^= 1 << (bit % 8)
+    listener.receive_data(bytes(wire))
+    listener.receive_data(b"")  # a flipped length must not leave the frame waiting for bytes forever
+    with pytest.raises(WireError) as caught:
+        listener.next_event()
+    assert caught.value.code in {"bad_magic", "bad_version", "too_large", "bad_tag", "truncated"}
+
+
+@PROPERTY
+@given(key=st.binary(min_size=16, max_size=16), payload=st.binary(max_size=64))
+def test_any_wrong_key_is_rejected(key: bytes, payload: bytes) -> None:
+    dialer, listener = connected_pair(SALT, listener_salt=key if key != SALT else OTHER_SALT)
+    expect_error(listener, dialer.send_frame(3, payload), "bad_tag")
+
+
+@PROPERTY
+@given(count=st.integers(2, 6), data=st.data())
+def test_any_replayed_or_reordered_frame_is_rejected(count: int, data: st.DataObject) -> None:
+    dialer, listener = connected_pair()
+    wires = [dialer.send_frame(1, f"frame {index}".encode()) for index in range(count)]
+    delivered = data.draw(st.integers(0, count - 1), label="delivered in order")
+    for wire in wires[:delivered]:
+        deliver(listener, wire)
+    offender = data.draw(
+        st.sampled_from([index for index in range(count) if index != delivered]), label="out-of-order frame"
+    )
+    expect_error(listener, wires[offender], "replay")
+
+
+@PROPERTY
+@given(
+    max_payload=st.integers(0, 1024),
+    max_tail=st.integers(0, 1024),
+    excess=st.integers(1, 2**20),
+    which=st.sampled_from(["payload", "tail"]),
+)
+def test_any_over_cap_length_is_rejected_before_the_body(max_payload: int, max_tail: int, excess: int, which: str) -> None:
+    _dialer, listener = connected_pair(max_payload=max_payload, max_tail=max_tail)
+    claimed = (max_payload + excess, 0) if which == "payload" else (0, max_tail + excess)
+    listener.receive_data(_forged_header(*claimed))
+    with pytest.raises(WireError) as caught:
+        listener.next_event()
+    assert caught.value.code == "too_large"
+
+
+def test_tail_may_be_any_buffer_and_is_counted_in_bytes() -> None:
+    floats = array.array("f", [1.0, 2.0, 3.0])
+    dialer, listener = connected_pair(max_tail=12)
+    frame = deliver(listener, dialer.send_frame(1, b"", memoryview(floats)))
+    assert frame.tail == floats.tobytes() and len(frame.tail) == 12
+    with pytest.raises(WireError) as caught:
+        dialer.send_frame(1, b"", memoryview(array.array("f", [0.0] * 4)))
+    assert caught.value.code == "too_large"
