@@ -16,7 +16,7 @@ from flodld.wire.salt import salt_from_hex, salt_to_hex
 class JoinConfig(BaseModel):
     """Membership-window overrides; every field is optional and defaults as the cluster guide says."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     min_rank_start: int | None = Field(default=None, ge=1, description="Quorum in ranks.")
     join_timeout: float = Field(default=300.0, gt=0, description="Window length in seconds.")
