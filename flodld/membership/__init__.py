@@ -1,0 +1,39 @@
+"""Sans-io membership: the join window's policy, phase table and verdict, admission ledger, start
+switch and state snapshot. Time is always an argument; nothing here does I/O."""
+
+from __future__ import annotations
+
+from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
+from flodld.membership.phase import TRANSITIONS, Event, Phase, TransitionError, Verdict, advance, verdict
+from flodld.membership.policy import PolicyError, StartMode, TrustMode, WindowPolicy, derive_policy
+from flodld.membership.snapshot import LinkState, StateSnapshot, state_schema
+from flodld.membership.switch import Armed, StartRefused, arm, token_matches
+from flodld.membership.window import JoinWindow
+
+__all__ = [
+    "TRANSITIONS",
+    "Admitted",
+    "Armed",
+    "Event",
+    "JoinWindow",
+    "Ledger",
+    "LinkState",
+    "Member",
+    "Phase",
+    "PolicyError",
+    "Refused",
+    "StartMode",
+    "StartRefused",
+    "StateSnapshot",
+    "TransitionError",
+    "TrustMode",
+    "Verdict",
+    "WindowPolicy",
+    "World",
+    "advance",
+    "arm",
+    "derive_policy",
+    "state_schema",
+    "token_matches",
+    "verdict",
+]

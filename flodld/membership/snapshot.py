@@ -1,0 +1,84 @@
+"""`state.json`: the run's membership state as served on the controller port.
+
+Built per request at `now`, so the countdowns are live rather than frozen at the last event. It never
+carries the salt or the token. `docs/state-schema.json` is `state_schema()`; regenerate it with
+`python -m flodld.membership docs/state-schema.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flodld.membership.phase import Phase
+from flodld.membership.policy import StartMode
+
+
+class LinkState(StrEnum):
+    """A member's join link: `open`, closed cleanly after its ranks reported (`closed`), or `lost`."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+    LOST = "lost"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MemberState(_Model):
+    """One admitted host."""
+
+    host: str
+    ranks: list[int]
+    devices: list[str]
+    device_labels: list[str]
+    variant: str
+    joined_at_secs: float = Field(description="Seconds after the window opened.")
+    link: LinkState
+
+
+class RankExit(_Model):
+    """A rank's exit code as its agent reported it (negative: killed by that signal)."""
+
+    rank: int
+    code: int
+
+
+class StateSnapshot(_Model):
+    """What `GET /state.json` answers."""
+
+    phase: Phase
+    reason: str = Field(description="Why the run is in this phase (the verdict's sentence).")
+    run_id: str
+    controller: str = Field(description="The controller's address as host:port.")
+    joined_ranks: int
+    joined_hosts: int
+    quorum: int
+    target: int | None
+    window_remaining_secs: float | None = Field(
+        description="Seconds until the window expires; null once it has expired or the window has closed."
+    )
+    cap_remaining_secs: float | None = Field(
+        description="Seconds until the hard cap; null once it has passed or the window has closed."
+    )
+    start_mode: StartMode
+    start_armed: bool
+    startable: bool = Field(description="Open window, manual/hybrid, quorum met: `fdl start` would arm.")
+    members: list[MemberState]
+    missing: list[str] = Field(description="Configured workers that have not joined.")
+    refused: dict[str, int] = Field(description="Refused join attempts by reason code.")
+    rank_exits: list[RankExit]
+
+
+def state_schema() -> dict[str, Any]:
+    """The JSON schema of `state.json`."""
+    return StateSnapshot.model_json_schema()
+
+
+def render_state_schema() -> str:
+    """`state_schema()` as the text stored in docs/state-schema.json."""
+    return json.dumps(state_schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"

@@ -1,0 +1,253 @@
+"""`JoinWindow`: the one object the controller's shell feeds with joins, clock ticks and exits.
+
+It owns the ledger, the phase, the start switch and the post-formation bookkeeping (link states, rank
+exits). Every method takes `now` (monotonic seconds) and returns what the shell must act on; nothing
+here sleeps, reads a clock or touches a socket. Phase changes go through `phase.advance`, so the
+lifecycle follows `TRANSITIONS` and never goes backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flodld.membership.ledger import Admitted, Ledger, Refused, World
+from flodld.membership.phase import (
+    TERMINAL_PHASES,
+    WINDOW_PHASES,
+    Event,
+    Phase,
+    TransitionError,
+    advance,
+    verdict,
+)
+from flodld.membership.policy import StartMode, WindowPolicy
+from flodld.membership.snapshot import LinkState, MemberState, RankExit, StateSnapshot
+from flodld.membership.switch import Armed, StartRefused, arm
+from flodld.wire.join import Hello
+
+
+class JoinWindow:
+    """The join window and the run lifecycle after it, as a pure state machine."""
+
+    def __init__(
+        self,
+        policy: WindowPolicy,
+        roster: Sequence[str],
+        opened_at: float,
+        *,
+        run_id: str = "",
+        controller: str = "",
+        tolerance: int = 0,
+        dataset_sig: str | None = None,
+        model_sig: str | None = None,
+        expected_run_id: str | None = None,
+    ) -> None:
+        if tolerance < 0:
+            raise ValueError(f"tolerance must be >= 0 (rank failures the run survives), got {tolerance}")
+        self.policy = policy
+        self.roster = tuple(roster)
+        self.opened_at = opened_at
+        self.run_id = run_id
+        self.controller = controller
+        self.tolerance = tolerance
+        self.ledger = Ledger(
+            policy, self.roster, dataset_sig=dataset_sig, model_sig=model_sig, run_id=expected_run_id
+        )
+        self.phase = Phase.WAITING
+        self.reason = f"window open (quorum {policy.quorum} ranks)"
+        self.start_armed = False
+        self.world: World | None = None
+        self.links: dict[str, LinkState] = {}
+        self.rank_exits: dict[int, int] = {}
+
+    # --- the window --------------------------------------------------------------------------------
+
+    def hello(self, hello: Hello, now: float) -> Admitted | Refused:
+        """Admit or refuse a join; the verdict is re-evaluated before (clock) and after (target)."""
+        self.tick(now)
+        if self.phase not in WINDOW_PHASES:
+            self.ledger.close()
+        outcome = self.ledger.admit(hello, now)
+        if isinstance(outcome, Admitted):
+            self.tick(now)
+        return outcome
+
+    def disconnect(self, host: str, now: float) -> tuple[int, ...]:
+        """A member's link broke. Before formation its ranks go back (later members renumber); after it the
+        host is `lost` (see `host_closed`)."""
+        if self.phase in WINDOW_PHASES:
+            ranks = self.ledger.retract(host)
+            self.tick(now)
+            return ranks
+        ranks = self.world.ranks[host] if self.world is not None else self.ledger.ranks_of(host)
+        self.host_closed(host, now, lost=True)
+        return ranks
+
+    def arm_start(self, now: float) -> Armed | StartRefused:
+        """The operator fired `fdl start`; on success the verdict forms at once if quorum holds."""
+        self.tick(now)
+        decision = arm(self.policy, self.phase, joined_ranks=self.ledger.joined_ranks, armed=self.start_armed)
+        if isinstance(decision, Armed):
+            self.start_armed = True
+            self.tick(now)
+        return decision
+
+    def tick(self, now: float) -> Phase:
+        """Evaluate the verdict at `now` (call on every event and on a timer)."""
+        if self.phase not in WINDOW_PHASES:
+            return self.phase
+        result = verdict(
+            self.policy,
+            self.phase,
+            elapsed=self.elapsed(now),
+            joined_ranks=self.ledger.joined_ranks,
+            start_armed=self.start_armed,
+        )
+        self.phase, self.reason = result.phase, result.reason
+        if self.phase not in WINDOW_PHASES:
+            self.ledger.close()
+        return self.phase
+
+    def form(self, now: float) -> World:
+        """Freeze the world once the verdict said `forming`; idempotent."""
+        del now  # formation time is the tick that decided it
+        if self.world is not None:
+            return self.world
+        if self.phase is not Phase.FORMING:
+            raise TransitionError(
+                f"cannot form the world in phase {self.phase.value!r} (the verdict has not formed)"
+            )
+        self.world = self.ledger.freeze()
+        self.links = {host: LinkState.OPEN for host in self.world.hosts}
+        return self.world
+
+    # --- after formation ---------------------------------------------------------------------------
+
+    def artifacts_shipped(self, now: float) -> Phase:
+        """WorldFormed went out to every host: training starts."""
+        if self.world is None:
+            raise TransitionError(
+                "artifacts shipped before form(): call form() when the verdict says forming"
+            )
+        self._apply(Event.ARTIFACTS_SHIPPED, "training")
+        return self._settle_training(now)
+
+    def host_closed(self, host: str, now: float, *, lost: bool = False) -> Phase:
+        """A host's join link ended: its exit event. A clean EOF marks it `closed`; `lost=True` (the link
+        broke: reset, write failure, bad frame) marks it `lost` and counts its unreported ranks as failed."""
+        if self.phase in WINDOW_PHASES:
+            self.disconnect(host, now)
+            return self.phase
+        if self.phase is Phase.FORMING:
+            self.form(now)  # the link ended between the verdict and the shell's form()
+        if self.world is None:
+            return self.phase  # the window failed before formation: nothing left to supervise
+        if host not in self.links:
+            raise KeyError(
+                f"host {host!r} is not a member of the formed world ({', '.join(self.world.hosts)})"
+            )
+        self.links[host] = LinkState.LOST if lost else LinkState.CLOSED
+        return self._settle_training(now)
+
+    def rank_exited(self, rank: int, code: int, now: float) -> Phase:
+        """A rank's exit code arrived; failures beyond the tolerance fail the run."""
+        if self.world is None or not 0 <= rank < self.world.world_size:
+            raise ValueError(f"rank {rank} is not in the formed world (world size {self.world_size()})")
+        self.rank_exits[rank] = code
+        return self._settle_training(now)
+
+    def abort(self, reason: str, now: float) -> Phase:
+        """The controller gives up; the shell then sends Abort down every link."""
+        del now
+        if self.phase not in TERMINAL_PHASES:
+            self._apply(Event.ABORTED, reason)
+            self.ledger.close()
+        return self.phase
+
+    # --- queries -----------------------------------------------------------------------------------
+
+    def elapsed(self, now: float) -> float:
+        return now - self.opened_at
+
+    def world_size(self) -> int:
+        return self.world.world_size if self.world is not None else self.ledger.joined_ranks
+
+    def formation_wait_secs(self, now: float) -> float:
+        """How long a joiner should wait for WorldFormed: the rest of the hard cap."""
+        return max(0.0, self.policy.cap_secs - self.elapsed(now))
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
+        failed = {rank for rank, code in self.rank_exits.items() if code != 0}
+        if self.world is not None:
+            for host, state in self.links.items():
+                if state is LinkState.LOST:
+                    failed.update(r for r in self.world.ranks[host] if r not in self.rank_exits)
+        return sorted(failed)
+
+    def snapshot(self, now: float) -> StateSnapshot:
+        """state.json at `now`: countdowns are computed live, never frozen."""
+        elapsed = self.elapsed(now)
+        window_open = self.phase in WINDOW_PHASES
+        joined = self.ledger.joined_ranks
+        members = self.world.members if self.world is not None else self.ledger.members
+        return StateSnapshot(
+            phase=self.phase,
+            reason=self.reason,
+            run_id=self.run_id,
+            controller=self.controller,
+            joined_ranks=sum(len(m.devices) for m in members),
+            joined_hosts=len(members),
+            quorum=self.policy.quorum,
+            target=self.policy.target,
+            window_remaining_secs=_remaining(self.policy.window_secs, elapsed) if window_open else None,
+            cap_remaining_secs=_remaining(self.policy.cap_secs, elapsed) if window_open else None,
+            start_mode=self.policy.start,
+            start_armed=self.start_armed,
+            startable=window_open
+            and self.policy.start is not StartMode.AUTO
+            and joined >= self.policy.quorum,
+            members=[
+                MemberState(
+                    host=m.host,
+                    ranks=list(self.world.ranks[m.host] if self.world else self.ledger.ranks_of(m.host)),
+                    devices=list(m.devices),
+                    device_labels=list(m.device_labels),
+                    variant=m.variant,
+                    joined_at_secs=round(m.joined_at - self.opened_at, 3),
+                    link=self.links.get(m.host, LinkState.OPEN),
+                )
+                for m in members
+            ],
+            missing=[host for host in self.roster if all(m.host != host for m in members)],
+            refused=dict(sorted(self.ledger.refused_counts.items())),
+            rank_exits=[RankExit(rank=r, code=c) for r, c in sorted(self.rank_exits.items())],
+        )
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _apply(self, event: Event, reason: str) -> None:
+        self.phase = advance(self.phase, event)
+        self.reason = reason
+
+    def _settle_training(self, now: float) -> Phase:
+        """In training: fail beyond tolerance, finish when every link has closed."""
+        del now
+        if self.phase is not Phase.TRAINING:
+            return self.phase
+        failed = self.failed_ranks()
+        if len(failed) > self.tolerance:
+            self._apply(
+                Event.RANKS_FAILED,
+                f"{len(failed)} of {self.world_size()} ranks failed (ranks {failed}), over the tolerance of "
+                f"{self.tolerance}",
+            )
+        elif all(state is not LinkState.OPEN for state in self.links.values()):
+            degraded = f" (degraded: ranks {failed} lost)" if failed else ""
+            self._apply(Event.LINKS_CLOSED, f"every host link closed{degraded}")
+        return self.phase
+
+
+def _remaining(limit: float, elapsed: float) -> float | None:
+    """Seconds left before `limit`; 0 exactly at the limit, None after it."""
+    return None if elapsed > limit else round(limit - elapsed, 3)

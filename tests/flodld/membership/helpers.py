@@ -1,0 +1,33 @@
+"""Builders shared by the membership tests: a real `Hello` and a real derived policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flodld.config.join import JoinConfig
+from flodld.membership.policy import WindowPolicy, derive_policy
+from flodld.wire.frames import PROTOCOL_VERSION
+from flodld.wire.join import Hello
+
+SIG_A = "a" * 64
+SIG_B = "b" * 64
+
+
+def hello(host: str, devices: int | list[str] = 1, **fields: Any) -> Hello:
+    """A valid hello from `host` offering `devices` CPU devices (or the given device names)."""
+    names = [f"cpu:{i}" for i in range(devices)] if isinstance(devices, int) else devices
+    values: dict[str, Any] = {
+        "host": host,
+        "devices": names,
+        "device_labels": [],
+        "variant": "cpu",
+        "torch_version": "2.13.0",
+        "protocol_version": PROTOCOL_VERSION,
+    }
+    values.update(fields)
+    return Hello(**values)
+
+
+def policy(capacity: int = 2, *, loopback_bind: bool = False, averaging: str = "cpu_sync", **knobs: Any) -> WindowPolicy:
+    """The policy `derive_policy` makes from these `controller.join:` knobs."""
+    return derive_policy(JoinConfig(**knobs), capacity=capacity, loopback_bind=loopback_bind, averaging=averaging)
