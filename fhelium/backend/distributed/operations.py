@@ -1,0 +1,238 @@
+"""Registered implementations of the `fhelium_dist` operations on torch.distributed.
+
+The generic all-reduce all-gathers equal-layout payloads and folds them in group-rank order through
+the compiled combine region: ((v0 + v1) + v2) + ..., so every rank computes the same value even when
+the combine is not associative. The specialized ciphertext-add all-reduce hands the whole operation
+to `fhelium.distributed.all_reduce_ciphertext`, with additions done by the same registered
+`fhelium_ckks.add` implementation the lowered form uses, so both forms give identical ciphertexts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from xdsl.dialects.builtin import IntegerAttr
+from xdsl.ir import Operation
+
+from fhelium.backend.distributed.resources import PROCESS_GROUP_RESOURCE_KIND, ProcessGroupExecutionResource
+from fhelium.backend.implementation import (
+    ImplementationError,
+    OperationImplementation,
+    OperationInvocation,
+    RegionCallable,
+)
+from fhelium.backend.resources import BoundResource, ResourceRequirement
+from fhelium.backend.rns.operations import (
+    RNS_MODULI_RESOURCE_SYMBOL,
+    TorchRnsAddImplementation,
+    operand_prime_ids,
+)
+from fhelium.ir.dialects import ckks
+from fhelium.ir.dialects import distributed as dist
+from fhelium.ir.dialects._common import OpenStateType
+
+#: dtype codes for the layout handshake; position in this tuple is the code.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+)
+_MAX_RANK = 14
+
+
+def _group(op_name: str, resources: Sequence[BoundResource]) -> ProcessGroupExecutionResource:
+    for resource in resources:
+        if resource.kind == PROCESS_GROUP_RESOURCE_KIND and isinstance(
+            resource.value, ProcessGroupExecutionResource
+        ):
+            return resource.value
+    raise ImplementationError(f"{op_name} needs a bound {PROCESS_GROUP_RESOURCE_KIND!r} resource")
+
+
+def _layout_code(value: torch.Tensor) -> torch.Tensor:
+    if value.dim() > _MAX_RANK:
+        raise ImplementationError(f"collective payloads have at most {_MAX_RANK} dimensions; got {value.dim()}")
+    dtype_code = _DTYPES.index(value.dtype) if value.dtype in _DTYPES else len(_DTYPES)
+    code = [value.dim(), dtype_code, *value.shape, *([-1] * (_MAX_RANK - value.dim()))]
+    return torch.tensor(code, dtype=torch.int64, device=value.device)
+
+
+def check_equal_layout(op_name: str, value: torch.Tensor, group: ProcessGroupExecutionResource) -> None:
+    """Agree on shape and dtype before the payload gather; every rank raises the same error."""
+    local = _layout_code(value)
+    gathered = [torch.empty_like(local) for _ in range(group.size)]
+    torch_dist.all_gather(gathered, local, group=group.process_group)
+    reference = gathered[0]
+    mismatched = [rank for rank, code in enumerate(gathered) if not torch.equal(code, reference)]
+    if mismatched:
+        raise ImplementationError(
+            f"{op_name} needs equal payload layouts on every rank; group ranks {mismatched} differ from "
+            f"rank 0 (shape/dtype codes {[code.tolist()[: 2 + int(code[0])] for code in gathered]})"
+        )
+
+
+class TorchProcessGroupQueryImplementation:
+    """`fhelium_dist.rank` / `.group_size` -> a 0-d int64 tensor."""
+
+    name = "torch-process-group-query"
+    operation_types: tuple[type[Operation], ...] = (dist.RankOp, dist.GroupSizeOp)
+
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
+        return ()
+
+    def execute(
+        self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        group = _group(invocation.operation_name, resources)
+        value = group.rank if invocation.operation_name == dist.RankOp.name else group.size
+        return (torch.tensor(value, dtype=torch.int64),)
+
+
+class TorchBroadcastImplementation:
+    """Functional broadcast: the input is cloned, never overwritten."""
+
+    name = "torch-broadcast"
+    operation_types: tuple[type[Operation], ...] = (dist.BroadcastOp,)
+
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
+        return ()
+
+    def execute(
+        self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        (value,) = inputs
+        group = _group(invocation.operation_name, resources)
+        root_attr = invocation.attributes["root"]
+        assert isinstance(root_attr, IntegerAttr)
+        root = int(root_attr.value.data)
+        if not 0 <= root < group.size:
+            raise ImplementationError(
+                f"fhelium_dist.broadcast root {root} is not a group rank; the group has {group.size} ranks"
+            )
+        out = value.clone(memory_format=torch.contiguous_format)
+        if group.size > 1:
+            check_equal_layout(invocation.operation_name, out, group)
+            torch_dist.broadcast(out, src=group.global_rank(root), group=group.process_group)
+        return (out,)
+
+
+def collective_fold(
+    op_name: str, value: torch.Tensor, group: ProcessGroupExecutionResource, combine: RegionCallable
+) -> torch.Tensor:
+    """All-gather `value` and fold the contributions in group-rank order with `combine`."""
+    if group.size == 1:
+        return value.clone()
+    check_equal_layout(op_name, value, group)
+    local = value.contiguous()
+    gathered = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(group.size)]
+    torch_dist.all_gather(gathered, local, group=group.process_group)
+    accumulator = gathered[0]
+    for contribution in gathered[1:]:
+        outputs = combine(accumulator, contribution)
+        if len(outputs) != 1:
+            raise ImplementationError(f"{op_name} combine region must yield one value, got {len(outputs)}")
+        accumulator = outputs[0]
+    return accumulator
+
+
+class TorchGenericAllReduceImplementation:
+    name = "torch-generic-all-reduce"
+    operation_types: tuple[type[Operation], ...] = (dist.AllReduceOp,)
+
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
+        return ()
+
+    def execute_regions(
+        self,
+        invocation: OperationInvocation,
+        inputs: tuple[torch.Tensor, ...],
+        resources: tuple[BoundResource, ...],
+        regions: tuple[RegionCallable, ...],
+    ) -> tuple[torch.Tensor, ...]:
+        (value,) = inputs
+        (combine,) = regions
+        group = _group(invocation.operation_name, resources)
+        return (collective_fold(invocation.operation_name, value, group, combine),)
+
+
+class _RegistryAddEngine:
+    """The engine duck type fhelium.distributed needs, with additions from a Backend implementation."""
+
+    def __init__(
+        self, add: OperationImplementation, invocation: OperationInvocation, rns: BoundResource
+    ) -> None:
+        self._add = add
+        self._invocation = invocation
+        self._rns = rns
+
+    def moduli_for(self, prime_ids: Sequence[int]) -> list[int]:
+        moduli: list[int] = self._rns.value.moduli_for(prime_ids)
+        return moduli
+
+    def add_(self, lhs: Any, rhs: Any) -> Any:
+        (total,) = self._add.execute(self._invocation, (lhs.data, rhs.data), (self._rns,))
+        lhs.data.copy_(total)
+        return lhs
+
+
+class TorchCiphertextAddAllReduceImplementation:
+    """Whole-operation `all_reduce_add_ciphertext` through `fhelium.distributed.all_reduce_ciphertext`."""
+
+    name = "torch-ciphertext-add-all-reduce"
+    operation_types: tuple[type[Operation], ...] = (dist.AllReduceAddCiphertextOp,)
+
+    def __init__(
+        self,
+        add: OperationImplementation | None = None,
+        *,
+        rns_symbol: str = RNS_MODULI_RESOURCE_SYMBOL,
+    ) -> None:
+        self.add = add if add is not None else TorchRnsAddImplementation(rns_symbol)
+        self.rns_symbol = rns_symbol
+
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
+        return self.add.resource_requirements(self._add_invocation(invocation))
+
+    @staticmethod
+    def _add_invocation(invocation: OperationInvocation) -> OperationInvocation:
+        value_type = invocation.operand_types[0]
+        return OperationInvocation(ckks.AddOp.name, 2, 1, {}, (value_type, value_type), (value_type,))
+
+    def execute(
+        self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        from fhelium.core import Ciphertext
+        from fhelium.distributed import all_reduce_ciphertext
+
+        (value,) = inputs
+        group = _group(invocation.operation_name, resources)
+        add_invocation = self._add_invocation(invocation)
+        add_resources = resources[-len(self.resource_requirements(invocation)) :]
+        value_type = invocation.operand_types[0]
+        assert isinstance(value_type, OpenStateType)
+        prime_ids = operand_prime_ids(value_type, int(value.size(-2)))
+        # Scale and depth do not affect modular addition; the wrapper only carries the payload.
+        ciphertext = Ciphertext(
+            data=value.clone(memory_format=torch.contiguous_format),
+            depth=value_type.state_int("depth") or 0,
+            scale=1.0,
+            prime_ids=prime_ids,
+            modulus_basis=value_type.state_str("basis") or "Q",  # type: ignore[arg-type]  # checked by Ciphertext
+        )
+        engine = _RegistryAddEngine(self.add, add_invocation, add_resources[0])
+        all_reduce_ciphertext(ciphertext, engine=engine, group=group.process_group)
+        return (ciphertext.data,)
+
+
+def distributed_operation_contributions(
+    *, ciphertext_add: TorchCiphertextAddAllReduceImplementation | None = None
+) -> tuple[Any, ...]:
+    """The generic collective implementations, plus the specialized one when given."""
+    generic: tuple[Any, ...] = (
+        TorchProcessGroupQueryImplementation(),
+        TorchBroadcastImplementation(),
+        TorchGenericAllReduceImplementation(),
+    )
+    return generic if ciphertext_add is None else (*generic, ciphertext_add)

@@ -1,0 +1,394 @@
+"""Group/rank bookkeeping, the group-consistent control exchange, and payload staging.
+
+Every typed collective runs in the same order:
+
+1. local validation, producing an error string or ``None`` (never raising yet);
+2. :func:`exchange_control`: one all-gather of small JSON records, after which every rank
+   knows every rank's error, operation name, root and descriptor, and either all ranks
+   raise the same :class:`CollectiveArgumentError` or all proceed;
+3. payload collectives through the staging helpers;
+4. local compute.
+
+No pickle: control records are JSON bytes carried in a ``uint8`` tensor, length-capped
+before any buffer is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fhelium.distributed._state import local_device
+
+# A control record is a few hundred bytes (one descriptor); scatter sends one per rank.
+CONTROL_SLOT_BYTES = 1024
+MAX_CONTROL_BYTES = 4 * 1024 * 1024
+_LENGTH_BYTES = 8
+
+HANG_HINT = (
+    "every rank of the group must call the same collectives in the same order with the same "
+    "root; see docs/distributed.md, 'Diagnosing a hang'"
+)
+
+
+class CollectiveArgumentError(ValueError):
+    """Raised identically on every group rank when any rank's arguments or descriptor are bad."""
+
+
+class CollectiveFailure(RuntimeError):
+    """A payload or control collective failed (peer gone, timeout); names the phase."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The calling rank's view of one process group."""
+
+    group: dist.ProcessGroup | None
+    global_rank: int
+    group_rank: int
+    size: int
+    global_ranks: tuple[int, ...]
+    backend: str
+    transport_device: torch.device
+
+    def group_rank_of(self, global_rank: int) -> int | None:
+        try:
+            return self.global_ranks.index(global_rank)
+        except ValueError:
+            return None
+
+    def global_rank_of(self, group_rank: int) -> int:
+        return self.global_ranks[group_rank]
+
+    def describe(self) -> str:
+        return (
+            f"global rank {self.global_rank}, group rank {self.group_rank} of {self.size}, "
+            f"group members (global ranks) {list(self.global_ranks)}, backend {self.backend}"
+        )
+
+
+def group_info(group: dist.ProcessGroup | None) -> GroupInfo:
+    """Resolve ``group`` (None = default group) for the calling rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fhelium.distributed collective called before fhelium.distributed.init() or "
+            "torch.distributed.init_process_group()"
+        )
+    group_rank = dist.get_rank(group)
+    if group_rank < 0:
+        raise RuntimeError(
+            f"global rank {dist.get_rank()} is not a member of the process group it passed; only "
+            "members may call a collective on a group"
+        )
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    backend = str(dist.get_backend(group))
+    transport = local_device() if backend == "nccl" else torch.device("cpu")
+    return GroupInfo(
+        group=group,
+        global_rank=dist.get_rank(),
+        group_rank=group_rank,
+        size=len(ranks),
+        global_ranks=ranks,
+        backend=backend,
+        transport_device=transport,
+    )
+
+
+def root_error(info: GroupInfo, name: str, global_rank: object) -> str | None:
+    """Why ``global_rank`` cannot be the ``src``/``dst`` of a collective on this group, if so."""
+    if type(global_rank) is not int:
+        return f"{name} must be an int global rank; got {global_rank!r}"
+    if info.group_rank_of(global_rank) is None:
+        return (
+            f"{name}={global_rank} is a global rank that is not a member of the process group "
+            f"(members: {list(info.global_ranks)}); {name} is a global rank, not a group rank"
+        )
+    return None
+
+
+@contextmanager
+def collective_phase(info: GroupInfo, operation: str, phase: str) -> Iterator[None]:
+    """Turn a transport failure into a :class:`CollectiveFailure` naming where it happened."""
+    try:
+        yield
+    except (CollectiveArgumentError, CollectiveFailure):
+        raise
+    except RuntimeError as error:
+        raise CollectiveFailure(
+            f"{operation}: phase '{phase}' failed on {info.describe()}: {error}. {HANG_HINT}"
+        ) from error
+
+
+@dataclass(frozen=True)
+class ControlRecord:
+    """What one rank announces before the payload phase."""
+
+    operation: str
+    arguments: dict[str, Any]
+    error: str | None
+    body: Any = None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "operation": self.operation,
+                "arguments": self.arguments,
+                "error": self.error,
+                "body": self.body,
+            },
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ControlRecord:
+        data = json.loads(raw.decode())
+        if not isinstance(data, dict) or set(data) != {"operation", "arguments", "error", "body"}:
+            raise ValueError("malformed control record")
+        return cls(data["operation"], data["arguments"], data["error"], data["body"])
+
+
+@dataclass
+class ControlExchange:
+    """Outcome of :func:`exchange_control`: every rank's record, in group-rank order."""
+
+    records: list[ControlRecord] = field(default_factory=list)
+
+    def body_of(self, group_rank: int) -> Any:
+        return self.records[group_rank].body
+
+
+def _encode_bounded(record: ControlRecord) -> bytes:
+    try:
+        raw = record.encode()
+    except (TypeError, ValueError) as error:
+        raw = ControlRecord(
+            record.operation, record.arguments, f"unencodable control record: {error}"
+        ).encode()
+    if len(raw) > MAX_CONTROL_BYTES:
+        raw = ControlRecord(
+            record.operation,
+            record.arguments,
+            f"control record of {len(raw)} bytes exceeds the {MAX_CONTROL_BYTES}-byte cap",
+        ).encode()
+    return raw
+
+
+def _all_gather_bytes(raw: bytes, info: GroupInfo) -> list[bytes]:
+    """All-gather variable-length byte strings; one collective when they fit a slot."""
+    slot = CONTROL_SLOT_BYTES
+    own = torch.zeros(slot, dtype=torch.uint8)
+    view = own.numpy()
+    view[:_LENGTH_BYTES] = np.frombuffer(len(raw).to_bytes(_LENGTH_BYTES, "little"), dtype=np.uint8)
+    if len(raw) <= slot - _LENGTH_BYTES:
+        view[_LENGTH_BYTES : _LENGTH_BYTES + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    gathered = [t.numpy() for t in _all_gather_uint8(own, info)]
+    lengths = [int.from_bytes(t[:_LENGTH_BYTES].tobytes(), "little") for t in gathered]
+    longest = max(lengths)
+    if longest > MAX_CONTROL_BYTES:
+        # Every rank sees the same lengths, so every rank raises here.
+        raise CollectiveArgumentError(
+            f"a control record of {longest} bytes exceeds the {MAX_CONTROL_BYTES}-byte cap"
+        )
+    if longest <= slot - _LENGTH_BYTES:
+        return [
+            t[_LENGTH_BYTES : _LENGTH_BYTES + n].tobytes() for t, n in zip(gathered, lengths, strict=True)
+        ]
+    wide = torch.zeros(longest, dtype=torch.uint8)
+    wide.numpy()[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return [t.numpy()[:n].tobytes() for t, n in zip(_all_gather_uint8(wide, info), lengths, strict=True)]
+
+
+def _all_gather_uint8(own: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
+    device = info.transport_device
+    staged = own.to(device)
+    outputs = [torch.empty_like(staged) for _ in range(info.size)]
+    dist.all_gather(outputs, staged, group=info.group)
+    return [t.cpu() for t in outputs]
+
+
+def exchange_control(
+    info: GroupInfo,
+    operation: str,
+    *,
+    arguments: dict[str, Any],
+    error: str | None,
+    body: Any = None,
+) -> ControlExchange:
+    """Share every rank's arguments, error and body; raise the same error on all ranks if needed.
+
+    ``arguments`` must be equal on every rank (roots, operation options); a difference is
+    reported as an error. ``error`` is this rank's local validation result.
+    """
+    record = ControlRecord(operation, arguments, error, body)
+    if info.size == 1:
+        if error is not None:
+            raise CollectiveArgumentError(f"{operation}: {error}")
+        return ControlExchange([record])
+    raw = _encode_bounded(record)
+    with collective_phase(info, operation, "control exchange"):
+        gathered = _all_gather_bytes(raw, info)
+    records: list[ControlRecord] = []
+    problems: list[str] = []
+    for group_rank, item in enumerate(gathered):
+        try:
+            records.append(ControlRecord.decode(item))
+        except ValueError as decode_error:
+            records.append(ControlRecord("?", {}, None))
+            problems.append(f"group rank {group_rank}: undecodable control record ({decode_error})")
+    problems.extend(_disagreements(records))
+    problems.extend(
+        f"group rank {group_rank} (global rank {info.global_rank_of(group_rank)}): {item.error}"
+        for group_rank, item in enumerate(records)
+        if item.error is not None
+    )
+    if problems:
+        # Named after group rank 0's operation so that every rank raises the very same text.
+        raise CollectiveArgumentError(
+            f"{records[0].operation} argument validation failed: " + "; ".join(problems)
+        )
+    return ControlExchange(records)
+
+
+def _disagreements(records: Sequence[ControlRecord]) -> list[str]:
+    reference = records[0]
+    problems: list[str] = []
+    for group_rank, item in enumerate(records[1:], start=1):
+        if item.operation != reference.operation:
+            problems.append(
+                f"group rank {group_rank} called {item.operation} while group rank 0 called "
+                f"{reference.operation}"
+            )
+        elif item.arguments != reference.arguments:
+            problems.append(
+                f"group rank {group_rank} passed {item.arguments} while group rank 0 passed "
+                f"{reference.arguments}"
+            )
+    return problems
+
+
+# ---------------------------------------------------------------------------------------
+# Payload staging
+
+
+def may_overlap(tensor: torch.Tensor) -> bool:
+    """True unless the strides prove that no two indices address the same element.
+
+    Conservative: sorts the non-trivial axes by stride and requires each stride to step past
+    everything the smaller axes span (true for any permuted dense or sliced layout).
+    """
+    axes = sorted(
+        (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1
+    )
+    span = 0
+    for stride, size in axes:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def check_writable_destination(tensor: torch.Tensor, what: str) -> None:
+    if tensor.numel() > 0 and may_overlap(tensor):
+        raise ValueError(
+            f"{what} has overlapping elements (shape {tuple(tensor.shape)}, strides {tensor.stride()}), "
+            "so a receive into it is ambiguous; pass a tensor with distinct elements (e.g. .clone())"
+        )
+
+
+def send_buffer(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor itself if it is contiguous on ``device``; otherwise a packed copy (source untouched)."""
+    if tensor.is_contiguous() and tensor.device == device:
+        return tensor
+    packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    packed.copy_(tensor)
+    return packed
+
+
+@dataclass(frozen=True)
+class ReceiveSlot:
+    """A destination view and the contiguous transport buffer that stands in for it."""
+
+    target: torch.Tensor
+    buffer: torch.Tensor
+
+    @property
+    def staged(self) -> bool:
+        return self.buffer is not self.target
+
+    def finish(self) -> None:
+        """Copy a staged receive into the target view, touching nothing outside it."""
+        if self.staged:
+            self.target.copy_(self.buffer)
+
+
+def receive_slot(
+    target: torch.Tensor, device: torch.device, what: str = "receive destination"
+) -> ReceiveSlot:
+    check_writable_destination(target, what)
+    if target.is_contiguous() and target.device == device:
+        return ReceiveSlot(target, target)
+    # torch.empty, not empty_like: empty_like would copy the view's strides.
+    return ReceiveSlot(target, torch.empty(target.shape, dtype=target.dtype, device=device))
+
+
+def broadcast_tensor(tensor: torch.Tensor, *, src_global: int, info: GroupInfo, operation: str) -> None:
+    """Broadcast into/out of ``tensor`` with packing on the source and copy-back on receivers."""
+    with collective_phase(info, operation, "payload broadcast"):
+        if info.global_rank == src_global:
+            dist.broadcast(send_buffer(tensor, info.transport_device), src=src_global, group=info.group)
+        else:
+            slot = receive_slot(tensor, info.transport_device)
+            dist.broadcast(slot.buffer, src=src_global, group=info.group)
+            slot.finish()
+
+
+@dataclass
+class PointToPointBatch:
+    """Sends and receives posted together (``batch_isend_irecv``), then waited and copied back."""
+
+    info: GroupInfo
+    operations: list[dist.P2POp] = field(default_factory=list)
+    slots: list[ReceiveSlot] = field(default_factory=list)
+    # Keeps packed send buffers alive until the batch completes.
+    _sent: list[torch.Tensor] = field(default_factory=list)
+
+    def send(self, tensor: torch.Tensor, peer_global: int, tag: int) -> None:
+        buffer = send_buffer(tensor, self.info.transport_device)
+        self._sent.append(buffer)
+        self.operations.append(dist.P2POp(dist.isend, buffer, peer_global, self.info.group, tag))
+
+    def receive(self, target: torch.Tensor, peer_global: int, tag: int) -> None:
+        slot = receive_slot(target, self.info.transport_device)
+        self.slots.append(slot)
+        self.operations.append(dist.P2POp(dist.irecv, slot.buffer, peer_global, self.info.group, tag))
+
+    def run(self, operation: str, phase: str) -> None:
+        if self.operations:
+            with collective_phase(self.info, operation, phase):
+                for work in dist.batch_isend_irecv(self.operations):
+                    work.wait()
+        for slot in self.slots:
+            slot.finish()
+        self.operations.clear()
+        self.slots.clear()
+        self._sent.clear()
+
+
+def all_gather_tensor(tensor: torch.Tensor, *, info: GroupInfo, operation: str) -> list[torch.Tensor]:
+    """All-gather equal-shape tensors; results are fresh contiguous tensors on ``tensor.device``."""
+    with collective_phase(info, operation, "payload all-gather"):
+        staged = send_buffer(tensor, info.transport_device)
+        outputs = [
+            torch.empty(tensor.shape, dtype=tensor.dtype, device=info.transport_device)
+            for _ in range(info.size)
+        ]
+        dist.all_gather(outputs, staged, group=info.group)
+    return [t if t.device == tensor.device else t.to(tensor.device) for t in outputs]

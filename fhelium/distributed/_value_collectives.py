@@ -1,0 +1,450 @@
+"""Whole-value collectives: broadcast, scatter, gather and all-gather of complete typed values.
+
+Transport only: payload bits and metadata arrive exactly as sent. Nothing is added,
+concatenated, aligned or rescaled. Sequence positions are group-rank order; ``src``/``dst``
+are global ranks that must belong to ``group``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from fhelium.core import (
+    Ciphertext,
+    CompressedPlaintext,
+    ConjugationKey,
+    KeySwitchKey,
+    Plaintext,
+    PublicKey,
+    RelinearizationKey,
+    RotationKey,
+    SecretKey,
+)
+from fhelium.distributed._collective_common import (
+    CollectiveArgumentError,
+    ControlExchange,
+    GroupInfo,
+    PointToPointBatch,
+    all_gather_tensor,
+    broadcast_tensor,
+    exchange_control,
+    group_info,
+    root_error,
+)
+from fhelium.distributed._state import local_device
+from fhelium.distributed._transfer import (
+    Descriptor,
+    DescriptorError,
+    TensorDescriptor,
+    allocate_value,
+    decode_descriptor,
+    describe_value,
+    encode_descriptor,
+    payload_leaves,
+    rebuild,
+)
+
+T = TypeVar("T")
+
+
+def type_error(value: object, accepts: tuple[type, ...], role: str) -> str | None:
+    """Exact-type check (subclasses have their own schema entries, so they are refused)."""
+    if type(value) in accepts:
+        return None
+    names = " or ".join(t.__name__ for t in accepts)
+    return f"{role} must supply {names}; got {type(value).__name__}"
+
+
+def describe_or_error(value: object) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON descriptor of ``value`` after the same validation a receiver will apply."""
+    try:
+        encoded = encode_descriptor(describe_value(value))
+        decode_descriptor(encoded)
+    except (DescriptorError, ValueError, TypeError) as error:
+        return None, f"cannot describe {type(value).__name__} for transfer: {error}"
+    return encoded, None
+
+
+def rank_body(descriptor: dict[str, Any] | list[dict[str, Any]] | None) -> dict[str, Any]:
+    """What every rank announces: its local device type, and its descriptor if it sends one."""
+    return {"device_type": local_device().type, "descriptor": descriptor}
+
+
+def agree(info: GroupInfo, operation: str, check: Callable[[], T]) -> T:
+    """Run a check whose inputs every rank shares after the control exchange.
+
+    Because the inputs are identical everywhere, a failure raises the same error on every
+    rank without another round of communication.
+    """
+    try:
+        return check()
+    except CollectiveArgumentError:
+        raise
+    except (ValueError, KeyError, TypeError) as error:  # KeyError/TypeError: a malformed peer record
+        raise CollectiveArgumentError(f"{operation} argument validation failed: {error}") from None
+
+
+def decode_for_receivers(
+    exchange: ControlExchange, sender_group_rank: int, receivers: Sequence[int], index: int | None = None
+) -> Descriptor:
+    """Validate a sender's descriptor and that every receiver can allocate it."""
+    body = exchange.body_of(sender_group_rank)["descriptor"]
+    raw = body if index is None else body[index]
+    descriptor = decode_descriptor(raw)
+    specs = (descriptor.tensor,) if isinstance(descriptor, TensorDescriptor) else descriptor.tensors
+    if any(spec.device_type == "cuda" for spec in specs):
+        for receiver in receivers:
+            if exchange.body_of(receiver)["device_type"] != "cuda":
+                raise DescriptorError(
+                    f"group rank {sender_group_rank} sends CUDA tensors but receiving group rank "
+                    f"{receiver} has no CUDA device; move the value to CPU before sending"
+                )
+    return descriptor
+
+
+def check_identical_layouts(exchange: ControlExchange, operation: str) -> Descriptor:
+    """Every rank's descriptor must equal group rank 0's (metadata, shapes, dtypes, device type)."""
+    first = exchange.body_of(0)["descriptor"]
+    differing = [
+        group_rank
+        for group_rank in range(1, len(exchange.records))
+        if exchange.body_of(group_rank)["descriptor"] != first
+    ]
+    if differing:
+        detail = "; ".join(
+            f"group rank {r}: {_difference(first, exchange.body_of(r)['descriptor'])}" for r in differing
+        )
+        raise DescriptorError(
+            f"{operation} requires identical value type, metadata, shapes, dtypes and device type on "
+            f"every group rank; these differ from group rank 0 -> {detail}"
+        )
+    return decode_descriptor(first)
+
+
+def _difference(reference: dict[str, Any], other: dict[str, Any]) -> str:
+    parts: list[str] = []
+    for key in sorted(set(reference) | set(other)):
+        if key == "metadata":
+            ref_meta, other_meta = reference.get(key, {}), other.get(key, {})
+            for field in sorted(set(ref_meta) | set(other_meta)):
+                if ref_meta.get(field) != other_meta.get(field):
+                    parts.append(f"{field}={other_meta.get(field)!r} vs {ref_meta.get(field)!r}")
+        elif reference.get(key) != other.get(key):
+            parts.append(f"{key}={other.get(key)!r} vs {reference.get(key)!r}")
+    return ", ".join(parts) or "differs"
+
+
+# -- broadcast ------------------------------------------------------------------------------
+
+
+def broadcast_value(
+    value_or_none: Any,
+    *,
+    accepts: tuple[type, ...],
+    src: int,
+    info: GroupInfo,
+    operation: str,
+    source_error: str | None = None,
+) -> Any:
+    """Source returns its own object; every other rank returns a fresh copy on its local device."""
+    error = root_error(info, "src", src)
+    is_source = error is None and info.global_rank == src
+    descriptor: dict[str, Any] | None = None
+    if error is None:
+        if is_source:
+            error = source_error or type_error(value_or_none, accepts, f"source rank {src}")
+            if error is None:
+                descriptor, error = describe_or_error(value_or_none)
+        elif value_or_none is not None:
+            error = f"non-source rank {info.global_rank} must supply None; got {type(value_or_none).__name__}"
+    exchange = exchange_control(
+        info, operation, arguments={"src": _plain(src)}, error=error, body=rank_body(descriptor)
+    )
+    if info.size == 1:
+        return value_or_none
+    root = info.group_rank_of(src)
+    assert root is not None  # the exchange refused non-members
+    others = [r for r in range(info.size) if r != root]
+    received = agree(info, operation, lambda: decode_for_receivers(exchange, root, others))
+    if is_source:
+        leaves = payload_leaves(value_or_none)
+        result = value_or_none
+    else:
+        result, leaves = allocate_value(received, local_device())
+    for leaf in leaves:
+        broadcast_tensor(leaf, src_global=src, info=info, operation=operation)
+    return result
+
+
+def _plain(argument: object) -> object:
+    """JSON-safe form of a root argument, so that a bad one reaches the error exchange."""
+    return argument if type(argument) is int else repr(argument)
+
+
+# -- scatter --------------------------------------------------------------------------------
+
+
+def scatter_values(
+    values_or_none: Sequence[Any] | None,
+    *,
+    accepts: tuple[type, ...],
+    src: int,
+    info: GroupInfo,
+    operation: str,
+    source_error: str | None = None,
+) -> Any:
+    """Group rank ``i`` receives ``values[i]``; the source keeps its own element (no copy).
+
+    ``source_error`` lets a caller that prepared ``values`` report its own validation failure.
+    """
+    error = root_error(info, "src", src) or source_error
+    is_source = root_error(info, "src", src) is None and info.global_rank == src
+    descriptors: list[dict[str, Any]] | None = None
+    if error is None:
+        if is_source:
+            error = _scatter_source_error(values_or_none, accepts, info)
+            if error is None:
+                assert values_or_none is not None
+                descriptors = []
+                for position, item in enumerate(values_or_none):
+                    encoded, error = describe_or_error(item)
+                    if error is not None:
+                        error = f"values[{position}]: {error}"
+                        break
+                    assert encoded is not None
+                    descriptors.append(encoded)
+        elif values_or_none is not None:
+            error = (
+                f"non-source rank {info.global_rank} must supply None; got {type(values_or_none).__name__}"
+            )
+    exchange = exchange_control(
+        info, operation, arguments={"src": _plain(src)}, error=error, body=rank_body(descriptors)
+    )
+    root = info.group_rank_of(src)
+    assert root is not None and (not is_source or values_or_none is not None)
+    if info.size == 1:
+        return values_or_none[0]  # type: ignore[index]  # the source check guaranteed one value
+    received = agree(
+        info,
+        operation,
+        lambda: [decode_for_receivers(exchange, root, [r], index=r) for r in range(info.size)],
+    )
+    batch = PointToPointBatch(info)
+    if is_source:
+        assert values_or_none is not None
+        for group_rank, item in enumerate(values_or_none):
+            if group_rank == root:
+                continue
+            for tag, leaf in enumerate(payload_leaves(item)):
+                batch.send(leaf, info.global_rank_of(group_rank), tag)
+        batch.run(operation, "payload scatter")
+        return values_or_none[root]
+    result, leaves = allocate_value(received[info.group_rank], local_device())
+    for tag, leaf in enumerate(leaves):
+        batch.receive(leaf, src, tag)
+    batch.run(operation, "payload scatter")
+    return result
+
+
+def _scatter_source_error(values: object, accepts: tuple[type, ...], info: GroupInfo) -> str | None:
+    if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        return f"source rank {info.global_rank} must supply a sequence of values, one per group rank"
+    if len(values) != info.size:
+        return f"source must supply exactly one value per group rank: got {len(values)} for group size {info.size}"
+    for position, item in enumerate(values):
+        error = type_error(item, accepts, f"source values[{position}]")
+        if error is not None:
+            return error
+    return None
+
+
+# -- gather / all-gather --------------------------------------------------------------------
+
+
+def gather_values(
+    value: Any,
+    *,
+    accepts: tuple[type, ...],
+    dst: int,
+    info: GroupInfo,
+    operation: str,
+    layout_check: Callable[[list[Descriptor]], None] | None = None,
+) -> list[Any] | None:
+    """``dst`` gets every rank's value in group-rank order (its own entry is its own object).
+
+    ``layout_check`` sees every rank's descriptor on every rank, before any payload moves.
+    """
+    error = root_error(info, "dst", dst) or type_error(value, accepts, f"rank {info.global_rank}")
+    descriptor = None
+    if error is None:
+        descriptor, error = describe_or_error(value)
+    exchange = exchange_control(
+        info, operation, arguments={"dst": _plain(dst)}, error=error, body=rank_body(descriptor)
+    )
+    if info.size == 1:
+        if layout_check is not None:
+            agree(
+                info, operation, lambda: layout_check([decode_descriptor(exchange.body_of(0)["descriptor"])])
+            )
+        return [value]
+    root = info.group_rank_of(dst)
+    assert root is not None
+
+    def check() -> list[Descriptor]:
+        descriptors = [decode_for_receivers(exchange, r, [root]) for r in range(info.size)]
+        if layout_check is not None:
+            layout_check(descriptors)
+        return descriptors
+
+    received = agree(info, operation, check)
+    batch = PointToPointBatch(info)
+    if info.global_rank != dst:
+        for tag, leaf in enumerate(payload_leaves(value)):
+            batch.send(leaf, dst, tag)
+        batch.run(operation, "payload gather")
+        return None
+    results: list[Any] = []
+    for group_rank, descriptor_of_rank in enumerate(received):
+        if group_rank == root:
+            results.append(value)
+            continue
+        item, leaves = allocate_value(descriptor_of_rank, local_device())
+        for tag, leaf in enumerate(leaves):
+            batch.receive(leaf, info.global_rank_of(group_rank), tag)
+        results.append(item)
+    batch.run(operation, "payload gather")
+    return results
+
+
+def all_gather_values(value: Any, *, accepts: tuple[type, ...], info: GroupInfo, operation: str) -> list[Any]:
+    """Every rank gets fresh copies of every rank's value (identical layouts required)."""
+    error = type_error(value, accepts, f"rank {info.global_rank}")
+    descriptor = None
+    if error is None:
+        descriptor, error = describe_or_error(value)
+    exchange = exchange_control(info, operation, arguments={}, error=error, body=rank_body(descriptor))
+    common = agree(info, operation, lambda: _common_layout(exchange, operation, info))
+    gathered = [all_gather_tensor(leaf, info=info, operation=operation) for leaf in payload_leaves(value)]
+    return [rebuild(common, tuple(per_leaf[r] for per_leaf in gathered)) for r in range(info.size)]
+
+
+def _common_layout(exchange: ControlExchange, operation: str, info: GroupInfo) -> Descriptor:
+    descriptor = check_identical_layouts(exchange, operation)
+    decode_for_receivers(exchange, 0, range(info.size))
+    return descriptor
+
+
+# -- public typed wrappers ------------------------------------------------------------------
+
+_SHAREABLE_KEYS: tuple[type, ...] = (PublicKey, KeySwitchKey, RotationKey, RelinearizationKey, ConjugationKey)
+
+
+def broadcast_ciphertext(
+    value_or_none: Ciphertext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
+) -> Ciphertext:
+    """Broadcast one complete ciphertext from global rank ``src`` (other ranks pass None)."""
+    result: Ciphertext = broadcast_value(
+        value_or_none,
+        accepts=(Ciphertext,),
+        src=src,
+        info=group_info(group),
+        operation="broadcast_ciphertext",
+    )
+    return result
+
+
+def broadcast_plaintext(
+    value_or_none: Plaintext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
+) -> Plaintext:
+    result: Plaintext = broadcast_value(
+        value_or_none, accepts=(Plaintext,), src=src, info=group_info(group), operation="broadcast_plaintext"
+    )
+    return result
+
+
+def broadcast_compressed_plaintext(
+    value_or_none: CompressedPlaintext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
+) -> CompressedPlaintext:
+    result: CompressedPlaintext = broadcast_value(
+        value_or_none,
+        accepts=(CompressedPlaintext,),
+        src=src,
+        info=group_info(group),
+        operation="broadcast_compressed_plaintext",
+    )
+    return result
+
+
+def broadcast_key(
+    key_or_none: Any,
+    *,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    allow_secret_key: bool = False,
+) -> Any:
+    """Broadcast a public or evaluation key; a SecretKey only with ``allow_secret_key=True``.
+
+    Refusing secret keys by default keeps an accidental broadcast from leaking the decryption
+    key to every rank of the group.
+    """
+    accepts = (*_SHAREABLE_KEYS, SecretKey) if allow_secret_key else _SHAREABLE_KEYS
+    refusal = None
+    if type(key_or_none) is SecretKey and not allow_secret_key:
+        refusal = "refusing to broadcast a SecretKey; pass allow_secret_key=True if every rank may decrypt"
+    return broadcast_value(
+        key_or_none,
+        accepts=accepts,
+        src=src,
+        info=group_info(group),
+        operation="broadcast_key",
+        source_error=refusal,
+    )
+
+
+def scatter_ciphertexts(
+    values_or_none: Sequence[Ciphertext] | None, *, src: int = 0, group: dist.ProcessGroup | None = None
+) -> Ciphertext:
+    """Group rank ``i`` receives complete ciphertext ``values[i]`` (no slicing, no copy at the source)."""
+    result: Ciphertext = scatter_values(
+        values_or_none,
+        accepts=(Ciphertext,),
+        src=src,
+        info=group_info(group),
+        operation="scatter_ciphertexts",
+    )
+    return result
+
+
+def gather_ciphertexts(
+    value: Ciphertext, *, dst: int = 0, group: dist.ProcessGroup | None = None
+) -> list[Ciphertext] | None:
+    """``dst`` receives every rank's ciphertext in group-rank order; others get None."""
+    return gather_values(
+        value, accepts=(Ciphertext,), dst=dst, info=group_info(group), operation="gather_ciphertexts"
+    )
+
+
+def all_gather_ciphertexts(value: Ciphertext, *, group: dist.ProcessGroup | None = None) -> list[Ciphertext]:
+    return all_gather_values(
+        value, accepts=(Ciphertext,), info=group_info(group), operation="all_gather_ciphertexts"
+    )
+
+
+def all_gather_plaintexts(value: Plaintext, *, group: dist.ProcessGroup | None = None) -> list[Plaintext]:
+    return all_gather_values(
+        value, accepts=(Plaintext,), info=group_info(group), operation="all_gather_plaintexts"
+    )
+
+
+def all_gather_compressed_plaintexts(
+    value: CompressedPlaintext, *, group: dist.ProcessGroup | None = None
+) -> list[CompressedPlaintext]:
+    return all_gather_values(
+        value,
+        accepts=(CompressedPlaintext,),
+        info=group_info(group),
+        operation="all_gather_compressed_plaintexts",
+    )

@@ -1,0 +1,27 @@
+"""fhelium IR: xDSL dialects for rank-local distributed CKKS Programs.
+
+A Program describes what ONE rank does; it reads its group rank at launch. See docs/fhelium-ir.md.
+"""
+
+from __future__ import annotations
+
+from fhelium.ir._catalog import (
+    EXECUTION_IMPLEMENTATION_ATTRIBUTE,
+    REGISTERED_DIALECTS,
+    UPSTREAM_DIALECTS,
+    create_dialect_context,
+    operation_name,
+    registered_dialect_names,
+)
+from fhelium.ir._program import Program, ProgramError
+
+__all__ = [
+    "EXECUTION_IMPLEMENTATION_ATTRIBUTE",
+    "REGISTERED_DIALECTS",
+    "UPSTREAM_DIALECTS",
+    "Program",
+    "ProgramError",
+    "create_dialect_context",
+    "operation_name",
+    "registered_dialect_names",
+]

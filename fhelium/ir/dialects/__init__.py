@@ -1,0 +1,1 @@
+"""fhelium's xDSL dialects: core (`fhelium`), `fhelium_ckks`, `fhelium_dist`, `fhelium_memory`."""

@@ -1,0 +1,93 @@
+"""The `fhelium_ckks` dialect: CKKS value types and the arithmetic that combine regions need.
+
+Only operations whose semantics are one modular RNS step are declared here (add, subtract, negate);
+they are what generic collectives need inside combine regions. Relinearisation, rescaling and key
+switching are deliberately absent: they need evaluation keys the Backend does not bind yet.
+"""
+
+from __future__ import annotations
+
+from xdsl.ir import Dialect, SSAValue
+from xdsl.irdl import (
+    IRDLOperation,
+    irdl_attr_definition,
+    irdl_op_definition,
+    operand_def,
+    result_def,
+    traits_def,
+)
+from xdsl.traits import Pure
+from xdsl.utils.exceptions import VerifyException
+
+from fhelium.ir.dialects._common import OpenStateType
+
+
+@irdl_attr_definition
+class CiphertextType(OpenStateType):
+    """A CKKS ciphertext. Known state keys: depth, components, basis, prime_ids, domain."""
+
+    name = "fhelium_ckks.ciphertext"
+
+
+@irdl_attr_definition
+class PlaintextType(OpenStateType):
+    """An encoded CKKS plaintext in RNS form. Known state keys as for ciphertexts."""
+
+    name = "fhelium_ckks.plaintext"
+
+
+class _BinaryCiphertextOp(IRDLOperation):
+    lhs = operand_def(CiphertextType)
+    rhs = operand_def(CiphertextType)
+    result = result_def(CiphertextType)
+
+    traits = traits_def(Pure())
+
+    def __init__(self, lhs: SSAValue, rhs: SSAValue) -> None:
+        super().__init__(operands=[lhs, rhs], result_types=[lhs.type])
+
+    def verify_(self) -> None:
+        if not (self.lhs.type == self.rhs.type == self.result.type):
+            raise VerifyException(
+                f"{self.name} operands and result must have the same ciphertext type; got "
+                f"{self.lhs.type}, {self.rhs.type} -> {self.result.type}"
+            )
+
+
+@irdl_op_definition
+class AddOp(_BinaryCiphertextOp):
+    """Per-limb modular addition of two ciphertexts in the same state."""
+
+    name = "fhelium_ckks.add"
+
+
+@irdl_op_definition
+class SubtractOp(_BinaryCiphertextOp):
+    """Per-limb modular subtraction `lhs - rhs` of two ciphertexts in the same state."""
+
+    name = "fhelium_ckks.subtract"
+
+
+@irdl_op_definition
+class NegateOp(IRDLOperation):
+    """Per-limb modular negation of a ciphertext."""
+
+    name = "fhelium_ckks.negate"
+
+    value = operand_def(CiphertextType)
+    result = result_def(CiphertextType)
+
+    traits = traits_def(Pure())
+
+    def __init__(self, value: SSAValue) -> None:
+        super().__init__(operands=[value], result_types=[value.type])
+
+    def verify_(self) -> None:
+        if self.value.type != self.result.type:
+            raise VerifyException(
+                f"fhelium_ckks.negate operand and result types must match; got "
+                f"{self.value.type} -> {self.result.type}"
+            )
+
+
+FHEliumCkks = Dialect("fhelium_ckks", [AddOp, SubtractOp, NegateOp], [CiphertextType, PlaintextType])

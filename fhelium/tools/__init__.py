@@ -1,0 +1,1 @@
+"""Command-line tools for fhelium IR (`python -m fhelium.tools.opt`)."""

@@ -1,0 +1,100 @@
+"""Backend collectives on real gloo process groups of 1, 2 and 3 spawned ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("_ir_rank_worker.py")
+MODULI = (1_000_003, 998_244_353, 754_974_721)
+
+
+def _fake_ciphertext_data(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randint(0, q, (2, 1, 16), generator=generator) for q in MODULI], dim=1)
+
+
+def spawn_world(world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    init_file = tmp_path / "rendezvous"
+    outputs = [tmp_path / f"rank-{rank}.json" for rank in range(world)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(world), str(init_file), str(outputs[rank])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    logs = []
+    try:
+        for process in processes:
+            out, _ = process.communicate(timeout=90)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for rank, process in enumerate(processes):
+        assert process.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
+    return [json.loads(path.read_text()) for path in outputs]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda p: f"world{p}")
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+    size = int(request.param)
+    return size, spawn_world(size, tmp_path_factory.mktemp(f"world{size}"))
+
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_rank_query_reads_group_relative_identity(world: tuple[int, list[dict[str, Any]]]) -> None:
+    size, results = world
+    assert [r["query"] for r in results] == [[rank, size] for rank in range(size)]
+
+
+def test_broadcast_delivers_the_root_value_functionally(world: tuple[int, list[dict[str, Any]]]) -> None:
+    size, results = world
+    for result in results:
+        assert result["broadcast"] == [10 * size] * 5
+        assert result["broadcast_input_untouched"]
+
+
+def test_visible_combine_region_folds_in_group_rank_order(world: tuple[int, list[dict[str, Any]]]) -> None:
+    size, results = world
+    q = torch.tensor(MODULI).view(1, -1, 1)
+    expected = _fake_ciphertext_data(100)
+    for rank in range(1, size):
+        expected = (expected - _fake_ciphertext_data(100 + rank)) % q
+    for result in results:
+        assert torch.equal(torch.tensor(result["combine"]), expected)
+
+
+def test_example_generic_and_specialized_all_reduce_agree(world: tuple[int, list[dict[str, Any]]]) -> None:
+    size, results = world
+    q = torch.tensor(MODULI).view(1, -1, 1)
+    x = _fake_ciphertext_data(7)
+    expected = (x * (2 * size)) % q  # every rank adds x over an interval of 2, then all ranks sum
+    for result in results:
+        assert result["example_specialized"] == result["example_generic"]
+        assert torch.equal(torch.tensor(result["example_generic"]), expected)
+        assert result["example_metadata"] == [2.0**40, [0, 1, 2]]
+
+
+def test_subgroup_ranks_are_group_relative(world: tuple[int, list[dict[str, Any]]]) -> None:
+    size, results = world
+    if size != 3:
+        assert not any("subgroup_query" in result for result in results)  # only run with three ranks
+        return
+    assert results[1]["subgroup_query"] == [0, 2] and results[2]["subgroup_query"] == [1, 2]
+    assert results[1]["subgroup_broadcast"] == [30] * 5 == results[2]["subgroup_broadcast"]
+    assert "subgroup_query" not in results[0]
