@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,12 +203,21 @@ class RemoteAgent:
     conn: asyncssh.SSHClientConnection
     process: asyncssh.SSHClientProcess[str]
     output_task: asyncio.Task[None] | None = None
+    forwarded_port: int | None = None
+    lost: bool = False
 
     async def wait(self) -> int:
-        completed = await self.process.wait(check=False)
+        """The remote exit status; 255 (like ssh) when the session ended without one (`lost`)."""
+        try:
+            completed = await self.process.wait(check=False)
+        except (OSError, asyncssh.Error):
+            self.lost = True
+            return 255
         if self.output_task is not None:
             await asyncio.gather(self.output_task, return_exceptions=True)
         code = completed.exit_status
+        if code is None and not completed.exit_signal:
+            self.lost = True  # no status, no signal: the connection died (keepalives) or was cut
         return int(code) if code is not None else (128 + 1 if completed.exit_signal else 255)
 
     async def stop(self, *, timeout: float = 15.0) -> None:
@@ -232,7 +241,7 @@ async def start_remote_agent(
     *,
     workdir: str,
     argv: Sequence[str],
-    secret_env: Mapping[str, str],
+    secret_env: Mapping[str, str] | Callable[[int | None], Mapping[str, str]],
     remote_forward: tuple[int, int] | None = None,
     on_output: Any = None,
     grace_s: int = 10,
@@ -241,19 +250,30 @@ async def start_remote_agent(
 
     `remote_forward=(listen, target)` is `-R 127.0.0.1:listen:127.0.0.1:target`: the worker's
     loopback `listen` port reaches the launcher's loopback `target` port through this session.
+    `listen=0` lets the remote sshd pick a free port; a callable `secret_env` receives the port
+    actually forwarded (None without a forward), so the agent's spec can name it.
     """
     conn = await connect(endpoint)
+    forwarded: int | None = None
     try:
         if remote_forward is not None:
             listen, target = remote_forward
-            await conn.forward_remote_port("127.0.0.1", listen, "127.0.0.1", target)
+            try:
+                listener = await conn.forward_remote_port("127.0.0.1", listen, "127.0.0.1", target)
+            except (OSError, asyncssh.Error) as exc:
+                raise ConnectionError(
+                    f"ssh {endpoint.label}: remote forward 127.0.0.1:{listen} -> 127.0.0.1:{target} refused "
+                    f"({exc}); the worker's sshd must allow TCP forwarding (AllowTcpForwarding yes/remote)"
+                ) from exc
+            forwarded = listener.get_port()
+        env = secret_env(forwarded) if callable(secret_env) else secret_env
         process = await conn.create_process(supervised_command(workdir, argv, grace_s=grace_s),
                                             stderr=asyncssh.STDOUT)  # fmt: skip
-        process.stdin.write(secret_env_block(secret_env))
+        process.stdin.write(secret_env_block(env))
     except BaseException:
         conn.close()
         raise
-    agent = RemoteAgent(endpoint, conn, process)
+    agent = RemoteAgent(endpoint, conn, process, forwarded_port=forwarded)
     agent.output_task = asyncio.create_task(_pump(process, endpoint, on_output))
     return agent
 

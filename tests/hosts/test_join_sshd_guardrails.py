@@ -7,83 +7,17 @@ no forward to any other port.
 from __future__ import annotations
 
 import getpass
-import os
 import socket
-import socketserver
 import subprocess
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
-from tests.conftest import require_binary
+from tests.hosts.conftest import free_port as _free_port
+from tests.hosts.conftest import wait_port as _wait_port
 
 pytestmark = pytest.mark.sshd
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _Echo(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        data = self.request.recv(1024)
-        self.request.sendall(b"echo:" + data)
-
-
-@pytest.fixture
-def echo_servers() -> Iterator[tuple[int, int]]:
-    servers = [socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo) for _ in range(2)]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield servers[0].server_address[1], servers[1].server_address[1]
-    for server in servers:
-        server.shutdown()
-        server.server_close()
-
-
-def _wait_port(port: int, deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"port {port} never opened")
-
-
-@pytest.fixture
-def join_sshd(tmp_path: Path, echo_servers: tuple[int, int]) -> Iterator[tuple[int, Path, int, int]]:
-    sshd = require_binary("sshd", "sshd", search_sbin=True)
-    keygen = require_binary("sshd", "ssh-keygen")
-    require_binary("sshd", "ssh")
-    allowed, forbidden = echo_servers
-    client_key = tmp_path / "join_key"
-    subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(client_key)], check=True)
-    listen = _free_port()
-    recipe = JoinSshdRecipe(
-        controller_port=allowed, listen_port=listen, public_keys=((tmp_path / "join_key.pub").read_text(),)
-    )
-    sshd_dir = tmp_path / "sshd"
-    recipe.write(sshd_dir)
-    subprocess.run(recipe.host_key_command(sshd_dir), check=True)
-    if os.geteuid() == 0:
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-    proc = subprocess.Popen(
-        [sshd, "-D", "-e", "-f", str(sshd_dir / "sshd_config")], stderr=subprocess.PIPE, text=True
-    )
-    try:
-        _wait_port(listen)
-        yield listen, client_key, allowed, forbidden
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def _ssh_base(listen: int, key: Path) -> list[str]:

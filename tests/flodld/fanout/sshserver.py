@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import asyncssh
 class _Server(asyncssh.SSHServer):
     def __init__(self, log: list[str]) -> None:
         self._log = log
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self._log.append("connect")
 
     def connection_requested(self, dest_host: str, dest_port: int, orig_host: str, orig_port: int) -> bool:
         self._log.append(f"direct {dest_host}:{dest_port}")
@@ -23,20 +27,43 @@ class _Server(asyncssh.SSHServer):
 
 
 async def _run_locally(process: asyncssh.SSHServerProcess[bytes]) -> None:
+    """Run the command in bash; copy stdin in and all output out before reporting the exit status.
+
+    Output is copied to its end before `exit()`, so a short command's last line is never lost;
+    the channel's EOF (or loss) closes the local stdin, which is what the supervisor watches.
+    """
     command = process.command or "bash -i"
     local = await asyncio.create_subprocess_exec(
         "bash", "-c", command,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    await process.redirect(stdin=local.stdin, stdout=local.stdout, stderr=local.stderr)
+    assert local.stdin is not None and local.stdout is not None and local.stderr is not None
+    sink = local.stdin
+
+    async def feed() -> None:
+        try:
+            while data := await process.stdin.read(65536):
+                sink.write(data)
+                await sink.drain()
+        except (OSError, asyncssh.Error):
+            pass
+        finally:
+            sink.close()
+
+    async def pump(source: asyncio.StreamReader, target: asyncssh.SSHWriter[bytes]) -> None:
+        while chunk := await source.read(65536):
+            with contextlib.suppress(OSError, asyncssh.Error):
+                target.write(chunk)
+
+    feeder = asyncio.create_task(feed())
     try:
+        await asyncio.gather(pump(local.stdout, process.stdout), pump(local.stderr, process.stderr))
         code = await local.wait()
     finally:
+        feeder.cancel()
         if local.returncode is None:
             local.kill()
             await local.wait()
-        if local.stdin is not None:
-            local.stdin.close()
     process.exit(code if code >= 0 else 128 - code)
 
 

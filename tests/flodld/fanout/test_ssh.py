@@ -215,3 +215,40 @@ def test_secrets_never_enter_the_command_line() -> None:
 
 def test_sigterm_constant_is_what_the_supervisor_reports() -> None:
     assert 128 + signal.SIGTERM == 143
+
+
+async def test_strict_host_key_checking_refuses_an_unknown_host(tmp_path: Path) -> None:
+    server = await start_local_ssh_server(tmp_path)
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    endpoint = SshEndpoint(host="127.0.0.1", port=server.port, identity_file=str(server.client_key_path),
+                           options=("StrictHostKeyChecking=yes", f"UserKnownHostsFile={known}"))  # fmt: skip
+    try:
+        with pytest.raises(ConnectionError, match=f"ssh 127.0.0.1:{server.port}"):
+            await run_remote(endpoint, "true")
+    finally:
+        server.close()
+
+
+async def test_accept_new_remembers_the_key_and_then_refuses_a_changed_one(tmp_path: Path) -> None:
+    server = await start_local_ssh_server(tmp_path)
+    known = tmp_path / "known_hosts"
+    accept_new = SshEndpoint(host="127.0.0.1", port=server.port, identity_file=str(server.client_key_path),
+                             options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"))  # fmt: skip
+    strict = SshEndpoint(host="127.0.0.1", port=server.port, identity_file=str(server.client_key_path),
+                         options=("StrictHostKeyChecking=yes", f"UserKnownHostsFile={known}"))  # fmt: skip
+    try:
+        assert (await run_remote(accept_new, "echo first"))[1].strip() == "first"
+        assert known.read_text().startswith(f"[127.0.0.1]:{server.port} ssh-ed25519 ")
+        assert (await run_remote(strict, "echo again"))[1].strip() == "again"
+    finally:
+        server.close()
+    impostor = await start_local_ssh_server(tmp_path, name="impostor")  # new host key, same address book
+    moved = SshEndpoint(host="127.0.0.1", port=impostor.port, identity_file=str(impostor.client_key_path),
+                        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"))  # fmt: skip
+    known.write_text(known.read_text().replace(f"[127.0.0.1]:{server.port}", f"[127.0.0.1]:{impostor.port}"))
+    try:
+        with pytest.raises(ConnectionError):
+            await run_remote(moved, "true")
+    finally:
+        impostor.close()

@@ -1,0 +1,85 @@
+"""`fdl probe [--json]`: readiness of this host; `fdl @cluster probe`: every worker over SSH.
+
+Checks Python, torch (version, build), CUDA devices and NCCL, gloo, the controller port and an
+optional shared data path. With an overlay selected the probe runs on every worker where its
+agent would run, then cross-host rules apply (NCCL major.minor skew is an error). Exit status:
+0 green or warnings only, 1 any error, 2 bad usage (unreadable config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from flodld.probe import HostReport, aggregate, probe_local, render
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "probe", help="readiness checks (this host, or every worker with @cluster)", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    configure_parser(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable report (for CI gating)")
+    parser.add_argument("--data-path", help="shared data directory that must be readable on every host")
+    parser.add_argument("--port", type=int,
+                        help="port that must be free on this host (with @cluster: the controller port is checked)")
+    parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    """The selected overlay's cluster block, or None for a single-host probe."""
+    env = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
+    if env is None:
+        return None
+    from flodld.config.loader import load_config
+
+    return load_config(args.project, env).cluster
+
+
+def collect(args: argparse.Namespace) -> list[HostReport]:
+    cluster = _cluster(args)
+    if cluster is None:
+        return [probe_local(data_path=args.data_path, port=args.port)]
+    from flodld.fanout.remote_probe import probe_cluster
+
+    return asyncio.run(probe_cluster(cluster, data_path=args.data_path))
+
+
+def main(args: argparse.Namespace) -> int:
+    from flodld.config.errors import ConfigError
+
+    try:
+        reports = collect(args)
+    except ConfigError as error:
+        print(f"fdl probe: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    summary = aggregate(reports) if len(reports) > 1 else None
+    everything = reports + ([summary] if summary is not None else [])
+    failed = any(report.status == "error" for report in everything)
+    if args.json:
+        worst = "error" if failed else ("warn" if any(r.status == "warn" for r in everything) else "ok")
+        body: dict[str, object] = {"status": worst, "hosts": [r.to_json() for r in reports]}
+        if summary is not None:
+            body["cluster"] = summary.to_json()
+        print(json.dumps(body, indent=2))
+    else:
+        print(render(everything))
+    return EXIT_ERRORS if failed else EXIT_OK
+
+
+if __name__ == "__main__":
+    standalone = argparse.ArgumentParser(prog="fdl probe", description=__doc__)
+    configure_parser(standalone)
+    sys.exit(main(standalone.parse_args()))

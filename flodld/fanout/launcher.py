@@ -1,0 +1,206 @@
+"""Fan-out: one supervised agent per remote worker over SSH, dialing back into the join window.
+
+The plan for each worker (where, which interpreter, which argv, which secret environment) is
+pure and built by `plan_agent`; `FanOut` owns the SSH sessions. Conventions, also in
+docs/multi-host.md:
+
+* workdir: the worker's `path`, else the controller's `path`, else the launcher's own working
+  directory (the same checkout layout on every host).
+* interpreter: `<workdir>/.venv/bin/python` when `arch` is absent; `<workdir>/<arch>/bin/python`
+  for a relative `arch`, `<arch>/bin/python` for an absolute one (an `arch` is a Python
+  environment on that host, one per torch build/variant).
+* `docker: SERVICE`: the agent runs as `docker compose run --rm -T -e NAME... SERVICE python ...`
+  from the workdir; `-e NAME` without a value makes compose copy the value from its own
+  environment, so secrets still never appear in argv. With `arch`, `<arch>/bin/python` inside
+  the container. Tunnels need `network_mode: host` on that service.
+* secrets: the agent spec (with the session salt) and the worker's `env:` travel as KEY=VALUE
+  lines on the session's stdin (`flodld.fanout.ssh.SUPERVISOR`), never in argv.
+* `tunnel: true`: a remote forward from a port the worker's sshd picks on its 127.0.0.1 to the
+  controller's port; the agent's spec names that loopback end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import posixpath
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.config.models import ClusterConfig, ControllerConfig, WorkerConfig
+from flodld.fanout.ssh import RemoteAgent, SshEndpoint, run_remote, start_remote_agent
+
+OutputSink = Callable[[str, str], None]
+DEVICE_COUNT_SNIPPET = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+
+
+class FanOutError(RuntimeError):
+    """A worker could not be reached or started; the message names the host."""
+
+    def __init__(self, host: str, message: str) -> None:
+        super().__init__(f"fan-out to host {host!r}: {message}")
+        self.host = host
+
+
+def endpoint_for(worker: WorkerConfig) -> SshEndpoint:
+    """The worker's `ssh:` block as an endpoint; the worker's host when there is none."""
+    ssh = worker.ssh
+    if ssh is None:
+        return SshEndpoint.parse(worker.host)
+    return SshEndpoint.parse(ssh.target or worker.host, port=ssh.port, user=ssh.user,
+                             identity_file=ssh.identity_file, options=tuple(ssh.options))  # fmt: skip
+
+
+def workdir_for(worker: WorkerConfig, controller: ControllerConfig, local_cwd: str) -> str:
+    return worker.path or controller.path or local_cwd
+
+
+def interpreter_for(worker: WorkerConfig, workdir: str) -> str:
+    """The Python that runs the agent on that host (see the module docstring for the mapping)."""
+    if worker.docker is not None:
+        return posixpath.join(worker.arch, "bin", "python") if worker.arch else "python"
+    if worker.arch is None:
+        return posixpath.join(workdir, ".venv", "bin", "python")
+    return posixpath.join(workdir, worker.arch, "bin", "python")
+
+
+def wrap_command(worker: WorkerConfig, command: Sequence[str], env_names: Sequence[str]) -> list[str]:
+    """`command` as it runs on the host: bare, or inside the worker's compose service."""
+    if worker.docker is None:
+        return list(command)
+    passed = [part for name in env_names for part in ("-e", name)]
+    return ["docker", "compose", "run", "--rm", "-T", *passed, worker.docker, *command]
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """Everything needed to start one worker's agent; `secret_env` fills in a tunnel's port."""
+
+    host: str
+    endpoint: SshEndpoint
+    workdir: str
+    argv: tuple[str, ...]
+    spec: AgentSpec
+    tunnel: bool
+    controller_port: int
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+
+    def secret_env(self, forwarded_port: int | None) -> dict[str, str]:
+        spec = self.spec
+        if self.tunnel:
+            if forwarded_port is None:
+                raise FanOutError(self.host, "tunnel: true but the session has no remote forward")
+            spec = spec.model_copy(update={"controller_host": "127.0.0.1", "controller_port": forwarded_port})
+        return {**self.worker_env, AGENT_ENV: encode_spec(spec)}
+
+
+def plan_agent(
+    worker: WorkerConfig,
+    cluster: ClusterConfig,
+    *,
+    program: str,
+    args: Sequence[str],
+    controller_port: int,
+    salt_hex: str | None,
+    extra_env: Mapping[str, str] | None = None,
+    local_cwd: str | None = None,
+) -> AgentPlan:
+    """The pure plan for one remote worker (`extra_env` rides along with the worker's `env:`)."""
+    controller = cluster.controller
+    workdir = workdir_for(worker, controller, local_cwd or os.getcwd())
+    worker_env = {**(extra_env or {}), **worker.env}
+    command = [interpreter_for(worker, workdir), program, *args]
+    argv = wrap_command(worker, command, [*worker_env, AGENT_ENV])
+    devices = list(worker.local_devices) if worker.local_devices != "all" else ["all"]
+    spec = AgentSpec(
+        host=worker.host, controller_host=controller.host, controller_port=controller_port, salt_hex=salt_hex,
+        devices=devices, averaging=str(controller.averaging.value),
+    )  # fmt: skip
+    return AgentPlan(host=worker.host, endpoint=endpoint_for(worker), workdir=workdir, argv=tuple(argv), spec=spec,
+                     tunnel=worker.tunnel, controller_port=controller_port, worker_env=worker_env)  # fmt: skip
+
+
+def device_count_command(worker: WorkerConfig, workdir: str) -> str:
+    """Shell command printing the host's CUDA device count, run where the agent would run."""
+    command = wrap_command(worker, [interpreter_for(worker, workdir), "-c", DEVICE_COUNT_SNIPPET], [])
+    return f"cd {shlex.quote(workdir)} && " + " ".join(shlex.quote(part) for part in command)
+
+
+async def probe_device_count(worker: WorkerConfig, workdir: str, *, timeout: float = 120.0) -> int:
+    """`local_devices: all` at dispatch: count the host's CUDA devices over SSH (0 is an error)."""
+    try:
+        code, out, err = await run_remote(endpoint_for(worker), device_count_command(worker, workdir),
+                                          timeout=timeout)  # fmt: skip
+    except (ConnectionError, TimeoutError) as exc:
+        raise FanOutError(worker.host, f"probing local_devices: all failed: {exc}") from exc
+    last = out.strip().splitlines()[-1:] or [""]
+    if code != 0 or not last[0].isdigit():
+        raise FanOutError(worker.host, f"probing local_devices: all failed (exit {code}): {err.strip()[-400:]}")
+    count = int(last[0])
+    if count == 0:
+        raise FanOutError(worker.host, "local_devices: all found no CUDA device; list CPU ranks (e.g. [cpu:2])")
+    return count
+
+
+@dataclass(frozen=True)
+class AgentExit:
+    host: str
+    code: int
+    lost: bool = False  # the SSH session died (keepalives), so the remote side is tearing down
+
+
+class FanOut:
+    """The remote agents of one run: start them together, learn of exits, stop them all."""
+
+    def __init__(self, plans: Sequence[AgentPlan], *, on_output: OutputSink | None = None, grace_s: int = 10) -> None:
+        self.plans = list(plans)
+        self.on_output = on_output
+        self.grace_s = grace_s
+        self.agents: dict[str, RemoteAgent] = {}
+        self.exits: asyncio.Queue[AgentExit] = asyncio.Queue()
+        self._watchers: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Start every agent; if any fails, stop those already started and raise FanOutError."""
+        results = await asyncio.gather(*(self._start_one(plan) for plan in self.plans), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await self.stop()
+            raise failures[0]
+
+    async def _start_one(self, plan: AgentPlan) -> None:
+        forward = (0, plan.controller_port) if plan.tunnel else None
+        sink = self.on_output
+
+        def labelled(_target: str, line: str) -> None:  # name lines by worker, not by ssh target
+            if sink is not None:
+                sink(plan.host, line)
+
+        try:
+            agent = await start_remote_agent(
+                plan.endpoint, workdir=plan.workdir, argv=plan.argv, secret_env=plan.secret_env,
+                remote_forward=forward, on_output=labelled, grace_s=self.grace_s,
+            )  # fmt: skip
+        except Exception as exc:  # a boundary: whatever went wrong, the operator needs the host's name
+            raise FanOutError(plan.host, str(exc) or type(exc).__name__) from exc
+        self.agents[plan.host] = agent
+        self._watchers.append(asyncio.create_task(self._watch(plan.host, agent)))
+
+    async def _watch(self, host: str, agent: RemoteAgent) -> None:
+        code = await agent.wait()
+        self.exits.put_nowait(AgentExit(host, code, lost=agent.lost))
+
+    @property
+    def running(self) -> int:
+        return sum(1 for agent in self.agents.values() if agent.process.exit_status is None)
+
+    async def stop(self) -> None:
+        """Close every session: the remote supervisors TERM, then KILL, their agents' groups."""
+        await asyncio.gather(*(agent.stop(timeout=self.grace_s + 5.0) for agent in self.agents.values()))
+        for watcher in self._watchers:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

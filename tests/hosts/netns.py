@@ -1,0 +1,147 @@
+"""A small lab of "hosts" made of network namespaces: one controller box, N workers, each with sshd.
+
+Topology: worker i (1-based) hangs off the controller box on its own veth pair, 10.250.i.1 on
+the controller side and 10.250.i.2 (interface `fdl0`) on the worker; the controller box forwards
+between them so ranks on different workers reach each other. Only addresses inside these
+namespaces are used. Everything is torn down by `close()`, also after a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKER_IFNAME = "fdl0"
+SSHD_PORT = 2200
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def worker_address(index: int) -> str:
+    return f"10.250.{index}.2"
+
+
+def controller_address(index: int = 1) -> str:
+    return f"10.250.{index}.1"
+
+
+@dataclass
+class Lab:
+    root: Path
+    workers: int
+    tag: str = field(default_factory=lambda: secrets.token_hex(3))
+    namespaces: list[str] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    client_key: Path | None = None
+
+    @property
+    def controller_ns(self) -> str:
+        return f"fdl{self.tag}c"
+
+    def worker_ns(self, index: int) -> str:
+        return f"fdl{self.tag}w{index}"
+
+    def build(self) -> None:
+        _ip("netns", "add", self.controller_ns)
+        self.namespaces.append(self.controller_ns)
+        _ip("-n", self.controller_ns, "link", "set", "lo", "up")
+        subprocess.run(["ip", "netns", "exec", self.controller_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+                       check=True)  # fmt: skip
+        for index in range(1, self.workers + 1):
+            ns = self.worker_ns(index)
+            _ip("netns", "add", ns)
+            self.namespaces.append(ns)
+            _ip("link", "add", "name", f"c{index}", "netns", self.controller_ns, "type", "veth",
+                "peer", "name", WORKER_IFNAME, "netns", ns)  # fmt: skip
+            _ip("-n", self.controller_ns, "addr", "add", f"{controller_address(index)}/24", "dev", f"c{index}")
+            _ip("-n", ns, "addr", "add", f"{worker_address(index)}/24", "dev", WORKER_IFNAME)
+            for where, dev in ((self.controller_ns, f"c{index}"), (ns, WORKER_IFNAME), (ns, "lo")):
+                _ip("-n", where, "link", "set", dev, "up")
+            _ip("-n", ns, "route", "add", "10.250.0.0/16", "via", controller_address(index))
+
+    def exec_argv(self, ns: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def spawn(self, ns: str, argv: list[str], *, log: Path, cwd: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+        with log.open("wb") as handle:
+            process = subprocess.Popen(self.exec_argv(ns, argv), stdout=handle, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)  # fmt: skip
+        self.processes.append(process)
+        return process
+
+    def start_worker_sshd(self, index: int, sshd: str, keygen: str) -> None:
+        """A root sshd on worker_address(index):SSHD_PORT accepting the lab's client key."""
+        directory = self.root / f"sshd{index}"
+        directory.mkdir()
+        if self.client_key is None:
+            self.client_key = self.root / "client_key"
+            subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key)], check=True)
+        (directory / "authorized_keys").write_text(Path(f"{self.client_key}.pub").read_text())
+        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(directory / "host_key")], check=True)
+        (directory / "sshd_config").write_text(
+            f"Port {SSHD_PORT}\nListenAddress {worker_address(index)}\nHostKey {directory / 'host_key'}\n"
+            f"PidFile {directory / 'sshd.pid'}\nAuthorizedKeysFile {directory / 'authorized_keys'}\n"
+            "StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "PermitRootLogin prohibit-password\nAllowTcpForwarding yes\nLogLevel VERBOSE\n"
+            "ClientAliveInterval 1\nClientAliveCountMax 3\n"  # a dead launcher is noticed within seconds
+        )
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        self.spawn(self.worker_ns(index), [sshd, "-D", "-e", "-f", str(directory / "sshd_config")],
+                   log=directory / "sshd.log")  # fmt: skip
+        self.wait_listening(self.worker_ns(index), worker_address(index), SSHD_PORT)
+
+    def wait_listening(self, ns: str, host: str, port: int, timeout: float = 15.0) -> None:
+        probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if subprocess.run(self.exec_argv(ns, [sys.executable, "-c", probe]), capture_output=True).returncode == 0:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{host}:{port} never listened in {ns}")
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        for process in reversed(self.processes):
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs (all namespaces share the PID space here) whose command line mentions `marker`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def kill_leftovers(marker: str) -> None:
+    """Last-resort cleanup of processes this test started (found by its unique path)."""
+    for pid in processes_mentioning(marker):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
