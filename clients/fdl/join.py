@@ -1,0 +1,255 @@
+"""`fdl join [HOST:PORT] [--token HEX] [--bin PROGRAM] [--host NAME] [--devices LIST] [--persist] -- ARGS`.
+
+Runs PROGRAM in agent role against that controller: it joins the window, receives the formed world
+and starts its relay and one rank per device. Every flag defaults from the top-level `join:` block of
+fdl.yml, so a golden image can boot into a bare `fdl join`. The token may also come from the
+FDL_JOIN_TOKEN environment variable or from stdin (`--token -`), keeping it out of `ps`.
+
+Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token,
+bad config, incompatible build) — for systemd's RestartPreventExitStatus=2. With --persist it never
+gives up on transient failures: it backs off 5 s doubling to 60 s and dials again (the backoff
+resets after a run that lasted longer than 2 minutes).
+
+With --ssh [USER@]HOST[:PORT] [--identity KEY] every attempt brings up its own `ssh -N -L` forward
+(OpenSSH, BatchMode: never a password prompt) and dials through it; the address is then the
+controller as seen from that host (default 127.0.0.1:1337). A refused key exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fdl.run import program_command, reparse
+from flodld.agent.spec import AGENT_ENV, AgentSpec, DeviceError, encode_spec, parse_device_list
+from flodld.net.timeouts import scaled
+
+if TYPE_CHECKING:  # asyncssh loads only when --ssh is used
+    from flodld.fanout.ssh import SshEndpoint
+
+EXIT_DONE, EXIT_TRANSIENT, EXIT_PERMANENT = 0, 1, 2
+BACKOFF_INITIAL_SECS = 5.0
+BACKOFF_MAX_SECS = 60.0
+BACKOFF_RESET_AFTER_SECS = 120.0
+TOKEN_ENV = "FDL_JOIN_TOKEN"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "join", help="walk in: run a program in agent role against a controller", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure_parser(parser)
+    return parser
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    _add_options(parser)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[HOST[:PORT]] [-- ARGS]",
+                        help="the controller (default: join.address or 127.0.0.1:1337), then -- and PROGRAM's arguments")
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token", default=None, help=f"the run's join token (32 hex); '-' reads stdin; or set {TOKEN_ENV}")
+    parser.add_argument("--bin", dest="program", default=None, help="the training program (default: join.program)")
+    parser.add_argument("--host", default=None, help="this worker's roster name (default: FLODL_HOST_NAME or hostname)")
+    parser.add_argument("--devices", default=None, help="'cpu:4', '0,1', 'cpu,cpu' or 'all' (default: join.devices)")
+    parser.add_argument("--persist", action="store_true", default=None, help="re-dial forever with backoff")
+    parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+    parser.add_argument("--ssh", default=None, metavar="[USER@]HOST[:PORT]",
+                        help="dial through a fresh `ssh -L` forward via this host; the address is then the "
+                             "controller as seen from it (default 127.0.0.1:1337)")
+    parser.add_argument("--identity", default=None, metavar="KEY", help="private key for --ssh (ssh -i)")
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"fdl join: {message}\n")
+    sys.stderr.flush()
+
+
+class UsageError(ValueError):
+    """Bad flags or config: permanent (exit 2)."""
+
+
+@dataclass(frozen=True)
+class JoinPlan:
+    command: list[str]
+    spec: AgentSpec
+    persist: bool
+    ssh: SshEndpoint | None = None  # --ssh: every attempt dials through its own fresh forward
+
+
+def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> JoinPlan:
+    """Merge flags over the fdl.yml `join:` block; UsageError names the problem and the fix."""
+    from flodld.config.errors import ConfigError, ConfigNotFoundError
+    from flodld.config.loader import load_config
+    from flodld.config.models import WalkInConfig, parse_address
+
+    env_name = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
+    try:
+        block = load_config(args.project, env_name).join or WalkInConfig()
+    except ConfigNotFoundError:
+        block = WalkInConfig()
+    except ConfigError as error:
+        raise UsageError(f"fdl.yml: {error}") from None
+    try:
+        host, port = parse_address(args.controller) if args.controller else block.controller_endpoint()
+    except ValueError as error:
+        raise UsageError(f"controller address: {error}") from None
+    token = args.token if args.token not in (None, "-") else None
+    if args.token == "-":
+        token = (stdin_token if stdin_token is not None else sys.stdin.readline()).strip()
+    token = token or os.environ.get(TOKEN_ENV) or block.token
+    if token is not None:
+        try:
+            token = bytes.fromhex(token.strip()).hex()
+        except ValueError:
+            raise UsageError("--token must be 32 hex characters (the run's controller.join.token)") from None
+        if len(token) != 32:
+            raise UsageError(f"--token must be 32 hex characters (16 bytes), got {len(token)}")
+    program = args.program or block.program
+    if program is None:
+        raise UsageError("no program to run: pass --bin PROGRAM or set join.program in fdl.yml")
+    # A present `--` (even with nothing after it) replaces the block's args.
+    user_args = list(block.args) if args.program_args is None else list(args.program_args)
+    try:
+        command = program_command(program, user_args)
+    except FileNotFoundError as error:
+        raise UsageError(f"{error} — point --bin (or join.program in fdl.yml) at it") from None
+    devices: list[str] | None
+    if args.devices is not None:
+        try:
+            devices = parse_device_list(args.devices)
+        except DeviceError as error:
+            raise UsageError(str(error)) from None
+    else:
+        devices = None if block.devices == "all" else list(block.devices)
+    if devices == ["all"]:
+        devices = None
+    name = args.host or block.host or os.environ.get("FLODL_HOST_NAME") or socket.gethostname() or "unknown-host"
+    spec = AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices)
+    return JoinPlan(command, spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
+
+
+def _ssh_endpoint(args: argparse.Namespace, block: Any) -> SshEndpoint | None:
+    """`--ssh`/`--identity` over the `join.ssh` block; None when neither asks for a forward."""
+    from flodld.fanout.ssh import SshConfigError, SshEndpoint
+
+    ssh = block.ssh
+    identity = getattr(args, "identity", None) or (ssh.identity_file if ssh is not None else None)
+    options = tuple(ssh.options) if ssh is not None else ()
+    try:
+        if getattr(args, "ssh", None):
+            return SshEndpoint.parse(args.ssh, identity_file=identity, options=options)
+        if ssh is not None and ssh.target is not None:
+            return SshEndpoint.parse(ssh.target, port=ssh.port, user=ssh.user, identity_file=identity,
+                                     options=options)  # fmt: skip
+    except SshConfigError as error:
+        raise UsageError(f"--ssh: {error}") from None
+    if getattr(args, "identity", None):
+        raise UsageError("--identity only applies with --ssh (or a join.ssh block in fdl.yml)")
+    return None
+
+
+def _attempt_through_ssh(plan: JoinPlan) -> int:
+    """One attempt through a fresh forward; the agent dials its local end, which it then hands on."""
+    from flodld.fanout.forward import ForwardError, open_forward
+
+    assert plan.ssh is not None
+    remote = (plan.spec.controller_host, plan.spec.controller_port)
+    try:
+        forward = open_forward(plan.ssh, remote)
+    except ForwardError as error:
+        say(str(error))
+        # A refused key stays refused; a dead network may come back.
+        return EXIT_PERMANENT if "Permission denied" in str(error) else EXIT_TRANSIENT
+    say(f"forward 127.0.0.1:{forward.local_port} -> {remote[0]}:{remote[1]} via {plan.ssh.label}")
+    spec = plan.spec.model_copy(update={"controller_host": "127.0.0.1", "controller_port": forward.local_port})
+    try:
+        return attempt(JoinPlan(plan.command, spec, plan.persist))
+    finally:
+        forward.close()
+
+
+def attempt(plan: JoinPlan) -> int:
+    """Run the program once in agent role; its exit code (0 done, 1 transient, 2 permanent)."""
+    if plan.ssh is not None:
+        return _attempt_through_ssh(plan)
+    env = {**os.environ, AGENT_ENV: encode_spec(plan.spec), "FLODL_HOST_NAME": plan.spec.host}
+    env.pop(TOKEN_ENV, None)
+    try:
+        child = subprocess.Popen(plan.command, env=env, stdin=subprocess.DEVNULL)
+    except OSError as error:
+        say(f"run {plan.command[0]}: {error}")
+        return EXIT_PERMANENT
+
+    def forward(signum: int, _frame: object) -> None:
+        # The agent tears its children down on TERM; then this loop stops instead of re-dialing.
+        child.send_signal(signum)
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        child.send_signal(signal.SIGINT)
+        child.wait()
+        raise
+    except Stopped:
+        child.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Stopped(Exception):
+    """fdl join received SIGTERM: the agent was told, and the loop ends."""
+
+
+def join_loop(plan: JoinPlan, *, sleep: Any = time.sleep, clock: Any = time.monotonic) -> int:
+    backoff = scaled(BACKOFF_INITIAL_SECS)
+    while True:
+        started = clock()
+        code = attempt(plan)
+        if code == EXIT_PERMANENT:
+            if plan.persist:
+                say("not re-dialing — retrying cannot fix this (exit 2)")
+            return EXIT_PERMANENT
+        if not plan.persist:
+            return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
+        lasted = clock() - started
+        if lasted > scaled(BACKOFF_RESET_AFTER_SECS):
+            backoff = scaled(BACKOFF_INITIAL_SECS)
+        outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
+        say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
+        sleep(backoff)
+        backoff = min(backoff * 2, scaled(BACKOFF_MAX_SECS))
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        args.program_args = reparse(args, _add_options, lambda p: p.add_argument("controller", nargs="?"))
+        plan = resolve_plan(args)
+    except UsageError as error:
+        say(str(error))
+        return EXIT_PERMANENT
+    say(f"joining {plan.spec.controller_host}:{plan.spec.controller_port} as {plan.spec.host!r}"
+        + (" (persist)" if plan.persist else ""))
+    try:
+        return join_loop(plan)
+    except (KeyboardInterrupt, Stopped):
+        say("stopped")
+        return EXIT_TRANSIENT
+
+
+if __name__ == "__main__":
+    standalone = argparse.ArgumentParser(prog="fdl join", description=__doc__)
+    configure_parser(standalone)
+    sys.exit(main(standalone.parse_args()))

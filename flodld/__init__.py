@@ -1,0 +1,28 @@
+"""flodld: a controller daemon for distributed torch runs across hosts.
+
+The user-facing entry is `flodld.run(main)`; everything else is imported lazily so that
+`import flodld` stays cheap in the agent and relay roles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def run(main: Callable[[], T], *, init_process_group: bool = True) -> T:
+    """Run `main` as this process's role wants: agent/relay roles run and exit here; a rank gets
+    its process group initialised (unless told not to) and runs `main`; a plain process just runs it."""
+    from flodld.launcher import Role, current_role, exit_if_worker_role
+
+    exit_if_worker_role()
+    if init_process_group and current_role() is Role.RANK:
+        from flodld.rank import init_process_group as init
+
+        init()
+    return main()
+
+
+__all__ = ["run"]

@@ -1,0 +1,162 @@
+"""The agent's side of the join link: dial, Hello, Accept/Reject, then WorldFormed or Abort.
+
+Every way this can fail maps to an exit class: TRANSIENT (1: dialing again later may work) or
+PERMANENT (2: retrying cannot fix it — wrong token, incompatible build), so `fdl join --persist`
+and systemd's RestartPreventExitStatus=2 know when to stop.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from enum import IntEnum
+
+from flodld.agent.spec import AgentSpec, device_label
+from flodld.net.stream import ConnectError, FramedStream, connect_with_retry
+from flodld.net.timeouts import scaled
+from flodld.wire.errors import WireError
+from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.magic import Channel
+from flodld.wire.salt import OPEN_ADMISSION_KEY, salt_from_hex
+
+PROTOCOL_VERSION = 1
+REPLY_TIMEOUT_SECS = 30.0
+FORMATION_WAIT_MARGIN_SECS = 30.0
+
+# Reject codes that no amount of re-dialing fixes: this box's build or config is incompatible.
+PERMANENT_REJECT_CODES = frozenset({
+    "protocol_version",
+    "unknown_host",
+    "empty_devices",
+    "too_many_devices",
+    "vendor_mix",
+    "dataset_mismatch",
+    "model_mismatch",
+    "nccl_skew",
+    "bad_payload",
+    "expected_hello",
+})
+
+
+class ExitClass(IntEnum):
+    DONE = 0
+    TRANSIENT = 1
+    PERMANENT = 2
+
+
+class JoinFailed(Exception):
+    """The join did not reach a formed world; `exit_class` says whether retrying can help."""
+
+    def __init__(self, message: str, exit_class: ExitClass) -> None:
+        super().__init__(message)
+        self.exit_class = exit_class
+
+
+@dataclass
+class Joined:
+    stream: FramedStream
+    accept: Accept
+    formed: WorldFormed
+    salt: bytes
+
+
+def build_hello(spec: AgentSpec, devices: list[str]) -> Hello:
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "unknown"
+    return Hello(
+        host=spec.host,
+        devices=devices,
+        device_labels=[device_label(device) for device in devices],
+        variant="cuda" if any(device.startswith("cuda") for device in devices) else "cpu",
+        torch_version=torch_version,
+        protocol_version=PROTOCOL_VERSION,
+        run_id=spec.run_id,
+        averaging=spec.averaging,
+    )
+
+
+def rewrite_controller_address(formed: WorldFormed, host: str, port: int) -> WorldFormed:
+    """The formed world with the controller address replaced by the one this agent's join used.
+
+    The controller writes addresses from its own view of the network; behind a tunnel on an
+    ephemeral port or a NAT that view is wrong, while the road this join took is known to work.
+    """
+    envelope = formed.envelope.model_copy(update={"controller_host": host, "controller_port": port})
+    relay = formed.relay
+    if relay is not None:
+        relay = relay.model_copy(update={"data_port": port, "control_port": port})
+    return WorldFormed(envelope=WorldEnvelope.model_validate(envelope.model_dump()),
+                       relay=None if relay is None else RelaySpec.model_validate(relay.model_dump()))
+
+
+async def join_world(spec: AgentSpec, hello: Hello) -> Joined:
+    """Dial, get admitted, wait for formation; raises JoinFailed with an actionable message."""
+    pre_shared = spec.salt_hex is not None
+    key = salt_from_hex(spec.salt_hex) if spec.salt_hex is not None else OPEN_ADMISSION_KEY
+    where = f"{spec.controller_host}:{spec.controller_port}"
+    try:
+        stream = await connect_with_retry(
+            spec.controller_host, spec.controller_port, Channel.JOIN, key,
+            what=f"agent {spec.host!r} join", attempts=spec.connect_attempts,
+        )
+    except ConnectError as error:
+        raise JoinFailed(f"{error} — is a controller running there with its join window open?",
+                         ExitClass.TRANSIENT) from None
+    try:
+        await stream.send(hello)
+        reply = await _receive(stream, scaled(REPLY_TIMEOUT_SECS), where, pre_shared, before_reply=True)
+        if isinstance(reply, Reject):
+            exit_class = ExitClass.PERMANENT if reply.code in PERMANENT_REJECT_CODES else ExitClass.TRANSIENT
+            raise JoinFailed(f"controller {where} REJECTED host {spec.host!r} [{reply.code}]: {reply.reason}",
+                             exit_class)
+        if not isinstance(reply, Accept):
+            raise JoinFailed(f"controller {where} answered the hello with {type(reply).__name__}, "
+                             "not Accept or Reject — protocol violation", ExitClass.PERMANENT)
+        salt = key
+        if not pre_shared:
+            if reply.salt_hex is None:
+                raise JoinFailed(
+                    f"controller {where} accepted under open admission but sent no session salt; "
+                    "it expects a pre-shared token — pass --token (the run's controller.join.token)",
+                    ExitClass.PERMANENT,
+                )
+            salt = salt_from_hex(reply.salt_hex)
+            stream.rekey(salt)
+        wait = reply.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
+        formed = await _receive(stream, wait, where, pre_shared, before_reply=False)
+        if isinstance(formed, Abort):
+            raise JoinFailed(f"controller {where} aborted the run before it formed: {formed.reason}",
+                             ExitClass.TRANSIENT)
+        if not isinstance(formed, WorldFormed):
+            raise JoinFailed(f"expected WorldFormed or Abort, got {type(formed).__name__} — protocol violation",
+                             ExitClass.PERMANENT)
+        if len(formed.envelope.ranks) != len(hello.devices):
+            raise JoinFailed(
+                f"controller assigned {len(formed.envelope.ranks)} rank(s) for {len(hello.devices)} device(s) "
+                "— protocol violation", ExitClass.PERMANENT,
+            )
+    except BaseException:
+        stream.close()
+        raise
+    return Joined(stream, reply, rewrite_controller_address(formed, spec.controller_host, spec.controller_port), salt)
+
+
+async def _receive(stream: FramedStream, timeout: float, where: str, pre_shared: bool, *, before_reply: bool) -> object:
+    try:
+        return (await stream.recv(timeout)).message()
+    except EOFError:
+        if before_reply and pre_shared:
+            raise JoinFailed(
+                f"controller {where} closed before replying — under pre-shared admission this usually means "
+                "a token mismatch: check --token against the run's controller.join.token",
+                ExitClass.PERMANENT,
+            ) from None
+        what = "before replying" if before_reply else "before the world formed"
+        raise JoinFailed(f"controller {where} closed the join link {what}", ExitClass.TRANSIENT) from None
+    except TimeoutError:
+        what = "no reply to the hello" if before_reply else "the world did not form"
+        raise JoinFailed(f"controller {where}: {what} within {timeout:g}s", ExitClass.TRANSIENT) from None
+    except (WireError, OSError) as error:
+        raise JoinFailed(f"join link to {where} failed: {error}", ExitClass.TRANSIENT) from None

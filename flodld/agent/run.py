@@ -1,0 +1,204 @@
+"""The agent role's shell: join, spawn the relay and one rank per device, supervise, report.
+
+All decisions live in `flodld.agent.supervision`; this file owns processes, signals, timers and
+the join link, and turns decisions into those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flodld.agent import supervision as sv
+from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
+from flodld.agent.spawn import (
+    bind_relay_listener,
+    program_argv,
+    rank_environment,
+    relay_environment,
+    relay_spec_for,
+    signal_group,
+    spawn_child,
+)
+from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.wire.errors import WireError
+from flodld.wire.join import Abort, RankExited
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"flodld agent: {message}\n")  # one write, so lines never interleave
+    sys.stderr.flush()
+
+
+@dataclass
+class Child:
+    label: str
+    process: asyncio.subprocess.Process
+    rank: int | None  # None for the relay
+
+
+async def _forward_output(child: Child, prefix: str) -> None:
+    """Copy the child's output line by line with a prefix naming host and role."""
+    assert child.process.stdout is not None
+    while True:
+        line = await child.process.stdout.readline()
+        if not line:
+            return
+        sys.stdout.write(prefix + line.decode(errors="replace"))
+        if not line.endswith(b"\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+class AgentShell:
+    def __init__(self, spec: AgentSpec, devices: list[str]) -> None:
+        self.spec = spec
+        self.devices = devices
+        self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
+        self.children: list[Child] = []
+        self.forwarders: list[asyncio.Future[None]] = []
+        self.watchers: list[asyncio.Future[None]] = []
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(signum, self.events.put_nowait, sv.Interrupted(f"signal {signum.name}"))
+        say(
+            f"host {self.spec.host!r} dialing controller {self.spec.controller_host}:{self.spec.controller_port} "
+            f"with {len(self.devices)} rank(s) (devices {self.devices}, admission: "
+            f"{'pre-shared salt' if self.spec.salt_hex else 'open'})"
+        )
+        join = asyncio.ensure_future(join_world(self.spec, build_hello(self.spec, self.devices)))
+        interrupt = asyncio.ensure_future(self.events.get())
+        await asyncio.wait({join, interrupt}, return_when=asyncio.FIRST_COMPLETED)
+        if not join.done():
+            join.cancel()
+            with contextlib.suppress(asyncio.CancelledError, JoinFailed):
+                await join
+            say(f"interrupted before the world formed ({interrupt.result()})")
+            return ExitClass.TRANSIENT
+        interrupt.cancel()
+        try:
+            joined = join.result()
+        except JoinFailed as failure:
+            say(str(failure))
+            return failure.exit_class
+        envelope = joined.formed.envelope
+        say(
+            f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
+            f"{envelope.ranks}; controller address {envelope.controller_host}:{envelope.controller_port}"
+        )
+        try:
+            await self._spawn_all(joined)
+        except OSError as error:
+            say(f"spawn failed; terminating {len(self.children)} already-spawned child(ren): {error}")
+            for child in self.children:
+                signal_group(child.process, signal.SIGKILL)
+            await joined.stream.aclose()
+            return ExitClass.TRANSIENT
+        return await self._supervise(joined)
+
+    async def _spawn_all(self, joined: Joined) -> None:
+        formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host
+        argv = program_argv()
+        relay_port: int | None = None
+        if formed.relay is not None:
+            listener = bind_relay_listener()
+            relay_port = listener.getsockname()[1]
+            spec = relay_spec_for(formed, host=host, salt=joined.salt, listen_fd=listener.fileno())
+            process = await spawn_child(argv, relay_environment(os.environ, spec), pass_fds=[listener.fileno()])
+            listener.close()  # the relay owns it now
+            self._adopt(Child("relay", process, None), f"[{host}:relay] ")
+        fold = formed.relay.fold if formed.relay is not None else "mean"
+        cadence = formed.relay.cadence if formed.relay is not None else 1
+        for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
+            env = rank_environment(
+                os.environ, envelope, local_rank=local_rank, device=device, salt=joined.salt, host=host,
+                relay_port=relay_port, fold=fold, cadence=cadence,
+            )
+            process = await spawn_child(argv, env)
+            self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
+
+    def _adopt(self, child: Child, prefix: str) -> None:
+        self.children.append(child)
+        self.forwarders.append(asyncio.ensure_future(_forward_output(child, prefix)))
+        self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
+
+    async def _watch_exit(self, child: Child) -> None:
+        code = await child.process.wait()
+        if child.rank is None:
+            self.events.put_nowait(sv.RelayExit(code))
+        else:
+            self.events.put_nowait(sv.RankExit(child.rank, code))
+
+    async def _read_link(self, joined: Joined) -> None:
+        try:
+            while True:
+                message = (await joined.stream.recv()).message()
+                if isinstance(message, Abort):
+                    self.events.put_nowait(sv.AbortReceived(message.reason))
+        except EOFError:
+            self.events.put_nowait(sv.LinkLost("controller closed the join connection"))
+        except (WireError, OSError) as error:
+            self.events.put_nowait(sv.LinkLost(f"join connection error: {error}"))
+
+    async def _supervise(self, joined: Joined) -> int:
+        supervisor = sv.Supervisor(
+            self.spec.host, list(joined.formed.envelope.ranks), has_relay=joined.formed.relay is not None
+        )
+        reader = asyncio.ensure_future(self._read_link(joined))
+        grace: asyncio.TimerHandle | None = None
+        actions = supervisor.start()
+        try:
+            while True:
+                for action in actions:
+                    if isinstance(action, sv.ReportRankExit):
+                        say(f"rank {action.rank} exited with {sv.describe_exit(action.code)}")
+                        with contextlib.suppress(OSError, WireError, TimeoutError):
+                            await joined.stream.send(RankExited(rank=action.rank, code=max(-128, min(255, action.code))))
+                    elif isinstance(action, sv.TerminateRelay):
+                        self._signal(lambda child: child.rank is None, signal.SIGTERM)
+                    elif isinstance(action, sv.TerminateAll):
+                        say(f"tearing down host {self.spec.host!r} ({action.reason}); "
+                            f"terminating {supervisor.children_live} child(ren)")
+                        self._signal(lambda child: True, signal.SIGTERM)
+                        grace = asyncio.get_running_loop().call_later(
+                            self.spec.grace_secs, self.events.put_nowait, sv.GraceExpired()
+                        )
+                    elif isinstance(action, sv.KillAll):
+                        say(f"grace period of {self.spec.grace_secs:g}s over; killing what is left")
+                        self._signal(lambda child: True, signal.SIGKILL)
+                    elif isinstance(action, sv.CloseLink):
+                        await joined.stream.aclose()
+                    elif isinstance(action, sv.Finish):
+                        say(action.summary)
+                        return action.exit_code
+                actions = supervisor.handle(await self.events.get())
+        finally:
+            if grace is not None:
+                grace.cancel()
+            reader.cancel()
+            await asyncio.gather(*self.forwarders, return_exceptions=True)
+
+    def _signal(self, which: Callable[[Child], bool], signum: int) -> None:
+        # Ranks first, relay last: a relay that stops first would make live ranks see their
+        # data plane vanish and exit on their own, blurring why they ended.
+        for child in sorted(self.children, key=lambda child: child.rank is None):
+            if which(child) and child.process.returncode is None:
+                signal_group(child.process, signum)
+
+
+def run_agent(spec: AgentSpec | None = None) -> int:
+    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent)."""
+    try:
+        spec = spec or agent_spec_from_env()
+        devices = resolve_devices(spec.devices)
+    except (ValueError, DeviceError) as error:
+        say(str(error))
+        return ExitClass.PERMANENT
+    return asyncio.run(AgentShell(spec, devices).run())

@@ -1,0 +1,135 @@
+"""Child processes of the agent: their environments (pure) and how they are started.
+
+Ranks and the relay re-enter the user's program with the same interpreter and arguments; only
+the environment says which role each plays. Secrets (the salt, the specs) ride the environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+
+from flodld.agent.spec import AGENT_ENV, encode_spec
+from flodld.rank import env as rank_env
+from flodld.relay.spec import RELAY_ENV, RelayRoleSpec
+from flodld.wire.join import WorldEnvelope, WorldFormed
+
+ROLE_VARIABLES = (AGENT_ENV, RELAY_ENV)
+_PR_SET_PDEATHSIG = 1
+
+
+def program_argv() -> list[str]:
+    """The command that started this process, to re-enter the same program in another role."""
+    return [sys.executable, *sys.orig_argv[1:]]
+
+
+def base_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """The parent's environment without any role variable (a child gets exactly one role)."""
+    return {name: value for name, value in parent.items() if name not in ROLE_VARIABLES}
+
+
+def rank_environment(
+    parent: Mapping[str, str],
+    envelope: WorldEnvelope,
+    *,
+    local_rank: int,
+    device: str,
+    salt: bytes,
+    host: str,
+    relay_port: int | None,
+    fold: str,
+    cadence: int,
+) -> dict[str, str]:
+    """What a rank sees: torchrun-style identity, the controller's address, the salt, its device."""
+    env = base_environment(parent)
+    env.update(envelope.env)
+    env.update({
+        rank_env.RANK: str(envelope.ranks[local_rank]),
+        rank_env.WORLD_SIZE: str(envelope.world_size),
+        rank_env.LOCAL_RANK: str(local_rank),
+        rank_env.LOCAL_WORLD_SIZE: str(envelope.local_world_size),
+        rank_env.CONTROLLER: f"{envelope.controller_host}:{envelope.controller_port}",
+        rank_env.RUN_ID: envelope.run_id,
+        rank_env.SALT: salt.hex(),
+        rank_env.DEVICE: device,
+        rank_env.BACKEND: envelope.backend,
+        rank_env.AVERAGING: envelope.averaging,
+        rank_env.FOLD: fold,
+        rank_env.CADENCE: str(cadence),
+        rank_env.HOST_NAME: host,
+    })
+    if relay_port is not None:
+        env[rank_env.RELAY_PORT] = str(relay_port)
+    else:
+        env.pop(rank_env.RELAY_PORT, None)
+    if device.startswith("cuda:"):
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    else:
+        cores = os.cpu_count() or 1
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // envelope.local_world_size)))
+    return env
+
+
+def relay_environment(parent: Mapping[str, str], spec: RelayRoleSpec) -> dict[str, str]:
+    env = base_environment(parent)
+    for name in (rank_env.RANK, rank_env.CONTROLLER, rank_env.SALT):
+        env.pop(name, None)
+    env[RELAY_ENV] = encode_spec(spec)
+    return env
+
+
+def bind_relay_listener() -> socket.socket:
+    """The ranks' loopback door to the relay, bound by the agent so its port is known up front."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+    listener.set_inheritable(True)
+    return listener
+
+
+def relay_spec_for(formed: WorldFormed, *, host: str, salt: bytes, listen_fd: int) -> RelayRoleSpec:
+    envelope = formed.envelope
+    assert formed.relay is not None
+    return RelayRoleSpec(
+        host=host,
+        controller_host=envelope.controller_host,
+        controller_port=formed.relay.data_port,
+        salt_hex=salt.hex(),
+        ranks=list(envelope.ranks),
+        listen_fd=listen_fd,
+    )
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL if the agent dies, so no rank outlives its supervisor."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+async def spawn_child(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = ()) -> asyncio.subprocess.Process:
+    """Start a child in its own process group (so teardown reaches its whole tree), output piped."""
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        pass_fds=tuple(pass_fds),
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+
+
+def signal_group(process: asyncio.subprocess.Process, signum: int) -> None:
+    """Send `signum` to the child's process group; a group already gone is fine."""
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

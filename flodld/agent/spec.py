@@ -1,0 +1,144 @@
+"""The agent's spec (hex JSON in FLODL_INTERNAL_AGENT_JSON) and the resolution of its devices.
+
+The spec rides the environment, never argv, because it may carry the pre-shared salt: any local
+user can read another process's command line through `ps`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+AGENT_ENV: Final = "FLODL_INTERNAL_AGENT_JSON"
+
+
+class SpecError(ValueError):
+    """A role spec in the environment is unreadable; the message names the variable and the problem."""
+
+
+class AgentSpec(BaseModel):
+    """What an agent needs to join: where the controller is, who this host is, what it offers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: Annotated[str, Field(min_length=1, max_length=253)]
+    controller_host: Annotated[str, Field(min_length=1, max_length=253)]
+    controller_port: Annotated[int, Field(ge=1, le=65535)]
+    salt_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-fA-F]{32}$")] | None = None
+    devices: Annotated[list[str], Field(max_length=4096)] | None = None
+    run_id: Annotated[str, Field(max_length=128)] | None = None
+    averaging: Annotated[str, Field(max_length=128)] | None = None
+    connect_attempts: Annotated[int, Field(ge=1)] | None = None
+    grace_secs: Annotated[float, Field(gt=0)] = 5.0
+
+
+def encode_spec(spec: BaseModel) -> str:
+    """Lowercase hex of the compact JSON, unset optionals omitted."""
+    return spec.model_dump_json(exclude_none=True).encode().hex()
+
+
+def decode_agent_spec(text: str) -> AgentSpec:
+    return AgentSpec.model_validate(decode_hex_json(text, AGENT_ENV))
+
+
+def decode_hex_json(text: str, variable: str) -> object:
+    try:
+        raw = bytes.fromhex(text.strip())
+    except ValueError as error:
+        raise SpecError(f"{variable} is not valid hex ({error}); it must be hex-encoded JSON") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SpecError(f"{variable} decodes to invalid JSON: {error}") from None
+
+
+def agent_spec_from_env() -> AgentSpec:
+    text = os.environ.get(AGENT_ENV)
+    if text is None:
+        raise SpecError(f"{AGENT_ENV} is not set; the agent role needs its spec there")
+    try:
+        return decode_agent_spec(text)
+    except ValidationError as error:
+        raise SpecError(f"{AGENT_ENV} holds an invalid agent spec: {error}") from None
+
+
+class DeviceError(ValueError):
+    """A device list cannot be resolved; the message names the entry and the accepted forms."""
+
+
+_DEVICE_FORMS = "accepted forms: 'cpu' (one CPU rank), 'cpu:N' (N CPU ranks), 'cuda:I' or 'I' (CUDA device I), 'all'"
+
+
+def parse_device_list(text: str) -> list[str]:
+    """Split a `--devices` value ('cpu:4', '0,1', 'cpu,cpu', 'all') into entries."""
+    entries = [part.strip() for part in text.split(",") if part.strip()]
+    if not entries:
+        raise DeviceError(f"--devices {text!r} names no device; {_DEVICE_FORMS}")
+    return entries
+
+
+def resolve_devices(requested: list[str] | None, *, cuda_count: int | None = None) -> list[str]:
+    """Indexed torch device names, one per rank: ['cpu:0', 'cpu:1'] or ['cuda:0', 'cuda:3'].
+
+    Absent: every CUDA device, else one CPU rank. `cuda_count` is probed through torch when None.
+    """
+    def cuda_devices() -> int:
+        if cuda_count is not None:
+            return cuda_count
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    if not requested:
+        count = cuda_devices()
+        return [f"cuda:{index}" for index in range(count)] if count else ["cpu:0"]
+    resolved: list[str] = []
+    cpu_ranks = 0
+    for entry in requested:
+        name = entry.strip().lower()
+        if name == "cpu":
+            resolved.append(f"cpu:{cpu_ranks}")
+            cpu_ranks += 1
+        elif name.startswith("cpu:"):
+            count = _integer(name[4:], entry)
+            if count < 1:
+                raise DeviceError(f"device entry {entry!r} asks for {count} CPU ranks; ask for at least 1")
+            resolved.extend(f"cpu:{cpu_ranks + index}" for index in range(count))
+            cpu_ranks += count
+        elif name == "all":
+            count = cuda_devices()
+            if not count:
+                raise DeviceError("device entry 'all' found no CUDA device; offer CPU ranks with 'cpu:N' instead")
+            resolved.extend(f"cuda:{index}" for index in range(count))
+        else:
+            index = _integer(name[5:] if name.startswith("cuda:") else name, entry)
+            count = cuda_devices()
+            if index >= count:
+                raise DeviceError(f"device entry {entry!r}: this host has {count} CUDA device(s); {_DEVICE_FORMS}")
+            resolved.append(f"cuda:{index}")
+    duplicates = {device for device in resolved if resolved.count(device) > 1}
+    if duplicates:
+        raise DeviceError(f"devices {sorted(duplicates)} are listed more than once; each device runs one rank")
+    return resolved
+
+
+def _integer(text: str, entry: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise DeviceError(f"device entry {entry!r} is not understood; {_DEVICE_FORMS}") from None
+
+
+def device_label(device: str) -> str:
+    """A human label for the roster: the GPU's name, or 'CPU'."""
+    if device.startswith("cuda:"):
+        import torch
+
+        try:
+            return str(torch.cuda.get_device_name(int(device[5:])))[:256]
+        except (RuntimeError, AssertionError):
+            return device
+    return "CPU"

@@ -1,0 +1,193 @@
+"""What the agent does when its children or its controller link change: a pure decision table.
+
+States: RUNNING → TEARING_DOWN → DONE. Every event returns the actions the shell performs
+(report, signal, close), so the shell owns processes and timers and this module owns meaning.
+
+Rules:
+- every rank exit is reported up the join link (RankExited), whatever else happens;
+- a rank exiting non-zero tears the host down: its peers would otherwise hang in a collective
+  waiting for it (the controller hears the exit and decides for the other hosts);
+- when every rank has exited cleanly, the relay's job is over and it is asked to stop;
+- the relay failing (non-zero exit) while ranks run, Abort from the controller, losing the controller link, or a
+  signal to the agent tear the host down: TERM to every child, KILL after the grace period;
+- when no child is left, the join link is closed (the controller's "host done" event) and the
+  agent exits 0 only if every child succeeded and nothing tore the host down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+
+class SupervisorState(Enum):
+    RUNNING = "running"
+    TEARING_DOWN = "tearing_down"
+    DONE = "done"
+
+
+# Events ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankExit:
+    rank: int
+    code: int
+
+
+@dataclass(frozen=True)
+class RelayExit:
+    code: int
+
+
+@dataclass(frozen=True)
+class AbortReceived:
+    reason: str
+
+
+@dataclass(frozen=True)
+class LinkLost:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    reason: str
+
+
+@dataclass(frozen=True)
+class GraceExpired:
+    pass
+
+
+Event = RankExit | RelayExit | AbortReceived | LinkLost | Interrupted | GraceExpired
+
+# Actions --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportRankExit:
+    rank: int
+    code: int
+
+
+@dataclass(frozen=True)
+class TerminateRelay:
+    """Stop the relay gracefully: the ranks are done with it."""
+
+
+@dataclass(frozen=True)
+class TerminateAll:
+    """TERM every live child's process group and arm the grace timer."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class KillAll:
+    """KILL every live child's process group: the grace period is over."""
+
+
+@dataclass(frozen=True)
+class CloseLink:
+    """Close the join link; the controller reads it as this host being done."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    exit_code: int
+    summary: str
+
+
+Action = ReportRankExit | TerminateRelay | TerminateAll | KillAll | CloseLink | Finish
+
+
+def describe_exit(code: int) -> str:
+    """'code 3' or 'signal 9' (negative codes are signals, as subprocess reports them)."""
+    return f"signal {-code}" if code < 0 else f"code {code}"
+
+
+class Supervisor:
+    """Decides, event by event, what the agent's shell must do with its children and link."""
+
+    def __init__(self, host: str, ranks: list[int], *, has_relay: bool) -> None:
+        self.host = host
+        self.state = SupervisorState.RUNNING
+        self.live_ranks = set(ranks)
+        self.relay_live = has_relay
+        self.failed_ranks: dict[int, int] = {}
+        self.teardown_reason: str | None = None
+        self._relay_stop_requested = False
+        self._table: dict[tuple[SupervisorState, type], Callable[[Event], list[Action]]] = {
+            (SupervisorState.RUNNING, RankExit): self._rank_exit,
+            (SupervisorState.TEARING_DOWN, RankExit): self._rank_exit,
+            (SupervisorState.RUNNING, RelayExit): self._relay_exit,
+            (SupervisorState.TEARING_DOWN, RelayExit): self._relay_exit,
+            (SupervisorState.RUNNING, AbortReceived): self._teardown_event,
+            (SupervisorState.RUNNING, LinkLost): self._teardown_event,
+            (SupervisorState.RUNNING, Interrupted): self._teardown_event,
+            (SupervisorState.TEARING_DOWN, GraceExpired): lambda event: [KillAll()],
+        }
+
+    def handle(self, event: Event) -> list[Action]:
+        """Actions for `event`; events that change nothing in this state yield none."""
+        handler = self._table.get((self.state, type(event)))
+        if handler is None:
+            return []
+        return handler(event)
+
+    def start(self) -> list[Action]:
+        """Actions due before any event (a host with no children finishes at once)."""
+        return self._finish_if_empty()
+
+    @property
+    def children_live(self) -> int:
+        return len(self.live_ranks) + int(self.relay_live)
+
+    def _rank_exit(self, event: Event) -> list[Action]:
+        assert isinstance(event, RankExit)
+        if event.rank not in self.live_ranks:
+            return []
+        self.live_ranks.discard(event.rank)
+        actions: list[Action] = [ReportRankExit(event.rank, event.code)]
+        if event.code != 0:
+            self.failed_ranks[event.rank] = event.code
+            if self.state is SupervisorState.RUNNING:
+                actions += self._begin_teardown(f"rank {event.rank} exited with {describe_exit(event.code)}")
+        relay_idle = not self.live_ranks and self.relay_live and not self._relay_stop_requested
+        if relay_idle and self.state is SupervisorState.RUNNING:
+            self._relay_stop_requested = True
+            actions.append(TerminateRelay())
+        return actions + self._finish_if_empty()
+
+    def _relay_exit(self, event: Event) -> list[Action]:
+        assert isinstance(event, RelayExit)
+        if not self.relay_live:
+            return []
+        self.relay_live = False
+        actions: list[Action] = []
+        # Exit 0 is the relay's clean stop (every rank closed its legs), which can be seen before
+        # the ranks' own exits; only a failing relay leaves live ranks without their data plane.
+        failed = event.code != 0 and not self._relay_stop_requested
+        if self.state is SupervisorState.RUNNING and self.live_ranks and failed:
+            actions += self._begin_teardown(f"relay died ({describe_exit(event.code)}) while ranks were running")
+        return actions + self._finish_if_empty()
+
+    def _teardown_event(self, event: Event) -> list[Action]:
+        assert isinstance(event, AbortReceived | LinkLost | Interrupted)
+        prefix = {AbortReceived: "abort from the controller", LinkLost: "controller link lost", Interrupted: "interrupted"}
+        return self._begin_teardown(f"{prefix[type(event)]}: {event.reason}") + self._finish_if_empty()
+
+    def _begin_teardown(self, reason: str) -> list[Action]:
+        self.state = SupervisorState.TEARING_DOWN
+        self.teardown_reason = reason
+        return [TerminateAll(reason)] if self.children_live else []
+
+    def _finish_if_empty(self) -> list[Action]:
+        if self.children_live or self.state is SupervisorState.DONE:
+            return []
+        self.state = SupervisorState.DONE
+        if self.teardown_reason is not None:
+            return [CloseLink(), Finish(1, f"host {self.host!r} torn down: {self.teardown_reason}")]
+        return [CloseLink(), Finish(0, f"host {self.host!r} finished cleanly")]

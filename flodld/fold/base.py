@@ -1,0 +1,180 @@
+"""Folds: how deposits of tensors combine into one value, without knowing where they came from.
+
+A fold sees bundles (tuples of tensors with one fixed schema per round). `add` accumulates a
+bundle into an accumulator, `finish` turns the accumulated sum and the summed weight into the
+value that is broadcast. The relay and the controller both fold (host frames are partial folds),
+so `add` must be associative and commutative, and `finish` is applied exactly once, at the top.
+
+A ciphertext fold only needs the moduli of its limbs: modular addition per limb is the whole
+aggregation, and no key is ever involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+Bundle = tuple[torch.Tensor, ...]
+
+
+class FoldError(ValueError):
+    """Deposits do not fit together (schema, dtype, or fold mismatch); the message names both sides."""
+
+
+class Fold(Protocol):
+    """The pluggable reduction. `spec` names it on the wire so every hop rebuilds the same fold."""
+
+    @property
+    def spec(self) -> str: ...
+
+    def identity(self, like: Bundle) -> Bundle:
+        """The neutral accumulator with the schema of `like`."""
+        ...
+
+    def add(self, accumulator: Bundle, value: Bundle) -> Bundle:
+        """`accumulator + value`; may update `accumulator` in place and return it."""
+        ...
+
+    def finish(self, accumulator: Bundle, weight: float) -> Bundle:
+        """The broadcast value from the total sum and the total weight."""
+        ...
+
+
+def check_same_schema(accumulator: Bundle, value: Bundle) -> None:
+    """Refuse a bundle whose tensor count, shapes or dtypes differ from the accumulator's."""
+    if len(accumulator) != len(value):
+        raise FoldError(f"deposit carries {len(value)} tensor(s) but this round folds {len(accumulator)}")
+    for index, (held, incoming) in enumerate(zip(accumulator, value, strict=True)):
+        if held.shape != incoming.shape:
+            raise FoldError(
+                f"tensor {index} has shape {tuple(incoming.shape)} but this round folds {tuple(held.shape)}"
+            )
+        if held.dtype != incoming.dtype:
+            raise FoldError(f"tensor {index} has dtype {incoming.dtype} but this round folds {held.dtype}")
+
+
+class _FloatSum:
+    """Element-wise sum of floating tensors (shared by the mean and sum folds)."""
+
+    def identity(self, like: Bundle) -> Bundle:
+        for index, tensor in enumerate(like):
+            if not tensor.is_floating_point():
+                raise FoldError(
+                    f"tensor {index} has dtype {tensor.dtype}; the {self.spec} fold needs floating tensors "
+                    "(use the modular fold for integer ciphertexts)"
+                )
+        return tuple(torch.zeros_like(tensor) for tensor in like)
+
+    def add(self, accumulator: Bundle, value: Bundle) -> Bundle:
+        check_same_schema(accumulator, value)
+        for held, incoming in zip(accumulator, value, strict=True):
+            held.add_(incoming)
+        return accumulator
+
+    @property
+    def spec(self) -> str:
+        raise NotImplementedError
+
+
+class MeanFold(_FloatSum):
+    """Weighted mean: Σ deposits / Σ weights (each deposit is the weight-scaled value)."""
+
+    @property
+    def spec(self) -> str:
+        return "mean"
+
+    def finish(self, accumulator: Bundle, weight: float) -> Bundle:
+        if weight <= 0:
+            raise FoldError("cannot average a round whose total weight is zero (every deposit had weight 0)")
+        return tuple(tensor / weight for tensor in accumulator)
+
+
+class SumFold(_FloatSum):
+    """Plain element-wise sum; weights are carried but ignored."""
+
+    @property
+    def spec(self) -> str:
+        return "sum"
+
+    def finish(self, accumulator: Bundle, weight: float) -> Bundle:
+        return accumulator
+
+
+class ModularFold:
+    """Per-limb modular addition of integer tensors shaped `[..., limb, N]`.
+
+    `moduli[i]` is the prime of limb i; the result is the modular sum (the decryptor divides
+    by the count if it wants a mean, since division is not defined on residues without a key).
+    """
+
+    def __init__(self, moduli: Sequence[int]) -> None:
+        if not moduli:
+            raise FoldError("the modular fold needs at least one modulus, e.g. 'modular:1073479681'")
+        for modulus in moduli:
+            if not 2 <= modulus < 2**62:
+                raise FoldError(f"modulus {modulus} is out of range; moduli must lie in [2, 2**62)")
+        self.moduli = tuple(moduli)
+        self._column = torch.tensor(self.moduli, dtype=torch.int64).unsqueeze(-1)
+
+    @property
+    def spec(self) -> str:
+        return "modular:" + ",".join(str(modulus) for modulus in self.moduli)
+
+    def identity(self, like: Bundle) -> Bundle:
+        for index, tensor in enumerate(like):
+            if tensor.dtype != torch.int64:
+                raise FoldError(f"tensor {index} has dtype {tensor.dtype}; the modular fold needs int64")
+            if tensor.dim() < 2 or tensor.shape[-2] != len(self.moduli):
+                raise FoldError(
+                    f"tensor {index} has shape {tuple(tensor.shape)}; the modular fold needs [..., limb, N] "
+                    f"with {len(self.moduli)} limb(s), one per modulus"
+                )
+        return tuple(torch.zeros_like(tensor) for tensor in like)
+
+    def add(self, accumulator: Bundle, value: Bundle) -> Bundle:
+        check_same_schema(accumulator, value)
+        for held, incoming in zip(accumulator, value, strict=True):
+            held.add_(incoming)
+            # Residues are < q < 2**62, so the sum of two never overflows int64 before reduction.
+            torch.remainder(held, self._column, out=held)
+        return accumulator
+
+    def finish(self, accumulator: Bundle, weight: float) -> Bundle:
+        return accumulator
+
+
+FoldFactory = Callable[[str], Fold]
+
+_REGISTRY: dict[str, FoldFactory] = {}
+
+
+def register_fold(name: str, factory: FoldFactory) -> None:
+    """Make `name` or `name:params` specs build folds through `factory(params)`."""
+    if not name or ":" in name:
+        raise ValueError(f"fold name {name!r} must be non-empty and contain no ':'")
+    _REGISTRY[name] = factory
+
+
+def _modular_from_params(params: str) -> Fold:
+    try:
+        moduli = [int(part) for part in params.split(",") if part.strip()]
+    except ValueError as error:
+        raise FoldError(f"modular fold parameters must be comma-separated integers, got {params!r}") from error
+    return ModularFold(moduli)
+
+
+def fold_from_spec(spec: str) -> Fold:
+    """Build the fold a wire spec names: 'mean', 'sum', 'modular:q0,q1,…' or a registered plugin."""
+    name, _, params = spec.partition(":")
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        known = ", ".join(sorted(_REGISTRY))
+        raise FoldError(f"unknown fold {name!r}; known folds: {known}")
+    return factory(params)
+
+
+register_fold("mean", lambda params: MeanFold())
+register_fold("sum", lambda params: SumFold())
+register_fold("modular", _modular_from_params)

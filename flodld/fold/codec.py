@@ -1,0 +1,67 @@
+"""Bundle ⇄ (TensorSpec list, tail bytes): tensors as raw little-endian bytes behind a typed header.
+
+Decoding checks that the specs account for exactly the tail's length before building any tensor,
+so a lying header cannot make us allocate or read past what was already capped and received.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from flodld.fold.base import Bundle
+from flodld.wire.data import MAX_TENSORS_PER_FRAME, TensorSpec
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+_WIRE_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("flodld's tensor codec assumes a little-endian host")
+
+
+class CodecError(ValueError):
+    """Tensor header and bytes disagree, or a tensor cannot travel; the message says which."""
+
+
+def encode_bundle(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], bytes]:
+    """Specs and concatenated bytes of CPU copies of `tensors` (detached, contiguous)."""
+    if len(tensors) > MAX_TENSORS_PER_FRAME:
+        raise CodecError(f"{len(tensors)} tensors in one deposit; at most {MAX_TENSORS_PER_FRAME} are allowed")
+    specs: list[TensorSpec] = []
+    chunks: list[bytes] = []
+    for index, tensor in enumerate(tensors):
+        name = _WIRE_DTYPES.get(tensor.dtype)
+        if name is None:
+            raise CodecError(f"tensor {index} has dtype {tensor.dtype}; supported: {', '.join(_TORCH_DTYPES)}")
+        flat = tensor.detach().to("cpu").contiguous()
+        specs.append(TensorSpec(dtype=name, shape=list(flat.shape)))  # type: ignore[arg-type]  # name is a TensorDtype
+        chunks.append(flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return specs, b"".join(chunks)
+
+
+def decode_bundle(specs: Sequence[TensorSpec], tail: bytes) -> Bundle:
+    """Tensors described by `specs`, backed by fresh copies of the bytes in `tail`."""
+    expected = sum(spec.nbytes() for spec in specs)
+    if expected != len(tail):
+        raise CodecError(f"tensor headers describe {expected} bytes but the frame carries {len(tail)}")
+    tensors: list[torch.Tensor] = []
+    offset = 0
+    for spec in specs:
+        size = spec.nbytes()
+        dtype = _TORCH_DTYPES[spec.dtype]
+        if size:
+            raw = torch.frombuffer(bytearray(tail[offset : offset + size]), dtype=torch.uint8)
+            tensors.append(raw.view(dtype).reshape(list(spec.shape)))
+        else:
+            tensors.append(torch.empty(spec.shape, dtype=dtype))
+        offset += size
+    return tuple(tensors)

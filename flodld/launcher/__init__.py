@@ -1,0 +1,74 @@
+"""Role dispatch: one user program plays agent, relay or rank depending on its environment.
+
+Call `exit_if_worker_role()` first thing in `main` (or use `flodld.run(main)`, which does): in an
+agent or relay process it runs that role and exits; in a rank or a plain process it returns, and
+the user's code runs with an ordinary torch environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from enum import Enum
+
+from flodld.agent.spec import AGENT_ENV
+from flodld.rank.env import in_flodld_rank
+from flodld.relay.spec import RELAY_ENV
+
+
+class Role(Enum):
+    PLAIN = "plain"
+    AGENT = "agent"
+    RELAY = "relay"
+    RANK = "rank"
+
+
+class RoleError(RuntimeError):
+    """The environment names more than one role."""
+
+
+def current_role(environ: Mapping[str, str] | None = None) -> Role:
+    env = os.environ if environ is None else environ
+    agent, relay, rank = AGENT_ENV in env, RELAY_ENV in env, in_flodld_rank(env)
+    if agent + relay + rank > 1:
+        raise RoleError(
+            f"flodld: inconsistent role environment ({AGENT_ENV}={'set' if agent else 'unset'}, "
+            f"{RELAY_ENV}={'set' if relay else 'unset'}, rank={'yes' if rank else 'no'}); a process plays one "
+            "role — unset the stray variables (they leak when a flodld child starts another flodld program)"
+        )
+    if agent:
+        return Role.AGENT
+    if relay:
+        return Role.RELAY
+    return Role.RANK if rank else Role.PLAIN
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: torch's static destructors and lingering threads only cost time here.
+    os._exit(code)
+
+
+def exit_if_worker_role() -> None:
+    """Run the agent or relay role and exit when this process is one; return otherwise."""
+    role = current_role()
+    if role is Role.AGENT:
+        from flodld.agent.run import run_agent
+
+        try:
+            code = run_agent()
+        except Exception as error:
+            print(f"flodld agent: {error}", file=sys.stderr)
+            code = 1
+        _exit(code)
+    elif role is Role.RELAY:
+        from flodld.relay.server import run_relay
+
+        try:
+            code = run_relay()
+        except Exception as error:
+            print(f"flodld relay: {error}", file=sys.stderr)
+            code = 1
+        _exit(code)

@@ -1,0 +1,192 @@
+"""The rank's side of the relay: deposits for CPU averaging, heartbeats, and the controller watch.
+
+Two loopback legs to the host's relay, each an authenticated framed channel:
+- data: `Deposit` up, `Broadcast` down (a reader thread keeps the latest broadcast);
+- control: `Heartbeat` up every interval, `CoordinatorHeartbeat`/`Shutdown` down.
+If the control leg closes, or stays silent for the liveness timeout, the controller is gone and
+this process exits (code 1) rather than hang forever inside a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from flodld.fold.base import Bundle
+from flodld.fold.codec import decode_bundle, encode_bundle
+from flodld.net.blocking import BlockingChannel
+from flodld.net.timeouts import scaled
+from flodld.rank.env import RankEnvironment
+from flodld.wire.control import CoordinatorHeartbeat, Heartbeat, Shutdown
+from flodld.wire.data import Broadcast, DataPlaneError, Deposit, HelloAck, RankHello
+from flodld.wire.errors import WireError
+from flodld.wire.magic import Channel
+
+# The relay may still be starting when a rank dials; its listener already queues the connection.
+CONNECT_TIMEOUT_SECS = 30.0
+LOST_CONTROLLER_EXIT_CODE = 1
+
+
+class RelayClientError(RuntimeError):
+    """The data plane refused a deposit or went away; the message says why."""
+
+
+def _open_leg(env: RankEnvironment, channel: Channel) -> BlockingChannel:
+    assert env.relay_port is not None
+    timeout = scaled(CONNECT_TIMEOUT_SECS)
+    leg = BlockingChannel.connect("127.0.0.1", env.relay_port, channel, env.salt, timeout=timeout)
+    leg.send(RankHello(rank=env.rank))
+    reply = leg.recv(timeout).message()
+    if not isinstance(reply, HelloAck):
+        leg.close()
+        raise RelayClientError(f"relay refused rank {env.rank} on the {channel} leg: {reply!r}")
+    return leg
+
+
+def _exit_now(message: str, code: int) -> None:
+    """Leave immediately: the main thread may be blocked in a collective that will never return."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+class RelayClient:
+    """One per rank process; `deposit` and `wait_round` are called from the training thread."""
+
+    def __init__(self, env: RankEnvironment) -> None:
+        self.env = env
+        self.data = _open_leg(env, Channel.DATA)
+        self.control = _open_leg(env, Channel.CONTROL)
+        self.step = 0
+        self.next_round = 0
+        self._results: dict[int, tuple[Broadcast, Bundle]] = {}
+        self.latest: tuple[Broadcast, Bundle] | None = None
+        self._error: str | None = None
+        self._changed = threading.Condition()
+        self._closing = False
+        for target, name in ((self._read_data, "data"), (self._watch_control, "control"), (self._beat, "heartbeat")):
+            threading.Thread(target=target, name=f"flodld-relay-{name}", daemon=True).start()
+
+    # --- training thread -------------------------------------------------------------------
+
+    def deposit(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, fold: str | None = None) -> int:
+        """Send this rank's contribution to the next round; returns the round number."""
+        spec = fold or self.env.fold
+        scaled = [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
+        specs, tail = encode_bundle(scaled)
+        round_number = self.next_round
+        self.data.send(Deposit(round=round_number, fold=spec, weight=weight, tensors=specs), tail)
+        self.next_round += 1
+        return round_number
+
+    def wait_round(self, round_number: int, timeout: float | None = None) -> Bundle:
+        """Block until the broadcast of `round_number` arrives."""
+        with self._changed:
+            ok = self._changed.wait_for(lambda: round_number in self._results or self._error is not None, timeout)
+            if self._error is not None:
+                raise RelayClientError(self._error)
+            if not ok:
+                raise TimeoutError(f"no broadcast for round {round_number} within {timeout}s")
+            _, tensors = self._results.pop(round_number)
+        self.step += 1
+        return tensors
+
+    def latest_completed_round(self) -> int:
+        return -1 if self.latest is None else self.latest[0].round
+
+    def close(self) -> None:
+        self._closing = True
+        self.data.close()
+        self.control.close()
+
+    # --- background threads ----------------------------------------------------------------
+
+    def _read_data(self) -> None:
+        while True:
+            try:
+                frame = self.data.recv()
+                message = frame.message()
+            except (EOFError, OSError, WireError) as error:
+                self._fail(f"the relay closed the data leg ({error})")
+                return
+            if isinstance(message, Broadcast):
+                tensors = decode_bundle(message.tensors, frame.tail)
+                with self._changed:
+                    self._results[message.round] = (message, tensors)
+                    self.latest = (message, tensors)
+                    # Keep only rounds someone may still wait for (async ranks never wait).
+                    for stale in [number for number in self._results if number < message.round - 64]:
+                        del self._results[stale]
+                    self._changed.notify_all()
+            elif isinstance(message, DataPlaneError):
+                self._fail(f"the data plane refused this rank: {message.reason}")
+                return
+
+    def _fail(self, reason: str) -> None:
+        with self._changed:
+            self._error = self._error or reason
+            self._changed.notify_all()
+
+    def _watch_control(self) -> None:
+        while True:
+            try:
+                message = self.control.recv(self.env.liveness_timeout).message()
+            except TimeoutError:
+                self._lost(f"no word from the controller for {self.env.liveness_timeout:g}s")
+                return
+            except (EOFError, OSError, WireError) as error:
+                self._lost(f"control leg closed ({error})")
+                return
+            if isinstance(message, Shutdown):
+                _exit_now(f"flodld rank {self.env.rank}: shutdown from the controller: {message.reason}", 1)
+            elif not isinstance(message, CoordinatorHeartbeat):
+                continue
+
+    def _lost(self, why: str) -> None:
+        if self._closing:
+            return
+        _exit_now(
+            f"flodld rank {self.env.rank}: lost the controller ({why}); exiting instead of hanging",
+            LOST_CONTROLLER_EXIT_CODE,
+        )
+
+    def _beat(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(self.env.heartbeat_interval):
+            try:
+                self.control.send(Heartbeat(rank=self.env.rank, step=self.step))
+            except (OSError, WireError):
+                return
+
+
+_client: RelayClient | None = None
+_client_lock = threading.Lock()
+
+
+def connect_relay(env: RankEnvironment) -> RelayClient:
+    """Open (once per process) the legs to this host's relay."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            _client = RelayClient(env)
+        return _client
+
+
+def relay_client() -> RelayClient:
+    """The process's relay client; init_process_group() opens it when the host has a relay."""
+    if _client is None:
+        from flodld.rank.env import in_flodld_rank, read_rank_environment
+
+        if not in_flodld_rank():
+            raise RelayClientError(
+                "CPU averaging needs a flodld rank (start the program with `fdl run` or `fdl join`)"
+            )
+        env = read_rank_environment()
+        if env.relay_port is None:
+            raise RelayClientError("this host has no relay (the run's averaging mode does not use the CPU data plane)")
+        return connect_relay(env)
+    return _client

@@ -1,0 +1,274 @@
+"""The relay: one per host, between the local ranks (loopback legs) and the controller (two upstreams).
+
+Data: ranks deposit, the barrier folds all live local deposits, one HostFrame goes up, and the
+controller's Broadcast is fanned out to the live ranks. Control: heartbeats up, coordinator
+heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing folds it out
+(RankGone up). The relay ends when every rank is gone, when the controller goes away, or on TERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING, Any
+
+from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
+from flodld.relay.spec import RelayRoleSpec
+from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
+from flodld.wire.data import (
+    Broadcast,
+    DataPlaneError,
+    Deposit,
+    HelloAck,
+    HostFrame,
+    RankGone,
+    RankHello,
+    RelayHello,
+)
+from flodld.wire.errors import WireError
+from flodld.wire.magic import Channel
+from flodld.wire.messages import Message
+
+if TYPE_CHECKING:
+    from flodld.fold.barrier import RoundBarrier, RoundResult
+
+log = logging.getLogger("flodld.relay")
+
+HANDSHAKE_TIMEOUT_SECS = 10.0
+
+
+class Relay:
+    def __init__(self, spec: RelayRoleSpec) -> None:
+        self.spec = spec
+        self.salt = bytes.fromhex(spec.salt_hex)
+        self.ranks = sorted(spec.ranks)
+        # Folding needs torch; it loads with the first deposit, so a run that only uses the relay for
+        # liveness (gloo/nccl collectives) starts its relay without the import.
+        self._barrier: RoundBarrier[int] | None = None
+        self._fold: Any = None
+        self._refusals: tuple[type[Exception], ...] = ()
+        self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
+        self.gone: set[int] = set()
+        self.upstream: dict[Channel, FramedStream] = {}
+        self.finished = asyncio.Event()
+        self.exit_code = 0
+        self.rounds = 0
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Dial both upstreams, serve the ranks, return the process exit code."""
+        for channel in (Channel.DATA, Channel.CONTROL):
+            self.upstream[channel] = await self._dial(channel)
+        listener = socket.socket(fileno=self.spec.listen_fd)
+        server = await asyncio.start_server(self._serve_rank, sock=listener)
+        log.info(
+            "relay: host %r ranks %s -> controller %s:%d",
+            self.spec.host, self.ranks, self.spec.controller_host, self.spec.controller_port,
+        )
+        readers = [
+            asyncio.create_task(self._read_upstream(Channel.DATA)),
+            asyncio.create_task(self._read_upstream(Channel.CONTROL)),
+        ]
+        await self.finished.wait()
+        server.close()
+        for task in readers:
+            task.cancel()
+        for legs in self.legs.values():
+            for leg in legs.values():
+                leg.close()
+        for stream in self.upstream.values():
+            await stream.aclose()
+        log.info("relay: host %r shut down after %d round(s) (exit %d)", self.spec.host, self.rounds, self.exit_code)
+        return self.exit_code
+
+    def stop(self, why: str, code: int) -> None:
+        """End the relay (closes every leg); `code` becomes its exit code."""
+        self._stop(why, code)
+
+    def _stop(self, why: str, code: int) -> None:
+        if not self.finished.is_set():
+            log.info("relay: stopping: %s", why)
+            self.exit_code = code
+            self.finished.set()
+
+    async def _dial(self, channel: Channel) -> FramedStream:
+        stream = await connect_with_retry(
+            self.spec.controller_host,
+            self.spec.controller_port,
+            channel,
+            self.salt,
+            what=f"relay {channel} upstream",
+            attempts=self.spec.connect_attempts,
+        )
+        await stream.send(RelayHello(host=self.spec.host, ranks=self.ranks))
+        reply = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
+        if not isinstance(reply, HelloAck):
+            raise ConnectionError(f"controller refused the relay's {channel} channel: {reply!r}")
+        return stream
+
+    def _ensure_barrier(self) -> RoundBarrier[int]:
+        if self._barrier is None:
+            from flodld.fold import barrier, base, codec
+
+            self._fold = codec
+            self._refusals = (barrier.RoundError, base.FoldError, codec.CodecError)
+            self._barrier = barrier.RoundBarrier(set(self.ranks) - self.gone)
+        return self._barrier
+
+    # --- ranks -----------------------------------------------------------------------------
+
+    async def _serve_rank(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            channel, _ = await read_channel_prefix(reader, timeout=HANDSHAKE_TIMEOUT_SECS)
+            if channel not in self.legs:
+                writer.close()
+                return
+            assert channel is not None
+            stream = await accept_channel(reader, writer, self.salt, timeout=HANDSHAKE_TIMEOUT_SECS)
+            hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
+        except (TimeoutError, EOFError, OSError, WireError, asyncio.IncompleteReadError) as error:
+            log.warning("relay: dropped a loopback connection before its hello: %s", error)
+            writer.close()
+            return
+        refusal = self._check_rank_hello(channel, hello)
+        if refusal is not None:
+            log.warning("relay: %s", refusal)
+            await self._send_quietly(stream, DataPlaneError(reason=refusal))
+            stream.close()
+            return
+        assert isinstance(hello, RankHello)
+        rank = hello.rank
+        self.legs[channel][rank] = stream
+        await stream.send(HelloAck())
+        try:
+            if channel is Channel.DATA:
+                await self._rank_data_loop(rank, stream)
+            else:
+                await self._rank_control_loop(rank, stream)
+        except (EOFError, OSError, WireError) as error:
+            if rank not in self.gone:
+                log.info("relay: rank %d %s leg closed (%s)", rank, channel, error)
+        await self._rank_gone(rank, f"rank {rank} closed its {channel} leg", notify_upstream=True)
+
+    def _check_rank_hello(self, channel: Channel, hello: Message) -> str | None:
+        if not isinstance(hello, RankHello):
+            return f"expected RankHello on a {channel} leg, got {type(hello).__name__}"
+        if hello.rank not in self.ranks:
+            return f"rank {hello.rank} is not one of this host's ranks {self.ranks}"
+        if hello.rank in self.gone:
+            return f"rank {hello.rank} already left this run"
+        if hello.rank in self.legs[channel]:
+            return f"rank {hello.rank} opened a second {channel} leg"
+        return None
+
+    async def _rank_data_loop(self, rank: int, stream: FramedStream) -> None:
+        while True:
+            frame = await stream.recv()
+            message = frame.message()
+            if not isinstance(message, Deposit):
+                raise WireError("bad_payload", f"rank {rank} sent {type(message).__name__} on its data leg")
+            barrier = self._ensure_barrier()
+            try:
+                tensors = self._fold.decode_bundle(message.tensors, frame.tail)
+                result = barrier.contribute(rank, message.round, message.fold, tensors, message.weight)
+            except self._refusals as error:
+                log.error("relay: refusing rank %d: %s", rank, error)
+                await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
+                return
+            if result is not None:
+                await self._ship(result)
+
+    async def _rank_control_loop(self, rank: int, stream: FramedStream) -> None:
+        while True:
+            message = (await stream.recv()).message()
+            if isinstance(message, Heartbeat) and message.rank == rank:
+                await self.upstream[Channel.CONTROL].send(message)
+
+    async def _rank_gone(self, rank: int, reason: str, *, notify_upstream: bool) -> None:
+        if rank in self.gone:
+            return
+        self.gone.add(rank)
+        for legs in self.legs.values():
+            leg = legs.pop(rank, None)
+            if leg is not None:
+                leg.close()
+        result = self._barrier.remove(rank) if self._barrier is not None else None
+        try:
+            if result is not None:
+                await self._ship(result)
+            if notify_upstream:
+                await self.upstream[Channel.DATA].send(RankGone(rank=rank, reason=reason[:1024]))
+        except (OSError, WireError) as error:
+            self._stop(f"controller data channel failed: {error}", 1)
+            return
+        if self.gone >= set(self.ranks):
+            self._stop("every local rank has left", 0)
+
+    async def _ship(self, result: RoundResult[int]) -> None:
+        specs, tail = self._fold.encode_bundle(result.tensors)
+        frame = HostFrame(
+            round=result.round,
+            fold=result.fold_spec,
+            weight=result.weight,
+            contributors=sorted(result.contributors),
+            tensors=specs,
+        )
+        await self.upstream[Channel.DATA].send(frame, tail)
+
+    # --- controller ------------------------------------------------------------------------
+
+    async def _read_upstream(self, channel: Channel) -> None:
+        stream = self.upstream[channel]
+        try:
+            while True:
+                frame = await stream.recv()
+                message = frame.message()
+                if isinstance(message, Broadcast):
+                    self.rounds += 1
+                    await self._fan_out(Channel.DATA, message, frame.tail)
+                elif isinstance(message, CoordinatorHeartbeat | Shutdown):
+                    await self._fan_out(Channel.CONTROL, message, b"")
+                elif isinstance(message, DeclareDead):
+                    log.warning("relay: controller declared rank %d dead: %s", message.rank, message.reason)
+                    await self._rank_gone(message.rank, message.reason, notify_upstream=False)
+                elif isinstance(message, DataPlaneError):
+                    self._stop(f"controller refused this host's data: {message.reason}", 1)
+                    return
+        except (EOFError, OSError, WireError) as error:
+            live = set(self.ranks) - self.gone
+            self._stop(f"controller {channel} channel closed ({error}) with ranks {sorted(live)} live", 1 if live else 0)
+
+    async def _fan_out(self, channel: Channel, message: Message, tail: bytes) -> None:
+        for rank, leg in list(self.legs[channel].items()):
+            try:
+                await leg.send(message, tail)
+            except (OSError, WireError):
+                await self._rank_gone(rank, f"rank {rank} stopped reading its {channel} leg", notify_upstream=True)
+
+    @staticmethod
+    async def _send_quietly(stream: FramedStream, message: Message) -> None:
+        try:
+            await stream.send(message)
+        except (OSError, WireError):
+            pass
+
+
+def run_relay() -> int:
+    """Entry of the relay role: read the spec from the environment, serve until done."""
+    from flodld.relay.spec import relay_spec_from_env
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    relay = Relay(relay_spec_from_env())
+
+    async def serve() -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            # TERM is how the agent says "your ranks are done": a clean stop, not a failure.
+            loop.add_signal_handler(signum, relay.stop, f"signal {signum.name}", 0)
+        return await relay.run()
+
+    return asyncio.run(serve())

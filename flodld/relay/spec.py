@@ -1,0 +1,38 @@
+"""The relay role's spec (hex JSON in FLODL_INTERNAL_RELAY_JSON), written by the agent.
+
+`listen_fd` is a loopback listening socket the agent bound and handed down, so the ranks' port
+is known before the relay starts and no two runs on one box can collide on fixed ports.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flodld.agent.spec import SpecError, decode_hex_json
+
+RELAY_ENV: Final = "FLODL_INTERNAL_RELAY_JSON"
+
+
+class RelayRoleSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: Annotated[str, Field(min_length=1, max_length=253)]
+    controller_host: Annotated[str, Field(min_length=1, max_length=253)]
+    controller_port: Annotated[int, Field(ge=1, le=65535)]
+    salt_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+    ranks: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=4096)]
+    listen_fd: Annotated[int, Field(ge=0)]
+    connect_attempts: Annotated[int, Field(ge=1)] | None = None
+
+
+def relay_spec_from_env() -> RelayRoleSpec:
+    text = os.environ.get(RELAY_ENV)
+    if text is None:
+        raise SpecError(f"{RELAY_ENV} is not set; the relay role needs its spec there")
+    try:
+        return RelayRoleSpec.model_validate(decode_hex_json(text, RELAY_ENV))
+    except ValidationError as error:
+        raise SpecError(f"{RELAY_ENV} holds an invalid relay spec: {error}") from None

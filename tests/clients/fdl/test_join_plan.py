@@ -1,0 +1,75 @@
+"""`fdl join` flag resolution over the fdl.yml `join:` block, and the persist backoff schedule."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+from fdl import join as join_command
+from fdl.run import reparse
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+def parse(*words: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    join_command.configure_parser(parser)
+    args = parser.parse_args(list(words))
+    args.program_args = reparse(args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?"))
+    return args
+
+
+def project(tmp_path: Path, block: str) -> Path:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "fdl.yml").write_text(block)
+    return tmp_path
+
+
+def test_a_bare_fdl_join_takes_everything_from_the_join_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(join_command.TOKEN_ENV, raising=False)
+    directory = project(tmp_path, (
+        "join:\n  address: 10.1.2.3:4000\n"
+        f"  token: {TOKEN}\n  program: {tmp_path / 'train.py'}\n"
+        "  args: ['--epochs', '3']\n  host: box-7\n  devices: ['cpu:2']\n  persist: true\n"
+    ))
+    plan = join_command.resolve_plan(parse("--project", str(directory)))
+    assert plan.command == [sys.executable, str(tmp_path / "train.py"), "--epochs", "3"]
+    assert (plan.spec.controller_host, plan.spec.controller_port) == ("10.1.2.3", 4000)
+    assert plan.spec.salt_hex == TOKEN and plan.spec.host == "box-7" and plan.spec.devices == ["cpu:2"]
+    assert plan.persist
+
+
+def test_flags_win_over_the_block_and_an_empty_tail_clears_its_args(tmp_path: Path) -> None:
+    directory = project(tmp_path, f"join:\n  address: 10.1.2.3:4000\n  program: {tmp_path / 'train.py'}\n"
+                                  "  args: ['--epochs', '3']\n  devices: all\n")
+    args = parse("127.0.0.1:5555", "--project", str(directory), "--host", "me", "--devices", "cpu:3", "--")
+    plan = join_command.resolve_plan(args)
+    assert (plan.spec.controller_host, plan.spec.controller_port) == ("127.0.0.1", 5555)
+    assert plan.command[2:] == [] and plan.spec.devices == ["cpu:3"] and plan.spec.host == "me"
+    assert not plan.persist
+
+
+def test_token_from_stdin_and_bad_input_are_usage_errors(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    args = parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--token", "-")
+    assert join_command.resolve_plan(args, stdin_token=TOKEN.upper() + "\n").spec.salt_hex == TOKEN
+    with pytest.raises(join_command.UsageError, match="32 hex characters"):
+        join_command.resolve_plan(parse("--project", str(tmp_path), "--bin", "x.py", "--token", "abc"))
+    with pytest.raises(join_command.UsageError, match=r"pass --bin PROGRAM or set join\.program"):
+        join_command.resolve_plan(parse("--project", str(tmp_path)))
+    with pytest.raises(join_command.UsageError, match="not found"):
+        join_command.resolve_plan(parse("--project", str(tmp_path), "--bin", str(tmp_path / "missing.py")))
+
+
+def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "train.py").write_text("")
+    plan = join_command.resolve_plan(parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist"))
+    codes = iter([1, 1, 1, 1, 1, 0, 1, 2])
+    monkeypatch.setattr(join_command, "attempt", lambda _plan: next(codes))
+    sleeps: list[float] = []
+    assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
+    assert sleeps == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]

@@ -1,0 +1,68 @@
+"""`fdl run` on the embedded default: real controller, agent, relay and gloo ranks on loopback."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from tests.e2e.harness import EXAMPLES, PROGRAMS, Fdl, pid_alive
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_fdl_run_completes_a_gloo_all_reduce_and_a_relay_average(ranks: int) -> None:
+    run = Fdl("run", "--ranks", str(ranks), str(EXAMPLES / "allreduce.py"), "--", "--average")
+    assert run.wait() == 0, run.output
+    expected = float(ranks * (ranks + 1) // 2)
+    assert len(re.findall(rf"all_reduce ok \[{expected}, ", run.output)) == ranks, run.output
+    assert len(re.findall(r"relay average", run.output)) == ranks
+    assert "fdl run: run done" in run.output
+
+
+def ready_pids(run: Fdl, ranks: int) -> dict[int, tuple[int, int]]:
+    matches = run.wait_for(r"ready rank=(\d+) pid=(\d+) ppid=(\d+)", count=ranks)
+    return {int(m[1]): (int(m[2]), int(m[3])) for m in matches}
+
+
+def test_a_rank_exiting_3_fails_the_run_naming_it_and_tears_the_others_down() -> None:
+    run = Fdl("run", str(PROGRAMS / "sleeper.py"), "--", "--fail-rank", "1", "--code", "3")
+    pids = ready_pids(run, 2)
+    assert run.wait() == 1, run.output
+    assert "rank 1 exited with code 3" in run.output
+    assert re.search(r"run FAILED: .*\[1\]", run.output), run.output
+    # Rank 0 was blocked forever; only the teardown ended it: the supervisor's TERM (KILL after the 5 s
+    # grace), or its relay going away first, which a rank answers by exiting instead of hanging.
+    assert re.search(r"rank 0 exited with (signal (15|9)|code 1)", run.output), run.output
+    assert "tearing down host '127.0.0.1' (rank 1 exited with code 3)" in run.output
+    assert not any(pid_alive(pid) for pid, _ in pids.values())
+
+
+def test_abort_from_the_controller_stops_every_child() -> None:
+    run = Fdl("run", str(PROGRAMS / "sleeper.py"))
+    pids = ready_pids(run, 2)
+    agent_pid = pids[0][1]
+    run.signal(signal.SIGINT)  # fdl run aborts the run: Abort goes down the join link
+    assert run.wait() == 1, run.output
+    assert "abort from the controller" in run.output
+    assert "run FAILED" in run.output
+    assert not pid_alive(agent_pid)
+    assert not any(pid_alive(pid) for pid, _ in pids.values())
+
+
+def test_killing_the_agent_ends_its_host_link_and_the_controller_reports_it() -> None:
+    run = Fdl("run", str(PROGRAMS / "sleeper.py"))
+    pids = ready_pids(run, 2)
+    agent_pid = pids[0][1]
+    import os
+
+    os.kill(agent_pid, signal.SIGKILL)
+    assert run.wait() == 1, run.output
+    assert re.search(r"run FAILED: .*host '127\.0\.0\.1'", run.output), run.output
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid, _ in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(pid) for pid, _ in pids.values()), "ranks outlived their killed agent"

@@ -1,0 +1,79 @@
+"""The agent's join against a real in-process Controller on loopback."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from flodld.agent.join import ExitClass, JoinFailed, build_hello, join_world
+from flodld.agent.spec import AgentSpec
+from flodld.config.join import JoinConfig
+from flodld.controller.options import ControllerOptions
+from flodld.controller.run import Controller
+
+
+def controller(token: str | None) -> Controller:
+    # A loopback bind without a token is open admission: reachability is the credential.
+    return Controller(ControllerOptions(
+        advertised_host="10.9.9.9", port=0, loopback_bind=True, averaging="cpu_sync",
+        join=JoinConfig(discovery=True, min_rank_start=1, target_ranks=1, token=token),
+    ))
+
+
+def spec(port: int, token: str | None) -> AgentSpec:
+    return AgentSpec(host="walker", controller_host="127.0.0.1", controller_port=port, salt_hex=token,
+                     devices=["cpu"], connect_attempts=3)
+
+
+async def test_a_wrong_token_is_a_permanent_failure_with_an_actionable_message() -> None:
+    ctl = controller(secrets.token_hex(16))
+    _, port = await ctl.start()
+    try:
+        agent = spec(port, secrets.token_hex(16))
+        with pytest.raises(JoinFailed, match="token mismatch") as failure:
+            await join_world(agent, build_hello(agent, ["cpu:0"]))
+        assert failure.value.exit_class is ExitClass.PERMANENT
+    finally:
+        await ctl.stop("test over")
+
+
+async def test_pre_shared_join_forms_and_rewrites_the_controller_to_the_dialed_address() -> None:
+    token = secrets.token_hex(16)
+    ctl = controller(token)
+    _, port = await ctl.start()
+    try:
+        agent = spec(port, token)
+        joined = await join_world(agent, build_hello(agent, ["cpu:0"]))
+        envelope = joined.formed.envelope
+        assert envelope.ranks == [0] and envelope.world_size == 1
+        # The controller advertised 10.9.9.9; the agent keeps the road its join used.
+        assert (envelope.controller_host, envelope.controller_port) == ("127.0.0.1", port)
+        assert joined.salt == bytes.fromhex(token)
+        await joined.stream.aclose()
+    finally:
+        await ctl.stop("test over")
+
+
+async def test_open_admission_takes_the_salt_from_accept() -> None:
+    ctl = controller(None)
+    _, port = await ctl.start()
+    try:
+        agent = spec(port, None)
+        joined = await join_world(agent, build_hello(agent, ["cpu:0"]))
+        assert joined.salt == ctl.salt
+        await joined.stream.aclose()
+    finally:
+        await ctl.stop("test over")
+
+
+async def test_no_controller_is_a_transient_failure() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = spec(port, None).model_copy(update={"connect_attempts": 2})
+    with pytest.raises(JoinFailed, match="failed after 2 attempts") as failure:
+        await join_world(agent, build_hello(agent, ["cpu:0"]))
+    assert failure.value.exit_class is ExitClass.TRANSIENT

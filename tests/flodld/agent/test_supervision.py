@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from flodld.agent.supervision import (
+    AbortReceived,
+    CloseLink,
+    Finish,
+    GraceExpired,
+    KillAll,
+    LinkLost,
+    RankExit,
+    RelayExit,
+    ReportRankExit,
+    Supervisor,
+    SupervisorState,
+    TerminateAll,
+    TerminateRelay,
+)
+
+
+def test_clean_run_reports_each_rank_stops_the_relay_then_closes_the_link() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=True)
+    assert supervisor.start() == []
+    assert supervisor.handle(RankExit(0, 0)) == [ReportRankExit(0, 0)]
+    assert supervisor.handle(RankExit(1, 0)) == [ReportRankExit(1, 0), TerminateRelay()]
+    assert supervisor.handle(RelayExit(-15)) == [CloseLink(), Finish(0, "host 'h' finished cleanly")]
+    assert supervisor.state is SupervisorState.DONE
+
+
+def test_a_failing_rank_is_reported_and_tears_the_host_down() -> None:
+    supervisor = Supervisor("h", [4, 5], has_relay=True)
+    actions = supervisor.handle(RankExit(5, 3))
+    assert actions == [ReportRankExit(5, 3), TerminateAll("rank 5 exited with code 3")]
+    assert supervisor.handle(GraceExpired()) == [KillAll()]
+    assert supervisor.handle(RankExit(4, -15)) == [ReportRankExit(4, -15)]
+    final = supervisor.handle(RelayExit(-15))
+    assert final[0] == CloseLink()
+    assert isinstance(final[1], Finish) and final[1].exit_code == 1 and "rank 5 exited with code 3" in final[1].summary
+
+
+def test_relay_death_mid_run_tears_down_but_a_requested_stop_does_not() -> None:
+    supervisor = Supervisor("h", [0], has_relay=True)
+    assert supervisor.handle(RelayExit(1)) == [TerminateAll("relay died (code 1) while ranks were running")]
+    assert supervisor.handle(RankExit(0, -15))[-1] == Finish(
+        1, "host 'h' torn down: relay died (code 1) while ranks were running"
+    )
+
+
+def test_abort_and_link_loss_terminate_every_child_once() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=False)
+    assert supervisor.handle(AbortReceived("quorum not met")) == [
+        TerminateAll("abort from the controller: quorum not met")
+    ]
+    assert supervisor.handle(LinkLost("eof")) == []  # already tearing down
+    supervisor.handle(RankExit(0, -15))
+    assert supervisor.handle(RankExit(1, -9))[-1].exit_code == 1  # type: ignore[union-attr]
+
+
+def test_link_loss_with_no_children_finishes_at_once() -> None:
+    supervisor = Supervisor("h", [0], has_relay=False)
+    supervisor.handle(RankExit(0, 0))
+    assert supervisor.state is SupervisorState.DONE
+    assert supervisor.handle(LinkLost("eof")) == []
+
+
+def test_a_relay_that_stops_cleanly_before_its_ranks_exit_is_not_a_failure() -> None:
+    supervisor = Supervisor("h", [0], has_relay=True)
+    assert supervisor.handle(RelayExit(0)) == []  # every rank closed its legs; their exits come next
+    assert supervisor.handle(RankExit(0, 0)) == [
+        ReportRankExit(0, 0), CloseLink(), Finish(0, "host 'h' finished cleanly")
+    ]
