@@ -1,0 +1,167 @@
+"""Plaintext: a message as slots, integer/approximate coefficients, or RNS residues."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fhelium.core.errors import FheliumValueError
+from fhelium.core.resident import TensorResident
+from fhelium.core.state import (
+    PLAINTEXT_REPRESENTATIONS,
+    ModulusBasis,
+    PlaintextRepresentation,
+    PolynomialDomain,
+    ResidueRepresentation,
+    check_basis,
+    check_choice,
+    check_depth,
+    check_domain,
+    check_integer_tensor,
+    check_limb_axis,
+    check_residue,
+    coerce_prime_ids,
+    coerce_scale,
+)
+
+
+@dataclass(eq=False)
+class Plaintext(TensorResident):
+    """An unencrypted CKKS value.
+
+    ``representation`` decides which tensor is present and what it means:
+    ``slots`` → ``message`` (scalar or ``[*batch, slot]``, real or complex);
+    ``integer_coefficients`` → integral ``data [*batch, N]``;
+    ``approximate_coefficients`` → float64 ``data [*batch, N]`` (what decryption yields);
+    ``rns`` → integral ``data [*batch, limb, N]`` with domain/basis/residue/prime_ids.
+    """
+
+    message: torch.Tensor | None
+    depth: int
+    scale: float
+    data: torch.Tensor | None = None
+    representation: PlaintextRepresentation = "slots"
+    polynomial_domain: PolynomialDomain | None = None
+    modulus_basis: ModulusBasis | None = None
+    residue_representation: ResidueRepresentation | None = None
+    prime_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = "Plaintext"
+        self.depth = check_depth(owner, self.depth)
+        self.scale = coerce_scale(owner, self.scale)
+        rep = check_choice(owner, "representation", self.representation, PLAINTEXT_REPRESENTATIONS)
+        if (self.message is None) == (self.data is None):
+            raise FheliumValueError(
+                "Plaintext must own exactly one representation tensor: message (slots) or data "
+                f"(coefficients/rns); got message={'set' if self.message is not None else 'None'}, "
+                f"data={'set' if self.data is not None else 'None'}"
+            )
+        self.prime_ids = coerce_prime_ids(owner, self.prime_ids, allow_empty=True)
+        if rep == "slots":
+            if self.message is None:
+                raise FheliumValueError("Plaintext representation 'slots' needs message, not data")
+            if not isinstance(self.message, torch.Tensor):
+                raise FheliumValueError(f"Plaintext message must be a torch.Tensor; got {type(self.message).__name__}")
+            self._require_no_rns_state("slots")
+            return
+        if self.data is None:
+            raise FheliumValueError(f"Plaintext representation {rep!r} needs data, not message")
+        if rep in ("integer_coefficients", "approximate_coefficients"):
+            if rep == "integer_coefficients":
+                check_integer_tensor(owner, "data", self.data, min_ndim=1)
+            elif not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.float64:
+                raise FheliumValueError("Plaintext approximate_coefficients data must be a float64 tensor")
+            elif not bool(torch.isfinite(self.data).all()):
+                raise FheliumValueError("Plaintext approximate_coefficients data must be finite")
+            if self.polynomial_domain not in (None, "coefficient"):
+                raise FheliumValueError(
+                    f"Plaintext {rep} must have polynomial_domain 'coefficient'; got {self.polynomial_domain!r}"
+                )
+            self.polynomial_domain = "coefficient"
+            if self.modulus_basis is not None or self.residue_representation is not None or self.prime_ids:
+                raise FheliumValueError(
+                    f"Plaintext {rep} carries no modulus_basis, residue_representation or prime_ids"
+                )
+            return
+        check_integer_tensor(owner, "data", self.data, min_ndim=2)
+        if not self.prime_ids:
+            raise FheliumValueError("Plaintext rns representation needs non-empty prime_ids")
+        check_limb_axis(owner, self.data, self.prime_ids)
+        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
+        self.modulus_basis = check_basis(owner, self.modulus_basis)
+        self.residue_representation = check_residue(owner, self.residue_representation)
+
+    def _require_no_rns_state(self, rep: str) -> None:
+        if (
+            self.polynomial_domain is not None
+            or self.modulus_basis is not None
+            or self.residue_representation is not None
+            or self.prime_ids
+        ):
+            raise FheliumValueError(
+                f"Plaintext {rep} carries no polynomial_domain, modulus_basis, residue_representation or prime_ids"
+            )
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The one payload tensor (message or data)."""
+        payload = self.message if self.message is not None else self.data
+        assert payload is not None  # guaranteed by __post_init__
+        return payload
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        if self.representation == "rns":
+            return tuple(self.tensor.shape[:-2])
+        return tuple(self.tensor.shape[:-1]) if self.tensor.ndim else ()
+
+    def with_tensor(self, tensor: torch.Tensor) -> Plaintext:
+        has_message = self.message is not None
+        return Plaintext(
+            tensor if has_message else None,
+            self.depth,
+            self.scale,
+            None if has_message else tensor,
+            self.representation,
+            self.polynomial_domain,
+            self.modulus_basis,
+            self.residue_representation,
+            self.prime_ids,
+        )
+
+    def clone(self) -> Plaintext:
+        return self.with_tensor(self.tensor.clone())
+
+    @classmethod
+    def stack_batch(cls, values: Sequence[Plaintext]) -> Plaintext:
+        if not values:
+            raise FheliumValueError("Plaintext.stack_batch needs at least one value")
+        first = values[0]
+        if first.representation == "slots" and first.tensor.ndim == 0:
+            raise FheliumValueError("Plaintext.stack_batch cannot stack scalar slot messages")
+        for index, value in enumerate(values):
+            same = (
+                value.representation == first.representation
+                and value.depth == first.depth
+                and value.scale == first.scale
+                and value.polynomial_domain == first.polynomial_domain
+                and value.modulus_basis == first.modulus_basis
+                and value.residue_representation == first.residue_representation
+                and value.prime_ids == first.prime_ids
+                and value.tensor.shape == first.tensor.shape
+            )
+            if not same:
+                raise FheliumValueError(f"Plaintext.stack_batch values[{index}] differs from values[0]")
+        dim = 0
+        return first.with_tensor(torch.stack([v.tensor for v in values], dim=dim))
+
+    @property
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.tensor,)
+
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Plaintext:
+        (tensor,) = tensors
+        return self.with_tensor(tensor)

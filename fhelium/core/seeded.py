@@ -1,0 +1,65 @@
+"""SeededCiphertext: a fresh secret-key ciphertext stored as (c0, seed of the uniform c1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fhelium.core.errors import FheliumValueError
+from fhelium.core.resident import TensorResident
+from fhelium.core.state import (
+    PolynomialDomain,
+    check_depth,
+    check_domain,
+    check_integer_tensor,
+    check_limb_axis,
+    coerce_prime_ids,
+    coerce_scale,
+)
+
+SEED_BYTES = 32
+
+
+@dataclass(eq=False)
+class SeededCiphertext(TensorResident):
+    """About half the size of a Ciphertext: c1 is re-expanded from ``seed`` by the engine.
+
+    Only fresh encryptions have this form; any homomorphic operation needs the expanded
+    ``Ciphertext`` (``CkksEngine.expand_seeded``).
+    """
+
+    c0: torch.Tensor
+    seed: bytes
+    depth: int
+    scale: float
+    prime_ids: tuple[int, ...]
+    polynomial_domain: PolynomialDomain = "ntt"
+
+    def __post_init__(self) -> None:
+        owner = "SeededCiphertext"
+        check_integer_tensor(owner, "c0", self.c0, min_ndim=2)
+        if not isinstance(self.seed, bytes) or len(self.seed) != SEED_BYTES:
+            raise FheliumValueError(f"{owner} seed must be {SEED_BYTES} bytes; got {self.seed!r}")
+        self.depth = check_depth(owner, self.depth)
+        self.scale = coerce_scale(owner, self.scale)
+        self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
+        check_limb_axis(owner, self.c0, self.prime_ids)
+        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
+        if self.polynomial_domain != "ntt":
+            raise FheliumValueError(f"{owner} is produced in the NTT domain only")
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.c0.shape[:-2])
+
+    @property
+    def ring_dimension(self) -> int:
+        return int(self.c0.size(-1))
+
+    @property
+    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.c0,)
+
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> SeededCiphertext:
+        return SeededCiphertext(tensors[0], self.seed, self.depth, self.scale, self.prime_ids, self.polynomial_domain)
