@@ -69,7 +69,7 @@ class FramedStream:
             await self.writer.drain()
 
     async def recv(self, timeout: float | None = None) -> Frame:
-        """The next frame. EOFError on a clean close; WireError on a violation; TimeoutError on timeout.
+        """The next frame. EOFError on a clean close; ConnectionResetError on a reset; WireError on a violation; TimeoutError.
 
         A timeout loses nothing: bytes already read stay buffered in the connection.
         """
@@ -89,8 +89,8 @@ class FramedStream:
         except asyncio.IncompleteReadError as short:
             self.conn.receive_data(short.partial)
             data = b""
-        except ConnectionResetError:
-            data = b""
+        # A reset is not a clean close: ConnectionResetError propagates, so callers can tell a peer that
+        # broke (e.g. a killed agent with unread data) from one that finished (EOFError).
         self.conn.receive_data(data)
 
     async def complete_handshake(self, timeout: float | None) -> None:

@@ -1,0 +1,51 @@
+"""Where a thin client finds the controller: `--addr`, else the active overlay, else 127.0.0.1:1337."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from flodld.config.errors import ConfigError
+from flodld.config.fields import LOOPBACK_HOSTS
+from flodld.config.loader import load_config
+from flodld.config.models import DEFAULT_CONTROLLER_PORT, parse_address
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Addresses to try in order, and where they came from (for messages)."""
+
+    addresses: tuple[tuple[str, int], ...]
+    origin: str
+
+    def describe(self) -> str:
+        return " / ".join(format_address(host, port) for host, port in self.addresses)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def resolve_candidates(addr: str | None, env: str | None, project: Path | str, command: str) -> Candidates:
+    """The resolution order of `fdl status` / `fdl start` (ValueError/ConfigError on bad input)."""
+    if addr:
+        return Candidates((parse_address(addr, DEFAULT_CONTROLLER_PORT),), "--addr")
+    if env:
+        project_config = load_config(project, env)
+        cluster = project_config.cluster
+        if cluster is not None:
+            host, port = cluster.controller.host, cluster.controller.port
+            addresses = [(host, port)]
+            if host not in LOOPBACK_HOSTS:
+                addresses.append(("127.0.0.1", port))
+            return Candidates(tuple(addresses), f"fdl.{env}.yml controller")
+    print(
+        f"fdl {command}: no cluster env active; trying 127.0.0.1:{DEFAULT_CONTROLLER_PORT} "
+        f"(pass --addr or use `fdl @<env> {command}` to target a specific controller)",
+        file=sys.stderr,
+    )
+    return Candidates((("127.0.0.1", DEFAULT_CONTROLLER_PORT),), "convention default")
+
+
+__all__ = ["Candidates", "ConfigError", "format_address", "resolve_candidates"]

@@ -1,0 +1,33 @@
+"""A tiny blocking HTTP client for the controller port (stdlib only: the CLI must start fast)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass
+from typing import Any
+
+HTTP_TIMEOUT_SECS = 5.0
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    status: int
+    reason: str
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def request(host: str, port: int, method: str, path: str, *, timeout: float = HTTP_TIMEOUT_SECS) -> HttpReply:
+    """One request on a fresh connection; OSError when nothing answers."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request(method, path, headers={"Connection": "close", "Content-Length": "0"})
+        response = connection.getresponse()
+        return HttpReply(response.status, response.reason, response.read())
+    except http.client.HTTPException as error:
+        raise OSError(f"bad HTTP answer: {error!r}") from error
+    finally:
+        connection.close()

@@ -1,0 +1,156 @@
+"""`fdl status [--json] [--addr host[:port]] [--watch]`: the run's state from the controller port."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from typing import Any, TextIO
+
+from fdl.address import Candidates, format_address, resolve_candidates
+from fdl.endpoint import request
+
+WINDOW_PHASES = ("waiting", "staging")
+END_PHASES = ("done", "failed")
+_COLOURS = {"training": "32", "done": "32", "waiting": "33", "staging": "33", "forming": "33", "failed": "31"}
+NO_RUN_HINT = (
+    "The status endpoint lives on the controller's port for exactly as long as the run does — "
+    "a refused connection usually just means no run is up."
+)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser("status", help="show the run's membership state")
+    parser.add_argument("--json", action="store_true", help="print state.json verbatim")
+    parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
+    parser.add_argument("--watch", action="store_true", help="refresh until the run ends")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between --watch refreshes")
+    parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+    parser.set_defaults(func=main)
+    return parser
+
+
+class NoRun(Exception):
+    """Nothing answered 200 at any candidate."""
+
+
+def fetch_state(candidates: Candidates) -> tuple[str, bytes]:
+    """(address that answered, state.json body); NoRun with the last error otherwise."""
+    last = "no candidates"
+    for host, port in candidates.addresses:
+        try:
+            reply = request(host, port, "GET", "/state.json")
+        except OSError as error:
+            last = str(error) or repr(error)
+            continue
+        if reply.status == 200:
+            return format_address(host, port), reply.body
+        last = f"endpoint answered {reply.status} {reply.reason} — {reply.body.decode(errors='replace')}"
+    raise NoRun(f"no run listening at {candidates.describe()} ({candidates.origin}): {last}\n{NO_RUN_HINT}")
+
+
+def _paint(text: str, code: str, colour: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if colour else text
+
+
+def device_summary(labels: list[str]) -> str:
+    if not labels:
+        return "no devices listed"
+    counts = Counter(labels)
+    if len(counts) == 1:
+        return f"{len(labels)}x {labels[0]}"
+    return ", ".join(labels)
+
+
+def _countdown(value: float | None) -> str:
+    return "expired" if value is None else f"{value:.0f}s left"
+
+
+def render(state: dict[str, Any], address: str, *, colour: bool = False) -> str:
+    """The pretty form of state.json."""
+    phase = str(state.get("phase", "?"))
+    lines = [f"run {state.get('run_id') or '?'} @ {address} — {_paint(phase, _COLOURS.get(phase, '0'), colour)}"]
+    target = state.get("target")
+    lines.append(
+        f"  ranks: {state.get('joined_ranks', 0)} joined across {state.get('joined_hosts', 0)} host(s)   "
+        f"(quorum {state.get('quorum')}, target {target if target is not None else 'none'})"
+    )
+    if phase in WINDOW_PHASES:
+        lines.append(
+            f"  window: {_countdown(state.get('window_remaining_secs'))}   "
+            f"hard cap: {_countdown(state.get('cap_remaining_secs'))}"
+        )
+        mode = state.get("start_mode", "auto")
+        if mode != "auto":
+            if state.get("start_armed"):
+                what = "armed (forming at the next tick)"
+            elif phase == "staging":
+                what = "roster startable, fire with `fdl start`"
+            else:
+                what = "waiting for quorum"
+            lines.append(f"  start: {mode} — {what}")
+    members = state.get("members") or []
+    if not members:
+        lines.append("  hosts: none joined yet")
+    else:
+        lines.append("  hosts:")
+        width = max(len(m["host"]) for m in members)
+        for m in members:
+            ranks = "[" + ", ".join(str(r) for r in m["ranks"]) + "]"
+            summary = device_summary(list(m.get("device_labels") or m.get("devices") or []))
+            name = _paint(m["host"].ljust(width), "1", colour)
+            link = "" if m.get("link", "open") == "open" else f"  link {m['link']}"
+            lines.append(
+                f"    {name}  ranks {ranks}  {summary}  variant {m.get('variant') or '-'}  "
+                f"joined +{m.get('joined_at_secs', 0):.0f}s{link}"
+            )
+    missing = state.get("missing") or []
+    if missing:
+        lines.append(f"  missing: {', '.join(missing)}")
+    if state.get("reason"):
+        lines.append(f"  reason: {state['reason']}")
+    return "\n".join(lines)
+
+
+def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextIO) -> dict[str, Any] | None:
+    if args.json:
+        out.write(body.decode(errors="replace").rstrip("\n") + "\n")
+    try:
+        import json
+
+        state = json.loads(body)
+    except ValueError:
+        if not args.json:
+            out.write(body.decode(errors="replace") + "\n")
+        return None
+    if not args.json:
+        out.write(render(state, address, colour=out.isatty()) + "\n")
+    return state if isinstance(state, dict) else None
+
+
+def main(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    try:
+        candidates = resolve_candidates(args.addr, getattr(args, "env", None), args.project, "status")
+    except ValueError as error:
+        print(f"fdl status: {error}", file=sys.stderr)
+        return 2
+    seen = False
+    while True:
+        try:
+            address, body = fetch_state(candidates)
+        except NoRun as error:
+            if seen and args.watch:
+                print("fdl status: the run has ended (the controller port closed)", file=sys.stderr)
+                return 0
+            print(f"fdl status: {error}", file=sys.stderr)
+            return 1
+        seen = True
+        if args.watch and out.isatty():
+            out.write("\033[H\033[2J")
+        state = _print_state(body, address, args, out)
+        out.flush()
+        if not args.watch or (state is not None and state.get("phase") in END_PHASES):
+            return 0
+        time.sleep(max(0.05, args.interval))

@@ -1,0 +1,76 @@
+"""Private-address classification and the once-per-peer cleartext warning.
+
+Frames are HMAC-authenticated but not encrypted, so a peer outside private address space
+means parameters cross a link anyone on the path can read. We warn, never refuse: the
+operator may know the path is safe (an overlay we cannot see), conventions warn.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+_CGNAT = ipaddress.IPv4Network("100.64.0.0/10")
+_ULA = ipaddress.IPv6Network("fc00::/7")
+
+log = logging.getLogger("flodld.controller")
+
+
+def is_private_address(address: str) -> bool:
+    """True for loopback, RFC1918, link-local, CGNAT 100.64/10, IPv6 loopback/link-local/ULA.
+
+    IPv4-mapped IPv6 addresses are judged by their IPv4 part; anything unparsable is public.
+    """
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        else:
+            return ip.is_loopback or ip.is_link_local or ip in _ULA
+    if ip.is_loopback or ip.is_link_local or ip in _CGNAT:
+        return True
+    return any(ip in net for net in _RFC1918)
+
+
+_RFC1918 = (
+    ipaddress.IPv4Network("10.0.0.0/8"),
+    ipaddress.IPv4Network("172.16.0.0/12"),
+    ipaddress.IPv4Network("192.168.0.0/16"),
+)
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for 127/8, ::1 and IPv4-mapped loopback."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+class CleartextWarner:
+    """Logs one loud warning per distinct public peer address for the life of this object."""
+
+    def __init__(self, what: str = "controller", logger: logging.Logger | None = None) -> None:
+        self._what = what
+        self._log = logger or log
+        self._warned: set[str] = set()
+
+    def check(self, address: str) -> bool:
+        """Warn if `address` is public and not warned about yet; return whether a warning was logged."""
+        if is_private_address(address) or address in self._warned:
+            return False
+        self._warned.add(address)
+        self._log.warning(
+            "event=cleartext_peer what=%s peer=%s WARNING: peer is outside every private address range and "
+            "this channel is CLEARTEXT (HMAC-authenticated, not encrypted); route it through an SSH tunnel "
+            "(`tunnel: true`) or an encrypted overlay (WireGuard/VPN)",
+            self._what,
+            address,
+        )
+        return True

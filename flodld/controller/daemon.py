@@ -1,0 +1,181 @@
+"""`flodld serve`: the controller as a process — config, signals, systemd readiness, exit code.
+
+Exit codes: 0 the run is done; 1 it failed (the reason is logged and printed); 2 bad
+configuration or flags; 128+N when signal N aborted it (the run is aborted cleanly first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from flodld.config.errors import ConfigError, RuleViolations
+from flodld.config.join import JoinConfig
+from flodld.config.loader import load_text
+from flodld.controller.logsetup import configure_logging
+from flodld.controller.notify import SystemdNotifier
+from flodld.controller.options import ControllerOptions
+from flodld.controller.run import Controller
+from flodld.membership.policy import PolicyError
+
+log = logging.getLogger("flodld.controller")
+
+EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="cluster config file (fdl.yml with a cluster: block)")
+    parser.add_argument("--env", help="overlay fdl.<ENV>.yml next to --config")
+    parser.add_argument("--host", help="address workers dial (default: config controller.host, else 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="controller port (default: config, else 1337; 0 = any free)")
+    parser.add_argument("--bind", help="listen address (default 0.0.0.0, loopback when every worker is tunneled)")
+    parser.add_argument("--ranks", type=int, help="expected ranks (capacity) when running without --config")
+    parser.add_argument("--min-ranks", type=int, help="quorum (controller.join.min_rank_start)")
+    parser.add_argument("--target", type=int, help="close the window at this many ranks")
+    parser.add_argument("--window", type=float, help="join window seconds (join_timeout)")
+    parser.add_argument("--cap", type=float, help="hard cap seconds (max_join_timeout)")
+    parser.add_argument("--start", choices=["auto", "manual", "hybrid"], help="who closes the window")
+    parser.add_argument("--token", help="pre-shared session salt, 32 hex characters")
+    parser.add_argument("--open-admission", action="store_true", default=None, help="hand the salt out on join")
+    parser.add_argument("--discovery", action="store_true", default=None, help="roster-free window")
+    parser.add_argument("--tunnel-only", action="store_true", default=None, help="bind loopback only")
+    parser.add_argument("--averaging", help="averaging mode (cpu_sync, cpu_cadence, cpu_async, nccl_sync, ...)")
+    parser.add_argument("--run-id", help="run identity (default: random)")
+    parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+_JOIN_FLAGS = {
+    "min_ranks": "min_rank_start", "target": "target_ranks", "window": "join_timeout", "cap": "max_join_timeout",
+    "start": "start", "token": "token", "open_admission": "open_admission", "discovery": "discovery",
+    "tunnel_only": "tunnel_only",
+}
+
+
+def options_from_args(args: argparse.Namespace) -> ControllerOptions:
+    """Config file first, flags on top. ConfigError/ValidationError/PolicyError on bad input."""
+    overrides: dict[str, object] = {}
+    join_values: dict[str, object] = {}
+    base: ControllerOptions | None = None
+    if args.config is not None:
+        text = _read_config(args.config, args.env)
+        cluster = load_text(text, str(args.config)).cluster
+        if cluster is None:
+            raise ValueError(f"{args.config} has no cluster: block; add one (see docs/controller.md)")
+        base = ControllerOptions.from_cluster(cluster)
+        join_values = base.join.model_dump(exclude_unset=True)
+    for flag, knob in _JOIN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            join_values[knob] = value
+    if args.host is not None:
+        overrides["advertised_host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.bind is not None:
+        overrides["bind_host"] = args.bind
+    if args.ranks is not None:
+        overrides["capacity"] = args.ranks
+    if args.averaging is not None:
+        overrides["averaging"] = args.averaging
+    if args.run_id is not None:
+        overrides["run_id"] = args.run_id
+    if args.tolerance is not None:
+        overrides["tolerance"] = args.tolerance
+    overrides["join"] = JoinConfig.model_validate(join_values)
+    values = base.model_dump() if base is not None else {}
+    values.update(overrides)
+    return ControllerOptions.model_validate(values)
+
+
+def _read_config(path: Path, env: str | None) -> str:
+    """The config text, with the overlay merged when --env names one (via the project loader)."""
+    if env is None:
+        return path.read_text(encoding="utf-8")
+    from flodld.config.loader import load_config
+
+    project = load_config(path.parent, env)
+    if project.cluster is None:
+        raise ValueError(f"{path.parent}/fdl.{env}.yml has no cluster: block")
+    import json
+
+    return json.dumps(project.model_dump(mode="json", exclude_none=True))
+
+
+async def serve(options: ControllerOptions, notifier: SystemdNotifier | None = None) -> int:
+    """Run one controller until its run ends or a signal aborts it; returns the exit code."""
+    notifier = notifier or SystemdNotifier()
+    controller = Controller(options)
+    controller.on_phase(lambda phase, reason: notifier.status(f"{phase.value}: {reason}"[:200]))
+    from flodld.controller.dataplane import attach_data_plane
+
+    attach_data_plane(controller)  # relays of CPU averaging modes dial DATA/CONTROL on this port
+    host, port = await controller.listen()
+    notifier.ready(f"listening on {host}:{port} (run {controller.run_id})")
+    loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if received:
+            return
+        received.append(signum)
+        name = signal.Signals(signum).name
+        log.warning("event=signal signal=%s action=abort_run", name)
+        controller.abort(f"controller received {name}; run aborted")
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await controller.start()
+        log.info("event=ready bind=%s port=%d run_id=%s", host, port, controller.run_id)
+        result = await controller.wait()
+        notifier.stopping(f"{result.verdict.value}: {result.reason}"[:200])
+    finally:
+        await controller.close()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    if received:
+        print(f"flodld: {result.reason}", file=sys.stderr)
+        return 128 + received[0]
+    if not result.ok:
+        print(f"flodld: run failed: {result.reason}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_DONE
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.verbose)
+    try:
+        options = options_from_args(args)
+        Controller(options)  # validate the policy before touching the event loop
+    except (ConfigError, RuleViolations, ValidationError, PolicyError, ValueError, OSError) as error:
+        print(f"flodld: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(serve(options))
+    try:
+        return uvloop.run(serve(options))
+    except OSError as error:
+        print(f"flodld: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flodld", description="The flodld controller daemon.")
+    subparsers = parser.add_subparsers(dest="command")
+    serve_parser = subparsers.add_parser("serve", help="run the controller (the default command)")
+    add_serve_arguments(serve_parser)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if not words or words[0].startswith("-"):
+        words.insert(0, "serve")
+    args = parser.parse_args(words)
+    return run_serve(args)

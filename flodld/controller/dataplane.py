@@ -1,0 +1,323 @@
+"""The controller's end of the CPU-reduce data plane and of rank liveness (DATA and CONTROL channels).
+
+One relay per host dials each channel and introduces itself with RelayHello. On DATA, host frames
+are folded across hosts (a RoundBarrier over hosts with live ranks); the finished value goes down
+as Broadcast to every relay. On CONTROL, rank heartbeats feed a Liveness table; a coordinator
+heartbeat goes down every interval, and a rank silent past the timeout is declared dead: its relay
+folds it out, and `on_rank_dead` tells the rest of the controller.
+
+Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
+`mux.register(Channel.CONTROL, plane.handle_control)`, then `plane.start()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flodld.fold.liveness import Liveness
+from flodld.net.stream import FramedStream, accept_channel
+from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
+from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
+from flodld.wire.errors import WireError
+from flodld.wire.magic import Channel
+from flodld.wire.messages import Message
+
+if TYPE_CHECKING:
+    from flodld.controller.run import Controller
+    from flodld.fold.barrier import RoundBarrier, RoundResult
+
+log = logging.getLogger("flodld.controller.dataplane")
+
+HANDSHAKE_TIMEOUT_SECS = 10.0
+DEFAULT_LIVENESS_TIMEOUT_SECS = 30.0
+DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
+
+RankDeadCallback = Callable[[int, str], None]
+
+
+def _folds() -> Any:
+    """The fold modules, imported on first use: they load torch, which a controller that never
+    forms a CPU world (or has not formed one yet) should not wait for."""
+    from flodld.fold import barrier, base, codec
+
+    return types.SimpleNamespace(
+        RoundBarrier=barrier.RoundBarrier,
+        fold_from_spec=base.fold_from_spec,
+        decode_bundle=codec.decode_bundle,
+        encode_bundle=codec.encode_bundle,
+        refusals=(barrier.RoundError, base.FoldError, codec.CodecError),
+    )
+
+
+@dataclass(frozen=True)
+class DataPlaneStats:
+    rounds: int
+    live_hosts: list[str]
+    dead_ranks: list[int]
+    gone_ranks: list[int]
+
+
+class DataPlane:
+    """Serves relays of one formed world; built by the controller after formation."""
+
+    def __init__(
+        self,
+        salt: bytes,
+        host_ranks: Mapping[str, Sequence[int]],
+        *,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_SECS,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_SECS,
+        on_rank_dead: RankDeadCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not host_ranks:
+            raise ValueError("a data plane needs at least one host")
+        self.salt = salt
+        self.host_ranks = {host: sorted(ranks) for host, ranks in host_ranks.items()}
+        self.host_of = {rank: host for host, ranks in self.host_ranks.items() for rank in ranks}
+        self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
+        # The fold machinery (torch) loads with the first host frame: a run that never averages
+        # through the relays never pays for it, and formation is not delayed by the import.
+        self._fold: Any = None
+        self._barrier: RoundBarrier[str] | None = None
+        self.clock = clock
+        self.liveness = Liveness(self.host_of, timeout=liveness_timeout, now=clock())
+        self.heartbeat_interval = heartbeat_interval
+        self.on_rank_dead = on_rank_dead
+        self.relays: dict[Channel, dict[str, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
+        self.rounds = 0
+        self._round_contributors: set[int] = set()
+        self.dead_ranks: list[int] = []
+        self.gone_ranks: list[int] = []
+        self._ticker: asyncio.Task[None] | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
+        if self._ticker is None:
+            self.liveness = Liveness(self.liveness.tracked, timeout=self.liveness.timeout, now=self.clock())
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+
+    async def shutdown(self, reason: str) -> None:
+        """Tell every rank the run is over (they exit), then stop the ticker."""
+        for stream in list(self.relays[Channel.CONTROL].values()):
+            await self._send_quietly(stream, Shutdown(reason=reason[:1024]))
+        await self.close()
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+
+    def live_hosts(self) -> set[str]:
+        return {host for host, ranks in self.live_ranks.items() if ranks}
+
+    def _ensure_barrier(self) -> RoundBarrier[str]:
+        if self._barrier is None:
+            self._fold = _folds()
+            self._barrier = self._fold.RoundBarrier(self.live_hosts())
+        return self._barrier
+
+    def stats(self) -> DataPlaneStats:
+        return DataPlaneStats(
+            rounds=self.rounds,
+            live_hosts=sorted(self.live_hosts()),
+            dead_ranks=list(self.dead_ranks),
+            gone_ranks=list(self.gone_ranks),
+        )
+
+    # --- channel handlers (the mux hands over after the magic) -----------------------------
+
+    async def handle_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(Channel.DATA, reader, writer)
+
+    async def handle_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(Channel.CONTROL, reader, writer)
+
+    async def _serve(self, channel: Channel, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            stream = await accept_channel(reader, writer, self.salt, timeout=HANDSHAKE_TIMEOUT_SECS)
+            hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
+        except (TimeoutError, EOFError, OSError, WireError) as error:
+            log.info("event=relay_dropped channel=%s reason=%r", channel.value, str(error))
+            return
+        host = await self._admit_relay(channel, stream, hello)
+        if host is None:
+            return
+        try:
+            if channel is Channel.DATA:
+                await self._data_loop(host, stream)
+            else:
+                await self._control_loop(host, stream)
+        except (EOFError, OSError, WireError) as error:
+            log.info("event=relay_closed channel=%s host=%s reason=%r", channel.value, host, str(error))
+        finally:
+            if self.relays[channel].get(host) is stream:
+                del self.relays[channel][host]
+        if channel is Channel.DATA:
+            for rank in sorted(self.live_ranks[host]):
+                await self._rank_left(host, rank, "its relay's data channel closed")
+
+    async def _admit_relay(self, channel: Channel, stream: FramedStream, hello: Message) -> str | None:
+        refusal: str | None = None
+        if not isinstance(hello, RelayHello):
+            refusal = f"expected RelayHello first, got {type(hello).__name__}"
+        elif hello.host not in self.host_ranks:
+            refusal = f"host {hello.host!r} is not in this world (hosts: {sorted(self.host_ranks)})"
+        elif sorted(hello.ranks) != self.host_ranks[hello.host]:
+            refusal = f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {self.host_ranks[hello.host]}"
+        elif hello.host in self.relays[channel]:
+            refusal = f"host {hello.host!r} already has a relay on the {channel} channel"
+        if refusal is not None:
+            log.warning("event=relay_refused channel=%s reason=%r", channel.value, refusal)
+            await self._send_quietly(stream, DataPlaneError(reason=refusal))
+            return None
+        assert isinstance(hello, RelayHello)
+        self.relays[channel][hello.host] = stream
+        await stream.send(HelloAck())
+        log.info("event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks))
+        return hello.host
+
+    # --- data ------------------------------------------------------------------------------
+
+    async def _data_loop(self, host: str, stream: FramedStream) -> None:
+        while True:
+            frame = await stream.recv()
+            message = frame.message()
+            if isinstance(message, HostFrame):
+                barrier = self._ensure_barrier()  # loads self._fold, whose refusals the except clause names
+                try:
+                    owned = set(self.host_ranks[host])
+                    if not set(message.contributors) <= owned:
+                        raise ValueError(f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}")
+                    tensors = self._fold.decode_bundle(message.tensors, frame.tail)
+                    result = barrier.contribute(host, message.round, message.fold, tensors, message.weight)
+                except (ValueError, *self._fold.refusals) as error:
+                    log.error("event=host_frame_refused host=%s reason=%r", host, str(error))
+                    await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
+                    return
+                self._round_contributors.update(message.contributors)
+                if result is not None:
+                    await self._broadcast(result)
+            elif isinstance(message, RankGone) and self.host_of.get(message.rank) == host:
+                await self._rank_left(host, message.rank, message.reason or "its leg to the relay closed")
+
+    async def _rank_left(self, host: str, rank: int, reason: str, *, dead: bool = False) -> None:
+        if rank not in self.live_ranks[host]:
+            return
+        self.live_ranks[host].discard(rank)
+        self.liveness.forget(rank)
+        (self.dead_ranks if dead else self.gone_ranks).append(rank)
+        log.info("event=rank_left host=%s rank=%d dead=%s reason=%r", host, rank, dead, reason)
+        if not self.live_ranks[host]:
+            result = self._barrier.remove(host) if self._barrier is not None else None
+            if result is not None:
+                await self._broadcast(result)
+
+    async def _broadcast(self, result: RoundResult[str]) -> None:
+        fold = self._fold.fold_from_spec(result.fold_spec)
+        specs, tail = self._fold.encode_bundle(fold.finish(result.tensors, result.weight))
+        contributors = sorted(self._round_contributors)
+        self._round_contributors = set()
+        message = Broadcast(
+            round=result.round, fold=result.fold_spec, weight=result.weight, contributors=contributors, tensors=specs
+        )
+        self.rounds += 1
+        for host, stream in list(self.relays[Channel.DATA].items()):
+            if host in self.live_hosts():
+                await self._send_quietly(stream, message, tail)
+
+    # --- control ---------------------------------------------------------------------------
+
+    async def _control_loop(self, host: str, stream: FramedStream) -> None:
+        while True:
+            message = (await stream.recv()).message()
+            if isinstance(message, Heartbeat) and self.host_of.get(message.rank) == host:
+                self.liveness.heard(message.rank, self.clock())
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            await self.tick()
+
+    async def tick(self) -> None:
+        """One coordinator beat: heartbeat every relay, declare silent ranks dead."""
+        for stream in list(self.relays[Channel.CONTROL].values()):
+            await self._send_quietly(stream, CoordinatorHeartbeat())
+        for rank in self.liveness.expire(self.clock()):
+            host = self.host_of[rank]
+            reason = f"rank {rank} on {host!r} sent no heartbeat for {self.liveness.timeout:g}s"
+            log.warning("event=rank_declared_dead host=%s rank=%d", host, rank)
+            control = self.relays[Channel.CONTROL].get(host)
+            if control is not None:
+                await self._send_quietly(control, DeclareDead(rank=rank, reason=reason))
+            await self._rank_left(host, rank, reason, dead=True)
+            if self.on_rank_dead is not None:
+                self.on_rank_dead(rank, reason)
+
+    @staticmethod
+    async def _send_quietly(stream: FramedStream, message: Message, tail: bytes = b"") -> None:
+        try:
+            await stream.send(message, tail)
+        except (OSError, WireError, TimeoutError):
+            pass
+
+
+def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | None = None) -> None:
+    """Serve DATA/CONTROL for `controller`'s run: built when the world forms, shut down when it ends.
+
+    Timeouts come from FLODL_LIVENESS_TIMEOUT_SECS / FLODL_HEARTBEAT_INTERVAL_SECS in the run's env
+    (the same values the ranks read), else the environment, scaled by FLODL_NET_TIMEOUT_SCALE.
+    """
+    import os
+
+    from flodld.membership.phase import TERMINAL_PHASES
+    from flodld.net.timeouts import scaled
+
+    source = {**(environ if environ is not None else os.environ), **controller.options.env}
+
+    def seconds(name: str, default: float) -> float:
+        raw = source.get(name)
+        try:
+            value = float(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+        return scaled(value) if name == "FLODL_LIVENESS_TIMEOUT_SECS" else value
+
+    liveness = seconds("FLODL_LIVENESS_TIMEOUT_SECS", DEFAULT_LIVENESS_TIMEOUT_SECS)
+    interval = seconds("FLODL_HEARTBEAT_INTERVAL_SECS", DEFAULT_HEARTBEAT_INTERVAL_SECS)
+    planes: list[DataPlane] = []
+
+    def on_phase(phase: object, reason: str) -> None:
+        window = controller.window
+        if not planes and window is not None and window.world is not None and controller.options.cpu_averaging:
+            plane = DataPlane(
+                controller.salt,
+                dict(window.world.ranks),
+                liveness_timeout=liveness,
+                heartbeat_interval=interval,
+                on_rank_dead=lambda rank, why: log.warning("event=rank_dead rank=%d reason=%r", rank, why),
+            )
+            controller.register_channel(Channel.DATA, plane.handle_data)
+            controller.register_channel(Channel.CONTROL, plane.handle_control)
+            plane.start()
+            planes.append(plane)
+        if planes and phase in TERMINAL_PHASES:
+            task = asyncio.get_running_loop().create_task(planes[0].close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+    controller.on_phase(on_phase)
+
+
+_closing: set[asyncio.Task[None]] = set()

@@ -1,0 +1,89 @@
+"""The HTTP surface on the controller port: state.json, Prometheus metrics, and POST /start.
+
+The mux hands HTTP connections here (see `PortMux.set_http`). Everything the app answers comes
+from a `StatusSource`, so the app holds no run state and is up before the window opens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from flodld.controller.addresses import is_loopback_address
+
+ENDPOINTS = ["GET /", "GET /state.json", "GET /metrics", "POST /start"]
+NO_STATE = "no membership state published yet"
+_HEADERS = {"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"}
+
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    status: int
+    body: dict[str, Any]
+
+
+class StatusSource(Protocol):
+    """What the HTTP app asks the controller."""
+
+    def state_json(self) -> dict[str, Any] | None:
+        """The snapshot as JSON-ready data, or None before the window has state."""
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition."""
+
+    def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
+        """Decide a POST /start from a local (loopback) or remote caller presenting `token`."""
+
+
+def presented_token(request: web.Request) -> str | None:
+    """The token from `?token=` or an `Authorization: Bearer` header (query wins)."""
+    token = request.query.get("token")
+    if token:
+        return token
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return None
+
+
+def _json(status: int, body: dict[str, Any]) -> web.Response:
+    return web.Response(
+        status=status, text=json.dumps(body, separators=(",", ":")), content_type="application/json",
+        headers=_HEADERS,
+    )
+
+
+def build_app(source: StatusSource) -> web.Application:
+    """The aiohttp application; serve it through the mux with `AppRunner(app).server`."""
+
+    async def state(_: web.Request) -> web.Response:
+        snapshot = source.state_json()
+        if snapshot is None:
+            return _json(503, {"error": NO_STATE})
+        return _json(200, snapshot)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=source.metrics_text().encode(),
+            headers={**_HEADERS, "Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def start(request: web.Request) -> web.Response:
+        local = request.remote is not None and is_loopback_address(request.remote)
+        answer = source.request_start(local=local, token=presented_token(request))
+        return _json(answer.status, answer.body)
+
+    async def not_found(_: web.Request) -> web.Response:
+        return _json(404, {"error": "not found", "endpoints": ENDPOINTS})
+
+    app = web.Application(client_max_size=64 * 1024)
+    app.router.add_get("/", state)
+    app.router.add_get("/state.json", state)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/start", start)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app

@@ -1,0 +1,143 @@
+"""The join channel: handshake a dialer, hand its Hello to the run, then supervise the link.
+
+Per connection: nonce exchange and the first frame under the handshake deadline. Frame-level
+failures (wrong salt, garbage, silence) get no reply, only a log line and a counted refusal;
+a well-formed but unacceptable hello gets a Reject. Once admitted, the same connection carries
+WorldFormed/Abort down and RankExited up, and its EOF is the host's exit event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flodld.net.stream import FramedStream, accept_channel
+from flodld.wire.errors import WireError
+from flodld.wire.join import Hello, RankExited, Reject
+from flodld.wire.messages import Message
+
+if TYPE_CHECKING:
+    from flodld.controller.run import Controller
+
+log = logging.getLogger("flodld.controller.join")
+
+CHANNEL = "join"
+MAX_JOIN_PAYLOAD = 1024 * 1024
+
+
+@dataclass
+class HostLink:
+    """An admitted host's join connection."""
+
+    host: str
+    stream: FramedStream
+    peer: str
+    local_address: str
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def handle_join(controller: Controller, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The mux handler for the join channel (bound to a Controller)."""
+    peername = writer.get_extra_info("peername")
+    sockname = writer.get_extra_info("sockname")
+    peer = str(peername[0]) if peername else "?"
+    local_address = str(sockname[0]) if sockname else controller.options.advertised_host
+    timeout = controller.options.handshake_timeout
+    gate_held = True
+    try:
+        try:
+            stream = await accept_channel(
+                reader, writer, controller.join_key, timeout=timeout, max_payload=MAX_JOIN_PAYLOAD, max_tail=0
+            )
+            frame = await stream.recv(timeout)
+        except WireError as error:
+            controller.refuse(peer, error.code, error.detail)
+            return
+        except (EOFError, asyncio.IncompleteReadError, ConnectionError):
+            controller.refuse(peer, "eof_before_hello", "the dialer closed before sending its hello")
+            return
+        except TimeoutError:
+            controller.refuse(peer, "handshake_timeout", f"no hello within {timeout:g}s")
+            return
+        controller.counters.frame_in(CHANNEL, len(frame.payload))
+        try:
+            hello = frame.message()
+        except WireError as error:
+            await _reject(controller, stream, peer, "bad_payload", f"hello decode failed: {error.detail}")
+            return
+        if not isinstance(hello, Hello):
+            await _reject(controller, stream, peer, "expected_hello",
+                          f"the first join-channel message must be Hello, got {type(hello).__name__}")
+            return
+        link = HostLink(hello.host, stream, peer, local_address)
+        accepted = controller.admit(hello, link)
+        if isinstance(accepted, Reject):
+            await _send_quietly(controller, stream, accepted)
+            return
+        try:
+            await stream.drain()
+        except (ConnectionError, TimeoutError, OSError) as error:
+            controller.link_closed(link, f"accept write failed ({error!r})", lost=True)
+            return
+        controller.mux.release_gate(peer)
+        gate_held = False
+        _keepalive(writer, controller.options.link_keepalive_secs * controller.options.timeout_scale)
+        await _supervise(controller, link)
+    finally:
+        if gate_held:
+            controller.mux.release_gate(peer)
+
+
+def _keepalive(writer: asyncio.StreamWriter, idle: float) -> None:
+    """TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
+    network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
+    after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # the TCP_KEEP* names are Linux/BSD only
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(idle)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+async def _supervise(controller: Controller, link: HostLink) -> None:
+    """Read RankExited reports until the host closes its side (or the link breaks)."""
+    why, lost = "link closed", True
+    try:
+        while True:
+            frame = await link.stream.recv()
+            controller.counters.frame_in(CHANNEL, len(frame.payload))
+            try:
+                message = frame.message()
+            except WireError as error:
+                log.debug("event=join_frame_ignored host=%s detail=%r", link.host, error.detail)
+                continue
+            if isinstance(message, RankExited):
+                controller.rank_exited(link, message.rank, message.code)
+            else:
+                log.debug("event=join_frame_ignored host=%s kind=%s", link.host, type(message).__name__)
+    except EOFError:
+        why, lost = "host closed its join link", False
+    except WireError as error:
+        why = f"join link violated the protocol: {error}"
+    except (ConnectionError, asyncio.IncompleteReadError, OSError) as error:
+        why = f"join link broke: {error!r}"
+    finally:
+        controller.link_closed(link, why, lost=lost)
+
+
+async def _reject(controller: Controller, stream: FramedStream, peer: str, code: str, reason: str) -> None:
+    controller.refuse(peer, code, reason)
+    await _send_quietly(controller, stream, Reject(code=code, reason=reason[:1024]))
+
+
+async def _send_quietly(controller: Controller, stream: FramedStream, message: Message) -> None:
+    with contextlib.suppress(ConnectionError, TimeoutError, OSError):
+        await stream.send(message)
+        controller.counters.frame_out(CHANNEL, 0)

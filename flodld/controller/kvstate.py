@@ -1,0 +1,95 @@
+"""The rendezvous store's data: a bounded bytes-to-bytes map with torch.distributed.Store semantics.
+
+Pure and synchronous; waiting for keys is the service's job. Integers for `add` are stored
+as ASCII decimal, the representation torch's own stores use, so a rank may `get` a counter.
+"""
+
+from __future__ import annotations
+
+MAX_STORE_BYTES = 256 * 1024 * 1024
+
+
+class StoreFull(Exception):
+    """Storing the value would exceed the run's store budget."""
+
+
+class NotAnInteger(ValueError):
+    """`add` on a key whose value is not a decimal integer."""
+
+
+class KeyValueState:
+    """Keys and values of one run. Every mutation bumps `version` so waiters know to re-check."""
+
+    def __init__(self, max_bytes: int = MAX_STORE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._data: dict[str, bytes] = {}
+        self._bytes = 0
+        self.version = 0
+
+    def _store(self, key: str, value: bytes) -> None:
+        old = self._data.get(key)
+        new_total = self._bytes - (len(key) + len(old) if old is not None else 0) + len(key) + len(value)
+        if new_total > self.max_bytes:
+            raise StoreFull(
+                f"storing {len(value)} bytes under {key!r} would exceed the store budget of {self.max_bytes} bytes"
+            )
+        self._data[key] = value
+        self._bytes = new_total
+        self.version += 1
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store(key, value)
+
+    def multi_set(self, items: list[tuple[str, bytes]]) -> None:
+        extra = sum(len(k) + len(v) for k, v in items)
+        if self._bytes + extra > self.max_bytes:
+            raise StoreFull(f"multi_set of {extra} bytes would exceed the store budget of {self.max_bytes} bytes")
+        for key, value in items:
+            self._store(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        return self._data.get(key)
+
+    def has_all(self, keys: list[str]) -> bool:
+        return all(key in self._data for key in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        current = self._data.get(key, b"0")
+        try:
+            value = int(current.decode("ascii")) + amount
+        except (UnicodeDecodeError, ValueError):
+            raise NotAnInteger(f"add on {key!r}: its value is not a decimal integer") from None
+        self._store(key, str(value).encode("ascii"))
+        return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """torch semantics: absent + empty `expected` creates; a match swaps; returns what is held now
+        (for an absent key with non-empty `expected`, `expected` itself, as torch does)."""
+        current = self._data.get(key)
+        if current is None:
+            if expected == b"":
+                self._store(key, desired)
+                return desired
+            return expected
+        if current == expected:
+            self._store(key, desired)
+            return desired
+        return current
+
+    def append(self, key: str, value: bytes) -> None:
+        self._store(key, self._data.get(key, b"") + value)
+
+    def delete(self, key: str) -> bool:
+        old = self._data.pop(key, None)
+        if old is None:
+            return False
+        self._bytes -= len(key) + len(old)
+        self.version += 1
+        return True
+
+    def num_keys(self) -> int:
+        return len(self._data)

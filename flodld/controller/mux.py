@@ -1,0 +1,273 @@
+"""The single controller port: accept, read the 4-byte magic under a deadline, route.
+
+Each connection gets its own protocol object, so a silent or slow peer only ever holds its
+own deadline timer, never the accept loop. Until the magic is in, bytes are buffered here;
+then the transport is handed to the channel's handler (asyncio streams) or, for HTTP, to the
+aiohttp protocol, with the buffered bytes replayed so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import typing
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from flodld.controller.addresses import CleartextWarner, is_loopback_address
+from flodld.controller.metrics import ControllerCounters
+from flodld.wire.magic import HTTP_PREFIXES, Channel, channel_for_prefix
+
+log = logging.getLogger("flodld.controller.mux")
+
+ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+"""A handler owns the connection after routing; the magic has been consumed. The mux closes
+the writer when the handler returns or raises."""
+
+HttpProtocolFactory = Callable[[], asyncio.Protocol]
+
+MAGIC_DEADLINE_SECS = 5.0
+# Our HTTP answers are small and our clients close after one request, so an HTTP connection gets a
+# fixed lifetime: a slowloris head (aiohttp has no header deadline of its own) cannot pin an fd.
+HTTP_CONNECTION_SECS = 5.0
+MAX_PENDING_PER_PEER = 64
+STREAM_LIMIT = 1 << 20
+
+
+class PreAdmissionGate:
+    """Caps connections per peer address that have not yet been routed (or, for joins, admitted).
+
+    Loopback is exempt by default because every sshd forward arrives from 127.0.0.1: a cap
+    there would throttle a legitimately tunneled fleet, and a local attacker owns the box anyway.
+    """
+
+    def __init__(self, limit: int = MAX_PENDING_PER_PEER, *, exempt_loopback: bool = True) -> None:
+        self.limit = limit
+        self.exempt_loopback = exempt_loopback
+        self._pending: Counter[str] = Counter()
+
+    def acquire(self, address: str) -> bool:
+        if self.exempt_loopback and is_loopback_address(address):
+            return True
+        if self._pending[address] >= self.limit:
+            return False
+        self._pending[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        if self._pending[address] > 0:
+            self._pending[address] -= 1
+            if self._pending[address] == 0:
+                del self._pending[address]
+
+    def pending(self, address: str) -> int:
+        return self._pending[address]
+
+
+class PortMux:
+    """Owns the listening socket and the per-connection routing; knows nothing about runs."""
+
+    def __init__(
+        self,
+        counters: ControllerCounters,
+        *,
+        magic_deadline: float = MAGIC_DEADLINE_SECS,
+        http_lifetime: float = HTTP_CONNECTION_SECS,
+        gate: PreAdmissionGate | None = None,
+        warner: CleartextWarner | None = None,
+    ) -> None:
+        self.counters = counters
+        self.magic_deadline = magic_deadline
+        self.http_lifetime = http_lifetime
+        self.gate = gate or PreAdmissionGate()
+        self.warner = warner or CleartextWarner("controller")
+        self._handlers: dict[Channel, ChannelHandler] = {}
+        self._held_until_release: set[Channel] = set()
+        self._http_factory: HttpProtocolFactory | None = None
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def register(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
+        """Route `channel` to `handler`. With `hold_gate` the pre-admission slot stays taken
+        until the handler calls `release_gate(peer)` (the join handshake does, once decided)."""
+        if channel is Channel.HTTP:
+            raise ValueError("HTTP is served by set_http(), not a stream handler")
+        self._handlers[channel] = handler
+        if hold_gate:
+            self._held_until_release.add(channel)
+
+    def unregister(self, channel: Channel) -> None:
+        self._handlers.pop(channel, None)
+        self._held_until_release.discard(channel)
+
+    def set_http(self, factory: HttpProtocolFactory | None) -> None:
+        self._http_factory = factory
+
+    def release_gate(self, address: str) -> None:
+        self.gate.release(address)
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Bind and listen; returns the bound (host, port), the port resolved when 0 was asked."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(lambda: _MuxProtocol(self), host, port, backlog=4096)
+        except OSError as exc:
+            raise OSError(exc.errno, f"controller: bind {host}:{port} failed: {exc.strerror}") from exc
+        sockname = self._server.sockets[0].getsockname()
+        return str(sockname[0]), int(sockname[1])
+
+    def stop_listening(self) -> None:
+        """Close the listening socket; routed connections keep running. (No wait_closed(): since
+        3.12 it waits for every connection, and ours outlive the listener by design.)"""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def close(self) -> None:
+        """Stop accepting, then end every routed stream connection and wait for their handlers."""
+        self.stop_listening()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # Called by _MuxProtocol -------------------------------------------------------------
+
+    def _route(self, transport: asyncio.Transport, peer: str, buffered: bytes) -> None:
+        prefix = buffered[:4]
+        if prefix in HTTP_PREFIXES:
+            self.gate.release(peer)
+            if self._http_factory is None:
+                self._drop(transport, peer, "no_handler", "no HTTP service running")
+                return
+            self.counters.connections[Channel.HTTP.value] += 1
+            asyncio.get_running_loop().call_later(self.http_lifetime, self._end_http, transport, peer)
+            proto = self._http_factory()
+            transport.set_protocol(proto)
+            proto.connection_made(transport)
+            proto.data_received(buffered)
+            return
+        channel = channel_for_prefix(prefix)
+        if channel is None:
+            self.gate.release(peer)
+            self._drop(transport, peer, "unknown_magic", f"unknown channel magic 0x{int.from_bytes(prefix, 'little'):08x}")
+            return
+        handler = self._handlers.get(channel)
+        if handler is None:
+            self.gate.release(peer)
+            self._drop(transport, peer, "no_handler", f"no {channel.value}-channel service running")
+            return
+        if channel not in self._held_until_release:
+            self.gate.release(peer)
+        self.counters.connections[channel.value] += 1
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=STREAM_LIMIT, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        if len(buffered) > 4:
+            protocol.data_received(buffered[4:])
+        task = loop.create_task(self._run_handler(channel, handler, reader, writer, peer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_handler(
+        self,
+        channel: Channel,
+        handler: ChannelHandler,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str,
+    ) -> None:
+        self._writers.add(writer)
+        try:
+            await handler(reader, writer)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("event=handler_failed channel=%s peer=%s", channel.value, peer)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _end_http(self, transport: asyncio.Transport, peer: str) -> None:
+        if not transport.is_closing():
+            self._drop(transport, peer, "http_lifetime", f"HTTP connection open longer than {self.http_lifetime:g}s")
+
+    def _drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
+        self.counters.dropped[reason] += 1
+        log.info("event=connection_dropped peer=%s reason=%s detail=%r", peer, reason, detail)
+        abort = getattr(transport, "abort", None)
+        abort() if abort is not None else transport.close()
+
+
+class _MuxProtocol(asyncio.Protocol):
+    """Buffers a fresh connection until its 4-byte magic is in, under the mux deadline."""
+
+    def __init__(self, mux: PortMux) -> None:
+        self._mux = mux
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._peer = "?"
+        self._timer: asyncio.TimerHandle | None = None
+        self._done = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the Transport interface without subclassing it.
+        self._transport = typing.cast(asyncio.Transport, transport)
+        peername = transport.get_extra_info("peername")
+        self._peer = str(peername[0]) if peername else "?"
+        self._mux.warner.check(self._peer)
+        if not self._mux.gate.acquire(self._peer):
+            self._done = True
+            self._mux._drop(self._transport, self._peer, "flood", "too many pre-admission connections from this address")
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._mux.magic_deadline, self._deadline_passed)
+
+    def data_received(self, data: bytes) -> None:
+        if self._done:
+            return
+        self._buffer += data
+        if len(self._buffer) >= 4:
+            self._finish()
+            assert self._transport is not None
+            self._mux._route(self._transport, self._peer, bytes(self._buffer))
+
+    def eof_received(self) -> bool:
+        if not self._done:
+            self._finish()
+            self._mux.gate.release(self._peer)
+            reason = "truncated_magic" if self._buffer else "eof_before_magic"
+            assert self._transport is not None
+            self._mux._drop(self._transport, self._peer, reason, "closed before the channel magic")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._done:
+            self._finish()
+            self._mux.gate.release(self._peer)
+            self._mux.counters.dropped["reset_before_magic"] += 1
+
+    def _deadline_passed(self) -> None:
+        if self._done:
+            return
+        self._finish()
+        self._mux.gate.release(self._peer)
+        assert self._transport is not None
+        self._mux._drop(
+            self._transport, self._peer, "deadline", f"no channel magic within {self._mux.magic_deadline:g}s"
+        )
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

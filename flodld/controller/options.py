@@ -1,0 +1,107 @@
+"""Everything a Controller needs to run, flattened from a ClusterConfig or given directly.
+
+Tests and `fdl run` build `ControllerOptions` by hand; `flodld serve` derives them from the
+cluster config with `ControllerOptions.from_cluster`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flodld.config.join import JoinConfig
+from flodld.config.models import ClusterConfig
+from flodld.net.timeouts import MIN_TIMEOUT_SCALE, TIMEOUT_SCALE_ENV, TimeoutScaleError, timeout_scale
+
+DEFAULT_PORT = 1337
+CPU_AVERAGING_MODES = frozenset({"cpu_sync", "cpu_cadence", "cpu_async"})
+LOOPBACK_BIND = "127.0.0.1"
+NETWORK_BIND = "0.0.0.0"
+
+
+class ControllerOptions(BaseModel):
+    """One run's controller settings. Times are in seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    advertised_host: str = Field("127.0.0.1", description="The address workers dial (controller.host).")
+    port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
+    bind_host: str | None = Field(None, description="Listen address; default 0.0.0.0, or loopback if loopback_bind.")
+    loopback_bind: bool = Field(False, description="Every remote worker is tunneled: listen on loopback only.")
+    join: JoinConfig = Field(default_factory=JoinConfig)
+    roster: tuple[str, ...] = ()
+    capacity: Annotated[int, Field(ge=0)] = 0
+    tunneled_hosts: frozenset[str] = frozenset()
+    averaging: str = "cpu_sync"
+    backend: str = "gloo"
+    fold: str = "mean"
+    cadence: Annotated[int, Field(ge=1)] = 1
+    env: Mapping[str, str] = Field(default_factory=dict)
+    run_id: str | None = None
+    tolerance: Annotated[int, Field(ge=0)] = Field(0, description="Rank failures the run survives.")
+    start_switch: bool = Field(True, description="Offer POST /start (manual/hybrid windows).")
+    magic_deadline: Annotated[float, Field(gt=0)] = 5.0
+    handshake_timeout: Annotated[float, Field(gt=0)] = 10.0
+    link_keepalive_secs: Annotated[float, Field(gt=0)] = Field(
+        15.0, description="TCP keepalive idle time on admitted join links (scaled); a dead link is noticed "
+        "after about twice this.",
+    )
+    http_lifetime: Annotated[float, Field(gt=0)] = Field(5.0, description="Longest an HTTP connection stays open.")
+    tick_interval: Annotated[float, Field(gt=0)] = 0.05
+    max_pending_per_peer: Annotated[int, Field(ge=1)] = 64
+    limit_loopback: bool = Field(False, description="Apply the per-address pre-admission cap to loopback too.")
+
+    @property
+    def effective_bind_host(self) -> str:
+        if self.bind_host is not None:
+            return self.bind_host
+        return LOOPBACK_BIND if self.binds_loopback else NETWORK_BIND
+
+    @property
+    def binds_loopback(self) -> bool:
+        return self.loopback_bind or self.join.tunnel_only
+
+    @property
+    def timeout_scale(self) -> float:
+        """FLODL_NET_TIMEOUT_SCALE as the run sees it: the run env first (what its ranks and relays read),
+        then this process's environment."""
+        raw = self.env.get(TIMEOUT_SCALE_ENV, "").strip()
+        if not raw:
+            return timeout_scale()
+        try:
+            value = float(raw)
+        except ValueError:
+            raise TimeoutScaleError(f"{TIMEOUT_SCALE_ENV}={raw!r} in the run env is not a number") from None
+        if not math.isfinite(value) or value < MIN_TIMEOUT_SCALE:
+            raise TimeoutScaleError(f"{TIMEOUT_SCALE_ENV}={raw!r} in the run env must be >= {MIN_TIMEOUT_SCALE}")
+        return value
+
+    @property
+    def cpu_averaging(self) -> bool:
+        return self.averaging in CPU_AVERAGING_MODES
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterConfig, *, probed: Mapping[str, int] | None = None,
+                     **overrides: object) -> ControllerOptions:
+        """Flatten a validated cluster config; the bind is loopback when every remote worker is tunneled."""
+        controller = cluster.controller
+        remote = [w for w in cluster.workers if not w.is_local(controller.host)]
+        loopback = bool(remote) and all(w.tunnel for w in remote)
+        values: dict[str, object] = {
+            "advertised_host": controller.host,
+            "port": controller.port,
+            "loopback_bind": loopback,
+            "join": controller.join,
+            "roster": tuple(w.host for w in cluster.workers),
+            "capacity": cluster.capacity(probed),
+            "tunneled_hosts": frozenset(w.host for w in cluster.workers if w.tunnel),
+            "averaging": str(controller.averaging.value),
+            "backend": str(controller.backend.value),
+            "cadence": controller.effective_cadence,
+            "env": dict(cluster.env),
+        }
+        values.update(overrides)
+        return cls.model_validate(values)

@@ -1,0 +1,508 @@
+"""The Controller: one run on one port. It owns the JoinWindow and everything that acts on it.
+
+All window calls happen on the event loop thread, synchronously, so an admission and its Accept
+write are never interleaved with another admission: ranks stay contiguous without a lock. A
+timer task re-evaluates the verdict every `tick_interval` (and at once on every event); when
+the window forms, WorldFormed goes to every host in admission order; when the run ends, failed
+runs send Abort down every open link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from flodld.config.models import ClusterConfig
+from flodld.controller.addresses import CleartextWarner, is_loopback_address
+from flodld.controller.http import NO_STATE, HttpAnswer, build_app
+from flodld.controller.join import CHANNEL as JOIN_CHANNEL
+from flodld.controller.join import HostLink, handle_join
+from flodld.controller.metrics import ControllerCounters, render_prometheus
+from flodld.controller.mux import ChannelHandler, PortMux, PreAdmissionGate
+from flodld.controller.options import ControllerOptions
+from flodld.controller.store import StoreService
+from flodld.membership.ledger import Refused, World
+from flodld.membership.phase import TERMINAL_PHASES, WINDOW_PHASES, Phase
+from flodld.membership.policy import TrustMode, derive_policy
+from flodld.membership.switch import Armed, forbidden, token_matches
+from flodld.membership.window import JoinWindow
+from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.magic import Channel
+from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt, salt_from_hex, salt_to_hex
+
+log = logging.getLogger("flodld.controller")
+
+SHIP_TIMEOUT_SECS = 30.0
+ABORT_TIMEOUT_SECS = 5.0
+
+PhaseListener = Callable[[Phase, str], object]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How the run ended: `verdict` is done or failed; `reason` is the window's sentence."""
+
+    verdict: Phase
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is Phase.DONE
+
+
+class Controller:
+    """Programmatic API: `await start()`, then `await wait()`; `await stop(reason)` aborts."""
+
+    def __init__(
+        self,
+        config: ClusterConfig | ControllerOptions,
+        *,
+        salt: bytes | None = None,
+        probed: Mapping[str, int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.options = config if isinstance(config, ControllerOptions) else ControllerOptions.from_cluster(
+            config, probed=probed
+        )
+        options = self.options
+        self.policy = derive_policy(
+            options.join, capacity=options.capacity, loopback_bind=options.binds_loopback, averaging=options.averaging
+        )
+        if options.join.token is not None:
+            self.salt = salt_from_hex(options.join.token)
+        else:
+            self.salt = salt if salt is not None else new_salt()
+        self.run_id = options.run_id or secrets.token_hex(8)
+        self.clock = clock
+        self.counters = ControllerCounters()
+        self.mux = PortMux(
+            self.counters,
+            magic_deadline=options.magic_deadline,
+            http_lifetime=options.http_lifetime,
+            gate=PreAdmissionGate(options.max_pending_per_peer, exempt_loopback=not options.limit_loopback),
+            warner=CleartextWarner("controller"),
+        )
+        self.store = StoreService(self.run_id, self.salt, self.counters)
+        self.window: JoinWindow | None = None
+        self.address: tuple[str, int] | None = None
+        self._links: dict[str, HostLink] = {}
+        self._runner: web.AppRunner | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._result: RunResult | None = None
+        self._done = asyncio.Event()
+        self._finishing = False
+        self._last_phase: Phase | None = None
+        self._phase_listeners: list[PhaseListener] = []
+        self._lost_hosts: dict[str, str] = {}
+        if self.policy.warning:
+            log.warning("event=open_admission_warning detail=%r", self.policy.warning)
+
+    # --- public API ----------------------------------------------------------------------------
+
+    @property
+    def salt_hex(self) -> str:
+        """The session salt, which is also the start token."""
+        return salt_to_hex(self.salt)
+
+    @property
+    def join_key(self) -> bytes:
+        """The key of pre-admission join frames: the salt, or the public key under open admission."""
+        return self.salt if self.policy.trust is TrustMode.PRESHARED else OPEN_ADMISSION_KEY
+
+    @property
+    def phase(self) -> Phase | None:
+        return self.window.phase if self.window is not None else None
+
+    @property
+    def result(self) -> RunResult | None:
+        return self._result
+
+    def register_channel(self, channel: Channel, handler: ChannelHandler) -> None:
+        """Serve `channel` (DATA, CONTROL) with `handler(reader, writer)`; the magic is already consumed."""
+        if channel in (Channel.JOIN, Channel.RENDEZVOUS, Channel.HTTP):
+            raise ValueError(f"the {channel.value} channel is served by the controller itself")
+        self.mux.register(channel, handler)
+
+    def on_phase(self, listener: PhaseListener) -> None:
+        """Call `listener(phase, reason)` on every phase change (the daemon feeds systemd STATUS=)."""
+        self._phase_listeners.append(listener)
+
+    async def listen(self) -> tuple[str, int]:
+        """Bind the port and serve HTTP; the window is not open yet (state.json answers 503)."""
+        if self.address is not None:
+            return self.address
+        self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self.mux.set_http(self._runner.server)
+        self.mux.register(Channel.JOIN, functools.partial(handle_join, self), hold_gate=True)
+        self.mux.register(Channel.RENDEZVOUS, self.store.handle)
+        self.address = await self.mux.start(self.options.effective_bind_host, self.options.port)
+        log.info("event=listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id)
+        return self.address
+
+    async def start(self) -> tuple[str, int]:
+        """Listen, open the join window and start the timer; returns the bound (host, port)."""
+        address = await self.listen()
+        if self.window is None:
+            self._open_window()
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+        return address
+
+    async def wait(self) -> RunResult:
+        """Until the run is done or failed. The port stays up; call `close()` (or `stop`) after."""
+        await self._done.wait()
+        assert self._result is not None
+        return self._result
+
+    def abort(self, reason: str) -> None:
+        """Fail the run now (Abort goes down every link); `wait()` returns once they are sent."""
+        if self._result is not None:
+            return
+        if self.window is None:
+            self._conclude(RunResult(Phase.FAILED, reason))
+        else:
+            self.window.abort(reason, self.clock())
+            self._settle()
+
+    async def stop(self, reason: str) -> RunResult:
+        """Abort the run unless it already ended, wait for the Aborts to go out, then close the port."""
+        self.abort(reason)
+        await self._done.wait()
+        await self.close()
+        assert self._result is not None
+        return self._result
+
+    async def close(self) -> None:
+        """Stop listening and end every connection (HTTP included)."""
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+        for task in list(self._background):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
+        await self.mux.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- the window ----------------------------------------------------------------------------
+
+    def _open_window(self) -> None:
+        assert self.address is not None
+        controller = _host_port(self.options.advertised_host, self.address[1])
+        self.window = JoinWindow(
+            self.policy, self.options.roster, self.clock(), run_id=self.run_id, controller=controller,
+            tolerance=self.options.tolerance,
+        )
+        p = self.policy
+        log.info(
+            "event=window_open quorum=%d target=%s window_secs=%g cap_secs=%g start=%s admission=%s",
+            p.quorum, p.target, p.window_secs, p.cap_secs, p.start.value,
+            "pre-shared" if p.trust is TrustMode.PRESHARED else "open",
+        )
+        self._announce()
+
+    async def _drive(self) -> None:
+        # Events settle the window synchronously when they happen; this loop only moves the clock.
+        while self._result is None:
+            assert self.window is not None
+            self.window.tick(self.clock())
+            self._settle()
+            await asyncio.sleep(self.options.tick_interval)
+
+    def _settle(self) -> None:
+        """Act on the window's phase: form and ship, or conclude. Call after every window call."""
+        window = self.window
+        assert window is not None
+        if window.phase is Phase.FORMING and window.world is None:
+            world = window.form(self.clock())
+            log.info(
+                "event=world_formed world_size=%d hosts=%d reason=%r",
+                world.world_size, len(world.hosts), window.reason,
+            )
+            self._spawn(self._ship(world))
+        self._announce()
+        if window.phase in TERMINAL_PHASES and not self._finishing:
+            self._finishing = True
+            self._spawn(self._finish(window.phase, window.reason))
+
+    def _announce(self, passed: Phase | None = None, why: str = "") -> None:
+        """Tell the log and listeners about a new phase (`passed`: one the window went through)."""
+        phase = passed or self.phase
+        if phase is None or phase is self._last_phase:
+            return
+        self._last_phase = phase
+        reason = why or (self.window.reason if self.window is not None else "")
+        log.info("event=phase phase=%s reason=%r", phase.value, reason)
+        for listener in self._phase_listeners:
+            try:
+                listener(phase, reason)
+            except Exception:  # a broken observer must not break admission or formation
+                log.exception("event=phase_listener_failed phase=%s", phase.value)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- called by the join handler -----------------------------------------------------------
+
+    def refuse(self, peer: str, code: str, reason: str) -> None:
+        """Count and log a join attempt refused before it reached the ledger."""
+        if self.window is not None:
+            self.window.ledger.refuse(code, reason)
+        else:
+            self.counters.refusals[code] += 1
+        log.warning("event=join_refused peer=%s code=%s reason=%r", peer, code, reason)
+
+    def admit(self, hello: Hello, link: HostLink) -> Accept | Reject:
+        """Decide a hello and, on admission, queue the Accept on the link in the same step."""
+        window = self.window
+        if window is None:
+            self.refuse(link.peer, "window_not_open", "the join window is not open yet")
+            return Reject(code="window_not_open", reason="the join window is not open yet; dial again shortly")
+        now = self.clock()
+        outcome = window.hello(hello, now)
+        if isinstance(outcome, Refused):
+            log.warning(
+                "event=join_refused peer=%s host=%s code=%s reason=%r", link.peer, hello.host, outcome.code,
+                outcome.reason,
+            )
+            self._settle()
+            return Reject(code=outcome.code, reason=outcome.reason[:1024])
+        open_admission = self.policy.trust is TrustMode.OPEN
+        accept = Accept(
+            ranks=list(outcome.ranks),
+            salt_hex=self.salt_hex if open_admission else None,
+            formation_wait_secs=window.formation_wait_secs(now),
+            run_id=self.run_id,
+        )
+        link.stream.send_nowait(accept)
+        self.counters.frame_out(JOIN_CHANNEL, 0)
+        if open_admission:
+            link.stream.rekey(self.salt)
+        self._links[hello.host] = link
+        log.info(
+            "event=joined host=%s peer=%s ranks=%s devices=%d variant=%s joined_ranks=%d target=%s quorum=%d",
+            hello.host, link.peer, list(outcome.ranks), len(hello.devices), hello.variant,
+            window.ledger.joined_ranks, self.policy.target, self.policy.quorum,
+        )
+        self._settle()
+        return accept
+
+    def rank_exited(self, link: HostLink, rank: int, code: int) -> None:
+        window = self.window
+        if window is None or window.world is None or rank not in window.world.ranks.get(link.host, ()):
+            log.warning("event=rank_exit_ignored host=%s rank=%d code=%d reason=not this host's rank in a formed world",
+                        link.host, rank, code)
+            return
+        log.log(logging.WARNING if code else logging.INFO, "event=rank_exited host=%s rank=%d code=%d",
+                link.host, rank, code)
+        if window.phase not in TERMINAL_PHASES:
+            window.rank_exited(rank, code, self.clock())
+            self._settle()
+
+    def rank_lost(self, rank: int, why: str) -> None:
+        """A subsystem (the data plane's liveness) declared `rank` dead: its host counts as lost, so its
+        unreported ranks fail the run beyond the tolerance, and the reason names the host."""
+        window = self.window
+        if window is None or window.world is None or window.phase in TERMINAL_PHASES:
+            return
+        host = next((h for h, ranks in window.world.ranks.items() if rank in ranks), None)
+        if host is None:
+            log.warning("event=rank_lost_ignored rank=%d reason=not in the formed world", rank)
+            return
+        if rank in window.rank_exits:
+            return  # it already reported its exit; the silence is the exit
+        log.warning("event=rank_lost host=%s rank=%d why=%r", host, rank, why)
+        self._lost_hosts.setdefault(host, f"rank {rank}: {why}")
+        window.host_closed(host, self.clock(), lost=True)
+        self._settle()
+
+    def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
+        """The host's join link ended: before formation its ranks return; after it the host is done
+        (`lost`: the link broke rather than closed cleanly, so its unreported ranks count as failed)."""
+        if link.closed.is_set():
+            return
+        link.closed.set()
+        if self._links.get(link.host) is link:
+            del self._links[link.host]
+        window = self.window
+        if window is None or window.phase in TERMINAL_PHASES:
+            return
+        if window.phase in WINDOW_PHASES:
+            returned = window.disconnect(link.host, self.clock())
+            log.warning("event=host_left_before_formation host=%s peer=%s ranks_returned=%s why=%r",
+                        link.host, link.peer, list(returned), why)
+        elif window.world is not None and link.host in window.world.ranks:
+            # An agent reports every rank's exit before it closes its link; a link that ends with ranks
+            # unreported means the agent died (a SIGKILL'd agent's kernel still sends a clean FIN).
+            unreported = [r for r in window.world.ranks[link.host] if r not in window.rank_exits]
+            if unreported and not lost:
+                lost, why = True, f"{why} with rank(s) {unreported} unreported"
+            if lost:
+                self._lost_hosts[link.host] = why
+            window.host_closed(link.host, self.clock(), lost=lost)
+            log.log(logging.WARNING if lost else logging.INFO, "event=host_link_closed host=%s lost=%s why=%r",
+                    link.host, lost, why)
+        self._settle()
+
+    # --- formation and the end ----------------------------------------------------------------
+
+    def _controller_host_for(self, link: HostLink) -> str:
+        """The controller address as that host sees it: its tunnel's loopback end, or the advertised host."""
+        if link.host in self.options.tunneled_hosts or is_loopback_address(link.peer):
+            return link.local_address if is_loopback_address(link.local_address) else "127.0.0.1"
+        return self.options.advertised_host
+
+    def _envelopes(self, world: World) -> dict[str, WorldEnvelope]:
+        """One envelope per host. The shared parts (the host list is O(world)) are validated once in a
+        template; per-host copies only swap already-checked fields, keeping formation O(world)."""
+        assert self.address is not None
+        first = world.hosts[0]
+        template = WorldEnvelope(
+            run_id=self.run_id, world_size=world.world_size, ranks=list(world.ranks[first]),
+            local_world_size=len(world.ranks[first]), hosts=list(world.hosts),
+            controller_host=self.options.advertised_host, controller_port=self.address[1],
+            averaging=self.options.averaging, backend=self.options.backend, env=dict(self.options.env),
+        )
+        envelopes: dict[str, WorldEnvelope] = {}
+        for host in world.hosts:
+            link = self._links.get(host)
+            ranks = list(world.ranks[host])
+            controller_host = self._controller_host_for(link) if link is not None else self.options.advertised_host
+            envelopes[host] = template.model_copy(
+                update={"ranks": ranks, "local_world_size": len(ranks), "controller_host": controller_host}
+            )
+        return envelopes
+
+    def _relay_spec(self) -> RelaySpec | None:
+        if not self.options.cpu_averaging:
+            return None
+        assert self.address is not None
+        port = self.address[1]
+        return RelaySpec(data_port=port, control_port=port, fold=self.options.fold, cadence=self.options.cadence)
+
+    async def _ship(self, world: World) -> None:
+        """WorldFormed to every host in admission order, then training (or failure for lost hosts)."""
+        relay = self._relay_spec()
+        envelopes = self._envelopes(world) if world.hosts else {}
+        sent: list[HostLink] = []
+        for host in world.hosts:
+            link = self._links.get(host)
+            if link is None or link.closed.is_set():
+                continue
+            link.stream.send_nowait(WorldFormed(envelope=envelopes[host], relay=relay))
+            self.counters.frame_out(JOIN_CHANNEL, 0)
+            sent.append(link)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS) for link in sent), return_exceptions=True
+        )
+        for link, outcome in zip(sent, results, strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning("event=world_formed_write_failed host=%s error=%r", link.host, outcome)
+                self.link_closed(link, f"WorldFormed write failed ({outcome!r})", lost=True)
+        window = self.window
+        assert window is not None
+        if window.phase is Phase.FORMING:
+            window.artifacts_shipped(self.clock())
+            log.info("event=artifacts_shipped hosts=%d", len(sent))
+            # The window may pass through training at once (every link already closed): say so anyway.
+            self._announce(Phase.TRAINING, "world formed, artifacts shipped")
+        self._settle()
+
+    async def _finish(self, phase: Phase, reason: str) -> None:
+        links = [link for link in self._links.values() if not link.closed.is_set()]
+        if phase is Phase.FAILED and self._lost_hosts:
+            lost = "; ".join(f"host {host!r}: {why}" for host, why in self._lost_hosts.items())
+            reason = f"{reason} — lost join link(s): {lost}"
+        if phase is Phase.FAILED:
+            log.error("event=run_failed reason=%r hosts_aborted=%d", reason, len(links))
+            await asyncio.gather(*(self._abort_link(link, reason) for link in links), return_exceptions=True)
+        else:
+            log.info("event=run_done reason=%r", reason)
+        self._conclude(RunResult(phase, reason))
+
+    async def _abort_link(self, link: HostLink, reason: str) -> None:
+        try:
+            link.stream.send_nowait(Abort(reason=reason[:1024]))
+            self.counters.frame_out(JOIN_CHANNEL, 0)
+            await asyncio.wait_for(link.stream.drain(), ABORT_TIMEOUT_SECS)
+        finally:
+            link.stream.close()
+
+    def _conclude(self, result: RunResult) -> None:
+        if self._result is None:
+            self._result = result
+            self._done.set()
+
+    # --- StatusSource (the HTTP app) ----------------------------------------------------------
+
+    def state_json(self) -> dict[str, Any] | None:
+        if self.window is None:
+            return None
+        state: dict[str, Any] = self.window.snapshot(self.clock()).model_dump(mode="json")
+        # Connections the mux dropped before any hello are refusals too; they show with a prefix.
+        for reason, count in sorted(self.counters.dropped.items()):
+            state["refused"][f"connection_{reason}"] = count
+        return state
+
+    def metrics_text(self) -> str:
+        refusals = self.counters.refusals.copy()
+        joined_ranks = joined_hosts = 0
+        if self.window is not None:
+            refusals.update(self.window.ledger.refused_counts)
+            snapshot = self.window.snapshot(self.clock())
+            joined_ranks, joined_hosts = snapshot.joined_ranks, snapshot.joined_hosts
+        view = ControllerCounters(**{**vars(self.counters), "refusals": refusals})
+        return render_prometheus(
+            view, phase=self.phase.value if self.phase else None, joined_ranks=joined_ranks, joined_hosts=joined_hosts
+        )
+
+    def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
+        """POST /start: switch, mode, credential, state, then the window's own rules, in that order."""
+        if not self.options.start_switch:
+            return _refusal(409, "no_start_switch", "no start switch this run (no join window with a start mode)")
+        if self.policy.start.value == "auto":
+            return _refusal(
+                409, "auto_mode",
+                "start mode is auto — the window closes on target/expiry; set controller.join.start: manual "
+                "(or hybrid) to hold for an operator start",
+            )
+        if not local and not token_matches(token, self.salt_hex):
+            refused = forbidden()
+            code = "bad_token" if token else "missing_token"
+            log.warning("event=start_refused code=%s", code)
+            return _refusal(refused.http_status, code, refused.reason)
+        if self.window is None:
+            return _refusal(503, "no_state", NO_STATE)
+        decision = self.window.arm_start(self.clock())
+        if not isinstance(decision, Armed):
+            log.info("event=start_refused code=%s reason=%r", decision.code, decision.reason)
+            return _refusal(decision.http_status, decision.code, decision.reason)
+        if not decision.already:
+            log.info("event=start_armed joined_ranks=%d quorum=%d", decision.joined_ranks, decision.quorum)
+        self._settle()
+        return HttpAnswer(200, {
+            "armed": True, "joined_ranks": decision.joined_ranks, "min_rank_start": decision.quorum,
+            "already_armed": decision.already,
+        })
+
+
+def _refusal(status: int, code: str, reason: str) -> HttpAnswer:
+    return HttpAnswer(status, {"error": reason, "code": code})
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

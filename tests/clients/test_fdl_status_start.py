@@ -1,0 +1,134 @@
+"""`fdl status` / `fdl start` as real processes against a live `flodld serve` on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from fdl.address import resolve_candidates
+from fdl.main import split_env
+from fdl.status import device_summary, render
+
+from flodld.membership.snapshot import StateSnapshot
+from flodld.wire.salt import new_salt, salt_from_hex
+from tests.flodld.controller.agents import join
+from tests.flodld.controller.daemon_proc import start_daemon
+
+pytestmark = pytest.mark.multiproc
+
+
+async def fdl(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, str, str]:
+    merged = {k: v for k, v in os.environ.items() if k != "FDL_ENV"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fdl.main", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**merged, **(env or {})}, cwd=cwd,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(tmp_path: Path) -> None:
+    token = new_salt().hex()
+    daemon = await start_daemon("--ranks", "2", "--token", token, "--start", "manual", "--window", "0.2",
+                                "--cap", "60")
+    addr = f"127.0.0.1:{daemon.port}"
+    try:
+        code, out, _ = await fdl("status", "--addr", addr)
+        assert code == 0
+        assert f"@ {addr} — waiting" in out and "ranks: 0 joined across 0 host(s)" in out
+        assert "hosts: none joined yet" in out and "start: manual — waiting for quorum" in out
+        agents = [await join(daemon.port, salt_from_hex(token), h, devices=d) for h, d in (("node-a", 1),
+                                                                                           ("node-b", 2))]
+        code, out, _ = await fdl("status", "--addr", addr)
+        assert code == 0
+        assert "— staging" in out and "ranks: 3 joined across 2 host(s)   (quorum 2, target none)" in out
+        assert "roster startable, fire with `fdl start`" in out
+        assert "node-b  ranks [1, 2]  2x cpu:0, cpu:1" not in out  # distinct devices are listed, not counted
+        assert "node-b  ranks [1, 2]  cpu:0, cpu:1  variant cpu  joined +" in out
+        code, out, _ = await fdl("status", "--json", "--addr", addr)
+        assert code == 0 and StateSnapshot.model_validate(json.loads(out)).joined_ranks == 3
+        code, _, err = await fdl("start", "--addr", addr, "--token", "00" * 16)
+        # Loopback needs no token, so even a wrong one arms: the caller is local.
+        assert code == 0, err
+        await asyncio.gather(*(a.world() for a in agents))
+        code, _, err = await fdl("start", "--addr", addr)
+        assert code == 1 and "start refused" in err and "window is not open" in err
+        watch = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fdl.main", "status", "--watch", "--interval", "0.1", "--addr", addr,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        assert watch.stdout is not None and watch.stderr is not None
+        first = await asyncio.wait_for(watch.stdout.readline(), 30)
+        assert b"training" in first
+        for agent in agents:
+            await agent.leave()
+        out_b, err_b = await asyncio.wait_for(watch.communicate(), 30)
+        out, err = first.decode() + out_b.decode(), err_b.decode()
+        # The daemon exits when the run is done; --watch reports either the verdict or the closed port.
+        assert watch.returncode == 0 and ("— done" in out or "the run has ended" in err), err
+        assert await daemon.finish() == 0
+    finally:
+        daemon.kill()
+
+
+async def test_status_with_nothing_listening_exits_one_with_an_explanation() -> None:
+    code, _, err = await fdl("status", "--addr", f"127.0.0.1:{_free_port()}")
+    assert code == 1 and "no run listening at" in err and "(--addr)" in err
+    code, _, err = await fdl("start", "--addr", f"127.0.0.1:{_free_port()}")
+    assert code == 1 and "start not armed" in err
+
+
+async def test_overlay_selection_finds_the_controller_and_unknown_envs_are_listed(tmp_path: Path) -> None:
+    daemon = await start_daemon("--ranks", "1")
+    try:
+        (tmp_path / "fdl.yml").write_text("{}\n")
+        (tmp_path / "fdl.lab.yml").write_text(
+            f"cluster:\n  controller:\n    host: 127.0.0.1\n    port: {daemon.port}\n"
+            "  workers:\n    - host: localhost\n      local_devices: [cpu]\n"
+        )
+        for args, env in (
+            (("@lab", "status"), None),
+            (("--env", "lab", "status"), None),
+            (("status", "--env", "lab"), None),
+            (("status",), {"FDL_ENV": "lab"}),
+            (("@lab", "status"), {"FDL_ENV": "nonexistent"}),  # the command line wins over FDL_ENV
+        ):
+            code, out, err = await fdl(*args, "--project", str(tmp_path), env=env)
+            assert code == 0, (args, err)
+            assert f"@ 127.0.0.1:{daemon.port} — waiting" in out
+        code, _, err = await fdl("@nope", "status", "--project", str(tmp_path))
+        assert code == 2 and "unknown environment 'nope'" in err and "available overlays: lab" in err
+    finally:
+        daemon.proc.terminate()
+        await daemon.finish()
+
+
+def test_bare_host_gets_the_default_port_and_ipv6_literals_parse() -> None:
+    assert resolve_candidates("10.0.0.7", None, ".", "status").addresses == (("10.0.0.7", 1337),)
+    assert resolve_candidates("[::1]:9000", None, ".", "status").addresses == (("::1", 9000),)
+
+
+def test_env_selector_rules() -> None:
+    assert split_env(["@lab", "status", "--json"]) == ("lab", ["status", "--json"])
+    assert split_env(["run", "x.py", "--env=lab", "--", "--env", "kept"]) == ("lab", ["run", "x.py", "--", "--env", "kept"])
+    assert split_env(["status", "@lab"]) == (None, ["status", "@lab"])  # @env only before the command
+
+
+def test_device_summary_and_render_shapes() -> None:
+    assert device_summary(["cuda:0", "cuda:0"]) == "2x cuda:0"
+    assert device_summary([]) == "no devices listed"
+    text = render({"phase": "failed", "run_id": "r", "joined_ranks": 0, "joined_hosts": 0, "quorum": 1,
+                   "target": None, "members": [], "reason": "quorum not met"}, "h:1", colour=True)
+    assert "\033[31mfailed\033[0m" in text and "reason: quorum not met" in text

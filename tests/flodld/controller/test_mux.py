@@ -1,0 +1,180 @@
+"""The port mux over real loopback sockets: routing, deadlines, drops, the flood gate, HTTP hand-over."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from flodld.controller.metrics import ControllerCounters
+from flodld.controller.mux import PortMux, PreAdmissionGate
+from flodld.wire.magic import Channel, magic_prefix
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    data = await reader.readexactly(5)
+    writer.write(b"echo:" + data)
+    await writer.drain()
+
+
+async def _started(mux: PortMux) -> int:
+    _, port = await mux.start("127.0.0.1", 0)
+    return port
+
+
+async def _wait_for(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_routes_by_magic_with_bytes_after_the_magic_intact() -> None:
+    mux = PortMux(ControllerCounters())
+    mux.register(Channel.RENDEZVOUS, _echo)
+    port = await _started(mux)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(magic_prefix(Channel.RENDEZVOUS) + b"hello")  # magic and payload in one segment
+        assert await asyncio.wait_for(reader.readexactly(10), 3) == b"echo:hello"
+        writer.close()
+        assert mux.counters.connections["rendezvous"] == 1
+    finally:
+        await mux.close()
+
+
+async def test_silent_connection_does_not_delay_another_and_is_dropped_at_the_deadline() -> None:
+    mux = PortMux(ControllerCounters(), magic_deadline=0.5)
+    mux.register(Channel.RENDEZVOUS, _echo)
+    port = await _started(mux)
+    try:
+        silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(magic_prefix(Channel.RENDEZVOUS) + b"quick")
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.readexactly(10), 3) == b"echo:quick"
+        assert asyncio.get_running_loop().time() - started < 0.4  # answered before the silent peer's deadline
+        assert await asyncio.wait_for(silent_reader.read(), 3) == b""  # closed by the deadline
+        assert mux.counters.dropped["deadline"] == 1
+        silent_writer.close()
+        writer.close()
+    finally:
+        await mux.close()
+
+
+async def test_unknown_magic_is_dropped_and_counted_and_the_mux_keeps_routing() -> None:
+    mux = PortMux(ControllerCounters())
+    mux.register(Channel.RENDEZVOUS, _echo)
+    port = await _started(mux)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\xef\xbe\xad\xde")
+        try:
+            assert await asyncio.wait_for(reader.read(), 3) == b""
+        except ConnectionResetError:
+            pass
+        writer.close()
+        assert mux.counters.dropped["unknown_magic"] == 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(magic_prefix(Channel.RENDEZVOUS) + b"again")
+        assert await asyncio.wait_for(reader.readexactly(10), 3) == b"echo:again"
+        writer.close()
+    finally:
+        await mux.close()
+
+
+async def test_eof_before_magic_and_unserved_channel_are_dropped() -> None:
+    mux = PortMux(ControllerCounters())
+    port = await _started(mux)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\xe3")
+        writer.write_eof()
+        reader, writer2 = await asyncio.open_connection("127.0.0.1", port)
+        writer2.write(magic_prefix(Channel.DATA))
+        try:
+            assert await asyncio.wait_for(reader.read(), 3) == b""
+        except ConnectionResetError:
+            pass
+        await _wait_for(lambda: mux.counters.dropped["truncated_magic"] == 1)
+        assert mux.counters.dropped["no_handler"] == 1
+        writer.close()
+        writer2.close()
+    finally:
+        await mux.close()
+
+
+async def test_pre_admission_gate_caps_pending_connections_per_address() -> None:
+    mux = PortMux(ControllerCounters(), magic_deadline=2.0, gate=PreAdmissionGate(3, exempt_loopback=False))
+    mux.register(Channel.RENDEZVOUS, _echo)
+    port = await _started(mux)
+    try:
+        pending = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await _wait_for(lambda: mux.gate.pending("127.0.0.1") == 3)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            assert await asyncio.wait_for(reader.read(), 3) == b""
+        except ConnectionResetError:
+            pass
+        assert mux.counters.dropped["flood"] == 1
+        # Once one pending peer routes, its slot frees up for a new connection.
+        first_reader, first_writer = pending[0]
+        first_writer.write(magic_prefix(Channel.RENDEZVOUS) + b"slot1")
+        assert await asyncio.wait_for(first_reader.readexactly(10), 3) == b"echo:slot1"
+        await _wait_for(lambda: mux.gate.pending("127.0.0.1") == 2)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(magic_prefix(Channel.RENDEZVOUS) + b"slot2")
+        assert await asyncio.wait_for(reader.readexactly(10), 3) == b"echo:slot2"
+        for _, w in pending:
+            w.close()
+        writer.close()
+    finally:
+        await mux.close()
+
+
+async def test_http_is_handed_to_aiohttp_on_the_same_port() -> None:
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "query": request.query_string})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    mux = PortMux(ControllerCounters())
+    assert runner.server is not None
+    mux.set_http(runner.server)
+    port = await _started(mux)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x?y=1 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        response = await asyncio.wait_for(reader.read(), 3)
+        assert response.startswith(b"HTTP/1.1 200")
+        assert response.endswith(b'{"path": "/x", "query": "y=1"}')
+        writer.close()
+        assert mux.counters.connections["http"] == 1
+    finally:
+        await mux.close()
+        await runner.cleanup()
+
+
+async def test_a_slow_http_head_is_cut_at_the_http_lifetime() -> None:
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    assert runner.server is not None
+    mux = PortMux(ControllerCounters(), http_lifetime=0.4)
+    mux.set_http(runner.server)
+    port = await _started(mux)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /state.json HTTP/1.1\r\nX-Slow: ")  # and never finish the head
+        started = asyncio.get_running_loop().time()
+        try:
+            assert await asyncio.wait_for(reader.read(), 3) == b""
+        except ConnectionResetError:
+            pass
+        assert asyncio.get_running_loop().time() - started < 2
+        assert mux.counters.dropped["http_lifetime"] == 1
+        writer.close()
+    finally:
+        await mux.close()
+        await runner.cleanup()

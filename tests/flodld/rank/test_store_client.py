@@ -1,0 +1,174 @@
+"""ControllerStore against the real store service on a loopback mux, including gloo process groups."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+
+from flodld.controller.metrics import ControllerCounters
+from flodld.controller.mux import PortMux
+from flodld.controller.store import StoreService
+from flodld.rank.store import ControllerStore, StoreRequestError
+from flodld.wire.magic import Channel
+from flodld.wire.salt import new_salt, salt_to_hex
+
+
+@dataclass
+class StoreServer:
+    port: int
+    salt: bytes
+    run_id: str
+    service: StoreService
+
+
+@pytest.fixture
+def store_server() -> Iterator[StoreServer]:
+    """A mux with only the store service, on its own event loop thread (the client blocks)."""
+    loop = asyncio.new_event_loop()
+    salt = new_salt()
+    started: dict[str, object] = {}
+    ready = threading.Event()
+
+    async def main() -> None:
+        counters = ControllerCounters()
+        service = StoreService("run-1", salt, counters)
+        mux = PortMux(counters)
+        mux.register(Channel.RENDEZVOUS, service.handle)
+        _, port = await mux.start("127.0.0.1", 0)
+        started.update(port=port, service=service, mux=mux)
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(main(), loop).result(10)
+    ready.wait(10)
+    service = started["service"]
+    assert isinstance(service, StoreService)
+    yield StoreServer(int(started["port"]), salt, "run-1", service)  # type: ignore[call-overload]
+    mux = started["mux"]
+    assert isinstance(mux, PortMux)
+    asyncio.run_coroutine_threadsafe(mux.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def _client(server: StoreServer, **kwargs: object) -> ControllerStore:
+    return ControllerStore("127.0.0.1", server.port, server.salt, server.run_id, **kwargs)  # type: ignore[arg-type]
+
+
+def test_every_store_method_follows_torch_semantics(store_server: StoreServer) -> None:
+    store = _client(store_server, timeout=timedelta(seconds=2))
+    store.set("a", b"1")
+    assert store.get("a") == b"1"
+    assert store.add("counter", 3) == 3
+    assert store.add("counter", -1) == 2
+    assert store.get("counter") == b"2"
+    assert store.compare_set("cas", b"", b"first") == b"first"
+    assert store.compare_set("cas", b"wrong", b"second") == b"first"
+    assert store.compare_set("cas", b"first", b"second") == b"second"
+    assert store.compare_set("absent", b"x", b"y") == b"x"
+    assert store.check(["a", "counter"]) is True
+    assert store.check(["a", "nope"]) is False
+    store.multi_set(["m1", "m2"], [b"one", b""])
+    assert store.multi_get(["m1", "m2", "a"]) == [b"one", b"", b"1"]
+    store.append("log", b"ab")
+    store.append("log", "cd")
+    assert store.get("log") == b"abcd"
+    keys_before = store.num_keys()
+    assert store.delete_key("a") is True
+    assert store.delete_key("a") is False
+    assert store.num_keys() == keys_before - 1
+    store.wait(["m1", "log"])
+    store.close()
+
+
+def test_get_blocks_until_another_client_sets_the_key(store_server: StoreServer) -> None:
+    waiter = _client(store_server, timeout=timedelta(seconds=5))
+    setter = _client(store_server)
+    result: list[bytes] = []
+    thread = threading.Thread(target=lambda: result.append(waiter.get("late")))
+    thread.start()
+    setter.set("late", b"here")
+    thread.join(5)
+    assert result == [b"here"]
+
+
+def test_wait_times_out_with_a_timeout_error_and_the_connection_survives(store_server: StoreServer) -> None:
+    store = _client(store_server)
+    with pytest.raises(TimeoutError, match="never"):
+        store.wait(["never"], timedelta(seconds=0.2))
+    store.set_timeout(timedelta(seconds=0.2))
+    with pytest.raises(TimeoutError):
+        store.get("never")
+    store.set("after", b"ok")
+    assert store.get("after") == b"ok"
+
+
+def test_add_on_a_non_integer_names_the_key(store_server: StoreServer) -> None:
+    store = _client(store_server)
+    store.set("text", b"abc")
+    with pytest.raises(StoreRequestError, match="not a decimal integer"):
+        store.add("text", 1)
+
+
+def test_wrong_salt_gets_no_answer_and_wrong_run_is_refused(store_server: StoreServer) -> None:
+    with pytest.raises((EOFError, ConnectionError, TimeoutError)):
+        ControllerStore("127.0.0.1", store_server.port, new_salt(), "run-1", connect_timeout=2)
+    with pytest.raises(StoreRequestError, match="wrong_run"):
+        ControllerStore("127.0.0.1", store_server.port, store_server.salt, "other-run")
+
+
+def test_a_dropped_connection_is_redialed_once(store_server: StoreServer) -> None:
+    store = _client(store_server)
+    store.set("k", b"v")
+    assert store._channel is not None
+    store._channel.sock.close()  # simulate a broken link under the client
+    assert store.get("k") == b"v"
+
+
+_RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from datetime import timedelta
+    from flodld.rank.store import ControllerStore
+    torch.set_num_threads(1)
+    port, salt_hex, rank, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    store = ControllerStore("127.0.0.1", port, bytes.fromhex(salt_hex), "run-1", rank=rank,
+                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(f"RESULT {t.item():g}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_all_reduce_over_controller_store(store_server: StoreServer, world: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_SCRIPT, str(store_server.port), salt_to_hex(store_server.salt),
+             str(rank), str(world)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for rank in range(world)
+    ]
+    expected = sum(range(1, world + 1))
+    for proc in procs:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err[-2000:]
+        assert f"RESULT {expected}" in out
+    assert store_server.service.state.num_keys() > 0
