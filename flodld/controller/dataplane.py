@@ -306,7 +306,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 dict(window.world.ranks),
                 liveness_timeout=liveness,
                 heartbeat_interval=interval,
-                on_rank_dead=lambda rank, why: log.warning("event=rank_dead rank=%d reason=%r", rank, why),
+                on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
             )
             controller.register_channel(Channel.DATA, plane.handle_data)
             controller.register_channel(Channel.CONTROL, plane.handle_control)

@@ -1,0 +1,87 @@
+"""One valid instance of every registered wire message, the seeds the mutation fuzzers start from."""
+
+from __future__ import annotations
+
+import flodld.wire  # noqa: F401  (registers every channel's messages)
+from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
+from flodld.wire.data import (
+    Broadcast,
+    DataPlaneError,
+    Deposit,
+    HelloAck,
+    HostFrame,
+    RankGone,
+    RankHello,
+    RelayHello,
+)
+from flodld.wire.data import TensorSpec as Spec
+from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.messages import Message
+from flodld.wire.store import (
+    StoreAdd,
+    StoreAppend,
+    StoreBool,
+    StoreCheck,
+    StoreCompareSet,
+    StoreDeleteKey,
+    StoreError,
+    StoreGet,
+    StoreHello,
+    StoreInt,
+    StoreMultiGet,
+    StoreMultiSet,
+    StoreNumKeys,
+    StoreOk,
+    StoreSet,
+    StoreValue,
+    StoreValues,
+    StoreWait,
+)
+
+DIGEST = "ab" * 32
+ENVELOPE = WorldEnvelope(
+    run_id="r1", world_size=3, ranks=[1, 2], local_world_size=2, hosts=["a", "b"], controller_host="127.0.0.1",
+    controller_port=1337, averaging="cpu_sync", backend="gloo", env={"OMP_NUM_THREADS": "1"},
+)
+TENSORS = [Spec(dtype="float32", shape=[2, 3])]
+
+EXEMPLARS: list[Message] = [
+    Hello(host="node-a", devices=["cpu:0", "cpu:1"], device_labels=["cpu", "cpu"], variant="cpu",
+          torch_version="2.13", protocol_version=1, dataset_sig=DIGEST, run_id="r1", nccl_version="2.27",
+          model_sig=DIGEST, averaging="cpu_sync"),
+    Accept(ranks=[0, 1], salt_hex="00" * 16, formation_wait_secs=1.5, run_id="r1"),
+    Reject(code="window_closed", reason="the window closed"),
+    WorldFormed(envelope=ENVELOPE, relay=RelaySpec(data_port=1337, control_port=1337, fold="mean", cadence=1)),
+    RankExited(rank=3, code=-9),
+    Abort(reason="host b lost"),
+    StoreHello(run_id="r1", rank=0),
+    StoreSet(key="/default_pg/0//cpu//0"),
+    StoreGet(key="k", timeout=2.0),
+    StoreAdd(key="k", amount=-5),
+    StoreCompareSet(key="k", expected_len=3),
+    StoreWait(keys=["a", "b"], timeout=1.0),
+    StoreCheck(keys=["a"]),
+    StoreDeleteKey(key="k"),
+    StoreNumKeys(),
+    StoreMultiGet(keys=["a", "b"], timeout=1.0),
+    StoreMultiSet(keys=["a", "b"], lengths=[1, 2]),
+    StoreAppend(key="k"),
+    StoreOk(),
+    StoreValue(),
+    StoreValues(lengths=[1, 0]),
+    StoreInt(value=7),
+    StoreBool(value=True),
+    StoreError(code="timeout", reason="timed out"),
+    RelayHello(host="node-a", ranks=[0, 1]),
+    HelloAck(),
+    RankHello(rank=1),
+    Deposit(round=4, fold="mean", weight=1.0, tensors=TENSORS),
+    HostFrame(round=4, fold="mean", weight=2.0, contributors=[0, 1], tensors=TENSORS),
+    Broadcast(round=4, fold="mean", weight=3.0, contributors=[0, 1, 2], tensors=TENSORS),
+    RankGone(rank=2, reason="leg closed"),
+    DataPlaneError(reason="double deposit"),
+    Heartbeat(rank=1, step=10),
+    CoordinatorHeartbeat(),
+    DeclareDead(rank=1, reason="silent"),
+    Shutdown(reason="done"),
+]

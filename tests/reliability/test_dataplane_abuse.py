@@ -1,0 +1,123 @@
+"""The relay-facing DATA and CONTROL channels of a formed world under hostile relays."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from flodld.config.join import JoinConfig
+from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.run import Controller
+from flodld.net.stream import FramedStream, open_channel
+from flodld.wire.data import DataPlaneError, HelloAck, HostFrame, RelayHello, TensorSpec
+from flodld.wire.errors import WireError
+from flodld.wire.frames import FRAME_MAGIC, HEADER, PROTOCOL_VERSION
+from flodld.wire.join import Accept, WorldFormed
+from flodld.wire.magic import Channel
+from flodld.wire.messages import Message
+from flodld.wire.salt import new_salt
+
+from .daemon import CLOSE_BOUND_SECS, RawJoin, hello, options, raw_join, state
+
+
+@asynccontextmanager
+async def formed_world() -> AsyncIterator[tuple[Controller, int, RawJoin]]:
+    """A one-host world (host "h", ranks [0, 1]) whose data plane is up; the join link stays open."""
+    opts = options(capacity=2, join=JoinConfig(join_timeout=30, target_ranks=2, min_rank_start=2))
+    controller = Controller(opts)
+    attach_data_plane(controller)
+    _, port = await controller.start()
+    agent = await raw_join(port, controller.salt)
+    try:
+        agent.write(agent.conn.send_message(hello("h", devices=2)))
+        assert isinstance(await agent.next_message(), Accept)
+        assert isinstance(await agent.next_message(), WorldFormed)
+        yield controller, port, agent
+    finally:
+        agent.close()
+        await controller.close()
+
+
+async def _relay(port: int, key: bytes, channel: Channel, first: Message) -> tuple[FramedStream, Message]:
+    stream = await open_channel("127.0.0.1", port, channel, key, timeout=5)
+    await stream.send(first)
+    return stream, (await stream.recv(5)).message()
+
+
+async def _closed_without_reply(stream: FramedStream) -> None:
+    with pytest.raises((EOFError, ConnectionError, WireError)):
+        await stream.recv(CLOSE_BOUND_SECS)
+
+
+@pytest.mark.parametrize("channel", [Channel.DATA, Channel.CONTROL])
+async def test_a_relay_without_the_salt_is_dropped_unanswered(channel: Channel) -> None:
+    async with formed_world() as (_, port, _agent):
+        stream = await open_channel("127.0.0.1", port, channel, new_salt(), timeout=5)
+        await stream.send(RelayHello(host="h", ranks=[0, 1]))
+        await _closed_without_reply(stream)
+
+
+@pytest.mark.parametrize(
+    ("first", "fragment"),
+    [
+        (HelloAck(), "expected RelayHello"),
+        (RelayHello(host="stranger", ranks=[0]), "not in this world"),
+        (RelayHello(host="h", ranks=[0]), "claims ranks"),
+        (RelayHello(host="h", ranks=[0, 1, 2]), "claims ranks"),
+    ],
+    ids=["not-a-hello", "unknown-host", "fewer-ranks", "extra-rank"],
+)
+async def test_a_relay_that_lies_about_who_it_is_gets_a_data_plane_error(first: Message, fragment: str) -> None:
+    async with formed_world() as (controller, port, _agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, first)
+        assert isinstance(reply, DataPlaneError) and fragment in reply.reason, reply
+        assert controller.salt_hex not in reply.reason
+        with pytest.raises(EOFError):
+            await stream.recv(CLOSE_BOUND_SECS)
+
+
+async def test_a_second_relay_for_the_same_host_is_refused_and_the_first_keeps_its_place() -> None:
+    async with formed_world() as (controller, port, _agent):
+        first, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[0, 1]))
+        assert isinstance(reply, HelloAck)
+        _, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[1, 0]))
+        assert isinstance(reply, DataPlaneError) and "already has a relay" in reply.reason
+        await first.aclose()
+
+
+@pytest.mark.parametrize(
+    ("frame", "tail", "fragment"),
+    [
+        (HostFrame(round=0, fold="mean", weight=1.0, contributors=[5], tensors=[]), b"", "owns"),
+        (HostFrame(round=0, fold="mean", weight=1.0, contributors=[0],
+                   tensors=[TensorSpec(dtype="float32", shape=[4])]), b"\x00" * 3, ""),
+        (HostFrame(round=0, fold="mean", weight=1.0, contributors=[0],
+                   tensors=[TensorSpec(dtype="float32", shape=[2**39, 2**39])]), b"", ""),
+        (HostFrame(round=0, fold="no-such-fold", weight=1.0, contributors=[0], tensors=[]), b"", ""),
+    ],
+    ids=["foreign-contributor", "short-tail", "absurd-shape", "unknown-fold"],
+)
+async def test_a_bad_host_frame_gets_a_data_plane_error_and_the_daemon_serves_on(
+    frame: HostFrame, tail: bytes, fragment: str
+) -> None:
+    async with formed_world() as (controller, port, _agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[0, 1]))
+        assert isinstance(reply, HelloAck)
+        await stream.send(frame, tail)
+        refusal = (await stream.recv(10)).message()
+        assert isinstance(refusal, DataPlaneError) and fragment in refusal.reason, refusal
+        assert (await state(port))["phase"] == "training"
+
+
+async def test_an_over_cap_tail_claim_on_the_data_channel_is_refused_unread() -> None:
+    async with formed_world() as (controller, port, _agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[0, 1]))
+        assert isinstance(reply, HelloAck)
+        stream.writer.write(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, HostFrame.KIND, 1, 10, 2**32 - 1))
+        await _closed_without_reply(stream)
+        body = await state(port)
+        assert body["phase"] == "training"
+        await asyncio.sleep(0)
