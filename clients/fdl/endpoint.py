@@ -20,11 +20,26 @@ class HttpReply:
         return json.loads(self.body)
 
 
-def request(host: str, port: int, method: str, path: str, *, timeout: float = HTTP_TIMEOUT_SECS) -> HttpReply:
-    """One request on a fresh connection; OSError when nothing answers."""
+def request(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    *,
+    timeout: float = HTTP_TIMEOUT_SECS,
+    bearer: str | None = None,
+) -> HttpReply:
+    """One request on a fresh connection; OSError when nothing answers.
+
+    A `bearer` credential travels in the Authorization header, never in the URL, so it stays
+    out of proxy and access logs.
+    """
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    headers = {"Connection": "close", "Content-Length": "0"}
+    if bearer:
+        headers["Authorization"] = f"Bearer {bearer}"
     try:
-        connection.request(method, path, headers={"Connection": "close", "Content-Length": "0"})
+        connection.request(method, path, headers=headers)
         response = connection.getresponse()
         return HttpReply(response.status, response.reason, response.read())
     except http.client.HTTPException as error:

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 from typing import Any
-from urllib.parse import quote
 
 from fdl.address import format_address, resolve_candidates
 from fdl.endpoint import request
@@ -31,12 +30,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"fdl start: {error}", file=sys.stderr)
         return 2
     token = args.token or os.environ.get(TOKEN_ENV)
-    path = "/start" + (f"?token={quote(token.strip(), safe='')}" if token else "")
+    bearer = token.strip() if token else None
     last = "no candidates"
     for host, port in candidates.addresses:
         address = format_address(host, port)
         try:
-            reply = request(host, port, "POST", path)
+            reply = request(host, port, "POST", "/start", bearer=bearer)
         except OSError as error:
             last = str(error) or repr(error)
             continue

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -132,3 +133,37 @@ def test_device_summary_and_render_shapes() -> None:
     text = render({"phase": "failed", "run_id": "r", "joined_ranks": 0, "joined_hosts": 0, "quorum": 1,
                    "target": None, "members": [], "reason": "quorum not met"}, "h:1", colour=True)
     assert "\033[31mfailed\033[0m" in text and "reason: quorum not met" in text
+
+
+def test_start_sends_the_token_in_the_authorization_header_never_the_url() -> None:
+    import http.server
+    import threading
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            body = b'{"armed": true, "joined_ranks": 2}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = "00112233445566778899aabbccddeeff"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "fdl.main", "start", "--addr", f"127.0.0.1:{server.server_address[1]}",
+             "--token", token],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr
+    assert seen == [("/start", f"Bearer {token}")]
