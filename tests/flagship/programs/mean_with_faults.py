@@ -1,0 +1,76 @@
+"""examples/encrypted_mean.py with one misbehaving rank, and an audit dump, for the flagship tests.
+
+    mean_with_faults.py [example args] [--fault values|scale|foreign-key|leave --fault-rank R] [--audit-dir D]
+
+The faulty rank runs the real workload and only differs where the fault says: a different
+--values, a different CKKS scale, a public key of its own, or leaving (exit 0) right before the
+all-reduce. --audit-dir writes each rank's secret key (key holder), update, ciphertext and sum as
+torch files so a test can compare them with the bytes that crossed the controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from flodld.launcher import exit_if_worker_role
+
+exit_if_worker_role()
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import encrypted_aggregation as aggregation  # noqa: E402
+import encrypted_mean  # noqa: E402
+import torch  # noqa: E402
+
+import flodld  # noqa: E402
+from fhelium.core import PublicKey  # noqa: E402
+from fhelium.engine import CkksEngine  # noqa: E402
+
+
+def main() -> int:
+    faults = argparse.ArgumentParser(add_help=False)
+    faults.add_argument("--fault", choices=("values", "scale", "foreign-key", "leave"))
+    faults.add_argument("--fault-rank", type=int, default=1)
+    faults.add_argument("--audit-dir")
+    fault_args, rest = faults.parse_known_args()
+    args = encrypted_mean.parse_arguments(rest)
+    torch.set_num_threads(1)
+    transport = encrypted_mean.open_transport(encrypted_mean.choose_transport(args.transport))
+    rank = transport.rank
+    faulty = fault_args.fault if rank == fault_args.fault_rank else None
+    values = args.values + 1 if faulty == "values" else args.values
+    parameters = aggregation.AGGREGATION_PARAMETERS
+    if faulty == "scale":
+        parameters = parameters.model_copy(update={"scale_bits": parameters.scale_bits - 2})
+
+    def own_key(public: PublicKey, engine: CkksEngine) -> PublicKey:
+        return engine.generate_public_key(engine.generate_secret_key())
+
+    def leave() -> None:
+        print(f"rank {rank}: leaving before the all-reduce", flush=True)
+        os._exit(0)
+
+    def audit(name: str, tensor: torch.Tensor) -> None:
+        torch.save(tensor.clone(), Path(fault_args.audit_dir) / f"rank{rank}-{name}.pt")
+
+    try:
+        outcome = aggregation.aggregate_mean(
+            transport, values=values, seed=args.seed, bound=args.bound, lower=args.lower, parameters=parameters,
+            say=lambda message: print(f"rank {rank}: {message}", flush=True),
+            public_key_hook=own_key if faulty == "foreign-key" else None,
+            before_reduce=leave if faulty == "leave" else None,
+            audit=audit if fault_args.audit_dir else None,
+        )
+    except aggregation.AggregationError as error:
+        print(f"rank {rank}: FAILED: {type(error).__name__}: {error}", flush=True)
+        return 1
+    print(f"rank {rank}: {encrypted_mean.report(outcome, transport.name)}", flush=True)
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(flodld.run(main, init_process_group=False))

@@ -1,0 +1,196 @@
+"""What crosses the controller on the relay path: ciphertext residues only, folded to the exact modular sum.
+
+An in-process controller serves two single-rank hosts whose agents dial it through a recording TCP
+forwarder, so every byte of every channel (join, rendezvous, data, control) of both hosts passes the
+recorder. The data-plane streams are then decoded with the run's own frame codec (tags verified)
+and compared with what the ranks held (dumped by the test program's audit hook).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.config.join import JoinConfig
+from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.options import ControllerOptions
+from flodld.controller.run import Controller
+from flodld.fold.base import ModularFold
+from flodld.fold.codec import decode_bundle
+from flodld.wire.data import Broadcast, HostFrame
+from flodld.wire.frames import NEED_DATA, NONCE_BYTES, Frame, FrameConnection, Role
+from flodld.wire.magic import Channel, channel_for_prefix
+from tests.e2e.harness import child_env
+
+pytestmark = pytest.mark.multiproc
+
+PROGRAM = Path(__file__).resolve().parent / "programs" / "mean_with_faults.py"
+HOSTS = ("node-a", "node-b")
+
+
+@dataclass
+class Capture:
+    up: bytearray = field(default_factory=bytearray)  # dialer -> controller
+    down: bytearray = field(default_factory=bytearray)  # controller -> dialer
+
+    @property
+    def channel(self) -> Channel | None:
+        return channel_for_prefix(bytes(self.up[:4])) if len(self.up) >= 4 else None
+
+
+class RecordingForwarder:
+    """A loopback TCP forwarder to the controller that keeps every byte in both directions."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.captures: list[Capture] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._forward, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        capture = Capture()
+        self.captures.append(capture)
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, record: bytearray) -> None:
+            try:
+                while chunk := await source.read(1 << 16):
+                    record.extend(chunk)
+                    sink.write(chunk)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pump(reader, upstream_writer, capture.up), pump(upstream_reader, writer, capture.down))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def decode_direction(data: bytes, salt: bytes, role: Role, own_nonce: bytes) -> list[Frame]:
+    """Frames of one recorded direction, authenticated with the run's salt as the receiving side would."""
+    receiver = FrameConnection(role, salt, nonce=own_nonce)
+    receiver.receive_data(data)
+    frames = []
+    while (event := receiver.next_event()) is not NEED_DATA:
+        if isinstance(event, Frame):
+            frames.append(event)
+        else:
+            break
+    return frames
+
+
+def data_plane_frames(captures: list[Capture], salt: bytes) -> tuple[list[tuple[Frame, HostFrame]], list[tuple[Frame, Broadcast]]]:
+    host_frames: list[tuple[Frame, HostFrame]] = []
+    broadcasts: list[tuple[Frame, Broadcast]] = []
+    for capture in captures:
+        if capture.channel is not Channel.DATA:
+            continue
+        dialer_nonce, listener_nonce = bytes(capture.up[4 : 4 + NONCE_BYTES]), bytes(capture.down[:NONCE_BYTES])
+        for frame in decode_direction(bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce):
+            message = frame.message()
+            if isinstance(message, HostFrame):
+                host_frames.append((frame, message))
+        for frame in decode_direction(bytes(capture.down), salt, Role.DIALER, dialer_nonce):
+            message = frame.message()
+            if isinstance(message, Broadcast):
+                broadcasts.append((frame, message))
+    return host_frames, broadcasts
+
+
+async def run_audited_world(tmp_path: Path) -> tuple[Controller, RecordingForwarder, bool, str]:
+    token = secrets.token_hex(16)
+    controller = Controller(ControllerOptions.model_validate({
+        "advertised_host": "127.0.0.1", "port": 0, "loopback_bind": True, "averaging": "cpu_sync",
+        "join": JoinConfig(discovery=True, min_rank_start=2, target_ranks=2, token=token),
+    }))
+    attach_data_plane(controller)
+    _, port = await controller.start()
+    forwarder = RecordingForwarder(port)
+    forwarder_port = await forwarder.start()
+    agents = []
+    log = tmp_path / "agents.log"
+    with log.open("w") as sink:
+        for host in HOSTS:
+            spec = AgentSpec(host=host, controller_host="127.0.0.1", controller_port=forwarder_port,
+                             salt_hex=token, devices=["cpu"], connect_attempts=5)
+            agents.append(await asyncio.create_subprocess_exec(
+                sys.executable, str(PROGRAM), "--values", "4096", "--audit-dir", str(tmp_path),
+                env={**child_env(), AGENT_ENV: encode_spec(spec)}, stdout=sink, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            ))
+        try:
+            result = await asyncio.wait_for(controller.wait(), 180)
+            for agent in agents:
+                await asyncio.wait_for(agent.wait(), 60)
+        finally:
+            for agent in agents:
+                if agent.returncode is None:
+                    agent.kill()
+                    await agent.wait()
+            await controller.close()
+            forwarder.close()
+    return controller, forwarder, result.ok, log.read_text()
+
+
+def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_sees_a_key(tmp_path: Path) -> None:
+    controller, forwarder, ok, output = asyncio.run(run_audited_world(tmp_path))
+    assert ok, output
+    assert output.count("encrypted mean PASS") == 2, output
+
+    ciphertexts = [torch.load(tmp_path / f"rank{rank}-ciphertext.pt") for rank in range(2)]
+    sums = [torch.load(tmp_path / f"rank{rank}-sum.pt") for rank in range(2)]
+    updates = [torch.load(tmp_path / f"rank{rank}-update.pt") for rank in range(2)]
+    secret = torch.load(tmp_path / "rank0-secret_key.pt")
+
+    host_frames, broadcasts = data_plane_frames(forwarder.captures, controller.salt)
+    # The aggregation round is the one whose fold names a ciphertext prime (the first is a warm-up).
+    aggregation = [(frame, message) for frame, message in host_frames if message.fold != "modular:2"]
+    assert sorted(message.contributors[0] for _, message in aggregation) == [0, 1]
+    (fold_spec,) = {message.fold for _, message in aggregation}
+    # All the controller is given to fold with: the Q prime of the ciphertexts' single limb, nothing else.
+    moduli = [int(text) for text in fold_spec.removeprefix("modular:").split(",")]
+    assert fold_spec.startswith("modular:") and len(moduli) == 1 and moduli[0] > 2**49
+
+    for frame, message in aggregation:
+        (residues,) = decode_bundle(message.tensors, frame.tail)
+        rank = message.contributors[0]
+        assert residues.dtype == torch.int64 and tuple(residues.shape) == tuple(ciphertexts[rank].shape)
+        assert bool(((residues >= 0) & (residues < moduli[0])).all())
+        assert torch.equal(residues, ciphertexts[rank])  # exactly the rank's ciphertext, nothing else
+
+    (round_number,) = {message.round for _, message in aggregation}
+    finished = [(frame, message) for frame, message in broadcasts if message.round == round_number]
+    assert len(finished) == 2  # one per relay
+    expected = torch.remainder(ciphertexts[0] + ciphertexts[1], moduli[0])
+    fold = ModularFold(moduli)
+    reference = fold.identity((ciphertexts[0],))
+    for ciphertext in ciphertexts:
+        reference = fold.add(reference, (ciphertext,))
+    assert torch.equal(reference[0], expected)
+    for frame, broadcast in finished:
+        (folded,) = decode_bundle(broadcast.tensors, frame.tail)
+        assert broadcast.contributors == [0, 1]
+        assert torch.equal(folded, expected)
+    assert all(torch.equal(total, expected) for total in sums)
+
+    # Nothing that crossed the controller, on any channel, carries the secret key or a plaintext update.
+    every_byte = b"".join(bytes(capture.up) + bytes(capture.down) for capture in forwarder.captures)
+    assert {capture.channel for capture in forwarder.captures} >= {Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA}
+    secret_bytes = secret.contiguous().numpy().tobytes()
+    assert secret_bytes[:256] not in every_byte and secret_bytes[-256:] not in every_byte
+    for update in updates:
+        assert update[:32].numpy().tobytes() not in every_byte
+        assert update[:32].double().numpy().tobytes() not in every_byte
