@@ -234,3 +234,17 @@ def test_a_dead_network_is_noticed_by_keepalives_and_every_process_ends(lab: Lab
     assert "SSH session to host 'node-1' lost" in log, log[-4000:]
     # node-1's sshd stops hearing the launcher too and hangs up the session: its supervisor tears down.
     _assert_no_process_left(str(program), timeout=60)
+
+
+@pytest.mark.timeout(400)
+def test_encrypted_mean_over_tunnels_with_a_loopback_controller(lab: Lab) -> None:
+    from tests.flagship.workload import ENCRYPTED_MEAN, assert_encrypted_mean_passed, encrypted_mean_args
+
+    launcher = _fanout(lab, _cluster(lab, tunnel=True), ENCRYPTED_MEAN, *encrypted_mean_args())
+    log = _wait(launcher, lab.root / "launcher.log", 360)
+    assert launcher.returncode == 0, log[-6000:]
+    assert f"controller bound to 127.0.0.1:{CONTROLLER_PORT}" in log
+    assert "2 fan-out agent(s) (2 tunneled)" in log
+    errors = assert_encrypted_mean_passed(log, world_size=4)
+    assert max(errors) < 1e-6
+    _assert_no_process_left(str(ENCRYPTED_MEAN))
