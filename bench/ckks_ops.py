@@ -1,7 +1,8 @@
 """CKKS operation latency and batched throughput, with ratios against SEAL.
 
 Run: ``.venv/bin/python bench/ckks_ops.py`` (options: ``--rings 13,14,15 --batches 8,32 --runs 3``;
-``--quick`` = N=2^14 only, batch 8, 3 runs; ``--clock cpu`` times process CPU instead of wall).
+``--quick`` = N=2^14 only, batch 8, 3 runs; ``--clock cpu`` times process CPU instead of wall;
+``--compile`` runs the NTT stages through torch.compile, the opt-in accelerator).
 
 Shapes: N=2^14 and 2^15 with 5 Q limbs (4 x 40-bit scale primes + 48-bit base, 50-bit special
 prime; SEAL's shape is [60,40,40,40,40,60]), N=2^13 with 3 Q limbs (the security table allows no
@@ -151,6 +152,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
+        "--compile", action="store_true",
+        help="opt-in torch.compile of the NTT stages (first call compiles for 20-60 s; not in the timings)",
+    )
+    parser.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall",
         help="cpu = process CPU time: steadier than wall time on a shared, overloaded machine",
     )
@@ -163,11 +168,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, "
+        f"{'compiled' if args.compile else 'eager'} NTT stages, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
 
     for log_n in rings:
-        engine = CkksEngine(PRESETS[log_n], rng_seed=1)
+        engine = CkksEngine(PRESETS[log_n], rng_seed=1, compile_kernels=args.compile)
         limbs = len(engine.q_ids_at(0))
         print(f"\n== N=2^{log_n}, {limbs} Q limbs, scale 2^40 ({PRESETS[log_n].value})")
         start = time.perf_counter()

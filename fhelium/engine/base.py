@@ -49,7 +49,10 @@ class EngineBase:
         *,
         device: torch.device | str = "cpu",
         rng_seed: bytes | int | None = None,
+        compile_kernels: bool | None = None,
     ) -> None:
+        """``compile_kernels``: opt-in ``torch.compile`` of the NTT butterflies (None: the
+        ``FHELIUM_COMPILE=1`` environment variable decides); eager is the default."""
         self.parameters = (
             parameters if isinstance(parameters, CkksParameters) else preset_parameters(parameters)
         )
@@ -60,7 +63,7 @@ class EngineBase:
         self.q_count = self.parameters.q_count
         self.special_prime_id = self.parameters.special_prime_id
         self.default_scale = self.parameters.default_scale
-        self.ntt = NegacyclicNtt(self.ring_degree, self.moduli, self.device)
+        self.ntt = NegacyclicNtt(self.ring_degree, self.moduli, self.device, compiled=compile_kernels)
         self.encoder = SlotEncoder(self.ring_degree)
         self.random = RandomSource(rng_seed)
         self._moduli_cache: dict[tuple[int, ...], _Moduli] = {}

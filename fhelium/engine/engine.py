@@ -8,8 +8,9 @@ own internal transforms. Residues are always in the standard form ``[0, q)``.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -36,6 +37,7 @@ from fhelium.engine import modular as mod
 
 # Ciphertext rows switched per group in batched key switching (see _key_switch).
 from fhelium.engine.base import EngineBase
+from fhelium.engine.compiled import compile_kernel
 from fhelium.engine.keyset import KeySet
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
 from fhelium.engine.sampling import RandomSource
@@ -44,6 +46,12 @@ from fhelium.engine.sampling import RandomSource
 KEY_SWITCH_BLOCK_RESIDUES = 1 << 17
 # Coefficients of an encoded message must stay well inside int64.
 _MAX_ENCODED_MAGNITUDE = 2.0**62
+
+
+@functools.cache
+def _compiled_inner_product() -> Callable[..., torch.Tensor]:
+    """``modular.digit_inner_product`` through torch.compile (opt-in, once per process)."""
+    return compile_kernel(mod.digit_inner_product)
 
 
 class CkksEngine(EngineBase):
@@ -206,21 +214,21 @@ class CkksEngine(EngineBase):
         batch = plaintext.batch_shape
         u = self.random.ternary((*batch, self.ring_degree)).to(self.device)
         errors = self.random.gaussian((2, *batch, self.ring_degree), ERROR_STANDARD_DEVIATION).to(self.device)
-        # e1 must be divided by P with c1 (it is multiplied by s at decryption), so it goes through
-        # the QP NTT with u; e0 and a coefficient-domain message ride along in ModDown's NTT.
-        small = self.ntt.forward(
-            torch.stack((self._small_to_rns(u, qp_ids), self._small_to_rns(errors[1], qp_ids))), qp_ids
-        )
+        # Only u needs a QP transform. e1 must be divided by P with c1 (it is multiplied by s at
+        # decryption): it is added in ModDown's coefficient-domain steps, which is exactly
+        # dividing pk1·u + e1 (saves 6 of 24 row transforms). e0 and a coefficient-domain
+        # message are not divided; they ride along in ModDown's forward NTT.
+        u_ntt = self.ntt.forward(self._small_to_rns(u, qp_ids), qp_ids)
         keys = public_key.data[:, list(qp_ids)]
         products = mod.mul_mod(
-            keys.view(2, *([1] * len(batch)), len(qp_ids), self.ring_degree), small[0], m.q, m.q_inverse
+            keys.view(2, *([1] * len(batch)), len(qp_ids), self.ring_degree), u_ntt, m.q, m.q_inverse
         )
-        mod.add_mod_(products[1], small[1], m.q)
         addend = self._small_to_rns(errors[0], ids)
         if plaintext.polynomial_domain == "coefficient":
             mod.add_mod_(addend, plaintext.data, self._mod(ids).q)
         addend = torch.stack((addend, torch.zeros_like(addend)))
-        data = self._mod_down(products, ids, addend)
+        divided = torch.stack((torch.zeros_like(errors[1]), errors[1])).long().unsqueeze(-2)
+        data = self._mod_down(products, ids, addend, divided)
         if plaintext.polynomial_domain == "ntt":
             mod.add_mod_(data[0], plaintext.data, self._mod(ids).q)
         return Ciphertext(data, plaintext.depth, plaintext.scale, ids, "ntt")
@@ -429,13 +437,12 @@ class CkksEngine(EngineBase):
         self._check_switch_key(key)
         qp_ids = (*ids, self.special_prime_id)
         qp_mod = self._mod(qp_ids)
-        batch_dims = lifted.ndim - 3
         key_rows = key.data[list(ids)][:, :, list(qp_ids)]  # [L, 2, L+1, N]
-        key_rows = key_rows.view(len(ids), 2, *([1] * batch_dims), len(qp_ids), self.ring_degree)
-        # lazy products in (-q, q); the digit sum stays far inside int64 and is reduced once
-        products = mod.mul_mod_signed(lifted.unsqueeze(1), key_rows, qp_mod.q, qp_mod.q_inverse)
-        accumulated = torch.remainder(products.sum(dim=0), qp_mod.q)  # [2, *batch, L+1, N]
-        return self._mod_down(accumulated, ids)
+        key_rows = key_rows.view(len(ids), 2, 1, len(qp_ids), self.ring_degree)
+        kernel = _compiled_inner_product() if self.ntt.compiled else mod.digit_inner_product
+        flat = lifted.reshape(len(ids), -1, len(qp_ids), self.ring_degree)  # one rank for every batch
+        accumulated = kernel(flat, key_rows, qp_mod.q, qp_mod.q_inverse)
+        return self._mod_down(accumulated.view(2, *lifted.shape[1:]), ids)
 
     def _key_switch(self, poly_ntt: torch.Tensor, ids: tuple[int, ...], key: KeySwitchKey) -> torch.Tensor:
         """Switch ``poly·s_src`` to (b0 + b1·s): returns ``[2, *batch, rows, N]`` in the NTT domain.
@@ -456,19 +463,30 @@ class CkksEngine(EngineBase):
         return torch.cat(parts, dim=1).view(2, *batch_shape, len(ids), self.ring_degree)
 
     def _mod_down(
-        self, values: torch.Tensor, ids: tuple[int, ...], addend: torch.Tensor | None = None
+        self,
+        values: torch.Tensor,
+        ids: tuple[int, ...],
+        addend: torch.Tensor | None = None,
+        divided: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """NTT values over ``ids + (P,)`` → round(values / P) (+ ``addend``) over ``ids``, NTT domain.
+        """NTT values over ``ids + (P,)`` → round((values + ``divided``) / P) (+ ``addend``) over
+        ``ids``, NTT domain; neither extra term costs a transform.
 
         ``addend`` is a coefficient-domain residue tensor over ``ids``; it is folded into the one
         forward NTT ModDown needs anyway (as −P·addend, which the division by P turns into
-        +addend), so adding it costs no transform.
+        +addend). ``divided`` holds small signed coefficient-domain integers ``[..., 1, N]``: with
+        v = values + divided, ModDown needs v's P row in the coefficient domain (INTT of values'
+        P row, plus divided) and v_Q − NTT(lift) = values_Q − NTT(lift − divided).
         """
         special = self.special_prime_id
         q_mod = self._mod(ids)
+        p_q = self._mod((special,)).q
         p_row = self.ntt.inverse(values[..., -1:, :], (special,))
-        p_centered = mod.center(p_row, self._mod((special,)).q)
-        lifted = torch.remainder(p_centered, q_mod.q)
+        if divided is not None:
+            p_row = mod.correct(p_row + divided, p_q)  # |divided| << P: one correction each way
+        lifted = torch.remainder(mod.center(p_row, p_q), q_mod.q)
+        if divided is not None:
+            lifted = mod.sub_mod(lifted, torch.remainder(divided, q_mod.q), q_mod.q)
         if addend is not None:
             p_residues = torch.remainder(
                 torch.tensor(self.moduli[special], device=self.device), q_mod.q

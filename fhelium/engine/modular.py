@@ -33,8 +33,39 @@ def correct(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return _add_q_if_negative_(r.sub_(q), q)
 
 
+ELEMENTWISE_BLOCK_RESIDUES = 1 << 16
+
+
+def _blocked(
+    a: torch.Tensor, b: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None:
+    """A new result tensor and its cache-sized (result, a, b) chunks, for a large same-shape
+    operation with per-row moduli; None for anything else (then one pass is as good).
+
+    A batch of ciphertexts streamed through three passes with full-size temporaries measured
+    ~2x slower per ciphertext than the same passes on chunks that stay in cache (B=32, N=2**14).
+    """
+    if a.dim() < 3 or a.shape != b.shape or a.numel() <= 2 * ELEMENTWISE_BLOCK_RESIDUES:
+        return None
+    if q.dim() != 2 or q.size(0) != a.size(-2) or q.size(1) != 1:
+        return None
+    per = max(1, ELEMENTWISE_BLOCK_RESIDUES // (a.size(-2) * a.size(-1)))
+    shape = (-1, a.size(-2), a.size(-1))
+    result = torch.empty_like(a, memory_format=torch.contiguous_format)
+    chunks = zip(
+        torch.split(result.view(shape), per), torch.split(a.reshape(shape), per), torch.split(b.reshape(shape), per), strict=True
+    )
+    return result, list(chunks)
+
+
 def add_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    return _add_q_if_negative_((a + b).sub_(q), q)
+    blocked = _blocked(a, b, q)
+    if blocked is None:
+        return _add_q_if_negative_((a + b).sub_(q), q)
+    result, chunks = blocked
+    for out, a_part, b_part in chunks:
+        _add_q_if_negative_(torch.add(a_part, b_part, out=out).sub_(q), q)
+    return result
 
 
 def add_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -44,7 +75,13 @@ def add_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def sub_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    return _add_q_if_negative_(a - b, q)
+    blocked = _blocked(a, b, q)
+    if blocked is None:
+        return _add_q_if_negative_(a - b, q)
+    result, chunks = blocked
+    for out, a_part, b_part in chunks:
+        _add_q_if_negative_(torch.sub(a_part, b_part, out=out), q)
+    return result
 
 
 def sub_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -89,6 +126,17 @@ def mul_mod_signed(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse:
     return (a * b).sub_(estimate.mul_(q))
 
 
+def digit_inner_product(
+    digits: torch.Tensor, keys: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor
+) -> torch.Tensor:
+    """Σ_j digits[j]·keys[j] mod q: ``[J, B, R, N]`` × ``[J, C, 1, R, N]`` → ``[C, B, R, N]`` in [0, q).
+
+    Products are lazy (in (-q, q)), summed in int64 (J·q stays far below 2**63) and reduced once.
+    One function so that torch.compile can fuse it into a single loop (fhelium.engine.compiled).
+    """
+    return torch.remainder(mul_mod_signed(digits.unsqueeze(1), keys, q, q_inverse).sum(dim=0), q)
+
+
 def fold_signed_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Map x in [-2q, 2q] into [-q, q] in place (x − sign(x)·q)."""
     return x.sub_(torch.sign(x).mul_(q))
@@ -118,6 +166,7 @@ __all__ = [
     "add_mod_",
     "center",
     "correct",
+    "digit_inner_product",
     "fold_signed_",
     "mul_mod",
     "mul_mod_shoup",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 from ckks_bigint_reference import centered, crt_poly, galois, negacyclic_product, residues_of
 
@@ -106,3 +108,34 @@ def test_add_on_a_limb_slice_is_per_limb_modular_addition(tiny_engine: CkksEngin
                     for x, y in zip(before[:, limb].tolist(), rhs.data[:, limb].tolist(), strict=True)]
         assert lhs.data[:, limb].tolist() == expected
     assert tiny_engine.moduli_for(lhs.slice_limbs(1, 3).prime_ids) == moduli[1:3]
+
+
+def test_mod_down_divides_the_divided_term_and_adds_the_addend(tiny_engine: CkksEngine) -> None:
+    """ModDown with both extra terms (as encryption uses it) against big-integer divide-and-round:
+    result = (V − center(V mod P)) / P + addend over Q, where V = values + divided over QP."""
+    engine = tiny_engine
+    ids = engine.q_ids_at(0)
+    qp_ids = (*ids, engine.special_prime_id)
+    qp_moduli, q_moduli = engine.moduli_for(qp_ids), engine.moduli_for(ids)
+    special = qp_moduli[-1]
+    big_qp = 1
+    for modulus in qp_moduli:
+        big_qp *= modulus
+    rng = random.Random(5)
+    n = engine.ring_degree
+    coefficients = [rng.randrange(big_qp) for _ in range(n)]
+    coefficients[:2] = [big_qp - 1, 0]  # wrap-around edges once the divided term is added
+    divided = [rng.randrange(-20, 21) for _ in range(n)]
+    divided[:2] = [5, -5]
+    addend = [rng.randrange(-50, 51) for _ in range(n)]
+    values = engine.ntt.forward(residues_of(coefficients, qp_moduli), qp_ids)
+    result = engine._mod_down(
+        values.unsqueeze(0), ids, residues_of(addend, q_moduli).unsqueeze(0), torch.tensor(divided).view(1, 1, n)
+    )
+    got = engine.ntt.inverse(result[0], ids)
+    expected = []
+    for value, small, extra in zip(coefficients, divided, addend, strict=True):
+        total = (value + small) % big_qp
+        remainder = centered(total, special)
+        expected.append((total - remainder) // special + extra)
+    assert torch.equal(got, residues_of(expected, q_moduli))
