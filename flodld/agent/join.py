@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from flodld.agent.spec import AgentSpec, device_label
+from flodld.net.keepalive import keep_alive
 from flodld.net.stream import ConnectError, FramedStream, connect_with_retry
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
@@ -104,6 +105,7 @@ async def join_world(spec: AgentSpec, hello: Hello) -> Joined:
     except ConnectError as error:
         raise JoinFailed(f"{error} — is a controller running there with its join window open?",
                          ExitClass.TRANSIENT) from None
+    keep_alive(stream.writer)  # a controller whose network vanished must end the read, not hang it
     try:
         await stream.send(hello)
         reply = await _receive(stream, scaled(REPLY_TIMEOUT_SECS), where, pre_shared, before_reply=True)

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from flodld.config.errors import ConfigError, RuleViolations
 from flodld.config.join import JoinConfig
 from flodld.config.loader import load_text
-from flodld.controller.logsetup import configure_logging
+from flodld.controller.logsetup import configure_logging, flush_logging
 from flodld.controller.notify import SystemdNotifier
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
@@ -141,6 +141,7 @@ async def serve(options: ControllerOptions, notifier: SystemdNotifier | None = N
         await controller.close()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+    flush_logging()  # the run's last log lines before the verdict line
     if received:
         print(f"flodld: {result.reason}", file=sys.stderr)
         return 128 + received[0]
@@ -165,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return uvloop.run(serve(options))
     except OSError as error:
+        flush_logging()
         print(f"flodld: {error}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -38,6 +38,9 @@ log = logging.getLogger("flodld.controller.dataplane")
 HANDSHAKE_TIMEOUT_SECS = 10.0
 DEFAULT_LIVENESS_TIMEOUT_SECS = 30.0
 DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
+# A rank's first heartbeat waits for its process to start, import the program and torch, and reach its
+# relay: on a loaded box that can take far longer than the steady-state timeout, so it gets its own bound.
+DEFAULT_LIVENESS_STARTUP_SECS = 120.0
 
 RankDeadCallback = Callable[[int, str], None]
 
@@ -73,6 +76,7 @@ class DataPlane:
         host_ranks: Mapping[str, Sequence[int]],
         *,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_SECS,
+        startup_timeout: float | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_SECS,
         on_rank_dead: RankDeadCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -88,7 +92,7 @@ class DataPlane:
         self._fold: Any = None
         self._barrier: RoundBarrier[str] | None = None
         self.clock = clock
-        self.liveness = Liveness(self.host_of, timeout=liveness_timeout, now=clock())
+        self.liveness = Liveness(self.host_of, timeout=liveness_timeout, now=clock(), startup=startup_timeout)
         self.heartbeat_interval = heartbeat_interval
         self.on_rank_dead = on_rank_dead
         self.relays: dict[Channel, dict[str, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
@@ -103,7 +107,9 @@ class DataPlane:
     def start(self) -> None:
         """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
         if self._ticker is None:
-            self.liveness = Liveness(self.liveness.tracked, timeout=self.liveness.timeout, now=self.clock())
+            self.liveness = Liveness(
+                self.liveness.tracked, timeout=self.liveness.timeout, now=self.clock(), startup=self.liveness.startup
+            )
             self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
 
     async def shutdown(self, reason: str) -> None:
@@ -254,16 +260,19 @@ class DataPlane:
         """One coordinator beat: heartbeat every relay, declare silent ranks dead."""
         for stream in list(self.relays[Channel.CONTROL].values()):
             await self._send_quietly(stream, CoordinatorHeartbeat())
-        for rank in self.liveness.expire(self.clock()):
+        for rank, silence in self.liveness.expire_with_limits(self.clock()):
             host = self.host_of[rank]
-            reason = f"rank {rank} on {host!r} sent no heartbeat for {self.liveness.timeout:g}s"
+            reason = f"rank {rank} on {host!r} sent no heartbeat for {silence:g}s"
             log.warning("event=rank_declared_dead host=%s rank=%d", host, rank)
             control = self.relays[Channel.CONTROL].get(host)
             if control is not None:
                 await self._send_quietly(control, DeclareDead(rank=rank, reason=reason))
             await self._rank_left(host, rank, reason, dead=True)
             if self.on_rank_dead is not None:
-                self.on_rank_dead(rank, reason)
+                try:
+                    self.on_rank_dead(rank, reason)
+                except Exception:  # a failing listener must not stop the heartbeat ticker
+                    log.exception("event=rank_dead_listener_failed rank=%d", rank)
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message, tail: bytes = b"") -> None:
@@ -277,7 +286,10 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
     """Serve DATA/CONTROL for `controller`'s run: built when the world forms, shut down when it ends.
 
     Timeouts come from FLODL_LIVENESS_TIMEOUT_SECS / FLODL_HEARTBEAT_INTERVAL_SECS in the run's env
-    (the same values the ranks read), else the environment, scaled by FLODL_NET_TIMEOUT_SCALE.
+    (the same values the ranks read), else the environment, scaled by FLODL_NET_TIMEOUT_SCALE; a rank
+    never heard from gets FLODL_LIVENESS_STARTUP_SECS (120 s, scaled, at least the timeout) to start.
+    A rank declared dead goes to `controller.rank_lost`: its host is lost and the run fails beyond
+    the tolerance, the reason naming rank and silence.
     """
     import os
 
@@ -292,9 +304,10 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             value = float(raw) if raw else default
         except ValueError:
             raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-        return scaled(value) if name == "FLODL_LIVENESS_TIMEOUT_SECS" else value
+        return value if name == "FLODL_HEARTBEAT_INTERVAL_SECS" else scaled(value)
 
     liveness = seconds("FLODL_LIVENESS_TIMEOUT_SECS", DEFAULT_LIVENESS_TIMEOUT_SECS)
+    startup = max(liveness, seconds("FLODL_LIVENESS_STARTUP_SECS", DEFAULT_LIVENESS_STARTUP_SECS))
     interval = seconds("FLODL_HEARTBEAT_INTERVAL_SECS", DEFAULT_HEARTBEAT_INTERVAL_SECS)
     planes: list[DataPlane] = []
 
@@ -305,6 +318,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 controller.salt,
                 dict(window.world.ranks),
                 liveness_timeout=liveness,
+                startup_timeout=startup,
                 heartbeat_interval=interval,
                 on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
             )

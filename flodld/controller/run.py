@@ -33,6 +33,7 @@ from flodld.controller.store import StoreService
 from flodld.membership.ledger import Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, WINDOW_PHASES, Phase
 from flodld.membership.policy import TrustMode, derive_policy
+from flodld.membership.snapshot import ConnectionCounts
 from flodld.membership.switch import Armed, forbidden, token_matches
 from flodld.membership.window import JoinWindow
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
@@ -327,7 +328,7 @@ class Controller:
             return  # it already reported its exit; the silence is the exit
         log.warning("event=rank_lost host=%s rank=%d why=%r", host, rank, why)
         self._lost_hosts.setdefault(host, f"rank {rank}: {why}")
-        window.host_closed(host, self.clock(), lost=True)
+        window.host_closed(host, self.clock(), lost=True, why=why)
         self._settle()
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
@@ -403,7 +404,9 @@ class Controller:
             link = self._links.get(host)
             if link is None or link.closed.is_set():
                 continue
-            link.stream.send_nowait(WorldFormed(envelope=envelopes[host], relay=relay))
+            # model_construct: the envelope is already checked (see _envelopes); validating it again
+            # per host re-checks the O(world) host list each time, O(world^2) per formation.
+            link.stream.send_nowait(WorldFormed.model_construct(envelope=envelopes[host], relay=relay))
             self.counters.frame_out(JOIN_CHANNEL, 0)
             sent.append(link)
         results = await asyncio.gather(
@@ -424,8 +427,10 @@ class Controller:
 
     async def _finish(self, phase: Phase, reason: str) -> None:
         links = [link for link in self._links.values() if not link.closed.is_set()]
-        if phase is Phase.FAILED and self._lost_hosts:
-            lost = "; ".join(f"host {host!r}: {why}" for host, why in self._lost_hosts.items())
+        named = self.window.loss_reasons if self.window is not None else {}
+        unnamed = {host: why for host, why in self._lost_hosts.items() if host not in named}
+        if phase is Phase.FAILED and unnamed:
+            lost = "; ".join(f"host {host!r}: {why}" for host, why in unnamed.items())
             reason = f"{reason} — lost join link(s): {lost}"
         if phase is Phase.FAILED:
             log.error("event=run_failed reason=%r hosts_aborted=%d", reason, len(links))
@@ -452,9 +457,14 @@ class Controller:
     def state_json(self) -> dict[str, Any] | None:
         if self.window is None:
             return None
-        state: dict[str, Any] = self.window.snapshot(self.clock()).model_dump(mode="json")
-        # Connections the mux dropped before any hello are refusals too; they show with a prefix.
-        for reason, count in sorted(self.counters.dropped.items()):
+        connections = ConnectionCounts(
+            by_channel=dict(sorted(self.counters.connections.items())),
+            dropped=dict(sorted(self.counters.dropped.items())),
+        )
+        snapshot = self.window.snapshot(self.clock()).model_copy(update={"connections": connections})
+        state: dict[str, Any] = snapshot.model_dump(mode="json")
+        # Drops are also listed among the refusals with a prefix, as before `connections` existed.
+        for reason, count in connections.dropped.items():
             state["refused"][f"connection_{reason}"] = count
         return state
 
@@ -463,8 +473,8 @@ class Controller:
         joined_ranks = joined_hosts = 0
         if self.window is not None:
             refusals.update(self.window.ledger.refused_counts)
-            snapshot = self.window.snapshot(self.clock())
-            joined_ranks, joined_hosts = snapshot.joined_ranks, snapshot.joined_hosts
+            # The ledger's running totals (after formation it holds exactly the world): no O(members) snapshot.
+            joined_ranks, joined_hosts = self.window.ledger.joined_ranks, self.window.ledger.member_count
         view = ControllerCounters(**{**vars(self.counters), "refusals": refusals})
         return render_prometheus(
             view, phase=self.phase.value if self.phase else None, joined_ranks=joined_ranks, joined_hosts=joined_hosts

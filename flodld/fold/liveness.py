@@ -1,7 +1,9 @@
 """Who is silent too long: the coordinator's heartbeat bookkeeping, sans-io (time is an argument).
 
 Every tracked rank starts its clock when tracking starts, so a rank that never speaks at all is
-declared dead too; a rank that left (EOF, reported exit) stops being tracked.
+declared dead too — after `startup` seconds (default: the timeout), since a rank's first heartbeat waits
+for its process to start and import torch; once heard, `timeout` applies. A rank that left (EOF,
+reported exit) stops being tracked.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from collections.abc import Iterable
 
 
 class Liveness:
-    def __init__(self, ranks: Iterable[int], *, timeout: float, now: float) -> None:
+    def __init__(self, ranks: Iterable[int], *, timeout: float, now: float, startup: float | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"liveness timeout must be positive seconds, got {timeout}")
+        if startup is not None and not startup >= timeout:
+            raise ValueError(f"liveness startup grace must be >= the timeout ({timeout}s), got {startup}")
         self.timeout = timeout
+        self.startup = timeout if startup is None else startup
         self._last_heard = {rank: now for rank in ranks}
+        self._silent_since_start = set(self._last_heard)  # never heard: the startup grace applies
 
     @property
     def tracked(self) -> frozenset[int]:
@@ -24,13 +30,24 @@ class Liveness:
         """Record a sign of life; ignored for ranks no longer tracked."""
         if rank in self._last_heard:
             self._last_heard[rank] = max(self._last_heard[rank], now)
+            self._silent_since_start.discard(rank)
 
     def forget(self, rank: int) -> None:
         self._last_heard.pop(rank, None)
+        self._silent_since_start.discard(rank)
 
     def expire(self, now: float) -> list[int]:
-        """Ranks silent for longer than the timeout, in rank order; they stop being tracked."""
-        dead = sorted(rank for rank, last in self._last_heard.items() if now - last > self.timeout)
-        for rank in dead:
-            del self._last_heard[rank]
+        """Ranks silent for longer than allowed, in rank order; they stop being tracked."""
+        return [rank for rank, _ in self.expire_with_limits(now)]
+
+    def expire_with_limits(self, now: float) -> list[tuple[int, float]]:
+        """Like `expire`, with the silence each rank was allowed (the startup grace or the timeout)."""
+        dead = sorted(
+            (rank, self._limit(rank)) for rank, last in self._last_heard.items() if now - last > self._limit(rank)
+        )
+        for rank, _ in dead:
+            self.forget(rank)
         return dead
+
+    def _limit(self, rank: int) -> float:
+        return self.startup if rank in self._silent_since_start else self.timeout

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
 from flodld.membership.phase import TRANSITIONS, Event, Phase, TransitionError, Verdict, advance, verdict
 from flodld.membership.policy import PolicyError, StartMode, TrustMode, WindowPolicy, derive_policy
-from flodld.membership.snapshot import LinkState, StateSnapshot, state_schema
+from flodld.membership.snapshot import ConnectionCounts, LinkState, StateSnapshot, state_schema
 from flodld.membership.switch import Armed, StartRefused, arm, token_matches
 from flodld.membership.window import JoinWindow
 
@@ -14,6 +14,7 @@ __all__ = [
     "TRANSITIONS",
     "Admitted",
     "Armed",
+    "ConnectionCounts",
     "Event",
     "JoinWindow",
     "Ledger",

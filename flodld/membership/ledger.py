@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from flodld.membership.policy import WindowPolicy
 from flodld.wire.frames import PROTOCOL_VERSION
@@ -62,11 +63,12 @@ class World:
     members: tuple[Member, ...]
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
-    @property
+    # Cached: the world is frozen, and these are read per rank exit and per envelope.
+    @cached_property
     def hosts(self) -> tuple[str, ...]:
         return tuple(m.host for m in self.members)
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return sum(len(r) for r in self.ranks.values())
 
@@ -109,7 +111,12 @@ class Ledger:
             "model_sig": model_sig,
             "run_id": run_id,
         }
-        self._members: list[Member] = []
+        # Admission order is the dict's insertion order; `_first_rank` and `_joined_ranks` are running
+        # indexes so admission and per-member rank look-ups stay O(1) in a storm of thousands of hellos.
+        self._members: dict[str, Member] = {}
+        self._first_rank: dict[str, int] = {}
+        self._joined_ranks = 0
+        self._roster_set = frozenset(self.roster)
         self.refused_counts: Counter[str] = Counter()
         self.closed = False
 
@@ -117,23 +124,33 @@ class Ledger:
 
     @property
     def members(self) -> tuple[Member, ...]:
-        return tuple(self._members)
+        return tuple(self._members.values())
+
+    @property
+    def member_count(self) -> int:
+        return len(self._members)
+
+    @property
+    def first_member(self) -> Member | None:
+        return next(iter(self._members.values()), None)
 
     @property
     def joined_ranks(self) -> int:
-        return sum(len(m.devices) for m in self._members)
+        return self._joined_ranks
 
     def ranks_of(self, host: str) -> tuple[int, ...]:
         """The host's current ranks; they shift down when an earlier member is retracted."""
-        start = 0
-        for member in self._members:
-            if member.host == host:
-                return tuple(range(start, start + len(member.devices)))
-            start += len(member.devices)
-        raise KeyError(f"host {host!r} is not a member of this run")
+        member = self._members.get(host)
+        if member is None:
+            raise KeyError(f"host {host!r} is not a member of this run")
+        start = self._first_rank[host]
+        return tuple(range(start, start + len(member.devices)))
 
     def member(self, host: str) -> Member | None:
-        return next((m for m in self._members if m.host == host), None)
+        return self._members.get(host)
+
+    def in_roster(self, host: str) -> bool:
+        return host in self._roster_set
 
     # --- transitions ---------------------------------------------------------------------------
 
@@ -156,7 +173,9 @@ class Ledger:
             nccl_version=hello.nccl_version,
             model_sig=hello.model_sig,
         )
-        self._members.append(member)
+        self._members[member.host] = member
+        self._first_rank[member.host] = self._joined_ranks
+        self._joined_ranks += len(member.devices)
         return Admitted(member, self.ranks_of(member.host))
 
     def refuse(self, code: str, reason: str) -> Refused:
@@ -171,8 +190,18 @@ class Ledger:
                 f"cannot retract {host!r}: the world is frozen (ranks are final after formation)"
             )
         ranks = self.ranks_of(host)
-        self._members = [m for m in self._members if m.host != host]
+        del self._members[host]
+        self._reindex()
         return ranks
+
+    def _reindex(self) -> None:
+        """Recompute every member's first rank after a retraction (O(members), rare)."""
+        self._first_rank.clear()
+        start = 0
+        for host, member in self._members.items():
+            self._first_rank[host] = start
+            start += len(member.devices)
+        self._joined_ranks = start
 
     def close(self) -> None:
         """Stop admitting; later hellos are refused with `window_closed`."""
@@ -181,7 +210,7 @@ class Ledger:
     def freeze(self) -> World:
         """Close the ledger and return the final world (admission order, contiguous ranks)."""
         self.closed = True
-        members = tuple(self._members)
+        members = self.members
         return World(members, {m.host: self.ranks_of(m.host) for m in members})
 
     # --- cohort references -----------------------------------------------------------------------
@@ -191,7 +220,7 @@ class Ledger:
         configured = self._configured.get(attribute)
         if configured is not None:
             return configured, "the controller"
-        for member in self._members:
+        for member in self._members.values():
             value = getattr(member, attribute)
             if value is not None:
                 return str(value), repr(member.host)
@@ -231,7 +260,7 @@ def _duplicate_host(ledger: Ledger, hello: Hello) -> Refused | None:
 
 def _roster(ledger: Ledger, hello: Hello) -> Refused | None:
     policy = ledger.policy
-    if not ledger.roster or policy.admits_walk_ins or hello.host in ledger.roster:
+    if not ledger.roster or policy.admits_walk_ins or ledger.in_roster(hello.host):
         return None
     return Refused(
         "unknown_host",
@@ -264,7 +293,7 @@ def _vendor_mix(ledger: Ledger, hello: Hello) -> Refused | None:
             f"host {hello.host!r} offers a mix of {' and '.join(vendors)} devices; one host's ranks must all "
             "use one device type — scope the offer with --devices",
         )
-    first = ledger.members[0] if ledger.members else None
+    first = ledger.first_member
     if first is not None and first.vendor != vendors[0]:
         return Refused(
             "vendor_mix",

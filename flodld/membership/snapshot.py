@@ -48,6 +48,20 @@ class RankExit(_Model):
     code: int
 
 
+class ConnectionCounts(_Model):
+    """What the controller port has seen, below the join protocol: routed connections and dropped ones."""
+
+    by_channel: dict[str, int] = Field(
+        default_factory=dict,
+        description="Connections routed since the port opened, by channel (join, http, rendezvous, data, control).",
+    )
+    dropped: dict[str, int] = Field(
+        default_factory=dict,
+        description="Connections dropped without a join decision, by reason (unknown_magic, deadline, flood, "
+        "eof_before_magic, http_lifetime, ...).",
+    )
+
+
 class StateSnapshot(_Model):
     """What `GET /state.json` answers."""
 
@@ -72,6 +86,11 @@ class StateSnapshot(_Model):
     missing: list[str] = Field(description="Configured workers that have not joined.")
     refused: dict[str, int] = Field(description="Refused join attempts by reason code.")
     rank_exits: list[RankExit]
+    connections: ConnectionCounts = Field(
+        default_factory=ConnectionCounts,
+        description="Port-level connection counts; drops also appear in `refused` as `connection_<reason>` "
+        "(kept for compatibility).",
+    )
 
 
 def state_schema() -> dict[str, Any]:

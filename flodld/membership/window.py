@@ -59,6 +59,11 @@ class JoinWindow:
         self.world: World | None = None
         self.links: dict[str, LinkState] = {}
         self.rank_exits: dict[int, int] = {}
+        # Running totals behind failed_ranks() and "every link closed", kept per event so that a world
+        # of thousands of hosts reporting exits costs O(1) per report, not a scan of the world each.
+        self._failed: set[int] = set()
+        self._open_links = 0
+        self.loss_reasons: dict[str, str] = {}  # host -> why it was declared lost (named in the verdict)
 
     # --- the window --------------------------------------------------------------------------------
 
@@ -119,6 +124,7 @@ class JoinWindow:
             )
         self.world = self.ledger.freeze()
         self.links = {host: LinkState.OPEN for host in self.world.hosts}
+        self._open_links = len(self.links)
         return self.world
 
     # --- after formation ---------------------------------------------------------------------------
@@ -132,9 +138,10 @@ class JoinWindow:
         self._apply(Event.ARTIFACTS_SHIPPED, "training")
         return self._settle_training(now)
 
-    def host_closed(self, host: str, now: float, *, lost: bool = False) -> Phase:
+    def host_closed(self, host: str, now: float, *, lost: bool = False, why: str = "") -> Phase:
         """A host's join link ended: its exit event. A clean EOF marks it `closed`; `lost=True` (the link
-        broke: reset, write failure, bad frame) marks it `lost` and counts its unreported ranks as failed."""
+        broke: reset, write failure, bad frame, a silent rank) marks it `lost` and counts its unreported
+        ranks as failed; `why`, if given, is named in the failure verdict."""
         if self.phase in WINDOW_PHASES:
             self.disconnect(host, now)
             return self.phase
@@ -146,7 +153,9 @@ class JoinWindow:
             raise KeyError(
                 f"host {host!r} is not a member of the formed world ({', '.join(self.world.hosts)})"
             )
-        self.links[host] = LinkState.LOST if lost else LinkState.CLOSED
+        self._set_link(host, LinkState.LOST if lost else LinkState.CLOSED)
+        if lost and why:
+            self.loss_reasons.setdefault(host, why)
         return self._settle_training(now)
 
     def rank_exited(self, rank: int, code: int, now: float) -> Phase:
@@ -154,6 +163,10 @@ class JoinWindow:
         if self.world is None or not 0 <= rank < self.world.world_size:
             raise ValueError(f"rank {rank} is not in the formed world (world size {self.world_size()})")
         self.rank_exits[rank] = code
+        if code != 0:
+            self._failed.add(rank)
+        else:  # a clean exit counts as success, even from a host whose link was since lost
+            self._failed.discard(rank)
         return self._settle_training(now)
 
     def abort(self, reason: str, now: float) -> Phase:
@@ -178,12 +191,7 @@ class JoinWindow:
 
     def failed_ranks(self) -> list[int]:
         """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
-        failed = {rank for rank, code in self.rank_exits.items() if code != 0}
-        if self.world is not None:
-            for host, state in self.links.items():
-                if state is LinkState.LOST:
-                    failed.update(r for r in self.world.ranks[host] if r not in self.rank_exits)
-        return sorted(failed)
+        return sorted(self._failed)
 
     def snapshot(self, now: float) -> StateSnapshot:
         """state.json at `now`: countdowns are computed live, never frozen."""
@@ -191,6 +199,7 @@ class JoinWindow:
         window_open = self.phase in WINDOW_PHASES
         joined = self.ledger.joined_ranks
         members = self.world.members if self.world is not None else self.ledger.members
+        joined_hosts = {m.host for m in members} if self.roster else set()
         return StateSnapshot(
             phase=self.phase,
             reason=self.reason,
@@ -219,12 +228,24 @@ class JoinWindow:
                 )
                 for m in members
             ],
-            missing=[host for host in self.roster if all(m.host != host for m in members)],
+            missing=[host for host in self.roster if host not in joined_hosts],
             refused=dict(sorted(self.ledger.refused_counts.items())),
             rank_exits=[RankExit(rank=r, code=c) for r, c in sorted(self.rank_exits.items())],
         )
 
     # --- internals ---------------------------------------------------------------------------------
+
+    def _set_link(self, host: str, state: LinkState) -> None:
+        """Change a host's link state, keeping the open-link count and the failed set in step."""
+        previous = self.links[host]
+        self.links[host] = state
+        self._open_links += (state is LinkState.OPEN) - (previous is LinkState.OPEN)
+        assert self.world is not None
+        unreported = [r for r in self.world.ranks[host] if r not in self.rank_exits]
+        if state is LinkState.LOST:
+            self._failed.update(unreported)
+        elif previous is LinkState.LOST:
+            self._failed.difference_update(unreported)
 
     def _apply(self, event: Event, reason: str) -> None:
         self.phase = advance(self.phase, event)
@@ -235,14 +256,16 @@ class JoinWindow:
         del now
         if self.phase is not Phase.TRAINING:
             return self.phase
-        failed = self.failed_ranks()
-        if len(failed) > self.tolerance:
+        if len(self._failed) > self.tolerance:
+            failed = self.failed_ranks()
+            causes = "".join(f"; host {host!r} lost: {why}" for host, why in self.loss_reasons.items())
             self._apply(
                 Event.RANKS_FAILED,
                 f"{len(failed)} of {self.world_size()} ranks failed (ranks {failed}), over the tolerance of "
-                f"{self.tolerance}",
+                f"{self.tolerance}{causes}",
             )
-        elif all(state is not LinkState.OPEN for state in self.links.values()):
+        elif self._open_links == 0:
+            failed = self.failed_ranks()
             degraded = f" (degraded: ranks {failed} lost)" if failed else ""
             self._apply(Event.LINKS_CLOSED, f"every host link closed{degraded}")
         return self.phase

@@ -15,6 +15,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
+from flodld.net.keepalive import keep_alive
 from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
 from flodld.relay.spec import RelayRoleSpec
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
@@ -104,6 +105,7 @@ class Relay:
             what=f"relay {channel} upstream",
             attempts=self.spec.connect_attempts,
         )
+        keep_alive(stream.writer)  # a vanished controller ends _read_upstream with an error
         await stream.send(RelayHello(host=self.spec.host, ranks=self.ranks))
         reply = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
         if not isinstance(reply, HelloAck):

@@ -369,3 +369,25 @@ async def test_admitted_links_probe_with_tcp_keepalive_scaled_by_the_run_env() -
         await agent.leave()
     finally:
         await controller.close()
+
+
+async def test_state_json_counts_connections_by_channel_and_drops_by_reason() -> None:
+    controller, port = await started(options(capacity=2))
+    try:
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"\xde\xad\xbe\xef")
+            with pytest.raises((ConnectionError, AssertionError)):
+                assert await asyncio.wait_for(reader.read(), 3) != b""
+            writer.close()
+        agent = await join(port, controller.salt, "a")
+        assert agent.accepted.ranks == [0]
+        await http(port, "GET", "/state.json")
+        _, body = await http(port, "GET", "/state.json")
+        connections = body["connections"]
+        assert connections["dropped"] == {"unknown_magic": 2}
+        assert connections["by_channel"]["join"] == 1
+        assert connections["by_channel"]["http"] == 2  # this request counts itself
+        assert body["refused"]["connection_unknown_magic"] == 2  # the older spelling stays
+    finally:
+        await controller.close()

@@ -165,3 +165,17 @@ def test_liveness_declares_silent_ranks_once_including_ones_never_heard() -> Non
     assert liveness.expire(108.0) == []
     assert liveness.expire(109.5) == [0]
     assert liveness.tracked == frozenset()
+
+
+def test_liveness_gives_ranks_never_heard_the_startup_grace_and_heard_ones_the_timeout() -> None:
+    from flodld.fold.liveness import Liveness
+
+    liveness = Liveness([0, 1, 2], timeout=5.0, now=100.0, startup=30.0)
+    liveness.heard(0, 101.0)
+    assert liveness.expire_with_limits(110.0) == [(0, 5.0)]  # heard once, then silent past the timeout
+    assert liveness.expire(129.0) == []  # 1 and 2 are still starting
+    liveness.heard(1, 129.0)
+    assert liveness.expire_with_limits(131.0) == [(2, 30.0)]
+    assert liveness.expire(134.5) == [1]
+    with pytest.raises(ValueError, match="startup grace must be >= the timeout"):
+        Liveness([0], timeout=5.0, now=0.0, startup=1.0)
