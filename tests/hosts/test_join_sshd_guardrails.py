@@ -33,7 +33,7 @@ def _through_forward(listen: int, key: Path, target_port: int) -> bytes:
     forward = subprocess.Popen(
         [*_ssh_base(listen, key), "-N", "-o", "ExitOnForwardFailure=yes",
          "-L", f"127.0.0.1:{local}:127.0.0.1:{target_port}", f"{getpass.getuser()}@127.0.0.1"],
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         _wait_port(local)
@@ -45,7 +45,11 @@ def _through_forward(listen: int, key: Path, target_port: int) -> bytes:
                 return b""
     finally:
         forward.terminate()
-        forward.wait(timeout=10)
+        try:
+            forward.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            forward.kill()
+            forward.wait(timeout=10)
 
 
 def test_join_key_forwards_to_the_controller_port(join_sshd: tuple[int, Path, int, int]) -> None:

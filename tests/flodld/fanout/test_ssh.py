@@ -32,6 +32,14 @@ time.sleep(120)
 """
 
 
+def _cmdline(pid: int) -> str:
+    """A process's command line, or "" when it exited while we looked."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -87,8 +95,7 @@ async def test_agent_gets_secret_env_never_argv_and_stop_kills_its_tree(tmp_path
     pids = [int(pid_text), int(child_text)]
     for pid in pids:
         assert SECRET not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    assert not any(SECRET in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
-                   for p in os.listdir("/proc") if p.isdigit() and Path(f"/proc/{p}/cmdline").exists())  # fmt: skip
+    assert not any(SECRET in _cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit())
     await agent.stop()  # type: ignore[attr-defined]
     await _wait_dead(pids)
     server.close()  # type: ignore[attr-defined]
