@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +23,9 @@ WORKER_IFNAME = "fdl0"
 SSHD_PORT = 2200
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+def ip(*args: str) -> None:
+    """Run one `ip` command; raises on failure."""
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
 
 
 def worker_address(index: int) -> str:
@@ -51,22 +53,22 @@ class Lab:
         return f"fdl{self.tag}w{index}"
 
     def build(self) -> None:
-        _ip("netns", "add", self.controller_ns)
+        ip("netns", "add", self.controller_ns)
         self.namespaces.append(self.controller_ns)
-        _ip("-n", self.controller_ns, "link", "set", "lo", "up")
+        ip("-n", self.controller_ns, "link", "set", "lo", "up")
         subprocess.run(["ip", "netns", "exec", self.controller_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
                        check=True)  # fmt: skip
         for index in range(1, self.workers + 1):
             ns = self.worker_ns(index)
-            _ip("netns", "add", ns)
+            ip("netns", "add", ns)
             self.namespaces.append(ns)
-            _ip("link", "add", "name", f"c{index}", "netns", self.controller_ns, "type", "veth",
+            ip("link", "add", "name", f"c{index}", "netns", self.controller_ns, "type", "veth",
                 "peer", "name", WORKER_IFNAME, "netns", ns)  # fmt: skip
-            _ip("-n", self.controller_ns, "addr", "add", f"{controller_address(index)}/24", "dev", f"c{index}")
-            _ip("-n", ns, "addr", "add", f"{worker_address(index)}/24", "dev", WORKER_IFNAME)
+            ip("-n", self.controller_ns, "addr", "add", f"{controller_address(index)}/24", "dev", f"c{index}")
+            ip("-n", ns, "addr", "add", f"{worker_address(index)}/24", "dev", WORKER_IFNAME)
             for where, dev in ((self.controller_ns, f"c{index}"), (ns, WORKER_IFNAME), (ns, "lo")):
-                _ip("-n", where, "link", "set", dev, "up")
-            _ip("-n", ns, "route", "add", "10.250.0.0/16", "via", controller_address(index))
+                ip("-n", where, "link", "set", dev, "up")
+            ip("-n", ns, "route", "add", "10.250.0.0/16", "via", controller_address(index))
 
     def exec_argv(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
@@ -145,3 +147,34 @@ def kill_leftovers(marker: str) -> None:
     for pid in processes_mentioning(marker):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def far_namespace(prefix: str, subnet: int) -> Iterator[tuple[str, str, str]]:
+    """One namespace behind a veth pair: yields (namespace, host-side veth, host-side address).
+
+    The far end is 10.<subnet>.<x>.2 inside the namespace; names and addresses carry this
+    process's pid so concurrent runs do not collide. Whatever a failed run left running in the
+    namespace is killed on the way out.
+    """
+    tag = f"{os.getpid() % 100000}"
+    namespace, near, far = f"{prefix}{tag}", f"v{prefix[-2:]}n{tag}", f"v{prefix[-2:]}f{tag}"
+    third = os.getpid() % 200 + 20
+    near_address, far_address = f"10.{subnet}.{third}.1", f"10.{subnet}.{third}.2"
+    ip("netns", "add", namespace)
+    try:
+        ip("link", "add", near, "type", "veth", "peer", "name", far)
+        ip("link", "set", far, "netns", namespace)
+        ip("addr", "add", f"{near_address}/30", "dev", near)
+        ip("link", "set", near, "up")
+        ip("netns", "exec", namespace, "ip", "addr", "add", f"{far_address}/30", "dev", far)
+        ip("netns", "exec", namespace, "ip", "link", "set", far, "up")
+        ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
+        yield namespace, near, near_address
+    finally:
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "link", "del", near], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from flodld.membership.phase import Phase
+from tests.conftest import require_capability
+from tests.hosts import netns
 
 from .workers import fault_options, fault_run
 
@@ -28,32 +29,12 @@ ORPHAN_BOUND_SECS = 10.0
 FORMATION_BOUND_SECS = 60.0
 
 
-def _ip(*words: str) -> None:
-    subprocess.run(["ip", *words], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def far_namespace() -> Iterator[tuple[str, str, str]]:
     """(namespace, host-side veth, host-side address) with the far end at .2 inside the namespace."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (netns marker)")
-    tag = f"{os.getpid() % 100000}"
-    namespace, near, far = f"flrel{tag}", f"vrn{tag}", f"vrf{tag}"
-    third = os.getpid() % 200 + 20
-    near_address, far_address = f"10.231.{third}.1", f"10.231.{third}.2"
-    _ip("netns", "add", namespace)
-    try:
-        _ip("link", "add", near, "type", "veth", "peer", "name", far)
-        _ip("link", "set", far, "netns", namespace)
-        _ip("addr", "add", f"{near_address}/30", "dev", near)
-        _ip("link", "set", near, "up")
-        _ip("netns", "exec", namespace, "ip", "addr", "add", f"{far_address}/30", "dev", far)
-        _ip("netns", "exec", namespace, "ip", "link", "set", far, "up")
-        _ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
-        yield namespace, near, near_address
-    finally:
-        subprocess.run(["ip", "link", "del", near], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
+    require_capability("netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2")
+    with netns.far_namespace("flrel", 231) as lab:
+        yield lab
 
 
 async def test_link_down_mid_run_fails_the_run_naming_the_host_and_leaves_no_process(
@@ -66,7 +47,7 @@ async def test_link_down_mid_run_fails_the_run_naming_the_host_and_leaves_no_pro
         agent = await run.spawn_agent("far", ranks=1, wrapper=("ip", "netns", "exec", namespace),
                                       controller_host=near_address)
         await agent.wait_for("fault-rank 0 step 3", FORMATION_BOUND_SECS)
-        _ip("link", "set", near, "down")
+        netns.ip("link", "set", near, "down")
         cut_at = time.monotonic()
         try:
             result = await asyncio.wait_for(run.controller.wait(), VERDICT_BOUND_SECS)
@@ -75,6 +56,6 @@ async def test_link_down_mid_run_fails_the_run_naming_the_host_and_leaves_no_pro
             print(f"failed {time.monotonic() - cut_at:.1f}s after the link went down: {result.reason}")
             await run.controller.close()  # as `flodld serve` does once the run has ended
         finally:
-            _ip("link", "set", near, "up")
+            netns.ip("link", "set", near, "up")
         took = await run.until_no_processes(ORPHAN_BOUND_SECS)
         print(f"the far host's processes were gone {took:.1f}s after the link came back")

@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ from flodld.config.join import JoinConfig
 from flodld.controller.run import Controller
 from flodld.net.keepalive import LINK_KEEPALIVE_SECS
 from tests.conftest import require_capability
+from tests.hosts import netns
 
 from ..controller.agents import options
 
@@ -37,35 +36,12 @@ GRACE_SECS = 1.0
 EXIT_BOUND_SECS = 2 * LINK_KEEPALIVE_SECS * SCALE + GRACE_SECS + 6.0
 
 
-def _ip(*words: str) -> None:
-    subprocess.run(["ip", *words], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def far_namespace() -> Iterator[tuple[str, str, str]]:
     """(namespace, host-side veth, host-side address); the far end is .2 inside the namespace."""
     require_capability("netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2")
-    tag = f"{os.getpid() % 100000}"
-    namespace, near, far = f"fldag{tag}", f"van{tag}", f"vaf{tag}"
-    third = os.getpid() % 200 + 30
-    near_address, far_address = f"10.232.{third}.1", f"10.232.{third}.2"
-    _ip("netns", "add", namespace)
-    try:
-        _ip("link", "add", near, "type", "veth", "peer", "name", far)
-        _ip("link", "set", far, "netns", namespace)
-        _ip("addr", "add", f"{near_address}/30", "dev", near)
-        _ip("link", "set", near, "up")
-        _ip("netns", "exec", namespace, "ip", "addr", "add", f"{far_address}/30", "dev", far)
-        _ip("netns", "exec", namespace, "ip", "link", "set", far, "up")
-        _ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
-        yield namespace, near, near_address
-    finally:
-        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10)
-        for pid in pids.stdout.split():  # whatever a failed run left behind in the namespace
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "link", "del", near], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
+    with netns.far_namespace("fldag", 232) as lab:
+        yield lab
 
 
 async def _collect(stream: asyncio.StreamReader, lines: list[str]) -> None:
@@ -102,7 +78,7 @@ async def test_an_agent_cut_off_from_its_controller_tears_down_and_exits_non_zer
     collector = asyncio.ensure_future(_collect(agent.stdout, lines))
     try:
         await _wait_for(lines, "silent-rank ready", 60)
-        _ip("link", "set", near, "down")
+        netns.ip("link", "set", near, "down")
         cut_at = time.monotonic()
         code = await asyncio.wait_for(agent.wait(), EXIT_BOUND_SECS)
         took = time.monotonic() - cut_at
