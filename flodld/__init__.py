@@ -14,15 +14,27 @@ T = TypeVar("T")
 
 def run(main: Callable[[], T], *, init_process_group: bool = True) -> T:
     """Run `main` as this process's role wants: agent/relay roles run and exit here; a rank gets
-    its process group initialised (unless told not to) and runs `main`; a plain process just runs it."""
+    its process group initialised (unless told not to) and runs `main`; a plain process just runs it.
+
+    A rank's process group is destroyed when `main` returns or raises, before interpreter
+    shutdown, where gloo's teardown can abort a process whose peers have already left.
+    No barrier: in an elastic world a rank may leave while its peers keep going.
+    """
     from flodld.launcher import Role, current_role, exit_if_worker_role
 
     exit_if_worker_role()
-    if init_process_group and current_role() is Role.RANK:
+    if current_role() is not Role.RANK:
+        return main()
+    if init_process_group:
         from flodld.rank import init_process_group as init
 
         init()
-    return main()
+    from flodld.rank.process_group import close_process_group
+
+    try:
+        return main()
+    finally:
+        close_process_group()
 
 
 __all__ = ["run"]

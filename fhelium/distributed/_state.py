@@ -9,6 +9,7 @@ real ProcessGroup, backed by an in-process ``HashStore``.
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -113,6 +114,10 @@ def init(
             )
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
+    if chosen_backend == "gloo":
+        # Left to interpreter shutdown, gloo's teardown races the peers' exits and can abort
+        # the process after its work is done; destroying the group first does not.
+        atexit.register(shutdown)
 
 
 def shutdown(group: dist.ProcessGroup | None = None) -> None:

@@ -57,3 +57,14 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = DEFAU
     dist.init_process_group(
         chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
     )
+
+
+
+def close_process_group() -> None:
+    """Destroy the default process group if the program left it open (a no-op otherwise).
+
+    Left to interpreter shutdown, gloo's teardown races its peers' exits and can abort the
+    process (SIGABRT) after the work is done; an explicit destroy before exit does not.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
