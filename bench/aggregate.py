@@ -99,13 +99,19 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
     trace = fdist.ReductionTrace()
     fdist.all_reduce_ciphertext(ciphertext.clone(), engine=engine, trace=trace)
     nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
+    if trace.algorithm == "sum":
+        # One gloo all-reduce, counted as a ring: 2(P-1)/P of the payload per rank in 2(P-1) steps.
+        bytes_sent, rounds = 2 * (world - 1) * nbytes // world, 2 * (world - 1)
+    else:
+        # Tree messages, plus the final broadcast counted as the root sending one copy to every peer.
+        bytes_sent = (trace.messages_sent + (world - 1) * (rank == KEY_HOLDER) * trace.final_broadcasts) * nbytes
+        rounds = trace.schedule_rounds + 1
     return {
         "seconds": elapsed,
         "encrypt_seconds": encrypt_seconds,
         "error": float((mean - truth).abs().max()) if mean is not None else None,
-        # Tree messages, plus the final broadcast counted as the root sending one copy to every peer.
-        "bytes_sent": (trace.messages_sent + (world - 1) * (rank == KEY_HOLDER) * trace.final_broadcasts) * nbytes,
-        "rounds": trace.schedule_rounds + 1,
+        "bytes_sent": bytes_sent,
+        "rounds": rounds,
     }
 
 

@@ -1,10 +1,20 @@
-"""Modular ciphertext reduce and all-reduce over a binomial tree.
+"""Modular ciphertext reduce and all-reduce.
 
-Why not ``torch.distributed.all_reduce(data, op=ReduceOp.SUM)``: every limb row lives modulo
-its own prime, and a plain SUM adds signed machine integers. The sum of P residues in
-``[0, q)`` is not reduced mod ``q`` (wrong for the next operation, and ``P * q`` wraps int64
-for 62-bit primes, e.g. two ranks contributing ``2**62`` give ``-2**63``). So each receiver
-gets one complete ciphertext and calls its rank-local ``engine.add_``, which reduces per limb.
+Why not ``torch.distributed.all_reduce(data, op=ReduceOp.SUM)`` alone: every limb row lives
+modulo its own prime, and a plain SUM adds signed machine integers. The sum of P residues in
+``[0, q)`` is not reduced mod ``q`` (wrong for the next operation), and ``P * q`` wraps int64
+for 62-bit primes (two ranks contributing ``2**62`` give ``-2**63``). So ``reduce_ciphertext``
+runs a binomial tree in which each receiver gets one complete ciphertext and calls its
+rank-local ``engine.add_``, which reduces per limb.
+
+``all_reduce_ciphertext`` has two schedules. ``"tree"`` is that reduction to group rank 0
+followed by a broadcast (three latency-bound steps with the control exchange). ``"sum"`` is one
+raw SUM all-reduce followed by a per-limb remainder on every rank; it is exact when no partial
+sum can wrap, i.e. when ``P * max(q) < 2**63`` (any world size below 8192 with our <= 50-bit
+primes), and it needs the engine to say which moduli its ``add_`` reduces by
+(``engine.residue_moduli``). ``"auto"`` (the default) takes ``"sum"`` when both hold and the
+tree otherwise; the choice travels in the control exchange, so ranks that would choose
+differently fail together before any payload moves.
 
 Synchronous: these return ``None`` rather than a ``Work``; overlap would need a lifetime model
 covering both the messages and the local modular additions.
@@ -14,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,8 +35,10 @@ from fhelium.distributed._collective_common import (
     PointToPointBatch,
     broadcast_tensor,
     check_writable_destination,
+    collective_phase,
     exchange_control,
     group_info,
+    receive_slot,
     root_error,
 )
 from fhelium.distributed._schedule import StepKind, binomial_reduce_rounds, reduce_steps
@@ -40,9 +52,19 @@ from fhelium.distributed._value_collectives import (
 
 
 class CiphertextAdder(Protocol):
-    """The one engine method reductions need: modular per-limb ``lhs += rhs`` in lhs's storage."""
+    """The one engine method reductions need: modular per-limb ``lhs += rhs`` in lhs's storage.
+
+    An engine may also offer ``residue_moduli(value) -> Sequence[int]``: the prime of each of
+    ``value``'s limbs, promising that ``add_`` is canonical addition modulo them. That enables
+    the ``"sum"`` all-reduce schedule.
+    """
 
     def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> Any: ...
+
+
+Algorithm = Literal["auto", "tree", "sum"]
+ALGORITHMS: tuple[str, ...] = ("auto", "tree", "sum")
+_INT64_LIMIT = 2**63
 
 
 @dataclass
@@ -60,6 +82,8 @@ class ReductionTrace:
     incoming_buffers: int = 0
     additions: int = 0
     final_broadcasts: int = 0
+    algorithm: str = "tree"
+    sum_all_reduces: int = 0
 
 
 def _validate(
@@ -69,9 +93,10 @@ def _validate(
     operation: str,
     arguments: dict[str, Any],
     root_name: str | None,
+    refusal: str | None = None,
 ) -> None:
-    error = None
-    if root_name is not None:
+    error = refusal
+    if error is None and root_name is not None:
         error = root_error(info, root_name, arguments[root_name])
     error = error or type_error(value, (Ciphertext,), f"rank {info.global_rank}")
     if error is None and not callable(getattr(engine, "add_", None)):
@@ -189,22 +214,74 @@ def reduce_ciphertext(
     _reduce_tree(value, engine, root=root, info=info, operation=operation, trace=trace or ReductionTrace())
 
 
+def _sum_moduli(engine: object, value: object, size: int) -> tuple[list[int] | None, str]:
+    """The limb moduli when the SUM schedule is exact here, else None and the reason."""
+    moduli_of = getattr(engine, "residue_moduli", None)
+    if not callable(moduli_of) or not isinstance(value, Ciphertext):
+        return None, "the engine does not offer residue_moduli(value)"
+    try:
+        moduli = [int(q) for q in moduli_of(value)]
+    except Exception as error:  # reported through the control exchange like any refusal
+        return None, f"engine.residue_moduli failed: {type(error).__name__}: {error}"
+    if len(moduli) != value.limb_count:
+        return None, f"engine.residue_moduli gave {len(moduli)} moduli for {value.limb_count} limbs"
+    if not moduli or min(moduli) < 2 or size * max(moduli) >= _INT64_LIMIT:
+        return None, f"{size} x the largest modulus ({max(moduli, default=0)}) could wrap int64"
+    return moduli, ""
+
+
+def _choose_algorithm(requested: object, engine: object, value: object, size: int) -> tuple[str, str | None]:
+    """This rank's schedule and, when ``"sum"`` was demanded but is not exact here, the error."""
+    if requested not in ALGORITHMS:
+        return "tree", f"algorithm must be one of {', '.join(ALGORITHMS)}; got {requested!r}"
+    if requested == "tree" or size == 1:
+        return "tree", None
+    moduli, why = _sum_moduli(engine, value, size)
+    if moduli is not None:
+        return "sum", None
+    if requested == "sum":
+        return "sum", f"algorithm='sum' is not exact here: {why}"
+    return "tree", None
+
+
+def _sum_and_reduce(value: Ciphertext, moduli: list[int], info: GroupInfo, operation: str) -> None:
+    """One SUM all-reduce of the raw residues, then each limb back into [0, q)."""
+    slot = receive_slot(value.data, info.transport_device, "the ciphertext's data")
+    if slot.staged:
+        slot.buffer.copy_(value.data)
+    with collective_phase(info, operation, "payload sum all-reduce"):
+        dist.all_reduce(slot.buffer, op=dist.ReduceOp.SUM, group=info.group)
+    q = torch.tensor(moduli, dtype=slot.buffer.dtype, device=slot.buffer.device).reshape(-1, 1)
+    torch.remainder(slot.buffer, q, out=slot.buffer)
+    slot.finish()
+
+
 def all_reduce_ciphertext(
     value: Ciphertext,
     *,
     engine: CiphertextAdder,
     group: dist.ProcessGroup | None = None,
     trace: ReductionTrace | None = None,
+    algorithm: Algorithm = "auto",
 ) -> None:
-    """Every rank's ``value`` becomes the modular sum: tree-reduce to group rank 0, then broadcast.
+    """Every rank's ``value`` becomes the modular sum (schedules: see the module docstring).
 
-    The broadcast writes into each rank's original ``value.data`` view (staged and copied back
+    The result is written into each rank's original ``value.data`` view (staged and copied back
     when the view is not contiguous), never replacing the tensor or touching storage outside it.
     """
     info = group_info(group)
     operation = "all_reduce_ciphertext"
-    _validate(value, engine, info, operation, {}, None)
+    chosen, refusal = _choose_algorithm(algorithm, engine, value, info.size)
+    arguments = {"algorithm": algorithm if type(algorithm) is str else repr(algorithm), "schedule": chosen}
+    _validate(value, engine, info, operation, arguments, None, refusal)
     record = trace or ReductionTrace()
+    record.algorithm = chosen
+    if chosen == "sum":
+        moduli, _ = _sum_moduli(engine, value, info.size)
+        assert moduli is not None and isinstance(value, Ciphertext)
+        _sum_and_reduce(value, moduli, info, operation)
+        record.sum_all_reduces += 1
+        return
     _reduce_tree(value, engine, root=0, info=info, operation=operation, trace=record)
     if info.size > 1:
         broadcast_tensor(value.data, src_global=info.global_rank_of(0), info=info, operation=operation)

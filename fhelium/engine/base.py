@@ -80,6 +80,13 @@ class EngineBase:
                 )
         return [self.moduli[i] for i in ids]
 
+    def residue_moduli(self, value: Ciphertext) -> list[int]:
+        """The prime of each of ``value``'s limbs; ``add_`` is canonical addition modulo them.
+
+        Lets ``all_reduce_ciphertext`` use one SUM all-reduce plus a per-limb remainder.
+        """
+        return self.moduli_for(value.prime_ids)
+
     def _mod(self, prime_ids: Sequence[int]) -> _Moduli:
         key = tuple(prime_ids)
         cached = self._moduli_cache.get(key)

@@ -294,6 +294,24 @@ def _layout_mismatch_on(ctx: RankContext, case: GroupCase) -> list[str]:
             "engine.add_ cannot add this ciphertext",
             f"group rank {size - 1}",
         ),
+        # The SUM schedule is refused on every rank where a partial sum could wrap int64.
+        expect_group_error(
+            lambda: fdist.all_reduce_ciphertext(ciphertext(1), engine=WideModuli(ctx.engine), group=group,
+                                                algorithm="sum"),
+            "algorithm='sum' is not exact here",
+            "could wrap int64",
+            "group rank 0",
+        ),
+        expect_group_error(
+            lambda: fdist.all_reduce_ciphertext(ciphertext(1), engine=ctx.engine, group=group,
+                                                algorithm="bogus"),  # type: ignore[arg-type]
+            "algorithm must be one of auto, tree, sum; got 'bogus'",
+        ),
+        expect_group_error(
+            lambda: fdist.all_reduce_ciphertext(ciphertext(1), engine=ctx.engine, group=group,
+                                                algorithm="tree" if last else "sum"),
+            f"group rank {size - 1} passed {{'algorithm': 'tree', 'schedule': 'tree'}}",
+        ),
         # A rank calling a different collective is reported, not left hanging.
         expect_group_error(
             different_collectives,
@@ -301,7 +319,24 @@ def _layout_mismatch_on(ctx: RankContext, case: GroupCase) -> list[str]:
         ),
     ]
     assert len(fdist.all_gather_ciphertexts(ciphertext(1), group=group)) == size
+    # Where SUM could wrap, "auto" keeps the tree and the result is still the modular sum.
+    value, trace = ciphertext(2), ReductionTrace()
+    fdist.all_reduce_ciphertext(value, engine=WideModuli(ctx.engine), group=group, trace=trace)
+    assert trace.algorithm == "tree" and trace.final_broadcasts == 1, vars(trace)
     return texts
+
+
+class WideModuli:
+    """An adder that reports 63-bit moduli: two of them already wrap an int64 sum."""
+
+    def __init__(self, engine: CkksEngine) -> None:
+        self.engine = engine
+
+    def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
+        return self.engine.add_(lhs, rhs)
+
+    def residue_moduli(self, value: Ciphertext) -> list[int]:
+        return [2**63 - 25] * value.limb_count
 
 
 # -- limb partition --------------------------------------------------------------------------
@@ -408,27 +443,33 @@ def reductions(ctx: RankContext) -> dict[str, Any]:
         if ctx.rank == dst:
             assert torch.equal(value.data, expected), "reduce_ciphertext differs from the Python modular sum"
 
-        # all-reduce into a non-contiguous limb view of a wider ciphertext
-        wide_ids = (0, 1, 2, 3, 4)
-        wide = Ciphertext(
-            engine_residues(ctx.engine, (2, 2, 5, 16), wide_ids, seed=900), 0, 2.0**40, wide_ids
-        )
-        view = wide.slice_limbs(1, 4)
-        view.data.copy_(_rank_input(ctx, ctx.rank, prime_ids))
-        outside_before = wide.data[..., [0, 4], :].clone()
-        data_object, strides = view.data, view.data.stride()
-        assert not view.data.is_contiguous()
-        all_trace = ReductionTrace()
-        fdist.all_reduce_ciphertext(view, engine=ctx.engine, group=group, trace=all_trace)
-        assert view.data is data_object and view.data.stride() == strides
-        assert torch.equal(view.data, expected), "all_reduce_ciphertext differs from the Python modular sum"
-        assert torch.equal(wide.data[..., [0, 4], :], outside_before), "storage outside the view changed"
+        # all-reduce into a non-contiguous limb view of a wider ciphertext, with every schedule
+        schedules: dict[str, dict[str, Any]] = {}
+        for algorithm in ("tree", "sum", "auto"):
+            wide_ids = (0, 1, 2, 3, 4)
+            wide = Ciphertext(
+                engine_residues(ctx.engine, (2, 2, 5, 16), wide_ids, seed=900), 0, 2.0**40, wide_ids
+            )
+            view = wide.slice_limbs(1, 4)
+            view.data.copy_(_rank_input(ctx, ctx.rank, prime_ids))
+            outside_before = wide.data[..., [0, 4], :].clone()
+            data_object, strides = view.data, view.data.stride()
+            assert not view.data.is_contiguous()
+            trace = ReductionTrace()
+            fdist.all_reduce_ciphertext(view, engine=ctx.engine, group=group, trace=trace, algorithm=algorithm)
+            assert view.data is data_object and view.data.stride() == strides
+            assert torch.equal(view.data, expected), f"all_reduce_ciphertext ({algorithm}) differs from the Python modular sum"
+            assert torch.equal(wide.data[..., [0, 4], :], outside_before), "storage outside the view changed"
+            schedules[algorithm] = vars(trace)
+        all_trace = schedules["tree"]
         out[case.label] = {
             "size": size,
             "group_rank": fdist.get_rank(group),
             "root_group_rank": size - 1,
             "reduce": vars(reduce_trace),
-            "all_reduce": vars(all_trace),
+            "all_reduce": all_trace,
+            "all_reduce_sum": schedules["sum"],
+            "all_reduce_auto": schedules["auto"],
         }
     return out
 

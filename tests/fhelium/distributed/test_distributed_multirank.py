@@ -98,6 +98,12 @@ def test_reduction_tree_sends_p_minus_one_messages_in_ceil_log2_rounds(
             assert root_trace["messages_received"] == rounds == root_trace["rounds_active"]
             assert max(t["rounds_active"] for t in traces) == rounds
         assert all(e["all_reduce"]["final_broadcasts"] == (1 if group_size > 1 else 0) for e in entries)
+        # The SUM schedule (exact: P x 50-bit primes cannot wrap int64) is what "auto" picks here.
+        for kind in ("all_reduce_sum", "all_reduce_auto"):
+            expected = "sum" if group_size > 1 else "tree"
+            assert all(e[kind]["algorithm"] == expected for e in entries), (kind, entries)
+            assert all(e[kind]["sum_all_reduces"] == (1 if group_size > 1 else 0) for e in entries)
+            assert all(e[kind]["messages_sent"] == 0 == e[kind]["additions"] for e in entries)
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
