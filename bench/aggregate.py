@@ -273,8 +273,9 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
     verdict = "meets" if ours_s <= usual_s / 2 and ours_error <= usual_error else "misses"
     print(f"  ours / usual time: {ours_s / usual_s:.2f}  (goal <= 0.50 with equal or better error: {verdict}); "
           f"encryption is {encrypt_s / ours_s:.0%} of ours")
-    print("  (~ = gloo ring all_reduce estimate; ours: reduce-tree messages, the final broadcast counted as the root "
-          "sending one copy per peer; MiB sent is the busiest rank's)")
+    print("  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a ring, "
+          "or under 'tree' the tree messages plus the root sending one broadcast copy per peer; "
+          "MiB sent is the busiest rank's)")
 
 
 def main() -> int:

@@ -26,9 +26,13 @@ class SlotEncoder:
         self.conjugate_positions = torch.tensor([(two_n - e - 1) // 2 for e in exponents], dtype=torch.int64)
         angles = torch.arange(n, dtype=torch.float64) * (math.pi / n)
         self.twist = torch.polar(torch.ones(n, dtype=torch.float64), angles)
+        self._cos_over_n = torch.cos(angles) / n
+        self._sin_over_n = torch.sin(angles) / n
 
     def slots_to_coefficients(self, slots: torch.Tensor) -> torch.Tensor:
         """``[*batch, S]`` complex/real slots → ``[*batch, N]`` real float64 coefficients."""
+        if not slots.is_complex():
+            return self._real_slots_to_coefficients(slots)
         values = slots.to(torch.complex128)
         evaluations = torch.zeros(*values.shape[:-1], self.ring_degree, dtype=torch.complex128)
         evaluations[..., self.slot_positions] = values
@@ -36,6 +40,23 @@ class SlotEncoder:
         twisted = torch.fft.fft(evaluations, dim=-1) / self.ring_degree
         real: torch.Tensor = (twisted * self.twist.conj()).real
         return real
+
+    def _real_slots_to_coefficients(self, slots: torch.Tensor) -> torch.Tensor:
+        """Real slots give a real evaluation vector, so a half-length real FFT suffices.
+
+        FFT outputs k > N/2 are the conjugates of outputs N - k; with F = fft(E), the result
+        Re(F · conj(twist)) / N is Re(F)·cos/N + Im(F)·sin/N.
+        """
+        values = slots.to(torch.float64)
+        n = self.ring_degree
+        evaluations = torch.zeros(*values.shape[:-1], n, dtype=torch.float64)
+        evaluations[..., self.slot_positions] = values
+        evaluations[..., self.conjugate_positions] = values
+        half = torch.fft.rfft(evaluations, dim=-1)
+        mirrored = half[..., 1 : n // 2].flip(-1)
+        re = torch.cat((half.real, mirrored.real), dim=-1)
+        im = torch.cat((half.imag, mirrored.imag.neg()), dim=-1)
+        return re.mul_(self._cos_over_n).addcmul_(im, self._sin_over_n)
 
     def coefficients_to_slots(self, coefficients: torch.Tensor) -> torch.Tensor:
         """``[*batch, N]`` real coefficients → ``[*batch, S]`` complex slots."""

@@ -43,3 +43,16 @@ def test_encoder_round_trip_and_galois_rotation() -> None:
             else:
                 rotated[..., k] += coefficients[..., i]
         assert torch.allclose(encoder.coefficients_to_slots(rotated), torch.roll(slots, step, dims=-1), atol=1e-12)
+
+
+def test_ternary_is_balanced_and_skips_rejected_bytes() -> None:
+    source = RandomSource(11)
+    draws = source.ternary((3, 40000))
+    assert draws.shape == (3, 40000) and draws.dtype == torch.int64
+    for value in (-1, 0, 1):
+        assert abs(float((draws == value).double().mean()) - 1 / 3) < 0.01
+    # Byte 255 would bias `byte % 3` towards 0, so it is skipped and refilled from a new draw.
+    streams = iter([bytearray([255, 0, 1, 255, 2] + [255] * 64), bytearray([4, 5] + [0] * 64)])
+    rigged = RandomSource(12)
+    rigged._bytes = lambda count: next(streams)  # type: ignore[method-assign]
+    assert rigged.ternary((5,)).tolist() == [-1, 0, 1, 0, 1]
