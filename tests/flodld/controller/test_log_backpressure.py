@@ -35,3 +35,29 @@ async def test_state_json_answers_while_nobody_reads_the_daemon_log() -> None:
     finally:
         daemon.kill()
         await asyncio.wait_for(daemon.proc.communicate(), 10)  # read the backlog, or the pipe never sees EOF
+
+
+def test_the_log_queue_is_bounded_and_reports_what_it_dropped() -> None:
+    import logging
+    import queue
+
+    from flodld.controller.logsetup import BoundedQueueHandler
+
+    records: queue.Queue[logging.LogRecord] = queue.Queue(maxsize=4)
+    handler = BoundedQueueHandler(records)
+    logger = logging.getLogger("flodld.test.bounded")
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        for index in range(10):  # nobody drains: 4 fit, 6 are dropped, nothing blocks
+            logger.warning("flood %d", index)
+        assert records.qsize() == 4 and handler.dropped == 6 == handler.dropped_total
+        while not records.empty():
+            records.get_nowait()
+        logger.warning("after the flood")
+        notice, record = records.get_nowait(), records.get_nowait()
+        assert notice.getMessage() == "event=log_records_dropped count=6 reason='log writer behind; queue full'"
+        assert notice.levelno == logging.WARNING
+        assert record.getMessage() == "after the flood" and handler.dropped == 0
+    finally:
+        logger.removeHandler(handler)
