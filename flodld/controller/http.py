@@ -7,10 +7,14 @@ from a `StatusSource`, so the app holds no run state and is up before the window
 from __future__ import annotations
 
 import json
+import logging
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
 
@@ -36,6 +40,40 @@ class StatusSource(Protocol):
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
         """Decide a POST /start from a local (loopback) or remote caller presenting `token`."""
+
+
+_CREDENTIAL = re.compile(r"(?i)(token=|bearer\s+)[^\s&'\"\\]+")
+
+
+def _redact_credentials(text: str) -> str:
+    """Parser messages quote the offending line, which may carry `?token=` or a Bearer header."""
+    return _CREDENTIAL.sub(r"\1<redacted>", text)
+
+
+class HttpRefusalLog:
+    """The logger aiohttp's request handler reports to, made fit for a port that faces the internet.
+
+    A malformed request (smuggling attempt, oversize header, bad characters: aiohttp's parser
+    answers it 400 and closes) becomes one counted warning line naming the peer and the reason,
+    instead of an ERROR with a parser traceback per request, which a flood would turn into a
+    log-volume attack. Anything else (a fault in our handlers) keeps its full traceback.
+    """
+
+    def __init__(self, dropped: Counter[str], logger: logging.Logger | None = None) -> None:
+        self.dropped = dropped
+        self.logger = logger or logging.getLogger("flodld.controller.http")
+
+    def exception(self, message: str, *args: Any, exc_info: Any = None, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            peer = args[0] if args else "?"
+            reason = _redact_credentials(" ".join(str(exc_info.message).split()))[:200]
+            self.dropped["http_malformed"] += 1
+            self.logger.warning("event=http_refused peer=%s status=%d reason=%r", peer, exc_info.code, reason)
+            return
+        self.logger.error(message, *args, exc_info=exc_info or True, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # debug/info/warning/error as the real logger has them
+        return getattr(self.logger, name)
 
 
 def presented_token(request: web.Request) -> str | None:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from flodld.config.models import ClusterConfig
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
-from flodld.controller.http import NO_STATE, HttpAnswer, build_app
+from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink, handle_join
 from flodld.controller.metrics import ControllerCounters, render_prometheus
@@ -142,7 +142,9 @@ class Controller:
         """Bind the port and serve HTTP; the window is not open yet (state.json answers 503)."""
         if self.address is not None:
             return self.address
-        self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            build_app(self), access_log=None, handle_signals=False, logger=HttpRefusalLog(self.counters.dropped)
+        )
         await self._runner.setup()
         self.mux.set_http(self._runner.server)
         self.mux.register(Channel.JOIN, functools.partial(handle_join, self), hold_gate=True)

@@ -59,6 +59,27 @@ async def test_malformed_and_smuggling_requests_get_one_400_and_the_connection_c
         assert body["start_armed"] is False
 
 
+async def test_malformed_requests_are_counted_and_logged_as_one_line_without_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with running(options(join=MANUAL)) as (controller, port):
+        for request_bytes in HOSTILE.values():
+            await http_raw(port, request_bytes, timeout=3)
+        with_token = f"POST /start?token={controller.salt_hex}\x00 HTTP/1.1\r\nHost: t\r\n\r\n".encode()
+        assert status(await http_raw(port, with_token, timeout=3)) == 400
+        body = await state(port)
+        refused_lines = [r for r in caplog.records if "event=http_refused" in r.getMessage()]
+    malformed = len(HOSTILE) + 1
+    assert body["connections"]["dropped"]["http_malformed"] == malformed
+    assert len(refused_lines) == malformed
+    assert all(r.levelno == logging.WARNING and r.exc_info is None for r in refused_lines)
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "peer=127.0.0.1 status=400" in refused_lines[-1].getMessage()
+    assert "token=<redacted>" in refused_lines[-1].getMessage()
+    assert controller.salt_hex not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
     [("PUT", "/start", None), ("DELETE", "/state.json", None), ("PATCH", "/", None), ("OPTIONS", "/", None),
