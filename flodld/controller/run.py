@@ -312,8 +312,9 @@ class Controller:
             return
         log.log(logging.WARNING if code else logging.INFO, "event=rank_exited host=%s rank=%d code=%d",
                 link.host, rank, code)
-        if window.phase not in TERMINAL_PHASES:
-            window.rank_exited(rank, code, self.clock())
+        decided = window.phase in TERMINAL_PHASES
+        window.rank_exited(rank, code, self.clock())  # after the verdict: recorded for state.json only
+        if not decided:
             self._settle()
 
     def rank_lost(self, rank: int, why: str) -> None:

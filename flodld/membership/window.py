@@ -159,9 +159,16 @@ class JoinWindow:
         return self._settle_training(now)
 
     def rank_exited(self, rank: int, code: int, now: float) -> Phase:
-        """A rank's exit code arrived; failures beyond the tolerance fail the run."""
+        """A rank's exit code arrived; failures beyond the tolerance fail the run.
+
+        After the verdict the code is still recorded (state.json then shows how every rank
+        ended, e.g. the peers torn down after a failure), but the verdict no longer changes.
+        """
         if self.world is None or not 0 <= rank < self.world.world_size:
             raise ValueError(f"rank {rank} is not in the formed world (world size {self.world_size()})")
+        if self.phase in TERMINAL_PHASES:
+            self.rank_exits.setdefault(rank, code)
+            return self.phase
         self.rank_exits[rank] = code
         if code != 0:
             self._failed.add(rank)

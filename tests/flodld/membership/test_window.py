@@ -124,6 +124,19 @@ def test_rank_failure_beyond_tolerance_fails_the_run() -> None:
     assert "over the tolerance of 0" in w.reason
 
 
+def test_exits_after_the_verdict_are_recorded_but_change_nothing() -> None:
+    w = window(["a", "b"])
+    join(w, "a")
+    join(w, "b")
+    run_to_training(w)
+    assert w.rank_exited(1, -6, T0 + 5) is Phase.FAILED
+    reason = w.reason
+    assert w.rank_exited(0, -15, T0 + 6) is Phase.FAILED  # torn down after the failure
+    assert w.rank_exited(1, 0, T0 + 7) is Phase.FAILED  # a duplicate report keeps the first code
+    assert w.reason == reason
+    assert [(e.rank, e.code) for e in w.snapshot(T0 + 8).rank_exits] == [(0, -15), (1, -6)]
+
+
 def test_rank_failure_within_tolerance_finishes_degraded() -> None:
     w = window(["a", "b"], tolerance=1)
     join(w, "a")
