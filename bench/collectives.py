@@ -5,13 +5,16 @@ Run: ``.venv/bin/python bench/collectives.py`` (options: ``--sizes 2,3,4 --runs 
 For each world size P it forks P real ranks (gloo over 127.0.0.1), builds an N=2^14, 5-limb
 ciphertext (1.25 MiB; and a batch of 16, 20 MiB) and times, per iteration, the slowest rank:
 
-- ``all_reduce_ciphertext`` (binomial tree + engine.add_ modular reduction + broadcast)
-  against raw ``all_reduce(SUM)`` of an int64 tensor of the same shape (wrong for ciphertexts,
-  but the transport floor);
+- ``all_reduce_ciphertext`` with its default schedule (``"sum"`` here: one SUM all-reduce plus a
+  per-limb remainder) and with ``algorithm="tree"`` (binomial tree + engine.add_ + broadcast),
+  against raw ``all_reduce(SUM)`` of an int64 tensor of the same shape (wrong for ciphertexts
+  on its own, but the transport floor);
 - ``reduce_ciphertext`` against the same raw all-reduce and against raw ``reduce(SUM)``;
 - ``broadcast_ciphertext`` against raw ``broadcast``.
 
-Medians are printed with the ratio typed/raw measured in the same run. Goal from the issue:
+The operations take turns within every iteration (round robin), so load bursts on a shared
+machine hit a typed call and its baseline alike. Medians are printed with the ratio typed/raw
+measured in the same run. Goal from the issue:
 ciphertext all-reduce within 1.5x of raw gloo all-reduce.
 """
 
@@ -43,18 +46,25 @@ RING_DEGREE = 2**14
 LIMBS = 5
 
 
-def _timed(step: Callable[[], object], *, warmup: int, runs: int) -> float:
-    """Median over runs of the slowest rank's time for one call, in milliseconds."""
-    samples = []
+def _timed_round_robin(
+    steps: dict[str, Callable[[], object]], *, warmup: int, runs: int
+) -> dict[str, float]:
+    """Median over runs of the slowest rank's time per call, in milliseconds.
+
+    The operations take turns within every iteration, so a burst of load on this shared
+    machine hits the typed call and its raw baseline alike instead of skewing one of them.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     for index in range(warmup + runs):
-        fdist.barrier()
-        started = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        fdist.all_reduce(elapsed, op=fdist.ReduceOp.MAX)
-        if index >= warmup:
-            samples.append(float(elapsed.item()) * 1e3)
-    return statistics.median(samples)
+        for name, step in steps.items():
+            fdist.barrier()
+            started = time.perf_counter()
+            step()
+            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            fdist.all_reduce(elapsed, op=fdist.ReduceOp.MAX)
+            if index >= warmup:
+                samples[name].append(float(elapsed.item()) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _measure(engine: CkksEngine, batch_shape: tuple[int, ...], warmup: int, runs: int) -> dict[str, float]:
@@ -71,6 +81,7 @@ def _measure(engine: CkksEngine, batch_shape: tuple[int, ...], warmup: int, runs
     source = value if rank == 0 else None
     steps: dict[str, Callable[[], object]] = {
         "all_reduce_ciphertext": lambda: fdist.all_reduce_ciphertext(value, engine=engine),
+        "all_reduce_ciphertext[tree]": lambda: fdist.all_reduce_ciphertext(value, engine=engine, algorithm="tree"),
         "reduce_ciphertext": lambda: fdist.reduce_ciphertext(value, dst=0, engine=engine),
         "broadcast_ciphertext": lambda: fdist.broadcast_ciphertext(source, src=0),
         "raw_all_reduce_sum": lambda: fdist.all_reduce(raw),
@@ -78,7 +89,7 @@ def _measure(engine: CkksEngine, batch_shape: tuple[int, ...], warmup: int, runs
         "raw_broadcast": lambda: fdist.broadcast(raw, src=0),
         "local_add_": lambda: engine.add_(value, other),
     }
-    return {name: _timed(step, warmup=warmup, runs=runs) for name, step in steps.items()}
+    return _timed_round_robin(steps, warmup=warmup, runs=runs)
 
 
 def _rank_main(batch: int, warmup: int, runs: int, out: Path) -> None:
@@ -138,12 +149,13 @@ def main() -> None:
     print(f"ciphertext: N=2^14, {LIMBS} limbs, {payload / 2**20:.2f} MiB; batch of {args.batch}: "
           f"{payload * args.batch / 2**20:.1f} MiB; gloo on 127.0.0.1; medians of {args.runs} runs, slowest rank")  # fmt: skip
     header = (
-        f"{'P':>2} {'payload':<8} {'operation':<22} {'typed ms':>9} {'raw op':<16} {'raw ms':>8} {'ratio':>6}"
+        f"{'P':>2} {'payload':<8} {'operation':<27} {'typed ms':>9} {'raw op':<16} {'raw ms':>8} {'ratio':>6}"
     )
     print(header)
     print("-" * len(header))
     pairs = (
         ("all_reduce_ciphertext", "raw_all_reduce_sum"),
+        ("all_reduce_ciphertext[tree]", "raw_all_reduce_sum"),
         ("reduce_ciphertext", "raw_all_reduce_sum"),
         ("reduce_ciphertext", "raw_reduce_sum"),
         ("broadcast_ciphertext", "raw_broadcast"),
@@ -154,11 +166,11 @@ def main() -> None:
             for typed, raw in pairs:
                 typed_ms, raw_ms = results[f"{label}/{typed}"], results[f"{label}/{raw}"]
                 print(
-                    f"{world_size:>2} {label:<8} {typed:<22} {typed_ms:>9.3f} {raw.removeprefix('raw_'):<16} "
+                    f"{world_size:>2} {label:<8} {typed:<27} {typed_ms:>9.3f} {raw.removeprefix('raw_'):<16} "
                     f"{raw_ms:>8.3f} {typed_ms / raw_ms:>6.2f}"
                 )
             print(
-                f"{world_size:>2} {label:<8} {'(local engine.add_)':<22} {results[f'{label}/local_add_']:>9.3f}"
+                f"{world_size:>2} {label:<8} {'(local engine.add_)':<27} {results[f'{label}/local_add_']:>9.3f}"
             )
 
 
