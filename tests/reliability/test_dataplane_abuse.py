@@ -11,6 +11,7 @@ import pytest
 from flodld.config.join import JoinConfig
 from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.run import Controller
+from flodld.membership.phase import Phase
 from flodld.net.stream import FramedStream, open_channel
 from flodld.wire.data import DataPlaneError, HelloAck, HostFrame, RelayHello, TensorSpec
 from flodld.wire.errors import WireError
@@ -35,6 +36,13 @@ async def formed_world() -> AsyncIterator[tuple[Controller, int, RawJoin]]:
         agent.write(agent.conn.send_message(hello("h", devices=2)))
         assert isinstance(await agent.next_message(), Accept)
         assert isinstance(await agent.next_message(), WorldFormed)
+        # WorldFormed is on its way before the controller enters training (it does after every
+        # host's write drained), so an agent can be this fast; wait for the phase as well.
+        for _ in range(500):
+            if controller.phase is Phase.TRAINING:
+                break
+            await asyncio.sleep(0.01)
+        assert controller.phase is Phase.TRAINING, controller.phase
         yield controller, port, agent
     finally:
         agent.close()

@@ -32,7 +32,11 @@ async def test_two_hundred_concurrent_agents_get_contiguous_ranks_and_every_host
         assert all(w.envelope.hosts == by_first_rank for w in worlds)
         assert all(w.envelope.ranks == a.accepted.ranks for w, a in zip(worlds, agents, strict=True))
         assert all(w.envelope.controller_host == "127.0.0.1" for w in worlds)
-        status, body = await http(port, "GET", "/state.json")
+        for _ in range(500):  # training follows once every host's WorldFormed write has drained
+            status, body = await http(port, "GET", "/state.json")
+            if body.get("phase") != "forming":
+                break
+            await asyncio.sleep(0.01)
         assert status == 200 and body["joined_hosts"] == count and body["phase"] == "training"
         await asyncio.gather(*(a.leave() for a in agents))
         result = await asyncio.wait_for(controller.wait(), 10)

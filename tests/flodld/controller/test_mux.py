@@ -178,3 +178,37 @@ async def test_a_slow_http_head_is_cut_at_the_http_lifetime() -> None:
     finally:
         await mux.close()
         await runner.cleanup()
+
+
+async def test_finished_http_connections_are_released_before_their_lifetime_ends() -> None:
+    """A pending lifetime timer must not keep a closed connection (and its buffers) alive."""
+    import gc
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    assert runner.server is not None
+    mux = PortMux(ControllerCounters(), http_lifetime=60)
+    mux.set_http(runner.server)
+    port = await _started(mux)
+
+    def server_transports() -> int:
+        gc.collect()
+        return sum(
+            1 for o in gc.get_objects()
+            if isinstance(o, asyncio.Transport) and o.get_extra_info("sockname", ("", 0))[1] == port
+        )  # fmt: skip
+
+    try:
+        before = server_transports()
+        for _ in range(40):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /nope HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            assert (await asyncio.wait_for(reader.read(), 3)).startswith(b"HTTP/1.1 404")
+            writer.close()
+            await writer.wait_closed()
+        await asyncio.sleep(0.2)
+        assert server_transports() - before < 5
+        assert mux.counters.connections["http"] == 40 and not mux.counters.dropped
+    finally:
+        await mux.close()
+        await runner.cleanup()
