@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 
@@ -20,6 +22,22 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 async def _started(mux: PortMux) -> int:
     _, port = await mux.start("127.0.0.1", 0)
     return port
+
+
+@asynccontextmanager
+async def _http_mux(**mux_options: float) -> AsyncIterator[tuple[PortMux, int]]:
+    """A started mux whose HTTP goes to an empty aiohttp app (every path answers 404)."""
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    assert runner.server is not None
+    mux = PortMux(ControllerCounters(), **mux_options)
+    mux.set_http(runner.server)
+    port = await _started(mux)
+    try:
+        yield mux, port
+    finally:
+        await mux.close()
+        await runner.cleanup()
 
 
 async def _wait_for(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
@@ -158,13 +176,7 @@ async def test_http_is_handed_to_aiohttp_on_the_same_port() -> None:
 
 
 async def test_a_slow_http_head_is_cut_at_the_http_lifetime() -> None:
-    runner = web.AppRunner(web.Application())
-    await runner.setup()
-    assert runner.server is not None
-    mux = PortMux(ControllerCounters(), http_lifetime=0.4)
-    mux.set_http(runner.server)
-    port = await _started(mux)
-    try:
+    async with _http_mux(http_lifetime=0.4) as (mux, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /state.json HTTP/1.1\r\nX-Slow: ")  # and never finish the head
         started = asyncio.get_running_loop().time()
@@ -175,31 +187,21 @@ async def test_a_slow_http_head_is_cut_at_the_http_lifetime() -> None:
         assert asyncio.get_running_loop().time() - started < 2
         assert mux.counters.dropped["http_lifetime"] == 1
         writer.close()
-    finally:
-        await mux.close()
-        await runner.cleanup()
 
 
 async def test_finished_http_connections_are_released_before_their_lifetime_ends() -> None:
     """A pending lifetime timer must not keep a closed connection (and its buffers) alive."""
     import gc
 
-    runner = web.AppRunner(web.Application())
-    await runner.setup()
-    assert runner.server is not None
-    mux = PortMux(ControllerCounters(), http_lifetime=60)
-    mux.set_http(runner.server)
-    port = await _started(mux)
-
-    def server_transports() -> int:
+    def server_transports(port: int) -> int:
         gc.collect()
         return sum(
             1 for o in gc.get_objects()
             if isinstance(o, asyncio.Transport) and o.get_extra_info("sockname", ("", 0))[1] == port
         )  # fmt: skip
 
-    try:
-        before = server_transports()
+    async with _http_mux(http_lifetime=60) as (mux, port):
+        before = server_transports(port)
         for _ in range(40):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /nope HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
@@ -207,8 +209,5 @@ async def test_finished_http_connections_are_released_before_their_lifetime_ends
             writer.close()
             await writer.wait_closed()
         await asyncio.sleep(0.2)
-        assert server_transports() - before < 5
+        assert server_transports(port) - before < 5
         assert mux.counters.connections["http"] == 40 and not mux.counters.dropped
-    finally:
-        await mux.close()
-        await runner.cleanup()
