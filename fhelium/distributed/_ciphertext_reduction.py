@@ -219,6 +219,8 @@ def _sum_moduli(engine: object, value: object, size: int) -> tuple[list[int] | N
     moduli_of = getattr(engine, "residue_moduli", None)
     if not callable(moduli_of) or not isinstance(value, Ciphertext):
         return None, "the engine does not offer residue_moduli(value)"
+    if value.data.dtype != torch.int64:
+        return None, f"the residues are {value.data.dtype}; the SUM schedule adds in int64 only"
     try:
         moduli = [int(q) for q in moduli_of(value)]
     except Exception as error:  # reported through the control exchange like any refusal
