@@ -59,7 +59,6 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = DEFAU
     )
 
 
-
 def close_process_group() -> None:
     """Destroy the default process group if the program left it open (a no-op otherwise).
 
