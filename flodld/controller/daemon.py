@@ -57,11 +57,20 @@ _JOIN_FLAGS = {
     "start": "start", "token": "token", "open_admission": "open_admission", "discovery": "discovery",
     "tunnel_only": "tunnel_only",
 }
+# Flags that override a top-level controller option (flag -> option).
+_OPTION_FLAGS = {
+    "host": "advertised_host", "port": "port", "bind": "bind_host", "ranks": "capacity",
+    "averaging": "averaging", "run_id": "run_id", "tolerance": "tolerance",
+}
+
+
+def _given(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, object]:
+    """The options named by `flags` whose flag was given on the command line."""
+    return {knob: getattr(args, flag) for flag, knob in flags.items() if getattr(args, flag) is not None}
 
 
 def options_from_args(args: argparse.Namespace) -> ControllerOptions:
     """Config file first, flags on top. ConfigError/ValidationError/PolicyError on bad input."""
-    overrides: dict[str, object] = {}
     join_values: dict[str, object] = {}
     base: ControllerOptions | None = None
     if args.config is not None:
@@ -71,27 +80,9 @@ def options_from_args(args: argparse.Namespace) -> ControllerOptions:
             raise ValueError(f"{args.config} has no cluster: block; add one (see docs/controller.md)")
         base = ControllerOptions.from_cluster(cluster)
         join_values = base.join.model_dump(exclude_unset=True)
-    for flag, knob in _JOIN_FLAGS.items():
-        value = getattr(args, flag)
-        if value is not None:
-            join_values[knob] = value
-    if args.host is not None:
-        overrides["advertised_host"] = args.host
-    if args.port is not None:
-        overrides["port"] = args.port
-    if args.bind is not None:
-        overrides["bind_host"] = args.bind
-    if args.ranks is not None:
-        overrides["capacity"] = args.ranks
-    if args.averaging is not None:
-        overrides["averaging"] = args.averaging
-    if args.run_id is not None:
-        overrides["run_id"] = args.run_id
-    if args.tolerance is not None:
-        overrides["tolerance"] = args.tolerance
-    overrides["join"] = JoinConfig.model_validate(join_values)
+    join_values.update(_given(args, _JOIN_FLAGS))
     values = base.model_dump() if base is not None else {}
-    values.update(overrides)
+    values.update(_given(args, _OPTION_FLAGS), join=JoinConfig.model_validate(join_values))
     return ControllerOptions.model_validate(values)
 
 

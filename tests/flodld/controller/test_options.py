@@ -20,3 +20,21 @@ def test_network_bind_unless_every_remote_worker_is_tunneled() -> None:
     )
     assert ControllerOptions.from_cluster(tunneled).effective_bind_host == "127.0.0.1"
     assert ControllerOptions.from_cluster(tunneled, bind_host="::").effective_bind_host == "::"
+
+
+def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> None:
+    import argparse
+
+    from flodld.controller.daemon import add_serve_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    given = options_from_args(parser.parse_args([
+        "--host", "10.0.0.5", "--port", "1400", "--bind", "127.0.0.1", "--ranks", "6", "--averaging", "cpu_sync",
+        "--run-id", "r1", "--tolerance", "2", "--target", "6", "--window", "30",
+    ]))  # fmt: skip
+    assert (given.advertised_host, given.port, given.bind_host, given.capacity) == ("10.0.0.5", 1400, "127.0.0.1", 6)
+    assert (given.averaging, given.run_id, given.tolerance) == ("cpu_sync", "r1", 2)
+    assert (given.join.target_ranks, given.join.join_timeout) == (6, 30.0)
+    defaults = options_from_args(parser.parse_args([]))
+    assert defaults.tolerance == 0 and defaults.join.target_ranks is None and defaults.run_id != "r1"
