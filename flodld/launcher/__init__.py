@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 
 from flodld.agent.spec import AGENT_ENV
@@ -51,24 +51,24 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _run_role(name: str, run: Callable[[], int]) -> None:
+    """Run a worker role to its exit code and leave; an escaping error is printed, code 1."""
+    try:
+        code = run()
+    except Exception as error:
+        print(f"flodld {name}: {error}", file=sys.stderr)
+        code = 1
+    _exit(code)
+
+
 def exit_if_worker_role() -> None:
     """Run the agent or relay role and exit when this process is one; return otherwise."""
     role = current_role()
     if role is Role.AGENT:
         from flodld.agent.run import run_agent
 
-        try:
-            code = run_agent()
-        except Exception as error:
-            print(f"flodld agent: {error}", file=sys.stderr)
-            code = 1
-        _exit(code)
+        _run_role("agent", run_agent)
     elif role is Role.RELAY:
         from flodld.relay.server import run_relay
 
-        try:
-            code = run_relay()
-        except Exception as error:
-            print(f"flodld relay: {error}", file=sys.stderr)
-            code = 1
-        _exit(code)
+        _run_role("relay", run_relay)
