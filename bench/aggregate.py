@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import math
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,25 @@ def _recv_blob(src: int) -> bytes:
     return data.numpy().tobytes()
 
 
+def _pack(blobs: list[bytes]) -> bytes:
+    """Length-prefixed concatenation (count, then size + bytes per blob)."""
+    return len(blobs).to_bytes(8, "little") + b"".join(len(b).to_bytes(8, "little") + b for b in blobs)
+
+
+def _through_server(
+    rank: int, world: int, blob: bytes, server_sum: Callable[[Iterator[bytes]], bytes]
+) -> tuple[bytes, int]:
+    """The usual star: every client sends its blob to the server (co-located with client 0), which
+    sums them as they arrive and sends the serialized sum back. Returns the sum and the bytes sent."""
+    if rank != KEY_HOLDER:
+        _send_blob(blob, KEY_HOLDER)
+        return _recv_blob(KEY_HOLDER), len(blob)
+    result = server_sum(itertools.chain([blob], (_recv_blob(peer) for peer in range(1, world))))
+    for peer in range(1, world):
+        _send_blob(result, peer)
+    return result, len(blob) + (world - 1) * len(result)
+
+
 def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
     from fhelium.serialization import value_from_bytes, value_to_bytes
 
@@ -149,20 +170,17 @@ def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torc
     public = value_from_bytes(context[1], engine=engine)
     assert isinstance(public, PublicKey)
     blob = value_to_bytes(encrypt_update(engine, update, public), engine=engine)
-    sent = len(blob)
-    if rank == KEY_HOLDER:  # the server (co-located with client 0)
-        total = value_from_bytes(blob, engine=engine)
-        for peer in range(1, world):
-            incoming = value_from_bytes(_recv_blob(peer), engine=engine)
-            assert isinstance(total, Ciphertext) and isinstance(incoming, Ciphertext)
-            total = engine.add(total, incoming)
-        result = value_to_bytes(total, engine=engine)
-        for peer in range(1, world):
-            _send_blob(result, peer)
-        sent += (world - 1) * len(result)
-    else:
-        _send_blob(blob, KEY_HOLDER)
-        result = _recv_blob(KEY_HOLDER)
+
+    def server_sum(blobs: Iterator[bytes]) -> bytes:
+        total: Ciphertext | None = None
+        for data in blobs:
+            incoming = value_from_bytes(data, engine=engine)
+            assert isinstance(incoming, Ciphertext)
+            total = incoming if total is None else engine.add(total, incoming)
+        assert total is not None
+        return value_to_bytes(total, engine=engine)
+
+    result, sent = _through_server(rank, world, blob, server_sum)
     summed = value_from_bytes(result, engine=engine)
     assert isinstance(summed, Ciphertext)
     mean = decrypt_mean(engine, summed, secret, update.numel(), world)
@@ -185,7 +203,7 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
         context = ts.context_from(_recv_blob(KEY_HOLDER))
     chunks = torch.split(update.double(), 4096)
     blobs = [ts.ckks_vector(context, chunk.tolist()).serialize() for chunk in chunks]
-    blob = len(blobs).to_bytes(8, "little") + b"".join(len(b).to_bytes(8, "little") + b for b in blobs)
+    blob = _pack(blobs)
 
     def parse(data: bytes) -> list[Any]:
         count, offset, vectors = int.from_bytes(data[:8], "little"), 8, []
@@ -195,19 +213,15 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
             offset += 8 + size
         return vectors
 
-    sent = len(blob)
-    if rank == KEY_HOLDER:
-        total = parse(blob)
-        for peer in range(1, world):
-            total = [a + b for a, b in zip(total, parse(_recv_blob(peer)), strict=True)]
-        serialized = [vector.serialize() for vector in total]
-        result = len(serialized).to_bytes(8, "little") + b"".join(len(b).to_bytes(8, "little") + b for b in serialized)
-        for peer in range(1, world):
-            _send_blob(result, peer)
-        sent += (world - 1) * len(result)
-    else:
-        _send_blob(blob, KEY_HOLDER)
-        result = _recv_blob(KEY_HOLDER)
+    def server_sum(blobs: Iterator[bytes]) -> bytes:
+        total: list[Any] | None = None
+        for data in blobs:
+            vectors = parse(data)
+            total = vectors if total is None else [a + b for a, b in zip(total, vectors, strict=True)]
+        assert total is not None
+        return _pack([vector.serialize() for vector in total])
+
+    result, sent = _through_server(rank, world, blob, server_sum)
     mean = torch.tensor([x for vector in parse(result) for x in vector.decrypt()], dtype=torch.float64) / world
     dist.barrier()
     elapsed = time.perf_counter() - started
