@@ -358,21 +358,20 @@ class CkksEngine(EngineBase):
 
     # ------------------------------------------------------------------ plaintext operations
     def add_plain(self, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
-        self._check_ciphertext(ct, "ciphertext")
-        pt = self._check_plaintext(ct, pt, "add_plain", same_scale=True)
-        assert pt.data is not None
-        q = self._mod(ct.prime_ids).q
-        data = ct.data.clone()
-        mod.add_mod_(data[0], pt.data, q)
-        return ct.with_data(data)
+        return self._with_plain_in_c0(ct, pt, "add_plain", mod.add_mod_)
 
     def sub_plain(self, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
+        return self._with_plain_in_c0(ct, pt, "sub_plain", mod.sub_mod_)
+
+    def _with_plain_in_c0(
+        self, ct: Ciphertext, pt: Plaintext, operation: str, combine_: Callable[..., torch.Tensor]
+    ) -> Ciphertext:
+        """A copy of ``ct`` whose c0 is combined (in place, modularly) with the plaintext."""
         self._check_ciphertext(ct, "ciphertext")
-        pt = self._check_plaintext(ct, pt, "sub_plain", same_scale=True)
+        pt = self._check_plaintext(ct, pt, operation, same_scale=True)
         assert pt.data is not None
-        q = self._mod(ct.prime_ids).q
         data = ct.data.clone()
-        mod.sub_mod_(data[0], pt.data, q)
+        combine_(data[0], pt.data, self._mod(ct.prime_ids).q)
         return ct.with_data(data)
 
     def multiply_plain(self, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
