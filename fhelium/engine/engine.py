@@ -60,7 +60,7 @@ class CkksEngine(EngineBase):
     # ------------------------------------------------------------------ keys
     def generate_secret_key(self) -> SecretKey:
         ids = tuple(range(len(self.moduli)))
-        s = self.random.ternary((self.ring_degree,)).to(self.device)
+        s = self.random.stream("secret").ternary((self.ring_degree,)).to(self.device)
         return SecretKey(self.ntt.forward(self._small_to_rns(s, ids), ids), ids)
 
     def _check_secret(self, secret: object) -> SecretKey:
@@ -69,7 +69,8 @@ class CkksEngine(EngineBase):
         return secret
 
     def _error_ntt(self, shape: Sequence[int], prime_ids: Sequence[int]) -> torch.Tensor:
-        e = self.random.gaussian((*shape, self.ring_degree), ERROR_STANDARD_DEVIATION).to(self.device)
+        e = self.random.stream("error").gaussian((*shape, self.ring_degree), ERROR_STANDARD_DEVIATION)
+        e = e.to(self.device)
         return self.ntt.forward(self._small_to_rns(e, prime_ids), prime_ids)
 
     def generate_public_key(self, secret: SecretKey) -> PublicKey:
@@ -78,7 +79,8 @@ class CkksEngine(EngineBase):
         self._check_secret(secret)
         ids = secret.prime_ids
         m = self._mod(ids)
-        a = self.random.uniform_below(m.q.cpu(), (len(ids), self.ring_degree)).to(self.device)
+        a = self.random.stream("uniform").uniform_below(m.q.cpu(), (len(ids), self.ring_degree))
+        a = a.to(self.device)
         e = self._error_ntt((), ids)
         k0 = mod.sub_mod(e, mod.mul_mod(a, secret.data, m.q, m.q_inverse), m.q)
         return PublicKey(torch.stack((k0, a)), ids, modulus_basis="QP")
@@ -88,7 +90,8 @@ class CkksEngine(EngineBase):
         ids = tuple(range(len(self.moduli)))
         m = self._mod(ids)
         digits = self.q_count
-        a = self.random.uniform_below(m.q.cpu(), (digits, len(ids), self.ring_degree)).to(self.device)
+        a = self.random.stream("uniform").uniform_below(m.q.cpu(), (digits, len(ids), self.ring_degree))
+        a = a.to(self.device)
         e = self._error_ntt((digits,), ids)
         k0 = mod.sub_mod(e, mod.mul_mod(a, secret.data, m.q, m.q_inverse), m.q)
         special = self.moduli[self.special_prime_id]
@@ -212,8 +215,10 @@ class CkksEngine(EngineBase):
         qp_ids = (*ids, self.special_prime_id)
         m = self._mod(qp_ids)
         batch = plaintext.batch_shape
-        u = self.random.ternary((*batch, self.ring_degree)).to(self.device)
-        errors = self.random.gaussian((2, *batch, self.ring_degree), ERROR_STANDARD_DEVIATION).to(self.device)
+        u = self.random.stream("ephemeral").ternary((*batch, self.ring_degree)).to(self.device)
+        errors = self.random.stream("error").gaussian(
+            (2, *batch, self.ring_degree), ERROR_STANDARD_DEVIATION
+        ).to(self.device)
         # Only u needs a QP transform. e1 must be divided by P with c1 (it is multiplied by s at
         # decryption): it is added in ModDown's coefficient-domain steps, which is exactly
         # dividing pk1·u + e1 (saves 6 of 24 row transforms). e0 and a coefficient-domain
@@ -274,7 +279,7 @@ class CkksEngine(EngineBase):
 
     def uniform_from_seed(self, seed: bytes, prime_ids: Sequence[int], batch_shape: Sequence[int]) -> torch.Tensor:
         """The NTT-domain uniform polynomial(s) a seed expands to (deterministic)."""
-        return RandomSource(seed).uniform_below(
+        return RandomSource(seed, purpose="seeded_uniform").uniform_below(
             self._mod(prime_ids).q.cpu(), (*batch_shape, len(prime_ids), self.ring_degree)
         ).to(self.device)
 

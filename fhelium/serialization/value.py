@@ -37,7 +37,11 @@ from fhelium.core.state import (
     RESIDUE_REPRESENTATIONS,
 )
 
-VALUE_SCHEMA_VERSION = 1
+# 2: keys and seeded ciphertexts come from the domain-separated keystream (expansion version 2,
+# fhelium/engine/sampling.py). Version 1 keys leaked their secret through the public key's
+# uniform part, and version 1 seeds expand to a different c1, so version 1 is refused.
+VALUE_SCHEMA_VERSION = 2
+_COMPROMISED_SCHEMA_VERSIONS = frozenset({1})
 
 FheliumValue = (
     Ciphertext
@@ -149,6 +153,14 @@ def validate_value_description(
     ``tensor_metadata`` (optional) maps tensor name → ``{"shape": tuple, "dtype": torch.dtype|str}``;
     when given, the limb axis extent is checked against ``prime_ids`` as well.
     """
+    if type(schema_version) is int and schema_version in _COMPROMISED_SCHEMA_VERSIONS:
+        raise FheliumValueError(
+            f"Unsupported value envelope schema version: {schema_version} (this fhelium reads version "
+            f"{VALUE_SCHEMA_VERSION}). Version {schema_version} values were made with the overlapping "
+            "ChaCha20 keystream of fhelium before issue 13: its keys must be treated as compromised "
+            "(the public key reveals most of the secret key) and its seeded ciphertexts expand to a "
+            "different c1. Generate new keys and re-encrypt; see docs/security.md"
+        )
     if type(schema_version) is not int or schema_version != VALUE_SCHEMA_VERSION:
         raise FheliumValueError(
             f"Unsupported value envelope schema version: {schema_version!r} (this fhelium reads "
