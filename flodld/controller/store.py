@@ -1,14 +1,24 @@
 """The rendezvous store service: torch.distributed's key/value store on the controller port.
 
 `KeyValueState` holds the data; this shell speaks the 0x02xx messages on a rendezvous-channel
-connection keyed with the session salt (the frame tags are the authentication), and parks
-waiters on one asyncio.Condition that every mutation notifies.
+connection keyed with the session salt (the frame tags are the authentication). Mutations are
+applied synchronously and wake every waiter through one event that is swapped on each change.
+
+Replies are capped like requests: no reply tail exceeds `MAX_VALUE_BYTES`, and a request whose answer
+would (a `multi_get` of many large values, a long `list_keys`) gets `StoreError(too_large)` with the
+size computed before anything is joined; the connection keeps serving. A `multi_get` naming a key twice
+is refused (`duplicate_key`), so a small request cannot make the controller copy one value many times.
+
+Mutating requests carry a `request_id` per client (`StoreHello.client_id`); `RequestLedger` remembers
+each client's last answered id and reply, so a request re-sent after a lost reply is answered from the
+record instead of being applied twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from flodld.controller.kvstate import KeyValueState, NotAnInteger, StoreFull
@@ -16,8 +26,9 @@ from flodld.controller.metrics import ControllerCounters
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
-from flodld.wire.messages import Message
+from flodld.wire.messages import MAX_LIST_ITEMS, Message
 from flodld.wire.store import (
+    MAX_VALUE_BYTES,
     StoreAdd,
     StoreAppend,
     StoreBool,
@@ -28,10 +39,14 @@ from flodld.wire.store import (
     StoreGet,
     StoreHello,
     StoreInt,
+    StoreListKeys,
     StoreMultiGet,
     StoreMultiSet,
     StoreNumKeys,
     StoreOk,
+    StoreQueueLen,
+    StoreQueuePop,
+    StoreQueuePush,
     StoreSet,
     StoreValue,
     StoreValues,
@@ -41,15 +56,73 @@ from flodld.wire.store import (
 
 log = logging.getLogger("flodld.controller.store")
 
-MAX_VALUE_BYTES = 64 * 1024 * 1024
+__all__ = ["MAX_VALUE_BYTES", "RequestLedger", "StoreService"]
+
 HELLO_TIMEOUT_SECS = 10.0
 CHANNEL = "rendezvous"
+# Request-id records: at most this many clients, and this many bytes of remembered reply tails.
+LEDGER_MAX_CLIENTS = 4096
+LEDGER_MAX_BYTES = 64 * 1024 * 1024
 
 Reply = tuple[Message, bytes]
 
 
 class StoreTimeout(Exception):
     pass
+
+
+class Refused(Exception):
+    """A request answered with StoreError(code) without touching the store."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class RequestLedger:
+    """Each client's last answered mutating request: (request id, reply, tail). Pure and bounded.
+
+    One request is in flight per client (the rank's store holds a lock), so the last reply is all a
+    re-send can need. Least recently used clients are forgotten first once `max_clients` or
+    `max_bytes` (remembered tails) is exceeded; a forgotten client's re-send is applied again.
+    """
+
+    def __init__(self, max_clients: int = LEDGER_MAX_CLIENTS, max_bytes: int = LEDGER_MAX_BYTES) -> None:
+        self.max_clients = max_clients
+        self.max_bytes = max_bytes
+        self._last: OrderedDict[str, tuple[int, Message, bytes]] = OrderedDict()
+        self._bytes = 0
+        self.replayed = 0
+
+    def lookup(self, client: str, request_id: int) -> Reply | None:
+        """The remembered reply when `request_id` is the client's last; None when it is new.
+
+        Raises Refused(stale_request) for an id older than the last one answered.
+        """
+        record = self._last.get(client)
+        if record is None or request_id > record[0]:
+            return None
+        if request_id < record[0]:
+            raise Refused(
+                "stale_request",
+                f"request id {request_id} is older than this client's last answered request {record[0]}",
+            )
+        self._last.move_to_end(client)
+        self.replayed += 1
+        return record[1], record[2]
+
+    def remember(self, client: str, request_id: int, reply: Message, tail: bytes) -> None:
+        old = self._last.pop(client, None)
+        if old is not None:
+            self._bytes -= len(old[2])
+        self._last[client] = (request_id, reply, tail)
+        self._bytes += len(tail)
+        while self._last and (len(self._last) > self.max_clients or self._bytes > self.max_bytes):
+            _, (_, _, dropped) = self._last.popitem(last=False)
+            self._bytes -= len(dropped)
+
+    def __len__(self) -> int:
+        return len(self._last)
 
 
 class StoreService:
@@ -63,25 +136,35 @@ class StoreService:
         *,
         state: KeyValueState | None = None,
         hello_timeout: float = HELLO_TIMEOUT_SECS,
+        max_reply_bytes: int = MAX_VALUE_BYTES,
+        ledger: RequestLedger | None = None,
     ) -> None:
         self.run_id = run_id
         self.salt = salt
         self.counters = counters or ControllerCounters()
         self.state = state or KeyValueState()
         self.hello_timeout = hello_timeout
-        self._changed = asyncio.Condition()
-        self._dispatch: dict[type[Message], Callable[[Message, bytes], Awaitable[Reply]]] = {
+        self.max_reply_bytes = max_reply_bytes
+        self.ledger = ledger or RequestLedger()
+        self._changed = asyncio.Event()
+        # Mutations: applied synchronously, so applying and recording the reply never interleave.
+        self._apply: dict[type[Message], Callable[[Message, bytes], Reply]] = {
             StoreSet: self._set,
-            StoreGet: self._get,
             StoreAdd: self._add,
             StoreCompareSet: self._compare_set,
-            StoreWait: self._wait,
-            StoreCheck: self._check,
             StoreDeleteKey: self._delete_key,
-            StoreNumKeys: self._num_keys,
-            StoreMultiGet: self._multi_get,
             StoreMultiSet: self._multi_set,
             StoreAppend: self._append,
+            StoreQueuePush: self._queue_push,
+        }
+        self._query: dict[type[Message], Callable[[Message], Awaitable[Reply]]] = {
+            StoreGet: self._get,
+            StoreWait: self._wait,
+            StoreCheck: self._check,
+            StoreNumKeys: self._num_keys,
+            StoreMultiGet: self._multi_get,
+            StoreListKeys: self._list_keys,
+            StoreQueueLen: self._queue_len,
         }
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -89,7 +172,7 @@ class StoreService:
         where = peer[0] if peer else "?"
         try:
             stream = await accept_channel(reader, writer, self.salt, timeout=self.hello_timeout,
-                                          max_tail=MAX_VALUE_BYTES)
+                                          max_tail=self.max_reply_bytes)
             hello = await self._receive(stream, self.hello_timeout)
             message = hello.message()
             if not isinstance(message, StoreHello):
@@ -105,7 +188,7 @@ class StoreService:
                 ))
                 return
             await self._reply(stream, StoreOk())
-            await self._serve(stream)
+            await self._serve(stream, message.client_id)
         except (EOFError, ConnectionError, asyncio.IncompleteReadError):
             return
         except TimeoutError:
@@ -116,17 +199,15 @@ class StoreService:
             self.counters.dropped[f"rendezvous_{error.code}"] += 1
             log.info("event=store_dropped peer=%s reason=%s detail=%r", where, error.code, error.detail)
 
-    async def _serve(self, stream: FramedStream) -> None:
+    async def _serve(self, stream: FramedStream, client: str) -> None:
         while True:
             frame = await self._receive(stream, None)
             try:
-                request = frame.message()
-                handler = self._dispatch.get(type(request))
-                if handler is None:
-                    raise ValueError(f"{type(request).__name__} is not a store request")
-                reply, tail = await handler(request, frame.tail)
+                reply, tail = await self._answer(frame.message(), frame.tail, client)
             except WireError as error:
                 reply, tail = StoreError(code="bad_request", reason=str(error)[:1024]), b""
+            except Refused as error:
+                reply, tail = StoreError(code=error.code, reason=str(error)[:1024]), b""
             except ValueError as error:
                 code = "not_integer" if isinstance(error, NotAnInteger) else "bad_request"
                 reply, tail = StoreError(code=code, reason=str(error)[:1024]), b""
@@ -134,7 +215,29 @@ class StoreService:
                 reply, tail = StoreError(code="too_large", reason=str(error)[:1024]), b""
             except StoreTimeout as error:
                 reply, tail = StoreError(code="timeout", reason=str(error)[:1024]), b""
+            if len(tail) > self.max_reply_bytes:  # a last guard: answer, never drop the connection
+                reply, tail = StoreError(code="too_large", reason=(
+                    f"the reply would carry {len(tail)} bytes, over the {self.max_reply_bytes}-byte cap")), b""
             await self._reply(stream, reply, tail)
+
+    async def _answer(self, request: Message, tail: bytes, client: str) -> Reply:
+        request_id = getattr(request, "request_id", 0) if client else 0
+        if request_id:
+            replay = self.ledger.lookup(client, request_id)
+            if replay is not None:
+                return replay
+        if isinstance(request, StoreQueuePop):
+            return await self._queue_pop(request, client, request_id)
+        apply = self._apply.get(type(request))
+        if apply is not None:
+            reply = apply(request, tail)
+            if request_id:
+                self.ledger.remember(client, request_id, *reply)
+            return reply
+        query = self._query.get(type(request))
+        if query is None:
+            raise ValueError(f"{type(request).__name__} is not a store request")
+        return await query(request)
 
     async def _receive(self, stream: FramedStream, timeout: float | None) -> Frame:
         frame = await stream.recv(timeout)
@@ -145,85 +248,146 @@ class StoreService:
         await stream.send(message, tail)
         self.counters.frame_out(CHANNEL, len(tail))
 
-    async def _changed_now(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _notify(self) -> None:
+        """Wake every waiter (synchronously: a mutation never yields before its reply is recorded)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
-    async def _until_present(self, keys: list[str], timeout: float) -> None:
-        if self.state.has_all(keys):
-            return
-        try:
-            async with self._changed:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.state.has_all(keys)), timeout)
-        except TimeoutError:
-            missing = [k for k in keys if self.state.get(k) is None]
-            raise StoreTimeout(f"timed out after {timeout:g}s waiting for keys {missing[:8]}") from None
+    async def _until(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not ready():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise StoreTimeout(f"wait timeout after {round(timeout * 1000)}ms, {what()}")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                pass
 
-    # --- requests ------------------------------------------------------------------------------
+    async def _until_values(self, keys: list[str], timeout: float) -> None:
+        def missing() -> str:
+            return f"keys: {[k for k in keys if not self.state.has_value(k)][:8]}"
 
-    async def _set(self, request: Message, tail: bytes) -> Reply:
+        await self._until(lambda: all(self.state.has_value(k) for k in keys), timeout, missing)
+
+    # --- mutations (synchronous) -------------------------------------------------------------------
+
+    def _set(self, request: Message, tail: bytes) -> Reply:
         assert isinstance(request, StoreSet)
         self.state.set(request.key, tail)
-        await self._changed_now()
+        self._notify()
         return StoreOk(), b""
 
-    async def _get(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreGet)
-        await self._until_present([request.key], request.timeout)
-        value = self.state.get(request.key)
-        assert value is not None
-        return StoreValue(), value
-
-    async def _add(self, request: Message, tail: bytes) -> Reply:
+    def _add(self, request: Message, tail: bytes) -> Reply:
         assert isinstance(request, StoreAdd)
         value = self.state.add(request.key, request.amount)
-        await self._changed_now()
+        self._notify()
         return StoreInt(value=value), b""
 
-    async def _compare_set(self, request: Message, tail: bytes) -> Reply:
+    def _compare_set(self, request: Message, tail: bytes) -> Reply:
         assert isinstance(request, StoreCompareSet)
         if request.expected_len > len(tail):
             raise ValueError(f"expected_len {request.expected_len} exceeds the {len(tail)}-byte tail")
         expected, desired = tail[: request.expected_len], tail[request.expected_len :]
         held = self.state.compare_set(request.key, expected, desired)
-        await self._changed_now()
+        self._notify()
         return StoreValue(), held
 
-    async def _wait(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreWait)
-        await self._until_present(list(request.keys), request.timeout)
-        return StoreOk(), b""
-
-    async def _check(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreCheck)
-        return StoreBool(value=self.state.has_all(list(request.keys))), b""
-
-    async def _delete_key(self, request: Message, tail: bytes) -> Reply:
+    def _delete_key(self, request: Message, tail: bytes) -> Reply:
         assert isinstance(request, StoreDeleteKey)
         existed = self.state.delete(request.key)
-        await self._changed_now()
+        self._notify()
         return StoreBool(value=existed), b""
 
-    async def _num_keys(self, request: Message, tail: bytes) -> Reply:
-        return StoreInt(value=self.state.num_keys()), b""
-
-    async def _multi_get(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreMultiGet)
-        keys = list(request.keys)
-        await self._until_present(keys, request.timeout)
-        values = [self.state.get(k) or b"" for k in keys]
-        return StoreValues(lengths=[len(v) for v in values]), b"".join(values)
-
-    async def _multi_set(self, request: Message, tail: bytes) -> Reply:
+    def _multi_set(self, request: Message, tail: bytes) -> Reply:
         assert isinstance(request, StoreMultiSet)
         if len(request.keys) != len(request.lengths):
             raise ValueError(f"{len(request.keys)} keys but {len(request.lengths)} value lengths")
         self.state.multi_set(list(zip(request.keys, split_tail(tail, list(request.lengths)), strict=True)))
-        await self._changed_now()
+        self._notify()
         return StoreOk(), b""
 
-    async def _append(self, request: Message, tail: bytes) -> Reply:
+    def _append(self, request: Message, tail: bytes) -> Reply:
         assert isinstance(request, StoreAppend)
         self.state.append(request.key, tail)
-        await self._changed_now()
+        self._notify()
         return StoreOk(), b""
+
+    def _queue_push(self, request: Message, tail: bytes) -> Reply:
+        assert isinstance(request, StoreQueuePush)
+        self.state.queue_push(request.key, tail)
+        self._notify()
+        return StoreOk(), b""
+
+    async def _queue_pop(self, request: StoreQueuePop, client: str, request_id: int) -> Reply:
+        key = request.key
+        if request.timeout > 0:
+            await self._until(lambda: self.state.queue_len(key) > 0, request.timeout, lambda: f"queue: {key!r}")
+            if request_id:  # the same request, re-sent on another connection, may have popped meanwhile
+                replay = self.ledger.lookup(client, request_id)
+                if replay is not None:
+                    return replay
+        value = self.state.queue_pop(key)
+        if value is None:
+            raise Refused("queue_empty", f"queue {key!r} is empty")
+        self._notify()
+        reply: Reply = (StoreValue(), value)
+        if request_id:
+            self.ledger.remember(client, request_id, *reply)
+        return reply
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    async def _get(self, request: Message) -> Reply:
+        assert isinstance(request, StoreGet)
+        await self._until_values([request.key], request.timeout)
+        value = self.state.get(request.key)
+        assert value is not None
+        return StoreValue(), value
+
+    async def _wait(self, request: Message) -> Reply:
+        assert isinstance(request, StoreWait)
+        keys = list(request.keys)
+
+        def missing() -> str:
+            return f"keys: {[k for k in keys if not self.state.present(k)][:8]}"
+
+        await self._until(lambda: self.state.has_all(keys), request.timeout, missing)
+        return StoreOk(), b""
+
+    async def _check(self, request: Message) -> Reply:
+        assert isinstance(request, StoreCheck)
+        return StoreBool(value=self.state.has_all(list(request.keys))), b""
+
+    async def _num_keys(self, request: Message) -> Reply:
+        return StoreInt(value=self.state.num_keys()), b""
+
+    async def _multi_get(self, request: Message) -> Reply:
+        assert isinstance(request, StoreMultiGet)
+        keys = list(request.keys)
+        seen: set[str] = set()
+        for key in keys:
+            if key in seen:
+                raise Refused("duplicate_key", f"multi_get names {key!r} more than once; ask for each key once")
+            seen.add(key)
+        await self._until_values(keys, request.timeout)
+        lengths = [len(self.state.get(k) or b"") for k in keys]
+        if sum(lengths) > self.max_reply_bytes:  # sized before anything is copied
+            raise Refused("too_large", (
+                f"multi_get of {len(keys)} keys would return {sum(lengths)} bytes, over the {self.max_reply_bytes}-"
+                "byte reply cap; fetch the keys in smaller groups"))
+        return StoreValues(lengths=lengths), b"".join(self.state.get(k) or b"" for k in keys)
+
+    async def _list_keys(self, request: Message) -> Reply:
+        keys = [k.encode() for k in self.state.list_keys()]
+        total = sum(len(k) for k in keys)
+        if len(keys) > MAX_LIST_ITEMS or total > self.max_reply_bytes:
+            raise Refused("too_large", (
+                f"list_keys: {len(keys)} keys ({total} bytes) exceed what one reply carries "
+                f"({MAX_LIST_ITEMS} keys, {self.max_reply_bytes} bytes)"))
+        return StoreValues(lengths=[len(k) for k in keys]), b"".join(keys)
+
+    async def _queue_len(self, request: Message) -> Reply:
+        assert isinstance(request, StoreQueueLen)
+        return StoreInt(value=self.state.queue_len(request.key)), b""

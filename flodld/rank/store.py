@@ -3,21 +3,35 @@
 Ranks pass it to `init_process_group(store=...)` and need nothing but the controller port. torch
 calls Store methods synchronously from its own threads, so this client uses a blocking socket
 (`BlockingChannel`) guarded by a lock: one request in flight per store object. A broken
-connection is re-dialed at most once per call.
+connection is re-dialed at most once per call; mutating requests carry a request id, so a request
+re-sent after a lost reply is answered from the controller's record, never applied twice.
+
+It implements every method of torch 2.13's `torch.distributed.Store` (on older torch the extra methods
+are simply there, unused by torch). Errors follow torch: a timeout raises
+`torch.distributed.DistStoreError` (here `StoreTimeoutError`, which is also a `TimeoutError`) naming
+the timeout; any other refusal raises `StoreRequestError` (a `DistStoreError`, so a `RuntimeError`).
+
+torch's C++ side keeps a Python store only through its C++ half: if the Python object is collected,
+calls from C++ fail with "Not implemented". So every `ControllerStore` (and every `clone()`, which
+torch's C++ code receives and keeps) stays alive until `close()`.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 from datetime import timedelta
+from typing import ClassVar
 
+import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from flodld.net.blocking import BlockingChannel
-from flodld.wire.frames import Frame
+from flodld.wire.frames import MAX_PAYLOAD, Frame
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 from flodld.wire.store import (
+    MAX_VALUE_BYTES,
     StoreAdd,
     StoreAppend,
     StoreBool,
@@ -28,10 +42,14 @@ from flodld.wire.store import (
     StoreGet,
     StoreHello,
     StoreInt,
+    StoreListKeys,
     StoreMultiGet,
     StoreMultiSet,
     StoreNumKeys,
     StoreOk,
+    StoreQueueLen,
+    StoreQueuePop,
+    StoreQueuePush,
     StoreSet,
     StoreValue,
     StoreValues,
@@ -44,13 +62,26 @@ CONNECT_TIMEOUT_SECS = 10.0
 # Extra seconds the socket waits beyond a server-side wait, so the server's timeout answer wins.
 REPLY_MARGIN_SECS = 10.0
 
+_DistStoreError: type[RuntimeError] = getattr(dist, "DistStoreError", RuntimeError)
 
-class StoreRequestError(RuntimeError):
-    """The controller refused a store request; `code` is its reason code."""
+
+class StoreRequestError(_DistStoreError):  # type: ignore[valid-type,misc]
+    """The controller refused a store request; `code` is its reason code (a torch DistStoreError)."""
 
     def __init__(self, code: str, reason: str) -> None:
         self.code = code
         super().__init__(f"controller store: {reason} [{code}]")
+
+
+class StoreTimeoutError(StoreRequestError, TimeoutError):
+    """A wait ran out: torch's DistStoreError (a RuntimeError) and Python's TimeoutError at once."""
+
+
+_QueueEmptyBase: type[RuntimeError] = getattr(dist, "QueueEmptyError", StoreRequestError)
+
+
+class QueueEmptyError(_QueueEmptyBase):  # type: ignore[valid-type,misc]
+    """`queue_pop(key, block=False)` on an empty queue (torch's QueueEmptyError where torch has it)."""
 
 
 def _as_bytes(value: bytes | str) -> bytes:
@@ -59,6 +90,9 @@ def _as_bytes(value: bytes | str) -> bytes:
 
 class ControllerStore(Store):
     """Key/value store on the controller port, authenticated with the run's session salt."""
+
+    _alive: ClassVar[dict[int, ControllerStore]] = {}
+    _alive_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(
         self,
@@ -79,17 +113,22 @@ class ControllerStore(Store):
         self._connect_timeout = connect_timeout
         self._lock = threading.Lock()
         self._channel: BlockingChannel | None = None
+        self.client_id = secrets.token_hex(16)
+        self._next_request_id = 1
         with self._lock:
             self._connect()
+        with ControllerStore._alive_lock:
+            ControllerStore._alive[id(self)] = self
 
     # --- plumbing ----------------------------------------------------------------------------
 
     def _connect(self) -> BlockingChannel:
         channel = BlockingChannel.connect(
-            self.host, self.port, Channel.RENDEZVOUS, self._salt, timeout=self._connect_timeout
+            self.host, self.port, Channel.RENDEZVOUS, self._salt, timeout=self._connect_timeout,
+            max_payload=MAX_PAYLOAD, max_tail=MAX_VALUE_BYTES,
         )
         try:
-            channel.send(StoreHello(run_id=self.run_id, rank=self.rank))
+            channel.send(StoreHello(run_id=self.run_id, rank=self.rank, client_id=self.client_id))
             self._expect(channel.recv(self._connect_timeout), StoreOk)
         except BaseException:
             channel.close()
@@ -102,15 +141,26 @@ class ControllerStore(Store):
         message = frame.message()
         if isinstance(message, StoreError):
             if message.code == "timeout":
-                raise TimeoutError(f"controller store: {message.reason}")
+                raise StoreTimeoutError(message.code, message.reason)
             raise StoreRequestError(message.code, message.reason)
         if not isinstance(message, kind):
             raise StoreRequestError("bad_reply", f"expected {kind.__name__}, got {type(message).__name__}")
         return message
 
+    def _request_id(self) -> int:
+        """The next id for a mutating request (called under the lock; one id per call, kept on re-send)."""
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return request_id
+
     def _call(self, request: Message, tail: bytes, kind: type[Message], wait_secs: float = 0.0) -> Frame:
-        """Send one request, return the reply frame (checked to be `kind`); one re-dial on a broken link."""
+        """Send one request, return the reply frame (checked to be `kind`); one re-dial on a broken link.
+
+        A mutating request gets its request id here, once: the re-send after a re-dial carries the same id.
+        """
         with self._lock:
+            if "request_id" in type(request).model_fields:
+                request = request.model_copy(update={"request_id": self._request_id()})
             for attempt in (0, 1):
                 channel = self._channel or self._connect()
                 try:
@@ -133,6 +183,16 @@ class ControllerStore(Store):
     def _wait_secs(self, timeout: timedelta | None = None) -> float:
         return (timeout if timeout is not None else self._timeout).total_seconds()
 
+    def _int(self, request: Message) -> int:
+        message = self._call(request, b"", StoreInt).message()
+        assert isinstance(message, StoreInt)
+        return message.value
+
+    def _bool(self, request: Message) -> bool:
+        message = self._call(request, b"", StoreBool).message()
+        assert isinstance(message, StoreBool)
+        return message.value
+
     # --- torch.distributed.Store -------------------------------------------------------------
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -147,10 +207,7 @@ class ControllerStore(Store):
         return self._call(StoreGet(key=key, timeout=wait), b"", StoreValue, wait).tail
 
     def add(self, key: str, amount: int) -> int:
-        frame = self._call(StoreAdd(key=key, amount=int(amount)), b"", StoreInt)
-        message = frame.message()
-        assert isinstance(message, StoreInt)
-        return message.value
+        return self._int(StoreAdd(key=key, amount=int(amount)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         expected_b = _as_bytes(expected)
@@ -162,26 +219,27 @@ class ControllerStore(Store):
         self._call(StoreWait(keys=list(keys), timeout=wait), b"", StoreOk, wait)
 
     def check(self, keys: list[str]) -> bool:
-        message = self._call(StoreCheck(keys=list(keys)), b"", StoreBool).message()
-        assert isinstance(message, StoreBool)
-        return message.value
+        return self._bool(StoreCheck(keys=list(keys)))
 
     def delete_key(self, key: str) -> bool:
-        message = self._call(StoreDeleteKey(key=key), b"", StoreBool).message()
-        assert isinstance(message, StoreBool)
-        return message.value
+        return self._bool(StoreDeleteKey(key=key))
 
     def num_keys(self) -> int:
-        message = self._call(StoreNumKeys(), b"", StoreInt).message()
-        assert isinstance(message, StoreInt)
-        return message.value
+        return self._int(StoreNumKeys())
+
+    # The C++ trampoline looks these two up by their C++ names (PrefixStore over this store calls them).
+    getNumKeys = num_keys
+    deleteKey = delete_key
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Values of `keys` in order. A key named twice is fetched once (the controller refuses duplicates)."""
+        unique = list(dict.fromkeys(keys))
         wait = self._wait_secs()
-        frame = self._call(StoreMultiGet(keys=list(keys), timeout=wait), b"", StoreValues, wait)
+        frame = self._call(StoreMultiGet(keys=unique, timeout=wait), b"", StoreValues, wait)
         message = frame.message()
         assert isinstance(message, StoreValues)
-        return split_tail(frame.tail, list(message.lengths))
+        values = dict(zip(unique, split_tail(frame.tail, list(message.lengths)), strict=True))
+        return [values[key] for key in keys]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         encoded = [_as_bytes(v) for v in values]
@@ -192,11 +250,50 @@ class ControllerStore(Store):
     def append(self, key: str, value: bytes | str) -> None:
         self._call(StoreAppend(key=key), _as_bytes(value), StoreOk)
 
+    def list_keys(self) -> list[str]:
+        frame = self._call(StoreListKeys(), b"", StoreValues)
+        message = frame.message()
+        assert isinstance(message, StoreValues)
+        return [piece.decode() for piece in split_tail(frame.tail, list(message.lengths))]
+
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        self._call(StoreQueuePush(key=key), _as_bytes(value), StoreOk)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pop the head of queue `key`; block (up to the store timeout) for one, or raise QueueEmptyError."""
+        wait = self._wait_secs() if block else 0.0
+        try:
+            return self._call(StoreQueuePop(key=key, timeout=wait), b"", StoreValue, wait).tail
+        except StoreRequestError as error:
+            if error.code == "queue_empty":
+                raise QueueEmptyError(f"controller store: queue {key!r} is empty") from None
+            raise
+
+    def queue_len(self, key: str) -> int:
+        return self._int(StoreQueueLen(key=key))
+
+    def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
+        """Block until `world_size` callers reached barrier `key` (torch's own Store::barrier scheme)."""
+        arrived = self.add(f"{key}/num_members", 1)
+        if arrived == world_size:
+            self.set(f"{key}/last_member", b"<val_ignored>")
+        self.wait([f"{key}/last_member"], timeout)
+
+    def clone(self) -> ControllerStore:
+        """A new, independent connection to the same store (its own lock, socket and request ids)."""
+        return ControllerStore(
+            self.host, self.port, self._salt, self.run_id, rank=self.rank, timeout=self._timeout,
+            connect_timeout=self._connect_timeout,
+        )
+
     def has_extended_api(self) -> bool:
         return True
 
     def close(self) -> None:
+        """Close the connection and let the object be collected (torch must be done with it)."""
         with self._lock:
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None
+        with ControllerStore._alive_lock:
+            ControllerStore._alive.pop(id(self), None)

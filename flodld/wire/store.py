@@ -16,12 +16,20 @@ from flodld.wire.messages import BoundedList, Message, Name, Reason, ReasonCode,
 
 MAX_KEY_CHARS: Final = 1024
 MAX_WAIT_SECS: Final = 7 * 24 * 3600.0
+MAX_VALUE_BYTES: Final = 64 * 1024 * 1024
+"""The cap on one stored value, on a request's tail and on a reply's tail (a multi_get answers at most
+this much in total; more gets StoreError(too_large))."""
 
 StoreKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_KEY_CHARS)]
 """A store key: 1..1024 characters (torch builds keys like '/default_pg/0//cpu//0')."""
 
 WaitSecs = Annotated[float, Field(ge=0, le=MAX_WAIT_SECS)]
 ValueLength = Annotated[int, Field(ge=0, lt=2**40)]
+RequestId = Annotated[int, Field(ge=0, lt=2**63)]
+"""Names one mutating request of one client (`StoreHello.client_id`), counting up from 1; 0 = not
+deduplicated. A request re-sent after a lost reply carries the same id, and the controller answers it
+from its record instead of applying it twice."""
+ClientId = Annotated[str, StringConstraints(max_length=32, pattern=r"^([0-9a-f]{32})?$")]
 
 
 @register(0x0201)
@@ -30,6 +38,9 @@ class StoreHello(Message):
 
     run_id: Name
     rank: Annotated[int, Field(ge=-1, lt=2**31)] = -1
+    client_id: ClientId = ""
+    """128 random bits, hex: the client whose `request_id`s the controller deduplicates (empty = none).
+    Stays the same across the client's re-dials; each clone of a store has its own."""
 
 
 @register(0x0202)
@@ -37,6 +48,7 @@ class StoreSet(Message):
     """Set `key` to the frame tail."""
 
     key: StoreKey
+    request_id: RequestId = 0
 
 
 @register(0x0203)
@@ -53,6 +65,7 @@ class StoreAdd(Message):
 
     key: StoreKey
     amount: Annotated[int, Field(ge=-(2**63), lt=2**63)]
+    request_id: RequestId = 0
 
 
 @register(0x0205)
@@ -61,6 +74,7 @@ class StoreCompareSet(Message):
 
     key: StoreKey
     expected_len: ValueLength
+    request_id: RequestId = 0
 
 
 @register(0x0206)
@@ -83,6 +97,7 @@ class StoreDeleteKey(Message):
     """Reply StoreBool: whether the key existed."""
 
     key: StoreKey
+    request_id: RequestId = 0
 
 
 @register(0x0209)
@@ -104,11 +119,44 @@ class StoreMultiSet(Message):
 
     keys: BoundedList[StoreKey]
     lengths: BoundedList[ValueLength]
+    request_id: RequestId = 0
 
 
 @register(0x020C)
 class StoreAppend(Message):
     """Append the tail to `key` (absent = empty)."""
+
+    key: StoreKey
+    request_id: RequestId = 0
+
+
+@register(0x020D)
+class StoreListKeys(Message):
+    """Reply StoreValues: every key (UTF-8), in insertion order; too_large when they exceed the reply cap."""
+
+
+@register(0x020E)
+class StoreQueuePush(Message):
+    """Push the tail onto the FIFO queue `key` (queues and plain keys are separate; `check`/`wait` see a
+    non-empty queue as present)."""
+
+    key: StoreKey
+    request_id: RequestId = 0
+
+
+@register(0x020F)
+class StoreQueuePop(Message):
+    """Wait up to `timeout` (0 = do not wait) for queue `key` to be non-empty, pop its head: StoreValue,
+    or StoreError(queue_empty) when it stayed empty (timeout > 0: StoreError(timeout))."""
+
+    key: StoreKey
+    timeout: WaitSecs
+    request_id: RequestId = 0
+
+
+@register(0x0210)
+class StoreQueueLen(Message):
+    """Reply StoreInt: the length of queue `key` (0 when absent)."""
 
     key: StoreKey
 
@@ -142,7 +190,9 @@ class StoreBool(Message):
 
 @register(0x0286)
 class StoreError(Message):
-    """A request failed: `timeout`, `bad_request`, `too_large`, `wrong_run`, `not_integer`."""
+    """A request failed: `timeout`, `bad_request`, `too_large` (a value, or a whole reply, over the cap),
+    `duplicate_key` (multi_get naming a key twice), `wrong_run`, `not_integer`, `queue_empty`,
+    `stale_request` (a request id older than the client's last)."""
 
     code: ReasonCode
     reason: Reason
@@ -161,6 +211,7 @@ def split_tail(tail: bytes, lengths: list[int]) -> list[bytes]:
 
 __all__ = [
     "MAX_KEY_CHARS",
+    "MAX_VALUE_BYTES",
     "StoreAdd",
     "StoreAppend",
     "StoreBool",
@@ -171,10 +222,14 @@ __all__ = [
     "StoreGet",
     "StoreHello",
     "StoreInt",
+    "StoreListKeys",
     "StoreMultiGet",
     "StoreMultiSet",
     "StoreNumKeys",
     "StoreOk",
+    "StoreQueueLen",
+    "StoreQueuePop",
+    "StoreQueuePush",
     "StoreSet",
     "StoreValue",
     "StoreValues",
