@@ -2,10 +2,14 @@
 
 CI (`.ci/run`) exports FLODLD_REQUIRE_<NAME>=1 for every capability it installs, so a test that
 would silently skip on a developer machine fails loudly there instead.
+
+Tests marked `gpu` skip where torch sees no CUDA device, and fail there under FLODLD_REQUIRE_GPU=1
+(set it on a machine that has GPUs, so that a broken driver or a CPU torch build cannot pass as a skip).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -34,3 +38,19 @@ def require_binary(name: str, binary: str, *, search_sbin: bool = False) -> str:
     require_capability(name, path is not None, f"`{binary}` not found on PATH")
     assert path is not None
     return path
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """CUDA devices torch can use here (0 without torch, a CUDA build or a driver)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The `gpu` marker's gate: skip without a CUDA device, or fail under FLODLD_REQUIRE_GPU=1."""
+    if item.get_closest_marker("gpu") is not None:
+        require_capability("gpu", cuda_device_count() > 0, "torch sees no CUDA device")

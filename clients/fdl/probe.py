@@ -1,7 +1,8 @@
 """`fdl probe [--json]`: readiness of this host; `fdl @cluster probe`: every worker over SSH.
 
 Checks Python, torch (version, build), CUDA devices and NCCL, gloo, the controller port and an
-optional shared data path. With an overlay selected the probe runs on every worker where its
+optional shared data path, and says what `fdl run` would start here (the `fdl_run` check and fact;
+--devices, --nproc-per-node and --ranks ask about those flags of `fdl run`). With an overlay selected the probe runs on every worker where its
 agent would run, then cross-host rules apply (NCCL major.minor skew is an error). Exit status:
 0 green or warnings only, 1 any error, 2 bad usage (unreadable config).
 """
@@ -15,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from fdl.run import add_rank_options, plan_run
 from flodld.probe import HostReport, aggregate, probe_local, render
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
@@ -36,6 +38,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int,
                         help="port that must be free on this host (with @cluster: the controller port is checked)")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+    add_rank_options(parser)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -51,10 +54,24 @@ def _cluster(args: argparse.Namespace) -> Any:
 def collect(args: argparse.Namespace) -> list[HostReport]:
     cluster = _cluster(args)
     if cluster is None:
-        return [probe_local(data_path=args.data_path, port=args.port)]
+        report = probe_local(data_path=args.data_path, port=args.port)
+        if report.facts.get("torch"):  # without torch, the torch check already says what to fix
+            add_run_plan(report, args)
+        return [report]
     from flodld.fanout.remote_probe import probe_cluster
 
     return asyncio.run(probe_cluster(cluster, data_path=args.data_path))
+
+
+def add_run_plan(report: HostReport, args: argparse.Namespace) -> None:
+    """What `fdl run` (with the given rank flags) would start on this host, as the `fdl_run` check."""
+    try:
+        _, plan = plan_run(args)
+    except ValueError as error:  # ConfigError and DeviceError too: `fdl run` would exit 2
+        report.add("fdl_run", "error", f"`fdl run` would refuse to start (exit 2): {error}")
+        return
+    report.facts["fdl_run"] = plan
+    report.add("fdl_run", "ok", f"`fdl run` would start {plan}")
 
 
 def main(args: argparse.Namespace) -> int:

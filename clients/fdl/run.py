@@ -1,10 +1,23 @@
 """`fdl run PROGRAM [-- ARGS]`: the main job on this machine, controller embedded.
 
 With no `cluster:` block in the project's fdl.yml (the embedded default) it starts a controller
-in-process on 127.0.0.1 (free port) and one local agent with CPU ranks (`--ranks N`, default 2)
-that joins over loopback. With a cluster block (`fdl @cluster run`), the overlay's controller
-settings are used and local workers get a local agent; remote workers walk in with `fdl join`.
-Progress lines go to stderr; the exit code is the run's verdict (0 done, 1 failed, 2 bad usage).
+in-process on 127.0.0.1 (free port) and one local agent that joins over loopback, with one rank per
+GPU (backend nccl) when this host has a GPU, else `--ranks N` CPU ranks (default 2, backend gloo).
+The first progress line says which.
+
+Choosing the ranks of the embedded default (three spellings of one choice; when several are given
+they must agree, else exit 2):
+  --devices SPEC          as `fdl join --devices`: 'all' (every GPU; --ranks CPU ranks when there is
+                          none), '0,1' or 'cuda:1' (those GPUs), 'cpu:N' (N CPU ranks), 'cpu,cpu'
+  --nproc-per-node N|gpu|cpu  torchrun's spelling: N ranks (the first N GPUs, or N CPU ranks on a
+                          host without GPU), gpu (every GPU; an error without one), cpu (one CPU
+                          rank per core)
+  --ranks N               N CPU ranks
+Ranks on GPUs only use backend nccl; any CPU rank makes it gloo.
+
+With a cluster block (`fdl @cluster run`), the overlay's controller settings are used and local
+workers get a local agent; remote workers walk in with `fdl join`. Progress lines go to stderr;
+the exit code is the run's verdict (0 done, 1 failed, 2 bad usage).
 """
 
 from __future__ import annotations
@@ -16,12 +29,14 @@ import os
 import shutil
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec, parse_device_list, resolve_devices
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_CPU_RANKS = 2
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,9 +49,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=None, help="CPU ranks of the embedded default (default 2)")
+    add_rank_options(parser)
     parser.add_argument("--port", type=int, default=None, help="controller port (default: a free one)")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+
+
+def add_rank_options(parser: argparse.ArgumentParser) -> None:
+    """--devices, --nproc-per-node, --ranks: the embedded default's ranks (`fdl probe` takes them too)."""
+    parser.add_argument("--devices", default=None, metavar="SPEC",
+                        help="ranks of the embedded default, as `fdl join --devices`: 'all' (every GPU, the "
+                             "default), '0,1', 'cuda:1', 'cpu:N'")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
+                        metavar="N|gpu|cpu",
+                        help="torchrun's spelling of the same choice: N ranks (first N GPUs, or N CPU ranks "
+                             "without GPU), gpu (every GPU), cpu (one CPU rank per core)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help=f"CPU ranks of the embedded default (default {DEFAULT_CPU_RANKS} when there is no GPU)")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -80,22 +108,161 @@ def program_command(program: str, args: list[str]) -> list[str]:
     return [found, *args]
 
 
-def _load_cluster(args: argparse.Namespace) -> Any:
-    """The cluster config to run: the project's (with the selected overlay) or the embedded default."""
-    from flodld.config.defaults import embedded_default
+@dataclass(frozen=True)
+class LocalRanks:
+    """The ranks the embedded default starts on this host: resolved devices, one per rank."""
+
+    devices: tuple[str, ...]  # 'cuda:I' or 'cpu:K' (K the CPU rank's ordinal), as resolve_devices gives them
+    reason: str  # which flag (or the default) chose them
+    cuda_count: int  # GPUs this host has
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if all(device.startswith("cuda:") for device in self.devices) else "gloo"
+
+    @property
+    def entries(self) -> list[str]:
+        """The worker's `local_devices:` entries: its GPUs, then its CPU ranks as one 'cpu:N'."""
+        cpu = sum(1 for device in self.devices if device.startswith("cpu"))
+        return [device for device in self.devices if device.startswith("cuda:")] + ([f"cpu:{cpu}"] if cpu else [])
+
+    def describe(self) -> str:
+        """'2 GPU rank(s) on cuda:0, cuda:1, backend nccl (every GPU on this host)'."""
+        line = f"{_describe_devices(self.devices)}, backend {self.backend} ({self.reason})"
+        if self.cuda_count and not any(device.startswith("cuda:") for device in self.devices):
+            line += (f"; this host has {self.cuda_count} GPU(s): --nproc-per-node gpu (or --devices all) "
+                     "runs one rank on each")
+        return line
+
+
+def _describe_devices(devices: tuple[str, ...]) -> str:
+    """'2 GPU rank(s) on cuda:0, cuda:1', '3 CPU rank(s)', or both joined by ' + '."""
+    gpus = [device for device in devices if device.startswith("cuda:")]
+    cpus = len(devices) - len(gpus)
+    parts = ([f"{len(gpus)} GPU rank(s) on {', '.join(gpus)}"] if gpus else []) + ([f"{cpus} CPU rank(s)"] if cpus else [])
+    return " + ".join(parts)
+
+
+def _cpu_ranks(count: int, flag: str) -> tuple[str, ...]:
+    if count < 1:
+        raise ValueError(f"{flag} asks for {count} CPU ranks; ask for at least 1")
+    return tuple(f"cpu:{index}" for index in range(count))
+
+
+def cuda_device_count() -> int:
+    """GPUs torch can use on this host (0 for a CPU build or no driver)."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def choose_local_ranks(*, devices: str | None = None, nproc_per_node: str | None = None,
+                       ranks: int | None = None, cuda_count: int | None = None) -> LocalRanks:
+    """Resolve --devices / --nproc-per-node / --ranks (spellings of one choice) to this host's ranks.
+
+    None given: every GPU, else DEFAULT_CPU_RANKS CPU ranks. ValueError (exit 2) names a bad value, or
+    two flags that ask for different ranks. `cuda_count` is probed through torch when None.
+    """
+    count = cuda_device_count() if cuda_count is None else cuda_count
+    cpu_fallback = ranks if ranks is not None else DEFAULT_CPU_RANKS
+    asked: list[tuple[str, tuple[str, ...]]] = []
+    if devices is not None:
+        flag = f"--devices {devices}"
+        entries = parse_device_list(devices)  # the parser of `fdl join --devices`
+        if [entry.lower() for entry in entries] == ["all"] and not count:
+            # as for `fdl join --devices all` on a host without GPU: CPU ranks instead
+            asked.append((flag, _cpu_ranks(cpu_fallback, f"--ranks {cpu_fallback}")))
+        else:
+            asked.append((flag, tuple(resolve_devices(entries, cuda_count=count))))
+    if nproc_per_node is not None:
+        asked.append((f"--nproc-per-node {nproc_per_node}", _nproc_devices(nproc_per_node, count)))
+    if ranks is not None:
+        asked.append((f"--ranks {ranks}", _cpu_ranks(ranks, f"--ranks {ranks}")))
+    if not asked:
+        if count:
+            return LocalRanks(tuple(f"cuda:{index}" for index in range(count)), "every GPU on this host", count)
+        return LocalRanks(_cpu_ranks(DEFAULT_CPU_RANKS, "--ranks"), "no GPU on this host; --ranks N sets the count",
+                          count)  # fmt: skip
+    (first_flag, chosen), *others = asked
+    for flag, other in others:
+        if other != chosen:
+            raise ValueError(
+                f"{first_flag} asks for {_describe_devices(chosen)} but {flag} asks for {_describe_devices(other)}; "
+                "they are spellings of the same choice: give one, or make them agree"
+            )
+    return LocalRanks(chosen, "from " + " and ".join(flag for flag, _ in asked), count)
+
+
+def _nproc_devices(value: str, cuda_count: int) -> tuple[str, ...]:
+    """torchrun's --nproc-per-node: N, gpu or cpu, as this host's devices (one rank each)."""
+    word = value.strip().lower()
+    if word == "gpu":
+        if not cuda_count:
+            raise ValueError("--nproc-per-node gpu: this host has no CUDA device; use --nproc-per-node N "
+                             "or --ranks N for CPU ranks")
+        return tuple(f"cuda:{index}" for index in range(cuda_count))
+    if word == "cpu":
+        return _cpu_ranks(os.cpu_count() or 1, "--nproc-per-node cpu")
+    try:
+        count = int(word)
+    except ValueError:
+        raise ValueError(f"--nproc-per-node {value!r} is not understood; accepted: a number of ranks, "
+                         "'gpu' (one per GPU) or 'cpu' (one per CPU core)") from None
+    if count < 1:
+        raise ValueError(f"--nproc-per-node {count}: ask for at least 1 rank")
+    if not cuda_count:
+        return _cpu_ranks(count, f"--nproc-per-node {count}")
+    if count > cuda_count:
+        raise ValueError(f"--nproc-per-node {count}: this host has {cuda_count} CUDA device(s) and a GPU runs one "
+                         f"rank; ask for at most {cuda_count}, or for CPU ranks with --devices cpu:{count}")
+    return tuple(f"cuda:{index}" for index in range(count))
+
+
+def embedded_cluster(local: LocalRanks) -> Any:
+    """The embedded default: controller on 127.0.0.1 (free port), one local worker with these ranks,
+    cpu_sync averaging through the relay, over nccl (GPU ranks only) or gloo."""
+    from flodld.config.builder import ClusterBuilder
+
+    return (
+        ClusterBuilder()
+        .controller("127.0.0.1", 0, averaging="cpu_sync", backend=local.backend)
+        .worker("127.0.0.1", devices=local.entries)
+        .build()
+    )
+
+
+def _project_cluster(args: argparse.Namespace) -> Any:
+    """The project's cluster block (with the selected overlay), or None for the embedded default."""
     from flodld.config.errors import ConfigNotFoundError
     from flodld.config.loader import load_config
 
     env = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
     try:
-        project = load_config(args.project, env)
+        project = load_config(getattr(args, "project", "."), env)
     except ConfigNotFoundError:
-        project = None
-    if project is not None and project.cluster is not None:
-        if args.ranks is not None:
-            raise ValueError("--ranks only sizes the embedded default; this project's fdl.yml has a cluster: block")
-        return project.cluster
-    return embedded_default(args.ranks if args.ranks is not None else 2)
+        return None
+    return project.cluster
+
+
+def plan_run(args: argparse.Namespace) -> tuple[Any, str]:
+    """(the cluster config `fdl run` starts, what it is: 'the embedded default: 2 CPU rank(s), ...').
+
+    ValueError (exit 2) for bad usage: a bad or contradictory rank flag, rank flags next to a
+    cluster: block, an unreadable fdl.yml.
+    """
+    devices, nproc, ranks = (getattr(args, name, None) for name in ("devices", "nproc_per_node", "ranks"))
+    cluster = _project_cluster(args)
+    if cluster is not None:
+        given = [flag for flag, value in (("--devices", devices), ("--nproc-per-node", nproc), ("--ranks", ranks))
+                 if value is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{' and '.join(given)} only size the embedded default; this project's fdl.yml has "
+                             "a cluster: block (list the ranks in its workers' local_devices)")
+        local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+        return cluster, (f"the cluster: block of fdl.yml: {len(cluster.workers)} worker(s), {len(local)} on this "
+                         f"host, backend {cluster.controller.backend.value}")  # fmt: skip
+    local_ranks = choose_local_ranks(devices=devices, nproc_per_node=nproc, ranks=ranks)
+    return embedded_cluster(local_ranks), f"the embedded default: {local_ranks.describe()}"
 
 
 async def run_job(command: list[str], cluster: Any, *, port: int | None = None) -> int:
@@ -104,7 +271,7 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
     from flodld.controller.run import Controller
     from flodld.wire.salt import OPEN_ADMISSION_KEY
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
     if port is not None:
         overrides["port"] = port
     if cluster.controller.host in ("127.0.0.1", "localhost"):
@@ -196,10 +363,11 @@ def main(args: argparse.Namespace) -> int:
         if not args.program:
             raise ValueError("no program given: fdl run PROGRAM [-- ARGS]")
         command = program_command(args.program, tail or [])
-        cluster = _load_cluster(args)
+        cluster, plan = plan_run(args)
     except (FileNotFoundError, ValueError) as error:
         say(str(error))
         return EXIT_USAGE
+    say(f"starting {plan}")
     from flodld.fanout.cluster_run import has_remote_workers, run_cluster_job
 
     # Plain asyncio: the controller's mux checks for asyncio.Transport, which uvloop's transports are not.
