@@ -185,7 +185,7 @@ def choose_local_ranks(*, devices: str | None = None, nproc_per_node: str | None
                           count)  # fmt: skip
     (first_flag, chosen), *others = asked
     for flag, other in others:
-        if other != chosen:
+        if sorted(other) != sorted(chosen):  # the same ranks, whatever order they were listed in
             raise ValueError(
                 f"{first_flag} asks for {_describe_devices(chosen)} but {flag} asks for {_describe_devices(other)}; "
                 "they are spellings of the same choice: give one, or make them agree"

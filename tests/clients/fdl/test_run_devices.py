@@ -121,6 +121,7 @@ def test_nproc_per_node_takes_torchruns_values(value: str, cuda_count: int, devi
 @pytest.mark.parametrize(("kwargs", "cuda_count"), [
     ({"devices": "all", "nproc_per_node": "gpu"}, 2),
     ({"devices": "0,1", "nproc_per_node": "2"}, 2),
+    ({"devices": "1,0", "nproc_per_node": "gpu"}, 2),
     ({"devices": "cpu:3", "ranks": 3}, 2),
     ({"nproc_per_node": "2", "ranks": 2}, 0),
     ({"devices": "all", "nproc_per_node": "3", "ranks": 3}, 0),
