@@ -28,6 +28,7 @@ def request(
     *,
     timeout: float = HTTP_TIMEOUT_SECS,
     bearer: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> HttpReply:
     """One request on a fresh connection; OSError when nothing answers.
 
@@ -35,11 +36,11 @@ def request(
     out of proxy and access logs.
     """
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
-    headers = {"Connection": "close", "Content-Length": "0"}
+    sent = {**(headers or {}), "Connection": "close", "Content-Length": "0"}
     if bearer:
-        headers["Authorization"] = f"Bearer {bearer}"
+        sent["Authorization"] = f"Bearer {bearer}"
     try:
-        connection.request(method, path, headers=headers)
+        connection.request(method, path, headers=sent)
         response = connection.getresponse()
         return HttpReply(response.status, response.reason, response.read())
     except http.client.HTTPException as error:

@@ -1,10 +1,20 @@
-"""`fdl start [--addr host[:port]] [--token HEX]`: fire the operator start of a staged window."""
+"""`fdl start [--addr host[:port]] [--token CREDENTIAL]`: fire the operator start of a staged window.
+
+On the controller host (or through its sshd tunnel) no credential is needed: the request carries
+the header `X-Flodld-Start: 1`, which a web page cannot send cross-site, so a browser on that host
+cannot fire the start. From anywhere else, pass the run's *start credential* (64 hex characters,
+logged by `flodld serve` as `event=start_credential`). It is derived from the join token and can
+arm the start and nothing else; the join token itself never goes over HTTP, and this command
+refuses to send it. `fdl start --derive-credential` reads the join token from stdin (or
+FDL_JOIN_TOKEN) and prints the start credential.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -12,30 +22,68 @@ from fdl.address import format_address, resolve_candidates
 from fdl.endpoint import request
 
 TOKEN_ENV = "FDL_START_TOKEN"
+JOIN_TOKEN_ENV = "FDL_JOIN_TOKEN"
+START_HEADER = "X-Flodld-Start"  # flodld.controller.http.START_HEADER
+_JOIN_TOKEN = re.compile(r"[0-9a-fA-F]{32}")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser("start", help="fire the start of a staged window")
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
-    parser.add_argument("--token", help=f"the run token, hex (needed off the controller host; or ${TOKEN_ENV})")
+    parser.add_argument(
+        "--token",
+        help=f"the run's start credential, 64 hex (needed off the controller host; or ${TOKEN_ENV}); "
+        "NOT the join token",
+    )
+    parser.add_argument(
+        "--derive-credential", action="store_true",
+        help=f"print the start credential of the join token read from stdin (or ${JOIN_TOKEN_ENV}) and exit",
+    )
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     parser.set_defaults(func=main)
     return parser
 
 
+def derive_credential() -> int:
+    """`--derive-credential`: join token in (stdin or FDL_JOIN_TOKEN), start credential out."""
+    from flodld.membership.switch import start_credential
+    from flodld.wire.salt import SaltError, salt_from_hex
+
+    text = os.environ.get(JOIN_TOKEN_ENV) or sys.stdin.readline()
+    try:
+        salt = salt_from_hex(text)
+    except SaltError as error:
+        print(f"fdl start --derive-credential: {error}", file=sys.stderr)
+        return 2
+    print(start_credential(salt))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "derive_credential", False):
+        return derive_credential()
+    token = args.token or os.environ.get(TOKEN_ENV)
+    bearer = token.strip() if token else None
+    if bearer is not None and _JOIN_TOKEN.fullmatch(bearer):
+        # Never put the run's master key on the wire: it is the join token, not the start credential.
+        print(
+            "fdl start: --token holds 32 hex characters, which is a join token (the run's session salt), not "
+            "the start credential; nothing was sent. Pass the 64-hex start credential that `flodld serve` "
+            "logs (event=start_credential), or derive it: `fdl start --derive-credential` with the join "
+            f"token on stdin or in ${JOIN_TOKEN_ENV}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         candidates = resolve_candidates(args.addr, getattr(args, "env", None), args.project, "start")
     except ValueError as error:
         print(f"fdl start: {error}", file=sys.stderr)
         return 2
-    token = args.token or os.environ.get(TOKEN_ENV)
-    bearer = token.strip() if token else None
     last = "no candidates"
     for host, port in candidates.addresses:
         address = format_address(host, port)
         try:
-            reply = request(host, port, "POST", "/start", bearer=bearer)
+            reply = request(host, port, "POST", "/start", bearer=bearer, headers={START_HEADER: "1"})
         except OSError as error:
             last = str(error) or repr(error)
             continue

@@ -35,17 +35,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", help="overlay fdl.<ENV>.yml next to --config")
     parser.add_argument("--host", help="address workers dial (default: config controller.host, else 127.0.0.1)")
     parser.add_argument("--port", type=int, help="controller port (default: config, else 1337; 0 = any free)")
-    parser.add_argument("--bind", help="listen address (default 0.0.0.0, loopback when every worker is tunneled)")
+    parser.add_argument("--bind", help="listen address (default 0.0.0.0, loopback when every worker is tunneled); "
+                        "trust follows the address actually bound")
     parser.add_argument("--ranks", type=int, help="expected ranks (capacity) when running without --config")
     parser.add_argument("--min-ranks", type=int, help="quorum (controller.join.min_rank_start)")
     parser.add_argument("--target", type=int, help="close the window at this many ranks")
     parser.add_argument("--window", type=float, help="join window seconds (join_timeout)")
     parser.add_argument("--cap", type=float, help="hard cap seconds (max_join_timeout)")
     parser.add_argument("--start", choices=["auto", "manual", "hybrid"], help="who closes the window")
-    parser.add_argument("--token", help="pre-shared session salt, 32 hex characters")
+    parser.add_argument("--token", help="pre-shared session salt (join token), 32 hex characters; `fdl start` "
+                        "takes the start credential derived from it, never this")
     parser.add_argument("--open-admission", action="store_true", default=None, help="hand the salt out on join")
     parser.add_argument("--discovery", action="store_true", default=None, help="roster-free window")
-    parser.add_argument("--tunnel-only", action="store_true", default=None, help="bind loopback only")
+    parser.add_argument("--tunnel-only", action="store_true", default=None,
+                        help="bind loopback only (refused with a non-loopback --bind)")
     parser.add_argument("--averaging", help="averaging mode (cpu_sync, cpu_cadence, cpu_async, nccl_sync, ...)")
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
@@ -125,7 +128,8 @@ async def serve(options: ControllerOptions, notifier: SystemdNotifier | None = N
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         await controller.start()
-        log.info("event=ready bind=%s port=%d run_id=%s", host, port, controller.run_id)
+        log.info("event=ready bind=%s port=%d run_id=%s admission=%s", host, port, controller.run_id,
+                 controller.policy.trust.value)
         result = await controller.wait()
         notifier.stopping(f"{result.verdict.value}: {result.reason}"[:200])
     finally:
@@ -153,10 +157,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(serve(options))
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
     try:
-        return uvloop.run(serve(options))
-    except OSError as error:
+        return runner(serve(options))
+    except (OSError, PolicyError) as error:  # PolicyError: the real bind contradicts the flags (tunnel_only)
         flush_logging()
         print(f"flodld: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -18,9 +18,17 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
 
+log = logging.getLogger("flodld.controller.http")
+
 ENDPOINTS = ["GET /", "GET /state.json", "GET /metrics", "POST /start"]
 NO_STATE = "no membership state published yet"
+# Read-only answers may be read from any page (dashboards); nothing that changes state is CORS-readable.
 _HEADERS = {"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"}
+_POST_HEADERS = {"Cache-Control": "no-cache"}
+# A local caller proves it is not a browser page by this header: a page cannot send it cross-site
+# without a CORS preflight, and every preflight is refused.
+START_HEADER = "X-Flodld-Start"
+_BROWSER_HEADERS = ("Origin", "Sec-Fetch-Site", "Sec-Fetch-Mode")
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,8 @@ class StatusSource(Protocol):
         """Prometheus text exposition."""
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
-        """Decide a POST /start from a local (loopback) or remote caller presenting `token`."""
+        """Decide a POST /start from a local caller (loopback, not a browser, START_HEADER sent) or any
+        other caller presenting `token` (the start credential)."""
 
 
 _CREDENTIAL = re.compile(r"(?i)(token=|bearer\s+)[^\s&'\"\\]+")
@@ -88,11 +97,16 @@ def presented_token(request: web.Request) -> str | None:
     return None
 
 
-def _json(status: int, body: dict[str, Any]) -> web.Response:
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] = _HEADERS) -> web.Response:
     return web.Response(
         status=status, text=json.dumps(body, separators=(",", ":")), content_type="application/json",
-        headers=_HEADERS,
+        headers=headers,
     )
+
+
+def browser_marks(request: web.Request) -> list[str]:
+    """The headers only a browser sends (Origin, Sec-Fetch-*): a page, not the CLI or curl."""
+    return [name for name in _BROWSER_HEADERS if name in request.headers]
 
 
 def build_app(source: StatusSource) -> web.Application:
@@ -111,17 +125,37 @@ def build_app(source: StatusSource) -> web.Application:
         )
 
     async def start(request: web.Request) -> web.Response:
-        local = request.remote is not None and is_loopback_address(request.remote)
+        marks = browser_marks(request)
+        if marks:
+            # A web page (cross-site, or same-origin after DNS rebinding) never starts a run, whatever it holds.
+            log.warning("event=start_refused code=browser_request headers=%s", ",".join(marks))
+            return _json(403, {
+                "error": f"start refused: a browser request ({', '.join(marks)} sent) cannot fire the start; "
+                "use `fdl start` or curl with -H 'X-Flodld-Start: 1'",
+                "code": "browser_request",
+            }, _POST_HEADERS)
+        loopback = request.remote is not None and is_loopback_address(request.remote)
+        local = loopback and request.headers.get(START_HEADER, "").strip() == "1"
         answer = source.request_start(local=local, token=presented_token(request))
-        return _json(answer.status, answer.body)
+        body = answer.body
+        if loopback and not local and body.get("code") == "missing_token":
+            body = {**body, "error": f"start refused: a loopback caller must send the header '{START_HEADER}: 1' "
+                    "(`fdl start` does; curl: -H 'X-Flodld-Start: 1') or the start credential"}
+        return _json(answer.status, body, _POST_HEADERS)
 
-    async def not_found(_: web.Request) -> web.Response:
-        return _json(404, {"error": "not found", "endpoints": ENDPOINTS})
+    async def preflight(_: web.Request) -> web.Response:
+        # No Access-Control-Allow-* at all: a browser never sends the real request.
+        return web.Response(status=403, headers=_POST_HEADERS)
+
+    async def not_found(request: web.Request) -> web.Response:
+        headers = _HEADERS if request.method in ("GET", "HEAD") else _POST_HEADERS
+        return _json(404, {"error": "not found", "endpoints": ENDPOINTS}, headers)
 
     app = web.Application(client_max_size=64 * 1024)
     app.router.add_get("/", state)
     app.router.add_get("/state.json", state)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/start", start)
+    app.router.add_route("OPTIONS", "/{tail:.*}", preflight)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

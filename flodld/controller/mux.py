@@ -118,6 +118,10 @@ class PortMux:
         sockname = self._server.sockets[0].getsockname()
         return str(sockname[0]), int(sockname[1])
 
+    def bound_hosts(self) -> list[str]:
+        """The address of every listening socket (a hostname may have bound several)."""
+        return [str(sock.getsockname()[0]) for sock in (self._server.sockets if self._server else ())]
+
     def stop_listening(self) -> None:
         """Close the listening socket; routed connections keep running. (No wait_closed(): since
         3.12 it waits for every connection, and ours outlive the listener by design.)"""

@@ -30,7 +30,14 @@ class ControllerOptions(BaseModel):
     advertised_host: str = Field("127.0.0.1", description="The address workers dial (controller.host).")
     port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
     bind_host: str | None = Field(None, description="Listen address; default 0.0.0.0, or loopback if loopback_bind.")
-    loopback_bind: bool = Field(False, description="Every remote worker is tunneled: listen on loopback only.")
+    loopback_bind: bool = Field(
+        False, description="Every remote worker is tunneled: listen on loopback only. Only the address actually "
+        "bound decides trust: with a non-loopback bind_host this opens nothing.",
+    )
+    preshared: bool = Field(
+        False, description="The launcher hands every agent the salt over its own channel (fan-out over SSH): "
+        "a loopback bind does not open admission; only an explicit open_admission does.",
+    )
     join: JoinConfig = Field(default_factory=JoinConfig)
     roster: tuple[str, ...] = ()
     capacity: Annotated[int, Field(ge=0)] = 0
@@ -58,10 +65,12 @@ class ControllerOptions(BaseModel):
     def effective_bind_host(self) -> str:
         if self.bind_host is not None:
             return self.bind_host
-        return LOOPBACK_BIND if self.binds_loopback else NETWORK_BIND
+        return LOOPBACK_BIND if self.wants_loopback else NETWORK_BIND
 
     @property
-    def binds_loopback(self) -> bool:
+    def wants_loopback(self) -> bool:
+        """The configured intent (tunneled workers, tunnel_only). Trust follows the address actually
+        bound (`Controller.listen`), never this alone: `bind_host` may say otherwise."""
         return self.loopback_bind or self.join.tunnel_only
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 import secrets
 import time
@@ -32,9 +33,9 @@ from flodld.controller.options import ControllerOptions
 from flodld.controller.store import StoreService
 from flodld.membership.ledger import Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, WINDOW_PHASES, Phase
-from flodld.membership.policy import TrustMode, derive_policy
+from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, derive_policy, is_loopback_literal
 from flodld.membership.snapshot import ConnectionCounts
-from flodld.membership.switch import Armed, forbidden, token_matches
+from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
@@ -75,9 +76,10 @@ class Controller:
             config, probed=probed
         )
         options = self.options
-        self.policy = derive_policy(
-            options.join, capacity=options.capacity, loopback_bind=options.binds_loopback, averaging=options.averaging
-        )
+        # Checked now with the configured bind when it is an IP literal (a contradiction fails before the
+        # port is touched), and again in `listen()` with the address the socket really has.
+        configured = options.effective_bind_host
+        self.policy = self._derive_policy(configured if _is_ip_literal(configured) else None)
         if options.join.token is not None:
             self.salt = salt_from_hex(options.join.token)
         else:
@@ -105,15 +107,25 @@ class Controller:
         self._last_phase: Phase | None = None
         self._phase_listeners: list[PhaseListener] = []
         self._lost_hosts: dict[str, str] = {}
-        if self.policy.warning:
-            log.warning("event=open_admission_warning detail=%r", self.policy.warning)
+
+    def _derive_policy(self, bound_address: str | None) -> WindowPolicy:
+        options = self.options
+        return derive_policy(
+            options.join, capacity=options.capacity, loopback_bind=options.wants_loopback,
+            averaging=options.averaging, bound_address=bound_address, preshared=options.preshared,
+        )
 
     # --- public API ----------------------------------------------------------------------------
 
     @property
     def salt_hex(self) -> str:
-        """The session salt, which is also the start token."""
+        """The session salt: the run's master key. Never the start credential, never on the HTTP surface."""
         return salt_to_hex(self.salt)
+
+    @property
+    def start_credential(self) -> str:
+        """What `POST /start` accepts from a caller that is not a local CLI: derived from the salt, not it."""
+        return start_credential(self.salt)
 
     @property
     def join_key(self) -> bytes:
@@ -149,8 +161,24 @@ class Controller:
         self.mux.set_http(self._runner.server)
         self.mux.register(Channel.JOIN, functools.partial(handle_join, self), hold_gate=True)
         self.mux.register(Channel.RENDEZVOUS, self.store.handle)
-        self.address = await self.mux.start(self.options.effective_bind_host, self.options.port)
-        log.info("event=listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id)
+        address = await self.mux.start(self.options.effective_bind_host, self.options.port)
+        try:
+            # Trust follows the addresses the sockets really have (a hostname may resolve anywhere, and to
+            # several addresses: one that is not loopback decides).
+            hosts = self.mux.bound_hosts() or [address[0]]
+            self.policy = self._derive_policy(next((h for h in hosts if not is_loopback_literal(h)), hosts[0]))
+        except PolicyError:
+            await self.mux.close()
+            await self._runner.cleanup()
+            self._runner = None
+            raise
+        self.address = address
+        log.info("event=listening bind=%s port=%d run_id=%s", address[0], address[1], self.run_id)
+        if self.policy.warning:
+            log.warning("event=open_admission_warning bind=%s detail=%r", address[0], self.policy.warning)
+        if self.options.start_switch and self.policy.start.value != "auto":
+            log.info("event=start_credential value=%s use='fdl start --token <value>' (not the join token; "
+                     "equal to `fdl start --derive-credential` fed the join token)", self.start_credential)
         return self.address
 
     async def start(self) -> tuple[str, int]:
@@ -493,7 +521,13 @@ class Controller:
                 "start mode is auto — the window closes on target/expiry; set controller.join.start: manual "
                 "(or hybrid) to hold for an operator start",
             )
-        if not local and not token_matches(token, self.salt_hex):
+        if not local and not token_matches(token, self.start_credential):
+            if token_matches(token, self.salt_hex):
+                # The join token is the run's master key: say so, never accept it here.
+                log.warning("event=start_refused code=join_token detail='the join token (session salt) was presented "
+                            "as the start credential; if it crossed a network, treat it as exposed and rotate it'")
+                return _refusal(403, "join_token", "start refused: that is the join token, not the start credential "
+                                "(`fdl start --derive-credential` computes it); if it crossed a network, rotate it")
             refused = forbidden()
             code = "bad_token" if token else "missing_token"
             log.warning("event=start_refused code=%s", code)
@@ -511,6 +545,14 @@ class Controller:
             "armed": True, "joined_ranks": decision.joined_ranks, "min_rank_start": decision.quorum,
             "already_armed": decision.already,
         })
+
+
+def _is_ip_literal(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 def _refusal(status: int, code: str, reason: str) -> HttpAnswer:

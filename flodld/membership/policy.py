@@ -7,6 +7,7 @@ of that context known. Every contradiction is a `PolicyError` that names both kn
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -24,6 +25,26 @@ OPEN_ADMISSION_WARNING = (
     "port can join (and therefore influence) this run, and the run salt is handed out in cleartext. "
     "Sound only on a fully trusted segment; set controller.join.token or tunnel workers through sshd."
 )
+
+
+OPEN_NETWORK_BIND_WARNING = (
+    "cluster join: open_admission is on and the controller is bound to {bound}, which is NOT loopback — "
+    "any peer that can reach the controller port can join (and therefore influence) this run, and the run "
+    "salt is handed out in cleartext to every joiner. Sound only on a fully trusted segment; set "
+    "controller.join.token (--token) or bind 127.0.0.1 and tunnel workers through sshd."
+)
+
+
+def is_loopback_literal(address: str) -> bool:
+    """True for an IP literal in 127/8, ::1 or IPv4-mapped loopback; anything else (0.0.0.0, ::,
+    a hostname, garbage) is not loopback."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0].strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
 
 
 class PolicyError(ValueError):
@@ -80,8 +101,18 @@ class WindowPolicy:
         return wanted > self.capacity
 
 
-def derive_policy(join: JoinConfig, *, capacity: int, loopback_bind: bool, averaging: str) -> WindowPolicy:
-    """Fill in defaults from `capacity` (the roster's total ranks) and refuse contradictory knobs."""
+def derive_policy(
+    join: JoinConfig, *, capacity: int, loopback_bind: bool, averaging: str, bound_address: str | None = None,
+    preshared: bool = False,
+) -> WindowPolicy:
+    """Fill in defaults from `capacity` (the roster's total ranks) and refuse contradictory knobs.
+
+    `loopback_bind` is the configured intent (every remote worker tunneled); `bound_address` is the
+    address the listener actually has (None while it is not known yet: the intent stands in). Trust
+    follows the real bind: a non-loopback listener never admits openly unless `open_admission` says
+    so, and `tunnel_only` on a non-loopback listener is a contradiction. `preshared`: the launcher
+    hands every agent the salt over its own channel, so a loopback bind alone does not open admission.
+    """
     if capacity < 0:
         raise PolicyError(f"capacity must be >= 0 (the roster's total ranks), got {capacity}")
     _check_discovery_family(join, averaging)
@@ -94,7 +125,10 @@ def derive_policy(join: JoinConfig, *, capacity: int, loopback_bind: bool, avera
             f"controller.join: max_join_timeout ({cap:g}s) is below join_timeout ({window:g}s) — the hard cap "
             "cannot expire before the window; raise max_join_timeout or lower join_timeout"
         )
-    trust, warning = _trust_mode(join, loopback_bind)
+    bound_loopback = (loopback_bind or join.tunnel_only) if bound_address is None else (
+        is_loopback_literal(bound_address)
+    )
+    trust, warning = _trust_mode(join, loopback_bind, bound_loopback, bound_address, preshared)
     return WindowPolicy(
         quorum=quorum,
         target=target,
@@ -105,7 +139,7 @@ def derive_policy(join: JoinConfig, *, capacity: int, loopback_bind: bool, avera
         tunnel_only=join.tunnel_only,
         open_admission=join.open_admission,
         trust=trust,
-        loopback_bind=loopback_bind or join.tunnel_only,
+        loopback_bind=bound_loopback,
         capacity=capacity,
         warning=warning,
     )
@@ -166,13 +200,26 @@ def _quorum_and_target(join: JoinConfig, capacity: int, start: StartMode) -> tup
     return quorum, target
 
 
-def _trust_mode(join: JoinConfig, loopback_bind: bool) -> tuple[TrustMode, str | None]:
+def _trust_mode(
+    join: JoinConfig, loopback_bind: bool, bound_loopback: bool, bound_address: str | None, preshared: bool
+) -> tuple[TrustMode, str | None]:
+    if join.tunnel_only and not bound_loopback:
+        raise PolicyError(
+            f"controller.join: tunnel_only (--tunnel-only) promises a loopback-only listener, but the controller "
+            f"is bound to {bound_address} (--bind / bind_host), which is not loopback — anyone who can reach it "
+            "would be admitted without the salt; drop --bind (tunnel_only binds 127.0.0.1) or bind 127.0.0.1 / "
+            "::1, or drop tunnel_only and set controller.join.token (--token)"
+        )
     if join.token is not None:
         # Even behind sshd a configured token is checked: sshd and the token are two layers.
         return TrustMode.PRESHARED, None
-    if loopback_bind or join.tunnel_only:
+    if join.open_admission:
+        if bound_loopback:
+            return TrustMode.OPEN, None
+        if bound_address is None:
+            return TrustMode.OPEN, OPEN_ADMISSION_WARNING
+        return TrustMode.OPEN, OPEN_ADMISSION_WARNING + " " + OPEN_NETWORK_BIND_WARNING.format(bound=bound_address)
+    if (loopback_bind or join.tunnel_only) and bound_loopback and not preshared:
         # The only road to a loopback port is through sshd: reachability is the authentication.
         return TrustMode.OPEN, None
-    if join.open_admission:
-        return TrustMode.OPEN, OPEN_ADMISSION_WARNING
     return TrustMode.PRESHARED, None

@@ -2,16 +2,31 @@
 
 Arming below quorum is refused, never queued, so the operator always knows what they started. Once
 armed the switch stays armed; the verdict re-checks quorum and forms at its next evaluation. Who may
-fire is the HTTP shell's decision (loopback, or a valid token checked with `token_matches`).
+fire is the HTTP shell's decision (a loopback caller that is not a browser, or a valid start
+credential checked with `token_matches`).
+
+The start credential is not the session salt: it is `start_credential(salt)`, an HMAC of a fixed label
+under the salt. It can arm the start and nothing else, so sending it over plain HTTP (`fdl start
+--token` from another host) never hands an observer the salt, which keys joins, the store and the
+data plane. Whoever holds the salt (a configured `controller.join.token`) can compute it
+(`fdl start --derive-credential`); `flodld serve` logs it when the start mode is manual or hybrid.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 
 from flodld.membership.phase import WINDOW_PHASES, Phase
 from flodld.membership.policy import StartMode, WindowPolicy
+
+START_CREDENTIAL_LABEL = b"flodld/start/v1"
+
+
+def start_credential(salt: bytes) -> str:
+    """The run's start credential (64 hex characters): HMAC-SHA256(salt, "flodld/start/v1")."""
+    return hmac.new(salt, START_CREDENTIAL_LABEL, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -53,12 +68,13 @@ def arm(policy: WindowPolicy, phase: Phase, *, joined_ranks: int, armed: bool) -
 
 
 def forbidden() -> StartRefused:
-    """The refusal for a caller that is neither local nor holding the run token."""
+    """The refusal for a caller that is neither a local CLI nor holding the start credential."""
     return StartRefused(
         "forbidden",
         403,
-        "start refused: non-loopback caller without a valid token (pass --token, or fire from the "
-        "controller host / through the sshd tunnel)",
+        "start refused: no valid start credential (pass --token with the start credential — not the join "
+        "token; `fdl start --derive-credential` computes it — or fire `fdl start` from the controller host / "
+        "through the sshd tunnel)",
     )
 
 

@@ -60,8 +60,8 @@ async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(t
         assert "node-b  ranks [1, 2]  cpu:0, cpu:1  variant cpu  joined +" in out
         code, out, _ = await fdl("status", "--json", "--addr", addr)
         assert code == 0 and StateSnapshot.model_validate(json.loads(out)).joined_ranks == 3
-        code, _, err = await fdl("start", "--addr", addr, "--token", "00" * 16)
-        # Loopback needs no token, so even a wrong one arms: the caller is local.
+        code, _, err = await fdl("start", "--addr", addr, "--token", "00" * 32)
+        # Loopback needs no credential (fdl start sends X-Flodld-Start), so even a wrong one arms.
         assert code == 0, err
         await asyncio.gather(*(a.world() for a in agents))
         code, _, err = await fdl("start", "--addr", addr)
@@ -143,7 +143,7 @@ def test_start_sends_the_token_in_the_authorization_header_never_the_url() -> No
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            seen.append((self.path, self.headers.get("Authorization")))
+            seen.append((self.path, self.headers.get("Authorization"), self.headers.get("X-Flodld-Start")))
             body = b'{"armed": true, "joined_ranks": 2}'
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -155,7 +155,7 @@ def test_start_sends_the_token_in_the_authorization_header_never_the_url() -> No
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    token = "00112233445566778899aabbccddeeff"
+    token = "00112233445566778899aabbccddeeff" * 2  # a start credential: 64 hex
     try:
         result = subprocess.run(
             [sys.executable, "-m", "fdl.main", "start", "--addr", f"127.0.0.1:{server.server_address[1]}",
@@ -166,4 +166,4 @@ def test_start_sends_the_token_in_the_authorization_header_never_the_url() -> No
         server.shutdown()
         server.server_close()
     assert result.returncode == 0, result.stderr
-    assert seen == [("/start", f"Bearer {token}")]
+    assert seen == [("/start", f"Bearer {token}", "1")]

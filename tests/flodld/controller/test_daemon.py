@@ -21,6 +21,8 @@ from .daemon_proc import start_daemon
 
 pytestmark = pytest.mark.multiproc
 
+START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller that is not a web page
+
 
 async def _curl(*args: str) -> tuple[int, bytes]:
     curl = shutil.which("curl")
@@ -91,7 +93,7 @@ async def test_post_start_refusals_answer_each_documented_status() -> None:
     token = new_salt().hex()
     auto = await start_daemon("--ranks", "1", "--token", token)
     try:
-        status, body = await http(auto.port, "POST", "/start")
+        status, body = await http(auto.port, "POST", "/start", START)
         assert (status, body["code"]) == (409, "auto_mode")
     finally:
         auto.proc.send_signal(signal.SIGTERM)
@@ -99,13 +101,13 @@ async def test_post_start_refusals_answer_each_documented_status() -> None:
     manual = await start_daemon("--ranks", "2", "--token", token, "--start", "manual", "--window", "0.1",
                                 "--cap", "30")
     try:
-        status, body = await http(manual.port, "POST", "/start")
+        status, body = await http(manual.port, "POST", "/start", START)
         assert (status, body["code"]) == (409, "quorum_not_met") and "0 of 2" in body["error"]
         agents = [await join(manual.port, salt_from_hex(token), h) for h in ("a", "b")]
-        code, raw = await _curl("-X", "POST", f"http://127.0.0.1:{manual.port}/start")
+        code, raw = await _curl("-X", "POST", "-H", "X-Flodld-Start: 1", f"http://127.0.0.1:{manual.port}/start")
         assert code == 200 and json.loads(raw)["armed"] is True
         await asyncio.gather(*(agent.world() for agent in agents))
-        status, body = await http(manual.port, "POST", "/start")
+        status, body = await http(manual.port, "POST", "/start", START)
         assert status == 409 and body["code"] == "window_closed" and "phase" in body["error"]
         for agent in agents:
             await agent.leave()

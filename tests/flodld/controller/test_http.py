@@ -13,6 +13,8 @@ from flodld.membership.snapshot import StateSnapshot
 
 from .agents import http, join, options, started
 
+START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller that is not a web page
+
 
 def _non_loopback_address() -> str | None:
     """An address of this machine that is not loopback (so a connection to it is not 'local')."""
@@ -30,7 +32,7 @@ async def test_before_the_window_opens_state_is_503_and_start_has_no_state() -> 
     _, port = await controller.listen()
     try:
         assert await http(port, "GET", "/state.json") == (503, {"error": "no membership state published yet"})
-        status, body = await http(port, "POST", "/start")
+        status, body = await http(port, "POST", "/start", START)
         assert (status, body["code"]) == (503, "no_state")
     finally:
         await controller.close()
@@ -66,10 +68,12 @@ async def test_start_refusals_in_order_switch_mode_token() -> None:
         assert (missing.status, missing.body["code"]) == (403, "missing_token")
         assert (bad.status, bad.body["code"]) == (403, "bad_token")
         assert manual.salt_hex not in str(bad.body)
-        good = manual.request_start(local=False, token=manual.salt_hex.upper())
+        salt = manual.request_start(local=False, token=manual.salt_hex)
+        assert (salt.status, salt.body["code"]) == (403, "join_token")  # the salt is not the start credential
+        good = manual.request_start(local=False, token=manual.start_credential.upper())
         assert (good.status, good.body["code"]) == (409, "quorum_not_met")  # past the credential check
         agent = await join(port, manual.salt, "a")
-        armed = manual.request_start(local=False, token=manual.salt_hex)
+        armed = manual.request_start(local=False, token=manual.start_credential)
         assert armed.status == 200 and armed.body["armed"] is True
         await agent.world()
         await agent.leave()
@@ -100,8 +104,10 @@ async def test_remote_post_start_needs_the_token_in_query_or_bearer_header() -> 
     try:
         assert (await post("/start"))[0] == 403
         assert (await post("/start?token=" + "0" * 32))[1]["code"] == "bad_token"
-        assert (await post(f"/start?token={controller.salt_hex}"))[1]["code"] == "quorum_not_met"
-        status, body = await post("/start", {"Authorization": f"Bearer {controller.salt_hex}"})
+        assert (await post(f"/start?token={controller.salt_hex}"))[1]["code"] == "join_token"
+        assert (await post("/start", START))[1]["code"] == "missing_token"  # the header is for loopback only
+        assert (await post(f"/start?token={controller.start_credential}"))[1]["code"] == "quorum_not_met"
+        status, body = await post("/start", {"Authorization": f"Bearer {controller.start_credential}"})
         assert (status, body["code"]) == (409, "quorum_not_met")
     finally:
         await controller.close()

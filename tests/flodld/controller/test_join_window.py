@@ -16,6 +16,8 @@ from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt
 
 from .agents import eventually, http, join, options, started
 
+START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller that is not a web page
+
 
 async def test_two_hundred_concurrent_agents_get_contiguous_ranks_and_every_host_gets_world_formed() -> None:
     count = 200
@@ -202,16 +204,16 @@ async def test_manual_mode_stages_through_expiry_until_post_start() -> None:
         options(capacity=1, join=JoinConfig(start="manual", join_timeout=0.2, max_join_timeout=20))
     )
     try:
-        status, body = await http(port, "POST", "/start")
+        status, body = await http(port, "POST", "/start", START)
         assert (status, body["code"]) == (409, "quorum_not_met") and "0 of 1" in body["error"]
         agent = await join(port, controller.salt, "a")
         await asyncio.sleep(0.4)  # past the window: manual holds
         _, state = await http(port, "GET", "/state.json")
         assert state["phase"] == "staging" and state["startable"] is True
-        status, body = await http(port, "POST", "/start")
+        status, body = await http(port, "POST", "/start", START)
         assert status == 200 and body["armed"] is True
         await agent.world()
-        status, body = await http(port, "POST", "/start")
+        status, body = await http(port, "POST", "/start", START)
         assert status == 409 and body["code"] == "window_closed" and "phase:" in body["error"]
         await agent.leave()
     finally:
@@ -238,7 +240,7 @@ async def test_hybrid_forms_on_expiry_or_earlier_on_start() -> None:
         agent = await join(port, controller.salt, "a")
         _, state = await http(port, "GET", "/state.json")
         assert state["phase"] == "staging"
-        status, _ = await http(port, "POST", "/start")
+        status, _ = await http(port, "POST", "/start", START)
         assert status == 200
         assert (await agent.world()).envelope.world_size == 1
         await agent.leave()

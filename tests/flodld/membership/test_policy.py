@@ -138,3 +138,43 @@ def test_summary_states_the_window_for_the_log() -> None:
     assert line == (
         "join window open (start hybrid, quorum 2 ranks, target 2, window 30s, cap 600s, admission: pre-shared salt)"
     )
+
+
+# --- trust follows the address actually bound (issue 13, point 4) ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("knobs", "loopback_bind", "bound", "preshared", "trust", "network_warning"),
+    [
+        ({}, True, "127.0.0.1", False, TrustMode.OPEN, False),  # tunneled workers, loopback: sshd is the check
+        ({}, True, "::1", False, TrustMode.OPEN, False),
+        ({}, True, "::ffff:127.0.0.1", False, TrustMode.OPEN, False),
+        ({}, True, "0.0.0.0", False, TrustMode.PRESHARED, False),  # intent says loopback, the bind does not
+        ({}, True, "10.1.2.3", False, TrustMode.PRESHARED, False),
+        ({}, True, "::", False, TrustMode.PRESHARED, False),
+        ({}, True, "127.0.0.1", True, TrustMode.PRESHARED, False),  # fan-out: agents get the salt over SSH
+        ({"open_admission": True}, False, "0.0.0.0", False, TrustMode.OPEN, True),  # explicit, and loud
+        ({"open_admission": True}, True, "0.0.0.0", True, TrustMode.OPEN, True),
+        ({"open_admission": True}, False, "127.0.0.1", False, TrustMode.OPEN, False),
+        ({"discovery": True, "min_rank_start": 1, "tunnel_only": True}, False, "127.0.0.2", False, TrustMode.OPEN,
+         False),
+    ],
+)
+def test_trust_follows_the_bound_address(
+    knobs: dict[str, Any], loopback_bind: bool, bound: str, preshared: bool, trust: TrustMode, network_warning: bool
+) -> None:
+    p = derive_policy(JoinConfig(**knobs), capacity=2, loopback_bind=loopback_bind, averaging="cpu_sync",
+                      bound_address=bound, preshared=preshared)  # fmt: skip
+    assert p.trust is trust
+    assert p.loopback_bind is (bound in ("127.0.0.1", "::1", "::ffff:127.0.0.1", "127.0.0.2"))
+    assert (p.warning is not None and "NOT loopback" in p.warning and bound in p.warning) is network_warning
+
+
+@pytest.mark.parametrize("bound", ["0.0.0.0", "::", "192.168.1.5", "localhost-ish.example"])
+def test_tunnel_only_on_a_non_loopback_bind_names_both_knobs_and_the_fix(bound: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        derive_policy(JoinConfig(discovery=True, min_rank_start=1, tunnel_only=True), capacity=0,
+                      loopback_bind=False, averaging="cpu_sync", bound_address=bound)  # fmt: skip
+    text = str(caught.value)
+    for word in ("tunnel_only", "--tunnel-only", "--bind", bound, "127.0.0.1", "--token"):
+        assert word in text

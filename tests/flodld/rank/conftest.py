@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
+import socket
+import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -56,3 +60,72 @@ def store_server() -> Iterator[StoreServer]:
     loop.close()
 
 
+
+
+class ResettingProxy:
+    """A TCP relay in front of a store server that can lose one reply: `cut_next_reply(hook)` makes it
+    drop the next bytes the server sends, run `hook()` (the server has applied the request by then),
+    and reset both sides of that connection. Later connections are relayed normally."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self.cuts = 0
+        self._hook: Callable[[], None] | None = None
+        self._armed = threading.Event()
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_next_reply(self, hook: Callable[[], None] | None = None) -> None:
+        self._hook = hook
+        self._armed.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self.connections += 1
+            dead = threading.Event()
+            threading.Thread(target=self._pump, args=(client, upstream, dead, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, dead, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, dead: threading.Event, replies: bool) -> None:
+        try:
+            while not dead.is_set() and not self._closed.is_set():
+                ready, _, _ = select.select([source], [], [], 0.1)
+                if not ready:
+                    continue
+                data = source.recv(1 << 20)
+                if not data:
+                    break
+                if replies and self._armed.is_set():
+                    self._armed.clear()
+                    self.cuts += 1
+                    if self._hook is not None:
+                        self._hook()
+                    break  # the reply is lost
+                sink.sendall(data)
+        except OSError:
+            pass
+        if not dead.is_set():
+            dead.set()
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+                sock.close()
+
+
+@pytest.fixture
+def resetting_proxy(store_server: StoreServer) -> Iterator[ResettingProxy]:
+    proxy = ResettingProxy(store_server.port)
+    yield proxy
+    proxy.close()

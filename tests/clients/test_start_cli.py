@@ -1,0 +1,84 @@
+"""`fdl start` never sends the join token, sends X-Flodld-Start, and derives the start credential
+(issue 13, points 6 and 12), as a real process against a recording HTTP server."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+JOIN_TOKEN = "00112233445566778899aabbccddeeff"
+CREDENTIAL = hmac.new(bytes.fromhex(JOIN_TOKEN), b"flodld/start/v1", hashlib.sha256).hexdigest()
+
+
+@pytest.fixture
+def recorder() -> Iterator[tuple[int, list[tuple[str, dict[str, str]]]]]:
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.path, dict(self.headers.items())))
+            body = b'{"armed": true, "joined_ranks": 1}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield int(server.server_address[1]), seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _fdl(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    merged = {k: v for k, v in os.environ.items() if k not in ("FDL_ENV", "FDL_START_TOKEN", "FDL_JOIN_TOKEN")}
+    return subprocess.run([sys.executable, "-m", "fdl.main", *args], capture_output=True, text=True, timeout=60,
+                          env={**merged, **(env or {})}, input=stdin)  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_join_token_is_refused_before_anything_is_sent(
+    recorder: tuple[int, list[tuple[str, dict[str, str]]]], how: str
+) -> None:
+    port, seen = recorder
+    if how == "flag":
+        result = _fdl("start", "--addr", f"127.0.0.1:{port}", "--token", JOIN_TOKEN.upper())
+    else:
+        result = _fdl("start", "--addr", f"127.0.0.1:{port}", env={"FDL_START_TOKEN": JOIN_TOKEN})
+    assert result.returncode == 2, result.stderr
+    assert seen == []  # the run's master key never went over the wire
+    assert "join token" in result.stderr and "--derive-credential" in result.stderr
+    assert JOIN_TOKEN not in result.stderr.lower()
+
+
+def test_the_credential_travels_in_the_authorization_header_with_the_start_header(
+    recorder: tuple[int, list[tuple[str, dict[str, str]]]],
+) -> None:
+    port, seen = recorder
+    result = _fdl("start", "--addr", f"127.0.0.1:{port}", "--token", CREDENTIAL)
+    assert result.returncode == 0, result.stderr
+    [(path, headers)] = seen
+    assert path == "/start" and headers["Authorization"] == f"Bearer {CREDENTIAL}"
+    assert headers["X-Flodld-Start"] == "1"
+
+
+def test_derive_credential_reads_the_join_token_from_stdin_or_the_environment() -> None:
+    from_stdin = _fdl("start", "--derive-credential", stdin=JOIN_TOKEN + "\n")
+    assert (from_stdin.returncode, from_stdin.stdout.strip()) == (0, CREDENTIAL), from_stdin.stderr
+    from_env = _fdl("start", "--derive-credential", env={"FDL_JOIN_TOKEN": JOIN_TOKEN.upper()})
+    assert (from_env.returncode, from_env.stdout.strip()) == (0, CREDENTIAL), from_env.stderr
+    bad = _fdl("start", "--derive-credential", stdin="not-hex\n")
+    assert bad.returncode == 2 and "32" in bad.stderr

@@ -1,0 +1,58 @@
+"""Raw HTTP and daemon helpers for the POST /start and trust tests (real `flodld serve` processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import signal
+import sys
+
+from .daemon_proc import Daemon
+
+START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller that is not a web page
+
+
+def credential(token: str) -> str:
+    """The documented derivation, written out here: HMAC-SHA256(salt, "flodld/start/v1"), hex."""
+    return hmac.new(bytes.fromhex(token), b"flodld/start/v1", hashlib.sha256).hexdigest()
+
+
+async def raw(port: int, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP/1.1 request; (status, lower-cased headers, body). Status 0: closed without an answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", "Content-Length: 0"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+    try:
+        answer = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionError:
+        answer = b""
+    writer.close()
+    if not answer:
+        return 0, {}, b""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    first, *rest = head.decode().split("\r\n")
+    fields = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in rest)}
+    return int(first.split(" ", 2)[1]), fields, body
+
+
+async def stop(daemon: Daemon) -> None:
+    if daemon.proc.returncode is None:
+        daemon.proc.send_signal(signal.SIGTERM)
+    await daemon.finish()
+
+
+async def serve_exit(*flags: str) -> tuple[int | None, str]:
+    """Run `flodld serve FLAGS`; (exit code, stderr). None: it was still running after 20 s (killed)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "flodld", "serve", "--port", "0", *flags,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    except TimeoutError:
+        proc.kill()
+        _, err = await proc.communicate()
+        return None, err.decode(errors="replace")
+    return proc.returncode, err.decode(errors="replace")

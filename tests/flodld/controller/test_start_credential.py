@@ -1,0 +1,58 @@
+"""The start credential, never the salt (issue 13, point 6), against a real `flodld serve`.
+
+`POST /start` from a caller that is not a local CLI takes the start credential
+HMAC-SHA256(salt, "flodld/start/v1"), which `flodld serve` logs for the operator; the session salt
+(join token) is refused there and never appears in a log line or an HTTP answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flodld.wire.salt import new_salt, salt_from_hex
+
+from .agents import join
+from .daemon_proc import start_daemon
+from .starthttp import credential, raw, stop
+
+pytestmark = pytest.mark.multiproc
+
+
+async def test_the_start_credential_arms_the_salt_does_not_and_the_salt_is_never_shown() -> None:
+    token = new_salt().hex()
+    expected = credential(token)
+    daemon = await start_daemon("--ranks", "1", "--token", token, "--start", "manual", "--window", "20")
+    try:
+        agent = await join(daemon.port, salt_from_hex(token), "a")
+        answers = [await raw(daemon.port, "GET", path) for path in ("/", "/state.json", "/metrics", "/nope")]
+        # A caller that is not a local CLI (no X-Flodld-Start) must prove itself; the salt is refused.
+        for presented in ({"Authorization": f"Bearer {token}"}, {"Authorization": f"Bearer {token.upper()}"}):
+            status, _, body = await raw(daemon.port, "POST", "/start", presented)
+            answers.append((status, {}, body))
+            assert (status, json.loads(body)["code"]) == (403, "join_token")
+        status, _, body = await raw(daemon.port, "POST", f"/start?token={token}")
+        assert (status, json.loads(body)["code"]) == (403, "join_token")
+        answers.append((status, {}, body))
+        _, _, body = await raw(daemon.port, "GET", "/state.json")
+        assert json.loads(body)["phase"] == "staging"
+        status, _, body = await raw(daemon.port, "POST", "/start", {"Authorization": f"Bearer {expected}"})
+        assert status == 200 and json.loads(body)["armed"] is True
+        await agent.world()
+        await agent.leave()
+        assert await daemon.finish() == 0
+    finally:
+        daemon.kill()
+    for _, fields, body in answers:
+        assert token not in body.decode().lower() and token not in json.dumps(fields).lower()
+    log = daemon.log.decode(errors="replace")
+    assert f"event=start_credential value={expected}" in log  # what the operator is shown
+    assert token not in log.lower()  # the salt itself is never logged
+
+
+async def test_an_auto_window_has_no_start_credential_line() -> None:
+    token = new_salt().hex()
+    daemon = await start_daemon("--ranks", "1", "--token", token)
+    await stop(daemon)
+    assert b"event=start_credential" not in daemon.log and token.encode() not in daemon.log
