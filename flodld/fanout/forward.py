@@ -6,6 +6,12 @@ instead of leaving a useless session) and keepalives. The OpenSSH client is used
 asyncssh, so the user's ~/.ssh/config, agent and known_hosts apply exactly as for `ssh`.
 Readiness is observed without connecting through the forward (a probe connection would
 reach the controller as a junk peer): once ssh has bound the chosen local port, it is up.
+
+The forward is dialed only once its listening socket is shown to be ssh's own: every socket
+listening where a dial of 127.0.0.1:<port> could land (from /proc/net/tcp and tcp6) must be
+an open file of a process in ssh's session (/proc/<pid>/fd). Otherwise another local user may
+have bound the port first (between our probe and ssh's bind) to play controller; the attempt is
+refused instead. ControlMaster is off so that no shared master (not our child) holds the port.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import shutil
 import socket
 import subprocess
@@ -65,6 +72,7 @@ def forward_command(
         "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes", "-o", "LogLevel=ERROR",
         "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3",
         "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
+        "-o", "ControlMaster=no", "-o", "ControlPath=none",  # the forward must be this child's own
         "-p", str(endpoint.port),
     ]  # fmt: skip
     if endpoint.user:
@@ -74,8 +82,77 @@ def forward_command(
     for key, value in endpoint.parsed.items():
         if key != "BatchMode":  # never let a config turn password prompts back on
             argv += ["-o", f"{key}={value}"]
-    argv += ["-L", f"127.0.0.1:{local_port}:{target_host}:{remote_port}", endpoint.host]
+    # `--`: the destination is never read as an option (a host `-oProxyCommand=...` would run a command).
+    argv += ["-L", f"127.0.0.1:{local_port}:{target_host}:{remote_port}", "--", endpoint.host]
     return argv
+
+
+_TCP_LISTEN = "0A"
+# Local addresses (as /proc/net/tcp{,6} write them) at which a dial of 127.0.0.1 can land.
+_REACHES_LOOPBACK = frozenset({
+    "0100007F", "00000000",  # 127.0.0.1, 0.0.0.0
+    "00000000000000000000000000000000",  # :: (dual-stack unless IPV6_V6ONLY, which /proc does not show)
+    "0000000000000000FFFF00000100007F", "0000000000000000FFFF000000000000",  # ::ffff:127.0.0.1, ::ffff:0.0.0.0
+})  # fmt: skip
+
+
+class ForwardOwnerUnknown(ForwardError):
+    """This platform does not let us see who owns a listening socket (no /proc)."""
+
+
+def loopback_listeners(port: int, *, proc: str = "/proc") -> set[int]:
+    """Socket inodes of every TCP listener that a dial of 127.0.0.1:`port` could reach."""
+    inodes: set[int] = set()
+    found_table = False
+    for table in ("net/tcp", "net/tcp6"):
+        try:
+            with open(os.path.join(proc, table)) as handle:
+                lines = handle.readlines()[1:]
+        except FileNotFoundError:
+            continue
+        found_table = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _TCP_LISTEN:
+                continue
+            address, _, port_hex = fields[1].partition(":")
+            if int(port_hex, 16) == port and address.upper() in _REACHES_LOOPBACK:
+                inodes.add(int(fields[9]))
+    if not found_table:
+        raise ForwardOwnerUnknown(
+            f"cannot tell who listens on 127.0.0.1:{port} ({proc}/net/tcp is missing): `fdl join --ssh` verifies "
+            "that the forward belongs to its own ssh and needs Linux /proc for that"
+        )
+    return inodes
+
+
+def session_socket_inodes(session: int, *, proc: str = "/proc") -> set[int]:
+    """Socket inodes open in any process of `session` (ssh runs as its leader: start_new_session)."""
+    inodes: set[int] = set()
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "stat")) as handle:
+                stat = handle.read()
+            if int(stat.rpartition(")")[2].split()[3]) != session:  # fields after comm: state ppid pgrp session
+                continue
+            fd_dir = os.path.join(proc, entry, "fd")
+            for fd in os.listdir(fd_dir):
+                target = os.readlink(os.path.join(fd_dir, fd))
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+        except (OSError, ValueError, IndexError):
+            continue  # gone, or not ours to read: its sockets do not count as ssh's
+    return inodes
+
+
+def forward_owner(port: int, ssh_pid: int, *, proc: str = "/proc") -> str:
+    """'none' (nothing listens yet), 'ssh' (every listener is ssh's own) or 'foreign'."""
+    listeners = loopback_listeners(port, proc=proc)
+    if not listeners:
+        return "none"
+    return "ssh" if listeners <= session_socket_inodes(ssh_pid, proc=proc) else "foreign"
 
 
 @dataclass
@@ -120,10 +197,18 @@ def open_forward(
                                        start_new_session=True)  # fmt: skip
             forward = LocalForward(port, process, endpoint)
             deadline = time.monotonic() + timeout
-            while process.poll() is None and time.monotonic() < deadline:
-                if _port_bound(port):
-                    return forward
-                time.sleep(0.05)
+            try:
+                while process.poll() is None and time.monotonic() < deadline:
+                    if _port_bound(port):
+                        owner = forward_owner(port, process.pid)
+                        if owner == "ssh":
+                            return forward
+                        if owner == "foreign":
+                            raise ForwardError(squatter_message(port, endpoint))
+                    time.sleep(0.05)
+            except BaseException:
+                forward.close()
+                raise
             if process.poll() is None:
                 forward.close()
                 raise ForwardError(f"ssh forward via {endpoint.label} not up within {timeout:g}s")
@@ -131,10 +216,21 @@ def open_forward(
             last = errors.read().decode(errors="replace").strip()
         if "Address already in use" not in last:
             break
+        if loopback_listeners(port):  # ssh lost the port to a listener it never saw: never dial that one
+            raise ForwardError(squatter_message(port, endpoint))
     raise ForwardError(
         f"ssh forward via {endpoint.label} to {remote[0]}:{remote[1]} failed: {last or 'ssh exited'}"
         " — check the key (--identity), that the host accepts it without a password, and that the"
         " sshd permits forwarding to that address"
+    )
+
+
+def squatter_message(port: int, endpoint: SshEndpoint) -> str:
+    return (
+        f"REFUSING to dial 127.0.0.1:{port}: another process (not this join's own ssh) is listening there, where "
+        f"the forward via {endpoint.label} should be — a local user may be impersonating the controller to "
+        "hand this host's ranks its environment and code. Find it with `ss -ltnp 'sport = :"
+        f"{port}'`; nothing was sent to it"
     )
 
 

@@ -45,6 +45,9 @@ class SshEndpoint:
             raise SshConfigError("ssh target is empty; write [user@]host[:port]")
         if not 1 <= self.port <= 65535:
             raise SshConfigError(f"ssh port must be in 1..65535, got {self.port}")
+        _not_an_option(self.host, "ssh host")
+        if self.user is not None:
+            _not_an_option(self.user, "ssh user")
         for option in self.options:
             key, sep, value = option.partition("=")
             if not sep:
@@ -57,6 +60,10 @@ class SshEndpoint:
                 )
             if not value:
                 raise SshConfigError(f"ssh option {match} needs a value, e.g. {match}=...")
+            if match == "ProxyJump":
+                for hop in value.split(","):
+                    _not_an_option(hop.strip().rpartition("@")[2], "ProxyJump host")
+                    _not_an_option(hop.strip(), "ProxyJump hop")
             self.parsed[match] = value
         strict = self.parsed.get("StrictHostKeyChecking", "yes").lower()
         if strict not in ("yes", "no", "accept-new"):
@@ -82,6 +89,13 @@ class SshEndpoint:
     def label(self) -> str:
         who = f"{self.user}@" if self.user else ""
         return f"{who}{self.host}:{self.port}"
+
+
+def _not_an_option(value: str, what: str) -> None:
+    """Refuse a name that ssh would read as a command-line option (`-oProxyCommand=...` runs a command)."""
+    if value.startswith("-") or any(ord(char) < 32 for char in value):
+        raise SshConfigError(f"{what} {value!r} starts with '-' or holds a control character; ssh would read it "
+                             "as an option — write a host name or address")
 
 
 def _port(text: str, target: str) -> int:
@@ -118,12 +132,11 @@ async def _connect_one(
     strict = endpoint.parsed.get("StrictHostKeyChecking", "yes").lower()
     known_hosts_file = _known_hosts_path(endpoint)
     known_hosts: Any = str(known_hosts_file) if known_hosts_file.exists() else ()
+    first_contact = False
     if strict == "no":
         known_hosts = None
     elif strict == "accept-new":
-        known = asyncssh.read_known_hosts(str(known_hosts_file)) if known_hosts_file.exists() else None
-        if known is None or not any(known.match(endpoint.host, "", endpoint.port)[:1]):
-            known_hosts = None  # first contact: accept, then remember below
+        known_hosts, first_contact = _accept_new_known_hosts(endpoint, known_hosts_file)
     interval = float(endpoint.parsed.get("ServerAliveInterval", KEEPALIVE_INTERVAL_S))
     count = int(endpoint.parsed.get("ServerAliveCountMax", KEEPALIVE_COUNT_MAX))
     options: dict[str, Any] = {
@@ -137,11 +150,13 @@ async def _connect_one(
         options["client_keys"] = [str(Path(endpoint.identity_file).expanduser())]
     if tunnel is not None:
         options["tunnel"] = tunnel
+    if first_contact:
+        options["client_factory"] = _FirstContact
     try:
         conn = await asyncssh.connect(endpoint.host, **options)
     except (OSError, asyncssh.Error) as exc:
         raise ConnectionError(f"ssh {endpoint.label}: {exc}") from exc
-    if strict == "accept-new" and known_hosts is None:
+    if first_contact:
         key = conn.get_server_host_key()
         if key is not None:
             known_hosts_file.parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +164,38 @@ async def _connect_one(
             with known_hosts_file.open("a") as handle:
                 handle.write(f"{host} {key.export_public_key().decode().strip()}\n")
     return conn
+
+
+class _FirstContact(asyncssh.SSHClient):
+    """accept-new for a host with no trusted entry: any key that is not @revoked (asyncssh checks
+    revocation before it asks this), the way OpenSSH's accept-new takes a new host's key."""
+
+    def validate_host_public_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
+        return True
+
+
+def _accept_new_known_hosts(endpoint: SshEndpoint, path: Path) -> tuple[Any, bool]:
+    """What `known_hosts` asyncssh gets under accept-new, and whether this is a first contact.
+
+    A host is known when known_hosts trusts anything for it: a host key, or a `@cert-authority`
+    (or X.509) entry whose pattern matches it; it is then checked strictly, exactly as under `yes`
+    (a plain key that the CA did not sign is refused, not accepted as new). Otherwise it is a first
+    contact: a key is accepted and remembered, but the `@revoked` keys still apply and are refused.
+    """
+    if not path.exists():
+        return ([], [], []), True
+    try:
+        known = asyncssh.read_known_hosts(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"ssh {endpoint.label}: cannot read known_hosts {path}: {exc}") from exc
+    port = None if endpoint.port == 22 else endpoint.port
+    host_keys, ca_keys, revoked, x509_certs, _, x509_subjects, _ = known.match(endpoint.host, "", port)
+    if host_keys or ca_keys or x509_certs or x509_subjects:
+        return str(path), False
+    # With nothing trusted for [host]:port, match() answers for the bare host instead, dropping the
+    # revocations written for [host]:port: collect those too.
+    revoked = list(revoked) + (list(known.match(f"[{endpoint.host}]:{port}", "", None)[2]) if port else [])
+    return ([], [], revoked), True
 
 
 # Runs on the remote host. Secret environment arrives on stdin as KEY=VALUE lines ended by an

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import asyncssh
 import pytest
 
 from flodld.fanout.ssh import (
@@ -259,3 +260,61 @@ async def test_accept_new_remembers_the_key_and_then_refuses_a_changed_one(tmp_p
             await run_remote(moved, "true")
     finally:
         impostor.close()
+
+
+async def _server_key(tmp_path: Path, port: int, client_key: Path) -> str:
+    """The test server's host key as a known_hosts key field ('ssh-ed25519 AAAA...'), learned once."""
+    scratch = tmp_path / "scratch_known_hosts"
+    learn = SshEndpoint(host="127.0.0.1", port=port, identity_file=str(client_key),
+                        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={scratch}"))  # fmt: skip
+    await run_remote(learn, "true")
+    return scratch.read_text().split(None, 1)[1].strip()
+
+
+def _accept_new(port: int, key: Path, known: Path) -> SshEndpoint:
+    return SshEndpoint(host="127.0.0.1", port=port, identity_file=str(key),
+                       options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"))  # fmt: skip
+
+
+async def test_accept_new_refuses_a_revoked_host_key(tmp_path: Path) -> None:
+    """A key under `@revoked` is refused, never accepted (and remembered) as a new host's key."""
+    server = await start_local_ssh_server(tmp_path)
+    try:
+        key = await _server_key(tmp_path, server.port, server.client_key_path)
+        known = tmp_path / "known_hosts"
+        known.write_text(f"@revoked [127.0.0.1]:{server.port} {key}\n")
+        with pytest.raises(ConnectionError, match="revoked"):
+            await run_remote(_accept_new(server.port, server.client_key_path, known), "true")
+        assert known.read_text() == f"@revoked [127.0.0.1]:{server.port} {key}\n"
+        # The same key revoked for every host (`@revoked *`) is refused too.
+        known.write_text(f"@revoked * {key}\n")
+        with pytest.raises(ConnectionError, match="revoked"):
+            await run_remote(_accept_new(server.port, server.client_key_path, known), "true")
+    finally:
+        server.close()
+
+
+async def test_accept_new_treats_a_host_under_a_cert_authority_as_known(tmp_path: Path) -> None:
+    """A host matched by `@cert-authority` is known: a plain key the CA did not sign is refused."""
+    server = await start_local_ssh_server(tmp_path)
+    ca = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"@cert-authority [127.0.0.1]:{server.port} {ca}\n")
+    try:
+        with pytest.raises(ConnectionError, match="host key"):
+            await run_remote(_accept_new(server.port, server.client_key_path, known), "true")
+        assert known.read_text() == f"@cert-authority [127.0.0.1]:{server.port} {ca}\n"
+    finally:
+        server.close()
+
+
+async def test_accept_new_still_takes_a_new_host_beside_revoked_and_ca_lines_for_others(tmp_path: Path) -> None:
+    server = await start_local_ssh_server(tmp_path)
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"@revoked * {other}\n@cert-authority *.example.org {other}\n")
+    try:
+        assert (await run_remote(_accept_new(server.port, server.client_key_path, known), "echo hi"))[1].strip() == "hi"
+        assert f"[127.0.0.1]:{server.port} ssh-ed25519 " in known.read_text()
+    finally:
+        server.close()
