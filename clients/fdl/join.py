@@ -10,6 +10,11 @@ bad config, incompatible build) — for systemd's RestartPreventExitStatus=2. Wi
 gives up on transient failures: it backs off 5 s doubling to 60 s and dials again (the backoff
 resets after a run that lasted longer than 2 minutes).
 
+The controller's `env:` is filtered: a walk-in applies thread counts (OMP_NUM_THREADS, ...), NCCL_*/GLOO_*
+tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the names --accept-env (or
+join.accept_env) lists; any other name refuses the run on this host (exit 2) naming the variables. Under
+open admission (no token) it applies no controller env at all.
+
 With --ssh [USER@]HOST[:PORT] [--identity KEY] every attempt brings up its own `ssh -N -L` forward
 (OpenSSH, BatchMode: never a password prompt) and dials through it; the address is then the
 controller as seen from that host (default 127.0.0.1:1337). A refused key exits 2.
@@ -67,6 +72,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="dial through a fresh `ssh -L` forward via this host; the address is then the "
                              "controller as seen from it (default 127.0.0.1:1337)")
     parser.add_argument("--identity", default=None, metavar="KEY", help="private key for --ssh (ssh -i)")
+    parser.add_argument("--accept-env", dest="accept_env", action="append", default=None, metavar="NAME[,NAME]",
+                        help="apply these variables of the controller's env too (besides thread counts and "
+                             "NCCL_/GLOO_ tuning); any other name the controller sets refuses the run")
 
 
 def say(message: str) -> None:
@@ -134,7 +142,14 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
     if devices == ["all"]:
         devices = None
     name = args.host or block.host or os.environ.get("FLODL_HOST_NAME") or socket.gethostname() or "unknown-host"
-    spec = AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices)
+    from flodld.agent.envpolicy import parse_accept_env
+
+    try:
+        accept_env = parse_accept_env([*block.accept_env, *(getattr(args, "accept_env", None) or ())])
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    spec = AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices,
+                     accept_env=list(accept_env) or None)  # fmt: skip
     return JoinPlan(command, spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
 from flodld.agent.spawn import (
@@ -93,6 +94,12 @@ class AgentShell:
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
             f"{envelope.ranks}; controller address {envelope.controller_host}:{envelope.controller_port}"
         )
+        if not self.spec.cluster_env:
+            verdict = self._judge_env(envelope.env)
+            if not verdict.ok:
+                await joined.stream.aclose()  # no rank starts; the controller sees this host gone
+                return ExitClass.PERMANENT
+            joined.formed = joined.formed.model_copy(update={"envelope": envelope.model_copy(update={"env": verdict.apply})})
         try:
             await self._spawn_all(joined)
         except OSError as error:
@@ -102,6 +109,17 @@ class AgentShell:
             await joined.stream.aclose()
             return ExitClass.TRANSIENT
         return await self._supervise(joined)
+
+    def _judge_env(self, env: dict[str, str]) -> envpolicy.EnvVerdict:
+        """A walk-in applies only safe or accepted names, and none under open admission."""
+        where = f"{self.spec.controller_host}:{self.spec.controller_port}"
+        accepted = tuple(self.spec.accept_env or ())
+        verdict = envpolicy.judge_controller_env(env, authenticated=self.spec.salt_hex is not None, accepted=accepted)
+        if verdict.refused:
+            say(envpolicy.refusal_message(verdict.refused, where))
+        elif verdict.dropped:
+            say(envpolicy.dropped_message(verdict.dropped, where, accepted))
+        return verdict
 
     async def _spawn_all(self, joined: Joined) -> None:
         formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host

@@ -33,6 +33,14 @@ class AgentSpec(BaseModel):
     averaging: Annotated[str, Field(max_length=128)] | None = None
     connect_attempts: Annotated[int, Field(ge=1)] | None = None
     grace_secs: Annotated[float, Field(gt=0)] = 5.0
+    # True only when the operator's own launcher started this agent (fan-out): the controller's
+    # `env` is then the operator's and applies unfiltered. False (walk-ins, and any spec that does
+    # not say) filters it through flodld.agent.envpolicy.
+    # (Unset fields stay out of the encoded spec: None, not False or [].)
+    cluster_env: bool | None = None
+    accept_env: Annotated[
+        list[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]], Field(max_length=4096)
+    ] | None = None
 
 
 def encode_spec(spec: BaseModel) -> str:

@@ -177,6 +177,8 @@ class WalkInConfig(BaseModel):
     host: Host | None = None
     devices: DeviceSpec = ALL_DEVICES
     persist: Flag = False
+    # Controller env names this walk-in applies beyond the safe set (flodld.agent.envpolicy).
+    accept_env: tuple[Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], ...] = ()
 
     @field_validator("address")
     @classmethod

@@ -117,7 +117,7 @@ def plan_agent(
     devices = list(worker.local_devices) if worker.local_devices != "all" else ["all"]
     spec = AgentSpec(
         host=worker.host, controller_host=controller.host, controller_port=controller_port, salt_hex=salt_hex,
-        devices=devices, averaging=str(controller.averaging.value),
+        devices=devices, averaging=str(controller.averaging.value), cluster_env=True,
     )  # fmt: skip
     return AgentPlan(host=worker.host, endpoint=endpoint_for(worker), workdir=workdir, argv=tuple(argv), spec=spec,
                      tunnel=worker.tunnel, controller_port=controller_port, worker_env=worker_env)  # fmt: skip
