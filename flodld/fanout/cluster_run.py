@@ -82,7 +82,10 @@ async def run_cluster_job(
     except FanOutError as error:
         say(f"run FAILED before the window opened: {error}")
         return EXIT_FAILED
-    overrides: dict[str, Any] = {} if port is None else {"port": port}
+    # preshared: every agent this launcher starts gets the salt over its own channel (SSH stdin, or the
+    # environment of a local child), so a loopback bind (all workers tunneled) never opens admission:
+    # a local user on a worker host cannot join through the -R forward without the salt.
+    overrides: dict[str, Any] = {"preshared": True} if port is None else {"preshared": True, "port": port}
     options = ControllerOptions.from_cluster(cluster, probed=probed, **overrides)
     controller = Controller(options)
     controller.on_phase(lambda phase, reason: say(phase.value + (f" — {reason}" if reason else "")))
@@ -94,6 +97,8 @@ async def run_cluster_job(
         say(f"run FAILED: the controller cannot listen on {options.effective_bind_host}:{options.port} ({error}); "
             "free the port or set cluster.controller.port")  # fmt: skip
         return EXIT_FAILED
+    # Always the salt, unless the operator set open_admission explicitly (then the join key is public,
+    # the controller warns, and agents receive the salt in Accept like any joiner).
     salt_hex = controller.salt_hex if controller.join_key != OPEN_ADMISSION_KEY else None
     local = [w for w in cluster.workers if w.is_local(cluster.controller.host)]
     remote = [w for w in cluster.workers if not w.is_local(cluster.controller.host)]
