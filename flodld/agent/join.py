@@ -8,6 +8,9 @@ and systemd's RestartPreventExitStatus=2 know when to stop.
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -92,8 +95,36 @@ def rewrite_controller_address(formed: WorldFormed, host: str, port: int) -> Wor
                        relay=None if relay is None else RelaySpec.model_validate(relay.model_dump()))
 
 
-async def join_world(spec: AgentSpec, hello: Hello) -> Joined:
-    """Dial, get admitted, wait for formation; raises JoinFailed with an actionable message."""
+def cleartext_warning(peer: str, where: str, *, pre_shared: bool) -> str | None:
+    """The warning for a join link to a controller outside private address space (None inside it)."""
+    try:
+        if ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback:
+            return None
+    except ValueError:
+        pass
+    from flodld.controller.addresses import is_private_address  # only off loopback: it costs an import
+
+    if is_private_address(peer):
+        return None
+    exposed = "parameters and store traffic" if pre_shared else (
+        "parameters, store traffic and — under open admission — the session salt itself (sent in the Accept)"
+    )
+    return (
+        f"WARNING: controller {where} (peer {peer}) is outside every private address range and this agent's "
+        f"links to it are CLEARTEXT (HMAC-authenticated, not encrypted): anyone on the path can read {exposed}. "
+        "Dial through `fdl join --ssh`, a tunnel or an encrypted overlay (WireGuard/VPN)"
+    )
+
+
+def _stderr(message: str) -> None:
+    sys.stderr.write(f"flodld agent: {message}\n")
+    sys.stderr.flush()
+
+
+async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], None] = _stderr) -> Joined:
+    """Dial, get admitted, wait for formation; raises JoinFailed with an actionable message.
+
+    `warn` receives the cleartext warning when the controller's address is public."""
     pre_shared = spec.salt_hex is not None
     key = salt_from_hex(spec.salt_hex) if spec.salt_hex is not None else OPEN_ADMISSION_KEY
     where = f"{spec.controller_host}:{spec.controller_port}"
@@ -106,6 +137,11 @@ async def join_world(spec: AgentSpec, hello: Hello) -> Joined:
         raise JoinFailed(f"{error} — is a controller running there with its join window open?",
                          ExitClass.TRANSIENT) from None
     keep_alive(stream.writer)  # a controller whose network vanished must end the read, not hang it
+    peer = stream.writer.get_extra_info("peername")
+    if peer:
+        warning = cleartext_warning(str(peer[0]), where, pre_shared=pre_shared)
+        if warning is not None:
+            warn(warning)
     try:
         await stream.send(hello)
         reply = await _receive(stream, scaled(REPLY_TIMEOUT_SECS), where, pre_shared, before_reply=True)

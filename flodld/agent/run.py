@@ -74,7 +74,7 @@ class AgentShell:
             f"with {len(self.devices)} rank(s) (devices {self.devices}, admission: "
             f"{'pre-shared salt' if self.spec.salt_hex else 'open'})"
         )
-        join = asyncio.ensure_future(join_world(self.spec, build_hello(self.spec, self.devices)))
+        join = asyncio.ensure_future(join_world(self.spec, build_hello(self.spec, self.devices), warn=say))
         interrupt = asyncio.ensure_future(self.events.get())
         await asyncio.wait({join, interrupt}, return_when=asyncio.FIRST_COMPLETED)
         if not join.done():

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 
 from flodld.agent.spec import AGENT_ENV
-from flodld.rank.env import in_flodld_rank
+from flodld.rank.env import claim_salt, in_flodld_rank
 from flodld.relay.spec import RELAY_ENV
 
 
@@ -62,9 +62,14 @@ def _run_role(name: str, run: Callable[[], int]) -> None:
 
 
 def exit_if_worker_role() -> None:
-    """Run the agent or relay role and exit when this process is one; return otherwise."""
+    """Run the agent or relay role and exit when this process is one; return otherwise.
+
+    In a rank it takes the session salt out of the environment first, so that no subprocess of the
+    training program inherits it (flodld.rank.env.claim_salt)."""
     role = current_role()
-    if role is Role.AGENT:
+    if role is Role.RANK:
+        claim_salt()
+    elif role is Role.AGENT:
         from flodld.agent.run import run_agent
 
         _run_role("agent", run_agent)

@@ -2,7 +2,10 @@
 
 The agent writes these (flodld.agent.spawn.rank_environment) and the rank reads them back here;
 both sides use the names below so they cannot drift. The salt travels in an environment variable,
-never in argv, since any local user can read a command line.
+never in argv, since any local user can read a command line; and the rank takes it out of its own
+environment as soon as it starts (`claim_salt`, from `flodld.run`/`exit_if_worker_role`) or first
+reads it, so the training program's own subprocesses (data loaders, shell-outs, tools) never inherit
+the run's master key. From then on it lives only in this module.
 """
 
 from __future__ import annotations
@@ -31,6 +34,22 @@ HEARTBEAT_INTERVAL: Final = "FLODL_HEARTBEAT_INTERVAL_SECS"
 
 DEFAULT_LIVENESS_TIMEOUT_SECS: Final = 30.0
 DEFAULT_HEARTBEAT_INTERVAL_SECS: Final = 1.0
+
+
+# The salt once claimed from os.environ (hex, as the agent wrote it); None until then.
+_claimed_salt_hex: str | None = None
+
+
+def claim_salt() -> None:
+    """Move the session salt out of this process's environment into this module (idempotent).
+
+    `os.environ.pop` also unsets it in the C environment, so neither `subprocess` nor `os.system`
+    nor an exec'd child sees it. A later `read_rank_environment()` still finds it.
+    """
+    global _claimed_salt_hex
+    value = os.environ.pop(SALT, None)
+    if value is not None:
+        _claimed_salt_hex = value
 
 
 class RankEnvError(RuntimeError):
@@ -100,7 +119,12 @@ def split_host_port(text: str, what: str) -> tuple[str, int]:
 
 
 def read_rank_environment(environ: Mapping[str, str] | None = None) -> RankEnvironment:
-    env = os.environ if environ is None else environ
+    """The rank's environment: `environ` as given, or this process's (whose salt it claims)."""
+    if environ is None:
+        claim_salt()
+        env: Mapping[str, str] = {**os.environ, SALT: _claimed_salt_hex} if _claimed_salt_hex else os.environ
+    else:
+        env = environ
     rank = _int(env, RANK)
     world_size = _int(env, WORLD_SIZE, minimum=1)
     if rank >= world_size:

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import flodld  # noqa: E402
+import flodld.rank  # noqa: E402
 from flodld.rank.averaging import all_average  # noqa: E402
 
 
@@ -40,7 +41,8 @@ def main() -> int:
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     assert total.item() == world * (world + 1) / 2, total
-    leaks = salt_in_any_cmdline(os.environ["FLODL_INTERNAL_SALT"])
+    assert "FLODL_INTERNAL_SALT" not in os.environ, "the salt stayed in the rank's environment"
+    leaks = salt_in_any_cmdline(flodld.rank.read_rank_environment().salt.hex())
     if leaks:
         print(f"rank {rank}: salt visible in the command line of pids {leaks}", flush=True)
         return 1
