@@ -206,6 +206,10 @@ def test_target_parsing(target: str, expected: tuple[str, int, str | None]) -> N
         ({"host": "h", "options": ("ForwardAgent=yes",)}, "unsupported ssh option 'ForwardAgent'"),
         ({"host": "h", "options": ("StrictHostKeyChecking=maybe",)}, "StrictHostKeyChecking must be"),
         ({"host": "h", "options": ("ProxyJump=",)}, "needs a value"),
+        ({"host": "-oProxyCommand=touch /tmp/pwned"}, "ssh would read it as an option"),
+        ({"host": "h", "user": "-F/tmp/evil_config"}, "ssh would read it as an option"),
+        ({"host": "h", "options": ("ProxyJump=ok,-oProxyCommand=x",)}, "ssh would read it as an option"),
+        ({"host": "h\n-oProxyCommand=x"}, "control character"),
     ],
 )
 def test_bad_ssh_settings_are_named(kwargs: dict[str, object], fragment: str) -> None:
