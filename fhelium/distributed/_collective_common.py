@@ -6,8 +6,12 @@ Every typed collective runs in the same order:
 2. :func:`exchange_control`: one all-gather of small JSON records, after which every rank
    knows every rank's error, operation name, root and descriptor, and either all ranks
    raise the same :class:`CollectiveArgumentError` or all proceed;
-3. payload collectives through the staging helpers;
-4. local compute.
+3. :func:`agree_on_allocation` where a rank receives storage sized by a peer's descriptor:
+   every rank allocates (and packs) what its payload phase needs, then a second control
+   exchange shares who failed, so an allocation failure raises the same error on every rank
+   instead of leaving the peers waiting in the payload phase;
+4. payload collectives through the staging helpers;
+5. local compute.
 
 No pickle: control records are JSON bytes carried in a ``uint8`` tensor, length-capped
 before any buffer is allocated.
@@ -16,10 +20,10 @@ before any buffer is allocated.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +35,11 @@ from fhelium.distributed._state import local_device
 CONTROL_SLOT_BYTES = 1024
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
 _LENGTH_BYTES = 8
+
+_T = TypeVar("_T")
+# An allocator's message (a CUDA out-of-memory report runs to several hundred bytes) is cut here
+# so that the allocation exchange stays within one control slot for small groups.
+_ALLOCATION_MESSAGE_CHARS = 400
 
 HANG_HINT = (
     "every rank of the group must call the same collectives in the same order with the same "
@@ -221,11 +230,13 @@ def exchange_control(
     arguments: dict[str, Any],
     error: str | None,
     body: Any = None,
+    stage: str = "argument validation",
 ) -> ControlExchange:
     """Share every rank's arguments, error and body; raise the same error on all ranks if needed.
 
     ``arguments`` must be equal on every rank (roots, operation options); a difference is
-    reported as an error. ``error`` is this rank's local validation result.
+    reported as an error. ``error`` is this rank's local validation result. ``stage`` names
+    the step in the raised message (and the phase of a transport failure).
     """
     record = ControlRecord(operation, arguments, error, body)
     if info.size == 1:
@@ -233,7 +244,8 @@ def exchange_control(
             raise CollectiveArgumentError(f"{operation}: {error}")
         return ControlExchange([record])
     raw = _encode_bounded(record)
-    with collective_phase(info, operation, "control exchange"):
+    phase = "control exchange" if stage == "argument validation" else f"control exchange ({stage})"
+    with collective_phase(info, operation, phase):
         gathered = _all_gather_bytes(raw, info)
     records: list[ControlRecord] = []
     problems: list[str] = []
@@ -251,10 +263,45 @@ def exchange_control(
     )
     if problems:
         # Named after group rank 0's operation so that every rank raises the very same text.
-        raise CollectiveArgumentError(
-            f"{records[0].operation} argument validation failed: " + "; ".join(problems)
-        )
+        raise CollectiveArgumentError(f"{records[0].operation} {stage} failed: " + "; ".join(problems))
     return ControlExchange(records)
+
+
+def allocation_error(problem: BaseException) -> str:
+    """This rank's report of a failed allocation, short enough for a control record."""
+    text = f"{type(problem).__name__}: {problem}"
+    if len(text) > _ALLOCATION_MESSAGE_CHARS:
+        text = text[: _ALLOCATION_MESSAGE_CHARS - 3] + "..."
+    return f"cannot allocate receive storage ({text})"
+
+
+def agree_on_allocation(info: GroupInfo, operation: str, prepare: Callable[[], _T]) -> _T:
+    """Run ``prepare`` (every allocation and packing of this rank's payload phase), then agree.
+
+    Every rank calls this, senders too (their packing may allocate). A second control exchange
+    shares each rank's outcome, so if any rank could not allocate, every rank raises the same
+    :class:`CollectiveArgumentError` and nobody enters the payload phase; the group stays usable.
+    """
+    prepared: _T | None = None
+    error: str | None = None
+    try:
+        prepared = prepare()
+    except (RuntimeError, MemoryError, ValueError) as problem:  # torch.OutOfMemoryError is a RuntimeError
+        error = allocation_error(problem)
+    try:
+        exchange_control(
+            info,
+            operation,
+            arguments={"stage": "receive allocation"},
+            error=error,
+            stage="receive allocation",
+        )
+    except BaseException:
+        # The traceback keeps this frame alive: drop this rank's buffers before the error leaves.
+        prepared = None
+        raise
+    assert error is None
+    return prepared  # type: ignore[return-value]  # set whenever error is None
 
 
 def _disagreements(records: Sequence[ControlRecord]) -> list[str]:
@@ -371,24 +418,63 @@ class PointToPointBatch:
         self.operations.append(dist.P2POp(dist.irecv, slot.buffer, peer_global, self.info.group, tag))
 
     def run(self, operation: str, phase: str) -> None:
-        if self.operations:
-            with collective_phase(self.info, operation, phase):
-                for work in dist.batch_isend_irecv(self.operations):
-                    work.wait()
-        for slot in self.slots:
-            slot.finish()
-        self.operations.clear()
-        self.slots.clear()
-        self._sent.clear()
+        try:
+            if self.operations:
+                with collective_phase(self.info, operation, phase):
+                    for work in dist.batch_isend_irecv(self.operations):
+                        work.wait()
+            for slot in self.slots:
+                slot.finish()
+        finally:  # a failed batch releases its staging and packed buffers too
+            self.operations.clear()
+            self.slots.clear()
+            self._sent.clear()
 
 
-def all_gather_tensor(tensor: torch.Tensor, *, info: GroupInfo, operation: str) -> list[torch.Tensor]:
-    """All-gather equal-shape tensors; results are fresh contiguous tensors on ``tensor.device``."""
-    with collective_phase(info, operation, "payload all-gather"):
+@dataclass
+class PreparedBroadcast:
+    """One leaf of a broadcast with its transport storage allocated up front (see
+    :func:`agree_on_allocation`): the source's packed buffer, or a receiver's slot."""
+
+    buffer: torch.Tensor
+    slot: ReceiveSlot | None = None
+
+    @classmethod
+    def source(cls, tensor: torch.Tensor, info: GroupInfo) -> PreparedBroadcast:
+        return cls(send_buffer(tensor, info.transport_device))
+
+    @classmethod
+    def receiver(cls, target: torch.Tensor, info: GroupInfo) -> PreparedBroadcast:
+        slot = receive_slot(target, info.transport_device)
+        return cls(slot.buffer, slot)
+
+    def run(self, *, src_global: int, info: GroupInfo, operation: str) -> None:
+        with collective_phase(info, operation, "payload broadcast"):
+            dist.broadcast(self.buffer, src=src_global, group=info.group)
+        if self.slot is not None:
+            self.slot.finish()
+
+
+@dataclass
+class PreparedAllGather:
+    """One leaf of an all-gather: its send buffer and the ``size`` outputs, allocated up front."""
+
+    source: torch.Tensor
+    staged: torch.Tensor
+    outputs: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, tensor: torch.Tensor, info: GroupInfo) -> PreparedAllGather:
         staged = send_buffer(tensor, info.transport_device)
         outputs = [
             torch.empty(tensor.shape, dtype=tensor.dtype, device=info.transport_device)
             for _ in range(info.size)
         ]
-        dist.all_gather(outputs, staged, group=info.group)
-    return [t if t.device == tensor.device else t.to(tensor.device) for t in outputs]
+        return cls(tensor, staged, outputs)
+
+    def run(self, *, info: GroupInfo, operation: str) -> list[torch.Tensor]:
+        """Results are fresh contiguous tensors on the source tensor's device."""
+        with collective_phase(info, operation, "payload all-gather"):
+            dist.all_gather(self.outputs, self.staged, group=info.group)
+        device = self.source.device
+        return [t if t.device == device else t.to(device) for t in self.outputs]

@@ -29,6 +29,9 @@ TRANSFER_PROTOCOL_VERSION = 1
 MAX_TENSOR_DIMS = 16
 MAX_TENSORS_PER_VALUE = 8
 MAX_TRANSFER_BYTES = 64 * 1024**3
+# What one rank may allocate to receive in one collective, summed over every value it receives
+# (a gather's destination receives group size - 1 values; an all-gather allocates group size).
+MAX_RECEIVE_BYTES = 64 * 1024**3
 
 _DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
@@ -71,6 +74,22 @@ class TensorSpec(_Model):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _DTYPES[self.dtype].itemsize
+
+    def check_layout(self, what: str) -> None:
+        """Refuse a shape whose contiguous strides exceed the byte cap, even with zero elements.
+
+        A zero-element tensor has no bytes, but torch still computes its strides from the other
+        extents: ``[0] + [2**40 - 1] * 7`` overflows them (a RuntimeError in ``torch.empty``).
+        Counting every extent as at least one bounds the strides by the cap as well.
+        """
+        span = _DTYPES[self.dtype].itemsize
+        for extent in self.shape:
+            span *= max(extent, 1)
+            if span > MAX_TRANSFER_BYTES:
+                raise DescriptorError(
+                    f"{what} of shape {list(self.shape)} ({self.dtype}) spans over the {MAX_TRANSFER_BYTES}-byte "
+                    "cap (zero extents counted as one, as torch's strides count them)"
+                )
 
 
 class NamedTensorSpec(TensorSpec):
@@ -170,8 +189,9 @@ def decode_descriptor(data: object) -> Descriptor:
         descriptor = model.model_validate_json(json.dumps(data))
     except ValidationError as error:
         raise DescriptorError(f"invalid {kind} transfer descriptor: {error}") from None
-    specs = _specs(descriptor)
-    total = sum(spec.nbytes for spec in specs)
+    for spec in _specs(descriptor):
+        spec.check_layout(f"tensor {spec.name!r}" if isinstance(spec, NamedTensorSpec) else "the tensor")
+    total = payload_bytes(descriptor)
     if total > MAX_TRANSFER_BYTES:
         raise DescriptorError(
             f"descriptor declares {total} payload bytes, over the {MAX_TRANSFER_BYTES}-byte cap"
@@ -196,6 +216,20 @@ def _specs(descriptor: Descriptor) -> tuple[TensorSpec, ...]:
     if isinstance(descriptor, TensorDescriptor):
         return (descriptor.tensor,)
     return descriptor.tensors
+
+
+def payload_bytes(descriptor: Descriptor) -> int:
+    """Bytes a receiver allocates for one value of this descriptor."""
+    return sum(spec.nbytes for spec in _specs(descriptor))
+
+
+def check_receive_total(total: int, who: str) -> None:
+    """Refuse a collective that would make one rank allocate more than ``MAX_RECEIVE_BYTES``."""
+    if total > MAX_RECEIVE_BYTES:
+        raise DescriptorError(
+            f"{who} would allocate {total} bytes in total to receive, over the {MAX_RECEIVE_BYTES}-byte "
+            "cap on one collective; send fewer or smaller values per call"
+        )
 
 
 def allocation_device(spec: TensorSpec, local: torch.device) -> torch.device:

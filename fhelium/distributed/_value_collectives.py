@@ -28,8 +28,10 @@ from fhelium.distributed._collective_common import (
     ControlExchange,
     GroupInfo,
     PointToPointBatch,
-    all_gather_tensor,
-    broadcast_tensor,
+    PreparedAllGather,
+    PreparedBroadcast,
+    agree_on_allocation,
+    allocation_error,
     exchange_control,
     group_info,
     root_error,
@@ -40,9 +42,11 @@ from fhelium.distributed._transfer import (
     DescriptorError,
     TensorDescriptor,
     allocate_value,
+    check_receive_total,
     decode_descriptor,
     describe_value,
     encode_descriptor,
+    payload_bytes,
     payload_leaves,
     rebuild,
 )
@@ -169,13 +173,18 @@ def broadcast_value(
     assert root is not None  # the exchange refused non-members
     others = [r for r in range(info.size) if r != root]
     received = agree(info, operation, lambda: decode_for_receivers(exchange, root, others))
-    if is_source:
-        leaves = payload_leaves(value_or_none)
-        result = value_or_none
-    else:
+
+    def prepare() -> tuple[Any, list[PreparedBroadcast]]:
+        if is_source:
+            return value_or_none, [
+                PreparedBroadcast.source(leaf, info) for leaf in payload_leaves(value_or_none)
+            ]
         result, leaves = allocate_value(received, local_device())
-    for leaf in leaves:
-        broadcast_tensor(leaf, src_global=src, info=info, operation=operation)
+        return result, [PreparedBroadcast.receiver(leaf, info) for leaf in leaves]
+
+    result, transfers = agree_on_allocation(info, operation, prepare)
+    for transfer in transfers:
+        transfer.run(src_global=src, info=info, operation=operation)
     return result
 
 
@@ -232,19 +241,23 @@ def scatter_values(
         operation,
         lambda: [decode_for_receivers(exchange, root, [r], index=r) for r in range(info.size)],
     )
-    batch = PointToPointBatch(info)
-    if is_source:
-        assert values_or_none is not None
-        for group_rank, item in enumerate(values_or_none):
-            if group_rank == root:
-                continue
-            for tag, leaf in enumerate(payload_leaves(item)):
-                batch.send(leaf, info.global_rank_of(group_rank), tag)
-        batch.run(operation, "payload scatter")
-        return values_or_none[root]
-    result, leaves = allocate_value(received[info.group_rank], local_device())
-    for tag, leaf in enumerate(leaves):
-        batch.receive(leaf, src, tag)
+
+    def prepare() -> tuple[Any, PointToPointBatch]:
+        batch = PointToPointBatch(info)
+        if is_source:
+            assert values_or_none is not None
+            for group_rank, item in enumerate(values_or_none):
+                if group_rank == root:
+                    continue
+                for tag, leaf in enumerate(payload_leaves(item)):
+                    batch.send(leaf, info.global_rank_of(group_rank), tag)
+            return values_or_none[root], batch
+        result, leaves = allocate_value(received[info.group_rank], local_device())
+        for tag, leaf in enumerate(leaves):
+            batch.receive(leaf, src, tag)
+        return result, batch
+
+    result, batch = agree_on_allocation(info, operation, prepare)
     batch.run(operation, "payload scatter")
     return result
 
@@ -297,26 +310,34 @@ def gather_values(
         descriptors = [decode_for_receivers(exchange, r, [root]) for r in range(info.size)]
         if layout_check is not None:
             layout_check(descriptors)
+        check_receive_total(
+            sum(payload_bytes(d) for r, d in enumerate(descriptors) if r != root),
+            f"dst (global rank {dst}), receiving {info.size - 1} values,",
+        )
         return descriptors
 
     received = agree(info, operation, check)
-    batch = PointToPointBatch(info)
-    if info.global_rank != dst:
-        for tag, leaf in enumerate(payload_leaves(value)):
-            batch.send(leaf, dst, tag)
-        batch.run(operation, "payload gather")
-        return None
-    results: list[Any] = []
-    for group_rank, descriptor_of_rank in enumerate(received):
-        if group_rank == root:
-            results.append(value)
-            continue
-        item, leaves = allocate_value(descriptor_of_rank, local_device())
-        for tag, leaf in enumerate(leaves):
-            batch.receive(leaf, info.global_rank_of(group_rank), tag)
-        results.append(item)
+
+    def prepare() -> tuple[list[Any] | None, PointToPointBatch]:
+        batch = PointToPointBatch(info)
+        if info.global_rank != dst:
+            for tag, leaf in enumerate(payload_leaves(value)):
+                batch.send(leaf, dst, tag)
+            return None, batch
+        results: list[Any] = []
+        for group_rank, descriptor_of_rank in enumerate(received):
+            if group_rank == root:
+                results.append(value)
+                continue
+            item, leaves = allocate_value(descriptor_of_rank, local_device())
+            for tag, leaf in enumerate(leaves):
+                batch.receive(leaf, info.global_rank_of(group_rank), tag)
+            results.append(item)
+        return results, batch
+
+    gathered, batch = agree_on_allocation(info, operation, prepare)
     batch.run(operation, "payload gather")
-    return results
+    return gathered
 
 
 def all_gather_values(value: Any, *, accepts: tuple[type, ...], info: GroupInfo, operation: str) -> list[Any]:
@@ -325,9 +346,29 @@ def all_gather_values(value: Any, *, accepts: tuple[type, ...], info: GroupInfo,
     descriptor = None
     if error is None:
         descriptor, error = describe_or_error(value)
-    exchange = exchange_control(info, operation, arguments={}, error=error, body=rank_body(descriptor))
-    common = agree(info, operation, lambda: _common_layout(exchange, operation, info))
-    gathered = [all_gather_tensor(leaf, info=info, operation=operation) for leaf in payload_leaves(value)]
+    # Layouts must be identical, so this rank's own value sizes what it receives: it allocates
+    # before the control exchange and reports a failure there (no second exchange needed).
+    prepared: list[PreparedAllGather] | None = None
+    if error is None:
+        try:
+            leaves = payload_leaves(value)
+            check_receive_total(
+                info.size * sum(leaf.numel() * leaf.element_size() for leaf in leaves),
+                f"every rank, receiving {info.size} values,",
+            )
+            prepared = [PreparedAllGather.allocate(leaf, info) for leaf in leaves]
+        except DescriptorError as problem:
+            error = str(problem)
+        except (RuntimeError, MemoryError, ValueError) as problem:
+            error = allocation_error(problem)
+    try:
+        exchange = exchange_control(info, operation, arguments={}, error=error, body=rank_body(descriptor))
+        common = agree(info, operation, lambda: _common_layout(exchange, operation, info))
+    except BaseException:
+        prepared = None  # the traceback keeps this frame: release the receive storage now
+        raise
+    assert prepared is not None
+    gathered = [leaf.run(info=info, operation=operation) for leaf in prepared]
     return [rebuild(common, tuple(per_leaf[r] for per_leaf in gathered)) for r in range(info.size)]
 
 

@@ -7,6 +7,7 @@ that the pytest side compares across ranks.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -559,6 +560,162 @@ def peer_skips_collective(ctx: RankContext) -> dict[str, Any]:
     raise AssertionError("broadcast completed although rank 2 never called it")
 
 
+# -- hostile descriptors and allocation failures (issue 13, points 10 and 11) ---------------
+#
+# A peer's descriptor is untrusted: a forged one must be refused on every rank before anyone
+# allocates, and a receive allocation that fails on one rank must fail the collective on every
+# rank (never leave the peers waiting in the payload phase). Each scenario ends with an honest
+# collective, which proves the group is still in step.
+
+_HUGE = 2**40 - 1
+
+
+def _forging(ctx: RankContext, forgers: Sequence[int], forge: Callable[[dict[str, Any]], None]) -> Any:
+    """On ``forgers``, make the typed collectives announce a doctored descriptor (a hostile peer)."""
+    from fhelium.distributed import _value_collectives
+
+    honest = _value_collectives.describe_or_error
+    if ctx.rank not in forgers:
+        return honest
+
+    def forged(value: object) -> tuple[dict[str, Any] | None, str | None]:
+        descriptor, _ = honest(value)
+        assert descriptor is not None
+        forge(descriptor)
+        return descriptor, None
+
+    _value_collectives.describe_or_error = forged  # type: ignore[assignment]
+    return honest
+
+
+def _restore(honest: Any) -> None:
+    from fhelium.distributed import _value_collectives
+
+    _value_collectives.describe_or_error = honest
+
+
+def _still_in_step(ctx: RankContext) -> None:
+    gathered = fdist.gather_ciphertexts(ciphertext(70 + ctx.rank), dst=0)
+    if ctx.rank == 0:
+        assert gathered is not None and all(same_value(v, ciphertext(70 + r)) for r, v in enumerate(gathered))
+    everyone = fdist.all_gather_ciphertexts(ciphertext(80 + ctx.rank))
+    assert all(same_value(v, ciphertext(80 + r)) for r, v in enumerate(everyone))
+
+
+def _group_error(call: Callable[[], object]) -> str:
+    """The CollectiveArgumentError text ``call`` raises (anything else fails the scenario)."""
+    try:
+        call()
+    except CollectiveArgumentError as error:
+        return str(error)
+    raise AssertionError("the collective completed although it had to be refused")
+
+
+def zero_element_descriptor(ctx: RankContext) -> dict[str, str]:
+    """Rank 1 declares a zero-element ciphertext with huge extents (torch's strides overflow)."""
+
+    def forge(descriptor: dict[str, Any]) -> None:
+        descriptor["tensors"][0]["shape"] = [2, 0, *([_HUGE] * 5), 3, 16]
+
+    out: dict[str, str] = {}
+    honest = _forging(ctx, [1], forge)
+    try:
+        out["gather"] = _group_error(lambda: fdist.gather_ciphertexts(ciphertext(1), dst=0))
+        out["broadcast"] = _group_error(
+            lambda: fdist.broadcast_ciphertext(ciphertext(1) if ctx.rank == 1 else None, src=1)
+        )
+    finally:
+        _restore(honest)
+    _still_in_step(ctx)
+    return out
+
+
+def gather_total_cap(ctx: RankContext) -> dict[str, str]:
+    """Ranks 1 and 2 each declare ~36 GiB (under the per-value cap): dst must not allocate ~72 GiB."""
+
+    def forge(descriptor: dict[str, Any]) -> None:
+        descriptor["tensors"][0]["shape"] = [2, 50_000_000, 3, 16]
+
+    honest = _forging(ctx, [1, 2], forge)
+    try:
+        message = _group_error(lambda: fdist.gather_ciphertexts(ciphertext(2), dst=0))
+    finally:
+        _restore(honest)
+    _still_in_step(ctx)
+    return {"gather": message}
+
+
+def all_gather_total_cap(ctx: RankContext) -> dict[str, str]:
+    """With the total cap at 2 KiB, an all-gather of 3 x 768 bytes is refused, a gather of 2 x 768 not."""
+    from fhelium.distributed import _transfer
+
+    saved = getattr(_transfer, "MAX_RECEIVE_BYTES", None)
+    _transfer.MAX_RECEIVE_BYTES = 2048  # type: ignore[attr-defined]
+    try:
+        message = _group_error(lambda: fdist.all_gather_ciphertexts(ciphertext(3 + ctx.rank)))
+        gathered = fdist.gather_ciphertexts(ciphertext(3 + ctx.rank), dst=0)
+        assert (gathered is not None) == (ctx.rank == 0)
+    finally:
+        _transfer.MAX_RECEIVE_BYTES = saved  # type: ignore[attr-defined]
+    _still_in_step(ctx)
+    return {"all_gather": message}
+
+
+_BIG_BATCH = 136_534  # x 2 components x 3 limbs x 16 x 8 bytes: 105 MB per ciphertext
+
+
+def _big_ciphertext(batch: int = _BIG_BATCH) -> Ciphertext:
+    return Ciphertext(torch.zeros((2, batch, 3, 16), dtype=torch.int64), 1, 2.0**40, (1, 2, 3))
+
+
+def _address_space_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _with_headroom(limited: bool, headroom: int, call: Callable[[], object]) -> str:
+    """Run ``call`` with this process's address space capped ``headroom`` bytes above its size."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if limited:
+        resource.setrlimit(resource.RLIMIT_AS, (_address_space_bytes() + headroom, hard))
+    try:
+        return _group_error(call)
+    finally:
+        if limited:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _gather_beyond_headroom(ctx: RankContext) -> str:
+    """dst (rank 0) fits the first 105 MB value in its headroom, not the second."""
+    mine = _big_ciphertext() if ctx.rank != 0 else ciphertext(5)
+    return _with_headroom(ctx.rank == 0, 160 << 20, lambda: fdist.gather_ciphertexts(mine, dst=0))
+
+
+def _broadcast_beyond_headroom(ctx: RankContext) -> str:
+    """Rank 2 cannot allocate the source's 105 MB value."""
+    source = _big_ciphertext() if ctx.rank == 0 else None
+    return _with_headroom(ctx.rank == 2, 48 << 20, lambda: fdist.broadcast_ciphertext(source, src=0))
+
+
+def _all_gather_beyond_headroom(ctx: RankContext) -> str:
+    """Rank 1 cannot allocate three copies of the common 35 MB layout."""
+    own = _big_ciphertext(_BIG_BATCH // 3)
+    return _with_headroom(ctx.rank == 1, 48 << 20, lambda: fdist.all_gather_ciphertexts(own))
+
+
+def allocation_failure(ctx: RankContext) -> dict[str, str]:
+    """A real allocation failure on one receiving rank fails the collective on every rank."""
+    out = {
+        "gather": _gather_beyond_headroom(ctx),
+        "broadcast": _broadcast_beyond_headroom(ctx),
+        "all_gather": _all_gather_beyond_headroom(ctx),
+    }
+    _still_in_step(ctx)
+    return out
+
+
 SCENARIOS: list[tuple[str, Callable[[RankContext], Any]]] = [
     ("identity", identity),
     ("broadcast_values", broadcast_values),
@@ -575,4 +732,10 @@ SUITES: dict[str, list[tuple[str, Callable[[RankContext], Any]]]] = {
     "main": SCENARIOS,
     "failure": [("peer_skips_collective", peer_skips_collective)],
     "cuda": [("identity", identity), ("cuda_values", cuda_values)],
+    "limits": [
+        ("zero_element_descriptor", zero_element_descriptor),
+        ("gather_total_cap", gather_total_cap),
+        ("all_gather_total_cap", all_gather_total_cap),
+        ("allocation_failure", allocation_failure),
+    ],
 }

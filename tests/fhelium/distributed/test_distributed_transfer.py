@@ -17,12 +17,14 @@ from fhelium_dist_values import (
 )
 
 from fhelium.distributed._transfer import (
+    MAX_RECEIVE_BYTES,
     MAX_TRANSFER_BYTES,
     TRANSFER_PROTOCOL_VERSION,
     DescriptorError,
     TensorDescriptor,
     ValueDescriptor,
     allocate_value,
+    check_receive_total,
     decode_descriptor,
     describe_value,
     encode_descriptor,
@@ -122,6 +124,42 @@ def _tampered(change: Any) -> dict[str, Any]:
 def test_bad_descriptors_are_refused_before_allocation(change: Any, message: str) -> None:
     with pytest.raises(DescriptorError, match=message):
         decode_descriptor(_tampered(change))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [0] + [2**40 - 1] * 7,  # issue 13 point 10: zero elements, strides overflow int64
+        [0, 2**32, 2**31],
+        [2**20, 0, 2**20, 2**20],
+    ],
+)
+def test_zero_element_tensors_with_huge_extents_are_a_descriptor_error(shape: list[int]) -> None:
+    """No bytes to receive, but torch.empty would raise 'Stride calculation overflowed'."""
+    raw = {
+        "protocol_version": TRANSFER_PROTOCOL_VERSION,
+        "kind": "tensor",
+        "tensor": {"shape": shape, "dtype": "int64", "device_type": "cpu"},
+    }
+    with pytest.raises(DescriptorError, match=r"spans over the \d+-byte cap \(zero extents counted as one"):
+        decode_descriptor(raw)
+    forged = _tampered(lambda w: w["tensors"][0].update(shape=[2, *shape, 3, 16]))
+    with pytest.raises(DescriptorError, match=r"tensor 'data' of shape \[2, .*\] \(int64\) spans over the"):
+        decode_descriptor(forged)
+
+
+def test_zero_element_tensors_of_ordinary_extents_still_transfer() -> None:
+    empty = torch.empty((0, 3, 2**20), dtype=torch.int64)
+    descriptor = decode_descriptor(_wire(empty))
+    received, _ = allocate_value(descriptor, CPU)
+    assert received.shape == (0, 3, 2**20)
+
+
+def test_receive_total_cap_covers_every_value_of_a_collective() -> None:
+    assert MAX_RECEIVE_BYTES >= MAX_TRANSFER_BYTES
+    check_receive_total(MAX_RECEIVE_BYTES, "dst")
+    with pytest.raises(DescriptorError, match=r"dst would allocate \d+ bytes in total to receive"):
+        check_receive_total(MAX_RECEIVE_BYTES + 1, "dst")
 
 
 def test_cap_is_large_enough_for_real_ciphertexts() -> None:
