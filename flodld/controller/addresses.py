@@ -53,19 +53,34 @@ def is_loopback_address(address: str) -> bool:
     return ip.is_loopback
 
 
-class CleartextWarner:
-    """Logs one loud warning per distinct public peer address for the life of this object."""
+# How many public addresses a warner remembers: a flood of distinct sources costs at most this many
+# entries (the oldest is forgotten first, and warned about again if it comes back).
+MAX_WARNED_ADDRESSES = 1024
 
-    def __init__(self, what: str = "controller", logger: logging.Logger | None = None) -> None:
+
+class CleartextWarner:
+    """Logs one loud warning per distinct public peer address, remembering at most `limit` addresses."""
+
+    def __init__(
+        self, what: str = "controller", logger: logging.Logger | None = None, *, limit: int = MAX_WARNED_ADDRESSES
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"a cleartext warner remembers at least 1 address, got {limit}")
         self._what = what
         self._log = logger or log
-        self._warned: set[str] = set()
+        self._limit = limit
+        self._warned: dict[str, None] = {}  # insertion-ordered: the first key is the oldest
+
+    def __len__(self) -> int:
+        return len(self._warned)
 
     def check(self, address: str) -> bool:
         """Warn if `address` is public and not warned about yet; return whether a warning was logged."""
         if is_private_address(address) or address in self._warned:
             return False
-        self._warned.add(address)
+        if len(self._warned) >= self._limit:
+            del self._warned[next(iter(self._warned))]
+        self._warned[address] = None
         self._log.warning(
             "event=cleartext_peer what=%s peer=%s WARNING: peer is outside every private address range and "
             "this channel is CLEARTEXT (HMAC-authenticated, not encrypted); route it through an SSH tunnel "

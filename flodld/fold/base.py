@@ -135,11 +135,31 @@ class ModularFold:
 
     def add(self, accumulator: Bundle, value: Bundle) -> Bundle:
         check_same_schema(accumulator, value)
+        for index, incoming in enumerate(value):
+            self._check_residues(index, incoming)
         for held, incoming in zip(accumulator, value, strict=True):
             held.add_(incoming)
-            # Residues are < q < 2**62, so the sum of two never overflows int64 before reduction.
+            # Residues are in [0, q) with q < 2**62 (checked above), so the sum of two never
+            # overflows int64 before reduction.
             torch.remainder(held, self._column, out=held)
         return accumulator
+
+    def _check_residues(self, index: int, tensor: torch.Tensor) -> None:
+        """Refuse values outside [0, q) per limb: out-of-range input would wrap int64 or skew the sum."""
+        if tensor.numel() == 0:
+            return
+        if tensor.dtype != torch.int64:
+            raise FoldError(f"tensor {index} has dtype {tensor.dtype}; the modular fold needs int64")
+        if tensor.dim() < 2 or tensor.shape[-2] != len(self.moduli):
+            raise FoldError(
+                f"tensor {index} has shape {tuple(tensor.shape)}; the modular fold needs [..., limb, N] "
+                f"with {len(self.moduli)} limb(s), one per modulus"
+            )
+        if bool((tensor < 0).any()) or bool((tensor >= self._column).any()):
+            raise FoldError(
+                f"tensor {index} holds residues outside [0, q) for its limb's modulus q {list(self.moduli)}; "
+                "reduce every residue modulo its limb's prime before depositing"
+            )
 
     def finish(self, accumulator: Bundle, weight: float) -> Bundle:
         return accumulator

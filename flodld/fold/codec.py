@@ -1,7 +1,10 @@
 """Bundle ⇄ (TensorSpec list, tail bytes): tensors as raw little-endian bytes behind a typed header.
 
 Decoding checks that the specs account for exactly the tail's length before building any tensor,
-so a lying header cannot make us allocate or read past what was already capped and received.
+so a lying header cannot make us allocate or read past what was already capped and received, and
+that every shape is one torch can describe: a zero-element tensor carries no bytes, but huge other
+dimensions (`[0] + [2**40-1]*7`) would overflow torch's stride arithmetic, so the product of the
+non-zero dimensions is capped too. Every refusal is a `CodecError`.
 """
 
 from __future__ import annotations
@@ -28,8 +31,24 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
     raise ImportError("flodld's tensor codec assumes a little-endian host")
 
 
+# The product of a shape's non-zero dimensions: far beyond any tensor that fits a frame, far below
+# where torch's int64 stride and storage arithmetic overflows.
+MAX_SHAPE_SPAN = 2**48
+
+
 class CodecError(ValueError):
     """Tensor header and bytes disagree, or a tensor cannot travel; the message says which."""
+
+
+def _check_shape(index: int, spec: TensorSpec) -> None:
+    span = 1
+    for dimension in spec.shape:
+        span *= max(dimension, 1)
+        if span > MAX_SHAPE_SPAN:
+            raise CodecError(
+                f"tensor {index} has shape {spec.shape}: its non-zero dimensions multiply past {MAX_SHAPE_SPAN} "
+                "(torch cannot describe it even with zero elements); send a smaller shape"
+            )
 
 
 def encode_bundle(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], bytes]:
@@ -49,19 +68,24 @@ def encode_bundle(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], by
 
 
 def decode_bundle(specs: Sequence[TensorSpec], tail: bytes) -> Bundle:
-    """Tensors described by `specs`, backed by fresh copies of the bytes in `tail`."""
+    """Tensors described by `specs`, backed by fresh copies of the bytes in `tail` (CodecError if not)."""
+    for index, spec in enumerate(specs):
+        _check_shape(index, spec)
     expected = sum(spec.nbytes() for spec in specs)
     if expected != len(tail):
         raise CodecError(f"tensor headers describe {expected} bytes but the frame carries {len(tail)}")
     tensors: list[torch.Tensor] = []
     offset = 0
-    for spec in specs:
+    for index, spec in enumerate(specs):
         size = spec.nbytes()
         dtype = _TORCH_DTYPES[spec.dtype]
-        if size:
-            raw = torch.frombuffer(bytearray(tail[offset : offset + size]), dtype=torch.uint8)
-            tensors.append(raw.view(dtype).reshape(list(spec.shape)))
-        else:
-            tensors.append(torch.empty(spec.shape, dtype=dtype))
+        try:
+            if size:
+                raw = torch.frombuffer(bytearray(tail[offset : offset + size]), dtype=torch.uint8)
+                tensors.append(raw.view(dtype).reshape(list(spec.shape)))
+            else:
+                tensors.append(torch.empty(spec.shape, dtype=dtype))
+        except (RuntimeError, ValueError, OverflowError) as error:  # torch's own refusal, as ours
+            raise CodecError(f"tensor {index} ({spec.dtype} {spec.shape}) cannot be built: {error}") from None
         offset += size
     return tuple(tensors)

@@ -66,6 +66,7 @@ class RelayClient:
         self._results: dict[int, tuple[Broadcast, Bundle]] = {}
         self.latest: tuple[Broadcast, Bundle] | None = None
         self._error: str | None = None
+        self.refused = 0
         self._changed = threading.Condition()
         self._closing = False
         for target, name in ((self._read_data, "data"), (self._watch_control, "control"), (self._beat, "heartbeat")):
@@ -106,25 +107,32 @@ class RelayClient:
     # --- background threads ----------------------------------------------------------------
 
     def _read_data(self) -> None:
-        while True:
-            try:
+        """Keep the broadcasts; however this thread ends, waiters are woken with the reason (never hang)."""
+        reason = "the data leg reader stopped"
+        try:
+            while True:
                 frame = self.data.recv()
                 message = frame.message()
-            except (EOFError, OSError, WireError) as error:
-                self._fail(f"the relay closed the data leg ({error})")
-                return
-            if isinstance(message, Broadcast):
-                tensors = decode_bundle(message.tensors, frame.tail)
-                with self._changed:
-                    self._results[message.round] = (message, tensors)
-                    self.latest = (message, tensors)
-                    # Keep only rounds someone may still wait for (async ranks never wait).
-                    for stale in [number for number in self._results if number < message.round - 64]:
-                        del self._results[stale]
-                    self._changed.notify_all()
-            elif isinstance(message, DataPlaneError):
-                self._fail(f"the data plane refused this rank: {message.reason}")
-                return
+                if isinstance(message, Broadcast):
+                    tensors = decode_bundle(message.tensors, frame.tail)
+                    with self._changed:
+                        self._results[message.round] = (message, tensors)
+                        self.latest = (message, tensors)
+                        # Keep only rounds someone may still wait for (async ranks never wait).
+                        for stale in [number for number in self._results if number < message.round - 64]:
+                            del self._results[stale]
+                        self._changed.notify_all()
+                elif isinstance(message, DataPlaneError):
+                    reason = f"the data plane refused this rank: {message.reason}"
+                    return
+        except (EOFError, OSError, WireError) as error:
+            reason = f"the relay closed the data leg ({error})"
+        except Exception as error:  # a frame that does not decode (CodecError, a bad message): refuse it
+            self.refused += 1
+            reason = f"the relay sent a data frame this rank cannot decode ({type(error).__name__}: {error})"
+            self.data.close()
+        finally:
+            self._fail(reason)
 
     def _fail(self, reason: str) -> None:
         with self._changed:
