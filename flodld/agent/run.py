@@ -28,6 +28,7 @@ from flodld.agent.spawn import (
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
 from flodld.wire.errors import WireError
+from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
 
 
@@ -128,7 +129,9 @@ class AgentShell:
         if formed.relay is not None:
             listener = bind_relay_listener()
             relay_port = listener.getsockname()[1]
-            spec = relay_spec_for(formed, host=host, salt=joined.salt, listen_fd=listener.fileno())
+            # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as `host`).
+            host_key = join_host_key(joined.salt, host=host, run_id=envelope.run_id, conn=joined.stream.conn)
+            spec = relay_spec_for(formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno())
             process = await spawn_child(argv, relay_environment(os.environ, spec), pass_fds=[listener.fileno()])
             listener.close()  # the relay owns it now
             self._adopt(Child("relay", process, None), f"[{host}:relay] ")

@@ -91,7 +91,7 @@ def bind_relay_listener() -> socket.socket:
     return listener
 
 
-def relay_spec_for(formed: WorldFormed, *, host: str, salt: bytes, listen_fd: int) -> RelayRoleSpec:
+def relay_spec_for(formed: WorldFormed, *, host: str, salt: bytes, host_key: bytes, listen_fd: int) -> RelayRoleSpec:
     envelope = formed.envelope
     assert formed.relay is not None
     return RelayRoleSpec(
@@ -99,6 +99,7 @@ def relay_spec_for(formed: WorldFormed, *, host: str, salt: bytes, listen_fd: in
         controller_host=envelope.controller_host,
         controller_port=formed.relay.data_port,
         salt_hex=salt.hex(),
+        host_key_hex=host_key.hex(),
         ranks=list(envelope.ranks),
         listen_fd=listen_fd,
     )

@@ -1,6 +1,8 @@
 """The controller's end of the CPU-reduce data plane and of rank liveness (DATA and CONTROL channels).
 
-One relay per host dials each channel and introduces itself with RelayHello. On DATA, host frames
+One relay per host dials each channel and introduces itself with RelayHello, whose `proof` must verify
+under the key derived at that host's admission (`host_key(host)`): a host can speak only as itself.
+After HelloAck the connection is rekeyed to that host key. On DATA, host frames
 are folded across hosts (a RoundBarrier over hosts with live ranks); the finished value goes down
 as Broadcast to every relay. On CONTROL, rank heartbeats feed a Liveness table; a coordinator
 heartbeat goes down every interval, and a rank silent past the timeout is declared dead: its relay
@@ -17,6 +19,7 @@ import contextlib
 import logging
 import time
 import types
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +29,7 @@ from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
 from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
 from flodld.wire.errors import WireError
+from flodld.wire.hostkey import verify_relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
@@ -43,6 +47,8 @@ DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
 DEFAULT_LIVENESS_STARTUP_SECS = 120.0
 
 RankDeadCallback = Callable[[int, str], None]
+HostKeyLookup = Callable[[str], bytes | None]
+"""The key derived at `host`'s admission, or None when that host has no live admission."""
 
 
 def _folds() -> Any:
@@ -55,7 +61,6 @@ def _folds() -> Any:
         fold_from_spec=base.fold_from_spec,
         decode_bundle=codec.decode_bundle,
         encode_bundle=codec.encode_bundle,
-        refusals=(barrier.RoundError, base.FoldError, codec.CodecError),
     )
 
 
@@ -65,6 +70,7 @@ class DataPlaneStats:
     live_hosts: list[str]
     dead_ranks: list[int]
     gone_ranks: list[int]
+    refusals: dict[str, int]
 
 
 class DataPlane:
@@ -75,6 +81,8 @@ class DataPlane:
         salt: bytes,
         host_ranks: Mapping[str, Sequence[int]],
         *,
+        host_key: HostKeyLookup,
+        refusals: Counter[str] | None = None,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_SECS,
         startup_timeout: float | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_SECS,
@@ -84,6 +92,9 @@ class DataPlane:
         if not host_ranks:
             raise ValueError("a data plane needs at least one host")
         self.salt = salt
+        self.host_key = host_key
+        # Refused relays and frames by reason; the controller passes its `dropped` counter (state.json, /metrics).
+        self.refusals: Counter[str] = refusals if refusals is not None else Counter()
         self.host_ranks = {host: sorted(ranks) for host, ranks in host_ranks.items()}
         self.host_of = {rank: host for host, ranks in self.host_ranks.items() for rank in ranks}
         self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
@@ -140,6 +151,7 @@ class DataPlane:
             live_hosts=sorted(self.live_hosts()),
             dead_ranks=list(self.dead_ranks),
             gone_ranks=list(self.gone_ranks),
+            refusals=dict(self.refusals),
         )
 
     # --- channel handlers (the mux hands over after the magic) -----------------------------
@@ -152,27 +164,36 @@ class DataPlane:
 
     async def _serve(self, channel: Channel, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            stream = await accept_channel(reader, writer, self.salt, timeout=HANDSHAKE_TIMEOUT_SECS)
+            stream = await accept_channel(reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS)
             hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
         except (TimeoutError, EOFError, OSError, WireError) as error:
+            self.refusals[f"{channel.value}_handshake"] += 1
             log.info("event=relay_dropped channel=%s reason=%r", channel.value, str(error))
             return
-        host = await self._admit_relay(channel, stream, hello)
-        if host is None:
-            return
+        host: str | None = None
         try:
+            host = await self._admit_relay(channel, stream, hello)
+            if host is None:
+                return
             if channel is Channel.DATA:
                 await self._data_loop(host, stream)
             else:
                 await self._control_loop(host, stream)
         except (EOFError, OSError, WireError) as error:
             log.info("event=relay_closed channel=%s host=%s reason=%r", channel.value, host, str(error))
+        except Exception as error:  # never a silent handler death: counted, logged, cleaned up below
+            self.refusals[f"{channel.value}_failed"] += 1
+            log.exception("event=relay_failed channel=%s host=%s reason=%r", channel.value, host, str(error))
         finally:
-            if self.relays[channel].get(host) is stream:
-                del self.relays[channel][host]
-        if channel is Channel.DATA:
-            for rank in sorted(self.live_ranks[host]):
-                await self._rank_left(host, rank, "its relay's data channel closed")
+            # Whatever ended the loop (an unexpected error included), the host's seat and ranks are
+            # released here, so the barrier never waits for a host whose handler is gone.
+            if host is not None:
+                if self.relays[channel].get(host) is stream:
+                    del self.relays[channel][host]
+                if channel is Channel.DATA:
+                    for rank in sorted(self.live_ranks[host]):
+                        await self._rank_left(host, rank, "its relay's data channel closed")
+            stream.close()
 
     async def _admit_relay(self, channel: Channel, stream: FramedStream, hello: Message) -> str | None:
         refusal: str | None = None
@@ -180,19 +201,41 @@ class DataPlane:
             refusal = f"expected RelayHello first, got {type(hello).__name__}"
         elif hello.host not in self.host_ranks:
             refusal = f"host {hello.host!r} is not in this world (hosts: {sorted(self.host_ranks)})"
+        elif not self._proves_host_key(channel, stream, hello):
+            refusal = (
+                f"the relay's hello for host {hello.host!r} does not verify under that host's admission key: "
+                "a relay speaks only for the host whose agent started it"
+            )
         elif sorted(hello.ranks) != self.host_ranks[hello.host]:
             refusal = f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {self.host_ranks[hello.host]}"
         elif hello.host in self.relays[channel]:
             refusal = f"host {hello.host!r} already has a relay on the {channel} channel"
         if refusal is not None:
+            self.refusals[f"{channel.value}_hello"] += 1
             log.warning("event=relay_refused channel=%s reason=%r", channel.value, refusal)
             await self._send_quietly(stream, DataPlaneError(reason=refusal))
             return None
         assert isinstance(hello, RelayHello)
+        key = self.host_key(hello.host)
+        assert key is not None  # checked by _proves_host_key
         self.relays[channel][hello.host] = stream
-        await stream.send(HelloAck())
+        try:
+            await stream.send(HelloAck())
+        except BaseException:
+            del self.relays[channel][hello.host]
+            raise
+        stream.rekey(key)  # every later frame in both directions is authenticated as this host's
         log.info("event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks))
         return hello.host
+
+    def _proves_host_key(self, channel: Channel, stream: FramedStream, hello: RelayHello) -> bool:
+        key = self.host_key(hello.host)
+        listener_nonce, dialer_nonce = stream.conn.nonce, stream.conn.peer_nonce
+        if key is None or dialer_nonce is None:
+            return False
+        return verify_relay_proof(
+            key, hello.proof, host=hello.host, channel=channel, dialer_nonce=dialer_nonce, listener_nonce=listener_nonce
+        )
 
     # --- data ------------------------------------------------------------------------------
 
@@ -201,15 +244,16 @@ class DataPlane:
             frame = await stream.recv()
             message = frame.message()
             if isinstance(message, HostFrame):
-                barrier = self._ensure_barrier()  # loads self._fold, whose refusals the except clause names
+                barrier = self._ensure_barrier()
                 try:
                     owned = set(self.host_ranks[host])
                     if not set(message.contributors) <= owned:
                         raise ValueError(f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}")
                     tensors = self._fold.decode_bundle(message.tensors, frame.tail)
                     result = barrier.contribute(host, message.round, message.fold, tensors, message.weight)
-                except (ValueError, *self._fold.refusals) as error:
-                    log.error("event=host_frame_refused host=%s reason=%r", host, str(error))
+                except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
+                    self.refusals["host_frame"] += 1
+                    log.error("event=host_frame_refused host=%s reason=%r", host, f"{type(error).__name__}: {error}")
                     await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
                     return
                 self._round_contributors.update(message.contributors)
@@ -317,6 +361,8 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             plane = DataPlane(
                 controller.salt,
                 dict(window.world.ranks),
+                host_key=controller.host_key,
+                refusals=controller.counters.dropped,
                 liveness_timeout=liveness,
                 startup_timeout=startup,
                 heartbeat_interval=interval,

@@ -15,9 +15,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from flodld.net.preauth import GatedReader
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.errors import WireError
+from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Hello, RankExited, Reject
+from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
 if TYPE_CHECKING:
@@ -38,6 +41,8 @@ class HostLink:
     peer: str
     local_address: str
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    host_key: bytes = b""
+    """Derived at admission (`flodld.wire.hostkey`): what the host's relay must prove on DATA/CONTROL."""
 
 
 async def handle_join(controller: Controller, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -51,14 +56,16 @@ async def handle_join(controller: Controller, reader: asyncio.StreamReader, writ
     try:
         try:
             stream = await accept_channel(
-                reader, writer, controller.join_key, timeout=timeout, max_payload=MAX_JOIN_PAYLOAD, max_tail=0
+                reader, writer, controller.join_key, channel=Channel.JOIN, timeout=timeout,
+                max_payload=MAX_JOIN_PAYLOAD, max_tail=0,
             )
             frame = await stream.recv(timeout)
         except WireError as error:
             controller.refuse(peer, error.code, error.detail)
             return
         except (EOFError, asyncio.IncompleteReadError, ConnectionError):
-            controller.refuse(peer, "eof_before_hello", "the dialer closed before sending its hello")
+            if not (isinstance(reader, GatedReader) and reader.refused):  # else the mux counted its overrun
+                controller.refuse(peer, "eof_before_hello", "the dialer closed before sending its hello")
             return
         except TimeoutError:
             controller.refuse(peer, "handshake_timeout", f"no hello within {timeout:g}s")
@@ -74,6 +81,7 @@ async def handle_join(controller: Controller, reader: asyncio.StreamReader, writ
                           f"the first join-channel message must be Hello, got {type(hello).__name__}")
             return
         link = HostLink(hello.host, stream, peer, local_address)
+        link.host_key = join_host_key(controller.salt, host=hello.host, run_id=controller.run_id, conn=stream.conn)
         accepted = controller.admit(hello, link)
         if isinstance(accepted, Reject):
             await _send_quietly(controller, stream, accepted)

@@ -4,6 +4,12 @@ Each connection gets its own protocol object, so a silent or slow peer only ever
 own deadline timer, never the accept loop. Until the magic is in, bytes are buffered here;
 then the transport is handed to the channel's handler (asyncio streams) or, for HTTP, to the
 aiohttp protocol, with the buffered bytes replayed so nothing is lost.
+
+Until a stream connection's first frame verifies (the peer proved it holds the key), it keeps its
+address's pre-admission gate slot (join: until admitted), and every byte it sends is counted
+against a small per-connection allowance and one global pre-authentication budget
+(`flodld.net.preauth`); the first frame itself is capped small by the frame layer. A peer without
+the salt can hold at most that allowance per connection, and all of them together the budget.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
 from flodld.controller.metrics import ControllerCounters
+from flodld.net.preauth import GatedReader, PreAuthBudget
 from flodld.wire.magic import HTTP_PREFIXES, Channel, channel_for_prefix
 
 log = logging.getLogger("flodld.controller.mux")
@@ -76,11 +83,13 @@ class PortMux:
         http_lifetime: float = HTTP_CONNECTION_SECS,
         gate: PreAdmissionGate | None = None,
         warner: CleartextWarner | None = None,
+        budget: PreAuthBudget | None = None,
     ) -> None:
         self.counters = counters
         self.magic_deadline = magic_deadline
         self.http_lifetime = http_lifetime
         self.gate = gate or PreAdmissionGate()
+        self.budget = budget or PreAuthBudget()
         self.warner = warner or CleartextWarner("controller")
         self._handlers: dict[Channel, ChannelHandler] = {}
         self._held_until_release: set[Channel] = set()
@@ -90,8 +99,9 @@ class PortMux:
         self._writers: set[asyncio.StreamWriter] = set()
 
     def register(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
-        """Route `channel` to `handler`. With `hold_gate` the pre-admission slot stays taken
-        until the handler calls `release_gate(peer)` (the join handshake does, once decided)."""
+        """Route `channel` to `handler`. The pre-admission slot stays taken until the connection's
+        first frame verifies (or it ends); with `hold_gate`, until the handler calls
+        `release_gate(peer)` instead (the join handshake does, once decided)."""
         if channel is Channel.HTTP:
             raise ValueError("HTTP is served by set_http(), not a stream handler")
         self._handlers[channel] = handler
@@ -165,18 +175,21 @@ class PortMux:
             self.gate.release(peer)
             self._drop(transport, peer, "no_handler", f"no {channel.value}-channel service running")
             return
-        if channel not in self._held_until_release:
-            self.gate.release(peer)
         self.counters.connections[channel.value] += 1
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=STREAM_LIMIT, loop=loop)
+        slot = _GateSlot(self.gate, peer, held_by_handler=channel in self._held_until_release)
+        reader = GatedReader(
+            channel, self.budget, limit=STREAM_LIMIT, loop=loop,
+            overrun=lambda code, detail: self._drop(transport, peer, code, detail),
+            on_authenticated=slot.release,
+        )
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         if len(buffered) > 4:
             protocol.data_received(buffered[4:])
-        task = loop.create_task(self._run_handler(channel, handler, reader, writer, peer))
+        task = loop.create_task(self._run_handler(channel, handler, reader, writer, peer, slot))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -184,9 +197,10 @@ class PortMux:
         self,
         channel: Channel,
         handler: ChannelHandler,
-        reader: asyncio.StreamReader,
+        reader: GatedReader,
         writer: asyncio.StreamWriter,
         peer: str,
+        slot: _GateSlot,
     ) -> None:
         self._writers.add(writer)
         try:
@@ -196,6 +210,8 @@ class PortMux:
         except Exception:
             log.exception("event=handler_failed channel=%s peer=%s", channel.value, peer)
         finally:
+            reader.settle()
+            slot.release()
             self._writers.discard(writer)
             writer.close()
             with contextlib.suppress(Exception):
@@ -210,6 +226,23 @@ class PortMux:
         log.info("event=connection_dropped peer=%s reason=%s detail=%r", peer, reason, detail)
         abort = getattr(transport, "abort", None)
         abort() if abort is not None else transport.close()
+
+
+class _GateSlot:
+    """One routed connection's gate slot, released once: at its first verified frame or its end.
+
+    Channels whose handler holds the gate (join) release it themselves through `release_gate`.
+    """
+
+    def __init__(self, gate: PreAdmissionGate, peer: str, *, held_by_handler: bool) -> None:
+        self._gate = gate
+        self._peer = peer
+        self._released = held_by_handler
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._gate.release(self._peer)
 
 
 class _LimitedLifetime(asyncio.Protocol):

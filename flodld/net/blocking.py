@@ -59,7 +59,7 @@ class BlockingChannel:
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail)
+            conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail, channel=channel)
             link = cls(sock, conn)
             link._sendall(magic_prefix(channel) + conn.initial_bytes())
             link._complete_handshake(timeout)
@@ -74,15 +74,16 @@ class BlockingChannel:
         sock: socket.socket,
         key: bytes,
         *,
+        channel: Channel,
         timeout: float | None = None,
         max_payload: int = MAX_PAYLOAD,
         max_tail: int = DEFAULT_MAX_TAIL,
     ) -> BlockingChannel:
-        """Listener side on an accepted socket whose channel magic was already read.
+        """Listener side on an accepted socket whose channel magic (`channel`) was already read.
 
         The wait for the dialer's nonce is always bounded: `timeout`, or scaled 10 s when None.
         """
-        conn = FrameConnection(Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail)
+        conn = FrameConnection(Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail, channel=channel)
         link = cls(sock, conn)
         link._sendall(conn.initial_bytes())
         link._complete_handshake(timeout if timeout is not None else scaled(HANDSHAKE_SECS))

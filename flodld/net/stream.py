@@ -11,6 +11,7 @@ import math
 import socket
 from types import TracebackType
 
+from flodld.net.preauth import GatedReader
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
 from flodld.wire.frames import (
@@ -142,7 +143,7 @@ async def open_channel(
     max_tail: int = DEFAULT_MAX_TAIL,
 ) -> FramedStream:
     """Dial `channel` on host:port: write magic and nonce, wait for the listener's nonce (all within `timeout`)."""
-    conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail)
+    conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail, channel=channel)
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host, port)
         stream = FramedStream(reader, writer, conn)
@@ -162,15 +163,27 @@ async def accept_channel(
     writer: asyncio.StreamWriter,
     key: bytes,
     *,
+    channel: Channel | None = None,
     timeout: float | None = None,
     max_payload: int = MAX_PAYLOAD,
     max_tail: int = DEFAULT_MAX_TAIL,
 ) -> FramedStream:
     """Listener side, after the mux consumed the magic: send our nonce, read the dialer's.
 
-    The wait for the dialer's nonce is always bounded: `timeout`, or scaled 10 s when None.
+    The session key is bound to `channel`; when None, the channel the mux routed `reader` to (a
+    `GatedReader`) — a plain reader needs the channel named. With a `GatedReader`, the first verified
+    frame ends its pre-authentication accounting. The wait for the dialer's nonce is always bounded:
+    `timeout`, or scaled 10 s when None.
     """
-    conn = FrameConnection(Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail)
+    gated = reader if isinstance(reader, GatedReader) else None
+    if channel is None:
+        if gated is None:
+            raise ValueError("accept_channel needs the channel (the magic it was reached by) to bind the session key")
+        channel = gated.channel
+    conn = FrameConnection(
+        Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail, channel=channel,
+        on_authenticated=gated.authenticated if gated is not None else None,
+    )
     _nodelay(writer)
     writer.write(conn.initial_bytes())
     stream = FramedStream(reader, writer, conn)

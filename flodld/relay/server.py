@@ -9,6 +9,7 @@ heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing f
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import socket
@@ -30,6 +31,7 @@ from flodld.wire.data import (
     RelayHello,
 )
 from flodld.wire.errors import WireError
+from flodld.wire.hostkey import relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
@@ -41,22 +43,45 @@ log = logging.getLogger("flodld.relay")
 HANDSHAKE_TIMEOUT_SECS = 10.0
 
 
+def warn_if_public(peer: str, where: str) -> bool:
+    """Log a loud warning when the controller's address is outside every private range; True if it did."""
+    try:
+        if ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback:
+            return False
+    except ValueError:
+        pass
+    from flodld.controller.addresses import is_private_address  # only off loopback: it costs an import
+
+    if is_private_address(peer):
+        return False
+    log.warning(
+        "relay: WARNING: controller %s (peer %s) is outside every private address range and the relay's DATA "
+        "and CONTROL upstreams to it are CLEARTEXT (HMAC-authenticated, not encrypted): anyone on the path can "
+        "read every host frame and broadcast. Route them through a tunnel (`tunnel: true`, `fdl join --ssh`) "
+        "or an encrypted overlay (WireGuard/VPN)",
+        where, peer,
+    )
+    return True
+
+
 class Relay:
     def __init__(self, spec: RelayRoleSpec) -> None:
         self.spec = spec
         self.salt = bytes.fromhex(spec.salt_hex)
+        self.host_key = bytes.fromhex(spec.host_key_hex)
         self.ranks = sorted(spec.ranks)
         # Folding needs torch; it loads with the first deposit, so a run that only uses the relay for
         # liveness (gloo/nccl collectives) starts its relay without the import.
         self._barrier: RoundBarrier[int] | None = None
         self._fold: Any = None
-        self._refusals: tuple[type[Exception], ...] = ()
         self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.gone: set[int] = set()
         self.upstream: dict[Channel, FramedStream] = {}
         self.finished = asyncio.Event()
         self.exit_code = 0
         self.rounds = 0
+        self.refused = 0
+        self._warned_cleartext = False
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -106,18 +131,27 @@ class Relay:
             attempts=self.spec.connect_attempts,
         )
         keep_alive(stream.writer)  # a vanished controller ends _read_upstream with an error
-        await stream.send(RelayHello(host=self.spec.host, ranks=self.ranks))
+        peer = stream.writer.get_extra_info("peername")
+        if peer and not self._warned_cleartext:
+            self._warned_cleartext = warn_if_public(str(peer[0]), f"{self.spec.controller_host}:{self.spec.controller_port}")
+        listener_nonce = stream.conn.peer_nonce
+        assert listener_nonce is not None  # the handshake completed
+        proof = relay_proof(
+            self.host_key, host=self.spec.host, channel=channel,
+            dialer_nonce=stream.conn.nonce, listener_nonce=listener_nonce,
+        )
+        await stream.send(RelayHello(host=self.spec.host, ranks=self.ranks, proof=proof))
         reply = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
         if not isinstance(reply, HelloAck):
             raise ConnectionError(f"controller refused the relay's {channel} channel: {reply!r}")
+        stream.rekey(self.host_key)  # the controller rekeyed after its HelloAck: from here on, as this host
         return stream
 
     def _ensure_barrier(self) -> RoundBarrier[int]:
         if self._barrier is None:
-            from flodld.fold import barrier, base, codec
+            from flodld.fold import barrier, codec
 
             self._fold = codec
-            self._refusals = (barrier.RoundError, base.FoldError, codec.CodecError)
             self._barrier = barrier.RoundBarrier(set(self.ranks) - self.gone)
         return self._barrier
 
@@ -130,7 +164,7 @@ class Relay:
                 writer.close()
                 return
             assert channel is not None
-            stream = await accept_channel(reader, writer, self.salt, timeout=HANDSHAKE_TIMEOUT_SECS)
+            stream = await accept_channel(reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS)
             hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
         except (TimeoutError, EOFError, OSError, WireError, asyncio.IncompleteReadError) as error:
             log.warning("relay: dropped a loopback connection before its hello: %s", error)
@@ -145,8 +179,8 @@ class Relay:
         assert isinstance(hello, RankHello)
         rank = hello.rank
         self.legs[channel][rank] = stream
-        await stream.send(HelloAck())
         try:
+            await stream.send(HelloAck())
             if channel is Channel.DATA:
                 await self._rank_data_loop(rank, stream)
             else:
@@ -154,7 +188,11 @@ class Relay:
         except (EOFError, OSError, WireError) as error:
             if rank not in self.gone:
                 log.info("relay: rank %d %s leg closed (%s)", rank, channel, error)
-        await self._rank_gone(rank, f"rank {rank} closed its {channel} leg", notify_upstream=True)
+        except Exception:
+            log.exception("relay: rank %d %s leg failed", rank, channel)
+        finally:
+            # Always fold the rank out, whatever ended its leg: the barrier must not wait for it.
+            await self._rank_gone(rank, f"rank {rank} closed its {channel} leg", notify_upstream=True)
 
     def _check_rank_hello(self, channel: Channel, hello: Message) -> str | None:
         if not isinstance(hello, RankHello):
@@ -177,8 +215,9 @@ class Relay:
             try:
                 tensors = self._fold.decode_bundle(message.tensors, frame.tail)
                 result = barrier.contribute(rank, message.round, message.fold, tensors, message.weight)
-            except self._refusals as error:
-                log.error("relay: refusing rank %d: %s", rank, error)
+            except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
+                self.refused += 1
+                log.error("relay: refusing rank %d: %s: %s", rank, type(error).__name__, error)
                 await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
                 return
             if result is not None:
@@ -243,6 +282,11 @@ class Relay:
         except (EOFError, OSError, WireError) as error:
             live = set(self.ranks) - self.gone
             self._stop(f"controller {channel} channel closed ({error}) with ranks {sorted(live)} live", 1 if live else 0)
+        except Exception:
+            log.exception("relay: controller %s reader failed", channel)
+        finally:
+            if not self.finished.is_set():  # an unexpected error must end the relay, not leave it hanging
+                self._stop(f"controller {channel} reader ended unexpectedly", 1)
 
     async def _fan_out(self, channel: Channel, message: Message, tail: bytes) -> None:
         for rank, leg in list(self.legs[channel].items()):

@@ -1,5 +1,9 @@
 """The relay role's spec (hex JSON in FLODL_INTERNAL_RELAY_JSON), written by the agent.
 
+`host_key_hex` is the key this host's agent derived at admission (`flodld.wire.hostkey`): the relay
+proves it on its DATA and CONTROL upstreams. The variable is removed from the environment once read,
+so nothing the relay's process starts inherits the secrets.
+
 `listen_fd` is a loopback listening socket the agent bound and handed down, so the ranks' port
 is known before the relay starts and no two runs on one box can collide on fixed ports.
 """
@@ -23,13 +27,15 @@ class RelayRoleSpec(BaseModel):
     controller_host: Annotated[str, Field(min_length=1, max_length=253)]
     controller_port: Annotated[int, Field(ge=1, le=65535)]
     salt_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+    host_key_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
     ranks: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=4096)]
     listen_fd: Annotated[int, Field(ge=0)]
     connect_attempts: Annotated[int, Field(ge=1)] | None = None
 
 
 def relay_spec_from_env() -> RelayRoleSpec:
-    text = os.environ.get(RELAY_ENV)
+    """The spec in FLODL_INTERNAL_RELAY_JSON; the variable is dropped from os.environ once read."""
+    text = os.environ.pop(RELAY_ENV, None)
     if text is None:
         raise SpecError(f"{RELAY_ENV} is not set; the relay role needs its spec there")
     try:

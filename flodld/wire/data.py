@@ -18,6 +18,7 @@ from pydantic import Field
 from flodld.wire.messages import (
     BoundedList,
     Count,
+    HexDigest,
     HostName,
     Message,
     Rank,
@@ -63,10 +64,15 @@ Weight = Annotated[float, Field(ge=0)]
 
 @register(0x0301)
 class RelayHello(Message):
-    """Relay → controller, first frame on the DATA and on the CONTROL channel: who this relay speaks for."""
+    """Relay → controller, first frame on the DATA and on the CONTROL channel: who this relay speaks for.
+
+    `proof` is `flodld.wire.hostkey.relay_proof` under the host key derived at the host's admission;
+    after HelloAck both sides rekey the connection to that host key.
+    """
 
     host: HostName
     ranks: BoundedList[Rank]
+    proof: HexDigest
 
 
 @register(0x0302)

@@ -2,8 +2,9 @@
 
 Theory of operation:
 - The dialer writes the channel magic (its caller does) and a 16-byte nonce; the listener answers with
-  its own nonce. Both sides then derive a session key from the run salt and both nonces, so every
-  connection has a key of its own and nothing captured on one connection verifies on another.
+  its own nonce. Both sides then derive a session key from the run salt, the channel's magic and both
+  nonces, so every connection has a key of its own: nothing captured on one connection verifies on
+  another, and a connection keyed for one channel never verifies on another.
 - Each frame is a 24-byte header, a JSON payload, a raw binary tail and a 16-byte tag. The tag covers a
   direction byte, the whole header (magic and version included), the payload and the tail, so a frame
   cannot be reflected back to its sender, and no header bit can be altered unnoticed.
@@ -11,6 +12,9 @@ Theory of operation:
   reordered or dropped frame is refused (`replay`).
 - Caps are checked from the header, before the body is buffered: a peer cannot make us allocate more
   than the caps allow, whatever length it claims.
+- The first frame a side receives is held to small pre-authentication caps (`PREAUTH_MAX_PAYLOAD`,
+  no tail) until it verifies: a peer that has not proven the key cannot make us buffer more than that.
+  After the first frame verifies, the connection's normal caps apply.
 - Any violation kills the connection: the error is raised once, and every later call raises
   `WireError("closed")`.
 """
@@ -27,6 +31,7 @@ from enum import Enum
 from typing import Final
 
 from flodld.wire.errors import WireError, WireErrorCode
+from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.messages import Message, decode_message, encode_message
 from flodld.wire.salt import SALT_BYTES
 
@@ -40,7 +45,13 @@ MAX_SEQ: Final = 2**64 - 1
 
 HEADER: Final = struct.Struct("<IHHQII")
 HEADER_BYTES: Final = HEADER.size  # 24
-SESSION_LABEL: Final = b"flodld/session/v1"
+SESSION_LABEL: Final = b"flodld/session/v2"
+# The first frame a side receives, before anything has proven the peer holds the key: small, no tail.
+PREAUTH_MAX_PAYLOAD: Final = 16 * 1024
+PREAUTH_MAX_TAIL: Final = 0
+# Bound into the session key of a connection made without a channel (in-memory tests); every socket
+# adapter in flodld.net passes its channel, whose 4-byte magic goes here instead.
+_NO_CHANNEL: Final = b"\x00\x00\x00\x00"
 _U32_MAX: Final = 2**32 - 1
 
 BytesLike = bytes | bytearray | memoryview
@@ -89,9 +100,14 @@ NEED_DATA: Final = NeedData()
 CLOSED: Final = Closed()
 
 
-def session_key(salt: bytes, dialer_nonce: bytes, listener_nonce: bytes) -> bytes:
-    """HMAC-SHA256(salt, label + dialer nonce + listener nonce): this connection's MAC key."""
-    return hmac.digest(salt, SESSION_LABEL + dialer_nonce + listener_nonce, hashlib.sha256)
+def channel_binding(channel: Channel | None) -> bytes:
+    """The 4 bytes a channel contributes to its session key: its magic (zeros for no channel)."""
+    return _NO_CHANNEL if channel is None else magic_prefix(channel)
+
+
+def session_key(salt: bytes, dialer_nonce: bytes, listener_nonce: bytes, channel: Channel | None = None) -> bytes:
+    """HMAC-SHA256(salt, label ‖ channel magic ‖ dialer nonce ‖ listener nonce): this connection's MAC key."""
+    return hmac.digest(salt, SESSION_LABEL + channel_binding(channel) + dialer_nonce + listener_nonce, hashlib.sha256)
 
 
 def _check_key(key: bytes) -> bytes:
@@ -123,14 +139,23 @@ class FrameConnection:
         max_payload: int = MAX_PAYLOAD,
         max_tail: int = DEFAULT_MAX_TAIL,
         nonce: bytes | None = None,
+        channel: Channel | None = None,
+        preauth_max_payload: int = PREAUTH_MAX_PAYLOAD,
+        preauth_max_tail: int = PREAUTH_MAX_TAIL,
+        on_authenticated: typing.Callable[[], None] | None = None,
     ) -> None:
         if nonce is not None and len(nonce) != NONCE_BYTES:
             raise ValueError(f"a nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
         if not 0 <= max_payload <= _U32_MAX or not 0 <= max_tail <= _U32_MAX:
             raise ValueError(f"caps must be in 0..{_U32_MAX} bytes, got payload {max_payload}, tail {max_tail}")
         self.role = role
+        self.channel = channel
         self.max_payload = max_payload
         self.max_tail = max_tail
+        # Caps of the first received frame: the smaller of the pre-authentication and normal caps.
+        self.preauth_max_payload = min(preauth_max_payload, max_payload)
+        self.preauth_max_tail = min(preauth_max_tail, max_tail)
+        self.on_authenticated = on_authenticated
         self._salt = _check_key(key)
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_BYTES)
         self._peer_nonce: bytes | None = None
@@ -152,6 +177,16 @@ class FrameConnection:
     @property
     def nonce(self) -> bytes:
         return self._nonce
+
+    @property
+    def peer_nonce(self) -> bytes | None:
+        """The peer's nonce once it has arrived (None before)."""
+        return self._peer_nonce
+
+    @property
+    def authenticated(self) -> bool:
+        """At least one frame from the peer has verified: the peer holds this connection's key."""
+        return self._recv_seq > 0
 
     @property
     def bytes_wanted(self) -> int:
@@ -222,12 +257,16 @@ class FrameConnection:
             self._fail("bad_magic", f"frame magic {magic:#010x} != {FRAME_MAGIC:#010x}")
         if version != PROTOCOL_VERSION:
             self._fail("bad_version", f"frame protocol version {version}, this build speaks {PROTOCOL_VERSION}")
-        if payload_len > self.max_payload:
+        first = self._recv_seq == 0
+        max_payload = self.preauth_max_payload if first else self.max_payload
+        max_tail = self.preauth_max_tail if first else self.max_tail
+        what = "first frame's (pre-authentication) " if first else ""
+        if payload_len > max_payload:
             self._fail(
-                "too_large", f"payload of {payload_len} bytes exceeds the cap of {self.max_payload}; refused unread"
+                "too_large", f"{what}payload of {payload_len} bytes exceeds the cap of {max_payload}; refused unread"
             )
-        if tail_len > self.max_tail:
-            self._fail("too_large", f"tail of {tail_len} bytes exceeds the cap of {self.max_tail}; refused unread")
+        if tail_len > max_tail:
+            self._fail("too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread")
         return _Header(kind, seq, payload_len, tail_len)
 
     def _verify(self, header: _Header, total: int) -> Frame:
@@ -246,6 +285,9 @@ class FrameConnection:
         if header.seq != self._recv_seq:
             self._fail("replay", f"frame seq {header.seq}, expected {self._recv_seq}: replayed or reordered")
         self._recv_seq += 1
+        if self._recv_seq == 1 and self.on_authenticated is not None:
+            callback, self.on_authenticated = self.on_authenticated, None
+            callback()
         return Frame(header.kind, header.seq, payload, tail)
 
     # --- sending ---------------------------------------------------------------------------------
@@ -292,8 +334,8 @@ class FrameConnection:
     def _derive(self, salt: bytes) -> bytes:
         assert self._peer_nonce is not None
         if self.role is Role.DIALER:
-            return session_key(salt, self._nonce, self._peer_nonce)
-        return session_key(salt, self._peer_nonce, self._nonce)
+            return session_key(salt, self._nonce, self._peer_nonce, self.channel)
+        return session_key(salt, self._peer_nonce, self._nonce, self.channel)
 
     def _ensure_alive(self) -> None:
         if self._dead:

@@ -100,7 +100,7 @@ class RawJoin:
 async def raw_join(port: int, key: bytes, *, host: str = "127.0.0.1", source: str | None = None) -> RawJoin:
     """Dial the join channel and finish the nonce exchange, byte by byte under our control."""
     reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0) if source else None)
-    conn = FrameConnection(Role.DIALER, key)
+    conn = FrameConnection(Role.DIALER, key, channel=Channel.JOIN)
     client = RawJoin(reader, writer, conn)
     client.write(magic_prefix(Channel.JOIN) + conn.initial_bytes())
     nonce = await asyncio.wait_for(reader.readexactly(16), 5)

@@ -16,12 +16,15 @@ from flodld.net.stream import FramedStream, open_channel
 from flodld.wire.data import DataPlaneError, HelloAck, HostFrame, RelayHello, TensorSpec
 from flodld.wire.errors import WireError
 from flodld.wire.frames import FRAME_MAGIC, HEADER, PROTOCOL_VERSION
+from flodld.wire.hostkey import join_host_key, relay_proof
 from flodld.wire.join import Accept, WorldFormed
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 from flodld.wire.salt import new_salt
 
 from .daemon import CLOSE_BOUND_SECS, RawJoin, hello, options, raw_join, state
+
+RUN_ID = options().run_id
 
 
 @asynccontextmanager
@@ -49,10 +52,28 @@ async def formed_world() -> AsyncIterator[tuple[Controller, int, RawJoin]]:
         await controller.close()
 
 
-async def _relay(port: int, key: bytes, channel: Channel, first: Message) -> tuple[FramedStream, Message]:
+async def _relay(
+    port: int, key: bytes, channel: Channel, first: Message, agent: RawJoin | None = None
+) -> tuple[FramedStream, Message]:
+    """Dial as a relay; a RelayHello gets the proof of `agent`'s host key (rekeyed to it on HelloAck)."""
     stream = await open_channel("127.0.0.1", port, channel, key, timeout=5)
+    host_key = None
+    if agent is not None and isinstance(first, RelayHello):
+        host_key = join_host_key(key, host="h", run_id=RUN_ID, conn=agent.conn)
+        listener_nonce = stream.conn.peer_nonce
+        assert listener_nonce is not None
+        proof = relay_proof(host_key, host=first.host, channel=channel, dialer_nonce=stream.conn.nonce,
+                            listener_nonce=listener_nonce)
+        first = first.model_copy(update={"proof": proof})
     await stream.send(first)
-    return stream, (await stream.recv(5)).message()
+    reply = (await stream.recv(5)).message()
+    if host_key is not None and isinstance(reply, HelloAck):
+        stream.rekey(host_key)
+    return stream, reply
+
+
+def _hello(host: str, ranks: list[int]) -> RelayHello:
+    return RelayHello(host=host, ranks=ranks, proof="00" * 32)  # _relay puts the real proof in
 
 
 async def _closed_without_reply(stream: FramedStream) -> None:
@@ -64,7 +85,7 @@ async def _closed_without_reply(stream: FramedStream) -> None:
 async def test_a_relay_without_the_salt_is_dropped_unanswered(channel: Channel) -> None:
     async with formed_world() as (_, port, _agent):
         stream = await open_channel("127.0.0.1", port, channel, new_salt(), timeout=5)
-        await stream.send(RelayHello(host="h", ranks=[0, 1]))
+        await stream.send(_hello("h", [0, 1]))
         await _closed_without_reply(stream)
 
 
@@ -72,15 +93,15 @@ async def test_a_relay_without_the_salt_is_dropped_unanswered(channel: Channel) 
     ("first", "fragment"),
     [
         (HelloAck(), "expected RelayHello"),
-        (RelayHello(host="stranger", ranks=[0]), "not in this world"),
-        (RelayHello(host="h", ranks=[0]), "claims ranks"),
-        (RelayHello(host="h", ranks=[0, 1, 2]), "claims ranks"),
+        (_hello("stranger", [0]), "not in this world"),
+        (_hello("h", [0]), "claims ranks"),
+        (_hello("h", [0, 1, 2]), "claims ranks"),
     ],
     ids=["not-a-hello", "unknown-host", "fewer-ranks", "extra-rank"],
 )
 async def test_a_relay_that_lies_about_who_it_is_gets_a_data_plane_error(first: Message, fragment: str) -> None:
-    async with formed_world() as (controller, port, _agent):
-        stream, reply = await _relay(port, controller.salt, Channel.DATA, first)
+    async with formed_world() as (controller, port, agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, first, agent)
         assert isinstance(reply, DataPlaneError) and fragment in reply.reason, reply
         assert controller.salt_hex not in reply.reason
         with pytest.raises(EOFError):
@@ -88,10 +109,10 @@ async def test_a_relay_that_lies_about_who_it_is_gets_a_data_plane_error(first: 
 
 
 async def test_a_second_relay_for_the_same_host_is_refused_and_the_first_keeps_its_place() -> None:
-    async with formed_world() as (controller, port, _agent):
-        first, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[0, 1]))
+    async with formed_world() as (controller, port, agent):
+        first, reply = await _relay(port, controller.salt, Channel.DATA, _hello("h", [0, 1]), agent)
         assert isinstance(reply, HelloAck)
-        _, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[1, 0]))
+        _, reply = await _relay(port, controller.salt, Channel.DATA, _hello("h", [1, 0]), agent)
         assert isinstance(reply, DataPlaneError) and "already has a relay" in reply.reason
         await first.aclose()
 
@@ -111,8 +132,8 @@ async def test_a_second_relay_for_the_same_host_is_refused_and_the_first_keeps_i
 async def test_a_bad_host_frame_gets_a_data_plane_error_and_the_daemon_serves_on(
     frame: HostFrame, tail: bytes, fragment: str
 ) -> None:
-    async with formed_world() as (controller, port, _agent):
-        stream, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[0, 1]))
+    async with formed_world() as (controller, port, agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, _hello("h", [0, 1]), agent)
         assert isinstance(reply, HelloAck)
         await stream.send(frame, tail)
         refusal = (await stream.recv(10)).message()
@@ -121,8 +142,8 @@ async def test_a_bad_host_frame_gets_a_data_plane_error_and_the_daemon_serves_on
 
 
 async def test_an_over_cap_tail_claim_on_the_data_channel_is_refused_unread() -> None:
-    async with formed_world() as (controller, port, _agent):
-        stream, reply = await _relay(port, controller.salt, Channel.DATA, RelayHello(host="h", ranks=[0, 1]))
+    async with formed_world() as (controller, port, agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, _hello("h", [0, 1]), agent)
         assert isinstance(reply, HelloAck)
         stream.writer.write(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, HostFrame.KIND, 1, 10, 2**32 - 1))
         await _closed_without_reply(stream)

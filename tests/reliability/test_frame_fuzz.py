@@ -98,8 +98,8 @@ def test_forged_headers_are_refused_in_the_documented_order(
         expected = "bad_magic"
     elif version != PROTOCOL_VERSION:
         expected = "bad_version"
-    elif payload_len > SMALL_PAYLOAD or tail_len > SMALL_TAIL:
-        expected = "too_large"
+    elif payload_len > listener.preauth_max_payload or tail_len > listener.preauth_max_tail:
+        expected = "too_large"  # the first frame is held to the small pre-authentication caps
     elif len(body) < payload_len + tail_len + TAG_BYTES:
         expected = "truncated"
     else:
@@ -131,11 +131,16 @@ def test_garbage_spliced_into_a_valid_stream_kills_the_connection_after_the_good
 
 
 def test_a_claimed_length_just_under_the_default_caps_allocates_only_what_arrived() -> None:
-    """A header may promise 16 MiB of payload and 1 GiB of tail; memory follows the bytes actually sent."""
+    """After authentication a header may promise 16 MiB of payload and 1 GiB of tail; memory follows the bytes
+    actually sent. (Before it, the first frame is capped small: see the pre-authentication tests.)"""
     salt = new_salt()
+    dialer = FrameConnection(Role.DIALER, salt)
     listener = FrameConnection(Role.LISTENER, salt)
-    listener.receive_data(bytes(NONCE_BYTES))
-    header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 0x0202, 0, 16 * 2**20, 2**30)
+    dialer.receive_data(listener.initial_bytes())
+    listener.receive_data(dialer.initial_bytes())
+    listener.receive_data(dialer.send_frame(1, b"first"))
+    assert isinstance(listener.next_event(), Frame) and listener.authenticated
+    header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 0x0202, 1, 16 * 2**20, 2**30)
     tracemalloc.start()
     try:
         listener.receive_data(header)

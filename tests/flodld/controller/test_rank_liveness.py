@@ -9,12 +9,12 @@ from flodld.config.join import JoinConfig
 from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.run import Controller
 from flodld.membership.phase import Phase
-from flodld.net.stream import open_channel
 from flodld.wire.control import Heartbeat
-from flodld.wire.data import HelloAck, RelayHello
+from flodld.wire.data import HelloAck
 from flodld.wire.magic import Channel
 
 from .agents import eventually, http, join, options
+from .relays import agent_host_key, open_relay
 
 LIVENESS_ENV = {
     "FLODL_LIVENESS_TIMEOUT_SECS": "0.4", "FLODL_LIVENESS_STARTUP_SECS": "0.8", "FLODL_HEARTBEAT_INTERVAL_SECS": "0.05",
@@ -38,9 +38,9 @@ async def test_a_silent_rank_fails_the_run_and_state_json_names_the_rank_and_the
         agent = await join(port, controller.salt, "h", devices=2)
         await agent.world()
         # Rank 0 beats through its relay; rank 1 never says a word.
-        relay = await open_channel("127.0.0.1", port, Channel.CONTROL, controller.salt, timeout=5)
-        await relay.send(RelayHello(host="h", ranks=[0, 1]))
-        assert isinstance((await relay.recv(5)).message(), HelloAck)
+        key = agent_host_key(controller.salt, "h", controller.run_id, agent.stream.conn)
+        relay, reply = await open_relay(port, controller.salt, key, Channel.CONTROL, host="h", ranks=[0, 1])
+        assert isinstance(reply, HelloAck)
 
         async def beat() -> None:
             while True:
@@ -71,9 +71,9 @@ async def test_ranks_that_keep_beating_keep_the_run_training() -> None:
     try:
         agent = await join(port, controller.salt, "h", devices=1)
         await agent.world()
-        relay = await open_channel("127.0.0.1", port, Channel.CONTROL, controller.salt, timeout=5)
-        await relay.send(RelayHello(host="h", ranks=[0]))
-        assert isinstance((await relay.recv(5)).message(), HelloAck)
+        key = agent_host_key(controller.salt, "h", controller.run_id, agent.stream.conn)
+        relay, reply = await open_relay(port, controller.salt, key, Channel.CONTROL, host="h", ranks=[0])
+        assert isinstance(reply, HelloAck)
         for _ in range(30):  # 1.5 s: well past the 0.4 s timeout and the 0.8 s startup grace
             await relay.send(Heartbeat(rank=0, step=0))
             await asyncio.sleep(0.05)

@@ -25,7 +25,7 @@ async def framed_server(handler: Handler, key: bytes = SALT, **caps: int) -> Asy
             if channel is not Channel.RENDEZVOUS:
                 problems.append(("unexpected channel", channel, prefix))
                 return
-            stream = await accept_channel(reader, writer, key, timeout=5, **caps)
+            stream = await accept_channel(reader, writer, key, channel=channel, timeout=5, **caps)
             await handler(stream)
         except Exception as error:
             problems.append(error)

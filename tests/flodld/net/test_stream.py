@@ -30,13 +30,24 @@ async def test_messages_and_tails_round_trip_through_an_echo_server() -> None:
         framed_server(echo) as (port, problems),
         await open_channel("127.0.0.1", port, Channel.RENDEZVOUS, SALT, timeout=5) as stream,
     ):
+        await stream.send(Abort(reason="hello"))  # a first frame is small (pre-authentication caps)
         await stream.send(RankExited(rank=1, code=0), tail=big_tail)
-        await stream.send(Abort(reason="done"))
         first = await stream.recv(timeout=5)
         second = await stream.recv(timeout=5)
-    assert first.message() == RankExited(rank=1, code=0) and first.tail == big_tail
-    assert (second.seq, second.message()) == (1, Abort(reason="done"))
+    assert (first.seq, first.message()) == (0, Abort(reason="hello"))
+    assert second.message() == RankExited(rank=1, code=0) and second.tail == big_tail
     assert problems == []
+
+
+async def test_a_first_frame_over_the_pre_authentication_caps_is_refused_unread() -> None:
+    async with (
+        framed_server(echo) as (port, problems),
+        await open_channel("127.0.0.1", port, Channel.RENDEZVOUS, SALT, timeout=5) as stream,
+    ):
+        await stream.send(RankExited(rank=1, code=0), tail=b"t" * 4096)  # fine after auth, not as a first frame
+        with pytest.raises((EOFError, WireError, ConnectionError)):
+            await stream.recv(timeout=5)
+    assert [getattr(problem, "code", None) for problem in problems] == ["too_large"]
 
 
 async def test_recv_timeout_loses_nothing() -> None:
@@ -154,7 +165,7 @@ async def test_connect_with_retry_reaches_a_server_that_starts_late() -> None:
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readexactly(4)
-            stream = await accept_channel(reader, writer, SALT, timeout=5)
+            stream = await accept_channel(reader, writer, SALT, channel=Channel.CONTROL, timeout=5)
             await stream.send(Abort(reason="hi"))
 
         return await asyncio.start_server(serve, "127.0.0.1", port)
@@ -191,7 +202,7 @@ async def test_accept_channel_bounds_the_wait_for_a_silent_dialer(monkeypatch: p
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await reader.readexactly(4)
-            await accept_channel(reader, writer, SALT)
+            await accept_channel(reader, writer, SALT, channel=Channel.JOIN)
             outcome.set_result(None)
         except BaseException as error:
             outcome.set_result(error)

@@ -22,6 +22,7 @@ from flodld.relay.spec import RelayRoleSpec
 from flodld.wire.magic import Channel
 
 SALT = bytes(range(16, 32))
+HOST_KEY = bytes(range(32, 48))  # what the agent would derive at admission (flodld.wire.hostkey)
 
 
 class Plane:
@@ -37,7 +38,9 @@ class Plane:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)  # type: ignore[arg-type]
 
     async def _start(self) -> tuple[int, Future[int]]:
-        self.plane = DataPlane(SALT, {"h": [0, 1]}, liveness_timeout=60, heartbeat_interval=0.5)
+        self.plane = DataPlane(
+            SALT, {"h": [0, 1]}, host_key={"h": HOST_KEY}.get, liveness_timeout=60, heartbeat_interval=0.5
+        )
         self.mux = PortMux(ControllerCounters())
         self.mux.register(Channel.DATA, self.plane.handle_data)
         self.mux.register(Channel.CONTROL, self.plane.handle_control)
@@ -46,7 +49,8 @@ class Plane:
         listener = socket.create_server(("127.0.0.1", 0))
         relay_port = listener.getsockname()[1]
         self.relay = Relay(RelayRoleSpec(host="h", controller_host="127.0.0.1", controller_port=port,
-                                         salt_hex=SALT.hex(), ranks=[0, 1], listen_fd=listener.detach()))
+                                         salt_hex=SALT.hex(), host_key_hex=HOST_KEY.hex(), ranks=[0, 1],
+                                         listen_fd=listener.detach()))
         task = asyncio.ensure_future(self.relay.run())
         return relay_port, task  # type: ignore[return-value]
 

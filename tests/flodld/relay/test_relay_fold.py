@@ -18,11 +18,13 @@ from flodld.net.stream import FramedStream, open_channel
 from flodld.relay.server import Relay
 from flodld.relay.spec import RelayRoleSpec
 from flodld.wire.control import CoordinatorHeartbeat, Heartbeat
-from flodld.wire.data import Broadcast, DataPlaneError, Deposit, HelloAck, RankHello
+from flodld.wire.data import Broadcast, DataPlaneError, Deposit, HelloAck, RankHello, TensorSpec
 from flodld.wire.magic import Channel
 
 SALT = bytes(range(16))
 HOSTS = {"host-a": [0, 1], "host-b": [2, 3]}
+# The keys each host's agent would derive at admission (flodld.wire.hostkey); the relay proves its own.
+HOST_KEYS = {"host-a": bytes(range(32, 48)), "host-b": bytes(range(48, 64))}
 
 
 @dataclass
@@ -37,7 +39,7 @@ class World:
 @pytest.fixture
 async def world() -> AsyncIterator[World]:
     dead: list[tuple[int, str]] = []
-    plane = DataPlane(SALT, HOSTS, liveness_timeout=3.0, heartbeat_interval=0.2, on_rank_dead=lambda r, why: dead.append((r, why)))
+    plane = DataPlane(SALT, HOSTS, host_key=HOST_KEYS.get, liveness_timeout=3.0, heartbeat_interval=0.2, on_rank_dead=lambda r, why: dead.append((r, why)))
     mux = PortMux(ControllerCounters())
     mux.register(Channel.DATA, plane.handle_data)
     mux.register(Channel.CONTROL, plane.handle_control)
@@ -49,7 +51,7 @@ async def world() -> AsyncIterator[World]:
         ports[host] = listener.getsockname()[1]
         spec = RelayRoleSpec(
             host=host, controller_host="127.0.0.1", controller_port=port, salt_hex=SALT.hex(),
-            ranks=ranks, listen_fd=listener.detach(),
+            host_key_hex=HOST_KEYS[host].hex(), ranks=ranks, listen_fd=listener.detach(),
         )
         relays[host] = Relay(spec)
         tasks[host] = asyncio.create_task(relays[host].run())
@@ -151,3 +153,18 @@ async def test_relay_exits_cleanly_when_every_local_rank_has_left(world: World) 
     for stream in streams:
         await stream.aclose()
     assert await asyncio.wait_for(world.relay_tasks["host-b"], 10) == 0
+
+
+async def test_a_deposit_that_does_not_decode_is_refused_and_the_rank_is_folded_out(world: World) -> None:
+    """Issue 13 point 10: zero elements but huge dimensions is a codec refusal, never a dead handler."""
+    legs = {rank: await leg(host_port(world, rank), Channel.DATA, rank) for rank in range(4)}
+    huge_empty = TensorSpec.model_validate({"dtype": "float32", "shape": [0] + [2**40 - 1] * 7})
+    await legs[0].send(Deposit(round=0, fold="mean", weight=1.0, tensors=[huge_empty]))
+    refusal = (await legs[0].recv(5)).message()
+    assert isinstance(refusal, DataPlaneError) and "tensor 0" in refusal.reason, refusal
+    for rank in (1, 2, 3):
+        await deposit(legs[rank], 0, torch.full((2,), float(rank)))
+    message, average = await receive_broadcast(legs[1])  # rank 0 was folded out: nobody waits for it
+    assert message.contributors == [1, 2, 3] and torch.allclose(average, torch.full((2,), 2.0))
+    assert world.relays["host-a"].refused == 1
+    assert 0 in world.plane.stats().gone_ranks

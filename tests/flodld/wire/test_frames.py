@@ -18,6 +18,8 @@ from flodld.wire.frames import (
     HEADER_BYTES,
     NEED_DATA,
     NONCE_BYTES,
+    PREAUTH_MAX_PAYLOAD,
+    PREAUTH_MAX_TAIL,
     PROTOCOL_VERSION,
     TAG_BYTES,
     Frame,
@@ -26,6 +28,7 @@ from flodld.wire.frames import (
     session_key,
 )
 from flodld.wire.join import Abort, RankExited
+from flodld.wire.magic import CHANNEL_MAGICS, Channel, magic_prefix
 from tests.flodld.wire.conftest import OTHER_SALT, SALT, connected_pair
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,12 +52,57 @@ def expect_error(receiver: FrameConnection, data: bytes, code: str) -> WireError
 # --- handshake --------------------------------------------------------------------------------------
 
 
-def test_session_key_binds_salt_and_both_nonces() -> None:
+def test_session_key_binds_salt_channel_magic_and_both_nonces() -> None:
     dialer_nonce, listener_nonce = b"d" * 16, b"l" * 16
-    expected = hmac.digest(SALT, b"flodld/session/v1" + dialer_nonce + listener_nonce, hashlib.sha256)
-    assert session_key(SALT, dialer_nonce, listener_nonce) == expected
-    assert session_key(SALT, listener_nonce, dialer_nonce) != expected
-    assert session_key(OTHER_SALT, dialer_nonce, listener_nonce) != expected
+    magic = magic_prefix(Channel.DATA)
+    expected = hmac.digest(SALT, b"flodld/session/v2" + magic + dialer_nonce + listener_nonce, hashlib.sha256)
+    assert session_key(SALT, dialer_nonce, listener_nonce, Channel.DATA) == expected
+    assert session_key(SALT, listener_nonce, dialer_nonce, Channel.DATA) != expected
+    assert session_key(OTHER_SALT, dialer_nonce, listener_nonce, Channel.DATA) != expected
+    keys = {session_key(SALT, dialer_nonce, listener_nonce, channel) for channel in CHANNEL_MAGICS}
+    assert len(keys) == len(CHANNEL_MAGICS)  # every channel keys differently
+    assert session_key(SALT, dialer_nonce, listener_nonce) not in keys
+
+
+@pytest.mark.parametrize("other", [Channel.RENDEZVOUS, Channel.CONTROL, Channel.JOIN])
+def test_a_connection_keyed_for_one_channel_never_verifies_on_another(other: Channel) -> None:
+    dialer = FrameConnection(Role.DIALER, SALT, channel=Channel.DATA)
+    listener = FrameConnection(Role.LISTENER, SALT, channel=other)
+    listener.receive_data(dialer.initial_bytes())
+    dialer.receive_data(listener.initial_bytes())
+    expect_error(listener, dialer.send_message(Abort(reason="cross-channel")), "bad_tag")
+
+
+# --- pre-authentication caps ------------------------------------------------------------------------
+
+
+def test_the_first_frame_is_held_to_the_pre_authentication_caps_from_its_header() -> None:
+    _dialer, listener = connected_pair()
+    assert (listener.preauth_max_payload, listener.preauth_max_tail) == (PREAUTH_MAX_PAYLOAD, PREAUTH_MAX_TAIL)
+    expect_error(listener, _forged_header(PREAUTH_MAX_PAYLOAD + 1, 0), "too_large")
+    _dialer, listener = connected_pair()
+    error = expect_error(listener, _forged_header(0, 1), "too_large")  # no tail at all before auth
+    assert "pre-authentication" in str(error)
+
+
+def test_after_the_first_frame_verifies_the_normal_caps_apply() -> None:
+    dialer, listener = connected_pair()
+    assert not listener.authenticated
+    seen: list[str] = []
+    listener.on_authenticated = lambda: seen.append("auth")
+    deliver(listener, dialer.send_message(Abort(reason="small hello")))
+    assert listener.authenticated and seen == ["auth"]
+    big = deliver(listener, dialer.send_frame(1, b"p" * (PREAUTH_MAX_PAYLOAD + 1), b"t" * 100_000))
+    assert len(big.payload) == PREAUTH_MAX_PAYLOAD + 1 and len(big.tail) == 100_000
+    assert seen == ["auth"]  # called once
+
+
+def test_a_first_frame_that_fails_its_tag_does_not_authenticate() -> None:
+    dialer, listener = connected_pair(SALT, listener_salt=OTHER_SALT)
+    seen: list[str] = []
+    listener.on_authenticated = lambda: seen.append("auth")
+    expect_error(listener, dialer.send_message(Abort(reason="wrong key")), "bad_tag")
+    assert not listener.authenticated and seen == []
 
 
 def test_initial_bytes_are_the_nonce_and_fresh_per_connection() -> None:
@@ -131,14 +179,14 @@ def test_empty_frame_is_header_plus_tag() -> None:
 
 
 def test_message_with_tail_round_trips_both_ways() -> None:
-    dialer, listener = connected_pair()
+    dialer, listener = connected_pair(first_frame_caps=False)
     frame = deliver(listener, dialer.send_message(RankExited(rank=3, code=-9), b"\x00\x01"))
     assert frame.message() == RankExited(rank=3, code=-9) and frame.tail == b"\x00\x01"
     assert deliver(dialer, listener.send_message(Abort(reason="bye"))).message() == Abort(reason="bye")
 
 
 def test_byte_at_a_time_delivery_reassembles_frames_and_wants_exact_sizes() -> None:
-    dialer, listener = connected_pair()
+    dialer, listener = connected_pair(first_frame_caps=False)
     wire = dialer.send_frame(7, b"payload", b"tail") + dialer.send_frame(8, b"p2")
     events: list[Frame] = []
     for index in range(len(wire)):
@@ -150,7 +198,7 @@ def test_byte_at_a_time_delivery_reassembles_frames_and_wants_exact_sizes() -> N
 
 
 def test_bytes_wanted_names_the_body_after_the_header() -> None:
-    dialer, listener = connected_pair()
+    dialer, listener = connected_pair(first_frame_caps=False)
     wire = dialer.send_frame(7, b"12345", b"678")
     listener.receive_data(wire[:HEADER_BYTES])
     assert listener.next_event() is NEED_DATA
@@ -291,7 +339,7 @@ frames_strategy = st.lists(
 @PROPERTY
 @given(frames=frames_strategy, direction=st.sampled_from(["dial", "listen"]), chunk=st.integers(1, 64))
 def test_any_frame_sequence_round_trips(frames: list[tuple[int, bytes, bytes]], direction: str, chunk: int) -> None:
-    dialer, listener = connected_pair()
+    dialer, listener = connected_pair(first_frame_caps=False)
     sender, receiver = (dialer, listener) if direction == "dial" else (listener, dialer)
     wire = b"".join(sender.send_frame(kind, payload, tail) for kind, payload, tail in frames)
     received = []
@@ -359,7 +407,7 @@ def test_any_over_cap_length_is_rejected_before_the_body(max_payload: int, max_t
 
 def test_tail_may_be_any_buffer_and_is_counted_in_bytes() -> None:
     floats = array.array("f", [1.0, 2.0, 3.0])
-    dialer, listener = connected_pair(max_tail=12)
+    dialer, listener = connected_pair(max_tail=12, first_frame_caps=False)
     frame = deliver(listener, dialer.send_frame(1, b"", memoryview(floats)))
     assert frame.tail == floats.tobytes() and len(frame.tail) == 12
     with pytest.raises(WireError) as caught:
