@@ -238,6 +238,25 @@ def validate_value_description(
 _LEADING_AXES = {"SecretKey": 0, "PublicKey": 1, "KeySwitchKey": 2, "RotationKey": 2, "RelinearizationKey": 2, "ConjugationKey": 2}
 
 
+# Bound on a tensor's extent product with zero extents counted as one: torch computes contiguous
+# strides from every extent, so a zero-element shape such as [0] + [2**40 - 1] * 7 holds no bytes
+# yet overflows them (a RuntimeError deep in torch instead of a value error). 2**44 elements of
+# at most 16 bytes stay far below int64 and far above any real value.
+MAX_SHAPE_SPAN_ELEMENTS = 2**44
+
+
+def _check_span(value_type: str, name: str, shape: Sequence[int]) -> None:
+    span = 1
+    for extent in shape:
+        span *= max(extent, 1)
+        if span > MAX_SHAPE_SPAN_ELEMENTS:
+            raise _fail(
+                value_type,
+                f"tensor {name!r} shape {list(shape)} spans over {MAX_SHAPE_SPAN_ELEMENTS} elements "
+                "(zero extents counted as one, as torch's strides count them)",
+            )
+
+
 def _check_tensor_metadata(
     value_type: str, metadata: Mapping[str, Any], names: list[str], tensor_metadata: Mapping[str, Mapping[str, Any]]
 ) -> None:
@@ -248,6 +267,7 @@ def _check_tensor_metadata(
         shape = entry.get("shape")
         if not isinstance(shape, (tuple, list)) or any(type(d) is not int or d < 0 for d in shape):
             raise _fail(value_type, f"tensor {name!r} shape must be a sequence of non-negative ints; got {shape!r}")
+        _check_span(value_type, name, shape)
         dtype = str(entry.get("dtype", "")).removeprefix("torch.")
         float_ok = value_type == "Plaintext" and (
             name == "message" or metadata["representation"] == "approximate_coefficients"
