@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import socketserver
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 from flodld.fanout.sshd_recipe import JoinSshdRecipe
 from tests.conftest import require_binary
+from tests.flodld.fanout.joinuser import as_join_user, door_directory, hand_to_join_user, join_user
 
 
 def free_port() -> int:
@@ -66,17 +66,18 @@ def start_join_sshd(tmp_path: Path, controller_port: int) -> tuple[JoinSshd, sub
     client_key = tmp_path / "join_key"
     subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(client_key)], check=True)
     listen = free_port()
+    user = join_user()  # the door runs as the join user, never root (issue 13 point 13)
     recipe = JoinSshdRecipe(
         controller_port=controller_port, listen_port=listen,
-        public_keys=((tmp_path / "join_key.pub").read_text(),),
+        public_keys=((tmp_path / "join_key.pub").read_text(),), join_user=user,
     )  # fmt: skip
-    sshd_dir = tmp_path / "sshd"
+    sshd_dir = door_directory()
     recipe.write(sshd_dir)
     subprocess.run(recipe.host_key_command(sshd_dir), check=True)
-    if os.geteuid() == 0:
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    hand_to_join_user(sshd_dir, user)
     with (tmp_path / "sshd.log").open("w") as log:  # a file, not a pipe nobody drains
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(sshd_dir / "sshd_config")], stderr=log, text=True)
+        proc = subprocess.Popen(as_join_user([sshd, "-D", "-e", "-f", str(sshd_dir / "sshd_config")], user),
+                                stderr=log, text=True)  # fmt: skip
     try:
         wait_port(listen)
     except BaseException:

@@ -6,7 +6,6 @@ no forward to any other port.
 
 from __future__ import annotations
 
-import getpass
 import socket
 import subprocess
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
+from tests.flodld.fanout.joinuser import join_user
 from tests.hosts.conftest import free_port as _free_port
 from tests.hosts.conftest import wait_port as _wait_port
 
@@ -32,7 +32,7 @@ def _through_forward(listen: int, key: Path, target_port: int) -> bytes:
     local = _free_port()
     forward = subprocess.Popen(
         [*_ssh_base(listen, key), "-N", "-o", "ExitOnForwardFailure=yes",
-         "-L", f"127.0.0.1:{local}:127.0.0.1:{target_port}", f"{getpass.getuser()}@127.0.0.1"],
+         "-L", f"127.0.0.1:{local}:127.0.0.1:{target_port}", f"{join_user()}@127.0.0.1"],
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -65,7 +65,7 @@ def test_join_key_cannot_forward_anywhere_else(join_sshd: tuple[int, Path, int, 
 def test_join_key_cannot_run_a_command_or_open_a_shell(join_sshd: tuple[int, Path, int, int], tmp_path: Path) -> None:
     listen, key, _, _ = join_sshd
     marker = tmp_path / "pwned"
-    target = f"{getpass.getuser()}@127.0.0.1"
+    target = f"{join_user()}@127.0.0.1"
     command = subprocess.run(
         [*_ssh_base(listen, key), target, f"touch {marker}; echo ran-it"],
         capture_output=True, text=True, timeout=30,

@@ -20,6 +20,7 @@ import pytest
 
 from flodld.fanout.sshd_recipe import JoinSshdRecipe
 from tests.conftest import require_binary, require_capability
+from tests.flodld.fanout.joinuser import as_join_user, door_directory, hand_to_join_user, join_user
 from tests.hosts.netns import (
     SSHD_PORT,
     Lab,
@@ -173,14 +174,17 @@ def test_walk_in_over_join_ssh_joins_a_discovery_window(lab: Lab) -> None:
     sshd = require_binary("sshd", "sshd", search_sbin=True)
     keygen = require_binary("sshd", "ssh-keygen")
     # The controller box: a tunnel_only discovery controller on loopback and a guardrailed join sshd.
-    door = lab.root / "door"
+    door = door_directory()  # the door's sshd runs as the join user, never root (issue 13 point 13)
+    user = join_user()
     walker_key = lab.root / "walker_key"
     subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(walker_key)], check=True)
     recipe = JoinSshdRecipe(controller_port=CONTROLLER_PORT, listen_port=2222,
-                            public_keys=(Path(f"{walker_key}.pub").read_text(),))  # fmt: skip
+                            public_keys=(Path(f"{walker_key}.pub").read_text(),), join_user=user)  # fmt: skip
     recipe.write(door)
     subprocess.run(recipe.host_key_command(door), check=True)
-    lab.spawn(lab.controller_ns, [sshd, "-D", "-e", "-f", str(door / "sshd_config")], log=door / "sshd.log")
+    hand_to_join_user(door, user)
+    lab.spawn(lab.controller_ns, as_join_user([sshd, "-D", "-e", "-f", str(door / "sshd_config")], user),
+              log=lab.root / "sshd.log")  # fmt: skip
     lab.wait_listening(lab.controller_ns, controller_address(1), 2222)
     options = {"port": CONTROLLER_PORT, "averaging": "cpu_sync",
                "join": {"discovery": True, "tunnel_only": True, "min_rank_start": 2, "target_ranks": 2,
@@ -205,13 +209,13 @@ def test_walk_in_over_join_ssh_joins_a_discovery_window(lab: Lab) -> None:
     )
     walk_log = lab.root / "walker.log"
     walker = lab.spawn(lab.worker_ns(1), [str(REPO / ".venv" / "bin" / "fdl"), "join", "--project", str(project),
-                                          "--ssh", f"root@{controller_address(1)}:2222", "--identity", str(walker_key),
+                                          "--ssh", f"{user}@{controller_address(1)}:2222", "--identity", str(walker_key),
                                           "--bin", str(program), "--host", "walker", "--devices", "cpu:2",
                                           f"127.0.0.1:{CONTROLLER_PORT}", "--", "--average"],
                        log=walk_log, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     walked = _wait(walker, walk_log, 240)
     assert walker.returncode == 0, walked[-6000:]
-    assert f"-> 127.0.0.1:{CONTROLLER_PORT} via root@{controller_address(1)}:2222" in walked
+    assert f"-> 127.0.0.1:{CONTROLLER_PORT} via {user}@{controller_address(1)}:2222" in walked
     assert walked.count("relay average [0.5, 0.5, 0.5]") == 2
     served = _wait(controller, serve_log, 60)
     assert controller.returncode == 0 and "result done" in served, served
