@@ -111,6 +111,11 @@ class RequestLedger:
         self.replayed += 1
         return record[1], record[2]
 
+    def answered(self, client: str, request_id: int) -> bool:
+        """Whether `request_id` (or a later request) of `client` has been answered already."""
+        record = self._last.get(client)
+        return record is not None and request_id <= record[0]
+
     def remember(self, client: str, request_id: int, reply: Message, tail: bytes) -> None:
         old = self._last.pop(client, None)
         if old is not None:
@@ -323,8 +328,13 @@ class StoreService:
     async def _queue_pop(self, request: StoreQueuePop, client: str, request_id: int) -> Reply:
         key = request.key
         if request.timeout > 0:
-            await self._until(lambda: self.state.queue_len(key) > 0, request.timeout, lambda: f"queue: {key!r}")
-            if request_id:  # the same request, re-sent on another connection, may have popped meanwhile
+            # A re-sent pop waits beside the original, still parked on the dead connection: whichever wakes
+            # first pops and records the reply, and the other one answers from that record.
+            await self._until(
+                lambda: self.state.queue_len(key) > 0 or (request_id > 0 and self.ledger.answered(client, request_id)),
+                request.timeout, lambda: f"queue: {key!r}",
+            )
+            if request_id:
                 replay = self.ledger.lookup(client, request_id)
                 if replay is not None:
                     return replay

@@ -13,6 +13,7 @@ def test_ledger_replays_the_last_reply_refuses_older_ids_and_stays_bounded() -> 
     assert ledger.lookup("a", 1) is None
     ledger.remember("a", 1, StoreInt(value=4), b"")
     assert ledger.lookup("a", 1) == (StoreInt(value=4), b"")
+    assert ledger.answered("a", 1) and not ledger.answered("a", 2) and not ledger.answered("b", 1)
     assert ledger.lookup("a", 2) is None
     ledger.remember("a", 2, StoreOk(), b"")
     with pytest.raises(Exception, match="older") as caught:

@@ -76,11 +76,19 @@ class ResettingProxy:
         self._hook: Callable[[], None] | None = None
         self._armed = threading.Event()
         self._closed = threading.Event()
+        self._links: list[threading.Event] = []
+        self._reset: set[threading.Event] = set()
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut_next_reply(self, hook: Callable[[], None] | None = None) -> None:
         self._hook = hook
         self._armed.set()
+
+    def reset_all(self) -> None:
+        """Reset every relayed connection now (requests in flight stay parked on the server)."""
+        for dead in self._links:
+            dead.set()
 
     def close(self) -> None:
         self._closed.set()
@@ -95,6 +103,7 @@ class ResettingProxy:
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             self.connections += 1
             dead = threading.Event()
+            self._links.append(dead)
             threading.Thread(target=self._pump, args=(client, upstream, dead, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, dead, True), daemon=True).start()
 
@@ -116,8 +125,11 @@ class ResettingProxy:
                 sink.sendall(data)
         except OSError:
             pass
-        if not dead.is_set():
+        with self._lock:  # the first pump of a link to stop resets both of its sockets
+            first = dead not in self._reset
+            self._reset.add(dead)
             dead.set()
+        if first:
             for sock in (source, sink):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST

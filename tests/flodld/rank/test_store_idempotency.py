@@ -8,6 +8,8 @@ exactly that reply and resets the connection; the controller must answer the re-
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 from flodld.rank.store import ControllerStore
@@ -79,4 +81,24 @@ def test_each_clone_is_its_own_client(store_server: StoreServer) -> None:
     assert clone.add("c", 1) == 2  # same request id 1 from another client: applied, not replayed
     assert store.add("c", 1) == 3
     clone.close()
+    store.close()
+
+
+def test_a_blocking_queue_pop_re_sent_after_a_reset_gets_the_item(store_server: StoreServer,
+                                                                   resetting_proxy: ResettingProxy) -> None:
+    """The original pop stays parked on the controller after its connection died; the item pushed later
+    must reach the re-sent pop, not vanish into the dead connection."""
+    store = _through(resetting_proxy, store_server)
+    got: list[bytes] = []
+    popper = threading.Thread(target=lambda: got.append(store.queue_pop("jobs")))
+    popper.start()
+    time.sleep(0.5)  # the pop is parked on the controller
+    resetting_proxy.reset_all()
+    time.sleep(0.5)  # the client re-dialed and re-sent the pop, which parks beside the first
+    pusher = _direct(store_server)
+    pusher.queue_push("jobs", b"only")
+    popper.join(15)
+    assert got == [b"only"]
+    assert resetting_proxy.connections == 2
+    pusher.close()
     store.close()
