@@ -102,9 +102,12 @@ async def test_unsupported_methods_are_dropped_or_refused_and_never_change_state
 
 async def test_an_oversized_body_or_absurd_content_length_is_answered_at_once_and_never_arms_the_switch() -> None:
     async with running(options(join=MANUAL)) as (_, port):
-        big = await http_raw(port, http_request("POST", "/start", body=b"x" * 200_000), timeout=3)
+        # With the header of a local CLI, so the body limits (not the start header check) answer.
+        big = await http_raw(port, http_request("POST", "/start", {"X-Flodld-Start": "1"}, body=b"x" * 200_000),
+                             timeout=3)
         assert status(big) in (409, 413)
-        claim = b"POST /start HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 99999999999\r\n\r\n"
+        claim = (b"POST /start HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-Flodld-Start: 1\r\n"
+                 b"Content-Length: 99999999999\r\n\r\n")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(claim)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
@@ -129,13 +132,14 @@ async def test_post_start_from_a_non_loopback_address_needs_the_run_token(caplog
         await agent.next_message()
         wrong = "0" * 32 if controller.salt_hex != "0" * 32 else "1" * 32
         for token, code in [(None, "missing_token"), (wrong, "bad_token"), ("", "missing_token"),
-                            (controller.salt_hex[:-1], "bad_token"), ("x" * 5000, "bad_token")]:
+                            (controller.salt_hex[:-1], "bad_token"), ("x" * 5000, "bad_token"),
+                            (controller.salt_hex, "join_token")]:  # the salt is never the start credential
             response = await _non_loopback_start(port, address, token)
             assert status(response) == 403, (token, response[:200])
             assert json_of(response)["code"] == code
             assert controller.salt_hex not in response.decode(errors="replace")
         assert (await state(port))["start_armed"] is False
-        response = await _non_loopback_start(port, address, controller.salt_hex.upper())
+        response = await _non_loopback_start(port, address, controller.start_credential.upper())
         assert status(response) == 200 and json_of(response)["armed"] is True
         assert "event=cleartext_peer" in caplog.text and address in caplog.text
         agent.close()
@@ -171,7 +175,9 @@ async def test_the_start_handler_treats_every_non_loopback_peer_as_remote(peer: 
     async with running(options(join=MANUAL)) as (controller, _), _app_seen_from(controller, peer) as port:
         refused = await http_raw(port, http_request("POST", "/start"))
         assert status(refused) == 403 and json_of(refused)["code"] == "missing_token"
-        allowed = await http_raw(port, http_request("POST", f"/start?token={controller.salt_hex}"))
+        salt = await http_raw(port, http_request("POST", f"/start?token={controller.salt_hex}"))
+        assert status(salt) == 403 and json_of(salt)["code"] == "join_token"
+        allowed = await http_raw(port, http_request("POST", f"/start?token={controller.start_credential}"))
         assert status(allowed) == 409 and json_of(allowed)["code"] == "quorum_not_met"
 
 
@@ -179,7 +185,7 @@ async def test_start_refusal_time_does_not_depend_on_how_much_of_the_token_match
     """A statistical sanity check, not a side-channel proof: a per-character early exit costing even
     tens of microseconds would show as a median gap; we allow noise of a shared 2-core machine."""
     async with running(options(join=MANUAL)) as (controller, _), _app_seen_from(controller, "203.0.113.9") as port:
-        secret = controller.salt_hex
+        secret = controller.start_credential
         nothing = "".join("0" if c != "0" else "1" for c in secret)
         almost = secret[:-1] + ("0" if secret[-1] != "0" else "1")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
