@@ -291,9 +291,9 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
             host=worker.host, controller_host="127.0.0.1", controller_port=bound_port,
             salt_hex=controller.salt_hex if pre_shared else None,
             devices=list(worker.local_devices) if worker.local_devices != "all" else None,
-            averaging=options.averaging, cluster_env=True,
+            averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None,
         )
-        env = {**os.environ, AGENT_ENV: encode_spec(spec)}
+        env = {**os.environ, **worker.env, AGENT_ENV: encode_spec(spec)}
         agents.append(await asyncio.create_subprocess_exec(*command, env=env, stdin=asyncio.subprocess.DEVNULL))
 
     loop = asyncio.get_running_loop()

@@ -140,7 +140,7 @@ class AgentShell:
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
             env = rank_environment(
                 os.environ, envelope, local_rank=local_rank, device=device, salt=joined.salt, host=host,
-                relay_port=relay_port, fold=fold, cadence=cadence,
+                relay_port=relay_port, fold=fold, cadence=cadence, host_env=self.spec.host_env,
             )
             process = await spawn_child(argv, env)
             self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")

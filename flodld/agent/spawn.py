@@ -44,10 +44,16 @@ def rank_environment(
     relay_port: int | None,
     fold: str,
     cadence: int,
+    host_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """What a rank sees: torchrun-style identity, the controller's address, the salt, its device."""
+    """What a rank sees: torchrun-style identity, the controller's address, the salt, its device.
+
+    Precedence: the agent's own environment, then the run's `env` (the controller's cluster scope),
+    then `host_env` (this worker's `env:` and `nccl_socket_ifname`, which override the cluster scope),
+    then the identity variables flodld sets per rank."""
     env = base_environment(parent)
     env.update(envelope.env)
+    env.update(host_env or {})
     env.update({
         rank_env.RANK: str(envelope.ranks[local_rank]),
         rank_env.WORLD_SIZE: str(envelope.world_size),
@@ -68,12 +74,37 @@ def rank_environment(
     else:
         env.pop(rank_env.RELAY_PORT, None)
     if device.startswith("cuda:"):
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        # The agent's torch numbered its devices in the order (and within the visible set) it inherited.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        env["CUDA_VISIBLE_DEVICES"] = visible_device_entry(parent, int(device.split(":", 1)[1]))
     else:
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // envelope.local_world_size)))
     return env
+
+
+def visible_device_entry(parent: Mapping[str, str], index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES value that shows a child exactly the agent's torch device `index`.
+
+    torch numbers devices within the set the agent inherited: under CUDA_VISIBLE_DEVICES="2,3",
+    cuda:0 is physical device 2 (or whatever UUID/MIG entry is listed first). Without an inherited
+    list the index is the device itself. Like CUDA, the list ends at its first empty entry.
+    """
+    inherited = parent.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return str(index)
+    entries: list[str] = []
+    for part in inherited.split(","):
+        entry = part.strip()
+        if not entry:
+            break
+        entries.append(entry)
+    if not 0 <= index < len(entries):
+        raise ValueError(
+            f"cuda:{index} is not among the {len(entries)} device(s) this agent inherited "
+            f"(CUDA_VISIBLE_DEVICES={inherited!r})"
+        )
+    return entries[index]
 
 
 def relay_environment(parent: Mapping[str, str], spec: RelayRoleSpec) -> dict[str, str]:

@@ -41,6 +41,12 @@ class AgentSpec(BaseModel):
     accept_env: Annotated[
         list[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]], Field(max_length=4096)
     ] | None = None
+    # This worker's own rank environment from the operator's fdl.yml (`workers[].env`, and
+    # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from `nccl_socket_ifname`): set only by the operator's
+    # launcher, applied over the controller's cluster-scope `env` (WorkerConfig.rank_env).
+    host_env: Annotated[
+        dict[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str], Field(max_length=4096)
+    ] | None = None
 
 
 def encode_spec(spec: BaseModel) -> str:

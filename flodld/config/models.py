@@ -86,6 +86,16 @@ class WorkerConfig(BaseModel):
             return None
         return rank_labels(self.local_devices)
 
+    def rank_env(self) -> dict[str, str]:
+        """What this worker's ranks get over the cluster-scope `env`: NCCL_SOCKET_IFNAME and
+        GLOO_SOCKET_IFNAME from `nccl_socket_ifname`, then the worker's own `env:` (which wins)."""
+        env: dict[str, str] = {}
+        if self.nccl_socket_ifname is not None:
+            env["NCCL_SOCKET_IFNAME"] = self.nccl_socket_ifname
+            env["GLOO_SOCKET_IFNAME"] = self.nccl_socket_ifname
+        env.update(self.env)
+        return env
+
     def is_local(self, controller_host: str) -> bool:
         """True when the worker runs on the controller's host (loopback name or the same host string)."""
         return self.host in LOOPBACK_HOSTS or self.host == controller_host

@@ -115,7 +115,7 @@ async def run_cluster_job(
             spec = AgentSpec(
                 host=worker.host, controller_host="127.0.0.1", controller_port=bound_port, salt_hex=salt_hex,
                 devices=list(worker.local_devices) if worker.local_devices != "all" else ["all"],
-                averaging=options.averaging, cluster_env=True,
+                averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None,
             )  # fmt: skip
             local_agents[worker.host] = await asyncio.create_subprocess_exec(
                 sys.executable, program, *args, env={**env, **worker.env, AGENT_ENV: encode_spec(spec)},

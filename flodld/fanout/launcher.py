@@ -118,6 +118,7 @@ def plan_agent(
     spec = AgentSpec(
         host=worker.host, controller_host=controller.host, controller_port=controller_port, salt_hex=salt_hex,
         devices=devices, averaging=str(controller.averaging.value), cluster_env=True,
+        host_env=worker.rank_env() or None,
     )  # fmt: skip
     return AgentPlan(host=worker.host, endpoint=endpoint_for(worker), workdir=workdir, argv=tuple(argv), spec=spec,
                      tunnel=worker.tunnel, controller_port=controller_port, worker_env=worker_env)  # fmt: skip

@@ -1,0 +1,70 @@
+"""What a rank's environment says about its device and its host's env (flodld.agent.spawn, pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodld.agent.spawn import rank_environment
+from flodld.wire.join import WorldEnvelope
+
+SALT = bytes(range(16))
+
+
+def envelope(env: dict[str, str] | None = None) -> WorldEnvelope:
+    return WorldEnvelope.model_validate({
+        "run_id": "run1", "world_size": 2, "ranks": [0, 1], "local_world_size": 2, "hosts": ["a"],
+        "controller_host": "127.0.0.1", "controller_port": 1337, "averaging": "cpu_sync", "backend": "nccl",
+        "env": env or {},
+    })
+
+
+def rank_env(parent: dict[str, str], device: str, **kwargs: object) -> dict[str, str]:
+    return rank_environment(parent, kwargs.pop("envelope", envelope()), local_rank=0, device=device,  # type: ignore[arg-type]
+                            salt=SALT, host="a", relay_port=None, fold="mean", cadence=1, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("inherited", "device", "expected"),
+    [
+        (None, "cuda:0", "0"),
+        (None, "cuda:3", "3"),
+        ("2,3", "cuda:0", "2"),
+        ("2,3", "cuda:1", "3"),
+        (" 5 , 7 ", "cuda:1", "7"),
+        ("GPU-aaaa,GPU-bbbb", "cuda:1", "GPU-bbbb"),
+        ("MIG-1234", "cuda:0", "MIG-1234"),
+    ],
+)
+def test_a_rank_sees_the_inherited_device_that_torch_numbered(inherited: str | None, device: str, expected: str) -> None:
+    parent = {} if inherited is None else {"CUDA_VISIBLE_DEVICES": inherited}
+    env = rank_env(parent, device)
+    assert env["CUDA_VISIBLE_DEVICES"] == expected
+
+
+def test_an_index_outside_the_inherited_list_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"cuda:2 is not among the 2 device\(s\).*'2,3'"):
+        rank_env({"CUDA_VISIBLE_DEVICES": "2,3"}, "cuda:2")
+    with pytest.raises(ValueError, match="0 device"):  # CUDA stops at the first empty entry
+        rank_env({"CUDA_VISIBLE_DEVICES": ",1"}, "cuda:0")
+
+
+def test_the_inherited_device_order_is_kept_else_pci_bus_order() -> None:
+    assert rank_env({}, "cuda:0")["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    inherited = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST", "CUDA_VISIBLE_DEVICES": "1,0"}
+    env = rank_env(inherited, "cuda:0")
+    assert (env["CUDA_DEVICE_ORDER"], env["CUDA_VISIBLE_DEVICES"]) == ("FASTEST_FIRST", "1")
+
+
+def test_cpu_ranks_leave_the_visible_devices_alone() -> None:
+    assert rank_env({"CUDA_VISIBLE_DEVICES": "2,3"}, "cpu:0")["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_the_host_env_overrides_the_cluster_env_but_not_the_rank_identity() -> None:
+    env = rank_env(
+        {"SHARED": "agent", "AGENT_ONLY": "x"}, "cpu:0",
+        envelope=envelope({"SHARED": "cluster", "CLUSTER_ONLY": "c"}),
+        host_env={"SHARED": "host", "NCCL_SOCKET_IFNAME": "eth0", "RANK": "99"},
+    )
+    assert (env["SHARED"], env["CLUSTER_ONLY"], env["AGENT_ONLY"], env["NCCL_SOCKET_IFNAME"]) == (
+        "host", "c", "x", "eth0")
+    assert env["RANK"] == "0"
