@@ -12,6 +12,7 @@ import asyncio
 import secrets
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +26,10 @@ from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.fold.base import ModularFold
 from flodld.fold.codec import decode_bundle
-from flodld.wire.data import Broadcast, HostFrame
+from flodld.wire.data import Broadcast, HostFrame, RelayHello
 from flodld.wire.frames import NEED_DATA, NONCE_BYTES, Frame, FrameConnection, Role
+from flodld.wire.hostkey import derive_host_key
+from flodld.wire.join import Hello
 from flodld.wire.magic import Channel, channel_for_prefix
 from tests.e2e.harness import child_env
 
@@ -79,31 +82,64 @@ class RecordingForwarder:
         self.server.close()
 
 
-def decode_direction(data: bytes, salt: bytes, role: Role, own_nonce: bytes) -> list[Frame]:
-    """Frames of one recorded direction, authenticated with the run's salt as the receiving side would."""
-    receiver = FrameConnection(role, salt, nonce=own_nonce)
+def decode_direction(
+    data: bytes, salt: bytes, role: Role, own_nonce: bytes, channel: Channel, host_key: Callable[[Frame], bytes | None]
+) -> list[Frame]:
+    """Frames of one recorded direction, authenticated as the receiving side would: the first frame under
+    the run's salt, the rest under the key `host_key(first frame)` names (None: the salt throughout)."""
+    receiver = FrameConnection(role, salt, nonce=own_nonce, channel=channel)
     receiver.receive_data(data)
-    frames = []
+    frames: list[Frame] = []
     while (event := receiver.next_event()) is not NEED_DATA:
-        if isinstance(event, Frame):
-            frames.append(event)
-        else:
+        if not isinstance(event, Frame):
             break
+        frames.append(event)
+        if len(frames) == 1 and (key := host_key(event)) is not None:
+            receiver.rekey(key)
     return frames
 
 
-def data_plane_frames(captures: list[Capture], salt: bytes) -> tuple[list[tuple[Frame, HostFrame]], list[tuple[Frame, Broadcast]]]:
+def host_keys(captures: list[Capture], salt: bytes, run_id: str) -> dict[str, bytes]:
+    """Each host's key, derived the way its agent and the controller do from its recorded join exchange."""
+    keys: dict[str, bytes] = {}
+    for capture in captures:
+        if capture.channel is not Channel.JOIN:
+            continue
+        dialer_nonce, listener_nonce = bytes(capture.up[4 : 4 + NONCE_BYTES]), bytes(capture.down[:NONCE_BYTES])
+        (hello, *_) = decode_direction(bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce, Channel.JOIN,
+                                       lambda frame: None)
+        message = hello.message()
+        assert isinstance(message, Hello)
+        keys[message.host] = derive_host_key(salt, host=message.host, run_id=run_id, dialer_nonce=dialer_nonce,
+                                             listener_nonce=listener_nonce)
+    return keys
+
+
+def _relay_host(hello_frame: Frame) -> str:
+    hello = hello_frame.message()
+    assert isinstance(hello, RelayHello)
+    return hello.host
+
+
+def data_plane_frames(
+    captures: list[Capture], salt: bytes, run_id: str
+) -> tuple[list[tuple[Frame, HostFrame]], list[tuple[Frame, Broadcast]]]:
+    keys = host_keys(captures, salt, run_id)
     host_frames: list[tuple[Frame, HostFrame]] = []
     broadcasts: list[tuple[Frame, Broadcast]] = []
     for capture in captures:
         if capture.channel is not Channel.DATA:
             continue
         dialer_nonce, listener_nonce = bytes(capture.up[4 : 4 + NONCE_BYTES]), bytes(capture.down[:NONCE_BYTES])
-        for frame in decode_direction(bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce):
+        up = decode_direction(bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce, Channel.DATA,
+                              lambda frame: keys[_relay_host(frame)])
+        for frame in up:
             message = frame.message()
             if isinstance(message, HostFrame):
                 host_frames.append((frame, message))
-        for frame in decode_direction(bytes(capture.down), salt, Role.DIALER, dialer_nonce):
+        key = keys[_relay_host(up[0])]
+        for frame in decode_direction(bytes(capture.down), salt, Role.DIALER, dialer_nonce, Channel.DATA,
+                                      lambda frame, key=key: key):  # type: ignore[misc]
             message = frame.message()
             if isinstance(message, Broadcast):
                 broadcasts.append((frame, message))
@@ -155,7 +191,7 @@ def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_s
     updates = [torch.load(tmp_path / f"rank{rank}-update.pt") for rank in range(2)]
     secret = torch.load(tmp_path / "rank0-secret_key.pt")
 
-    host_frames, broadcasts = data_plane_frames(forwarder.captures, controller.salt)
+    host_frames, broadcasts = data_plane_frames(forwarder.captures, controller.salt, controller.run_id)
     # The aggregation round is the one whose fold names a ciphertext prime (the first is a warm-up).
     aggregation = [(frame, message) for frame, message in host_frames if message.fold != "modular:2"]
     assert sorted(message.contributors[0] for _, message in aggregation) == [0, 1]

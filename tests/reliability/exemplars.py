@@ -80,7 +80,7 @@ EXEMPLARS: list[Message] = [
     StoreInt(value=7),
     StoreBool(value=True),
     StoreError(code="timeout", reason="timed out"),
-    RelayHello(host="node-a", ranks=[0, 1]),
+    RelayHello(host="node-a", ranks=[0, 1], proof="ab" * 32),
     HelloAck(),
     RankHello(rank=1),
     Deposit(round=4, fold="mean", weight=1.0, tensors=TENSORS),

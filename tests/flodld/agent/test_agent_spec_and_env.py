@@ -91,7 +91,8 @@ def test_rank_environment_errors_name_the_variable() -> None:
 
 
 def test_relay_environment_has_only_the_relay_role() -> None:
-    spec = RelayRoleSpec(host="b", controller_host="h", controller_port=5, salt_hex=SALT.hex(), ranks=[2], listen_fd=7)
+    spec = RelayRoleSpec(host="b", controller_host="h", controller_port=5, salt_hex=SALT.hex(),
+                         host_key_hex=SALT.hex(), ranks=[2], listen_fd=7)
     env = relay_environment({AGENT_ENV: "x", "RANK": "1", "FLODL_CONTROLLER": "h:5"}, spec)
     assert set(env) == {RELAY_ENV}
     assert current_role(env) is Role.RELAY
