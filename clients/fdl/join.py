@@ -5,8 +5,8 @@ and starts its relay and one rank per device. Every flag defaults from the top-l
 fdl.yml, so a golden image can boot into a bare `fdl join`. The token may also come from the
 FDL_JOIN_TOKEN environment variable or from stdin (`--token -`), keeping it out of `ps`.
 
-Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token,
-bad config, incompatible build) — for systemd's RestartPreventExitStatus=2. With --persist it never
+Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token, no
+token for a controller that checks credentials, bad config, incompatible build) — for systemd's RestartPreventExitStatus=2. With --persist it never
 gives up on transient failures: it backs off 5 s doubling to 60 s and dials again (the backoff
 resets after a run that lasted longer than 2 minutes).
 

@@ -191,7 +191,16 @@ async def _receive(stream: FramedStream, timeout: float, where: str, pre_shared:
                 "a token mismatch: check --token against the run's controller.join.token",
                 ExitClass.PERMANENT,
             ) from None
-        what = "before replying" if before_reply else "before the world formed"
+        if before_reply:
+            # An open-admission hello is tagged with the public key; a credential-checked controller drops
+            # it without a word (bad_tag). Re-dialing without a token can never succeed.
+            raise JoinFailed(
+                f"controller {where} closed before replying to a join without a token — it checks credentials "
+                "(controller.join.token): pass the run's token with --token HEX, --token - (stdin) or "
+                "FDL_JOIN_TOKEN",
+                ExitClass.PERMANENT,
+            ) from None
+        what = "before the world formed"
         raise JoinFailed(f"controller {where} closed the join link {what}", ExitClass.TRANSIENT) from None
     except TimeoutError:
         what = "no reply to the hello" if before_reply else "the world did not form"

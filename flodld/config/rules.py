@@ -148,6 +148,18 @@ def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
                 )
             )
     join = controller.join
+    remote = [worker for worker in cluster.workers if not worker.is_local(controller.host)]
+    loopback_bind = bool(remote) and all(worker.tunnel for worker in remote)
+    if join.discovery and join.token is None and not join.open_admission and not join.tunnel_only and not loopback_bind:
+        found.append(
+            RuleViolation(
+                ("controller", "join", "discovery"),
+                "discovery: true on a network bind can never admit a walk-in: with no token the session salt is "
+                "random and every hello is refused (bad_tag); set controller.join.token (32 hex, handed to "
+                "walk-ins as fdl join --token / FDL_JOIN_TOKEN), or open_admission: true (anyone who reaches the "
+                "port joins), or tunnel_only: true (loopback bind, walk-ins arrive through sshd)",
+            )
+        )
     if join.tunnel_only:
         if not controller.averaging.is_cpu:
             found.append(

@@ -36,9 +36,35 @@ def test_workers_must_not_be_empty_without_discovery() -> None:
 
 
 def test_an_empty_roster_is_fine_under_discovery() -> None:
-    cluster = ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=2).build()
+    cluster = ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=2, token="ab" * 16).build()
     assert cluster.workers == ()
     assert cluster.capacity() == 0
+
+
+def test_discovery_on_a_network_bind_without_a_way_in_is_refused_naming_the_three_ways_out() -> None:
+    found = failures(ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=2))
+    message = found["controller.join.discovery"]
+    assert "can never admit a walk-in" in message and "bad_tag" in message
+    for way_out in ("controller.join.token", "FDL_JOIN_TOKEN", "open_admission: true", "tunnel_only: true"):
+        assert way_out in message
+
+
+@pytest.mark.parametrize(
+    "way_in", [{"token": "ab" * 16}, {"open_admission": True}, {"tunnel_only": True}],
+    ids=["token", "open_admission", "tunnel_only"],
+)
+def test_discovery_with_a_way_in_loads(way_in: dict[str, Any]) -> None:
+    cluster = ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=2, **way_in).build()
+    assert cluster.controller.join.discovery
+
+
+def test_discovery_behind_an_all_tunneled_roster_binds_loopback_and_loads() -> None:
+    cluster = (
+        ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=1)
+        .worker("node-a", devices=["cpu"], path="/srv/p", tunnel=True)
+        .build()
+    )
+    assert cluster.controller.join.token is None
 
 
 def test_duplicate_worker_hosts_are_errors() -> None:

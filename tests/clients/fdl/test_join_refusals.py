@@ -1,0 +1,50 @@
+"""`fdl join` against a controller that checks credentials, without a token: exit 2 with the hint, also under
+--persist (a refusal that re-dialing cannot fix must not loop forever)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import sys
+from pathlib import Path
+
+from flodld.config.join import JoinConfig
+from flodld.controller.options import ControllerOptions
+from flodld.controller.run import Controller
+from tests.e2e.harness import REPO, child_env
+
+PROGRAM = "import sys, flodld\nsys.exit(flodld.run(lambda: 0, init_process_group=False))\n"
+
+
+async def fdl_join(*words: str, cwd: Path, timeout: float) -> tuple[int, str]:
+    env = child_env(PYTHONPATH=f"{REPO}:{REPO / 'clients'}", FLODL_NET_TIMEOUT_SCALE="0.2")
+    env.pop("FDL_JOIN_TOKEN", None)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fdl.main", "join", *words, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), timeout)
+    except TimeoutError:
+        process.kill()
+        out, _ = await process.communicate()
+        raise AssertionError(f"fdl join still running after {timeout}s:\n{out.decode()[-3000:]}") from None
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
+async def test_a_join_without_a_token_refused_by_a_credential_checked_controller_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "walk.py").write_text(PROGRAM)
+    controller = Controller(ControllerOptions(
+        advertised_host="127.0.0.1", port=0, bind_host="127.0.0.1", averaging="cpu_sync",
+        join=JoinConfig(discovery=True, min_rank_start=1, target_ranks=1, token=secrets.token_hex(16)),
+    ))
+    _, port = await controller.start()
+    try:
+        code, output = await fdl_join(f"127.0.0.1:{port}", "--bin", "walk.py", "--devices", "cpu", "--persist",
+                                      cwd=tmp_path, timeout=40)  # fmt: skip
+    finally:
+        await controller.stop("test over")
+    assert code == 2, output
+    assert "--token" in output and "FDL_JOIN_TOKEN" in output, output
+    assert "not re-dialing" in output, output
