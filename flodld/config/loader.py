@@ -54,6 +54,36 @@ def load_config(project_dir: Path | str, env: str | None = None) -> ProjectConfi
     return validate_document(merged, default_file=base_path)
 
 
+def config_overlay_file(config_file: Path | str, env: str) -> Path:
+    """The overlay of an explicitly named config file: `other.yml` + env `x` -> `other.x.yml` next to it."""
+    path = Path(config_file)
+    return path.with_name(f"{path.stem}.{env}{path.suffix}")
+
+
+def load_config_file(config_file: Path | str, env: str | None = None) -> ProjectConfig:
+    """Like `load_config`, for a file named explicitly (`flodld serve --config other.yml --env x`): the
+    overlay is `other.x.yml` next to it, whatever the file is called. The base file must exist."""
+    path = Path(config_file)
+    if not path.is_file():
+        raise ConfigNotFoundError(ConfigIssue((), f"config file {path} does not exist", path))
+    documents = [read_yaml(path)]
+    if env is not None:
+        if not _ENV_NAME_RE.match(env):
+            raise ConfigError(ConfigIssue(
+                (), f"environment name {env!r} is invalid; use letters, digits, '-' and '_' (e.g. cluster)"
+            ))
+        overlay = config_overlay_file(path, env)
+        if not overlay.is_file():
+            raise ConfigError(ConfigIssue(
+                (), f"unknown environment {env!r}: {overlay.name} (the overlay of {path.name}) does not exist", overlay
+            ))
+        documents.append(read_yaml(overlay))
+    merged = documents[0]
+    for document in documents[1:]:
+        merged = merge_documents(merged, document)
+    return validate_document(merged, default_file=path)
+
+
 def validate_document(document: SourceDocument, default_file: Path | None = None) -> ProjectConfig:
     try:
         return ProjectConfig.model_validate(document.data)
@@ -88,4 +118,7 @@ def _existing_overlay(directory: Path, env: str) -> Path:
     )
 
 
-__all__ = ["Position", "available_envs", "load_config", "load_text", "overlay_file", "validate_document"]
+__all__ = [
+    "Position", "available_envs", "config_overlay_file", "load_config", "load_config_file", "load_text",
+    "overlay_file", "validate_document",
+]

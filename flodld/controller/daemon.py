@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from flodld.config.errors import ConfigError, RuleViolations
 from flodld.config.join import JoinConfig
-from flodld.config.loader import load_text
+from flodld.config.loader import load_config_file
 from flodld.controller.logsetup import configure_logging, flush_logging
 from flodld.controller.notify import SystemdNotifier
 from flodld.controller.options import ControllerOptions
@@ -32,7 +32,7 @@ EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="cluster config file (fdl.yml with a cluster: block)")
-    parser.add_argument("--env", help="overlay fdl.<ENV>.yml next to --config")
+    parser.add_argument("--env", help="overlay <name>.<ENV>.yml next to --config <name>.yml")
     parser.add_argument("--host", help="address workers dial (default: config controller.host, else 127.0.0.1)")
     parser.add_argument("--port", type=int, help="controller port (default: config, else 1337; 0 = any free)")
     parser.add_argument("--bind", help="listen address (default 0.0.0.0, loopback when every worker is tunneled); "
@@ -77,8 +77,7 @@ def options_from_args(args: argparse.Namespace) -> ControllerOptions:
     join_values: dict[str, object] = {}
     base: ControllerOptions | None = None
     if args.config is not None:
-        text = _read_config(args.config, args.env)
-        cluster = load_text(text, str(args.config)).cluster
+        cluster = load_config_file(args.config, args.env).cluster
         if cluster is None:
             raise ValueError(f"{args.config} has no cluster: block; add one (see docs/controller.md)")
         base = ControllerOptions.from_cluster(cluster)
@@ -87,20 +86,6 @@ def options_from_args(args: argparse.Namespace) -> ControllerOptions:
     values = base.model_dump() if base is not None else {}
     values.update(_given(args, _OPTION_FLAGS), join=JoinConfig.model_validate(join_values))
     return ControllerOptions.model_validate(values)
-
-
-def _read_config(path: Path, env: str | None) -> str:
-    """The config text, with the overlay merged when --env names one (via the project loader)."""
-    if env is None:
-        return path.read_text(encoding="utf-8")
-    from flodld.config.loader import load_config
-
-    project = load_config(path.parent, env)
-    if project.cluster is None:
-        raise ValueError(f"{path.parent}/fdl.{env}.yml has no cluster: block")
-    import json
-
-    return json.dumps(project.model_dump(mode="json", exclude_none=True))
 
 
 async def serve(options: ControllerOptions, notifier: SystemdNotifier | None = None) -> int:
