@@ -31,7 +31,7 @@ class ClusterBuilder:
         self._env: dict[str, str] = {}
 
     def controller(self, host: str, port: int = DEFAULT_CONTROLLER_PORT, **settings: Any) -> Self:
-        """`settings`: path, docker, arch, averaging, backend, cadence (as in `cluster.controller`)."""
+        """`settings`: path, averaging, backend, cadence (as in `cluster.controller`)."""
         self._controller = {"host": host, "port": port, **settings}
         return self
 

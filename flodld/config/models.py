@@ -40,12 +40,17 @@ class ControllerConfig(BaseModel):
     host: Host
     port: ControllerPort = DEFAULT_CONTROLLER_PORT
     path: Text | None = None
+    # Not implemented (a pre-flight build): kept in the schema so that the rules refuse them by name.
     docker: Text | None = None
     arch: Text | None = None
     join: JoinConfig = Field(default_factory=JoinConfig)
     averaging: AveragingMode = AveragingMode.CPU_SYNC
     backend: Backend = Backend.GLOO
     cadence: Annotated[int, Field(strict=True, ge=1, le=1_000_000)] | None = None
+    between_runs_secs: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 0.0
+    """`flodld serve`: pause between one run's verdict and the next run's window."""
+    history_runs: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 50
+    """`flodld serve`: finished runs kept in state.json `history`."""
 
     @property
     def effective_cadence(self) -> int:

@@ -19,11 +19,29 @@ CPU_MODES_TEXT = "cpu_sync / cpu_cadence / cpu_async"
 
 def cluster_violations(cluster: ClusterConfig) -> list[RuleViolation]:
     return [
+        *_unimplemented_rules(cluster),
         *_roster_rules(cluster),
         *_averaging_rules(cluster),
         *_network_rules(cluster),
         *_tunnel_rules(cluster),
     ]
+
+
+def _unimplemented_rules(cluster: ClusterConfig) -> list[RuleViolation]:
+    """Keys the schema keeps for compatibility but nothing carries out: refused rather than ignored."""
+    found: list[RuleViolation] = []
+    controller = cluster.controller
+    for key, value in (("docker", controller.docker), ("arch", controller.arch)):
+        if value is not None:
+            found.append(
+                RuleViolation(
+                    ("controller", key),
+                    f"controller.{key} (a pre-flight build) is not implemented, and the run would ignore it; "
+                    f"remove it. workers[].{key} chooses how each worker's agent runs "
+                    + ("(its compose service)" if key == "docker" else "(its Python environment, <path>/<arch>/bin/python)"),
+                )
+            )
+    return found
 
 
 def _roster_rules(cluster: ClusterConfig) -> list[RuleViolation]:

@@ -239,3 +239,18 @@ def test_ssh_target_defaults_to_the_worker_host() -> None:
     assert [worker.ssh_target for worker in cluster.workers] == ["node-a", "b.lan"]
     assert cluster.worker("node-b") is cluster.workers[1]
     assert cluster.worker("nope") is None
+
+
+@pytest.mark.parametrize("key", ["docker", "arch"])
+def test_controller_docker_and_arch_are_refused_as_not_implemented(key: str) -> None:
+    found = failures(ClusterBuilder().controller("10.0.0.1", **{key: "cuda"}).worker("127.0.0.1", devices=["cpu"]))
+    assert "not implemented" in found[f"controller.{key}"] and f"workers[].{key}" in found[f"controller.{key}"]
+
+
+def test_controller_docker_is_refused_in_yaml_at_its_line() -> None:
+    from flodld.config import load_text
+
+    text = ("cluster:\n  controller:\n    host: 10.0.0.1\n    docker: build\n"
+            "  workers:\n    - {host: 127.0.0.1, local_devices: [cpu]}\n")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^fdl\.yml:4:5: cluster\.controller\.docker: .*not implemented"):
+        load_text(text)
