@@ -49,6 +49,7 @@ def split_env(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fdl import config as config_command
     from fdl import join as join_command
     from fdl import join_sshd, probe, start, status
     from fdl import run as run_command
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_parser(subparsers)
     probe.add_parser(subparsers)
     join_sshd.add_parser(subparsers)
+    config_command.add_parser(subparsers)
     for module in (run_command, join_command):
         sub = module.add_parser(subparsers)
         sub.set_defaults(func=module.main)
@@ -84,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = env or args.env_flag or os.environ.get("FDL_ENV") or None
         args.env = env
         if env is not None:
-            check_env(env, getattr(args, "project", "."))
+            if not getattr(args, "env_checked_by_command", False):
+                check_env(env, getattr(args, "project", "."))
             os.environ["FDL_ENV"] = env
     except UsageError as error:
         print(f"fdl: {error}", file=sys.stderr)
