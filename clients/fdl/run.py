@@ -266,9 +266,8 @@ def plan_run(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 async def run_job(command: list[str], cluster: Any, *, port: int | None = None) -> int:
-    from flodld.controller.dataplane import attach_data_plane
     from flodld.controller.options import ControllerOptions
-    from flodld.controller.run import Controller
+    from flodld.controller.service import assemble_controller
     from flodld.wire.salt import OPEN_ADMISSION_KEY
 
     overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
@@ -277,9 +276,9 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
     if cluster.controller.host in ("127.0.0.1", "localhost"):
         overrides["bind_host"] = "127.0.0.1"
     options = ControllerOptions.from_cluster(cluster, probed=None, **overrides)
-    controller = Controller(options)
-    controller.on_phase(lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else "")))
-    attach_data_plane(controller)
+    controller = assemble_controller(
+        options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
+    )
     _, bound_port = await controller.start()
     local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
     say(f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "

@@ -1,4 +1,8 @@
-"""`fdl status [--json] [--addr host[:port]] [--watch]`: the run's state from the controller port."""
+"""`fdl status [--json] [--addr host[:port]] [--watch] [--history]`: the run's state from the controller port.
+
+Against a `flodld serve` service the state also carries the finished runs (`history`, newest first): the
+pretty form names the previous run's verdict while the next window waits, `--history` prints the table.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ WINDOW_PHASES = ("waiting", "staging")
 END_PHASES = ("done", "failed")
 _COLOURS = {"training": "32", "done": "32", "waiting": "33", "staging": "33", "forming": "33", "failed": "31"}
 NO_RUN_HINT = (
-    "The status endpoint lives on the controller's port for exactly as long as the run does — "
-    "a refused connection usually just means no run is up."
+    "The status endpoint lives on the controller's port: for the daemon's whole life under `flodld serve`, "
+    "for exactly as long as the run does under `fdl run` — a refused connection usually just means no "
+    "controller is up."
 )
 
 
@@ -25,6 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print state.json verbatim")
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
     parser.add_argument("--watch", action="store_true", help="refresh until the run ends")
+    parser.add_argument("--history", action="store_true", help="print the finished runs of a `flodld serve` service")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between --watch refreshes")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     parser.set_defaults(func=main)
@@ -110,7 +116,59 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False) -> str:
         lines.append(f"  missing: {', '.join(missing)}")
     if state.get("reason"):
         lines.append(f"  reason: {state['reason']}")
+    service = state.get("service") or {}
+    if service.get("between_runs"):
+        remaining = service.get("next_window_in_secs")
+        lines.append("  between runs: the next window opens " +
+                     (f"in {remaining:.0f}s" if isinstance(remaining, int | float) else "shortly"))
+    history = [h for h in (state.get("history") or []) if isinstance(h, dict)]
+    if history and not service.get("between_runs"):
+        last = history[0]
+        lines.append(f"  previous run: {last.get('run_id')} {last.get('verdict')} {_ago(last.get('ended_at'))}"
+                     + (f" — {last['reason']}" if last.get("reason") else ""))
+    if service.get("config_error"):
+        lines.append(f"  config reload failed (previous config in force): {service['config_error']}")
     return "\n".join(lines)
+
+
+def _ago(when: object) -> str:
+    if not isinstance(when, int | float):
+        return ""
+    seconds = max(0.0, time.time() - float(when))
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(when)))
+    return f"at {stamp} ({seconds:.0f}s ago)"
+
+
+def _exits(entry: dict[str, Any]) -> str:
+    exits = [e for e in entry.get("rank_exits") or [] if isinstance(e, dict)]
+    bad = [f"{e.get('rank')}:{e.get('code')}" for e in exits if e.get("code") != 0]
+    if not exits:
+        return "-"
+    return f"all {len(exits)} 0" if not bad else " ".join(bad)
+
+
+def render_history(state: dict[str, Any]) -> str:
+    """The finished runs as a table, newest first."""
+    if "history" not in state:
+        return "no run history here (a single run: `fdl run` or `flodld serve --once`)"
+    history = [h for h in state.get("history") or [] if isinstance(h, dict)]
+    if not history:
+        return "no finished runs yet"
+    rows = [("RUN", "VERDICT", "STARTED", "FORMED+", "DURATION", "RANKS", "HOSTS", "EXITS", "REASON")]
+    for h in history:
+        started, formed, ended = h.get("started_at"), h.get("formed_at"), h.get("ended_at")
+        number = (int, float)
+        rows.append((
+            str(h.get("run_id", "?")), str(h.get("verdict", "?")),
+            time.strftime("%H:%M:%S", time.localtime(float(started))) if isinstance(started, number) else "-",
+            f"{formed - started:.1f}s" if isinstance(formed, number) and isinstance(started, number) else "-",
+            f"{ended - started:.1f}s" if isinstance(ended, number) and isinstance(started, number) else "-",
+            str(h.get("ranks", "-")), ",".join(str(x) for x in h.get("hosts") or []) or "-", _exits(h),
+            str(h.get("reason", "")),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+                     for row in rows)
 
 
 def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextIO) -> dict[str, Any] | None:
@@ -124,8 +182,11 @@ def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextI
         if not args.json:
             out.write(body.decode(errors="replace") + "\n")
         return None
-    if not args.json:
-        out.write(render(state, address, colour=out.isatty()) + "\n")
+    if not args.json and isinstance(state, dict):
+        if getattr(args, "history", False):
+            out.write(render_history(state) + "\n")
+        else:
+            out.write(render(state, address, colour=out.isatty()) + "\n")
     return state if isinstance(state, dict) else None
 
 

@@ -1,7 +1,12 @@
 """`flodld serve`: the controller as a process — config, signals, systemd readiness, exit code.
 
-Exit codes: 0 the run is done; 1 it failed (the reason is logged and printed); 2 bad
-configuration or flags; 128+N when signal N aborted it (the run is aborted cleanly first).
+By default the daemon is a service (`Service`): it keeps its port for its whole life and hosts one run
+after another. SIGTERM/SIGINT abort the current run (Abort down every link) and exit 0; SIGHUP re-reads
+the config for the next window. Exit code 2: bad configuration or flags at start (systemd:
+RestartPreventExitStatus=2).
+
+`--once` hosts exactly one run. Exit codes: 0 the run is done; 1 it failed (the reason is logged and
+printed); 2 bad configuration or flags; 128+N when signal N aborted it (the run is aborted cleanly first).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -23,6 +28,7 @@ from flodld.controller.logsetup import configure_logging, flush_logging
 from flodld.controller.notify import SystemdNotifier
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
+from flodld.controller.service import Service
 from flodld.membership.policy import PolicyError
 
 log = logging.getLogger("flodld.controller")
@@ -52,6 +58,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--averaging", help="averaging mode (cpu_sync, cpu_cadence, cpu_async, nccl_sync, ...)")
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
+    parser.add_argument("--once", action="store_true", help="host exactly one run; the exit code is its verdict "
+                        "(default: a service hosting run after run until SIGTERM)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -88,16 +96,22 @@ def options_from_args(args: argparse.Namespace) -> ControllerOptions:
     return ControllerOptions.model_validate(values)
 
 
-async def serve(options: ControllerOptions, notifier: SystemdNotifier | None = None) -> int:
-    """Run one controller until its run ends or a signal aborts it; returns the exit code."""
+async def serve(
+    options: ControllerOptions,
+    notifier: SystemdNotifier | None = None,
+    *,
+    once: bool = True,
+    load: Callable[[], ControllerOptions] | None = None,
+    config_path: str | None = None,
+) -> int:
+    """Host runs (one with `once`) until a signal stops the service; returns the exit code."""
     notifier = notifier or SystemdNotifier()
-    controller = Controller(options)
-    controller.on_phase(lambda phase, reason: notifier.status(f"{phase.value}: {reason}"[:200]))
-    from flodld.controller.dataplane import attach_data_plane
-
-    attach_data_plane(controller)  # relays of CPU averaging modes dial DATA/CONTROL on this port
-    host, port = await controller.listen()
-    notifier.ready(f"listening on {host}:{port} (run {controller.run_id})")
+    service = Service(
+        options, load=load, config_path=config_path, once=once,
+        on_phase=lambda phase, reason: notifier.status(f"{phase.value}: {reason}"[:200]),
+    )
+    host, port = await service.listen()
+    notifier.ready(f"listening on {host}:{port}" + (" (one run)" if once else " (service)"))
     loop = asyncio.get_running_loop()
     received: list[int] = []
 
@@ -107,21 +121,34 @@ async def serve(options: ControllerOptions, notifier: SystemdNotifier | None = N
         received.append(signum)
         name = signal.Signals(signum).name
         log.warning("event=signal signal=%s action=abort_run", name)
-        controller.abort(f"controller received {name}; run aborted")
+        notifier.stopping(f"{name}: aborting the run")
+        service.stop(f"controller received {name}; run aborted")
+
+    def on_reload() -> None:
+        log.info("event=signal signal=SIGHUP action=reload config=%s", config_path)
+        notifier.reloading()
+        service.reload()
+        notifier.ready("config reloaded" if service.config_error is None else "reload failed; previous config kept")
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    if not once:
+        loop.add_signal_handler(signal.SIGHUP, on_reload)
     try:
-        await controller.start()
-        log.info("event=ready bind=%s port=%d run_id=%s admission=%s", host, port, controller.run_id,
-                 controller.policy.trust.value)
-        result = await controller.wait()
-        notifier.stopping(f"{result.verdict.value}: {result.reason}"[:200])
+        result = await service.serve()
+        if result is not None:
+            notifier.stopping(f"{result.verdict.value}: {result.reason}"[:200])
     finally:
-        await controller.close()
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        await service.close()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
     flush_logging()  # the run's last log lines before the verdict line
+    if not once:
+        log.info("event=stopped runs=%d done=%d failed=%d", service.runs_started, service.runs["done"],
+                 service.runs["failed"])
+        flush_logging()
+        return EXIT_DONE  # a clean stop: `systemctl stop` must not leave the unit failed
+    assert result is not None
     if received:
         print(f"flodld: {result.reason}", file=sys.stderr)
         return 128 + received[0]
@@ -146,7 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         runner = uvloop.run
     try:
-        return runner(serve(options))
+        config_path = str(args.config) if args.config is not None else None
+        return runner(serve(options, once=args.once, load=lambda: options_from_args(args), config_path=config_path))
     except (OSError, PolicyError) as error:  # PolicyError: the real bind contradicts the flags (tunnel_only)
         flush_logging()
         print(f"flodld: {error}", file=sys.stderr)

@@ -10,7 +10,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-PHASES = ("waiting", "staging", "forming", "training", "done", "failed")
+from flodld.membership.phase import Phase
+
+PHASES = tuple(phase.value for phase in Phase)
+VERDICTS = (Phase.DONE.value, Phase.FAILED.value)
 
 
 @dataclass
@@ -58,9 +61,12 @@ def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[Mappin
 
 
 def render_prometheus(
-    counters: ControllerCounters, *, phase: str | None, joined_ranks: int, joined_hosts: int
+    counters: ControllerCounters, *, phase: str | None, joined_ranks: int, joined_hosts: int,
+    run_id: str | None = None, runs: Mapping[str, int] | None = None,
 ) -> str:
-    """Prometheus text exposition (version 0.0.4) of the run's phase and the controller counters."""
+    """Prometheus text exposition (version 0.0.4) of the run's phase and the controller counters.
+
+    `runs`: finished runs by verdict since the daemon started (`flodld serve`; absent for a single run)."""
     lines: list[str] = []
     lines += _family(
         "flodld_phase",
@@ -68,6 +74,12 @@ def render_prometheus(
         "1 for the run's current lifecycle phase, 0 for the others.",
         (({"phase": p}, 1.0 if p == phase else 0.0) for p in PHASES),
     )
+    if run_id is not None:
+        lines += _family("flodld_run_info", "gauge", "The current (or last) run's id, as a label.",
+                         [({"run_id": run_id}, 1.0)])
+    if runs is not None:
+        lines += _family("flodld_runs_total", "counter", "Finished runs since the daemon started, by verdict.",
+                         (({"verdict": v}, runs.get(v, 0)) for v in VERDICTS))
     lines += _family("flodld_joined_ranks", "gauge", "Ranks admitted to the run.", [({}, joined_ranks)])
     lines += _family("flodld_joined_hosts", "gauge", "Hosts admitted to the run.", [({}, joined_hosts)])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 log = logging.getLogger("flodld.controller")
 
@@ -49,3 +50,8 @@ class SystemdNotifier:
 
     def stopping(self, status: str) -> bool:
         return self.notify("STOPPING=1", f"STATUS={status}")
+
+    def reloading(self) -> bool:
+        """A SIGHUP reload began (READY=1 follows when it is done)."""
+        now_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        return self.notify("RELOADING=1", f"MONOTONIC_USEC={now_usec}", "STATUS=reloading the config")

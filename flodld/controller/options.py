@@ -60,6 +60,12 @@ class ControllerOptions(BaseModel):
     tick_interval: Annotated[float, Field(gt=0)] = 0.05
     max_pending_per_peer: Annotated[int, Field(ge=1)] = 64
     limit_loopback: bool = Field(False, description="Apply the per-address pre-admission cap to loopback too.")
+    between_runs_secs: Annotated[float, Field(ge=0)] = Field(
+        0.0, description="`flodld serve`: pause between a run's verdict and the next window (controller.between_runs_secs).",
+    )
+    history_runs: Annotated[int, Field(ge=1)] = Field(
+        50, description="`flodld serve`: finished runs kept in state.json `history` (controller.history_runs).",
+    )
 
     @property
     def effective_bind_host(self) -> str:
@@ -111,6 +117,8 @@ class ControllerOptions(BaseModel):
             "backend": str(controller.backend.value),
             "cadence": controller.effective_cadence,
             "env": dict(cluster.env),
+            "between_runs_secs": controller.between_runs_secs,
+            "history_runs": controller.history_runs,
         }
         values.update(overrides)
         return cls.model_validate(values)

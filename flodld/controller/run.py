@@ -1,5 +1,10 @@
 """The Controller: one run on one port. It owns the JoinWindow and everything that acts on it.
 
+Standalone (`fdl run`, `flodld serve --once`) it binds the port itself; under `flodld serve` the
+`Service` (controller/service.py) owns the port, the mux and the HTTP app for the daemon's whole
+life and hands each run's Controller the mux: the Controller then only registers its join and
+rendezvous handlers on it for the run, and `close()` takes them off again.
+
 All window calls happen on the event loop thread, synchronously, so an admission and its Accept
 write are never interleaved with another admission: ranks stay contiguous without a lock. A
 timer task re-evaluates the verdict every `tick_interval` (and at once on every event); when
@@ -34,7 +39,7 @@ from flodld.controller.store import StoreService
 from flodld.membership.ledger import Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, WINDOW_PHASES, Phase
 from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, derive_policy, is_loopback_literal
-from flodld.membership.snapshot import ConnectionCounts
+from flodld.membership.snapshot import ConnectionCounts, RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
@@ -71,7 +76,12 @@ class Controller:
         salt: bytes | None = None,
         probed: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        mux: PortMux | None = None,
+        address: tuple[str, int] | None = None,
     ) -> None:
+        """`mux` and `address`: a port someone else bound and keeps (the Service); both or neither."""
+        if (mux is None) != (address is None):
+            raise ValueError("a borrowed mux comes with the address it is bound to")
         self.options = config if isinstance(config, ControllerOptions) else ControllerOptions.from_cluster(
             config, probed=probed
         )
@@ -86,8 +96,10 @@ class Controller:
             self.salt = salt if salt is not None else new_salt()
         self.run_id = options.run_id or secrets.token_hex(8)
         self.clock = clock
-        self.counters = ControllerCounters()
-        self.mux = PortMux(
+        self._borrowed = mux is not None
+        self._bound = address
+        self.counters = mux.counters if mux is not None else ControllerCounters()
+        self.mux = mux or PortMux(
             self.counters,
             magic_deadline=options.magic_deadline,
             http_lifetime=options.http_lifetime,
@@ -107,6 +119,10 @@ class Controller:
         self._last_phase: Phase | None = None
         self._phase_listeners: list[PhaseListener] = []
         self._lost_hosts: dict[str, str] = {}
+        # Wall-clock (unix seconds) milestones for the run's history record.
+        self.started_at: float | None = None
+        self.formed_at: float | None = None
+        self.ended_at: float | None = None
 
     def _derive_policy(self, bound_address: str | None) -> WindowPolicy:
         options = self.options
@@ -154,6 +170,8 @@ class Controller:
         """Bind the port and serve HTTP; the window is not open yet (state.json answers 503)."""
         if self.address is not None:
             return self.address
+        if self._borrowed:
+            return self._listen_on_borrowed_port()
         self._runner = web.AppRunner(
             build_app(self), access_log=None, handle_signals=False, logger=HttpRefusalLog(self.counters.dropped)
         )
@@ -174,11 +192,27 @@ class Controller:
             raise
         self.address = address
         log.info("event=listening bind=%s port=%d run_id=%s", address[0], address[1], self.run_id)
+        self._log_admission()
+        return self.address
+
+    def _log_admission(self) -> None:
+        assert self.address is not None
         if self.policy.warning:
-            log.warning("event=open_admission_warning bind=%s detail=%r", address[0], self.policy.warning)
+            log.warning("event=open_admission_warning bind=%s detail=%r", self.address[0], self.policy.warning)
         if self.options.start_switch and self.policy.start.value != "auto":
             log.info("event=start_credential value=%s use='fdl start --token <value>' (not the join token; "
                      "equal to `fdl start --derive-credential` fed the join token)", self.start_credential)
+
+    def _listen_on_borrowed_port(self) -> tuple[str, int]:
+        """Under the Service: the port is bound already; derive trust from it and serve this run's channels."""
+        assert self._bound is not None
+        hosts = self.mux.bound_hosts() or [self._bound[0]]
+        self.policy = self._derive_policy(next((h for h in hosts if not is_loopback_literal(h)), hosts[0]))
+        self.mux.register(Channel.JOIN, functools.partial(handle_join, self), hold_gate=True)
+        self.mux.register(Channel.RENDEZVOUS, self.store.handle)
+        self.address = self._bound
+        log.info("event=run_listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id)
+        self._log_admission()
         return self.address
 
     async def start(self) -> tuple[str, int]:
@@ -214,7 +248,8 @@ class Controller:
         return self._result
 
     async def close(self) -> None:
-        """Stop listening and end every connection (HTTP included)."""
+        """Stop listening and end every connection (HTTP included). On a borrowed port: take this run's
+        handlers off the mux and close its remaining join links; the port and the mux stay up."""
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -222,6 +257,12 @@ class Controller:
         for task in list(self._background):
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
+        if self._borrowed:
+            for channel in (Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL):
+                self.mux.unregister(channel)
+            for link in list(self._links.values()):
+                link.stream.close()
+            return
         await self.mux.close()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -236,6 +277,7 @@ class Controller:
             self.policy, self.options.roster, self.clock(), run_id=self.run_id, controller=controller,
             tolerance=self.options.tolerance,
         )
+        self.started_at = time.time()
         p = self.policy
         log.info(
             "event=window_open quorum=%d target=%s window_secs=%g cap_secs=%g start=%s admission=%s",
@@ -258,6 +300,7 @@ class Controller:
         assert window is not None
         if window.phase is Phase.FORMING and window.world is None:
             world = window.form(self.clock())
+            self.formed_at = time.time()
             log.info(
                 "event=world_formed world_size=%d hosts=%d reason=%r",
                 world.world_size, len(world.hosts), window.reason,
@@ -481,6 +524,7 @@ class Controller:
     def _conclude(self, result: RunResult) -> None:
         if self._result is None:
             self._result = result
+            self.ended_at = time.time()
             self._done.set()
 
     # --- StatusSource (the HTTP app) ----------------------------------------------------------
@@ -493,14 +537,38 @@ class Controller:
             dropped=dict(sorted(self.counters.dropped.items())),
         )
         snapshot = self.window.snapshot(self.clock()).model_copy(update={"connections": connections})
-        state: dict[str, Any] = snapshot.model_dump(mode="json")
+        state: dict[str, Any] = snapshot.model_dump(mode="json", exclude={"history", "service"})
         # Drops are also listed among the refusals with a prefix, as before `connections` existed.
         for reason, count in connections.dropped.items():
             state["refused"][f"connection_{reason}"] = count
         return state
 
-    def metrics_text(self) -> str:
+    def run_record(self) -> RunRecord:
+        """This run's entry in the service history (call once the run has its verdict)."""
+        result = self._result
+        assert result is not None, "the run has no verdict yet"
+        window = self.window
+        world = window.world if window is not None else None
+        exits = sorted(window.rank_exits.items()) if window is not None else []
+        ended = self.ended_at if self.ended_at is not None else time.time()
+        return RunRecord(
+            run_id=self.run_id, verdict=result.verdict, reason=result.reason,
+            started_at=self.started_at if self.started_at is not None else ended,
+            formed_at=self.formed_at, ended_at=ended,
+            ranks=world.world_size if world is not None else 0,
+            hosts=list(world.hosts) if world is not None else [],
+            rank_exits=[RankExit(rank=rank, code=code) for rank, code in exits],
+        )
+
+    def window_refusals(self) -> Mapping[str, int]:
+        """Join refusals the run's ledger counted (the port-level ones are in `counters.refusals`)."""
+        return self.window.ledger.refused_counts if self.window is not None else {}
+
+    def metrics_text(self, *, runs: Mapping[str, int] | None = None,
+                     past_refusals: Mapping[str, int] | None = None) -> str:
+        """`runs` (finished runs by verdict) and `past_refusals` (earlier runs' ledgers): from the Service."""
         refusals = self.counters.refusals.copy()
+        refusals.update(past_refusals or {})
         joined_ranks = joined_hosts = 0
         if self.window is not None:
             refusals.update(self.window.ledger.refused_counts)
@@ -508,7 +576,8 @@ class Controller:
             joined_ranks, joined_hosts = self.window.ledger.joined_ranks, self.window.ledger.member_count
         view = ControllerCounters(**{**vars(self.counters), "refusals": refusals})
         return render_prometheus(
-            view, phase=self.phase.value if self.phase else None, joined_ranks=joined_ranks, joined_hosts=joined_hosts
+            view, phase=self.phase.value if self.phase else None, joined_ranks=joined_ranks, joined_hosts=joined_hosts,
+            run_id=self.run_id, runs=runs,
         )
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:

@@ -70,9 +70,8 @@ async def run_cluster_job(
     grace_s: int = 10,
 ) -> int:
     """Run `program args` on every worker of `cluster`; returns 0 when the run is done, else 1."""
-    from flodld.controller.dataplane import attach_data_plane
     from flodld.controller.options import ControllerOptions
-    from flodld.controller.run import Controller
+    from flodld.controller.service import assemble_controller
     from flodld.wire.salt import OPEN_ADMISSION_KEY
 
     env = dict(os.environ if environ is None else environ)
@@ -87,9 +86,9 @@ async def run_cluster_job(
     # a local user on a worker host cannot join through the -R forward without the salt.
     overrides: dict[str, Any] = {"preshared": True} if port is None else {"preshared": True, "port": port}
     options = ControllerOptions.from_cluster(cluster, probed=probed, **overrides)
-    controller = Controller(options)
-    controller.on_phase(lambda phase, reason: say(phase.value + (f" — {reason}" if reason else "")))
-    attach_data_plane(controller)
+    controller = assemble_controller(
+        options, on_phase=lambda phase, reason: say(phase.value + (f" — {reason}" if reason else ""))
+    )
     try:
         bind, bound_port = await controller.start()
     except OSError as error:

@@ -62,6 +62,35 @@ class ConnectionCounts(_Model):
     )
 
 
+class RunRecord(_Model):
+    """One finished run in the `flodld serve` history. Times are unix seconds."""
+
+    run_id: str
+    verdict: Phase = Field(description="done or failed.")
+    reason: str = Field(description="The verdict's sentence (a SIGTERM abort names the signal).")
+    started_at: float = Field(description="When the run's join window opened.")
+    formed_at: float | None = Field(description="When the world formed; null if it never did.")
+    ended_at: float = Field(description="When the run reached its verdict.")
+    ranks: int = Field(description="World size (0 if the world never formed).")
+    hosts: list[str] = Field(description="The formed world's hosts, in rank order.")
+    rank_exits: list[RankExit] = Field(description="Exit codes the agents reported.")
+
+
+class ServiceState(_Model):
+    """The long-running daemon around the runs (`flodld serve` without --once)."""
+
+    runs_started: int = Field(description="Runs (join windows) opened since the daemon started.")
+    runs: dict[str, int] = Field(description="Finished runs by verdict since the daemon started.")
+    between_runs: bool = Field(description="The last run has ended and the next window is not open yet.")
+    next_window_in_secs: float | None = Field(description="Between runs: seconds until the next window opens.")
+    config: str | None = Field(description="The config file the daemon (re)loads on SIGHUP; null without --config.")
+    config_loaded_at: float = Field(description="Unix seconds of the last successful (re)load.")
+    config_error: str | None = Field(
+        description="Why the last SIGHUP reload failed (the previous config stays in force); null when it loaded."
+    )
+    history_limit: int = Field(description="How many finished runs `history` keeps (controller.history_runs).")
+
+
 class StateSnapshot(_Model):
     """What `GET /state.json` answers."""
 
@@ -90,6 +119,12 @@ class StateSnapshot(_Model):
         default_factory=ConnectionCounts,
         description="Port-level connection counts; drops also appear in `refused` as `connection_<reason>` "
         "(kept for compatibility).",
+    )
+    history: list[RunRecord] | None = Field(
+        default=None, description="`flodld serve` only: the last finished runs, newest first (absent for a single run)."
+    )
+    service: ServiceState | None = Field(
+        default=None, description="`flodld serve` only: the daemon around the runs (absent for a single run)."
     )
 
 

@@ -59,3 +59,15 @@ def test_join_unit_never_restarts_on_permanent_errors() -> None:
     assert service["Restart"] == "always"
     assert service["RestartPreventExitStatus"] == "2"
     assert "--persist" in service["ExecStart"]
+
+
+def test_controller_unit_is_a_service_that_reloads_and_never_restart_loops_on_bad_config() -> None:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive in units
+    parser.read(UNITS_DIR / "flodld.service")
+    service = parser["Service"]
+    assert service["RestartPreventExitStatus"] == "2"  # flodld serve exits 2 on bad configuration
+    assert service["Restart"] == "on-failure"  # SIGTERM exits 0: a stop is not a failure
+    assert "-HUP" in service["ExecReload"] and "$MAINPID" in service["ExecReload"]
+    assert int(service["LimitNOFILE"]) >= 4096
+    assert "--once" not in service["ExecStart"]

@@ -46,7 +46,7 @@ async def stop(daemon: Daemon) -> None:
 async def serve_exit(*flags: str) -> tuple[int | None, str]:
     """Run `flodld serve FLAGS`; (exit code, stderr). None: it was still running after 20 s (killed)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodld", "serve", "--port", "0", *flags,
+        sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", *flags,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

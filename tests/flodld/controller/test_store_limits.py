@@ -58,7 +58,7 @@ def daemon() -> Iterator[Daemon]:
     salt = new_salt()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flodld", "serve", "--port", "0", "--bind", "127.0.0.1", "--run-id", RUN_ID,
+            [sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1", "--run-id", RUN_ID,
              "--ranks", "2", "--token", salt.hex(), "--window", "600"],
             stdout=subprocess.DEVNULL, stderr=log,
         )

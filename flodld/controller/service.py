@@ -1,0 +1,266 @@
+"""`flodld serve` as a long-running service: one port for the daemon's life, one run after another.
+
+What lives as long as the daemon lives here: the listening port and its mux (with the pre-admission
+gate, the pre-authentication budget and the counters), the HTTP app, the run history, the run
+counts, and the config in force. What lives for one run lives in the `Controller` the Service builds
+for it: the join window and its ledger, the session salt (fresh per run unless
+`controller.join.token` is configured), the run id, the rendezvous store, the data plane. The
+Controller registers its join/rendezvous (and, once formed, data/control) handlers on the shared
+mux; when it closes they come off again and the next run's go on.
+
+`assemble_controller` is the one place a Controller is put together (options, phase listener, data
+plane): `flodld serve`, `fdl run` and the SSH fan-out all use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from flodld.controller.addresses import CleartextWarner
+from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, build_app
+from flodld.controller.metrics import ControllerCounters, render_prometheus
+from flodld.controller.mux import PortMux, PreAdmissionGate
+from flodld.controller.options import ControllerOptions
+from flodld.controller.run import Controller, PhaseListener, RunResult
+from flodld.membership.phase import Phase
+from flodld.membership.snapshot import RunRecord, ServiceState
+
+log = logging.getLogger("flodld.controller")
+
+OptionsLoader = Callable[[], ControllerOptions]
+
+
+def assemble_controller(
+    options: ControllerOptions,
+    *,
+    on_phase: PhaseListener | None = None,
+    data_plane: bool = True,
+    salt: bytes | None = None,
+    mux: PortMux | None = None,
+    address: tuple[str, int] | None = None,
+) -> Controller:
+    """A Controller for one run with its phase listener and (for CPU averaging) its data plane attached."""
+    controller = Controller(options, salt=salt, mux=mux, address=address)
+    if on_phase is not None:
+        controller.on_phase(on_phase)
+    if data_plane:
+        from flodld.controller.dataplane import attach_data_plane
+
+        attach_data_plane(controller)  # relays of CPU averaging modes dial DATA/CONTROL on this port
+    return controller
+
+
+class Service:
+    """Hosts runs on one port until `stop()`; `once=True` hosts exactly one (`flodld serve --once`).
+
+    `load` re-reads the configuration (SIGHUP, `reload()`); the new options apply from the next window.
+    """
+
+    def __init__(
+        self,
+        options: ControllerOptions,
+        *,
+        load: OptionsLoader | None = None,
+        config_path: str | None = None,
+        on_phase: PhaseListener | None = None,
+        once: bool = False,
+    ) -> None:
+        self.options = options
+        self._load = load
+        self._config_path = config_path
+        self._on_phase = on_phase
+        self.once = once
+        self.counters = ControllerCounters()
+        self.mux = PortMux(
+            self.counters,
+            magic_deadline=options.magic_deadline,
+            http_lifetime=options.http_lifetime,
+            gate=PreAdmissionGate(options.max_pending_per_peer, exempt_loopback=not options.limit_loopback),
+            warner=CleartextWarner("controller"),
+        )
+        self.address: tuple[str, int] | None = None
+        self.controller: Controller | None = None  # the run state.json shows: the current run, or the last
+        self.history: deque[RunRecord] = deque(maxlen=options.history_runs)
+        self.runs: Counter[str] = Counter()
+        self.runs_started = 0
+        self.config_loaded_at = time.time()
+        self.config_error: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._past_refusals: Counter[str] = Counter()
+        self._stopping: str | None = None
+        self._wake = asyncio.Event()
+        self._next_window_at: float | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def listen(self) -> tuple[str, int]:
+        """Bind the port and serve HTTP (state.json answers 503 until the first window opens)."""
+        if self.address is not None:
+            return self.address
+        self._runner = web.AppRunner(
+            build_app(self), access_log=None, handle_signals=False, logger=HttpRefusalLog(self.counters.dropped)
+        )
+        await self._runner.setup()
+        self.mux.set_http(self._runner.server)
+        try:
+            self.address = await self.mux.start(self.options.effective_bind_host, self.options.port)
+        except BaseException:
+            await self._runner.cleanup()
+            self._runner = None
+            raise
+        log.info("event=listening bind=%s port=%d mode=%s", self.address[0], self.address[1],
+                 "once" if self.once else "service")
+        return self.address
+
+    async def serve(self) -> RunResult | None:
+        """Host runs until `stop()` (or, with `once`, one run); returns the last run's result.
+
+        PolicyError/ValueError from the first run's options propagate (bad config at start); a later
+        run's options come from a reload that was already checked."""
+        address = await self.listen()
+        result: RunResult | None = None
+        try:
+            while self._stopping is None:
+                options = self.options.model_copy(update={"run_id": self._run_id(self.options)})
+                controller = assemble_controller(options, on_phase=self._on_phase, mux=self.mux, address=address)
+                self.runs_started += 1
+                try:
+                    await controller.start()
+                except BaseException:
+                    await controller.close()
+                    raise
+                if self.controller is not None:  # its ledger's refusals stay counted in /metrics
+                    self._past_refusals.update(self.controller.window_refusals())
+                self.controller = controller
+                self._next_window_at = None
+                log.info("event=ready bind=%s port=%d run_id=%s run=%d admission=%s", address[0], address[1],
+                         controller.run_id, self.runs_started, controller.policy.trust.value)
+                if self._stopping is not None:  # a signal raced the window open
+                    controller.abort(self._stopping)
+                result = await controller.wait()
+                await controller.close()
+                self._record(controller, result)
+                if self.once or self._stopping is not None:
+                    break
+                await self._pause(options.between_runs_secs)
+        finally:
+            await self.close()
+        return result
+
+    def _run_id(self, options: ControllerOptions) -> str:
+        """A fresh run id per run: the configured one as a prefix under the service, else random."""
+        if options.run_id is None:
+            import secrets
+
+            return secrets.token_hex(8)
+        return options.run_id if self.once else f"{options.run_id}-{self.runs_started + 1}"
+
+    async def _pause(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self._next_window_at = time.monotonic() + seconds
+        log.info("event=between_runs pause_secs=%g", seconds)
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    def _record(self, controller: Controller, result: RunResult) -> None:
+        record = controller.run_record()
+        self.history.appendleft(record)
+        self.runs[result.verdict.value] += 1
+        log.log(logging.INFO if result.ok else logging.WARNING,
+                "event=run_ended run_id=%s verdict=%s ranks=%d hosts=%d reason=%r", record.run_id,
+                result.verdict.value, record.ranks, len(record.hosts), result.reason)
+
+    def stop(self, reason: str) -> None:
+        """Abort the current run (Abort down every link) and end the service once it is recorded."""
+        if self._stopping is not None:
+            return
+        self._stopping = reason
+        self._wake.set()
+        if self.controller is not None and self.controller.result is None:
+            self.controller.abort(reason)
+
+    def reload(self) -> bool:
+        """Re-read the config; it applies from the next window. A config that no longer loads keeps the
+        old one in force, logs why and shows it in state.json (`service.config_error`)."""
+        if self._load is None:
+            log.warning("event=reload_skipped reason='no --config to re-read'")
+            return False
+        try:
+            options = self._load()
+            Controller(options)  # the policy checks, as at start
+        except Exception as error:  # any failure keeps the running config
+            self.config_error = f"{type(error).__name__}: {error}"
+            log.error("event=reload_failed config=%s error=%r action='keeping the previous config'",
+                      self._config_path, self.config_error)
+            return False
+        if self.address is not None and (options.port not in (0, self.address[1]) or
+                                         options.effective_bind_host != self.options.effective_bind_host):
+            log.warning("event=reload_partial detail='port and bind stay as bound until a restart' port=%d bind=%s",
+                        self.address[1], self.options.effective_bind_host)
+            options = options.model_copy(update={"port": self.options.port, "bind_host": self.options.bind_host,
+                                                 "loopback_bind": self.options.loopback_bind})
+        self.options = options
+        self.config_error = None
+        self.config_loaded_at = time.time()
+        if self.history.maxlen != options.history_runs:
+            self.history = deque(self.history, maxlen=options.history_runs)
+        log.info("event=reloaded config=%s applies=next_window", self._config_path)
+        return True
+
+    async def close(self) -> None:
+        """Close the port and every connection still on it (HTTP included)."""
+        if self.controller is not None:
+            await self.controller.close()
+        await self.mux.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- StatusSource (the HTTP app) ----------------------------------------------------------
+
+    def state_json(self) -> dict[str, Any] | None:
+        controller = self.controller
+        state = controller.state_json() if controller is not None else None
+        if state is None or self.once:
+            return state
+        between = controller is not None and controller.result is not None
+        remaining = None
+        if between and self._next_window_at is not None:
+            remaining = max(0.0, self._next_window_at - time.monotonic())
+        service = ServiceState(
+            runs_started=self.runs_started, runs=dict(self.runs), between_runs=between,
+            next_window_in_secs=remaining, config=self._config_path, config_loaded_at=self.config_loaded_at,
+            config_error=self.config_error, history_limit=self.history.maxlen or 0,
+        )
+        state["history"] = [record.model_dump(mode="json") for record in self.history]
+        state["service"] = service.model_dump(mode="json")
+        return state
+
+    def metrics_text(self) -> str:
+        runs = None if self.once else {v.value: self.runs[v.value] for v in (Phase.DONE, Phase.FAILED)}
+        if self.controller is None:
+            return render_prometheus(self.counters, phase=None, joined_ranks=0, joined_hosts=0, runs=runs)
+        # Earlier runs' ledger refusals stay counted: Prometheus counters never go down across runs.
+        return self.controller.metrics_text(runs=runs, past_refusals=self._past_refusals)
+
+    def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
+        controller = self.controller
+        if controller is None or controller.result is not None:
+            return HttpAnswer(503, {"error": NO_STATE if controller is None else
+                                    "between runs: the next join window is not open yet", "code": "no_window"})
+        return controller.request_start(local=local, token=token)
+
+
+def history_record(entry: Mapping[str, Any]) -> RunRecord:
+    """A history entry of state.json back as a RunRecord (for clients and tests)."""
+    return RunRecord.model_validate(dict(entry))
