@@ -312,9 +312,21 @@ def run_relay() -> int:
 
     async def serve() -> int:
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for signum in signals:
             # TERM is how the agent says "your ranks are done": a clean stop, not a failure.
             loop.add_signal_handler(signum, relay.stop, f"signal {signum.name}", 0)
-        return await relay.run()
+        try:
+            return await relay.run()
+        finally:
+            # The relay often stops on its own (every rank left) just as the agent's TERM arrives. Left to
+            # asyncio.run, the loop closes its self-pipe before it removes its handlers, and a TERM in between
+            # makes the C handler write to a closed wakeup fd ("Exception ignored when trying to write to the
+            # signal wakeup fd ... Bad file descriptor"), or, just after, kills the exiting relay. The stop is
+            # under way: detach from the loop now and ignore further stop signals.
+            for signum in signals:
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, signal.SIG_IGN)
+
 
     return asyncio.run(serve())
