@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	.ci/install-torch.sh $(BIN)/python
 	$(BIN)/pip install -e ".[test]"
+	$(BIN)/python -m fhelium.native || echo "warning: fhelium native kernels not built; the pure-torch path will run"
 	touch $(STAMP)
 
 demo: venv

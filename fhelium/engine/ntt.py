@@ -6,6 +6,11 @@ tensor, so all elementwise kernels run on dense memory with precomputed per-stag
 expanded to ``[rows, N/2]``. The output is in natural order: entry t is the polynomial
 evaluated at ψ^(2t+1). The inverse runs the same stages with ω⁻¹ and folds N⁻¹ into the
 untwist by ψ^-j.
+
+That torch code is the reference and the fallback: on CPU the transform runs through the native
+ops of ``fhelium.native`` (Harvey/Shoup butterflies, scalar or AVX-512 IFMA), which are
+bit-identical to it, whenever the extension is available and ``FHELIUM_NATIVE_LEVEL`` is not
+``torch``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fhelium import native as _native
 from fhelium.engine.compiled import compile_kernel, compile_requested
 from fhelium.engine.modular import fold_signed_, mul_mod, mul_mod_shoup_signed, normalize_signed
 from fhelium.engine.primes import primitive_root_of_unity
@@ -149,11 +155,22 @@ class NegacyclicNtt:
     """Forward/inverse negacyclic NTT for a fixed ring degree and a catalogue of primes."""
 
     def __init__(
-        self, ring_degree: int, moduli: Sequence[int], device: torch.device, *, compiled: bool | None = None
+        self,
+        ring_degree: int,
+        moduli: Sequence[int],
+        device: torch.device,
+        *,
+        compiled: bool | None = None,
+        native: bool | None = None,
     ) -> None:
         """``compiled``: run the butterfly stages through ``torch.compile`` (opt-in accelerator;
         None reads the environment variable ``FHELIUM_COMPILE=1``). Eager is the default and
-        the tested reference; both give bit-identical results."""
+        the tested reference; both give bit-identical results.
+
+        ``native``: use the native ops (``fhelium.native``) — None: on a CPU device, when the
+        torch stages are not compiled, the extension is available and ``FHELIUM_NATIVE_LEVEL``
+        is not ``torch``; True: require them; False: the pure-torch path. ``native_level`` says
+        which ran (``torch``, ``scalar`` or ``ifma``)."""
         self.compiled = compile_requested(compiled)
         # fused (compiled) stages make 1-2 passes instead of ~14, so cache blocking matters less
         # than the per-call overhead (~50 µs) that more groups cost
@@ -161,8 +178,47 @@ class NegacyclicNtt:
         self.ring_degree = ring_degree
         self.moduli = tuple(moduli)
         self.device = device
-        self._all = _RowTables.build(self.moduli, ring_degree, device)
         self._row_cache: OrderedDict[tuple[int, ...], _RowTables] = OrderedDict()
+        self.native_level = self._choose_native_level(native)
+        self._native_cache: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        if self.native_level != "torch":
+            roots = [primitive_root_of_unity(2 * ring_degree, prime) for prime in self.moduli]
+            self._native_all = _native.ntt_tables(self.moduli, roots, ring_degree)
+
+    def _choose_native_level(self, native: bool | None) -> str:
+        if native is False:
+            return "torch"
+        if native is None and (self.device.type != "cpu" or self.compiled):
+            return "torch"
+        if native and self.device.type != "cpu":
+            raise ValueError(f"the native NTT runs on CPU tensors only, not {self.device}")
+        level = _native.level()
+        if native and level == "torch":
+            raise _native.NativeUnavailableError("native=True but the native NTT is unavailable or disabled")
+        return level
+
+    @functools.cached_property
+    def _all(self) -> _RowTables:
+        """Tables of the torch path, built on first use (not at all while the native ops run)."""
+        return _RowTables.build(self.moduli, self.ring_degree, self.device)
+
+    def _native_tables(self, prime_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(moduli, tables) of the native op for ``prime_ids``: views for consecutive ids, else a cached copy."""
+        key = tuple(prime_ids)
+        cached = self._native_cache.get(key)
+        if cached is not None:
+            self._native_cache.move_to_end(key)
+            return cached
+        q, tables = self._native_all
+        if key == tuple(range(key[0], key[0] + len(key))):
+            cached = (q[key[0] : key[0] + len(key)], tables[key[0] : key[0] + len(key)])
+        else:
+            index = torch.tensor(key, dtype=torch.int64)
+            cached = (q.index_select(0, index), tables.index_select(0, index))
+        self._native_cache[key] = cached
+        if len(self._native_cache) > ROW_TABLE_CACHE_SIZE:
+            self._native_cache.popitem(last=False)
+        return cached
 
     def tables(self, prime_ids: Sequence[int]) -> _RowTables:
         """Row tables for ``prime_ids``: views when the ids are consecutive, else a cached copy.
@@ -234,8 +290,12 @@ class NegacyclicNtt:
 
     def forward(self, x: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
         """Coefficients ``[..., rows, N]`` (in [0, q)) → evaluations at ψ^(2t+1), natural order."""
+        if self.native_level != "torch":
+            return _native.ntt_forward(x, *self._native_tables(prime_ids), self.native_level)
         return self._blocked(x, self.tables(prime_ids), self._forward_block)
 
     def inverse(self, x: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
         """Evaluations ``[..., rows, N]`` (in [0, q)) → coefficients in [0, q)."""
+        if self.native_level != "torch":
+            return _native.ntt_inverse(x, *self._native_tables(prime_ids), self.native_level)
         return self._blocked(x, self.tables(prime_ids), self._inverse_block)

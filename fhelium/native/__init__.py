@@ -1,0 +1,223 @@
+"""fhelium's native CPU kernels: torch ops in the ``fhelium`` namespace (``torch.ops.fhelium``).
+
+The C++ source (``csrc/fhelium_native.cpp``) is compiled on first use with the machine's C++
+compiler against the torch already installed (``torch.utils.cpp_extension.load``: no build
+isolation, no download, no ``-march``), into a cache directory keyed by the torch version, the
+Python version and a hash of the source and flags; ``make venv`` builds it once during set-up.
+Later processes only load the cached library.
+
+Dispatch levels (``FHELIUM_NATIVE_LEVEL``): ``ifma`` (AVX-512 IFMA52, chosen by default where the
+CPU has it), ``scalar`` (portable ``unsigned __int128`` Shoup arithmetic) and ``torch`` (do not use
+the native ops: the pure-torch reference path in ``fhelium.engine``). Every native level is
+bit-identical to the torch reference. Where the extension cannot be built the engine falls back
+to the torch path with one warning; ``FHELIUM_REQUIRE_NATIVE=1`` turns that into an error (CI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+LEVEL_ENVIRONMENT_VARIABLE = "FHELIUM_NATIVE_LEVEL"
+REQUIRE_ENVIRONMENT_VARIABLE = "FHELIUM_REQUIRE_NATIVE"
+CACHE_ENVIRONMENT_VARIABLE = "FHELIUM_NATIVE_CACHE"
+LEVELS = ("scalar", "ifma")
+LEVEL_CODES = {"scalar": 0, "ifma": 1}
+SOURCES = (Path(__file__).parent / "csrc" / "fhelium_native.cpp",)
+# -fopenmp only compiles at::parallel_for's inline OpenMP region; nothing links an OpenMP runtime of
+# its own: the GOMP symbols resolve to the one libtorch_cpu already loaded (torch's thread pool)
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+
+
+class NativeUnavailableError(RuntimeError):
+    """The native extension could not be built or loaded (and FHELIUM_REQUIRE_NATIVE=1 is set)."""
+
+
+_lock = threading.Lock()
+_state: dict[str, bool | str] = {}
+
+
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """Where the compiled library lives: keyed by torch version, Python version and source hash."""
+    root = os.environ.get(CACHE_ENVIRONMENT_VARIABLE)
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fhelium" / "native"
+    key = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{_source_hash()}"
+    return base / key.replace("+", "_")
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH: add the venv's (pip package ``ninja``) if it is not there."""
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except ImportError:
+        pass
+    path = os.environ.get("PATH", "")
+    for directory in candidates:
+        if (directory / "ninja").exists() and str(directory) not in path.split(os.pathsep):
+            os.environ["PATH"] = f"{directory}{os.pathsep}{path}" if path else str(directory)
+            return
+
+
+def _build_and_load(verbose: bool = False) -> None:
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"fhelium_native_{_source_hash()}",
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=list(CFLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    """Meta/fake implementations, so the ops trace under torch.compile and FakeTensorMode."""
+
+    def ntt_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    def mul_mod_fake(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        shape = torch.broadcast_shapes(a.shape, b.shape, q.shape)  # type: ignore[no-untyped-call]
+        return torch.empty(shape, dtype=a.dtype, device=a.device)
+
+    def mul_add_mod_fake(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        shape = torch.broadcast_shapes(a.shape, b.shape, c.shape, q.shape)  # type: ignore[no-untyped-call]
+        return torch.empty(shape, dtype=a.dtype, device=a.device)
+
+    def tables_fake(moduli: torch.Tensor, roots: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.empty((moduli.shape[0], 4, n), dtype=torch.int64, device=moduli.device)
+
+    torch.library.register_fake("fhelium::ntt_forward")(ntt_fake)
+    torch.library.register_fake("fhelium::ntt_inverse")(ntt_fake)
+    torch.library.register_fake("fhelium::mul_mod")(mul_mod_fake)
+    torch.library.register_fake("fhelium::mul_add_mod")(mul_add_mod_fake)
+    torch.library.register_fake("fhelium::ntt_tables")(tables_fake)
+
+
+def requested_level() -> str:
+    """The level named by ``FHELIUM_NATIVE_LEVEL`` (``auto`` when unset)."""
+    value = os.environ.get(LEVEL_ENVIRONMENT_VARIABLE, "").strip().lower() or "auto"
+    if value not in ("auto", "torch", *LEVELS):
+        raise ValueError(f"{LEVEL_ENVIRONMENT_VARIABLE}={value!r}: expected one of auto, torch, {', '.join(LEVELS)}")
+    return value
+
+
+def load(*, verbose: bool = False) -> bool:
+    """Build (first time) and load the extension; True when the ops are available.
+
+    A failure warns once and returns False, or raises ``NativeUnavailableError`` when
+    ``FHELIUM_REQUIRE_NATIVE=1``. The result is remembered for the process.
+    """
+    with _lock:
+        if "loaded" not in _state:
+            try:
+                _build_and_load(verbose)
+                _state["loaded"] = True
+            except Exception as error:  # a compiler error, a missing compiler or ninja: fall back
+                _state["loaded"] = False
+                _state["error"] = f"{type(error).__name__}: {error}"
+                if os.environ.get(REQUIRE_ENVIRONMENT_VARIABLE) != "1":
+                    warnings.warn(
+                        f"fhelium native kernels unavailable, using the pure-torch path ({str(_state['error'])[:2000]})",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+        loaded = bool(_state["loaded"])
+    if not loaded and os.environ.get(REQUIRE_ENVIRONMENT_VARIABLE) == "1":
+        raise NativeUnavailableError(f"{REQUIRE_ENVIRONMENT_VARIABLE}=1 but the native extension failed: {_state['error']}")
+    return loaded
+
+
+def supported_levels() -> tuple[str, ...]:
+    """Native levels this CPU can run (empty when the extension is unavailable)."""
+    if not load():
+        return ()
+    best = int(torch.ops.fhelium.best_level())
+    return tuple(name for name in LEVELS if LEVEL_CODES[name] <= best)
+
+
+def level() -> str:
+    """The level the engine uses now: ``FHELIUM_NATIVE_LEVEL`` if set, else the best supported,
+    ``torch`` when the extension is unavailable."""
+    wanted = requested_level()
+    if wanted == "torch":
+        return "torch"
+    available = supported_levels()
+    if not available:
+        return "torch"
+    if wanted == "auto":
+        return available[-1]
+    if wanted not in available:
+        raise NativeUnavailableError(f"{LEVEL_ENVIRONMENT_VARIABLE}={wanted} but this CPU supports only {available}")
+    return wanted
+
+
+def ntt_tables(moduli: Sequence[int], roots: Sequence[int], ring_degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(moduli ``[rows]``, tables ``[rows, 4, N]``) for the native NTT; ``roots`` are the ψ per prime."""
+    q = torch.tensor(list(moduli), dtype=torch.int64)
+    tables = torch.ops.fhelium.ntt_tables(q, torch.tensor(list(roots), dtype=torch.int64), ring_degree)
+    return q, tables
+
+
+def ntt_forward(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
+    result: torch.Tensor = torch.ops.fhelium.ntt_forward(x, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
+def ntt_inverse(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
+    result: torch.Tensor = torch.ops.fhelium.ntt_inverse(x, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
+def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(a·b) mod q elementwise with broadcasting, a, b in [0, q) (same result as the torch reference)."""
+    result: torch.Tensor = torch.ops.fhelium.mul_mod(a, b, q)
+    return result
+
+
+def mul_add_mod(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(a·b + c) mod q elementwise with broadcasting, a, b, c in [0, q)."""
+    result: torch.Tensor = torch.ops.fhelium.mul_add_mod(a, b, c, q)
+    return result
+
+
+__all__ = [
+    "LEVELS",
+    "NativeUnavailableError",
+    "build_directory",
+    "level",
+    "load",
+    "mul_add_mod",
+    "mul_mod",
+    "ntt_forward",
+    "ntt_inverse",
+    "ntt_tables",
+    "requested_level",
+    "supported_levels",
+]

@@ -1,0 +1,216 @@
+"""fhelium.native: every dispatch level bit-identical to the pure-torch reference.
+
+Skips where the extension cannot be built, and fails there under FHELIUM_REQUIRE_NATIVE=1 (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fhelium import native
+from fhelium.engine.modular import mul_mod
+from fhelium.engine.ntt import NegacyclicNtt
+from fhelium.engine.primes import ntt_primes, primitive_root_of_unity
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_available() -> None:
+    available = native.load()
+    if not available:
+        if os.environ.get(native.REQUIRE_ENVIRONMENT_VARIABLE) == "1":
+            pytest.fail("FHELIUM_REQUIRE_NATIVE=1 but the native extension is unavailable")
+        pytest.skip("fhelium native extension unavailable (no C++ compiler?)")
+
+
+def _levels() -> list[str]:
+    return list(native.supported_levels()) or ["scalar"]
+
+
+def _moduli(n: int, limbs: int) -> list[int]:
+    # the engine's mix of prime sizes: 50-bit (IFMA's limit), 40-bit and 30-bit
+    bits = [50, 40, 30]
+    per = {b: sum(1 for i in range(limbs) if bits[i % 3] == b) for b in bits}
+    by_bits = {b: ntt_primes(b, n, count) for b, count in per.items() if count}
+    return [by_bits[bits[i % 3]][i // 3] for i in range(limbs)]
+
+
+def _random(moduli: list[int], n: int, batch: tuple[int, ...], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, q, (*batch, 1, n), generator=generator) for q in moduli]
+    return torch.cat(rows, dim=-2)
+
+
+def _native_and_reference(n: int, moduli: list[int]) -> tuple[tuple[torch.Tensor, torch.Tensor], NegacyclicNtt]:
+    roots = [primitive_root_of_unity(2 * n, q) for q in moduli]
+    return native.ntt_tables(moduli, roots, n), NegacyclicNtt(n, moduli, torch.device("cpu"), native=False)
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize(("log_n", "limbs", "batch"), [(10, 1, ()), (11, 3, (2,)), (12, 4, (3,)), (13, 2, (2, 2)), (14, 5, ())])
+def test_forward_and_inverse_are_bit_identical_to_the_torch_reference(
+    level: str, log_n: int, limbs: int, batch: tuple[int, ...]
+) -> None:
+    n = 1 << log_n
+    moduli = _moduli(n, limbs)
+    (q, tables), reference = _native_and_reference(n, moduli)
+    ids = tuple(range(limbs))
+    x = _random(moduli, n, batch, seed=log_n * 10 + limbs)
+    expected = reference.forward(x, ids)
+    forward = native.ntt_forward(x, q, tables, level)
+    assert forward.shape == x.shape
+    assert torch.equal(forward, expected)
+    evaluations = _random(moduli, n, batch, seed=log_n * 10 + limbs + 1)
+    assert torch.equal(native.ntt_inverse(evaluations, q, tables, level), reference.inverse(evaluations, ids))
+    assert torch.equal(native.ntt_inverse(forward, q, tables, level), x)
+
+
+@pytest.mark.parametrize("level", _levels())
+def test_extreme_residues_and_small_rings(level: str) -> None:
+    for n in (2, 4, 8, 16, 32, 64):
+        moduli = _moduli(n, 3)
+        (q, tables), reference = _native_and_reference(n, moduli)
+        column = torch.tensor(moduli).unsqueeze(-1)
+        for x in (torch.zeros(3, n, dtype=torch.int64), (column - 1).expand(3, n).clone(), _random(moduli, n, (4,), n)):
+            expected = reference.forward(x, (0, 1, 2))
+            assert torch.equal(native.ntt_forward(x, q, tables, level), expected)
+            assert torch.equal(native.ntt_inverse(expected, q, tables, level), x)
+
+
+@pytest.mark.parametrize("level", _levels())
+def test_entry_t_is_the_evaluation_at_an_odd_power_of_psi(level: str) -> None:
+    n = 16
+    prime = ntt_primes(50, n, 1)[0]
+    psi = primitive_root_of_unity(2 * n, prime)
+    q, tables = native.ntt_tables([prime], [psi], n)
+    a = [random.Random(5).randrange(prime) for _ in range(n)]
+    evaluated = native.ntt_forward(torch.tensor([a]), q, tables, level)[0].tolist()
+    assert evaluated == [sum(c * pow(psi, (2 * t + 1) * i, prime) for i, c in enumerate(a)) % prime for t in range(n)]
+
+
+@pytest.mark.parametrize("level", _levels())
+def test_non_contiguous_inputs(level: str) -> None:
+    n = 1024
+    moduli = _moduli(n, 3)
+    (q, tables), reference = _native_and_reference(n, moduli)
+    wide = _random(moduli, 2 * n, (2,), seed=9)  # residues of the smaller primes are still < q per row
+    wide = torch.remainder(wide, torch.tensor(moduli).unsqueeze(-1))
+    strided = wide[..., ::2]  # stride 2 along N
+    assert not strided.is_contiguous()
+    assert torch.equal(native.ntt_forward(strided, q, tables, level), reference.forward(strided.contiguous(), (0, 1, 2)))
+    batch_last = _random(moduli, n, (4,), seed=10).transpose(0, 1).contiguous().transpose(0, 1)  # [4, 3, n] view
+    assert not batch_last.is_contiguous()
+    assert torch.equal(
+        native.ntt_inverse(batch_last, q, tables, level), reference.inverse(batch_last.contiguous(), (0, 1, 2))
+    )
+
+
+def test_levels_agree_with_each_other_on_a_batch() -> None:
+    n = 1 << 12
+    moduli = _moduli(n, 6)
+    q, tables = native.ntt_tables(moduli, [primitive_root_of_unity(2 * n, p) for p in moduli], n)
+    x = _random(moduli, n, (8,), seed=11)
+    results = [native.ntt_forward(x, q, tables, level) for level in _levels()]
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+def test_the_engine_ntt_uses_native_ops_and_matches_the_torch_path() -> None:
+    n = 1 << 11
+    moduli = _moduli(n, 4)
+    with_native = NegacyclicNtt(n, moduli, torch.device("cpu"))
+    reference = NegacyclicNtt(n, moduli, torch.device("cpu"), native=False)
+    assert with_native.native_level == native.level() != "torch"
+    assert reference.native_level == "torch"
+    x = _random(moduli, n, (2,), seed=12)
+    for ids in ((0, 1, 2, 3), (1, 2), (3, 0, 2), (2,)):
+        rows = x[..., list(ids), :]
+        assert torch.equal(with_native.forward(rows, ids), reference.forward(rows, ids))
+        assert torch.equal(with_native.inverse(rows, ids), reference.inverse(rows, ids))
+
+
+@pytest.mark.parametrize("shapes", [((3, 64), (3, 64), (3, 1)), ((2, 1, 3, 64), (4, 3, 64), (3, 1)), ((3, 64), (64,), (3, 1))])
+def test_mul_mod_and_mul_add_mod_match_the_reference(shapes: tuple[tuple[int, ...], ...]) -> None:
+    moduli = _moduli(64, 3)
+    q = torch.tensor(moduli).view(3, 1)
+    generator = torch.Generator().manual_seed(13)
+
+    def residues(shape: tuple[int, ...]) -> torch.Tensor:  # shape [..., 3, 64]: row r below moduli[r]
+        return torch.remainder(torch.randint(0, 1 << 62, shape, generator=generator), q)
+
+    a, b = residues(shapes[0]), torch.remainder(torch.randint(0, 1 << 62, shapes[1], generator=generator), min(moduli))
+    c = residues(shapes[0])
+    expected = mul_mod(a, b, q, 1.0 / q.double())
+    assert torch.equal(native.mul_mod(a, b, q), expected)
+    assert torch.equal(native.mul_add_mod(a, b, c, q), torch.remainder(expected + c, q))
+    # non-contiguous operands and the extremes q - 1
+    top = (q - 1).expand(3, 64)
+    assert torch.equal(native.mul_mod(top, top.t().contiguous().t(), q), mul_mod(top, top, q, 1.0 / q.double()))
+
+
+def test_ops_have_fake_implementations() -> None:
+    n = 64
+    moduli = _moduli(n, 2)
+    q, tables = native.ntt_tables(moduli, [primitive_root_of_unity(2 * n, p) for p in moduli], n)
+    x = _random(moduli, n, (2,), seed=14)
+    level = native.LEVEL_CODES[native.level()]
+    torch.library.opcheck(torch.ops.fhelium.ntt_forward.default, (x, q, tables, level))
+    torch.library.opcheck(torch.ops.fhelium.ntt_inverse.default, (x, q, tables, level))
+    column = q.view(2, 1)
+    torch.library.opcheck(torch.ops.fhelium.mul_mod.default, (x, x, column))
+    torch.library.opcheck(torch.ops.fhelium.mul_add_mod.default, (x, x, x, column))
+
+
+def test_level_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+    assert native.level() == "torch"
+    assert NegacyclicNtt(16, _moduli(16, 1), torch.device("cpu")).native_level == "torch"
+    monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "scalar")
+    assert native.level() == "scalar"
+    assert NegacyclicNtt(16, _moduli(16, 1), torch.device("cpu")).native_level == "scalar"
+    monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "avx9000")
+    with pytest.raises(ValueError, match="FHELIUM_NATIVE_LEVEL"):
+        native.level()
+
+
+def _run_without_compiler(tmp_path: Path, *, require: bool) -> subprocess.CompletedProcess[str]:
+    environment = {
+        **os.environ,
+        "CXX": "/bin/false",  # every compile fails
+        native.CACHE_ENVIRONMENT_VARIABLE: str(tmp_path / "cache"),  # nothing cached there
+        native.REQUIRE_ENVIRONMENT_VARIABLE: "1" if require else "0",
+        "PYTHONPATH": str(ROOT),
+    }
+    environment.pop(native.LEVEL_ENVIRONMENT_VARIABLE, None)
+    script = (
+        "import warnings, torch\n"
+        "warnings.simplefilter('always')\n"
+        "from fhelium.engine.ntt import NegacyclicNtt\n"
+        "from fhelium.engine.primes import ntt_primes\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    ntt = NegacyclicNtt(16, ntt_primes(30, 16, 1), torch.device('cpu'))\n"
+        "    NegacyclicNtt(16, ntt_primes(30, 16, 1), torch.device('cpu'))\n"
+        "x = torch.arange(16).view(1, 16)\n"
+        "assert torch.equal(ntt.inverse(ntt.forward(x, (0,)), (0,)), x)\n"
+        "print(ntt.native_level, len([w for w in caught if 'native kernels unavailable' in str(w.message)]))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_without_a_compiler_the_torch_path_runs_with_one_warning(tmp_path: Path) -> None:
+    result = _run_without_compiler(tmp_path, require=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["torch", "1"]
+
+
+def test_require_native_turns_the_fallback_into_an_error(tmp_path: Path) -> None:
+    result = _run_without_compiler(tmp_path, require=True)
+    assert result.returncode != 0
+    assert "NativeUnavailableError" in result.stderr and "FHELIUM_REQUIRE_NATIVE=1" in result.stderr
