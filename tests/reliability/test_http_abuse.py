@@ -16,6 +16,7 @@ from aiohttp.typedefs import Handler, Middleware
 from flodld.config.join import JoinConfig
 from flodld.controller.http import build_app
 from flodld.controller.run import Controller
+from tests.conftest import require_capability
 
 from .daemon import (
     hello,
@@ -123,8 +124,9 @@ async def _non_loopback_start(port: int, address: str, token: str | None) -> byt
 
 async def test_post_start_from_a_non_loopback_address_needs_the_run_token(caplog: pytest.LogCaptureFixture) -> None:
     address = non_loopback_address()
-    if address is None:
-        pytest.skip("no non-loopback IPv4 address here; the injected-peer test below covers the handler")
+    require_capability("nonloopback", address is not None,  # FLODLD_REQUIRE_NONLOOPBACK=1: fail
+                       "no non-loopback IPv4 address here; the injected-peer test below covers the handler")
+    assert address is not None
     caplog.set_level(logging.INFO)
     async with running(options(bind_host="0.0.0.0", join=MANUAL)) as (controller, port):
         agent = await raw_join(port, controller.salt)

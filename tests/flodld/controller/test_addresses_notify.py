@@ -11,6 +11,7 @@ import pytest
 from flodld.controller.addresses import CleartextWarner, is_private_address
 from flodld.controller.kvstate import KeyValueState, StoreFull
 from flodld.controller.notify import SystemdNotifier
+from tests.conftest import require_capability
 
 from .agents import join, options, started
 
@@ -63,12 +64,12 @@ def test_store_budget_is_enforced_before_storing() -> None:
 
 
 async def test_ipv6_loopback_bind_serves_joins_and_names_the_controller_in_brackets() -> None:
-    if not socket.has_ipv6:
-        pytest.skip("no IPv6 on this machine")
+    require_capability("ipv6", socket.has_ipv6, "no IPv6 on this machine")  # FLODLD_REQUIRE_IPV6=1: fail
     try:
         controller, port = await started(options(bind_host="::1", advertised_host="::1", capacity=1))
     except OSError as error:
-        pytest.skip(f"cannot bind ::1 here: {error}")
+        require_capability("ipv6", False, f"cannot bind ::1 here: {error}")
+        raise
     try:
         agent = await join(port, controller.salt, "v6", address="::1")
         world = await agent.world()

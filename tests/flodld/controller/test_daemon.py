@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import socket
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 from flodld.membership.snapshot import StateSnapshot
 from flodld.wire.salt import new_salt, salt_from_hex
+from tests.conftest import require_binary
 
 from .agents import http, join
 from .daemon_proc import start_daemon
@@ -25,9 +25,7 @@ START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller tha
 
 
 async def _curl(*args: str) -> tuple[int, bytes]:
-    curl = shutil.which("curl")
-    if curl is None:
-        pytest.skip("curl is not installed")
+    curl = require_binary("curl", "curl")  # FLODLD_REQUIRE_CURL=1 (CI) fails instead of skipping
     proc = await asyncio.create_subprocess_exec(curl, "-s", "-w", "\n%{http_code}", *args,
                                                 stdout=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 10)

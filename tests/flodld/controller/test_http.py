@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import pytest
-
 from flodld.config.join import JoinConfig
 from flodld.controller.run import Controller
 from flodld.membership.snapshot import StateSnapshot
+from tests.conftest import require_capability
 
 from .agents import http, join, options, started
 
@@ -83,8 +82,9 @@ async def test_start_refusals_in_order_switch_mode_token() -> None:
 
 async def test_remote_post_start_needs_the_token_in_query_or_bearer_header() -> None:
     address = _non_loopback_address()
-    if address is None:
-        pytest.skip("this machine has no non-loopback address to play a remote caller")
+    require_capability("nonloopback", address is not None,  # FLODLD_REQUIRE_NONLOOPBACK=1: fail
+                       "this machine has no non-loopback address to play a remote caller")
+    assert address is not None
     controller, _ = await started(options(bind_host="0.0.0.0", capacity=1, join=JoinConfig(start="hybrid")))
     assert controller.address is not None
     port = controller.address[1]
