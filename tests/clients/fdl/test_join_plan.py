@@ -73,3 +73,30 @@ def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
     sleeps: list[float] = []
     assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
     assert sleeps == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
+
+
+def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    plan = join_command.resolve_plan(parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist"))
+    # (exit code, seconds the attempt lasted): three quick failures, a 121 s run, a quick failure, a 120 s
+    # run (not more than 2 minutes: no reset), then a permanent failure.
+    attempts = iter([(1, 0.0), (1, 1.0), (1, 2.0), (0, 121.0), (1, 1.0), (0, 120.0), (2, 0.0)])
+    now = [1000.0]
+
+    def attempt(_plan: object) -> int:
+        code, lasted = next(attempts)
+        now[0] += lasted  # the injected clock: the attempt took this long
+        return code
+
+    monkeypatch.setattr(join_command, "attempt", attempt)
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    assert join_command.join_loop(plan, sleep=sleep, clock=lambda: now[0]) == 2
+    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0]

@@ -48,3 +48,29 @@ async def test_a_join_without_a_token_refused_by_a_credential_checked_controller
     assert code == 2, output
     assert "--token" in output and "FDL_JOIN_TOKEN" in output, output
     assert "not re-dialing" in output, output
+
+
+async def test_fdl_join_ssh_with_a_refused_key_exits_2_even_under_persist(tmp_path: Path) -> None:
+    import asyncssh
+
+    from tests.conftest import require_binary
+    from tests.flodld.fanout.sshserver import start_local_ssh_server
+
+    require_binary("ssh", "ssh")
+    server = await start_local_ssh_server(tmp_path)
+    stranger = tmp_path / "stranger_key"  # a key the server does not authorize
+    asyncssh.generate_private_key("ssh-ed25519").write_private_key(str(stranger))
+    stranger.chmod(0o600)
+    (tmp_path / "walk.py").write_text(PROGRAM)
+    (tmp_path / "fdl.yml").write_text(
+        "join:\n  ssh:\n    target: 127.0.0.1\n"
+        f"    port: {server.port}\n    options: [StrictHostKeyChecking=accept-new, "
+        f"UserKnownHostsFile={tmp_path / 'known_hosts'}]\n"
+    )
+    try:
+        code, output = await fdl_join("127.0.0.1:1337", "--bin", "walk.py", "--devices", "cpu", "--persist",
+                                      "--identity", str(stranger), cwd=tmp_path, timeout=60)  # fmt: skip
+    finally:
+        server.close()
+    assert code == 2, output
+    assert "Permission denied" in output and "not re-dialing" in output, output
