@@ -162,6 +162,11 @@ class Controller:
             raise ValueError(f"the {channel.value} channel is served by the controller itself")
         self.mux.register(channel, handler)
 
+    def host_key(self, host: str) -> bytes | None:
+        """The key derived at `host`'s admission (flodld.wire.hostkey); None without a live join link."""
+        link = self._links.get(host)
+        return link.host_key if link is not None and link.host_key else None
+
     def on_phase(self, listener: PhaseListener) -> None:
         """Call `listener(phase, reason)` on every phase change (the daemon feeds systemd STATUS=)."""
         self._phase_listeners.append(listener)
