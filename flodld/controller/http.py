@@ -1,4 +1,4 @@
-"""The HTTP surface on the controller port: state.json, Prometheus metrics, and POST /start.
+"""The HTTP surface on the controller port: state.json, Prometheus metrics, POST /start, the status page.
 
 The mux hands HTTP connections here (see `PortMux.set_http`). Everything the app answers comes
 from a `StatusSource`, so the app holds no run state and is up before the window opens.
@@ -17,10 +17,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
+from flodld.controller.page import PAGE_ENDPOINTS, add_routes, close_after_answer
 
 log = logging.getLogger("flodld.controller.http")
 
-ENDPOINTS = ["GET /", "GET /state.json", "GET /metrics", "POST /start"]
+ENDPOINTS = ["GET /", "GET /state.json", "GET /metrics", "POST /start", *PAGE_ENDPOINTS]
 NO_STATE = "no membership state published yet"
 # Read-only answers may be read from any page (dashboards); nothing that changes state is CORS-readable.
 _HEADERS = {"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"}
@@ -152,7 +153,8 @@ def build_app(source: StatusSource) -> web.Application:
         return _json(404, {"error": "not found", "endpoints": ENDPOINTS}, headers)
 
     app = web.Application(client_max_size=64 * 1024)
-    app.router.add_get("/", state)
+    app.on_response_prepare.append(close_after_answer)
+    add_routes(app, source, root_json=state)  # GET / (page for a browser, else state.json), /status, assets
     app.router.add_get("/state.json", state)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/start", start)

@@ -1,0 +1,661 @@
+"""The status page on the controller port: `GET /` (and `/status`), `/status.js`, `/status.css`.
+
+One self-contained page: no external asset, no CDN, no build step. The server renders the whole state
+into the HTML (`render_page`, a pure function of the state.json dict that escapes every value), so the
+page reads fine with JavaScript off (a `<noscript>` refresh reloads it every few seconds). With
+JavaScript on, `/status.js` polls `/state.json` at most once a second (every ten seconds while the tab
+is hidden), redraws the same sections from it, and ticks the countdowns between polls.
+
+Read-only by construction: the page carries no token, offers no start button and sends nothing but GETs
+to its own origin. The Content-Security-Policy allows script and style only from the page's origin (no
+inline code at all; widths are CSS classes, not style attributes), no framing, no forms, no base URL.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from aiohttp import web
+
+    from flodld.controller.http import StatusSource
+
+    Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_ROWS = 500  # hosts, missing names, rank exits rendered; the rest is a "N more" note (paging: issue 18)
+MAX_HISTORY = 50
+POLL_SECS = 1.0  # the fastest the page polls state.json (the issue's "at most once per second per tab")
+HIDDEN_POLL_SECS = 10.0
+NOSCRIPT_REFRESH_SECS = 5
+NO_STATE_TEXT = "no membership state published yet"
+
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
+# No Access-Control-Allow-Origin: another origin's script cannot read the page or its assets.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cross-Origin-Resource-Policy": "same-origin",
+    "Cache-Control": "no-cache",
+}
+PAGE_ENDPOINTS = ["GET /status", "GET /status.js", "GET /status.css"]
+
+PHASE_NOTES = {
+    "waiting": "window open, quorum not met yet",
+    "staging": "quorum met, window still open",
+    "forming": "the world is being formed",
+    "training": "the world formed; ranks are running",
+    "done": "every host link closed cleanly",
+    "failed": "the run failed",
+}
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def fmt_secs(value: object) -> str:
+    """A countdown as a person reads it: 42s, 3m 05s, 2h 07m."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "—"
+    secs = max(0, int(value))
+    if secs < 60:
+        return f"{secs}s"
+    if secs < 3600:
+        return f"{secs // 60}m {secs % 60:02d}s"
+    return f"{secs // 3600}h {secs % 3600 // 60:02d}m"
+
+
+def fmt_ranks(ranks: Iterable[object]) -> str:
+    """[0, 1, 2, 3, 7] -> '0–3, 7' (contiguous runs collapsed)."""
+    values = sorted(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
+        i = j + 1
+    return ", ".join(parts) or "—"
+
+
+def fmt_devices(member: Mapping[str, Any]) -> str:
+    labels = [str(d) for d in (member.get("device_labels") or member.get("devices") or [])]
+    if not labels:
+        return "no devices listed"
+    if len(set(labels)) == 1:
+        return f"{len(labels)}× {labels[0]}"
+    return ", ".join(labels)
+
+
+def fmt_time(value: object) -> str:
+    """History times: epoch seconds become UTC 'YYYY-MM-DD HH:MM:SSZ'; anything else is shown as given."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 1e8:
+        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(value))
+    return "—" if value is None or value == "" else str(value)
+
+
+def _pct(part: float, whole: float) -> int:
+    return max(0, min(100, round(100 * part / whole))) if whole > 0 else 0
+
+
+def _int(value: object, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _more(count: int, noun: str) -> str:
+    return f'<p class="more">{count} more {_e(noun)} not shown (the page lists the first {MAX_ROWS}).</p>'
+
+
+def _head(state: Mapping[str, Any]) -> str:
+    phase = str(state.get("phase") or "?")
+    note = PHASE_NOTES.get(phase, "")
+    return (
+        f'<section id="head"><h1>run <span id="run-id">{_e(state.get("run_id") or "?")}</span></h1>'
+        f'<p><span id="phase" class="phase phase-{_e(phase)}">{_e(phase)}</span> '
+        f'<span class="note">{_e(note)}</span></p>'
+        f'<p id="reason" class="reason">{_e(state.get("reason") or "")}</p>'
+        f'<p class="meta">controller <span id="controller">{_e(state.get("controller") or "?")}</span></p></section>'
+    )
+
+
+def _clock(state: Mapping[str, Any]) -> str:
+    cells = []
+    for key, label, field in (("window", "window", "window_remaining_secs"), ("cap", "hard cap", "cap_remaining_secs")):
+        value = state.get(field)
+        text = fmt_secs(value) + " left" if isinstance(value, int | float) else "closed"
+        cells.append(f'<div class="clock"><span class="label">{label}</span> <span id="{key}">{_e(text)}</span></div>')
+    return f'<section id="clock">{"".join(cells)}</section>'
+
+
+def _ranks(state: Mapping[str, Any]) -> str:
+    joined, quorum = _int(state.get("joined_ranks")), _int(state.get("quorum"))
+    target = state.get("target")
+    target_n = _int(target, 0)
+    scale = max(target_n, quorum, joined, 1)
+    fill = _pct(joined, scale)
+    mark = _pct(quorum, scale)
+    met = "met" if joined >= quorum else "short"
+    target_text = f"target {target_n}" if target_n else "no target"
+    return (
+        '<section id="ranks"><h2>ranks</h2>'
+        f'<p id="rank-count"><b>{joined}</b> joined across {_int(state.get("joined_hosts"))} host(s) — '
+        f"quorum {quorum}, {_e(target_text)}</p>"
+        f'<div class="bar {met}" role="img" aria-label="{joined} of {scale} ranks">'
+        f'<div class="fill w{fill}"></div><div class="mark l{mark}" title="quorum"></div></div></section>'
+    )
+
+
+def start_text(state: Mapping[str, Any]) -> str:
+    """What the start switch says: the same wording as `fdl status`."""
+    mode = str(state.get("start_mode") or "auto")
+    phase = str(state.get("phase") or "")
+    if mode == "auto":
+        return "auto — the window closes by itself once quorum and target (or the window's end) allow"
+    if state.get("start_armed"):
+        what = "armed — forming at the next tick"
+    elif state.get("startable"):
+        what = "startable — fire with `fdl start`"
+    elif phase in ("waiting", "staging"):
+        what = f"waiting for quorum ({_int(state.get('joined_ranks'))} of {_int(state.get('quorum'))} ranks)"
+    else:
+        what = "window closed"
+    return f"{mode} — {what}"
+
+
+def _start(state: Mapping[str, Any]) -> str:
+    armed = "yes" if state.get("start_armed") else "no"
+    cls = "go" if state.get("startable") or state.get("start_armed") else ""
+    return (
+        f'<section id="start"><h2>start switch</h2><p id="start-text" class="{cls}">{_e(start_text(state))}</p>'
+        f'<p class="meta">mode <span id="start-mode">{_e(state.get("start_mode") or "auto")}</span>, '
+        f'armed <span id="start-armed">{armed}</span></p></section>'
+    )
+
+
+def _hosts(state: Mapping[str, Any]) -> str:
+    members = [m for m in (state.get("members") or []) if isinstance(m, Mapping)]
+    if not members:
+        return '<section id="hosts"><h2>hosts</h2><p class="empty">none joined yet</p></section>'
+    rows = []
+    for m in members[:MAX_ROWS]:
+        link = str(m.get("link") or "open")
+        joined = m.get("joined_at_secs")
+        joined_text = f"+{int(joined)}s" if isinstance(joined, int | float) else "—"
+        rows.append(
+            f"<tr><td>{_e(m.get('host', '?'))}</td><td>{_e(fmt_ranks(m.get('ranks') or []))}</td>"
+            f"<td>{_e(fmt_devices(m))}</td><td>{_e(m.get('variant') or '-')}</td><td>{_e(joined_text)}</td>"
+            f'<td class="link-{_e(link)}">{_e(link)}</td></tr>'
+        )
+    more = _more(len(members) - MAX_ROWS, "hosts") if len(members) > MAX_ROWS else ""
+    return (
+        f'<section id="hosts"><h2>hosts ({len(members)})</h2><table><thead><tr><th>host</th><th>ranks</th>'
+        f"<th>devices</th><th>variant</th><th>joined</th><th>link</th></tr></thead>"
+        f'<tbody>{"".join(rows)}</tbody></table>{more}</section>'
+    )
+
+
+def _missing(state: Mapping[str, Any]) -> str:
+    missing = [str(name) for name in (state.get("missing") or [])]
+    if not missing:
+        return '<section id="missing"><h2>missing</h2><p class="empty">nobody on the roster is missing</p></section>'
+    more = _more(len(missing) - MAX_ROWS, "names") if len(missing) > MAX_ROWS else ""
+    items = "".join(f"<li>{_e(name)}</li>" for name in missing[:MAX_ROWS])
+    return f'<section id="missing"><h2>missing ({len(missing)})</h2><ul class="names">{items}</ul>{more}</section>'
+
+
+def _refused(state: Mapping[str, Any]) -> str:
+    refused = state.get("refused") or {}
+    counts = sorted(((str(k), _int(v)) for k, v in refused.items()), key=lambda kv: (-kv[1], kv[0]))
+    if not counts:
+        return '<section id="refused"><h2>refusals</h2><p class="empty">none</p></section>'
+    rows = "".join(f"<tr><td>{_e(code)}</td><td>{n}</td></tr>" for code, n in counts[:MAX_ROWS])
+    return (
+        '<section id="refused"><h2>refusals</h2><table><thead><tr><th>reason</th><th>count</th></tr></thead>'
+        f"<tbody>{rows}</tbody></table></section>"
+    )
+
+
+def _exits(state: Mapping[str, Any]) -> str:
+    exits = [x for x in (state.get("rank_exits") or []) if isinstance(x, Mapping)]
+    if not exits:
+        return '<section id="exits"><h2>rank exits</h2><p class="empty">none reported</p></section>'
+    bad = sum(1 for x in exits if _int(x.get("code")) != 0)
+    rows = "".join(
+        f'<tr><td>{_int(x.get("rank"))}</td><td class="{"bad" if _int(x.get("code")) else "ok"}">'
+        f'{_int(x.get("code"))}</td></tr>'
+        for x in exits[:MAX_ROWS]
+    )
+    more = _more(len(exits) - MAX_ROWS, "exits") if len(exits) > MAX_ROWS else ""
+    return (
+        f'<section id="exits"><h2>rank exits ({len(exits)}, {bad} non-zero)</h2><table><thead><tr><th>rank</th>'
+        f"<th>code</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
+    )
+
+
+def _first(entry: Mapping[str, Any], *keys: str) -> object:
+    for key in keys:
+        if entry.get(key) is not None:
+            return entry[key]
+    return None
+
+
+def _count(value: object) -> str:
+    if isinstance(value, list):
+        return str(len(value))
+    return "—" if value is None else str(value)
+
+
+def duration_secs(entry: Mapping[str, Any]) -> float | None:
+    given = entry.get("duration_secs")
+    if isinstance(given, int | float) and not isinstance(given, bool):
+        return float(given)
+    start, end = _first(entry, "started_at", "opened_at", "start"), _first(entry, "ended_at", "end")
+    if isinstance(start, int | float) and isinstance(end, int | float):
+        return float(end) - float(start)
+    return None
+
+
+def exits_summary(value: object) -> str:
+    """Rank exit codes of a finished run: 'all 0' or the non-zero ones."""
+    pairs: list[tuple[object, int]] = []
+    if isinstance(value, Mapping):
+        pairs = [(k, _int(v)) for k, v in value.items()]
+    elif isinstance(value, list):
+        pairs = [(x.get("rank"), _int(x.get("code"))) for x in value if isinstance(x, Mapping)]
+    if not pairs:
+        return "—"
+    bad = [f"rank {r}: {c}" for r, c in pairs if c != 0]
+    return f"all {len(pairs)} exited 0" if not bad else "; ".join(bad[:8]) + (" …" if len(bad) > 8 else "")
+
+
+def _history(state: Mapping[str, Any]) -> str:
+    if "history" not in state:
+        return ""
+    history = [h for h in (state.get("history") or []) if isinstance(h, Mapping)]
+    if not history:
+        return '<section id="history"><h2>history</h2><p class="empty">no finished runs yet</p></section>'
+    rows = []
+    for h in history[:MAX_HISTORY]:
+        verdict = str(_first(h, "verdict", "phase") or "?")
+        duration = duration_secs(h)
+        rows.append(
+            f"<tr><td>{_e(h.get('run_id') or '?')}</td><td class=\"phase phase-{_e(verdict)}\">{_e(verdict)}</td>"
+            f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td>"
+            f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
+            f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(_count(h.get('hosts')))}</td>"
+            f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(h.get('reason') or '')}</td></tr>"
+        )
+    return (
+        f'<section id="history"><h2>history ({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>'
+        "<th>ended</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th><th>reason</th></tr>"
+        f'</thead><tbody>{"".join(rows)}</tbody></table></section>'
+    )
+
+
+def render_state(state: Mapping[str, Any] | None) -> str:
+    """The page's content for one state.json dict (None: no state yet). Every value is HTML-escaped."""
+    if state is None:
+        return f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
+    parts = [_head(state), _clock(state), _ranks(state), _start(state), _hosts(state), _missing(state)]
+    parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _history(state)]
+    return "".join(parts)
+
+
+def render_page(state: Mapping[str, Any] | None) -> str:
+    """The whole HTML document: server-rendered state, replaced live by /status.js when scripts run."""
+    title = f"flodld · {state.get('run_id') or '?'} · {state.get('phase') or '?'}" if state else "flodld status"
+    return (
+        "<!doctype html>\n"
+        '<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<meta name="referrer" content="no-referrer">'
+        f"<title>{_e(title)}</title>"
+        '<link rel="stylesheet" href="/status.css">'
+        f'<noscript><meta http-equiv="refresh" content="{NOSCRIPT_REFRESH_SECS}"></noscript>'
+        '<script src="/status.js" defer></script></head>'
+        f'<body><main id="app" data-source="server">{render_state(state)}</main>'
+        '<footer><span id="live">server-rendered; reload for fresh numbers</span> · '
+        '<a href="/state.json">state.json</a> · <a href="/metrics">metrics</a></footer>'
+        "</body></html>\n"
+    )
+
+
+def _width_classes() -> str:
+    return "".join(f".w{i}{{width:{i}%}}.l{i}{{left:{i}%}}" for i in range(101))
+
+
+STATUS_CSS = (
+    """:root{color-scheme:light;--fg:#1d232b;--mute:#5b6673;--line:#d9dee4;--bg:#f6f7f9;--card:#fff;
+--ok:#1b7f3b;--warn:#a86200;--bad:#b3261e;--accent:#2557a7}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--fg);font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,
+"DejaVu Sans",sans-serif}
+main{max-width:1100px;margin:0 auto;padding:18px 20px}
+section{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:12px 16px;margin:0 0 12px}
+h1{font-size:20px;margin:0 0 6px}h1 span{font-family:ui-monospace,"DejaVu Sans Mono",monospace}
+h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute);margin:0 0 8px}
+p{margin:4px 0}.meta,.note,.more,.empty{color:var(--mute)}.reason{font-size:16px}
+.phase{display:inline-block;padding:2px 10px;border-radius:12px;font-weight:600;color:#fff;background:var(--mute)}
+td.phase{display:table-cell;border-radius:0;padding:4px 8px}
+.phase-waiting,.phase-staging,.phase-forming{background:var(--warn)}
+.phase-training,.phase-done{background:var(--ok)}.phase-failed{background:var(--bad)}
+#clock{display:flex;gap:36px}.clock .label{color:var(--mute);text-transform:uppercase;font-size:13px;
+letter-spacing:.06em;margin-right:6px}.clock span:last-child{font-size:26px;font-weight:600;
+font-variant-numeric:tabular-nums}
+.bar{position:relative;height:18px;background:#e8ebef;border-radius:9px;margin:8px 0 4px;overflow:hidden}
+.bar .fill{height:100%;background:var(--warn)}.bar.met .fill{background:var(--ok)}
+.bar .mark{position:absolute;top:0;bottom:0;width:3px;margin-left:-1px;background:var(--fg)}
+#start-text{font-size:16px;font-weight:600}#start-text.go{color:var(--ok)}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums}
+th{text-align:left;font-weight:600;color:var(--mute);border-bottom:2px solid var(--line);padding:4px 8px}
+td{border-bottom:1px solid var(--line);padding:4px 8px;vertical-align:top}
+.link-open{color:var(--ok)}.link-lost,.bad{color:var(--bad);font-weight:600}.link-closed{color:var(--mute)}
+ul.names{margin:0;padding:0;list-style:none;display:flex;flex-wrap:wrap;gap:6px}
+ul.names li{border:1px solid var(--line);border-radius:4px;padding:1px 8px;font-family:ui-monospace,monospace}
+.cols{display:grid;grid-template-columns:1fr 1fr;gap:12px}.cols section{margin:0}
+.cols{margin-bottom:12px}
+footer{max-width:1100px;margin:0 auto;padding:0 20px 20px;color:var(--mute);font-size:13px}
+footer a{color:var(--accent)}#live.stale{color:var(--bad);font-weight:600}
+@media (max-width:700px){.cols{grid-template-columns:1fr}#clock{flex-direction:column;gap:4px}}
+"""
+    + _width_classes()
+    + "\n"
+)
+
+# The client: plain JavaScript, DOM built with textContent only (never innerHTML), GET /state.json only.
+_JS_TEMPLATE = """"use strict";
+(function () {
+  var MAX_ROWS = __MAX_ROWS__, MAX_HISTORY = __MAX_HISTORY__;
+  var POLL_MS = __POLL_MS__, HIDDEN_POLL_MS = __HIDDEN_MS__, BACKOFF_MAX_MS = 10000;
+  var NOTES = __NOTES__;
+  var state = null, fetchedAt = 0, lastOk = 0, failures = 0, timer = null, lastPoll = 0;
+
+  function h(tag, attrs) {
+    var el = document.createElement(tag), i, k;
+    for (k in (attrs || {})) { el.setAttribute(k, attrs[k]); }
+    for (i = 2; i < arguments.length; i++) {
+      var c = arguments[i];
+      if (c === null || c === undefined || c === false) { continue; }
+      if (Array.isArray(c)) { c.forEach(function (x) { if (x) { el.appendChild(x); } }); }
+      else if (typeof c === "object") { el.appendChild(c); }
+      else { el.appendChild(document.createTextNode(String(c))); }
+    }
+    return el;
+  }
+  function isNum(v) { return typeof v === "number" && isFinite(v); }
+  function int(v) { return (typeof v === "number" && Math.floor(v) === v) ? v : 0; }
+  function pad2(n) { return (n < 10 ? "0" : "") + n; }
+  function fmtSecs(v) {
+    if (!isNum(v)) { return "\\u2014"; }
+    var s = Math.max(0, Math.floor(v));
+    if (s < 60) { return s + "s"; }
+    if (s < 3600) { return Math.floor(s / 60) + "m " + pad2(s % 60) + "s"; }
+    return Math.floor(s / 3600) + "h " + pad2(Math.floor((s % 3600) / 60)) + "m";
+  }
+  function fmtRanks(ranks) {
+    var v = (ranks || []).filter(function (r) { return typeof r === "number"; }).sort(function (a, b) { return a - b; });
+    var parts = [], i = 0, j;
+    while (i < v.length) {
+      j = i;
+      while (j + 1 < v.length && v[j + 1] === v[j] + 1) { j++; }
+      parts.push(i === j ? String(v[i]) : v[i] + "\\u2013" + v[j]);
+      i = j + 1;
+    }
+    return parts.join(", ") || "\\u2014";
+  }
+  function fmtDevices(m) {
+    var labels = (m.device_labels && m.device_labels.length ? m.device_labels : (m.devices || [])).map(String);
+    if (!labels.length) { return "no devices listed"; }
+    if (labels.every(function (x) { return x === labels[0]; })) { return labels.length + "\\u00d7 " + labels[0]; }
+    return labels.join(", ");
+  }
+  function fmtTime(v) {
+    if (isNum(v) && v > 1e8) { return new Date(v * 1000).toISOString().replace("T", " ").slice(0, 19) + "Z"; }
+    return (v === null || v === undefined || v === "") ? "\\u2014" : String(v);
+  }
+  function pct(part, whole) { return whole > 0 ? Math.max(0, Math.min(100, Math.round(100 * part / whole))) : 0; }
+  function more(n, noun) {
+    return h("p", {"class": "more"}, n + " more " + noun + " not shown (the page lists the first " + MAX_ROWS + ").");
+  }
+  function table(head, rows) {
+    return h("table", {}, h("thead", {}, h("tr", {}, head.map(function (t) { return h("th", {}, t); }))),
+      h("tbody", {}, rows));
+  }
+  function section(id, title, body) { return h("section", {id: id}, h("h2", {}, title), body); }
+  function empty(text) { return h("p", {"class": "empty"}, text); }
+
+  function startText(s) {
+    var mode = s.start_mode || "auto";
+    if (mode === "auto") {
+      return "auto \\u2014 the window closes by itself once quorum and target (or the window's end) allow";
+    }
+    var what;
+    if (s.start_armed) { what = "armed \\u2014 forming at the next tick"; }
+    else if (s.startable) { what = "startable \\u2014 fire with `fdl start`"; }
+    else if (s.phase === "waiting" || s.phase === "staging") {
+      what = "waiting for quorum (" + int(s.joined_ranks) + " of " + int(s.quorum) + " ranks)";
+    } else { what = "window closed"; }
+    return mode + " \\u2014 " + what;
+  }
+  function first(e, keys) {
+    for (var i = 0; i < keys.length; i++) { if (e[keys[i]] !== null && e[keys[i]] !== undefined) { return e[keys[i]]; } }
+    return null;
+  }
+  function count(v) { return Array.isArray(v) ? String(v.length) : (v === null || v === undefined ? "\\u2014" : String(v)); }
+  function duration(e) {
+    if (isNum(e.duration_secs)) { return e.duration_secs; }
+    var a = first(e, ["started_at", "opened_at", "start"]), b = first(e, ["ended_at", "end"]);
+    return (isNum(a) && isNum(b)) ? b - a : null;
+  }
+  function exitsSummary(v) {
+    var pairs = [];
+    if (Array.isArray(v)) { v.forEach(function (x) { if (x && typeof x === "object") { pairs.push([x.rank, int(x.code)]); } }); }
+    else if (v && typeof v === "object") { Object.keys(v).forEach(function (k) { pairs.push([k, int(v[k])]); }); }
+    if (!pairs.length) { return "\\u2014"; }
+    var bad = pairs.filter(function (p) { return p[1] !== 0; }).map(function (p) { return "rank " + p[0] + ": " + p[1]; });
+    if (!bad.length) { return "all " + pairs.length + " exited 0"; }
+    return bad.slice(0, 8).join("; ") + (bad.length > 8 ? " \\u2026" : "");
+  }
+
+  function countdown(field) {
+    var v = state ? state[field] : null;
+    if (!isNum(v)) { return "closed"; }
+    return fmtSecs(v - (Date.now() - fetchedAt) / 1000) + " left";
+  }
+
+  function render(s) {
+    var out = [];
+    if (!s) {
+      return [h("section", {id: "head"}, h("h1", {}, "flodld"), h("p", {id: "reason", "class": "reason"}, __NO_STATE__))];
+    }
+    var phase = String(s.phase || "?");
+    out.push(h("section", {id: "head"},
+      h("h1", {}, "run ", h("span", {id: "run-id"}, s.run_id || "?")),
+      h("p", {}, h("span", {id: "phase", "class": "phase phase-" + phase}, phase), " ",
+        h("span", {"class": "note"}, NOTES[phase] || "")),
+      h("p", {id: "reason", "class": "reason"}, s.reason || ""),
+      h("p", {"class": "meta"}, "controller ", h("span", {id: "controller"}, s.controller || "?"))));
+    out.push(h("section", {id: "clock"},
+      h("div", {"class": "clock"}, h("span", {"class": "label"}, "window"), " ", h("span", {id: "window"}, countdown("window_remaining_secs"))),
+      h("div", {"class": "clock"}, h("span", {"class": "label"}, "hard cap"), " ", h("span", {id: "cap"}, countdown("cap_remaining_secs")))));
+    var joined = int(s.joined_ranks), quorum = int(s.quorum), target = int(s.target);
+    var scale = Math.max(target, quorum, joined, 1);
+    out.push(h("section", {id: "ranks"}, h("h2", {}, "ranks"),
+      h("p", {id: "rank-count"}, h("b", {}, String(joined)), " joined across " + int(s.joined_hosts) + " host(s) \\u2014 quorum " +
+        quorum + ", " + (target ? "target " + target : "no target")),
+      h("div", {"class": "bar " + (joined >= quorum ? "met" : "short"), role: "img", "aria-label": joined + " of " + scale + " ranks"},
+        h("div", {"class": "fill w" + pct(joined, scale)}), h("div", {"class": "mark l" + pct(quorum, scale), title: "quorum"}))));
+    out.push(h("section", {id: "start"}, h("h2", {}, "start switch"),
+      h("p", {id: "start-text", "class": (s.startable || s.start_armed) ? "go" : ""}, startText(s)),
+      h("p", {"class": "meta"}, "mode ", h("span", {id: "start-mode"}, s.start_mode || "auto"), ", armed ",
+        h("span", {id: "start-armed"}, s.start_armed ? "yes" : "no"))));
+    var members = (s.members || []).filter(function (m) { return m && typeof m === "object"; });
+    if (!members.length) { out.push(section("hosts", "hosts", empty("none joined yet"))); }
+    else {
+      out.push(section("hosts", "hosts (" + members.length + ")", [
+        table(["host", "ranks", "devices", "variant", "joined", "link"], members.slice(0, MAX_ROWS).map(function (m) {
+          var link = String(m.link || "open");
+          return h("tr", {}, h("td", {}, m.host || "?"), h("td", {}, fmtRanks(m.ranks)), h("td", {}, fmtDevices(m)),
+            h("td", {}, m.variant || "-"), h("td", {}, isNum(m.joined_at_secs) ? "+" + Math.floor(m.joined_at_secs) + "s" : "\\u2014"),
+            h("td", {"class": "link-" + link}, link));
+        })),
+        members.length > MAX_ROWS ? more(members.length - MAX_ROWS, "hosts") : null]));
+    }
+    var missing = (s.missing || []).map(String);
+    out.push(missing.length ? section("missing", "missing (" + missing.length + ")", [
+      h("ul", {"class": "names"}, missing.slice(0, MAX_ROWS).map(function (n) { return h("li", {}, n); })),
+      missing.length > MAX_ROWS ? more(missing.length - MAX_ROWS, "names") : null])
+      : section("missing", "missing", empty("nobody on the roster is missing")));
+    var refused = Object.keys(s.refused || {}).map(function (k) { return [k, int(s.refused[k])]; })
+      .sort(function (a, b) { return b[1] - a[1] || (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0); });
+    var exits = (s.rank_exits || []).filter(function (x) { return x && typeof x === "object"; });
+    var bad = exits.filter(function (x) { return int(x.code) !== 0; }).length;
+    out.push(h("div", {"class": "cols"},
+      refused.length ? section("refused", "refusals", table(["reason", "count"], refused.slice(0, MAX_ROWS).map(function (r) {
+        return h("tr", {}, h("td", {}, r[0]), h("td", {}, String(r[1])));
+      }))) : section("refused", "refusals", empty("none")),
+      exits.length ? section("exits", "rank exits (" + exits.length + ", " + bad + " non-zero)", [
+        table(["rank", "code"], exits.slice(0, MAX_ROWS).map(function (x) {
+          return h("tr", {}, h("td", {}, String(int(x.rank))), h("td", {"class": int(x.code) ? "bad" : "ok"}, String(int(x.code))));
+        })), exits.length > MAX_ROWS ? more(exits.length - MAX_ROWS, "exits") : null])
+        : section("exits", "rank exits", empty("none reported"))));
+    if (Object.prototype.hasOwnProperty.call(s, "history")) {
+      var hist = (s.history || []).filter(function (x) { return x && typeof x === "object"; });
+      out.push(!hist.length ? section("history", "history", empty("no finished runs yet")) :
+        section("history", "history (" + hist.length + ")", table(
+          ["run", "verdict", "ended", "duration", "ranks", "hosts", "rank exits", "reason"],
+          hist.slice(0, MAX_HISTORY).map(function (e) {
+            var verdict = String(first(e, ["verdict", "phase"]) || "?"), d = duration(e);
+            return h("tr", {}, h("td", {}, e.run_id || "?"), h("td", {"class": "phase phase-" + verdict}, verdict),
+              h("td", {}, fmtTime(first(e, ["ended_at", "end"]))), h("td", {}, d === null ? "\\u2014" : fmtSecs(d)),
+              h("td", {}, count(e.ranks)), h("td", {}, count(e.hosts)), h("td", {}, exitsSummary(e.rank_exits)),
+              h("td", {}, e.reason || ""));
+          }))));
+    }
+    return out;
+  }
+
+  function draw() {
+    var app = document.getElementById("app");
+    var fresh = h("main", {id: "app", "data-source": "live"}, render(state));
+    app.parentNode.replaceChild(fresh, app);
+    document.title = state ? "flodld \\u00b7 " + (state.run_id || "?") + " \\u00b7 " + (state.phase || "?") : "flodld status";
+    tick();
+  }
+  function tick() {
+    var w = document.getElementById("window"), c = document.getElementById("cap"), live = document.getElementById("live");
+    if (w) { w.textContent = countdown("window_remaining_secs"); }
+    if (c) { c.textContent = countdown("cap_remaining_secs"); }
+    if (live && lastOk) {
+      var age = Math.floor((Date.now() - lastOk) / 1000);
+      live.textContent = failures ? "controller not answering \\u2014 last update " + age + "s ago, retrying"
+        : "live \\u00b7 updated " + age + "s ago";
+      live.className = failures ? "stale" : "";
+    } else if (live && failures) { live.textContent = "controller not answering, retrying"; live.className = "stale"; }
+  }
+  function schedule() {
+    var wait = document.hidden ? HIDDEN_POLL_MS : POLL_MS;
+    if (failures) { wait = Math.max(wait, Math.min(BACKOFF_MAX_MS, POLL_MS * Math.pow(2, failures))); }
+    clearTimeout(timer);
+    timer = setTimeout(poll, wait);
+  }
+  function poll() {
+    var since = Date.now() - lastPoll;
+    if (since < POLL_MS) { clearTimeout(timer); timer = setTimeout(poll, POLL_MS - since); return; }
+    lastPoll = Date.now();
+    fetch("/state.json", {method: "GET", cache: "no-store", credentials: "omit", referrerPolicy: "no-referrer"})
+      .then(function (r) { return r.json().then(function (body) { return [r.status, body]; }); })
+      .then(function (res) {
+        state = res[0] === 200 ? res[1] : null;
+        fetchedAt = lastOk = Date.now();
+        failures = 0;
+        draw();
+      }, function () { failures++; tick(); })
+      .then(schedule, schedule);
+  }
+  document.addEventListener("visibilitychange", function () { if (!document.hidden) { poll(); } });
+  setInterval(tick, 250);
+  poll();
+})();
+"""
+
+
+def _fill(template: str, values: Mapping[str, object]) -> str:
+    """Put each `__NAME__` of the template in place (JSON-encoded: numbers, strings, objects)."""
+    for name, value in values.items():
+        template = template.replace(f"__{name}__", json.dumps(value))
+    assert "__" not in template.replace("__proto__", ""), "a placeholder was left unfilled"
+    return template
+
+
+STATUS_JS = _fill(_JS_TEMPLATE, {
+    "MAX_ROWS": MAX_ROWS, "MAX_HISTORY": MAX_HISTORY, "POLL_MS": int(POLL_SECS * 1000),
+    "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000), "NO_STATE": NO_STATE_TEXT, "NOTES": PHASE_NOTES,
+})
+
+
+def wants_html(request: web.Request) -> bool:
+    """A browser asks for HTML (`Accept: text/html,...`); curl, `fdl status` and scripts do not."""
+    return "text/html" in request.headers.get("Accept", "").lower()
+
+
+def _respond(body: str, content_type: str) -> web.Response:
+    from aiohttp import web
+
+    return web.Response(
+        text=body, content_type=content_type, charset="utf-8", headers={**SECURITY_HEADERS, "Vary": "Accept"}
+    )
+
+
+async def close_after_answer(_: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare` hook: every answer closes its connection.
+
+    The mux gives an HTTP connection a fixed lifetime (`HTTP_CONNECTION_SECS`); a browser tab polling
+    state.json would otherwise keep one keep-alive connection open until the mux cut it (a
+    `connection_http_lifetime` drop on the page's own refusal counters, and a failed poll when the
+    cut lands mid-request). One request per connection keeps both away. The hook runs after aiohttp
+    chose the Connection header, so the header is set here too: the client learns it must not reuse.
+    """
+    response.force_close()
+    response.headers["Connection"] = "close"
+
+
+def add_routes(app: web.Application, source: StatusSource, root_json: Handler) -> None:
+    """`GET /` and `/status` (the page), `/status.js`, `/status.css` (HEAD comes with each GET).
+
+    `/` answers a browser with the page and everything else (curl, scripts written against the old
+    alias) with `root_json`, the state.json handler; `/status` is always the page.
+    """
+
+    async def page(_: web.Request) -> web.Response:
+        return _respond(render_page(source.state_json()), "text/html")
+
+    async def root(request: web.Request) -> web.StreamResponse:
+        if wants_html(request):
+            return await page(request)
+        response = await root_json(request)
+        response.headers["Vary"] = "Accept"
+        return response
+
+    async def script(_: web.Request) -> web.Response:
+        return _respond(STATUS_JS, "text/javascript")
+
+    async def style(_: web.Request) -> web.Response:
+        return _respond(STATUS_CSS, "text/css")
+
+    app.router.add_get("/", root)
+    app.router.add_get("/status", page)
+    app.router.add_get("/status.js", script)
+    app.router.add_get("/status.css", style)
