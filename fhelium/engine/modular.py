@@ -93,8 +93,25 @@ def neg_mod(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return reduce_once(q - a, q)
 
 
+def _native_elementwise(*tensors: torch.Tensor) -> bool:
+    """Whether the native elementwise ops (``fhelium.native``) serve these operands: int64 CPU
+    tensors, the extension available and ``FHELIUM_NATIVE_LEVEL`` not ``torch``."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.device.type != "cpu":
+            return False
+    from fhelium import native  # imported here: fhelium.native imports nothing of the engine
+
+    return native.requested_level() != "torch" and native.load()
+
+
 def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor) -> torch.Tensor:
-    """(a·b) mod q for a, b in [0, q); ``q_inverse`` is 1/q in float64, shaped like q."""
+    """(a·b) mod q for a, b in [0, q); ``q_inverse`` is 1/q in float64, shaped like q.
+
+    On CPU the native op computes the same estimate and corrections in one pass (same bits)."""
+    if _native_elementwise(a, b, q):
+        from fhelium import native
+
+        return native.mul_mod(a, b, q)
     # a, b >= 0, so truncation toward zero is the floor of the estimate.
     estimate = (a.double() * b.double()).mul_(q_inverse).long()
     return correct((a * b).sub_(estimate.mul_(q)), q)
