@@ -22,6 +22,12 @@ relay each), all-reducing in a loop. With probability `--kill-rate` a random age
 its rank trains (expected verdict: failed), otherwise the ranks finish (done). After each real run,
 no process of it may be left (found through an environment marker).
 
+With `--daemon` the soak drives the real `flodld serve` process instead (the service: one port for its
+whole life, one run after another, nothing restarted between runs): `--runs` protocol runs as above
+(walk-ins, leavers, kills, pollers), each verdict read back from state.json `history`, the daemon's RSS
+and descriptors sampled after every run, and a SIGTERM at the end that must exit 0.
+``.venv/bin/python bench/soak.py --daemon --runs 200``.
+
 Meanwhile `--pollers` tasks GET /state.json in a loop. The soak prints runs completed, verdict
 correctness, the controller's RSS and descriptors after each run (first, max, last: no growth across
 runs), and p50/p99 latencies of state.json, of a join (dial to Accept) and of a run. It also prints the
@@ -45,8 +51,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -337,6 +345,91 @@ async def drive(args: argparse.Namespace) -> int:
     return 0 if not figures.verdicts_wrong and not figures.orphans else 1
 
 
+async def service_state(port: int) -> dict[str, Any] | None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /state.json HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
+    response = await reader.read(-1)
+    writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return None
+    loaded: dict[str, Any] = json.loads(body)
+    return loaded
+
+
+async def until_state(port: int, predicate: Callable[[dict[str, Any]], bool], bound: float) -> dict[str, Any]:
+    deadline = time.monotonic() + bound
+    while True:
+        with contextlib.suppress(OSError):
+            state = await service_state(port)
+            if state is not None and predicate(state):
+                return state
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"state.json never showed the expected state within {bound:g}s")
+        await asyncio.sleep(0.01)
+
+
+async def drive_daemon(args: argparse.Namespace) -> int:
+    """`--runs` protocol runs through one real `flodld serve` process (the service)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    salt_hex = salt_to_hex(new_salt())
+    key = salt_from_hex(salt_hex)
+    scratch = tempfile.TemporaryDirectory(prefix="soak-daemon-")
+    config = Path(scratch.name) / "fdl.yml"
+    config.write_text(
+        "cluster:\n  controller:\n    host: 127.0.0.1\n    join:\n      discovery: true\n"
+        f"      min_rank_start: {args.hosts}\n      target_ranks: {args.hosts}\n      join_timeout: {RUN_BOUND_SECS}\n"
+        f"      token: {salt_hex}\n  workers: []\n"
+    )
+    log = open(Path(scratch.name) / "daemon.log", "w")  # noqa: SIM115 - lives as long as the daemon
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "flodld", "serve", "--config", str(config), "--bind", "127.0.0.1", "--port", str(port),
+         "--run-id", "soak"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    rng = random.Random(args.seed)
+    figures = Figures()
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    code = None
+    try:
+        await until_state(port, lambda s: s.get("phase") == "waiting", 30)
+        quiet = [await get_state(port) for _ in range(200)]
+        sample(daemon.pid, figures)  # baseline: the first window open, nothing joined
+        pollers = [asyncio.ensure_future(poll(port, figures, stop)) for _ in range(args.pollers)]
+        for index in range(1, args.runs + 1):
+            await until_state(port, lambda s, i=index: s.get("run_id") == f"soak-{i}" and s.get("phase") == "waiting",
+                              RUN_BOUND_SECS)
+            expected = await asyncio.wait_for(one_run(port, key, args, rng, figures, index), RUN_BOUND_SECS)
+            state = await until_state(
+                port, lambda s, i=index: any(h.get("run_id") == f"soak-{i}" for h in s.get("history") or []),
+                RUN_BOUND_SECS)
+            entry = next(h for h in state["history"] if h["run_id"] == f"soak-{index}")
+            if entry["verdict"] == expected:
+                figures.verdicts_right += 1
+            else:
+                figures.verdicts_wrong.append(f"run {index}: expected {expected}, got {entry['verdict']} "
+                                              f"({entry['reason']})")
+            sample(daemon.pid, figures)
+        stop.set()
+        await asyncio.gather(*pollers)
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(30)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+        log.close()
+        scratch.cleanup()
+    elapsed = time.perf_counter() - started
+    args.real_runs = 0
+    report(args, figures, quiet, elapsed)
+    print(f"flodld serve: one process for all {args.runs} runs; SIGTERM at the end exited {code}")
+    return 0 if not figures.verdicts_wrong and code == 0 else 1
+
+
 def report(args: argparse.Namespace, figures: Figures, quiet: list[float], elapsed: float) -> None:
     ms = 1e3
     runs = figures.verdicts_right + len(figures.verdicts_wrong)
@@ -386,6 +479,7 @@ def main() -> int:
     parser.add_argument("--real-runs", type=int, default=4, help="runs with real agent/relay/rank processes")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="10 runs")
+    parser.add_argument("--daemon", action="store_true", help="drive the real `flodld serve` service process")
     parser.add_argument("--controller-loop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -397,7 +491,7 @@ def main() -> int:
         logging.disable(logging.WARNING)
         asyncio.run(controller_loop(args.port, args.runs, args.real_runs, args.hosts, os.environ["FLODL_SOAK_SALT"]))
         return 0
-    return asyncio.run(drive(args))
+    return asyncio.run(drive_daemon(args) if args.daemon else drive(args))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ pretty form names the previous run's verdict while the next window waits, `--his
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 import time
+import webbrowser
 from collections import Counter
 from typing import Any, TextIO
 
@@ -32,6 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--watch", action="store_true", help="refresh until the run ends")
     parser.add_argument("--history", action="store_true", help="print the finished runs of a `flodld serve` service")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between --watch refreshes")
+    parser.add_argument("--open", action="store_true",
+                        help="print the status page's URL and open it in a browser when a display is available")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     parser.set_defaults(func=main)
     return parser
@@ -144,7 +149,7 @@ def _exits(entry: dict[str, Any]) -> str:
     bad = [f"{e.get('rank')}:{e.get('code')}" for e in exits if e.get("code") != 0]
     if not exits:
         return "-"
-    return f"all {len(exits)} 0" if not bad else " ".join(bad)
+    return f"{len(exits)}x 0" if not bad else " ".join(f"rank {b}" for b in bad)
 
 
 def render_history(state: dict[str, Any]) -> str:
@@ -190,6 +195,55 @@ def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextI
     return state if isinstance(state, dict) else None
 
 
+def page_url(address: str) -> str:
+    """The status page of the controller at `address` (host:port, [v6]:port)."""
+    return f"http://{address}/status"
+
+
+def display_available() -> bool:
+    """A graphical browser can open here: macOS, Windows, or an X11/Wayland display in the environment."""
+    if sys.platform in ("darwin", "win32"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+OPEN_WAIT_SECS = 2.0
+
+
+def open_in_browser(url: str, wait: float = OPEN_WAIT_SECS) -> bool:
+    """Hand `url` to the user's browser without ever blocking: `webbrowser` may run a browser that only
+    returns when it exits ($BROWSER, a console browser), so it runs in a daemon thread that we wait on
+    for at most `wait` seconds. False when the hand-off failed."""
+    result: list[bool] = []
+
+    def hand_off() -> None:
+        try:
+            result.append(bool(webbrowser.open(url, new=2)))
+        except Exception:  # a broken browser setup must not fail `fdl status`
+            result.append(False)
+
+    thread = threading.Thread(target=hand_off, name="fdl-open-browser", daemon=True)
+    thread.start()
+    thread.join(wait)
+    return result[0] if result else True  # still running after `wait`: the browser started and kept going
+
+
+def _open(candidates: Candidates, out: TextIO) -> int:
+    try:
+        address, _ = fetch_state(candidates)
+    except NoRun as error:
+        print(f"fdl status: {error}", file=sys.stderr)
+        return 1
+    url = page_url(address)
+    out.write(url + "\n")
+    out.flush()
+    if not display_available():
+        print("fdl status: no display here: open the URL above in a browser", file=sys.stderr)
+    elif not open_in_browser(url):
+        print("fdl status: could not start a browser: open the URL above", file=sys.stderr)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
@@ -197,6 +251,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"fdl status: {error}", file=sys.stderr)
         return 2
+    if getattr(args, "open", False):
+        return _open(candidates, out)
     seen = False
     while True:
         try:

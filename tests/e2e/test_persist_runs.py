@@ -106,6 +106,7 @@ def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path
         status = Fdl("status", "--addr", f"127.0.0.1:{port}", "--history")
         assert status.wait() == 0, status.output
         assert "persist-2" in status.output and "failed" in status.output, status.output
+        print(status.output)  # the table quoted in docs/controller.md
         assert daemon.poll() is None, "the service exited"
     finally:
         for walk_in in walk_ins:
