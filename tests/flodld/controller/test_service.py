@@ -206,3 +206,22 @@ async def http_text(port: int, path: str) -> tuple[int, str]:
         await writer.wait_closed()
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body.decode()
+
+
+def test_fdl_status_names_the_previous_run_while_the_next_window_waits() -> None:
+    from fdl.status import render, render_history
+
+    state = {
+        "phase": "waiting", "run_id": "svc-2", "joined_ranks": 0, "joined_hosts": 0, "quorum": 2, "target": 2,
+        "window_remaining_secs": 30.0, "cap_remaining_secs": None, "members": [], "reason": "",
+        "history": [{"run_id": "svc-1", "verdict": "failed", "reason": "1 of 2 ranks failed (ranks [1])",
+                     "started_at": 100.0, "formed_at": 101.0, "ended_at": 105.5, "ranks": 2, "hosts": ["a", "b"],
+                     "rank_exits": [{"rank": 0, "code": 0}, {"rank": 1, "code": 3}]}],
+        "service": {"between_runs": False, "config_error": None},
+    }
+    text = render(state, "127.0.0.1:1337")
+    assert "previous run: svc-1 failed at " in text and "1 of 2 ranks failed" in text
+    table = render_history(state)
+    assert table.splitlines()[0].split()[:2] == ["RUN", "VERDICT"]
+    assert "svc-1" in table and "rank 1:3" in table and "5.5s" in table
+    assert "no run history" in render_history({"phase": "done"})
