@@ -126,8 +126,23 @@ def _head(state: Mapping[str, Any]) -> str:
         f'<p><span id="phase" class="phase phase-{_e(phase)}">{_e(phase)}</span> '
         f'<span class="note">{_e(note)}</span></p>'
         f'<p id="reason" class="reason">{_e(state.get("reason") or "")}</p>'
-        f'<p class="meta">controller <span id="controller">{_e(state.get("controller") or "?")}</span></p></section>'
+        f'<p class="meta">controller <span id="controller">{_e(state.get("controller") or "?")}</span>'
+        f'{_service(state)}</p>{_config_error(state)}</section>'
     )
+
+
+def _service(state: Mapping[str, Any]) -> str:
+    text = service_text(state)
+    return f' · <span id="service">{_e(text)}</span>' if text else ""
+
+
+def _config_error(state: Mapping[str, Any]) -> str:
+    service = state.get("service")
+    error = service.get("config_error") if isinstance(service, Mapping) else None
+    if not error:
+        return ""
+    return (f'<p id="config-error" class="bad">config reload failed (the previous config stays in force): '
+            f"{_e(error)}</p>")
 
 
 def _clock(state: Mapping[str, Any]) -> str:
@@ -280,8 +295,28 @@ def exits_summary(value: object) -> str:
     return f"all {len(pairs)} exited 0" if not bad else "; ".join(bad[:8]) + (" …" if len(bad) > 8 else "")
 
 
+def formed_after(entry: Mapping[str, Any]) -> str:
+    """How long the run's window took to form the world: '+12s', or 'never'."""
+    start, formed = entry.get("started_at"), entry.get("formed_at")
+    if formed is None and "formed_at" in entry:
+        return "never"
+    if isinstance(start, int | float) and isinstance(formed, int | float):
+        return "+" + fmt_secs(float(formed) - float(start))
+    return "—"
+
+
+def hosts_summary(value: object, limit: int = 6) -> str:
+    """A finished run's hosts: 'node-a, node-b' (a count past `limit` names)."""
+    if not isinstance(value, list):
+        return _count(value)
+    names = [str(v) for v in value]
+    if not names:
+        return "—"
+    return ", ".join(names[:limit]) + (f" +{len(names) - limit} more" if len(names) > limit else "")
+
+
 def _history(state: Mapping[str, Any]) -> str:
-    if "history" not in state:
+    if "history" not in state or state.get("history") is None:
         return ""
     history = [h for h in (state.get("history") or []) if isinstance(h, Mapping)]
     if not history:
@@ -292,16 +327,32 @@ def _history(state: Mapping[str, Any]) -> str:
         duration = duration_secs(h)
         rows.append(
             f"<tr><td>{_e(h.get('run_id') or '?')}</td><td class=\"phase phase-{_e(verdict)}\">{_e(verdict)}</td>"
-            f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td>"
+            f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
             f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
-            f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(_count(h.get('hosts')))}</td>"
+            f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
             f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(h.get('reason') or '')}</td></tr>"
         )
+    more = f'<p class="more">{len(history) - MAX_HISTORY} older runs not shown.</p>' if len(history) > MAX_HISTORY else ""
     return (
         f'<section id="history"><h2>history ({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>'
-        "<th>ended</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th><th>reason</th></tr>"
-        f'</thead><tbody>{"".join(rows)}</tbody></table></section>'
+        "<th>ended</th><th>formed</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th>"
+        f'<th>reason</th></tr></thead><tbody>{"".join(rows)}</tbody></table>{more}</section>'
     )
+
+
+def service_text(state: Mapping[str, Any]) -> str:
+    """The daemon around the runs (`flodld serve` without --once), one line; '' for a single run."""
+    service = state.get("service")
+    if not isinstance(service, Mapping):
+        return ""
+    given = service.get("runs")
+    runs: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+    parts = [f"service: run {_int(service.get('runs_started'))}",
+             f"{_int(runs.get('done'))} done, {_int(runs.get('failed'))} failed"]
+    if service.get("between_runs"):
+        wait = service.get("next_window_in_secs")
+        parts.append("between runs" + (f" — next window in {fmt_secs(wait)}" if isinstance(wait, int | float) else ""))
+    return " · ".join(parts)
 
 
 def render_state(state: Mapping[str, Any] | None) -> str:
@@ -469,6 +520,26 @@ _JS_TEMPLATE = """"use strict";
     return bad.slice(0, 8).join("; ") + (bad.length > 8 ? " \\u2026" : "");
   }
 
+  function formedAfter(e) {
+    if (e.formed_at === null && Object.prototype.hasOwnProperty.call(e, "formed_at")) { return "never"; }
+    return (isNum(e.started_at) && isNum(e.formed_at)) ? "+" + fmtSecs(e.formed_at - e.started_at) : "\\u2014";
+  }
+  function hostsSummary(v) {
+    if (!Array.isArray(v)) { return count(v); }
+    if (!v.length) { return "\\u2014"; }
+    return v.slice(0, 6).map(String).join(", ") + (v.length > 6 ? " +" + (v.length - 6) + " more" : "");
+  }
+  function serviceText(s) {
+    var v = s.service;
+    if (!v || typeof v !== "object") { return ""; }
+    var runs = (v.runs && typeof v.runs === "object") ? v.runs : {};
+    var parts = ["service: run " + int(v.runs_started), int(runs.done) + " done, " + int(runs.failed) + " failed"];
+    if (v.between_runs) {
+      parts.push("between runs" + (isNum(v.next_window_in_secs) ? " \\u2014 next window in " + fmtSecs(v.next_window_in_secs) : ""));
+    }
+    return parts.join(" \\u00b7 ");
+  }
+
   function countdown(field) {
     var v = state ? state[field] : null;
     if (!isNum(v)) { return "closed"; }
@@ -486,7 +557,10 @@ _JS_TEMPLATE = """"use strict";
       h("p", {}, h("span", {id: "phase", "class": "phase phase-" + phase}, phase), " ",
         h("span", {"class": "note"}, NOTES[phase] || "")),
       h("p", {id: "reason", "class": "reason"}, s.reason || ""),
-      h("p", {"class": "meta"}, "controller ", h("span", {id: "controller"}, s.controller || "?"))));
+      h("p", {"class": "meta"}, "controller ", h("span", {id: "controller"}, s.controller || "?"),
+        serviceText(s) ? [document.createTextNode(" \\u00b7 "), h("span", {id: "service"}, serviceText(s))] : null),
+      (s.service && s.service.config_error) ? h("p", {id: "config-error", "class": "bad"},
+        "config reload failed (the previous config stays in force): " + s.service.config_error) : null));
     out.push(h("section", {id: "clock"},
       h("div", {"class": "clock"}, h("span", {"class": "label"}, "window"), " ", h("span", {id: "window"}, countdown("window_remaining_secs"))),
       h("div", {"class": "clock"}, h("span", {"class": "label"}, "hard cap"), " ", h("span", {id: "cap"}, countdown("cap_remaining_secs")))));
@@ -531,18 +605,18 @@ _JS_TEMPLATE = """"use strict";
           return h("tr", {}, h("td", {}, String(int(x.rank))), h("td", {"class": int(x.code) ? "bad" : "ok"}, String(int(x.code))));
         })), exits.length > MAX_ROWS ? more(exits.length - MAX_ROWS, "exits") : null])
         : section("exits", "rank exits", empty("none reported"))));
-    if (Object.prototype.hasOwnProperty.call(s, "history")) {
+    if (Array.isArray(s.history)) {
       var hist = (s.history || []).filter(function (x) { return x && typeof x === "object"; });
       out.push(!hist.length ? section("history", "history", empty("no finished runs yet")) :
-        section("history", "history (" + hist.length + ")", table(
-          ["run", "verdict", "ended", "duration", "ranks", "hosts", "rank exits", "reason"],
+        section("history", "history (" + hist.length + ")", [table(
+          ["run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason"],
           hist.slice(0, MAX_HISTORY).map(function (e) {
             var verdict = String(first(e, ["verdict", "phase"]) || "?"), d = duration(e);
             return h("tr", {}, h("td", {}, e.run_id || "?"), h("td", {"class": "phase phase-" + verdict}, verdict),
-              h("td", {}, fmtTime(first(e, ["ended_at", "end"]))), h("td", {}, d === null ? "\\u2014" : fmtSecs(d)),
-              h("td", {}, count(e.ranks)), h("td", {}, count(e.hosts)), h("td", {}, exitsSummary(e.rank_exits)),
-              h("td", {}, e.reason || ""));
-          }))));
+              h("td", {}, fmtTime(first(e, ["ended_at", "end"]))), h("td", {}, formedAfter(e)),
+              h("td", {}, d === null ? "\\u2014" : fmtSecs(d)), h("td", {}, count(e.ranks)),
+              h("td", {}, hostsSummary(e.hosts)), h("td", {}, exitsSummary(e.rank_exits)), h("td", {}, e.reason || ""));
+          })), hist.length > MAX_HISTORY ? h("p", {"class": "more"}, (hist.length - MAX_HISTORY) + " older runs not shown.") : null]));
     }
     return out;
   }

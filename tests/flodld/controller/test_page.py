@@ -127,23 +127,33 @@ def test_long_lists_are_cut_with_a_note() -> None:
     assert f"hosts ({MAX_ROWS + 7})" in text and "7 more hosts not shown" in text and "3 more names not shown" in text
 
 
-def test_history_of_finished_runs_is_rendered_when_state_has_it() -> None:
-    history = [
-        {"run_id": "run-41", "verdict": "done", "started_at": 1_700_000_000, "ended_at": 1_700_000_754,
-         "ranks": 8, "hosts": ["a", "b"], "rank_exits": [{"rank": r, "code": 0} for r in range(8)]},
-        {"run_id": "run-40", "verdict": "failed", "duration_secs": 42.9, "reason": "rank 3 exited 1",
-         "rank_exits": {"3": 1, "0": 0}},
+def test_history_and_service_of_a_long_running_daemon_are_rendered_when_state_has_them() -> None:
+    history = [  # RunRecord, as `flodld serve` (the service) publishes it, newest first
+        {"run_id": "sweep-2", "verdict": "failed", "reason": "window expired: quorum not met", "started_at": 1_700_000_800,
+         "formed_at": None, "ended_at": 1_700_000_842.9, "ranks": 0, "hosts": [], "rank_exits": []},
+        {"run_id": "sweep-1", "verdict": "done", "reason": "every host link closed cleanly", "started_at": 1_700_000_000,
+         "formed_at": 1_700_000_012.5, "ended_at": 1_700_000_754, "ranks": 8, "hosts": [f"n{i}" for i in range(8)],
+         "rank_exits": [{"rank": r, "code": 0 if r != 3 else 1} for r in range(8)]},
     ]
-    document = render_page(_state(history=history))
+    service = {"runs_started": 3, "runs": {"done": 1, "failed": 1}, "between_runs": True, "next_window_in_secs": 4.2,
+               "config": "/etc/flodld/fdl.yml", "config_loaded_at": 1_700_000_000, "config_error": "ConfigError: <bad>",
+               "history_limit": 50}
+    document = render_page(_state(history=history, service=service))
     page = _Elements(document)
     section = document.split('<section id="history">', 1)[1].split("</section>", 1)[0]
     rows = " | ".join(_Elements(section).text)  # the history table's cells, in order
     assert "history (2)" in rows
-    assert "run-41 | done | 2023-11-14 22:25:54Z | 12m 34s | 8 | 2 | all 8 exited 0" in rows
-    assert "run-40 | failed | — | 42s | — | — | rank 3: 1 | rank 3 exited 1" in rows
+    assert "sweep-2 | failed | 2023-11-14 22:27:22Z | never | 42s | 0 | — | — | window expired: quorum not met" in rows
+    assert ("sweep-1 | done | 2023-11-14 22:25:54Z | +12s | 12m 34s | 8 | n0, n1, n2, n3, n4, n5 +2 more | rank 3: 1 | "
+            "every host link closed cleanly") in rows
     assert ("td", {"class": "phase phase-failed"}) in page.tags
+    text = " ".join(page.text)
+    assert "service: run 3 · 1 done, 1 failed · between runs — next window in 4s" in text
+    assert "config reload failed (the previous config stays in force): ConfigError: <bad>" in text
+    assert "&lt;bad&gt;" in document
     empty = " ".join(_Elements(render_page(_state(history=[]))).text)
-    assert "no finished runs yet" in empty
+    assert "no finished runs yet" in empty and "service:" not in empty
+    assert exits_summary([{"rank": 0, "code": 0}, {"rank": 1, "code": 0}]) == "all 2 exited 0"
 
 
 def test_formatters() -> None:
