@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -34,6 +35,8 @@ from flodld.membership.phase import Phase
 from flodld.membership.snapshot import RunRecord, ServiceState
 
 log = logging.getLogger("flodld.controller")
+
+_HEX_RUN = re.compile(r"[0-9a-fA-F]{16,}")
 
 OptionsLoader = Callable[[], ControllerOptions]
 
@@ -199,7 +202,8 @@ class Service:
             options = self._load()
             Controller(options)  # the policy checks, as at start
         except Exception as error:  # any failure keeps the running config
-            self.config_error = f"{type(error).__name__}: {error}"
+            # state.json is readable by whoever reaches the port: no hex run that could be (part of) a token.
+            self.config_error = _HEX_RUN.sub("<redacted>", f"{type(error).__name__}: {error}")[:2000]
             log.error("event=reload_failed config=%s error=%r action='keeping the previous config'",
                       self._config_path, self.config_error)
             return False

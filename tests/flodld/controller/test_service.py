@@ -225,3 +225,15 @@ def test_fdl_status_names_the_previous_run_while_the_next_window_waits() -> None
     assert table.splitlines()[0].split()[:2] == ["RUN", "VERDICT"]
     assert "svc-1" in table and "rank 1:3" in table and "5.5s" in table
     assert "no run history" in render_history({"phase": "done"})
+
+
+async def test_a_reload_error_in_state_json_never_carries_a_hex_secret() -> None:
+    secret = "0123456789abcdef0123456789abcdeX"
+
+    def load() -> ControllerOptions:
+        raise ValueError(f"token {secret!r} is not hex")
+
+    service = Service(two_rank_options(), load=load)
+    assert service.reload() is False
+    assert service.config_error is not None and "0123456789abcdef" not in service.config_error
+    assert "<redacted>" in service.config_error
