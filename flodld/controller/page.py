@@ -693,17 +693,19 @@ def _respond(body: str, content_type: str) -> web.Response:
     )
 
 
-async def close_after_answer(_: web.Request, response: web.StreamResponse) -> None:
-    """`on_response_prepare` hook: every answer closes its connection.
+async def close_after_answer(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare` hook: every GET/HEAD answer closes its connection.
 
     The mux gives an HTTP connection a fixed lifetime (`HTTP_CONNECTION_SECS`); a browser tab polling
     state.json would otherwise keep one keep-alive connection open until the mux cut it (a
     `connection_http_lifetime` drop on the page's own refusal counters, and a failed poll when the
-    cut lands mid-request). One request per connection keeps both away. The hook runs after aiohttp
+    cut lands mid-request). One read per connection keeps both away. The hook runs after aiohttp
     chose the Connection header, so the header is set here too: the client learns it must not reuse.
+    POST answers keep aiohttp's default (no browser page ever POSTs here).
     """
-    response.force_close()
-    response.headers["Connection"] = "close"
+    if request.method in ("GET", "HEAD"):
+        response.force_close()
+        response.headers["Connection"] = "close"
 
 
 def add_routes(app: web.Application, source: StatusSource, root_json: Handler) -> None:
