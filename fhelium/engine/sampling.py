@@ -48,8 +48,14 @@ Purpose = Literal[
     "error",  # Gaussian errors of keys and encryptions
     "ephemeral",  # the ternary 'u' of public-key encryption
     "seeded_uniform",  # c1 of a seeded ciphertext, expanded from its (public) seed
+    "seed_contribution",  # a party's secret 32-byte contribution to a multiparty common seed
+    "common_uniform",  # the common 'a' of a collective public key, expanded from the joint (public) seed
+    "smudging",  # noise-flooding noise of multiparty decryption shares
 ]
-PURPOSES: tuple[str, ...] = ("general", "secret", "uniform", "error", "ephemeral", "seeded_uniform")
+PURPOSES: tuple[str, ...] = (
+    "general", "secret", "uniform", "error", "ephemeral", "seeded_uniform",
+    "seed_contribution", "common_uniform", "smudging",
+)
 
 
 def chacha20_keystream(key: bytes, counter: int, nonce: bytes, nbytes: int) -> bytes:

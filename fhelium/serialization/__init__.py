@@ -20,8 +20,12 @@ from fhelium.serialization.value import (
     VALUE_TYPES,
     FheliumValue,
     ValueEnvelope,
+    ValueTypeExtension,
     expected_tensor_names,
+    is_secret_value,
+    register_value_type,
     validate_value_description,
+    value_type_extension,
 )
 
 __all__ = [
@@ -33,13 +37,17 @@ __all__ = [
     "VALUE_TYPES",
     "FheliumValue",
     "ValueEnvelope",
+    "ValueTypeExtension",
     "check_against_engine",
     "expected_tensor_names",
     "inspect_bytes",
     "inspect_value",
+    "is_secret_value",
     "load_value",
+    "register_value_type",
     "save_value",
     "validate_value_description",
     "value_from_bytes",
     "value_to_bytes",
+    "value_type_extension",
 ]

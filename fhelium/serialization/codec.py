@@ -19,8 +19,14 @@ from typing import Any, Protocol
 import safetensors.torch
 import torch
 
-from fhelium.core import FheliumValueError, ParameterMismatchError, SecretKey
-from fhelium.serialization.value import VALUE_TYPES, FheliumValue, ValueEnvelope, validate_value_description
+from fhelium.core import FheliumValueError, ParameterMismatchError
+from fhelium.serialization.value import (
+    VALUE_TYPES,
+    FheliumValue,
+    ValueEnvelope,
+    is_secret_value,
+    validate_value_description,
+)
 
 FILE_FORMAT = "fhelium-value"
 FILE_SCHEMA_VERSION = 1
@@ -51,8 +57,8 @@ def _manifest(envelope: ValueEnvelope, engine: EngineLike | None) -> dict[str, A
 
 def value_to_bytes(value: object, *, engine: EngineLike | None = None, allow_secret: bool = False) -> bytes:
     """Serialize a value; ``engine`` (optional) records the prime values for later checks."""
-    if isinstance(value, SecretKey) and not allow_secret:
-        raise PermissionError("refusing to serialize a SecretKey without allow_secret=True")
+    if is_secret_value(value) and not allow_secret:
+        raise PermissionError(f"refusing to serialize a {type(value).__name__} without allow_secret=True")
     envelope = ValueEnvelope.from_value(value)
     tensors = {}
     complex_names = []

@@ -7,9 +7,10 @@ receiver can refuse a bad description before reading or allocating a payload.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,65 @@ VALUE_TYPES: dict[str, type] = {
 }
 KEY_VALUE_TYPES = frozenset(_KEY_TYPES)
 
+
+
+@dataclass(frozen=True)
+class ValueTypeExtension:
+    """A value type defined outside ``fhelium.core`` (e.g. ``fhelium.multiparty``'s shares).
+
+    ``validate(metadata, tensor_metadata)`` checks the metadata (every field present, none extra,
+    is checked here first) and, when given, the tensors' shapes and dtypes, without any payload;
+    it raises ``FheliumValueError``. ``describe(value)`` gives (metadata, tensors) and
+    ``build(metadata, tensors)`` rebuilds the value. ``secret`` values are serialized only with
+    ``allow_secret=True``.
+    """
+
+    name: str
+    cls: type
+    metadata_fields: tuple[str, ...]
+    tensor_names: Callable[[Mapping[str, Any]], tuple[str, ...]]
+    validate: Callable[[Mapping[str, Any], Mapping[str, Mapping[str, Any]] | None], None]
+    describe: Callable[[Any], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+    build: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Any]
+    secret: bool = False
+
+
+_EXTENSIONS: dict[str, ValueTypeExtension] = {}
+# Extension types by name → the module that registers them (imported on first use, so a reader
+# needs no import of its own to load a share from bytes).
+EXTENSION_MODULES: dict[str, str] = {
+    "SecretKeyShare": "fhelium.multiparty.values",
+    "PublicKeyShare": "fhelium.multiparty.values",
+    "SeedCommitment": "fhelium.multiparty.values",
+    "SeedReveal": "fhelium.multiparty.values",
+    "DecryptionShare": "fhelium.multiparty.values",
+}
+
+
+def register_value_type(extension: ValueTypeExtension) -> None:
+    """Make an extension value type known to envelopes, bytes and files (idempotent per class)."""
+    known = _EXTENSIONS.get(extension.name)
+    if extension.name in VALUE_TYPES or (known is not None and known.cls is not extension.cls):
+        raise FheliumValueError(f"value type {extension.name!r} is already registered")
+    _EXTENSIONS[extension.name] = extension
+
+
+def value_type_extension(name: object) -> ValueTypeExtension | None:
+    """The registered extension of that name (importing its module on first use), else None."""
+    if not isinstance(name, str):
+        return None
+    if name not in _EXTENSIONS and name in EXTENSION_MODULES:
+        importlib.import_module(EXTENSION_MODULES[name])
+    return _EXTENSIONS.get(name)
+
+
+def is_secret_value(value: object) -> bool:
+    if isinstance(value, SecretKey):
+        return True
+    extension = value_type_extension(type(value).__name__)
+    return extension is not None and extension.cls is type(value) and extension.secret
+
+
 _RNS_FIELDS = ("prime_ids", "polynomial_domain", "modulus_basis", "residue_representation")
 METADATA_FIELDS: dict[str, tuple[str, ...]] = {
     "Ciphertext": ("depth", "scale", *_RNS_FIELDS),
@@ -94,6 +154,9 @@ METADATA_FIELDS["RotationKey"] = (*_RNS_FIELDS, "rotation_step")
 
 def expected_tensor_names(value_type: str, metadata: Mapping[str, Any]) -> tuple[str, ...]:
     """Tensor names in payload order for a (validated) description."""
+    extension = value_type_extension(value_type) if value_type not in VALUE_TYPES else None
+    if extension is not None:
+        return extension.tensor_names(metadata)
     if value_type == "Plaintext":
         names = []
         if metadata.get("has_message"):
@@ -166,6 +229,10 @@ def validate_value_description(
             f"Unsupported value envelope schema version: {schema_version!r} (this fhelium reads "
             f"version {VALUE_SCHEMA_VERSION})"
         )
+    extension = value_type_extension(value_type) if value_type not in VALUE_TYPES else None
+    if extension is not None:
+        _validate_extension(extension, metadata, tensor_names, tensor_metadata)
+        return
     if not isinstance(value_type, str) or value_type not in VALUE_TYPES:
         raise FheliumValueError(
             f"Unsupported value envelope value_type: {value_type!r}; expected one of {sorted(VALUE_TYPES)}"
@@ -233,6 +300,35 @@ def validate_value_description(
         raise _fail(value_type, f"tensor names do not match its metadata: expected={wanted}, actual={names}")
     if tensor_metadata is not None:
         _check_tensor_metadata(value_type, metadata, wanted, tensor_metadata)
+
+
+def _validate_extension(
+    extension: ValueTypeExtension,
+    metadata: object,
+    tensor_names: Sequence[str],
+    tensor_metadata: Mapping[str, Mapping[str, Any]] | None,
+) -> None:
+    name = extension.name
+    if not isinstance(metadata, Mapping):
+        raise _fail(name, f"metadata must be a mapping; got {type(metadata).__name__}")
+    expected, actual = set(extension.metadata_fields), set(metadata)
+    if expected - actual:
+        raise _fail(name, f"metadata is missing fields: {sorted(expected - actual)}")
+    if actual - expected:
+        raise _fail(name, f"metadata has unexpected fields: {sorted(actual - expected)}")
+    extension.validate(metadata, None)
+    wanted = list(extension.tensor_names(metadata))
+    if list(tensor_names) != wanted:
+        raise _fail(name, f"tensor names do not match its metadata: expected={wanted}, actual={list(tensor_names)}")
+    if tensor_metadata is not None:
+        if sorted(tensor_metadata) != sorted(wanted):
+            raise _fail(name, f"tensor metadata names {sorted(tensor_metadata)} differ from {sorted(wanted)}")
+        for tensor_name in wanted:
+            shape = tensor_metadata[tensor_name].get("shape")
+            if not isinstance(shape, (tuple, list)) or any(type(d) is not int or d < 0 for d in shape):
+                raise _fail(name, f"tensor {tensor_name!r} shape must be a sequence of non-negative ints; got {shape!r}")
+            _check_span(name, tensor_name, shape)
+        extension.validate(metadata, tensor_metadata)
 
 
 _LEADING_AXES = {"SecretKey": 0, "PublicKey": 1, "KeySwitchKey": 2, "RotationKey": 2, "RelinearizationKey": 2, "ConjugationKey": 2}
@@ -318,6 +414,10 @@ class ValueEnvelope:
     def from_value(cls, value: object) -> ValueEnvelope:
         """Describe ``value`` (exact types only; subclasses are refused). Tensors are not copied."""
         value_type = type(value).__name__
+        extension = value_type_extension(value_type) if value_type not in VALUE_TYPES else None
+        if extension is not None and extension.cls is type(value):
+            ext_metadata, ext_tensors = extension.describe(value)
+            return cls(VALUE_SCHEMA_VERSION, value_type, ext_metadata, ext_tensors)
         if VALUE_TYPES.get(value_type) is not type(value):
             raise FheliumValueError(
                 f"Value envelopes support exact fhelium values {sorted(VALUE_TYPES)}; got {type(value).__qualname__}"
@@ -381,6 +481,10 @@ class ValueEnvelope:
         """Rebuild the value around the envelope's tensors (aliased, not copied)."""
         self.validate()
         m = self.metadata
+        extension = value_type_extension(self.value_type) if self.value_type not in VALUE_TYPES else None
+        if extension is not None:
+            built: FheliumValue = extension.build(m, self.tensors)
+            return built
         if self.value_type == "SeededCiphertext":
             return SeededCiphertext(
                 self.tensors["c0"], bytes.fromhex(m["seed_hex"]), m["depth"], m["scale"], tuple(m["prime_ids"]),

@@ -1,0 +1,344 @@
+"""N-out-of-N threshold CKKS (Mouchet, Troncoso-Pastoriza, Bossuat, Hubaux, PETS 2021), in process.
+
+One ``ThresholdParty`` per party. The protocol, as the distributed driver runs it:
+
+1. Common seed: every party ``commit_seed()``s (SHA-256 over its rank, the world size, the session
+   and a 32-byte contribution), all commitments are exchanged, then every party
+   ``reveal_seed()``s; ``combine_seed`` refuses a reveal that does not open its rank's commitment
+   and returns the XOR of the contributions. No party chooses the seed: the last to reveal has
+   already committed.
+2. Collective public key: ``key_share(seed)`` samples s_i and publishes p_i = −a·s_i + e_i, with
+   ``a`` expanded from the seed; ``combine_public_key`` gives (Σ p_i, a), a normal ``PublicKey``
+   of the collective secret s = Σ s_i, which no party holds.
+3. Encrypt with the engine (``encrypt_values``: the message scale 2^88 is encoded in two steps).
+4. Collective decryption: ``decryption_share(ct)`` gives h_i = s_i·c1 + e_i' with flooding noise
+   e_i' (see parameters.py); ``combine_decryption(ct, Σ h_i)`` decodes c0 + Σ h_i = m + e + Σ e_i'.
+   Any N−1 shares leave −s_j·c1 in the sum, which is uniform-looking noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fhelium.core import Ciphertext, FheliumValueError, ParameterMismatchError, Plaintext, PublicKey
+from fhelium.engine import CkksEngine
+from fhelium.engine import modular as mod
+from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
+from fhelium.engine.sampling import RandomSource
+from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
+from fhelium.multiparty.values import (
+    SEED_BYTES,
+    DecryptionShare,
+    PublicKeyShare,
+    SecretKeyShare,
+    SeedCommitment,
+    SeedReveal,
+)
+
+COMMITMENT_DOMAIN = b"fhelium.multiparty.seed-commitment.v1"
+
+
+class MultipartyError(FheliumValueError):
+    """A multiparty protocol step cannot go on; the message names the party and the fix."""
+
+
+class SeedCommitmentError(MultipartyError):
+    """A party revealed a seed contribution that does not open its commitment (or none at all)."""
+
+
+class MissingSharesError(MultipartyError):
+    """Decryption (or key generation) lacks some parties' shares: N-out-of-N needs every one."""
+
+    def __init__(self, message: str, missing: Sequence[int]) -> None:
+        super().__init__(message)
+        self.missing = sorted(missing)
+
+
+def commitment_digest(party: int, parties: int, session: str, contribution: bytes) -> bytes:
+    """SHA-256 over a domain label, the rank, the world size, the session and the contribution.
+
+    Binding the rank means a party cannot copy another's commitment and reveal the same
+    contribution (which would cancel it out of the XOR).
+    """
+    header = f"{party}/{parties}/{len(session)}:{session}".encode()
+    return hashlib.sha256(COMMITMENT_DOMAIN + len(header).to_bytes(4, "big") + header + contribution).digest()
+
+
+def combine_seed(
+    commitments: Sequence[SeedCommitment], reveals: Sequence[SeedReveal], *, parties: int, session: str
+) -> bytes:
+    """XOR of every opened contribution; refuses any reveal that does not match its commitment."""
+    for kind, records in (("commitment", commitments), ("reveal", reveals)):
+        by_rank = sorted(record.party for record in records)
+        if by_rank != list(range(parties)):
+            missing = sorted(set(range(parties)) - set(by_rank))
+            raise SeedCommitmentError(
+                f"the common seed needs one seed {kind} from each of {parties} ranks; got ranks {by_rank}"
+                + (f" (rank(s) {missing} missing)" if missing else " (duplicates)")
+            )
+        for record in records:
+            if record.parties != parties or record.session != session:
+                raise SeedCommitmentError(
+                    f"rank {record.party}'s seed {kind} is for {record.parties} parties / session "
+                    f"{record.session!r}, not {parties} / {session!r}"
+                )
+    committed = {c.party: c.digest for c in commitments}
+    wrong = [
+        r.party for r in reveals
+        if commitment_digest(r.party, parties, session, r.contribution) != committed[r.party]
+    ]
+    if wrong:
+        raise SeedCommitmentError(
+            f"rank(s) {sorted(wrong)} revealed a seed contribution that does not match the commitment they "
+            "published first; the common seed is refused (a party that sees the others' contributions before "
+            "choosing its own could choose the key's uniform part). Restart key generation"
+        )
+    seed = bytearray(SEED_BYTES)
+    for reveal in reveals:
+        for index, byte in enumerate(reveal.contribution):
+            seed[index] ^= byte
+    return bytes(seed)
+
+
+def ciphertext_digest(ct: Ciphertext) -> bytes:
+    return hashlib.sha256(ct.data[1].contiguous().cpu().numpy().tobytes()).digest()
+
+
+def common_uniform(engine: CkksEngine, seed: bytes) -> torch.Tensor:
+    """The collective key's uniform ``a`` over every QP prime, NTT domain, from the public seed."""
+    ids = tuple(range(len(engine.moduli)))
+    q = engine._mod(ids).q
+    return RandomSource(seed, purpose="common_uniform").uniform_below(q.cpu(), (len(ids), engine.ring_degree)).to(
+        engine.device
+    )
+
+
+def combine_public_key(
+    engine: CkksEngine, shares: Sequence[PublicKeyShare] | torch.Tensor, seed: bytes, *, parties: int | None = None
+) -> PublicKey:
+    """(Σ p_i, a): the collective public key. ``shares`` may be the already summed residues."""
+    ids = tuple(range(len(engine.moduli)))
+    q = engine._mod(ids).q
+    if isinstance(shares, torch.Tensor):
+        total = shares.to(engine.device)
+    else:
+        if not shares:
+            raise MultipartyError("combine_public_key needs at least one share")
+        count = shares[0].parties if parties is None else parties
+        ranks = sorted(share.party for share in shares)
+        if ranks != list(range(count)):
+            missing = sorted(set(range(count)) - set(ranks))
+            raise MissingSharesError(
+                f"the collective public key needs a key share from each of {count} ranks; missing rank(s) {missing}",
+                missing,
+            )
+        for share in shares:
+            if share.seed != seed or share.prime_ids != ids or share.data.shape != (len(ids), engine.ring_degree):
+                raise ParameterMismatchError(
+                    f"rank {share.party}'s key share was made for another seed or other parameters"
+                )
+        total = shares[0].data.clone()
+        for share in shares[1:]:
+            mod.add_mod_(total, share.data, q)
+    return PublicKey(torch.stack((total, common_uniform(engine, seed))), ids, modulus_basis="QP")
+
+
+def smudging_noise(source: RandomSource, count: int, parameters: ThresholdParameters) -> torch.Tensor:
+    """``count`` flooding-noise integers 2^shift·Y1 + Y2 (int64), Y1/Y2 rounded untruncated Gaussians.
+
+    Box–Muller on 53-bit uniforms reaches at most √(2·ln 2^54) ≈ 8.66 σ; the tail it cannot draw
+    has mass below 2^-57 per sample.
+    """
+    high = _normal(source, count, parameters.smudging_high_sigma).round().long()
+    low = _normal(source, count, parameters.smudging_low_sigma).round().long()
+    return (high << parameters.smudging_shift_bits) + low
+
+
+def _normal(source: RandomSource, count: int, sigma: float) -> torch.Tensor:
+    half = (count + 1) // 2
+    raw = source.words(2 * half) >> 10  # 53-bit integers
+    uniform = (raw.double() + 0.5) * 2.0**-53  # (0, 1), never 0
+    radius = torch.sqrt(-2.0 * torch.log(uniform[:half])) * sigma
+    angle = (2.0 * math.pi) * uniform[half:]
+    return torch.cat((radius * torch.cos(angle), radius * torch.sin(angle)))[:count]
+
+
+def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: ThresholdParameters) -> Plaintext:
+    """Real slots ``[rows, ≤S]`` → a coefficient-domain rns Plaintext at the message scale 2^88.
+
+    The engine's encoder rounds to integers below 2^62, so the message is encoded at 2^44 and the
+    residues multiplied by 2^44 mod each prime (the rounding error, 2^-44 of a slot unit, is far
+    below the flooding noise).
+    """
+    ids = engine.q_ids_at(0)
+    q = engine._mod(ids)
+    message = torch.as_tensor(values).double().cpu()
+    if message.ndim == 1:
+        message = message.unsqueeze(0)
+    if message.size(-1) > engine.slot_count:
+        raise FheliumValueError(f"encode got {message.size(-1)} slots; this engine has {engine.slot_count}")
+    if message.size(-1) < engine.slot_count:
+        message = torch.nn.functional.pad(message, (0, engine.slot_count - message.size(-1)))
+    low = float(2**parameters.encode_scale_bits)
+    coefficients = engine.encoder.slots_to_coefficients(message) * low
+    largest = float(coefficients.abs().max()) if coefficients.numel() else 0.0
+    if not math.isfinite(largest) or largest >= 2.0**62:
+        raise FheliumValueError(f"encoded coefficients reach {largest:.3g}: the values are too large to encode")
+    residues = torch.remainder(coefficients.round().long().to(engine.device).unsqueeze(-2), q.q)
+    shift = parameters.message_scale_bits - parameters.encode_scale_bits
+    factor = torch.tensor([pow(2, shift, p) for p in engine.moduli_for(ids)], dtype=torch.int64, device=engine.device)
+    residues = mod.mul_mod(residues, factor.unsqueeze(-1).expand_as(residues[0]).contiguous(), q.q, q.q_inverse)
+    return Plaintext(None, 0, parameters.message_scale, residues, "rns", "coefficient", "Q", "standard", ids)
+
+
+def encrypt_values(
+    engine: CkksEngine, values: torch.Tensor, public: PublicKey, parameters: ThresholdParameters = THRESHOLD_AGGREGATION
+) -> Ciphertext:
+    """Public-key encryption of real slots ``[rows, ≤S]`` under the collective key."""
+    return engine.encrypt(encode_values(engine, values, parameters), public)
+
+
+def combine_decryption(
+    engine: CkksEngine, ct: Ciphertext, shares: Sequence[DecryptionShare] | torch.Tensor, *, parties: int | None = None
+) -> torch.Tensor:
+    """Slots (complex128 ``[*batch, S]``) of c0 + Σ h_i. ``shares`` may be the summed residues."""
+    ids = ct.prime_ids
+    q = engine._mod(ids).q
+    if isinstance(shares, torch.Tensor):
+        total = shares.to(engine.device)
+    else:
+        if not shares:
+            raise MissingSharesError("decryption needs every party's share; got none", [])
+        count = shares[0].parties if parties is None else parties
+        ranks = sorted(share.party for share in shares)
+        if ranks != list(range(count)):
+            missing = sorted(set(range(count)) - set(ranks))
+            raise MissingSharesError(
+                f"N-out-of-N decryption needs a decryption share from each of {count} ranks; missing rank(s) "
+                f"{missing}: without every share the sum is noise",
+                missing,
+            )
+        digest = ciphertext_digest(ct)
+        for share in shares:
+            if share.ciphertext_digest != digest or share.prime_ids != ids or share.data.shape != ct.data.shape[1:]:
+                raise ParameterMismatchError(f"rank {share.party}'s decryption share was made for another ciphertext")
+        total = shares[0].data.clone()
+        for share in shares[1:]:
+            mod.add_mod_(total, share.data, q)
+    if total.shape != ct.data.shape[1:]:
+        raise ParameterMismatchError(f"summed decryption shares have shape {tuple(total.shape)}; expected {tuple(ct.data.shape[1:])}")
+    phase = mod.add_mod(ct.data[0], total, q)
+    if ct.polynomial_domain == "ntt":
+        phase = engine.ntt.inverse(phase, ids)
+    coefficients = engine._reconstruct(phase, ids)
+    plaintext = Plaintext(None, ct.depth, ct.scale, coefficients.cpu(), "approximate_coefficients")
+    return engine.decode(plaintext)
+
+
+class ThresholdParty:
+    """One party's state: its engine (own randomness), secret share and the protocol's steps."""
+
+    def __init__(
+        self,
+        party: int,
+        parties: int,
+        parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
+        *,
+        session: str = "",
+        rng_seed: bytes | int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not 0 <= party < parties:
+            raise MultipartyError(f"party {party} is outside [0, {parties})")
+        if parties > parameters.max_parties:
+            raise MultipartyError(
+                f"these threshold parameters are sized for at most {parameters.max_parties} parties; got {parties}"
+            )
+        self.party = party
+        self.parties = parties
+        self.parameters = parameters
+        self.session = session
+        self.engine = CkksEngine(parameters.ckks, rng_seed=rng_seed, device=device)
+        self._contribution: bytes | None = None
+        self.secret: SecretKeyShare | None = None
+
+    # ------------------------------------------------------------------ common seed
+    def commit_seed(self) -> SeedCommitment:
+        draw = self.engine.random.stream("seed_contribution").uniform_below(torch.tensor([256]), (SEED_BYTES,))
+        self._contribution = bytes(draw.to(torch.uint8).tolist())
+        digest = commitment_digest(self.party, self.parties, self.session, self._contribution)
+        return SeedCommitment(self.party, self.parties, self.session, digest)
+
+    def reveal_seed(self) -> SeedReveal:
+        if self._contribution is None:
+            raise MultipartyError("reveal_seed before commit_seed: commit first, reveal after every commitment arrived")
+        return SeedReveal(self.party, self.parties, self.session, self._contribution)
+
+    def combine_seed(self, commitments: Sequence[SeedCommitment], reveals: Sequence[SeedReveal]) -> bytes:
+        return combine_seed(commitments, reveals, parties=self.parties, session=self.session)
+
+    # ------------------------------------------------------------------ keys
+    def key_share(self, seed: bytes) -> PublicKeyShare:
+        """Sample s_i (ternary) and return p_i = −a·s_i + e_i over QP."""
+        engine = self.engine
+        secret = engine.generate_secret_key()
+        ids = secret.prime_ids
+        self.secret = SecretKeyShare(secret.data, ids, self.party, self.parties)
+        m = engine._mod(ids)
+        a = common_uniform(engine, seed)
+        e = engine.random.stream("error").gaussian((engine.ring_degree,), ERROR_STANDARD_DEVIATION).to(engine.device)
+        e_ntt = engine.ntt.forward(engine._small_to_rns(e, ids), ids)
+        p = mod.sub_mod(e_ntt, mod.mul_mod(a, secret.data, m.q, m.q_inverse), m.q)
+        return PublicKeyShare(p, ids, self.party, self.parties, seed)
+
+    def combine_public_key(self, shares: Sequence[PublicKeyShare] | torch.Tensor, seed: bytes) -> PublicKey:
+        return combine_public_key(self.engine, shares, seed, parties=self.parties)
+
+    # ------------------------------------------------------------------ encrypt / decrypt
+    def encrypt(self, values: torch.Tensor, public: PublicKey) -> Ciphertext:
+        return encrypt_values(self.engine, values, public, self.parameters)
+
+    def decryption_share(self, ct: Ciphertext, *, digest: bool = True) -> DecryptionShare:
+        """h_i = s_i·c1 + e_i' in the NTT domain over the ciphertext's primes."""
+        if self.secret is None:
+            raise MultipartyError("decryption_share before key_share: this party holds no secret share")
+        engine = self.engine
+        ct = engine._check_ciphertext(ct, "ciphertext")
+        ct.assert_state(polynomial_domain="ntt", components=2, name="decryption_share input")
+        ids = ct.prime_ids
+        q = engine._mod(ids)
+        s = self.secret.data[list(ids)]
+        product = mod.mul_mod(ct.data[1], s, q.q, q.q_inverse)
+        batch = ct.batch_shape
+        count = math.prod(batch) * engine.ring_degree
+        noise = smudging_noise(engine.random.stream("smudging"), count, self.parameters)
+        noise = noise.view(*batch, 1, engine.ring_degree).to(engine.device)
+        noise_ntt = engine.ntt.forward(torch.remainder(noise, q.q), ids)
+        share = mod.add_mod(product, noise_ntt, q.q)
+        marker = ciphertext_digest(ct) if digest else bytes(32)
+        return DecryptionShare(share, ids, ct.depth, ct.scale, self.party, self.parties, marker)
+
+    def combine_decryption(self, ct: Ciphertext, shares: Sequence[DecryptionShare] | torch.Tensor) -> torch.Tensor:
+        return combine_decryption(self.engine, ct, shares, parties=self.parties)
+
+
+__all__ = [
+    "COMMITMENT_DOMAIN",
+    "MissingSharesError",
+    "MultipartyError",
+    "SeedCommitmentError",
+    "ThresholdParty",
+    "ciphertext_digest",
+    "combine_decryption",
+    "combine_public_key",
+    "combine_seed",
+    "commitment_digest",
+    "common_uniform",
+    "encode_values",
+    "encrypt_values",
+    "smudging_noise",
+]
