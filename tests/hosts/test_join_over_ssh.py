@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import getpass
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from flodld.controller.run import Controller
 from flodld.fanout.forward import ForwardError, open_forward, parse_ssh_target, run_agent_through_forward
 from flodld.fanout.ssh import SshEndpoint
 from tests.conftest import require_binary
+from tests.flodld.fanout.joinuser import join_user
 from tests.hosts.conftest import JoinSshd, free_port, start_join_sshd
 
 pytestmark = pytest.mark.sshd
@@ -27,7 +27,7 @@ NO_KNOWN_HOSTS = ("StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null")
 
 
 def _endpoint(sshd: JoinSshd, key: Path | None = None) -> SshEndpoint:
-    return parse_ssh_target(f"{getpass.getuser()}@127.0.0.1:{sshd.listen}", str(key or sshd.key), NO_KNOWN_HOSTS)
+    return parse_ssh_target(f"{join_user()}@127.0.0.1:{sshd.listen}", str(key or sshd.key), NO_KNOWN_HOSTS)
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def sshd_for_port(tmp_path: Path) -> Iterator[tuple[JoinSshd, int]]:
 
 def test_forward_carries_bytes_to_the_permitted_port(join_sshd: tuple[int, Path, int, int]) -> None:
     listen, key, allowed, _ = join_sshd
-    endpoint = parse_ssh_target(f"{getpass.getuser()}@127.0.0.1:{listen}", str(key), NO_KNOWN_HOSTS)
+    endpoint = parse_ssh_target(f"{join_user()}@127.0.0.1:{listen}", str(key), NO_KNOWN_HOSTS)
     first = open_forward(endpoint, ("127.0.0.1", allowed))
     second = open_forward(endpoint, ("127.0.0.1", allowed))
     try:
