@@ -61,8 +61,13 @@ def _dump(document: dict[str, Any]) -> str:
 
 
 def _related(issue_path: tuple[str | int, ...], mutated: tuple[str | int, ...]) -> bool:
+    """The issue names the mutated key, an ancestor or descendant of it, or a sibling in the same mapping
+    (a cross-field rule, e.g. a worker's `host` made loopback refused at its `tunnel: true`, names the key
+    whose change fixes it)."""
     shorter = min(len(issue_path), len(mutated))
-    return shorter > 0 and issue_path[:shorter] == mutated[:shorter]
+    if shorter > 0 and issue_path[:shorter] == mutated[:shorter]:
+        return True
+    return len(issue_path) == len(mutated) > 1 and issue_path[:-1] == mutated[:-1]
 
 
 def _assert_located(error: ConfigError, file: Path) -> None:
