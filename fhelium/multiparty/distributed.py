@@ -1,0 +1,235 @@
+"""The threshold protocol across processes: a session over a ``ShareChannel``.
+
+A channel moves two things: small records (seed commitments and reveals, key fingerprints) with
+``all_gather_bytes``, and residues with ``all_reduce_residues`` (the per-limb modular sum of every
+rank's key share or decryption share). ``ProcessGroupChannel`` runs over torch.distributed
+(gloo/NCCL) with ``fhelium.distributed``'s collectives; examples/threshold_aggregation.py has the
+relay channel, where flodld's relays and controller fold the residues with the keyless modular fold.
+
+Nothing waits forever. Before every exchange each rank marks its arrival in the rendezvous store
+and waits at most ``timeout_s`` for the others; a rank that left (after encrypting, say) is named:
+``MissingSharesError: N-out-of-N decryption needs a decryption share from each of 3 ranks; rank(s)
+[2] published none within 10s ...`` on every remaining rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+import fhelium.distributed as fdist
+from fhelium.core import Ciphertext, PublicKey
+from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
+from fhelium.multiparty.protocol import MissingSharesError, MultipartyError, ThresholdParty
+from fhelium.multiparty.values import SeedCommitment, SeedReveal
+from fhelium.serialization import value_from_bytes, value_to_bytes
+
+MAX_RECORD_BYTES = 64 * 1024
+DEFAULT_TIMEOUT_S = 60.0
+
+# What each exchange carries, for the error naming the missing ranks.
+EXCHANGES = {
+    "seed-commitment": "a seed commitment",
+    "seed-reveal": "a seed reveal",
+    "public-key-shares": "a public key share",
+    "public-key-fingerprint": "the collective key's fingerprint",
+    "decryption-shares": "a decryption share",
+}
+
+
+class ShareChannel(Protocol):
+    rank: int
+    world_size: int
+    bytes_sent: int
+
+    def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]: ...
+
+    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor: ...
+
+
+def missing_error(tag: str, world_size: int, missing: Sequence[int], waited: float | None) -> MissingSharesError:
+    what = EXCHANGES.get(tag, tag)
+    within = f" within {waited:g}s" if waited is not None else ""
+    if tag == "decryption-shares":
+        head = f"N-out-of-N decryption needs a decryption share from each of {world_size} ranks"
+        tail = ": without every share the sum cannot be decrypted (it stays noise)"
+    else:
+        head = f"collective key generation needs {what} from each of {world_size} ranks"
+        tail = ""
+    return MissingSharesError(
+        f"{head}; rank(s) {sorted(missing)} published none{within} (the rank left or stalled){tail}. "
+        "Restart the run with every rank",
+        missing,
+    )
+
+
+class ProcessGroupChannel:
+    """Records by ``all_gather``, residues by one SUM ``all_reduce`` plus a per-limb remainder.
+
+    ``store`` (default: the process group's rendezvous store) holds the arrival marks that bound
+    every wait by ``timeout_s`` and name the ranks that never arrived.
+    """
+
+    def __init__(
+        self,
+        *,
+        session: str = "",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        group: Any = None,
+        store: Any = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise MultipartyError("ProcessGroupChannel needs an initialised torch.distributed process group")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self.session = session
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.bytes_sent = 0
+        self._round = 0
+
+    def _arrive(self, tag: str) -> None:
+        """Mark this rank's arrival at exchange ``tag`` and wait (bounded) for every other rank."""
+        self._round += 1
+        prefix = f"fhelium-multiparty/{self.session}/{self._round}-{tag}"
+        try:
+            self.store.set(f"{prefix}/{self.rank}", "1")
+            deadline = time.monotonic() + self.timeout_s
+            pending = list(range(self.world_size))
+            while True:
+                pending = [rank for rank in pending if not self.store.check([f"{prefix}/{rank}"])]
+                if not pending:
+                    return
+                if time.monotonic() >= deadline:
+                    raise missing_error(tag, self.world_size, pending, self.timeout_s)
+                time.sleep(0.02)
+        except MissingSharesError:
+            raise
+        except (RuntimeError, OSError, TimeoutError) as error:
+            raise MultipartyError(
+                f"the rendezvous store failed during the {tag!r} exchange ({error}); the rank hosting it "
+                "probably left, so which ranks are missing cannot be told"
+            ) from error
+
+    def _collective_failed(self, tag: str, error: Exception) -> MultipartyError:
+        return MultipartyError(
+            f"the {tag!r} exchange broke after every rank arrived: a rank left mid-collective ({error})"
+        )
+
+    def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]:
+        if len(data) > MAX_RECORD_BYTES:
+            raise MultipartyError(f"a {tag!r} record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap")
+        self._arrive(tag)
+        padded = torch.zeros(MAX_RECORD_BYTES + 8, dtype=torch.uint8)
+        padded[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        if data:
+            padded[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        try:
+            fdist.all_gather(gathered, padded, group=self.group)
+        except RuntimeError as error:
+            raise self._collective_failed(tag, error) from error
+        self.bytes_sent += len(data)
+        records = []
+        for rank, raw in enumerate(gathered):
+            length = int.from_bytes(bytes(raw[:8].tolist()), "little")
+            if length > MAX_RECORD_BYTES:
+                raise MultipartyError(f"rank {rank} announced a {length}-byte {tag!r} record (cap {MAX_RECORD_BYTES})")
+            records.append(bytes(raw[8 : 8 + length].tolist()))
+        return records
+
+    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
+        if residues.size(-2) != len(moduli):
+            raise MultipartyError(f"{tag}: {residues.size(-2)} limb rows but {len(moduli)} moduli")
+        if self.world_size * max(moduli) >= 2**63:
+            raise MultipartyError(f"{tag}: a SUM of {self.world_size} residues below {max(moduli)} could wrap int64")
+        self._arrive(tag)
+        buffer = residues.contiguous().clone()
+        try:
+            fdist.all_reduce(buffer, op=fdist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as error:
+            raise self._collective_failed(tag, error) from error
+        self.bytes_sent += buffer.numel() * buffer.element_size()
+        q = torch.tensor(list(moduli), dtype=buffer.dtype, device=buffer.device).reshape(-1, 1)
+        return torch.remainder(buffer, q)
+
+
+def key_fingerprint(public: PublicKey) -> str:
+    return hashlib.sha256(public.data.contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+class ThresholdSession:
+    """One rank's side of collective key generation and collective decryption over a channel."""
+
+    def __init__(
+        self,
+        channel: ShareChannel,
+        parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
+        *,
+        session: str = "",
+        rng_seed: bytes | int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.channel = channel
+        self.party = ThresholdParty(
+            channel.rank, channel.world_size, parameters, session=session, rng_seed=rng_seed, device=device
+        )
+        self.engine = self.party.engine
+        self.public: PublicKey | None = None
+
+    def _gather_values(self, tag: str, value: SeedCommitment | SeedReveal) -> list[Any]:
+        blobs = self.channel.all_gather_bytes(tag, value_to_bytes(value))
+        values = []
+        for rank, blob in enumerate(blobs):
+            received = value_from_bytes(blob, expected_type=type(value).__name__)
+            if getattr(received, "party", None) != rank:
+                raise MultipartyError(f"rank {rank} sent a {type(value).__name__} for party {getattr(received, 'party', None)}")
+            values.append(received)
+        return values
+
+    def generate_public_key(self) -> PublicKey:
+        """Commit, reveal, combine the seed; publish p_i; every rank gets (Σ p_i, a) and checks it agrees."""
+        party = self.party
+        commitments = self._gather_values("seed-commitment", party.commit_seed())
+        reveals = self._gather_values("seed-reveal", party.reveal_seed())
+        seed = party.combine_seed(commitments, reveals)
+        share = party.key_share(seed)
+        moduli = self.engine.moduli_for(share.prime_ids)
+        total = self.channel.all_reduce_residues("public-key-shares", share.data, moduli)
+        public = party.combine_public_key(total, seed)
+        fingerprint = key_fingerprint(public)
+        prints = [b.decode() for b in self.channel.all_gather_bytes("public-key-fingerprint", fingerprint.encode())]
+        wrong = [rank for rank, other in enumerate(prints) if other != fingerprint]
+        if wrong:
+            raise MultipartyError(f"rank(s) {wrong} computed another collective public key; the residue exchange is corrupt")
+        self.public = public
+        return public
+
+    def encrypt(self, values: torch.Tensor) -> Ciphertext:
+        if self.public is None:
+            raise MultipartyError("encrypt before generate_public_key")
+        return self.party.encrypt(values, self.public)
+
+    def decrypt(self, ct: Ciphertext) -> torch.Tensor:
+        """Publish h_i, all-reduce the shares, decode c0 + Σ h_i: complex128 slots ``[*batch, S]`` on every rank."""
+        share = self.party.decryption_share(ct, digest=False)
+        moduli = self.engine.moduli_for(ct.prime_ids)
+        total = self.channel.all_reduce_residues("decryption-shares", share.data, moduli)
+        return self.party.combine_decryption(ct, total)
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "EXCHANGES",
+    "ProcessGroupChannel",
+    "ShareChannel",
+    "ThresholdSession",
+    "key_fingerprint",
+    "missing_error",
+]

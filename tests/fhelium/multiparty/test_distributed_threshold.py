@@ -1,0 +1,68 @@
+"""The threshold protocol over a real gloo world of 2, 3 and 5 rank processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RANK = Path(__file__).with_name("threshold_rank.py")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_world(world: int, scenario: str, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+    port = _free_port()
+    processes = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen(
+            [sys.executable, str(RANK), scenario, str(timeout_s)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ))
+    results = []
+    for rank, process in enumerate(processes):
+        try:
+            output, _ = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
+        lines = [line for line in output.splitlines() if line.startswith("{")]
+        assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
+        results.append(json.loads(lines[-1]))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_every_rank_decrypts_the_mean(world: int) -> None:
+    results = run_world(world, "mean")
+    for result in results:
+        assert result["ok"], result.get("trace")
+        assert result["max_error"] < 1e-6, result
+
+
+def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() -> None:
+    world, leaver, timeout_s = 3, 2, 5.0
+    results = run_world(world, f"leave:{leaver}", timeout_s=timeout_s)
+    assert results[leaver].get("left") is True
+    for rank in range(world):
+        if rank == leaver:
+            continue
+        result = results[rank]
+        assert not result["ok"] and result["error"] == "MissingSharesError", result
+        assert f"rank(s) [{leaver}] published none within 5s" in result["message"]
+        assert "N-out-of-N decryption needs a decryption share from each of 3 ranks" in result["message"]
+        assert result["seconds"] < 60  # bounded: the timeout, not gloo's or forever
