@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
 from flodld.net.stream import FramedStream, open_channel
-from flodld.wire.frames import PROTOCOL_VERSION
+from flodld.wire.join import JOIN_PROTOCOL_VERSION as PROTOCOL_VERSION
 from flodld.wire.join import Accept, Hello, RankExited, WorldFormed
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt, salt_from_hex, salt_to_hex

@@ -1,4 +1,8 @@
-"""`fdl status [--json] [--addr host[:port]] [--watch] [--history]`: the run's state from the controller port.
+"""`fdl status [--json] [--addr host[:port]] [--watch] [--history] [--members A..B|all]`: the run's state from
+the controller port.
+
+state.json lists one page of hosts (the first 500 unless `--members` asks for others) and counts them all
+(`member_counts`); past `LISTED_HOSTS` hosts the pretty form prints the counts and the first hosts only.
 
 Against a `flodld serve` service the state also carries the finished runs (`history`, newest first): the
 pretty form names the previous run's verdict while the next window waits, `--history` prints the table.
@@ -21,6 +25,7 @@ from fdl.endpoint import request
 WINDOW_PHASES = ("waiting", "staging")
 END_PHASES = ("done", "failed")
 _COLOURS = {"training": "32", "done": "32", "waiting": "33", "staging": "33", "forming": "33", "failed": "31"}
+LISTED_HOSTS = 50
 NO_RUN_HINT = (
     "The status endpoint lives on the controller's port: for the daemon's whole life under `flodld serve`, "
     "for exactly as long as the run does under `fdl run` — a refused connection usually just means no "
@@ -37,6 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between --watch refreshes")
     parser.add_argument("--open", action="store_true",
                         help="print the status page's URL and open it in a browser when a display is available")
+    parser.add_argument("--members", metavar="A..B",
+                        help="list hosts A to B (inclusive, admission order) or `all`, instead of the first page")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     parser.set_defaults(func=main)
     return parser
@@ -46,12 +53,13 @@ class NoRun(Exception):
     """Nothing answered 200 at any candidate."""
 
 
-def fetch_state(candidates: Candidates) -> tuple[str, bytes]:
+def fetch_state(candidates: Candidates, members: str | None = None) -> tuple[str, bytes]:
     """(address that answered, state.json body); NoRun with the last error otherwise."""
     last = "no candidates"
+    path = "/state.json" if not members else f"/state.json?members={members}"
     for host, port in candidates.addresses:
         try:
-            reply = request(host, port, "GET", "/state.json")
+            reply = request(host, port, "GET", path)
         except OSError as error:
             last = str(error) or repr(error)
             continue
@@ -78,8 +86,8 @@ def _countdown(value: float | None) -> str:
     return "expired" if value is None else f"{value:.0f}s left"
 
 
-def render(state: dict[str, Any], address: str, *, colour: bool = False) -> str:
-    """The pretty form of state.json."""
+def render(state: dict[str, Any], address: str, *, colour: bool = False, list_all: bool = False) -> str:
+    """The pretty form of state.json (`list_all`: every host of the page, as `--members` asked)."""
     phase = str(state.get("phase", "?"))
     lines = [f"run {state.get('run_id') or '?'} @ {address} — {_paint(phase, _COLOURS.get(phase, '0'), colour)}"]
     target = state.get("target")
@@ -101,13 +109,28 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False) -> str:
             else:
                 what = "waiting for quorum"
             lines.append(f"  start: {mode} — {what}")
-    members = state.get("members") or []
-    if not members:
+    members = [m for m in state.get("members") or [] if isinstance(m, dict)]
+    page = state.get("members_page") if isinstance(state.get("members_page"), dict) else None
+    total = int(page.get("total", len(members))) if page else len(members)
+    shown = members if list_all else members[:LISTED_HOSTS]
+    if not members and not total:
         lines.append("  hosts: none joined yet")
     else:
-        lines.append("  hosts:")
-        width = max(len(m["host"]) for m in members)
-        for m in members:
+        raw_counts = state.get("member_counts")
+        counts: dict[str, Any] = raw_counts if isinstance(raw_counts, dict) else {}
+        if total > len(shown):
+            summary = "; ".join(
+                f"{what} " + ", ".join(f"{k} {v}" for k, v in (counts.get(key) or {}).items())
+                for what, key in (("links", "by_link"), ("variants", "by_variant"), ("devices", "by_vendor"))
+                if counts.get(key)
+            )
+            lines.append(f"  hosts: {total}" + (f" ({summary})" if summary else ""))
+        first = int(page.get("start", 0)) if page else 0
+        if shown:
+            lines.append("  hosts:" if total <= len(shown) else
+                         f"  hosts {first}..{first + len(shown) - 1} of {total} (more: fdl status --members A..B):")
+        width = max((len(m["host"]) for m in shown), default=0)
+        for m in shown:
             ranks = "[" + ", ".join(str(r) for r in m["ranks"]) + "]"
             summary = device_summary(list(m.get("device_labels") or m.get("devices") or []))
             name = _paint(m["host"].ljust(width), "1", colour)
@@ -152,6 +175,16 @@ def _exits(entry: dict[str, Any]) -> str:
     return f"{len(exits)}x 0" if not bad else " ".join(f"rank {b}" for b in bad)
 
 
+def _hosts_cell(entry: dict[str, Any], limit: int = 8) -> str:
+    hosts = [str(x) for x in entry.get("hosts") or []]
+    count = entry.get("host_count")
+    total = count if isinstance(count, int) else len(hosts)
+    if not total:
+        return "-"
+    listed = ",".join(hosts[:limit])
+    return listed if total <= limit and len(hosts) == total else f"{listed},… ({total} hosts)"
+
+
 def render_history(state: dict[str, Any]) -> str:
     """The finished runs as a table, newest first."""
     if "history" not in state:
@@ -168,7 +201,7 @@ def render_history(state: dict[str, Any]) -> str:
             time.strftime("%H:%M:%S", time.localtime(float(started))) if isinstance(started, number) else "-",
             f"{formed - started:.1f}s" if isinstance(formed, number) and isinstance(started, number) else "-",
             f"{ended - started:.1f}s" if isinstance(ended, number) and isinstance(started, number) else "-",
-            str(h.get("ranks", "-")), ",".join(str(x) for x in h.get("hosts") or []) or "-", _exits(h),
+            str(h.get("ranks", "-")), _hosts_cell(h), _exits(h),
             str(h.get("reason", "")),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -191,7 +224,7 @@ def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextI
         if getattr(args, "history", False):
             out.write(render_history(state) + "\n")
         else:
-            out.write(render(state, address, colour=out.isatty()) + "\n")
+            out.write(render(state, address, colour=out.isatty(), list_all=bool(getattr(args, "members", None))) + "\n")
     return state if isinstance(state, dict) else None
 
 
@@ -256,7 +289,7 @@ def main(args: argparse.Namespace) -> int:
     seen = False
     while True:
         try:
-            address, body = fetch_state(candidates)
+            address, body = fetch_state(candidates, getattr(args, "members", None))
         except NoRun as error:
             if seen and args.watch:
                 print("fdl status: the run has ended (the controller port closed)", file=sys.stderr)

@@ -19,11 +19,20 @@ from flodld.net.keepalive import keep_alive
 from flodld.net.stream import ConnectError, FramedStream, connect_with_retry
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
-from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.join import (
+    JOIN_PROTOCOL_VERSION,
+    Abort,
+    Accept,
+    Hello,
+    Reject,
+    RelaySpec,
+    WorldEnvelope,
+    WorldFormed,
+)
 from flodld.wire.magic import Channel
 from flodld.wire.salt import OPEN_ADMISSION_KEY, salt_from_hex
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = JOIN_PROTOCOL_VERSION  # the join messages' version (flodld.wire.join), not the frames'
 REPLY_TIMEOUT_SECS = 30.0
 FORMATION_WAIT_MARGIN_SECS = 30.0
 

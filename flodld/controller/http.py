@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
 from flodld.controller.page import PAGE_ENDPOINTS, add_routes, close_after_answer
+from flodld.controller.snapshot import BadMembersQuery, parse_members
 
 log = logging.getLogger("flodld.controller.http")
 
@@ -42,7 +43,10 @@ class StatusSource(Protocol):
     """What the HTTP app asks the controller."""
 
     def state_json(self) -> dict[str, Any] | None:
-        """The snapshot as JSON-ready data, or None before the window has state."""
+        """The snapshot as JSON-ready data, or None before the window has state (shared: do not change it).
+
+        A source may also offer `state_body(members) -> bytes | None`: the same as JSON text, for the
+        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader."""
 
     def metrics_text(self) -> str:
         """Prometheus text exposition."""
@@ -113,11 +117,19 @@ def browser_marks(request: web.Request) -> list[str]:
 def build_app(source: StatusSource) -> web.Application:
     """The aiohttp application; serve it through the mux with `AppRunner(app).server`."""
 
-    async def state(_: web.Request) -> web.Response:
-        snapshot = source.state_json()
-        if snapshot is None:
+    async def state(request: web.Request) -> web.Response:
+        try:
+            members = parse_members(request.query.get("members"))
+        except BadMembersQuery as error:
+            return _json(400, {"error": str(error), "code": "bad_members"})
+        state_body = getattr(source, "state_body", None)
+        if state_body is None:  # a source without the cache: the whole state, encoded per request
+            snapshot = source.state_json()
+            return _json(503, {"error": NO_STATE}) if snapshot is None else _json(200, snapshot)
+        body = state_body(members)
+        if body is None:
             return _json(503, {"error": NO_STATE})
-        return _json(200, snapshot)
+        return web.Response(status=200, body=body, content_type="application/json", headers=_HEADERS)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(

@@ -7,9 +7,15 @@ rendezvous handlers on it for the run, and `close()` takes them off again.
 
 All window calls happen on the event loop thread, synchronously, so an admission and its Accept
 write are never interleaved with another admission: ranks stay contiguous without a lock. A
-timer task re-evaluates the verdict every `tick_interval` (and at once on every event); when
-the window forms, WorldFormed goes to every host in admission order; when the run ends, failed
-runs send Abort down every open link.
+timer task re-evaluates the verdict every `tick_interval`; a hello is decided at once but the
+verdict after it is evaluated once per event-loop turn (a storm of hellos costs one evaluation
+per turn, and the window still closes at the hello that reaches the target); other events
+settle at once. When the window forms, WorldFormed goes to every host in admission order (each
+carries only that host's part: O(hosts) bytes in all); a failure to build or send it fails the
+run with the reason. When the run ends, failed runs send Abort down every open link.
+
+state.json comes from a `StateCache` (one build per change and per 200 ms, encoded once for all
+readers); join and refusal log lines go through a `StormLog` (coalesced past a burst).
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ from flodld.controller.join import HostLink, handle_join
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import ChannelHandler, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
+from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache, StormLog
 from flodld.controller.store import StoreService
 from flodld.membership.ledger import Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, WINDOW_PHASES, Phase
 from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, derive_policy, is_loopback_literal
-from flodld.membership.snapshot import ConnectionCounts, RankExit, RunRecord
+from flodld.membership.snapshot import RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
@@ -119,6 +126,9 @@ class Controller:
         self._last_phase: Phase | None = None
         self._phase_listeners: list[PhaseListener] = []
         self._lost_hosts: dict[str, str] = {}
+        self._settle_pending = False
+        self.storm_log = StormLog(log)
+        self.state_cache = StateCache(self._build_state, self.state_version)
         # Wall-clock (unix seconds) milestones for the run's history record.
         self.started_at: float | None = None
         self.formed_at: float | None = None
@@ -292,12 +302,27 @@ class Controller:
         self._announce()
 
     async def _drive(self) -> None:
-        # Events settle the window synchronously when they happen; this loop only moves the clock.
+        # Events settle the window when they happen (hellos: once per loop turn); this loop moves the clock.
         while self._result is None:
             assert self.window is not None
             self.window.tick(self.clock())
             self._settle()
+            self.storm_log.tick()
             await asyncio.sleep(self.options.tick_interval)
+
+    def _settle_this_turn(self) -> None:
+        """Evaluate the verdict once at the end of this event-loop turn, however many hellos it admitted."""
+        if not self._settle_pending:
+            self._settle_pending = True
+            asyncio.get_running_loop().call_soon(self._turn_settle)
+
+    def _turn_settle(self) -> None:
+        self._settle_pending = False
+        window = self.window
+        if window is None or self._result is not None:
+            return
+        window.tick(self.clock())
+        self._settle()
 
     def _settle(self) -> None:
         """Act on the window's phase: form and ship, or conclude. Call after every window call."""
@@ -306,6 +331,7 @@ class Controller:
         if window.phase is Phase.FORMING and window.world is None:
             world = window.form(self.clock())
             self.formed_at = time.time()
+            self.storm_log.flush()
             log.info(
                 "event=world_formed world_size=%d hosts=%d reason=%r",
                 world.world_size, len(world.hosts), window.reason,
@@ -322,6 +348,7 @@ class Controller:
         if phase is None or phase is self._last_phase:
             return
         self._last_phase = phase
+        self.state_cache.clear()  # a phase change shows at once; member churn at most once per interval
         reason = why or (self.window.reason if self.window is not None else "")
         log.info("event=phase phase=%s reason=%r", phase.value, reason)
         for listener in self._phase_listeners:
@@ -334,6 +361,20 @@ class Controller:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_ended)
+
+    def _background_ended(self, task: asyncio.Task[None]) -> None:
+        """A formation or finishing task that crashed fails the run with the reason: never a silent stall."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("event=internal_error task=%s error=%r", task.get_coro().__qualname__, error,  # type: ignore[union-attr]
+                  exc_info=error)
+        if self._result is None:
+            if self._finishing:  # _finish itself died: conclude without it
+                self._conclude(RunResult(Phase.FAILED, f"internal error while finishing the run: {error!r}"))
+            else:
+                self.abort(f"internal error: {type(error).__name__}: {error}")
 
     # --- called by the join handler -----------------------------------------------------------
 
@@ -343,7 +384,8 @@ class Controller:
             self.window.ledger.refuse(code, reason)
         else:
             self.counters.refusals[code] += 1
-        log.warning("event=join_refused peer=%s code=%s reason=%r", peer, code, reason)
+        self.storm_log.event("join_refused", logging.WARNING, "event=join_refused peer=%s code=%s reason=%r",
+                             peer, code, reason, detail=lambda: f"peer={peer} code={code}")
 
     def admit(self, hello: Hello, link: HostLink) -> Accept | Reject:
         """Decide a hello and, on admission, queue the Accept on the link in the same step."""
@@ -352,13 +394,14 @@ class Controller:
             self.refuse(link.peer, "window_not_open", "the join window is not open yet")
             return Reject(code="window_not_open", reason="the join window is not open yet; dial again shortly")
         now = self.clock()
-        outcome = window.hello(hello, now)
+        outcome = window.hello(hello, now, evaluate=False)
         if isinstance(outcome, Refused):
-            log.warning(
-                "event=join_refused peer=%s host=%s code=%s reason=%r", link.peer, hello.host, outcome.code,
-                outcome.reason,
+            code = outcome.code
+            self.storm_log.event(
+                "join_refused", logging.WARNING, "event=join_refused peer=%s host=%s code=%s reason=%r", link.peer,
+                hello.host, code, outcome.reason, detail=lambda: f"peer={link.peer} host={hello.host} code={code}",
             )
-            self._settle()
+            self._settle_this_turn()
             return Reject(code=outcome.code, reason=outcome.reason[:1024])
         open_admission = self.policy.trust is TrustMode.OPEN
         accept = Accept(
@@ -372,12 +415,15 @@ class Controller:
         if open_admission:
             link.stream.rekey(self.salt)
         self._links[hello.host] = link
-        log.info(
+        joined = window.ledger.joined_ranks
+        self.storm_log.event(
+            "joined", logging.INFO,
             "event=joined host=%s peer=%s ranks=%s devices=%d variant=%s joined_ranks=%d target=%s quorum=%d",
             hello.host, link.peer, list(outcome.ranks), len(hello.devices), hello.variant,
-            window.ledger.joined_ranks, self.policy.target, self.policy.quorum,
+            joined, self.policy.target, self.policy.quorum,
+            detail=lambda: f"host={hello.host} joined_ranks={joined}",
         )
-        self._settle()
+        self._settle_this_turn()
         return accept
 
     def rank_exited(self, link: HostLink, rank: int, code: int) -> None:
@@ -447,13 +493,13 @@ class Controller:
         return self.options.advertised_host
 
     def _envelopes(self, world: World) -> dict[str, WorldEnvelope]:
-        """One envelope per host. The shared parts (the host list is O(world)) are validated once in a
-        template; per-host copies only swap already-checked fields, keeping formation O(world)."""
+        """One envelope per host, each O(1) in the world's size (no host list). The shared parts (the
+        env) are validated once in a template; per-host copies only swap already-checked fields."""
         assert self.address is not None
         first = world.hosts[0]
         template = WorldEnvelope(
             run_id=self.run_id, world_size=world.world_size, ranks=list(world.ranks[first]),
-            local_world_size=len(world.ranks[first]), hosts=list(world.hosts),
+            local_world_size=len(world.ranks[first]),
             controller_host=self.options.advertised_host, controller_port=self.address[1],
             averaging=self.options.averaging, backend=self.options.backend, env=dict(self.options.env),
         )
@@ -475,19 +521,32 @@ class Controller:
         return RelaySpec(data_port=port, control_port=port, fold=self.options.fold, cadence=self.options.cadence)
 
     async def _ship(self, world: World) -> None:
-        """WorldFormed to every host in admission order, then training (or failure for lost hosts)."""
-        relay = self._relay_spec()
-        envelopes = self._envelopes(world) if world.hosts else {}
+        """WorldFormed to every host in admission order, then training (or failure for lost hosts).
+
+        A WorldFormed that cannot be built or encoded fails the run with the reason (never a stall in
+        `forming`); a host whose link is gone by now is that host's loss, as on any write failure."""
         sent: list[HostLink] = []
-        for host in world.hosts:
-            link = self._links.get(host)
-            if link is None or link.closed.is_set():
-                continue
-            # model_construct: the envelope is already checked (see _envelopes); validating it again
-            # per host re-checks the O(world) host list each time, O(world^2) per formation.
-            link.stream.send_nowait(WorldFormed.model_construct(envelope=envelopes[host], relay=relay))
-            self.counters.frame_out(JOIN_CHANNEL, 0)
-            sent.append(link)
+        try:
+            relay = self._relay_spec()
+            envelopes = self._envelopes(world) if world.hosts else {}
+            for host in world.hosts:
+                link = self._links.get(host)
+                if link is None or link.closed.is_set():
+                    continue
+                # model_construct: the envelope is already checked (see _envelopes).
+                message = WorldFormed.model_construct(envelope=envelopes[host], relay=relay)
+                try:
+                    link.stream.send_nowait(message)
+                except (ConnectionError, OSError) as error:
+                    self.link_closed(link, f"WorldFormed write failed ({error!r})", lost=True)
+                    continue
+                self.counters.frame_out(JOIN_CHANNEL, 0)
+                sent.append(link)
+        except Exception as error:  # a bug or a limit: say so in the verdict, never sit in forming
+            log.exception("event=world_formed_build_failed hosts=%d", len(world.hosts))
+            self.abort(f"formation failed: could not build WorldFormed for {len(world.hosts)} host(s) "
+                       f"({type(error).__name__}: {error})"[:1024])
+            return
         results = await asyncio.gather(
             *(asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS) for link in sent), return_exceptions=True
         )
@@ -534,17 +593,31 @@ class Controller:
 
     # --- StatusSource (the HTTP app) ----------------------------------------------------------
 
-    def state_json(self) -> dict[str, Any] | None:
+    def state_version(self) -> tuple[int, bool] | None:
+        """Changes whenever state.json would (countdowns and connection counts aside): the cache's key."""
         if self.window is None:
             return None
-        connections = ConnectionCounts(
-            by_channel=dict(sorted(self.counters.connections.items())),
-            dropped=dict(sorted(self.counters.dropped.items())),
-        )
-        snapshot = self.window.snapshot(self.clock()).model_copy(update={"connections": connections})
-        state: dict[str, Any] = snapshot.model_dump(mode="json", exclude={"history", "service"})
+        return self.window.generation, self._result is not None
+
+    def state_json(self, members: MemberRange = DEFAULT_MEMBERS) -> dict[str, Any] | None:
+        """state.json as data: cached (see `StateCache`) and shared between readers; do not change it."""
+        return self.state_cache.get(members).data
+
+    def state_body(self, members: MemberRange = DEFAULT_MEMBERS) -> bytes | None:
+        """state.json as the JSON text every reader of this build gets."""
+        return self.state_cache.get(members).body
+
+    def _build_state(self, members: MemberRange) -> dict[str, Any] | None:
+        if self.window is None:
+            return None
+        state = self.window.state(self.clock(), members)
+        connections = {
+            "by_channel": dict(sorted(self.counters.connections.items())),
+            "dropped": dict(sorted(self.counters.dropped.items())),
+        }
+        state["connections"] = connections
         # Drops are also listed among the refusals with a prefix, as before `connections` existed.
-        for reason, count in connections.dropped.items():
+        for reason, count in connections["dropped"].items():
             state["refused"][f"connection_{reason}"] = count
         return state
 
@@ -561,7 +634,8 @@ class Controller:
             started_at=self.started_at if self.started_at is not None else ended,
             formed_at=self.formed_at, ended_at=ended,
             ranks=world.world_size if world is not None else 0,
-            hosts=list(world.hosts) if world is not None else [],
+            hosts=list(world.hosts[:DEFAULT_MEMBERS[1]]) if world is not None else [],
+            host_count=len(world.hosts) if world is not None else 0,
             rank_exits=[RankExit(rank=rank, code=code) for rank, code in exits],
         )
 
@@ -612,6 +686,7 @@ class Controller:
         if not isinstance(decision, Armed):
             log.info("event=start_refused code=%s reason=%r", decision.code, decision.reason)
             return _refusal(decision.http_status, decision.code, decision.reason)
+        self.state_cache.clear()
         if not decision.already:
             log.info("event=start_armed joined_ranks=%d quorum=%d", decision.joined_ranks, decision.quorum)
         self._settle()

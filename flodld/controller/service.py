@@ -31,6 +31,7 @@ from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller, PhaseListener, RunResult
+from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import RunRecord, ServiceState
 
@@ -101,6 +102,8 @@ class Service:
         self._stopping: str | None = None
         self._wake = asyncio.Event()
         self._next_window_at: float | None = None
+        self._changes = 0  # bumped when the service part of state.json changes (with the run's own version)
+        self.state_cache = StateCache(self._build_state, self._state_version, depends_on=self._run_clears)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -144,6 +147,7 @@ class Service:
                     self._past_refusals.update(self.controller.window_refusals())
                 self.controller = controller
                 self._next_window_at = None
+                self._changed()
                 log.info("event=ready bind=%s port=%d run_id=%s run=%d admission=%s", address[0], address[1],
                          controller.run_id, self.runs_started, controller.policy.trust.value)
                 if self._stopping is not None:  # a signal raced the window open
@@ -170,6 +174,7 @@ class Service:
         if seconds <= 0:
             return
         self._next_window_at = time.monotonic() + seconds
+        self._changed()
         log.info("event=between_runs pause_secs=%g", seconds)
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
@@ -178,6 +183,7 @@ class Service:
     def _record(self, controller: Controller, result: RunResult) -> None:
         record = controller.run_record()
         self.history.appendleft(record)
+        self._changed()
         self.runs[result.verdict.value] += 1
         log.log(logging.INFO if result.ok else logging.WARNING,
                 "event=run_ended run_id=%s verdict=%s ranks=%d hosts=%d reason=%r", record.run_id,
@@ -204,6 +210,7 @@ class Service:
         except Exception as error:  # any failure keeps the running config
             # state.json is readable by whoever reaches the port: no hex run that could be (part of) a token.
             self.config_error = _HEX_RUN.sub("<redacted>", f"{type(error).__name__}: {error}")[:2000]
+            self._changed()
             log.error("event=reload_failed config=%s error=%r action='keeping the previous config'",
                       self._config_path, self.config_error)
             return False
@@ -214,6 +221,7 @@ class Service:
             options = options.model_copy(update={"port": self.options.port, "bind_host": self.options.bind_host,
                                                  "loopback_bind": self.options.loopback_bind})
         self.options = options
+        self._changed()
         self.config_error = None
         self.config_loaded_at = time.time()
         if self.history.maxlen != options.history_runs:
@@ -232,11 +240,31 @@ class Service:
 
     # --- StatusSource (the HTTP app) ----------------------------------------------------------
 
-    def state_json(self) -> dict[str, Any] | None:
+    def _changed(self) -> None:
+        """The service part of state.json changed (a run began or ended, a reload): show it at once."""
+        self._changes += 1
+        self.state_cache.clear()
+
+    def _run_clears(self) -> int:
+        return self.controller.state_cache.clears if self.controller is not None else 0
+
+    def _state_version(self) -> object:
         controller = self.controller
-        state = controller.state_json() if controller is not None else None
-        if state is None or self.once:
-            return state
+        return self._changes, id(controller), controller.state_version() if controller is not None else None
+
+    def state_json(self, members: MemberRange = DEFAULT_MEMBERS) -> dict[str, Any] | None:
+        """state.json as data: cached and shared between readers (see `StateCache`); do not change it."""
+        return self.state_cache.get(members).data
+
+    def state_body(self, members: MemberRange = DEFAULT_MEMBERS) -> bytes | None:
+        return self.state_cache.get(members).body
+
+    def _build_state(self, members: MemberRange) -> dict[str, Any] | None:
+        controller = self.controller
+        shared = controller.state_json(members) if controller is not None else None
+        if shared is None or self.once:
+            return shared
+        state = dict(shared)  # the run's build is shared with its own readers: add to a copy
         between = controller is not None and controller.result is not None
         remaining = None
         if between and self._next_window_at is not None:

@@ -11,16 +11,16 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from flodld.membership.policy import WindowPolicy
-from flodld.wire.frames import PROTOCOL_VERSION
-from flodld.wire.join import Hello
+from flodld.membership.policy import MAX_WORLD_RANKS, WindowPolicy
+from flodld.wire.join import JOIN_PROTOCOL_VERSION, Hello
 
-SUPPORTED_PROTOCOL_VERSION = PROTOCOL_VERSION
+SUPPORTED_PROTOCOL_VERSION = JOIN_PROTOCOL_VERSION
 MAX_RANKS_PER_HOST = 256
 
 
@@ -102,8 +102,12 @@ class Ledger:
         model_sig: str | None = None,
         run_id: str | None = None,
         protocol_version: int = SUPPORTED_PROTOCOL_VERSION,
+        max_world_ranks: int = MAX_WORLD_RANKS,
     ) -> None:
+        if not 1 <= max_world_ranks <= MAX_WORLD_RANKS:
+            raise ValueError(f"max_world_ranks must be in 1..{MAX_WORLD_RANKS}, got {max_world_ranks}")
         self.policy = policy
+        self.max_world_ranks = max_world_ranks
         self.roster: tuple[str, ...] = tuple(roster)
         self.protocol_version = protocol_version
         self._configured: dict[str, str | None] = {
@@ -118,6 +122,10 @@ class Ledger:
         self._joined_ranks = 0
         self._roster_set = frozenset(self.roster)
         self.refused_counts: Counter[str] = Counter()
+        # Running summaries for state.json (`member_counts`), and a counter of every change it shows.
+        self.variant_counts: Counter[str] = Counter()
+        self.vendor_counts: Counter[str] = Counter()
+        self.generation = 0
         self.closed = False
 
     # --- queries -------------------------------------------------------------------------------
@@ -125,6 +133,10 @@ class Ledger:
     @property
     def members(self) -> tuple[Member, ...]:
         return tuple(self._members.values())
+
+    def members_slice(self, start: int, stop: int) -> list[Member]:
+        """Members `start` (inclusive) to `stop` (exclusive) in admission order: O(stop), not O(members)."""
+        return list(itertools.islice(self._members.values(), start, stop))
 
     @property
     def member_count(self) -> int:
@@ -160,6 +172,7 @@ class Ledger:
             refusal = check(self, hello)
             if refusal is not None:
                 self.refused_counts[refusal.code] += 1
+                self.generation += 1
                 return refusal
         member = Member(
             host=hello.host,
@@ -176,11 +189,13 @@ class Ledger:
         self._members[member.host] = member
         self._first_rank[member.host] = self._joined_ranks
         self._joined_ranks += len(member.devices)
+        self._count(member, 1)
         return Admitted(member, self.ranks_of(member.host))
 
     def refuse(self, code: str, reason: str) -> Refused:
         """Record a refusal decided outside the ledger's own checks (e.g. a bad first frame)."""
         self.refused_counts[code] += 1
+        self.generation += 1
         return Refused(code, reason)
 
     def retract(self, host: str) -> tuple[int, ...]:
@@ -190,9 +205,16 @@ class Ledger:
                 f"cannot retract {host!r}: the world is frozen (ranks are final after formation)"
             )
         ranks = self.ranks_of(host)
-        del self._members[host]
+        self._count(self._members.pop(host), -1)
         self._reindex()
         return ranks
+
+    def _count(self, member: Member, step: int) -> None:
+        self.generation += 1
+        for counter, key in ((self.variant_counts, member.variant), (self.vendor_counts, member.vendor)):
+            counter[key] += step
+            if counter[key] <= 0:
+                del counter[key]
 
     def _reindex(self) -> None:
         """Recompute every member's first rank after a retraction (O(members), rare)."""
@@ -283,6 +305,16 @@ def _device_list(ledger: Ledger, hello: Hello) -> Refused | None:
         )
     # Duplicate device names and empty host names never get here: the Hello model refuses them.
     return None
+
+
+def _world_limit(ledger: Ledger, hello: Hello) -> Refused | None:
+    if ledger.joined_ranks + len(hello.devices) <= ledger.max_world_ranks:
+        return None
+    return Refused(
+        "world_full",
+        f"host {hello.host!r} offers {len(hello.devices)} rank(s) and the world already holds "
+        f"{ledger.joined_ranks} of at most {ledger.max_world_ranks}; this run cannot take more ranks",
+    )
 
 
 def _vendor_mix(ledger: Ledger, hello: Hello) -> Refused | None:
@@ -383,6 +415,7 @@ ADMISSION_CHECKS: tuple[AdmissionCheck, ...] = (
     _duplicate_host,
     _roster,
     _device_list,
+    _world_limit,
     _vendor_mix,
     _dataset,
     _run_id,

@@ -15,6 +15,9 @@ from flodld.config.join import JoinConfig
 
 DEFAULT_JOIN_TIMEOUT_SECS = 300.0
 DEFAULT_HARD_CAP_SECS = 600.0
+# The largest world: global ranks are u31 on the wire (flodld.wire.messages.Rank). The ledger refuses a host
+# that would pass it (`world_full`) and a window whose quorum or target lies beyond it never opens.
+MAX_WORLD_RANKS = 2**31
 
 # Averaging modes whose traffic all flows through the per-host relay's single upstream
 # connection, which is the only thing a controller tunnel can carry.
@@ -197,6 +200,12 @@ def _quorum_and_target(join: JoinConfig, capacity: int, start: StartMode) -> tup
             f"controller.join: min_rank_start ({quorum}) is above {origin} ({target}) — the early-close "
             "target cannot sit below the quorum; lower min_rank_start or raise target_ranks"
         )
+    for knob, value in (("min_rank_start (quorum)", quorum), ("target_ranks", target)):
+        if value is not None and value > MAX_WORLD_RANKS:
+            raise PolicyError(
+                f"controller.join: {knob} is {value}, beyond the largest world of {MAX_WORLD_RANKS} ranks "
+                "(global ranks are 31-bit on the wire); lower it"
+            )
     return quorum, target
 
 

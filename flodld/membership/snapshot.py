@@ -1,6 +1,9 @@
 """`state.json`: the run's membership state as served on the controller port.
 
-Built per request at `now`, so the countdowns are live rather than frozen at the last event. It never
+Built at `now`, so the countdowns are live rather than frozen at the last event (the controller caches
+one build per state change and per interval, see flodld/controller/snapshot.py). `members` is one page
+(by default the first `DEFAULT_MEMBER_PAGE` hosts in admission order; `?members=A..B` or `?members=all`
+asks for others) and `members_page` says which; `member_counts` summarizes every member. It never
 carries the salt or the token. `docs/state-schema.json` is `state_schema()`; regenerate it with
 `python -m flodld.membership docs/state-schema.json`.
 """
@@ -15,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flodld.membership.phase import Phase
 from flodld.membership.policy import StartMode
+
+DEFAULT_MEMBER_PAGE = 500
+"""Hosts listed in `members` when the reader asks for no page (the status page renders as many)."""
 
 
 class LinkState(StrEnum):
@@ -39,6 +45,22 @@ class MemberState(_Model):
     variant: str
     joined_at_secs: float = Field(description="Seconds after the window opened.")
     link: LinkState
+
+
+class MembersPage(_Model):
+    """Which members `members` lists: indexes `start` (inclusive) to `stop` (exclusive) in admission order."""
+
+    start: int = Field(ge=0)
+    stop: int = Field(ge=0)
+    total: int = Field(ge=0, description="Every member (equal to joined_hosts).")
+
+
+class MemberCounts(_Model):
+    """Every member summarized, whatever page `members` lists."""
+
+    by_link: dict[str, int] = Field(default_factory=dict, description="Hosts by join-link state (open / closed / lost).")
+    by_variant: dict[str, int] = Field(default_factory=dict, description="Hosts by build variant.")
+    by_vendor: dict[str, int] = Field(default_factory=dict, description="Hosts by device type (cpu, cuda, ...).")
 
 
 class RankExit(_Model):
@@ -72,7 +94,9 @@ class RunRecord(_Model):
     formed_at: float | None = Field(description="When the world formed; null if it never did.")
     ended_at: float = Field(description="When the run reached its verdict.")
     ranks: int = Field(description="World size (0 if the world never formed).")
-    hosts: list[str] = Field(description="The formed world's hosts, in rank order.")
+    hosts: list[str] = Field(description="The formed world's hosts, in rank order (in state.json: the first "
+                             f"{DEFAULT_MEMBER_PAGE}; `host_count` has them all).")
+    host_count: int | None = Field(default=None, description="How many hosts the world had (null: count `hosts`).")
     rank_exits: list[RankExit] = Field(description="Exit codes the agents reported.")
 
 
@@ -111,7 +135,16 @@ class StateSnapshot(_Model):
     start_mode: StartMode
     start_armed: bool
     startable: bool = Field(description="Open window, manual/hybrid, quorum met: `fdl start` would arm.")
-    members: list[MemberState]
+    members: list[MemberState] = Field(
+        description=f"One page of hosts in admission order: the first {DEFAULT_MEMBER_PAGE} unless `?members=A..B` "
+        "(inclusive indexes) or `?members=all` asked for others; `members_page` says which."
+    )
+    members_page: MembersPage | None = Field(
+        default=None, description="Which members `members` lists (absent from older controllers: all of them)."
+    )
+    member_counts: MemberCounts | None = Field(
+        default=None, description="Every member counted by link state, variant and device type."
+    )
     missing: list[str] = Field(description="Configured workers that have not joined.")
     refused: dict[str, int] = Field(description="Refused join attempts by reason code.")
     rank_exits: list[RankExit]

@@ -8,9 +8,11 @@ lifecycle follows `TRANSITIONS` and never goes backwards.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
-from flodld.membership.ledger import Admitted, Ledger, Refused, World
+from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
 from flodld.membership.phase import (
     TERMINAL_PHASES,
     WINDOW_PHASES,
@@ -20,8 +22,8 @@ from flodld.membership.phase import (
     advance,
     verdict,
 )
-from flodld.membership.policy import StartMode, WindowPolicy
-from flodld.membership.snapshot import LinkState, MemberState, RankExit, StateSnapshot
+from flodld.membership.policy import MAX_WORLD_RANKS, StartMode, WindowPolicy
+from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnapshot
 from flodld.membership.switch import Armed, StartRefused, arm
 from flodld.wire.join import Hello
 
@@ -41,6 +43,7 @@ class JoinWindow:
         dataset_sig: str | None = None,
         model_sig: str | None = None,
         expected_run_id: str | None = None,
+        max_world_ranks: int = MAX_WORLD_RANKS,
     ) -> None:
         if tolerance < 0:
             raise ValueError(f"tolerance must be >= 0 (rank failures the run survives), got {tolerance}")
@@ -51,7 +54,8 @@ class JoinWindow:
         self.controller = controller
         self.tolerance = tolerance
         self.ledger = Ledger(
-            policy, self.roster, dataset_sig=dataset_sig, model_sig=model_sig, run_id=expected_run_id
+            policy, self.roster, dataset_sig=dataset_sig, model_sig=model_sig, run_id=expected_run_id,
+            max_world_ranks=max_world_ranks,
         )
         self.phase = Phase.WAITING
         self.reason = f"window open (quorum {policy.quorum} ranks)"
@@ -63,19 +67,34 @@ class JoinWindow:
         # of thousands of hosts reporting exits costs O(1) per report, not a scan of the world each.
         self._failed: set[int] = set()
         self._open_links = 0
+        self._link_counts: Counter[str] = Counter()
+        self._changes = 0  # with the ledger's generation: bumps whenever state.json would differ
         self.loss_reasons: dict[str, str] = {}  # host -> why it was declared lost (named in the verdict)
 
     # --- the window --------------------------------------------------------------------------------
 
-    def hello(self, hello: Hello, now: float) -> Admitted | Refused:
-        """Admit or refuse a join; the verdict is re-evaluated before (clock) and after (target)."""
-        self.tick(now)
+    def hello(self, hello: Hello, now: float, *, evaluate: bool = True) -> Admitted | Refused:
+        """Admit or refuse a join; the verdict is re-evaluated before (clock) and after (target).
+
+        `evaluate=False` (a storm: the shell calls `tick` once per event-loop turn instead) skips both
+        evaluations unless they could decide something at this hello: before it, when the clock has
+        reached the window's end; after it, when the target is reached (so the very next hello of the
+        same turn is already refused, and the world never overshoots the target)."""
+        if evaluate or self.elapsed(now) >= self.policy.window_secs:
+            self.tick(now)
         if self.phase not in WINDOW_PHASES:
             self.ledger.close()
         outcome = self.ledger.admit(hello, now)
         if isinstance(outcome, Admitted):
-            self.tick(now)
+            target = self.policy.target
+            if evaluate or (target is not None and self.ledger.joined_ranks >= target):
+                self.tick(now)
         return outcome
+
+    @property
+    def generation(self) -> int:
+        """A number that changes whenever the state (countdowns aside) changes: the snapshot cache's key."""
+        return self._changes + self.ledger.generation
 
     def disconnect(self, host: str, now: float) -> tuple[int, ...]:
         """A member's link broke. Before formation its ranks go back (later members renumber); after it the
@@ -94,6 +113,7 @@ class JoinWindow:
         decision = arm(self.policy, self.phase, joined_ranks=self.ledger.joined_ranks, armed=self.start_armed)
         if isinstance(decision, Armed):
             self.start_armed = True
+            self._changes += 1
             self.tick(now)
         return decision
 
@@ -108,6 +128,8 @@ class JoinWindow:
             joined_ranks=self.ledger.joined_ranks,
             start_armed=self.start_armed,
         )
+        if (result.phase, result.reason) != (self.phase, self.reason):
+            self._changes += 1
         self.phase, self.reason = result.phase, result.reason
         if self.phase not in WINDOW_PHASES:
             self.ledger.close()
@@ -125,6 +147,8 @@ class JoinWindow:
         self.world = self.ledger.freeze()
         self.links = {host: LinkState.OPEN for host in self.world.hosts}
         self._open_links = len(self.links)
+        self._link_counts = Counter({LinkState.OPEN.value: len(self.links)})
+        self._changes += 1
         return self.world
 
     # --- after formation ---------------------------------------------------------------------------
@@ -166,6 +190,7 @@ class JoinWindow:
         """
         if self.world is None or not 0 <= rank < self.world.world_size:
             raise ValueError(f"rank {rank} is not in the formed world (world size {self.world_size()})")
+        self._changes += 1
         if self.phase in TERMINAL_PHASES:
             self.rank_exits.setdefault(rank, code)
             return self.phase
@@ -200,45 +225,64 @@ class JoinWindow:
         """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
         return sorted(self._failed)
 
-    def snapshot(self, now: float) -> StateSnapshot:
-        """state.json at `now`: countdowns are computed live, never frozen."""
+    def snapshot(self, now: float, members: tuple[int, int] | None = None) -> StateSnapshot:
+        """state.json at `now` as the model (countdowns computed live, never frozen); every member unless
+        `members` = (start, stop) asks for a page. The controller serves `state()` (no model per member)."""
+        return StateSnapshot.model_validate(self.state(now, members or (0, MAX_WORLD_RANKS)))
+
+    def state(self, now: float, members: tuple[int, int] = (0, DEFAULT_MEMBER_PAGE)) -> dict[str, Any]:
+        """state.json at `now` as JSON-ready data: the page `members` = (start, stop) of hosts in admission
+        order, and every member counted. O(page + roster + exits), never O(members)."""
         elapsed = self.elapsed(now)
         window_open = self.phase in WINDOW_PHASES
-        joined = self.ledger.joined_ranks
-        members = self.world.members if self.world is not None else self.ledger.members
-        joined_hosts = {m.host for m in members} if self.roster else set()
-        return StateSnapshot(
-            phase=self.phase,
-            reason=self.reason,
-            run_id=self.run_id,
-            controller=self.controller,
-            joined_ranks=sum(len(m.devices) for m in members),
-            joined_hosts=len(members),
-            quorum=self.policy.quorum,
-            target=self.policy.target,
-            window_remaining_secs=_remaining(self.policy.window_secs, elapsed) if window_open else None,
-            cap_remaining_secs=_remaining(self.policy.cap_secs, elapsed) if window_open else None,
-            start_mode=self.policy.start,
-            start_armed=self.start_armed,
-            startable=window_open
-            and self.policy.start is not StartMode.AUTO
-            and joined >= self.policy.quorum,
-            members=[
-                MemberState(
-                    host=m.host,
-                    ranks=list(self.world.ranks[m.host] if self.world else self.ledger.ranks_of(m.host)),
-                    devices=list(m.devices),
-                    device_labels=list(m.device_labels),
-                    variant=m.variant,
-                    joined_at_secs=round(m.joined_at - self.opened_at, 3),
-                    link=self.links.get(m.host, LinkState.OPEN),
-                )
-                for m in members
-            ],
-            missing=[host for host in self.roster if host not in joined_hosts],
-            refused=dict(sorted(self.ledger.refused_counts.items())),
-            rank_exits=[RankExit(rank=r, code=c) for r, c in sorted(self.rank_exits.items())],
-        )
+        ledger = self.ledger
+        joined = ledger.joined_ranks
+        total = ledger.member_count
+        start, stop = min(members[0], total), min(max(members[1], members[0]), total)
+        if self.world is not None:
+            page: list[Member] = list(self.world.members[start:stop])
+            ranks_of = self.world.ranks.__getitem__
+        else:
+            page = ledger.members_slice(start, stop)
+            ranks_of = ledger.ranks_of
+        missing = [host for host in self.roster if ledger.member(host) is None] if self.roster else []
+        by_link = dict(self._link_counts) if self.world is not None else ({LinkState.OPEN.value: total} if total else {})
+        return {
+            "phase": self.phase.value,
+            "reason": self.reason,
+            "run_id": self.run_id,
+            "controller": self.controller,
+            "joined_ranks": joined,
+            "joined_hosts": total,
+            "quorum": self.policy.quorum,
+            "target": self.policy.target,
+            "window_remaining_secs": _remaining(self.policy.window_secs, elapsed) if window_open else None,
+            "cap_remaining_secs": _remaining(self.policy.cap_secs, elapsed) if window_open else None,
+            "start_mode": self.policy.start.value,
+            "start_armed": self.start_armed,
+            "startable": window_open and self.policy.start is not StartMode.AUTO and joined >= self.policy.quorum,
+            "members": [self._member_state(m, ranks_of(m.host)) for m in page],
+            "members_page": {"start": start, "stop": stop, "total": total},
+            "member_counts": {
+                "by_link": dict(sorted(by_link.items())),
+                "by_variant": dict(sorted(ledger.variant_counts.items())),
+                "by_vendor": dict(sorted(ledger.vendor_counts.items())),
+            },
+            "missing": missing,
+            "refused": dict(sorted(ledger.refused_counts.items())),
+            "rank_exits": [{"rank": r, "code": c} for r, c in sorted(self.rank_exits.items())],
+        }
+
+    def _member_state(self, m: Member, ranks: Sequence[int]) -> dict[str, Any]:
+        return {
+            "host": m.host,
+            "ranks": list(ranks),
+            "devices": list(m.devices),
+            "device_labels": list(m.device_labels),
+            "variant": m.variant,
+            "joined_at_secs": round(m.joined_at - self.opened_at, 3),
+            "link": self.links.get(m.host, LinkState.OPEN).value,
+        }
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -246,6 +290,11 @@ class JoinWindow:
         """Change a host's link state, keeping the open-link count and the failed set in step."""
         previous = self.links[host]
         self.links[host] = state
+        self._changes += 1
+        self._link_counts[previous.value] -= 1
+        if self._link_counts[previous.value] <= 0:
+            del self._link_counts[previous.value]
+        self._link_counts[state.value] += 1
         self._open_links += (state is LinkState.OPEN) - (previous is LinkState.OPEN)
         assert self.world is not None
         unreported = [r for r in self.world.ranks[host] if r not in self.rank_exits]
@@ -255,6 +304,7 @@ class JoinWindow:
             self._failed.difference_update(unreported)
 
     def _apply(self, event: Event, reason: str) -> None:
+        self._changes += 1
         self.phase = advance(self.phase, event)
         self.reason = reason
 

@@ -2,11 +2,16 @@
 
 Sequence: agent → Hello; controller → Accept or Reject; later → WorldFormed or Abort; agent → RankExited
 per rank child; the agent closing its side means the host is done. See docs/protocol.md.
+
+`JOIN_PROTOCOL_VERSION` is what `Hello.protocol_version` carries: the version of these messages, independent
+of the frame format's version (flodld/wire/frames.py). Version 2: `WorldEnvelope` no longer lists every host
+of the world (O(world) bytes per host, O(world²) per formation, and capped at MAX_LIST_ITEMS hosts); the
+roster is in state.json (`members`, paged).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 
@@ -26,6 +31,8 @@ from flodld.wire.messages import (
     register,
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
+
+JOIN_PROTOCOL_VERSION: Final = 2
 
 DeviceName = Annotated[str, StringConstraints(min_length=3, max_length=32, pattern=r"^[a-z][a-z0-9_]*:[0-9]{1,5}$")]
 """A torch device with its index: "cpu:0", "cuda:1"."""
@@ -111,13 +118,15 @@ class Reject(Message):
 
 
 class WorldEnvelope(WireModel):
-    """What one host needs to start its ranks: its global ranks and the world around them."""
+    """What one host needs to start its ranks: its global ranks and the world around them.
+
+    O(1) in the world's size (plus the run's env): no host list, so formation sends O(hosts) bytes in total
+    and no world size is capped by a list bound."""
 
     run_id: Name
     world_size: Annotated[int, Field(ge=1, le=2**31)]
     ranks: BoundedList[Rank]
     local_world_size: Annotated[int, Field(ge=1, le=MAX_LIST_ITEMS)]
-    hosts: BoundedList[HostName]
     controller_host: HostName
     controller_port: Port
     averaging: Name
@@ -135,9 +144,6 @@ class WorldEnvelope(WireModel):
             raise ValueError(f"rank {self.ranks[-1]} does not fit a world of size {self.world_size}")
         if self.local_world_size != len(self.ranks):
             raise ValueError(f"local_world_size {self.local_world_size} != number of ranks {len(self.ranks)}")
-        if not self.hosts:
-            raise ValueError("hosts is empty; it lists every host of the world in admission order")
-        _require_unique(self.hosts, "hosts")
         return self
 
 

@@ -14,7 +14,7 @@ from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.wire.frames import CLOSED, NEED_DATA, Frame, FrameConnection, Role
-from flodld.wire.join import Hello
+from flodld.wire.join import JOIN_PROTOCOL_VERSION, Hello
 from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.messages import Message
 
@@ -45,7 +45,7 @@ async def running(opts: ControllerOptions | None = None) -> AsyncIterator[tuple[
 def hello(host: str, devices: int = 1, **changes: Any) -> Hello:
     values: dict[str, Any] = {
         "host": host, "devices": [f"cpu:{i}" for i in range(devices)], "device_labels": [], "variant": "cpu",
-        "torch_version": "2.13", "protocol_version": 1,
+        "torch_version": "2.13", "protocol_version": JOIN_PROTOCOL_VERSION,
     }
     values.update(changes)
     return Hello(**values)

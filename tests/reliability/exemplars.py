@@ -44,14 +44,14 @@ from flodld.wire.store import (
 
 DIGEST = "ab" * 32
 ENVELOPE = WorldEnvelope(
-    run_id="r1", world_size=3, ranks=[1, 2], local_world_size=2, hosts=["a", "b"], controller_host="127.0.0.1",
+    run_id="r1", world_size=3, ranks=[1, 2], local_world_size=2, controller_host="127.0.0.1",
     controller_port=1337, averaging="cpu_sync", backend="gloo", env={"OMP_NUM_THREADS": "1"},
 )
 TENSORS = [Spec(dtype="float32", shape=[2, 3])]
 
 EXEMPLARS: list[Message] = [
     Hello(host="node-a", devices=["cpu:0", "cpu:1"], device_labels=["cpu", "cpu"], variant="cpu",
-          torch_version="2.13", protocol_version=1, dataset_sig=DIGEST, run_id="r1", nccl_version="2.27",
+          torch_version="2.13", protocol_version=2, dataset_sig=DIGEST, run_id="r1", nccl_version="2.27",
           model_sig=DIGEST, averaging="cpu_sync"),
     Accept(ranks=[0, 1], salt_hex="00" * 16, formation_wait_secs=1.5, run_id="r1"),
     Reject(code="window_closed", reason="the window closed"),

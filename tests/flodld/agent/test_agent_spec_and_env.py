@@ -24,7 +24,7 @@ SALT = bytes(range(16))
 
 def envelope(**overrides: object) -> WorldEnvelope:
     values: dict[str, object] = {
-        "run_id": "run1", "world_size": 4, "ranks": [2, 3], "local_world_size": 2, "hosts": ["a", "b"],
+        "run_id": "run1", "world_size": 4, "ranks": [2, 3], "local_world_size": 2,
         "controller_host": "10.0.0.1", "controller_port": 1337, "averaging": "cpu_sync", "backend": "gloo",
         "env": {"EXTRA": "1"},
     }

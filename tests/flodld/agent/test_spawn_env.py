@@ -12,7 +12,7 @@ SALT = bytes(range(16))
 
 def envelope(env: dict[str, str] | None = None) -> WorldEnvelope:
     return WorldEnvelope.model_validate({
-        "run_id": "run1", "world_size": 2, "ranks": [0, 1], "local_world_size": 2, "hosts": ["a"],
+        "run_id": "run1", "world_size": 2, "ranks": [0, 1], "local_world_size": 2,
         "controller_host": "127.0.0.1", "controller_port": 1337, "averaging": "cpu_sync", "backend": "nccl",
         "env": env or {},
     })

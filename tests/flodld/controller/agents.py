@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.net.stream import FramedStream, open_channel
-from flodld.wire.frames import PROTOCOL_VERSION
+from flodld.wire.join import JOIN_PROTOCOL_VERSION as PROTOCOL_VERSION
 from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, WorldFormed
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message

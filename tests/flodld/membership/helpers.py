@@ -6,7 +6,7 @@ from typing import Any
 
 from flodld.config.join import JoinConfig
 from flodld.membership.policy import WindowPolicy, derive_policy
-from flodld.wire.frames import PROTOCOL_VERSION
+from flodld.wire.join import JOIN_PROTOCOL_VERSION as PROTOCOL_VERSION
 from flodld.wire.join import Hello
 
 SIG_A = "a" * 64

@@ -136,6 +136,7 @@ def test_checks_run_in_the_documented_order() -> None:
         "_duplicate_host",
         "_roster",
         "_device_list",
+        "_world_limit",
         "_vendor_mix",
         "_dataset",
         "_run_id",

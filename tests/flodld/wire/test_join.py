@@ -43,7 +43,6 @@ def envelope_fields(**overrides: Any) -> dict[str, Any]:
         "world_size": 4,
         "ranks": [2, 3],
         "local_world_size": 2,
-        "hosts": ["node-a", "node-b"],
         "controller_host": "10.0.0.1",
         "controller_port": 1337,
         "averaging": "sync",
@@ -156,8 +155,7 @@ def test_invalid_reject_is_bad_payload(fields: dict[str, Any], fragment: str) ->
         ({"ranks": [1, 3], "local_world_size": 2}, "contiguous"),
         ({"ranks": [3, 4]}, "does not fit"),
         ({"local_world_size": 1}, "local_world_size"),
-        ({"hosts": []}, "hosts is empty"),
-        ({"hosts": ["a", "a"]}, "twice"),
+        ({"hosts": ["a", "b"]}, "hosts"),  # join protocol 2: no host list in the envelope
         ({"controller_port": 0}, "controller_port"),
         ({"controller_port": 65536}, "controller_port"),
         ({"world_size": 0}, "world_size"),
