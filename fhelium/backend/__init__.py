@@ -5,6 +5,10 @@ See docs/fhelium-backend.md.
 
 from __future__ import annotations
 
+from fhelium.backend.distributed.operations import (
+    TorchCiphertextAddAllReduceImplementation,
+    distributed_operation_contributions,
+)
 from fhelium.backend.execution import ExecutionError, OperationBackend, ProgramExecutable
 from fhelium.backend.implementation import (
     ImplementationError,
@@ -13,18 +17,13 @@ from fhelium.backend.implementation import (
     OperationInvocation,
     RegionOperationImplementation,
 )
+from fhelium.backend.memory.operations import memory_operation_contributions
 from fhelium.backend.resources import BoundResource, ResourceBindings, ResourceError, ResourceRequirement
+from fhelium.backend.rns.operations import ckks_operation_contributions
 
 
 def default_registry(*, specialized_ciphertext_add: bool = True) -> OperationImplementationRegistry:
     """CKKS RNS ops, memory transfer and the collectives (with the specialized all-reduce if asked)."""
-    from fhelium.backend.distributed.operations import (
-        TorchCiphertextAddAllReduceImplementation,
-        distributed_operation_contributions,
-    )
-    from fhelium.backend.memory.operations import memory_operation_contributions
-    from fhelium.backend.rns.operations import ckks_operation_contributions
-
     ckks_ops = ckks_operation_contributions()
     specialized = TorchCiphertextAddAllReduceImplementation(ckks_ops[0]) if specialized_ciphertext_add else None
     registry = OperationImplementationRegistry(ckks_ops)

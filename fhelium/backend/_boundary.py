@@ -16,9 +16,8 @@ from xdsl.dialects.builtin import FloatAttr, IndexType, IntegerType
 from xdsl.ir import Attribute
 
 from fhelium.backend.resources import BoundResource
-from fhelium.core import Ciphertext, Plaintext
-from fhelium.core.keys import _DenseKey
-from fhelium.ir.dialects._common import OpenStateType
+from fhelium.core import Ciphertext, DenseKey, Plaintext
+from fhelium.ir import OpenStateType
 from fhelium.ir.dialects.ckks import CiphertextType, PlaintextType
 
 
@@ -56,7 +55,7 @@ def to_payload(position: str, declared: Attribute, value: Any) -> Any:
         _check_state(position, declared, value)
         payload = value.data if value.data is not None else value.message
         return payload
-    if isinstance(value, _DenseKey):
+    if isinstance(value, DenseKey):
         return value.data
     if isinstance(declared, IndexType | IntegerType):
         if isinstance(value, torch.Tensor) and value.numel() == 1:

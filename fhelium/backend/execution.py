@@ -22,8 +22,8 @@ from xdsl.dialects import arith, func, scf
 from xdsl.dialects.builtin import IndexType, IntegerType, UnrealizedConversionCastOp
 from xdsl.ir import Block, Operation, Region, SSAValue
 
-from fhelium.backend import _scalar
 from fhelium.backend._boundary import from_payload, to_payload
+from fhelium.backend._scalar import as_scalar, constant_value, evaluate, is_scalar_arith
 from fhelium.backend.implementation import (
     ImplementationError,
     OperationImplementation,
@@ -80,7 +80,7 @@ def _store_results(op: Operation, env: Env, values: Sequence[Any]) -> None:
         raise ExecutionError(f"{op.name} produced {len(values)} values for {len(op.results)} results")
     for result, value in zip(op.results, values, strict=True):
         if isinstance(result.type, IndexType | IntegerType) and isinstance(value, torch.Tensor):
-            value = _scalar.as_scalar(op.name, value)
+            value = as_scalar(op.name, value)
         env[result] = value
 
 
@@ -106,10 +106,10 @@ class _Preparer:
             bound = self.bindings.resolve(ResourceRequirement(op.symbol.data, op.kind.data))
             return lambda env: env.__setitem__(op.result, bound)
         if isinstance(op, arith.ConstantOp):
-            constant = _scalar.constant_value(op)
+            constant = constant_value(op)
             return lambda env: env.__setitem__(op.result, constant)
-        if _scalar.is_scalar_arith(op):
-            return lambda env: env.__setitem__(op.results[0], _scalar.evaluate(op, [env[v] for v in op.operands]))
+        if is_scalar_arith(op):
+            return lambda env: env.__setitem__(op.results[0], evaluate(op, [env[v] for v in op.operands]))
         if isinstance(op, UnrealizedConversionCastOp):
             return lambda env: _store_results(op, env, [env[v] for v in op.operands])
         if isinstance(op, scf.ForOp):
@@ -122,9 +122,9 @@ class _Preparer:
         body = self.block(_single_block(op, op.body))
 
         def step(env: Env) -> None:
-            lower = int(_scalar.as_scalar(op.name, env[op.lb]))
-            upper = int(_scalar.as_scalar(op.name, env[op.ub]))
-            stride = int(_scalar.as_scalar(op.name, env[op.step]))
+            lower = int(as_scalar(op.name, env[op.lb]))
+            upper = int(as_scalar(op.name, env[op.ub]))
+            stride = int(as_scalar(op.name, env[op.step]))
             if stride <= 0:
                 raise ExecutionError(f"scf.for step must be positive, got {stride}")
             carried = tuple(env[v] for v in op.iter_args)
@@ -139,7 +139,7 @@ class _Preparer:
         else_block = self.block(_single_block(op, op.false_region)) if op.false_region.blocks else None
 
         def step(env: Env) -> None:
-            condition = _scalar.as_scalar(op.name, env[op.cond])
+            condition = as_scalar(op.name, env[op.cond])
             if condition:
                 _store_results(op, env, then_block.run(env, ()))
             elif else_block is not None:

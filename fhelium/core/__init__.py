@@ -17,6 +17,7 @@ from fhelium.core.errors import (
 )
 from fhelium.core.keys import (
     ConjugationKey,
+    DenseKey,
     KeySwitchKey,
     PublicKey,
     RelinearizationKey,
@@ -41,6 +42,7 @@ __all__ = [
     "CompressedPlaintext",
     "CompressedPlaintextLayout",
     "ConjugationKey",
+    "DenseKey",
     "DepthMismatchError",
     "FheliumValueError",
     "KeySwitchKey",

@@ -21,7 +21,9 @@ from fhelium.core.state import (
 
 
 @dataclass(eq=False)
-class _DenseKey(TensorResident):
+class DenseKey(TensorResident):
+    """The common base of every key: one RNS tensor with prime ids, domain and basis."""
+
     data: torch.Tensor
     prime_ids: tuple[int, ...]
     polynomial_domain: PolynomialDomain = "ntt"
@@ -63,10 +65,10 @@ class _DenseKey(TensorResident):
     def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.data,)
 
-    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> _DenseKey:
+    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> DenseKey:
         return self.with_data(tensors[0])
 
-    def with_data(self, data: torch.Tensor) -> _DenseKey:
+    def with_data(self, data: torch.Tensor) -> DenseKey:
         return type(self)(data, self.prime_ids, self.polynomial_domain, self.modulus_basis, self.residue_representation)
 
     def __repr__(self) -> str:
@@ -74,12 +76,12 @@ class _DenseKey(TensorResident):
 
 
 @dataclass(eq=False, repr=False)
-class SecretKey(_DenseKey):
+class SecretKey(DenseKey):
     """``data [limb, N]``: the ternary secret s as residues over all primes (Q and P)."""
 
 
 @dataclass(eq=False, repr=False)
-class PublicKey(_DenseKey):
+class PublicKey(DenseKey):
     """``data [2, limb, N]``: (k0, k1) = (-a·s + e, a) over Q."""
 
     LEADING_AXES = 1
@@ -102,7 +104,7 @@ class PublicKey(_DenseKey):
 
 
 @dataclass(eq=False, repr=False)
-class KeySwitchKey(_DenseKey):
+class KeySwitchKey(DenseKey):
     """``data [digit, 2, limb, N]``: per decomposition digit, an encryption of P·s_src under s_dst."""
 
     LEADING_AXES = 2

@@ -14,11 +14,13 @@ from fhelium.ir._catalog import (
     registered_dialect_names,
 )
 from fhelium.ir._program import Program, ProgramError
+from fhelium.ir.dialects._common import OpenStateType
 
 __all__ = [
     "EXECUTION_IMPLEMENTATION_ATTRIBUTE",
     "REGISTERED_DIALECTS",
     "UPSTREAM_DIALECTS",
+    "OpenStateType",
     "Program",
     "ProgramError",
     "create_dialect_context",

@@ -30,9 +30,11 @@ from fhelium.backend.rns.operations import (
     TorchRnsAddImplementation,
     operand_prime_ids,
 )
+from fhelium.core import Ciphertext
+from fhelium.distributed import all_reduce_ciphertext
+from fhelium.ir import OpenStateType
 from fhelium.ir.dialects import ckks
 from fhelium.ir.dialects import distributed as dist
-from fhelium.ir.dialects._common import OpenStateType
 
 #: dtype codes for the layout handshake; position in this tuple is the code.
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -203,9 +205,6 @@ class TorchCiphertextAddAllReduceImplementation:
     def execute(
         self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
     ) -> tuple[torch.Tensor, ...]:
-        from fhelium.core import Ciphertext
-        from fhelium.distributed import all_reduce_ciphertext
-
         (value,) = inputs
         group = _group(invocation.operation_name, resources)
         add_invocation = self._add_invocation(invocation)

@@ -17,8 +17,8 @@ from xdsl.ir import Attribute, Operation
 
 from fhelium.backend.implementation import ImplementationError, OperationInvocation
 from fhelium.backend.resources import BoundResource, ResourceRequirement
+from fhelium.ir import OpenStateType
 from fhelium.ir.dialects import ckks
-from fhelium.ir.dialects._common import OpenStateType
 
 RNS_MODULI_RESOURCE_KIND = "rns-moduli"
 RNS_MODULI_RESOURCE_SYMBOL = "rns"
