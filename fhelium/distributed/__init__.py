@@ -49,26 +49,26 @@ from torch.distributed import (
     send,
 )
 
-from fhelium.distributed._state import init, local_device, local_rank, shutdown
-from fhelium.distributed._typed_collectives import (
-    TRANSFER_PROTOCOL_VERSION,
+# The typed collectives: each is defined once in its module and exported once here.
+from fhelium.distributed._ciphertext_reduction import (
     CiphertextAdder,
-    CollectiveArgumentError,
-    CollectiveFailure,
-    DescriptorError,
     ReductionTrace,
+    all_reduce_ciphertext,
+    reduce_ciphertext,
+)
+from fhelium.distributed._collective_common import CollectiveArgumentError, CollectiveFailure
+from fhelium.distributed._limb_collectives import gather_ciphertext_limbs, scatter_ciphertext_limbs
+from fhelium.distributed._state import init, local_device, local_rank, shutdown
+from fhelium.distributed._transfer import TRANSFER_PROTOCOL_VERSION, DescriptorError
+from fhelium.distributed._value_collectives import (
     all_gather_ciphertexts,
     all_gather_compressed_plaintexts,
     all_gather_plaintexts,
-    all_reduce_ciphertext,
     broadcast_ciphertext,
     broadcast_compressed_plaintext,
     broadcast_key,
     broadcast_plaintext,
-    gather_ciphertext_limbs,
     gather_ciphertexts,
-    reduce_ciphertext,
-    scatter_ciphertext_limbs,
     scatter_ciphertexts,
 )
 

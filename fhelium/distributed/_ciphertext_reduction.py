@@ -33,22 +33,20 @@ from fhelium.core import Ciphertext
 from fhelium.distributed._collective_common import (
     GroupInfo,
     PointToPointBatch,
+    agree,
     broadcast_tensor,
+    check_identical_layouts,
     check_writable_destination,
     collective_phase,
+    describe_or_error,
     exchange_control,
     group_info,
+    rank_body,
     receive_slot,
     root_error,
-)
-from fhelium.distributed._schedule import StepKind, binomial_reduce_rounds, reduce_steps
-from fhelium.distributed._value_collectives import (
-    agree,
-    check_identical_layouts,
-    describe_or_error,
-    rank_body,
     type_error,
 )
+from fhelium.distributed._schedule import StepKind, binomial_reduce_rounds, reduce_steps
 
 
 class CiphertextAdder(Protocol):

@@ -30,6 +30,13 @@ import torch
 import torch.distributed as dist
 
 from fhelium.distributed._state import local_device
+from fhelium.distributed._transfer import (
+    Descriptor,
+    DescriptorError,
+    decode_descriptor,
+    describe_value,
+    encode_descriptor,
+)
 
 # A control record is a few hundred bytes (one descriptor); scatter sends one per rank.
 CONTROL_SLOT_BYTES = 1024
@@ -478,3 +485,75 @@ class PreparedAllGather:
             dist.all_gather(self.outputs, self.staged, group=info.group)
         device = self.source.device
         return [t if t.device == device else t.to(device) for t in self.outputs]
+
+
+# -- the shared steps of every typed collective -----------------------------------------------
+
+
+def type_error(value: object, accepts: tuple[type, ...], role: str) -> str | None:
+    """Exact-type check (subclasses have their own schema entries, so they are refused)."""
+    if type(value) in accepts:
+        return None
+    names = " or ".join(t.__name__ for t in accepts)
+    return f"{role} must supply {names}; got {type(value).__name__}"
+
+
+def describe_or_error(value: object) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON descriptor of ``value`` after the same validation a receiver will apply."""
+    try:
+        encoded = encode_descriptor(describe_value(value))
+        decode_descriptor(encoded)
+    except (DescriptorError, ValueError, TypeError) as error:
+        return None, f"cannot describe {type(value).__name__} for transfer: {error}"
+    return encoded, None
+
+
+def rank_body(descriptor: dict[str, Any] | list[dict[str, Any]] | None) -> dict[str, Any]:
+    """What every rank announces: its local device type, and its descriptor if it sends one."""
+    return {"device_type": local_device().type, "descriptor": descriptor}
+
+
+def agree(info: GroupInfo, operation: str, check: Callable[[], _T]) -> _T:
+    """Run a check whose inputs every rank shares after the control exchange.
+
+    Because the inputs are identical everywhere, a failure raises the same error on every
+    rank without another round of communication.
+    """
+    try:
+        return check()
+    except CollectiveArgumentError:
+        raise
+    except (ValueError, KeyError, TypeError) as error:  # KeyError/TypeError: a malformed peer record
+        raise CollectiveArgumentError(f"{operation} argument validation failed: {error}") from None
+
+
+def check_identical_layouts(exchange: ControlExchange, operation: str) -> Descriptor:
+    """Every rank's descriptor must equal group rank 0's (metadata, shapes, dtypes, device type)."""
+    first = exchange.body_of(0)["descriptor"]
+    differing = [
+        group_rank
+        for group_rank in range(1, len(exchange.records))
+        if exchange.body_of(group_rank)["descriptor"] != first
+    ]
+    if differing:
+        detail = "; ".join(
+            f"group rank {r}: {_difference(first, exchange.body_of(r)['descriptor'])}" for r in differing
+        )
+        raise DescriptorError(
+            f"{operation} requires identical value type, metadata, shapes, dtypes and device type on "
+            f"every group rank; these differ from group rank 0 -> {detail}"
+        )
+    return decode_descriptor(first)
+
+
+def _difference(reference: dict[str, Any], other: dict[str, Any]) -> str:
+    parts: list[str] = []
+    for key in sorted(set(reference) | set(other)):
+        if key == "metadata":
+            ref_meta, other_meta = reference.get(key, {}), other.get(key, {})
+            for name in sorted(set(ref_meta) | set(other_meta)):
+                if ref_meta.get(name) != other_meta.get(name):
+                    parts.append(f"{name}={other_meta.get(name)!r} vs {ref_meta.get(name)!r}")
+        elif reference.get(key) != other.get(key):
+            parts.append(f"{key}={other.get(key)!r} vs {reference.get(key)!r}")
+    return ", ".join(parts) or "differs"

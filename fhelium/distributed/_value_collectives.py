@@ -8,7 +8,7 @@ are global ranks that must belong to ``group``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,17 +24,21 @@ from fhelium.core import (
     SecretKey,
 )
 from fhelium.distributed._collective_common import (
-    CollectiveArgumentError,
     ControlExchange,
     GroupInfo,
     PointToPointBatch,
     PreparedAllGather,
     PreparedBroadcast,
+    agree,
     agree_on_allocation,
     allocation_error,
+    check_identical_layouts,
+    describe_or_error,
     exchange_control,
     group_info,
+    rank_body,
     root_error,
+    type_error,
 )
 from fhelium.distributed._state import local_device
 from fhelium.distributed._transfer import (
@@ -44,51 +48,10 @@ from fhelium.distributed._transfer import (
     allocate_value,
     check_receive_total,
     decode_descriptor,
-    describe_value,
-    encode_descriptor,
     payload_bytes,
     payload_leaves,
     rebuild,
 )
-
-T = TypeVar("T")
-
-
-def type_error(value: object, accepts: tuple[type, ...], role: str) -> str | None:
-    """Exact-type check (subclasses have their own schema entries, so they are refused)."""
-    if type(value) in accepts:
-        return None
-    names = " or ".join(t.__name__ for t in accepts)
-    return f"{role} must supply {names}; got {type(value).__name__}"
-
-
-def describe_or_error(value: object) -> tuple[dict[str, Any] | None, str | None]:
-    """The JSON descriptor of ``value`` after the same validation a receiver will apply."""
-    try:
-        encoded = encode_descriptor(describe_value(value))
-        decode_descriptor(encoded)
-    except (DescriptorError, ValueError, TypeError) as error:
-        return None, f"cannot describe {type(value).__name__} for transfer: {error}"
-    return encoded, None
-
-
-def rank_body(descriptor: dict[str, Any] | list[dict[str, Any]] | None) -> dict[str, Any]:
-    """What every rank announces: its local device type, and its descriptor if it sends one."""
-    return {"device_type": local_device().type, "descriptor": descriptor}
-
-
-def agree(info: GroupInfo, operation: str, check: Callable[[], T]) -> T:
-    """Run a check whose inputs every rank shares after the control exchange.
-
-    Because the inputs are identical everywhere, a failure raises the same error on every
-    rank without another round of communication.
-    """
-    try:
-        return check()
-    except CollectiveArgumentError:
-        raise
-    except (ValueError, KeyError, TypeError) as error:  # KeyError/TypeError: a malformed peer record
-        raise CollectiveArgumentError(f"{operation} argument validation failed: {error}") from None
 
 
 def decode_for_receivers(
@@ -107,38 +70,6 @@ def decode_for_receivers(
                     f"{receiver} has no CUDA device; move the value to CPU before sending"
                 )
     return descriptor
-
-
-def check_identical_layouts(exchange: ControlExchange, operation: str) -> Descriptor:
-    """Every rank's descriptor must equal group rank 0's (metadata, shapes, dtypes, device type)."""
-    first = exchange.body_of(0)["descriptor"]
-    differing = [
-        group_rank
-        for group_rank in range(1, len(exchange.records))
-        if exchange.body_of(group_rank)["descriptor"] != first
-    ]
-    if differing:
-        detail = "; ".join(
-            f"group rank {r}: {_difference(first, exchange.body_of(r)['descriptor'])}" for r in differing
-        )
-        raise DescriptorError(
-            f"{operation} requires identical value type, metadata, shapes, dtypes and device type on "
-            f"every group rank; these differ from group rank 0 -> {detail}"
-        )
-    return decode_descriptor(first)
-
-
-def _difference(reference: dict[str, Any], other: dict[str, Any]) -> str:
-    parts: list[str] = []
-    for key in sorted(set(reference) | set(other)):
-        if key == "metadata":
-            ref_meta, other_meta = reference.get(key, {}), other.get(key, {})
-            for field in sorted(set(ref_meta) | set(other_meta)):
-                if ref_meta.get(field) != other_meta.get(field):
-                    parts.append(f"{field}={other_meta.get(field)!r} vs {ref_meta.get(field)!r}")
-        elif reference.get(key) != other.get(key):
-            parts.append(f"{key}={other.get(key)!r} vs {reference.get(key)!r}")
-    return ", ".join(parts) or "differs"
 
 
 # -- broadcast ------------------------------------------------------------------------------
