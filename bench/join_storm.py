@@ -1,34 +1,62 @@
-"""Join storm: N simulated agents join one `flodld serve` at once; how does the controller hold up?
+"""Join storm: N simulated agents join one `flodld serve --once` at once; how does the controller hold up?
 
-    .venv/bin/python bench/join_storm.py [--agents 1000] [--pollers 8]
+    .venv/bin/python bench/join_storm.py [--agents 1000,5000,10000] [--pollers 8] [--store-ranks 1000]
 
-Prints admissions/s (against a same-run baseline: bare TCP connect + echo round trips on a
-plain asyncio server, the cost floor of any per-connection handshake), the time from the last
-hello to the last WorldFormed, p50/p99 state.json latency while polled concurrently during the
-storm (against the same HTTP path answering a 404, which skips the snapshot), and the
-controller's resident memory.
+Per agent count, one fresh controller; printed as one table row each:
+- admissions/s, against a same-run baseline: bare TCP connect + echo round trips on a plain asyncio
+  server (the cost floor of any per-connection handshake), and their ratio;
+- formation: the time from the first dial to the last WorldFormed, and from the last Accept to it;
+- state.json p50/p99 while 8 pollers (a separate process) poll it during the storm, with the same HTTP
+  path answering a 404 (no snapshot) as the baseline;
+- controller RSS with every host linked, and per host: (linked - idle) / agents; the WorldFormed bytes
+  each host received.
+
+Then a store storm: N simulated ranks each open a rendezvous connection and run gloo's init pattern
+(add to the init counter, set its own address key, wait for and get its peers' keys, add to the done
+counter) against the controller's store; store ops/s against a bare asyncio echo server doing the same
+number of request/reply round trips over as many connections. `--store-peers` (default 32) is how many
+peers each rank reads; `all` is gloo's full mesh, O(world²) ops in all.
+
+Every process the bench starts (the controller, the poller) is ended when it finishes, fails, times out
+(`--timeout` per storm), or is interrupted (SIGINT, SIGTERM); the children also get SIGKILL if the bench
+itself is killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import re
 import resource
+import secrets
+import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flodld.net.stream import open_channel
-from flodld.wire.frames import PROTOCOL_VERSION
-from flodld.wire.join import Accept, Hello, RankExited, WorldFormed
+from flodld.net.stream import FramedStream, open_channel
+from flodld.wire.join import JOIN_PROTOCOL_VERSION, Accept, Hello, RankExited, WorldFormed
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt
+from flodld.wire.store import (
+    StoreAdd,
+    StoreGet,
+    StoreHello,
+    StoreInt,
+    StoreOk,
+    StoreSet,
+    StoreValue,
+    StoreWait,
+)
 
 _PORT = re.compile(rb"event=listening bind=\S+ port=(\d+)")
+_CHILDREN: list[asyncio.subprocess.Process] = []
 
 
 def _raise_fd_limit(wanted: int) -> None:
@@ -37,28 +65,111 @@ def _raise_fd_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
 
 
-async def _baseline_connects(count: int) -> float:
-    """Connections/s for connect + 24-byte echo round trip on a bare asyncio server."""
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the bench dies, however it dies (Linux)."""
+    with contextlib.suppress(Exception):
+        import ctypes
 
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+async def _spawn(*args: str, **kwargs: object) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(*args, preexec_fn=_die_with_parent, **kwargs)  # type: ignore[arg-type]
+    _CHILDREN.append(proc)
+    return proc
+
+
+async def _end(proc: asyncio.subprocess.Process, grace: float = 10.0) -> int | None:
+    """SIGTERM, then SIGKILL after `grace` seconds; the exit code."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+    return proc.returncode
+
+
+def _kill_children_now() -> None:
+    """Last resort (atexit, a loop already gone): SIGKILL every child still running."""
+    for proc in _CHILDREN:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+async def _controller(*flags: str) -> tuple[asyncio.subprocess.Process, int, asyncio.Task[bytes]]:
+    proc = await _spawn(
+        sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1", *flags,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    while True:
+        line = await asyncio.wait_for(proc.stderr.readline(), 60)
+        if not line:
+            raise SystemExit("flodld serve exited before listening")
+        found = _PORT.search(line)
+        if found:
+            return proc, int(found.group(1)), asyncio.create_task(proc.stderr.read())  # keep the log pipe flowing
+
+
+# --- baselines ---------------------------------------------------------------------------------------
+
+
+async def _echo_server() -> tuple[asyncio.Server, int]:
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(await reader.readexactly(24))
-        await writer.drain()
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                writer.write(await reader.readexactly(24))
+                await writer.drain()
         writer.close()
 
     server = await asyncio.start_server(echo, "127.0.0.1", 0, backlog=4096)
-    port = server.sockets[0].getsockname()[1]
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _baseline_connects(count: int, in_flight: int) -> float:
+    """Connections/s for connect + one 24-byte echo round trip on a bare asyncio server."""
+    server, port = await _echo_server()
+    gate = asyncio.Semaphore(in_flight)
 
     async def one() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"x" * 24)
-        await reader.readexactly(24)
-        writer.close()
+        async with gate:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"x" * 24)
+            await reader.readexactly(24)
+            writer.close()
 
     begun = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(count)))
     elapsed = time.perf_counter() - begun
     server.close()
     return count / elapsed
+
+
+async def _baseline_round_trips(clients: int, per_client: int) -> float:
+    """Round trips/s: `clients` connections each doing `per_client` 24-byte echoes, all at once."""
+    server, port = await _echo_server()
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(per_client):
+            writer.write(b"y" * 24)
+            await reader.readexactly(24)
+
+    begun = time.perf_counter()
+    await asyncio.gather(*(one(r, w) for r, w in connections))
+    elapsed = time.perf_counter() - begun
+    for _, writer in connections:
+        writer.close()
+    server.close()
+    return clients * per_client / elapsed
+
+
+# --- the join storm ---------------------------------------------------------------------------------
 
 
 async def _http_latency(port: int, path: str) -> float:
@@ -108,91 +219,246 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
 
 
-async def main(agents: int, pollers: int) -> None:
-    _raise_fd_limit(4 * agents + 256)
+@dataclass
+class StormRow:
+    agents: int
+    admit_rate: float
+    baseline_rate: float
+    first_dial_to_formed_ms: float
+    last_accept_to_formed_ms: float
+    state_p50: float
+    state_p99: float
+    base_p50: float
+    base_p99: float
+    polls: int
+    idle_rss: float
+    peak_rss: float
+    formed_bytes: int
+    exit_code: int | None
+
+    @property
+    def per_host_bytes(self) -> float:
+        return (self.peak_rss - self.idle_rss) * 1024 * 1024 / self.agents
+
+
+async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
+    _raise_fd_limit(2 * agents + 1024)
     token = new_salt()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodld", "serve", "--port", "0", "--bind", "127.0.0.1", "--ranks", str(agents),
-        "--token", token.hex(), "--window", "600", stderr=asyncio.subprocess.PIPE,
-    )
-    assert proc.stderr is not None
-    while True:
-        line = await proc.stderr.readline()
-        if not line:
-            raise SystemExit("flodld serve exited before listening")
-        found = _PORT.search(line)
-        if found:
-            port = int(found.group(1))
-            break
-    drain = asyncio.create_task(proc.stderr.read())  # keep the log pipe from filling up
-    baseline_rate = await _baseline_connects(agents)
-    idle_rss = _rss_mib(proc.pid)
+    proc, port, drain = await _controller("--ranks", str(agents), "--token", token.hex(), "--window", "600")
+    poller: asyncio.subprocess.Process | None = None
+    streams: list[FramedStream] = []
+    try:
+        baseline_rate = await _baseline_connects(agents, in_flight)
+        idle_rss = _rss_mib(proc.pid)
+        poller = await _spawn(
+            sys.executable, __file__, "--poller-for", str(port), "--pollers", str(pollers),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        assert poller.stdout is not None
+        await asyncio.wait_for(poller.stdout.readline(), 60)  # the storm starts once the pollers are running
 
-    poller = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--poller-for", str(port), "--pollers", str(pollers),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )
-    assert poller.stdout is not None
-    await poller.stdout.readline()  # the storm starts once the pollers are running
+        accepted_at: list[float] = []
+        formed_at: list[float] = []
+        formed_bytes: list[int] = []
+        everyone_formed = asyncio.Event()
+        release = asyncio.Event()
+        gate = asyncio.Semaphore(in_flight)
 
-    accepted_at: list[float] = []
-    formed_at: list[float] = []
-    everyone_formed = asyncio.Event()
-    release = asyncio.Event()
+        async def agent(index: int) -> None:
+            async with gate:
+                stream = await open_channel("127.0.0.1", port, Channel.JOIN, token, timeout=120)
+                streams.append(stream)
+                await stream.send(Hello(host=f"bench-{index:05d}", devices=["cpu:0"], device_labels=[],
+                                        variant="cpu", torch_version="bench", protocol_version=JOIN_PROTOCOL_VERSION))
+                reply = (await stream.recv(120)).message()
+                assert isinstance(reply, Accept), reply
+                accepted_at.append(time.perf_counter())
+            world = await stream.recv(300)
+            assert world.kind == WorldFormed.KIND, world.kind
+            formed_at.append(time.perf_counter())
+            formed_bytes.append(len(world.payload))
+            if len(formed_at) == agents:
+                everyone_formed.set()
+            await release.wait()  # links stay open: RSS at its peak, and the run (and port) outlive the polling
+            for rank in reply.ranks:  # nobody renumbers in a storm without departures: Accept's ranks are final
+                await stream.send(RankExited(rank=rank, code=0))
+            await stream.aclose()
 
-    async def agent(index: int) -> None:
-        stream = await open_channel("127.0.0.1", port, Channel.JOIN, token, timeout=60)
-        await stream.send(Hello(host=f"bench-{index:05d}", devices=["cpu:0"], device_labels=[], variant="cpu",
-                                torch_version="bench", protocol_version=PROTOCOL_VERSION))
-        reply = (await stream.recv(60)).message()
-        assert isinstance(reply, Accept), reply
-        accepted_at.append(time.perf_counter())
-        world = await stream.recv(120)  # authenticated; decoding its O(world) host list is the agent's cost
-        assert world.kind == WorldFormed.KIND, world.kind
-        formed_at.append(time.perf_counter())
-        if len(formed_at) == agents:
-            everyone_formed.set()
-        await release.wait()  # links stay open: RSS at its peak, and the run (and port) outlive the polling
-        for rank in reply.ranks:  # nobody renumbers in a storm without departures: Accept's ranks are final
-            await stream.send(RankExited(rank=rank, code=0))
-        await stream.aclose()
+        begun = time.perf_counter()
+        storm: asyncio.Future[list[None]] = asyncio.gather(*(agent(i) for i in range(agents)))
+        waiter: asyncio.Future[bool] = asyncio.ensure_future(everyone_formed.wait())
+        await asyncio.wait([waiter, storm], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+        if storm.done():
+            storm.result()  # an agent failed: raise its error
+        peak_rss = _rss_mib(proc.pid)
+        polled, _ = await poller.communicate(b"")
+        release.set()
+        await storm
+        samples = json.loads(polled)
+        code = await asyncio.wait_for(proc.wait(), 120)
+        return StormRow(
+            agents=agents, admit_rate=agents / (max(accepted_at) - begun), baseline_rate=baseline_rate,
+            first_dial_to_formed_ms=(max(formed_at) - begun) * 1000,
+            last_accept_to_formed_ms=(max(formed_at) - max(accepted_at)) * 1000,
+            state_p50=_pct(samples["state"], 0.5), state_p99=_pct(samples["state"], 0.99),
+            base_p50=_pct(samples["baseline"], 0.5), base_p99=_pct(samples["baseline"], 0.99),
+            polls=len(samples["state"]), idle_rss=idle_rss, peak_rss=peak_rss, formed_bytes=max(formed_bytes),
+            exit_code=code,
+        )
+    finally:
+        for stream in streams:
+            stream.close()
+        if poller is not None:
+            await _end(poller)
+        await _end(proc)
+        drain.cancel()
 
-    begun = time.perf_counter()
-    storm = asyncio.gather(*(agent(i) for i in range(agents)))
-    await everyone_formed.wait()
-    peak_rss = _rss_mib(proc.pid)
-    polled, _ = await poller.communicate(b"")
-    release.set()
-    await storm
-    samples = json.loads(polled)
-    state_samples, baseline_samples = samples["state"], samples["baseline"]
-    admit_rate = agents / (max(accepted_at) - begun)
-    code = await asyncio.wait_for(proc.wait(), 60)
-    await drain
 
-    state_p50, state_p99 = _pct(state_samples, 0.5), _pct(state_samples, 0.99)
-    base_p50, base_p99 = _pct(baseline_samples, 0.5), _pct(baseline_samples, 0.99)
-    print(f"join storm: {agents} agents, {pollers} state.json pollers, controller exit {code}")
-    print(f"  admissions/s          {admit_rate:10.1f}   baseline TCP connect+echo/s {baseline_rate:10.1f}"
-          f"   ratio {admit_rate / baseline_rate:6.3f}")
-    print(f"  last hello -> formed  {(max(formed_at) - max(accepted_at)) * 1000:10.1f} ms")
-    print(f"  state.json p50/p99    {state_p50:7.1f} / {state_p99:7.1f} ms ({len(state_samples)} polls)"
-          f"   404 baseline p50/p99 {base_p50:7.1f} / {base_p99:7.1f} ms   p50 ratio {state_p50 / base_p50:6.2f}")
-    print(f"  controller RSS        {idle_rss:7.1f} MiB idle, {peak_rss:7.1f} MiB with every host linked")
+# --- the store storm --------------------------------------------------------------------------------
+
+
+async def _store_call(stream: FramedStream, request: object, tail: bytes, kind: type) -> object:
+    await stream.send(request, tail)  # type: ignore[arg-type]
+    message = (await stream.recv(300)).message()
+    assert isinstance(message, kind), message
+    return message
+
+
+async def store_storm(ranks: int, peers: int) -> tuple[int, float, float, int | None]:
+    """(store ops, store ops/s, baseline round trips/s, controller exit code)."""
+    _raise_fd_limit(2 * ranks + 1024)
+    token, run_id = new_salt(), f"storm-{secrets.token_hex(4)}"
+    proc, port, drain = await _controller("--ranks", "1", "--token", token.hex(), "--run-id", run_id,
+                                          "--window", "600")
+    streams: list[FramedStream] = []
+    try:
+        for rank in range(ranks):
+            stream = await open_channel("127.0.0.1", port, Channel.RENDEZVOUS, token, timeout=60)
+            streams.append(stream)
+            await _store_call(stream, StoreHello(run_id=run_id, rank=rank, client_id=secrets.token_hex(16)), b"",
+                              StoreOk)
+        address = b"x" * 64
+
+        async def rank_init(rank: int, stream: FramedStream) -> int:
+            ops = 0
+            request_id = 1
+
+            def rid() -> int:
+                nonlocal request_id
+                request_id += 1
+                return request_id
+
+            await _store_call(stream, StoreAdd(key="/init/count", amount=1, request_id=rid()), b"", StoreInt)
+            await _store_call(stream, StoreSet(key=f"/pg/rank/{rank}", request_id=rid()), address, StoreOk)
+            ops += 2
+            for step in range(1, peers + 1):
+                key = f"/pg/rank/{(rank + step) % ranks}"
+                await _store_call(stream, StoreWait(keys=[key], timeout=300), b"", StoreOk)
+                await _store_call(stream, StoreGet(key=key, timeout=300), b"", StoreValue)
+                ops += 2
+            await _store_call(stream, StoreAdd(key="/init/done", amount=1, request_id=rid()), b"", StoreInt)
+            return ops + 1
+
+        begun = time.perf_counter()
+        counts = await asyncio.gather(*(rank_init(rank, stream) for rank, stream in enumerate(streams)))
+        elapsed = time.perf_counter() - begun
+        ops = sum(counts)
+    finally:
+        for stream in streams:
+            stream.close()
+        code = await _end(proc)  # no join: SIGTERM aborts the window (a failed verdict is expected)
+        drain.cancel()
+    baseline = await _baseline_round_trips(ranks, max(1, ops // ranks))
+    return ops, ops / elapsed, baseline, code
+
+
+# --- main ------------------------------------------------------------------------------------------
+
+
+def _table(rows: list[StormRow]) -> str:
+    lines = [
+        "| agents | admissions/s (TCP connect+echo baseline, ratio) | first dial → formed | last accept → formed "
+        "| state.json p50 / p99 (404 baseline p50 / p99, polls) | controller RSS linked (idle) | RSS per host "
+        "| WorldFormed bytes per host | exit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.agents:,} | {r.admit_rate:,.0f} ({r.baseline_rate:,.0f}, {r.admit_rate / r.baseline_rate:.2f}) "
+            f"| {r.first_dial_to_formed_ms:,.0f} ms | {r.last_accept_to_formed_ms:,.0f} ms "
+            f"| {r.state_p50:,.1f} / {r.state_p99:,.1f} ms ({r.base_p50:,.1f} / {r.base_p99:,.1f} ms, {r.polls}) "
+            f"| {r.peak_rss:,.0f} MiB ({r.idle_rss:,.0f} MiB) | {r.per_host_bytes / 1024:,.1f} KiB "
+            f"| {r.formed_bytes} B | {r.exit_code} |"
+        )
+    return "\n".join(lines)
+
+
+async def main(options: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, task.cancel)
+    rows: list[StormRow] = []
+    status = 0
+    print(f"join storm on {os.cpu_count()} CPU(s), {options.pollers} state.json pollers, "
+          f"{options.in_flight} dials in flight at most", flush=True)
+    try:
+        for agents in options.agents:
+            try:
+                row = await asyncio.wait_for(join_storm(agents, options.pollers, options.in_flight), options.timeout)
+            except TimeoutError:
+                print(f"  {agents} agents: no formation within {options.timeout:g}s (timed out)", flush=True)
+                status = 1
+                continue
+            rows.append(row)
+            print(_table([row]).splitlines()[-1], flush=True)
+        print()
+        print(_table(rows))
+        if options.store_ranks:
+            ranks = options.store_ranks
+            peers = ranks - 1 if options.store_peers == "all" else min(ranks - 1, int(options.store_peers))
+            try:
+                ops, rate, baseline, code = await asyncio.wait_for(store_storm(ranks, peers), options.timeout)
+            except TimeoutError:
+                print(f"store storm: {ranks} ranks did not finish within {options.timeout:g}s (timed out)")
+                return 1
+            print()
+            print(f"store storm: {ranks} ranks x (add, set, {peers} x (wait, get), add) = {ops:,} ops: "
+                  f"{rate:,.0f} ops/s; bare asyncio echo baseline {baseline:,.0f} round trips/s; "
+                  f"ratio {rate / baseline:.2f} (controller exit {code})")
+    finally:
+        for proc in _CHILDREN:
+            await _end(proc, grace=5.0)
+    return status
+
+
+def _agent_counts(text: str) -> list[int]:
+    return [int(part) for part in text.replace("_", "").split(",") if part.strip()]
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--agents", type=_agent_counts, default=[1000], help="comma-separated agent counts")
     parser.add_argument("--pollers", type=int, default=8)
+    parser.add_argument("--in-flight", type=int, default=2000, help="dials (handshake + hello) in flight at most")
+    parser.add_argument("--store-ranks", type=int, default=1000, help="simulated ranks in the store storm (0: skip)")
+    parser.add_argument("--store-peers", default="32", help="peers each rank reads in the store storm, or `all`")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per storm before giving up")
     parser.add_argument("--poller-for", type=int, help=argparse.SUPPRESS)  # internal: run as the poller child
     options = parser.parse_args()
-    entry = (
-        poller_main(options.poller_for, options.pollers) if options.poller_for else main(options.agents, options.pollers)
-    )
+    import atexit
+
+    atexit.register(_kill_children_now)
+    entry = poller_main(options.poller_for, options.pollers) if options.poller_for else main(options)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(entry)
+        runner = asyncio.run
     else:
-        uvloop.run(entry)
+        runner = uvloop.run
+    try:
+        sys.exit(runner(entry) or 0)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        _kill_children_now()
+        sys.exit(130)
