@@ -1,7 +1,8 @@
 """`fdl join [HOST:PORT] [--token HEX] [--bin PROGRAM] [--host NAME] [--devices LIST] [--persist] -- ARGS`.
 
-Runs PROGRAM in agent role against that controller: it joins the window, receives the formed world
-and starts its relay and one rank per device. Every flag defaults from the top-level `join:` block of
+Starts an agent (flodld's own process) against that controller: it joins the window, receives the
+formed world and starts its relay and one PROGRAM rank per device. PROGRAM needs no flodld import: a
+stock torchrun script (`init_process_group()` over env://) runs as is. Every flag defaults from the top-level `join:` block of
 fdl.yml, so a golden image can boot into a bare `fdl join`. The token may also come from the
 FDL_JOIN_TOKEN environment variable or from stdin (`--token -`), keeping it out of `ps`.
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fdl.run import program_command, reparse
+from flodld.agent.spawn import agent_command
 from flodld.agent.spec import AGENT_ENV, AgentSpec, DeviceError, encode_spec, parse_device_list
 from flodld.net.timeouts import scaled
 
@@ -149,8 +151,9 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
     except ValueError as error:
         raise UsageError(str(error)) from None
     spec = AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices,
-                     accept_env=list(accept_env) or None)  # fmt: skip
-    return JoinPlan(command, spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
+                     accept_env=list(accept_env) or None, program=command)  # fmt: skip
+    # The agent is flodld's own process; PROGRAM starts only as its ranks (a stock torchrun script works).
+    return JoinPlan(agent_command(), spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
 
 
 def _ssh_endpoint(args: argparse.Namespace, block: Any) -> SshEndpoint | None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flodld.agent.spawn import agent_command
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec, parse_device_list, resolve_devices
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -290,10 +291,11 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
             host=worker.host, controller_host="127.0.0.1", controller_port=bound_port,
             salt_hex=controller.salt_hex if pre_shared else None,
             devices=list(worker.local_devices) if worker.local_devices != "all" else None,
-            averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None,
+            averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None, program=command,
         )
         env = {**os.environ, **worker.env, AGENT_ENV: encode_spec(spec)}
-        agents.append(await asyncio.create_subprocess_exec(*command, env=env, stdin=asyncio.subprocess.DEVNULL))
+        # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
+        agents.append(await asyncio.create_subprocess_exec(*agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL))
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()

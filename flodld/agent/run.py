@@ -19,14 +19,16 @@ from flodld.agent import supervision as sv
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
 from flodld.agent.spawn import (
     bind_relay_listener,
-    program_argv,
+    rank_command,
     rank_environment,
+    relay_command,
     relay_environment,
     relay_spec_for,
     signal_group,
     spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
@@ -65,6 +67,7 @@ class AgentShell:
         self.children: list[Child] = []
         self.forwarders: list[asyncio.Future[None]] = []
         self.watchers: list[asyncio.Future[None]] = []
+        self.store_endpoint: AgentStoreEndpoint | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -107,6 +110,8 @@ class AgentShell:
             say(f"spawn failed; terminating {len(self.children)} already-spawned child(ren): {error}")
             for child in self.children:
                 signal_group(child.process, signal.SIGKILL)
+            if self.store_endpoint is not None:
+                await self.store_endpoint.close()
             await joined.stream.aclose()
             return ExitClass.TRANSIENT
         return await self._supervise(joined)
@@ -124,7 +129,12 @@ class AgentShell:
 
     async def _spawn_all(self, joined: Joined) -> None:
         formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host
-        argv = program_argv()
+        argv = rank_command(self.spec.program)
+        # torch's env:// rendezvous (a stock script) reaches the controller's store through this loopback endpoint.
+        self.store_endpoint = AgentStoreEndpoint(
+            ControllerAddress(envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id), say=say
+        )
+        store_port = await self.store_endpoint.start()
         relay_port: int | None = None
         if formed.relay is not None:
             listener = bind_relay_listener()
@@ -132,7 +142,8 @@ class AgentShell:
             # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as `host`).
             host_key = join_host_key(joined.salt, host=host, run_id=envelope.run_id, conn=joined.stream.conn)
             spec = relay_spec_for(formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno())
-            process = await spawn_child(argv, relay_environment(os.environ, spec), pass_fds=[listener.fileno()])
+            process = await spawn_child(relay_command(), relay_environment(os.environ, spec),
+                                        pass_fds=[listener.fileno()])  # fmt: skip
             listener.close()  # the relay owns it now
             self._adopt(Child("relay", process, None), f"[{host}:relay] ")
         fold = formed.relay.fold if formed.relay is not None else "mean"
@@ -140,7 +151,7 @@ class AgentShell:
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
             env = rank_environment(
                 os.environ, envelope, local_rank=local_rank, device=device, salt=joined.salt, host=host,
-                relay_port=relay_port, fold=fold, cadence=cadence, host_env=self.spec.host_env,
+                relay_port=relay_port, fold=fold, cadence=cadence, host_env=self.spec.host_env, store_port=store_port,
             )
             process = await spawn_child(argv, env)
             self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
@@ -205,6 +216,8 @@ class AgentShell:
                 grace.cancel()
             reader.cancel()
             await asyncio.gather(*self.forwarders, return_exceptions=True)
+            if self.store_endpoint is not None:
+                await self.store_endpoint.close()
 
     def _signal(self, which: Callable[[Child], bool], signum: int) -> None:
         # Ranks first, relay last: a relay that stops first would make live ranks see their

@@ -1,7 +1,11 @@
 """Child processes of the agent: their environments (pure) and how they are started.
 
-Ranks and the relay re-enter the user's program with the same interpreter and arguments; only
-the environment says which role each plays. Secrets (the salt, the specs) ride the environment.
+The agent is flodld's own process (`python -m flodld.agent`, see `agent_command`) and so is the
+relay (`python -m flodld.launcher`, which runs the role its environment names): the user's program
+(`AgentSpec.program`) only ever starts as a rank. An agent spec without a program is the older
+contract: the agent is the user's program itself (it called `exit_if_worker_role()`) and its ranks
+re-enter it with the same interpreter and arguments. Secrets (the salt, the specs) ride the
+environment, never argv.
 """
 
 from __future__ import annotations
@@ -28,6 +32,54 @@ def program_argv() -> list[str]:
     return [sys.executable, *sys.orig_argv[1:]]
 
 
+def agent_command(python: str | None = None) -> list[str]:
+    """How a launcher starts an agent: flodld's own entry, never the user's program."""
+    return [python or sys.executable, "-m", "flodld.agent"]
+
+
+def relay_command() -> list[str]:
+    """How the agent starts its relay: flodld's role dispatch (the relay spec is in its environment)."""
+    return [sys.executable, "-m", "flodld.launcher"]
+
+
+def rank_command(program: Sequence[str] | None) -> list[str]:
+    """The rank's command line: the spec's program, or (older contract) this process's own."""
+    return list(program) if program else program_argv()
+
+
+AGENT_STORE_HOST = "127.0.0.1"
+
+
+def torchrun_environment(envelope: WorldEnvelope, *, local_rank: int, store_port: int) -> dict[str, str]:
+    """What torchrun gives a worker, so a stock `init_process_group()` (env://) works unchanged.
+
+    MASTER_ADDR:MASTER_PORT is the agent's loopback TCPStore endpoint (flodld.agent.tcpstore), which
+    answers from the controller's authenticated store; TORCHELASTIC_USE_AGENT_STORE=True makes every
+    rank, rank 0 included, a client of it (torch then starts no store server of its own). GROUP_RANK and
+    GROUP_WORLD_SIZE (the node's index and count) are set only when this host holds the whole world:
+    formation tells a host its ranks, not its index among hosts."""
+    env = {
+        "MASTER_ADDR": AGENT_STORE_HOST,
+        "MASTER_PORT": str(store_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": envelope.run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(envelope.ranks[local_rank]),
+        "ROLE_WORLD_SIZE": str(envelope.world_size),
+    }
+    if envelope.local_world_size == envelope.world_size:
+        env.update(GROUP_RANK="0", GROUP_WORLD_SIZE="1")
+    return env
+
+
+TORCHRUN_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+)
+
+
 def base_environment(parent: Mapping[str, str]) -> dict[str, str]:
     """The parent's environment without any role variable (a child gets exactly one role)."""
     return {name: value for name, value in parent.items() if name not in ROLE_VARIABLES}
@@ -45,15 +97,21 @@ def rank_environment(
     fold: str,
     cadence: int,
     host_env: Mapping[str, str] | None = None,
+    store_port: int | None = None,
 ) -> dict[str, str]:
     """What a rank sees: torchrun-style identity, the controller's address, the salt, its device.
 
     Precedence: the agent's own environment, then the run's `env` (the controller's cluster scope),
     then `host_env` (this worker's `env:` and `nccl_socket_ifname`, which override the cluster scope),
-    then the identity variables flodld sets per rank."""
+    then the identity variables flodld sets per rank (with `store_port`, torchrun's as well: see
+    `torchrun_environment`; without it, none of torchrun's rendezvous variables leak through)."""
     env = base_environment(parent)
     env.update(envelope.env)
     env.update(host_env or {})
+    for name in TORCHRUN_VARIABLES:
+        env.pop(name, None)
+    if store_port is not None:
+        env.update(torchrun_environment(envelope, local_rank=local_rank, store_port=store_port))
     env.update({
         rank_env.RANK: str(envelope.ranks[local_rank]),
         rank_env.WORLD_SIZE: str(envelope.world_size),

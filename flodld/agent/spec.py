@@ -47,6 +47,10 @@ class AgentSpec(BaseModel):
     host_env: Annotated[
         dict[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str], Field(max_length=4096)
     ] | None = None
+    # The rank's command line (interpreter, program, arguments): the agent (`python -m flodld.agent`)
+    # starts exactly this once per rank, so the user's program only ever runs as a rank. None: the
+    # agent is itself the user's program (which called exit_if_worker_role()) and re-enters it.
+    program: Annotated[list[Annotated[str, Field(max_length=65536)]], Field(min_length=1, max_length=4096)] | None = None
 
 
 def encode_spec(spec: BaseModel) -> str:

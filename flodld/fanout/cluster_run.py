@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from flodld.agent.spawn import agent_command
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
 from flodld.config.models import ClusterConfig
 from flodld.fanout.launcher import AgentExit, FanOut, FanOutError, plan_agent, probe_device_count, workdir_for
@@ -115,9 +116,10 @@ async def run_cluster_job(
                 host=worker.host, controller_host="127.0.0.1", controller_port=bound_port, salt_hex=salt_hex,
                 devices=list(worker.local_devices) if worker.local_devices != "all" else ["all"],
                 averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None,
+                program=[sys.executable, program, *args],
             )  # fmt: skip
             local_agents[worker.host] = await asyncio.create_subprocess_exec(
-                sys.executable, program, *args, env={**env, **worker.env, AGENT_ENV: encode_spec(spec)},
+                *agent_command(), env={**env, **worker.env, AGENT_ENV: encode_spec(spec)},
                 stdin=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
         try:

@@ -13,6 +13,8 @@ docs/multi-host.md:
   from the workdir; `-e NAME` without a value makes compose copy the value from its own
   environment, so secrets still never appear in argv. With `arch`, `<arch>/bin/python` inside
   the container. Tunnels need `network_mode: host` on that service.
+* the agent runs as `<interpreter> -m flodld.agent` (flodld's own process); the spec's `program`
+  (`<interpreter> PROGRAM ARGS`) is what it starts as each rank.
 * secrets: the agent spec (with the session salt) and the worker's `env:` travel as KEY=VALUE
   lines on the session's stdin (`flodld.fanout.ssh.SUPERVISOR`), never in argv.
 * `tunnel: true`: a remote forward from a port the worker's sshd picks on its 127.0.0.1 to the
@@ -29,6 +31,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from flodld.agent.spawn import agent_command
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
 from flodld.config.models import ClusterConfig, ControllerConfig, WorkerConfig
 from flodld.fanout.ssh import RemoteAgent, SshEndpoint, run_remote, start_remote_agent
@@ -112,13 +115,14 @@ def plan_agent(
     controller = cluster.controller
     workdir = workdir_for(worker, controller, local_cwd or os.getcwd())
     worker_env = {**(extra_env or {}), **worker.env}
-    command = [interpreter_for(worker, workdir), program, *args]
-    argv = wrap_command(worker, command, [*worker_env, AGENT_ENV])
+    python = interpreter_for(worker, workdir)
+    # The agent is flodld's own process (`python -m flodld.agent`); the program starts only as its ranks.
+    argv = wrap_command(worker, agent_command(python), [*worker_env, AGENT_ENV])
     devices = list(worker.local_devices) if worker.local_devices != "all" else ["all"]
     spec = AgentSpec(
         host=worker.host, controller_host=controller.host, controller_port=controller_port, salt_hex=salt_hex,
         devices=devices, averaging=str(controller.averaging.value), cluster_env=True,
-        host_env=worker.rank_env() or None,
+        host_env=worker.rank_env() or None, program=[python, program, *args],
     )  # fmt: skip
     return AgentPlan(host=worker.host, endpoint=endpoint_for(worker), workdir=workdir, argv=tuple(argv), spec=spec,
                      tunnel=worker.tunnel, controller_port=controller_port, worker_env=worker_env)  # fmt: skip

@@ -1,8 +1,10 @@
-"""Role dispatch: one user program plays agent, relay or rank depending on its environment.
+"""Role dispatch: which role (agent, relay, rank, plain) a process plays, from its environment.
 
-Call `exit_if_worker_role()` first thing in `main` (or use `flodld.run(main)`, which does): in an
-agent or relay process it runs that role and exits; in a rank or a plain process it returns, and
-the user's code runs with an ordinary torch environment.
+The launchers start agents as flodld's own process (`python -m flodld.agent`) and agents start their
+relay the same way (`python -m flodld.launcher`), so a user program only ever runs as a rank (or
+plainly). There `exit_if_worker_role()` is a harmless no-op that only claims the session salt; it
+still runs the agent or relay role for a program started the older way, as the agent itself (an
+agent spec without `program`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ def _run_role(name: str, run: Callable[[], int]) -> None:
         print(f"flodld {name}: {error}", file=sys.stderr)
         code = 1
     _exit(code)
+
+
+def run_agent_role() -> None:
+    """`python -m flodld.agent`: run the agent role to its exit code and leave."""
+    from flodld.agent.run import run_agent
+
+    _run_role("agent", run_agent)
 
 
 def exit_if_worker_role() -> None:

@@ -35,7 +35,9 @@ def test_a_bare_fdl_join_takes_everything_from_the_join_block(tmp_path: Path, mo
         "  args: ['--epochs', '3']\n  host: box-7\n  devices: ['cpu:2']\n  persist: true\n"
     ))
     plan = join_command.resolve_plan(parse("--project", str(directory)))
-    assert plan.command == [sys.executable, str(tmp_path / "train.py"), "--epochs", "3"]
+    # The agent is flodld's own process; the program is what it starts as each rank.
+    assert plan.command == [sys.executable, "-m", "flodld.agent"]
+    assert plan.spec.program == [sys.executable, str(tmp_path / "train.py"), "--epochs", "3"]
     assert (plan.spec.controller_host, plan.spec.controller_port) == ("10.1.2.3", 4000)
     assert plan.spec.salt_hex == TOKEN and plan.spec.host == "box-7" and plan.spec.devices == ["cpu:2"]
     assert plan.persist
@@ -47,7 +49,7 @@ def test_flags_win_over_the_block_and_an_empty_tail_clears_its_args(tmp_path: Pa
     args = parse("127.0.0.1:5555", "--project", str(directory), "--host", "me", "--devices", "cpu:3", "--")
     plan = join_command.resolve_plan(args)
     assert (plan.spec.controller_host, plan.spec.controller_port) == ("127.0.0.1", 5555)
-    assert plan.command[2:] == [] and plan.spec.devices == ["cpu:3"] and plan.spec.host == "me"
+    assert plan.spec.program is not None and plan.spec.program[2:] == [] and plan.spec.devices == ["cpu:3"] and plan.spec.host == "me"
     assert not plan.persist
 
 

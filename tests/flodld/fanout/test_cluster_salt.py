@@ -22,13 +22,10 @@ from tests.flodld.fanout.test_launcher import _cluster
 
 REPO = Path(__file__).resolve().parents[3]
 
-# Each agent says whether its spec (sent over the SSH session's stdin) carries the salt.
+# The agent (flodld's own process) says in its first line whether its spec (sent over the SSH session's
+# stdin) carries the salt: "admission: pre-shared salt" or "admission: open".
 PROGRAM = """\
-import os, sys
-from flodld.agent.spec import AGENT_ENV, decode_agent_spec
-if AGENT_ENV in os.environ:
-    spec = decode_agent_spec(os.environ[AGENT_ENV])
-    print("agent salt=" + ("yes" if spec.salt_hex else "no"), flush=True)
+import sys
 import flodld
 sys.exit(flodld.run(lambda: 0, init_process_group=False))
 """
@@ -49,8 +46,8 @@ async def test_every_tunneled_fan_out_agent_gets_the_salt_and_the_run_needs_it(t
         server.close()
     assert code == 0, "\n".join(said + lines)
     assert any("bound to 127.0.0.1" in line for line in said)  # every worker tunneled: a loopback bind
-    reports = [line for line in lines if line.startswith("agent salt=")]
-    assert reports and all(line == "agent salt=yes" for line in reports), lines
+    reports = [line for line in lines if line.startswith("flodld agent: ") and "dialing controller" in line]
+    assert reports and all("admission: pre-shared salt)" in line for line in reports), lines
     # The agent joined with the salt, so the controller's join key was the salt: admission was pre-shared.
 
 

@@ -102,7 +102,8 @@ def test_docker_wraps_the_command_and_passes_env_by_name_only() -> None:
     plan = plan_agent(cluster.workers[0], cluster, program="train.py", args=["--lr", "1"], controller_port=1337,
                       salt_hex="ab" * 16)  # fmt: skip
     assert plan.argv == ("docker", "compose", "run", "--rm", "-T", "-e", "FOO", "-e", AGENT_ENV, "cuda",
-                         "python", "train.py", "--lr", "1")  # fmt: skip
+                         "python", "-m", "flodld.agent")  # fmt: skip
+    assert plan.spec.program == ["python", "train.py", "--lr", "1"]
     assert "ab" * 16 not in " ".join(plan.argv) and "bar" not in plan.argv
     assert wrap_command(cluster.workers[0].model_copy(update={"docker": None}), ["x"], ["A"]) == ["x"]
 
@@ -160,11 +161,18 @@ async def test_fan_out_run_completes_and_leaves_no_process(tmp_path: Path, tunne
 @pytest.mark.timeout(120)
 async def test_agent_dying_before_formation_aborts_naming_its_host(tmp_path: Path) -> None:
     server = await start_local_ssh_server(tmp_path)
-    program = tmp_path / "crash.py"
-    program.write_text("import sys\nprint('no flodld here')\nsys.exit(3)\n")
+    program = tmp_path / "train.py"
+    program.write_text("print('never started')\n")
+    # The agent is `<interpreter> -m flodld.agent`; an interpreter that dies at once is an agent dying early.
+    broken = tmp_path / "broken-env"
+    (broken / "bin").mkdir(parents=True)
+    (broken / "bin" / "python").write_text("#!/bin/sh\necho 'no flodld here'\nexit 3\n")
+    (broken / "bin" / "python").chmod(0o755)
+    cluster = _cluster(server)
+    cluster = cluster.model_copy(update={"workers": [cluster.workers[0].model_copy(update={"arch": str(broken)})]})
     said: list[str] = []
     try:
-        code = await run_cluster_job(str(program), [], _cluster(server), say=said.append, on_output=lambda host, line: None)
+        code = await run_cluster_job(str(program), [], cluster, say=said.append, on_output=lambda host, line: None)
     finally:
         server.close()
     assert code == 1
@@ -189,7 +197,8 @@ async def test_cancelled_launcher_stops_every_remote_process(tmp_path: Path) -> 
         while sum("rank up" in line for line in lines) < 2 and time.monotonic() < end:
             await asyncio.sleep(0.1)
         assert sum("rank up" in line for line in lines) == 2, lines
-        assert len(_processes_mentioning(str(program))) >= 3  # agent, relay, two ranks
+        # The two ranks (the agent and relay are flodld's own processes: they never run the program).
+        assert len(_processes_mentioning(str(program))) >= 2
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job

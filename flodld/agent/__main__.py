@@ -1,0 +1,12 @@
+"""`python -m flodld.agent`: the agent role as flodld's own process (its spec in FLODL_INTERNAL_AGENT_JSON).
+
+Launchers (`fdl run`, `fdl join`, the fan-out) start this, with the user's program in the spec's
+`program`: the agent starts it once per rank and never runs it itself.
+"""
+
+from __future__ import annotations
+
+from flodld.launcher import run_agent_role
+
+if __name__ == "__main__":
+    run_agent_role()

@@ -1,0 +1,403 @@
+"""The agent's loopback TCPStore endpoint: what a stock env:// `init_process_group()` dials.
+
+torch's env:// rendezvous opens a TCPStore client to MASTER_ADDR:MASTER_PORT. The agent points that
+at 127.0.0.1:<port> (flodld.agent.spawn.torchrun_environment), and this shell answers every request
+from the controller's store over the authenticated rendezvous channel (the run's salt, the same
+channel `flodld.rank.store.ControllerStore` uses): one controller link per TCPStore connection, so a
+blocking WAIT on one never holds up another. The bytes are decoded and encoded by the sans-io codec
+`flodld.wire.tcpstore`.
+
+Who may connect: the listener binds 127.0.0.1 only, and a connection is served only when the peer's
+socket belongs to the agent's own uid (looked up in /proc/net/tcp{,6}: the peer socket's entry is the
+one whose local address is the connection's remote end); any other uid, or a peer not found, is
+closed before a byte is read. Its first request must be torch's VALIDATE (magic 0x3C85F7CE), which
+also turns away a web page that posts to the loopback port. Nothing unauthenticated leaves the host:
+the endpoint's only onward traffic is the authenticated rendezvous channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flodld.net.stream import FramedStream, open_channel
+from flodld.wire import tcpstore as ts
+from flodld.wire.frames import MAX_PAYLOAD, Frame
+from flodld.wire.magic import Channel
+from flodld.wire.messages import Message
+from flodld.wire.store import (
+    MAX_VALUE_BYTES,
+    StoreAdd,
+    StoreAppend,
+    StoreBool,
+    StoreCheck,
+    StoreCompareSet,
+    StoreDeleteKey,
+    StoreError,
+    StoreGet,
+    StoreHello,
+    StoreInt,
+    StoreListKeys,
+    StoreMultiGet,
+    StoreMultiSet,
+    StoreNumKeys,
+    StoreOk,
+    StoreQueueLen,
+    StoreQueuePop,
+    StoreQueuePush,
+    StoreSet,
+    StoreValue,
+    StoreValues,
+    StoreWait,
+    split_tail,
+)
+
+log = logging.getLogger("flodld.agent.tcpstore")
+
+CONNECT_TIMEOUT_SECS = 10.0
+WAIT_SLICE_SECS = 5.0
+"""A WAIT is asked of the controller in slices: a canceled wait leaves at most this much behind there."""
+MAX_CONNECTIONS = 1024
+READ_CHUNK = 256 * 1024
+_PROC_NET = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+# --- who is on the other end -------------------------------------------------------------------
+
+
+def _parse_proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """'0100007F:1F90' (or the 32-hex-digit IPv6 form) as /proc/net/tcp prints it: words in host order."""
+    host_hex, port_hex = text.split(":")
+    raw = bytes.fromhex(host_hex)
+    words = b"".join(raw[index : index + 4][::-1] for index in range(0, len(raw), 4))  # little-endian hosts
+    address = ipaddress.ip_address(words)
+    return address, int(port_hex, 16)
+
+
+def _plain(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def socket_owner_uid(local: tuple[str, int], remote: tuple[str, int], *, tables: tuple[str, ...] = _PROC_NET) -> int | None:
+    """The uid owning the TCP socket bound to `local` and connected to `remote` on this host, or None.
+
+    For a connection accepted on 127.0.0.1, pass the peer's address as `local` and ours as `remote`:
+    the peer's socket is the entry with those ends (the kernel keeps both ends of a loopback connection)."""
+    want_local = (_plain(ipaddress.ip_address(local[0])), local[1])
+    want_remote = (_plain(ipaddress.ip_address(remote[0])), remote[1])
+    for table in tables:
+        try:
+            with open(table, encoding="ascii") as handle:
+                next(handle, None)
+                for line in handle:
+                    fields = line.split()
+                    if len(fields) < 8:
+                        continue
+                    try:
+                        here, there = _parse_proc_address(fields[1]), _parse_proc_address(fields[2])
+                    except ValueError:
+                        continue
+                    if (_plain(here[0]), here[1]) == want_local and (_plain(there[0]), there[1]) == want_remote:
+                        return int(fields[7])
+        except OSError:
+            continue
+    return None
+
+
+# --- the controller side -----------------------------------------------------------------------
+
+
+class StoreRefused(Exception):
+    """The controller answered StoreError; `code` says why. The TCPStore client is then dropped."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"{reason} [{code}]")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ControllerAddress:
+    host: str
+    port: int
+    salt: bytes
+    run_id: str
+
+
+class ControllerLink:
+    """One authenticated rendezvous connection, dialed on first use and re-dialed once when it breaks.
+
+    Mutating requests carry this link's request ids under its own client id, so one re-sent after a lost
+    reply is answered from the controller's record, never applied twice (as ControllerStore does)."""
+
+    def __init__(self, address: ControllerAddress) -> None:
+        self.address = address
+        self.client_id = secrets.token_hex(16)
+        self._next_id = 1
+        self._stream: FramedStream | None = None
+
+    async def _dial(self) -> FramedStream:
+        a = self.address
+        stream = await open_channel(a.host, a.port, Channel.RENDEZVOUS, a.salt, timeout=CONNECT_TIMEOUT_SECS,
+                                    max_payload=MAX_PAYLOAD, max_tail=MAX_VALUE_BYTES)  # fmt: skip
+        try:
+            await stream.send(StoreHello(run_id=a.run_id, rank=-1, client_id=self.client_id))
+            _check(await stream.recv(CONNECT_TIMEOUT_SECS), StoreOk)
+        except BaseException:
+            stream.close()
+            raise
+        self._stream = stream
+        return stream
+
+    async def call(self, request: Message, kind: type[Message], tail: bytes = b"") -> Frame:
+        if "request_id" in type(request).model_fields:
+            request = request.model_copy(update={"request_id": self._next_id})
+            self._next_id += 1
+        for attempt in (0, 1):
+            stream = self._stream or await self._dial()
+            try:
+                await stream.send(request, tail)
+                frame = await stream.recv()
+            except (EOFError, ConnectionError) as error:
+                self.drop()
+                if attempt:
+                    raise ConnectionError(f"controller store: connection lost twice ({error!r})") from error
+                continue
+            _check(frame, kind)
+            return frame
+        raise AssertionError("unreachable")
+
+    def drop(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+def _check(frame: Frame, kind: type[Message]) -> Message:
+    message = frame.message()
+    if isinstance(message, StoreError):
+        raise StoreRefused(message.code, message.reason)
+    if not isinstance(message, kind):
+        raise StoreRefused("bad_reply", f"expected {kind.__name__}, got {type(message).__name__}")
+    return message
+
+
+# --- one TCPStore client -----------------------------------------------------------------------
+
+
+class _Session:
+    """Serves one TCPStore client connection: requests in order, a WAIT cancelable by CANCEL_WAIT."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: ControllerLink) -> None:
+        self.reader, self.writer, self.link = reader, writer, link
+        self.codec = ts.TcpStoreServerConnection()
+        self.requests: asyncio.Queue[ts.Request | None] = asyncio.Queue(maxsize=64)
+
+    async def _read(self) -> None:
+        """Decode requests into the queue (None at EOF or on a protocol error, which ends the session)."""
+        try:
+            while True:
+                data = await self.reader.read(READ_CHUNK)
+                self.codec.receive_data(data)
+                while (request := self.codec.next_request()) is not None:
+                    await self.requests.put(request)
+                if not data:
+                    break
+        except ts.TcpStoreProtocolError as error:
+            log.info("event=tcpstore_dropped reason=protocol detail=%s", error)
+        except (ConnectionError, OSError):
+            pass
+        await self.requests.put(None)
+
+    async def run(self) -> None:
+        reader = asyncio.ensure_future(self._read())
+        try:
+            while (request := await self.requests.get()) is not None:
+                reply = await self._answer(request)
+                if reply:
+                    self.writer.write(reply)
+                    await self.writer.drain()
+        except StoreRefused as error:
+            log.info("event=tcpstore_dropped reason=store detail=%s", error)
+        except (ConnectionError, OSError, TimeoutError) as error:
+            log.info("event=tcpstore_dropped reason=link detail=%r", error)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self.link.drop()
+
+    async def _answer(self, request: ts.Request) -> bytes:
+        link = self.link
+        match request:
+            case ts.Validate():
+                return b""
+            case ts.Ping(nonce):
+                return ts.reply_ping(nonce)
+            case ts.Set(key, value):
+                await link.call(StoreSet(key=key), StoreOk, value)
+                return b""
+            case ts.CompareSet(key, expected, desired):
+                frame = await link.call(StoreCompareSet(key=key, expected_len=len(expected)), StoreValue,
+                                        expected + desired)  # fmt: skip
+                return ts.reply_value(frame.tail)
+            case ts.Get(key):
+                return ts.reply_value((await link.call(StoreGet(key=key, timeout=0), StoreValue)).tail)
+            case ts.Add(key, amount):
+                return ts.reply_int(_int(await link.call(StoreAdd(key=key, amount=amount), StoreInt)))
+            case ts.Check(keys):
+                return ts.reply_check(_bool(await link.call(StoreCheck(keys=list(keys)), StoreBool)))
+            case ts.Wait(keys):
+                return await self._wait(list(keys))
+            case ts.NumKeys():
+                return ts.reply_int(_int(await link.call(StoreNumKeys(), StoreInt)))
+            case ts.DeleteKey(key):
+                return ts.reply_deleted(_bool(await link.call(StoreDeleteKey(key=key), StoreBool)))
+            case ts.Append(key, value):
+                await link.call(StoreAppend(key=key), StoreOk, value)
+                return b""
+            case ts.MultiGet(keys):
+                unique = list(dict.fromkeys(keys))
+                frame = await link.call(StoreMultiGet(keys=unique, timeout=0), StoreValues)
+                message = frame.message()
+                assert isinstance(message, StoreValues)
+                values = dict(zip(unique, split_tail(frame.tail, list(message.lengths)), strict=True))
+                return ts.reply_values([values[key] for key in keys])
+            case ts.MultiSet(keys, values):
+                await link.call(StoreMultiSet(keys=list(keys), lengths=[len(v) for v in values]), StoreOk,
+                                b"".join(values))  # fmt: skip
+                return b""
+            case ts.CancelWait():
+                return ts.reply_wait_canceled()  # no wait pending (it answered already): just acknowledge
+            case ts.QueuePush(key, value):
+                await link.call(StoreQueuePush(key=key), StoreOk, value)
+                return b""
+            case ts.QueuePop(key):
+                try:
+                    return ts.reply_queue_pop((await link.call(StoreQueuePop(key=key, timeout=0), StoreValue)).tail)
+                except StoreRefused as error:
+                    if error.code == "queue_empty":
+                        return ts.reply_queue_pop(None)
+                    raise
+            case ts.QueueLen(key):
+                return ts.reply_int(_int(await link.call(StoreQueueLen(key=key), StoreInt)))
+            case ts.ListKeys():
+                frame = await link.call(StoreListKeys(), StoreValues)
+                message = frame.message()
+                assert isinstance(message, StoreValues)
+                return ts.reply_keys([piece.decode() for piece in split_tail(frame.tail, list(message.lengths))])
+        raise AssertionError(f"unhandled {request!r}")
+
+    async def _wait(self, keys: list[str]) -> bytes:
+        """WAIT: ask the controller in slices until every key exists, or until the client sends CANCEL_WAIT.
+
+        A cancel answers WAIT_CANCELED at once and drops the controller link (its slice is left to time out
+        there); the link is re-dialed for the next request."""
+        next_request = asyncio.ensure_future(self.requests.get())
+        try:
+            while True:
+                slice_call = asyncio.ensure_future(self._wait_slice(keys))
+                await asyncio.wait({slice_call, next_request}, return_when=asyncio.FIRST_COMPLETED)
+                if slice_call.done():
+                    if slice_call.result():
+                        return ts.reply_stop_waiting()
+                    continue
+                slice_call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StoreRefused, ConnectionError, OSError):
+                    await slice_call
+                self.link.drop()
+                following = next_request.result()
+                if isinstance(following, ts.CancelWait):
+                    return ts.reply_wait_canceled()
+                # Only CANCEL_WAIT may follow a WAIT (torch's client holds its op lock while waiting).
+                raise StoreRefused("protocol", f"{type(following).__name__} sent while a WAIT was pending")
+        finally:
+            if not next_request.done():
+                next_request.cancel()
+
+    async def _wait_slice(self, keys: list[str]) -> bool:
+        try:
+            await self.link.call(StoreWait(keys=keys, timeout=WAIT_SLICE_SECS), StoreOk)
+        except StoreRefused as error:
+            if error.code == "timeout":
+                return False
+            raise
+        return True
+
+
+def _int(frame: Frame) -> int:
+    message = frame.message()
+    assert isinstance(message, StoreInt)
+    return message.value
+
+
+def _bool(frame: Frame) -> bool:
+    message = frame.message()
+    assert isinstance(message, StoreBool)
+    return message.value
+
+
+# --- the endpoint ------------------------------------------------------------------------------
+
+
+class AgentStoreEndpoint:
+    """The per-host loopback TCPStore endpoint of one run (see the module docstring for who may connect)."""
+
+    def __init__(self, address: ControllerAddress, *, say: Callable[[str], None] | None = None,
+                 uid: int | None = None) -> None:  # fmt: skip
+        self.address = address
+        self.say = say
+        self.uid = os.getuid() if uid is None else uid
+        self.refused = 0
+        self._server: asyncio.Server | None = None
+        self._sessions: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str = "127.0.0.1") -> int:
+        """Listen on `host` (loopback), on a free port; returns the port."""
+        self._server = await asyncio.start_server(self._accept, host, 0, backlog=256, limit=READ_CHUNK)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        peer, ours = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
+        owner = socket_owner_uid((peer[0], peer[1]), (ours[0], ours[1])) if peer and ours else None
+        if owner != self.uid or len(self._sessions) >= MAX_CONNECTIONS:
+            self.refused += 1
+            if self.say is not None:
+                why = (f"its socket belongs to uid {owner}" if owner is not None else "its socket's owner is unknown")
+                if owner == self.uid:
+                    why = f"{MAX_CONNECTIONS} connections are open already"
+                self.say(f"refused a connection to the rank store endpoint from {peer[0]}:{peer[1]}: {why} "
+                         f"(only uid {self.uid} may use it)")  # fmt: skip
+            writer.close()
+            return
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sessions.add(task)
+        try:
+            await _Session(reader, writer, ControllerLink(self.address)).run()
+        finally:
+            self._sessions.discard(task)
+            writer.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._sessions):
+            task.cancel()
+        await asyncio.gather(*self._sessions, return_exceptions=True)

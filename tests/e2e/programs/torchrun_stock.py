@@ -1,0 +1,31 @@
+"""A stock torchrun script: no flodld import, env:// rendezvous, gloo. Runs as is under torchrun,
+`fdl run` and `fdl join --bin`."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+# Top level: under flodld this runs in ranks only (never in an agent or relay, which are flodld's own).
+print(f"stock top-level RANK={os.environ.get('RANK')} MASTER_ADDR={os.environ.get('MASTER_ADDR')}", flush=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert rank == int(os.environ["RANK"]) and world == int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    pair = dist.new_group([0, 1])
+    p = torch.tensor([float(rank + 1)])
+    if rank in (0, 1):
+        dist.all_reduce(p, group=pair)
+    dist.barrier()
+    print(f"stock rank={rank}/{world} local={local[0]}/{local[1]} sum={t.item():g} pair={p.item():g}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
