@@ -432,8 +432,11 @@ class Controller:
             log.warning("event=rank_exit_ignored host=%s rank=%d code=%d reason=not this host's rank in a formed world",
                         link.host, rank, code)
             return
-        log.log(logging.WARNING if code else logging.INFO, "event=rank_exited host=%s rank=%d code=%d",
-                link.host, rank, code)
+        if code:
+            log.warning("event=rank_exited host=%s rank=%d code=%d", link.host, rank, code)
+        else:  # clean exits of a large world arrive as a storm: coalesced past a burst
+            self.storm_log.event("rank_exited", logging.INFO, "event=rank_exited host=%s rank=%d code=%d",
+                                 link.host, rank, code, detail=lambda: f"host={link.host} rank={rank}")
         decided = window.phase in TERMINAL_PHASES
         window.rank_exited(rank, code, self.clock())  # after the verdict: recorded for state.json only
         if not decided:
@@ -480,8 +483,11 @@ class Controller:
             if lost:
                 self._lost_hosts[link.host] = why
             window.host_closed(link.host, self.clock(), lost=lost)
-            log.log(logging.WARNING if lost else logging.INFO, "event=host_link_closed host=%s lost=%s why=%r",
-                    link.host, lost, why)
+            if lost:
+                log.warning("event=host_link_closed host=%s lost=%s why=%r", link.host, lost, why)
+            else:
+                self.storm_log.event("host_link_closed", logging.INFO, "event=host_link_closed host=%s lost=%s why=%r",
+                                     link.host, lost, why, detail=lambda: f"host={link.host}")
         self._settle()
 
     # --- formation and the end ----------------------------------------------------------------
@@ -587,6 +593,7 @@ class Controller:
 
     def _conclude(self, result: RunResult) -> None:
         if self._result is None:
+            self.storm_log.flush()
             self._result = result
             self.ended_at = time.time()
             self._done.set()
