@@ -19,25 +19,50 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "mean_with_faults.py"
 VALUES = "4096"
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 5])
 def test_relay_transport_is_the_default_under_cpu_averaging_and_every_rank_passes(ranks: int) -> None:
+    # The default is threshold keys: no key holder, every rank decrypts the mean with the others' shares.
     run = Fdl("run", "--ranks", str(ranks), str(ENCRYPTED_MEAN), "--", "--values", VALUES)
     assert run.wait(240) == 0, run.output
     errors = assert_encrypted_mean_passed(run.output, ranks, transport="relay")
     assert all(error < 1e-6 for error in errors)
+    assert len(set(errors)) == 1, run.output  # every rank decrypted the same sum
     assert len(re.findall(rf"all_reduce_add_ciphertext over {ranks} rank\(s\) via relay", run.output)) == ranks
+    assert len(re.findall(rf"collective decryption from {ranks} decryption shares", run.output)) == ranks
+    assert len(re.findall(r"checked here\) .* keys threshold", run.output)) == ranks
     assert "fdl run: run done" in run.output
 
 
-@pytest.mark.parametrize(("ranks", "form"), [(2, []), (3, ["--lower"])])
+@pytest.mark.parametrize(("ranks", "form"), [(2, []), (3, ["--lower"]), (5, [])])
 def test_process_group_transport_runs_the_specialized_and_lowered_program(ranks: int, form: list[str]) -> None:
     run = Fdl("run", "--ranks", str(ranks), str(ENCRYPTED_MEAN), "--",
               *encrypted_mean_args(int(VALUES), transport="process-group"), *form)
     assert run.wait(240) == 0, run.output
     errors = assert_encrypted_mean_passed(run.output, ranks, transport="process-group")
-    # Over the process group every rank receives the decrypted mean and checks it itself.
-    assert len(errors) == ranks and len(set(errors)) == 1, run.output
-    assert len(re.findall(r"checked here", run.output)) == ranks
+    # Every rank decrypts the mean itself (threshold keys) and checks it.
+    assert len(errors) == ranks and len(set(errors)) == 1 and max(errors) < 1e-6, run.output
+    assert len(re.findall(r"checked here\) .* keys threshold", run.output)) == ranks
+
+
+def test_single_key_mode_keeps_rank_0_as_the_key_holder() -> None:
+    run = Fdl("run", "--ranks", "2", str(ENCRYPTED_MEAN), "--", "--values", VALUES, "--keys", "single")
+    assert run.wait(240) == 0, run.output
+    errors = assert_encrypted_mean_passed(run.output, 2, transport="relay")
+    assert all(error < 1e-6 for error in errors)
+    assert "key holder rank 0" in run.output and "keys single" in run.output
+    assert len(re.findall(r"as measured by the key holder", run.output)) == 1  # rank 1 relies on rank 0
+
+
+@pytest.mark.parametrize("transport", ["relay", "process-group"])
+def test_a_rank_leaving_after_encrypting_fails_every_other_rank_naming_its_missing_share(transport: str) -> None:
+    run = Fdl("run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--keys", "threshold",
+              "--transport", transport, "--fault", "leave", "--fault-rank", "2", "--share-timeout", "10")
+    assert run.wait(240) == 1, run.output
+    assert "rank 2: leaving after encrypting, before its decryption share" in run.output
+    failed = re.findall(r"rank ([01]): FAILED: MissingSharesAggregationError: N-out-of-N decryption needs a "
+                        r"decryption share from each of 3 ranks; rank\(s\) \[2\] published none", run.output)
+    assert sorted(failed) == ["0", "1"], run.output
+    assert "encrypted mean PASS" not in run.output
 
 
 @pytest.mark.parametrize(

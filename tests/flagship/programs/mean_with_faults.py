@@ -1,11 +1,14 @@
 """examples/encrypted_mean.py with one misbehaving rank, and an audit dump, for the flagship tests.
 
-    mean_with_faults.py [example args] [--fault values|scale|foreign-key|leave --fault-rank R] [--audit-dir D]
+    mean_with_faults.py [example args] [--keys single|threshold] [--fault values|scale|foreign-key|leave
+                        --fault-rank R] [--audit-dir D]
 
 The faulty rank runs the real workload and only differs where the fault says: a different
 --values, a different CKKS scale, a public key of its own, or leaving (exit 0) right before the
-all-reduce. --audit-dir writes each rank's secret key (key holder), update, ciphertext and sum as
-torch files so a test can compare them with the bytes that crossed the controller.
+all-reduce (single keys) or right after encrypting and summing, before its decryption share
+(threshold keys). --keys defaults to single here (the example's own default is threshold).
+--audit-dir writes each rank's secret key or secret share, update, ciphertext, sum and (threshold)
+decryption share as torch files so a test can compare them with the bytes that crossed the controller.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import encrypted_aggregation as aggregation  # noqa: E402
 import encrypted_mean  # noqa: E402
+import threshold_aggregation  # noqa: E402
 import torch  # noqa: E402
 
 import flodld  # noqa: E402
@@ -36,6 +40,7 @@ def main() -> int:
     faults.add_argument("--fault", choices=("values", "scale", "foreign-key", "leave"))
     faults.add_argument("--fault-rank", type=int, default=1)
     faults.add_argument("--audit-dir")
+    faults.add_argument("--keys", choices=("single", "threshold"), default="single")
     fault_args, rest = faults.parse_known_args()
     args = encrypted_mean.parse_arguments(rest)
     torch.set_num_threads(1)
@@ -56,6 +61,24 @@ def main() -> int:
 
     def audit(name: str, tensor: torch.Tensor) -> None:
         torch.save(tensor.clone(), Path(fault_args.audit_dir) / f"rank{rank}-{name}.pt")
+
+    if fault_args.keys == "threshold":
+        def leave_before_share() -> None:
+            print(f"rank {rank}: leaving after encrypting, before its decryption share", flush=True)
+            os._exit(0)
+
+        try:
+            outcome = threshold_aggregation.aggregate_mean_threshold(
+                transport, values=values, seed=args.seed, bound=args.bound, lower=args.lower,
+                share_timeout_s=args.share_timeout, say=lambda message: print(f"rank {rank}: {message}", flush=True),
+                before_decrypt=leave_before_share if faulty == "leave" else None,
+                audit=audit if fault_args.audit_dir else None,
+            )
+        except aggregation.AggregationError as error:
+            print(f"rank {rank}: FAILED: {type(error).__name__}: {error}", flush=True)
+            return 1
+        print(f"rank {rank}: {encrypted_mean.report(outcome, transport.name, 'threshold')}", flush=True)
+        return 0 if outcome.ok else 1
 
     try:
         outcome = aggregation.aggregate_mean(

@@ -1,0 +1,263 @@
+"""Encrypted mean with no key holder: threshold (N-out-of-N) CKKS on both roads of a flodld run.
+
+Every rank holds a share of the secret key (fhelium.multiparty): the public key is built jointly
+from a committed common seed, every rank encrypts its update under it, the compiled Program
+(examples/encrypted_mean.mlir) sums the ciphertexts, and every rank publishes a decryption share;
+the sum of the shares decrypts the sum on **every** rank. Key shares, ciphertexts and decryption
+shares all move as residues:
+- relay road: deposited at the host relay and folded by the relays and the controller with the
+  keyless modular fold (``modular:<q,...>``); the seed commitments and reveals ride the rendezvous
+  store;
+- process-group road: ``all_reduce_ciphertext`` for the ciphertexts, ``fhelium.distributed``
+  all_reduce / all_gather for the shares and the seed records.
+
+No party, and no coalition short of all other ranks, can decrypt an individual update; the
+controller and the relays see residues and the final sum only (docs/tutorial-encrypted-aggregation.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from encrypted_aggregation import (
+    DEFAULT_ERROR_BOUND,
+    PROGRAM_PATH,
+    AggregationError,
+    Outcome,
+    ParameterMismatchError,
+    RelayTransport,
+    Timings,
+    Transport,
+    WorldChangedError,
+    expected_mean,
+    link_program,
+    make_update,
+)
+
+from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError, ThresholdParameters
+from fhelium.multiparty.distributed import (
+    EXCHANGES,
+    ProcessGroupChannel,
+    ShareChannel,
+    ThresholdSession,
+    key_fingerprint,
+    missing_error,
+)
+
+DESCRIPTOR_VERSION = 1
+DEFAULT_SHARE_TIMEOUT_S = 120.0
+Say = Callable[[str], None]
+
+
+class MissingSharesAggregationError(AggregationError):
+    """A rank's key share or decryption share never arrived: N-out-of-N decryption is impossible."""
+
+
+class RelayShareChannel:
+    """Share exchange over flodld: records through the rendezvous store, residues through the relays."""
+
+    def __init__(self, transport: RelayTransport, *, session: str, timeout_s: float = DEFAULT_SHARE_TIMEOUT_S) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.session = session
+        self.timeout_s = timeout_s
+        self.bytes_sent = 0
+
+    def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]:
+        store = self.transport.store
+        prefix = f"fhelium-threshold/{self.session}/{tag}"
+        store.set(f"{prefix}/{self.rank}", data)
+        self.bytes_sent += len(data)
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(range(self.world_size))
+        while pending:
+            pending = [rank for rank in pending if not store.check([f"{prefix}/{rank}"])]
+            if pending and time.monotonic() >= deadline:
+                raise missing_error(tag, self.world_size, pending, self.timeout_s)
+            if pending:
+                time.sleep(0.02)
+        return [store.get(f"{prefix}/{rank}") for rank in range(self.world_size)]
+
+    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
+        """The per-limb modular sum, folded by the relays and the controller (who see residues only)."""
+        from flodld.rank.relay_client import RelayClientError
+
+        group = self.transport.group
+        fold = "modular:" + ",".join(str(modulus) for modulus in moduli)
+        try:
+            round_number = group.client.deposit([residues.contiguous()], fold=fold)
+            self.bytes_sent += residues.numel() * residues.element_size()
+            (total,) = group.client.wait_round(round_number, self.timeout_s)
+        except TimeoutError as error:
+            raise missing_error(tag, self.world_size, [], self.timeout_s) from error
+        except (RelayClientError, OSError) as error:
+            raise WorldChangedError(f"the relay data plane dropped this rank during {EXCHANGES.get(tag, tag)}: {error}") from error
+        latest = group.client.latest
+        contributors = sorted(latest[0].contributors) if latest is not None and latest[0].round == round_number else []
+        if contributors != list(range(self.world_size)):
+            missing = sorted(set(range(self.world_size)) - set(contributors))
+            raise missing_error(tag, self.world_size, missing, None)
+        return total
+
+
+def share_channel(transport: Transport, *, session: str, timeout_s: float) -> ShareChannel:
+    if isinstance(transport, RelayTransport):
+        return RelayShareChannel(transport, session=session, timeout_s=timeout_s)
+    return ProcessGroupChannel(session=session, timeout_s=timeout_s)
+
+
+def threshold_descriptor(session: ThresholdSession, *, values: int, transport: str) -> dict[str, Any]:
+    engine = session.engine
+    parameters = session.party.parameters
+    return {
+        "version": DESCRIPTOR_VERSION,
+        "keys": "threshold",
+        "ring_degree": engine.ring_degree,
+        "moduli": list(engine.moduli),
+        "message_scale_bits": parameters.message_scale_bits,
+        "smudging_sigma_log2": round(float(torch.tensor(parameters.smudging_sigma).log2()), 6),
+        "values": values,
+        "transport": transport,
+        "program_sha256": hashlib.sha256(PROGRAM_PATH.read_text().encode()).hexdigest(),
+    }
+
+
+def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
+    reference = records[0]
+    problems = []
+    for rank, record in enumerate(records):
+        differing = sorted(name for name in reference.keys() | record.keys() if reference.get(name) != record.get(name))
+        if differing:
+            detail = ", ".join(f"{name}={record.get(name)!r} (rank 0: {reference.get(name)!r})" for name in differing)
+            problems.append(f"rank {rank}: {detail}")
+    if problems:
+        raise ParameterMismatchError(
+            "ranks disagree on the threshold aggregation parameters: " + "; ".join(problems)
+            + ". Start every rank with the same program version and arguments (--values, --keys)."
+        )
+
+
+def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    blobs = channel.all_gather_bytes(tag, json.dumps(record, sort_keys=True).encode())
+    out = []
+    for rank, blob in enumerate(blobs):
+        value = json.loads(blob.decode())
+        if not isinstance(value, dict):
+            raise AggregationError(f"rank {rank} sent a {tag} record that is not a JSON object")
+        out.append(value)
+    return out
+
+
+def aggregate_mean_threshold(
+    transport: Transport,
+    *,
+    values: int,
+    seed: int = 2026,
+    bound: float = DEFAULT_ERROR_BOUND,
+    lower: bool = False,
+    parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
+    session_id: str = "encrypted-mean",
+    share_timeout_s: float = DEFAULT_SHARE_TIMEOUT_S,
+    say: Say = lambda message: None,
+    before_decrypt: Callable[[], None] | None = None,
+    audit: Callable[[str, torch.Tensor], None] | None = None,
+) -> Outcome:
+    """The threshold workload on this rank: every rank ends with the mean and checks it itself.
+
+    Raises AggregationError subclasses (MissingSharesAggregationError when a rank's share never came).
+    """
+    def record(name: str, tensor: torch.Tensor) -> None:
+        if audit is not None:
+            audit(name, tensor)
+
+    rank, world = transport.rank, transport.world_size
+    timings = Timings()
+    channel = share_channel(transport, session=session_id, timeout_s=share_timeout_s)
+    session = ThresholdSession(channel, parameters, session=session_id)
+    engine = session.engine
+    try:
+        started = time.perf_counter()
+        check_threshold_descriptors(_gather_records(
+            channel, "descriptor", threshold_descriptor(session, values=values, transport=transport.name)
+        ))
+        timings.measure("handshake", started)
+        say(f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} values, "
+            f"threshold keys (scale 2^{parameters.message_scale_bits}, flooding sigma 2^57)")
+
+        started = time.perf_counter()
+        public = session.generate_public_key()
+        assert session.party.secret is not None
+        record("secret_share", session.party.secret.data)
+        timings.measure("keys", started)
+        say(f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by every rank; "
+            "no rank holds the secret key")
+
+        started = time.perf_counter()
+        update = make_update(rank, values, seed)
+        headroom = parameters.headroom(tuple(engine.moduli))
+        largest = float(update.abs().max()) if update.numel() else 0.0
+        if largest * world >= headroom:
+            raise AggregationError(
+                f"|update| reaches {largest:.3g}; summed over {world} ranks it may exceed the {headroom:.0f} a slot "
+                "holds: scale the updates down (e.g. clip them)"
+            )
+        slots = engine.slot_count
+        rows = max(1, -(-values // slots))
+        padded = torch.zeros(rows * slots, dtype=torch.float64)
+        padded[:values] = update.double()
+        ciphertext = session.encrypt(padded.view(rows, slots))
+        record("update", update)
+        record("ciphertext", ciphertext.data)
+        elapsed = timings.measure("encrypt", started)
+        nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
+        say(f"encrypted {values} values into {rows} ciphertexts ({nbytes / 2**20:.1f} MiB) in {elapsed:.2f}s")
+
+        executable = link_program(transport, engine, lower=lower)
+        started = time.perf_counter()
+        try:
+            (total,) = executable.run(ciphertext)
+        except AggregationError:
+            raise
+        except RuntimeError as error:
+            raise WorldChangedError(f"the all-reduce failed, a rank probably left mid-run: {error}") from error
+        elapsed = timings.measure("all_reduce", started)
+        record("sum", total.data)
+        say(f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s")
+
+        if before_decrypt is not None:
+            before_decrypt()
+        started = time.perf_counter()
+        share = session.party.decryption_share(total, digest=False)
+        record("decryption_share", share.data)
+        summed = channel.all_reduce_residues("decryption-shares", share.data, engine.moduli_for(total.prime_ids))
+        record("decryption_sum", summed)
+        mean = session.party.combine_decryption(total, summed).real.reshape(-1)[:values] / world
+        elapsed = timings.measure("decrypt", started)
+        say(f"collective decryption from {world} decryption shares in {elapsed:.2f}s")
+    except MultipartyError as error:
+        if getattr(error, "missing", None) is not None:
+            raise MissingSharesAggregationError(str(error)) from error
+        raise AggregationError(str(error)) from error
+
+    truth = expected_mean(world, values, seed)
+    max_error = float((mean - truth).abs().max())
+    ok = max_error <= bound
+    return Outcome(rank, world, values, max_error, bound, ok, timings, nbytes, True)
+
+
+__all__ = [
+    "DEFAULT_SHARE_TIMEOUT_S",
+    "MissingSharesAggregationError",
+    "RelayShareChannel",
+    "aggregate_mean_threshold",
+    "check_threshold_descriptors",
+    "share_channel",
+    "threshold_descriptor",
+]
