@@ -12,7 +12,17 @@ from xdsl.parser import Parser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import ParseError, VerifyException
 
-from fhelium.ir._catalog import create_dialect_context
+from fhelium.ir._catalog import create_dialect_context, operation_name
+
+
+def _first_unverified(module: ModuleOp) -> str | None:
+    """The name of the first operation, in pre-order, that fails its own (non-nested) checks."""
+    for op in module.walk():
+        try:
+            op.verify(verify_nested_ops=False)
+        except VerifyException:
+            return operation_name(op)
+    return None
 
 
 class ProgramError(ValueError):
@@ -55,11 +65,17 @@ class Program:
         Path(path).write_text(self.to_text(), encoding="utf-8")
 
     def verify(self) -> None:
-        """Structural verification only (operand/result/attribute/region shapes)."""
+        """Structural verification only (operand/result/attribute/region shapes).
+
+        The error names the first operation (in pre-order) that does not verify, since xDSL's
+        constraint messages ("attribute ... expected from variable 'T'") do not.
+        """
         try:
             self.module.verify()
         except VerifyException as error:
-            raise ProgramError(f"Program verification failed: {error}") from error
+            where = _first_unverified(self.module)
+            prefix = f"{where}: " if where and not str(error).startswith(where) else ""
+            raise ProgramError(f"Program verification failed: {prefix}{error}") from error
 
     def clone(self) -> Program:
         return Program(self.module.clone(), verify=False)

@@ -7,9 +7,13 @@ switching are deliberately absent: they need evaluation keys the Backend does no
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from xdsl.ir import Dialect, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
+    VarConstraint,
+    base,
     irdl_attr_definition,
     irdl_op_definition,
     operand_def,
@@ -17,7 +21,6 @@ from xdsl.irdl import (
     traits_def,
 )
 from xdsl.traits import Pure
-from xdsl.utils.exceptions import VerifyException
 
 from fhelium.ir.dialects._common import OpenStateType
 
@@ -37,21 +40,17 @@ class PlaintextType(OpenStateType):
 
 
 class _BinaryCiphertextOp(IRDLOperation):
-    lhs = operand_def(CiphertextType)
-    rhs = operand_def(CiphertextType)
-    result = result_def(CiphertextType)
+    # Both operands and the result are one ciphertext type (same state): xDSL checks it.
+    T: ClassVar = VarConstraint("T", base(CiphertextType))
+
+    lhs = operand_def(T)
+    rhs = operand_def(T)
+    result = result_def(T)
 
     traits = traits_def(Pure())
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue) -> None:
         super().__init__(operands=[lhs, rhs], result_types=[lhs.type])
-
-    def verify_(self) -> None:
-        if not (self.lhs.type == self.rhs.type == self.result.type):
-            raise VerifyException(
-                f"{self.name} operands and result must have the same ciphertext type; got "
-                f"{self.lhs.type}, {self.rhs.type} -> {self.result.type}"
-            )
 
 
 @irdl_op_definition
@@ -74,20 +73,15 @@ class NegateOp(IRDLOperation):
 
     name = "fhelium_ckks.negate"
 
-    value = operand_def(CiphertextType)
-    result = result_def(CiphertextType)
+    T: ClassVar = VarConstraint("T", base(CiphertextType))
+
+    value = operand_def(T)
+    result = result_def(T)
 
     traits = traits_def(Pure())
 
     def __init__(self, value: SSAValue) -> None:
         super().__init__(operands=[value], result_types=[value.type])
-
-    def verify_(self) -> None:
-        if self.value.type != self.result.type:
-            raise VerifyException(
-                f"fhelium_ckks.negate operand and result types must match; got "
-                f"{self.value.type} -> {self.result.type}"
-            )
 
 
 FHEliumCkks = Dialect("fhelium_ckks", [AddOp, SubtractOp, NegateOp], [CiphertextType, PlaintextType])

@@ -8,11 +8,16 @@ region is associative, or that the Program cannot deadlock (see the opt-in analy
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from xdsl.dialects.builtin import IndexType, IntegerAttr, IntegerType
 from xdsl.ir import Attribute, Block, Dialect, Region, SSAValue
 from xdsl.irdl import (
+    AnyAttr,
     IRDLOperation,
+    VarConstraint,
     attr_def,
+    base,
     irdl_attr_definition,
     irdl_op_definition,
     operand_def,
@@ -68,10 +73,12 @@ class BroadcastOp(IRDLOperation):
 
     name = "fhelium_dist.broadcast"
 
-    value = operand_def()
+    T: ClassVar = VarConstraint("T", AnyAttr())
+
+    value = operand_def(T)
     group = operand_def(GroupType)
     root = attr_def(IntegerAttr)
-    result = result_def()
+    result = result_def(T)
 
     def __init__(self, value: SSAValue, group: SSAValue, root: int) -> None:
         super().__init__(
@@ -81,11 +88,6 @@ class BroadcastOp(IRDLOperation):
         )
 
     def verify_(self) -> None:
-        if self.value.type != self.result.type:
-            raise VerifyException(
-                f"fhelium_dist.broadcast operand and result types must match; got "
-                f"{self.value.type} -> {self.result.type}"
-            )
         if int(self.root.value.data) < 0:
             raise VerifyException(f"fhelium_dist.broadcast root must be >= 0; got {self.root.value.data}")
 
@@ -114,9 +116,11 @@ class AllReduceOp(IRDLOperation):
 
     name = "fhelium_dist.all_reduce"
 
-    value = operand_def()
+    T: ClassVar = VarConstraint("T", AnyAttr())
+
+    value = operand_def(T)
     group = operand_def(GroupType)
-    result = result_def()
+    result = result_def(T)
     combine = region_def("single_block")
 
     def __init__(
@@ -136,11 +140,6 @@ class AllReduceOp(IRDLOperation):
 
     def verify_(self) -> None:
         value_type = self.value.type
-        if value_type != self.result.type:
-            raise VerifyException(
-                f"fhelium_dist.all_reduce operand and result types must match; got "
-                f"{value_type} -> {self.result.type}"
-            )
         blocks = list(self.combine.blocks)
         if len(blocks) != 1:
             raise VerifyException(
@@ -172,19 +171,14 @@ class AllReduceAddCiphertextOp(IRDLOperation):
 
     name = "fhelium_dist.all_reduce_add_ciphertext"
 
-    value = operand_def(CiphertextType)
+    T: ClassVar = VarConstraint("T", base(CiphertextType))
+
+    value = operand_def(T)
     group = operand_def(GroupType)
-    result = result_def(CiphertextType)
+    result = result_def(T)
 
     def __init__(self, value: SSAValue, group: SSAValue) -> None:
         super().__init__(operands=[value, group], result_types=[value.type])
-
-    def verify_(self) -> None:
-        if self.value.type != self.result.type:
-            raise VerifyException(
-                f"fhelium_dist.all_reduce_add_ciphertext operand and result types must match; got "
-                f"{self.value.type} -> {self.result.type}"
-            )
 
 
 FHEliumDistributed = Dialect(

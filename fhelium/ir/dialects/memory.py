@@ -6,10 +6,14 @@ operations carry no device attribute. The first slice is synchronous: no streams
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from xdsl.dialects.builtin import StringAttr
 from xdsl.ir import Dialect, SSAValue
 from xdsl.irdl import (
+    AnyAttr,
     IRDLOperation,
+    VarConstraint,
     irdl_attr_definition,
     irdl_op_definition,
     operand_def,
@@ -38,10 +42,12 @@ class TransferOp(IRDLOperation):
 
     name = "fhelium_memory.transfer"
 
-    value = operand_def()
+    T: ClassVar = VarConstraint("T", AnyAttr())
+
+    value = operand_def(T)
     target = operand_def(DeviceType)
     memory_space = opt_attr_def(StringAttr)
-    result = result_def()
+    result = result_def(T)
 
     traits = traits_def(Pure())
 
@@ -54,11 +60,6 @@ class TransferOp(IRDLOperation):
         return "default" if self.memory_space is None else self.memory_space.data
 
     def verify_(self) -> None:
-        if self.value.type != self.result.type:
-            raise VerifyException(
-                f"fhelium_memory.transfer operand and result types must match; got "
-                f"{self.value.type} -> {self.result.type}"
-            )
         if self.memory_space_name not in MEMORY_SPACES:
             raise VerifyException(
                 "fhelium_memory.transfer memory_space must be 'default', 'pageable_host', or "

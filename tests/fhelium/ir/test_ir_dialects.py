@@ -125,7 +125,8 @@ def test_broadcast_result_type_must_match_operand() -> None:
         '%t = "vendor.t"() : () -> tensor<4xi64>\n'
         '%b = "fhelium_dist.broadcast"(%t, %g) {root = 0 : i64} : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi32>'
     )
-    assert "fhelium_dist.broadcast operand and result types must match" in message
+    assert "fhelium_dist.broadcast: result 'result'" in message
+    assert "expected from variable 'T', but got tensor<4xi32>" in message
 
 
 def test_broadcast_requires_root() -> None:
@@ -204,7 +205,37 @@ def test_ckks_add_requires_matching_states() -> None:
         f'%a = "vendor.a"() : () -> {CT}\n%b = "vendor.b"() : () -> {other}\n'
         f'%c = "fhelium_ckks.add"(%a, %b) : ({CT}, {other}) -> {CT}'
     )
-    assert "fhelium_ckks.add operands and result must have the same ciphertext type" in message
+    assert "fhelium_ckks.add: operand 'rhs'" in message
+    assert f"expected from variable 'T', but got {other}" in message
+
+
+_GROUP = '%g = "fhelium.resource.ref"() {symbol = "w", kind = "process-group"} : () -> !fhelium_dist.group\n'
+_DEVICE = '%d = "fhelium.resource.ref"() {symbol = "d", kind = "execution-device"} : () -> !fhelium_memory.device\n'
+_DEPTH1 = "!fhelium_ckks.ciphertext<{depth = 1 : i64}>"
+_COMBINE = f' ({{\n^bb0(%l: {CT}, %r: {CT}):\n  "fhelium_dist.yield"(%l) : ({CT}) -> ()\n}})'
+_WITH_GROUP = f"({CT}, !fhelium_dist.group)"
+
+
+@pytest.mark.parametrize(
+    ("name", "prelude", "operands", "types"),
+    [
+        ("fhelium_ckks.add", "", "(%a, %a)", f"({CT}, {CT})"),
+        ("fhelium_ckks.subtract", "", "(%a, %a)", f"({CT}, {CT})"),
+        ("fhelium_ckks.negate", "", "(%a)", f"({CT})"),
+        ("fhelium_dist.broadcast", _GROUP, "(%a, %g) {root = 0 : i64}", _WITH_GROUP),
+        ("fhelium_dist.all_reduce", _GROUP, "(%a, %g)" + _COMBINE, _WITH_GROUP),
+        ("fhelium_dist.all_reduce_add_ciphertext", _GROUP, "(%a, %g)", _WITH_GROUP),
+        ("fhelium_memory.transfer", _DEVICE, "(%a, %d)", f"({CT}, !fhelium_memory.device)"),
+    ],
+)
+def test_value_preserving_ops_require_one_type_for_operands_and_result(
+    name: str, prelude: str, operands: str, types: str
+) -> None:
+    """Every op whose result is "the same kind of value" shares one xDSL type variable T."""
+    body = f'%a = "vendor.a"() : () -> {CT}\n{prelude}%c = "{name}"{operands} : {types} -> {_DEPTH1}'
+    message = _verify_error(body)
+    assert f"{name}: result 'result'" in message
+    assert f"expected from variable 'T', but got {_DEPTH1}" in message
 
 
 def test_parse_error_names_the_source() -> None:
