@@ -193,8 +193,9 @@ def aggregate_mean_threshold(
 
         started = time.perf_counter()
         public = session.generate_public_key()
-        assert session.party.secret is not None
+        assert session.party.secret is not None and session.key_share is not None
         record("secret_share", session.party.secret.data)
+        record("public_key_share", session.key_share.data)
         timings.measure("keys", started)
         say(f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by every rank; "
             "no rank holds the secret key")

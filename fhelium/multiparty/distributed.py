@@ -26,7 +26,7 @@ import fhelium.distributed as fdist
 from fhelium.core import Ciphertext, PublicKey
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
 from fhelium.multiparty.protocol import MissingSharesError, MultipartyError, ThresholdParty
-from fhelium.multiparty.values import SeedCommitment, SeedReveal
+from fhelium.multiparty.values import PublicKeyShare, SeedCommitment, SeedReveal
 from fhelium.serialization import value_from_bytes, value_to_bytes
 
 MAX_RECORD_BYTES = 64 * 1024
@@ -182,6 +182,7 @@ class ThresholdSession:
         )
         self.engine = self.party.engine
         self.public: PublicKey | None = None
+        self.key_share: PublicKeyShare | None = None
 
     def _gather_values(self, tag: str, value: SeedCommitment | SeedReveal) -> list[Any]:
         blobs = self.channel.all_gather_bytes(tag, value_to_bytes(value))
@@ -199,7 +200,7 @@ class ThresholdSession:
         commitments = self._gather_values("seed-commitment", party.commit_seed())
         reveals = self._gather_values("seed-reveal", party.reveal_seed())
         seed = party.combine_seed(commitments, reveals)
-        share = party.key_share(seed)
+        share = self.key_share = party.key_share(seed)
         moduli = self.engine.moduli_for(share.prime_ids)
         total = self.channel.all_reduce_residues("public-key-shares", share.data, moduli)
         public = party.combine_public_key(total, seed)

@@ -146,7 +146,9 @@ def data_plane_frames(
     return host_frames, broadcasts
 
 
-async def run_audited_world(tmp_path: Path) -> tuple[Controller, RecordingForwarder, bool, str]:
+async def run_audited_world(
+    tmp_path: Path, extra: tuple[str, ...] = ()
+) -> tuple[Controller, RecordingForwarder, bool, str]:
     token = secrets.token_hex(16)
     controller = Controller(ControllerOptions.model_validate({
         "advertised_host": "127.0.0.1", "port": 0, "loopback_bind": True, "averaging": "cpu_sync",
@@ -163,7 +165,7 @@ async def run_audited_world(tmp_path: Path) -> tuple[Controller, RecordingForwar
             spec = AgentSpec(host=host, controller_host="127.0.0.1", controller_port=forwarder_port,
                              salt_hex=token, devices=["cpu"], connect_attempts=5)
             agents.append(await asyncio.create_subprocess_exec(
-                sys.executable, str(PROGRAM), "--values", "4096", "--audit-dir", str(tmp_path),
+                sys.executable, str(PROGRAM), "--values", "4096", "--audit-dir", str(tmp_path), *extra,
                 env={**child_env(), AGENT_ENV: encode_spec(spec)}, stdout=sink, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             ))
@@ -227,6 +229,75 @@ def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_s
     assert {capture.channel for capture in forwarder.captures} >= {Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA}
     secret_bytes = secret.contiguous().numpy().tobytes()
     assert secret_bytes[:256] not in every_byte and secret_bytes[-256:] not in every_byte
+    for update in updates:
+        assert update[:32].numpy().tobytes() not in every_byte
+        assert update[:32].double().numpy().tobytes() not in every_byte
+
+
+def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_sum(tmp_path: Path) -> None:
+    from fhelium.core import Ciphertext
+    from fhelium.engine import CkksEngine
+    from fhelium.multiparty import THRESHOLD_AGGREGATION, combine_decryption
+
+    controller, forwarder, ok, output = asyncio.run(run_audited_world(tmp_path, ("--keys", "threshold")))
+    assert ok, output
+    assert output.count("encrypted mean PASS") == 2 and output.count("keys threshold") == 2, output
+
+    def dumped(name: str) -> list[torch.Tensor]:
+        return [torch.load(tmp_path / f"rank{rank}-{name}.pt") for rank in range(2)]
+
+    key_shares, ciphertexts, sums = dumped("public_key_share"), dumped("ciphertext"), dumped("sum")
+    decryption_shares, secret_shares, updates = dumped("decryption_share"), dumped("secret_share"), dumped("update")
+    assert not (tmp_path / "rank0-secret_key.pt").exists()  # nobody holds the secret key
+
+    engine = CkksEngine(THRESHOLD_AGGREGATION.ckks)
+    qp, q = list(engine.moduli), list(engine.moduli[:2])
+    host_frames, broadcasts = data_plane_frames(forwarder.captures, controller.salt, controller.run_id)
+    rounds: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    folds: dict[int, str] = {}
+    for frame, message in host_frames:
+        if message.fold == "modular:2":
+            continue  # the warm-up round
+        (residues,) = decode_bundle(message.tensors, frame.tail)
+        rounds.setdefault(message.round, []).append((message.contributors[0], residues))
+        folds[message.round] = message.fold
+    # Three aggregation rounds, each with one frame per rank: key shares (QP), ciphertexts and decryption shares (Q).
+    assert len(rounds) == 3 and all(sorted(rank for rank, _ in frames) == [0, 1] for frames in rounds.values())
+    key_round, ct_round, share_round = sorted(rounds)
+    assert folds[key_round] == "modular:" + ",".join(map(str, qp))
+    assert folds[ct_round] == folds[share_round] == "modular:" + ",".join(map(str, q))
+    expected_by_round = {key_round: key_shares, ct_round: ciphertexts, share_round: decryption_shares}
+    for round_number, frames in rounds.items():
+        for rank, residues in frames:
+            # exactly what the rank held (a key share, its ciphertext, its decryption share): residues, nothing else
+            assert residues.dtype == torch.int64
+            assert torch.equal(residues, expected_by_round[round_number][rank])
+    folded: dict[int, torch.Tensor] = {}
+    for frame, broadcast in broadcasts:
+        if broadcast.round in rounds:
+            (total,) = decode_bundle(broadcast.tensors, frame.tail)
+            assert broadcast.contributors == [0, 1]
+            moduli = qp if broadcast.round == key_round else q
+            modulus = torch.tensor(moduli).reshape(-1, 1)
+            parts = expected_by_round[broadcast.round]
+            assert torch.equal(total, torch.remainder(parts[0] + parts[1], modulus))
+            folded[broadcast.round] = total
+    assert set(folded) == set(rounds)
+    assert all(torch.equal(total, folded[ct_round]) for total in sums)
+
+    # What the controller can compute from what it folded is the function's output, the sum, and no more:
+    summed = Ciphertext(folded[ct_round], 0, THRESHOLD_AGGREGATION.message_scale, (0, 1), "ntt")
+    output_sum = combine_decryption(engine, summed, folded[share_round]).real.reshape(-1)[:4096]
+    assert float((output_sum - (updates[0].double() + updates[1].double())).abs().max()) < 1e-5
+    # ... while one rank's ciphertext with the shares it has is noise, not that rank's update.
+    alone = Ciphertext(ciphertexts[0], 0, THRESHOLD_AGGREGATION.message_scale, (0, 1), "ntt")
+    garbage = combine_decryption(engine, alone, folded[share_round]).real.reshape(-1)[:4096]
+    assert float((garbage - updates[0].double()).abs().mean()) > 100
+
+    every_byte = b"".join(bytes(capture.up) + bytes(capture.down) for capture in forwarder.captures)
+    for secret in secret_shares:
+        secret_bytes = secret.contiguous().numpy().tobytes()
+        assert secret_bytes[:256] not in every_byte and secret_bytes[-256:] not in every_byte
     for update in updates:
         assert update[:32].numpy().tobytes() not in every_byte
         assert update[:32].double().numpy().tobytes() not in every_byte
