@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from fhelium import native as _native
 from fhelium.core import (
     Ciphertext,
     ConjugationKey,
@@ -46,6 +47,12 @@ from fhelium.engine.sampling import RandomSource
 KEY_SWITCH_BLOCK_RESIDUES = 1 << 17
 # Coefficients of an encoded message must stay well inside int64.
 _MAX_ENCODED_MAGNITUDE = 2.0**62
+
+
+@functools.lru_cache(maxsize=256)
+def _index_tensor(ids: tuple[int, ...]) -> torch.Tensor:
+    """The prime (or key digit / key row) ids as an int64 CPU tensor, for the native ops."""
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 @functools.cache
@@ -432,6 +439,8 @@ class CkksEngine(EngineBase):
         what lets ``rotate_many`` decompose once for many rotations.
         """
         qp_ids = (*ids, self.special_prime_id)
+        if self.ntt.native_level != "torch":
+            return _native.decompose(poly_ntt, *self.ntt._native_tables(qp_ids), self.ntt.native_level)
         coefficients = self.ntt.inverse(poly_ntt, ids)
         digits = mod.center(coefficients, self._mod(ids).q).movedim(-2, 0).unsqueeze(-2)
         return self.ntt.forward(torch.remainder(digits, self._mod(qp_ids).q), qp_ids)
@@ -440,6 +449,11 @@ class CkksEngine(EngineBase):
         """Σ_j digit_j · key_j over QP, then ModDown: ``[2, *batch, L, N]`` in the NTT domain."""
         self._check_switch_key(key)
         qp_ids = (*ids, self.special_prime_id)
+        if self.ntt.native_level != "torch":
+            return _native.key_switch_lifted(
+                lifted, key.data, _index_tensor(ids), _index_tensor(qp_ids), *self.ntt._native_tables(qp_ids),
+                self.ntt.native_level,
+            )
         qp_mod = self._mod(qp_ids)
         key_rows = key.data[list(ids)][:, :, list(qp_ids)]  # [L, 2, L+1, N]
         key_rows = key_rows.view(len(ids), 2, 1, len(qp_ids), self.ring_degree)
@@ -455,6 +469,12 @@ class CkksEngine(EngineBase):
         input, and keeping them cache-sized measured faster than one pass over a large batch.
         """
         self._check_switch_key(key)
+        if self.ntt.native_level != "torch":  # the whole pipeline in one native call
+            qp_ids = (*ids, self.special_prime_id)
+            return _native.key_switch(
+                poly_ntt, key.data, _index_tensor(ids), _index_tensor(qp_ids), *self.ntt._native_tables(qp_ids),
+                self.ntt.native_level,
+            )
         batch_shape = poly_ntt.shape[:-2]
         flat = poly_ntt.reshape(-1, *poly_ntt.shape[-2:])
         per_group = max(1, KEY_SWITCH_BLOCK_RESIDUES // (len(ids) * self.ring_degree))
@@ -483,6 +503,9 @@ class CkksEngine(EngineBase):
         P row, plus divided) and v_Q − NTT(lift) = values_Q − NTT(lift − divided).
         """
         special = self.special_prime_id
+        if addend is None and divided is None and self.ntt.native_level != "torch":
+            tables = self.ntt._native_tables((*ids, special))
+            return _native.divide_round(values, *tables, len(ids), ntt=True, level=self.ntt.native_level)
         q_mod = self._mod(ids)
         p_q = self._mod((special,)).q
         p_row = self.ntt.inverse(values[..., -1:, :], (special,))
@@ -542,6 +565,11 @@ class CkksEngine(EngineBase):
             return self._join([self.rescale(self._ciphertext_part(ct, g)) for g in groups], ct.batch_shape)
         dropped, rest = ids[0], ids[1:]
         q_drop = self.moduli[dropped]
+        if self.ntt.native_level != "torch":
+            data = _native.divide_round(
+                ct.data, *self.ntt._native_tables(ids), 0, ntt=ct.polynomial_domain == "ntt", level=self.ntt.native_level
+            )
+            return Ciphertext(data, ct.depth + 1, ct.scale / q_drop, rest, ct.polynomial_domain)
         rest_mod = self._mod(rest)
         last = ct.data[..., :1, :]
         if ct.polynomial_domain == "ntt":

@@ -119,6 +119,29 @@ def _register_fakes() -> None:
     torch.library.register_fake("fhelium::mul_add_mod")(mul_add_mod_fake)
     torch.library.register_fake("fhelium::ntt_tables")(tables_fake)
 
+    def divide_round_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, ntt: bool, level: int) -> torch.Tensor:
+        return torch.empty((*x.shape[:-2], x.shape[-2] - 1, x.shape[-1]), dtype=x.dtype, device=x.device)
+
+    def decompose_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
+        limbs = x.shape[-2]
+        return torch.empty((limbs, *x.shape[:-2], limbs + 1, x.shape[-1]), dtype=x.dtype, device=x.device)
+
+    def key_switch_fake(
+        x: torch.Tensor, key: torch.Tensor, digits: torch.Tensor, rows: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
+    ) -> torch.Tensor:
+        return torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
+
+    def key_switch_lifted_fake(
+        lifted: torch.Tensor, key: torch.Tensor, digits: torch.Tensor, rows: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
+    ) -> torch.Tensor:
+        shape = (2, *lifted.shape[1:-2], lifted.shape[-2] - 1, lifted.shape[-1])
+        return torch.empty(shape, dtype=lifted.dtype, device=lifted.device)
+
+    torch.library.register_fake("fhelium::divide_round")(divide_round_fake)
+    torch.library.register_fake("fhelium::decompose")(decompose_fake)
+    torch.library.register_fake("fhelium::key_switch")(key_switch_fake)
+    torch.library.register_fake("fhelium::key_switch_lifted")(key_switch_lifted_fake)
+
 
 def requested_level() -> str:
     """The level named by ``FHELIUM_NATIVE_LEVEL`` (``auto`` when unset)."""
@@ -207,10 +230,61 @@ def mul_add_mod(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tens
     return result
 
 
+def divide_round(
+    x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, *, ntt: bool, level: str
+) -> torch.Tensor:
+    """``[..., R, N]`` → ``[..., R-1, N]``: round(x / q_drop) over the other R-1 primes (row ``drop``
+    removed; 0 is a rescale, R-1 a ModDown). ``ntt``: x is in (and the result stays in) the NTT domain."""
+    result: torch.Tensor = torch.ops.fhelium.divide_round(x, moduli, tables, drop, ntt, LEVEL_CODES[level])
+    return result
+
+
+def decompose(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
+    """NTT ``[..., L, N]`` over ``moduli[:L]`` → ``[L, ..., L+1, N]``: digit j (the centered coefficients
+    of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain."""
+    result: torch.Tensor = torch.ops.fhelium.decompose(x, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
+def key_switch(
+    x: torch.Tensor,
+    key: torch.Tensor,
+    key_digits: torch.Tensor,
+    key_rows: torch.Tensor,
+    moduli: torch.Tensor,
+    tables: torch.Tensor,
+    level: str,
+) -> torch.Tensor:
+    """Hybrid key switching in one call: NTT ``x [..., L, N]`` over ``moduli[:L]`` (``moduli`` = the L Q
+    primes, then P) → ``[2, ..., L, N]`` = ModDown(Σ_j NTT(lift(digit_j))·key[key_digits[j], :, key_rows])."""
+    result: torch.Tensor = torch.ops.fhelium.key_switch(x, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
+def key_switch_lifted(
+    lifted: torch.Tensor,
+    key: torch.Tensor,
+    key_digits: torch.Tensor,
+    key_rows: torch.Tensor,
+    moduli: torch.Tensor,
+    tables: torch.Tensor,
+    level: str,
+) -> torch.Tensor:
+    """``key_switch`` from already decomposed digits ``[L, ..., L+1, N]`` (see ``decompose``)."""
+    result: torch.Tensor = torch.ops.fhelium.key_switch_lifted(
+        lifted, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level]
+    )
+    return result
+
+
 __all__ = [
     "LEVELS",
     "NativeUnavailableError",
     "build_directory",
+    "decompose",
+    "divide_round",
+    "key_switch",
+    "key_switch_lifted",
     "level",
     "load",
     "mul_add_mod",

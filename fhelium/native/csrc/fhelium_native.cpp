@@ -493,6 +493,406 @@ at::Tensor mul_add_mod(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   return iter.output();
 }
 
+
+// ------------------------------------------------------------------------------------ RNS kernels
+// Coarse-grained CKKS steps (one call per multi-limb polynomial or batch), exact, so bit-identical
+// to the torch reference's compositions in fhelium/engine/engine.py: the hybrid key switch
+// (decompose -> digit NTTs -> inner product with the key -> ModDown) and the division by a dropped
+// prime with rounding (rescale, ModDown). Row primitives come in a scalar and an IFMA version.
+
+inline RowTables row_tables(const u64* table, const int64_t* q, int64_t prime, int64_t n) {
+  const u64* base = table + prime * 4 * n;
+  return RowTables{base, base + n, base + 2 * n, base + 3 * n, static_cast<u64>(q[prime])};
+}
+
+inline void forward_row(u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
+  if (level == kLevelIfma) forward_ifma(scratch, out, t, logn);
+  else forward_scalar(scratch, out, t, logn);
+}
+
+inline void inverse_row(const u64* in, u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
+  if (level == kLevelIfma) inverse_ifma(in, scratch, out, t, logn);
+  else inverse_scalar(in, scratch, out, t, logn);
+}
+
+// Lifting a centered residue of q_src to q_dst: c > q_src/2 stands for c - q_src; adding
+// K - q_src, K = q_dst*ceil(q_src/q_dst), keeps it non-negative and below q_src + q_dst.
+struct Lift {
+  u64 half_src, offset, q, one_shoup;
+  Lift(u64 q_src, u64 q_dst)
+      : half_src(q_src / 2),
+        offset(q_dst * ((q_src + q_dst - 1) / q_dst) - q_src),
+        q(q_dst),
+        one_shoup(shoup(1, q_dst)) {}
+};
+
+void lift_row_scalar(const u64* c, u64* out, int64_t n, const Lift& l) {
+  for (int64_t k = 0; k < n; ++k) {
+    const u64 y = c[k] + (c[k] > l.half_src ? l.offset : 0);
+    const u64 r = y - static_cast<u64>((static_cast<u128>(y) * l.one_shoup) >> 64) * l.q;  // [0, 2q)
+    out[k] = r >= l.q ? r - l.q : r;
+  }
+}
+
+// out = ((x - c) mod q) * w mod q, x and c in [0, q)
+void sub_mul_row_scalar(const u64* x, const u64* c, u64* out, int64_t n, u64 q, u64 w, u64 ws) {
+  for (int64_t k = 0; k < n; ++k) {
+    const u64 r = mul_shoup_lazy(x[k] - c[k] + q, w, ws, q);
+    out[k] = r >= q ? r - q : r;
+  }
+}
+
+// acc[0..n) += d*k0, acc[n..2n) += d*k1 (mod q), each term reduced (binary64 estimate, exact)
+void mac_scalar(u64* acc, const u64* d, const u64* k0, const u64* k1, int64_t n, u64 q, bool first) {
+  const int64_t qs = static_cast<int64_t>(q);
+  for (int64_t k = 0; k < n; ++k) {
+    const u64 m0 = static_cast<u64>(mul_mod_one(static_cast<int64_t>(d[k]), static_cast<int64_t>(k0[k]), qs));
+    const u64 m1 = static_cast<u64>(mul_mod_one(static_cast<int64_t>(d[k]), static_cast<int64_t>(k1[k]), qs));
+    if (first) {
+      acc[k] = m0;
+      acc[n + k] = m1;
+    } else {
+      const u64 s0 = acc[k] + m0, s1 = acc[n + k] + m1;
+      acc[k] = s0 >= q ? s0 - q : s0;
+      acc[n + k] = s1 >= q ? s1 - q : s1;
+    }
+  }
+}
+
+FHELIUM_IFMA void lift_row_ifma(const u64* c, u64* out, int64_t n, const Lift& l) {
+  const __m512i half = _mm512_set1_epi64(static_cast<long long>(l.half_src));
+  const __m512i offset = _mm512_set1_epi64(static_cast<long long>(l.offset));
+  const __m512i q = _mm512_set1_epi64(static_cast<long long>(l.q));
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i one_shoup = _mm512_set1_epi64(static_cast<long long>(l.one_shoup >> 12));
+  const __m512i mask52 = _mm512_set1_epi64((1LL << 52) - 1);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i v = _mm512_loadu_si512(c + k);
+    const __m512i y = _mm512_mask_add_epi64(v, _mm512_cmpgt_epu64_mask(v, half), v, offset);
+    _mm512_storeu_si512(out + k, ifma_reduce_once(ifma_mul_shoup_lazy(y, one, one_shoup, q, mask52), q));
+  }
+}
+
+FHELIUM_IFMA void sub_mul_row_ifma(const u64* x, const u64* c, u64* out, int64_t n, u64 q_, u64 w_, u64 ws_) {
+  const __m512i q = _mm512_set1_epi64(static_cast<long long>(q_));
+  const __m512i w = _mm512_set1_epi64(static_cast<long long>(w_));
+  const __m512i ws = _mm512_set1_epi64(static_cast<long long>(ws_ >> 12));
+  const __m512i mask52 = _mm512_set1_epi64((1LL << 52) - 1);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i d = _mm512_add_epi64(_mm512_sub_epi64(_mm512_loadu_si512(x + k), _mm512_loadu_si512(c + k)), q);
+    _mm512_storeu_si512(out + k, ifma_reduce_once(ifma_mul_shoup_lazy(d, w, ws, q, mask52), q));
+  }
+}
+
+// unreduced 104-bit products summed as (lo52, hi52) halves: acc = [lo0 | hi0 | lo1 | hi1], n each
+FHELIUM_IFMA void mac_ifma(u64* acc, const u64* d, const u64* k0, const u64* k1, int64_t n, bool first) {
+  u64 *lo0 = acc, *hi0 = acc + n, *lo1 = acc + 2 * n, *hi1 = acc + 3 * n;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i dv = _mm512_loadu_si512(d + k);
+    const __m512i a = _mm512_loadu_si512(k0 + k), b = _mm512_loadu_si512(k1 + k);
+    _mm512_storeu_si512(lo0 + k, _mm512_madd52lo_epu64(first ? zero : _mm512_loadu_si512(lo0 + k), dv, a));
+    _mm512_storeu_si512(hi0 + k, _mm512_madd52hi_epu64(first ? zero : _mm512_loadu_si512(hi0 + k), dv, a));
+    _mm512_storeu_si512(lo1 + k, _mm512_madd52lo_epu64(first ? zero : _mm512_loadu_si512(lo1 + k), dv, b));
+    _mm512_storeu_si512(hi1 + k, _mm512_madd52hi_epu64(first ? zero : _mm512_loadu_si512(hi1 + k), dv, b));
+  }
+}
+
+// (hi * 2^52 + lo) mod q for the sums of at most 15 products (hi + carry < 2^52)
+FHELIUM_IFMA void mac_finish_ifma(const u64* lo, const u64* hi, u64* out, int64_t n, u64 q_) {
+  const u64 c52 = static_cast<u64>((u128{1} << 52) % q_);
+  const __m512i q = _mm512_set1_epi64(static_cast<long long>(q_));
+  const __m512i two_q = _mm512_set1_epi64(static_cast<long long>(2 * q_));
+  const __m512i c = _mm512_set1_epi64(static_cast<long long>(c52));
+  const __m512i cs = _mm512_set1_epi64(static_cast<long long>(shoup(c52, q_) >> 12));
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i one_shoup = _mm512_set1_epi64(static_cast<long long>(shoup(1, q_) >> 12));
+  const __m512i mask52 = _mm512_set1_epi64((1LL << 52) - 1);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i l = _mm512_loadu_si512(lo + k);
+    const __m512i h = _mm512_add_epi64(_mm512_loadu_si512(hi + k), _mm512_srli_epi64(l, 52));
+    __m512i s = _mm512_add_epi64(ifma_mul_shoup_lazy(h, c, cs, q, mask52),
+                                 ifma_mul_shoup_lazy(_mm512_and_si512(l, mask52), one, one_shoup, q, mask52));
+    s = ifma_reduce_once(ifma_reduce_once(s, two_q), q);
+    _mm512_storeu_si512(out + k, s);
+  }
+}
+
+constexpr int64_t kIfmaMacDigits = 15;
+
+inline void lift_row(const u64* c, u64* out, int64_t n, const Lift& l, int64_t level) {
+  if (level == kLevelIfma) lift_row_ifma(c, out, n, l);
+  else lift_row_scalar(c, out, n, l);
+}
+
+inline void sub_mul_row(const u64* x, const u64* c, u64* out, int64_t n, u64 q, u64 w, u64 ws, int64_t level) {
+  if (level == kLevelIfma) sub_mul_row_ifma(x, c, out, n, q, w, ws);
+  else sub_mul_row_scalar(x, c, out, n, q, w, ws);
+}
+
+void check_rns_arguments(const char* name, const at::Tensor& x, const at::Tensor& moduli, const at::Tensor& tables) {
+  TORCH_CHECK(x.device().is_cpu() && moduli.device().is_cpu() && tables.device().is_cpu(), name, ": CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kLong && moduli.scalar_type() == at::kLong && tables.scalar_type() == at::kLong,
+              name, ": int64 tensors expected");
+  TORCH_CHECK(tables.dim() == 3 && tables.size(1) == 4 && tables.is_contiguous(), name,
+              ": tables must be a contiguous [rows, 4, N] tensor from fhelium::ntt_tables");
+  TORCH_CHECK(moduli.dim() == 1 && moduli.size(0) == tables.size(0) && moduli.is_contiguous(), name,
+              ": moduli must be contiguous [rows] matching the tables");
+  TORCH_CHECK(x.dim() >= 2 && x.size(-1) == tables.size(2), name, ": input must be [..., rows, N] with N = ",
+              tables.size(2));
+}
+
+// x [..., R, N] -> [..., R-1, N]: round(x / q_drop) over the other primes, dropping row `drop`
+// (0: rescale, R-1: ModDown). ntt: x is (and the result stays) in the NTT domain.
+at::Tensor divide_round(const at::Tensor& x_in, const at::Tensor& moduli, const at::Tensor& tables, int64_t drop,
+                        bool ntt, int64_t level) {
+  check_rns_arguments("fhelium::divide_round", x_in, moduli, tables);
+  const int64_t rows = x_in.size(-2), n = x_in.size(-1);
+  TORCH_CHECK(rows == moduli.size(0) && rows >= 2, "fhelium::divide_round: [..., rows, N] must have rows = ",
+              moduli.size(0), " >= 2");
+  TORCH_CHECK(drop >= 0 && drop < rows, "fhelium::divide_round: drop out of range");
+  const int logn = log2_exact(n);
+  const int64_t chosen = resolve_level(level, moduli, logn);
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[shape.size() - 2] = rows - 1;
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t batch = x.numel() / (rows * n);
+  if (batch == 0) return out;
+  const u64* source = reinterpret_cast<const u64*>(x.data_ptr<int64_t>());
+  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  const u64* table = reinterpret_cast<const u64*>(tables.data_ptr<int64_t>());
+  const int64_t* q = moduli.data_ptr<int64_t>();
+  const u64 q_drop = static_cast<u64>(q[drop]);
+  std::vector<u64> inverse(rows), inverse_shoup(rows);
+  std::vector<Lift> lifts;
+  for (int64_t i = 0; i < rows; ++i) {
+    const u64 qi = static_cast<u64>(q[i]);
+    inverse[i] = i == drop ? 0 : pow_mod(q_drop % qi, qi - 2, qi);
+    inverse_shoup[i] = i == drop ? 0 : shoup(inverse[i], qi);
+    lifts.emplace_back(q_drop, qi);
+  }
+  bitrev_table(logn);
+  std::vector<u64> dropped(static_cast<size_t>(batch * n));
+  const RowTables drop_tables = row_tables(table, q, drop, n);
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+    for (int64_t b = begin; b < end; ++b) {
+      const u64* row = source + (b * rows + drop) * n;
+      if (ntt) inverse_row(row, scratch.data(), dropped.data() + b * n, drop_tables, logn, chosen);
+      else std::memcpy(dropped.data() + b * n, row, static_cast<size_t>(n) * sizeof(u64));
+    }
+  });
+  at::parallel_for(0, batch * (rows - 1), 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8), correction(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (rows - 1), k = task % (rows - 1), i = k < drop ? k : k + 1;
+      const u64 qi = static_cast<u64>(q[i]);
+      lift_row(dropped.data() + b * n, scratch.data(), n, lifts[i], chosen);
+      if (ntt) forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
+      else std::memcpy(correction.data(), scratch.data(), static_cast<size_t>(n) * sizeof(u64));
+      sub_mul_row(source + (b * rows + i) * n, correction.data(), target + (b * (rows - 1) + k) * n, n, qi, inverse[i],
+                  inverse_shoup[i], chosen);
+    }
+  });
+  return out;
+}
+
+// Hybrid key switching with one digit per Q prime and one special prime P (the last of `moduli`).
+// x: [..., L, N] NTT residues over moduli[0..L) (the polynomial to switch), or lifted: the
+// decomposed digits [L, ..., L+1, N] (digit j's centered coefficients lifted to every prime, NTT).
+// key: [digits, 2, key rows, N]; digit j uses key[key_digits[j]], prime i uses row key_rows[i].
+// Returns [2, ..., L, N]: ModDown(sum_j digit_j * key_j) in the NTT domain over moduli[0..L).
+at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, const at::Tensor& key_in,
+                          const at::Tensor& key_digits, const at::Tensor& key_rows, const at::Tensor& moduli,
+                          const at::Tensor& tables, int64_t level) {
+  const at::Tensor& shape_source = x_in ? *x_in : *lifted_in;
+  check_rns_arguments("fhelium::key_switch", shape_source, moduli, tables);
+  const int64_t qp = moduli.size(0), limbs = qp - 1, n = tables.size(2);
+  TORCH_CHECK(limbs >= 1, "fhelium::key_switch: moduli must hold the Q primes and P");
+  TORCH_CHECK(key_in.device().is_cpu() && key_in.scalar_type() == at::kLong && key_in.dim() == 4 &&
+                  key_in.size(1) == 2 && key_in.size(3) == n,
+              "fhelium::key_switch: key must be int64 [digits, 2, rows, N]");
+  const at::Tensor digits_index = key_digits.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor rows_index = key_rows.to(at::kCPU, at::kLong).contiguous();
+  TORCH_CHECK(digits_index.numel() == limbs && rows_index.numel() == qp,
+              "fhelium::key_switch: key_digits needs one entry per Q prime, key_rows one per Q prime and P");
+  const int64_t* digit_of = digits_index.data_ptr<int64_t>();
+  const int64_t* row_of = rows_index.data_ptr<int64_t>();
+  for (int64_t j = 0; j < limbs; ++j) {
+    TORCH_CHECK(digit_of[j] >= 0 && digit_of[j] < key_in.size(0), "fhelium::key_switch: key digit out of range");
+  }
+  for (int64_t i = 0; i < qp; ++i) {
+    TORCH_CHECK(row_of[i] >= 0 && row_of[i] < key_in.size(2), "fhelium::key_switch: key row out of range");
+  }
+  std::vector<int64_t> batch_shape;
+  at::Tensor x, lifted;
+  if (x_in) {
+    TORCH_CHECK(x_in->size(-2) == limbs, "fhelium::key_switch: x must be [..., ", limbs, ", N]");
+    x = x_in->contiguous();
+    batch_shape.assign(x.sizes().begin(), x.sizes().end() - 2);
+  } else {
+    TORCH_CHECK(lifted_in->dim() >= 3 && lifted_in->size(0) == limbs && lifted_in->size(-2) == qp,
+                "fhelium::key_switch_lifted: lifted must be [", limbs, ", ..., ", qp, ", N]");
+    lifted = lifted_in->contiguous();
+    batch_shape.assign(lifted.sizes().begin() + 1, lifted.sizes().end() - 2);
+  }
+  int64_t batch = 1;
+  for (int64_t s : batch_shape) batch *= s;
+  std::vector<int64_t> out_shape{2};
+  out_shape.insert(out_shape.end(), batch_shape.begin(), batch_shape.end());
+  out_shape.push_back(limbs);
+  out_shape.push_back(n);
+  at::Tensor out = at::empty(out_shape, moduli.options());
+  if (batch == 0) return out;
+  const at::Tensor key = key_in.stride(3) == 1 ? key_in : key_in.contiguous();
+  const int logn = log2_exact(n);
+  const int64_t chosen = resolve_level(level, moduli, logn);
+  const bool ifma_mac = chosen == kLevelIfma && limbs <= kIfmaMacDigits;
+  const int64_t* q = moduli.data_ptr<int64_t>();
+  const u64* table = reinterpret_cast<const u64*>(tables.data_ptr<int64_t>());
+  const u64* key_data = reinterpret_cast<const u64*>(key.data_ptr<int64_t>());
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
+  bitrev_table(logn);
+  const u64 p = static_cast<u64>(q[limbs]);
+  std::vector<u64> p_inverse(limbs), p_inverse_shoup(limbs);
+  std::vector<Lift> p_lifts;
+  for (int64_t i = 0; i < limbs; ++i) {
+    const u64 qi = static_cast<u64>(q[i]);
+    p_inverse[i] = pow_mod(p % qi, qi - 2, qi);
+    p_inverse_shoup[i] = shoup(p_inverse[i], qi);
+    p_lifts.emplace_back(p, qi);
+  }
+  // 1. the digits' coefficients (not needed when the lifted digits are given)
+  std::vector<u64> coefficients;
+  const u64* x_data = x_in ? reinterpret_cast<const u64*>(x.data_ptr<int64_t>()) : nullptr;
+  if (x_in) {
+    coefficients.resize(static_cast<size_t>(batch * limbs * n));
+    at::parallel_for(0, batch * limbs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+      for (int64_t task = begin; task < end; ++task) {
+        inverse_row(x_data + task * n, scratch.data(), coefficients.data() + task * n,
+                    row_tables(table, q, task % limbs, n), logn, chosen);
+      }
+    });
+  }
+  // 2. per (ciphertext, prime): sum over digits of NTT(lift(digit)) * key, both components
+  std::vector<u64> accumulated(static_cast<size_t>(2 * batch * qp * n));  // [2, batch, qp, N]
+  const u64* lifted_data = x_in ? nullptr : reinterpret_cast<const u64*>(lifted.data_ptr<int64_t>());
+  at::parallel_for(0, batch * qp, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8), digit(static_cast<size_t>(n) + 8);
+    std::vector<u64> acc(static_cast<size_t>(4 * n));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / qp, i = task % qp;
+      const u64 qi = static_cast<u64>(q[i]);
+      const RowTables ti = row_tables(table, q, i, n);
+      for (int64_t j = 0; j < limbs; ++j) {
+        const u64* row;
+        if (!x_in) {
+          row = lifted_data + ((j * batch + b) * qp + i) * n;
+        } else if (i == j) {
+          row = x_data + (b * limbs + j) * n;  // NTT(INTT(x_j)) = x_j: digit j is x_j itself at prime j
+        } else {
+          lift_row(coefficients.data() + (b * limbs + j) * n, scratch.data(), n, Lift(static_cast<u64>(q[j]), qi),
+                   chosen);
+          forward_row(scratch.data(), digit.data(), ti, logn, chosen);
+          row = digit.data();
+        }
+        const u64* k0 = key_data + digit_of[j] * ks0 + row_of[i] * ks2;
+        if (ifma_mac) mac_ifma(acc.data(), row, k0, k0 + ks1, n, j == 0);
+        else mac_scalar(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
+      }
+      u64* result0 = accumulated.data() + (b * qp + i) * n;
+      u64* result1 = accumulated.data() + ((batch + b) * qp + i) * n;
+      if (ifma_mac) {
+        mac_finish_ifma(acc.data(), acc.data() + n, result0, n, qi);
+        mac_finish_ifma(acc.data() + 2 * n, acc.data() + 3 * n, result1, n, qi);
+      } else {
+        std::memcpy(result0, acc.data(), static_cast<size_t>(n) * sizeof(u64));
+        std::memcpy(result1, acc.data() + n, static_cast<size_t>(n) * sizeof(u64));
+      }
+    }
+  });
+  // 3. ModDown: the P rows to coefficients, then (acc_i - NTT(lift(P row))) * P^-1 mod q_i
+  std::vector<u64> p_rows(static_cast<size_t>(2 * batch * n));
+  const RowTables tp = row_tables(table, q, limbs, n);
+  at::parallel_for(0, 2 * batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      inverse_row(accumulated.data() + (task * qp + limbs) * n, scratch.data(), p_rows.data() + task * n, tp, logn,
+                  chosen);
+    }
+  });
+  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  at::parallel_for(0, 2 * batch * limbs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8), correction(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t cb = task / limbs, i = task % limbs;
+      lift_row(p_rows.data() + cb * n, scratch.data(), n, p_lifts[i], chosen);
+      forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
+      sub_mul_row(accumulated.data() + (cb * qp + i) * n, correction.data(), target + task * n, n,
+                  static_cast<u64>(q[i]), p_inverse[i], p_inverse_shoup[i], chosen);
+    }
+  });
+  return out;
+}
+
+at::Tensor key_switch(const at::Tensor& x, const at::Tensor& key, const at::Tensor& key_digits,
+                      const at::Tensor& key_rows, const at::Tensor& moduli, const at::Tensor& tables, int64_t level) {
+  return key_switch_run(&x, nullptr, key, key_digits, key_rows, moduli, tables, level);
+}
+
+at::Tensor key_switch_lifted(const at::Tensor& lifted, const at::Tensor& key, const at::Tensor& key_digits,
+                             const at::Tensor& key_rows, const at::Tensor& moduli, const at::Tensor& tables,
+                             int64_t level) {
+  return key_switch_run(nullptr, &lifted, key, key_digits, key_rows, moduli, tables, level);
+}
+
+// the digits of x [..., L, N] (NTT over moduli[0..L)) lifted to every prime of moduli: [L, ..., L+1, N]
+at::Tensor decompose(const at::Tensor& x_in, const at::Tensor& moduli, const at::Tensor& tables, int64_t level) {
+  check_rns_arguments("fhelium::decompose", x_in, moduli, tables);
+  const int64_t qp = moduli.size(0), limbs = qp - 1, n = tables.size(2);
+  TORCH_CHECK(limbs >= 1 && x_in.size(-2) == limbs, "fhelium::decompose: x must be [..., ", limbs, ", N]");
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape{limbs};
+  shape.insert(shape.end(), x.sizes().begin(), x.sizes().end() - 2);
+  shape.push_back(qp);
+  shape.push_back(n);
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t batch = x.numel() / (limbs * n);
+  if (batch == 0) return out;
+  const int logn = log2_exact(n);
+  const int64_t chosen = resolve_level(level, moduli, logn);
+  const int64_t* q = moduli.data_ptr<int64_t>();
+  const u64* table = reinterpret_cast<const u64*>(tables.data_ptr<int64_t>());
+  const u64* x_data = reinterpret_cast<const u64*>(x.data_ptr<int64_t>());
+  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  bitrev_table(logn);
+  std::vector<u64> coefficients(static_cast<size_t>(batch * limbs * n));
+  at::parallel_for(0, batch * limbs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      inverse_row(x_data + task * n, scratch.data(), coefficients.data() + task * n, row_tables(table, q, task % limbs, n),
+                  logn, chosen);
+    }
+  });
+  at::parallel_for(0, limbs * batch * qp, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task / (batch * qp), b = (task / qp) % batch, i = task % qp;
+      u64* result = target + task * n;
+      if (i == j) {
+        std::memcpy(result, x_data + (b * limbs + j) * n, static_cast<size_t>(n) * sizeof(u64));
+        continue;
+      }
+      lift_row(coefficients.data() + (b * limbs + j) * n, scratch.data(), n, Lift(static_cast<u64>(q[j]), static_cast<u64>(q[i])),
+               chosen);
+      forward_row(scratch.data(), result, row_tables(table, q, i, n), logn, chosen);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fhelium, m) {
@@ -502,6 +902,10 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("ntt_inverse(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("mul_mod(Tensor a, Tensor b, Tensor q) -> Tensor");
   m.def("mul_add_mod(Tensor a, Tensor b, Tensor c, Tensor q) -> Tensor");
+  m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
+  m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
@@ -510,4 +914,8 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("ntt_inverse", &ntt_inverse);
   m.impl("mul_mod", &mul_mod);
   m.impl("mul_add_mod", &mul_add_mod);
+  m.impl("divide_round", &divide_round);
+  m.impl("decompose", &decompose);
+  m.impl("key_switch", &key_switch);
+  m.impl("key_switch_lifted", &key_switch_lifted);
 }
