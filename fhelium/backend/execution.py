@@ -32,18 +32,14 @@ from fhelium.backend.implementation import (
     RegionOperationImplementation,
 )
 from fhelium.backend.resources import BoundResource, ResourceBindings, ResourceRequirement
-from fhelium.ir import Program
+from fhelium.ir import Program, is_terminator
 from fhelium.ir.dialects import core
-from fhelium.ir.dialects import distributed as dist
 
 Env = ChainMap[SSAValue, Any]
 
 
 class ExecutionError(RuntimeError):
     """The Program cannot be prepared or failed while running."""
-
-
-_RETURNS: tuple[type[Operation], ...] = (func.ReturnOp, scf.YieldOp, dist.YieldOp)
 
 
 def _single_block(owner: Operation, region: Region) -> Block:
@@ -95,7 +91,7 @@ class _Preparer:
         steps: list[Callable[[Env], None]] = []
         returned: tuple[SSAValue, ...] = ()
         for op in block.ops:
-            if isinstance(op, _RETURNS):
+            if is_terminator(op):
                 returned = tuple(op.operands)
                 continue
             steps.append(self.operation(op))

@@ -9,10 +9,8 @@ from fhelium.compile._pipeline import (
     PassResult,
     PassStats,
     Pipeline,
-    create_pass,
-    pass_names,
-    register_pass,
 )
+from fhelium.compile._registry import create_pass, pass_names, register_pass
 
 __all__ = [
     "Diagnostic",

@@ -1,10 +1,15 @@
-"""Pass protocol, results, and the pipeline that runs passes over a cloned Program."""
+"""The Pass base (an xDSL ModulePass with stats), results, and the pipeline over a cloned Program."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self, get_type_hints
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.passes import ModulePass
 
 from fhelium.ir import Program, ProgramError
 
@@ -55,14 +60,65 @@ class PassResult:
         return tuple(d for d in self.diagnostics if d.severity == "error")
 
 
-@runtime_checkable
-class Pass(Protocol):
-    """A Program transformation or analysis. It may mutate `program` in place and return it."""
+@dataclass(frozen=True)
+class Pass(ModulePass):
+    """A Program transformation or analysis: an xDSL `ModulePass` that also reports what it did.
 
-    @property
-    def name(self) -> str: ...
+    Subclasses are frozen dataclasses that spell their name once (`name = "my-pass"`, a ClassVar)
+    and declare their options as fields, as xDSL passes do; `run` may mutate `program` in place and
+    returns it with stats and diagnostics. `apply` makes every fhelium pass usable in an xDSL
+    `PassPipeline` as well: there an error diagnostic raises `PassError`.
+    """
 
+    name: ClassVar[str]
+
+    @abstractmethod
     def run(self, program: Program) -> PassResult: ...
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        result = self.run(Program(op, verify=False))
+        if result.program.module is not op:
+            raise PassError(f"pass {self.name!r} must rewrite the module in place to run as an xDSL pass")
+        if result.errors:
+            raise PassError(f"pass {self.name!r}: " + "; ".join(str(error) for error in result.errors))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> Self:
+        """Build from `key=value` strings (the command line); keys are the dataclass's fields.
+
+        A field typed `bool` takes true/false (also 1/0, yes/no), `int` a decimal, `str` the text.
+        A pass whose options are not fixed fields (assign-implementations) overrides this.
+        """
+        known = {f.name: f for f in fields(cls) if f.init}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            allowed = ", ".join(known) or "none"
+            raise PassError(f"pass {cls.name!r} has no option(s) {', '.join(unknown)}; allowed: {allowed}")
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for key, raw in options.items():
+            kind = hints[key]
+            if kind is bool:
+                values[key] = _parse_bool(cls.name, key, raw)
+            elif kind is int:
+                try:
+                    values[key] = int(raw)
+                except ValueError:
+                    raise PassError(f"pass {cls.name!r} option {key}={raw!r} must be an integer") from None
+            elif kind is str:
+                values[key] = raw
+            else:
+                raise PassError(f"pass {cls.name!r} option {key} cannot be given on the command line")
+        return cls(**values)
+
+
+def _parse_bool(pass_name: str, key: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise PassError(f"pass {pass_name!r} option {key}={value!r} must be true or false")
 
 
 class Pipeline:
@@ -83,48 +139,3 @@ class Pipeline:
             results.append(result)
             current = result.program
         return current, tuple(results)
-
-
-#: Passes known by name to the command-line tool; factories take `key=value` options as strings.
-PassFactory = Callable[[dict[str, str]], Pass]
-_PASS_FACTORIES: dict[str, PassFactory] = {}
-
-
-def register_pass(name: str, factory: PassFactory) -> None:
-    if name in _PASS_FACTORIES:
-        raise ValueError(f"pass {name!r} is already registered")
-    _PASS_FACTORIES[name] = factory
-
-
-def pass_names() -> tuple[str, ...]:
-    import fhelium.compile.passes  # noqa: F401  (registers the built-in passes)
-
-    return tuple(sorted(_PASS_FACTORIES))
-
-
-def create_pass(name: str, options: dict[str, str] | None = None) -> Pass:
-    """Build a registered pass by name, e.g. `create_pass("lower-specialized-collectives")`."""
-    import fhelium.compile.passes  # noqa: F401  (registers the built-in passes)
-
-    try:
-        factory = _PASS_FACTORIES[name]
-    except KeyError:
-        known = ", ".join(sorted(_PASS_FACTORIES))
-        raise PassError(f"unknown pass {name!r}; known passes: {known}") from None
-    return factory(options or {})
-
-
-def parse_bool_option(pass_name: str, key: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise PassError(f"pass {pass_name!r} option {key}={value!r} must be true or false")
-
-
-def reject_unknown_options(pass_name: str, options: dict[str, str], known: Sequence[str]) -> None:
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        allowed = ", ".join(known) or "none"
-        raise PassError(f"pass {pass_name!r} has no option(s) {', '.join(unknown)}; allowed: {allowed}")

@@ -10,6 +10,7 @@ from fhelium.ir._catalog import (
     REGISTERED_DIALECTS,
     UPSTREAM_DIALECTS,
     create_dialect_context,
+    is_terminator,
     operation_name,
     registered_dialect_names,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Program",
     "ProgramError",
     "create_dialect_context",
+    "is_terminator",
     "operation_name",
     "registered_dialect_names",
 ]

@@ -8,6 +8,7 @@ from xdsl.dialects.builtin import Builtin, UnregisteredOp
 from xdsl.dialects.func import Func
 from xdsl.dialects.scf import Scf
 from xdsl.ir import Dialect, Operation
+from xdsl.traits import IsTerminator
 
 from fhelium.ir.dialects.ckks import FHEliumCkks
 from fhelium.ir.dialects.core import FHElium
@@ -46,3 +47,12 @@ def operation_name(op: Operation) -> str:
     if isinstance(op, UnregisteredOp):
         return op.op_name.data
     return op.name
+
+
+def is_terminator(op: Operation) -> bool:
+    """True for a registered terminator (`func.return`, `scf.yield`, `fhelium_dist.yield`, ...).
+
+    Terminators only hand values back to the region owner. An unregistered (vendor) operation is
+    never taken for one: xDSL answers "yes" to any trait query on those.
+    """
+    return op.has_trait(IsTerminator, value_if_unregistered=False)

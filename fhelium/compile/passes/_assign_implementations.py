@@ -8,20 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar, Self
 
 from xdsl.dialects.builtin import StringAttr
 
-from fhelium.compile._pipeline import PassResult, PassStats, register_pass
+from fhelium.compile._pipeline import Pass, PassResult, PassStats
 from fhelium.compile.passes._operation_transforms import program_operations
 from fhelium.ir import EXECUTION_IMPLEMENTATION_ATTRIBUTE, Program
 
 
 @dataclass(frozen=True)
-class AssignImplementationsPass:
+class AssignImplementationsPass(Pass):
     """Set `fhelium.execution.implementation` from an operation-name -> implementation-name map."""
 
+    name: ClassVar[str] = "assign-implementations"
+
     assignments: Mapping[str, str] = field(default_factory=dict[str, str])
-    name: str = "assign-implementations"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> Self:
+        # Every option is an assignment: assign-implementations{fhelium_ckks.add=torch-rns-add}
+        return cls(assignments=dict(options))
 
     def run(self, program: Program) -> PassResult:
         matched = transformed = skipped = 0
@@ -36,11 +43,3 @@ class AssignImplementationsPass:
             op.attributes[EXECUTION_IMPLEMENTATION_ATTRIBUTE] = StringAttr(implementation)
             transformed += 1
         return PassResult(program, PassStats(matched=matched, transformed=transformed, skipped=skipped))
-
-
-def _factory(options: dict[str, str]) -> AssignImplementationsPass:
-    # On the command line: assign-implementations{fhelium_ckks.add=torch-rns-add}
-    return AssignImplementationsPass(assignments=dict(options))
-
-
-register_pass("assign-implementations", _factory)

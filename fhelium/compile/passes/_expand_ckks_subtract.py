@@ -6,44 +6,54 @@ Useful for Backends that only register add and negate; applied inside known stru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from xdsl.rewriter import InsertPoint, Rewriter
+from xdsl.pattern_rewriter import (
+    PatternRewriter,
+    PatternRewriteWalker,
+    RewritePattern,
+    op_type_rewrite_pattern,
+)
 
-from fhelium.compile._pipeline import PassResult, PassStats, register_pass, reject_unknown_options
-from fhelium.compile.passes._operation_transforms import program_operations
+from fhelium.compile._pipeline import Pass, PassResult, PassStats
+from fhelium.compile.passes._operation_transforms import is_traversed
 from fhelium.ir import EXECUTION_IMPLEMENTATION_ATTRIBUTE, Program
 from fhelium.ir.dialects import ckks
 
 
+class ExpandSubtract(RewritePattern):
+    """The rewrite itself; counts what it saw for the pass's stats."""
+
+    def __init__(self) -> None:
+        self.matched = 0
+        self.transformed = 0
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ckks.SubtractOp, rewriter: PatternRewriter) -> None:
+        if not is_traversed(op):
+            return
+        self.matched += 1
+        if EXECUTION_IMPLEMENTATION_ATTRIBUTE in op.attributes:
+            return  # pinned to a Backend implementation: keep as written
+        negate = ckks.NegateOp(op.rhs)
+        add = ckks.AddOp(op.lhs, negate.result)
+        add.result.name_hint = op.result.name_hint
+        rewriter.replace(op, [negate, add])
+        self.transformed += 1
+
+
 @dataclass(frozen=True)
-class ExpandCiphertextSubtractPass:
-    name: str = "expand-ckks-subtract"
+class ExpandCiphertextSubtractPass(Pass):
+    name: ClassVar[str] = "expand-ckks-subtract"
 
     def run(self, program: Program) -> PassResult:
-        matches = [op for op in program_operations(program) if isinstance(op, ckks.SubtractOp)]
-        transformed = 0
-        for op in matches:
-            if EXECUTION_IMPLEMENTATION_ATTRIBUTE in op.attributes:
-                continue  # pinned to a Backend implementation: keep as written
-            negate = ckks.NegateOp(op.rhs)
-            Rewriter.insert_op(negate, InsertPoint.before(op))
-            add = ckks.AddOp(op.lhs, negate.result)
-            add.result.name_hint = op.result.name_hint
-            Rewriter.replace_op(op, add)
-            transformed += 1
+        pattern = ExpandSubtract()
+        PatternRewriteWalker(pattern, apply_recursively=False).rewrite_module(program.module)
         stats = PassStats(
-            matched=len(matches),
-            transformed=transformed,
-            skipped=len(matches) - transformed,
-            inserted=2 * transformed,
-            removed=transformed,
+            matched=pattern.matched,
+            transformed=pattern.transformed,
+            skipped=pattern.matched - pattern.transformed,
+            inserted=2 * pattern.transformed,
+            removed=pattern.transformed,
         )
         return PassResult(program, stats)
-
-
-def _factory(options: dict[str, str]) -> ExpandCiphertextSubtractPass:
-    reject_unknown_options("expand-ckks-subtract", options, [])
-    return ExpandCiphertextSubtractPass()
-
-
-register_pass("expand-ckks-subtract", _factory)

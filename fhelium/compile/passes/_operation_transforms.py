@@ -11,16 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from xdsl.dialects import func, scf
+from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Block, Operation
 
-from fhelium.ir import Program
+from fhelium.ir import Program, is_terminator
 from fhelium.ir.dialects import distributed as dist
 
 #: Region owners whose regions passes may enter.
 KNOWN_REGION_OWNERS: tuple[type[Operation], ...] = (scf.ForOp, scf.IfOp, dist.AllReduceOp)
-
-#: Terminators that only return values; passes never need to see them.
-_TERMINATORS: tuple[type[Operation], ...] = (func.ReturnOp, scf.YieldOp, dist.YieldOp)
 
 
 def is_known_region_owner(op: Operation) -> bool:
@@ -39,8 +37,8 @@ def block_operations(block: Block) -> Iterator[Operation]:
     operation never invalidates the iteration over the owner itself.
     """
     for op in list(block.ops):
-        if isinstance(op, _TERMINATORS):
-            continue
+        if is_terminator(op):
+            continue  # terminators only return values; passes never need to see them
         if is_known_region_owner(op):
             for region in op.regions:
                 for inner in region.blocks:
@@ -53,6 +51,23 @@ def program_operations(program: Program) -> Iterator[Operation]:
     for function in program.functions().values():
         for block in function.body.blocks:
             yield from block_operations(block)
+
+
+def is_traversed(op: Operation) -> bool:
+    """True for an operation `program_operations` yields: a non-terminator in a top-level function,
+    possibly inside known region owners, never inside an opaque one. Rewrite patterns check it so a
+    pattern walk touches exactly what the structured traversal would."""
+    if is_terminator(op):
+        return False
+    parent = op.parent_op()
+    while parent is not None and not isinstance(parent, func.FuncOp):
+        if not is_known_region_owner(parent):
+            return False
+        parent = parent.parent_op()
+    if parent is None:
+        return False
+    module = parent.parent_op()
+    return isinstance(module, ModuleOp) and module.parent_op() is None
 
 
 def program_operations_and_known_region_owners(

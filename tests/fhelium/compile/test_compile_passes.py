@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import dataclass
+from typing import ClassVar
 
-from fhelium.compile import PassError, PassStats, Pipeline, create_pass, pass_names
+import pytest
+from xdsl.passes import ModulePass, PassPipeline
+from xdsl.utils.arg_spec import ArgSpec
+
+from fhelium.compile import (
+    Pass,
+    PassError,
+    PassResult,
+    PassStats,
+    Pipeline,
+    _registry,
+    create_pass,
+    pass_names,
+    register_pass,
+)
 from fhelium.compile.passes import (
+    BUILTIN_PASSES,
     AssignImplementationsPass,
+    CheckCollectiveUniformityPass,
     ExpandCiphertextSubtractPass,
+    LowerSpecializedCollectivesPass,
     program_operations,
     program_operations_and_known_region_owners,
 )
-from fhelium.ir import EXECUTION_IMPLEMENTATION_ATTRIBUTE, Program, operation_name
+from fhelium.ir import EXECUTION_IMPLEMENTATION_ATTRIBUTE, Program, create_dialect_context, operation_name
 
 CT = "!fhelium_ckks.ciphertext<{depth = 0 : i64}>"
 BIN = f"({CT}, {CT}) -> {CT}"
@@ -122,3 +140,67 @@ def test_pass_registry_builds_passes_by_name_with_checked_options() -> None:
 def test_pass_stats_reject_impossible_counts() -> None:
     with pytest.raises(PassError, match="exceeds matched"):
         PassStats(matched=1, transformed=1, skipped=1)
+
+
+def test_every_builtin_pass_is_known_by_its_one_name() -> None:
+    assert set(pass_names()) >= {each.name for each in BUILTIN_PASSES}
+    for each in BUILTIN_PASSES:
+        assert type(create_pass(each.name)) is each
+        assert issubclass(each, ModulePass)
+
+
+def test_passes_run_as_xdsl_module_passes_in_an_xdsl_pipeline() -> None:
+    program = Program.parse(STRUCTURED)
+    spec = ArgSpec("expand-ckks-subtract", {})
+    PassPipeline((ExpandCiphertextSubtractPass.from_pass_spec(spec),)).apply(create_dialect_context(), program.module)
+    program.verify()
+    # The same four subtracts as through Pipeline; the one inside the vendor op stays.
+    assert [operation_name(op) for op in program.walk()].count("fhelium_ckks.subtract") == 1
+    lowered = LowerSpecializedCollectivesPass.from_pass_spec(
+        ArgSpec("lower-specialized-collectives", {"lower_ciphertext_add": (False,)})
+    )
+    assert lowered == LowerSpecializedCollectivesPass(lower_ciphertext_add=False)
+
+
+def test_an_error_diagnostic_fails_the_pass_under_xdsl() -> None:
+    ct = "!fhelium_ckks.ciphertext<{depth = 0 : i64}>"
+    divergent = Program.parse(f"""builtin.module {{
+  func.func @main(%x: {ct}) -> {ct} {{
+    %g = "fhelium.resource.ref"() {{symbol = "world", kind = "process-group"}} : () -> !fhelium_dist.group
+    %r = "fhelium_dist.rank"(%g) : (!fhelium_dist.group) -> index
+    %c0 = arith.constant 0 : index
+    %root = arith.cmpi eq, %r, %c0 : index
+    %y = scf.if %root -> ({ct}) {{
+      %s = "fhelium_dist.all_reduce_add_ciphertext"(%x, %g) : ({ct}, !fhelium_dist.group) -> {ct}
+      scf.yield %s : {ct}
+    }} else {{
+      scf.yield %x : {ct}
+    }}
+    func.return %y : {ct}
+  }}
+}}
+""")
+    with pytest.raises(PassError, match=r"scf\.if condition depends on rank"):
+        CheckCollectiveUniformityPass().apply(create_dialect_context(), divergent.module)
+
+
+def test_register_pass_adds_a_pass_class_by_its_name() -> None:
+    @dataclass(frozen=True)
+    class CountOps(Pass):
+        name: ClassVar[str] = "test-count-ops"
+
+        limit: int = 0
+
+        def run(self, program: Program) -> PassResult:
+            return PassResult(program, PassStats(matched=sum(1 for _ in program_operations(program))))
+
+    register_pass(CountOps)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_pass(CountOps)
+        assert "test-count-ops" in pass_names()
+        assert create_pass("test-count-ops", {"limit": "3"}) == CountOps(limit=3)
+        with pytest.raises(PassError, match="must be an integer"):
+            create_pass("test-count-ops", {"limit": "many"})
+    finally:
+        _registry._BY_NAME.pop("test-count-ops")  # the registry is process-wide

@@ -14,17 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from xdsl.dialects import arith, scf
 from xdsl.ir import Block, Operation, SSAValue
 
-from fhelium.compile._pipeline import (
-    Diagnostic,
-    PassResult,
-    PassStats,
-    register_pass,
-    reject_unknown_options,
-)
+from fhelium.compile._pipeline import Diagnostic, Pass, PassResult, PassStats
 from fhelium.compile.passes._operation_transforms import is_opaque
 from fhelium.ir import Program, operation_name
 from fhelium.ir.dialects import distributed as dist
@@ -151,10 +146,10 @@ class _Analysis:
 
 
 @dataclass(frozen=True)
-class CheckCollectiveUniformityPass:
+class CheckCollectiveUniformityPass(Pass):
     """Report collectives whose execution may differ between ranks. Does not change the Program."""
 
-    name: str = "check-collective-uniformity"
+    name: ClassVar[str] = "check-collective-uniformity"
 
     def run(self, program: Program) -> PassResult:
         analysis = _Analysis()
@@ -164,11 +159,3 @@ class CheckCollectiveUniformityPass:
         flagged = sum(1 for d in analysis.diagnostics if d.severity == "error")
         stats = PassStats(matched=analysis.collectives, skipped=min(flagged, analysis.collectives))
         return PassResult(program, stats, tuple(analysis.diagnostics))
-
-
-def _factory(options: dict[str, str]) -> CheckCollectiveUniformityPass:
-    reject_unknown_options("check-collective-uniformity", options, [])
-    return CheckCollectiveUniformityPass()
-
-
-register_pass("check-collective-uniformity", _factory)

@@ -17,20 +17,18 @@ is never lowered silently.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from xdsl.ir import Block
-from xdsl.rewriter import Rewriter
-
-from fhelium.compile._pipeline import (
-    Diagnostic,
-    PassError,
-    PassResult,
-    PassStats,
-    parse_bool_option,
-    register_pass,
-    reject_unknown_options,
+from xdsl.pattern_rewriter import (
+    PatternRewriter,
+    PatternRewriteWalker,
+    RewritePattern,
+    op_type_rewrite_pattern,
 )
-from fhelium.compile.passes._operation_transforms import program_operations
+
+from fhelium.compile._pipeline import Diagnostic, Pass, PassError, PassResult, PassStats
+from fhelium.compile.passes._operation_transforms import is_traversed, program_operations
 from fhelium.ir import EXECUTION_IMPLEMENTATION_ATTRIBUTE, Program
 from fhelium.ir.dialects import ckks
 from fhelium.ir.dialects import distributed as dist
@@ -48,12 +46,29 @@ def generic_add_all_reduce(op: dist.AllReduceAddCiphertextOp) -> dist.AllReduceO
     return dist.AllReduceOp(op.value, op.group, combine, attributes=dict(op.attributes))
 
 
+class LowerCiphertextAddAllReduce(RewritePattern):
+    """`all_reduce_add_ciphertext` -> `all_reduce` with an `fhelium_ckks.add` combine region."""
+
+    def __init__(self) -> None:
+        self.lowered = 0
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: dist.AllReduceAddCiphertextOp, rewriter: PatternRewriter) -> None:
+        if not is_traversed(op):
+            return
+        replacement = generic_add_all_reduce(op)
+        replacement.result.name_hint = op.result.name_hint
+        rewriter.replace(op, replacement)
+        self.lowered += 1
+
+
 @dataclass(frozen=True)
-class LowerSpecializedCollectivesPass:
+class LowerSpecializedCollectivesPass(Pass):
     """Lower specialized ciphertext-add all-reduces to generic all-reduces (or keep them)."""
 
+    name: ClassVar[str] = "lower-specialized-collectives"
+
     lower_ciphertext_add: bool = True
-    name: str = "lower-specialized-collectives"
 
     def run(self, program: Program) -> PassResult:
         matches = [op for op in program_operations(program) if isinstance(op, dist.AllReduceAddCiphertextOp)]
@@ -62,7 +77,7 @@ class LowerSpecializedCollectivesPass:
                 Diagnostic("note", "preserved for a whole-operation implementation", op.name) for op in matches
             )
             return PassResult(program, PassStats(matched=len(matches), skipped=len(matches)), notes)
-        for op in matches:
+        for op in matches:  # refuse before rewriting anything
             assigned = op.attributes.get(EXECUTION_IMPLEMENTATION_ATTRIBUTE)
             if assigned is not None:
                 raise PassError(
@@ -70,20 +85,8 @@ class LowerSpecializedCollectivesPass:
                     f"(lower_ciphertext_add=false) or remove the {EXECUTION_IMPLEMENTATION_ATTRIBUTE} "
                     "assignment before lowering"
                 )
-        for op in matches:
-            replacement = generic_add_all_reduce(op)
-            replacement.result.name_hint = op.result.name_hint
-            Rewriter.replace_op(op, replacement)
-        count = len(matches)
+        pattern = LowerCiphertextAddAllReduce()
+        PatternRewriteWalker(pattern, apply_recursively=False).rewrite_module(program.module)
+        count = pattern.lowered
         stats = PassStats(matched=count, transformed=count, inserted=3 * count, removed=count)
         return PassResult(program, stats)
-
-
-def _factory(options: dict[str, str]) -> LowerSpecializedCollectivesPass:
-    name = "lower-specialized-collectives"
-    reject_unknown_options(name, options, ["lower_ciphertext_add"])
-    lower = parse_bool_option(name, "lower_ciphertext_add", options.get("lower_ciphertext_add", "true"))
-    return LowerSpecializedCollectivesPass(lower_ciphertext_add=lower)
-
-
-register_pass("lower-specialized-collectives", _factory)
