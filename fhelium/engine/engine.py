@@ -503,9 +503,15 @@ class CkksEngine(EngineBase):
         P row, plus divided) and v_Q − NTT(lift) = values_Q − NTT(lift − divided).
         """
         special = self.special_prime_id
-        if addend is None and divided is None and self.ntt.native_level != "torch":
+        if self.ntt.native_level != "torch":
             tables = self.ntt._native_tables((*ids, special))
-            return _native.divide_round(values, *tables, len(ids), ntt=True, level=self.ntt.native_level)
+            if addend is None and divided is None:
+                return _native.divide_round(values, *tables, len(ids), ntt=True, level=self.ntt.native_level)
+            if addend is not None:
+                addend = addend.expand(*values.shape[:-2], len(ids), self.ring_degree)
+            if divided is not None:
+                divided = divided.expand(*values.shape[:-2], 1, self.ring_degree)
+            return _native.mod_down(values, addend, divided, *tables, self.ntt.native_level)
         q_mod = self._mod(ids)
         p_q = self._mod((special,)).q
         p_row = self.ntt.inverse(values[..., -1:, :], (special,))

@@ -137,7 +137,19 @@ def _register_fakes() -> None:
         shape = (2, *lifted.shape[1:-2], lifted.shape[-2] - 1, lifted.shape[-1])
         return torch.empty(shape, dtype=lifted.dtype, device=lifted.device)
 
+    def mod_down_fake(
+        values: torch.Tensor,
+        addend: torch.Tensor | None,
+        divided: torch.Tensor | None,
+        moduli: torch.Tensor,
+        tables: torch.Tensor,
+        level: int,
+    ) -> torch.Tensor:
+        shape = (*values.shape[:-2], values.shape[-2] - 1, values.shape[-1])
+        return torch.empty(shape, dtype=values.dtype, device=values.device)
+
     torch.library.register_fake("fhelium::divide_round")(divide_round_fake)
+    torch.library.register_fake("fhelium::mod_down")(mod_down_fake)
     torch.library.register_fake("fhelium::decompose")(decompose_fake)
     torch.library.register_fake("fhelium::key_switch")(key_switch_fake)
     torch.library.register_fake("fhelium::key_switch_lifted")(key_switch_lifted_fake)
@@ -239,6 +251,21 @@ def divide_round(
     return result
 
 
+def mod_down(
+    values: torch.Tensor,
+    addend: torch.Tensor | None,
+    divided: torch.Tensor | None,
+    moduli: torch.Tensor,
+    tables: torch.Tensor,
+    level: str,
+) -> torch.Tensor:
+    """ModDown with encryption's extra terms: NTT ``values [..., L+1, N]`` over ``moduli`` (L Q primes,
+    then P) → round((values + divided) / P) + addend over the Q primes, NTT domain. ``addend``:
+    coefficient-domain residues ``[..., L, N]``; ``divided``: small signed integers ``[..., 1, N]``."""
+    result: torch.Tensor = torch.ops.fhelium.mod_down(values, addend, divided, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
 def decompose(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
     """NTT ``[..., L, N]`` over ``moduli[:L]`` → ``[L, ..., L+1, N]``: digit j (the centered coefficients
     of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain."""
@@ -287,6 +314,7 @@ __all__ = [
     "key_switch_lifted",
     "level",
     "load",
+    "mod_down",
     "mul_add_mod",
     "mul_mod",
     "ntt_forward",

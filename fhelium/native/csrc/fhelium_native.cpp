@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -893,6 +894,108 @@ at::Tensor decompose(const at::Tensor& x_in, const at::Tensor& moduli, const at:
   return out;
 }
 
+// ModDown with the extra terms of public-key encryption (engine._mod_down): values [..., L+1, N]
+// NTT over moduli (Q primes, then P) -> round((values + divided) / P) + addend over the Q primes,
+// NTT domain. addend: coefficient-domain residues [..., L, N] (folded in as -P*addend before the
+// division); divided: small signed coefficient-domain integers [..., 1, N], |divided| < P.
+at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>& addend_in,
+                    const std::optional<at::Tensor>& divided_in, const at::Tensor& moduli, const at::Tensor& tables,
+                    int64_t level) {
+  check_rns_arguments("fhelium::mod_down", values_in, moduli, tables);
+  const int64_t qp = moduli.size(0), limbs = qp - 1, n = tables.size(2);
+  TORCH_CHECK(limbs >= 1 && values_in.size(-2) == qp, "fhelium::mod_down: values must be [..., ", qp, ", N]");
+  const at::Tensor values = values_in.contiguous();
+  std::vector<int64_t> shape(values.sizes().begin(), values.sizes().end());
+  shape[shape.size() - 2] = limbs;
+  const int64_t batch = values.numel() / (qp * n);
+  at::Tensor addend, divided;
+  if (addend_in.has_value()) {
+    TORCH_CHECK(addend_in->sizes() == at::IntArrayRef(shape) && addend_in->scalar_type() == at::kLong &&
+                    addend_in->device().is_cpu(),
+                "fhelium::mod_down: addend must be int64 [..., ", limbs, ", N] like values");
+    addend = addend_in->contiguous();
+  }
+  if (divided_in.has_value()) {
+    std::vector<int64_t> one_row(shape);
+    one_row[one_row.size() - 2] = 1;
+    TORCH_CHECK(divided_in->sizes() == at::IntArrayRef(one_row) && divided_in->scalar_type() == at::kLong &&
+                    divided_in->device().is_cpu(),
+                "fhelium::mod_down: divided must be int64 [..., 1, N] like values");
+    divided = divided_in->contiguous();
+  }
+  at::Tensor out = at::empty(shape, values.options());
+  if (batch == 0) return out;
+  const int logn = log2_exact(n);
+  const int64_t chosen = resolve_level(level, moduli, logn);
+  const int64_t* q = moduli.data_ptr<int64_t>();
+  const u64* table = reinterpret_cast<const u64*>(tables.data_ptr<int64_t>());
+  const u64* source = reinterpret_cast<const u64*>(values.data_ptr<int64_t>());
+  const int64_t* addend_data = addend.defined() ? addend.data_ptr<int64_t>() : nullptr;
+  const int64_t* divided_data = divided.defined() ? divided.data_ptr<int64_t>() : nullptr;
+  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  const int64_t p = q[limbs];
+  std::vector<u64> p_inverse(limbs), p_inverse_shoup(limbs);
+  std::vector<int64_t> p_residue(limbs);
+  std::vector<Lift> lifts;
+  for (int64_t i = 0; i < limbs; ++i) {
+    const u64 qi = static_cast<u64>(q[i]);
+    p_residue[i] = static_cast<int64_t>(static_cast<u64>(p) % qi);
+    p_inverse[i] = pow_mod(static_cast<u64>(p_residue[i]), qi - 2, qi);
+    p_inverse_shoup[i] = shoup(p_inverse[i], qi);
+    lifts.emplace_back(static_cast<u64>(p), qi);
+  }
+  bitrev_table(logn);
+  std::vector<u64> p_rows(static_cast<size_t>(batch * n));
+  const RowTables tp = row_tables(table, q, limbs, n);
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+    for (int64_t b = begin; b < end; ++b) {
+      u64* row = p_rows.data() + b * n;
+      inverse_row(source + (b * qp + limbs) * n, scratch.data(), row, tp, logn, chosen);
+      if (divided_data) {
+        const int64_t* d = divided_data + b * n;
+        for (int64_t k = 0; k < n; ++k) {  // [-P, 2P) -> [0, P)
+          int64_t v = static_cast<int64_t>(row[k]) + d[k];
+          v += (v >> 63) & p;
+          v -= p;
+          v += (v >> 63) & p;
+          row[k] = static_cast<u64>(v);
+        }
+      }
+    }
+  });
+  at::parallel_for(0, batch * limbs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8), correction(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / limbs, i = task % limbs;
+      const int64_t qi = q[i];
+      lift_row(p_rows.data() + b * n, scratch.data(), n, lifts[i], chosen);
+      if (divided_data) {
+        const int64_t* d = divided_data + b * n;
+        for (int64_t k = 0; k < n; ++k) {
+          int64_t r = d[k] % qi;
+          r += (r >> 63) & qi;  // remainder(divided, q_i)
+          int64_t v = static_cast<int64_t>(scratch[k]) - r;
+          v += (v >> 63) & qi;
+          scratch[k] = static_cast<u64>(v);
+        }
+      }
+      if (addend_data) {
+        const int64_t* a = addend_data + task * n;
+        for (int64_t k = 0; k < n; ++k) {
+          int64_t v = static_cast<int64_t>(scratch[k]) - mul_mod_one(a[k], p_residue[i], qi);
+          v += (v >> 63) & qi;
+          scratch[k] = static_cast<u64>(v);
+        }
+      }
+      forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
+      sub_mul_row(source + (b * qp + i) * n, correction.data(), target + task * n, n, static_cast<u64>(qi),
+                  p_inverse[i], p_inverse_shoup[i], chosen);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fhelium, m) {
@@ -903,6 +1006,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("mul_mod(Tensor a, Tensor b, Tensor q) -> Tensor");
   m.def("mul_add_mod(Tensor a, Tensor b, Tensor c, Tensor q) -> Tensor");
   m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
+  m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
@@ -916,6 +1020,7 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("mul_add_mod", &mul_add_mod);
   m.impl("divide_round", &divide_round);
   m.impl("decompose", &decompose);
+  m.impl("mod_down", &mod_down);
   m.impl("key_switch", &key_switch);
   m.impl("key_switch_lifted", &key_switch_lifted);
 }

@@ -177,3 +177,34 @@ def test_rns_ops_have_fake_implementations() -> None:
     values = torch.remainder(torch.randint(0, 1 << 62, (2, 4, n), generator=generator), column)
     torch.library.opcheck(ops.divide_round.default, (values, q, tables, 3, True, level))
     torch.library.opcheck(ops.divide_round.default, (x, q[:3].contiguous(), tables[:3].contiguous(), 0, False, level))
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("case", ["n8", "n1024", "n2048-50bit", "n16384"])
+def test_encryption_mod_down_and_encrypt_are_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, engine = _engines(CASES[case], level, monkeypatch)
+    for depth, batch in ((0, (2,)), (reference.parameters.max_depth, ())):
+        ids = reference.q_ids_at(depth)
+        qp_ids = (*ids, reference.special_prime_id)
+        values = _residues(reference, qp_ids, (2, *batch), seed=depth + 41)
+        addend = _residues(reference, ids, (2, *batch), seed=depth + 42)
+        generator = torch.Generator().manual_seed(depth + 43)
+        divided = torch.randint(-40, 41, (2, *batch, 1, reference.ring_degree), generator=generator)
+        for extra in ((addend, None), (None, divided), (addend, divided)):
+            with monkeypatch.context() as patch:
+                patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+                expected = reference._mod_down(values, ids, *extra)
+            assert torch.equal(engine._mod_down(values, ids, *extra), expected)
+    # the whole public-key encryption, from the same seeded randomness, both plaintext domains
+    with monkeypatch.context() as patch:
+        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        keys = reference.generate_keys(relinearization=False)
+    native_keys = engine.generate_keys(relinearization=False)  # the same draws from the same seed
+    assert torch.equal(native_keys.public.data, keys.public.data)
+    x = torch.rand(3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(44))
+    for domain in ("coefficient", "ntt"):
+        with monkeypatch.context() as patch:
+            patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+            expected_ct = reference.encrypt(reference.encode(x, domain=domain), keys.public)
+        ct = engine.encrypt(engine.encode(x, domain=domain), native_keys.public)
+        assert torch.equal(ct.data, expected_ct.data)
