@@ -57,6 +57,7 @@ log = logging.getLogger("flodld.controller")
 
 SHIP_TIMEOUT_SECS = 30.0
 ABORT_TIMEOUT_SECS = 5.0
+SHIP_CHUNK_HOSTS = 256  # WorldFormed writes per event-loop turn: HTTP and links are served in between
 
 PhaseListener = Callable[[Phase, str], object]
 
@@ -498,26 +499,24 @@ class Controller:
             return link.local_address if is_loopback_address(link.local_address) else "127.0.0.1"
         return self.options.advertised_host
 
-    def _envelopes(self, world: World) -> dict[str, WorldEnvelope]:
-        """One envelope per host, each O(1) in the world's size (no host list). The shared parts (the
-        env) are validated once in a template; per-host copies only swap already-checked fields."""
+    def _envelope_template(self, world: World) -> WorldEnvelope:
+        """The parts every host's envelope shares (the env included), validated once. Each envelope is O(1)
+        in the world's size: no host list."""
         assert self.address is not None
         first = world.hosts[0]
-        template = WorldEnvelope(
+        return WorldEnvelope(
             run_id=self.run_id, world_size=world.world_size, ranks=list(world.ranks[first]),
             local_world_size=len(world.ranks[first]),
             controller_host=self.options.advertised_host, controller_port=self.address[1],
             averaging=self.options.averaging, backend=self.options.backend, env=dict(self.options.env),
         )
-        envelopes: dict[str, WorldEnvelope] = {}
-        for host in world.hosts:
-            link = self._links.get(host)
-            ranks = list(world.ranks[host])
-            controller_host = self._controller_host_for(link) if link is not None else self.options.advertised_host
-            envelopes[host] = template.model_copy(
-                update={"ranks": ranks, "local_world_size": len(ranks), "controller_host": controller_host}
-            )
-        return envelopes
+
+    def _envelope(self, template: WorldEnvelope, world: World, host: str, link: HostLink) -> WorldEnvelope:
+        """`host`'s envelope: the template with only already-checked fields swapped."""
+        ranks = list(world.ranks[host])
+        return template.model_copy(
+            update={"ranks": ranks, "local_world_size": len(ranks), "controller_host": self._controller_host_for(link)}
+        )
 
     def _relay_spec(self) -> RelaySpec | None:
         if not self.options.cpu_averaging:
@@ -534,13 +533,16 @@ class Controller:
         sent: list[HostLink] = []
         try:
             relay = self._relay_spec()
-            envelopes = self._envelopes(world) if world.hosts else {}
-            for host in world.hosts:
+            template = self._envelope_template(world) if world.hosts else None
+            for index, host in enumerate(world.hosts):
+                if index and index % SHIP_CHUNK_HOSTS == 0:
+                    await asyncio.sleep(0)  # a world of 10,000 hosts must not hold the loop for seconds
                 link = self._links.get(host)
                 if link is None or link.closed.is_set():
                     continue
-                # model_construct: the envelope is already checked (see _envelopes).
-                message = WorldFormed.model_construct(envelope=envelopes[host], relay=relay)
+                assert template is not None
+                # model_construct: the envelope is already checked (see _envelope_template).
+                message = WorldFormed.model_construct(envelope=self._envelope(template, world, host, link), relay=relay)
                 try:
                     link.stream.send_nowait(message)
                 except (ConnectionError, OSError) as error:
@@ -553,10 +555,13 @@ class Controller:
             self.abort(f"formation failed: could not build WorldFormed for {len(world.hosts)} host(s) "
                        f"({type(error).__name__}: {error})"[:1024])
             return
+        # A WorldFormed is a few hundred bytes: almost every write went out at once. Only links with bytes
+        # still buffered need a drain (a task each), not all 10,000.
+        backed_up = [link for link in sent if _write_buffered(link)]
         results = await asyncio.gather(
-            *(asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS) for link in sent), return_exceptions=True
+            *(asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS) for link in backed_up), return_exceptions=True
         )
-        for link, outcome in zip(sent, results, strict=True):
+        for link, outcome in zip(backed_up, results, strict=True):
             if isinstance(outcome, BaseException):
                 log.warning("event=world_formed_write_failed host=%s error=%r", link.host, outcome)
                 self.link_closed(link, f"WorldFormed write failed ({outcome!r})", lost=True)
@@ -701,6 +706,15 @@ class Controller:
             "armed": True, "joined_ranks": decision.joined_ranks, "min_rank_start": decision.quorum,
             "already_armed": decision.already,
         })
+
+
+def _write_buffered(link: HostLink) -> bool:
+    """Whether bytes written to the link still wait in its transport (unknown: assume so)."""
+    transport = link.stream.writer.transport
+    try:
+        return transport.is_closing() or transport.get_write_buffer_size() > 0
+    except (AttributeError, NotImplementedError):
+        return True
 
 
 def _is_ip_literal(address: str) -> bool:
