@@ -12,6 +12,7 @@ from fhelium.backend.distributed.operations import (
 from fhelium.backend.execution import ExecutionError, OperationBackend, ProgramExecutable
 from fhelium.backend.implementation import (
     ImplementationError,
+    OperandResourcesOnly,
     OperationImplementation,
     OperationImplementationRegistry,
     OperationInvocation,
@@ -36,6 +37,7 @@ __all__ = [
     "BoundResource",
     "ExecutionError",
     "ImplementationError",
+    "OperandResourcesOnly",
     "OperationBackend",
     "OperationImplementation",
     "OperationImplementationRegistry",

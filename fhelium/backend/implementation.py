@@ -49,44 +49,46 @@ class OperationInvocation:
 
 #: A compiled region: call it with the region's block arguments, get the yielded tensors.
 RegionCallable = Callable[..., tuple[torch.Tensor, ...]]
+#: The tensor payloads an implementation receives and returns, in operand / result order.
+Tensors = tuple[torch.Tensor, ...]
+#: The bound resources it receives: resource operands first, then its `resource_requirements`.
+Resources = tuple[BoundResource, ...]
+#: One callable per region of the operation.
+Regions = tuple[RegionCallable, ...]
+
+
+class _Implementation(Protocol):
+    name: str
+    operation_types: tuple[type[Operation], ...]
+
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]: ...
 
 
 @runtime_checkable
-class OperationImplementation(Protocol):
+class OperationImplementation(_Implementation, Protocol):
     """Executes one or more operation classes on tensor payloads."""
 
-    name: str
-    operation_types: tuple[type[Operation], ...]
-
-    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]: ...
-
-    def execute(
-        self,
-        invocation: OperationInvocation,
-        inputs: tuple[torch.Tensor, ...],
-        resources: tuple[BoundResource, ...],
-    ) -> tuple[torch.Tensor, ...]: ...
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors: ...
 
 
 @runtime_checkable
-class RegionOperationImplementation(Protocol):
+class RegionOperationImplementation(_Implementation, Protocol):
     """Executes a region-owning operation; the Backend passes each region as a callable."""
 
-    name: str
-    operation_types: tuple[type[Operation], ...]
-
-    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]: ...
-
     def execute_regions(
-        self,
-        invocation: OperationInvocation,
-        inputs: tuple[torch.Tensor, ...],
-        resources: tuple[BoundResource, ...],
-        regions: tuple[RegionCallable, ...],
-    ) -> tuple[torch.Tensor, ...]: ...
+        self, invocation: OperationInvocation, inputs: Tensors, resources: Resources, regions: Regions
+    ) -> Tensors: ...
 
 
 Implementation = OperationImplementation | RegionOperationImplementation
+
+
+class OperandResourcesOnly:
+    """Base for an implementation whose resources all arrive as operands (a group, a device): it
+    asks the Backend for nothing more at link time."""
+
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
+        return ()
 
 
 class OperationImplementationRegistry:

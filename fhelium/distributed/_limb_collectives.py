@@ -58,7 +58,7 @@ def scatter_ciphertext_limbs(
                 f"non-source rank {info.global_rank} must supply None for value and limb_ranges; the source "
                 "alone chooses the partition"
             )
-    result: Ciphertext = scatter_values(
+    return scatter_values(
         shards,
         accepts=(Ciphertext,),
         src=src,
@@ -66,7 +66,6 @@ def scatter_ciphertext_limbs(
         operation="scatter_ciphertext_limbs",
         source_error=error,
     )
-    return result
 
 
 def _check_limb_shards(descriptors: list[Descriptor]) -> None:

@@ -8,7 +8,7 @@ are global ranks that must belong to ``group``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -53,6 +53,9 @@ from fhelium.distributed._transfer import (
     rebuild,
 )
 
+#: The value type a typed collective moves (Ciphertext, Plaintext, a key, ...).
+V = TypeVar("V")
+
 
 def decode_for_receivers(
     exchange: ControlExchange, sender_group_rank: int, receivers: Sequence[int], index: int | None = None
@@ -76,14 +79,14 @@ def decode_for_receivers(
 
 
 def broadcast_value(
-    value_or_none: Any,
+    value_or_none: V | None,
     *,
-    accepts: tuple[type, ...],
+    accepts: tuple[type[V], ...],
     src: int,
     info: GroupInfo,
     operation: str,
     source_error: str | None = None,
-) -> Any:
+) -> V:
     """Source returns its own object; every other rank returns a fresh copy on its local device."""
     error = root_error(info, "src", src)
     is_source = error is None and info.global_rank == src
@@ -99,7 +102,7 @@ def broadcast_value(
         info, operation, arguments={"src": _plain(src)}, error=error, body=rank_body(descriptor)
     )
     if info.size == 1:
-        return value_or_none
+        return cast(V, value_or_none)  # the only rank is the source, checked above
     root = info.group_rank_of(src)
     assert root is not None  # the exchange refused non-members
     others = [r for r in range(info.size) if r != root]
@@ -116,7 +119,7 @@ def broadcast_value(
     result, transfers = agree_on_allocation(info, operation, prepare)
     for transfer in transfers:
         transfer.run(src_global=src, info=info, operation=operation)
-    return result
+    return cast(V, result)
 
 
 def _plain(argument: object) -> object:
@@ -128,14 +131,14 @@ def _plain(argument: object) -> object:
 
 
 def scatter_values(
-    values_or_none: Sequence[Any] | None,
+    values_or_none: Sequence[V] | None,
     *,
-    accepts: tuple[type, ...],
+    accepts: tuple[type[V], ...],
     src: int,
     info: GroupInfo,
     operation: str,
     source_error: str | None = None,
-) -> Any:
+) -> V:
     """Group rank ``i`` receives ``values[i]``; the source keeps its own element (no copy).
 
     ``source_error`` lets a caller that prepared ``values`` report its own validation failure.
@@ -190,7 +193,7 @@ def scatter_values(
 
     result, batch = agree_on_allocation(info, operation, prepare)
     batch.run(operation, "payload scatter")
-    return result
+    return cast(V, result)
 
 
 def _scatter_source_error(values: object, accepts: tuple[type, ...], info: GroupInfo) -> str | None:
@@ -209,14 +212,14 @@ def _scatter_source_error(values: object, accepts: tuple[type, ...], info: Group
 
 
 def gather_values(
-    value: Any,
+    value: V,
     *,
-    accepts: tuple[type, ...],
+    accepts: tuple[type[V], ...],
     dst: int,
     info: GroupInfo,
     operation: str,
     layout_check: Callable[[list[Descriptor]], None] | None = None,
-) -> list[Any] | None:
+) -> list[V] | None:
     """``dst`` gets every rank's value in group-rank order (its own entry is its own object).
 
     ``layout_check`` sees every rank's descriptor on every rank, before any payload moves.
@@ -271,7 +274,7 @@ def gather_values(
     return gathered
 
 
-def all_gather_values(value: Any, *, accepts: tuple[type, ...], info: GroupInfo, operation: str) -> list[Any]:
+def all_gather_values(value: V, *, accepts: tuple[type[V], ...], info: GroupInfo, operation: str) -> list[V]:
     """Every rank gets fresh copies of every rank's value (identical layouts required)."""
     error = type_error(value, accepts, f"rank {info.global_rank}")
     descriptor = None
@@ -318,36 +321,33 @@ def broadcast_ciphertext(
     value_or_none: Ciphertext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
 ) -> Ciphertext:
     """Broadcast one complete ciphertext from global rank ``src`` (other ranks pass None)."""
-    result: Ciphertext = broadcast_value(
+    return broadcast_value(
         value_or_none,
         accepts=(Ciphertext,),
         src=src,
         info=group_info(group),
         operation="broadcast_ciphertext",
     )
-    return result
 
 
 def broadcast_plaintext(
     value_or_none: Plaintext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
 ) -> Plaintext:
-    result: Plaintext = broadcast_value(
+    return broadcast_value(
         value_or_none, accepts=(Plaintext,), src=src, info=group_info(group), operation="broadcast_plaintext"
     )
-    return result
 
 
 def broadcast_compressed_plaintext(
     value_or_none: CompressedPlaintext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
 ) -> CompressedPlaintext:
-    result: CompressedPlaintext = broadcast_value(
+    return broadcast_value(
         value_or_none,
         accepts=(CompressedPlaintext,),
         src=src,
         info=group_info(group),
         operation="broadcast_compressed_plaintext",
     )
-    return result
 
 
 def broadcast_key(
@@ -380,43 +380,35 @@ def scatter_ciphertexts(
     values_or_none: Sequence[Ciphertext] | None, *, src: int = 0, group: dist.ProcessGroup | None = None
 ) -> Ciphertext:
     """Group rank ``i`` receives complete ciphertext ``values[i]`` (no slicing, no copy at the source)."""
-    result: Ciphertext = scatter_values(
+    return scatter_values(
         values_or_none,
         accepts=(Ciphertext,),
         src=src,
         info=group_info(group),
         operation="scatter_ciphertexts",
     )
-    return result
 
 
 def gather_ciphertexts(
     value: Ciphertext, *, dst: int = 0, group: dist.ProcessGroup | None = None
 ) -> list[Ciphertext] | None:
     """``dst`` receives every rank's ciphertext in group-rank order; others get None."""
-    return gather_values(
-        value, accepts=(Ciphertext,), dst=dst, info=group_info(group), operation="gather_ciphertexts"
-    )
+    info = group_info(group)
+    return gather_values(value, accepts=(Ciphertext,), dst=dst, info=info, operation="gather_ciphertexts")
 
 
 def all_gather_ciphertexts(value: Ciphertext, *, group: dist.ProcessGroup | None = None) -> list[Ciphertext]:
-    return all_gather_values(
-        value, accepts=(Ciphertext,), info=group_info(group), operation="all_gather_ciphertexts"
-    )
+    info = group_info(group)
+    return all_gather_values(value, accepts=(Ciphertext,), info=info, operation="all_gather_ciphertexts")
 
 
 def all_gather_plaintexts(value: Plaintext, *, group: dist.ProcessGroup | None = None) -> list[Plaintext]:
-    return all_gather_values(
-        value, accepts=(Plaintext,), info=group_info(group), operation="all_gather_plaintexts"
-    )
+    info = group_info(group)
+    return all_gather_values(value, accepts=(Plaintext,), info=info, operation="all_gather_plaintexts")
 
 
 def all_gather_compressed_plaintexts(
     value: CompressedPlaintext, *, group: dist.ProcessGroup | None = None
 ) -> list[CompressedPlaintext]:
-    return all_gather_values(
-        value,
-        accepts=(CompressedPlaintext,),
-        info=group_info(group),
-        operation="all_gather_compressed_plaintexts",
-    )
+    info, operation = group_info(group), "all_gather_compressed_plaintexts"
+    return all_gather_values(value, accepts=(CompressedPlaintext,), info=info, operation=operation)

@@ -20,9 +20,13 @@ from xdsl.ir import Operation
 from fhelium.backend.distributed.resources import PROCESS_GROUP_RESOURCE_KIND, ProcessGroupExecutionResource
 from fhelium.backend.implementation import (
     ImplementationError,
+    OperandResourcesOnly,
     OperationImplementation,
     OperationInvocation,
     RegionCallable,
+    Regions,
+    Resources,
+    Tensors,
 )
 from fhelium.backend.resources import BoundResource, ResourceRequirement
 from fhelium.backend.rns.operations import (
@@ -75,35 +79,25 @@ def check_equal_layout(op_name: str, value: torch.Tensor, group: ProcessGroupExe
         )
 
 
-class TorchProcessGroupQueryImplementation:
+class TorchProcessGroupQueryImplementation(OperandResourcesOnly):
     """`fhelium_dist.rank` / `.group_size` -> a 0-d int64 tensor."""
 
     name = "torch-process-group-query"
     operation_types: tuple[type[Operation], ...] = (dist.RankOp, dist.GroupSizeOp)
 
-    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
-        return ()
-
-    def execute(
-        self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
-    ) -> tuple[torch.Tensor, ...]:
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors:
         group = _group(invocation.operation_name, resources)
         value = group.rank if invocation.operation_name == dist.RankOp.name else group.size
         return (torch.tensor(value, dtype=torch.int64),)
 
 
-class TorchBroadcastImplementation:
+class TorchBroadcastImplementation(OperandResourcesOnly):
     """Functional broadcast: the input is cloned, never overwritten."""
 
     name = "torch-broadcast"
     operation_types: tuple[type[Operation], ...] = (dist.BroadcastOp,)
 
-    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
-        return ()
-
-    def execute(
-        self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
-    ) -> tuple[torch.Tensor, ...]:
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors:
         (value,) = inputs
         group = _group(invocation.operation_name, resources)
         root_attr = invocation.attributes["root"]
@@ -139,20 +133,13 @@ def collective_fold(
     return accumulator
 
 
-class TorchGenericAllReduceImplementation:
+class TorchGenericAllReduceImplementation(OperandResourcesOnly):
     name = "torch-generic-all-reduce"
     operation_types: tuple[type[Operation], ...] = (dist.AllReduceOp,)
 
-    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
-        return ()
-
     def execute_regions(
-        self,
-        invocation: OperationInvocation,
-        inputs: tuple[torch.Tensor, ...],
-        resources: tuple[BoundResource, ...],
-        regions: tuple[RegionCallable, ...],
-    ) -> tuple[torch.Tensor, ...]:
+        self, invocation: OperationInvocation, inputs: Tensors, resources: Resources, regions: Regions
+    ) -> Tensors:
         (value,) = inputs
         (combine,) = regions
         group = _group(invocation.operation_name, resources)
@@ -202,9 +189,7 @@ class TorchCiphertextAddAllReduceImplementation:
         value_type = invocation.operand_types[0]
         return OperationInvocation(ckks.AddOp.name, 2, 1, {}, (value_type, value_type), (value_type,))
 
-    def execute(
-        self, invocation: OperationInvocation, inputs: tuple[torch.Tensor, ...], resources: tuple[BoundResource, ...]
-    ) -> tuple[torch.Tensor, ...]:
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors:
         (value,) = inputs
         group = _group(invocation.operation_name, resources)
         add_invocation = self._add_invocation(invocation)

@@ -6,9 +6,14 @@ import torch
 from xdsl.dialects.builtin import StringAttr
 from xdsl.ir import Operation
 
-from fhelium.backend.implementation import ImplementationError, OperationInvocation
+from fhelium.backend.implementation import (
+    ImplementationError,
+    OperandResourcesOnly,
+    OperationInvocation,
+    Resources,
+    Tensors,
+)
 from fhelium.backend.memory.resources import DEVICE_RESOURCE_KIND
-from fhelium.backend.resources import BoundResource, ResourceRequirement
 from fhelium.ir.dialects import memory
 
 
@@ -46,19 +51,11 @@ def transfer_tensor(source: torch.Tensor, target: torch.device, memory_space: st
     return source.to("cpu", copy=True)
 
 
-class TorchMemoryTransferImplementation:
+class TorchMemoryTransferImplementation(OperandResourcesOnly):
     name = "torch-memory-transfer"
     operation_types: tuple[type[Operation], ...] = (memory.TransferOp,)
 
-    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
-        return ()
-
-    def execute(
-        self,
-        invocation: OperationInvocation,
-        inputs: tuple[torch.Tensor, ...],
-        resources: tuple[BoundResource, ...],
-    ) -> tuple[torch.Tensor, ...]:
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors:
         (source,) = inputs
         (device,) = resources
         if device.kind != DEVICE_RESOURCE_KIND or not isinstance(device.value, torch.device):

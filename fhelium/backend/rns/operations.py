@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from xdsl.ir import Attribute, Operation
 
-from fhelium.backend.implementation import ImplementationError, OperationInvocation
-from fhelium.backend.resources import BoundResource, ResourceRequirement
+from fhelium.backend.implementation import ImplementationError, OperationInvocation, Resources, Tensors
+from fhelium.backend.resources import ResourceRequirement
 from fhelium.ir import OpenStateType
 from fhelium.ir.dialects import ckks
 
@@ -102,12 +102,7 @@ class _RnsImplementation:
     def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
         return (ResourceRequirement(self.resource_symbol, RNS_MODULI_RESOURCE_KIND),)
 
-    def execute(
-        self,
-        invocation: OperationInvocation,
-        inputs: tuple[torch.Tensor, ...],
-        resources: tuple[BoundResource, ...],
-    ) -> tuple[torch.Tensor, ...]:
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors:
         if len(inputs) == 2:
             _check_same_layout(invocation.operation_name, inputs[0], inputs[1])
         moduli = moduli_column(invocation, inputs[0], resources[-1].value)

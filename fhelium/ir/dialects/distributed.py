@@ -39,32 +39,29 @@ class GroupType(OpenStateType):
     name = "fhelium_dist.group"
 
 
+class _GroupQueryOp(IRDLOperation):
+    """Reads one index from the launch-bound `group`; the same on every call (Pure)."""
+
+    group = operand_def(GroupType)
+    result = result_def(IndexType)
+    traits = traits_def(Pure())
+
+    def __init__(self, group: SSAValue) -> None:
+        super().__init__(operands=[group], result_types=[IndexType()])
+
+
 @irdl_op_definition
-class RankOp(IRDLOperation):
+class RankOp(_GroupQueryOp):
     """The calling process's rank relative to `group` (not the global rank, not a CUDA index)."""
 
     name = "fhelium_dist.rank"
 
-    group = operand_def(GroupType)
-    result = result_def(IndexType)
-    traits = traits_def(Pure())
-
-    def __init__(self, group: SSAValue) -> None:
-        super().__init__(operands=[group], result_types=[IndexType()])
-
 
 @irdl_op_definition
-class GroupSizeOp(IRDLOperation):
+class GroupSizeOp(_GroupQueryOp):
     """The number of ranks participating in `group`."""
 
     name = "fhelium_dist.group_size"
-
-    group = operand_def(GroupType)
-    result = result_def(IndexType)
-    traits = traits_def(Pure())
-
-    def __init__(self, group: SSAValue) -> None:
-        super().__init__(operands=[group], result_types=[IndexType()])
 
 
 @irdl_op_definition
