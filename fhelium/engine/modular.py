@@ -59,6 +59,10 @@ def _blocked(
 
 
 def add_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if _native_elementwise(a, b, q):
+        from fhelium import native
+
+        return native.add_mod(a, b, q)
     blocked = _blocked(a, b, q)
     if blocked is None:
         return _add_q_if_negative_((a + b).sub_(q), q)
@@ -70,11 +74,19 @@ def add_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def add_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """In-place ``a = (a + b) mod q``; works on strided views (writes only a's elements)."""
+    if _native_elementwise(a, b, q):
+        from fhelium import native
+
+        return native.add_mod_(a, b, q)
     a.add_(b).sub_(q)
     return _add_q_if_negative_(a, q)
 
 
 def sub_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if _native_elementwise(a, b, q):
+        from fhelium import native
+
+        return native.sub_mod(a, b, q)
     blocked = _blocked(a, b, q)
     if blocked is None:
         return _add_q_if_negative_(a - b, q)
@@ -85,6 +97,10 @@ def sub_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def sub_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if _native_elementwise(a, b, q):
+        from fhelium import native
+
+        return native.sub_mod_(a, b, q)
     return _add_q_if_negative_(a.sub_(b), q)
 
 
@@ -101,7 +117,7 @@ def _native_elementwise(*tensors: torch.Tensor) -> bool:
             return False
     from fhelium import native  # imported here: fhelium.native imports nothing of the engine
 
-    return native.requested_level() != "torch" and native.load()
+    return native.elementwise_level() != "torch"
 
 
 def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor) -> torch.Tensor:

@@ -102,11 +102,14 @@ def _register_fakes() -> None:
     def ntt_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    def mul_mod_fake(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def mul_mod_fake(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: int = 0) -> torch.Tensor:
         shape = torch.broadcast_shapes(a.shape, b.shape, q.shape)  # type: ignore[no-untyped-call]
         return torch.empty(shape, dtype=a.dtype, device=a.device)
 
-    def mul_add_mod_fake(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def in_place_fake(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: int = 0) -> None:
+        return None
+
+    def mul_add_mod_fake(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor, level: int = 0) -> torch.Tensor:
         shape = torch.broadcast_shapes(a.shape, b.shape, c.shape, q.shape)  # type: ignore[no-untyped-call]
         return torch.empty(shape, dtype=a.dtype, device=a.device)
 
@@ -117,6 +120,10 @@ def _register_fakes() -> None:
     torch.library.register_fake("fhelium::ntt_inverse")(ntt_fake)
     torch.library.register_fake("fhelium::mul_mod")(mul_mod_fake)
     torch.library.register_fake("fhelium::mul_add_mod")(mul_add_mod_fake)
+    torch.library.register_fake("fhelium::add_mod")(mul_mod_fake)
+    torch.library.register_fake("fhelium::sub_mod")(mul_mod_fake)
+    torch.library.register_fake("fhelium::add_mod_")(in_place_fake)
+    torch.library.register_fake("fhelium::sub_mod_")(in_place_fake)
     torch.library.register_fake("fhelium::ntt_tables")(tables_fake)
 
     def divide_round_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, ntt: bool, level: int) -> torch.Tensor:
@@ -230,16 +237,58 @@ def ntt_inverse(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, lev
     return result
 
 
-def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(a·b) mod q elementwise with broadcasting, a, b in [0, q) (same result as the torch reference)."""
-    result: torch.Tensor = torch.ops.fhelium.mul_mod(a, b, q)
+def elementwise_level() -> str:
+    """``level()`` for the elementwise ops, remembered per value of ``FHELIUM_NATIVE_LEVEL`` (they are
+    called often, on small tensors too)."""
+    key = f"level:{os.environ.get(LEVEL_ENVIRONMENT_VARIABLE, '')}"
+    cached = _state.get(key)
+    if not isinstance(cached, str):
+        cached = level()
+        _state[key] = cached
+    return cached
+
+
+def _code(chosen: str | None) -> int:
+    name = elementwise_level() if chosen is None else chosen
+    return LEVEL_CODES.get(name, 0)
+
+
+def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """(a·b) mod q elementwise with broadcasting, a, b in [0, q) (same result as the torch reference).
+
+    ``level``: ``scalar`` or ``ifma`` (8 lanes of AVX-512 DQ); None: ``elementwise_level()``."""
+    result: torch.Tensor = torch.ops.fhelium.mul_mod(a, b, q, _code(level))
     return result
 
 
-def mul_add_mod(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def mul_add_mod(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
     """(a·b + c) mod q elementwise with broadcasting, a, b, c in [0, q)."""
-    result: torch.Tensor = torch.ops.fhelium.mul_add_mod(a, b, c, q)
+    result: torch.Tensor = torch.ops.fhelium.mul_add_mod(a, b, c, q, _code(level))
     return result
+
+
+def add_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """(a + b) mod q elementwise with broadcasting, a, b in [0, q) (the torch reference's formula)."""
+    result: torch.Tensor = torch.ops.fhelium.add_mod(a, b, q, _code(level))
+    return result
+
+
+def sub_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """(a − b) mod q elementwise with broadcasting, a, b in [0, q)."""
+    result: torch.Tensor = torch.ops.fhelium.sub_mod(a, b, q, _code(level))
+    return result
+
+
+def add_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """In place ``a = (a + b) mod q`` (a may be a strided view; b and q broadcast to a)."""
+    torch.ops.fhelium.add_mod_(a, b, q, _code(level))
+    return a
+
+
+def sub_mod_(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """In place ``a = (a − b) mod q``."""
+    torch.ops.fhelium.sub_mod_(a, b, q, _code(level))
+    return a
 
 
 def divide_round(
@@ -307,9 +356,12 @@ def key_switch_lifted(
 __all__ = [
     "LEVELS",
     "NativeUnavailableError",
+    "add_mod",
+    "add_mod_",
     "build_directory",
     "decompose",
     "divide_round",
+    "elementwise_level",
     "key_switch",
     "key_switch_lifted",
     "level",
@@ -321,5 +373,7 @@ __all__ = [
     "ntt_inverse",
     "ntt_tables",
     "requested_level",
+    "sub_mod",
+    "sub_mod_",
     "supported_levels",
 ]

@@ -449,51 +449,154 @@ inline int64_t mul_mod_one(int64_t a, int64_t b, int64_t q) {
 
 void check_elementwise(std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong, "fhelium native mul_mod: int64 CPU tensors expected");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong,
+                "fhelium native elementwise ops: int64 CPU tensors expected");
   }
 }
 
-at::Tensor mul_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q) {
-  check_elementwise({&a, &b, &q});
-  at::Tensor out;
-  at::TensorIterator iter =
-      at::TensorIteratorConfig().add_output(out).add_const_input(a).add_const_input(b).add_const_input(q).build();
-  iter.for_each([](char** data, const int64_t* strides, int64_t count) {
-    char *out = data[0], *pa = data[1], *pb = data[2], *pq = data[3];
-    for (int64_t i = 0; i < count; ++i) {
-      *reinterpret_cast<int64_t*>(out) = mul_mod_one(*reinterpret_cast<const int64_t*>(pa),
-                                                     *reinterpret_cast<const int64_t*>(pb),
-                                                     *reinterpret_cast<const int64_t*>(pq));
-      out += strides[0]; pa += strides[1]; pb += strides[2]; pq += strides[3];
+// Elementwise (a op b [op c]) mod q with broadcasting, the same formulas as the torch reference
+// (fhelium/engine/modular.py), so the same bits for every input. Level IFMA runs 8 lanes at a time
+// with AVX-512 (F + DQ: 64-bit multiplies and int64 <-> double conversions) where the inner loop
+// is dense or broadcast; other strides take the scalar loop.
+enum class Elementwise { Add, Sub, Mul, MulAdd };
+
+template <Elementwise op>
+inline int64_t elementwise_one(const int64_t* v, int64_t q) {
+  if constexpr (op == Elementwise::Add) {
+    int64_t r = static_cast<int64_t>(static_cast<u64>(v[0]) + static_cast<u64>(v[1]) - static_cast<u64>(q));
+    return r + ((r >> 63) & q);
+  } else if constexpr (op == Elementwise::Sub) {
+    const int64_t r = static_cast<int64_t>(static_cast<u64>(v[0]) - static_cast<u64>(v[1]));
+    return r + ((r >> 63) & q);
+  } else if constexpr (op == Elementwise::Mul) {
+    return mul_mod_one(v[0], v[1], q);
+  } else {
+    int64_t r = mul_mod_one(v[0], v[1], q) + v[2] - q;
+    return r + ((r >> 63) & q);
+  }
+}
+
+#define FHELIUM_AVX512DQ __attribute__((target("avx512f,avx512dq")))
+
+FHELIUM_AVX512DQ inline __m512i load_or_broadcast(const char* p, int64_t stride) {
+  return stride == 0 ? _mm512_set1_epi64(*reinterpret_cast<const long long*>(p)) : _mm512_loadu_si512(p);
+}
+
+FHELIUM_AVX512DQ inline __m512i add_q_if_negative(__m512i r, __m512i q) {
+  return _mm512_add_epi64(r, _mm512_and_si512(_mm512_srai_epi64(r, 63), q));
+}
+
+FHELIUM_AVX512DQ inline __m512i mul_mod_vector(__m512i a, __m512i b, __m512i q) {
+  // mul_mod_one lane by lane: the same binary64 operations in the same order, then exact corrections
+  const __m512d q_inverse = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_cvtepi64_pd(q));
+  const __m512d product = _mm512_mul_pd(_mm512_cvtepi64_pd(a), _mm512_cvtepi64_pd(b));
+  const __m512i estimate = _mm512_cvttpd_epi64(_mm512_mul_pd(product, q_inverse));
+  __m512i r = _mm512_sub_epi64(_mm512_mullo_epi64(a, b), _mm512_mullo_epi64(estimate, q));
+  r = add_q_if_negative(r, q);
+  return add_q_if_negative(_mm512_sub_epi64(r, q), q);
+}
+
+// count elements with byte strides; returns how many it handled (a multiple of 8), 0 if the strides
+// do not suit the vector loop
+template <Elementwise op>
+FHELIUM_AVX512DQ int64_t elementwise_vector(char** data, const int64_t* strides, int64_t count, int inputs) {
+  for (int t = 0; t <= inputs; ++t) {
+    if (strides[t] != 8 && (t == 0 || strides[t] != 0)) return 0;
+  }
+  const int64_t vectors = count / 8 * 8;
+  char* out = data[0];
+  const char* a = data[1];
+  const char* b = data[2];
+  const char* c = inputs == 4 ? data[3] : nullptr;
+  const char* pq = data[inputs];
+  const int64_t sa = strides[1], sb = strides[2], sc = inputs == 4 ? strides[3] : 0, sq = strides[inputs];  // q last
+  for (int64_t k = 0; k < vectors; k += 8) {
+    const __m512i q = load_or_broadcast(pq + k * sq, sq);
+    const __m512i va = load_or_broadcast(a + k * sa, sa);
+    const __m512i vb = load_or_broadcast(b + k * sb, sb);
+    __m512i r;
+    if constexpr (op == Elementwise::Add) {
+      r = add_q_if_negative(_mm512_sub_epi64(_mm512_add_epi64(va, vb), q), q);
+    } else if constexpr (op == Elementwise::Sub) {
+      r = add_q_if_negative(_mm512_sub_epi64(va, vb), q);
+    } else if constexpr (op == Elementwise::Mul) {
+      r = mul_mod_vector(va, vb, q);
+    } else {
+      const __m512i vc = load_or_broadcast(c + k * sc, sc);
+      r = add_q_if_negative(_mm512_sub_epi64(_mm512_add_epi64(mul_mod_vector(va, vb, q), vc), q), q);
+    }
+    _mm512_storeu_si512(out + k * 8, r);
+  }
+  return vectors;
+}
+
+template <Elementwise op>
+void elementwise_loop(at::TensorIterator& iter, int inputs, bool vector) {
+  iter.for_each([inputs, vector](char** data, const int64_t* strides, int64_t count) {
+    int64_t done = vector ? elementwise_vector<op>(data, strides, count, inputs) : 0;
+    int64_t v[3] = {0, 0, 0};
+    for (int64_t i = done; i < count; ++i) {
+      for (int t = 0; t < inputs - 1; ++t) v[t] = *reinterpret_cast<const int64_t*>(data[t + 1] + i * strides[t + 1]);
+      const int64_t q = *reinterpret_cast<const int64_t*>(data[inputs] + i * strides[inputs]);
+      *reinterpret_cast<int64_t*>(data[0] + i * strides[0]) = elementwise_one<op>(v, q);
     }
   });
+}
+
+bool vector_level(int64_t level) {
+  TORCH_CHECK(level == kLevelScalar || level == kLevelIfma, "fhelium native: unknown dispatch level ", level);
+  TORCH_CHECK(level == kLevelScalar || cpu_has_ifma(),
+              "fhelium native: the IFMA level was requested but this CPU lacks AVX-512 IFMA");
+  return level == kLevelIfma;
+}
+
+template <Elementwise op>
+at::Tensor elementwise(std::initializer_list<const at::Tensor*> operands, int64_t level) {
+  for (const at::Tensor* t : operands) check_elementwise({t});
+  at::Tensor out;
+  at::TensorIteratorConfig config;
+  config.add_output(out);
+  for (const at::Tensor* t : operands) config.add_const_input(*t);
+  at::TensorIterator iter = config.build();
+  elementwise_loop<op>(iter, static_cast<int>(operands.size()), vector_level(level));
   return iter.output();
 }
 
-at::Tensor mul_add_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& q) {
-  check_elementwise({&a, &b, &c, &q});
-  at::Tensor out;
-  at::TensorIterator iter = at::TensorIteratorConfig()
-                                .add_output(out)
-                                .add_const_input(a)
-                                .add_const_input(b)
-                                .add_const_input(c)
-                                .add_const_input(q)
-                                .build();
-  iter.for_each([](char** data, const int64_t* strides, int64_t count) {
-    char *out = data[0], *pa = data[1], *pb = data[2], *pc = data[3], *pq = data[4];
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t q = *reinterpret_cast<const int64_t*>(pq);
-      int64_t r = mul_mod_one(*reinterpret_cast<const int64_t*>(pa), *reinterpret_cast<const int64_t*>(pb), q) +
-                  *reinterpret_cast<const int64_t*>(pc) - q;
-      r += (r >> 63) & q;
-      *reinterpret_cast<int64_t*>(out) = r;
-      out += strides[0]; pa += strides[1]; pb += strides[2]; pc += strides[3]; pq += strides[4];
-    }
-  });
-  return iter.output();
+template <Elementwise op>
+void elementwise_(at::Tensor& a, std::initializer_list<const at::Tensor*> rest, int64_t level) {
+  check_elementwise({&a});
+  for (const at::Tensor* t : rest) check_elementwise({t});
+  at::TensorIteratorConfig config;
+  config.add_output(a).add_const_input(a).resize_outputs(false);
+  for (const at::Tensor* t : rest) config.add_const_input(*t);
+  at::TensorIterator iter = config.build();
+  elementwise_loop<op>(iter, static_cast<int>(rest.size()) + 1, vector_level(level));
 }
 
+at::Tensor mul_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t level) {
+  return elementwise<Elementwise::Mul>({&a, &b, &q}, level);
+}
+
+at::Tensor mul_add_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& q,
+                       int64_t level) {
+  return elementwise<Elementwise::MulAdd>({&a, &b, &c, &q}, level);
+}
+
+at::Tensor add_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t level) {
+  return elementwise<Elementwise::Add>({&a, &b, &q}, level);
+}
+
+at::Tensor sub_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t level) {
+  return elementwise<Elementwise::Sub>({&a, &b, &q}, level);
+}
+
+void add_mod_(at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t level) {
+  elementwise_<Elementwise::Add>(a, {&b, &q}, level);
+}
+
+void sub_mod_(at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t level) {
+  elementwise_<Elementwise::Sub>(a, {&b, &q}, level);
+}
 
 // ------------------------------------------------------------------------------------ RNS kernels
 // Coarse-grained CKKS steps (one call per multi-limb polynomial or batch), exact, so bit-identical
@@ -1003,8 +1106,12 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("ntt_tables(Tensor moduli, Tensor roots, int n) -> Tensor");
   m.def("ntt_forward(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("ntt_inverse(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
-  m.def("mul_mod(Tensor a, Tensor b, Tensor q) -> Tensor");
-  m.def("mul_add_mod(Tensor a, Tensor b, Tensor c, Tensor q) -> Tensor");
+  m.def("mul_mod(Tensor a, Tensor b, Tensor q, int level=0) -> Tensor");
+  m.def("mul_add_mod(Tensor a, Tensor b, Tensor c, Tensor q, int level=0) -> Tensor");
+  m.def("add_mod(Tensor a, Tensor b, Tensor q, int level=0) -> Tensor");
+  m.def("sub_mod(Tensor a, Tensor b, Tensor q, int level=0) -> Tensor");
+  m.def("add_mod_(Tensor(a!) a, Tensor b, Tensor q, int level=0) -> ()");
+  m.def("sub_mod_(Tensor(a!) a, Tensor b, Tensor q, int level=0) -> ()");
   m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
   m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
@@ -1018,6 +1125,10 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("ntt_inverse", &ntt_inverse);
   m.impl("mul_mod", &mul_mod);
   m.impl("mul_add_mod", &mul_add_mod);
+  m.impl("add_mod", &add_mod);
+  m.impl("sub_mod", &sub_mod);
+  m.impl("add_mod_", &add_mod_);
+  m.impl("sub_mod_", &sub_mod_);
   m.impl("divide_round", &divide_round);
   m.impl("decompose", &decompose);
   m.impl("mod_down", &mod_down);

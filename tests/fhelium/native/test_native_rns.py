@@ -208,3 +208,82 @@ def test_encryption_mod_down_and_encrypt_are_bit_identical(case: str, level: str
             expected_ct = reference.encrypt(reference.encode(x, domain=domain), keys.public)
         ct = engine.encrypt(engine.encode(x, domain=domain), native_keys.public)
         assert torch.equal(ct.data, expected_ct.data)
+
+
+def _torch_reference(monkeypatch: pytest.MonkeyPatch, function: object, *arguments: torch.Tensor) -> torch.Tensor:
+    with monkeypatch.context() as patch:
+        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        result = function(*arguments)  # type: ignore[operator]
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize(
+    "shapes",
+    [((3, 64), (3, 64)), ((2, 1, 3, 67), (4, 3, 67)), ((3, 64), (64,)), ((2, 3, 16), (1, 1, 1)), ((5, 3, 1000), (5, 3, 1000))],
+)
+def test_elementwise_ops_are_bit_identical(shapes: tuple[tuple[int, ...], ...], level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fhelium.engine import modular as mod
+
+    moduli = [(1 << 50) - 27, (1 << 40) - 87, (1 << 30) - 35]
+    q = torch.tensor(moduli).view(3, 1)
+    generator = torch.Generator().manual_seed(51)
+
+    def residues(shape: tuple[int, ...]) -> torch.Tensor:
+        x = torch.randint(0, 1 << 62, shape, generator=generator)
+        return torch.remainder(x, q) if len(shape) >= 2 and shape[-2] == 3 else torch.remainder(x, min(moduli))
+
+    a, b = residues(shapes[0]), residues(shapes[1])
+    a.view(-1)[:3] = 0  # the extremes 0 and q - 1 among random entries
+    b.view(-1)[-3:] = torch.remainder(torch.tensor(moduli[-1] - 1), min(moduli))
+    c = residues(torch.broadcast_shapes(shapes[0], shapes[1]))
+    operations = {
+        "add": (native.add_mod, mod.add_mod, (a, b, q)),
+        "sub": (native.sub_mod, mod.sub_mod, (a, b, q)),
+        "mul": (native.mul_mod, lambda x, y, m: mod.mul_mod(x, y, m, 1.0 / m.double()), (a, b, q)),
+    }
+    for name, (ours, reference, arguments) in operations.items():
+        expected = _torch_reference(monkeypatch, reference, *arguments)
+        assert torch.equal(ours(*arguments, level=level), expected), name
+    product = _torch_reference(monkeypatch, lambda x, y, m: mod.mul_mod(x, y, m, 1.0 / m.double()), a, b, q)
+    assert torch.equal(native.mul_add_mod(a, b, c, q, level=level), _torch_reference(monkeypatch, mod.add_mod, product, c, q))
+    # in place on a strided view (every other limb-row entry), b broadcast into it
+    if a.shape == torch.broadcast_shapes(a.shape, b.shape):
+        for ours_, reference_ in ((native.add_mod_, mod.add_mod_), (native.sub_mod_, mod.sub_mod_)):
+            wide = torch.stack((a, torch.full_like(a, 7)), dim=-1)
+            expected_wide = wide.clone()
+            _torch_reference(monkeypatch, reference_, expected_wide[..., 0], b, q)
+            ours_(wide[..., 0], b, q, level=level)
+            assert torch.equal(wide, expected_wide)
+
+
+def test_the_engine_modular_functions_use_the_native_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fhelium.engine import modular as mod
+
+    monkeypatch.delenv(native.LEVEL_ENVIRONMENT_VARIABLE, raising=False)
+    calls: list[str] = []
+    for name in ("add_mod", "sub_mod", "add_mod_", "sub_mod_", "mul_mod"):
+        original = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _n=name, _o=original, **k: calls.append(_n) or _o(*a, **k))
+    q = torch.tensor([[97], [193]])
+    x = torch.tensor([[5, 96], [0, 192]])
+    assert mod.add_mod(x, x, q).tolist() == [[10, 95], [0, 191]]
+    assert mod.sub_mod(x, x.flip(-1), q).tolist() == [[6, 91], [1, 192]]
+    assert mod.mul_mod(x, x, q, 1.0 / q.double()).tolist() == [[25, 1], [0, 1]]
+    mod.add_mod_(x, x, q)
+    mod.sub_mod_(x, x, q)
+    assert x.tolist() == [[0, 0], [0, 0]]
+    assert calls == ["add_mod", "sub_mod", "mul_mod", "add_mod_", "sub_mod_"]
+
+
+def test_elementwise_ops_have_fake_implementations() -> None:
+    q = torch.tensor([[97], [193]])
+    x = torch.tensor([[5, 96, 3], [0, 192, 7]])
+    level = native.LEVEL_CODES[_levels()[-1]]
+    ops = torch.ops.fhelium
+    for op in (ops.add_mod, ops.sub_mod, ops.mul_mod):
+        torch.library.opcheck(op.default, (x, x, q, level))
+    torch.library.opcheck(ops.mul_add_mod.default, (x, x, x, q, level))
+    for op in (ops.add_mod_, ops.sub_mod_):
+        torch.library.opcheck(op.default, (x.clone(), x, q, level))
