@@ -43,8 +43,17 @@ def relay_command() -> list[str]:
 
 
 def rank_command(program: Sequence[str] | None) -> list[str]:
-    """The rank's command line: the spec's program, or (older contract) this process's own."""
-    return list(program) if program else program_argv()
+    """The rank's command line: the spec's program, or (older contract) this process's own.
+
+    A Python script (`[python, SCRIPT.py, *args]`) starts through `python -m flodld.launcher.rank`, which
+    claims the salt and opens the rank's relay legs (heartbeats) before running the script unchanged: a
+    stock script never imports flodld, and without heartbeats the controller would declare it dead once
+    the startup grace is over. Any other program starts as given."""
+    if not program:
+        return program_argv()
+    if len(program) >= 2 and program[1].endswith(".py"):
+        return [program[0], "-m", "flodld.launcher.rank", *program[1:]]
+    return list(program)
 
 
 AGENT_STORE_HOST = "127.0.0.1"

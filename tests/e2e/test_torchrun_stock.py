@@ -29,9 +29,12 @@ def _check_world(output: str, world: int, locals_: dict[int, tuple[int, int]]) -
         assert (int(local), int(local_size)) == locals_[int(rank)], output[-6000:]
         assert int(pair) == (3 if int(rank) in (0, 1) else int(rank) + 1), output[-6000:]
     # The script's top level ran once per rank, each time as a rank pointed at its agent's loopback store.
-    tops = re.findall(r"stock top-level RANK=(\S+) MASTER_ADDR=(\S+)", output)
+    tops = [(line[0], tuple(line[1:])) for line in re.findall(
+        r"stock top-level RANK=(\S+) MASTER_ADDR=(\S+) salt_in_env=(\S+) argv0=(\S+) name=(\S+)", output)]
     assert sorted(int(rank) for rank, _ in tops) == list(range(world)), output[-6000:]
-    assert {addr for _, addr in tops} == {"127.0.0.1"}
+    # As `python torchrun_stock.py` would run it, and with the session salt already out of its environment
+    # (flodld.launcher.rank claimed it), so the script's own subprocesses never inherit it.
+    assert {rest for _, rest in tops} == {("127.0.0.1", "False", "torchrun_stock.py", "__main__")}, output[-6000:]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -40,6 +43,16 @@ def test_a_stock_torchrun_script_runs_as_is_under_fdl_run(ranks: int) -> None:
     assert run.wait(240) == 0, run.output[-6000:]
     _check_world(run.output, ranks, {rank: (rank, ranks) for rank in range(ranks)})
     assert "fdl run: run done" in run.output
+
+
+def test_a_stock_script_outlives_the_startup_grace_its_heartbeats_come_from_flodlds_rank_launcher() -> None:
+    # The script never imports flodld; its heartbeats come from flodld.launcher.rank, which opened its relay
+    # legs before running it. Without them the controller declares a silent rank dead after the grace.
+    env = child_env(FLODL_LIVENESS_STARTUP_SECS="10", FLODL_LIVENESS_TIMEOUT_SECS="3")
+    run = Fdl("run", "--ranks", "2", STOCK, "--", "16", env=env)
+    assert run.wait(240) == 0, run.output[-6000:]
+    _check_world(run.output, 2, {0: (0, 2), 1: (1, 2)})
+    assert "sent no heartbeat" not in run.output
 
 
 def test_a_stock_torchrun_script_runs_as_is_under_fdl_join_bin(tmp_path: Path) -> None:

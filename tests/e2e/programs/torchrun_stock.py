@@ -2,12 +2,16 @@
 `fdl run` and `fdl join --bin`."""
 
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 # Top level: under flodld this runs in ranks only (never in an agent or relay, which are flodld's own).
-print(f"stock top-level RANK={os.environ.get('RANK')} MASTER_ADDR={os.environ.get('MASTER_ADDR')}", flush=True)
+print(f"stock top-level RANK={os.environ.get('RANK')} MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
+      f"salt_in_env={'FLODL_INTERNAL_SALT' in os.environ} argv0={os.path.basename(sys.argv[0])} name={__name__}",
+      flush=True)
 
 
 def main() -> None:
@@ -18,6 +22,8 @@ def main() -> None:
     local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
+    if len(sys.argv) > 1:  # a long step: the run must outlive the controller's startup grace
+        time.sleep(float(sys.argv[1]))
     pair = dist.new_group([0, 1])
     p = torch.tensor([float(rank + 1)])
     if rank in (0, 1):

@@ -95,3 +95,13 @@ def test_group_rank_is_left_out_when_the_host_holds_part_of_the_world() -> None:
     env = rank_env({}, "cpu:0", envelope=part, store_port=5)
     assert env["RANK"] == "2" and env["ROLE_RANK"] == "2" and env["LOCAL_RANK"] == "0"
     assert "GROUP_RANK" not in env and "GROUP_WORLD_SIZE" not in env
+
+
+def test_a_python_script_rank_starts_through_flodlds_rank_launcher_and_anything_else_as_given() -> None:
+    from flodld.agent.spawn import agent_command, rank_command, relay_command
+
+    assert rank_command(["/py", "train.py", "--lr", "1"]) == ["/py", "-m", "flodld.launcher.rank", "train.py", "--lr", "1"]
+    assert rank_command(["/usr/local/bin/trainer", "--lr", "1"]) == ["/usr/local/bin/trainer", "--lr", "1"]
+    # Agents and relays are flodld's own processes: neither command names the user's program.
+    assert agent_command("/py") == ["/py", "-m", "flodld.agent"]
+    assert relay_command()[1:] == ["-m", "flodld.launcher"]

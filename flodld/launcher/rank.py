@@ -1,0 +1,38 @@
+"""`python -m flodld.launcher.rank SCRIPT.py [ARGS]`: how an agent starts a Python rank.
+
+Before the script runs, flodld does in the rank what `flodld.run` would: it takes the session salt out
+of the environment (so the script's own subprocesses never inherit it) and, on a host with a relay,
+opens the rank's legs to it, whose heartbeats keep the controller from declaring a stock script (one
+that never imports flodld) dead after the startup grace, and whose control watch ends the rank if the
+controller is lost. A flodld program that later calls `flodld.run`/`init_process_group` gets the same
+legs (they open once per process). Then the script runs as `python SCRIPT.py ARGS` would run it:
+`__name__ == "__main__"`, `sys.argv[0]` the script, its directory first on `sys.path`.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.stderr.write("usage: python -m flodld.launcher.rank SCRIPT.py [ARGS]\n")
+        sys.exit(2)
+    from flodld.rank.env import claim_salt, in_flodld_rank
+
+    claim_salt()
+    if in_flodld_rank() and os.environ.get("FLODL_RELAY_PORT"):
+        from flodld.rank.env import read_rank_environment
+        from flodld.rank.relay_client import connect_relay
+
+        connect_relay(read_rank_environment())
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
