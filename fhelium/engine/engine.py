@@ -68,7 +68,13 @@ class CkksEngine(EngineBase):
     def generate_secret_key(self) -> SecretKey:
         ids = tuple(range(len(self.moduli)))
         s = self.random.stream("secret").ternary((self.ring_degree,)).to(self.device)
-        return SecretKey(self.ntt.forward(self._small_to_rns(s, ids), ids), ids)
+        return SecretKey(self._small_ntt(s, ids), ids)
+
+    def _small_ntt(self, values: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
+        """Small signed integers ``[..., N]`` → NTT residues ``[..., rows, N]`` (one native call on CPU)."""
+        if self.ntt.native_level != "torch":
+            return _native.small_ntt(values, *self.ntt._native_tables(prime_ids), self.ntt.native_level)
+        return self.ntt.forward(self._small_to_rns(values, prime_ids), prime_ids)
 
     def _check_secret(self, secret: object) -> SecretKey:
         if not isinstance(secret, SecretKey) or secret.prime_ids != tuple(range(len(self.moduli))):
@@ -77,8 +83,7 @@ class CkksEngine(EngineBase):
 
     def _error_ntt(self, shape: Sequence[int], prime_ids: Sequence[int]) -> torch.Tensor:
         e = self.random.stream("error").gaussian((*shape, self.ring_degree), ERROR_STANDARD_DEVIATION)
-        e = e.to(self.device)
-        return self.ntt.forward(self._small_to_rns(e, prime_ids), prime_ids)
+        return self._small_ntt(e.to(self.device), prime_ids)
 
     def generate_public_key(self, secret: SecretKey) -> PublicKey:
         """(−a·s + e, a) over Q and P: encrypting in QP and dividing by P (as SEAL does) shrinks the
@@ -230,7 +235,7 @@ class CkksEngine(EngineBase):
         # decryption): it is added in ModDown's coefficient-domain steps, which is exactly
         # dividing pk1·u + e1 (saves 6 of 24 row transforms). e0 and a coefficient-domain
         # message are not divided; they ride along in ModDown's forward NTT.
-        u_ntt = self.ntt.forward(self._small_to_rns(u, qp_ids), qp_ids)
+        u_ntt = self._small_ntt(u, qp_ids)
         keys = public_key.data[:, list(qp_ids)]
         products = mod.mul_mod(
             keys.view(2, *([1] * len(batch)), len(qp_ids), self.ring_degree), u_ntt, m.q, m.q_inverse

@@ -155,6 +155,10 @@ def _register_fakes() -> None:
         shape = (*values.shape[:-2], values.shape[-2] - 1, values.shape[-1])
         return torch.empty(shape, dtype=values.dtype, device=values.device)
 
+    def small_ntt_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
+        return torch.empty((*x.shape[:-1], moduli.shape[0], x.shape[-1]), dtype=x.dtype, device=x.device)
+
+    torch.library.register_fake("fhelium::small_ntt")(small_ntt_fake)
     torch.library.register_fake("fhelium::divide_round")(divide_round_fake)
     torch.library.register_fake("fhelium::mod_down")(mod_down_fake)
     torch.library.register_fake("fhelium::decompose")(decompose_fake)
@@ -315,6 +319,13 @@ def mod_down(
     return result
 
 
+def small_ntt(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
+    """Small signed integers ``[..., N]`` (|x| < every q) → their residues' NTT ``[..., rows, N]``
+    (sampling to NTT in one call: the residue is taken inside the transform's first pass)."""
+    result: torch.Tensor = torch.ops.fhelium.small_ntt(x, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
 def decompose(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
     """NTT ``[..., L, N]`` over ``moduli[:L]`` → ``[L, ..., L+1, N]``: digit j (the centered coefficients
     of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain."""
@@ -373,6 +384,7 @@ __all__ = [
     "ntt_inverse",
     "ntt_tables",
     "requested_level",
+    "small_ntt",
     "sub_mod",
     "sub_mod_",
     "supported_levels",

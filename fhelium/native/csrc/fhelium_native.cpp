@@ -1076,8 +1076,9 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
       if (divided_data) {
         const int64_t* d = divided_data + b * n;
         for (int64_t k = 0; k < n; ++k) {
-          int64_t r = d[k] % qi;
-          r += (r >> 63) & qi;  // remainder(divided, q_i)
+          int64_t r = d[k];
+          if (r >= qi || r < -qi) r %= qi;  // small errors skip the division
+          r += (r >> 63) & qi;              // remainder(divided, q_i)
           int64_t v = static_cast<int64_t>(scratch[k]) - r;
           v += (v >> 63) & qi;
           scratch[k] = static_cast<u64>(v);
@@ -1099,6 +1100,38 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
   return out;
 }
 
+// Sampling to NTT: small signed integers x [..., N] (|x| < every q) -> NTT(x mod q_r) [..., rows, N],
+// the residue taken as the engine's _small_to_rns does (x + (q if x < 0)), fused into the NTT's copy.
+at::Tensor small_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const at::Tensor& tables, int64_t level) {
+  TORCH_CHECK(x_in.dim() >= 1, "fhelium::small_ntt: x must be [..., N]");
+  check_rns_arguments("fhelium::small_ntt", x_in.unsqueeze(-2), moduli, tables);
+  const int64_t rows = moduli.size(0), n = tables.size(2);
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(rows);
+  shape.push_back(n);
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t batch = x.numel() / n;
+  if (batch == 0 || rows == 0) return out;
+  const int logn = log2_exact(n);
+  const int64_t chosen = resolve_level(level, moduli, logn);
+  const int64_t* q = moduli.data_ptr<int64_t>();
+  const u64* table = reinterpret_cast<const u64*>(tables.data_ptr<int64_t>());
+  const int64_t* source = x.data_ptr<int64_t>();
+  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  bitrev_table(logn);
+  at::parallel_for(0, batch * rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / rows, r = task % rows, qr = q[r];
+      const int64_t* v = source + b * n;
+      for (int64_t k = 0; k < n; ++k) scratch[k] = static_cast<u64>(v[k] + ((v[k] >> 63) & qr));
+      forward_row(scratch.data(), target + task * n, row_tables(table, q, r, n), logn, chosen);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fhelium, m) {
@@ -1114,6 +1147,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("sub_mod_(Tensor(a!) a, Tensor b, Tensor q, int level=0) -> ()");
   m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
   m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("small_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
@@ -1131,6 +1165,7 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("sub_mod_", &sub_mod_);
   m.impl("divide_round", &divide_round);
   m.impl("decompose", &decompose);
+  m.impl("small_ntt", &small_ntt);
   m.impl("mod_down", &mod_down);
   m.impl("key_switch", &key_switch);
   m.impl("key_switch_lifted", &key_switch_lifted);

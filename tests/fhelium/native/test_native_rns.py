@@ -287,3 +287,20 @@ def test_elementwise_ops_have_fake_implementations() -> None:
     torch.library.opcheck(ops.mul_add_mod.default, (x, x, x, q, level))
     for op in (ops.add_mod_, ops.sub_mod_):
         torch.library.opcheck(op.default, (x.clone(), x, q, level))
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("case", ["n8", "n1024", "n16384"])
+def test_sampling_to_ntt_is_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, engine = _engines(CASES[case], level, monkeypatch)
+    generator = torch.Generator().manual_seed(61)
+    ids = tuple(range(len(reference.moduli)))
+    small = torch.randint(-20, 21, (3, 2, reference.ring_degree), generator=generator)
+    small[0, 0, :2] = torch.tensor([-(min(reference.moduli) - 1), min(reference.moduli) - 1])  # the extremes
+    for values, prime_ids in ((small, ids), (small[:, 1], ids[1:3]), (small.transpose(0, 1), (ids[-1], ids[0]))):
+        with monkeypatch.context() as patch:
+            patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+            expected = reference._small_ntt(values, prime_ids)
+        assert torch.equal(engine._small_ntt(values, prime_ids), expected)
+    q, tables = engine.ntt._native_tables(ids)
+    torch.library.opcheck(torch.ops.fhelium.small_ntt.default, (small, q, tables, native.LEVEL_CODES[level]))
