@@ -4,7 +4,9 @@ and log lines coalesced during a join storm.
 `StateCache` sits between the HTTP app and whoever builds the state (the Controller, the Service). A
 build is reused while it is younger than `interval` (200 ms: the most a burst of pollers can cost is one
 build per interval), and for up to `max_age` (1 s: countdowns and connection counts move on their own)
-while the state's version (`JoinWindow.generation` and friends) has not moved. Discrete changes that a
+while the state's version (`JoinWindow.generation` and friends) has not moved. An expensive build (a
+`?members=all` of 10,000 hosts takes ~100 ms) is held for `COST_FACTOR` times what it cost to build and
+encode, so whatever readers ask, state.json takes at most ~1/COST_FACTOR of the event loop. Discrete changes that a
 reader should see at once (a phase change, a run ending, a reload) `clear()` the cache instead; a cache
 built on another's (the Service's on its run's) passes `depends_on` so that one's clears reach it too. The JSON text is encoded
 once per build, on first use, and handed to every reader as the same bytes. A reader must not change
@@ -35,6 +37,7 @@ ALL_MEMBERS: Final[MemberRange] = (0, MAX_WORLD_RANKS)
 STATE_INTERVAL_SECS: Final = 0.2
 STATE_MAX_AGE_SECS: Final = 1.0
 MAX_CACHED_PAGES: Final = 8
+COST_FACTOR: Final = 10.0
 
 
 class BadMembersQuery(ValueError):
@@ -64,6 +67,8 @@ class CachedState:
     epoch: int
     built_at: float
     data: dict[str, Any] | None
+    cost: float = 0.0
+    """Seconds spent building (and, once encoded, encoding) it."""
     _body: bytes | None = field(default=None, repr=False)
 
     @property
@@ -71,7 +76,9 @@ class CachedState:
         if self.data is None:
             return None
         if self._body is None:
+            begun = time.perf_counter()
             self._body = json.dumps(self.data, separators=(",", ":")).encode()
+            self.cost += time.perf_counter() - begun
         return self._body
 
 
@@ -104,10 +111,13 @@ class StateCache:
         entry = self._entries.get(members)
         if entry is not None and entry.epoch == epoch:
             age = now - entry.built_at
-            if age < self.interval or (age < self.max_age and entry.version == self._version()):
+            hold = max(self.interval, entry.cost * COST_FACTOR)
+            if age < hold or (age < max(self.max_age, hold) and entry.version == self._version()):
                 return entry
         version = self._version()
-        entry = CachedState(version, epoch, now, self._build(members))
+        begun = time.perf_counter()
+        data = self._build(members)
+        entry = CachedState(version, epoch, now, data, cost=time.perf_counter() - begun)
         self.builds += 1
         self._entries.pop(members, None)
         self._entries[members] = entry

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -50,6 +51,23 @@ def test_many_readers_share_one_build_and_one_encoding() -> None:
     cache.clear()  # a phase change: at once
     assert cache.get().data == {"n": 4}
     assert cache.get((0, 10)).data == {"n": 5} and cache.get().data == {"n": 4}  # pages side by side
+
+
+def test_an_expensive_build_is_held_ten_times_as_long_as_it_cost() -> None:
+    clock, version, builds = Clock(), [0], []
+
+    def build(members: tuple[int, int]) -> dict[str, int]:
+        time.sleep(0.05)  # a ?members=all of a large world
+        builds.append(members)
+        return {"n": len(builds)}
+
+    cache = StateCache(build, lambda: version[0], clock=clock)
+    assert cache.get(ALL_MEMBERS).data == {"n": 1}
+    version[0] += 1
+    clock.now += 0.4  # past the 200 ms interval, within 10 x the build's cost (>= 0.5 s)
+    assert cache.get(ALL_MEMBERS).data == {"n": 1}
+    clock.now += 10.0  # long past it (the sleep would have to take a second to hold it this long)
+    assert cache.get(ALL_MEMBERS).data == {"n": 2}
 
 
 def test_members_query_parsing() -> None:
