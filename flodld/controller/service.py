@@ -103,6 +103,7 @@ class Service:
         self._wake = asyncio.Event()
         self._next_window_at: float | None = None
         self._changes = 0  # bumped when the service part of state.json changes (with the run's own version)
+        self._history_json: list[dict[str, Any]] | None = None  # history as state.json lists it, until it changes
         self.state_cache = StateCache(self._build_state, self._state_version, depends_on=self._run_clears)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -243,6 +244,7 @@ class Service:
     def _changed(self) -> None:
         """The service part of state.json changed (a run began or ended, a reload): show it at once."""
         self._changes += 1
+        self._history_json = None
         self.state_cache.clear()
 
     def _run_clears(self) -> int:
@@ -274,7 +276,9 @@ class Service:
             next_window_in_secs=remaining, config=self._config_path, config_loaded_at=self.config_loaded_at,
             config_error=self.config_error, history_limit=self.history.maxlen or 0,
         )
-        state["history"] = [record.model_dump(mode="json") for record in self.history]
+        if self._history_json is None:  # up to history_runs records of up to 500 hosts: dumped once per change
+            self._history_json = [record.model_dump(mode="json") for record in self.history]
+        state["history"] = self._history_json
         state["service"] = service.model_dump(mode="json")
         return state
 
