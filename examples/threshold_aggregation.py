@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,14 +74,14 @@ class RelayShareChannel:
         prefix = f"fhelium-threshold/{self.session}/{tag}"
         store.set(f"{prefix}/{self.rank}", data)
         self.bytes_sent += len(data)
-        deadline = time.monotonic() + self.timeout_s
-        pending = list(range(self.world_size))
-        while pending:
-            pending = [rank for rank in pending if not store.check([f"{prefix}/{rank}"])]
-            if pending and time.monotonic() >= deadline:
-                raise missing_error(tag, self.world_size, pending, self.timeout_s)
-            if pending:
-                time.sleep(0.02)
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as error:  # bounded: name whoever never published
+            pending = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            if not pending:
+                raise WorldChangedError(f"the rendezvous store failed during the {tag!r} exchange: {error}") from error
+            raise missing_error(tag, self.world_size, pending, self.timeout_s) from error
         return [store.get(f"{prefix}/{rank}") for rank in range(self.world_size)]
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:

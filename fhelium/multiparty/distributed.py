@@ -15,8 +15,8 @@ and waits at most ``timeout_s`` for the others; a rank that left (after encrypti
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -98,18 +98,17 @@ class ProcessGroupChannel:
         """Mark this rank's arrival at exchange ``tag`` and wait (bounded) for every other rank."""
         self._round += 1
         prefix = f"fhelium-multiparty/{self.session}/{self._round}-{tag}"
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
         try:
-            self.store.set(f"{prefix}/{self.rank}", "1")
-            deadline = time.monotonic() + self.timeout_s
-            pending = list(range(self.world_size))
-            while True:
-                pending = [rank for rank in pending if not self.store.check([f"{prefix}/{rank}"])]
+            self.store.set(keys[self.rank], "1")
+            try:
+                self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            except Exception as timeout:  # the store's timeout error type differs between stores
+                pending = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
                 if not pending:
-                    return
-                if time.monotonic() >= deadline:
-                    raise missing_error(tag, self.world_size, pending, self.timeout_s)
-                time.sleep(0.02)
-        except MissingSharesError:
+                    raise MultipartyError(f"the rendezvous store failed during the {tag!r} exchange: {timeout}") from timeout
+                raise missing_error(tag, self.world_size, pending, self.timeout_s) from timeout
+        except MultipartyError:
             raise
         except (RuntimeError, OSError, TimeoutError) as error:
             raise MultipartyError(
