@@ -48,7 +48,9 @@ async def _storm(port: int, key: bytes, hosts: int, in_flight: int = 256) -> lis
 
 async def test_a_world_of_5000_hosts_forms_with_a_small_world_formed_per_host() -> None:
     _fds_for(HOSTS)
-    controller, port = await started(options(capacity=HOSTS, join=JoinConfig(join_timeout=120)))
+    # Handshake and magic deadlines sized for a busy 2-core CI box, not for a test of deadlines
+    controller, port = await started(options(capacity=HOSTS, join=JoinConfig(join_timeout=120),
+                                             handshake_timeout=30.0, magic_deadline=30.0))
     links: list[tuple[FramedStream, Accept]] = []
     try:
         begun = time.monotonic()

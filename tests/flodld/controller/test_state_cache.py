@@ -124,7 +124,8 @@ async def test_state_json_pages_validate_against_the_schema_and_bad_pages_are_re
 
 
 async def test_pollers_during_a_join_storm_cost_one_build_per_interval() -> None:
-    controller, port = await started(options(capacity=300, join=JoinConfig(join_timeout=60)))
+    controller, port = await started(options(capacity=300, join=JoinConfig(join_timeout=60),
+                                             handshake_timeout=30.0, magic_deadline=30.0))
     stop = asyncio.Event()
     polls = 0
 
