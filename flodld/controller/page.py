@@ -199,6 +199,15 @@ def _start(state: Mapping[str, Any]) -> str:
     )
 
 
+def _member_total(state: Mapping[str, Any], listed: int) -> int:
+    """How many hosts there are: state.json pages its member list (`members_page.total`)."""
+    page = state.get("members_page")
+    total = page.get("total") if isinstance(page, Mapping) else None
+    if isinstance(total, int) and not isinstance(total, bool) and total >= listed:
+        return total
+    return listed
+
+
 def _hosts(state: Mapping[str, Any]) -> str:
     members = [m for m in (state.get("members") or []) if isinstance(m, Mapping)]
     if not members:
@@ -213,9 +222,11 @@ def _hosts(state: Mapping[str, Any]) -> str:
             f"<td>{_e(fmt_devices(m))}</td><td>{_e(m.get('variant') or '-')}</td><td>{_e(joined_text)}</td>"
             f'<td class="link-{_e(link)}">{_e(link)}</td></tr>'
         )
-    more = _more(len(members) - MAX_ROWS, "hosts") if len(members) > MAX_ROWS else ""
+    total = _member_total(state, len(members))
+    shown = min(len(members), MAX_ROWS)
+    more = _more(total - shown, "hosts") if total > shown else ""
     return (
-        f'<section id="hosts"><h2>hosts ({len(members)})</h2><table><thead><tr><th>host</th><th>ranks</th>'
+        f'<section id="hosts"><h2>hosts ({total})</h2><table><thead><tr><th>host</th><th>ranks</th>'
         f"<th>devices</th><th>variant</th><th>joined</th><th>link</th></tr></thead>"
         f'<tbody>{"".join(rows)}</tbody></table>{more}</section>'
     )
@@ -578,14 +589,17 @@ _JS_TEMPLATE = """"use strict";
     var members = (s.members || []).filter(function (m) { return m && typeof m === "object"; });
     if (!members.length) { out.push(section("hosts", "hosts", empty("none joined yet"))); }
     else {
-      out.push(section("hosts", "hosts (" + members.length + ")", [
+      var page = s.members_page, total = members.length;
+      if (page && isNum(page.total) && page.total >= total) { total = page.total; }
+      var shown = Math.min(members.length, MAX_ROWS);
+      out.push(section("hosts", "hosts (" + total + ")", [
         table(["host", "ranks", "devices", "variant", "joined", "link"], members.slice(0, MAX_ROWS).map(function (m) {
           var link = String(m.link || "open");
           return h("tr", {}, h("td", {}, m.host || "?"), h("td", {}, fmtRanks(m.ranks)), h("td", {}, fmtDevices(m)),
             h("td", {}, m.variant || "-"), h("td", {}, isNum(m.joined_at_secs) ? "+" + Math.floor(m.joined_at_secs) + "s" : "\\u2014"),
             h("td", {"class": "link-" + link}, link));
         })),
-        members.length > MAX_ROWS ? more(members.length - MAX_ROWS, "hosts") : null]));
+        total > shown ? more(total - shown, "hosts") : null]));
     }
     var missing = (s.missing || []).map(String);
     out.push(missing.length ? section("missing", "missing (" + missing.length + ")", [

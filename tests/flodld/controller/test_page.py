@@ -127,6 +127,16 @@ def test_long_lists_are_cut_with_a_note() -> None:
     assert f"hosts ({MAX_ROWS + 7})" in text and "7 more hosts not shown" in text and "3 more names not shown" in text
 
 
+def test_a_paged_member_list_shows_the_world_total() -> None:
+    """state.json lists the first page of members (`members_page`); the page counts the whole world."""
+    members = [{"host": f"h{i}", "ranks": [i], "devices": ["cpu:0"], "device_labels": [], "variant": "cpu",
+                "joined_at_secs": 0, "link": "open"} for i in range(MAX_ROWS)]
+    state = _state(members=members)
+    state["members_page"] = {"start": 0, "stop": MAX_ROWS, "total": 5000}
+    text = " ".join(_Elements(render_page(state)).text)
+    assert "hosts (5000)" in text and f"{5000 - MAX_ROWS} more hosts not shown" in text
+
+
 def test_history_and_service_of_a_long_running_daemon_are_rendered_when_state_has_them() -> None:
     history = [  # RunRecord, as `flodld serve` (the service) publishes it, newest first
         {"run_id": "sweep-2", "verdict": "failed", "reason": "window expired: quorum not met", "started_at": 1_700_000_800,
