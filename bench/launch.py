@@ -4,7 +4,10 @@
 
 Both launchers start the same program (this file with --as-rank) on N CPU gloo ranks; each rank
 prints the wall time at which init_process_group returned. We report the median over repeats of
-(last rank past init − launch) per launcher and the ratio fdl/torchrun, measured in the same run.
+(last rank past init − launch) per launcher and the ratio fdl/torchrun, measured in the same run:
+`fdl run` with the ranks on flodld's own rendezvous (`flodld.rank.init_process_group`, the controller
+store directly), and `fdl run` with a stock `init_process_group("gloo")` over env:// (through the
+agent's loopback TCPStore endpoint), the column `env://`.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 
 
-def as_rank() -> int:
+def as_rank(stock: bool) -> int:
     """The benchmarked program: init the process group, report when, leave."""
     from flodld.launcher import exit_if_worker_role
 
     exit_if_worker_role()
     import torch.distributed as dist
 
-    if "FLODL_CONTROLLER" in os.environ:
+    if "FLODL_CONTROLLER" in os.environ and not stock:
         from flodld.rank import init_process_group
 
         init_process_group()
@@ -56,23 +59,27 @@ def measure(command: list[str], ranks: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.as_rank:
-        return as_rank()
+        return as_rank(args.stock)
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         print("torchrun not found next to this interpreter or on PATH", file=sys.stderr)
         return 2
-    print(f"{'ranks':>5} {'torchrun s':>11} {'fdl run s':>10} {'fdl/torchrun':>13}")
+    print(f"{'ranks':>5} {'torchrun s':>11} {'fdl run s':>10} {'fdl/torchrun':>13} {'env:// s':>9} {'env:///torchrun':>16}")
+    fdl = [sys.executable, "-m", "fdl.main", "run"]
     for ranks in args.ranks:
         baseline = [measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"], ranks)
                     for _ in range(args.repeats)]
-        ours = [measure([sys.executable, "-m", "fdl.main", "run", "--ranks", str(ranks), str(HERE), "--", "--as-rank"],
-                        ranks) for _ in range(args.repeats)]
-        base, mine = statistics.median(baseline), statistics.median(ours)
-        print(f"{ranks:>5} {base:>11.2f} {mine:>10.2f} {mine / base:>12.2f}x", flush=True)
+        ours = [measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank"], ranks) for _ in range(args.repeats)]
+        stock = [measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks)
+                 for _ in range(args.repeats)]
+        base, mine, env = statistics.median(baseline), statistics.median(ours), statistics.median(stock)
+        print(f"{ranks:>5} {base:>11.2f} {mine:>10.2f} {mine / base:>12.2f}x {env:>9.2f} {env / base:>15.2f}x",
+              flush=True)
     return 0
 
 

@@ -150,8 +150,15 @@ def _cpu_ranks(count: int, flag: str) -> tuple[str, ...]:
     return tuple(f"cpu:{index}" for index in range(count))
 
 
+# Device nodes a GPU driver creates (NVIDIA, AMD ROCm, WSL's GPU paravirtualization). With none of them
+# there is no GPU torch could use, and `fdl run` need not import torch (a second or more) to learn it.
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/dxg")
+
+
 def cuda_device_count() -> int:
     """GPUs torch can use on this host (0 for a CPU build or no driver)."""
+    if not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        return 0
     import torch
 
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
@@ -369,10 +376,11 @@ def main(args: argparse.Namespace) -> int:
         say(str(error))
         return EXIT_USAGE
     say(f"starting {plan}")
-    from flodld.fanout.cluster_run import has_remote_workers, run_cluster_job
-
     # Plain asyncio: the controller's mux checks for asyncio.Transport, which uvloop's transports are not.
-    if has_remote_workers(cluster):
+    if any(not worker.is_local(cluster.controller.host) for worker in cluster.workers):
+        # cluster_run loads asyncssh: only when there is a remote worker.
+        from flodld.fanout.cluster_run import run_cluster_job
+
         return asyncio.run(run_cluster_job(args.program, tail or [], cluster, port=args.port))
     return asyncio.run(run_job(command, cluster, port=args.port))
 

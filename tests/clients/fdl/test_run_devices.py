@@ -254,3 +254,16 @@ def test_one_rank_per_gpu_all_reduces_over_nccl(words: list[str]) -> None:
     assert {int(world) for _, world, _ in done} == {count}
     assert len({gpu for _, _, gpu in done}) == count  # one rank per GPU, each its own
     assert "fdl run: run done" in run.output
+
+
+def test_without_a_gpu_driver_fdl_run_learns_it_has_no_gpu_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    from fdl.run import GPU_DRIVER_NODES
+
+    if any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        pytest.skip("this host has a GPU driver: torch is asked")
+    probe = "import sys; from fdl.run import cuda_device_count; print(cuda_device_count(), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "False"]  # a second or more off every `fdl run` launch on a CPU host
