@@ -1,0 +1,43 @@
+"""torchrun parity across two "real hosts" (network namespaces, fan-out over SSH, 2 gloo CPU ranks each):
+a stock torchrun script (env:// through each host's agent TCPStore endpoint, no flodld import) and the
+process-group feature rows of tests/e2e/programs/torchrun_features.py (issue 20, goals 2 and 3)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.hosts.netns import Lab
+from tests.hosts.test_multi_host import _assert_no_process_left, _cluster, _fanout, _wait
+from tests.hosts.test_multi_host import lab as lab  # the fixture, re-exported for pytest
+
+pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.multiproc]
+PROGRAMS = Path(__file__).resolve().parents[1] / "e2e" / "programs"
+
+
+@pytest.mark.timeout(300)
+def test_a_stock_torchrun_script_runs_as_is_on_two_hosts(lab: Lab) -> None:
+    program = lab.root / "stock_two_hosts.py"
+    shutil.copy(PROGRAMS / "torchrun_stock.py", program)
+    launcher = _fanout(lab, _cluster(lab, tunnel=False), program)
+    log = _wait(launcher, lab.root / "launcher.log", 240)
+    assert launcher.returncode == 0, log[-6000:]
+    ranks = sorted(re.findall(r"stock rank=(\d)/4 local=\d/2 sum=10 pair=\d", log))
+    assert ranks == ["0", "1", "2", "3"], log[-6000:]
+    assert "[node-1]" in log and "[node-2]" in log
+    _assert_no_process_left(str(program))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("row", ["fsdp2_hsdp", "tensor_parallel", "object_collectives", "checkpoint"])
+def test_a_process_group_feature_works_across_two_hosts(lab: Lab, row: str) -> None:
+    program = lab.root / "features_two_hosts.py"
+    shutil.copy(PROGRAMS / "torchrun_features.py", program)
+    launcher = _fanout(lab, _cluster(lab, tunnel=False), program, row, str(lab.root / "checkpoint"))
+    log = _wait(launcher, lab.root / "launcher.log", 240)
+    assert launcher.returncode == 0, log[-6000:]
+    assert sorted(re.findall(rf"{row} ok rank=(\d)", log)) == ["0", "1", "2", "3"], log[-6000:]
+    _assert_no_process_left(str(program))
