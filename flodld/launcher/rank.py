@@ -28,9 +28,9 @@ def main(argv: list[str]) -> None:
         from flodld.rank.relay_client import connect_relay
 
         connect_relay(read_rank_environment())
-    script = argv[0]
+    script = os.path.abspath(argv[0])  # `__file__` is absolute, as for `python SCRIPT.py` since Python 3.9
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
     runpy.run_path(script, run_name="__main__")
 
 
