@@ -29,6 +29,7 @@ from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
 from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
 from flodld.wire.errors import WireError
+from flodld.wire.frames import Tail
 from flodld.wire.hostkey import verify_relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
@@ -60,7 +61,7 @@ def _folds() -> Any:
         RoundBarrier=barrier.RoundBarrier,
         fold_from_spec=base.fold_from_spec,
         decode_bundle=codec.decode_bundle,
-        encode_bundle=codec.encode_bundle,
+        encode_bundle_parts=codec.encode_bundle_parts,
     )
 
 
@@ -249,7 +250,7 @@ class DataPlane:
                     owned = set(self.host_ranks[host])
                     if not set(message.contributors) <= owned:
                         raise ValueError(f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}")
-                    tensors = self._fold.decode_bundle(message.tensors, frame.tail)
+                    tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
                     result = barrier.contribute(host, message.round, message.fold, tensors, message.weight)
                 except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
                     self.refusals["host_frame"] += 1
@@ -276,7 +277,7 @@ class DataPlane:
 
     async def _broadcast(self, result: RoundResult[str]) -> None:
         fold = self._fold.fold_from_spec(result.fold_spec)
-        specs, tail = self._fold.encode_bundle(fold.finish(result.tensors, result.weight))
+        specs, tail = self._fold.encode_bundle_parts(fold.finish(result.tensors, result.weight))
         contributors = sorted(self._round_contributors)
         self._round_contributors = set()
         message = Broadcast(
@@ -319,7 +320,7 @@ class DataPlane:
                     log.exception("event=rank_dead_listener_failed rank=%d", rank)
 
     @staticmethod
-    async def _send_quietly(stream: FramedStream, message: Message, tail: bytes = b"") -> None:
+    async def _send_quietly(stream: FramedStream, message: Message, tail: Tail = b"") -> None:
         try:
             await stream.send(message, tail)
         except (OSError, WireError, TimeoutError):

@@ -51,29 +51,47 @@ def _check_shape(index: int, spec: TensorSpec) -> None:
             )
 
 
-def encode_bundle(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], bytes]:
-    """Specs and concatenated bytes of CPU copies of `tensors` (detached, contiguous)."""
+def encode_bundle_parts(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], list[memoryview]]:
+    """Specs and one byte view per tensor of CPU, contiguous versions of `tensors`, without copying
+    tensors that already are: pass the views as a frame's scatter tail (`FrameConnection.send_frame`).
+
+    The views share memory with the tensors: send them before the tensors change.
+    """
     if len(tensors) > MAX_TENSORS_PER_FRAME:
         raise CodecError(f"{len(tensors)} tensors in one deposit; at most {MAX_TENSORS_PER_FRAME} are allowed")
     specs: list[TensorSpec] = []
-    chunks: list[bytes] = []
+    parts: list[memoryview] = []
     for index, tensor in enumerate(tensors):
         name = _WIRE_DTYPES.get(tensor.dtype)
         if name is None:
             raise CodecError(f"tensor {index} has dtype {tensor.dtype}; supported: {', '.join(_TORCH_DTYPES)}")
         flat = tensor.detach().to("cpu").contiguous()
         specs.append(TensorSpec(dtype=name, shape=list(flat.shape)))  # type: ignore[arg-type]  # name is a TensorDtype
-        chunks.append(flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
-    return specs, b"".join(chunks)
+        if flat.numel():
+            parts.append(memoryview(flat.reshape(-1).view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
+    return specs, parts
 
 
-def decode_bundle(specs: Sequence[TensorSpec], tail: bytes) -> Bundle:
-    """Tensors described by `specs`, backed by fresh copies of the bytes in `tail` (CodecError if not)."""
+def encode_bundle(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], bytes]:
+    """Specs and concatenated bytes of CPU copies of `tensors` (detached, contiguous)."""
+    specs, parts = encode_bundle_parts(tensors)
+    return specs, b"".join(parts)
+
+
+def decode_bundle(specs: Sequence[TensorSpec], tail: bytes | bytearray | memoryview) -> Bundle:
+    """Tensors described by `specs`, built over the bytes in `tail` (CodecError if they disagree).
+
+    A writable `tail` (a frame's `tail_view`, decrypted into a buffer of its own) is used in place:
+    the tensors share its memory, with no copy. A read-only one (`bytes`) is copied first.
+    """
     for index, spec in enumerate(specs):
         _check_shape(index, spec)
+    view = memoryview(tail).cast("B")
     expected = sum(spec.nbytes() for spec in specs)
-    if expected != len(tail):
-        raise CodecError(f"tensor headers describe {expected} bytes but the frame carries {len(tail)}")
+    if expected != view.nbytes:
+        raise CodecError(f"tensor headers describe {expected} bytes but the frame carries {view.nbytes}")
+    if view.readonly and expected:
+        view = memoryview(bytearray(view))
     tensors: list[torch.Tensor] = []
     offset = 0
     for index, spec in enumerate(specs):
@@ -81,7 +99,7 @@ def decode_bundle(specs: Sequence[TensorSpec], tail: bytes) -> Bundle:
         dtype = _TORCH_DTYPES[spec.dtype]
         try:
             if size:
-                raw = torch.frombuffer(bytearray(tail[offset : offset + size]), dtype=torch.uint8)
+                raw = torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)
                 tensors.append(raw.view(dtype).reshape(list(spec.shape)))
             else:
                 tensors.append(torch.empty(spec.shape, dtype=dtype))

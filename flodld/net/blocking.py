@@ -20,12 +20,12 @@ from flodld.wire.errors import WireError
 from flodld.wire.frames import (
     DEFAULT_MAX_TAIL,
     MAX_PAYLOAD,
-    BytesLike,
     Closed,
     Frame,
     FrameConnection,
     NeedData,
     Role,
+    Tail,
 )
 from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.messages import Message
@@ -96,15 +96,15 @@ class BlockingChannel:
                 raise WireError("handshake", "unexpected event before the nonce exchange completed")
             self._read_more(deadline, "the peer's nonce")
 
-    def send(self, msg: Message, tail: BytesLike = b"") -> None:
+    def send(self, msg: Message, tail: Tail = b"") -> None:
         with self._send_lock:
             self._sendall(self.conn.send_message(msg, tail))
 
-    def send_frame(self, kind: int, payload: bytes, tail: BytesLike = b"") -> None:
+    def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
         with self._send_lock:
             self._sendall(self.conn.send_frame(kind, payload, tail))
 
-    def _sendall(self, data: bytes) -> None:
+    def _sendall(self, data: bytes | bytearray) -> None:
         try:
             self.sock.sendall(data)
         except BlockingIOError:
@@ -133,6 +133,17 @@ class BlockingChannel:
             poller.register(self.sock, select.POLLIN)
             if not poller.poll(remaining_ms):
                 raise TimeoutError(f"timed out waiting for {what}")
+        view = self.conn.receive_buffer()
+        if view is not None and len(view):
+            # The frame body: straight into the buffer it is decrypted in, no intermediate copy.
+            try:
+                count = self.sock.recv_into(view)
+            except ConnectionResetError:
+                count = 0
+            finally:
+                view.release()
+            self.conn.receive_filled(count)
+            return
         try:
             data = self.sock.recv(want)
         except ConnectionResetError:

@@ -17,12 +17,12 @@ from flodld.wire.errors import WireError
 from flodld.wire.frames import (
     DEFAULT_MAX_TAIL,
     MAX_PAYLOAD,
-    BytesLike,
     Closed,
     Frame,
     FrameConnection,
     NeedData,
     Role,
+    Tail,
 )
 from flodld.wire.magic import MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
 from flodld.wire.messages import Message
@@ -39,7 +39,7 @@ class ConnectError(ConnectionError):
 
 
 class FramedStream:
-    """Authenticated frames over an asyncio stream pair (see flodld.wire.frames for the rules)."""
+    """Encrypted, authenticated frames over an asyncio stream pair (see flodld.wire.frames for the rules)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: FrameConnection) -> None:
         self.reader = reader
@@ -52,16 +52,16 @@ class FramedStream:
         peer = self.writer.get_extra_info("peername")
         return (str(peer[0]), int(peer[1])) if peer else None
 
-    async def send(self, msg: Message, tail: BytesLike = b"") -> None:
+    async def send(self, msg: Message, tail: Tail = b"") -> None:
         """Write one message frame and wait (bounded by the write-stall timeout) until it is flushed."""
         self.send_nowait(msg, tail)
         await self.drain()
 
-    def send_nowait(self, msg: Message, tail: BytesLike = b"") -> None:
+    def send_nowait(self, msg: Message, tail: Tail = b"") -> None:
         """Queue one message frame without waiting for the socket (for callbacks that cannot await)."""
         self.writer.write(self.conn.send_message(msg, tail))
 
-    async def send_frame(self, kind: int, payload: bytes, tail: BytesLike = b"") -> None:
+    async def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
         self.writer.write(self.conn.send_frame(kind, payload, tail))
         await self.drain()
 

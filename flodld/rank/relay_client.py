@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from flodld.fold.base import Bundle
-from flodld.fold.codec import decode_bundle, encode_bundle
+from flodld.fold.codec import decode_bundle, encode_bundle_parts
 from flodld.net.blocking import BlockingChannel
 from flodld.net.timeouts import scaled
 from flodld.rank.env import RankEnvironment
@@ -78,7 +78,7 @@ class RelayClient:
         """Send this rank's contribution to the next round; returns the round number."""
         spec = fold or self.env.fold
         scaled = [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
-        specs, tail = encode_bundle(scaled)
+        specs, tail = encode_bundle_parts(scaled)
         round_number = self.next_round
         self.data.send(Deposit(round=round_number, fold=spec, weight=weight, tensors=specs), tail)
         self.next_round += 1
@@ -114,7 +114,7 @@ class RelayClient:
                 frame = self.data.recv()
                 message = frame.message()
                 if isinstance(message, Broadcast):
-                    tensors = decode_bundle(message.tensors, frame.tail)
+                    tensors = decode_bundle(message.tensors, frame.tail_view)
                     with self._changed:
                         self._results[message.round] = (message, tensors)
                         self.latest = (message, tensors)

@@ -31,6 +31,7 @@ from flodld.wire.data import (
     RelayHello,
 )
 from flodld.wire.errors import WireError
+from flodld.wire.frames import Tail
 from flodld.wire.hostkey import relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
@@ -44,7 +45,11 @@ HANDSHAKE_TIMEOUT_SECS = 10.0
 
 
 def warn_if_public(peer: str, where: str) -> bool:
-    """Log a loud warning when the controller's address is outside every private range; True if it did."""
+    """Log a warning when the controller's address is outside every private range; True if it did.
+
+    The upstreams are encrypted (wire protocol v2), so the warning is about the salt they are keyed from:
+    private only while the salt is (a configured join token; under open admission it crossed the path).
+    """
     try:
         if ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback:
             return False
@@ -55,10 +60,11 @@ def warn_if_public(peer: str, where: str) -> bool:
     if is_private_address(peer):
         return False
     log.warning(
-        "relay: WARNING: controller %s (peer %s) is outside every private address range and the relay's DATA "
-        "and CONTROL upstreams to it are CLEARTEXT (HMAC-authenticated, not encrypted): anyone on the path can "
-        "read every host frame and broadcast. Route them through a tunnel (`tunnel: true`, `fdl join --ssh`) "
-        "or an encrypted overlay (WireGuard/VPN)",
+        "relay: WARNING: controller %s (peer %s) is outside every private address range. The relay's DATA and "
+        "CONTROL upstreams to it are encrypted (AEAD, keys from the run salt and this host's admission), so they "
+        "are private only while the salt is: with a configured join token; under open admission the salt crossed "
+        "the path in the join's Accept, readable by whoever watched it. Process-group traffic (gloo/NCCL) is not "
+        "flodld's and stays cleartext. Use a tunnel (`tunnel: true`, `fdl join --ssh`) or a VPN when in doubt",
         where, peer,
     )
     return True
@@ -213,7 +219,7 @@ class Relay:
                 raise WireError("bad_payload", f"rank {rank} sent {type(message).__name__} on its data leg")
             barrier = self._ensure_barrier()
             try:
-                tensors = self._fold.decode_bundle(message.tensors, frame.tail)
+                tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
                 result = barrier.contribute(rank, message.round, message.fold, tensors, message.weight)
             except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
                 self.refused += 1
@@ -250,7 +256,7 @@ class Relay:
             self._stop("every local rank has left", 0)
 
     async def _ship(self, result: RoundResult[int]) -> None:
-        specs, tail = self._fold.encode_bundle(result.tensors)
+        specs, tail = self._fold.encode_bundle_parts(result.tensors)
         frame = HostFrame(
             round=result.round,
             fold=result.fold_spec,
@@ -270,7 +276,7 @@ class Relay:
                 message = frame.message()
                 if isinstance(message, Broadcast):
                     self.rounds += 1
-                    await self._fan_out(Channel.DATA, message, frame.tail)
+                    await self._fan_out(Channel.DATA, message, frame.tail_view)
                 elif isinstance(message, CoordinatorHeartbeat | Shutdown):
                     await self._fan_out(Channel.CONTROL, message, b"")
                 elif isinstance(message, DeclareDead):
@@ -288,7 +294,7 @@ class Relay:
             if not self.finished.is_set():  # an unexpected error must end the relay, not leave it hanging
                 self._stop(f"controller {channel} reader ended unexpectedly", 1)
 
-    async def _fan_out(self, channel: Channel, message: Message, tail: bytes) -> None:
+    async def _fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
         for rank, leg in list(self.legs[channel].items()):
             try:
                 await leg.send(message, tail)
@@ -327,6 +333,5 @@ def run_relay() -> int:
             for signum in signals:
                 loop.remove_signal_handler(signum)
                 signal.signal(signum, signal.SIG_IGN)
-
 
     return asyncio.run(serve())

@@ -1,34 +1,52 @@
 """Frame codec and per-connection state, in the h11 style: bytes in, events out, no I/O.
 
-Theory of operation:
+Theory of operation (wire protocol version 2: every frame is encrypted and authenticated):
 - The dialer writes the channel magic (its caller does) and a 16-byte nonce; the listener answers with
-  its own nonce. Both sides then derive a session key from the run salt, the channel's magic and both
-  nonces, so every connection has a key of its own: nothing captured on one connection verifies on
-  another, and a connection keyed for one channel never verifies on another.
-- Each frame is a 24-byte header, a JSON payload, a raw binary tail and a 16-byte tag. The tag covers a
-  direction byte, the whole header (magic and version included), the payload and the tail, so a frame
-  cannot be reflected back to its sender, and no header bit can be altered unnoticed.
+  its own nonce. Each side writes its nonce at once, without waiting for the other's. The low bit of a
+  nonce's first byte is that side's cipher flag (1: its CPU has AES instructions); the other 127 bits
+  are random. Both sides pick the same AEAD from the two flags: AES-256-GCM when both set theirs,
+  ChaCha20-Poly1305 otherwise (`choose_suite`).
+- Both sides then derive one 32-byte key per direction with HKDF-SHA256: input key the run salt (or,
+  after `rekey`, a host key or the run salt of an open admission), HKDF salt the two nonces, info a
+  label, the channel's magic, the chosen suite and the direction byte (`direction_key`). Every
+  connection has keys of its own: nothing captured on one connection decrypts on another, a
+  connection keyed for one channel never decrypts on another, and the flags that chose the cipher are
+  bound into the keys (flipping one on the path only makes every frame fail).
+- Each frame is a 24-byte cleartext header, the ciphertext of payload ‖ tail, and the 16-byte AEAD tag.
+  The AEAD nonce is the direction byte, three zero bytes and the frame's 64-bit sequence number; the
+  header is the associated data. So no header bit can be altered, a frame cannot be reflected back to
+  its sender (other key, other nonce), and no (key, nonce) pair is ever used twice: a sequence number
+  never repeats in one direction, and sending stops before it would wrap (`MAX_SEQ`, and for
+  AES-GCM the lower `AES_GCM_MAX_FRAMES`).
 - Sequence numbers start at 0 in each direction and must increase by exactly one: a replayed,
   reordered or dropped frame is refused (`replay`).
 - Caps are checked from the header, before the body is buffered: a peer cannot make us allocate more
-  than the caps allow, whatever length it claims.
+  than the caps allow, whatever length it claims, and a body's buffer grows with the bytes that
+  arrive (`receive_buffer` / `receive_filled` let a shell read straight into it, at most
+  `RECEIVE_WINDOW` ahead). The body is decrypted in place.
 - The first frame a side receives is held to small pre-authentication caps (`PREAUTH_MAX_PAYLOAD`,
   no tail) until it verifies: a peer that has not proven the key cannot make us buffer more than that.
   After the first frame verifies, the connection's normal caps apply.
+- A peer speaking another protocol version is refused from its first header (`bad_version`, naming
+  both versions): version 1 frames (HMAC-authenticated cleartext) never reach the decryptor.
 - Any violation kills the connection: the error is raised once, and every later call raises
   `WireError("closed")`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
 import struct
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Final
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from flodld.wire.errors import WireError, WireErrorCode
 from flodld.wire.magic import Channel, magic_prefix
@@ -36,25 +54,40 @@ from flodld.wire.messages import Message, decode_message, encode_message
 from flodld.wire.salt import SALT_BYTES
 
 FRAME_MAGIC: Final = 0xF10D17C4
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 NONCE_BYTES: Final = 16
 TAG_BYTES: Final = 16
+KEY_BYTES: Final = 32
+AEAD_NONCE_BYTES: Final = 12
 MAX_PAYLOAD: Final = 16 * 1024 * 1024
 DEFAULT_MAX_TAIL: Final = 1024 * 1024 * 1024
 MAX_SEQ: Final = 2**64 - 1
+# AES-GCM with a counter nonce is safe far beyond this; the bound keeps a single key's use well inside
+# the usual 2^48-message guidance. ChaCha20-Poly1305 runs to the end of the 64-bit counter.
+AES_GCM_MAX_FRAMES: Final = 2**48
+# `cryptography` encrypts at most 2^31 - 1 bytes per call: payload + tail must fit in one call.
+MAX_PLAINTEXT: Final = 2**31 - 1
 
 HEADER: Final = struct.Struct("<IHHQII")
 HEADER_BYTES: Final = HEADER.size  # 24
-SESSION_LABEL: Final = b"flodld/session/v2"
+KEY_LABEL: Final = b"flodld/aead/v2"
 # The first frame a side receives, before anything has proven the peer holds the key: small, no tail.
 PREAUTH_MAX_PAYLOAD: Final = 16 * 1024
 PREAUTH_MAX_TAIL: Final = 0
-# Bound into the session key of a connection made without a channel (in-memory tests); every socket
-# adapter in flodld.net passes its channel, whose 4-byte magic goes here instead.
+# Bound into the keys of a connection made without a channel (in-memory tests); every socket adapter
+# in flodld.net passes its channel, whose 4-byte magic goes here instead.
 _NO_CHANNEL: Final = b"\x00\x00\x00\x00"
 _U32_MAX: Final = 2**32 - 1
+_SEQ: Final = struct.Struct("<Q")
+_AES_FLAG: Final = 0x01
+
+# How far ahead of the bytes that arrived a frame body's buffer may grow for `receive_buffer`.
+RECEIVE_WINDOW: Final = 4 * 1024 * 1024
+_ZEROS: Final = bytes(RECEIVE_WINDOW)
 
 BytesLike = bytes | bytearray | memoryview
+Tail = BytesLike | Sequence[BytesLike]
+"""A frame's tail: one contiguous buffer, or a list of them (scatter parts, gathered once into the frame)."""
 
 
 class Role(Enum):
@@ -62,24 +95,144 @@ class Role(Enum):
     LISTENER = "listener"
 
 
-# The byte each role puts in front of what it MACs: a frame sent by one side never verifies as a
-# frame from the other.
+class Suite(IntEnum):
+    """The AEAD of a connection; its value is bound into the keys."""
+
+    AES_256_GCM = 1
+    CHACHA20_POLY1305 = 2
+
+
+# The byte that marks each direction: in the key derivation and in every AEAD nonce.
 _DIRECTION: Final[dict[Role, bytes]] = {Role.DIALER: b"D", Role.LISTENER: b"L"}
 _PEER: Final[dict[Role, Role]] = {Role.DIALER: Role.LISTENER, Role.LISTENER: Role.DIALER}
 
 
-@dataclass(frozen=True)
-class Frame:
-    """One authenticated frame, in order."""
+@functools.cache
+def cpu_has_aes() -> bool:
+    """True when /proc/cpuinfo lists the `aes` flag (x86 AES-NI) or the arm `aes` feature."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features") and "aes" in value.split():
+                    return True
+    except OSError:
+        pass
+    return False
 
-    kind: int
-    seq: int
-    payload: bytes
-    tail: bytes
+
+def choose_suite(dialer_nonce: bytes, listener_nonce: bytes) -> Suite:
+    """AES-256-GCM when both sides flagged AES instructions in their nonces, else ChaCha20-Poly1305."""
+    if dialer_nonce[0] & listener_nonce[0] & _AES_FLAG:
+        return Suite.AES_256_GCM
+    return Suite.CHACHA20_POLY1305
+
+
+def new_nonce(*, aes: bool | None = None) -> bytes:
+    """16 random bytes whose first byte's low bit is this side's cipher flag (default: `cpu_has_aes()`)."""
+    nonce = bytearray(secrets.token_bytes(NONCE_BYTES))
+    flag = cpu_has_aes() if aes is None else aes
+    nonce[0] = (nonce[0] & 0xFE) | (_AES_FLAG if flag else 0)
+    return bytes(nonce)
+
+
+def channel_binding(channel: Channel | None) -> bytes:
+    """The 4 bytes a channel contributes to its keys: its magic (zeros for no channel)."""
+    return _NO_CHANNEL if channel is None else magic_prefix(channel)
+
+
+def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
+    """RFC 5869 HKDF-SHA256 (extract, then expand) of at most 255 blocks."""
+    if not 0 < length <= 255 * 32:
+        raise ValueError(f"HKDF-SHA256 yields 1..{255 * 32} bytes, got a request for {length}")
+    prk = hmac.digest(salt, ikm, hashlib.sha256)
+    out, block, counter = b"", b"", 1
+    while len(out) < length:
+        block = hmac.digest(prk, block + info + bytes((counter,)), hashlib.sha256)
+        out += block
+        counter += 1
+    return out[:length]
+
+
+def direction_key(
+    key: bytes, dialer_nonce: bytes, listener_nonce: bytes, channel: Channel | None, suite: Suite, sender: Role
+) -> bytes:
+    """The 32-byte AEAD key of the frames `sender` writes on this connection.
+
+    HKDF-SHA256(ikm = key, salt = dialer nonce ‖ listener nonce,
+                info = "flodld/aead/v2" ‖ channel magic ‖ suite (1 byte) ‖ direction byte).
+    """
+    info = KEY_LABEL + channel_binding(channel) + bytes((int(suite),)) + _DIRECTION[sender]
+    return hkdf_sha256(key, salt=dialer_nonce + listener_nonce, info=info)
+
+
+def _aead(suite: Suite, key: bytes) -> AESGCM | ChaCha20Poly1305:
+    return AESGCM(key) if suite is Suite.AES_256_GCM else ChaCha20Poly1305(key)
+
+
+def _seal_in_place(aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes) -> None:
+    """Encrypt view[:size] in place and write the tag after it (view is size + TAG_BYTES long)."""
+    if hasattr(aead, "encrypt_into"):  # cryptography >= 45: no intermediate ciphertext object
+        aead.encrypt_into(nonce, view[:size], aad, view)
+    else:  # pragma: no cover - older cryptography
+        view[:] = aead.encrypt(nonce, view[:size], aad)
+
+
+def _open_in_place(aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes) -> None:
+    """Check the tag at view[size:] and decrypt view[:size] in place (InvalidTag on failure)."""
+    if hasattr(aead, "decrypt_into"):
+        aead.decrypt_into(nonce, view, aad, view[:size])
+    else:  # pragma: no cover - older cryptography
+        view[:size] = aead.decrypt(nonce, view, aad)
+
+
+def _check_key(key: bytes) -> bytes:
+    if len(key) != SALT_BYTES:
+        raise ValueError(f"a frame key is a {SALT_BYTES}-byte session salt, got {len(key)} bytes")
+    return bytes(key)
+
+
+def _aead_nonce(sender: Role, seq: int) -> bytes:
+    return _DIRECTION[sender] + b"\x00\x00\x00" + _SEQ.pack(seq)
+
+
+class Frame:
+    """One decrypted, authenticated frame, in order.
+
+    `tail_view` is the tail without a copy (a view into the buffer the frame was decrypted in, which
+    nothing else uses); `tail` is the same bytes as a `bytes` object (copied once, on first use).
+    """
+
+    __slots__ = ("_tail_bytes", "kind", "payload", "seq", "tail_view")
+
+    def __init__(self, kind: int, seq: int, payload: bytes, tail: BytesLike = b"") -> None:
+        self.kind = kind
+        self.seq = seq
+        self.payload = payload
+        self.tail_view = memoryview(tail).cast("B") if not isinstance(tail, bytes) else memoryview(tail)
+        self._tail_bytes: bytes | None = tail if isinstance(tail, bytes) else None
+
+    @property
+    def tail(self) -> bytes:
+        if self._tail_bytes is None:
+            self._tail_bytes = bytes(self.tail_view)
+        return self._tail_bytes
 
     def message(self) -> Message:
         """The payload decoded as the message registered for `kind` (WireError on failure)."""
         return decode_message(self.kind, self.payload)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Frame):
+            return NotImplemented
+        return (self.kind, self.seq, self.payload) == (other.kind, other.seq, other.payload) and (
+            self.tail_view == other.tail_view
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking value object, like a dataclass with eq
+
+    def __repr__(self) -> str:
+        return f"Frame(kind={self.kind:#06x}, seq={self.seq}, payload={len(self.payload)}B, tail={self.tail_view.nbytes}B)"
 
 
 class NeedData:
@@ -100,28 +253,13 @@ NEED_DATA: Final = NeedData()
 CLOSED: Final = Closed()
 
 
-def channel_binding(channel: Channel | None) -> bytes:
-    """The 4 bytes a channel contributes to its session key: its magic (zeros for no channel)."""
-    return _NO_CHANNEL if channel is None else magic_prefix(channel)
-
-
-def session_key(salt: bytes, dialer_nonce: bytes, listener_nonce: bytes, channel: Channel | None = None) -> bytes:
-    """HMAC-SHA256(salt, label ‖ channel magic ‖ dialer nonce ‖ listener nonce): this connection's MAC key."""
-    return hmac.digest(salt, SESSION_LABEL + channel_binding(channel) + dialer_nonce + listener_nonce, hashlib.sha256)
-
-
-def _check_key(key: bytes) -> bytes:
-    if len(key) != SALT_BYTES:
-        raise ValueError(f"a frame key is a {SALT_BYTES}-byte session salt, got {len(key)} bytes")
-    return bytes(key)
-
-
 @dataclass(frozen=True)
 class _Header:
     kind: int
     seq: int
     payload_len: int
     tail_len: int
+    raw: bytes
 
     @property
     def body_bytes(self) -> int:
@@ -143,27 +281,36 @@ class FrameConnection:
         preauth_max_payload: int = PREAUTH_MAX_PAYLOAD,
         preauth_max_tail: int = PREAUTH_MAX_TAIL,
         on_authenticated: typing.Callable[[], None] | None = None,
+        aes: bool | None = None,
     ) -> None:
+        """`aes` overrides this side's cipher flag (default: whether the CPU has AES instructions)."""
         if nonce is not None and len(nonce) != NONCE_BYTES:
             raise ValueError(f"a nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
         if not 0 <= max_payload <= _U32_MAX or not 0 <= max_tail <= _U32_MAX:
             raise ValueError(f"caps must be in 0..{_U32_MAX} bytes, got payload {max_payload}, tail {max_tail}")
         self.role = role
         self.channel = channel
-        self.max_payload = max_payload
-        self.max_tail = max_tail
+        self.max_payload = min(max_payload, MAX_PLAINTEXT)
+        # One AEAD call seals payload and tail together: their sum stays within what the cipher takes.
+        self.max_tail = min(max_tail, MAX_PLAINTEXT - self.max_payload)
         # Caps of the first received frame: the smaller of the pre-authentication and normal caps.
-        self.preauth_max_payload = min(preauth_max_payload, max_payload)
-        self.preauth_max_tail = min(preauth_max_tail, max_tail)
+        self.preauth_max_payload = min(preauth_max_payload, self.max_payload)
+        self.preauth_max_tail = min(preauth_max_tail, self.max_tail)
         self.on_authenticated = on_authenticated
         self._salt = _check_key(key)
-        self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_BYTES)
+        self._nonce = nonce if nonce is not None else new_nonce(aes=aes)
         self._peer_nonce: bytes | None = None
-        self._key: bytes | None = None
+        self.suite: Suite | None = None
+        self._send_aead: AESGCM | ChaCha20Poly1305 | None = None
+        self._recv_aead: AESGCM | ChaCha20Poly1305 | None = None
+        self._send_limit = MAX_SEQ + 1
         self._send_seq = 0
         self._recv_seq = 0
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the nonce, a header, or bytes fed past the unit being read
         self._header: _Header | None = None
+        self._body: bytearray | None = None  # ciphertext and tag of the frame being read
+        self._body_total = 0  # the body's length, from its header
+        self._filled = 0
         self._eof = False
         self._dead = False
 
@@ -172,7 +319,7 @@ class FrameConnection:
     @property
     def ready(self) -> bool:
         """Both nonces are known, so frames can be sent and verified."""
-        return self._key is not None
+        return self._send_aead is not None
 
     @property
     def nonce(self) -> bytes:
@@ -195,12 +342,10 @@ class FrameConnection:
         Shells read exactly this much, so they never read past the frame the header announced.
         """
         if self._peer_nonce is None:
-            need = NONCE_BYTES
-        elif self._header is None:
-            need = HEADER_BYTES
-        else:
-            need = HEADER_BYTES + self._header.body_bytes
-        return max(0, need - len(self._buffer))
+            return max(0, NONCE_BYTES - len(self._buffer))
+        if self._header is None:
+            return max(0, HEADER_BYTES - len(self._buffer))
+        return self._body_total - self._filled
 
     def initial_bytes(self) -> bytes:
         """This side's nonce: the first thing it writes (the dialer writes the channel magic before it)."""
@@ -208,7 +353,7 @@ class FrameConnection:
 
     # --- receiving -------------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: BytesLike) -> None:
         """Buffer bytes from the peer; b"" means the peer closed its side."""
         self._ensure_alive()
         if self._eof:
@@ -218,11 +363,49 @@ class FrameConnection:
         if not data:
             self._eof = True
             return
+        if self._body is not None and self._filled < self._body_total:
+            view = memoryview(data).cast("B")
+            take = min(len(view), self._body_total - self._filled)
+            spare = len(self._body) - self._filled  # room left by receive_buffer, filled first
+            if spare:
+                into = min(spare, take)
+                self._body[self._filled : self._filled + into] = view[:into]
+            else:
+                into = 0
+            if take > into:
+                self._body += view[into:take]
+            self._filled += take
+            if take == len(view):
+                return
+            data = view[take:]
         self._buffer += data
         if self._peer_nonce is None and len(self._buffer) >= NONCE_BYTES:
             self._peer_nonce = bytes(self._buffer[:NONCE_BYTES])
             del self._buffer[:NONCE_BYTES]
-            self._key = self._derive(self._salt)
+            self._derive_keys(self._salt)
+
+    def receive_buffer(self) -> memoryview | None:
+        """Where the next body bytes go, for a shell that reads into a buffer (None: use `receive_data`).
+
+        Write at most `len(view)` bytes at its start, release the view, then call `receive_filled(count)`.
+        The body grows by at most `RECEIVE_WINDOW` bytes ahead of what arrived, so a header that claims a
+        large body makes us hold only what the peer actually sends.
+        """
+        if self._dead or self._eof or self._body is None or self._buffer or self._filled >= self._body_total:
+            return None
+        if len(self._body) == self._filled:
+            grow = min(RECEIVE_WINDOW, self._body_total - self._filled)
+            self._body += memoryview(_ZEROS)[:grow]
+        return memoryview(self._body)[self._filled :]
+
+    def receive_filled(self, count: int) -> None:
+        """`count` bytes were written at the start of `receive_buffer()` (0 means end of stream)."""
+        self._ensure_alive()
+        if count == 0:
+            self.receive_data(b"")
+            return
+        assert self._body is not None and 0 < count <= len(self._body) - self._filled
+        self._filled += count
 
     def next_event(self) -> Frame | NeedData | Closed:
         """The next verified frame, NEED_DATA, or CLOSED; WireError on any violation."""
@@ -235,28 +418,40 @@ class FrameConnection:
             if len(self._buffer) < HEADER_BYTES:
                 return self._short(CLOSED if not self._buffer else None)
             self._header = self._parse_header()
-        header = self._header
-        total = HEADER_BYTES + header.body_bytes
-        if len(self._buffer) < total:
+            del self._buffer[:HEADER_BYTES]
+            self._body_total = self._header.body_bytes
+            take = min(len(self._buffer), self._body_total)
+            self._body = bytearray(self._buffer[:take])
+            del self._buffer[:take]
+            self._filled = take
+        assert self._body is not None
+        if self._filled < self._body_total:
             return self._short(None)
-        frame = self._verify(header, total)
-        del self._buffer[:total]
-        self._header = None
-        return frame
+        header, body = self._header, self._body
+        del body[self._body_total :]
+        self._header, self._body, self._filled, self._body_total = None, None, 0, 0
+        return self._verify(header, body)
 
     def _short(self, at_boundary: Closed | None) -> NeedData | Closed:
         if not self._eof:
             return NEED_DATA
         if at_boundary is not None:
             return at_boundary
-        self._fail("truncated", f"peer closed with {len(self._buffer)} bytes of an unfinished frame")
+        held = len(self._buffer) + self._filled + (HEADER_BYTES if self._header is not None else 0)
+        self._fail("truncated", f"peer closed with {held} bytes of an unfinished frame")
 
     def _parse_header(self) -> _Header:
-        magic, version, kind, seq, payload_len, tail_len = HEADER.unpack_from(self._buffer)
+        raw = bytes(self._buffer[:HEADER_BYTES])
+        magic, version, kind, seq, payload_len, tail_len = HEADER.unpack(raw)
         if magic != FRAME_MAGIC:
             self._fail("bad_magic", f"frame magic {magic:#010x} != {FRAME_MAGIC:#010x}")
         if version != PROTOCOL_VERSION:
-            self._fail("bad_version", f"frame protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+            self._fail(
+                "bad_version",
+                f"the peer speaks flodld wire protocol version {version}, this build speaks version "
+                f"{PROTOCOL_VERSION}; run the same flodld release on both ends"
+                + (" (version 1 frames are cleartext; version 2 encrypts every frame)" if version == 1 else ""),
+            )
         first = self._recv_seq == 0
         max_payload = self.preauth_max_payload if first else self.max_payload
         max_tail = self.preauth_max_tail if first else self.max_tail
@@ -267,75 +462,90 @@ class FrameConnection:
             )
         if tail_len > max_tail:
             self._fail("too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread")
-        return _Header(kind, seq, payload_len, tail_len)
+        return _Header(kind, seq, payload_len, tail_len, raw)
 
-    def _verify(self, header: _Header, total: int) -> Frame:
-        assert self._key is not None
-        body_end = total - TAG_BYTES
-        payload_end = HEADER_BYTES + header.payload_len
-        # A memoryview avoids copying large tails, but must be released before the buffer can change.
-        with memoryview(self._buffer) as view:
-            mac = hmac.new(self._key, _DIRECTION[_PEER[self.role]], hashlib.sha256)
-            mac.update(view[:body_end])
-            authentic = hmac.compare_digest(mac.digest()[:TAG_BYTES], view[body_end:total])
-            payload = bytes(view[HEADER_BYTES:payload_end]) if authentic else b""
-            tail = bytes(view[payload_end:body_end]) if authentic else b""
-        if not authentic:
-            self._fail("bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})")
+    def _verify(self, header: _Header, body: bytearray) -> Frame:
+        assert self._recv_aead is not None
+        plain_bytes = header.payload_len + header.tail_len
+        with memoryview(body) as view:
+            try:
+                # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
+                _open_in_place(self._recv_aead, _aead_nonce(_PEER[self.role], header.seq), view, plain_bytes, header.raw)
+            except Exception:  # InvalidTag: forged, altered, replayed under another key, or cut
+                self._fail("bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})")
         if header.seq != self._recv_seq:
             self._fail("replay", f"frame seq {header.seq}, expected {self._recv_seq}: replayed or reordered")
         self._recv_seq += 1
         if self._recv_seq == 1 and self.on_authenticated is not None:
             callback, self.on_authenticated = self.on_authenticated, None
             callback()
+        payload = bytes(body[: header.payload_len])
+        tail = memoryview(body)[header.payload_len : plain_bytes] if header.tail_len else b""
         return Frame(header.kind, header.seq, payload, tail)
 
     # --- sending ---------------------------------------------------------------------------------
 
-    def send_frame(self, kind: int, payload: bytes, tail: BytesLike = b"") -> bytes:
-        """The wire bytes of the next frame (header, payload, tail, tag).
+    def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> bytearray:
+        """The wire bytes of the next frame (header, encrypted payload ‖ tail, tag).
 
-        `tail` may be any contiguous buffer (e.g. a memoryview of a tensor's storage); its size is
-        counted in bytes whatever its item format.
+        `tail` may be any contiguous buffer (e.g. a memoryview of a tensor's storage), counted in bytes
+        whatever its item format, or a sequence of such buffers: they are copied once, side by side,
+        into the frame and encrypted there in place.
         """
         self._ensure_alive()
-        if self._key is None:
+        if self._send_aead is None:
             raise WireError("handshake", "cannot send before the peer's nonce has arrived")
         if not 0 <= kind <= 0xFFFF:
             raise ValueError(f"frame kind must fit in u16, got {kind}")
-        tail_bytes = memoryview(tail).cast("B")
+        parts = [memoryview(tail).cast("B")] if isinstance(tail, bytes | bytearray | memoryview) else [
+            memoryview(part).cast("B") for part in tail
+        ]
+        tail_len = sum(part.nbytes for part in parts)
         if len(payload) > self.max_payload:
             raise WireError("too_large", f"payload of {len(payload)} bytes exceeds the cap of {self.max_payload}")
-        if tail_bytes.nbytes > self.max_tail:
-            raise WireError("too_large", f"tail of {tail_bytes.nbytes} bytes exceeds the cap of {self.max_tail}")
-        if self._send_seq > MAX_SEQ:
-            raise WireError("closed", "sequence numbers exhausted; open a new connection")
-        header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, self._send_seq, len(payload), tail_bytes.nbytes)
-        mac = hmac.new(self._key, _DIRECTION[self.role], hashlib.sha256)
-        for part in (header, payload, tail_bytes):
-            mac.update(part)
+        if tail_len > self.max_tail:
+            raise WireError("too_large", f"tail of {tail_len} bytes exceeds the cap of {self.max_tail}")
+        if self._send_seq >= self._send_limit:
+            raise WireError("closed", "this connection's key has sealed all the frames it may; open a new connection")
+        seq = self._send_seq
+        header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, seq, len(payload), tail_len)
+        plain_end = HEADER_BYTES + len(payload) + tail_len
+        out = bytearray(plain_end + TAG_BYTES)
+        out[:HEADER_BYTES] = header
+        out[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
+        offset = HEADER_BYTES + len(payload)
+        for part in parts:
+            out[offset : offset + part.nbytes] = part
+            offset += part.nbytes
+        with memoryview(out) as view:
+            _seal_in_place(self._send_aead, _aead_nonce(self.role, seq), view[HEADER_BYTES:], plain_end - HEADER_BYTES, header)
         self._send_seq += 1
-        return b"".join((header, payload, tail_bytes, mac.digest()[:TAG_BYTES]))
+        return out
 
-    def send_message(self, msg: Message, tail: BytesLike = b"") -> bytes:
+    def send_message(self, msg: Message, tail: Tail = b"") -> bytearray:
         kind, payload = encode_message(msg)
         return self.send_frame(kind, payload, tail)
 
     def rekey(self, salt: bytes) -> None:
-        """Switch both directions to the session key of a new salt (same nonces; seqs continue)."""
+        """Switch both directions to the keys of a new salt (same nonces and cipher; seqs continue)."""
         self._ensure_alive()
-        if self._key is None:
+        if self._send_aead is None:
             raise WireError("handshake", "cannot rekey before the nonce exchange completed")
         self._salt = _check_key(salt)
-        self._key = self._derive(self._salt)
+        self._derive_keys(self._salt)
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _derive(self, salt: bytes) -> bytes:
+    def _derive_keys(self, key: bytes) -> None:
         assert self._peer_nonce is not None
-        if self.role is Role.DIALER:
-            return session_key(salt, self._nonce, self._peer_nonce, self.channel)
-        return session_key(salt, self._peer_nonce, self._nonce, self.channel)
+        dialer, listener = (
+            (self._nonce, self._peer_nonce) if self.role is Role.DIALER else (self._peer_nonce, self._nonce)
+        )
+        suite = choose_suite(dialer, listener)
+        self.suite = suite
+        self._send_limit = AES_GCM_MAX_FRAMES if suite is Suite.AES_256_GCM else MAX_SEQ + 1
+        self._send_aead = _aead(suite, direction_key(key, dialer, listener, self.channel, suite, self.role))
+        self._recv_aead = _aead(suite, direction_key(key, dialer, listener, self.channel, suite, _PEER[self.role]))
 
     def _ensure_alive(self) -> None:
         if self._dead:
@@ -344,4 +554,5 @@ class FrameConnection:
     def _fail(self, code: WireErrorCode, detail: str) -> typing.NoReturn:
         self._dead = True
         self._buffer.clear()
+        self._body = None
         raise WireError(code, detail)

@@ -11,11 +11,13 @@ The nonces are the join connection's own (fresh per connection, both sides contr
 readmitted on a new join connection gets a new key. The agent hands its key to its relay through the
 environment; the relay proves it on each upstream channel with a `RelayHello.proof` over that
 connection's channel magic and nonces, and both sides then rekey the connection to the host key,
-so every later frame on it is authenticated as coming from that host.
+so every later frame on it is encrypted and authenticated under keys derived from it
+(`flodld.wire.frames.direction_key`): readable and writable only by that host and the controller.
 
-What this does not do: the join nonces cross the (cleartext) wire, so an on-path observer who also
-holds the salt can compute the key. The per-host key stops a host from speaking as another host; it
-does not replace an encrypted tunnel on paths you do not trust.
+What this does not do: the join nonces cross the wire in the clear (they are exchanged before any key
+exists), so an on-path observer who also holds the salt can compute the key. The per-host key stops
+a host from speaking as, or reading the frames of, another host that merely shares the salt; against
+an observer who has the salt it adds nothing.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ async def test_an_oversized_length_field_is_refused_from_the_header(payload_len:
     ("header", "code"),
     [
         (HEADER.pack(0xDEADBEEF, PROTOCOL_VERSION, Hello.KIND, 0, 2, 0), "bad_magic"),
-        (HEADER.pack(FRAME_MAGIC, 2, Hello.KIND, 0, 2, 0), "bad_version"),
+        (HEADER.pack(FRAME_MAGIC, 1, Hello.KIND, 0, 2, 0), "bad_version"),
         (HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, Hello.KIND, 0, 2, 0), "bad_tag"),
         (HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, Hello.KIND, 0, 2, 0)[:10], "truncated"),
     ],

@@ -1,4 +1,5 @@
-"""Issue 13 point 14: a relay dialing a public controller warns that its upstreams are cleartext."""
+"""Issue 13 point 14 / issue 21: a relay dialing a public controller warns; its upstreams are encrypted now,
+so the warning names what their secrecy rests on (the salt) and what stays cleartext (gloo/NCCL)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from flodld.relay.server import warn_if_public
 
 
 @pytest.mark.parametrize("peer", ["8.8.8.8", "2001:4860:4860::8888", "::ffff:1.1.1.1"])
-def test_a_public_controller_gets_a_loud_cleartext_warning(peer: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_public_controller_gets_a_loud_warning(peer: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="flodld.relay"):
         assert warn_if_public(peer, "ctl.example:29500") is True
     [record] = caplog.records
-    assert "CLEARTEXT" in record.getMessage() and peer in record.getMessage()
+    text = record.getMessage()
+    assert "encrypted" in text and "open admission" in text and "gloo/NCCL" in text and peer in text
     assert "ctl.example:29500" in record.getMessage()
 
 

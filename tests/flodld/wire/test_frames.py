@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import array
-import hashlib
-import hmac
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,10 @@ from flodld.wire.frames import (
     Frame,
     FrameConnection,
     Role,
-    session_key,
+    Suite,
+    choose_suite,
+    direction_key,
+    hkdf_sha256,
 )
 from flodld.wire.join import Abort, RankExited
 from flodld.wire.magic import CHANNEL_MAGICS, Channel, magic_prefix
@@ -52,16 +56,57 @@ def expect_error(receiver: FrameConnection, data: bytes, code: str) -> WireError
 # --- handshake --------------------------------------------------------------------------------------
 
 
-def test_session_key_binds_salt_channel_magic_and_both_nonces() -> None:
+def test_hkdf_is_rfc5869_hkdf_sha256() -> None:
+    for ikm, salt, info in ((SALT, b"d" * 16 + b"l" * 16, b"info"), (b"k" * 32, b"", b"")):
+        reference = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt or None, info=info).derive(ikm)
+        assert hkdf_sha256(ikm, salt=salt or bytes(32), info=info) == reference
+
+
+def test_direction_keys_bind_salt_channel_suite_direction_and_both_nonces() -> None:
     dialer_nonce, listener_nonce = b"d" * 16, b"l" * 16
+    aes, dialer = Suite.AES_256_GCM, Role.DIALER
     magic = magic_prefix(Channel.DATA)
-    expected = hmac.digest(SALT, b"flodld/session/v2" + magic + dialer_nonce + listener_nonce, hashlib.sha256)
-    assert session_key(SALT, dialer_nonce, listener_nonce, Channel.DATA) == expected
-    assert session_key(SALT, listener_nonce, dialer_nonce, Channel.DATA) != expected
-    assert session_key(OTHER_SALT, dialer_nonce, listener_nonce, Channel.DATA) != expected
-    keys = {session_key(SALT, dialer_nonce, listener_nonce, channel) for channel in CHANNEL_MAGICS}
+    expected = HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=dialer_nonce + listener_nonce,
+        info=b"flodld/aead/v2" + magic + bytes((int(aes),)) + b"D",
+    ).derive(SALT)
+    assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer) == expected
+    assert direction_key(SALT, listener_nonce, dialer_nonce, Channel.DATA, aes, dialer) != expected
+    assert direction_key(OTHER_SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer) != expected
+    assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, Role.LISTENER) != expected
+    assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, Suite.CHACHA20_POLY1305, dialer) != expected
+    keys = {direction_key(SALT, dialer_nonce, listener_nonce, channel, aes, dialer) for channel in CHANNEL_MAGICS}
     assert len(keys) == len(CHANNEL_MAGICS)  # every channel keys differently
-    assert session_key(SALT, dialer_nonce, listener_nonce) not in keys
+    assert direction_key(SALT, dialer_nonce, listener_nonce, None, aes, dialer) not in keys
+
+
+@pytest.mark.parametrize(("dialer_aes", "listener_aes", "suite"), [
+    (True, True, Suite.AES_256_GCM),
+    (True, False, Suite.CHACHA20_POLY1305),
+    (False, True, Suite.CHACHA20_POLY1305),
+    (False, False, Suite.CHACHA20_POLY1305),
+])
+def test_the_cipher_is_chosen_from_both_nonces_flags(dialer_aes: bool, listener_aes: bool, suite: Suite) -> None:
+    dialer = FrameConnection(Role.DIALER, SALT, aes=dialer_aes)
+    listener = FrameConnection(Role.LISTENER, SALT, aes=listener_aes)
+    assert choose_suite(dialer.nonce, listener.nonce) is suite
+    listener.receive_data(dialer.initial_bytes())
+    dialer.receive_data(listener.initial_bytes())
+    assert dialer.suite is listener.suite is suite
+    frame = deliver(listener, dialer.send_message(Abort(reason="hello")))
+    assert frame.message() == Abort(reason="hello")
+    assert deliver(dialer, listener.send_message(Abort(reason="back"))).message() == Abort(reason="back")
+
+
+def test_a_flipped_cipher_flag_on_the_path_only_breaks_the_connection() -> None:
+    """A man in the middle who downgrades AES to ChaCha by flipping a nonce bit gets nothing through."""
+    dialer = FrameConnection(Role.DIALER, SALT, aes=True)
+    listener = FrameConnection(Role.LISTENER, SALT, aes=True)
+    tampered = bytes((dialer.nonce[0] ^ 1,)) + dialer.nonce[1:]
+    listener.receive_data(tampered)
+    dialer.receive_data(listener.initial_bytes())
+    assert (dialer.suite, listener.suite) == (Suite.AES_256_GCM, Suite.CHACHA20_POLY1305)
+    expect_error(listener, dialer.send_message(Abort(reason="x")), "bad_tag")
 
 
 @pytest.mark.parametrize("other", [Channel.RENDEZVOUS, Channel.CONTROL, Channel.JOIN])
@@ -159,15 +204,23 @@ def test_keys_must_be_sixteen_bytes() -> None:
 # --- framing ----------------------------------------------------------------------------------------
 
 
-def test_frame_layout_is_header_payload_tail_tag() -> None:
-    dialer, listener = connected_pair()
-    wire = dialer.send_frame(0x0106, b'{"reason":"x"}', b"TAIL")
+@pytest.mark.parametrize("aes", [True, False])
+def test_frame_layout_is_header_then_aead_of_payload_and_tail(aes: bool) -> None:
+    dialer = FrameConnection(Role.DIALER, SALT, aes=aes)
+    listener = FrameConnection(Role.LISTENER, SALT, aes=aes)
+    listener.receive_data(dialer.initial_bytes())
+    dialer.receive_data(listener.initial_bytes())
+    dialer.send_frame(0x0106, b"{}")  # seq 0
+    wire = bytes(dialer.send_frame(0x0106, b'{"reason":"x"}', b"TAIL"))  # seq 1
     magic, version, kind, seq, payload_len, tail_len = HEADER.unpack_from(wire)
-    assert (magic, version, kind, seq, payload_len, tail_len) == (FRAME_MAGIC, PROTOCOL_VERSION, 0x0106, 0, 14, 4)
-    assert wire[HEADER_BYTES : HEADER_BYTES + 14] == b'{"reason":"x"}'
-    assert wire[HEADER_BYTES + 14 : HEADER_BYTES + 18] == b"TAIL"
-    key = session_key(SALT, dialer.nonce, listener.nonce)
-    assert wire[-TAG_BYTES:] == hmac.digest(key, b"D" + wire[:-TAG_BYTES], hashlib.sha256)[:TAG_BYTES]
+    assert (magic, version, kind, seq, payload_len, tail_len) == (FRAME_MAGIC, PROTOCOL_VERSION, 0x0106, 1, 14, 4)
+    assert PROTOCOL_VERSION == 2
+    assert b"reason" not in wire and b"TAIL" not in wire  # encrypted
+    suite = Suite.AES_256_GCM if aes else Suite.CHACHA20_POLY1305
+    key = direction_key(SALT, dialer.nonce, listener.nonce, None, suite, Role.DIALER)
+    aead = AESGCM(key) if aes else ChaCha20Poly1305(key)
+    nonce = b"D\x00\x00\x00" + (1).to_bytes(8, "little")  # direction, zeros, seq
+    assert wire[HEADER_BYTES:] == aead.encrypt(nonce, b'{"reason":"x"}TAIL', wire[:HEADER_BYTES])
     assert len(wire) == HEADER_BYTES + 18 + TAG_BYTES
 
 
@@ -302,8 +355,9 @@ def test_bad_magic_and_version_are_rejected_from_the_header() -> None:
     expect_error(listener, bytes(wire[:HEADER_BYTES]), "bad_magic")
     dialer, listener = connected_pair()
     wire = bytearray(dialer.send_frame(1, b"x"))
-    wire[4] = 2
-    expect_error(listener, bytes(wire[:HEADER_BYTES]), "bad_version")
+    wire[4] = 1  # an old (version 1, cleartext) peer
+    error = expect_error(listener, bytes(wire[:HEADER_BYTES]), "bad_version")
+    assert "version 1" in str(error) and f"version {PROTOCOL_VERSION}" in str(error)
 
 
 def test_sending_over_the_caps_is_refused() -> None:
@@ -413,3 +467,74 @@ def test_tail_may_be_any_buffer_and_is_counted_in_bytes() -> None:
     with pytest.raises(WireError) as caught:
         dialer.send_frame(1, b"", memoryview(array.array("f", [0.0] * 4)))
     assert caught.value.code == "too_large"
+
+
+def test_no_plaintext_of_payload_or_tail_reaches_the_wire() -> None:
+    dialer, listener = connected_pair(first_frame_caps=False)
+    secret = b"gradient-secret-0123456789" * 40
+    wire = bytes(dialer.send_frame(1, b'{"host":"secret-host.example"}', secret))
+    assert b"secret-host" not in wire and b"gradient-secret" not in wire
+    assert deliver(listener, wire).tail == secret
+
+
+def test_scatter_tail_parts_are_gathered_into_one_frame() -> None:
+    dialer, listener = connected_pair(first_frame_caps=False)
+    parts = [b"ab", memoryview(array.array("f", [1.0])), bytearray(b"cd"), b""]
+    frame = deliver(listener, dialer.send_frame(1, b"p", parts))
+    assert frame.tail == b"ab" + array.array("f", [1.0]).tobytes() + b"cd"
+
+
+def test_a_shell_may_read_the_body_straight_into_the_frame_buffer() -> None:
+    dialer, listener = connected_pair(first_frame_caps=False)
+    wire = bytes(dialer.send_frame(4, b"payload", b"t" * 1000))
+    listener.receive_data(wire[:HEADER_BYTES])
+    assert listener.next_event() is NEED_DATA
+    rest = wire[HEADER_BYTES:]
+    while (view := listener.receive_buffer()) is not None and len(view):
+        count = min(len(view), 100)
+        view[:count] = rest[:count]
+        rest = rest[count:]
+        listener.receive_filled(count)
+    frame = listener.next_event()
+    assert isinstance(frame, Frame) and frame.tail == b"t" * 1000 and frame.payload == b"payload"
+
+
+def test_sending_stops_before_a_sequence_number_could_repeat() -> None:
+    dialer, _listener = connected_pair()
+    dialer._send_seq = dialer._send_limit  # as if every sequence number this key may use were spent
+    with pytest.raises(WireError) as caught:
+        dialer.send_frame(1, b"x")
+    assert caught.value.code == "closed"
+
+
+def _pair_on(channel: Channel, *, dialer_nonce: bytes | None = None, listener_nonce: bytes | None = None,
+             listener_channel: Channel | None = None) -> tuple[FrameConnection, FrameConnection]:
+    dialer = FrameConnection(Role.DIALER, SALT, channel=channel, nonce=dialer_nonce)
+    listener = FrameConnection(Role.LISTENER, SALT, channel=listener_channel or channel, nonce=listener_nonce)
+    listener.receive_data(dialer.initial_bytes())
+    dialer.receive_data(listener.initial_bytes())
+    return dialer, listener
+
+
+ALL_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
+
+
+@pytest.mark.parametrize("channel", ALL_CHANNELS)
+@pytest.mark.parametrize("attack", ["tampered", "replayed", "reordered", "cross_channel"])
+def test_every_channel_refuses_a_tampered_replayed_reordered_or_cross_channel_frame(channel: Channel, attack: str) -> None:
+    dialer, listener = _pair_on(channel)
+    first, second = dialer.send_frame(1, b'{"a":1}', b""), dialer.send_frame(2, b'{"b":2}')
+    if attack == "tampered":
+        wire = bytearray(first)
+        wire[HEADER_BYTES + 2] ^= 0x01  # one ciphertext bit
+        expect_error(listener, bytes(wire), "bad_tag")
+    elif attack == "replayed":
+        deliver(listener, first)
+        expect_error(listener, first, "replay")
+    elif attack == "reordered":
+        expect_error(listener, second, "replay")
+    else:
+        # Same salt, same nonces, other channel: the channel's magic alone changes every key.
+        other = next(c for c in ALL_CHANNELS if c is not channel)
+        _, foreign = _pair_on(other, dialer_nonce=dialer.nonce, listener_nonce=listener.nonce)
+        expect_error(foreign, first, "bad_tag")
