@@ -15,7 +15,7 @@ from tests.e2e.harness import PROGRAMS, Fdl, child_env
 pytestmark = pytest.mark.multiproc
 
 FEATURES = str(PROGRAMS / "torchrun_features.py")
-ROWS = ["object_collectives", "monitored_barrier", "split_group", "fsdp2_hsdp", "tensor_parallel", "pipelining",
+ROWS = ["ddp", "object_collectives", "monitored_barrier", "split_group", "fsdp2_hsdp", "tensor_parallel", "pipelining",
         "checkpoint"]  # fmt: skip
 
 

@@ -16,6 +16,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
+def ddp(rank: int, world: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(10 + rank)  # every rank its own batch
+    for _ in range(3):
+        optim.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], other) for other in gathered), "DDP replicas diverged"
+    assert not torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in _model().parameters()]))
+
+
 def object_collectives(rank: int, world: int) -> None:
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "name": f"r{rank}"})
@@ -130,6 +147,7 @@ def checkpoint(rank: int, world: int) -> None:
 
 
 ROWS = {
+    "ddp": ddp,
     "object_collectives": object_collectives,
     "monitored_barrier": monitored_barrier,
     "split_group": split_group,
