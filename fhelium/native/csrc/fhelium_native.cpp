@@ -251,45 +251,94 @@ const SmallStage& small_stage(int h) {
   return h == 1 ? s1 : (h == 2 ? s2 : s4);
 }
 
+// Stages whose butterflies stay inside a block of this many residues (32 KiB, an L1's worth) run
+// block by block, all of them on one block before the next: one pass to L2 per block instead of
+// one per stage. The same butterflies, in another order: the same bits.
+constexpr int64_t kIfmaBlock = 4096;
+
+// one Cooley-Tukey stage (m groups at distance half) on the residues [begin, end)
+FHELIUM_IFMA inline void forward_stage_ifma(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
+                                            int64_t end, __m512i q, __m512i two_q, __m512i mask52) {
+  if (half >= 8) {
+    for (int64_t i = begin / (2 * half); i < end / (2 * half); ++i) {
+      const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.forward[m + i]));
+      const __m512i ws = _mm512_set1_epi64(static_cast<long long>(t.forward_shoup[m + i] >> 12));
+      u64* x = a + 2 * i * half;
+      u64* y = x + half;
+      for (int64_t j = 0; j < half; j += 8) {
+        const __m512i u = ifma_reduce_once(_mm512_loadu_si512(x + j), two_q);
+        const __m512i v = ifma_mul_shoup_lazy(_mm512_loadu_si512(y + j), w, ws, q, mask52);
+        _mm512_storeu_si512(x + j, _mm512_add_epi64(u, v));
+        _mm512_storeu_si512(y + j, _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q));
+      }
+    }
+    return;
+  }
+  const SmallStage& s = small_stage(static_cast<int>(half));
+  const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
+  const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
+  const __m512i pick = _mm512_load_si512(s.twiddle);
+  for (int64_t b = begin; b < end; b += 16) {
+    const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
+    const int64_t first = m + b / (2 * half);
+    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward + first));
+    const __m512i ws = _mm512_srli_epi64(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward_shoup + first)), 12);
+    const __m512i u = ifma_reduce_once(_mm512_permutex2var_epi64(lo, take_x, hi), two_q);
+    const __m512i v = ifma_mul_shoup_lazy(_mm512_permutex2var_epi64(lo, take_y, hi), w, ws, q, mask52);
+    const __m512i x = _mm512_add_epi64(u, v);
+    const __m512i y = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
+    _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
+    _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
+  }
+}
+
+// one Gentleman-Sande stage (m groups at distance half) on the residues [begin, end)
+FHELIUM_IFMA inline void inverse_stage_ifma(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
+                                            int64_t end, __m512i q, __m512i two_q, __m512i mask52) {
+  if (half >= 8) {
+    for (int64_t i = begin / (2 * half); i < end / (2 * half); ++i) {
+      const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.inverse[m + i]));
+      const __m512i ws = _mm512_set1_epi64(static_cast<long long>(t.inverse_shoup[m + i] >> 12));
+      u64* x = a + 2 * i * half;
+      u64* y = x + half;
+      for (int64_t j = 0; j < half; j += 8) {
+        const __m512i u = _mm512_loadu_si512(x + j), v = _mm512_loadu_si512(y + j);
+        _mm512_storeu_si512(x + j, ifma_reduce_once(_mm512_add_epi64(u, v), two_q));
+        const __m512i d = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
+        _mm512_storeu_si512(y + j, ifma_mul_shoup_lazy(d, w, ws, q, mask52));
+      }
+    }
+    return;
+  }
+  const SmallStage& s = small_stage(static_cast<int>(half));
+  const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
+  const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
+  const __m512i pick = _mm512_load_si512(s.twiddle);
+  for (int64_t b = begin; b < end; b += 16) {
+    const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
+    const int64_t first = m + b / (2 * half);
+    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse + first));
+    const __m512i ws = _mm512_srli_epi64(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse_shoup + first)), 12);
+    const __m512i u = _mm512_permutex2var_epi64(lo, take_x, hi);
+    const __m512i v = _mm512_permutex2var_epi64(lo, take_y, hi);
+    const __m512i x = ifma_reduce_once(_mm512_add_epi64(u, v), two_q);
+    const __m512i y = ifma_mul_shoup_lazy(_mm512_add_epi64(_mm512_sub_epi64(u, v), two_q), w, ws, q, mask52);
+    _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
+    _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
+  }
+}
+
 FHELIUM_IFMA void forward_ifma(u64* a, u64* out, const RowTables& t, int logn) {
   const int64_t n = int64_t{1} << logn;
   const __m512i q = _mm512_set1_epi64(static_cast<long long>(t.q));
   const __m512i two_q = _mm512_set1_epi64(static_cast<long long>(2 * t.q));
   const __m512i mask52 = _mm512_set1_epi64((1LL << 52) - 1);
-  int64_t half = n;
-  for (int64_t m = 1; m < n; m <<= 1) {
-    half >>= 1;
-    if (half >= 8) {
-      for (int64_t i = 0; i < m; ++i) {
-        const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.forward[m + i]));
-        const __m512i ws = _mm512_set1_epi64(static_cast<long long>(t.forward_shoup[m + i] >> 12));
-        u64* x = a + 2 * i * half;
-        u64* y = x + half;
-        for (int64_t j = 0; j < half; j += 8) {
-          const __m512i u = ifma_reduce_once(_mm512_loadu_si512(x + j), two_q);
-          const __m512i v = ifma_mul_shoup_lazy(_mm512_loadu_si512(y + j), w, ws, q, mask52);
-          _mm512_storeu_si512(x + j, _mm512_add_epi64(u, v));
-          _mm512_storeu_si512(y + j, _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q));
-        }
-      }
-    } else {
-      const SmallStage& s = small_stage(static_cast<int>(half));
-      const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
-      const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
-      const __m512i pick = _mm512_load_si512(s.twiddle);
-      for (int64_t b = 0; b < n; b += 16) {
-        const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
-        const int64_t first = m + b / (2 * half);
-        const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward + first));
-        const __m512i ws = _mm512_srli_epi64(
-            _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward_shoup + first)), 12);
-        const __m512i u = ifma_reduce_once(_mm512_permutex2var_epi64(lo, take_x, hi), two_q);
-        const __m512i v = ifma_mul_shoup_lazy(_mm512_permutex2var_epi64(lo, take_y, hi), w, ws, q, mask52);
-        const __m512i x = _mm512_add_epi64(u, v);
-        const __m512i y = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
-        _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
-        _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
-      }
+  const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
+  int64_t m = 1, half = n >> 1;
+  for (; 2 * half > block; m <<= 1, half >>= 1) forward_stage_ifma(a, t, m, half, 0, n, q, two_q, mask52);
+  for (int64_t begin = 0; begin < n; begin += block) {
+    for (int64_t mm = m, hh = half; mm < n; mm <<= 1, hh >>= 1) {
+      forward_stage_ifma(a, t, mm, hh, begin, begin + block, q, two_q, mask52);
     }
   }
   const uint32_t* rev = bitrev_table(logn);
@@ -311,42 +360,18 @@ FHELIUM_IFMA void inverse_ifma(const u64* in, u64* a, u64* out, const RowTables&
     const __m256i index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rev + k));
     _mm512_storeu_si512(a + k, _mm512_i32gather_epi64(index, reinterpret_cast<const long long*>(in), 8));
   }
-  int64_t half = 1;
-  for (int64_t m = n >> 1; m > 1; m >>= 1) {
-    if (half >= 8) {
-      for (int64_t i = 0; i < m; ++i) {
-        const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.inverse[m + i]));
-        const __m512i ws = _mm512_set1_epi64(static_cast<long long>(t.inverse_shoup[m + i] >> 12));
-        u64* x = a + 2 * i * half;
-        u64* y = x + half;
-        for (int64_t j = 0; j < half; j += 8) {
-          const __m512i u = _mm512_loadu_si512(x + j), v = _mm512_loadu_si512(y + j);
-          _mm512_storeu_si512(x + j, ifma_reduce_once(_mm512_add_epi64(u, v), two_q));
-          const __m512i d = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
-          _mm512_storeu_si512(y + j, ifma_mul_shoup_lazy(d, w, ws, q, mask52));
-        }
-      }
-    } else {
-      const SmallStage& s = small_stage(static_cast<int>(half));
-      const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
-      const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
-      const __m512i pick = _mm512_load_si512(s.twiddle);
-      for (int64_t b = 0; b < n; b += 16) {
-        const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
-        const int64_t first = m + b / (2 * half);
-        const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse + first));
-        const __m512i ws = _mm512_srli_epi64(
-            _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse_shoup + first)), 12);
-        const __m512i u = _mm512_permutex2var_epi64(lo, take_x, hi);
-        const __m512i v = _mm512_permutex2var_epi64(lo, take_y, hi);
-        const __m512i x = ifma_reduce_once(_mm512_add_epi64(u, v), two_q);
-        const __m512i y = ifma_mul_shoup_lazy(_mm512_add_epi64(_mm512_sub_epi64(u, v), two_q), w, ws, q, mask52);
-        _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
-        _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
-      }
+  const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
+  for (int64_t begin = 0; begin < n; begin += block) {
+    for (int64_t mm = n >> 1, hh = 1; mm > 1 && 2 * hh <= block; mm >>= 1, hh <<= 1) {
+      inverse_stage_ifma(a, t, mm, hh, begin, begin + block, q, two_q, mask52);
     }
+  }
+  int64_t m = n >> 1, half = 1;
+  while (m > 1 && 2 * half <= block) {
+    m >>= 1;
     half <<= 1;
   }
+  for (; m > 1; m >>= 1, half <<= 1) inverse_stage_ifma(a, t, m, half, 0, n, q, two_q, mask52);
   const __m512i ni = _mm512_set1_epi64(static_cast<long long>(t.inverse[0]));
   const __m512i nis = _mm512_set1_epi64(static_cast<long long>(t.inverse_shoup[0] >> 12));
   const __m512i wn = _mm512_set1_epi64(static_cast<long long>(t.forward[0]));
@@ -604,6 +629,16 @@ void sub_mod_(at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t l
 // (decompose -> digit NTTs -> inner product with the key -> ModDown) and the division by a dropped
 // prime with rounding (rescale, ModDown). Row primitives come in a scalar and an IFMA version.
 
+// an uninitialised u64 work buffer (torch's allocator; no zero fill)
+struct Buffer {
+  at::Tensor storage;
+  u64* pointer = nullptr;
+  Buffer() = default;
+  explicit Buffer(int64_t count)
+      : storage(at::empty({count}, at::kLong)), pointer(reinterpret_cast<u64*>(storage.data_ptr<int64_t>())) {}
+  u64* data() const { return pointer; }
+};
+
 inline RowTables row_tables(const u64* table, const int64_t* q, int64_t prime, int64_t n) {
   const u64* base = table + prime * 4 * n;
   return RowTables{base, base + n, base + 2 * n, base + 3 * n, static_cast<u64>(q[prime])};
@@ -777,7 +812,7 @@ at::Tensor divide_round(const at::Tensor& x_in, const at::Tensor& moduli, const 
     lifts.emplace_back(q_drop, qi);
   }
   bitrev_table(logn);
-  std::vector<u64> dropped(static_cast<size_t>(batch * n));
+  Buffer dropped(batch * n);
   const RowTables drop_tables = row_tables(table, q, drop, n);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<u64> scratch(static_cast<size_t>(n) + 8);
@@ -868,10 +903,10 @@ at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, c
     p_lifts.emplace_back(p, qi);
   }
   // 1. the digits' coefficients (not needed when the lifted digits are given)
-  std::vector<u64> coefficients;
+  Buffer coefficients;
   const u64* x_data = x_in ? reinterpret_cast<const u64*>(x.data_ptr<int64_t>()) : nullptr;
   if (x_in) {
-    coefficients.resize(static_cast<size_t>(batch * limbs * n));
+    coefficients = Buffer(batch * limbs * n);
     at::parallel_for(0, batch * limbs, 1, [&](int64_t begin, int64_t end) {
       std::vector<u64> scratch(static_cast<size_t>(n) + 8);
       for (int64_t task = begin; task < end; ++task) {
@@ -881,7 +916,7 @@ at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, c
     });
   }
   // 2. per (ciphertext, prime): sum over digits of NTT(lift(digit)) * key, both components
-  std::vector<u64> accumulated(static_cast<size_t>(2 * batch * qp * n));  // [2, batch, qp, N]
+  Buffer accumulated(2 * batch * qp * n);  // [2, batch, qp, N]
   const u64* lifted_data = x_in ? nullptr : reinterpret_cast<const u64*>(lifted.data_ptr<int64_t>());
   at::parallel_for(0, batch * qp, 1, [&](int64_t begin, int64_t end) {
     std::vector<u64> scratch(static_cast<size_t>(n) + 8), digit(static_cast<size_t>(n) + 8);
@@ -918,7 +953,7 @@ at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, c
     }
   });
   // 3. ModDown: the P rows to coefficients, then (acc_i - NTT(lift(P row))) * P^-1 mod q_i
-  std::vector<u64> p_rows(static_cast<size_t>(2 * batch * n));
+  Buffer p_rows(2 * batch * n);
   const RowTables tp = row_tables(table, q, limbs, n);
   at::parallel_for(0, 2 * batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<u64> scratch(static_cast<size_t>(n) + 8);
@@ -972,7 +1007,7 @@ at::Tensor decompose(const at::Tensor& x_in, const at::Tensor& moduli, const at:
   const u64* x_data = reinterpret_cast<const u64*>(x.data_ptr<int64_t>());
   u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
   bitrev_table(logn);
-  std::vector<u64> coefficients(static_cast<size_t>(batch * limbs * n));
+  Buffer coefficients(batch * limbs * n);
   at::parallel_for(0, batch * limbs, 1, [&](int64_t begin, int64_t end) {
     std::vector<u64> scratch(static_cast<size_t>(n) + 8);
     for (int64_t task = begin; task < end; ++task) {
@@ -1048,7 +1083,7 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
     lifts.emplace_back(static_cast<u64>(p), qi);
   }
   bitrev_table(logn);
-  std::vector<u64> p_rows(static_cast<size_t>(batch * n));
+  Buffer p_rows(batch * n);
   const RowTables tp = row_tables(table, q, limbs, n);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<u64> scratch(static_cast<size_t>(n) + 8);
