@@ -150,21 +150,16 @@ def combine_public_key(
 def smudging_noise(source: RandomSource, count: int, parameters: ThresholdParameters) -> torch.Tensor:
     """``count`` flooding-noise integers 2^shift·Y1 + Y2 (int64), Y1/Y2 rounded untruncated Gaussians.
 
-    Box–Muller on 53-bit uniforms reaches at most √(2·ln 2^54) ≈ 8.66 σ; the tail it cannot draw
-    has mass below 2^-57 per sample.
+    One Box–Muller pair per sample: its cosine half gives Y1 and its sine half Y2 (independent
+    standard normals). Box–Muller on 53-bit uniforms reaches at most √(2·ln 2^54) ≈ 8.66 σ; the
+    tail it cannot draw has mass below 2^-57 per sample.
     """
-    high = _normal(source, count, parameters.smudging_high_sigma).round().long()
-    low = _normal(source, count, parameters.smudging_low_sigma).round().long()
-    return (high << parameters.smudging_shift_bits) + low
-
-
-def _normal(source: RandomSource, count: int, sigma: float) -> torch.Tensor:
-    half = (count + 1) // 2
-    raw = source.words(2 * half) >> 10  # 53-bit integers
-    uniform = (raw.double() + 0.5) * 2.0**-53  # (0, 1), never 0
-    radius = torch.sqrt(-2.0 * torch.log(uniform[:half])) * sigma
-    angle = (2.0 * math.pi) * uniform[half:]
-    return torch.cat((radius * torch.cos(angle), radius * torch.sin(angle)))[:count]
+    uniform = (source.words(2 * count) >> 10).double().add_(0.5).mul_(2.0**-53)  # (0, 1), never 0
+    radius = uniform[:count].log_().mul_(-2.0).sqrt_()
+    angle = uniform[count:].mul_(2.0 * math.pi)
+    high = torch.cos(angle).mul_(radius).mul_(parameters.smudging_high_sigma).round_().long()
+    low = angle.sin_().mul_(radius).mul_(parameters.smudging_low_sigma).round_().long()
+    return high.bitwise_left_shift_(parameters.smudging_shift_bits).add_(low)
 
 
 def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: ThresholdParameters) -> Plaintext:
