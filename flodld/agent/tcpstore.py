@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from flodld.net.stream import FramedStream, open_channel
 from flodld.wire import tcpstore as ts
+from flodld.wire.errors import WireError
 from flodld.wire.frames import MAX_PAYLOAD, Frame
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
@@ -227,8 +228,10 @@ class _Session:
                     await self.writer.drain()
         except StoreRefused as error:
             log.info("event=tcpstore_dropped reason=store detail=%s", error)
-        except (ConnectionError, OSError, TimeoutError) as error:
+        except (ConnectionError, OSError, TimeoutError, WireError) as error:
             log.info("event=tcpstore_dropped reason=link detail=%r", error)
+        except Exception as error:  # a boundary: one client's failure never reaches the agent
+            log.warning("event=tcpstore_dropped reason=error detail=%r", error)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -210,3 +210,14 @@ def test_socket_owner_uid_finds_the_peer_socket_of_a_loopback_connection() -> No
     finally:
         for sock in (client, server_side, listener):
             sock.close()
+
+
+def test_a_web_page_posting_to_the_endpoint_is_dropped_and_the_next_client_is_served(served: Served) -> None:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", served.endpoint_port), timeout=10) as sock:
+        sock.sendall(b"POST /store HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\nhi")
+        assert sock.recv(64) == b""  # closed without a byte: the first request must be torch's VALIDATE
+    result = subprocess.run([sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert "reply=5d3f0000" in result.stdout, result.stdout + result.stderr
