@@ -72,11 +72,12 @@ def main() -> int:
     print(f"{'ranks':>5} {'torchrun s':>11} {'fdl run s':>10} {'fdl/torchrun':>13} {'env:// s':>9} {'env:///torchrun':>16}")
     fdl = [sys.executable, "-m", "fdl.main", "run"]
     for ranks in args.ranks:
-        baseline = [measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"], ranks)
-                    for _ in range(args.repeats)]
-        ours = [measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank"], ranks) for _ in range(args.repeats)]
-        stock = [measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks)
-                 for _ in range(args.repeats)]
+        baseline, ours, stock = [], [], []
+        for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every launcher alike
+            baseline.append(measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"],
+                                    ranks))  # fmt: skip
+            ours.append(measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank"], ranks))
+            stock.append(measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks))
         base, mine, env = statistics.median(baseline), statistics.median(ours), statistics.median(stock)
         print(f"{ranks:>5} {base:>11.2f} {mine:>10.2f} {mine / base:>12.2f}x {env:>9.2f} {env / base:>15.2f}x",
               flush=True)
