@@ -57,6 +57,7 @@ def _folds() -> Any:
     forms a CPU world (or has not formed one yet) should not wait for."""
     from flodld.fold import barrier, base, codec
 
+    base.use_fold_threads()
     return types.SimpleNamespace(
         RoundBarrier=barrier.RoundBarrier,
         fold_from_spec=base.fold_from_spec,

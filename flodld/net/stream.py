@@ -84,6 +84,9 @@ class FramedStream:
                 await self._read_more()
 
     async def _read_more(self) -> None:
+        # Up to READ_CHUNK at a time: a body that fits arrives as one bytes object, which the connection
+        # decrypts from without a further copy; a larger one is gathered into the connection's buffer
+        # (the reader's own buffer then never grows past a chunk).
         want = min(max(self.conn.bytes_wanted, 1), READ_CHUNK)
         try:
             data = await self.reader.readexactly(want)

@@ -155,8 +155,9 @@ class Relay:
 
     def _ensure_barrier(self) -> RoundBarrier[int]:
         if self._barrier is None:
-            from flodld.fold import barrier, codec
+            from flodld.fold import barrier, base, codec
 
+            base.use_fold_threads()
             self._fold = codec
             self._barrier = barrier.RoundBarrier(set(self.ranks) - self.gone)
         return self._barrier

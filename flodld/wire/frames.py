@@ -186,6 +186,16 @@ def _open_in_place(aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryvi
         view[:size] = aead.decrypt(nonce, view, aad)
 
 
+def _open_into(
+    aead: AESGCM | ChaCha20Poly1305, nonce: bytes, sealed: memoryview, out: memoryview, size: int, aad: bytes
+) -> None:
+    """Check the tag of `sealed` and decrypt it into out[:size] (InvalidTag on failure)."""
+    if hasattr(aead, "decrypt_into"):
+        aead.decrypt_into(nonce, sealed, aad, out[:size])
+    else:  # pragma: no cover - older cryptography
+        out[:size] = aead.decrypt(nonce, sealed, aad)
+
+
 def _check_key(key: bytes) -> bytes:
     if len(key) != SALT_BYTES:
         raise ValueError(f"a frame key is a {SALT_BYTES}-byte session salt, got {len(key)} bytes")
@@ -310,6 +320,7 @@ class FrameConnection:
         self._header: _Header | None = None
         self._body: bytearray | None = None  # ciphertext and tag of the frame being read
         self._body_total = 0  # the body's length, from its header
+        self._sealed: memoryview | None = None  # the whole body when it came as one bytes object
         self._filled = 0
         self._eof = False
         self._dead = False
@@ -366,6 +377,16 @@ class FrameConnection:
         if self._body is not None and self._filled < self._body_total:
             view = memoryview(data).cast("B")
             take = min(len(view), self._body_total - self._filled)
+            if self._filled == 0 and take == self._body_total and isinstance(data, bytes):
+                # The whole body in one immutable piece (a shell read it at once): keep it without a
+                # copy; it is decrypted from there into a buffer of its own.
+                self._sealed = view[:take]
+                self._filled = take
+                if take == len(view):
+                    return
+                data = view[take:]
+                take = 0
+                view = memoryview(data).cast("B")
             spare = len(self._body) - self._filled  # room left by receive_buffer, filled first
             if spare:
                 into = min(spare, take)
@@ -378,7 +399,8 @@ class FrameConnection:
             if take == len(view):
                 return
             data = view[take:]
-        self._buffer += data
+        if data:
+            self._buffer += data
         if self._peer_nonce is None and len(self._buffer) >= NONCE_BYTES:
             self._peer_nonce = bytes(self._buffer[:NONCE_BYTES])
             del self._buffer[:NONCE_BYTES]
@@ -427,10 +449,10 @@ class FrameConnection:
         assert self._body is not None
         if self._filled < self._body_total:
             return self._short(None)
-        header, body = self._header, self._body
+        header, body, sealed = self._header, self._body, self._sealed
         del body[self._body_total :]
-        self._header, self._body, self._filled, self._body_total = None, None, 0, 0
-        return self._verify(header, body)
+        self._header, self._body, self._sealed, self._filled, self._body_total = None, None, None, 0, 0
+        return self._verify(header, body if sealed is None else sealed)
 
     def _short(self, at_boundary: Closed | None) -> NeedData | Closed:
         if not self._eof:
@@ -464,13 +486,19 @@ class FrameConnection:
             self._fail("too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread")
         return _Header(kind, seq, payload_len, tail_len, raw)
 
-    def _verify(self, header: _Header, body: bytearray) -> Frame:
+    def _verify(self, header: _Header, sealed: bytearray | memoryview) -> Frame:
         assert self._recv_aead is not None
         plain_bytes = header.payload_len + header.tail_len
+        nonce = _aead_nonce(_PEER[self.role], header.seq)
+        # A read-only body is decrypted into a fresh buffer (one pass, no copy of the ciphertext first).
+        body = sealed if isinstance(sealed, bytearray) else bytearray(plain_bytes + TAG_BYTES)
         with memoryview(body) as view:
             try:
-                # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
-                _open_in_place(self._recv_aead, _aead_nonce(_PEER[self.role], header.seq), view, plain_bytes, header.raw)
+                if sealed is body:
+                    # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
+                    _open_in_place(self._recv_aead, nonce, view, plain_bytes, header.raw)
+                else:
+                    _open_into(self._recv_aead, nonce, sealed, view, plain_bytes, header.raw)
             except Exception:  # InvalidTag: forged, altered, replayed under another key, or cut
                 self._fail("bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})")
         if header.seq != self._recv_seq:
@@ -554,5 +582,5 @@ class FrameConnection:
     def _fail(self, code: WireErrorCode, detail: str) -> typing.NoReturn:
         self._dead = True
         self._buffer.clear()
-        self._body = None
+        self._body = self._sealed = None
         raise WireError(code, detail)

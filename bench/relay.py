@@ -1,0 +1,214 @@
+"""The relay data plane: `all_average` against gloo `all_reduce` on the same bytes, in one run.
+
+Run: ``.venv/bin/python bench/relay.py`` (options: ``--ranks 2,4 --sizes 1,16,64 --runs 5``).
+
+For each world size it starts ``fdl run --ranks N`` on this machine (embedded default: controller,
+one agent, one relay, N CPU ranks, ``cpu_sync``) with this file as the program. Every rank, per size
+(MiB of float32), takes turns between ``all_average([t])`` (rank → relay → controller → relay → rank,
+every hop encrypted) and ``dist.all_reduce(t)`` (gloo, cleartext, rank to rank), with a barrier before
+each call, and times the slowest rank; medians are printed with their ratio and the per-rank
+throughput of ``all_average`` (bytes of the tensor / time).
+
+In the same run the parent measures:
+- the asyncio loopback ceiling: one asyncio stream pair in two processes moving the same bytes
+  (write 4 MiB chunks, readexactly on the other side), GiB/s;
+- the cipher: AES-256-GCM (or ChaCha20-Poly1305, whatever this CPU negotiates) seal and open rates
+  on the same sizes, and from them the cipher's share of an ``all_average``: one round seals and opens
+  the tensor's bytes once per hop on its critical path (rank → relay, relay → controller, controller
+  → relay, relay → rank: 4 seals and 4 opens, plus one extra seal per additional local rank on the
+  relay's fan-out), timed with the rates measured here, over the measured latency. This is an estimate
+  of what a null cipher would save; no null cipher exists in flodld.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MIB = 1024 * 1024
+
+
+# --- the rank side (runs under fdl run) -------------------------------------------------------------
+
+
+def _rank_main() -> int:
+    from flodld.launcher import exit_if_worker_role
+
+    exit_if_worker_role()
+    import torch
+    import torch.distributed as dist
+
+    import flodld
+    from flodld.rank.averaging import all_average
+
+    sizes = [int(part) for part in os.environ["BENCH_RELAY_SIZES"].split(",")]
+    runs = int(os.environ["BENCH_RELAY_RUNS"])
+    out = Path(os.environ["BENCH_RELAY_OUT"])
+
+    def main() -> int:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.set_num_threads(1)
+        results: dict[str, dict[str, float]] = {}
+        for size in sizes:
+            tensor = torch.full((size * MIB // 4,), float(rank + 1), dtype=torch.float32)
+            samples: dict[str, list[float]] = {"all_average": [], "all_reduce": []}
+            for index in range(1 + runs):  # one warm-up round
+                for name in samples:
+                    work = tensor.clone()
+                    dist.barrier()
+                    begun = time.perf_counter()
+                    if name == "all_average":
+                        (result,) = all_average([work])
+                    else:
+                        dist.all_reduce(work)
+                        result = work
+                    elapsed = torch.tensor([time.perf_counter() - begun], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if index:
+                        samples[name].append(float(elapsed))
+                    expected = sum(range(1, world + 1)) / (world if name == "all_average" else 1)
+                    assert float(result[0]) == expected and float(result[-1]) == expected, (name, result[:2])
+            results[str(size)] = {name: statistics.median(values) for name, values in samples.items()}
+        if rank == 0:
+            out.write_text(json.dumps(results))
+        return 0
+
+    return int(flodld.run(main) or 0)
+
+
+# --- the parent ------------------------------------------------------------------------------------
+
+
+def _loopback_child(port: int, total: int) -> None:
+    import asyncio
+
+    async def run() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        chunk = bytes(4 * MIB)
+        sent = 0
+        while sent < total:
+            writer.write(chunk)
+            await writer.drain()
+            sent += len(chunk)
+        await reader.read(1)
+        writer.close()
+
+    asyncio.run(run())
+
+
+def loopback_ceiling(total: int = 512 * MIB) -> float:
+    """GiB/s of one asyncio stream from a child process to this one (readexactly of 4 MiB units)."""
+    import asyncio
+
+    result: list[float] = []
+
+    async def run() -> None:
+        done = asyncio.Event()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            begun = time.perf_counter()
+            received = 0
+            while received < total:
+                received += len(await reader.readexactly(4 * MIB))
+            result.append(received / (time.perf_counter() - begun) / 2**30)
+            writer.write(b"k")
+            await writer.drain()
+            writer.close()
+            done.set()
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        child = subprocess.Popen([sys.executable, __file__, "--loopback-child", str(port), str(total)])
+        await done.wait()
+        server.close()
+        await asyncio.get_running_loop().run_in_executor(None, child.wait)
+
+    asyncio.run(run())
+    return result[0]
+
+
+def cipher_rates(size: int) -> tuple[str, float, float]:
+    """(suite, seal GiB/s, open GiB/s) of this build's negotiated AEAD on `size` bytes, in place."""
+    from flodld.wire.frames import Suite, _aead, _open_in_place, _seal_in_place, cpu_has_aes
+
+    suite = Suite.AES_256_GCM if cpu_has_aes() else Suite.CHACHA20_POLY1305
+    aead = _aead(suite, bytes(32))
+    buffer = bytearray(os.urandom(size) + bytes(16))
+    view = memoryview(buffer)
+    seal, open_ = [], []
+    for index in range(5):
+        nonce = index.to_bytes(12, "little")
+        begun = time.perf_counter()
+        _seal_in_place(aead, nonce, view, size, b"h" * 24)
+        seal.append(time.perf_counter() - begun)
+        begun = time.perf_counter()
+        _open_in_place(aead, nonce, view, size, b"h" * 24)
+        open_.append(time.perf_counter() - begun)
+    return suite.name, size / min(seal) / 2**30, size / min(open_) / 2**30
+
+
+def run_world(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[str, float]]:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "result.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_RELAY_SIZES": ",".join(map(str, sizes)),
+               "BENCH_RELAY_RUNS": str(runs), "BENCH_RELAY_OUT": str(out),
+               "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "clients"), os.environ.get("PYTHONPATH", "")])}
+        for name in ("FLODL_INTERNAL_AGENT_JSON", "FLODL_INTERNAL_RELAY_JSON", "RANK", "FLODL_CONTROLLER"):
+            env.pop(name, None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "fdl.main", "run", "--ranks", str(ranks), str(Path(__file__).resolve()),
+             "--", "--rank"],
+            cwd=scratch, env=env, capture_output=True, text=True, timeout=1800,
+        )
+        if proc.returncode != 0 or not out.exists():
+            raise SystemExit(f"fdl run --ranks {ranks} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="2", help="comma-separated world sizes (default 2)")
+    parser.add_argument("--sizes", default="1,16,64", help="comma-separated tensor sizes in MiB")
+    parser.add_argument("--runs", type=int, default=5, help="timed rounds per size (after one warm-up)")
+    options = parser.parse_args()
+    sizes = [int(part) for part in options.sizes.split(",")]
+    print(f"relay bench on {os.cpu_count()} CPU(s), sizes {sizes} MiB float32, {options.runs} runs (median)", flush=True)
+    ceiling = loopback_ceiling()
+    print(f"asyncio loopback ceiling: {ceiling:.2f} GiB/s", flush=True)
+    rates = {size: cipher_rates(size * MIB) for size in sizes}
+    for size, (suite, seal, open_) in rates.items():
+        print(f"cipher {suite} on {size} MiB: seal {seal:.2f} GiB/s, open {open_:.2f} GiB/s", flush=True)
+    print()
+    print("| ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | vs loopback | cipher share (est.) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ranks in (int(part) for part in options.ranks.split(",")):
+        results = run_world(ranks, sizes, options.runs)
+        for size in sizes:
+            row = results[str(size)]
+            average, reduce_ = row["all_average"], row["all_reduce"]
+            throughput = size / 1024 / average  # GiB/s of the tensor per rank
+            _, seal, open_ = rates[size]
+            seals, opens = 4 + (ranks - 1), 4  # critical path: see the module docstring
+            cipher = (size / 1024) * (seals / seal + opens / open_)
+            print(f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | {average / reduce_:.1f}x "
+                  f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | {min(cipher / average, 1):.0%} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--loopback-child":
+        _loopback_child(int(sys.argv[2]), int(sys.argv[3]))
+    elif "--rank" in sys.argv[1:]:
+        sys.exit(_rank_main())
+    else:
+        sys.exit(main())
