@@ -494,11 +494,11 @@ class FrameConnection:
         body = sealed if isinstance(sealed, bytearray) else bytearray(plain_bytes + TAG_BYTES)
         with memoryview(body) as view:
             try:
-                if sealed is body:
+                if isinstance(sealed, memoryview):
+                    _open_into(self._recv_aead, nonce, sealed, view, plain_bytes, header.raw)
+                else:
                     # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
                     _open_in_place(self._recv_aead, nonce, view, plain_bytes, header.raw)
-                else:
-                    _open_into(self._recv_aead, nonce, sealed, view, plain_bytes, header.raw)
             except Exception:  # InvalidTag: forged, altered, replayed under another key, or cut
                 self._fail("bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})")
         if header.seq != self._recv_seq:
