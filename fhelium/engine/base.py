@@ -206,6 +206,10 @@ class EngineBase:
 
     def _apply_galois(self, data: torch.Tensor, element: int, domain: PolynomialDomain) -> torch.Tensor:
         if domain == "ntt":
+            if self.ntt.native_level != "torch" and data.dtype == torch.int64:
+                from fhelium import native  # one native gather pass; index_select is the reference
+
+                return native.permute_last(data, self._galois_permutation(element))
             return data.index_select(-1, self._galois_permutation(element))
         raise ValueStateError("Galois automorphisms are applied in the NTT domain; call to_ntt first")
 

@@ -663,9 +663,9 @@ class CkksEngine(EngineBase):
         q = self._mod(ids).q
         results = []
         for key in keys:
-            permutation = self._galois_permutation(self.encoder.rotation_galois_element(key.rotation_step))
-            switched = self._inner_product(lifted.index_select(-1, permutation), ids, key)
-            mod.add_mod_(switched[0], ct.data[0].index_select(-1, permutation), q)
+            element = self.encoder.rotation_galois_element(key.rotation_step)
+            switched = self._inner_product(self._apply_galois(lifted, element, "ntt"), ids, key)
+            mod.add_mod_(switched[0], self._apply_galois(ct.data[0], element, "ntt"), q)
             results.append(ct.with_data(switched))
         return results
 

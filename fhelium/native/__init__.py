@@ -158,7 +158,11 @@ def _register_fakes() -> None:
     def small_ntt_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
         return torch.empty((*x.shape[:-1], moduli.shape[0], x.shape[-1]), dtype=x.dtype, device=x.device)
 
+    def permute_last_fake(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.empty((*x.shape[:-1], index.shape[0]), dtype=x.dtype, device=x.device)
+
     torch.library.register_fake("fhelium::small_ntt")(small_ntt_fake)
+    torch.library.register_fake("fhelium::permute_last")(permute_last_fake)
     torch.library.register_fake("fhelium::divide_round")(divide_round_fake)
     torch.library.register_fake("fhelium::mod_down")(mod_down_fake)
     torch.library.register_fake("fhelium::decompose")(decompose_fake)
@@ -326,6 +330,12 @@ def small_ntt(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level
     return result
 
 
+def permute_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(-1, index)`` for int64 CPU tensors in one native pass (Galois automorphisms)."""
+    result: torch.Tensor = torch.ops.fhelium.permute_last(x, index)
+    return result
+
+
 def decompose(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
     """NTT ``[..., L, N]`` over ``moduli[:L]`` → ``[L, ..., L+1, N]``: digit j (the centered coefficients
     of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain."""
@@ -383,6 +393,7 @@ __all__ = [
     "ntt_forward",
     "ntt_inverse",
     "ntt_tables",
+    "permute_last",
     "requested_level",
     "small_ntt",
     "sub_mod",

@@ -1167,6 +1167,36 @@ at::Tensor small_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const at:
   return out;
 }
 
+// out[..., t] = x[..., index[t]] (x.index_select(-1, index)): the Galois automorphisms in the NTT domain
+at::Tensor permute_last(const at::Tensor& x_in, const at::Tensor& index_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kLong && x_in.dim() >= 1,
+              "fhelium::permute_last: int64 CPU tensor [..., N] expected");
+  TORCH_CHECK(index_in.dim() == 1 && index_in.scalar_type() == at::kLong,
+              "fhelium::permute_last: index must be an int64 vector");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor index = index_in.to(at::kCPU).contiguous();
+  const int64_t n = x.size(-1), m = index.numel();
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < m; ++t) {
+    TORCH_CHECK(idx[t] >= 0 && idx[t] < n, "fhelium::permute_last: index out of range: ", idx[t]);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = m;
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  if (rows == 0 || m == 0) return out;
+  const int64_t* source = x.data_ptr<int64_t>();
+  int64_t* target = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t* in = source + r * n;
+      int64_t* o = target + r * m;
+      for (int64_t t = 0; t < m; ++t) o[t] = in[idx[t]];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fhelium, m) {
@@ -1183,6 +1213,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
   m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("small_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("permute_last(Tensor x, Tensor index) -> Tensor");
   m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
@@ -1200,6 +1231,7 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("sub_mod_", &sub_mod_);
   m.impl("divide_round", &divide_round);
   m.impl("decompose", &decompose);
+  m.impl("permute_last", &permute_last);
   m.impl("small_ntt", &small_ntt);
   m.impl("mod_down", &mod_down);
   m.impl("key_switch", &key_switch);

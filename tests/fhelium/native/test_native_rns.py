@@ -304,3 +304,15 @@ def test_sampling_to_ntt_is_bit_identical(case: str, level: str, monkeypatch: py
         assert torch.equal(engine._small_ntt(values, prime_ids), expected)
     q, tables = engine.ntt._native_tables(ids)
     torch.library.opcheck(torch.ops.fhelium.small_ntt.default, (small, q, tables, native.LEVEL_CODES[level]))
+
+
+def test_permute_last_is_index_select() -> None:
+    generator = torch.Generator().manual_seed(71)
+    x = torch.randint(0, 1 << 50, (2, 3, 5, 64), generator=generator)
+    index = torch.randperm(64, generator=generator)
+    for value in (x, x.transpose(0, 2), x[..., ::2].contiguous()):
+        picked = index[: value.size(-1)] % value.size(-1)
+        assert torch.equal(native.permute_last(value, picked), value.index_select(-1, picked))
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.permute_last(x, torch.tensor([0, 64]))
+    torch.library.opcheck(torch.ops.fhelium.permute_last.default, (x, index))
