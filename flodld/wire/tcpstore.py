@@ -4,8 +4,9 @@ What a stock `init_process_group()` (env://) speaks to MASTER_ADDR:MASTER_PORT. 
 on 127.0.0.1 (`flodld.agent.tcpstore`) and answers from the controller's authenticated store, so
 nothing of this protocol (which has no authentication at all) ever leaves the host.
 
-The protocol, as torch 2.4 .. 2.13's TCPStore client sends it (recorded bytes in
-tests/flodld/wire/test_tcpstore.py): every request is one query-type byte followed by its
+The protocol, as torch 2.13's TCPStore client sends it (recorded bytes in tests/flodld/wire/test_tcpstore.py;
+the query types only grew at the end of torch's enum since VALIDATE became 0, so older clients in the
+supported range send a subset; re-record when a torch version is added): every request is one query-type byte followed by its
 arguments; integers are 8 bytes little-endian (the machine's order: x86-64 and aarch64 are little);
 a string or a byte value is a u64 length and the bytes; a key list is a u64 count and the strings.
 
