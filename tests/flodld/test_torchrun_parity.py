@@ -78,3 +78,22 @@ def test_new_group_and_a_2d_device_mesh_work_under_fdl_run_at_4_ranks(tmp_path: 
     timeouts = re.findall(r"store timeout rank=\d runtime=True named=True", run.output)
     assert len(timeouts) == 4, run.output[-6000:]
     assert "fdl run: run done" in run.output
+
+
+@pytest.mark.timeout(180)
+def test_the_user_guides_flodld_program_runs_under_a_real_torchrun_at_2_ranks(tmp_path: Path) -> None:
+    # "a flodld.run(main) script started by torchrun": flodld.run joins torchrun's world through env://.
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.flodld.test_run_world_of_one import guide_example, plain_env
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None, "torchrun is installed with torch"
+    script = tmp_path / "train.py"
+    script.write_text(guide_example())
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(script)], env=plain_env(),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(re.findall(r"rank (\d)/2: 3\.0", done.stdout)) == ["0", "1"], done.stdout + done.stderr[-3000:]
