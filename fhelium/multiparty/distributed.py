@@ -15,6 +15,7 @@ and waits at most ``timeout_s`` for the others; a rank that left (after encrypti
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -94,13 +95,19 @@ class ProcessGroupChannel:
         self.bytes_sent = 0
         self._round = 0
 
-    def _arrive(self, tag: str) -> None:
-        """Mark this rank's arrival at exchange ``tag`` and wait (bounded) for every other rank."""
+    def _arrive(self, tag: str, descriptor: dict[str, Any]) -> None:
+        """Mark this rank's arrival at exchange ``tag`` and wait (bounded) for every other rank.
+
+        The mark is the payload's descriptor (JSON: shape, dtype, moduli); every rank compares all
+        of them before any payload moves, so a rank with other shapes or primes is named instead of
+        hanging or corrupting the collective.
+        """
         self._round += 1
         prefix = f"fhelium-multiparty/{self.session}/{self._round}-{tag}"
         keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
+        mine = json.dumps(descriptor, sort_keys=True)
         try:
-            self.store.set(keys[self.rank], "1")
+            self.store.set(keys[self.rank], mine)
             try:
                 self.store.wait(keys, timedelta(seconds=self.timeout_s))
             except Exception as timeout:  # the store's timeout error type differs between stores
@@ -108,6 +115,7 @@ class ProcessGroupChannel:
                 if not pending:
                     raise MultipartyError(f"the rendezvous store failed during the {tag!r} exchange: {timeout}") from timeout
                 raise missing_error(tag, self.world_size, pending, self.timeout_s) from timeout
+            theirs = [bytes(self.store.get(key)).decode(errors="replace") for key in keys]
         except MultipartyError:
             raise
         except (RuntimeError, OSError, TimeoutError) as error:
@@ -115,6 +123,13 @@ class ProcessGroupChannel:
                 f"the rendezvous store failed during the {tag!r} exchange ({error}); the rank hosting it "
                 "probably left, so which ranks are missing cannot be told"
             ) from error
+        differing = [rank for rank, other in enumerate(theirs) if other != mine]
+        if differing:
+            detail = "; ".join(f"rank {rank}: {theirs[rank][:200]}" for rank in differing)
+            raise MultipartyError(
+                f"the {tag!r} exchange was refused before any payload moved: rank(s) {differing} describe another "
+                f"payload than rank {self.rank} ({mine[:200]}): {detail}"
+            )
 
     def _collective_failed(self, tag: str, error: Exception) -> MultipartyError:
         return MultipartyError(
@@ -124,7 +139,7 @@ class ProcessGroupChannel:
     def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]:
         if len(data) > MAX_RECORD_BYTES:
             raise MultipartyError(f"a {tag!r} record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap")
-        self._arrive(tag)
+        self._arrive(tag, {"exchange": tag, "kind": "records", "cap": MAX_RECORD_BYTES})
         padded = torch.zeros(MAX_RECORD_BYTES + 8, dtype=torch.uint8)
         padded[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
         if data:
@@ -148,7 +163,8 @@ class ProcessGroupChannel:
             raise MultipartyError(f"{tag}: {residues.size(-2)} limb rows but {len(moduli)} moduli")
         if self.world_size * max(moduli) >= 2**63:
             raise MultipartyError(f"{tag}: a SUM of {self.world_size} residues below {max(moduli)} could wrap int64")
-        self._arrive(tag)
+        self._arrive(tag, {"exchange": tag, "kind": "residues", "shape": list(residues.shape),
+                           "dtype": str(residues.dtype), "moduli": [str(q) for q in moduli]})
         buffer = residues.contiguous().clone()
         try:
             fdist.all_reduce(buffer, op=fdist.ReduceOp.SUM, group=self.group)

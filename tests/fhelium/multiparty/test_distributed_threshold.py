@@ -66,3 +66,12 @@ def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() 
         assert f"rank(s) [{leaver}] published none within 5s" in result["message"]
         assert "N-out-of-N decryption needs a decryption share from each of 3 ranks" in result["message"]
         assert result["seconds"] < 60  # bounded: the timeout, not gloo's or forever
+
+
+def test_a_rank_with_another_share_shape_is_named_before_any_payload_moves() -> None:
+    results = run_world(3, "shape:1", timeout_s=20.0)
+    for rank, result in enumerate(results):
+        assert not result["ok"] and result["error"] == "MultipartyError", result
+        assert "'decryption-shares' exchange was refused before any payload moved" in result["message"]
+        named = "[0, 2]" if rank == 1 else "[1]"
+        assert f"rank(s) {named} describe another payload" in result["message"], result["message"]

@@ -1,6 +1,6 @@
 """One rank of a real gloo world running the threshold protocol (driven by test_distributed_threshold.py).
 
-argv: scenario ("mean" or "leave:<rank>"), timeout_s. Prints one JSON line with the outcome.
+argv: scenario ("mean", "leave:<rank>" or "shape:<rank>": that rank decrypts one row fewer), timeout_s. Prints one JSON line with the outcome.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     leaver = int(scenario.split(":")[1]) if scenario.startswith("leave:") else None
+    misshapen = int(scenario.split(":")[1]) if scenario.startswith("shape:") else None
     started = time.monotonic()
     result: dict[str, object] = {"rank": rank}
     try:
@@ -43,6 +44,10 @@ def main() -> int:
         if rank == leaver:
             print(json.dumps({"rank": rank, "left": True}), flush=True)
             os._exit(0)  # leaves after encrypting (and after the sum), before its decryption share
+        if rank == misshapen:
+            from fhelium.core import Ciphertext
+
+            ct = Ciphertext(ct.data[:, :1].contiguous(), ct.depth, ct.scale, ct.prime_ids, "ntt")
         mean = session.decrypt(ct).real.reshape(-1)[:count] / world
         truth = sum(update(r, count) for r in range(world)) / world
         result.update(ok=True, max_error=float((mean - truth).abs().max()))
@@ -50,6 +55,8 @@ def main() -> int:
         result.update(ok=False, error=type(error).__name__, message=str(error), trace=traceback.format_exc())
     result["seconds"] = time.monotonic() - started
     print(json.dumps(result), flush=True)
+    if not result.get("ok"):
+        time.sleep(3)  # rank 0 hosts the TCPStore: let the others read it before this process goes
     os._exit(0)  # no destroy_process_group: a departed peer would make it wait
 
 
