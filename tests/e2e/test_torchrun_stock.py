@@ -37,6 +37,21 @@ def _check_world(output: str, world: int, locals_: dict[int, tuple[int, int]]) -
     assert {rest for _, rest in tops} == {("127.0.0.1", "False", "torchrun_stock.py", "__main__")}, output[-6000:]
 
 
+def test_the_same_script_under_torchrun_prints_the_same_world() -> None:
+    # The baseline: what the script prints under torchrun itself (its top level with torchrun's variables).
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", STOCK], env=child_env(),
+                          capture_output=True, text=True, timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = sorted(re.findall(r"stock rank=\d/2 local=\d/2 sum=3 pair=3", done.stdout))
+    assert lines == ["stock rank=0/2 local=0/2 sum=3 pair=3", "stock rank=1/2 local=1/2 sum=3 pair=3"], done.stdout
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_a_stock_torchrun_script_runs_as_is_under_fdl_run(ranks: int) -> None:
     run = Fdl("run", "--ranks", str(ranks), STOCK)
