@@ -28,7 +28,7 @@ from flodld.agent.spawn import (
     spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
-from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress
+from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
@@ -146,15 +146,29 @@ class AgentShell:
                                         pass_fds=[listener.fileno()])  # fmt: skip
             listener.close()  # the relay owns it now
             self._adopt(Child("relay", process, None), f"[{host}:relay] ")
+        # After the relay started (it does not need it): a few store round trips in a world of several hosts.
+        node = await self._node_rank(joined) if envelope.local_world_size < envelope.world_size else None
         fold = formed.relay.fold if formed.relay is not None else "mean"
         cadence = formed.relay.cadence if formed.relay is not None else 1
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
             env = rank_environment(
                 os.environ, envelope, local_rank=local_rank, device=device, salt=joined.salt, host=host,
                 relay_port=relay_port, fold=fold, cadence=cadence, host_env=self.spec.host_env, store_port=store_port,
+                node=node,
             )
             process = await spawn_child(argv, env)
             self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
+
+    async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
+        """torchrun's GROUP_RANK/GROUP_WORLD_SIZE for a host in a world of several (None, said, if unknown)."""
+        envelope = joined.formed.envelope
+        address = ControllerAddress(envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id)
+        try:
+            return await node_rank(address, first_rank=envelope.ranks[0], local_size=envelope.local_world_size,
+                                   world_size=envelope.world_size)  # fmt: skip
+        except (TimeoutError, StoreRefused, ConnectionError, OSError, WireError) as error:
+            say(f"GROUP_RANK unknown, left out of the ranks' environment ({error!r})")
+            return None
 
     def _adopt(self, child: Child, prefix: str) -> None:
         self.children.append(child)

@@ -59,14 +59,16 @@ def rank_command(program: Sequence[str] | None) -> list[str]:
 AGENT_STORE_HOST = "127.0.0.1"
 
 
-def torchrun_environment(envelope: WorldEnvelope, *, local_rank: int, store_port: int) -> dict[str, str]:
+def torchrun_environment(envelope: WorldEnvelope, *, local_rank: int, store_port: int,
+                         node: tuple[int, int] | None = None) -> dict[str, str]:  # fmt: skip
     """What torchrun gives a worker, so a stock `init_process_group()` (env://) works unchanged.
 
     MASTER_ADDR:MASTER_PORT is the agent's loopback TCPStore endpoint (flodld.agent.tcpstore), which
     answers from the controller's authenticated store; TORCHELASTIC_USE_AGENT_STORE=True makes every
     rank, rank 0 included, a client of it (torch then starts no store server of its own). GROUP_RANK and
-    GROUP_WORLD_SIZE (the node's index and count) are set only when this host holds the whole world:
-    formation tells a host its ranks, not its index among hosts."""
+    GROUP_WORLD_SIZE are `node` (this host's index among the hosts, and their number: the agents work it
+    out in the store, flodld.agent.tcpstore.node_rank), or (0, 1) when this host holds the whole world;
+    left out when neither is known."""
     env = {
         "MASTER_ADDR": AGENT_STORE_HOST,
         "MASTER_PORT": str(store_port),
@@ -78,8 +80,10 @@ def torchrun_environment(envelope: WorldEnvelope, *, local_rank: int, store_port
         "ROLE_RANK": str(envelope.ranks[local_rank]),
         "ROLE_WORLD_SIZE": str(envelope.world_size),
     }
-    if envelope.local_world_size == envelope.world_size:
-        env.update(GROUP_RANK="0", GROUP_WORLD_SIZE="1")
+    if node is None and envelope.local_world_size == envelope.world_size:
+        node = (0, 1)
+    if node is not None:
+        env.update(GROUP_RANK=str(node[0]), GROUP_WORLD_SIZE=str(node[1]))
     return env
 
 
@@ -107,6 +111,7 @@ def rank_environment(
     cadence: int,
     host_env: Mapping[str, str] | None = None,
     store_port: int | None = None,
+    node: tuple[int, int] | None = None,
 ) -> dict[str, str]:
     """What a rank sees: torchrun-style identity, the controller's address, the salt, its device.
 
@@ -120,7 +125,7 @@ def rank_environment(
     for name in TORCHRUN_VARIABLES:
         env.pop(name, None)
     if store_port is not None:
-        env.update(torchrun_environment(envelope, local_rank=local_rank, store_port=store_port))
+        env.update(torchrun_environment(envelope, local_rank=local_rank, store_port=store_port, node=node))
     env.update({
         rank_env.RANK: str(envelope.ranks[local_rank]),
         rank_env.WORLD_SIZE: str(envelope.world_size),

@@ -191,6 +191,38 @@ def _check(frame: Frame, kind: type[Message]) -> Message:
     return message
 
 
+# --- the node rank (torchrun's GROUP_RANK) -------------------------------------------------------
+
+GROUP_PREFIX = "__flodld/group/"
+GROUP_TIMEOUT_SECS = 10.0
+
+
+async def node_rank(address: ControllerAddress, *, first_rank: int, local_size: int, world_size: int,
+                    timeout: float = GROUP_TIMEOUT_SECS) -> tuple[int, int]:  # fmt: skip
+    """(this host's index among the world's hosts, the number of hosts): torchrun's GROUP_RANK, GROUP_WORLD_SIZE.
+
+    Formation tells a host its ranks, not its index, so the agents work it out in the run's store: each
+    publishes its first rank and rank count, adds its count to a total, and the one that completes the
+    world marks it done; then every host counts the hosts whose first rank is below its own (hosts hold
+    contiguous rank ranges). A few store round trips; TimeoutError when a host never publishes."""
+    link = ControllerLink(address)
+    try:
+        async with asyncio.timeout(timeout):
+            await link.call(StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), StoreOk, str(local_size).encode())
+            total = _int(await link.call(StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size), StoreInt))
+            if total == world_size:
+                await link.call(StoreSet(key=f"{GROUP_PREFIX}done"), StoreOk, b"1")
+            await link.call(StoreWait(keys=[f"{GROUP_PREFIX}done"], timeout=timeout), StoreOk)
+            frame = await link.call(StoreListKeys(), StoreValues)
+    finally:
+        link.drop()
+    message = frame.message()
+    assert isinstance(message, StoreValues)
+    keys = [piece.decode() for piece in split_tail(frame.tail, list(message.lengths))]
+    firsts = sorted(int(key.rsplit("/", 1)[1]) for key in keys if key.startswith(f"{GROUP_PREFIX}host/"))
+    return firsts.index(first_rank), len(firsts)
+
+
 # --- one TCPStore client -----------------------------------------------------------------------
 
 

@@ -20,11 +20,14 @@ pytestmark = pytest.mark.multiproc
 STOCK = str(PROGRAMS / "torchrun_stock.py")
 
 
-def _check_world(output: str, world: int, locals_: dict[int, tuple[int, int]]) -> None:
-    lines = re.findall(r"stock rank=(\d+)/(\d+) local=(\d+)/(\d+) sum=(\d+) pair=(\d+)", output)
+def _check_world(output: str, world: int, locals_: dict[int, tuple[int, int]], hosts: int = 1) -> None:
+    lines = re.findall(r"stock rank=(\d+)/(\d+) local=(\d+)/(\d+) sum=(\d+) pair=(\d+) group=(\S+)", output)
     assert sorted(int(rank) for rank, *_ in lines) == list(range(world)), output[-6000:]
     total = world * (world + 1) // 2
-    for rank, size, local, local_size, got_sum, pair in lines:
+    per_host = world // hosts
+    for rank, size, local, local_size, got_sum, pair, group in lines:
+        # torchrun's node rank: hosts ordered by their ranks (each walk-in holds a contiguous range).
+        assert group == f"{int(rank) // per_host}/{hosts}", output[-6000:]
         assert (int(size), int(got_sum)) == (world, total), output[-6000:]
         assert (int(local), int(local_size)) == locals_[int(rank)], output[-6000:]
         assert int(pair) == (3 if int(rank) in (0, 1) else int(rank) + 1), output[-6000:]
@@ -48,8 +51,9 @@ def test_the_same_script_under_torchrun_prints_the_same_world() -> None:
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", STOCK], env=child_env(),
                           capture_output=True, text=True, timeout=150)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = sorted(re.findall(r"stock rank=\d/2 local=\d/2 sum=3 pair=3", done.stdout))
-    assert lines == ["stock rank=0/2 local=0/2 sum=3 pair=3", "stock rank=1/2 local=1/2 sum=3 pair=3"], done.stdout
+    lines = sorted(re.findall(r"stock rank=\d/2 local=\d/2 sum=3 pair=3 group=\S+", done.stdout))
+    assert lines == ["stock rank=0/2 local=0/2 sum=3 pair=3 group=0/1",
+                     "stock rank=1/2 local=1/2 sum=3 pair=3 group=0/1"], done.stdout  # fmt: skip
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -85,4 +89,4 @@ def test_a_stock_torchrun_script_runs_as_is_under_fdl_join_bin(tmp_path: Path) -
     finally:
         run.kill()
     # Each walk-in holds two ranks; which pair a host got depends on the join order.
-    _check_world(walk_a.output + "\n" + walk_b.output, 4, {0: (0, 2), 1: (1, 2), 2: (0, 2), 3: (1, 2)})
+    _check_world(walk_a.output + "\n" + walk_b.output, 4, {0: (0, 2), 1: (1, 2), 2: (0, 2), 3: (1, 2)}, hosts=2)

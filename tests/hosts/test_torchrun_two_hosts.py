@@ -25,8 +25,9 @@ def test_a_stock_torchrun_script_runs_as_is_on_two_hosts(lab: Lab) -> None:
     launcher = _fanout(lab, _cluster(lab, tunnel=False), program)
     log = _wait(launcher, lab.root / "launcher.log", 240)
     assert launcher.returncode == 0, log[-6000:]
-    ranks = sorted(re.findall(r"stock rank=(\d)/4 local=\d/2 sum=10 pair=\d", log))
-    assert ranks == ["0", "1", "2", "3"], log[-6000:]
+    lines = sorted(re.findall(r"stock rank=(\d)/4 local=\d/2 sum=10 pair=\d group=(\S+)", log))
+    # GROUP_RANK as torchrun sets it: the node index, hosts ordered by their ranks.
+    assert lines == [("0", "0/2"), ("1", "0/2"), ("2", "1/2"), ("3", "1/2")], log[-6000:]
     assert "[node-1]" in log and "[node-2]" in log
     _assert_no_process_left(str(program))
 

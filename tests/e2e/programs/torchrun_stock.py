@@ -29,7 +29,8 @@ def main() -> None:
     if rank in (0, 1):
         dist.all_reduce(p, group=pair)
     dist.barrier()
-    print(f"stock rank={rank}/{world} local={local[0]}/{local[1]} sum={t.item():g} pair={p.item():g}", flush=True)
+    print(f"stock rank={rank}/{world} local={local[0]}/{local[1]} sum={t.item():g} pair={p.item():g} "
+          f"group={os.environ.get('GROUP_RANK')}/{os.environ.get('GROUP_WORLD_SIZE')}", flush=True)
     dist.destroy_process_group()
 
 

@@ -87,7 +87,7 @@ def test_without_a_store_endpoint_no_inherited_rendezvous_variable_leaks_to_a_ra
     assert not {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} & set(env)
 
 
-def test_group_rank_is_left_out_when_the_host_holds_part_of_the_world() -> None:
+def test_group_rank_is_left_out_when_the_host_holds_part_of_the_world_and_its_index_is_unknown() -> None:
     part = WorldEnvelope.model_validate({
         "run_id": "run1", "world_size": 4, "ranks": [2, 3], "local_world_size": 2, "controller_host": "10.0.0.1",
         "controller_port": 1337, "averaging": "cpu_sync", "backend": "gloo", "env": {},
@@ -95,6 +95,9 @@ def test_group_rank_is_left_out_when_the_host_holds_part_of_the_world() -> None:
     env = rank_env({}, "cpu:0", envelope=part, store_port=5)
     assert env["RANK"] == "2" and env["ROLE_RANK"] == "2" and env["LOCAL_RANK"] == "0"
     assert "GROUP_RANK" not in env and "GROUP_WORLD_SIZE" not in env
+    # ... unless the agents worked it out in the store (flodld.agent.tcpstore.node_rank).
+    env = rank_env({}, "cpu:0", envelope=part, store_port=5, node=(1, 2))
+    assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("1", "2")
 
 
 def test_a_python_script_rank_starts_through_flodlds_rank_launcher_and_anything_else_as_given() -> None:

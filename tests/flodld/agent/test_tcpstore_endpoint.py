@@ -221,3 +221,28 @@ def test_a_web_page_posting_to_the_endpoint_is_dropped_and_the_next_client_is_se
     result = subprocess.run([sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert "reply=5d3f0000" in result.stdout, result.stdout + result.stderr
+
+
+def test_agents_work_out_their_node_rank_in_the_store_in_rank_order(served: Served) -> None:
+    from flodld.agent.tcpstore import node_rank
+
+    address = ControllerAddress("127.0.0.1", served.store_port, served.salt, "run-1")
+
+    async def hosts() -> list[tuple[int, int]]:
+        # Three hosts holding ranks [0, 1], [2, 3, 4], [5], publishing in any order.
+        return list(await asyncio.gather(
+            node_rank(address, first_rank=5, local_size=1, world_size=6),
+            node_rank(address, first_rank=0, local_size=2, world_size=6),
+            node_rank(address, first_rank=2, local_size=3, world_size=6),
+        ))  # fmt: skip
+
+    assert asyncio.run_coroutine_threadsafe(hosts(), served.loop).result(30) == [(2, 3), (0, 3), (1, 3)]
+
+
+def test_a_host_that_never_publishes_makes_node_rank_time_out(served: Served) -> None:
+    from flodld.agent.tcpstore import node_rank
+
+    address = ControllerAddress("127.0.0.1", served.store_port, served.salt, "run-1")
+    lonely = node_rank(address, first_rank=0, local_size=2, world_size=4, timeout=1.0)
+    with pytest.raises(TimeoutError):
+        asyncio.run_coroutine_threadsafe(lonely, served.loop).result(30)
