@@ -253,6 +253,8 @@ class DataPlane:
                         raise ValueError(f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}")
                     tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
                     result = barrier.contribute(host, message.round, message.fold, tensors, message.weight)
+                    del tensors
+                    stream.conn.recycle(frame)  # folded into the accumulator: its buffer is free
                 except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
                     self.refusals["host_frame"] += 1
                     log.error("event=host_frame_refused host=%s reason=%r", host, f"{type(error).__name__}: {error}")

@@ -50,11 +50,15 @@ class Fold(Protocol):
     def spec(self) -> str: ...
 
     def identity(self, like: Bundle) -> Bundle:
-        """The neutral accumulator with the schema of `like`."""
+        """The neutral accumulator with the schema of `like` (new tensors: never `like`'s own)."""
         ...
 
     def add(self, accumulator: Bundle, value: Bundle) -> Bundle:
-        """`accumulator + value`; may update `accumulator` in place and return it."""
+        """`accumulator + value`; may update `accumulator` in place and return it.
+
+        Must not keep references to `value`'s tensors: they are built over the buffer of the frame
+        they arrived in, which the relay and the controller reuse for the next frame.
+        """
         ...
 
     def finish(self, accumulator: Bundle, weight: float) -> Bundle:

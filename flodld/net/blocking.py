@@ -41,6 +41,7 @@ class BlockingChannel:
         self.conn = conn
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        self._spare: bytearray | None = None  # where large frames are built, reused (sent before reuse)
         self._closed = False
 
     @classmethod
@@ -98,17 +99,22 @@ class BlockingChannel:
 
     def send(self, msg: Message, tail: Tail = b"") -> None:
         with self._send_lock:
-            self._sendall(self.conn.send_message(msg, tail))
+            self._sendall(self.conn.send_message(msg, tail, buffer=self._spare))
 
     def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
         with self._send_lock:
-            self._sendall(self.conn.send_frame(kind, payload, tail))
+            self._sendall(self.conn.send_frame(kind, payload, tail, buffer=self._spare))
 
-    def _sendall(self, data: bytes | bytearray) -> None:
+    def _sendall(self, data: bytes | bytearray | memoryview) -> None:
         try:
             self.sock.sendall(data)
         except BlockingIOError:
             raise TimeoutError(f"send made no progress for {scaled(WRITE_STALL_SECS):.0f}s") from None
+        # A large frame built in a fresh map: keep a buffer of its size (sendall is done with it, so the
+        # next large frame can be built there, on pages that are already mapped).
+        fresh_map = isinstance(data, memoryview) and not isinstance(data.obj, bytearray)
+        if fresh_map and (self._spare is None or len(self._spare) < len(data)):
+            self._spare = bytearray(len(data))
 
     def recv(self, timeout: float | None = None) -> Frame:
         """The next frame. EOFError on a clean close; WireError on a violation; TimeoutError on timeout.

@@ -28,6 +28,7 @@ from flodld.wire.magic import MAGIC_BYTES, Channel, channel_for_prefix, magic_pr
 from flodld.wire.messages import Message
 
 READ_CHUNK = 4 * 1024 * 1024
+WRITE_PIECE = 1024 * 1024
 WRITE_STALL_SECS = 30.0
 CONNECT_ATTEMPTS = 60
 CONNECT_BACKOFF_SECS = 0.5
@@ -46,6 +47,10 @@ class FramedStream:
         self.writer = writer
         self.conn = conn
         self._recv_lock = asyncio.Lock()
+        self._send_lock = asyncio.Lock()
+        self._mid_frame = False  # a large frame is being written piece by piece
+        self._deferred: list[bytearray | memoryview] = []  # send_nowait frames sealed meanwhile
+        self._spare: bytearray | None = None  # where large frames are built, reused while its pages are warm
 
     @property
     def peername(self) -> tuple[str, int] | None:
@@ -54,15 +59,51 @@ class FramedStream:
 
     async def send(self, msg: Message, tail: Tail = b"") -> None:
         """Write one message frame and wait (bounded by the write-stall timeout) until it is flushed."""
-        self.send_nowait(msg, tail)
-        await self.drain()
+        async with self._send_lock:  # sealed under the lock: frames go out in sequence order
+            await self._write(self.conn.send_message(msg, tail, buffer=self._reusable()))
 
     def send_nowait(self, msg: Message, tail: Tail = b"") -> None:
         """Queue one message frame without waiting for the socket (for callbacks that cannot await)."""
-        self.writer.write(self.conn.send_message(msg, tail))
+        data = self.conn.send_message(msg, tail)
+        if self._mid_frame:
+            self._deferred.append(data)  # goes out right after the large frame being written
+        else:
+            self.writer.write(data)
 
     async def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
-        self.writer.write(self.conn.send_frame(kind, payload, tail))
+        async with self._send_lock:
+            await self._write(self.conn.send_frame(kind, payload, tail, buffer=self._reusable()))
+
+    def _reusable(self) -> bytearray | None:
+        """The spare buffer, when nothing of an earlier frame built in it can still be queued (a transport
+        may hold views of what it has not sent yet)."""
+        if self._spare is None or self.writer.transport.get_write_buffer_size():
+            return None
+        return self._spare
+
+    async def _write(self, data: bytearray | memoryview) -> None:
+        """Write a sealed frame and drain. A large frame goes in WRITE_PIECE pieces, each drained before the
+        next, so the transport never buffers (copies) more than one piece of it."""
+        if len(data) <= WRITE_PIECE:
+            self.writer.write(data)
+        else:
+            if isinstance(data, memoryview) and not isinstance(data.obj, bytearray) and (
+                self._spare is None or len(self._spare) < len(data)
+            ):
+                # Built in a fresh map: keep a buffer of this size for the next large frame instead.
+                self._spare = bytearray(len(data))
+            self._mid_frame = True
+            try:
+                with memoryview(data) as view:
+                    for start in range(0, len(view), WRITE_PIECE):
+                        self.writer.write(view[start : start + WRITE_PIECE])
+                        if start + WRITE_PIECE < len(view):
+                            await self.drain()
+            finally:
+                self._mid_frame = False
+                deferred, self._deferred = self._deferred, []
+                for frame in deferred:
+                    self.writer.write(frame)
         await self.drain()
 
     async def drain(self) -> None:
@@ -84,17 +125,14 @@ class FramedStream:
                 await self._read_more()
 
     async def _read_more(self) -> None:
-        # Up to READ_CHUNK at a time: a body that fits arrives as one bytes object, which the connection
-        # decrypts from without a further copy; a larger one is gathered into the connection's buffer
-        # (the reader's own buffer then never grows past a chunk).
+        # Whatever has arrived, up to what completes the unit being read: never past the frame, and the
+        # reader's own buffer stays small (a large body is gathered in the connection's buffer, not
+        # in the StreamReader's, which would regrow and copy it).
         want = min(max(self.conn.bytes_wanted, 1), READ_CHUNK)
-        try:
-            data = await self.reader.readexactly(want)
-        except asyncio.IncompleteReadError as short:
-            self.conn.receive_data(short.partial)
-            data = b""
-        # A reset is not a clean close: ConnectionResetError propagates, so callers can tell a peer that
-        # broke (e.g. a killed agent with unread data) from one that finished (EOFError).
+        data = await self.reader.read(want)
+        # b"" is the end of the stream. A reset is not a clean close: ConnectionResetError propagates,
+        # so callers can tell a peer that broke (e.g. a killed agent with unread data) from one that
+        # finished (EOFError).
         self.conn.receive_data(data)
 
     async def complete_handshake(self, timeout: float | None) -> None:

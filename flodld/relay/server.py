@@ -222,6 +222,8 @@ class Relay:
             try:
                 tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
                 result = barrier.contribute(rank, message.round, message.fold, tensors, message.weight)
+                del tensors
+                stream.conn.recycle(frame)  # folded (copied into the accumulator): its buffer is free
             except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
                 self.refused += 1
                 log.error("relay: refusing rank %d: %s: %s", rank, type(error).__name__, error)
@@ -278,6 +280,7 @@ class Relay:
                 if isinstance(message, Broadcast):
                     self.rounds += 1
                     await self._fan_out(Channel.DATA, message, frame.tail_view)
+                    stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
                 elif isinstance(message, CoordinatorHeartbeat | Shutdown):
                     await self._fan_out(Channel.CONTROL, message, b"")
                 elif isinstance(message, DeclareDead):

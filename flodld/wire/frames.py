@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import mmap
 import secrets
 import struct
 import typing
@@ -83,7 +84,15 @@ _AES_FLAG: Final = 0x01
 
 # How far ahead of the bytes that arrived a frame body's buffer may grow for `receive_buffer`.
 RECEIVE_WINDOW: Final = 4 * 1024 * 1024
-_ZEROS: Final = bytes(RECEIVE_WINDOW)
+_FIRST_BODY_BUFFER: Final = 1024 * 1024
+# Frames from this size up are built and received in anonymous memory maps: the kernel hands out
+# zeroed pages only as they are first written (no separate zero-fill pass over a fresh buffer, and a
+# header that claims a large body commits only the pages of the bytes that actually arrive).
+LARGE_FRAME: Final = 1024 * 1024
+
+
+def _large_buffer(size: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, size))
 
 BytesLike = bytes | bytearray | memoryview
 Tail = BytesLike | Sequence[BytesLike]
@@ -213,7 +222,7 @@ class Frame:
     nothing else uses); `tail` is the same bytes as a `bytes` object (copied once, on first use).
     """
 
-    __slots__ = ("_tail_bytes", "kind", "payload", "seq", "tail_view")
+    __slots__ = ("_tail_bytes", "body", "kind", "payload", "seq", "tail_view")
 
     def __init__(self, kind: int, seq: int, payload: bytes, tail: BytesLike = b"") -> None:
         self.kind = kind
@@ -221,6 +230,7 @@ class Frame:
         self.payload = payload
         self.tail_view = memoryview(tail).cast("B") if not isinstance(tail, bytes) else memoryview(tail)
         self._tail_bytes: bytes | None = tail if isinstance(tail, bytes) else None
+        self.body: memoryview | None = None  # the large buffer the frame was decrypted in, for `recycle`
 
     @property
     def tail(self) -> bytes:
@@ -318,9 +328,10 @@ class FrameConnection:
         self._recv_seq = 0
         self._buffer = bytearray()  # the nonce, a header, or bytes fed past the unit being read
         self._header: _Header | None = None
-        self._body: bytearray | None = None  # ciphertext and tag of the frame being read
+        self._body: bytearray | memoryview | None = None  # ciphertext and tag of the frame being read
         self._body_total = 0  # the body's length, from its header
         self._sealed: memoryview | None = None  # the whole body when it came as one bytes object
+        self._recycled: mmap.mmap | None = None  # a large frame's buffer given back (`recycle`)
         self._filled = 0
         self._eof = False
         self._dead = False
@@ -387,14 +398,9 @@ class FrameConnection:
                 data = view[take:]
                 take = 0
                 view = memoryview(data).cast("B")
-            spare = len(self._body) - self._filled  # room left by receive_buffer, filled first
-            if spare:
-                into = min(spare, take)
-                self._body[self._filled : self._filled + into] = view[:into]
-            else:
-                into = 0
-            if take > into:
-                self._body += view[into:take]
+            if take:
+                self._reserve(take)
+                self._body[self._filled : self._filled + take] = view[:take]
             self._filled += take
             if take == len(view):
                 return
@@ -416,9 +422,21 @@ class FrameConnection:
         if self._dead or self._eof or self._body is None or self._buffer or self._filled >= self._body_total:
             return None
         if len(self._body) == self._filled:
-            grow = min(RECEIVE_WINDOW, self._body_total - self._filled)
-            self._body += memoryview(_ZEROS)[:grow]
+            self._reserve(min(RECEIVE_WINDOW, self._body_total - self._filled))
         return memoryview(self._body)[self._filled :]
+
+    def _reserve(self, count: int) -> None:
+        """Room for `count` more body bytes: the buffer at least doubles when it grows (never past the
+        body's length), so a body costs at most one extra copy in all, whatever the read sizes."""
+        assert self._body is not None
+        needed = self._filled + count
+        if needed <= len(self._body):
+            return
+        assert isinstance(self._body, bytearray)  # a memory-mapped body has its full size from the start
+        capacity = min(self._body_total, max(needed, 2 * len(self._body), _FIRST_BODY_BUFFER))
+        grown = bytearray(capacity)
+        grown[: self._filled] = memoryview(self._body)[: self._filled]
+        self._body = grown
 
     def receive_filled(self, count: int) -> None:
         """`count` bytes were written at the start of `receive_buffer()` (0 means end of stream)."""
@@ -443,16 +461,26 @@ class FrameConnection:
             del self._buffer[:HEADER_BYTES]
             self._body_total = self._header.body_bytes
             take = min(len(self._buffer), self._body_total)
-            self._body = bytearray(self._buffer[:take])
+            if self._recv_seq > 0 and self._body_total >= LARGE_FRAME:
+                # An authenticated peer's large frame: one buffer of the body's size, committed page
+                # by page as the bytes arrive (no regrowth, no copies of what arrived), or the buffer
+                # of an earlier frame given back with `recycle`.
+                recycled, self._recycled = self._recycled, None
+                if recycled is not None and len(recycled) >= self._body_total:
+                    self._body = memoryview(recycled)[: self._body_total]
+                else:
+                    self._body = _large_buffer(self._body_total)
+                self._body[:take] = self._buffer[:take]
+            else:
+                self._body = bytearray(self._buffer[:take])
             del self._buffer[:take]
             self._filled = take
         assert self._body is not None
         if self._filled < self._body_total:
             return self._short(None)
         header, body, sealed = self._header, self._body, self._sealed
-        del body[self._body_total :]
         self._header, self._body, self._sealed, self._filled, self._body_total = None, None, None, 0, 0
-        return self._verify(header, body if sealed is None else sealed)
+        return self._verify(header, body, sealed)
 
     def _short(self, at_boundary: Closed | None) -> NeedData | Closed:
         if not self._eof:
@@ -486,15 +514,18 @@ class FrameConnection:
             self._fail("too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread")
         return _Header(kind, seq, payload_len, tail_len, raw)
 
-    def _verify(self, header: _Header, sealed: bytearray | memoryview) -> Frame:
+    def _verify(self, header: _Header, body: bytearray | memoryview, sealed: memoryview | None) -> Frame:
         assert self._recv_aead is not None
         plain_bytes = header.payload_len + header.tail_len
         nonce = _aead_nonce(_PEER[self.role], header.seq)
-        # A read-only body is decrypted into a fresh buffer (one pass, no copy of the ciphertext first).
-        body = sealed if isinstance(sealed, bytearray) else bytearray(plain_bytes + TAG_BYTES)
+        if sealed is not None:
+            # A body that came in one read-only piece is decrypted into a fresh buffer (one pass, no
+            # copy of the ciphertext first).
+            size = plain_bytes + TAG_BYTES
+            body = _large_buffer(size) if size >= LARGE_FRAME else bytearray(size)
         with memoryview(body) as view:
             try:
-                if isinstance(sealed, memoryview):
+                if sealed is not None:
                     _open_into(self._recv_aead, nonce, sealed, view, plain_bytes, header.raw)
                 else:
                     # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
@@ -509,16 +540,33 @@ class FrameConnection:
             callback()
         payload = bytes(body[: header.payload_len])
         tail = memoryview(body)[header.payload_len : plain_bytes] if header.tail_len else b""
-        return Frame(header.kind, header.seq, payload, tail)
+        frame = Frame(header.kind, header.seq, payload, tail)
+        if isinstance(body, memoryview):
+            frame.body = body
+        return frame
+
+    def recycle(self, frame: Frame) -> None:
+        """Give back the buffer of a large frame this connection decrypted: the next large frame is read
+        into it (its pages are already mapped, which on a busy host costs more than the copy itself).
+
+        Only once nothing uses the frame any more: not its tail, nor any tensor built over it.
+        """
+        if frame.body is not None and (self._recycled is None or len(frame.body) > len(self._recycled)):
+            self._recycled = frame.body.obj if isinstance(frame.body.obj, mmap.mmap) else None
+        frame.body = None
 
     # --- sending ---------------------------------------------------------------------------------
 
-    def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> bytearray:
-        """The wire bytes of the next frame (header, encrypted payload ‖ tail, tag).
+    def send_frame(
+        self, kind: int, payload: bytes, tail: Tail = b"", *, buffer: bytearray | None = None
+    ) -> bytearray | memoryview:
+        """The wire bytes of the next frame (header, encrypted payload ‖ tail, tag): a bytearray, or for
+        a frame of `LARGE_FRAME` bytes and more a memoryview of an anonymous memory map.
 
         `tail` may be any contiguous buffer (e.g. a memoryview of a tensor's storage), counted in bytes
         whatever its item format, or a sequence of such buffers: they are copied once, side by side,
-        into the frame and encrypted there in place.
+        into the frame and encrypted there in place. With `buffer` (large enough), the frame is built in
+        it and a view of it is returned: the caller must not touch the buffer until the bytes are sent.
         """
         self._ensure_alive()
         if self._send_aead is None:
@@ -538,7 +586,12 @@ class FrameConnection:
         seq = self._send_seq
         header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, seq, len(payload), tail_len)
         plain_end = HEADER_BYTES + len(payload) + tail_len
-        out = bytearray(plain_end + TAG_BYTES)
+        size = plain_end + TAG_BYTES
+        out: bytearray | memoryview
+        if buffer is not None and len(buffer) >= size:
+            out = memoryview(buffer)[:size]  # the caller's buffer, reused: its pages are already there
+        else:
+            out = _large_buffer(size) if plain_end >= LARGE_FRAME else bytearray(size)
         out[:HEADER_BYTES] = header
         out[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
         offset = HEADER_BYTES + len(payload)
@@ -550,9 +603,11 @@ class FrameConnection:
         self._send_seq += 1
         return out
 
-    def send_message(self, msg: Message, tail: Tail = b"") -> bytearray:
+    def send_message(
+        self, msg: Message, tail: Tail = b"", *, buffer: bytearray | None = None
+    ) -> bytearray | memoryview:
         kind, payload = encode_message(msg)
-        return self.send_frame(kind, payload, tail)
+        return self.send_frame(kind, payload, tail, buffer=buffer)
 
     def rekey(self, salt: bytes) -> None:
         """Switch both directions to the keys of a new salt (same nonces and cipher; seqs continue)."""

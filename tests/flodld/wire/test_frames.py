@@ -538,3 +538,21 @@ def test_every_channel_refuses_a_tampered_replayed_reordered_or_cross_channel_fr
         other = next(c for c in ALL_CHANNELS if c is not channel)
         _, foreign = _pair_on(other, dialer_nonce=dialer.nonce, listener_nonce=listener.nonce)
         expect_error(foreign, first, "bad_tag")
+
+
+def test_large_frames_round_trip_through_reused_buffers() -> None:
+    """Frames of LARGE_FRAME bytes and more: built in a reused send buffer, read into a recycled body."""
+    from flodld.wire.frames import LARGE_FRAME
+
+    dialer, listener = connected_pair(first_frame_caps=False)
+    spare = bytearray(LARGE_FRAME + 4096)
+    previous: Frame | None = None
+    for index in range(4):
+        tail = bytes([index]) * (LARGE_FRAME + index)
+        wire = bytes(dialer.send_frame(7, b'{"i":%d}' % index, tail, buffer=spare if index else None))
+        assert tail[:64] not in wire
+        if previous is not None:
+            listener.recycle(previous)  # the earlier frame's buffer is read into again
+        frame = deliver(listener, wire)
+        assert frame.payload == b'{"i":%d}' % index and frame.tail == tail
+        previous = frame
