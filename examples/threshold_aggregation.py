@@ -42,6 +42,7 @@ from encrypted_aggregation import (
 from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError, ThresholdParameters
 from fhelium.multiparty.distributed import (
     EXCHANGES,
+    MAX_KEY_SHARE_BYTES,
     ProcessGroupChannel,
     ShareChannel,
     ThresholdSession,
@@ -69,7 +70,7 @@ class RelayShareChannel:
         self.timeout_s = timeout_s
         self.bytes_sent = 0
 
-    def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]:
+    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_KEY_SHARE_BYTES) -> list[bytes]:
         store = self.transport.store
         prefix = f"fhelium-threshold/{self.session}/{tag}"
         store.set(f"{prefix}/{self.rank}", data)
@@ -82,7 +83,11 @@ class RelayShareChannel:
             if not pending:
                 raise WorldChangedError(f"the rendezvous store failed during the {tag!r} exchange: {error}") from error
             raise missing_error(tag, self.world_size, pending, self.timeout_s) from error
-        return [store.get(f"{prefix}/{rank}") for rank in range(self.world_size)]
+        records = [store.get(f"{prefix}/{rank}") for rank in range(self.world_size)]
+        for rank, record in enumerate(records):
+            if len(record) > max_bytes:
+                raise AggregationError(f"rank {rank} published a {len(record)}-byte {tag!r} record (cap {max_bytes})")
+        return records
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         """The per-limb modular sum, folded by the relays and the controller (who see residues only)."""

@@ -31,13 +31,17 @@ from fhelium.multiparty.values import PublicKeyShare, SeedCommitment, SeedReveal
 from fhelium.serialization import value_from_bytes, value_to_bytes
 
 MAX_RECORD_BYTES = 64 * 1024
+MAX_KEY_SHARE_BYTES = 1 << 20  # a serialized PublicKeyShare (3 primes x 8192 x 8 bytes + header) fits
+KEY_SHARE_COMMITMENT_DOMAIN = b"fhelium.multiparty.key-share-commitment.v1"
 DEFAULT_TIMEOUT_S = 60.0
 
 # What each exchange carries, for the error naming the missing ranks.
 EXCHANGES = {
     "seed-commitment": "a seed commitment",
     "seed-reveal": "a seed reveal",
+    "key-share-commitment": "a key share commitment",
     "public-key-shares": "a public key share",
+    "public-key-share-open": "its opened public key share",
     "public-key-fingerprint": "the collective key's fingerprint",
     "decryption-shares": "a decryption share",
 }
@@ -48,7 +52,7 @@ class ShareChannel(Protocol):
     world_size: int
     bytes_sent: int
 
-    def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]: ...
+    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = ...) -> list[bytes]: ...
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor: ...
 
@@ -136,11 +140,11 @@ class ProcessGroupChannel:
             f"the {tag!r} exchange broke after every rank arrived: a rank left mid-collective ({error})"
         )
 
-    def all_gather_bytes(self, tag: str, data: bytes) -> list[bytes]:
-        if len(data) > MAX_RECORD_BYTES:
-            raise MultipartyError(f"a {tag!r} record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap")
-        self._arrive(tag, {"exchange": tag, "kind": "records", "cap": MAX_RECORD_BYTES})
-        padded = torch.zeros(MAX_RECORD_BYTES + 8, dtype=torch.uint8)
+    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
+        if len(data) > max_bytes:
+            raise MultipartyError(f"a {tag!r} record of {len(data)} bytes exceeds the {max_bytes}-byte cap")
+        self._arrive(tag, {"exchange": tag, "kind": "records", "cap": max_bytes})
+        padded = torch.zeros(max_bytes + 8, dtype=torch.uint8)
         padded[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
         if data:
             padded[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -153,8 +157,8 @@ class ProcessGroupChannel:
         records = []
         for rank, raw in enumerate(gathered):
             length = int.from_bytes(bytes(raw[:8].tolist()), "little")
-            if length > MAX_RECORD_BYTES:
-                raise MultipartyError(f"rank {rank} announced a {length}-byte {tag!r} record (cap {MAX_RECORD_BYTES})")
+            if length > max_bytes:
+                raise MultipartyError(f"rank {rank} announced a {length}-byte {tag!r} record (cap {max_bytes})")
             records.append(bytes(raw[8 : 8 + length].tolist()))
         return records
 
@@ -173,6 +177,14 @@ class ProcessGroupChannel:
         self.bytes_sent += buffer.numel() * buffer.element_size()
         q = torch.tensor(list(moduli), dtype=buffer.dtype, device=buffer.device).reshape(-1, 1)
         return torch.remainder(buffer, q)
+
+
+def key_share_digest(party: int, parties: int, session: str, serialized_share: bytes) -> bytes:
+    """SHA-256 commitment to a serialized PublicKeyShare, bound to the rank, world size and session."""
+    header = f"{party}/{parties}/{len(session)}:{session}".encode()
+    return hashlib.sha256(
+        KEY_SHARE_COMMITMENT_DOMAIN + len(header).to_bytes(4, "big") + header + serialized_share
+    ).digest()
 
 
 def key_fingerprint(public: PublicKey) -> str:
@@ -210,14 +222,46 @@ class ThresholdSession:
         return values
 
     def generate_public_key(self) -> PublicKey:
-        """Commit, reveal, combine the seed; publish p_i; every rank gets (Σ p_i, a) and checks it agrees."""
+        """Seed (commit, reveal, XOR); key shares (commit, sum as residues, open and check); (Σ p_i, a).
+
+        Every rank commits to its key share (SHA-256) before any share moves, the shares are summed
+        as residues, and then every share is opened and checked against its commitment and the sum:
+        a rank that changed its share after seeing others' (the last hop of a ring all-reduce sees a
+        partial sum) is caught, so no rank can steer the collective key to one it alone knows.
+        """
         party = self.party
         commitments = self._gather_values("seed-commitment", party.commit_seed())
         reveals = self._gather_values("seed-reveal", party.reveal_seed())
         seed = party.combine_seed(commitments, reveals)
         share = self.key_share = party.key_share(seed)
+        blob = value_to_bytes(share, engine=self.engine)
+        digest = key_share_digest(self.channel.rank, self.channel.world_size, party.session, blob)
+        digests = self.channel.all_gather_bytes("key-share-commitment", digest)
         moduli = self.engine.moduli_for(share.prime_ids)
         total = self.channel.all_reduce_residues("public-key-shares", share.data, moduli)
+        opened = self.channel.all_gather_bytes("public-key-share-open", blob, MAX_KEY_SHARE_BYTES)
+        shares = []
+        wrong = []
+        for rank, (committed, data) in enumerate(zip(digests, opened, strict=True)):
+            if key_share_digest(rank, self.channel.world_size, party.session, data) != committed:
+                wrong.append(rank)
+                continue
+            value = value_from_bytes(data, engine=self.engine, expected_type="PublicKeyShare")
+            if not isinstance(value, PublicKeyShare) or value.party != rank or value.seed != seed:
+                wrong.append(rank)
+                continue
+            shares.append(value)
+        if wrong:
+            raise MultipartyError(
+                f"rank(s) {wrong} opened a key share that does not match the commitment they published before any "
+                "share moved (or one for another rank or seed); the collective key is refused"
+            )
+        reference = party.combine_public_key(shares, seed)
+        if not torch.equal(reference.data[0].cpu(), total.cpu()):
+            raise MultipartyError(
+                "the summed key shares differ from the sum of the committed, opened shares: a rank (or the fold) "
+                "contributed another key share to the sum than it committed to; the collective key is refused"
+            )
         public = party.combine_public_key(total, seed)
         fingerprint = key_fingerprint(public)
         prints = [b.decode() for b in self.channel.all_gather_bytes("public-key-fingerprint", fingerprint.encode())]
@@ -247,5 +291,6 @@ __all__ = [
     "ShareChannel",
     "ThresholdSession",
     "key_fingerprint",
+    "key_share_digest",
     "missing_error",
 ]

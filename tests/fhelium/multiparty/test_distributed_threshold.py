@@ -75,3 +75,17 @@ def test_a_rank_with_another_share_shape_is_named_before_any_payload_moves() -> 
         assert "'decryption-shares' exchange was refused before any payload moved" in result["message"]
         named = "[0, 2]" if rank == 1 else "[1]"
         assert f"rank(s) {named} describe another payload" in result["message"], result["message"]
+
+
+def test_a_rank_summing_another_key_share_than_it_committed_to_is_refused_on_every_rank() -> None:
+    # The rogue-key attack: the last hop of a ring all-reduce sees the others' partial sum and could
+    # steer the collective key; the committed shares, opened after the sum, no longer add up to it.
+    for result in run_world(3, "rogue-sum:2"):
+        assert not result["ok"] and result["error"] == "MultipartyError", result
+        assert "the summed key shares differ from the sum of the committed, opened shares" in result["message"]
+
+
+def test_a_rank_opening_another_key_share_than_it_committed_to_is_named() -> None:
+    for result in run_world(3, "rogue-open:1"):
+        assert not result["ok"] and result["error"] == "MultipartyError", result
+        assert "rank(s) [1] opened a key share that does not match the commitment" in result["message"]

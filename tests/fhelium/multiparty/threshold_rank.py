@@ -1,6 +1,8 @@
 """One rank of a real gloo world running the threshold protocol (driven by test_distributed_threshold.py).
 
-argv: scenario ("mean", "leave:<rank>" or "shape:<rank>": that rank decrypts one row fewer), timeout_s. Prints one JSON line with the outcome.
+argv: scenario, timeout_s. Scenarios: "mean"; "leave:<rank>" (leaves after encrypting); "shape:<rank>"
+(decrypts one row fewer); "rogue-sum:<rank>" (adds another key share to the sum than it committed to);
+"rogue-open:<rank>" (opens another key share than it committed to). Prints one JSON line with the outcome.
 """
 
 from __future__ import annotations
@@ -33,7 +35,24 @@ def main() -> int:
     started = time.monotonic()
     result: dict[str, object] = {"rank": rank}
     try:
-        session = ThresholdSession(ProcessGroupChannel(session="test", timeout_s=timeout_s), session="test")
+        channel = ProcessGroupChannel(session="test", timeout_s=timeout_s)
+        session = ThresholdSession(channel, session="test")
+        kind, _, target = scenario.partition(":")
+        if kind.startswith("rogue") and rank == int(target):
+            honest_reduce, honest_gather = channel.all_reduce_residues, channel.all_gather_bytes
+
+            def rogue_reduce(tag, residues, moduli):  # type: ignore[no-untyped-def]
+                if kind == "rogue-sum" and tag == "public-key-shares":
+                    residues = torch.remainder(residues + 1, torch.tensor(moduli).reshape(-1, 1))
+                return honest_reduce(tag, residues, moduli)
+
+            def rogue_gather(tag, data, *args):  # type: ignore[no-untyped-def]
+                if kind == "rogue-open" and tag == "public-key-share-open":
+                    data = data[:-8] + bytes(8)  # another last residue than committed
+                return honest_gather(tag, data, *args)
+
+            channel.all_reduce_residues = rogue_reduce  # type: ignore[method-assign]
+            channel.all_gather_bytes = rogue_gather  # type: ignore[method-assign]
         session.generate_public_key()
         count = 5000  # two ciphertext rows of 4096 slots
         rows = -(-count // 4096)
