@@ -32,6 +32,9 @@ from fhelium.engine.sampling import RandomSource
 
 # Residues per component handled per group by multi-step batched operations (see _batch_groups).
 BATCH_BLOCK_RESIDUES = 1 << 17
+# The same with the native kernels, which block for the cache themselves: larger groups save the
+# views' copies and the final torch.cat (B=8 at N=2^14 is one group; groups still bound memory).
+NATIVE_BATCH_BLOCK_RESIDUES = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ class EngineBase:
         raise ValueStateError("Galois automorphisms are applied in the NTT domain; call to_ntt first")
 
     # ------------------------------------------------------------------ batch grouping
-    def _batch_groups(self, batch_shape: tuple[int, ...], limbs: int) -> list[slice] | None:
+    def _batch_groups(self, batch_shape: tuple[int, ...], limbs: int, *, sampled: bool = False) -> list[slice] | None:
         """Slices of the flattened batch, each about BATCH_BLOCK_RESIDUES residues per component.
 
         Multi-step operations (rescale, key switching, encryption) create several temporaries
@@ -222,7 +225,11 @@ class EngineBase:
         than streaming a whole large batch through every step (docs/fhelium-performance.md).
         """
         total = math.prod(batch_shape)
-        per_group = max(1, BATCH_BLOCK_RESIDUES // (limbs * self.ring_degree))
+        # ``sampled``: the groups fix the order of the random draws (encryption), so they must not
+        # depend on the dispatch level: the same seed gives the same ciphertext at every level
+        native = self.ntt.native_level != "torch" and not sampled
+        budget = NATIVE_BATCH_BLOCK_RESIDUES if native else BATCH_BLOCK_RESIDUES
+        per_group = max(1, budget // (limbs * self.ring_degree))
         if not batch_shape or total <= per_group:
             return None
         return [slice(start, start + per_group) for start in range(0, total, per_group)]

@@ -220,7 +220,7 @@ class CkksEngine(EngineBase):
         ids = plaintext.prime_ids
         if ids != self.q_ids_at(plaintext.depth):
             raise PrimeMismatchError(f"plaintext prime_ids {list(ids)} do not match depth {plaintext.depth}")
-        groups = self._batch_groups(plaintext.batch_shape, len(ids))
+        groups = self._batch_groups(plaintext.batch_shape, len(ids), sampled=True)
         if groups is not None:
             parts = [self.encrypt(self._plaintext_part(plaintext, g), public_key) for g in groups]
             return self._join(parts, plaintext.batch_shape)

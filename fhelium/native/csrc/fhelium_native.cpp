@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -758,6 +759,7 @@ FHELIUM_IFMA void mac_finish_ifma(const u64* lo, const u64* hi, u64* out, int64_
 }
 
 constexpr int64_t kIfmaMacDigits = 15;
+constexpr int64_t kKeySwitchChunkResidues = int64_t{1} << 18;
 
 inline void lift_row(const u64* c, u64* out, int64_t n, const Lift& l, int64_t level) {
   if (level == kLevelIfma) lift_row_ifma(c, out, n, l);
@@ -902,77 +904,82 @@ at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, c
     p_inverse_shoup[i] = shoup(p_inverse[i], qi);
     p_lifts.emplace_back(p, qi);
   }
-  // 1. the digits' coefficients (not needed when the lifted digits are given)
-  Buffer coefficients;
+  // ciphertexts go through the four phases a few at a time (work buffers about an L2's worth)
+  const int64_t chunk = std::max<int64_t>(1, kKeySwitchChunkResidues / (qp * n));
   const u64* x_data = x_in ? reinterpret_cast<const u64*>(x.data_ptr<int64_t>()) : nullptr;
-  if (x_in) {
-    coefficients = Buffer(batch * limbs * n);
-    at::parallel_for(0, batch * limbs, 1, [&](int64_t begin, int64_t end) {
+  const u64* lifted_data = x_in ? nullptr : reinterpret_cast<const u64*>(lifted.data_ptr<int64_t>());
+  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  const RowTables tp = row_tables(table, q, limbs, n);
+  const int64_t most = std::min(chunk, batch);
+  Buffer coefficients(x_in ? most * limbs * n : 0), accumulated(2 * most * qp * n), p_rows(2 * most * n);
+  for (int64_t first = 0; first < batch; first += chunk) {
+    const int64_t count = std::min(chunk, batch - first);
+    // 1. the digits' coefficients (not needed when the lifted digits are given)
+    if (x_in) {
+      at::parallel_for(0, count * limbs, 1, [&](int64_t begin, int64_t end) {
+        std::vector<u64> scratch(static_cast<size_t>(n) + 8);
+        for (int64_t task = begin; task < end; ++task) {
+          inverse_row(x_data + (first * limbs + task) * n, scratch.data(), coefficients.data() + task * n,
+                      row_tables(table, q, task % limbs, n), logn, chosen);
+        }
+      });
+    }
+    // 2. per (ciphertext, prime): sum over digits of NTT(lift(digit)) * key, both components;
+    // accumulated is [2, count, qp, N]
+    at::parallel_for(0, count * qp, 1, [&](int64_t begin, int64_t end) {
+      std::vector<u64> scratch(static_cast<size_t>(n) + 8), digit(static_cast<size_t>(n) + 8);
+      std::vector<u64> acc(static_cast<size_t>(4 * n));
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / qp, i = task % qp;
+        const u64 qi = static_cast<u64>(q[i]);
+        const RowTables ti = row_tables(table, q, i, n);
+        for (int64_t j = 0; j < limbs; ++j) {
+          const u64* row;
+          if (!x_in) {
+            row = lifted_data + ((j * batch + first + b) * qp + i) * n;
+          } else if (i == j) {
+            row = x_data + ((first + b) * limbs + j) * n;  // NTT(INTT(x_j)) = x_j: digit j at prime j
+          } else {
+            lift_row(coefficients.data() + (b * limbs + j) * n, scratch.data(), n, Lift(static_cast<u64>(q[j]), qi),
+                     chosen);
+            forward_row(scratch.data(), digit.data(), ti, logn, chosen);
+            row = digit.data();
+          }
+          const u64* k0 = key_data + digit_of[j] * ks0 + row_of[i] * ks2;
+          if (ifma_mac) mac_ifma(acc.data(), row, k0, k0 + ks1, n, j == 0);
+          else mac_scalar(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
+        }
+        u64* result0 = accumulated.data() + (b * qp + i) * n;
+        u64* result1 = accumulated.data() + ((count + b) * qp + i) * n;
+        if (ifma_mac) {
+          mac_finish_ifma(acc.data(), acc.data() + n, result0, n, qi);
+          mac_finish_ifma(acc.data() + 2 * n, acc.data() + 3 * n, result1, n, qi);
+        } else {
+          std::memcpy(result0, acc.data(), static_cast<size_t>(n) * sizeof(u64));
+          std::memcpy(result1, acc.data() + n, static_cast<size_t>(n) * sizeof(u64));
+        }
+      }
+    });
+    // 3. ModDown: the P rows to coefficients, then (acc_i - NTT(lift(P row))) * P^-1 mod q_i
+    at::parallel_for(0, 2 * count, 1, [&](int64_t begin, int64_t end) {
       std::vector<u64> scratch(static_cast<size_t>(n) + 8);
       for (int64_t task = begin; task < end; ++task) {
-        inverse_row(x_data + task * n, scratch.data(), coefficients.data() + task * n,
-                    row_tables(table, q, task % limbs, n), logn, chosen);
+        inverse_row(accumulated.data() + (task * qp + limbs) * n, scratch.data(), p_rows.data() + task * n, tp, logn,
+                    chosen);
+      }
+    });
+    at::parallel_for(0, 2 * count * limbs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<u64> scratch(static_cast<size_t>(n) + 8), correction(static_cast<size_t>(n) + 8);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t cb = task / limbs, i = task % limbs, c = cb / count, b = cb % count;
+        lift_row(p_rows.data() + cb * n, scratch.data(), n, p_lifts[i], chosen);
+        forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
+        sub_mul_row(accumulated.data() + (cb * qp + i) * n, correction.data(),
+                    target + ((c * batch + first + b) * limbs + i) * n, n, static_cast<u64>(q[i]), p_inverse[i],
+                    p_inverse_shoup[i], chosen);
       }
     });
   }
-  // 2. per (ciphertext, prime): sum over digits of NTT(lift(digit)) * key, both components
-  Buffer accumulated(2 * batch * qp * n);  // [2, batch, qp, N]
-  const u64* lifted_data = x_in ? nullptr : reinterpret_cast<const u64*>(lifted.data_ptr<int64_t>());
-  at::parallel_for(0, batch * qp, 1, [&](int64_t begin, int64_t end) {
-    std::vector<u64> scratch(static_cast<size_t>(n) + 8), digit(static_cast<size_t>(n) + 8);
-    std::vector<u64> acc(static_cast<size_t>(4 * n));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / qp, i = task % qp;
-      const u64 qi = static_cast<u64>(q[i]);
-      const RowTables ti = row_tables(table, q, i, n);
-      for (int64_t j = 0; j < limbs; ++j) {
-        const u64* row;
-        if (!x_in) {
-          row = lifted_data + ((j * batch + b) * qp + i) * n;
-        } else if (i == j) {
-          row = x_data + (b * limbs + j) * n;  // NTT(INTT(x_j)) = x_j: digit j is x_j itself at prime j
-        } else {
-          lift_row(coefficients.data() + (b * limbs + j) * n, scratch.data(), n, Lift(static_cast<u64>(q[j]), qi),
-                   chosen);
-          forward_row(scratch.data(), digit.data(), ti, logn, chosen);
-          row = digit.data();
-        }
-        const u64* k0 = key_data + digit_of[j] * ks0 + row_of[i] * ks2;
-        if (ifma_mac) mac_ifma(acc.data(), row, k0, k0 + ks1, n, j == 0);
-        else mac_scalar(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
-      }
-      u64* result0 = accumulated.data() + (b * qp + i) * n;
-      u64* result1 = accumulated.data() + ((batch + b) * qp + i) * n;
-      if (ifma_mac) {
-        mac_finish_ifma(acc.data(), acc.data() + n, result0, n, qi);
-        mac_finish_ifma(acc.data() + 2 * n, acc.data() + 3 * n, result1, n, qi);
-      } else {
-        std::memcpy(result0, acc.data(), static_cast<size_t>(n) * sizeof(u64));
-        std::memcpy(result1, acc.data() + n, static_cast<size_t>(n) * sizeof(u64));
-      }
-    }
-  });
-  // 3. ModDown: the P rows to coefficients, then (acc_i - NTT(lift(P row))) * P^-1 mod q_i
-  Buffer p_rows(2 * batch * n);
-  const RowTables tp = row_tables(table, q, limbs, n);
-  at::parallel_for(0, 2 * batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<u64> scratch(static_cast<size_t>(n) + 8);
-    for (int64_t task = begin; task < end; ++task) {
-      inverse_row(accumulated.data() + (task * qp + limbs) * n, scratch.data(), p_rows.data() + task * n, tp, logn,
-                  chosen);
-    }
-  });
-  u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
-  at::parallel_for(0, 2 * batch * limbs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<u64> scratch(static_cast<size_t>(n) + 8), correction(static_cast<size_t>(n) + 8);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t cb = task / limbs, i = task % limbs;
-      lift_row(p_rows.data() + cb * n, scratch.data(), n, p_lifts[i], chosen);
-      forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
-      sub_mul_row(accumulated.data() + (cb * qp + i) * n, correction.data(), target + task * n, n,
-                  static_cast<u64>(q[i]), p_inverse[i], p_inverse_shoup[i], chosen);
-    }
-  });
   return out;
 }
 

@@ -118,12 +118,16 @@ def test_rescale_is_bit_identical_in_both_domains(case: str, level: str, monkeyp
 
 
 @pytest.mark.parametrize("level", _levels())
-def test_rotate_multiply_and_rotate_many_match_the_torch_engine(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    reference, engine = _engines(CASES["n2048-50bit"], level, monkeypatch)
+@pytest.mark.parametrize("case", ["n2048-50bit", "n16384"])
+def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
+    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # at N=2^14 a batch of 3 is three groups on the torch path, one native call (chunked inside)
+    reference, engine = _engines(CASES[case], level, monkeypatch)
     with monkeypatch.context() as patch:
         patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
         keys = reference.generate_keys(rotation_steps=(1, -3), conjugation=True)
-        x = torch.rand(2, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        x = torch.rand(3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         ct = reference.encode_encrypt(x, keys.public)
         expected = [
             reference.rescale(reference.relinearize(reference.multiply(ct, ct), keys.relin())).data,
