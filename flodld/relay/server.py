@@ -299,11 +299,14 @@ class Relay:
                 self._stop(f"controller {channel} reader ended unexpectedly", 1)
 
     async def _fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
-        for rank, leg in list(self.legs[channel].items()):
+        async def one(rank: int, leg: FramedStream) -> None:
             try:
                 await leg.send(message, tail)
             except (OSError, WireError):
                 await self._rank_gone(rank, f"rank {rank} stopped reading its {channel} leg", notify_upstream=True)
+
+        # Concurrently: the next leg's frame is sealed while the previous one drains into its rank.
+        await asyncio.gather(*(one(rank, leg) for rank, leg in list(self.legs[channel].items())))
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message) -> None:
