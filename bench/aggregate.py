@@ -9,7 +9,7 @@ Every configuration runs as P gloo processes on this machine (one torch thread e
   encrypts under the aggregation parameters (one 50-bit Q limb), the compiled Program
   (examples/encrypted_mean.mlir, all_reduce_add_ciphertext) sums, rank 0 decrypts and divides;
 - ours, threshold: no key holder (fhelium.multiparty, the flagship's default). Committed common
-  seed, collective public key from every rank's key share, every rank encrypts (two 50-bit Q limbs,
+  seed, collective public key from every rank's committed key share, every rank encrypts (two 50-bit Q limbs,
   scale 2^88), the same compiled Program sums, every rank publishes a flooded decryption share, the
   shares are all-reduced and every rank decodes the mean;
 - usual: the TenSEAL federated-learning shape. Each client encrypts under TenSEAL's tutorial
@@ -142,18 +142,19 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     dist.barrier()
     elapsed = time.perf_counter() - started
     # Three SUM all-reduces (key shares, ciphertexts, decryption shares), each counted as a ring, plus
-    # three all_gathers (seed commitments, reveals, key fingerprints) of one padded record buffer each.
-    from fhelium.multiparty.distributed import MAX_RECORD_BYTES
+    # five all_gathers of one padded buffer each: seed commitments, reveals, key share commitments and
+    # key fingerprints (64 KiB records) and the opened key shares (1 MiB records).
+    from fhelium.multiparty.distributed import MAX_KEY_SHARE_BYTES, MAX_RECORD_BYTES
 
     residue_bytes = sum(t.numel() * t.element_size() for t in (ciphertext.data, ciphertext.data[1]))
     residue_bytes += engine.ring_degree * len(engine.moduli) * 8
-    record_bytes = 3 * (world - 1) * (MAX_RECORD_BYTES + 8)
+    record_bytes = (world - 1) * (4 * (MAX_RECORD_BYTES + 8) + MAX_KEY_SHARE_BYTES + 8)
     return {
         "seconds": elapsed,
         "encrypt_seconds": encrypt_seconds,
         "error": float((mean - truth).abs().max()),
         "bytes_sent": 2 * (world - 1) * residue_bytes // world + record_bytes,
-        "rounds": 3 * 2 * (world - 1) + 3 * (world - 1),
+        "rounds": 3 * 2 * (world - 1) + 5 * (world - 1),
     }
 
 
