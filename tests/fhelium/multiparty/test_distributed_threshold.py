@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.multiproc
+
 RANK = Path(__file__).with_name("threshold_rank.py")
 REPO = Path(__file__).resolve().parents[3]
 
