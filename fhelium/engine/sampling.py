@@ -51,10 +51,11 @@ Purpose = Literal[
     "seed_contribution",  # a party's secret 32-byte contribution to a multiparty common seed
     "common_uniform",  # the common 'a' of a collective public key, expanded from the joint (public) seed
     "smudging",  # noise-flooding noise of multiparty decryption shares
+    "share",  # the random coefficients of a t-out-of-N (Shamir) sharing of a secret share
 ]
 PURPOSES: tuple[str, ...] = (
     "general", "secret", "uniform", "error", "ephemeral", "seeded_uniform",
-    "seed_contribution", "common_uniform", "smudging",
+    "seed_contribution", "common_uniform", "smudging", "share",
 )
 
 
