@@ -556,3 +556,23 @@ def test_large_frames_round_trip_through_reused_buffers() -> None:
         frame = deliver(listener, wire)
         assert frame.payload == b'{"i":%d}' % index and frame.tail == tail
         previous = frame
+
+
+def test_a_large_claimed_body_commits_memory_only_for_what_arrived() -> None:
+    """Past LARGE_FRAME the body lives in a lazily committed map: resident memory follows the bytes that
+    arrived, not the length the header claims (tracemalloc does not see maps, so this reads RSS)."""
+    import resource
+
+    def rss() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+
+    dialer, listener = connected_pair()
+    listener.receive_data(dialer.send_frame(1, b"first"))
+    assert isinstance(listener.next_event(), Frame)
+    listener.receive_data(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 2, 1, 0, 1024 * 2**20))  # claims 1 GiB
+    before = rss()
+    for _ in range(16):
+        listener.receive_data(bytes(64 * 1024))
+        assert listener.next_event() is NEED_DATA
+    assert rss() - before < 64 * 2**20, "a 1 GiB claim committed far more than the 1 MiB that arrived"
