@@ -81,6 +81,22 @@ class Lab:
         self.processes.append(process)
         return process
 
+    def worker_processes(self) -> list[int]:
+        """PIDs in the workers' network namespaces other than sshd's: what a run started on the worker hosts
+        (agents, relays, ranks, whatever they spawned). Found by namespace, not by command line: agents and
+        relays run as `python -m flodld…` and name no test path."""
+        found: list[int] = []
+        for index in range(1, self.workers + 1):
+            listed = subprocess.run(["ip", "netns", "pids", self.worker_ns(index)], capture_output=True, text=True)
+            for pid in listed.stdout.split():
+                try:
+                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:
+                    continue
+                if not comm.startswith("sshd"):
+                    found.append(int(pid))
+        return found
+
     def start_worker_sshd(self, index: int, sshd: str, keygen: str) -> None:
         """A root sshd on worker_address(index):SSHD_PORT accepting the lab's client key."""
         directory = self.root / f"sshd{index}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +139,21 @@ async def state(port: int, *, host: str = "127.0.0.1") -> dict[str, Any]:
     assert status_of(response) == 200, response[:200]
     body: dict[str, Any] = json_of(response)
     return body
+
+
+STATE_SETTLE_SECS = 3.0
+"""state.json is cached (rebuilt at most every 200 ms, held up to 1 s while nothing changed): a reader
+that needs an event it just caused polls until it shows, within this bound."""
+
+
+async def state_until(port: int, check: Callable[[dict[str, Any]], bool], *, host: str = "127.0.0.1") -> dict[str, Any]:
+    """The first state.json for which `check` holds, polled for at most STATE_SETTLE_SECS (then the last one)."""
+    deadline = asyncio.get_running_loop().time() + STATE_SETTLE_SECS
+    while True:
+        body = await state(port, host=host)
+        if check(body) or asyncio.get_running_loop().time() > deadline:
+            return body
+        await asyncio.sleep(0.05)
 
 
 def non_loopback_address() -> str | None:

@@ -16,7 +16,7 @@ from flodld.wire.join import Accept, Hello, Reject
 from flodld.wire.messages import encode_message
 from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt, salt_to_hex
 
-from .daemon import CLOSE_BOUND_SECS, RawJoin, hello, options, raw_join, running, state
+from .daemon import CLOSE_BOUND_SECS, RawJoin, hello, options, raw_join, running, state, state_until
 
 
 async def _legit_join(port: int, key: bytes, host: str) -> RawJoin:
@@ -41,11 +41,11 @@ async def test_a_join_not_keyed_with_the_run_salt_gets_no_reply_and_is_counted(w
         answered = await client.read_until_closed()
         assert answered == b"", "an unauthenticated hello must not be answered"
         assert loop.time() - begun < CLOSE_BOUND_SECS
-        body = await state(port)
+        body = await state_until(port, lambda b: b["refused"].get("bad_tag") == 1)
         assert body["refused"].get("bad_tag") == 1
         assert body["joined_hosts"] == 0
         legit = await _legit_join(port, controller.salt, "legit")
-        assert (await state(port))["joined_hosts"] == 1
+        assert (await state_until(port, lambda b: b["joined_hosts"] == 1))["joined_hosts"] == 1
         legit.close()
 
 
@@ -63,7 +63,7 @@ async def test_a_replayed_join_from_a_peer_that_knows_the_salt_is_refused() -> N
             reply = await reader.read(-1)
         writer.close()
         assert len(reply) == 16, "the daemon answers the replay with its fresh nonce and nothing else"
-        body = await state(port)
+        body = await state_until(port, lambda b: b["refused"].get("bad_tag") == 1)
         assert body["refused"].get("bad_tag") == 1
         assert all(m["host"] != "victim" or m["link"] != "open" for m in body["members"])
 
@@ -74,7 +74,7 @@ async def test_open_admission_key_on_a_preshared_run_cannot_join_even_knowing_th
         client = await raw_join(port, OPEN_ADMISSION_KEY)
         client.write(client.conn.send_message(hello("walk-in")))
         assert await client.read_until_closed() == b""
-        assert (await state(port))["refused"] == {"bad_tag": 1}
+        assert (await state_until(port, lambda b: b["refused"] == {"bad_tag": 1}))["refused"] == {"bad_tag": 1}
 
 
 async def test_frames_after_an_open_admission_accept_must_use_the_handed_out_salt() -> None:
@@ -90,8 +90,7 @@ async def test_frames_after_an_open_admission_accept_must_use_the_handed_out_sal
 
         client.write(client.conn.send_message(RankExited(rank=0, code=0)))
         await client.read_until_closed()
-        await asyncio.sleep(0.05)
-        body = await state(port)
+        body = await state_until(port, lambda b: "walk-in" not in [m["host"] for m in b["members"]])
         assert "walk-in" not in [m["host"] for m in body["members"]]  # link dropped, ranks retracted
         assert body["rank_exits"] == []
 
@@ -151,7 +150,7 @@ async def test_an_oversized_length_field_is_refused_from_the_header(payload_len:
         client = await raw_join(port, controller.salt)
         client.write(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, Hello.KIND, 0, payload_len, tail_len))
         assert await client.read_until_closed() == b""
-        assert (await state(port))["refused"] == {code: 1}
+        assert (await state_until(port, lambda b: b["refused"] == {code: 1}))["refused"] == {code: 1}
 
 
 @pytest.mark.parametrize(
@@ -171,7 +170,7 @@ async def test_malformed_join_frames_are_dropped_and_counted_by_reason(header: b
         if code == "truncated":
             client.writer.write_eof()
         assert await client.read_until_closed() == b""
-        assert (await state(port))["refused"] == {code: 1}
+        assert (await state_until(port, lambda b: b["refused"] == {code: 1}))["refused"] == {code: 1}
 
 
 async def test_a_second_hello_on_an_admitted_link_adds_no_ranks_and_a_replayed_frame_drops_the_link() -> None:
@@ -181,12 +180,11 @@ async def test_a_second_hello_on_an_admitted_link_adds_no_ranks_and_a_replayed_f
         assert isinstance(await client.next_message(), Accept)
         first_hello_frame = bytes(client.sent[20:])
         client.write(client.conn.send_message(hello("dup2", devices=4)))
-        await asyncio.sleep(0.2)
-        body = await state(port)
+        body = await state_until(port, lambda b: b["joined_ranks"] == 2)
         assert body["joined_ranks"] == 2 and [m["host"] for m in body["members"]] == ["dup"]
         client.write(first_hello_frame)  # seq 0 again on the same connection: `replay`
         assert await client.read_until_closed() == b""
-        body = await state(port)
+        body = await state_until(port, lambda b: b["joined_ranks"] == 0)
         assert body["joined_ranks"] == 0 and body["members"] == []
 
 

@@ -74,9 +74,23 @@ def main() -> int:
         result.update(ok=False, error=type(error).__name__, message=str(error), trace=traceback.format_exc())
     result["seconds"] = time.monotonic() - started
     print(json.dumps(result), flush=True)
-    if not result.get("ok"):
-        time.sleep(3)  # rank 0 hosts the TCPStore: let the others read it before this process goes
+    _hold_the_store_until_every_live_rank_finished(rank, world - (leaver is not None))
     os._exit(0)  # no destroy_process_group: a departed peer would make it wait
+
+
+def _hold_the_store_until_every_live_rank_finished(rank: int, live: int) -> None:
+    """Rank 0 hosts the TCPStore: it leaves only once every live rank has its outcome (bounded), so no rank
+    still waiting on the store sees it vanish (a reset) instead of the protocol's own verdict."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("test/finished", 1)
+        if rank != 0:
+            return
+        deadline = time.monotonic() + 60
+        while store.add("test/finished", 0) < live and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the store itself went away: nothing left to hold
+        return
 
 
 if __name__ == "__main__":
