@@ -115,12 +115,14 @@ def cleartext_warning(peer: str, where: str, *, pre_shared: bool) -> str | None:
 
     if is_private_address(peer):
         return None
-    exposed = "parameters and store traffic" if pre_shared else (
-        "parameters, store traffic and — under open admission — the session salt itself (sent in the Accept)"
+    salt = "" if pre_shared else (
+        " Under open admission the session salt crossed the path in the join's Accept, so whoever watched it "
+        "can decrypt this run's links too."
     )
     return (
-        f"WARNING: controller {where} (peer {peer}) is outside every private address range and this agent's "
-        f"links to it are CLEARTEXT (HMAC-authenticated, not encrypted): anyone on the path can read {exposed}. "
+        f"WARNING: controller {where} (peer {peer}) is outside every private address range. flodld's own links "
+        "to it are encrypted (AEAD keyed from the run salt), but the process group's traffic between ranks "
+        f"(gloo/NCCL) is CLEARTEXT: anyone on the path can read the tensors the ranks exchange.{salt} "
         "Dial through `fdl join --ssh`, a tunnel or an encrypted overlay (WireGuard/VPN)"
     )
 

@@ -1,8 +1,9 @@
 """Private-address classification and the once-per-peer cleartext warning.
 
-Frames are HMAC-authenticated but not encrypted, so a peer outside private address space
-means parameters cross a link anyone on the path can read. We warn, never refuse: the
-operator may know the path is safe (an overlay we cannot see), conventions warn.
+flodld's own frames are encrypted (wire protocol v2, AEAD), but a peer outside private address
+space usually means the torch process group's traffic between ranks (gloo/NCCL, not flodld's)
+crosses a link anyone on the path can read. We warn, never refuse: the operator may know the path
+is safe (an overlay we cannot see), conventions warn.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ class CleartextWarner:
             del self._warned[next(iter(self._warned))]
         self._warned[address] = None
         self._log.warning(
-            "event=cleartext_peer what=%s peer=%s WARNING: peer is outside every private address range and "
-            "this channel is CLEARTEXT (HMAC-authenticated, not encrypted); route it through an SSH tunnel "
-            "(`tunnel: true`) or an encrypted overlay (WireGuard/VPN)",
+            "event=cleartext_peer what=%s peer=%s WARNING: peer is outside every private address range; "
+            "flodld's frames to it are encrypted, but the process group's rank traffic (gloo/NCCL) is "
+            "CLEARTEXT; route it through an SSH tunnel (`tunnel: true`) or an encrypted overlay (WireGuard/VPN)",
             self._what,
             address,
         )

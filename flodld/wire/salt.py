@@ -1,4 +1,4 @@
-"""Session salts: 16 random bytes per run, the HMAC key of every authenticated frame.
+"""Session salts: 16 random bytes per run, the input key from which every connection's AEAD keys are derived.
 
 A configured `join.token` is a salt written as 32 hex characters.
 """
