@@ -417,6 +417,10 @@ class CkksEngine(EngineBase):
         if groups is not None:
             parts = [self.multiply(self._ciphertext_part(lhs, g), self._ciphertext_part(rhs, g)) for g in groups]
             return self._join(parts, lhs.batch_shape)
+        if self.ntt.native_level != "torch":  # one native pass, the same residues
+            moduli = self.ntt._native_tables(lhs.prime_ids)[0]
+            data = _native.tensor_product(lhs.data, rhs.data, moduli, self.ntt.native_level)
+            return Ciphertext(data, lhs.depth, lhs.scale * rhs.scale, lhs.prime_ids, "ntt")
         m = self._mod(lhs.prime_ids)
         a0, a1 = lhs.data[0], lhs.data[1]
         b0, b1 = rhs.data[0], rhs.data[1]

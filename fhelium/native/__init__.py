@@ -161,6 +161,10 @@ def _register_fakes() -> None:
     def permute_last_fake(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return torch.empty((*x.shape[:-1], index.shape[0]), dtype=x.dtype, device=x.device)
 
+    def tensor_product_fake(a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: int) -> torch.Tensor:
+        return torch.empty((3, *a.shape[1:]), dtype=a.dtype, device=a.device)
+
+    torch.library.register_fake("fhelium::tensor_product")(tensor_product_fake)
     torch.library.register_fake("fhelium::small_ntt")(small_ntt_fake)
     torch.library.register_fake("fhelium::permute_last")(permute_last_fake)
     torch.library.register_fake("fhelium::divide_round")(divide_round_fake)
@@ -336,6 +340,13 @@ def permute_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return result
 
 
+def tensor_product(a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """NTT-domain ciphertexts ``[2, ..., L, N]`` → ``[3, ..., L, N]`` = (a0·b0, a0·b1 + a1·b0, a1·b1)
+    mod q, limb r modulo ``moduli[r]``, in one pass."""
+    result: torch.Tensor = torch.ops.fhelium.tensor_product(a, b, moduli, _code(level))
+    return result
+
+
 def decompose(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
     """NTT ``[..., L, N]`` over ``moduli[:L]`` → ``[L, ..., L+1, N]``: digit j (the centered coefficients
     of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain."""
@@ -399,4 +410,5 @@ __all__ = [
     "sub_mod",
     "sub_mod_",
     "supported_levels",
+    "tensor_product",
 ]

@@ -1204,6 +1204,72 @@ at::Tensor permute_last(const at::Tensor& x_in, const at::Tensor& index_in) {
   return out;
 }
 
+// The ciphertext tensor product in the NTT domain: a, b [2, ..., L, N] -> [3, ..., L, N] =
+// (a0 b0, a0 b1 + a1 b0, a1 b1) mod q (row r of each component uses moduli[r % L]); exact, so the
+// same residues as the engine's Karatsuba form.
+FHELIUM_AVX512DQ void tensor_product_row_vector(const int64_t* a0, const int64_t* a1, const int64_t* b0,
+                                                const int64_t* b1, int64_t* d0, int64_t* d1, int64_t* d2, int64_t n,
+                                                int64_t q_) {
+  const __m512i q = _mm512_set1_epi64(q_);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m512i x0 = _mm512_loadu_si512(a0 + k), x1 = _mm512_loadu_si512(a1 + k);
+    const __m512i y0 = _mm512_loadu_si512(b0 + k), y1 = _mm512_loadu_si512(b1 + k);
+    _mm512_storeu_si512(d0 + k, mul_mod_vector(x0, y0, q));
+    _mm512_storeu_si512(d2 + k, mul_mod_vector(x1, y1, q));
+    const __m512i cross = _mm512_add_epi64(mul_mod_vector(x0, y1, q), mul_mod_vector(x1, y0, q));
+    _mm512_storeu_si512(d1 + k, add_q_if_negative(_mm512_sub_epi64(cross, q), q));
+  }
+  for (; k < n; ++k) {
+    d0[k] = mul_mod_one(a0[k], b0[k], q_);
+    d2[k] = mul_mod_one(a1[k], b1[k], q_);
+    const int64_t cross = mul_mod_one(a0[k], b1[k], q_) + mul_mod_one(a1[k], b0[k], q_) - q_;
+    d1[k] = cross + ((cross >> 63) & q_);
+  }
+}
+
+void tensor_product_row_scalar(const int64_t* a0, const int64_t* a1, const int64_t* b0, const int64_t* b1, int64_t* d0,
+                               int64_t* d1, int64_t* d2, int64_t n, int64_t q) {
+  for (int64_t k = 0; k < n; ++k) {
+    d0[k] = mul_mod_one(a0[k], b0[k], q);
+    d2[k] = mul_mod_one(a1[k], b1[k], q);
+    const int64_t cross = mul_mod_one(a0[k], b1[k], q) + mul_mod_one(a1[k], b0[k], q) - q;
+    d1[k] = cross + ((cross >> 63) & q);
+  }
+}
+
+at::Tensor tensor_product(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& moduli, int64_t level) {
+  TORCH_CHECK(a_in.device().is_cpu() && b_in.device().is_cpu() && moduli.device().is_cpu() &&
+                  a_in.scalar_type() == at::kLong && b_in.scalar_type() == at::kLong && moduli.scalar_type() == at::kLong,
+              "fhelium::tensor_product: int64 CPU tensors expected");
+  TORCH_CHECK(a_in.sizes() == b_in.sizes() && a_in.dim() >= 3 && a_in.size(0) == 2,
+              "fhelium::tensor_product: a and b must both be [2, ..., L, N]");
+  TORCH_CHECK(moduli.dim() == 1 && moduli.size(0) == a_in.size(-2), "fhelium::tensor_product: moduli must be [L]");
+  const bool vector = vector_level(level);
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous(), q = moduli.contiguous();
+  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
+  shape[0] = 3;
+  at::Tensor out = at::empty(shape, a.options());
+  const int64_t n = a.size(-1), limbs = a.size(-2);
+  const int64_t component = a.numel() / 2, rows = n == 0 ? 0 : component / n;
+  if (rows == 0) return out;
+  const int64_t *pa = a.data_ptr<int64_t>(), *pb = b.data_ptr<int64_t>(), *pq = q.data_ptr<int64_t>();
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t off = r * n, qr = pq[r % limbs];
+      if (vector) {
+        tensor_product_row_vector(pa + off, pa + component + off, pb + off, pb + component + off, po + off,
+                                  po + component + off, po + 2 * component + off, n, qr);
+      } else {
+        tensor_product_row_scalar(pa + off, pa + component + off, pb + off, pb + component + off, po + off,
+                                  po + component + off, po + 2 * component + off, n, qr);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fhelium, m) {
@@ -1221,6 +1287,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("small_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("permute_last(Tensor x, Tensor index) -> Tensor");
+  m.def("tensor_product(Tensor a, Tensor b, Tensor moduli, int level) -> Tensor");
   m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
@@ -1238,6 +1305,7 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("sub_mod_", &sub_mod_);
   m.impl("divide_round", &divide_round);
   m.impl("decompose", &decompose);
+  m.impl("tensor_product", &tensor_product);
   m.impl("permute_last", &permute_last);
   m.impl("small_ntt", &small_ntt);
   m.impl("mod_down", &mod_down);

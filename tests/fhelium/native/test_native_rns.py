@@ -320,3 +320,28 @@ def test_permute_last_is_index_select() -> None:
     with pytest.raises(RuntimeError, match="out of range"):
         native.permute_last(x, torch.tensor([0, 64]))
     torch.library.opcheck(torch.ops.fhelium.permute_last.default, (x, index))
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("case", ["n8", "n2048-50bit", "n16384"])
+def test_tensor_product_is_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, engine = _engines(CASES[case], level, monkeypatch)
+    ids = reference.q_ids_at(0)
+    lhs_data = _residues(reference, ids, (2, 3), seed=81)
+    rhs_data = _residues(reference, ids, (2, 3), seed=82)
+    column = torch.tensor(reference.moduli_for(ids)).unsqueeze(-1)
+    lhs_data[0, 0] = column - 1  # extremes: q - 1 times q - 1, and zeros
+    rhs_data[1, 0] = column - 1
+    rhs_data[0, 1] = 0
+    lhs = Ciphertext(lhs_data, 0, 2.0**20, ids, "ntt")
+    rhs = Ciphertext(rhs_data.transpose(-1, -2).contiguous().transpose(-1, -2), 0, 2.0**20, ids, "ntt")
+    assert not rhs.data.is_contiguous()
+    with monkeypatch.context() as patch:
+        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        expected = reference.multiply(lhs, rhs)
+    result = engine.multiply(lhs, rhs)
+    assert torch.equal(result.data, expected.data) and result.scale == expected.scale
+    moduli = engine.ntt._native_tables(ids)[0]
+    torch.library.opcheck(
+        torch.ops.fhelium.tensor_product.default, (lhs_data, rhs_data, moduli, native.LEVEL_CODES[level])
+    )
