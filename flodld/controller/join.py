@@ -13,18 +13,15 @@ import contextlib
 import logging
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from flodld.controller.metrics import ControllerCounters
 from flodld.net.preauth import GatedReader
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.errors import WireError
-from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Hello, RankExited, Reject
+from flodld.wire.join import Accept, Hello, RankExited, Reject
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
-
-if TYPE_CHECKING:
-    from flodld.controller.run import Controller
 
 log = logging.getLogger("flodld.controller.join")
 
@@ -45,13 +42,55 @@ class HostLink:
     """Derived at admission (`flodld.wire.hostkey`): what the host's relay must prove on DATA/CONTROL."""
 
 
-async def handle_join(controller: Controller, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """The mux handler for the join channel (bound to a Controller)."""
+class JoinRun(Protocol):
+    """What the join channel asks of the run it admits hosts to (the Controller is one).
+
+    The channel handshakes and reads frames; every decision (refuse, admit, what an exit or a link's end
+    means) belongs to the run."""
+
+    @property
+    def counters(self) -> ControllerCounters:
+        """Frame counts per channel."""
+
+    @property
+    def join_key(self) -> bytes:
+        """The key of pre-admission join frames."""
+
+    @property
+    def advertised_host(self) -> str:
+        """The controller's address when the socket cannot tell which local address a dialer reached."""
+
+    @property
+    def handshake_timeout(self) -> float:
+        """Seconds a dialer has for the nonce exchange and its hello."""
+
+    @property
+    def link_keepalive_secs(self) -> float:
+        """TCP keepalive idle time of an admitted link (already scaled)."""
+
+    def release_gate(self, peer: str) -> None:
+        """The peer's pre-admission slot is free again (admitted, refused or gone)."""
+
+    def refuse(self, peer: str, code: str, reason: str) -> None:
+        """Count and log a join attempt refused before the window decided it."""
+
+    def admit(self, hello: Hello, link: HostLink) -> Accept | Reject:
+        """Decide a hello; on admission the Accept is already queued on `link` (and its host key set)."""
+
+    def rank_exited(self, link: HostLink, rank: int, code: int) -> None:
+        """The host reported a rank's exit code."""
+
+    def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
+        """The link ended: cleanly (`lost=False`: the host closed it) or not (reset, bad frame, failed write)."""
+
+
+async def handle_join(controller: JoinRun, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The mux handler for the join channel (bound to a run, e.g. the Controller)."""
     peername = writer.get_extra_info("peername")
     sockname = writer.get_extra_info("sockname")
     peer = str(peername[0]) if peername else "?"
-    local_address = str(sockname[0]) if sockname else controller.options.advertised_host
-    timeout = controller.options.handshake_timeout
+    local_address = str(sockname[0]) if sockname else controller.advertised_host
+    timeout = controller.handshake_timeout
     gate_held = True
     try:
         try:
@@ -81,7 +120,6 @@ async def handle_join(controller: Controller, reader: asyncio.StreamReader, writ
                           f"the first join-channel message must be Hello, got {type(hello).__name__}")
             return
         link = HostLink(hello.host, stream, peer, local_address)
-        link.host_key = join_host_key(controller.salt, host=hello.host, run_id=controller.run_id, conn=stream.conn)
         accepted = controller.admit(hello, link)
         if isinstance(accepted, Reject):
             await _send_quietly(controller, stream, accepted)
@@ -91,13 +129,13 @@ async def handle_join(controller: Controller, reader: asyncio.StreamReader, writ
         except (ConnectionError, TimeoutError, OSError) as error:
             controller.link_closed(link, f"accept write failed ({error!r})", lost=True)
             return
-        controller.mux.release_gate(peer)
+        controller.release_gate(peer)
         gate_held = False
-        _keepalive(writer, controller.options.link_keepalive_secs * controller.options.timeout_scale)
+        _keepalive(writer, controller.link_keepalive_secs)
         await _supervise(controller, link)
     finally:
         if gate_held:
-            controller.mux.release_gate(peer)
+            controller.release_gate(peer)
 
 
 def _keepalive(writer: asyncio.StreamWriter, idle: float) -> None:
@@ -114,7 +152,7 @@ def _keepalive(writer: asyncio.StreamWriter, idle: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
-async def _supervise(controller: Controller, link: HostLink) -> None:
+async def _supervise(controller: JoinRun, link: HostLink) -> None:
     """Read RankExited reports until the host closes its side (or the link breaks)."""
     why, lost = "link closed", True
     try:
@@ -140,12 +178,12 @@ async def _supervise(controller: Controller, link: HostLink) -> None:
         controller.link_closed(link, why, lost=lost)
 
 
-async def _reject(controller: Controller, stream: FramedStream, peer: str, code: str, reason: str) -> None:
+async def _reject(controller: JoinRun, stream: FramedStream, peer: str, code: str, reason: str) -> None:
     controller.refuse(peer, code, reason)
     await _send_quietly(controller, stream, Reject(code=code, reason=reason[:1024]))
 
 
-async def _send_quietly(controller: Controller, stream: FramedStream, message: Message) -> None:
+async def _send_quietly(controller: JoinRun, stream: FramedStream, message: Message) -> None:
     with contextlib.suppress(ConnectionError, TimeoutError, OSError):
         await stream.send(message)
         controller.counters.frame_out(CHANNEL, 0)

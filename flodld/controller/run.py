@@ -37,7 +37,7 @@ from flodld.config.models import ClusterConfig
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
 from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
-from flodld.controller.join import HostLink, handle_join
+from flodld.controller.join import HostLink, JoinRun, handle_join
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import ChannelHandler, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
@@ -49,6 +49,7 @@ from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, deriv
 from flodld.membership.snapshot import RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow
+from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
 from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt, salt_from_hex, salt_to_hex
@@ -178,6 +179,23 @@ class Controller:
         link = self._links.get(host)
         return link.host_key if link is not None and link.host_key else None
 
+    # --- JoinRun (the join channel) -----------------------------------------------------------
+
+    @property
+    def advertised_host(self) -> str:
+        return self.options.advertised_host
+
+    @property
+    def handshake_timeout(self) -> float:
+        return self.options.handshake_timeout
+
+    @property
+    def link_keepalive_secs(self) -> float:
+        return self.options.link_keepalive_secs * self.options.timeout_scale
+
+    def release_gate(self, peer: str) -> None:
+        self.mux.release_gate(peer)
+
     def on_phase(self, listener: PhaseListener) -> None:
         """Call `listener(phase, reason)` on every phase change (the daemon feeds systemd STATUS=)."""
         self._phase_listeners.append(listener)
@@ -193,7 +211,7 @@ class Controller:
         )
         await self._runner.setup()
         self.mux.set_http(self._runner.server)
-        self.mux.register(Channel.JOIN, functools.partial(handle_join, self), hold_gate=True)
+        self.mux.register(Channel.JOIN, functools.partial(handle_join, self._as_join_run()), hold_gate=True)
         self.mux.register(Channel.RENDEZVOUS, self.store.handle)
         address = await self.mux.start(self.options.effective_bind_host, self.options.port)
         try:
@@ -211,6 +229,9 @@ class Controller:
         self._log_admission()
         return self.address
 
+    def _as_join_run(self) -> JoinRun:
+        return self
+
     def _log_admission(self) -> None:
         assert self.address is not None
         if self.policy.warning:
@@ -224,7 +245,7 @@ class Controller:
         assert self._bound is not None
         hosts = self.mux.bound_hosts() or [self._bound[0]]
         self.policy = self._derive_policy(next((h for h in hosts if not is_loopback_literal(h)), hosts[0]))
-        self.mux.register(Channel.JOIN, functools.partial(handle_join, self), hold_gate=True)
+        self.mux.register(Channel.JOIN, functools.partial(handle_join, self._as_join_run()), hold_gate=True)
         self.mux.register(Channel.RENDEZVOUS, self.store.handle)
         self.address = self._bound
         log.info("event=run_listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id)
@@ -411,6 +432,7 @@ class Controller:
             formation_wait_secs=window.formation_wait_secs(now),
             run_id=self.run_id,
         )
+        link.host_key = join_host_key(self.salt, host=hello.host, run_id=self.run_id, conn=link.stream.conn)
         link.stream.send_nowait(accept)
         self.counters.frame_out(JOIN_CHANNEL, 0)
         if open_admission:
