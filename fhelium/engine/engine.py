@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+import fhelium.engine.modular as mod  # the module itself: `from fhelium.engine import` would go through the package
 from fhelium import native as _native
 from fhelium.core import (
     Ciphertext,
@@ -34,9 +35,6 @@ from fhelium.core import (
     ValueStateError,
     canonical_rotation_step,
 )
-from fhelium.engine import modular as mod
-
-# Ciphertext rows switched per group in batched key switching (see _key_switch).
 from fhelium.engine.base import EngineBase
 from fhelium.engine.compiled import compile_kernel
 from fhelium.engine.keyset import KeySet
