@@ -166,17 +166,20 @@ def kill_leftovers(marker: str) -> None:
 
 
 @contextlib.contextmanager
-def far_namespace(prefix: str, subnet: int) -> Iterator[tuple[str, str, str]]:
+def far_namespace(prefix: str, subnet: int, *, public: bool = False) -> Iterator[tuple[str, str, str]]:
     """One namespace behind a veth pair: yields (namespace, host-side veth, host-side address).
 
-    The far end is 10.<subnet>.<x>.2 inside the namespace; names and addresses carry this
-    process's pid so concurrent runs do not collide. Whatever a failed run left running in the
-    namespace is killed on the way out.
+    The far end is 10.<subnet>.<x>.2 inside the namespace (with `public`, 198.18.<x>.2: the
+    benchmarking range, outside every private range flodld knows, so it stands for a public peer
+    whatever this machine's own addresses are); names and addresses carry this process's pid so
+    concurrent runs do not collide. Whatever a failed run left running in the namespace is killed
+    on the way out.
     """
     tag = f"{os.getpid() % 100000}"
     namespace, near, far = f"{prefix}{tag}", f"v{prefix[-2:]}n{tag}", f"v{prefix[-2:]}f{tag}"
     third = os.getpid() % 200 + 20
-    near_address, far_address = f"10.{subnet}.{third}.1", f"10.{subnet}.{third}.2"
+    net = f"198.18.{third}" if public else f"10.{subnet}.{third}"
+    near_address, far_address = f"{net}.1", f"{net}.2"
     ip("netns", "add", namespace)
     try:
         ip("link", "add", near, "type", "veth", "peer", "name", far)

@@ -143,7 +143,8 @@ async def test_post_start_from_a_non_loopback_address_needs_the_run_token(caplog
         assert (await state(port))["start_armed"] is False
         response = await _non_loopback_start(port, address, controller.start_credential.upper())
         assert status(response) == 200 and json_of(response)["armed"] is True
-        assert "event=cleartext_peer" in caplog.text and address in caplog.text
+        # The public-peer warning is checked with a peer that is public on every machine:
+        # test_cleartext_peer_netns.py (this machine's own address may well be private).
         agent.close()
 
 
