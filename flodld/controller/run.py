@@ -44,11 +44,11 @@ from flodld.controller.options import ControllerOptions
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache, StormLog
 from flodld.controller.store import StoreService
 from flodld.membership.ledger import Refused, World
-from flodld.membership.phase import TERMINAL_PHASES, WINDOW_PHASES, Phase
+from flodld.membership.phase import TERMINAL_PHASES, Phase
 from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, derive_policy, is_loopback_literal
 from flodld.membership.snapshot import RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
-from flodld.membership.window import JoinWindow
+from flodld.membership.window import JoinWindow, LinkOutcome
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
@@ -127,7 +127,6 @@ class Controller:
         self._finishing = False
         self._last_phase: Phase | None = None
         self._phase_listeners: list[PhaseListener] = []
-        self._lost_hosts: dict[str, str] = {}
         self._settle_pending = False
         self.storm_log = StormLog(log)
         self.state_cache = StateCache(self._build_state, self.state_version)
@@ -362,7 +361,7 @@ class Controller:
         self._announce()
         if window.phase in TERMINAL_PHASES and not self._finishing:
             self._finishing = True
-            self._spawn(self._finish(window.phase, window.reason))
+            self._spawn(self._finish(window.phase, window.final_reason))
 
     def _announce(self, passed: Phase | None = None, why: str = "") -> None:
         """Tell the log and listeners about a new phase (`passed`: one the window went through)."""
@@ -478,39 +477,33 @@ class Controller:
         if rank in window.rank_exits:
             return  # it already reported its exit; the silence is the exit
         log.warning("event=rank_lost host=%s rank=%d why=%r", host, rank, why)
-        self._lost_hosts.setdefault(host, f"rank {rank}: {why}")
         window.host_closed(host, self.clock(), lost=True, why=why)
         self._settle()
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
-        """The host's join link ended: before formation its ranks return; after it the host is done
-        (`lost`: the link broke rather than closed cleanly, so its unreported ranks count as failed)."""
+        """The host's join link ended (`lost`: it broke rather than closed cleanly). The window decides what
+        that means (`JoinWindow.link_ended`); this logs it and acts on the phase."""
         if link.closed.is_set():
             return
         link.closed.set()
         if self._links.get(link.host) is link:
             del self._links[link.host]
         window = self.window
-        if window is None or window.phase in TERMINAL_PHASES:
+        if window is None:
             return
-        if window.phase in WINDOW_PHASES:
-            returned = window.disconnect(link.host, self.clock())
+        ended = window.link_ended(link.host, self.clock(), clean=not lost, why=why)
+        if ended.outcome is LinkOutcome.IGNORED:
+            if window.phase not in TERMINAL_PHASES:
+                self._settle()
+            return
+        if ended.outcome is LinkOutcome.RETURNED:
             log.warning("event=host_left_before_formation host=%s peer=%s ranks_returned=%s why=%r",
-                        link.host, link.peer, list(returned), why)
-        elif window.world is not None and link.host in window.world.ranks:
-            # An agent reports every rank's exit before it closes its link; a link that ends with ranks
-            # unreported means the agent died (a SIGKILL'd agent's kernel still sends a clean FIN).
-            unreported = [r for r in window.world.ranks[link.host] if r not in window.rank_exits]
-            if unreported and not lost:
-                lost, why = True, f"{why} with rank(s) {unreported} unreported"
-            if lost:
-                self._lost_hosts[link.host] = why
-            window.host_closed(link.host, self.clock(), lost=lost)
-            if lost:
-                log.warning("event=host_link_closed host=%s lost=%s why=%r", link.host, lost, why)
-            else:
-                self.storm_log.event("host_link_closed", logging.INFO, "event=host_link_closed host=%s lost=%s why=%r",
-                                     link.host, lost, why, detail=lambda: f"host={link.host}")
+                        link.host, link.peer, list(ended.ranks), ended.why)
+        elif ended.outcome is LinkOutcome.LOST:
+            log.warning("event=host_link_closed host=%s lost=%s why=%r", link.host, True, ended.why)
+        else:
+            self.storm_log.event("host_link_closed", logging.INFO, "event=host_link_closed host=%s lost=%s why=%r",
+                                 link.host, False, ended.why, detail=lambda: f"host={link.host}")
         self._settle()
 
     # --- formation and the end ----------------------------------------------------------------
@@ -598,11 +591,6 @@ class Controller:
 
     async def _finish(self, phase: Phase, reason: str) -> None:
         links = [link for link in self._links.values() if not link.closed.is_set()]
-        named = self.window.loss_reasons if self.window is not None else {}
-        unnamed = {host: why for host, why in self._lost_hosts.items() if host not in named}
-        if phase is Phase.FAILED and unnamed:
-            lost = "; ".join(f"host {host!r}: {why}" for host, why in unnamed.items())
-            reason = f"{reason} — lost join link(s): {lost}"
         if phase is Phase.FAILED:
             log.error("event=run_failed reason=%r hosts_aborted=%d", reason, len(links))
             await asyncio.gather(*(self._abort_link(link, reason) for link in links), return_exceptions=True)

@@ -8,7 +8,7 @@ from flodld.membership.phase import TRANSITIONS, Event, Phase, TransitionError, 
 from flodld.membership.policy import PolicyError, StartMode, TrustMode, WindowPolicy, derive_policy
 from flodld.membership.snapshot import ConnectionCounts, LinkState, StateSnapshot, state_schema
 from flodld.membership.switch import Armed, StartRefused, arm, token_matches
-from flodld.membership.window import JoinWindow
+from flodld.membership.window import JoinWindow, LinkEnded, LinkOutcome
 
 __all__ = [
     "TRANSITIONS",
@@ -18,6 +18,8 @@ __all__ = [
     "Event",
     "JoinWindow",
     "Ledger",
+    "LinkEnded",
+    "LinkOutcome",
     "LinkState",
     "Member",
     "Phase",

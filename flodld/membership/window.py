@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
@@ -26,6 +28,25 @@ from flodld.membership.policy import MAX_WORLD_RANKS, StartMode, WindowPolicy
 from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnapshot
 from flodld.membership.switch import Armed, StartRefused, arm
 from flodld.wire.join import Hello
+
+
+class LinkOutcome(Enum):
+    """What the end of a host's join link meant (`JoinWindow.link_ended`)."""
+
+    IGNORED = "ignored"  # the run has its verdict, or the host is not in the formed world
+    RETURNED = "returned"  # before formation: the host's ranks went back to the pool
+    CLOSED = "closed"  # after formation: the host finished
+    LOST = "lost"  # after formation: the host is lost, its unreported ranks count as failed
+
+
+@dataclass(frozen=True)
+class LinkEnded:
+    """`JoinWindow.link_ended`'s decision, for the shell to log: `ranks` are the ranks that went back
+    (RETURNED) or the host's unreported ones (CLOSED, LOST); `why` is the sentence the verdict names."""
+
+    outcome: LinkOutcome
+    ranks: tuple[int, ...] = ()
+    why: str = ""
 
 
 class JoinWindow:
@@ -69,7 +90,11 @@ class JoinWindow:
         self._open_links = 0
         self._link_counts: Counter[str] = Counter()
         self._changes = 0  # with the ledger's generation: bumps whenever state.json would differ
-        self.loss_reasons: dict[str, str] = {}  # host -> why it was declared lost (named in the verdict)
+        # host -> why it was declared lost, the first cause only: the one place loss reasons live. A cause
+        # given to `host_closed(why=...)` is named in the tolerance verdict; a lost join link (`link_ended`)
+        # in `final_reason`, after whatever verdict the run got.
+        self.loss_reasons: dict[str, str] = {}
+        self._link_losses: set[str] = set()
 
     # --- the window --------------------------------------------------------------------------------
 
@@ -182,6 +207,28 @@ class JoinWindow:
             self.loss_reasons.setdefault(host, why)
         return self._settle_training(now)
 
+    def link_ended(self, host: str, now: float, *, clean: bool, why: str) -> LinkEnded:
+        """A host's join link ended: `clean` when the host closed it (EOF), not when it broke (reset, bad
+        frame, failed write, keepalive). Before formation the host's ranks go back; after it the host is
+        done, or lost when the link broke or closed with ranks unreported (an agent reports every rank's
+        exit before it closes its link, so that is a dead agent: a SIGKILLed agent's kernel still sends
+        a clean FIN). A lost host's `why` is named in `final_reason`."""
+        if self.phase in TERMINAL_PHASES:
+            return LinkEnded(LinkOutcome.IGNORED, why=why)
+        if self.phase in WINDOW_PHASES:
+            return LinkEnded(LinkOutcome.RETURNED, self.disconnect(host, now), why)
+        if self.world is None or host not in self.world.ranks:
+            return LinkEnded(LinkOutcome.IGNORED, why=why)
+        unreported = self._unreported(host)
+        if clean and unreported:
+            why = f"{why} with rank(s) {list(unreported)} unreported"
+        lost = not clean or bool(unreported)
+        if lost and host not in self.loss_reasons:
+            self.loss_reasons[host] = why
+            self._link_losses.add(host)
+        self.host_closed(host, now, lost=lost)
+        return LinkEnded(LinkOutcome.LOST if lost else LinkOutcome.CLOSED, unreported, why)
+
     def rank_exited(self, rank: int, code: int, now: float) -> Phase:
         """A rank's exit code arrived; failures beyond the tolerance fail the run.
 
@@ -220,6 +267,14 @@ class JoinWindow:
     def formation_wait_secs(self, now: float) -> float:
         """How long a joiner should wait for WorldFormed: the rest of the hard cap."""
         return max(0.0, self.policy.cap_secs - self.elapsed(now))
+
+    @property
+    def final_reason(self) -> str:
+        """The run's verdict sentence: `reason`, and after a failure the hosts whose join link was lost."""
+        lost = [(host, why) for host, why in self.loss_reasons.items() if host in self._link_losses]
+        if self.phase is not Phase.FAILED or not lost:
+            return self.reason
+        return f"{self.reason} — lost join link(s): " + "; ".join(f"host {host!r}: {why}" for host, why in lost)
 
     def failed_ranks(self) -> list[int]:
         """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
@@ -296,12 +351,16 @@ class JoinWindow:
             del self._link_counts[previous.value]
         self._link_counts[state.value] += 1
         self._open_links += (state is LinkState.OPEN) - (previous is LinkState.OPEN)
-        assert self.world is not None
-        unreported = [r for r in self.world.ranks[host] if r not in self.rank_exits]
+        unreported = self._unreported(host)
         if state is LinkState.LOST:
             self._failed.update(unreported)
         elif previous is LinkState.LOST:
             self._failed.difference_update(unreported)
+
+    def _unreported(self, host: str) -> tuple[int, ...]:
+        """`host`'s ranks in the formed world that have not reported their exit."""
+        assert self.world is not None
+        return tuple(r for r in self.world.ranks[host] if r not in self.rank_exits)
 
     def _apply(self, event: Event, reason: str) -> None:
         self._changes += 1
@@ -315,7 +374,9 @@ class JoinWindow:
             return self.phase
         if len(self._failed) > self.tolerance:
             failed = self.failed_ranks()
-            causes = "".join(f"; host {host!r} lost: {why}" for host, why in self.loss_reasons.items())
+            causes = "".join(
+                f"; host {host!r} lost: {why}" for host, why in self.loss_reasons.items() if host not in self._link_losses
+            )
             self._apply(
                 Event.RANKS_FAILED,
                 f"{len(failed)} of {self.world_size()} ranks failed (ranks {failed}), over the tolerance of "

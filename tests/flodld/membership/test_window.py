@@ -8,7 +8,7 @@ from flodld.membership.ledger import Admitted, Refused
 from flodld.membership.phase import Phase, TransitionError
 from flodld.membership.snapshot import LinkState
 from flodld.membership.switch import Armed, StartRefused
-from flodld.membership.window import JoinWindow
+from flodld.membership.window import JoinWindow, LinkOutcome
 from tests.flodld.membership.helpers import hello, policy
 
 T0 = 1000.0  # an arbitrary monotonic origin: nothing may assume the clock starts at zero
@@ -252,3 +252,43 @@ def test_a_broken_link_is_lost_and_its_unreported_ranks_failed() -> None:
     w.rank_exited(1, 0, T0 + 4)
     assert w.host_closed("b", T0 + 5, lost=True) is Phase.TRAINING  # one unreported rank, within tolerance
     assert (w.links["b"], w.failed_ranks()) == (LinkState.LOST, [2])
+
+
+def test_the_core_decides_what_a_link_end_means_before_and_after_formation() -> None:
+    w = window(["a", "b", "c"], capacity=3, tolerance=1)
+    join(w, "a")
+    join(w, "b")
+    ended = w.link_ended("b", T0 + 1.5, clean=True, why="host closed its join link")
+    assert (ended.outcome, ended.ranks) == (LinkOutcome.RETURNED, (1,))  # before formation: its rank goes back
+    join(w, "b", at=1.6)
+    join(w, "c", at=1.7)
+    run_to_training(w)
+    w.rank_exited(0, 0, T0 + 3)
+    clean = w.link_ended("a", T0 + 4, clean=True, why="host closed its join link")
+    assert (clean.outcome, w.links["a"], w.loss_reasons) == (LinkOutcome.CLOSED, LinkState.CLOSED, {})
+    # A clean FIN with a rank unreported is a dead agent: lost, and the reason says which ranks.
+    dead = w.link_ended("b", T0 + 5, clean=True, why="host closed its join link")
+    assert dead.outcome is LinkOutcome.LOST and dead.ranks == (1,)
+    assert w.loss_reasons == {"b": "host closed its join link with rank(s) [1] unreported"}
+    assert (w.links["b"], w.failed_ranks(), w.phase) == (LinkState.LOST, [1], Phase.TRAINING)  # within tolerance
+    assert w.final_reason == w.reason  # a run that has not failed names no lost link
+    broken = w.link_ended("c", T0 + 6, clean=False, why="join link broke: ConnectionResetError()")
+    assert broken.outcome is LinkOutcome.LOST and w.phase is Phase.FAILED
+    assert "over the tolerance of 1" in w.reason and "lost join link" not in w.reason
+    assert w.final_reason == (
+        f"{w.reason} — lost join link(s): host 'b': host closed its join link with rank(s) [1] unreported; "
+        "host 'c': join link broke: ConnectionResetError()"
+    )
+    assert w.link_ended("c", T0 + 7, clean=True, why="late").outcome is LinkOutcome.IGNORED  # after the verdict
+
+
+def test_a_loss_reason_is_kept_once_named_by_its_first_cause() -> None:
+    w = window(["a", "b"], capacity=2, tolerance=1)
+    join(w, "a")
+    join(w, "b")
+    run_to_training(w)
+    w.host_closed("a", T0 + 3, lost=True, why="no heartbeat for 6s")  # a subsystem: named in the verdict itself
+    w.link_ended("a", T0 + 4, clean=False, why="join link broke")
+    assert w.loss_reasons == {"a": "no heartbeat for 6s"}
+    w.abort("stopped by the operator", T0 + 5)
+    assert w.final_reason == "stopped by the operator"  # no join link was the cause
