@@ -12,6 +12,8 @@ from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flodld.config.fields import AveragingMode
+
 AGENT_ENV: Final = "FLODL_INTERNAL_AGENT_JSON"
 
 
@@ -30,7 +32,7 @@ class AgentSpec(BaseModel):
     salt_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-fA-F]{32}$")] | None = None
     devices: Annotated[list[str], Field(max_length=4096)] | None = None
     run_id: Annotated[str, Field(max_length=128)] | None = None
-    averaging: Annotated[str, Field(max_length=128)] | None = None
+    averaging: AveragingMode | None = None
     connect_attempts: Annotated[int, Field(ge=1)] | None = None
     grace_secs: Annotated[float, Field(gt=0)] = 5.0
     # True only when the operator's own launcher started this agent (fan-out): the controller's

@@ -90,6 +90,16 @@ class AveragingMode(StrEnum):
         """Steps between averaging rounds when `cadence:` is not written."""
         return 1 if self.is_sync else 10
 
+    @classmethod
+    def cpu_modes(cls) -> tuple[AveragingMode, ...]:
+        """The modes whose traffic all goes through the per-host relay (so a controller tunnel carries it)."""
+        return tuple(mode for mode in cls if mode.is_cpu)
+
+    @classmethod
+    def cpu_modes_text(cls) -> str:
+        """`cpu_sync / cpu_cadence / cpu_async`, for messages."""
+        return " / ".join(mode.value for mode in cls.cpu_modes())
+
 
 class Backend(StrEnum):
     """The torch.distributed process-group backend ranks initialise."""

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 from flodld.config.devices import spec_has_cpu
 from flodld.config.errors import RuleViolation
-from flodld.config.fields import Backend
+from flodld.config.fields import AveragingMode, Backend
 
 if TYPE_CHECKING:
     from flodld.config.models import ClusterConfig
 
-CPU_MODES_TEXT = "cpu_sync / cpu_cadence / cpu_async"
+CPU_MODES_TEXT = AveragingMode.cpu_modes_text()
 
 
 def cluster_violations(cluster: ClusterConfig) -> list[RuleViolation]:

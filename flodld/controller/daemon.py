@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from flodld.config.errors import ConfigError, RuleViolations
+from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.config.loader import load_config_file
 from flodld.controller.logsetup import configure_logging, flush_logging
@@ -55,7 +56,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--discovery", action="store_true", default=None, help="roster-free window")
     parser.add_argument("--tunnel-only", action="store_true", default=None,
                         help="bind loopback only (refused with a non-loopback --bind)")
-    parser.add_argument("--averaging", help="averaging mode (cpu_sync, cpu_cadence, cpu_async, nccl_sync, ...)")
+    parser.add_argument("--averaging", choices=[mode.value for mode in AveragingMode], help="averaging mode")
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
     parser.add_argument("--once", action="store_true", help="host exactly one run; the exit code is its verdict "

@@ -12,12 +12,12 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.config.models import ClusterConfig
 from flodld.net.timeouts import MIN_TIMEOUT_SCALE, TIMEOUT_SCALE_ENV, TimeoutScaleError, timeout_scale
 
 DEFAULT_PORT = 1337
-CPU_AVERAGING_MODES = frozenset({"cpu_sync", "cpu_cadence", "cpu_async"})
 LOOPBACK_BIND = "127.0.0.1"
 NETWORK_BIND = "0.0.0.0"
 
@@ -42,7 +42,7 @@ class ControllerOptions(BaseModel):
     roster: tuple[str, ...] = ()
     capacity: Annotated[int, Field(ge=0)] = 0
     tunneled_hosts: frozenset[str] = frozenset()
-    averaging: str = "cpu_sync"
+    averaging: AveragingMode = AveragingMode.CPU_SYNC
     backend: str = "gloo"
     fold: str = "mean"
     cadence: Annotated[int, Field(ge=1)] = 1
@@ -96,7 +96,7 @@ class ControllerOptions(BaseModel):
 
     @property
     def cpu_averaging(self) -> bool:
-        return self.averaging in CPU_AVERAGING_MODES
+        return self.averaging.is_cpu
 
     @classmethod
     def from_cluster(cls, cluster: ClusterConfig, *, probed: Mapping[str, int] | None = None,
@@ -113,7 +113,7 @@ class ControllerOptions(BaseModel):
             "roster": tuple(w.host for w in cluster.workers),
             "capacity": cluster.capacity(probed),
             "tunneled_hosts": frozenset(w.host for w in cluster.workers if w.tunnel),
-            "averaging": str(controller.averaging.value),
+            "averaging": controller.averaging,
             "backend": str(controller.backend.value),
             "cadence": controller.effective_cadence,
             "env": dict(cluster.env),

@@ -121,7 +121,7 @@ def plan_agent(
     devices = list(worker.local_devices) if worker.local_devices != "all" else ["all"]
     spec = AgentSpec(
         host=worker.host, controller_host=controller.host, controller_port=controller_port, salt_hex=salt_hex,
-        devices=devices, averaging=str(controller.averaging.value), cluster_env=True,
+        devices=devices, averaging=controller.averaging, cluster_env=True,
         host_env=worker.rank_env() or None, program=[python, program, *args],
     )  # fmt: skip
     return AgentPlan(host=worker.host, endpoint=endpoint_for(worker), workdir=workdir, argv=tuple(argv), spec=spec,

@@ -11,6 +11,7 @@ import ipaddress
 from dataclasses import dataclass
 from enum import StrEnum
 
+from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 
 DEFAULT_JOIN_TIMEOUT_SECS = 300.0
@@ -18,10 +19,6 @@ DEFAULT_HARD_CAP_SECS = 600.0
 # The largest world: global ranks are u31 on the wire (flodld.wire.messages.Rank). The ledger refuses a host
 # that would pass it (`world_full`) and a window whose quorum or target lies beyond it never opens.
 MAX_WORLD_RANKS = 2**31
-
-# Averaging modes whose traffic all flows through the per-host relay's single upstream
-# connection, which is the only thing a controller tunnel can carry.
-CPU_AVERAGING_MODES = frozenset({"cpu_sync", "cpu_cadence", "cpu_async"})
 
 OPEN_ADMISSION_WARNING = (
     "cluster join: open_admission is on for a network bind — any peer that can reach the controller "
@@ -105,7 +102,7 @@ class WindowPolicy:
 
 
 def derive_policy(
-    join: JoinConfig, *, capacity: int, loopback_bind: bool, averaging: str, bound_address: str | None = None,
+    join: JoinConfig, *, capacity: int, loopback_bind: bool, averaging: AveragingMode, bound_address: str | None = None,
     preshared: bool = False,
 ) -> WindowPolicy:
     """Fill in defaults from `capacity` (the roster's total ranks) and refuse contradictory knobs.
@@ -118,7 +115,7 @@ def derive_policy(
     """
     if capacity < 0:
         raise PolicyError(f"capacity must be >= 0 (the roster's total ranks), got {capacity}")
-    _check_discovery_family(join, averaging)
+    _check_discovery_family(join, AveragingMode(averaging))
     start = StartMode(join.start)
     quorum, target = _quorum_and_target(join, capacity, start)
     window = join.join_timeout
@@ -148,7 +145,7 @@ def derive_policy(
     )
 
 
-def _check_discovery_family(join: JoinConfig, averaging: str) -> None:
+def _check_discovery_family(join: JoinConfig, averaging: AveragingMode) -> None:
     if join.discovery and join.min_rank_start is None:
         raise PolicyError(
             "controller.join: discovery: true requires an explicit min_rank_start — a roster-free window has "
@@ -159,10 +156,12 @@ def _check_discovery_family(join: JoinConfig, averaging: str) -> None:
             "controller.join: tunnel_only is a discovery-mode knob and discovery is off — an enumerated roster "
             "infers the bind scope from its workers' tunnel: flags; set discovery: true or drop tunnel_only"
         )
-    if join.tunnel_only and averaging not in CPU_AVERAGING_MODES:
+    # Only CPU modes send all their traffic through the per-host relay's single upstream connection,
+    # the one thing a controller tunnel can carry.
+    if join.tunnel_only and not averaging.is_cpu:
         raise PolicyError(
-            f"controller.join: tunnel_only needs a CPU averaging mode (cpu_sync / cpu_cadence / cpu_async), "
-            f"but averaging is {averaging!r} — NCCL's data plane is peer-to-peer and cannot ride a controller "
+            f"controller.join: tunnel_only needs a CPU averaging mode ({AveragingMode.cpu_modes_text()}), "
+            f"but averaging is {averaging.value!r} — NCCL's data plane is peer-to-peer and cannot ride a controller "
             "tunnel; switch averaging to a cpu_* mode or drop tunnel_only"
         )
     if join.token is not None and join.open_admission:

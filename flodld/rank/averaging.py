@@ -20,11 +20,12 @@ from typing import Final
 
 import torch
 
+from flodld.config.fields import AveragingMode
 from flodld.fold.base import Bundle
 from flodld.rank.env import in_flodld_rank, read_rank_environment
 from flodld.rank.relay_client import RelayClient, relay_client
 
-AVERAGING_MODES: Final = ("cpu_sync", "cpu_cadence", "cpu_async")
+AVERAGING_MODES: Final = tuple(mode.value for mode in AveragingMode.cpu_modes())
 
 
 class Averager:

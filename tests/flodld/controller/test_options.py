@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from flodld.config.builder import ClusterBuilder
+from flodld.config.fields import AveragingMode
+from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
+from flodld.membership.policy import PolicyError, derive_policy
 
 
 def test_network_bind_unless_every_remote_worker_is_tunneled() -> None:
@@ -38,3 +43,25 @@ def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> 
     assert (given.join.target_ranks, given.join.join_timeout) == (6, 30.0)
     defaults = options_from_args(parser.parse_args([]))
     assert defaults.tolerance == 0 and defaults.join.target_ranks is None and defaults.run_id != "r1"
+
+
+def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from flodld.controller.daemon import add_serve_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    given = options_from_args(parser.parse_args(["--averaging", "nccl_sync"]))
+    assert given.averaging is AveragingMode.NCCL_SYNC and not given.cpu_averaging
+    assert ControllerOptions(averaging="cpu_cadence").averaging is AveragingMode.CPU_CADENCE  # type: ignore[arg-type]
+    cluster = ClusterBuilder().controller("10.0.0.1", averaging="cpu_async").worker("localhost", ["cpu"]).build()
+    assert ControllerOptions.from_cluster(cluster).averaging is AveragingMode.CPU_ASYNC
+    with pytest.raises(SystemExit) as refused:  # an unknown mode stops at the command line, naming the choices
+        parser.parse_args(["--averaging", "cpu_fast"])
+    assert refused.value.code == 2
+    usage = capsys.readouterr().err
+    assert all(mode.value in usage for mode in AveragingMode)
+    with pytest.raises(PolicyError, match=r"cpu_sync / cpu_cadence / cpu_async\), but averaging is 'nccl_sync'"):
+        derive_policy(JoinConfig(discovery=True, tunnel_only=True, min_rank_start=1), capacity=0, loopback_bind=True,
+                      averaging=AveragingMode.NCCL_SYNC)
