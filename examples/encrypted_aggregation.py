@@ -125,17 +125,27 @@ def descriptor(engine: CkksEngine, *, values: int, transport: str, program: str)
 
 def check_descriptors(records: Sequence[dict[str, Any]]) -> None:
     """Refuse (identically on every rank) when any rank's descriptor differs from the key holder's."""
-    reference = records[KEY_HOLDER]
+    refuse_differing_records(records, reference_rank=KEY_HOLDER, reference_label="key holder",
+                             what="aggregation parameters", arguments="--values, parameters")
+
+
+def refuse_differing_records(
+    records: Sequence[dict[str, Any]], *, reference_rank: int, reference_label: str, what: str, arguments: str
+) -> None:
+    """ParameterMismatchError naming every field in which a rank's record differs from `reference_rank`'s."""
+    reference = records[reference_rank]
     problems = []
     for rank, record in enumerate(records):
         differing = sorted(name for name in reference.keys() | record.keys() if reference.get(name) != record.get(name))
         if differing:
-            detail = ", ".join(f"{name}={record.get(name)!r} (key holder: {reference.get(name)!r})" for name in differing)
+            detail = ", ".join(
+                f"{name}={record.get(name)!r} ({reference_label}: {reference.get(name)!r})" for name in differing
+            )
             problems.append(f"rank {rank}: {detail}")
     if problems:
         raise ParameterMismatchError(
-            "ranks disagree on the aggregation parameters: " + "; ".join(problems)
-            + ". Start every rank with the same program version and arguments (--values, parameters)."
+            f"ranks disagree on the {what}: " + "; ".join(problems)
+            + f". Start every rank with the same program version and arguments ({arguments})."
         )
 
 

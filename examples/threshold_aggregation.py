@@ -29,7 +29,6 @@ from encrypted_aggregation import (
     PROGRAM_PATH,
     AggregationError,
     Outcome,
-    ParameterMismatchError,
     RelayTransport,
     Timings,
     Transport,
@@ -37,6 +36,7 @@ from encrypted_aggregation import (
     expected_mean,
     link_program,
     make_update,
+    refuse_differing_records,
 )
 
 from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError, ThresholdParameters
@@ -134,18 +134,9 @@ def threshold_descriptor(session: ThresholdSession, *, values: int, transport: s
 
 
 def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
-    reference = records[0]
-    problems = []
-    for rank, record in enumerate(records):
-        differing = sorted(name for name in reference.keys() | record.keys() if reference.get(name) != record.get(name))
-        if differing:
-            detail = ", ".join(f"{name}={record.get(name)!r} (rank 0: {reference.get(name)!r})" for name in differing)
-            problems.append(f"rank {rank}: {detail}")
-    if problems:
-        raise ParameterMismatchError(
-            "ranks disagree on the threshold aggregation parameters: " + "; ".join(problems)
-            + ". Start every rank with the same program version and arguments (--values, --keys)."
-        )
+    """Refuse (identically on every rank) when any rank's descriptor differs from rank 0's (no key holder here)."""
+    refuse_differing_records(records, reference_rank=0, reference_label="rank 0",
+                             what="threshold aggregation parameters", arguments="--values, --keys")
 
 
 def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> list[dict[str, Any]]:
