@@ -6,11 +6,14 @@ opens the rank's legs to it, whose heartbeats keep the controller from declaring
 that never imports flodld) dead after the startup grace, and whose control watch ends the rank if the
 controller is lost. A flodld program that later calls `flodld.run`/`init_process_group` gets the same
 legs (they open once per process). Then the script runs as `python SCRIPT.py ARGS` would run it:
-`__name__ == "__main__"`, `sys.argv[0]` the script, its directory first on `sys.path`.
+`__name__ == "__main__"`, `sys.argv[0]` the script, its directory first on `sys.path`. At exit, after the
+script's own `atexit` handlers, flodld closes a process group the script left open and lets gloo's worker
+threads go idle before the interpreter shuts down (see `flodld.rank.process_group.quiesce_gloo_workers`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import sys
@@ -28,10 +31,22 @@ def main(argv: list[str]) -> None:
         from flodld.rank.relay_client import connect_relay
 
         connect_relay(read_rank_environment())
+    atexit.register(_settle_torch_distributed)  # registered first, so it runs after the script's own handlers
     script = os.path.abspath(argv[0])  # `__file__` is absolute, as for `python SCRIPT.py` since Python 3.9
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     runpy.run_path(script, run_name="__main__")
+
+
+def _settle_torch_distributed() -> None:
+    """At exit, before the interpreter shuts down: close a process group the script left open and let
+    gloo's worker threads finish freeing their last work (see `quiesce_gloo_workers`). A script that
+    never touched torch.distributed pays nothing."""
+    if "torch.distributed" not in sys.modules:
+        return
+    from flodld.rank.process_group import close_process_group
+
+    close_process_group()
 
 
 if __name__ == "__main__":

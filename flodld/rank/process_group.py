@@ -60,10 +60,67 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = DEFAU
 
 
 def close_process_group() -> None:
-    """Destroy the default process group if the program left it open (a no-op otherwise).
+    """Destroy the default process group if the program left it open, then wait for gloo's worker
+    threads to go idle (both no-ops when there is nothing to do).
 
     Left to interpreter shutdown, gloo's teardown races its peers' exits and can abort the
     process (SIGABRT) after the work is done; an explicit destroy before exit does not.
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    quiesce_gloo_workers()
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def _gloo_worker_states() -> list[str] | None:
+    """The scheduler state letter (R, S, D, ...) of each gloo worker thread of this process, or None
+    where /proc cannot say (not Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                line = stat.read()
+        except OSError:
+            continue  # the thread ended between the listing and the read
+        comm = line[line.find("(") + 1 : line.rfind(")")]
+        if comm == GLOO_WORKER_THREAD:
+            states.append(line[line.rfind(")") + 2 : line.rfind(")") + 3])
+    return states
+
+
+def quiesce_gloo_workers(*, limit_s: float = 2.0, interval_s: float = 0.002, calm_samples: int = 3) -> bool:
+    """Wait, without the GIL, until no gloo worker thread of this process is runnable: True when they
+    are all idle (or there are none), False when `limit_s` passed first.
+
+    Why: a gloo worker frees a finished collective's work object *after* waking its waiter, and that
+    free drops Python-owned tensors, which takes the GIL. If the interpreter is finalizing by then,
+    CPython ends the thread with pthread_exit inside a noexcept destructor and the process aborts
+    ("terminate called without an active exception") after every line of the program succeeded.
+    `destroy_process_group()` joins the workers only when nothing else holds the group, and torch
+    itself keeps it (modules imported after init capture `group.WORLD` in default arguments, e.g.
+    torch.distributed.nn, which torch.distributed.checkpoint imports). So before the interpreter
+    shuts down, flodld lets the workers finish: sleeping releases the GIL to a worker that waits for
+    it, and a worker that was preempted mid-free shows as runnable until it is done.
+    """
+    import time
+
+    deadline = time.monotonic() + limit_s
+    calm = 0
+    while calm < calm_samples:
+        states = _gloo_worker_states()
+        if states is None:  # no /proc: give a preempted worker a moment, the best that can be done
+            time.sleep(0.05)
+            return True
+        if not states:
+            return True
+        calm = calm + 1 if all(state in "SI" for state in states) else 0
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True

@@ -165,6 +165,14 @@ class Relay:
     # --- ranks -----------------------------------------------------------------------------
 
     async def _serve_rank(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One rank leg's task. Cancelled when the relay stops (SIGTERM): that ends the leg quietly,
+        since the streams callback that owns this task would log a cancelled handler as an error."""
+        try:
+            await self._serve_rank_leg(reader, writer)
+        except asyncio.CancelledError:
+            writer.close()
+
+    async def _serve_rank_leg(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             channel, _ = await read_channel_prefix(reader, timeout=HANDSHAKE_TIMEOUT_SECS)
             if channel not in self.legs:
