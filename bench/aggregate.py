@@ -94,7 +94,9 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
     executable = link_program(transport, engine, lower=False)
     started = timed_barrier()
     secret = engine.generate_secret_key() if rank == KEY_HOLDER else None
-    public = fdist.broadcast_key(engine.generate_public_key(secret) if secret is not None else None, src=KEY_HOLDER)
+    public = fdist.broadcast_key(
+        engine.generate_public_key(secret) if secret is not None else None, src=KEY_HOLDER
+    )
     encrypt_started = time.perf_counter()
     ciphertext = encrypt_update(engine, update, public, world_size=world)
     encrypt_seconds = time.perf_counter() - encrypt_started
@@ -110,7 +112,9 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
         bytes_sent, rounds = 2 * (world - 1) * nbytes // world, 2 * (world - 1)
     else:
         # Tree messages, plus the final broadcast counted as the root sending one copy to every peer.
-        bytes_sent = (trace.messages_sent + (world - 1) * (rank == KEY_HOLDER) * trace.final_broadcasts) * nbytes
+        bytes_sent = (
+            trace.messages_sent + (world - 1) * (rank == KEY_HOLDER) * trace.final_broadcasts
+        ) * nbytes
         rounds = trace.schedule_rounds + 1
     return {
         "seconds": elapsed,
@@ -198,8 +202,10 @@ def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torc
     # TenSEAL clients share one context, secret key included; the server only gets the public part.
     if rank == KEY_HOLDER:
         secret = engine.generate_secret_key()
-        context = [value_to_bytes(secret, engine=engine, allow_secret=True),
-                   value_to_bytes(engine.generate_public_key(secret), engine=engine)]
+        context = [
+            value_to_bytes(secret, engine=engine, allow_secret=True),
+            value_to_bytes(engine.generate_public_key(secret), engine=engine),
+        ]
         for peer in range(1, world):
             for blob in context:
                 _send_blob(blob, peer)
@@ -235,7 +241,9 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
 
     started = timed_barrier()
     if rank == KEY_HOLDER:
-        context = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60])
+        context = ts.context(
+            ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
+        )
         context.global_scale = 2**40
         shared = context.serialize(save_secret_key=True)
         for peer in range(1, world):
@@ -263,7 +271,9 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
         return _pack([vector.serialize() for vector in total])
 
     result, sent = _through_server(rank, world, blob, server_sum)
-    mean = torch.tensor([x for vector in parse(result) for x in vector.decrypt()], dtype=torch.float64) / world
+    mean = (
+        torch.tensor([x for vector in parse(result) for x in vector.decrypt()], dtype=torch.float64) / world
+    )
     dist.barrier()
     elapsed = time.perf_counter() - started
     return {"seconds": elapsed, "error": float((mean - truth).abs().max()), "bytes_sent": sent, "rounds": 2}
@@ -290,8 +300,11 @@ def run(world: int, values: int, tenseal: bool, repeats: int) -> list[dict[str, 
     context = mp.get_context("spawn")
     results = context.Queue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    processes = [context.Process(target=worker, args=(rank, world, port, values, tenseal, repeats, results))
-                 for port in [free_port()] for rank in range(world)]
+    processes = [
+        context.Process(target=worker, args=(rank, world, port, values, tenseal, repeats, results))
+        for port in [free_port()]
+        for rank in range(world)
+    ]
     for process in processes:
         process.start()
     rows = [results.get(timeout=1800) for _ in processes]
@@ -320,40 +333,56 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
     encrypt_s = max(row["ours"][ours_at]["encrypt_seconds"] for row in rows)
     mib = 2**20
     print(f"\n{world} ranks, {values} values per rank")
-    print(f"  {'pipeline':<34}{'time':>9}{'vs floor':>10}{'max error':>11}{'MiB sent/rank (max)':>21}{'rounds':>8}")
-    print(f"  {'floor: gloo all_reduce float32':<34}{floor_s:>8.3f}s{1.0:>9.1f}x{'exact':>11}"
-          f"{values * 4 * 2 * (world - 1) / world / mib:>20.1f}~{2 * (world - 1):>7}~")
-    for name, key, seconds, error in (("ours: compiled all_reduce", "ours", ours_s, ours_error),
-                                      ("ours, threshold (no key holder)", "threshold", threshold_s, threshold_error),
-                                      (usual_name, "usual", usual_s, usual_error)):
+    print(
+        f"  {'pipeline':<34}{'time':>9}{'vs floor':>10}{'max error':>11}{'MiB sent/rank (max)':>21}{'rounds':>8}"
+    )
+    print(
+        f"  {'floor: gloo all_reduce float32':<34}{floor_s:>8.3f}s{1.0:>9.1f}x{'exact':>11}"
+        f"{values * 4 * 2 * (world - 1) / world / mib:>20.1f}~{2 * (world - 1):>7}~"
+    )
+    for name, key, seconds, error in (
+        ("ours: compiled all_reduce", "ours", ours_s, ours_error),
+        ("ours, threshold (no key holder)", "threshold", threshold_s, threshold_error),
+        (usual_name, "usual", usual_s, usual_error),
+    ):
         sent = max(row[key][0]["bytes_sent"] for row in rows) / mib
         rounds = max(row[key][0]["rounds"] for row in rows)
         print(f"  {name:<34}{seconds:>8.3f}s{seconds / floor_s:>9.1f}x{error:>11.2e}{sent:>21.1f}{rounds:>8}")
     verdict = "meets" if ours_s <= usual_s / 2 and ours_error <= usual_error else "misses"
-    print(f"  ours / usual time: {ours_s / usual_s:.2f}  (goal <= 0.50 with equal or better error: {verdict}); "
-          f"encryption is {encrypt_s / ours_s:.0%} of ours")
+    print(
+        f"  ours / usual time: {ours_s / usual_s:.2f}  (goal <= 0.50 with equal or better error: {verdict}); "
+        f"encryption is {encrypt_s / ours_s:.0%} of ours"
+    )
     threshold_encrypt = max(row["threshold"][threshold_at]["encrypt_seconds"] for row in rows)
     met = threshold_s <= 1.3 * ours_s and threshold_s <= usual_s / 2 and threshold_error <= 1e-6
-    print(f"  threshold / single-key time: {threshold_s / ours_s:.2f} (goal <= 1.3), threshold / usual: "
-          f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= 1e-6): "
-          f"{'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of threshold")
-    print("  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a ring, "
-          "or under 'tree' the tree messages plus the root sending one broadcast copy per peer; "
-          "MiB sent is the busiest rank's)")
+    print(
+        f"  threshold / single-key time: {threshold_s / ours_s:.2f} (goal <= 1.3), threshold / usual: "
+        f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= 1e-6): "
+        f"{'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of threshold"
+    )
+    print(
+        "  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a ring, "
+        "or under 'tree' the tree messages plus the root sending one broadcast copy per peer; "
+        "MiB sent is the busiest rank's)"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--values", type=int, default=1 << 20, help="values per rank (default 1048576)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats per pipeline; the best counts")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="interleaved repeats per pipeline; the best counts"
+    )
     args = parser.parse_args()
     tenseal = importlib.util.find_spec("tenseal") is not None
     usual_name = "usual: TenSEAL serialize/add" if tenseal else "usual: same shape, our engine"
     print(f"cpu threads per rank: 1; machine cores: {os.cpu_count()}; torch {torch.__version__}")
     if not tenseal:
-        print("TenSEAL: unavailable (not installable here); the usual pipeline runs on our engine with TenSEAL's "
-              "tutorial parameters and fhelium.serialization for the byte round trips")
+        print(
+            "TenSEAL: unavailable (not installable here); the usual pipeline runs on our engine with TenSEAL's "
+            "tutorial parameters and fhelium.serialization for the byte round trips"
+        )
     for world in args.ranks:
         summarize(world, args.values, run(world, args.values, tenseal, max(1, args.repeats)), usual_name)
     return 0

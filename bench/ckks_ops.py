@@ -44,7 +44,11 @@ REFERENCE_SEAL_MS = {  # issue text: SEAL, single thread, N=2^14, 5 limbs, measu
     "rotate": 8.1,
     "row NTT (forward)": 0.2,  # issue 15: SEAL's implied per-row NTT cost (not in TenSEAL's API)
 }
-PRESETS = {13: Preset.SLOTS4096_SCALE40_DEPTH2, 14: Preset.SLOTS8192_SCALE40_DEPTH4, 15: Preset.SLOTS16384_SCALE40_DEPTH4}
+PRESETS = {
+    13: Preset.SLOTS4096_SCALE40_DEPTH2,
+    14: Preset.SLOTS8192_SCALE40_DEPTH4,
+    15: Preset.SLOTS16384_SCALE40_DEPTH4,
+}
 SEAL_SHAPES = {13: [60, 40, 40, 60], 14: [60, 40, 40, 40, 40, 60], 15: [60, 40, 40, 40, 40, 60]}
 
 
@@ -71,7 +75,8 @@ def fhelium_operations(engine: CkksEngine, batch: int) -> dict[str, Callable[[],
     relin, rotation = keys.relin(), keys.rotation(1)
     ids = engine.q_ids_at(0)
     residues = torch.stack(
-        [torch.randint(0, engine.moduli[i], (*shape, engine.ring_degree), generator=generator) for i in ids], dim=-2
+        [torch.randint(0, engine.moduli[i], (*shape, engine.ring_degree), generator=generator) for i in ids],
+        dim=-2,
     )
     return {
         "encode+encrypt": lambda: engine.encode_encrypt(x, keys.public),
@@ -169,11 +174,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--compile", action="store_true",
+        "--compile",
+        action="store_true",
         help="opt-in torch.compile of the NTT stages (first call compiles for 20-60 s; not in the timings)",
     )
     parser.add_argument(
-        "--clock", choices=("wall", "cpu"), default="wall",
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
         help="cpu = process CPU time: steadier than wall time on a shared, overloaded machine",
     )
     args = parser.parse_args()
@@ -196,7 +204,9 @@ def main() -> None:
         print(f"\n== N=2^{log_n}, {limbs} Q limbs, scale 2^40 ({PRESETS[log_n].value})")
         start = time.perf_counter()
         engine.generate_keys(rotation_steps=(1,))
-        print(f"keygen (secret, public, relinearization, 1 rotation key): {(time.perf_counter() - start) * 1e3:.0f} ms")
+        print(
+            f"keygen (secret, public, relinearization, 1 rotation key): {(time.perf_counter() - start) * 1e3:.0f} ms"
+        )
 
         single = {name: best_ms(op, runs) for name, op in fhelium_operations(engine, 0).items()}
         single[ROW_SCALED] /= ntt_rows(engine, 0)

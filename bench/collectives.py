@@ -81,7 +81,9 @@ def _measure(engine: CkksEngine, batch_shape: tuple[int, ...], warmup: int, runs
     source = value if rank == 0 else None
     steps: dict[str, Callable[[], object]] = {
         "all_reduce_ciphertext": lambda: fdist.all_reduce_ciphertext(value, engine=engine),
-        "all_reduce_ciphertext[tree]": lambda: fdist.all_reduce_ciphertext(value, engine=engine, algorithm="tree"),
+        "all_reduce_ciphertext[tree]": lambda: fdist.all_reduce_ciphertext(
+            value, engine=engine, algorithm="tree"
+        ),
         "reduce_ciphertext": lambda: fdist.reduce_ciphertext(value, dst=0, engine=engine),
         "broadcast_ciphertext": lambda: fdist.broadcast_ciphertext(source, src=0),
         "raw_all_reduce_sum": lambda: fdist.all_reduce(raw),

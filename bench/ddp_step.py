@@ -70,15 +70,21 @@ def measure(command: list[str], ranks: int) -> float:
     """The world's steps/s in one launch: the slowest rank's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    rates = [float(r) for r in re.findall(r"ddp-step rank=\d+ steps_per_s=([0-9.]+)", done.stdout + done.stderr)]
+    rates = [
+        float(r) for r in re.findall(r"ddp-step rank=\d+ steps_per_s=([0-9.]+)", done.stdout + done.stderr)
+    ]
     if done.returncode != 0 or len(rates) != ranks:
-        raise RuntimeError(f"{command[:3]} failed (exit {done.returncode}, {len(rates)}/{ranks} ranks):\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(
+            f"{command[:3]} failed (exit {done.returncode}, {len(rates)}/{ranks} ranks):\n"
+            f"{(done.stdout + done.stderr)[-3000:]}"
+        )
     return min(rates)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=200)
@@ -92,8 +98,10 @@ def main() -> int:
     if torchrun is None:
         print("torchrun not found next to this interpreter or on PATH", file=sys.stderr)
         return 2
-    print(f"MLP {WIDTH}x{WIDTH}x{WIDTH}x10, batch {BATCH}, {args.steps} steps after {args.warmup} warm-up, gloo on CPU, "
-          f"median of {args.repeats}")
+    print(
+        f"MLP {WIDTH}x{WIDTH}x{WIDTH}x10, batch {BATCH}, {args.steps} steps after {args.warmup} warm-up, gloo on CPU, "
+        f"median of {args.repeats}"
+    )
     print(f"{'ranks':>5} {'torchrun steps/s':>17} {'fdl run steps/s':>16} {'fdl/torchrun':>13}")
     for ranks in args.ranks:
         baseline, ours = [], []

@@ -251,8 +251,14 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
         baseline_rate = await _baseline_connects(agents, in_flight)
         idle_rss = _rss_mib(proc.pid)
         poller = await _spawn(
-            sys.executable, __file__, "--poller-for", str(port), "--pollers", str(pollers),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            __file__,
+            "--poller-for",
+            str(port),
+            "--pollers",
+            str(pollers),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
         )
         assert poller.stdout is not None
         await asyncio.wait_for(poller.stdout.readline(), 60)  # the storm starts once the pollers are running
@@ -268,8 +274,16 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             async with gate:
                 stream = await open_channel("127.0.0.1", port, Channel.JOIN, token, timeout=120)
                 streams.append(stream)
-                await stream.send(Hello(host=f"bench-{index:05d}", devices=["cpu:0"], device_labels=[],
-                                        variant="cpu", torch_version="bench", protocol_version=JOIN_PROTOCOL_VERSION))
+                await stream.send(
+                    Hello(
+                        host=f"bench-{index:05d}",
+                        devices=["cpu:0"],
+                        device_labels=[],
+                        variant="cpu",
+                        torch_version="bench",
+                        protocol_version=JOIN_PROTOCOL_VERSION,
+                    )
+                )
                 reply = (await stream.recv(120)).message()
                 assert isinstance(reply, Accept), reply
                 accepted_at.append(time.perf_counter())
@@ -279,8 +293,12 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             formed_bytes.append(len(world.payload))
             if len(formed_at) == agents:
                 everyone_formed.set()
-            await release.wait()  # links stay open: RSS at its peak, and the run (and port) outlive the polling
-            for rank in reply.ranks:  # nobody renumbers in a storm without departures: Accept's ranks are final
+            await (
+                release.wait()
+            )  # links stay open: RSS at its peak, and the run (and port) outlive the polling
+            for (
+                rank
+            ) in reply.ranks:  # nobody renumbers in a storm without departures: Accept's ranks are final
                 await stream.send(RankExited(rank=rank, code=0))
             await stream.aclose()
 
@@ -297,12 +315,19 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
         samples = json.loads(polled)
         code = await asyncio.wait_for(proc.wait(), 120)
         return StormRow(
-            agents=agents, admit_rate=agents / (max(accepted_at) - begun), baseline_rate=baseline_rate,
+            agents=agents,
+            admit_rate=agents / (max(accepted_at) - begun),
+            baseline_rate=baseline_rate,
             first_dial_to_formed_ms=(max(formed_at) - begun) * 1000,
             last_accept_to_formed_ms=(max(formed_at) - max(accepted_at)) * 1000,
-            state_p50=_pct(samples["state"], 0.5), state_p99=_pct(samples["state"], 0.99),
-            base_p50=_pct(samples["baseline"], 0.5), base_p99=_pct(samples["baseline"], 0.99),
-            polls=len(samples["state"]), idle_rss=idle_rss, peak_rss=peak_rss, formed_bytes=max(formed_bytes),
+            state_p50=_pct(samples["state"], 0.5),
+            state_p99=_pct(samples["state"], 0.99),
+            base_p50=_pct(samples["baseline"], 0.5),
+            base_p99=_pct(samples["baseline"], 0.99),
+            polls=len(samples["state"]),
+            idle_rss=idle_rss,
+            peak_rss=peak_rss,
+            formed_bytes=max(formed_bytes),
             exit_code=code,
         )
     finally:
@@ -328,15 +353,17 @@ async def store_storm(ranks: int, peers: int) -> tuple[int, float, float, int | 
     """(store ops, store ops/s, baseline round trips/s, controller exit code)."""
     _raise_fd_limit(2 * ranks + 1024)
     token, run_id = new_salt(), f"storm-{secrets.token_hex(4)}"
-    proc, port, drain = await _controller("--ranks", "1", "--token", token.hex(), "--run-id", run_id,
-                                          "--window", "600")
+    proc, port, drain = await _controller(
+        "--ranks", "1", "--token", token.hex(), "--run-id", run_id, "--window", "600"
+    )
     streams: list[FramedStream] = []
     try:
         for rank in range(ranks):
             stream = await open_channel("127.0.0.1", port, Channel.RENDEZVOUS, token, timeout=60)
             streams.append(stream)
-            await _store_call(stream, StoreHello(run_id=run_id, rank=rank, client_id=secrets.token_hex(16)), b"",
-                              StoreOk)
+            await _store_call(
+                stream, StoreHello(run_id=run_id, rank=rank, client_id=secrets.token_hex(16)), b"", StoreOk
+            )
         address = b"x" * 64
 
         async def rank_init(rank: int, stream: FramedStream) -> int:
@@ -401,12 +428,17 @@ async def main(options: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, task.cancel)
     rows: list[StormRow] = []
     status = 0
-    print(f"join storm on {os.cpu_count()} CPU(s), {options.pollers} state.json pollers, "
-          f"{options.in_flight} dials in flight at most", flush=True)
+    print(
+        f"join storm on {os.cpu_count()} CPU(s), {options.pollers} state.json pollers, "
+        f"{options.in_flight} dials in flight at most",
+        flush=True,
+    )
     try:
         for agents in options.agents:
             try:
-                row = await asyncio.wait_for(join_storm(agents, options.pollers, options.in_flight), options.timeout)
+                row = await asyncio.wait_for(
+                    join_storm(agents, options.pollers, options.in_flight), options.timeout
+                )
             except TimeoutError:
                 print(f"  {agents} agents: no formation within {options.timeout:g}s (timed out)", flush=True)
                 status = 1
@@ -424,9 +456,11 @@ async def main(options: argparse.Namespace) -> int:
                 print(f"store storm: {ranks} ranks did not finish within {options.timeout:g}s (timed out)")
                 return 1
             print()
-            print(f"store storm: {ranks} ranks x (add, set, {peers} x (wait, get), add) = {ops:,} ops: "
-                  f"{rate:,.0f} ops/s; bare asyncio echo baseline {baseline:,.0f} round trips/s; "
-                  f"ratio {rate / baseline:.2f} (controller exit {code})")
+            print(
+                f"store storm: {ranks} ranks x (add, set, {peers} x (wait, get), add) = {ops:,} ops: "
+                f"{rate:,.0f} ops/s; bare asyncio echo baseline {baseline:,.0f} round trips/s; "
+                f"ratio {rate / baseline:.2f} (controller exit {code})"
+            )
     finally:
         for proc in _CHILDREN:
             await _end(proc, grace=5.0)
@@ -438,12 +472,20 @@ def _agent_counts(text: str) -> list[int]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--agents", type=_agent_counts, default=[1000], help="comma-separated agent counts")
     parser.add_argument("--pollers", type=int, default=8)
-    parser.add_argument("--in-flight", type=int, default=2000, help="dials (handshake + hello) in flight at most")
-    parser.add_argument("--store-ranks", type=int, default=1000, help="simulated ranks in the store storm (0: skip)")
-    parser.add_argument("--store-peers", default="32", help="peers each rank reads in the store storm, or `all`")
+    parser.add_argument(
+        "--in-flight", type=int, default=2000, help="dials (handshake + hello) in flight at most"
+    )
+    parser.add_argument(
+        "--store-ranks", type=int, default=1000, help="simulated ranks in the store storm (0: skip)"
+    )
+    parser.add_argument(
+        "--store-peers", default="32", help="peers each rank reads in the store storm, or `all`"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per storm before giving up")
     parser.add_argument("--poller-for", type=int, help=argparse.SUPPRESS)  # internal: run as the poller child
     options = parser.parse_args()

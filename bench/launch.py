@@ -57,7 +57,9 @@ def measure(command: list[str], ranks: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -69,7 +71,9 @@ def main() -> int:
     if torchrun is None:
         print("torchrun not found next to this interpreter or on PATH", file=sys.stderr)
         return 2
-    print(f"{'ranks':>5} {'torchrun s':>11} {'fdl run s':>10} {'fdl/torchrun':>13} {'env:// s':>9} {'env:///torchrun':>16}")
+    print(
+        f"{'ranks':>5} {'torchrun s':>11} {'fdl run s':>10} {'fdl/torchrun':>13} {'env:// s':>9} {'env:///torchrun':>16}"
+    )
     fdl = [sys.executable, "-m", "fdl.main", "run"]
     for ranks in args.ranks:
         baseline, ours, stock = [], [], []
@@ -77,10 +81,14 @@ def main() -> int:
             baseline.append(measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"],
                                     ranks))  # fmt: skip
             ours.append(measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank"], ranks))
-            stock.append(measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks))
+            stock.append(
+                measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks)
+            )
         base, mine, env = statistics.median(baseline), statistics.median(ours), statistics.median(stock)
-        print(f"{ranks:>5} {base:>11.2f} {mine:>10.2f} {mine / base:>12.2f}x {env:>9.2f} {env / base:>15.2f}x",
-              flush=True)
+        print(
+            f"{ranks:>5} {base:>11.2f} {mine:>10.2f} {mine / base:>12.2f}x {env:>9.2f} {env / base:>15.2f}x",
+            flush=True,
+        )
     return 0
 
 

@@ -166,30 +166,52 @@ def run_world(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[str, fl
         for name in ("FLODL_INTERNAL_AGENT_JSON", "FLODL_INTERNAL_RELAY_JSON", "RANK", "FLODL_CONTROLLER"):
             env.pop(name, None)
         proc = subprocess.run(
-            [sys.executable, "-m", "fdl.main", "run", "--ranks", str(ranks), str(Path(__file__).resolve()),
-             "--", "--rank"],
-            cwd=scratch, env=env, capture_output=True, text=True, timeout=1800,
+            [
+                sys.executable,
+                "-m",
+                "fdl.main",
+                "run",
+                "--ranks",
+                str(ranks),
+                str(Path(__file__).resolve()),
+                "--",
+                "--rank",
+            ],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
         if proc.returncode != 0 or not out.exists():
-            raise SystemExit(f"fdl run --ranks {ranks} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise SystemExit(
+                f"fdl run --ranks {ranks} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", default="2", help="comma-separated world sizes (default 2)")
     parser.add_argument("--sizes", default="1,16,64", help="comma-separated tensor sizes in MiB")
     parser.add_argument("--runs", type=int, default=5, help="timed rounds per size (after one warm-up)")
     options = parser.parse_args()
     sizes = [int(part) for part in options.sizes.split(",")]
-    print(f"relay bench on {os.cpu_count()} CPU(s), sizes {sizes} MiB float32, {options.runs} runs (median)", flush=True)
+    print(
+        f"relay bench on {os.cpu_count()} CPU(s), sizes {sizes} MiB float32, {options.runs} runs (median)",
+        flush=True,
+    )
     ceiling = loopback_ceiling()
     print(f"asyncio loopback ceiling: {ceiling:.2f} GiB/s", flush=True)
     rates = {size: cipher_rates(size * MIB) for size in sizes}
     for size, (suite, seal, open_) in rates.items():
         print(f"cipher {suite} on {size} MiB: seal {seal:.2f} GiB/s, open {open_:.2f} GiB/s", flush=True)
     print()
-    print("| ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | vs loopback | cipher share (est.) |")
+    print(
+        "| ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | vs loopback | cipher share (est.) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for ranks in (int(part) for part in options.ranks.split(",")):
         results = run_world(ranks, sizes, options.runs)
@@ -200,8 +222,11 @@ def main() -> int:
             _, seal, open_ = rates[size]
             seals, opens = 4 + (ranks - 1), 4  # critical path: see the module docstring
             cipher = (size / 1024) * (seals / seal + opens / open_)
-            print(f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | {average / reduce_:.1f}x "
-                  f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | {min(cipher / average, 1):.0%} |", flush=True)
+            print(
+                f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | {average / reduce_:.1f}x "
+                f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | {min(cipher / average, 1):.0%} |",
+                flush=True,
+            )
     return 0
 
 

@@ -96,11 +96,19 @@ if __name__ == "__main__":
 
 
 def controller_options(port: int, hosts: int, salt_hex: str, index: int) -> ControllerOptions:
-    return ControllerOptions.model_validate({
-        "bind_host": "127.0.0.1", "port": port, "capacity": hosts, "run_id": f"soak-{index}", "tick_interval": 0.02,
-        "join": JoinConfig(target_ranks=hosts, min_rank_start=hosts, join_timeout=REAL_RUN_BOUND_SECS, token=salt_hex),
-        "env": {"OMP_NUM_THREADS": "1"},
-    })
+    return ControllerOptions.model_validate(
+        {
+            "bind_host": "127.0.0.1",
+            "port": port,
+            "capacity": hosts,
+            "run_id": f"soak-{index}",
+            "tick_interval": 0.02,
+            "join": JoinConfig(
+                target_ranks=hosts, min_rank_start=hosts, join_timeout=REAL_RUN_BOUND_SECS, token=salt_hex
+            ),
+            "env": {"OMP_NUM_THREADS": "1"},
+        }
+    )
 
 
 async def controller_loop(port: int, runs: int, real_runs: int, hosts: int, salt_hex: str) -> None:
@@ -143,8 +151,14 @@ class Figures:
 
 
 def hello(host: str) -> Hello:
-    return Hello(host=host, devices=["cpu:0"], device_labels=[], variant="cpu", torch_version="2.13",
-                 protocol_version=PROTOCOL_VERSION)
+    return Hello(
+        host=host,
+        devices=["cpu:0"],
+        device_labels=[],
+        variant="cpu",
+        torch_version="2.13",
+        protocol_version=PROTOCOL_VERSION,
+    )
 
 
 async def get_state(port: int) -> float:
@@ -186,15 +200,18 @@ def reset(stream: FramedStream) -> None:
     stream.writer.transport.abort()
 
 
-async def one_run(port: int, key: bytes, args: argparse.Namespace, rng: random.Random, figures: Figures,
-                  index: int) -> str:
+async def one_run(
+    port: int, key: bytes, args: argparse.Namespace, rng: random.Random, figures: Figures, index: int
+) -> str:
     """Drive one run; returns the expected verdict."""
     begun = time.perf_counter()
     leavers = [await join(port, key, f"leaver-{index}-{i}", figures) for i in range(args.leavers)]
     for stream in leavers:
         await stream.aclose()
     await asyncio.sleep(0.05)  # let the retractions land before the members fill the target
-    members = await asyncio.gather(*(join(port, key, f"host-{index}-{i}", figures) for i in range(args.hosts)))
+    members = await asyncio.gather(
+        *(join(port, key, f"host-{index}-{i}", figures) for i in range(args.hosts))
+    )
     formed = [(await stream.recv(RUN_BOUND_SECS)).message() for stream in members]
     if not all(isinstance(message, WorldFormed) for message in formed):
         raise RuntimeError(f"run {index}: expected WorldFormed everywhere, got {formed!r}")
@@ -217,16 +234,27 @@ def marked_pids(mark: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and needle in Path(f"/proc/{entry}/environ").read_bytes() and \
-                    "\nState:\tZ" not in Path(f"/proc/{entry}/status").read_text():
+            if (
+                entry.isdigit()
+                and needle in Path(f"/proc/{entry}/environ").read_bytes()
+                and "\nState:\tZ" not in Path(f"/proc/{entry}/status").read_text()
+            ):
                 found.append(int(entry))
         except OSError:
             continue
     return found
 
 
-async def real_run(port: int, salt_hex: str, program: Path, args: argparse.Namespace, rng: random.Random,
-                   figures: Figures, index: int, child: subprocess.Popen[str]) -> tuple[str, list[str]]:
+async def real_run(
+    port: int,
+    salt_hex: str,
+    program: Path,
+    args: argparse.Namespace,
+    rng: random.Random,
+    figures: Figures,
+    index: int,
+    child: subprocess.Popen[str],
+) -> tuple[str, list[str]]:
     """Two real agents; maybe SIGKILL one mid-training. Returns the expected verdict and the RESULT line."""
     from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
 
@@ -234,13 +262,32 @@ async def real_run(port: int, salt_hex: str, program: Path, args: argparse.Names
     begun = time.perf_counter()
     agents = []
     for position in range(REAL_HOSTS):
-        spec = AgentSpec(host=f"real-{index}-{position}", controller_host="127.0.0.1", controller_port=port,
-                         salt_hex=salt_hex, devices=["cpu"], grace_secs=2.0)
-        env = {**os.environ, AGENT_ENV: encode_spec(spec), MARK: mark, "SOAK_STEPS": "40",
-               "OMP_NUM_THREADS": "1", "FLODL_NET_TIMEOUT_SCALE": "0.2"}
-        agents.append(await asyncio.create_subprocess_exec(
-            sys.executable, str(program), env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL))
+        spec = AgentSpec(
+            host=f"real-{index}-{position}",
+            controller_host="127.0.0.1",
+            controller_port=port,
+            salt_hex=salt_hex,
+            devices=["cpu"],
+            grace_secs=2.0,
+        )
+        env = {
+            **os.environ,
+            AGENT_ENV: encode_spec(spec),
+            MARK: mark,
+            "SOAK_STEPS": "40",
+            "OMP_NUM_THREADS": "1",
+            "FLODL_NET_TIMEOUT_SCALE": "0.2",
+        }
+        agents.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(program),
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+        )
     kill = rng.random() < args.kill_rate
     victim = agents[rng.randrange(REAL_HOSTS)]
     assert victim.stdout is not None
@@ -301,9 +348,23 @@ async def drive(args: argparse.Namespace) -> int:
     salt_hex = salt_to_hex(new_salt())
     key = salt_from_hex(salt_hex)
     child = subprocess.Popen(
-        [sys.executable, __file__, "--controller-loop", "--port", str(port), "--runs", str(args.runs),
-         "--real-runs", str(args.real_runs), "--hosts", str(args.hosts)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            __file__,
+            "--controller-loop",
+            "--port",
+            str(port),
+            "--runs",
+            str(args.runs),
+            "--real-runs",
+            str(args.real_runs),
+            "--hosts",
+            str(args.hosts),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, "FLODL_SOAK_SALT": salt_hex},  # the salt never travels in argv
     )
     rng = random.Random(args.seed)
@@ -326,12 +387,18 @@ async def drive(args: argparse.Namespace) -> int:
                 expected, result = await real_run(port, salt_hex, program, args, rng, figures, index, child)
                 _, _, verdict, reason = result
             else:
-                expected = await asyncio.wait_for(one_run(port, key, args, rng, figures, index), RUN_BOUND_SECS)
-                _, _, verdict, reason = await asyncio.wait_for(expect(child, f"RESULT {index}"), RUN_BOUND_SECS)
+                expected = await asyncio.wait_for(
+                    one_run(port, key, args, rng, figures, index), RUN_BOUND_SECS
+                )
+                _, _, verdict, reason = await asyncio.wait_for(
+                    expect(child, f"RESULT {index}"), RUN_BOUND_SECS
+                )
             if verdict == expected:
                 figures.verdicts_right += 1
             else:
-                figures.verdicts_wrong.append(f"run {index}: expected {expected}, got {verdict} ({reason.strip()})")
+                figures.verdicts_wrong.append(
+                    f"run {index}: expected {expected}, got {verdict} ({reason.strip()})"
+                )
             sample(child.pid, figures)
             advance(child)
         stop.set()
@@ -385,8 +452,23 @@ async def drive_daemon(args: argparse.Namespace) -> int:
     )
     log = open(Path(scratch.name) / "daemon.log", "w")  # noqa: SIM115 - lives as long as the daemon
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "flodld", "serve", "--config", str(config), "--bind", "127.0.0.1", "--port", str(port),
-         "--run-id", "soak"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "flodld",
+            "serve",
+            "--config",
+            str(config),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--run-id",
+            "soak",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     rng = random.Random(args.seed)
@@ -400,18 +482,24 @@ async def drive_daemon(args: argparse.Namespace) -> int:
         sample(daemon.pid, figures)  # baseline: the first window open, nothing joined
         pollers = [asyncio.ensure_future(poll(port, figures, stop)) for _ in range(args.pollers)]
         for index in range(1, args.runs + 1):
-            await until_state(port, lambda s, i=index: s.get("run_id") == f"soak-{i}" and s.get("phase") == "waiting",
-                              RUN_BOUND_SECS)
+            await until_state(
+                port,
+                lambda s, i=index: s.get("run_id") == f"soak-{i}" and s.get("phase") == "waiting",
+                RUN_BOUND_SECS,
+            )
             expected = await asyncio.wait_for(one_run(port, key, args, rng, figures, index), RUN_BOUND_SECS)
             state = await until_state(
-                port, lambda s, i=index: any(h.get("run_id") == f"soak-{i}" for h in s.get("history") or []),
-                RUN_BOUND_SECS)
+                port,
+                lambda s, i=index: any(h.get("run_id") == f"soak-{i}" for h in s.get("history") or []),
+                RUN_BOUND_SECS,
+            )
             entry = next(h for h in state["history"] if h["run_id"] == f"soak-{index}")
             if entry["verdict"] == expected:
                 figures.verdicts_right += 1
             else:
-                figures.verdicts_wrong.append(f"run {index}: expected {expected}, got {entry['verdict']} "
-                                              f"({entry['reason']})")
+                figures.verdicts_wrong.append(
+                    f"run {index}: expected {expected}, got {entry['verdict']} ({entry['reason']})"
+                )
             sample(daemon.pid, figures)
         stop.set()
         await asyncio.gather(*pollers)
@@ -433,44 +521,66 @@ async def drive_daemon(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace, figures: Figures, quiet: list[float], elapsed: float) -> None:
     ms = 1e3
     runs = figures.verdicts_right + len(figures.verdicts_wrong)
-    print(f"soak: {runs} runs completed in {elapsed:.1f}s ({args.runs} protocol runs of {args.hosts} hosts + "
-          f"{args.leavers} leavers, {args.real_runs} real runs of {REAL_HOSTS} agents; {args.pollers} pollers, "
-          f"kill rate {args.kill_rate})")
+    print(
+        f"soak: {runs} runs completed in {elapsed:.1f}s ({args.runs} protocol runs of {args.hosts} hosts + "
+        f"{args.leavers} leavers, {args.real_runs} real runs of {REAL_HOSTS} agents; {args.pollers} pollers, "
+        f"kill rate {args.kill_rate})"
+    )
     print(f"verdicts: {figures.verdicts_right}/{runs} correct")
     for wrong in figures.verdicts_wrong[:10]:
         print(f"  WRONG {wrong}")
     rss_mib = [value / 2**20 for value in figures.rss]
-    print(f"controller RSS MiB: baseline {rss_mib[0]:.1f}, first run {rss_mib[1]:.1f}, max {max(rss_mib):.1f}, "
-          f"last {rss_mib[-1]:.1f}")
-    print(f"controller fds: baseline {figures.fds[0]}, first run {figures.fds[1]}, max {max(figures.fds)}, "
-          f"last {figures.fds[-1]}")
+    print(
+        f"controller RSS MiB: baseline {rss_mib[0]:.1f}, first run {rss_mib[1]:.1f}, max {max(rss_mib):.1f}, "
+        f"last {rss_mib[-1]:.1f}"
+    )
+    print(
+        f"controller fds: baseline {figures.fds[0]}, first run {figures.fds[1]}, max {max(figures.fds)}, "
+        f"last {figures.fds[-1]}"
+    )
     protocol = figures.rss[1 : args.runs + 1]  # sample 0 is the baseline; real runs come last
     head, tail = protocol[:5], protocol[-5:]
     growth = (statistics.mean(tail) - statistics.mean(head)) / 2**20
-    print(f"RSS growth over the protocol runs, mean of the last 5 minus the first 5: {growth:+.1f} MiB; "
-          f"fd growth over all runs {figures.fds[-1] - figures.fds[1]:+d}")
+    print(
+        f"RSS growth over the protocol runs, mean of the last 5 minus the first 5: {growth:+.1f} MiB; "
+        f"fd growth over all runs {figures.fds[-1] - figures.fds[1]:+d}"
+    )
     marks = sorted({1, *(max(1, round(args.runs * f)) for f in (0.1, 0.25, 0.5, 0.75, 1.0))})
-    print("RSS MiB after protocol run " + ", ".join(f"{m}: {figures.rss[m] / 2**20:.1f}" for m in marks
-                                                  if m < len(figures.rss)))
+    print(
+        "RSS MiB after protocol run "
+        + ", ".join(f"{m}: {figures.rss[m] / 2**20:.1f}" for m in marks if m < len(figures.rss))
+    )
     if args.real_runs >= 2:
         real = [value / 2**20 for value in figures.rss[args.runs + 1 :]]
         print(f"RSS after each real run (data plane included), MiB: {', '.join(f'{v:.1f}' for v in real)}")
-    print(f"orphan processes after real runs: {len(figures.orphans)}" +
-          "".join(f"\n  ORPHANS {line}" for line in figures.orphans))
-    for name, values in (("state.json", figures.state_latency), ("join", figures.join_latency),
-                         ("run", figures.run_latency), ("real run", figures.real_run_latency),
-                         ("kill->verdict", figures.kill_to_verdict)):
+    print(
+        f"orphan processes after real runs: {len(figures.orphans)}"
+        + "".join(f"\n  ORPHANS {line}" for line in figures.orphans)
+    )
+    for name, values in (
+        ("state.json", figures.state_latency),
+        ("join", figures.join_latency),
+        ("run", figures.run_latency),
+        ("real run", figures.real_run_latency),
+        ("kill->verdict", figures.kill_to_verdict),
+    ):
         if not values:
             continue
-        print(f"{name:>13}: n={len(values):5d} p50 {percentile(values, 0.5) * ms:8.2f} ms  "
-              f"p99 {percentile(values, 0.99) * ms:8.2f} ms  max {max(values) * ms:8.2f} ms")
+        print(
+            f"{name:>13}: n={len(values):5d} p50 {percentile(values, 0.5) * ms:8.2f} ms  "
+            f"p99 {percentile(values, 0.99) * ms:8.2f} ms  max {max(values) * ms:8.2f} ms"
+        )
     quiet_p99 = percentile(quiet, 0.99)
-    print(f"state.json p99 under soak / quiet baseline p99 ({quiet_p99 * ms:.2f} ms): "
-          f"{percentile(figures.state_latency, 0.99) / quiet_p99:.2f}x")
+    print(
+        f"state.json p99 under soak / quiet baseline p99 ({quiet_p99 * ms:.2f} ms): "
+        f"{percentile(figures.state_latency, 0.99) / quiet_p99:.2f}x"
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--leavers", type=int, default=2)
@@ -489,7 +599,9 @@ def main() -> int:
         import logging
 
         logging.disable(logging.WARNING)
-        asyncio.run(controller_loop(args.port, args.runs, args.real_runs, args.hosts, os.environ["FLODL_SOAK_SALT"]))
+        asyncio.run(
+            controller_loop(args.port, args.runs, args.real_runs, args.hosts, os.environ["FLODL_SOAK_SALT"])
+        )
         return 0
     return asyncio.run(drive_daemon(args) if args.daemon else drive(args))
 

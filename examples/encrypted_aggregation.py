@@ -101,7 +101,9 @@ def encrypt_update(
     return engine.encode_encrypt(padded.view(rows, slots), public)
 
 
-def decrypt_mean(engine: CkksEngine, total: Ciphertext, secret: Any, count: int, world_size: int) -> torch.Tensor:
+def decrypt_mean(
+    engine: CkksEngine, total: Ciphertext, secret: Any, count: int, world_size: int
+) -> torch.Tensor:
     """Decrypt the world's sum and divide by the world size (only the key holder can)."""
     slots = engine.decrypt_decode(total, secret).real
     return slots.reshape(-1)[:count] / world_size
@@ -125,8 +127,13 @@ def descriptor(engine: CkksEngine, *, values: int, transport: str, program: str)
 
 def check_descriptors(records: Sequence[dict[str, Any]]) -> None:
     """Refuse (identically on every rank) when any rank's descriptor differs from the key holder's."""
-    refuse_differing_records(records, reference_rank=KEY_HOLDER, reference_label="key holder",
-                             what="aggregation parameters", arguments="--values, parameters")
+    refuse_differing_records(
+        records,
+        reference_rank=KEY_HOLDER,
+        reference_label="key holder",
+        what="aggregation parameters",
+        arguments="--values, parameters",
+    )
 
 
 def refuse_differing_records(
@@ -136,15 +143,19 @@ def refuse_differing_records(
     reference = records[reference_rank]
     problems = []
     for rank, record in enumerate(records):
-        differing = sorted(name for name in reference.keys() | record.keys() if reference.get(name) != record.get(name))
+        differing = sorted(
+            name for name in reference.keys() | record.keys() if reference.get(name) != record.get(name)
+        )
         if differing:
             detail = ", ".join(
-                f"{name}={record.get(name)!r} ({reference_label}: {reference.get(name)!r})" for name in differing
+                f"{name}={record.get(name)!r} ({reference_label}: {reference.get(name)!r})"
+                for name in differing
             )
             problems.append(f"rank {rank}: {detail}")
     if problems:
         raise ParameterMismatchError(
-            f"ranks disagree on the {what}: " + "; ".join(problems)
+            f"ranks disagree on the {what}: "
+            + "; ".join(problems)
             + f". Start every rank with the same program version and arguments ({arguments})."
         )
 
@@ -184,13 +195,17 @@ class Transport(Protocol):
 def _encode_record(record: dict[str, Any]) -> bytes:
     data = json.dumps(record, sort_keys=True).encode()
     if len(data) > MAX_RECORD_BYTES:
-        raise AggregationError(f"a control record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap")
+        raise AggregationError(
+            f"a control record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap"
+        )
     return data
 
 
 def _decode_record(data: bytes, rank: int) -> dict[str, Any]:
     if len(data) > MAX_RECORD_BYTES:
-        raise AggregationError(f"rank {rank} sent a control record of {len(data)} bytes (cap {MAX_RECORD_BYTES})")
+        raise AggregationError(
+            f"rank {rank} sent a control record of {len(data)} bytes (cap {MAX_RECORD_BYTES})"
+        )
     value = json.loads(data.decode())
     if not isinstance(value, dict):
         raise AggregationError(f"rank {rank} sent a control record that is not a JSON object")
@@ -226,7 +241,9 @@ class ProcessGroupTransport:
         for rank, raw in enumerate(gathered):
             length = int.from_bytes(bytes(raw[:8].tolist()), "little")
             if length > MAX_RECORD_BYTES:
-                raise AggregationError(f"rank {rank} announced a {length}-byte record (cap {MAX_RECORD_BYTES})")
+                raise AggregationError(
+                    f"rank {rank} announced a {length}-byte record (cap {MAX_RECORD_BYTES})"
+                )
             record_out = _decode_record(bytes(raw[8 : 8 + length].tolist()), rank)
             record_out.pop("tag", None)
             records.append(record_out)
@@ -280,7 +297,9 @@ class RelayGroup:
             raise WorldChangedError(f"the relay data plane dropped this rank mid-run: {error}") from error
         latest = self.client.latest
         if latest is None or latest[0].round != round_number:
-            raise WorldChangedError(f"the relay answered round {round_number} out of order; the data plane was reset")
+            raise WorldChangedError(
+                f"the relay answered round {round_number} out of order; the data plane was reset"
+            )
         contributors = sorted(latest[0].contributors)
         if contributors != list(range(self.world_size)):
             missing = sorted(set(range(self.world_size)) - set(contributors))
@@ -309,13 +328,17 @@ class RelayCiphertextAllReduce:
     def resource_requirements(self, invocation: Any) -> tuple[Any, ...]:
         return ()
 
-    def execute(self, invocation: Any, inputs: tuple[torch.Tensor, ...], resources: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    def execute(
+        self, invocation: Any, inputs: tuple[torch.Tensor, ...], resources: tuple[Any, ...]
+    ) -> tuple[torch.Tensor, ...]:
         from fhelium.backend.rns.operations import operand_prime_ids
 
         (value,) = inputs
         groups = [resource.value for resource in resources if isinstance(resource.value, RelayGroup)]
         if not groups:
-            raise AggregationError(f"{invocation.operation_name} on the relay needs the 'world' bound to a RelayGroup")
+            raise AggregationError(
+                f"{invocation.operation_name} on the relay needs the 'world' bound to a RelayGroup"
+            )
         prime_ids = operand_prime_ids(invocation.operand_types[0], int(value.size(-2)))
         return (groups[0].all_reduce_modular(value, self.engine.moduli_for(prime_ids)),)
 
@@ -340,7 +363,11 @@ class RelayTransport:
         self.rank = env.rank
         self.world_size = env.world_size
         self.store = ControllerStore(
-            env.controller_host, env.controller_port, env.salt, env.run_id, rank=env.rank,
+            env.controller_host,
+            env.controller_port,
+            env.salt,
+            env.run_id,
+            rank=env.rank,
             timeout=timedelta(seconds=store_timeout),
         )
         self.group = RelayGroup(env.rank, env.world_size)
@@ -355,9 +382,13 @@ class RelayTransport:
     def all_gather_record(self, tag: str, record: dict[str, Any]) -> list[dict[str, Any]]:
         self.store.set(self._key(tag, self.rank), _encode_record(record))
         try:
-            return [_decode_record(self.store.get(self._key(tag, rank)), rank) for rank in range(self.world_size)]
+            return [
+                _decode_record(self.store.get(self._key(tag, rank)), rank) for rank in range(self.world_size)
+            ]
         except TimeoutError as error:
-            raise WorldChangedError(f"not every rank published its {tag!r} record in time: {error}") from error
+            raise WorldChangedError(
+                f"not every rank published its {tag!r} record in time: {error}"
+            ) from error
 
     def broadcast_public_key(self, key: PublicKey | None, engine: CkksEngine) -> PublicKey:
         from fhelium.serialization import value_from_bytes, value_to_bytes
@@ -376,7 +407,10 @@ class RelayTransport:
 
         registry = default_registry(specialized_ciphertext_add=False)
         registry.register(RelayCiphertextAllReduce(engine))
-        return registry, [BoundResource("world", "process-group", self.group), BoundResource("rns", "rns-moduli", engine)]
+        return registry, [
+            BoundResource("world", "process-group", self.group),
+            BoundResource("rns", "rns-moduli", engine),
+        ]
 
     def broadcast_mean(self, mean: torch.Tensor | None, count: int) -> torch.Tensor | None:
         # The decrypted mean stays with the key holder: sending it back would show the controller a plaintext.
@@ -448,6 +482,7 @@ def aggregate_mean(
     The hooks exist so tests can play a misbehaving rank (wrong key, leaving mid-run) on the real path,
     and `audit(name, tensor)` lets a test compare what crossed the controller with what the ranks held.
     """
+
     def record(name: str, tensor: torch.Tensor) -> None:
         if audit is not None:
             audit(name, tensor)
@@ -457,9 +492,12 @@ def aggregate_mean(
     engine = CkksEngine(parameters)
 
     started = time.perf_counter()
-    check_descriptors(transport.all_gather_record(
-        "descriptor", descriptor(engine, values=values, transport=transport.name, program=PROGRAM_PATH.read_text())
-    ))
+    check_descriptors(
+        transport.all_gather_record(
+            "descriptor",
+            descriptor(engine, values=values, transport=transport.name, program=PROGRAM_PATH.read_text()),
+        )
+    )
     timings.measure("handshake", started)
     say(f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} values")
 
@@ -474,9 +512,9 @@ def aggregate_mean(
     public = transport.broadcast_public_key(public, engine)
     if public_key_hook is not None:
         public = public_key_hook(public, engine)
-    check_key_fingerprints([record["key"] for record in transport.all_gather_record(
-        "key", {"key": key_fingerprint(public)}
-    )])
+    check_key_fingerprints(
+        [record["key"] for record in transport.all_gather_record("key", {"key": key_fingerprint(public)})]
+    )
     timings.measure("keys", started)
     say(f"public key from rank {KEY_HOLDER} ({key_fingerprint(public)[:16]}) checked on every rank")
 
@@ -487,8 +525,10 @@ def aggregate_mean(
     record("ciphertext", ciphertext.data)
     elapsed = timings.measure("encrypt", started)
     nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
-    say(f"encrypted {values} values into {ciphertext.data.shape[1]} ciphertexts ({nbytes / 2**20:.1f} MiB) "
-        f"in {elapsed:.2f}s")
+    say(
+        f"encrypted {values} values into {ciphertext.data.shape[1]} ciphertexts ({nbytes / 2**20:.1f} MiB) "
+        f"in {elapsed:.2f}s"
+    )
 
     executable = link_program(transport, engine, lower=lower)
     if before_reduce is not None:

@@ -48,16 +48,34 @@ DEFAULT_VALUES = 1 << 20
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--values", type=int, default=DEFAULT_VALUES, help="values per update (default 1048576)")
-    parser.add_argument("--transport", choices=("auto", "relay", "process-group"), default="auto",
-                        help="auto: relays under a cpu_* averaging mode, else the process group")
-    parser.add_argument("--keys", choices=("threshold", "single"), default="threshold",
-                        help="threshold: no key holder, every rank decrypts with its share (default); "
-                             "single: rank 0 holds the secret key")
-    parser.add_argument("--share-timeout", type=float, default=120.0,
-                        help="threshold: seconds to wait for every rank's key or decryption share before failing")
-    parser.add_argument("--lower", action="store_true", help="run the lowered (generic all_reduce) Program form")
-    parser.add_argument("--bound", type=float, default=DEFAULT_ERROR_BOUND, help="largest accepted absolute error")
+    parser.add_argument(
+        "--values", type=int, default=DEFAULT_VALUES, help="values per update (default 1048576)"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("auto", "relay", "process-group"),
+        default="auto",
+        help="auto: relays under a cpu_* averaging mode, else the process group",
+    )
+    parser.add_argument(
+        "--keys",
+        choices=("threshold", "single"),
+        default="threshold",
+        help="threshold: no key holder, every rank decrypts with its share (default); "
+        "single: rank 0 holds the secret key",
+    )
+    parser.add_argument(
+        "--share-timeout",
+        type=float,
+        default=120.0,
+        help="threshold: seconds to wait for every rank's key or decryption share before failing",
+    )
+    parser.add_argument(
+        "--lower", action="store_true", help="run the lowered (generic all_reduce) Program form"
+    )
+    parser.add_argument(
+        "--bound", type=float, default=DEFAULT_ERROR_BOUND, help="largest accepted absolute error"
+    )
     parser.add_argument("--seed", type=int, default=2026, help="seed of the synthetic updates")
     args = parser.parse_args(argv)
     if args.values < 1:
@@ -94,8 +112,10 @@ def report(outcome: Outcome, transport: str, keys: str = "single") -> str:
     phases = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in outcome.timings.phases.items())
     how = "checked here" if outcome.checked_locally else "as measured by the key holder"
     verdict = "PASS" if outcome.ok else "FAIL"
-    return (f"encrypted mean {verdict}: max error {outcome.max_error:.3e} (bound {outcome.bound:.0e}, {how}) over "
-            f"{outcome.values} values, {outcome.world_size} ranks, transport {transport} keys {keys} [{phases}]")
+    return (
+        f"encrypted mean {verdict}: max error {outcome.max_error:.3e} (bound {outcome.bound:.0e}, {how}) over "
+        f"{outcome.values} values, {outcome.world_size} ranks, transport {transport} keys {keys} [{phases}]"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,12 +132,20 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.keys == "threshold":
             say(f"transport {name}, {args.values} values, threshold keys (no key holder)")
-            outcome = aggregate_mean_threshold(transport, values=args.values, seed=args.seed, bound=args.bound,
-                                               lower=args.lower, share_timeout_s=args.share_timeout, say=say)
+            outcome = aggregate_mean_threshold(
+                transport,
+                values=args.values,
+                seed=args.seed,
+                bound=args.bound,
+                lower=args.lower,
+                share_timeout_s=args.share_timeout,
+                say=say,
+            )
         else:
             say(f"transport {name}, {args.values} values, key holder rank 0")
-            outcome = aggregate_mean(transport, values=args.values, seed=args.seed, bound=args.bound,
-                                     lower=args.lower, say=say)
+            outcome = aggregate_mean(
+                transport, values=args.values, seed=args.seed, bound=args.bound, lower=args.lower, say=say
+            )
     except AggregationError as error:
         print(f"{prefix}: FAILED: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return 1

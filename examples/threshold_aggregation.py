@@ -62,7 +62,9 @@ class MissingSharesAggregationError(AggregationError):
 class RelayShareChannel:
     """Share exchange over flodld: records through the rendezvous store, residues through the relays."""
 
-    def __init__(self, transport: RelayTransport, *, session: str, timeout_s: float = DEFAULT_SHARE_TIMEOUT_S) -> None:
+    def __init__(
+        self, transport: RelayTransport, *, session: str, timeout_s: float = DEFAULT_SHARE_TIMEOUT_S
+    ) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
@@ -81,12 +83,16 @@ class RelayShareChannel:
         except Exception as error:  # bounded: name whoever never published
             pending = [rank for rank, key in enumerate(keys) if not store.check([key])]
             if not pending:
-                raise WorldChangedError(f"the rendezvous store failed during the {tag!r} exchange: {error}") from error
+                raise WorldChangedError(
+                    f"the rendezvous store failed during the {tag!r} exchange: {error}"
+                ) from error
             raise missing_error(tag, self.world_size, pending, self.timeout_s) from error
         records = [store.get(f"{prefix}/{rank}") for rank in range(self.world_size)]
         for rank, record in enumerate(records):
             if len(record) > max_bytes:
-                raise AggregationError(f"rank {rank} published a {len(record)}-byte {tag!r} record (cap {max_bytes})")
+                raise AggregationError(
+                    f"rank {rank} published a {len(record)}-byte {tag!r} record (cap {max_bytes})"
+                )
         return records
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
@@ -102,9 +108,13 @@ class RelayShareChannel:
         except TimeoutError as error:
             raise missing_error(tag, self.world_size, [], self.timeout_s) from error
         except (RelayClientError, OSError) as error:
-            raise WorldChangedError(f"the relay data plane dropped this rank during {EXCHANGES.get(tag, tag)}: {error}") from error
+            raise WorldChangedError(
+                f"the relay data plane dropped this rank during {EXCHANGES.get(tag, tag)}: {error}"
+            ) from error
         latest = group.client.latest
-        contributors = sorted(latest[0].contributors) if latest is not None and latest[0].round == round_number else []
+        contributors = (
+            sorted(latest[0].contributors) if latest is not None and latest[0].round == round_number else []
+        )
         if contributors != list(range(self.world_size)):
             missing = sorted(set(range(self.world_size)) - set(contributors))
             raise missing_error(tag, self.world_size, missing, None)
@@ -135,8 +145,13 @@ def threshold_descriptor(session: ThresholdSession, *, values: int, transport: s
 
 def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
     """Refuse (identically on every rank) when any rank's descriptor differs from rank 0's (no key holder here)."""
-    refuse_differing_records(records, reference_rank=0, reference_label="rank 0",
-                             what="threshold aggregation parameters", arguments="--values, --keys")
+    refuse_differing_records(
+        records,
+        reference_rank=0,
+        reference_label="rank 0",
+        what="threshold aggregation parameters",
+        arguments="--values, --keys",
+    )
 
 
 def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -170,6 +185,7 @@ def aggregate_mean_threshold(
 
     Raises AggregationError subclasses (MissingSharesAggregationError when a rank's share never came).
     """
+
     def record(name: str, tensor: torch.Tensor) -> None:
         if audit is not None:
             audit(name, tensor)
@@ -181,12 +197,16 @@ def aggregate_mean_threshold(
     engine = session.engine
     try:
         started = time.perf_counter()
-        check_threshold_descriptors(_gather_records(
-            channel, "descriptor", threshold_descriptor(session, values=values, transport=transport.name)
-        ))
+        check_threshold_descriptors(
+            _gather_records(
+                channel, "descriptor", threshold_descriptor(session, values=values, transport=transport.name)
+            )
+        )
         timings.measure("handshake", started)
-        say(f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} values, "
-            f"threshold keys (scale 2^{parameters.message_scale_bits}, flooding sigma 2^57)")
+        say(
+            f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} values, "
+            f"threshold keys (scale 2^{parameters.message_scale_bits}, flooding sigma 2^57)"
+        )
 
         started = time.perf_counter()
         public = session.generate_public_key()
@@ -194,8 +214,10 @@ def aggregate_mean_threshold(
         record("secret_share", session.party.secret.data)
         record("public_key_share", session.key_share.data)
         timings.measure("keys", started)
-        say(f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by every rank; "
-            "no rank holds the secret key")
+        say(
+            f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by every rank; "
+            "no rank holds the secret key"
+        )
 
         started = time.perf_counter()
         update = make_update(rank, values, seed)
@@ -224,7 +246,9 @@ def aggregate_mean_threshold(
         except AggregationError:
             raise
         except RuntimeError as error:
-            raise WorldChangedError(f"the all-reduce failed, a rank probably left mid-run: {error}") from error
+            raise WorldChangedError(
+                f"the all-reduce failed, a rank probably left mid-run: {error}"
+            ) from error
         elapsed = timings.measure("all_reduce", started)
         record("sum", total.data)
         say(f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s")
@@ -234,7 +258,9 @@ def aggregate_mean_threshold(
         started = time.perf_counter()
         share = session.party.decryption_share(total, digest=False)
         record("decryption_share", share.data)
-        summed = channel.all_reduce_residues("decryption-shares", share.data, engine.moduli_for(total.prime_ids))
+        summed = channel.all_reduce_residues(
+            "decryption-shares", share.data, engine.moduli_for(total.prime_ids)
+        )
         record("decryption_sum", summed)
         mean = session.party.combine_decryption(total, summed).real.reshape(-1)[:values] / world
         elapsed = timings.measure("decrypt", started)

@@ -67,7 +67,9 @@ def _major_minor(version: str) -> str:
     return ".".join(parts[:2])
 
 
-def probe_local(*, host: str | None = None, data_path: str | None = None, port: int | None = None) -> HostReport:
+def probe_local(
+    *, host: str | None = None, data_path: str | None = None, port: int | None = None
+) -> HostReport:
     """Facts about this host: Python, torch build, devices, NCCL, gloo, a port, the data path."""
     report = HostReport(host=host or socket.gethostname())
     report.facts["python"] = platform.python_version()
@@ -92,7 +94,9 @@ def probe_local(*, host: str | None = None, data_path: str | None = None, port: 
             report.facts["nccl"] = nccl
             report.add("nccl", "ok", f"NCCL {nccl}")
         else:
-            report.add("nccl", "warn", "CUDA present but NCCL unavailable; only gloo (CPU averaging) will work")
+            report.add(
+                "nccl", "warn", "CUDA present but NCCL unavailable; only gloo (CPU averaging) will work"
+            )
     else:
         report.facts["cuda_devices"] = ""
         report.add("cuda", "ok", f"no CUDA device; {os.cpu_count()} CPU core(s) for CPU ranks")
@@ -103,7 +107,9 @@ def probe_local(*, host: str | None = None, data_path: str | None = None, port: 
                 sock.bind(("0.0.0.0", port))
             report.add("port", "ok", f"port {port} is free")
         except OSError as exc:
-            report.add("port", "error", f"port {port} cannot be bound: {exc.strerror}; pick another controller port")
+            report.add(
+                "port", "error", f"port {port} cannot be bound: {exc.strerror}; pick another controller port"
+            )
     if data_path:
         path = Path(data_path)
         if not path.is_dir():

@@ -28,8 +28,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     actions = parser.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = actions.add_parser("check", help="validate fdl.yml (or FILE) and its overlay; exit 2 on any problem",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    check.add_argument("file", nargs="?", help="the file to check (default: fdl.yml in --project); '-' reads stdin")
-    check.add_argument("--project", default=".", help="directory holding fdl.yml when FILE is not given (default: .)")
+    check.add_argument(
+        "file", nargs="?", help="the file to check (default: fdl.yml in --project); '-' reads stdin"
+    )
+    check.add_argument(
+        "--project", default=".", help="directory holding fdl.yml when FILE is not given (default: .)"
+    )
     # The overlay of a named FILE lives next to it: `fdl` must not look for it in the project directory.
     check.set_defaults(func=main, env_checked_by_command=True)
     return parser

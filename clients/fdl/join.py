@@ -50,7 +50,9 @@ TOKEN_ENV = "FDL_JOIN_TOKEN"
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "join", help="walk in: run a program in agent role against a controller", description=__doc__,
+        "join",
+        help="walk in: run a program in agent role against a controller",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure_parser(parser)
@@ -59,24 +61,46 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     _add_options(parser)
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[HOST[:PORT]] [-- ARGS]",
-                        help="the controller (default: join.address or 127.0.0.1:1337), then -- and PROGRAM's arguments")
+    parser.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="[HOST[:PORT]] [-- ARGS]",
+        help="the controller (default: join.address or 127.0.0.1:1337), then -- and PROGRAM's arguments",
+    )
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token", default=None, help=f"the run's join token (32 hex); '-' reads stdin; or set {TOKEN_ENV}")
-    parser.add_argument("--bin", dest="program", default=None, help="the training program (default: join.program)")
-    parser.add_argument("--host", default=None, help="this worker's roster name (default: FLODL_HOST_NAME or hostname)")
-    parser.add_argument("--devices", default=None, help="'cpu:4', '0,1', 'cpu,cpu' or 'all' (default: join.devices)")
+    parser.add_argument(
+        "--token", default=None, help=f"the run's join token (32 hex); '-' reads stdin; or set {TOKEN_ENV}"
+    )
+    parser.add_argument(
+        "--bin", dest="program", default=None, help="the training program (default: join.program)"
+    )
+    parser.add_argument(
+        "--host", default=None, help="this worker's roster name (default: FLODL_HOST_NAME or hostname)"
+    )
+    parser.add_argument(
+        "--devices", default=None, help="'cpu:4', '0,1', 'cpu,cpu' or 'all' (default: join.devices)"
+    )
     parser.add_argument("--persist", action="store_true", default=None, help="re-dial forever with backoff")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
-    parser.add_argument("--ssh", default=None, metavar="[USER@]HOST[:PORT]",
-                        help="dial through a fresh `ssh -L` forward via this host; the address is then the "
-                             "controller as seen from it (default 127.0.0.1:1337)")
+    parser.add_argument(
+        "--ssh",
+        default=None,
+        metavar="[USER@]HOST[:PORT]",
+        help="dial through a fresh `ssh -L` forward via this host; the address is then the "
+        "controller as seen from it (default 127.0.0.1:1337)",
+    )
     parser.add_argument("--identity", default=None, metavar="KEY", help="private key for --ssh (ssh -i)")
-    parser.add_argument("--accept-env", dest="accept_env", action="append", default=None, metavar="NAME[,NAME]",
-                        help="apply these variables of the controller's env too (besides thread counts and "
-                             "NCCL_/GLOO_ tuning); any other name the controller sets refuses the run")
+    parser.add_argument(
+        "--accept-env",
+        dest="accept_env",
+        action="append",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="apply these variables of the controller's env too (besides thread counts and "
+        "NCCL_/GLOO_ tuning); any other name the controller sets refuses the run",
+    )
 
 
 def say(message: str) -> None:
@@ -143,7 +167,9 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
         devices = None if block.devices == "all" else list(block.devices)
     if devices == ["all"]:
         devices = None
-    name = args.host or block.host or os.environ.get("FLODL_HOST_NAME") or socket.gethostname() or "unknown-host"
+    name = (
+        args.host or block.host or os.environ.get("FLODL_HOST_NAME") or socket.gethostname() or "unknown-host"
+    )
     from flodld.agent.envpolicy import parse_accept_env
 
     try:
@@ -189,7 +215,9 @@ def _attempt_through_ssh(plan: JoinPlan) -> int:
         # A refused key stays refused; a dead network may come back.
         return EXIT_PERMANENT if "Permission denied" in str(error) else EXIT_TRANSIENT
     say(f"forward 127.0.0.1:{forward.local_port} -> {remote[0]}:{remote[1]} via {plan.ssh.label}")
-    spec = plan.spec.model_copy(update={"controller_host": "127.0.0.1", "controller_port": forward.local_port})
+    spec = plan.spec.model_copy(
+        update={"controller_host": "127.0.0.1", "controller_port": forward.local_port}
+    )
     try:
         return attempt(JoinPlan(plan.command, spec, plan.persist))
     finally:
@@ -258,8 +286,10 @@ def main(args: argparse.Namespace) -> int:
     except UsageError as error:
         say(str(error))
         return EXIT_PERMANENT
-    say(f"joining {plan.spec.controller_host}:{plan.spec.controller_port} as {plan.spec.host!r}"
-        + (" (persist)" if plan.persist else ""))
+    say(
+        f"joining {plan.spec.controller_host}:{plan.spec.controller_port} as {plan.spec.host!r}"
+        + (" (persist)" if plan.persist else "")
+    )
     try:
         return join_loop(plan)
     except (KeyboardInterrupt, Stopped):

@@ -35,11 +35,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     write.add_argument("directory", metavar="DIR")
     show = actions.add_parser("show", help="print the authorized_keys lines and the Match User block")
     for sub in (write, show):
-        sub.add_argument("--controller-port", type=int, default=1337, help="the controller's mux port (default 1337)")
-        sub.add_argument("--listen-port", type=int, default=2222, help="port of the dedicated sshd (default 2222)")
+        sub.add_argument(
+            "--controller-port", type=int, default=1337, help="the controller's mux port (default 1337)"
+        )
+        sub.add_argument(
+            "--listen-port", type=int, default=2222, help="port of the dedicated sshd (default 2222)"
+        )
         sub.add_argument("--key", action="append", default=[], metavar="KEY.pub",
                          help="a walk-in's public key file (repeat for several)")  # fmt: skip
-        sub.add_argument("--user", default="flodl-join", help="the join user of the Match block (default flodl-join)")
+        sub.add_argument(
+            "--user", default="flodl-join", help="the join user of the Match block (default flodl-join)"
+        )
 
 
 def _recipe(args: argparse.Namespace) -> JoinSshdRecipe:
@@ -48,7 +54,9 @@ def _recipe(args: argparse.Namespace) -> JoinSshdRecipe:
         path = Path(name).expanduser()
         if not path.is_file():
             raise RecipeError(f"--key {name}: no such file; pass the walk-in's .pub file")
-        keys.extend(line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+        keys.extend(
+            line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
+        )
     if not keys:
         raise RecipeError("no join key given; pass --key KEY.pub (the walk-in's public key) at least once")
     return JoinSshdRecipe(controller_port=args.controller_port, listen_port=args.listen_port,

@@ -35,8 +35,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable report (for CI gating)")
     parser.add_argument("--data-path", help="shared data directory that must be readable on every host")
-    parser.add_argument("--port", type=int,
-                        help="port that must be free on this host (with @cluster: the controller port is checked)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        help="port that must be free on this host (with @cluster: the controller port is checked)",
+    )
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     add_rank_options(parser)
 

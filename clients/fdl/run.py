@@ -64,14 +64,22 @@ def add_rank_options(parser: argparse.ArgumentParser) -> None:
                         metavar="N|gpu|cpu",
                         help="torchrun's spelling of the same choice: N ranks (first N GPUs, or N CPU ranks "
                              "without GPU), gpu (every GPU), cpu (one CPU rank per core)")
-    parser.add_argument("--ranks", type=int, default=None,
-                        help=f"CPU ranks of the embedded default (default {DEFAULT_CPU_RANKS} when there is no GPU)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help=f"CPU ranks of the embedded default (default {DEFAULT_CPU_RANKS} when there is no GPU)",
+    )
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     _add_options(parser)
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="PROGRAM [-- ARGS]",
-                        help="the training program (a .py file or an executable), then -- and its arguments")
+    parser.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="PROGRAM [-- ARGS]",
+        help="the training program (a .py file or an executable), then -- and its arguments",
+    )
 
 
 def split_at_dashdash(rest: list[str]) -> tuple[list[str], list[str] | None]:
@@ -103,7 +111,9 @@ def program_command(program: str, args: list[str]) -> list[str]:
         if not Path(program).is_file():
             raise FileNotFoundError(f"program {program!r} not found (relative to {os.getcwd()})")
         return [sys.executable, program, *args]
-    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    found = (
+        shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    )
     if found is None:
         raise FileNotFoundError(f"program {program!r} is neither a .py file nor an executable on PATH")
     return [found, *args]
@@ -125,14 +135,18 @@ class LocalRanks:
     def entries(self) -> list[str]:
         """The worker's `local_devices:` entries: its GPUs, then its CPU ranks as one 'cpu:N'."""
         cpu = sum(1 for device in self.devices if device.startswith("cpu"))
-        return [device for device in self.devices if device.startswith("cuda:")] + ([f"cpu:{cpu}"] if cpu else [])
+        return [device for device in self.devices if device.startswith("cuda:")] + (
+            [f"cpu:{cpu}"] if cpu else []
+        )
 
     def describe(self) -> str:
         """'2 GPU rank(s) on cuda:0, cuda:1, backend nccl (every GPU on this host)'."""
         line = f"{_describe_devices(self.devices)}, backend {self.backend} ({self.reason})"
         if self.cuda_count and not any(device.startswith("cuda:") for device in self.devices):
-            line += (f"; this host has {self.cuda_count} GPU(s): --nproc-per-node gpu (or --devices all) "
-                     "runs one rank on each")
+            line += (
+                f"; this host has {self.cuda_count} GPU(s): --nproc-per-node gpu (or --devices all) "
+                "runs one rank on each"
+            )
         return line
 
 
@@ -140,7 +154,9 @@ def _describe_devices(devices: tuple[str, ...]) -> str:
     """'2 GPU rank(s) on cuda:0, cuda:1', '3 CPU rank(s)', or both joined by ' + '."""
     gpus = [device for device in devices if device.startswith("cuda:")]
     cpus = len(devices) - len(gpus)
-    parts = ([f"{len(gpus)} GPU rank(s) on {', '.join(gpus)}"] if gpus else []) + ([f"{cpus} CPU rank(s)"] if cpus else [])
+    parts = ([f"{len(gpus)} GPU rank(s) on {', '.join(gpus)}"] if gpus else []) + (
+        [f"{cpus} CPU rank(s)"] if cpus else []
+    )
     return " + ".join(parts)
 
 
@@ -164,8 +180,13 @@ def cuda_device_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def choose_local_ranks(*, devices: str | None = None, nproc_per_node: str | None = None,
-                       ranks: int | None = None, cuda_count: int | None = None) -> LocalRanks:
+def choose_local_ranks(
+    *,
+    devices: str | None = None,
+    nproc_per_node: str | None = None,
+    ranks: int | None = None,
+    cuda_count: int | None = None,
+) -> LocalRanks:
     """Resolve --devices / --nproc-per-node / --ranks (spellings of one choice) to this host's ranks.
 
     None given: every GPU, else DEFAULT_CPU_RANKS CPU ranks. ValueError (exit 2) names a bad value, or
@@ -188,7 +209,9 @@ def choose_local_ranks(*, devices: str | None = None, nproc_per_node: str | None
         asked.append((f"--ranks {ranks}", _cpu_ranks(ranks, f"--ranks {ranks}")))
     if not asked:
         if count:
-            return LocalRanks(tuple(f"cuda:{index}" for index in range(count)), "every GPU on this host", count)
+            return LocalRanks(
+                tuple(f"cuda:{index}" for index in range(count)), "every GPU on this host", count
+            )
         return LocalRanks(_cpu_ranks(DEFAULT_CPU_RANKS, "--ranks"), "no GPU on this host; --ranks N sets the count",
                           count)  # fmt: skip
     (first_flag, chosen), *others = asked
@@ -206,23 +229,29 @@ def _nproc_devices(value: str, cuda_count: int) -> tuple[str, ...]:
     word = value.strip().lower()
     if word == "gpu":
         if not cuda_count:
-            raise ValueError("--nproc-per-node gpu: this host has no CUDA device; use --nproc-per-node N "
-                             "or --ranks N for CPU ranks")
+            raise ValueError(
+                "--nproc-per-node gpu: this host has no CUDA device; use --nproc-per-node N "
+                "or --ranks N for CPU ranks"
+            )
         return tuple(f"cuda:{index}" for index in range(cuda_count))
     if word == "cpu":
         return _cpu_ranks(os.cpu_count() or 1, "--nproc-per-node cpu")
     try:
         count = int(word)
     except ValueError:
-        raise ValueError(f"--nproc-per-node {value!r} is not understood; accepted: a number of ranks, "
-                         "'gpu' (one per GPU) or 'cpu' (one per CPU core)") from None
+        raise ValueError(
+            f"--nproc-per-node {value!r} is not understood; accepted: a number of ranks, "
+            "'gpu' (one per GPU) or 'cpu' (one per CPU core)"
+        ) from None
     if count < 1:
         raise ValueError(f"--nproc-per-node {count}: ask for at least 1 rank")
     if not cuda_count:
         return _cpu_ranks(count, f"--nproc-per-node {count}")
     if count > cuda_count:
-        raise ValueError(f"--nproc-per-node {count}: this host has {cuda_count} CUDA device(s) and a GPU runs one "
-                         f"rank; ask for at most {cuda_count}, or for CPU ranks with --devices cpu:{count}")
+        raise ValueError(
+            f"--nproc-per-node {count}: this host has {cuda_count} CUDA device(s) and a GPU runs one "
+            f"rank; ask for at most {cuda_count}, or for CPU ranks with --devices cpu:{count}"
+        )
     return tuple(f"cuda:{index}" for index in range(count))
 
 
@@ -264,8 +293,10 @@ def plan_run(args: argparse.Namespace) -> tuple[Any, str]:
         given = [flag for flag, value in (("--devices", devices), ("--nproc-per-node", nproc), ("--ranks", ranks))
                  if value is not None]  # fmt: skip
         if given:
-            raise ValueError(f"{' and '.join(given)} only size the embedded default; this project's fdl.yml has "
-                             "a cluster: block (list the ranks in its workers' local_devices)")
+            raise ValueError(
+                f"{' and '.join(given)} only size the embedded default; this project's fdl.yml has "
+                "a cluster: block (list the ranks in its workers' local_devices)"
+            )
         local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
         return cluster, (f"the cluster: block of fdl.yml: {len(cluster.workers)} worker(s), {len(local)} on this "
                          f"host, backend {cluster.controller.backend.value}")  # fmt: skip
@@ -289,20 +320,29 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
     )
     _, bound_port = await controller.start()
     local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
-    say(f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "
-        f"{options.capacity} rank(s); starting {len(local)} local agent(s)")
+    say(
+        f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "
+        f"{options.capacity} rank(s); starting {len(local)} local agent(s)"
+    )
     pre_shared = controller.join_key != OPEN_ADMISSION_KEY
     agents: list[asyncio.subprocess.Process] = []
     for worker in local:
         spec = AgentSpec(
-            host=worker.host, controller_host="127.0.0.1", controller_port=bound_port,
+            host=worker.host,
+            controller_host="127.0.0.1",
+            controller_port=bound_port,
             salt_hex=controller.salt_hex if pre_shared else None,
             devices=list(worker.local_devices) if worker.local_devices != "all" else None,
-            averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None, program=command,
+            averaging=options.averaging,
+            cluster_env=True,
+            host_env=worker.rank_env() or None,
+            program=command,
         )
         env = {**os.environ, **worker.env, AGENT_ENV: encode_spec(spec)}
         # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
-        agents.append(await asyncio.create_subprocess_exec(*agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL))
+        agents.append(
+            await asyncio.create_subprocess_exec(*agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL)
+        )
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -326,8 +366,10 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(result_task), 2.0)
             if not result_task.done():
-                await controller.stop(f"the agent of host {worker.host!r} died ({_describe(task.result())}) "
-                                      "without reporting its ranks")
+                await controller.stop(
+                    f"the agent of host {worker.host!r} died ({_describe(task.result())}) "
+                    "without reporting its ranks"
+                )
         if agent_tasks and all(task.done() for task in agent_tasks) and not result_task.done():
             # Every local host link is closed; give the controller a moment to conclude.
             try:
@@ -343,13 +385,18 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
                 agent.kill()
                 await agent.wait()
     await controller.close()
-    died = [(worker.host, agent.returncode) for worker, agent in zip(local, agents, strict=True)
-            if agent.returncode is not None and agent.returncode < 0]
+    died = [
+        (worker.host, agent.returncode)
+        for worker, agent in zip(local, agents, strict=True)
+        if agent.returncode is not None and agent.returncode < 0
+    ]
     if result.ok and died:
         # A killed agent closes its link like a finished one; its unreported ranks make the run lost.
         host, code = died[0]
-        say(f"run FAILED: the agent of host {host!r} died ({_describe(code)}); the controller saw its host link "
-            f"close ({result.reason})")
+        say(
+            f"run FAILED: the agent of host {host!r} died ({_describe(code)}); the controller saw its host link "
+            f"close ({result.reason})"
+        )
         return EXIT_FAILED
     if result.ok:
         say(f"run done: {result.reason}")

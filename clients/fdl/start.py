@@ -97,7 +97,13 @@ def main(args: argparse.Namespace) -> int:
                 "staged (watch `fdl status`)"
             )
             return 0
-        print(f"start refused @ {address}: {reply.status} {reply.reason} — {body.get('error', body)}", file=sys.stderr)
+        print(
+            f"start refused @ {address}: {reply.status} {reply.reason} — {body.get('error', body)}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"fdl start: start not armed at {candidates.describe()} ({candidates.origin}): {last}", file=sys.stderr)
+    print(
+        f"fdl start: start not armed at {candidates.describe()} ({candidates.origin}): {last}",
+        file=sys.stderr,
+    )
     return 1

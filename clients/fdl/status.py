@@ -38,12 +38,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print state.json verbatim")
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
     parser.add_argument("--watch", action="store_true", help="refresh until the run ends")
-    parser.add_argument("--history", action="store_true", help="print the finished runs of a `flodld serve` service")
+    parser.add_argument(
+        "--history", action="store_true", help="print the finished runs of a `flodld serve` service"
+    )
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between --watch refreshes")
-    parser.add_argument("--open", action="store_true",
-                        help="print the status page's URL and open it in a browser when a display is available")
-    parser.add_argument("--members", metavar="A..B",
-                        help="list hosts A to B (inclusive, admission order) or `all`, instead of the first page")
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        help="print the status page's URL and open it in a browser when a display is available",
+    )
+    parser.add_argument(
+        "--members",
+        metavar="A..B",
+        help="list hosts A to B (inclusive, admission order) or `all`, instead of the first page",
+    )
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     parser.set_defaults(func=main)
     return parser
@@ -89,7 +97,9 @@ def _countdown(value: float | None) -> str:
 def render(state: dict[str, Any], address: str, *, colour: bool = False, list_all: bool = False) -> str:
     """The pretty form of state.json (`list_all`: every host of the page, as `--members` asked)."""
     phase = str(state.get("phase", "?"))
-    lines = [f"run {state.get('run_id') or '?'} @ {address} — {_paint(phase, _COLOURS.get(phase, '0'), colour)}"]
+    lines = [
+        f"run {state.get('run_id') or '?'} @ {address} — {_paint(phase, _COLOURS.get(phase, '0'), colour)}"
+    ]
     target = state.get("target")
     lines.append(
         f"  ranks: {state.get('joined_ranks', 0)} joined across {state.get('joined_hosts', 0)} host(s)   "
@@ -127,8 +137,11 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
             lines.append(f"  hosts: {total}" + (f" ({summary})" if summary else ""))
         first = int(page.get("start", 0)) if page else 0
         if shown:
-            lines.append("  hosts:" if total <= len(shown) else
-                         f"  hosts {first}..{first + len(shown) - 1} of {total} (more: fdl status --members A..B):")
+            lines.append(
+                "  hosts:"
+                if total <= len(shown)
+                else f"  hosts {first}..{first + len(shown) - 1} of {total} (more: fdl status --members A..B):"
+            )
         width = max((len(m["host"]) for m in shown), default=0)
         for m in shown:
             ranks = "[" + ", ".join(str(r) for r in m["ranks"]) + "]"
@@ -147,13 +160,17 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
     service = state.get("service") or {}
     if service.get("between_runs"):
         remaining = service.get("next_window_in_secs")
-        lines.append("  between runs: the next window opens " +
-                     (f"in {remaining:.0f}s" if isinstance(remaining, int | float) else "shortly"))
+        lines.append(
+            "  between runs: the next window opens "
+            + (f"in {remaining:.0f}s" if isinstance(remaining, int | float) else "shortly")
+        )
     history = [h for h in (state.get("history") or []) if isinstance(h, dict)]
     if history and not service.get("between_runs"):
         last = history[0]
-        lines.append(f"  previous run: {last.get('run_id')} {last.get('verdict')} {_ago(last.get('ended_at'))}"
-                     + (f" — {last['reason']}" if last.get("reason") else ""))
+        lines.append(
+            f"  previous run: {last.get('run_id')} {last.get('verdict')} {_ago(last.get('ended_at'))}"
+            + (f" — {last['reason']}" if last.get("reason") else "")
+        )
     if service.get("config_error"):
         lines.append(f"  config reload failed (previous config in force): {service['config_error']}")
     return "\n".join(lines)
@@ -196,17 +213,30 @@ def render_history(state: dict[str, Any]) -> str:
     for h in history:
         started, formed, ended = h.get("started_at"), h.get("formed_at"), h.get("ended_at")
         number = (int, float)
-        rows.append((
-            str(h.get("run_id", "?")), str(h.get("verdict", "?")),
-            time.strftime("%H:%M:%S", time.localtime(float(started))) if isinstance(started, number) else "-",
-            f"{formed - started:.1f}s" if isinstance(formed, number) and isinstance(started, number) else "-",
-            f"{ended - started:.1f}s" if isinstance(ended, number) and isinstance(started, number) else "-",
-            str(h.get("ranks", "-")), _hosts_cell(h), _exits(h),
-            str(h.get("reason", "")),
-        ))
+        rows.append(
+            (
+                str(h.get("run_id", "?")),
+                str(h.get("verdict", "?")),
+                time.strftime("%H:%M:%S", time.localtime(float(started)))
+                if isinstance(started, number)
+                else "-",
+                f"{formed - started:.1f}s"
+                if isinstance(formed, number) and isinstance(started, number)
+                else "-",
+                f"{ended - started:.1f}s"
+                if isinstance(ended, number) and isinstance(started, number)
+                else "-",
+                str(h.get("ranks", "-")),
+                _hosts_cell(h),
+                _exits(h),
+                str(h.get("reason", "")),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
-                     for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    )
 
 
 def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextIO) -> dict[str, Any] | None:
@@ -224,7 +254,10 @@ def _print_state(body: bytes, address: str, args: argparse.Namespace, out: TextI
         if getattr(args, "history", False):
             out.write(render_history(state) + "\n")
         else:
-            out.write(render(state, address, colour=out.isatty(), list_all=bool(getattr(args, "members", None))) + "\n")
+            out.write(
+                render(state, address, colour=out.isatty(), list_all=bool(getattr(args, "members", None)))
+                + "\n"
+            )
     return state if isinstance(state, dict) else None
 
 

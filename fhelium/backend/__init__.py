@@ -26,7 +26,9 @@ from fhelium.backend.rns.operations import ckks_operation_contributions
 def default_registry(*, specialized_ciphertext_add: bool = True) -> OperationImplementationRegistry:
     """CKKS RNS ops, memory transfer and the collectives (with the specialized all-reduce if asked)."""
     ckks_ops = ckks_operation_contributions()
-    specialized = TorchCiphertextAddAllReduceImplementation(ckks_ops[0]) if specialized_ciphertext_add else None
+    specialized = (
+        TorchCiphertextAddAllReduceImplementation(ckks_ops[0]) if specialized_ciphertext_add else None
+    )
     registry = OperationImplementationRegistry(ckks_ops)
     registry.extend(memory_operation_contributions())
     registry.extend(distributed_operation_contributions(ciphertext_add=specialized))

@@ -46,12 +46,16 @@ def to_payload(position: str, declared: Attribute, value: Any) -> Any:
         return value
     if isinstance(declared, CiphertextType):
         if not isinstance(value, Ciphertext):
-            raise BoundaryError(f"{position}: expected a Ciphertext for {declared}, got {type(value).__name__}")
+            raise BoundaryError(
+                f"{position}: expected a Ciphertext for {declared}, got {type(value).__name__}"
+            )
         _check_state(position, declared, value)
         return value.data
     if isinstance(declared, PlaintextType):
         if not isinstance(value, Plaintext):
-            raise BoundaryError(f"{position}: expected a Plaintext for {declared}, got {type(value).__name__}")
+            raise BoundaryError(
+                f"{position}: expected a Plaintext for {declared}, got {type(value).__name__}"
+            )
         _check_state(position, declared, value)
         payload = value.data if value.data is not None else value.message
         return payload
@@ -93,7 +97,9 @@ def from_payload(
     """Rebuild a public value for one result from its payload and declared type."""
     if isinstance(declared, CiphertextType):
         if not isinstance(payload, torch.Tensor):
-            raise BoundaryError(f"{position}: a ciphertext result must be a tensor, got {type(payload).__name__}")
+            raise BoundaryError(
+                f"{position}: a ciphertext result must be a tensor, got {type(payload).__name__}"
+            )
         template = _template(declared, inputs, Ciphertext)
         scale = _state_scale(declared)
         prime_ids = declared.state_ints("prime_ids")

@@ -128,13 +128,9 @@ class Ciphertext(TensorResident):
         }
         for field, expected in wanted.items():
             if expected is not None and getattr(self, field) != expected:
-                raise ValueStateError(
-                    f"{name} must have {field}={expected!r}; got {getattr(self, field)!r}"
-                )
+                raise ValueStateError(f"{name} must have {field}={expected!r}; got {getattr(self, field)!r}")
         if components is not None and self.component_count != components:
-            raise ValueStateError(
-                f"{name} must have {components} components; got {self.component_count}"
-            )
+            raise ValueStateError(f"{name} must have {components} components; got {self.component_count}")
 
     # -- storage-preserving views and copies ---------------------------------------------------
     def metadata_equal(self, other: Ciphertext) -> bool:

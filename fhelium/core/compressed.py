@@ -58,7 +58,9 @@ class CompressedPlaintext(TensorResident):
         owner = "CompressedPlaintext"
         check_integer_tensor(owner, "data", self.data, min_ndim=2)
         if type(self.ring_dimension) is not int or not _is_power_of_two(self.ring_dimension):
-            raise FheliumValueError(f"{owner} ring_dimension must be a power-of-two int; got {self.ring_dimension!r}")
+            raise FheliumValueError(
+                f"{owner} ring_dimension must be a power-of-two int; got {self.ring_dimension!r}"
+            )
         self.compression_layout = check_choice(  # type: ignore[assignment]  # narrowed by the check
             owner, "compression_layout", self.compression_layout, COMPRESSED_PLAINTEXT_LAYOUTS
         )
@@ -82,7 +84,9 @@ class CompressedPlaintext(TensorResident):
             )
         if self.compression_layout == "strided_sparse":
             if self.implicit_data is None:
-                raise FheliumValueError(f"{owner} strided_sparse layout requires implicit_data [*batch, limb]")
+                raise FheliumValueError(
+                    f"{owner} strided_sparse layout requires implicit_data [*batch, limb]"
+                )
             if self.polynomial_domain != "coefficient":
                 raise FheliumValueError(f"{owner} strided_sparse layout requires the coefficient domain")
             check_integer_tensor(owner, "implicit_data", self.implicit_data, min_ndim=1)
@@ -169,7 +173,9 @@ class CompressedPlaintext(TensorResident):
             )
         return value
 
-    def with_storage(self, data: torch.Tensor, implicit_data: torch.Tensor | None = None) -> CompressedPlaintext:
+    def with_storage(
+        self, data: torch.Tensor, implicit_data: torch.Tensor | None = None
+    ) -> CompressedPlaintext:
         return CompressedPlaintext(
             data,
             self.ring_dimension,

@@ -69,7 +69,9 @@ class DenseKey(TensorResident):
         return self.with_data(tensors[0])
 
     def with_data(self, data: torch.Tensor) -> DenseKey:
-        return type(self)(data, self.prime_ids, self.polynomial_domain, self.modulus_basis, self.residue_representation)
+        return type(self)(
+            data, self.prime_ids, self.polynomial_domain, self.modulus_basis, self.residue_representation
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={tuple(self.data.shape)}, prime_ids={list(self.prime_ids)})"
@@ -89,7 +91,9 @@ class PublicKey(DenseKey):
 
     def _check_extra(self) -> None:
         if self.data.size(0) != 2:
-            raise FheliumValueError(f"PublicKey data must have 2 components; got shape {tuple(self.data.shape)}")
+            raise FheliumValueError(
+                f"PublicKey data must have 2 components; got shape {tuple(self.data.shape)}"
+            )
 
     @property
     def k0(self) -> torch.Tensor:

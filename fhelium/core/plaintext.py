@@ -64,7 +64,9 @@ class Plaintext(TensorResident):
             if self.message is None:
                 raise FheliumValueError("Plaintext representation 'slots' needs message, not data")
             if not isinstance(self.message, torch.Tensor):
-                raise FheliumValueError(f"Plaintext message must be a torch.Tensor; got {type(self.message).__name__}")
+                raise FheliumValueError(
+                    f"Plaintext message must be a torch.Tensor; got {type(self.message).__name__}"
+                )
             self._require_no_rns_state("slots")
             return
         if self.data is None:

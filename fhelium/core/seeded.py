@@ -62,4 +62,6 @@ class SeededCiphertext(TensorResident):
         return (self.c0,)
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> SeededCiphertext:
-        return SeededCiphertext(tensors[0], self.seed, self.depth, self.scale, self.prime_ids, self.polynomial_domain)
+        return SeededCiphertext(
+            tensors[0], self.seed, self.depth, self.scale, self.prime_ids, self.polynomial_domain
+        )

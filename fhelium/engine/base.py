@@ -135,12 +135,20 @@ class EngineBase:
         return expected
 
     def _check_pair(
-        self, lhs: Ciphertext, rhs: Ciphertext, operation: str, *, same_scale: bool = True, components: bool = True
+        self,
+        lhs: Ciphertext,
+        rhs: Ciphertext,
+        operation: str,
+        *,
+        same_scale: bool = True,
+        components: bool = True,
     ) -> None:
         self._check_ciphertext(lhs, "lhs")
         self._check_ciphertext(rhs, "rhs")
         if lhs.depth != rhs.depth:
-            raise DepthMismatchError(f"{operation} requires equal depths: lhs.depth={lhs.depth}, rhs.depth={rhs.depth}")
+            raise DepthMismatchError(
+                f"{operation} requires equal depths: lhs.depth={lhs.depth}, rhs.depth={rhs.depth}"
+            )
         if lhs.prime_ids != rhs.prime_ids:
             raise PrimeMismatchError(
                 f"{operation} requires the same primes: lhs.prime_ids={list(lhs.prime_ids)}, "
@@ -172,7 +180,9 @@ class EngineBase:
                 f"{type(pt).__name__}{'' if not isinstance(pt, Plaintext) else ' ' + repr(pt.representation)}"
             )
         if pt.depth != ct.depth:
-            raise DepthMismatchError(f"{operation}: ciphertext depth {ct.depth} != plaintext depth {pt.depth}")
+            raise DepthMismatchError(
+                f"{operation}: ciphertext depth {ct.depth} != plaintext depth {pt.depth}"
+            )
         if pt.prime_ids != ct.prime_ids:
             raise PrimeMismatchError(
                 f"{operation}: ciphertext prime_ids {list(ct.prime_ids)} != plaintext prime_ids {list(pt.prime_ids)}"
@@ -217,7 +227,9 @@ class EngineBase:
         raise ValueStateError("Galois automorphisms are applied in the NTT domain; call to_ntt first")
 
     # ------------------------------------------------------------------ batch grouping
-    def _batch_groups(self, batch_shape: tuple[int, ...], limbs: int, *, sampled: bool = False) -> list[slice] | None:
+    def _batch_groups(
+        self, batch_shape: tuple[int, ...], limbs: int, *, sampled: bool = False
+    ) -> list[slice] | None:
         """Slices of the flattened batch, each about BATCH_BLOCK_RESIDUES residues per component.
 
         Multi-step operations (rescale, key switching, encryption) create several temporaries
@@ -251,4 +263,3 @@ class EngineBase:
     def _join(parts: list[Ciphertext], batch_shape: tuple[int, ...]) -> Ciphertext:
         data = torch.cat([p.data for p in parts], dim=1)
         return parts[0].with_data(data.view(data.size(0), *batch_shape, *data.shape[-2:]))
-

@@ -76,7 +76,9 @@ class CkksEngine(EngineBase):
 
     def _check_secret(self, secret: object) -> SecretKey:
         if not isinstance(secret, SecretKey) or secret.prime_ids != tuple(range(len(self.moduli))):
-            raise ParameterMismatchError("expected a SecretKey from this engine's generate_secret_key (all QP primes)")
+            raise ParameterMismatchError(
+                "expected a SecretKey from this engine's generate_secret_key (all QP primes)"
+            )
         return secret
 
     def _error_ntt(self, shape: Sequence[int], prime_ids: Sequence[int]) -> torch.Tensor:
@@ -211,7 +213,11 @@ class CkksEngine(EngineBase):
     # ------------------------------------------------------------------ encrypt / decrypt
     def encrypt(self, plaintext: Plaintext, public_key: PublicKey) -> Ciphertext:
         """Public-key encryption of an rns Plaintext (either domain) → 2-component NTT ciphertext."""
-        if not isinstance(plaintext, Plaintext) or plaintext.representation != "rns" or plaintext.data is None:
+        if (
+            not isinstance(plaintext, Plaintext)
+            or plaintext.representation != "rns"
+            or plaintext.data is None
+        ):
             raise FheliumValueError("encrypt needs an rns Plaintext from CkksEngine.encode")
         if not isinstance(public_key, PublicKey) or public_key.prime_ids != tuple(range(len(self.moduli))):
             raise ParameterMismatchError("encrypt needs a PublicKey from this engine's generate_public_key")
@@ -226,9 +232,11 @@ class CkksEngine(EngineBase):
         m = self._mod(qp_ids)
         batch = plaintext.batch_shape
         u = self.random.stream("ephemeral").ternary((*batch, self.ring_degree)).to(self.device)
-        errors = self.random.stream("error").gaussian(
-            (2, *batch, self.ring_degree), ERROR_STANDARD_DEVIATION
-        ).to(self.device)
+        errors = (
+            self.random.stream("error")
+            .gaussian((2, *batch, self.ring_degree), ERROR_STANDARD_DEVIATION)
+            .to(self.device)
+        )
         # Only u needs a QP transform. e1 must be divided by P with c1 (it is multiplied by s at
         # decryption): it is added in ModDown's coefficient-domain steps, which is exactly
         # dividing pk1·u + e1 (saves 6 of 24 row transforms). e0 and a coefficient-domain
@@ -249,15 +257,26 @@ class CkksEngine(EngineBase):
         return Ciphertext(data, plaintext.depth, plaintext.scale, ids, "ntt")
 
     def encode_encrypt(
-        self, values: torch.Tensor | Sequence[complex] | float, public_key: PublicKey, *, depth: int = 0, scale: float | None = None
+        self,
+        values: torch.Tensor | Sequence[complex] | float,
+        public_key: PublicKey,
+        *,
+        depth: int = 0,
+        scale: float | None = None,
     ) -> Ciphertext:
         # a coefficient-domain plaintext skips the encoder's NTT: encrypt folds it into ModDown
         return self.encrypt(self.encode(values, depth=depth, scale=scale, domain="coefficient"), public_key)
 
-    def encrypt_symmetric(self, plaintext: Plaintext, secret: SecretKey, *, seed: bytes | None = None) -> Ciphertext:
+    def encrypt_symmetric(
+        self, plaintext: Plaintext, secret: SecretKey, *, seed: bytes | None = None
+    ) -> Ciphertext:
         """Secret-key encryption with c1 = a expanded from ``seed`` (see ``uniform_from_seed``)."""
         self._check_secret(secret)
-        if not isinstance(plaintext, Plaintext) or plaintext.representation != "rns" or plaintext.data is None:
+        if (
+            not isinstance(plaintext, Plaintext)
+            or plaintext.representation != "rns"
+            or plaintext.data is None
+        ):
             raise FheliumValueError("encrypt_symmetric needs an rns Plaintext from CkksEngine.encode")
         if plaintext.polynomial_domain != "ntt":
             raise ValueStateError("encrypt_symmetric needs an NTT-domain plaintext")
@@ -287,11 +306,15 @@ class CkksEngine(EngineBase):
         a = self.uniform_from_seed(value.seed, value.prime_ids, value.batch_shape).to(value.c0.device)
         return Ciphertext(torch.stack((value.c0, a)), value.depth, value.scale, value.prime_ids, "ntt")
 
-    def uniform_from_seed(self, seed: bytes, prime_ids: Sequence[int], batch_shape: Sequence[int]) -> torch.Tensor:
+    def uniform_from_seed(
+        self, seed: bytes, prime_ids: Sequence[int], batch_shape: Sequence[int]
+    ) -> torch.Tensor:
         """The NTT-domain uniform polynomial(s) a seed expands to (deterministic)."""
-        return RandomSource(seed, purpose="seeded_uniform").uniform_below(
-            self._mod(prime_ids).q.cpu(), (*batch_shape, len(prime_ids), self.ring_degree)
-        ).to(self.device)
+        return (
+            RandomSource(seed, purpose="seeded_uniform")
+            .uniform_below(self._mod(prime_ids).q.cpu(), (*batch_shape, len(prime_ids), self.ring_degree))
+            .to(self.device)
+        )
 
     def decrypt(self, ciphertext: Ciphertext, secret: SecretKey) -> Plaintext:
         """→ ``approximate_coefficients`` Plaintext (float64 ``[*batch, N]``, not divided by the scale)."""
@@ -413,7 +436,9 @@ class CkksEngine(EngineBase):
             value.assert_state(polynomial_domain="ntt", components=2, name=f"multiply {name}")
         groups = self._batch_groups(lhs.batch_shape, lhs.limb_count)
         if groups is not None:
-            parts = [self.multiply(self._ciphertext_part(lhs, g), self._ciphertext_part(rhs, g)) for g in groups]
+            parts = [
+                self.multiply(self._ciphertext_part(lhs, g), self._ciphertext_part(rhs, g)) for g in groups
+            ]
             return self._join(parts, lhs.batch_shape)
         if self.ntt.native_level != "torch":  # one native pass, the same residues
             moduli = self.ntt._native_tables(lhs.prime_ids)[0]
@@ -458,7 +483,11 @@ class CkksEngine(EngineBase):
         qp_ids = (*ids, self.special_prime_id)
         if self.ntt.native_level != "torch":
             return _native.key_switch_lifted(
-                lifted, key.data, _index_tensor(ids), _index_tensor(qp_ids), *self.ntt._native_tables(qp_ids),
+                lifted,
+                key.data,
+                _index_tensor(ids),
+                _index_tensor(qp_ids),
+                *self.ntt._native_tables(qp_ids),
                 self.ntt.native_level,
             )
         qp_mod = self._mod(qp_ids)
@@ -479,7 +508,11 @@ class CkksEngine(EngineBase):
         if self.ntt.native_level != "torch":  # the whole pipeline in one native call
             qp_ids = (*ids, self.special_prime_id)
             return _native.key_switch(
-                poly_ntt, key.data, _index_tensor(ids), _index_tensor(qp_ids), *self.ntt._native_tables(qp_ids),
+                poly_ntt,
+                key.data,
+                _index_tensor(ids),
+                _index_tensor(qp_ids),
+                *self.ntt._native_tables(qp_ids),
                 self.ntt.native_level,
             )
         batch_shape = poly_ntt.shape[:-2]
@@ -544,7 +577,9 @@ class CkksEngine(EngineBase):
         if cached is None:
             q = self._mod(ids).q
             inverse = torch.tensor(
-                [pow(value, -1, prime) for prime in self.moduli_for(ids)], dtype=torch.int64, device=self.device
+                [pow(value, -1, prime) for prime in self.moduli_for(ids)],
+                dtype=torch.int64,
+                device=self.device,
             ).unsqueeze(-1)
             cached = (inverse, inverse.double() / q.double())
             self._inverse_cache[key] = cached
@@ -580,7 +615,11 @@ class CkksEngine(EngineBase):
         q_drop = self.moduli[dropped]
         if self.ntt.native_level != "torch":
             data = _native.divide_round(
-                ct.data, *self.ntt._native_tables(ids), 0, ntt=ct.polynomial_domain == "ntt", level=self.ntt.native_level
+                ct.data,
+                *self.ntt._native_tables(ids),
+                0,
+                ntt=ct.polynomial_domain == "ntt",
+                level=self.ntt.native_level,
             )
             return Ciphertext(data, ct.depth + 1, ct.scale / q_drop, rest, ct.polynomial_domain)
         rest_mod = self._mod(rest)
@@ -610,8 +649,15 @@ class CkksEngine(EngineBase):
         if pt.representation != "rns" or pt.data is None:
             raise FheliumValueError("mod_switch_plain needs an rns Plaintext")
         return Plaintext(
-            None, pt.depth + 1, pt.scale, pt.data[..., 1:, :].contiguous(), "rns",
-            pt.polynomial_domain, pt.modulus_basis, pt.residue_representation, pt.prime_ids[1:],
+            None,
+            pt.depth + 1,
+            pt.scale,
+            pt.data[..., 1:, :].contiguous(),
+            "rns",
+            pt.polynomial_domain,
+            pt.modulus_basis,
+            pt.residue_representation,
+            pt.prime_ids[1:],
         )
 
     # ------------------------------------------------------------------ domains
@@ -628,13 +674,17 @@ class CkksEngine(EngineBase):
         return Ciphertext(data, ct.depth, ct.scale, ct.prime_ids, "coefficient", ct.modulus_basis)
 
     # ------------------------------------------------------------------ rotations
-    def _galois_switch(self, value: Ciphertext, element: int, key: KeySwitchKey, operation: str) -> Ciphertext:
+    def _galois_switch(
+        self, value: Ciphertext, element: int, key: KeySwitchKey, operation: str
+    ) -> Ciphertext:
         ct = self._check_ciphertext(value, "ciphertext")
         ct.assert_state(polynomial_domain="ntt", components=2, name=f"{operation} input")
         ids = self._check_full_layout(ct, "ciphertext", operation)
         groups = self._batch_groups(ct.batch_shape, ct.limb_count)
         if groups is not None:
-            parts = [self._galois_switch(self._ciphertext_part(ct, g), element, key, operation) for g in groups]
+            parts = [
+                self._galois_switch(self._ciphertext_part(ct, g), element, key, operation) for g in groups
+            ]
             return self._join(parts, ct.batch_shape)
         permuted = self._apply_galois(ct.data, element, "ntt")
         switched = self._key_switch(permuted[1], ids, key)
@@ -671,7 +721,9 @@ class CkksEngine(EngineBase):
             results.append(ct.with_data(switched))
         return results
 
-    def rotate_by_step(self, value: Ciphertext, step: int, keys: KeySet | Mapping[int, RotationKey]) -> Ciphertext:
+    def rotate_by_step(
+        self, value: Ciphertext, step: int, keys: KeySet | Mapping[int, RotationKey]
+    ) -> Ciphertext:
         """Rotate by ``step`` slots using the matching key from a KeySet or a step → key mapping."""
         if isinstance(keys, KeySet):
             return self.rotate(value, keys.rotation(step))

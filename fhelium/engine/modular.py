@@ -53,7 +53,10 @@ def _blocked(
     shape = (-1, a.size(-2), a.size(-1))
     result = torch.empty_like(a, memory_format=torch.contiguous_format)
     chunks = zip(
-        torch.split(result.view(shape), per), torch.split(a.reshape(shape), per), torch.split(b.reshape(shape), per), strict=True
+        torch.split(result.view(shape), per),
+        torch.split(a.reshape(shape), per),
+        torch.split(b.reshape(shape), per),
+        strict=True,
     )
     return result, list(chunks)
 
@@ -133,9 +136,7 @@ def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse: torch.
     return correct((a * b).sub_(estimate.mul_(q)), q)
 
 
-def mul_mod_shoup(
-    a: torch.Tensor, w: torch.Tensor, w_over_q: torch.Tensor, q: torch.Tensor
-) -> torch.Tensor:
+def mul_mod_shoup(a: torch.Tensor, w: torch.Tensor, w_over_q: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(a·w) mod q for a in [0, 2q), with precomputed ``w_over_q = w/q`` (float64)."""
     estimate = a.double().mul_(w_over_q).long()
     return correct((a * w).sub_(estimate.mul_(q)), q)
@@ -153,7 +154,9 @@ def mul_mod_shoup_signed(
     return a.mul_(w).sub_(estimate.mul_(q))
 
 
-def mul_mod_signed(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor) -> torch.Tensor:
+def mul_mod_signed(
+    a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor
+) -> torch.Tensor:
     """Lazy (a·b) mod q for a, b in [0, q): result in (-q, q) (rounded binary64 quotient)."""
     estimate = (a.double() * b.double()).mul_(q_inverse).round_().long()
     return (a * b).sub_(estimate.mul_(q))

@@ -31,7 +31,9 @@ COMPILED_BLOCK_FACTOR = 8
 ROW_TABLE_CACHE_SIZE = 16
 
 
-def _stage(x: torch.Tensor, w: torch.Tensor, w_over_q: torch.Tensor, q: torch.Tensor, stride: int) -> torch.Tensor:
+def _stage(
+    x: torch.Tensor, w: torch.Tensor, w_over_q: torch.Tensor, q: torch.Tensor, stride: int
+) -> torch.Tensor:
     """One Stockham stage: halves (a, b) → interleave(fold(a + b), (a − b)·w) in blocks of ``stride``."""
     half = x.size(-1) // 2
     a, b = x[..., :half], x[..., half:]
@@ -128,7 +130,9 @@ class _RowTables:
             return torch.tensor(values, dtype=torch.int64, device=device).unsqueeze(-1)
 
         twist = _powers(column(psi), n, q)
-        inverse_powers = _powers(column([pow(r, -1, prime) for r, prime in zip(psi, moduli, strict=True)]), n, q)
+        inverse_powers = _powers(
+            column([pow(r, -1, prime) for r, prime in zip(psi, moduli, strict=True)]), n, q
+        )
         n_inverse = column([pow(n, -1, prime) for prime in moduli])
         untwist = mul_mod(inverse_powers, n_inverse.expand_as(inverse_powers), q, 1.0 / q.double())
         forward, inverse = [], []
@@ -255,7 +259,15 @@ class NegacyclicNtt:
             # pairs of stages per call measured 15 % faster than one (docs/fhelium-performance.md)
             pair = _compiled_two_stages()
             while index + 1 < len(twiddles):
-                x = pair(x, twiddles[index], twiddles_over_q[index], twiddles[index + 1], twiddles_over_q[index + 1], q, stride)
+                x = pair(
+                    x,
+                    twiddles[index],
+                    twiddles_over_q[index],
+                    twiddles[index + 1],
+                    twiddles_over_q[index + 1],
+                    q,
+                    stride,
+                )
                 stride, index = stride * 4, index + 2
         stage = _compiled_stage() if self.compiled else _stage
         for w, w_over_q in zip(twiddles[index:], twiddles_over_q[index:], strict=True):
@@ -269,9 +281,13 @@ class NegacyclicNtt:
 
     def _inverse_block(self, x: torch.Tensor, tables: _RowTables) -> torch.Tensor:
         y = self._stages(x, tables, inverse=True)
-        return normalize_signed(mul_mod_shoup_signed(y, tables.untwist, tables.untwist_over_q, tables.q), tables.q)
+        return normalize_signed(
+            mul_mod_shoup_signed(y, tables.untwist, tables.untwist_over_q, tables.q), tables.q
+        )
 
-    def _blocked(self, x: torch.Tensor, tables: _RowTables, block: Callable[[torch.Tensor, _RowTables], torch.Tensor]) -> torch.Tensor:
+    def _blocked(
+        self, x: torch.Tensor, tables: _RowTables, block: Callable[[torch.Tensor, _RowTables], torch.Tensor]
+    ) -> torch.Tensor:
         """Run ``block`` on cache-sized groups of leading entries (about 2**17 residues each).
 
         Each stage streams ~13 elementwise passes over its input; keeping a group in L2

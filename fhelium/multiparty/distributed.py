@@ -54,10 +54,14 @@ class ShareChannel(Protocol):
 
     def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = ...) -> list[bytes]: ...
 
-    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor: ...
+    def all_reduce_residues(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int]
+    ) -> torch.Tensor: ...
 
 
-def missing_error(tag: str, world_size: int, missing: Sequence[int], waited: float | None) -> MissingSharesError:
+def missing_error(
+    tag: str, world_size: int, missing: Sequence[int], waited: float | None
+) -> MissingSharesError:
     what = EXCHANGES.get(tag, tag)
     within = f" within {waited:g}s" if waited is not None else ""
     if tag == "decryption-shares":
@@ -117,7 +121,9 @@ class ProcessGroupChannel:
             except Exception as timeout:  # the store's timeout error type differs between stores
                 pending = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
                 if not pending:
-                    raise MultipartyError(f"the rendezvous store failed during the {tag!r} exchange: {timeout}") from timeout
+                    raise MultipartyError(
+                        f"the rendezvous store failed during the {tag!r} exchange: {timeout}"
+                    ) from timeout
                 raise missing_error(tag, self.world_size, pending, self.timeout_s) from timeout
             theirs = [bytes(self.store.get(key)).decode(errors="replace") for key in keys]
         except MultipartyError:
@@ -158,7 +164,9 @@ class ProcessGroupChannel:
         for rank, raw in enumerate(gathered):
             length = int.from_bytes(bytes(raw[:8].tolist()), "little")
             if length > max_bytes:
-                raise MultipartyError(f"rank {rank} announced a {length}-byte {tag!r} record (cap {max_bytes})")
+                raise MultipartyError(
+                    f"rank {rank} announced a {length}-byte {tag!r} record (cap {max_bytes})"
+                )
             records.append(bytes(raw[8 : 8 + length].tolist()))
         return records
 
@@ -166,9 +174,19 @@ class ProcessGroupChannel:
         if residues.size(-2) != len(moduli):
             raise MultipartyError(f"{tag}: {residues.size(-2)} limb rows but {len(moduli)} moduli")
         if self.world_size * max(moduli) >= 2**63:
-            raise MultipartyError(f"{tag}: a SUM of {self.world_size} residues below {max(moduli)} could wrap int64")
-        self._arrive(tag, {"exchange": tag, "kind": "residues", "shape": list(residues.shape),
-                           "dtype": str(residues.dtype), "moduli": [str(q) for q in moduli]})
+            raise MultipartyError(
+                f"{tag}: a SUM of {self.world_size} residues below {max(moduli)} could wrap int64"
+            )
+        self._arrive(
+            tag,
+            {
+                "exchange": tag,
+                "kind": "residues",
+                "shape": list(residues.shape),
+                "dtype": str(residues.dtype),
+                "moduli": [str(q) for q in moduli],
+            },
+        )
         buffer = residues.contiguous().clone()
         try:
             fdist.all_reduce(buffer, op=fdist.ReduceOp.SUM, group=self.group)
@@ -217,7 +235,9 @@ class ThresholdSession:
         for rank, blob in enumerate(blobs):
             received = value_from_bytes(blob, expected_type=type(value).__name__)
             if getattr(received, "party", None) != rank:
-                raise MultipartyError(f"rank {rank} sent a {type(value).__name__} for party {getattr(received, 'party', None)}")
+                raise MultipartyError(
+                    f"rank {rank} sent a {type(value).__name__} for party {getattr(received, 'party', None)}"
+                )
             values.append(received)
         return values
 
@@ -264,10 +284,14 @@ class ThresholdSession:
             )
         public = party.combine_public_key(total, seed)
         fingerprint = key_fingerprint(public)
-        prints = [b.decode() for b in self.channel.all_gather_bytes("public-key-fingerprint", fingerprint.encode())]
+        prints = [
+            b.decode() for b in self.channel.all_gather_bytes("public-key-fingerprint", fingerprint.encode())
+        ]
         wrong = [rank for rank, other in enumerate(prints) if other != fingerprint]
         if wrong:
-            raise MultipartyError(f"rank(s) {wrong} computed another collective public key; the residue exchange is corrupt")
+            raise MultipartyError(
+                f"rank(s) {wrong} computed another collective public key; the residue exchange is corrupt"
+            )
         self.public = public
         return public
 

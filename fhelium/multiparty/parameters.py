@@ -112,7 +112,9 @@ class ThresholdParameters:
         if not self.ckks.enforce_security or limit is None or self.ckks.total_modulus_bits > limit:
             raise ValueError(f"threshold parameters must keep 128-bit security (Q·P ≤ {limit} bits)")
         if self.encode_scale_bits != self.ckks.scale_bits or self.encode_scale_bits > self.message_scale_bits:
-            raise ValueError("encode_scale_bits must equal the engine's scale_bits and not exceed message_scale_bits")
+            raise ValueError(
+                "encode_scale_bits must equal the engine's scale_bits and not exceed message_scale_bits"
+            )
         needed = required_smudging_sigma(self.ckks.ring_degree, self.max_parties, self.statistical_security)
         if self.smudging_sigma < needed:
             raise ValueError(

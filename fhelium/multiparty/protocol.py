@@ -112,13 +112,19 @@ def common_uniform(engine: CkksEngine, seed: bytes) -> torch.Tensor:
     """The collective key's uniform ``a`` over every QP prime, NTT domain, from the public seed."""
     ids = tuple(range(len(engine.moduli)))
     q = engine._mod(ids).q
-    return RandomSource(seed, purpose="common_uniform").uniform_below(q.cpu(), (len(ids), engine.ring_degree)).to(
-        engine.device
+    return (
+        RandomSource(seed, purpose="common_uniform")
+        .uniform_below(q.cpu(), (len(ids), engine.ring_degree))
+        .to(engine.device)
     )
 
 
 def combine_public_key(
-    engine: CkksEngine, shares: Sequence[PublicKeyShare] | torch.Tensor, seed: bytes, *, parties: int | None = None
+    engine: CkksEngine,
+    shares: Sequence[PublicKeyShare] | torch.Tensor,
+    seed: bytes,
+    *,
+    parties: int | None = None,
 ) -> PublicKey:
     """(Σ p_i, a): the collective public key. ``shares`` may be the already summed residues."""
     ids = tuple(range(len(engine.moduli)))
@@ -137,7 +143,11 @@ def combine_public_key(
                 missing,
             )
         for share in shares:
-            if share.seed != seed or share.prime_ids != ids or share.data.shape != (len(ids), engine.ring_degree):
+            if (
+                share.seed != seed
+                or share.prime_ids != ids
+                or share.data.shape != (len(ids), engine.ring_degree)
+            ):
                 raise ParameterMismatchError(
                     f"rank {share.party}'s key share was made for another seed or other parameters"
                 )
@@ -182,23 +192,36 @@ def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: Threshol
     coefficients = engine.encoder.slots_to_coefficients(message) * low
     largest = float(coefficients.abs().max()) if coefficients.numel() else 0.0
     if not math.isfinite(largest) or largest >= 2.0**62:
-        raise FheliumValueError(f"encoded coefficients reach {largest:.3g}: the values are too large to encode")
+        raise FheliumValueError(
+            f"encoded coefficients reach {largest:.3g}: the values are too large to encode"
+        )
     residues = torch.remainder(coefficients.round().long().to(engine.device).unsqueeze(-2), q.q)
     shift = parameters.message_scale_bits - parameters.encode_scale_bits
-    factor = torch.tensor([pow(2, shift, p) for p in engine.moduli_for(ids)], dtype=torch.int64, device=engine.device)
-    residues = mod.mul_mod(residues, factor.unsqueeze(-1).expand_as(residues[0]).contiguous(), q.q, q.q_inverse)
+    factor = torch.tensor(
+        [pow(2, shift, p) for p in engine.moduli_for(ids)], dtype=torch.int64, device=engine.device
+    )
+    residues = mod.mul_mod(
+        residues, factor.unsqueeze(-1).expand_as(residues[0]).contiguous(), q.q, q.q_inverse
+    )
     return Plaintext(None, 0, parameters.message_scale, residues, "rns", "coefficient", "Q", "standard", ids)
 
 
 def encrypt_values(
-    engine: CkksEngine, values: torch.Tensor, public: PublicKey, parameters: ThresholdParameters = THRESHOLD_AGGREGATION
+    engine: CkksEngine,
+    values: torch.Tensor,
+    public: PublicKey,
+    parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
 ) -> Ciphertext:
     """Public-key encryption of real slots ``[rows, ≤S]`` under the collective key."""
     return engine.encrypt(encode_values(engine, values, parameters), public)
 
 
 def combine_decryption(
-    engine: CkksEngine, ct: Ciphertext, shares: Sequence[DecryptionShare] | torch.Tensor, *, parties: int | None = None
+    engine: CkksEngine,
+    ct: Ciphertext,
+    shares: Sequence[DecryptionShare] | torch.Tensor,
+    *,
+    parties: int | None = None,
 ) -> torch.Tensor:
     """Slots (complex128 ``[*batch, S]``) of c0 + Σ h_i. ``shares`` may be the summed residues."""
     ids = ct.prime_ids
@@ -219,13 +242,21 @@ def combine_decryption(
             )
         digest = ciphertext_digest(ct)
         for share in shares:
-            if share.ciphertext_digest != digest or share.prime_ids != ids or share.data.shape != ct.data.shape[1:]:
-                raise ParameterMismatchError(f"rank {share.party}'s decryption share was made for another ciphertext")
+            if (
+                share.ciphertext_digest != digest
+                or share.prime_ids != ids
+                or share.data.shape != ct.data.shape[1:]
+            ):
+                raise ParameterMismatchError(
+                    f"rank {share.party}'s decryption share was made for another ciphertext"
+                )
         total = shares[0].data.clone()
         for share in shares[1:]:
             mod.add_mod_(total, share.data, q)
     if total.shape != ct.data.shape[1:]:
-        raise ParameterMismatchError(f"summed decryption shares have shape {tuple(total.shape)}; expected {tuple(ct.data.shape[1:])}")
+        raise ParameterMismatchError(
+            f"summed decryption shares have shape {tuple(total.shape)}; expected {tuple(ct.data.shape[1:])}"
+        )
     phase = mod.add_mod(ct.data[0], total, q)
     if ct.polynomial_domain == "ntt":
         phase = engine.ntt.inverse(phase, ids)
@@ -263,14 +294,18 @@ class ThresholdParty:
 
     # ------------------------------------------------------------------ common seed
     def commit_seed(self) -> SeedCommitment:
-        draw = self.engine.random.stream("seed_contribution").uniform_below(torch.tensor([256]), (SEED_BYTES,))
+        draw = self.engine.random.stream("seed_contribution").uniform_below(
+            torch.tensor([256]), (SEED_BYTES,)
+        )
         self._contribution = bytes(draw.to(torch.uint8).tolist())
         digest = commitment_digest(self.party, self.parties, self.session, self._contribution)
         return SeedCommitment(self.party, self.parties, self.session, digest)
 
     def reveal_seed(self) -> SeedReveal:
         if self._contribution is None:
-            raise MultipartyError("reveal_seed before commit_seed: commit first, reveal after every commitment arrived")
+            raise MultipartyError(
+                "reveal_seed before commit_seed: commit first, reveal after every commitment arrived"
+            )
         return SeedReveal(self.party, self.parties, self.session, self._contribution)
 
     def combine_seed(self, commitments: Sequence[SeedCommitment], reveals: Sequence[SeedReveal]) -> bytes:
@@ -285,7 +320,11 @@ class ThresholdParty:
         self.secret = SecretKeyShare(secret.data, ids, self.party, self.parties)
         m = engine._mod(ids)
         a = common_uniform(engine, seed)
-        e = engine.random.stream("error").gaussian((engine.ring_degree,), ERROR_STANDARD_DEVIATION).to(engine.device)
+        e = (
+            engine.random.stream("error")
+            .gaussian((engine.ring_degree,), ERROR_STANDARD_DEVIATION)
+            .to(engine.device)
+        )
         e_ntt = engine.ntt.forward(engine._small_to_rns(e, ids), ids)
         p = mod.sub_mod(e_ntt, mod.mul_mod(a, secret.data, m.q, m.q_inverse), m.q)
         return PublicKeyShare(p, ids, self.party, self.parties, seed)
@@ -317,7 +356,9 @@ class ThresholdParty:
         marker = ciphertext_digest(ct) if digest else bytes(32)
         return DecryptionShare(share, ids, ct.depth, ct.scale, self.party, self.parties, marker)
 
-    def combine_decryption(self, ct: Ciphertext, shares: Sequence[DecryptionShare] | torch.Tensor) -> torch.Tensor:
+    def combine_decryption(
+        self, ct: Ciphertext, shares: Sequence[DecryptionShare] | torch.Tensor
+    ) -> torch.Tensor:
         return combine_decryption(self.engine, ct, shares, parties=self.parties)
 
 

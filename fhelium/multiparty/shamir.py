@@ -57,7 +57,9 @@ def receive(party: ThresholdParty, points: Mapping[int, torch.Tensor]) -> torch.
     """sk_j = Σ_i f_i(x_j) from every dealer's point for this party."""
     missing = sorted(set(range(party.parties)) - set(points))
     if missing:
-        raise MissingSharesError(f"the Shamir share needs a point from every dealer; missing rank(s) {missing}", missing)
+        raise MissingSharesError(
+            f"the Shamir share needs a point from every dealer; missing rank(s) {missing}", missing
+        )
     engine = party.engine
     ids = tuple(range(len(engine.moduli)))
     q = engine._mod(ids).q
@@ -84,7 +86,9 @@ def lagrange_coefficients(active: Sequence[int], moduli: Sequence[int]) -> dict[
     return result
 
 
-def activate(party: ThresholdParty, shamir_share: torch.Tensor, active: Sequence[int], threshold: int) -> SecretKeyShare:
+def activate(
+    party: ThresholdParty, shamir_share: torch.Tensor, active: Sequence[int], threshold: int
+) -> SecretKeyShare:
     """Make ``party.secret`` this party's additive share among ``active`` (λ_j·sk_j); returns it.
 
     Afterwards ``party.decryption_share`` works as in N-out-of-N, and the shares of exactly the
@@ -104,8 +108,11 @@ def activate(party: ThresholdParty, shamir_share: torch.Tensor, active: Sequence
     engine = party.engine
     ids = tuple(range(len(engine.moduli)))
     m = engine._mod(ids)
-    coefficient = torch.tensor(lagrange_coefficients(active, engine.moduli_for(ids))[party.party],
-                               dtype=torch.int64, device=engine.device).unsqueeze(-1)
+    coefficient = torch.tensor(
+        lagrange_coefficients(active, engine.moduli_for(ids))[party.party],
+        dtype=torch.int64,
+        device=engine.device,
+    ).unsqueeze(-1)
     data = mod.mul_mod(shamir_share, coefficient.expand_as(shamir_share).contiguous(), m.q, m.q_inverse)
     party.secret = SecretKeyShare(data, ids, party.party, party.parties)
     return party.secret

@@ -32,18 +32,28 @@ def _check_party(owner: str, party: object, parties: object) -> None:
 
 
 def _check_hex(owner: str, name: str, value: object, nbytes: int) -> None:
-    if not isinstance(value, str) or len(value) != 2 * nbytes or any(c not in "0123456789abcdef" for c in value):
-        raise FheliumValueError(f"{owner} {name} must be {2 * nbytes} lowercase hex characters ({nbytes} bytes)")
+    if (
+        not isinstance(value, str)
+        or len(value) != 2 * nbytes
+        or any(c not in "0123456789abcdef" for c in value)
+    ):
+        raise FheliumValueError(
+            f"{owner} {name} must be {2 * nbytes} lowercase hex characters ({nbytes} bytes)"
+        )
 
 
 def _check_session(owner: str, value: object) -> None:
     if not isinstance(value, str) or len(value) > MAX_SESSION_CHARS or not value.isprintable():
-        raise FheliumValueError(f"{owner} session must be a printable string of at most {MAX_SESSION_CHARS} characters")
+        raise FheliumValueError(
+            f"{owner} session must be a printable string of at most {MAX_SESSION_CHARS} characters"
+        )
 
 
 def _check_prime_ids_meta(owner: str, value: object) -> None:
     if not isinstance(value, (list, tuple)) or not value or any(type(i) is not int or i < 0 for i in value):
-        raise FheliumValueError(f"{owner} prime_ids must be a non-empty list of non-negative ints; got {value!r}")
+        raise FheliumValueError(
+            f"{owner} prime_ids must be a non-empty list of non-negative ints; got {value!r}"
+        )
     if any(b <= a for a, b in itertools.pairwise(value)):
         raise FheliumValueError(f"{owner} prime_ids must be strictly increasing: {list(value)}")
 
@@ -60,7 +70,9 @@ def _check_data_shape(
         want = f"{exact_ndim} dimensions" if exact_ndim is not None else "[*batch, limb, N]"
         raise FheliumValueError(f"{owner} envelope data must have {want}; got {list(shape)}")
     if shape[-2] != prime_count:
-        raise FheliumValueError(f"{owner} envelope limb axis has {shape[-2]} rows but prime_ids names {prime_count}")
+        raise FheliumValueError(
+            f"{owner} envelope limb axis has {shape[-2]} rows but prime_ids names {prime_count}"
+        )
 
 
 # --------------------------------------------------------------------------- key shares
@@ -80,7 +92,9 @@ class SecretKeyShare:
         check_integer_tensor(owner, "data", self.data, min_ndim=2)
         self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
         if self.data.ndim != 2 or self.data.size(0) != len(self.prime_ids):
-            raise FheliumValueError(f"{owner} data must be [limb={len(self.prime_ids)}, N]; got {tuple(self.data.shape)}")
+            raise FheliumValueError(
+                f"{owner} data must be [limb={len(self.prime_ids)}, N]; got {tuple(self.data.shape)}"
+            )
         _check_party(owner, self.party, self.parties)
 
     def __repr__(self) -> str:
@@ -102,7 +116,9 @@ class PublicKeyShare:
         check_integer_tensor(owner, "data", self.data, min_ndim=2)
         self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
         if self.data.ndim != 2 or self.data.size(0) != len(self.prime_ids):
-            raise FheliumValueError(f"{owner} data must be [limb={len(self.prime_ids)}, N]; got {tuple(self.data.shape)}")
+            raise FheliumValueError(
+                f"{owner} data must be [limb={len(self.prime_ids)}, N]; got {tuple(self.data.shape)}"
+            )
         _check_party(owner, self.party, self.parties)
         if not isinstance(self.seed, bytes) or len(self.seed) != SEED_BYTES:
             raise FheliumValueError(f"{owner} seed must be {SEED_BYTES} bytes")
@@ -167,7 +183,9 @@ class DecryptionShare:
         check_integer_tensor(owner, "data", self.data, min_ndim=2)
         self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
         if self.data.size(-2) != len(self.prime_ids):
-            raise FheliumValueError(f"{owner} limb axis has {self.data.size(-2)} rows, prime_ids names {len(self.prime_ids)}")
+            raise FheliumValueError(
+                f"{owner} limb axis has {self.data.size(-2)} rows, prime_ids names {len(self.prime_ids)}"
+            )
         self.depth = check_depth(owner, self.depth)
         self.scale = coerce_scale(owner, self.scale)
         _check_party(owner, self.party, self.parties)
@@ -194,7 +212,9 @@ def _validate_key_share(name: str, has_seed: bool) -> Any:
     return validate
 
 
-def _validate_decryption_share(metadata: Mapping[str, Any], tensors: Mapping[str, Mapping[str, Any]] | None) -> None:
+def _validate_decryption_share(
+    metadata: Mapping[str, Any], tensors: Mapping[str, Mapping[str, Any]] | None
+) -> None:
     name = "DecryptionShare"
     _check_prime_ids_meta(name, metadata["prime_ids"])
     _check_party(name, metadata["party"], metadata["parties"])
@@ -223,51 +243,108 @@ def _data_only(metadata: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _register() -> None:
-    register_value_type(ValueTypeExtension(
-        "SecretKeyShare", SecretKeyShare, ("prime_ids", "party", "parties"), _data_only,
-        _validate_key_share("SecretKeyShare", False),
-        lambda v: ({"prime_ids": list(v.prime_ids), "party": v.party, "parties": v.parties}, {"data": v.data}),
-        lambda m, t: SecretKeyShare(t["data"], tuple(m["prime_ids"]), m["party"], m["parties"]),
-        secret=True,
-    ))
-    register_value_type(ValueTypeExtension(
-        "PublicKeyShare", PublicKeyShare, ("prime_ids", "party", "parties", "seed_hex"), _data_only,
-        _validate_key_share("PublicKeyShare", True),
-        lambda v: (
-            {"prime_ids": list(v.prime_ids), "party": v.party, "parties": v.parties, "seed_hex": v.seed.hex()},
-            {"data": v.data},
-        ),
-        lambda m, t: PublicKeyShare(t["data"], tuple(m["prime_ids"]), m["party"], m["parties"], bytes.fromhex(m["seed_hex"])),
-    ))
-    register_value_type(ValueTypeExtension(
-        "SeedCommitment", SeedCommitment, ("party", "parties", "session", "digest_hex"), _no_tensors,
-        _validate_seed_record("SeedCommitment", "digest_hex"),
-        lambda v: ({"party": v.party, "parties": v.parties, "session": v.session, "digest_hex": v.digest.hex()}, {}),
-        lambda m, t: SeedCommitment(m["party"], m["parties"], m["session"], bytes.fromhex(m["digest_hex"])),
-    ))
-    register_value_type(ValueTypeExtension(
-        "SeedReveal", SeedReveal, ("party", "parties", "session", "contribution_hex"), _no_tensors,
-        _validate_seed_record("SeedReveal", "contribution_hex"),
-        lambda v: (
-            {"party": v.party, "parties": v.parties, "session": v.session, "contribution_hex": v.contribution.hex()},
-            {},
-        ),
-        lambda m, t: SeedReveal(m["party"], m["parties"], m["session"], bytes.fromhex(m["contribution_hex"])),
-    ))
-    register_value_type(ValueTypeExtension(
-        "DecryptionShare", DecryptionShare,
-        ("prime_ids", "depth", "scale", "party", "parties", "ciphertext_digest_hex"), _data_only,
-        _validate_decryption_share,
-        lambda v: (
-            {"prime_ids": list(v.prime_ids), "depth": v.depth, "scale": v.scale, "party": v.party,
-             "parties": v.parties, "ciphertext_digest_hex": v.ciphertext_digest.hex()},
-            {"data": v.data},
-        ),
-        lambda m, t: DecryptionShare(
-            t["data"], tuple(m["prime_ids"]), m["depth"], m["scale"], m["party"], m["parties"],
-            bytes.fromhex(m["ciphertext_digest_hex"]),
-        ),
-    ))
+    register_value_type(
+        ValueTypeExtension(
+            "SecretKeyShare",
+            SecretKeyShare,
+            ("prime_ids", "party", "parties"),
+            _data_only,
+            _validate_key_share("SecretKeyShare", False),
+            lambda v: (
+                {"prime_ids": list(v.prime_ids), "party": v.party, "parties": v.parties},
+                {"data": v.data},
+            ),
+            lambda m, t: SecretKeyShare(t["data"], tuple(m["prime_ids"]), m["party"], m["parties"]),
+            secret=True,
+        )
+    )
+    register_value_type(
+        ValueTypeExtension(
+            "PublicKeyShare",
+            PublicKeyShare,
+            ("prime_ids", "party", "parties", "seed_hex"),
+            _data_only,
+            _validate_key_share("PublicKeyShare", True),
+            lambda v: (
+                {
+                    "prime_ids": list(v.prime_ids),
+                    "party": v.party,
+                    "parties": v.parties,
+                    "seed_hex": v.seed.hex(),
+                },
+                {"data": v.data},
+            ),
+            lambda m, t: PublicKeyShare(
+                t["data"], tuple(m["prime_ids"]), m["party"], m["parties"], bytes.fromhex(m["seed_hex"])
+            ),
+        )
+    )
+    register_value_type(
+        ValueTypeExtension(
+            "SeedCommitment",
+            SeedCommitment,
+            ("party", "parties", "session", "digest_hex"),
+            _no_tensors,
+            _validate_seed_record("SeedCommitment", "digest_hex"),
+            lambda v: (
+                {"party": v.party, "parties": v.parties, "session": v.session, "digest_hex": v.digest.hex()},
+                {},
+            ),
+            lambda m, t: SeedCommitment(
+                m["party"], m["parties"], m["session"], bytes.fromhex(m["digest_hex"])
+            ),
+        )
+    )
+    register_value_type(
+        ValueTypeExtension(
+            "SeedReveal",
+            SeedReveal,
+            ("party", "parties", "session", "contribution_hex"),
+            _no_tensors,
+            _validate_seed_record("SeedReveal", "contribution_hex"),
+            lambda v: (
+                {
+                    "party": v.party,
+                    "parties": v.parties,
+                    "session": v.session,
+                    "contribution_hex": v.contribution.hex(),
+                },
+                {},
+            ),
+            lambda m, t: SeedReveal(
+                m["party"], m["parties"], m["session"], bytes.fromhex(m["contribution_hex"])
+            ),
+        )
+    )
+    register_value_type(
+        ValueTypeExtension(
+            "DecryptionShare",
+            DecryptionShare,
+            ("prime_ids", "depth", "scale", "party", "parties", "ciphertext_digest_hex"),
+            _data_only,
+            _validate_decryption_share,
+            lambda v: (
+                {
+                    "prime_ids": list(v.prime_ids),
+                    "depth": v.depth,
+                    "scale": v.scale,
+                    "party": v.party,
+                    "parties": v.parties,
+                    "ciphertext_digest_hex": v.ciphertext_digest.hex(),
+                },
+                {"data": v.data},
+            ),
+            lambda m, t: DecryptionShare(
+                t["data"],
+                tuple(m["prime_ids"]),
+                m["depth"],
+                m["scale"],
+                m["party"],
+                m["parties"],
+                bytes.fromhex(m["ciphertext_digest_hex"]),
+            ),
+        )
+    )
 
 
 _register()

@@ -109,7 +109,9 @@ def _register_fakes() -> None:
     def in_place_fake(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: int = 0) -> None:
         return None
 
-    def mul_add_mod_fake(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor, level: int = 0) -> torch.Tensor:
+    def mul_add_mod_fake(
+        a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor, level: int = 0
+    ) -> torch.Tensor:
         shape = torch.broadcast_shapes(a.shape, b.shape, c.shape, q.shape)  # type: ignore[no-untyped-call]
         return torch.empty(shape, dtype=a.dtype, device=a.device)
 
@@ -126,20 +128,36 @@ def _register_fakes() -> None:
     torch.library.register_fake("fhelium::sub_mod_")(in_place_fake)
     torch.library.register_fake("fhelium::ntt_tables")(tables_fake)
 
-    def divide_round_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, ntt: bool, level: int) -> torch.Tensor:
+    def divide_round_fake(
+        x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, ntt: bool, level: int
+    ) -> torch.Tensor:
         return torch.empty((*x.shape[:-2], x.shape[-2] - 1, x.shape[-1]), dtype=x.dtype, device=x.device)
 
-    def decompose_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
+    def decompose_fake(
+        x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
+    ) -> torch.Tensor:
         limbs = x.shape[-2]
         return torch.empty((limbs, *x.shape[:-2], limbs + 1, x.shape[-1]), dtype=x.dtype, device=x.device)
 
     def key_switch_fake(
-        x: torch.Tensor, key: torch.Tensor, digits: torch.Tensor, rows: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
+        x: torch.Tensor,
+        key: torch.Tensor,
+        digits: torch.Tensor,
+        rows: torch.Tensor,
+        moduli: torch.Tensor,
+        tables: torch.Tensor,
+        level: int,
     ) -> torch.Tensor:
         return torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
 
     def key_switch_lifted_fake(
-        lifted: torch.Tensor, key: torch.Tensor, digits: torch.Tensor, rows: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
+        lifted: torch.Tensor,
+        key: torch.Tensor,
+        digits: torch.Tensor,
+        rows: torch.Tensor,
+        moduli: torch.Tensor,
+        tables: torch.Tensor,
+        level: int,
     ) -> torch.Tensor:
         shape = (2, *lifted.shape[1:-2], lifted.shape[-2] - 1, lifted.shape[-1])
         return torch.empty(shape, dtype=lifted.dtype, device=lifted.device)
@@ -155,13 +173,17 @@ def _register_fakes() -> None:
         shape = (*values.shape[:-2], values.shape[-2] - 1, values.shape[-1])
         return torch.empty(shape, dtype=values.dtype, device=values.device)
 
-    def small_ntt_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
+    def small_ntt_fake(
+        x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
+    ) -> torch.Tensor:
         return torch.empty((*x.shape[:-1], moduli.shape[0], x.shape[-1]), dtype=x.dtype, device=x.device)
 
     def permute_last_fake(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return torch.empty((*x.shape[:-1], index.shape[0]), dtype=x.dtype, device=x.device)
 
-    def tensor_product_fake(a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: int) -> torch.Tensor:
+    def tensor_product_fake(
+        a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: int
+    ) -> torch.Tensor:
         return torch.empty((3, *a.shape[1:]), dtype=a.dtype, device=a.device)
 
     torch.library.register_fake("fhelium::tensor_product")(tensor_product_fake)
@@ -178,7 +200,9 @@ def requested_level() -> str:
     """The level named by ``FHELIUM_NATIVE_LEVEL`` (``auto`` when unset)."""
     value = os.environ.get(LEVEL_ENVIRONMENT_VARIABLE, "").strip().lower() or "auto"
     if value not in ("auto", "torch", *LEVELS):
-        raise ValueError(f"{LEVEL_ENVIRONMENT_VARIABLE}={value!r}: expected one of auto, torch, {', '.join(LEVELS)}")
+        raise ValueError(
+            f"{LEVEL_ENVIRONMENT_VARIABLE}={value!r}: expected one of auto, torch, {', '.join(LEVELS)}"
+        )
     return value
 
 
@@ -204,7 +228,9 @@ def load(*, verbose: bool = False) -> bool:
                     )
         loaded = bool(_state["loaded"])
     if not loaded and os.environ.get(REQUIRE_ENVIRONMENT_VARIABLE) == "1":
-        raise NativeUnavailableError(f"{REQUIRE_ENVIRONMENT_VARIABLE}=1 but the native extension failed: {_state['error']}")
+        raise NativeUnavailableError(
+            f"{REQUIRE_ENVIRONMENT_VARIABLE}=1 but the native extension failed: {_state['error']}"
+        )
     return loaded
 
 
@@ -228,11 +254,15 @@ def level() -> str:
     if wanted == "auto":
         return available[-1]
     if wanted not in available:
-        raise NativeUnavailableError(f"{LEVEL_ENVIRONMENT_VARIABLE}={wanted} but this CPU supports only {available}")
+        raise NativeUnavailableError(
+            f"{LEVEL_ENVIRONMENT_VARIABLE}={wanted} but this CPU supports only {available}"
+        )
     return wanted
 
 
-def ntt_tables(moduli: Sequence[int], roots: Sequence[int], ring_degree: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ntt_tables(
+    moduli: Sequence[int], roots: Sequence[int], ring_degree: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(moduli ``[rows]``, tables ``[rows, 4, N]``) for the native NTT; ``roots`` are the ψ per prime."""
     q = torch.tensor(list(moduli), dtype=torch.int64)
     tables = torch.ops.fhelium.ntt_tables(q, torch.tensor(list(roots), dtype=torch.int64), ring_degree)
@@ -273,7 +303,9 @@ def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None
     return result
 
 
-def mul_add_mod(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
+def mul_add_mod(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, q: torch.Tensor, level: str | None = None
+) -> torch.Tensor:
     """(a·b + c) mod q elementwise with broadcasting, a, b, c in [0, q)."""
     result: torch.Tensor = torch.ops.fhelium.mul_add_mod(a, b, c, q, _code(level))
     return result
@@ -323,7 +355,9 @@ def mod_down(
     """ModDown with encryption's extra terms: NTT ``values [..., L+1, N]`` over ``moduli`` (L Q primes,
     then P) → round((values + divided) / P) + addend over the Q primes, NTT domain. ``addend``:
     coefficient-domain residues ``[..., L, N]``; ``divided``: small signed integers ``[..., 1, N]``."""
-    result: torch.Tensor = torch.ops.fhelium.mod_down(values, addend, divided, moduli, tables, LEVEL_CODES[level])
+    result: torch.Tensor = torch.ops.fhelium.mod_down(
+        values, addend, divided, moduli, tables, LEVEL_CODES[level]
+    )
     return result
 
 
@@ -340,7 +374,9 @@ def permute_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def tensor_product(a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: str | None = None) -> torch.Tensor:
+def tensor_product(
+    a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: str | None = None
+) -> torch.Tensor:
     """NTT-domain ciphertexts ``[2, ..., L, N]`` → ``[3, ..., L, N]`` = (a0·b0, a0·b1 + a1·b0, a1·b1)
     mod q, limb r modulo ``moduli[r]``, in one pass."""
     result: torch.Tensor = torch.ops.fhelium.tensor_product(a, b, moduli, _code(level))
@@ -365,7 +401,9 @@ def key_switch(
 ) -> torch.Tensor:
     """Hybrid key switching in one call: NTT ``x [..., L, N]`` over ``moduli[:L]`` (``moduli`` = the L Q
     primes, then P) → ``[2, ..., L, N]`` = ModDown(Σ_j NTT(lift(digit_j))·key[key_digits[j], :, key_rows])."""
-    result: torch.Tensor = torch.ops.fhelium.key_switch(x, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level])
+    result: torch.Tensor = torch.ops.fhelium.key_switch(
+        x, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level]
+    )
     return result
 
 

@@ -123,7 +123,9 @@ def inspect_bytes(blob: bytes | memoryview) -> dict[str, Any]:
         shape, dtype = tuple(entry["shape"]), _DTYPES[entry["dtype"]]
         if name in complex_names:
             if not shape or shape[-1] != 2 or dtype not in (torch.float64, torch.float32):
-                raise FheliumValueError(f"complex tensor {name!r} must be stored as float (..., 2); got {shape}")
+                raise FheliumValueError(
+                    f"complex tensor {name!r} must be stored as float (..., 2); got {shape}"
+                )
             shape, dtype = shape[:-1], torch.complex128 if dtype == torch.float64 else torch.complex64
         tensor_metadata[name] = {"shape": shape, "dtype": dtype}
     extra = sorted(set(header) - {"__metadata__"} - set(tensor_metadata))
@@ -225,7 +227,9 @@ def load_value(
     expected_type: str | None = None,
     device: torch.device | str = "cpu",
 ) -> FheliumValue:
-    return value_from_bytes(Path(path).read_bytes(), engine=engine, expected_type=expected_type, device=device)
+    return value_from_bytes(
+        Path(path).read_bytes(), engine=engine, expected_type=expected_type, device=device
+    )
 
 
 def inspect_value(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -247,15 +247,30 @@ def validate_value_description(
         raise _fail(value_type, f"metadata has unexpected fields: {sorted(actual - expected)}")
 
     rns_optional = value_type == "Plaintext"
-    _check_enum(value_type, "polynomial_domain", metadata["polynomial_domain"], POLYNOMIAL_DOMAINS, optional=rns_optional)
+    _check_enum(
+        value_type,
+        "polynomial_domain",
+        metadata["polynomial_domain"],
+        POLYNOMIAL_DOMAINS,
+        optional=rns_optional,
+    )
     if value_type == "SeededCiphertext":
         seed_hex = metadata["seed_hex"]
-        if not isinstance(seed_hex, str) or len(seed_hex) != 64 or any(c not in "0123456789abcdef" for c in seed_hex):
+        if (
+            not isinstance(seed_hex, str)
+            or len(seed_hex) != 64
+            or any(c not in "0123456789abcdef" for c in seed_hex)
+        ):
             raise _fail(value_type, "seed_hex must be 64 lowercase hex characters (a 32-byte seed)")
     else:
-        _check_enum(value_type, "modulus_basis", metadata["modulus_basis"], MODULUS_BASES, optional=rns_optional)
         _check_enum(
-            value_type, "residue_representation", metadata["residue_representation"], RESIDUE_REPRESENTATIONS,
+            value_type, "modulus_basis", metadata["modulus_basis"], MODULUS_BASES, optional=rns_optional
+        )
+        _check_enum(
+            value_type,
+            "residue_representation",
+            metadata["residue_representation"],
+            RESIDUE_REPRESENTATIONS,
             optional=rns_optional,
         )
     _check_prime_ids(value_type, metadata["prime_ids"], allow_empty=rns_optional)
@@ -267,7 +282,13 @@ def validate_value_description(
     ):
         raise _fail(value_type, "describes a coefficient-domain ciphertext with Montgomery residues")
     if value_type == "Plaintext":
-        _check_enum(value_type, "representation", metadata["representation"], PLAINTEXT_REPRESENTATIONS, optional=False)
+        _check_enum(
+            value_type,
+            "representation",
+            metadata["representation"],
+            PLAINTEXT_REPRESENTATIONS,
+            optional=False,
+        )
         for flag in ("has_message", "has_data"):
             if type(metadata[flag]) is not bool:
                 raise _fail(value_type, f"{flag} must be a bool; got {metadata[flag]!r}")
@@ -276,17 +297,27 @@ def validate_value_description(
         if (metadata["representation"] == "slots") != metadata["has_message"]:
             raise _fail(value_type, "representation 'slots' goes with message, every other with data")
         if metadata["representation"] == "rns" and (
-            None in (metadata["polynomial_domain"], metadata["modulus_basis"], metadata["residue_representation"])
+            None
+            in (metadata["polynomial_domain"], metadata["modulus_basis"], metadata["residue_representation"])
             or not metadata["prime_ids"]
         ):
             raise _fail(value_type, "rns representation needs domain, basis, residue form and prime_ids")
     if value_type == "CompressedPlaintext":
         _check_int(value_type, "ring_dimension", metadata["ring_dimension"], minimum=1)
-        _check_enum(value_type, "compression_layout", metadata["compression_layout"], COMPRESSED_PLAINTEXT_LAYOUTS, optional=False)
-        if metadata["compression_format_version"] != COMPRESSED_PLAINTEXT_FORMAT_VERSION or type(
-            metadata["compression_format_version"]
-        ) is not int:
-            raise _fail(value_type, f"compression_format_version must be {COMPRESSED_PLAINTEXT_FORMAT_VERSION}")
+        _check_enum(
+            value_type,
+            "compression_layout",
+            metadata["compression_layout"],
+            COMPRESSED_PLAINTEXT_LAYOUTS,
+            optional=False,
+        )
+        if (
+            metadata["compression_format_version"] != COMPRESSED_PLAINTEXT_FORMAT_VERSION
+            or type(metadata["compression_format_version"]) is not int
+        ):
+            raise _fail(
+                value_type, f"compression_format_version must be {COMPRESSED_PLAINTEXT_FORMAT_VERSION}"
+            )
         if type(metadata["has_implicit_data"]) is not bool:
             raise _fail(value_type, "has_implicit_data must be a bool")
         if metadata["has_implicit_data"] != (metadata["compression_layout"] == "strided_sparse"):
@@ -319,19 +350,31 @@ def _validate_extension(
     extension.validate(metadata, None)
     wanted = list(extension.tensor_names(metadata))
     if list(tensor_names) != wanted:
-        raise _fail(name, f"tensor names do not match its metadata: expected={wanted}, actual={list(tensor_names)}")
+        raise _fail(
+            name, f"tensor names do not match its metadata: expected={wanted}, actual={list(tensor_names)}"
+        )
     if tensor_metadata is not None:
         if sorted(tensor_metadata) != sorted(wanted):
             raise _fail(name, f"tensor metadata names {sorted(tensor_metadata)} differ from {sorted(wanted)}")
         for tensor_name in wanted:
             shape = tensor_metadata[tensor_name].get("shape")
             if not isinstance(shape, (tuple, list)) or any(type(d) is not int or d < 0 for d in shape):
-                raise _fail(name, f"tensor {tensor_name!r} shape must be a sequence of non-negative ints; got {shape!r}")
+                raise _fail(
+                    name,
+                    f"tensor {tensor_name!r} shape must be a sequence of non-negative ints; got {shape!r}",
+                )
             _check_span(name, tensor_name, shape)
         extension.validate(metadata, tensor_metadata)
 
 
-_LEADING_AXES = {"SecretKey": 0, "PublicKey": 1, "KeySwitchKey": 2, "RotationKey": 2, "RelinearizationKey": 2, "ConjugationKey": 2}
+_LEADING_AXES = {
+    "SecretKey": 0,
+    "PublicKey": 1,
+    "KeySwitchKey": 2,
+    "RotationKey": 2,
+    "RelinearizationKey": 2,
+    "ConjugationKey": 2,
+}
 
 
 # Bound on a tensor's extent product with zero extents counted as one: torch computes contiguous
@@ -354,15 +397,22 @@ def _check_span(value_type: str, name: str, shape: Sequence[int]) -> None:
 
 
 def _check_tensor_metadata(
-    value_type: str, metadata: Mapping[str, Any], names: list[str], tensor_metadata: Mapping[str, Mapping[str, Any]]
+    value_type: str,
+    metadata: Mapping[str, Any],
+    names: list[str],
+    tensor_metadata: Mapping[str, Mapping[str, Any]],
 ) -> None:
     if sorted(tensor_metadata) != sorted(names):
-        raise _fail(value_type, f"tensor metadata names {sorted(tensor_metadata)} differ from {sorted(names)}")
+        raise _fail(
+            value_type, f"tensor metadata names {sorted(tensor_metadata)} differ from {sorted(names)}"
+        )
     for name in names:
         entry = tensor_metadata[name]
         shape = entry.get("shape")
         if not isinstance(shape, (tuple, list)) or any(type(d) is not int or d < 0 for d in shape):
-            raise _fail(value_type, f"tensor {name!r} shape must be a sequence of non-negative ints; got {shape!r}")
+            raise _fail(
+                value_type, f"tensor {name!r} shape must be a sequence of non-negative ints; got {shape!r}"
+            )
         _check_span(value_type, name, shape)
         dtype = str(entry.get("dtype", "")).removeprefix("torch.")
         float_ok = value_type == "Plaintext" and (
@@ -379,7 +429,9 @@ def _check_tensor_metadata(
         limb_axis = len(data_shape) - 2
     elif value_type in _LEADING_AXES:
         if len(data_shape) != _LEADING_AXES[value_type] + 2:
-            raise _fail(value_type, f"data must have {_LEADING_AXES[value_type] + 2} dimensions; got {data_shape}")
+            raise _fail(
+                value_type, f"data must have {_LEADING_AXES[value_type] + 2} dimensions; got {data_shape}"
+            )
         limb_axis = len(data_shape) - 2
     elif value_type in ("CompressedPlaintext", "SeededCiphertext") or metadata.get("representation") == "rns":
         if len(data_shape) < 2:
@@ -487,7 +539,11 @@ class ValueEnvelope:
             return built
         if self.value_type == "SeededCiphertext":
             return SeededCiphertext(
-                self.tensors["c0"], bytes.fromhex(m["seed_hex"]), m["depth"], m["scale"], tuple(m["prime_ids"]),
+                self.tensors["c0"],
+                bytes.fromhex(m["seed_hex"]),
+                m["depth"],
+                m["scale"],
+                tuple(m["prime_ids"]),
                 m["polynomial_domain"],
             )
         rns = (

@@ -43,7 +43,9 @@ def parse_pipeline(spec: str) -> list[Pass]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fhelium-opt", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="fhelium-opt", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("input", nargs="?", default="-", help="input .mlir file ('-' for stdin)")
     parser.add_argument("-p", "--passes", default="", help="comma-separated pass pipeline")
     parser.add_argument("-o", "--output", default="-", help="output file ('-' for stdout)")

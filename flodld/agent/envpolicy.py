@@ -79,7 +79,9 @@ class EnvVerdict:
         return not self.refused
 
 
-def judge_controller_env(env: Mapping[str, str], *, authenticated: bool, accepted: Iterable[str] = ()) -> EnvVerdict:
+def judge_controller_env(
+    env: Mapping[str, str], *, authenticated: bool, accepted: Iterable[str] = ()
+) -> EnvVerdict:
     """The walk-in's verdict on the controller's `env` (fan-out agents do not call this)."""
     if not authenticated:
         return EnvVerdict({}, (), tuple(sorted(env)))

@@ -141,12 +141,17 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
     where = f"{spec.controller_host}:{spec.controller_port}"
     try:
         stream = await connect_with_retry(
-            spec.controller_host, spec.controller_port, Channel.JOIN, key,
-            what=f"agent {spec.host!r} join", attempts=spec.connect_attempts,
+            spec.controller_host,
+            spec.controller_port,
+            Channel.JOIN,
+            key,
+            what=f"agent {spec.host!r} join",
+            attempts=spec.connect_attempts,
         )
     except ConnectError as error:
-        raise JoinFailed(f"{error} — is a controller running there with its join window open?",
-                         ExitClass.TRANSIENT) from None
+        raise JoinFailed(
+            f"{error} — is a controller running there with its join window open?", ExitClass.TRANSIENT
+        ) from None
     keep_alive(stream.writer)  # a controller whose network vanished must end the read, not hang it
     peer = stream.writer.get_extra_info("peername")
     if peer:
@@ -158,11 +163,15 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
         reply = await _receive(stream, scaled(REPLY_TIMEOUT_SECS), where, pre_shared, before_reply=True)
         if isinstance(reply, Reject):
             exit_class = ExitClass.PERMANENT if reply.code in PERMANENT_REJECT_CODES else ExitClass.TRANSIENT
-            raise JoinFailed(f"controller {where} REJECTED host {spec.host!r} [{reply.code}]: {reply.reason}",
-                             exit_class)
+            raise JoinFailed(
+                f"controller {where} REJECTED host {spec.host!r} [{reply.code}]: {reply.reason}", exit_class
+            )
         if not isinstance(reply, Accept):
-            raise JoinFailed(f"controller {where} answered the hello with {type(reply).__name__}, "
-                             "not Accept or Reject — protocol violation", ExitClass.PERMANENT)
+            raise JoinFailed(
+                f"controller {where} answered the hello with {type(reply).__name__}, "
+                "not Accept or Reject — protocol violation",
+                ExitClass.PERMANENT,
+            )
         salt = key
         if not pre_shared:
             if reply.salt_hex is None:
@@ -176,23 +185,31 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
         wait = reply.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
         formed = await _receive(stream, wait, where, pre_shared, before_reply=False)
         if isinstance(formed, Abort):
-            raise JoinFailed(f"controller {where} aborted the run before it formed: {formed.reason}",
-                             ExitClass.TRANSIENT)
+            raise JoinFailed(
+                f"controller {where} aborted the run before it formed: {formed.reason}", ExitClass.TRANSIENT
+            )
         if not isinstance(formed, WorldFormed):
-            raise JoinFailed(f"expected WorldFormed or Abort, got {type(formed).__name__} — protocol violation",
-                             ExitClass.PERMANENT)
+            raise JoinFailed(
+                f"expected WorldFormed or Abort, got {type(formed).__name__} — protocol violation",
+                ExitClass.PERMANENT,
+            )
         if len(formed.envelope.ranks) != len(hello.devices):
             raise JoinFailed(
                 f"controller assigned {len(formed.envelope.ranks)} rank(s) for {len(hello.devices)} device(s) "
-                "— protocol violation", ExitClass.PERMANENT,
+                "— protocol violation",
+                ExitClass.PERMANENT,
             )
     except BaseException:
         stream.close()
         raise
-    return Joined(stream, reply, rewrite_controller_address(formed, spec.controller_host, spec.controller_port), salt)
+    return Joined(
+        stream, reply, rewrite_controller_address(formed, spec.controller_host, spec.controller_port), salt
+    )
 
 
-async def _receive(stream: FramedStream, timeout: float, where: str, pre_shared: bool, *, before_reply: bool) -> object:
+async def _receive(
+    stream: FramedStream, timeout: float, where: str, pre_shared: bool, *, before_reply: bool
+) -> object:
     try:
         return (await stream.recv(timeout)).message()
     except EOFError:

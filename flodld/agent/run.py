@@ -103,7 +103,9 @@ class AgentShell:
             if not verdict.ok:
                 await joined.stream.aclose()  # no rank starts; the controller sees this host gone
                 return ExitClass.PERMANENT
-            joined.formed = joined.formed.model_copy(update={"envelope": envelope.model_copy(update={"env": verdict.apply})})
+            joined.formed = joined.formed.model_copy(
+                update={"envelope": envelope.model_copy(update={"env": verdict.apply})}
+            )
         try:
             await self._spawn_all(joined)
         except OSError as error:
@@ -120,7 +122,9 @@ class AgentShell:
         """A walk-in applies only safe or accepted names, and none under open admission."""
         where = f"{self.spec.controller_host}:{self.spec.controller_port}"
         accepted = tuple(self.spec.accept_env or ())
-        verdict = envpolicy.judge_controller_env(env, authenticated=self.spec.salt_hex is not None, accepted=accepted)
+        verdict = envpolicy.judge_controller_env(
+            env, authenticated=self.spec.salt_hex is not None, accepted=accepted
+        )
         if verdict.refused:
             say(envpolicy.refusal_message(verdict.refused, where))
         elif verdict.dropped:
@@ -132,7 +136,10 @@ class AgentShell:
         argv = rank_command(self.spec.program)
         # torch's env:// rendezvous (a stock script) reaches the controller's store through this loopback endpoint.
         self.store_endpoint = AgentStoreEndpoint(
-            ControllerAddress(envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id), say=say
+            ControllerAddress(
+                envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id
+            ),
+            say=say,
         )
         store_port = await self.store_endpoint.start()
         relay_port: int | None = None
@@ -141,7 +148,9 @@ class AgentShell:
             relay_port = listener.getsockname()[1]
             # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as `host`).
             host_key = join_host_key(joined.salt, host=host, run_id=envelope.run_id, conn=joined.stream.conn)
-            spec = relay_spec_for(formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno())
+            spec = relay_spec_for(
+                formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno()
+            )
             process = await spawn_child(relay_command(), relay_environment(os.environ, spec),
                                         pass_fds=[listener.fileno()])  # fmt: skip
             listener.close()  # the relay owns it now
@@ -152,8 +161,17 @@ class AgentShell:
         cadence = formed.relay.cadence if formed.relay is not None else 1
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
             env = rank_environment(
-                os.environ, envelope, local_rank=local_rank, device=device, salt=joined.salt, host=host,
-                relay_port=relay_port, fold=fold, cadence=cadence, host_env=self.spec.host_env, store_port=store_port,
+                os.environ,
+                envelope,
+                local_rank=local_rank,
+                device=device,
+                salt=joined.salt,
+                host=host,
+                relay_port=relay_port,
+                fold=fold,
+                cadence=cadence,
+                host_env=self.spec.host_env,
+                store_port=store_port,
                 node=node,
             )
             process = await spawn_child(argv, env)
@@ -162,7 +180,9 @@ class AgentShell:
     async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
         """torchrun's GROUP_RANK/GROUP_WORLD_SIZE for a host in a world of several (None, said, if unknown)."""
         envelope = joined.formed.envelope
-        address = ControllerAddress(envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id)
+        address = ControllerAddress(
+            envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id
+        )
         try:
             return await node_rank(address, first_rank=envelope.ranks[0], local_size=envelope.local_world_size,
                                    world_size=envelope.world_size)  # fmt: skip
@@ -206,12 +226,16 @@ class AgentShell:
                     if isinstance(action, sv.ReportRankExit):
                         say(f"rank {action.rank} exited with {sv.describe_exit(action.code)}")
                         with contextlib.suppress(OSError, WireError, TimeoutError):
-                            await joined.stream.send(RankExited(rank=action.rank, code=max(-128, min(255, action.code))))
+                            await joined.stream.send(
+                                RankExited(rank=action.rank, code=max(-128, min(255, action.code)))
+                            )
                     elif isinstance(action, sv.TerminateRelay):
                         self._signal(lambda child: child.rank is None, signal.SIGTERM)
                     elif isinstance(action, sv.TerminateAll):
-                        say(f"tearing down host {self.spec.host!r} ({action.reason}); "
-                            f"terminating {supervisor.children_live} child(ren)")
+                        say(
+                            f"tearing down host {self.spec.host!r} ({action.reason}); "
+                            f"terminating {supervisor.children_live} child(ren)"
+                        )
                         self._signal(lambda child: True, signal.SIGTERM)
                         grace = asyncio.get_running_loop().call_later(
                             self.spec.grace_secs, self.events.put_nowait, sv.GraceExpired()

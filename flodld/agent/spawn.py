@@ -88,8 +88,17 @@ def torchrun_environment(envelope: WorldEnvelope, *, local_rank: int, store_port
 
 
 TORCHRUN_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
 )
 
 
@@ -126,21 +135,23 @@ def rank_environment(
         env.pop(name, None)
     if store_port is not None:
         env.update(torchrun_environment(envelope, local_rank=local_rank, store_port=store_port, node=node))
-    env.update({
-        rank_env.RANK: str(envelope.ranks[local_rank]),
-        rank_env.WORLD_SIZE: str(envelope.world_size),
-        rank_env.LOCAL_RANK: str(local_rank),
-        rank_env.LOCAL_WORLD_SIZE: str(envelope.local_world_size),
-        rank_env.CONTROLLER: f"{envelope.controller_host}:{envelope.controller_port}",
-        rank_env.RUN_ID: envelope.run_id,
-        rank_env.SALT: salt.hex(),
-        rank_env.DEVICE: device,
-        rank_env.BACKEND: envelope.backend,
-        rank_env.AVERAGING: envelope.averaging,
-        rank_env.FOLD: fold,
-        rank_env.CADENCE: str(cadence),
-        rank_env.HOST_NAME: host,
-    })
+    env.update(
+        {
+            rank_env.RANK: str(envelope.ranks[local_rank]),
+            rank_env.WORLD_SIZE: str(envelope.world_size),
+            rank_env.LOCAL_RANK: str(local_rank),
+            rank_env.LOCAL_WORLD_SIZE: str(envelope.local_world_size),
+            rank_env.CONTROLLER: f"{envelope.controller_host}:{envelope.controller_port}",
+            rank_env.RUN_ID: envelope.run_id,
+            rank_env.SALT: salt.hex(),
+            rank_env.DEVICE: device,
+            rank_env.BACKEND: envelope.backend,
+            rank_env.AVERAGING: envelope.averaging,
+            rank_env.FOLD: fold,
+            rank_env.CADENCE: str(cadence),
+            rank_env.HOST_NAME: host,
+        }
+    )
     if relay_port is not None:
         env[rank_env.RELAY_PORT] = str(relay_port)
     else:
@@ -194,7 +205,9 @@ def bind_relay_listener() -> socket.socket:
     return listener
 
 
-def relay_spec_for(formed: WorldFormed, *, host: str, salt: bytes, host_key: bytes, listen_fd: int) -> RelayRoleSpec:
+def relay_spec_for(
+    formed: WorldFormed, *, host: str, salt: bytes, host_key: bytes, listen_fd: int
+) -> RelayRoleSpec:
     envelope = formed.envelope
     assert formed.relay is not None
     return RelayRoleSpec(
@@ -217,7 +230,9 @@ def _die_with_parent() -> None:
         pass
 
 
-async def spawn_child(argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = ()) -> asyncio.subprocess.Process:
+async def spawn_child(
+    argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = ()
+) -> asyncio.subprocess.Process:
     """Start a child in its own process group (so teardown reaches its whole tree), output piped."""
     return await asyncio.create_subprocess_exec(
         *argv,

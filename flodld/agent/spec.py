@@ -40,19 +40,29 @@ class AgentSpec(BaseModel):
     # not say) filters it through flodld.agent.envpolicy.
     # (Unset fields stay out of the encoded spec: None, not False or [].)
     cluster_env: bool | None = None
-    accept_env: Annotated[
-        list[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]], Field(max_length=4096)
-    ] | None = None
+    accept_env: (
+        Annotated[
+            list[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]],
+            Field(max_length=4096),
+        ]
+        | None
+    ) = None
     # This worker's own rank environment from the operator's fdl.yml (`workers[].env`, and
     # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from `nccl_socket_ifname`): set only by the operator's
     # launcher, applied over the controller's cluster-scope `env` (WorkerConfig.rank_env).
-    host_env: Annotated[
-        dict[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str], Field(max_length=4096)
-    ] | None = None
+    host_env: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str],
+            Field(max_length=4096),
+        ]
+        | None
+    ) = None
     # The rank's command line (interpreter, program, arguments): the agent (`python -m flodld.agent`)
     # starts exactly this once per rank, so the user's program only ever runs as a rank. None: the
     # agent is itself the user's program (which called exit_if_worker_role()) and re-enters it.
-    program: Annotated[list[Annotated[str, Field(max_length=65536)]], Field(min_length=1, max_length=4096)] | None = None
+    program: (
+        Annotated[list[Annotated[str, Field(max_length=65536)]], Field(min_length=1, max_length=4096)] | None
+    ) = None
 
 
 def encode_spec(spec: BaseModel) -> str:
@@ -89,7 +99,9 @@ class DeviceError(ValueError):
     """A device list cannot be resolved; the message names the entry and the accepted forms."""
 
 
-_DEVICE_FORMS = "accepted forms: 'cpu' (one CPU rank), 'cpu:N' (N CPU ranks), 'cuda:I' or 'I' (CUDA device I), 'all'"
+_DEVICE_FORMS = (
+    "accepted forms: 'cpu' (one CPU rank), 'cpu:N' (N CPU ranks), 'cuda:I' or 'I' (CUDA device I), 'all'"
+)
 
 
 def parse_device_list(text: str) -> list[str]:
@@ -105,6 +117,7 @@ def resolve_devices(requested: list[str] | None, *, cuda_count: int | None = Non
 
     Absent: every CUDA device, else one CPU rank. `cuda_count` is probed through torch when None.
     """
+
     def cuda_devices() -> int:
         if cuda_count is not None:
             return cuda_count
@@ -131,17 +144,23 @@ def resolve_devices(requested: list[str] | None, *, cuda_count: int | None = Non
         elif name == "all":
             count = cuda_devices()
             if not count:
-                raise DeviceError("device entry 'all' found no CUDA device; offer CPU ranks with 'cpu:N' instead")
+                raise DeviceError(
+                    "device entry 'all' found no CUDA device; offer CPU ranks with 'cpu:N' instead"
+                )
             resolved.extend(f"cuda:{index}" for index in range(count))
         else:
             index = _integer(name[5:] if name.startswith("cuda:") else name, entry)
             count = cuda_devices()
             if index >= count:
-                raise DeviceError(f"device entry {entry!r}: this host has {count} CUDA device(s); {_DEVICE_FORMS}")
+                raise DeviceError(
+                    f"device entry {entry!r}: this host has {count} CUDA device(s); {_DEVICE_FORMS}"
+                )
             resolved.append(f"cuda:{index}")
     duplicates = {device for device in resolved if resolved.count(device) > 1}
     if duplicates:
-        raise DeviceError(f"devices {sorted(duplicates)} are listed more than once; each device runs one rank")
+        raise DeviceError(
+            f"devices {sorted(duplicates)} are listed more than once; each device runs one rank"
+        )
     return resolved
 
 

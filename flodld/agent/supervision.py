@@ -171,12 +171,18 @@ class Supervisor:
         # the ranks' own exits; only a failing relay leaves live ranks without their data plane.
         failed = event.code != 0 and not self._relay_stop_requested
         if self.state is SupervisorState.RUNNING and self.live_ranks and failed:
-            actions += self._begin_teardown(f"relay died ({describe_exit(event.code)}) while ranks were running")
+            actions += self._begin_teardown(
+                f"relay died ({describe_exit(event.code)}) while ranks were running"
+            )
         return actions + self._finish_if_empty()
 
     def _teardown_event(self, event: Event) -> list[Action]:
         assert isinstance(event, AbortReceived | LinkLost | Interrupted)
-        prefix = {AbortReceived: "abort from the controller", LinkLost: "controller link lost", Interrupted: "interrupted"}
+        prefix = {
+            AbortReceived: "abort from the controller",
+            LinkLost: "controller link lost",
+            Interrupted: "interrupted",
+        }
         return self._begin_teardown(f"{prefix[type(event)]}: {event.reason}") + self._finish_if_empty()
 
     def _begin_teardown(self, reason: str) -> list[Action]:

@@ -82,13 +82,17 @@ def _parse_proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IP
     return address, int(port_hex, 16)
 
 
-def _plain(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+def _plain(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
 
 
-def socket_owner_uid(local: tuple[str, int], remote: tuple[str, int], *, tables: tuple[str, ...] = _PROC_NET) -> int | None:
+def socket_owner_uid(
+    local: tuple[str, int], remote: tuple[str, int], *, tables: tuple[str, ...] = _PROC_NET
+) -> int | None:
     """The uid owning the TCP socket bound to `local` and connected to `remote` on this host, or None.
 
     For a connection accepted on 127.0.0.1, pass the peer's address as `local` and ours as `remote`:
@@ -107,7 +111,10 @@ def socket_owner_uid(local: tuple[str, int], remote: tuple[str, int], *, tables:
                         here, there = _parse_proc_address(fields[1]), _parse_proc_address(fields[2])
                     except ValueError:
                         continue
-                    if (_plain(here[0]), here[1]) == want_local and (_plain(there[0]), there[1]) == want_remote:
+                    if (_plain(here[0]), here[1]) == want_local and (
+                        _plain(there[0]),
+                        there[1],
+                    ) == want_remote:
                         return int(fields[7])
         except OSError:
             continue
@@ -208,7 +215,9 @@ async def node_rank(address: ControllerAddress, *, first_rank: int, local_size: 
     link = ControllerLink(address)
     try:
         async with asyncio.timeout(timeout):
-            await link.call(StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), StoreOk, str(local_size).encode())
+            await link.call(
+                StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), StoreOk, str(local_size).encode()
+            )
             total = _int(await link.call(StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size), StoreInt))
             if total == world_size:
                 await link.call(StoreSet(key=f"{GROUP_PREFIX}done"), StoreOk, b"1")
@@ -229,7 +238,9 @@ async def node_rank(address: ControllerAddress, *, first_rank: int, local_size: 
 class _Session:
     """Serves one TCPStore client connection: requests in order, a WAIT cancelable by CANCEL_WAIT."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: ControllerLink) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: ControllerLink
+    ) -> None:
         self.reader, self.writer, self.link = reader, writer, link
         self.codec = ts.TcpStoreServerConnection()
         self.requests: asyncio.Queue[ts.Request | None] = asyncio.Queue(maxsize=64)
@@ -317,7 +328,9 @@ class _Session:
                 return b""
             case ts.QueuePop(key):
                 try:
-                    return ts.reply_queue_pop((await link.call(StoreQueuePop(key=key, timeout=0), StoreValue)).tail)
+                    return ts.reply_queue_pop(
+                        (await link.call(StoreQueuePop(key=key, timeout=0), StoreValue)).tail
+                    )
                 except StoreRefused as error:
                     if error.code == "queue_empty":
                         return ts.reply_queue_pop(None)
@@ -328,7 +341,9 @@ class _Session:
                 frame = await link.call(StoreListKeys(), StoreValues)
                 message = frame.message()
                 assert isinstance(message, StoreValues)
-                return ts.reply_keys([piece.decode() for piece in split_tail(frame.tail, list(message.lengths))])
+                return ts.reply_keys(
+                    [piece.decode() for piece in split_tail(frame.tail, list(message.lengths))]
+                )
         raise AssertionError(f"unhandled {request!r}")
 
     async def _wait(self, keys: list[str]) -> bytes:
@@ -413,7 +428,11 @@ class AgentStoreEndpoint:
         if owner != self.uid or len(self._sessions) >= MAX_CONNECTIONS:
             self.refused += 1
             if self.say is not None:
-                why = (f"its socket belongs to uid {owner}" if owner is not None else "its socket's owner is unknown")
+                why = (
+                    f"its socket belongs to uid {owner}"
+                    if owner is not None
+                    else "its socket's owner is unknown"
+                )
                 if owner == self.uid:
                     why = f"{MAX_CONNECTIONS} connections are open already"
                 self.say(f"refused a connection to the rank store endpoint from {peer[0]}:{peer[1]}: {why} "

@@ -74,9 +74,13 @@ def load_config_file(config_file: Path | str, env: str | None = None) -> Project
             ))
         overlay = config_overlay_file(path, env)
         if not overlay.is_file():
-            raise ConfigError(ConfigIssue(
-                (), f"unknown environment {env!r}: {overlay.name} (the overlay of {path.name}) does not exist", overlay
-            ))
+            raise ConfigError(
+                ConfigIssue(
+                    (),
+                    f"unknown environment {env!r}: {overlay.name} (the overlay of {path.name}) does not exist",
+                    overlay,
+                )
+            )
         documents.append(read_yaml(overlay))
     merged = documents[0]
     for document in documents[1:]:
@@ -119,6 +123,12 @@ def _existing_overlay(directory: Path, env: str) -> Path:
 
 
 __all__ = [
-    "Position", "available_envs", "config_overlay_file", "load_config", "load_config_file", "load_text",
-    "overlay_file", "validate_document",
+    "Position",
+    "available_envs",
+    "config_overlay_file",
+    "load_config",
+    "load_config_file",
+    "load_text",
+    "overlay_file",
+    "validate_document",
 ]

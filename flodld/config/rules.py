@@ -38,7 +38,11 @@ def _unimplemented_rules(cluster: ClusterConfig) -> list[RuleViolation]:
                     ("controller", key),
                     f"controller.{key} (a pre-flight build) is not implemented, and the run would ignore it; "
                     f"remove it. workers[].{key} chooses how each worker's agent runs "
-                    + ("(its compose service)" if key == "docker" else "(its Python environment, <path>/<arch>/bin/python)"),
+                    + (
+                        "(its compose service)"
+                        if key == "docker"
+                        else "(its Python environment, <path>/<arch>/bin/python)"
+                    ),
                 )
             )
     return found
@@ -168,7 +172,13 @@ def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
     join = controller.join
     remote = [worker for worker in cluster.workers if not worker.is_local(controller.host)]
     loopback_bind = bool(remote) and all(worker.tunnel for worker in remote)
-    if join.discovery and join.token is None and not join.open_admission and not join.tunnel_only and not loopback_bind:
+    if (
+        join.discovery
+        and join.token is None
+        and not join.open_admission
+        and not join.tunnel_only
+        and not loopback_bind
+    ):
         found.append(
             RuleViolation(
                 ("controller", "join", "discovery"),

@@ -63,7 +63,11 @@ class CleartextWarner:
     """Logs one loud warning per distinct public peer address, remembering at most `limit` addresses."""
 
     def __init__(
-        self, what: str = "controller", logger: logging.Logger | None = None, *, limit: int = MAX_WARNED_ADDRESSES
+        self,
+        what: str = "controller",
+        logger: logging.Logger | None = None,
+        *,
+        limit: int = MAX_WARNED_ADDRESSES,
     ) -> None:
         if limit < 1:
             raise ValueError(f"a cleartext warner remembers at least 1 address, got {limit}")

@@ -40,39 +40,68 @@ EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="cluster config file (fdl.yml with a cluster: block)")
     parser.add_argument("--env", help="overlay <name>.<ENV>.yml next to --config <name>.yml")
-    parser.add_argument("--host", help="address workers dial (default: config controller.host, else 127.0.0.1)")
+    parser.add_argument(
+        "--host", help="address workers dial (default: config controller.host, else 127.0.0.1)"
+    )
     parser.add_argument("--port", type=int, help="controller port (default: config, else 1337; 0 = any free)")
-    parser.add_argument("--bind", help="listen address (default 0.0.0.0, loopback when every worker is tunneled); "
-                        "trust follows the address actually bound")
+    parser.add_argument(
+        "--bind",
+        help="listen address (default 0.0.0.0, loopback when every worker is tunneled); "
+        "trust follows the address actually bound",
+    )
     parser.add_argument("--ranks", type=int, help="expected ranks (capacity) when running without --config")
     parser.add_argument("--min-ranks", type=int, help="quorum (controller.join.min_rank_start)")
     parser.add_argument("--target", type=int, help="close the window at this many ranks")
     parser.add_argument("--window", type=float, help="join window seconds (join_timeout)")
     parser.add_argument("--cap", type=float, help="hard cap seconds (max_join_timeout)")
     parser.add_argument("--start", choices=["auto", "manual", "hybrid"], help="who closes the window")
-    parser.add_argument("--token", help="pre-shared session salt (join token), 32 hex characters; `fdl start` "
-                        "takes the start credential derived from it, never this")
-    parser.add_argument("--open-admission", action="store_true", default=None, help="hand the salt out on join")
+    parser.add_argument(
+        "--token",
+        help="pre-shared session salt (join token), 32 hex characters; `fdl start` "
+        "takes the start credential derived from it, never this",
+    )
+    parser.add_argument(
+        "--open-admission", action="store_true", default=None, help="hand the salt out on join"
+    )
     parser.add_argument("--discovery", action="store_true", default=None, help="roster-free window")
-    parser.add_argument("--tunnel-only", action="store_true", default=None,
-                        help="bind loopback only (refused with a non-loopback --bind)")
+    parser.add_argument(
+        "--tunnel-only",
+        action="store_true",
+        default=None,
+        help="bind loopback only (refused with a non-loopback --bind)",
+    )
     parser.add_argument("--averaging", choices=[mode.value for mode in AveragingMode], help="averaging mode")
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
-    parser.add_argument("--once", action="store_true", help="host exactly one run; the exit code is its verdict "
-                        "(default: a service hosting run after run until SIGTERM)")
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="host exactly one run; the exit code is its verdict "
+        "(default: a service hosting run after run until SIGTERM)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 _JOIN_FLAGS = {
-    "min_ranks": "min_rank_start", "target": "target_ranks", "window": "join_timeout", "cap": "max_join_timeout",
-    "start": "start", "token": "token", "open_admission": "open_admission", "discovery": "discovery",
+    "min_ranks": "min_rank_start",
+    "target": "target_ranks",
+    "window": "join_timeout",
+    "cap": "max_join_timeout",
+    "start": "start",
+    "token": "token",
+    "open_admission": "open_admission",
+    "discovery": "discovery",
     "tunnel_only": "tunnel_only",
 }
 # Flags that override a top-level controller option (flag -> option).
 _OPTION_FLAGS = {
-    "host": "advertised_host", "port": "port", "bind": "bind_host", "ranks": "capacity",
-    "averaging": "averaging", "run_id": "run_id", "tolerance": "tolerance",
+    "host": "advertised_host",
+    "port": "port",
+    "bind": "bind_host",
+    "ranks": "capacity",
+    "averaging": "averaging",
+    "run_id": "run_id",
+    "tolerance": "tolerance",
 }
 
 
@@ -108,7 +137,10 @@ async def serve(
     """Host runs (one with `once`) until a signal stops the service; returns the exit code."""
     notifier = notifier or SystemdNotifier()
     service = Service(
-        options, load=load, config_path=config_path, once=once,
+        options,
+        load=load,
+        config_path=config_path,
+        once=once,
         on_phase=lambda phase, reason: notifier.status(f"{phase.value}: {reason}"[:200]),
     )
     host, port = await service.listen()
@@ -129,7 +161,9 @@ async def serve(
         log.info("event=signal signal=SIGHUP action=reload config=%s", config_path)
         notifier.reloading()
         service.reload()
-        notifier.ready("config reloaded" if service.config_error is None else "reload failed; previous config kept")
+        notifier.ready(
+            "config reloaded" if service.config_error is None else "reload failed; previous config kept"
+        )
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
@@ -145,8 +179,12 @@ async def serve(
             loop.remove_signal_handler(signum)
     flush_logging()  # the run's last log lines before the verdict line
     if not once:
-        log.info("event=stopped runs=%d done=%d failed=%d", service.runs_started, service.runs["done"],
-                 service.runs["failed"])
+        log.info(
+            "event=stopped runs=%d done=%d failed=%d",
+            service.runs_started,
+            service.runs["done"],
+            service.runs["failed"],
+        )
         flush_logging()
         return EXIT_DONE  # a clean stop: `systemctl stop` must not leave the unit failed
     assert result is not None
@@ -175,7 +213,9 @@ def run_serve(args: argparse.Namespace) -> int:
         runner = uvloop.run
     try:
         config_path = str(args.config) if args.config is not None else None
-        return runner(serve(options, once=args.once, load=lambda: options_from_args(args), config_path=config_path))
+        return runner(
+            serve(options, once=args.once, load=lambda: options_from_args(args), config_path=config_path)
+        )
     except (OSError, PolicyError) as error:  # PolicyError: the real bind contradicts the flags (tunnel_only)
         flush_logging()
         print(f"flodld: {error}", file=sys.stderr)

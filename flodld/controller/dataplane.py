@@ -121,7 +121,10 @@ class DataPlane:
         """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
         if self._ticker is None:
             self.liveness = Liveness(
-                self.liveness.tracked, timeout=self.liveness.timeout, now=self.clock(), startup=self.liveness.startup
+                self.liveness.tracked,
+                timeout=self.liveness.timeout,
+                now=self.clock(),
+                startup=self.liveness.startup,
             )
             self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
 
@@ -164,9 +167,13 @@ class DataPlane:
     async def handle_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(Channel.CONTROL, reader, writer)
 
-    async def _serve(self, channel: Channel, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, channel: Channel, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         try:
-            stream = await accept_channel(reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS)
+            stream = await accept_channel(
+                reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS
+            )
             hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
         except (TimeoutError, EOFError, OSError, WireError) as error:
             self.refusals[f"{channel.value}_handshake"] += 1
@@ -227,7 +234,9 @@ class DataPlane:
             del self.relays[channel][hello.host]
             raise
         stream.rekey(key)  # every later frame in both directions is authenticated as this host's
-        log.info("event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks))
+        log.info(
+            "event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks)
+        )
         return hello.host
 
     def _proves_host_key(self, channel: Channel, stream: FramedStream, hello: RelayHello) -> bool:
@@ -236,7 +245,12 @@ class DataPlane:
         if key is None or dialer_nonce is None:
             return False
         return verify_relay_proof(
-            key, hello.proof, host=hello.host, channel=channel, dialer_nonce=dialer_nonce, listener_nonce=listener_nonce
+            key,
+            hello.proof,
+            host=hello.host,
+            channel=channel,
+            dialer_nonce=dialer_nonce,
+            listener_nonce=listener_nonce,
         )
 
     # --- data ------------------------------------------------------------------------------
@@ -250,14 +264,18 @@ class DataPlane:
                 try:
                     owned = set(self.host_ranks[host])
                     if not set(message.contributors) <= owned:
-                        raise ValueError(f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}")
+                        raise ValueError(
+                            f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}"
+                        )
                     tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
                     result = barrier.contribute(host, message.round, message.fold, tensors, message.weight)
                     del tensors
                     stream.conn.recycle(frame)  # folded into the accumulator: its buffer is free
                 except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
                     self.refusals["host_frame"] += 1
-                    log.error("event=host_frame_refused host=%s reason=%r", host, f"{type(error).__name__}: {error}")
+                    log.error(
+                        "event=host_frame_refused host=%s reason=%r", host, f"{type(error).__name__}: {error}"
+                    )
                     await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
                     return
                 self._round_contributors.update(message.contributors)
@@ -284,7 +302,11 @@ class DataPlane:
         contributors = sorted(self._round_contributors)
         self._round_contributors = set()
         message = Broadcast(
-            round=result.round, fold=result.fold_spec, weight=result.weight, contributors=contributors, tensors=specs
+            round=result.round,
+            fold=result.fold_spec,
+            weight=result.weight,
+            contributors=contributors,
+            tensors=specs,
         )
         self.rounds += 1
         for host, stream in list(self.relays[Channel.DATA].items()):
@@ -361,7 +383,12 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
 
     def on_phase(phase: object, reason: str) -> None:
         window = controller.window
-        if not planes and window is not None and window.world is not None and controller.options.cpu_averaging:
+        if (
+            not planes
+            and window is not None
+            and window.world is not None
+            and controller.options.cpu_averaging
+        ):
             plane = DataPlane(
                 controller.salt,
                 dict(window.world.ranks),

@@ -142,18 +142,25 @@ def build_app(source: StatusSource) -> web.Application:
         if marks:
             # A web page (cross-site, or same-origin after DNS rebinding) never starts a run, whatever it holds.
             log.warning("event=start_refused code=browser_request headers=%s", ",".join(marks))
-            return _json(403, {
-                "error": f"start refused: a browser request ({', '.join(marks)} sent) cannot fire the start; "
-                "use `fdl start` or curl with -H 'X-Flodld-Start: 1'",
-                "code": "browser_request",
-            }, _POST_HEADERS)
+            return _json(
+                403,
+                {
+                    "error": f"start refused: a browser request ({', '.join(marks)} sent) cannot fire the start; "
+                    "use `fdl start` or curl with -H 'X-Flodld-Start: 1'",
+                    "code": "browser_request",
+                },
+                _POST_HEADERS,
+            )
         loopback = request.remote is not None and is_loopback_address(request.remote)
         local = loopback and request.headers.get(START_HEADER, "").strip() == "1"
         answer = source.request_start(local=local, token=presented_token(request))
         body = answer.body
         if loopback and not local and body.get("code") == "missing_token":
-            body = {**body, "error": f"start refused: a loopback caller must send the header '{START_HEADER}: 1' "
-                    "(`fdl start` does; curl: -H 'X-Flodld-Start: 1') or the start credential"}
+            body = {
+                **body,
+                "error": f"start refused: a loopback caller must send the header '{START_HEADER}: 1' "
+                "(`fdl start` does; curl: -H 'X-Flodld-Start: 1') or the start credential",
+            }
         return _json(answer.status, body, _POST_HEADERS)
 
     async def preflight(_: web.Request) -> web.Response:

@@ -84,7 +84,9 @@ class JoinRun(Protocol):
         """The link ended: cleanly (`lost=False`: the host closed it) or not (reset, bad frame, failed write)."""
 
 
-async def handle_join(controller: JoinRun, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def handle_join(
+    controller: JoinRun, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
     """The mux handler for the join channel (bound to a run, e.g. the Controller)."""
     peername = writer.get_extra_info("peername")
     sockname = writer.get_extra_info("sockname")
@@ -95,8 +97,13 @@ async def handle_join(controller: JoinRun, reader: asyncio.StreamReader, writer:
     try:
         try:
             stream = await accept_channel(
-                reader, writer, controller.join_key, channel=Channel.JOIN, timeout=timeout,
-                max_payload=MAX_JOIN_PAYLOAD, max_tail=0,
+                reader,
+                writer,
+                controller.join_key,
+                channel=Channel.JOIN,
+                timeout=timeout,
+                max_payload=MAX_JOIN_PAYLOAD,
+                max_tail=0,
             )
             frame = await stream.recv(timeout)
         except WireError as error:
@@ -116,8 +123,13 @@ async def handle_join(controller: JoinRun, reader: asyncio.StreamReader, writer:
             await _reject(controller, stream, peer, "bad_payload", f"hello decode failed: {error.detail}")
             return
         if not isinstance(hello, Hello):
-            await _reject(controller, stream, peer, "expected_hello",
-                          f"the first join-channel message must be Hello, got {type(hello).__name__}")
+            await _reject(
+                controller,
+                stream,
+                peer,
+                "expected_hello",
+                f"the first join-channel message must be Hello, got {type(hello).__name__}",
+            )
             return
         link = HostLink(hello.host, stream, peer, local_address)
         accepted = controller.admit(hello, link)

@@ -65,7 +65,9 @@ class KeyValueState:
             self._check_value(key, len(value))
         extra = sum(len(k) + len(v) for k, v in items)
         if self._bytes + extra > self.max_bytes:
-            raise StoreFull(f"multi_set of {extra} bytes would exceed the store budget of {self.max_bytes} bytes")
+            raise StoreFull(
+                f"multi_set of {extra} bytes would exceed the store budget of {self.max_bytes} bytes"
+            )
         for key, value in items:
             self._store(key, value)
 

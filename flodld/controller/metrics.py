@@ -52,7 +52,9 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[Mapping[str, str], float]]) -> list[str]:
+def _family(
+    name: str, kind: str, help_text: str, samples: Iterable[tuple[Mapping[str, str], float]]
+) -> list[str]:
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     for labels, value in samples:
         label_text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
@@ -61,8 +63,13 @@ def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[Mappin
 
 
 def render_prometheus(
-    counters: ControllerCounters, *, phase: str | None, joined_ranks: int, joined_hosts: int,
-    run_id: str | None = None, runs: Mapping[str, int] | None = None,
+    counters: ControllerCounters,
+    *,
+    phase: str | None,
+    joined_ranks: int,
+    joined_hosts: int,
+    run_id: str | None = None,
+    runs: Mapping[str, int] | None = None,
 ) -> str:
     """Prometheus text exposition (version 0.0.4) of the run's phase and the controller counters.
 
@@ -75,23 +82,37 @@ def render_prometheus(
         (({"phase": p}, 1.0 if p == phase else 0.0) for p in PHASES),
     )
     if run_id is not None:
-        lines += _family("flodld_run_info", "gauge", "The current (or last) run's id, as a label.",
-                         [({"run_id": run_id}, 1.0)])
+        lines += _family(
+            "flodld_run_info",
+            "gauge",
+            "The current (or last) run's id, as a label.",
+            [({"run_id": run_id}, 1.0)],
+        )
     if runs is not None:
-        lines += _family("flodld_runs_total", "counter", "Finished runs since the daemon started, by verdict.",
-                         (({"verdict": v}, runs.get(v, 0)) for v in VERDICTS))
+        lines += _family(
+            "flodld_runs_total",
+            "counter",
+            "Finished runs since the daemon started, by verdict.",
+            (({"verdict": v}, runs.get(v, 0)) for v in VERDICTS),
+        )
     lines += _family("flodld_joined_ranks", "gauge", "Ranks admitted to the run.", [({}, joined_ranks)])
     lines += _family("flodld_joined_hosts", "gauge", "Hosts admitted to the run.", [({}, joined_hosts)])
 
     def labelled(name: str, help_text: str, label: str, counter: Counter[str]) -> None:
         lines.extend(
-            _family(name, "counter", help_text, (({label: key}, value) for key, value in sorted(counter.items())))
+            _family(
+                name, "counter", help_text, (({label: key}, value) for key, value in sorted(counter.items()))
+            )
         )
 
     labelled("flodld_join_refusals_total", "Join attempts refused, by reason.", "reason", counters.refusals)
     labelled("flodld_connections_total", "Connections routed, by channel.", "channel", counters.connections)
-    labelled("flodld_dropped_connections_total", "Connections dropped before routing, by reason.", "reason",
-             counters.dropped)
+    labelled(
+        "flodld_dropped_connections_total",
+        "Connections dropped before routing, by reason.",
+        "reason",
+        counters.dropped,
+    )
     labelled("flodld_frames_received_total", "Frames received, by channel.", "channel", counters.frames_in)
     labelled("flodld_frames_sent_total", "Frames sent, by channel.", "channel", counters.frames_out)
     labelled("flodld_bytes_received_total", "Frame bytes received, by channel.", "channel", counters.bytes_in)

@@ -179,7 +179,10 @@ class PortMux:
         loop = asyncio.get_running_loop()
         slot = _GateSlot(self.gate, peer, held_by_handler=channel in self._held_until_release)
         reader = GatedReader(
-            channel, self.budget, limit=STREAM_LIMIT, loop=loop,
+            channel,
+            self.budget,
+            limit=STREAM_LIMIT,
+            loop=loop,
             overrun=lambda code, detail: self._drop(transport, peer, code, detail),
             on_authenticated=slot.release,
         )
@@ -219,7 +222,9 @@ class PortMux:
 
     def _end_http(self, transport: asyncio.Transport, peer: str) -> None:
         if not transport.is_closing():
-            self._drop(transport, peer, "http_lifetime", f"HTTP connection open longer than {self.http_lifetime:g}s")
+            self._drop(
+                transport, peer, "http_lifetime", f"HTTP connection open longer than {self.http_lifetime:g}s"
+            )
 
     def _drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
         self.counters.dropped[reason] += 1
@@ -297,7 +302,9 @@ class _MuxProtocol(asyncio.Protocol):
         self._mux.warner.check(self._peer)
         if not self._mux.gate.acquire(self._peer):
             self._done = True
-            self._mux._drop(self._transport, self._peer, "flood", "too many pre-admission connections from this address")
+            self._mux._drop(
+                self._transport, self._peer, "flood", "too many pre-admission connections from this address"
+            )
             return
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self._mux.magic_deadline, self._deadline_passed)

@@ -29,13 +29,17 @@ class ControllerOptions(BaseModel):
 
     advertised_host: str = Field("127.0.0.1", description="The address workers dial (controller.host).")
     port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
-    bind_host: str | None = Field(None, description="Listen address; default 0.0.0.0, or loopback if loopback_bind.")
+    bind_host: str | None = Field(
+        None, description="Listen address; default 0.0.0.0, or loopback if loopback_bind."
+    )
     loopback_bind: bool = Field(
-        False, description="Every remote worker is tunneled: listen on loopback only. Only the address actually "
+        False,
+        description="Every remote worker is tunneled: listen on loopback only. Only the address actually "
         "bound decides trust: with a non-loopback bind_host this opens nothing.",
     )
     preshared: bool = Field(
-        False, description="The launcher hands every agent the salt over its own channel (fan-out over SSH): "
+        False,
+        description="The launcher hands every agent the salt over its own channel (fan-out over SSH): "
         "a loopback bind does not open admission; only an explicit open_admission does.",
     )
     join: JoinConfig = Field(default_factory=JoinConfig)
@@ -53,18 +57,25 @@ class ControllerOptions(BaseModel):
     magic_deadline: Annotated[float, Field(gt=0)] = 5.0
     handshake_timeout: Annotated[float, Field(gt=0)] = 10.0
     link_keepalive_secs: Annotated[float, Field(gt=0)] = Field(
-        15.0, description="TCP keepalive idle time on admitted join links (scaled); a dead link is noticed "
+        15.0,
+        description="TCP keepalive idle time on admitted join links (scaled); a dead link is noticed "
         "after about twice this.",
     )
-    http_lifetime: Annotated[float, Field(gt=0)] = Field(5.0, description="Longest an HTTP connection stays open.")
+    http_lifetime: Annotated[float, Field(gt=0)] = Field(
+        5.0, description="Longest an HTTP connection stays open."
+    )
     tick_interval: Annotated[float, Field(gt=0)] = 0.05
     max_pending_per_peer: Annotated[int, Field(ge=1)] = 64
-    limit_loopback: bool = Field(False, description="Apply the per-address pre-admission cap to loopback too.")
+    limit_loopback: bool = Field(
+        False, description="Apply the per-address pre-admission cap to loopback too."
+    )
     between_runs_secs: Annotated[float, Field(ge=0)] = Field(
-        0.0, description="`flodld serve`: pause between a run's verdict and the next window (controller.between_runs_secs).",
+        0.0,
+        description="`flodld serve`: pause between a run's verdict and the next window (controller.between_runs_secs).",
     )
     history_runs: Annotated[int, Field(ge=1)] = Field(
-        50, description="`flodld serve`: finished runs kept in state.json `history` (controller.history_runs).",
+        50,
+        description="`flodld serve`: finished runs kept in state.json `history` (controller.history_runs).",
     )
 
     @property
@@ -91,7 +102,9 @@ class ControllerOptions(BaseModel):
         except ValueError:
             raise TimeoutScaleError(f"{TIMEOUT_SCALE_ENV}={raw!r} in the run env is not a number") from None
         if not math.isfinite(value) or value < MIN_TIMEOUT_SCALE:
-            raise TimeoutScaleError(f"{TIMEOUT_SCALE_ENV}={raw!r} in the run env must be >= {MIN_TIMEOUT_SCALE}")
+            raise TimeoutScaleError(
+                f"{TIMEOUT_SCALE_ENV}={raw!r} in the run env must be >= {MIN_TIMEOUT_SCALE}"
+            )
         return value
 
     @property
@@ -99,8 +112,9 @@ class ControllerOptions(BaseModel):
         return self.averaging.is_cpu
 
     @classmethod
-    def from_cluster(cls, cluster: ClusterConfig, *, probed: Mapping[str, int] | None = None,
-                     **overrides: object) -> ControllerOptions:
+    def from_cluster(
+        cls, cluster: ClusterConfig, *, probed: Mapping[str, int] | None = None, **overrides: object
+    ) -> ControllerOptions:
         """Flatten a validated cluster config; the bind is loopback when every remote worker is tunneled."""
         controller = cluster.controller
         remote = [w for w in cluster.workers if not w.is_local(controller.host)]

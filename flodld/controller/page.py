@@ -150,7 +150,9 @@ def _clock(state: Mapping[str, Any]) -> str:
     for key, label, field in (("window", "window", "window_remaining_secs"), ("cap", "hard cap", "cap_remaining_secs")):
         value = state.get(field)
         text = fmt_secs(value) + " left" if isinstance(value, int | float) else "closed"
-        cells.append(f'<div class="clock"><span class="label">{label}</span> <span id="{key}">{_e(text)}</span></div>')
+        cells.append(
+            f'<div class="clock"><span class="label">{label}</span> <span id="{key}">{_e(text)}</span></div>'
+        )
     return f'<section id="clock">{"".join(cells)}</section>'
 
 
@@ -228,7 +230,7 @@ def _hosts(state: Mapping[str, Any]) -> str:
     return (
         f'<section id="hosts"><h2>hosts ({total})</h2><table><thead><tr><th>host</th><th>ranks</th>'
         f"<th>devices</th><th>variant</th><th>joined</th><th>link</th></tr></thead>"
-        f'<tbody>{"".join(rows)}</tbody></table>{more}</section>'
+        f"<tbody>{''.join(rows)}</tbody></table>{more}</section>"
     )
 
 
@@ -260,7 +262,7 @@ def _exits(state: Mapping[str, Any]) -> str:
     bad = sum(1 for x in exits if _int(x.get("code")) != 0)
     rows = "".join(
         f'<tr><td>{_int(x.get("rank"))}</td><td class="{"bad" if _int(x.get("code")) else "ok"}">'
-        f'{_int(x.get("code"))}</td></tr>'
+        f"{_int(x.get('code'))}</td></tr>"
         for x in exits[:MAX_ROWS]
     )
     more = _more(len(exits) - MAX_ROWS, "exits") if len(exits) > MAX_ROWS else ""
@@ -337,17 +339,21 @@ def _history(state: Mapping[str, Any]) -> str:
         verdict = str(_first(h, "verdict", "phase") or "?")
         duration = duration_secs(h)
         rows.append(
-            f"<tr><td>{_e(h.get('run_id') or '?')}</td><td class=\"phase phase-{_e(verdict)}\">{_e(verdict)}</td>"
+            f'<tr><td>{_e(h.get("run_id") or "?")}</td><td class="phase phase-{_e(verdict)}">{_e(verdict)}</td>'
             f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
             f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
             f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
             f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(h.get('reason') or '')}</td></tr>"
         )
-    more = f'<p class="more">{len(history) - MAX_HISTORY} older runs not shown.</p>' if len(history) > MAX_HISTORY else ""
+    more = (
+        f'<p class="more">{len(history) - MAX_HISTORY} older runs not shown.</p>'
+        if len(history) > MAX_HISTORY
+        else ""
+    )
     return (
         f'<section id="history"><h2>history ({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>'
         "<th>ended</th><th>formed</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th>"
-        f'<th>reason</th></tr></thead><tbody>{"".join(rows)}</tbody></table>{more}</section>'
+        f"<th>reason</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}</section>"
     )
 
 
@@ -358,18 +364,24 @@ def service_text(state: Mapping[str, Any]) -> str:
         return ""
     given = service.get("runs")
     runs: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
-    parts = [f"service: run {_int(service.get('runs_started'))}",
-             f"{_int(runs.get('done'))} done, {_int(runs.get('failed'))} failed"]
+    parts = [
+        f"service: run {_int(service.get('runs_started'))}",
+        f"{_int(runs.get('done'))} done, {_int(runs.get('failed'))} failed",
+    ]
     if service.get("between_runs"):
         wait = service.get("next_window_in_secs")
-        parts.append("between runs" + (f" — next window in {fmt_secs(wait)}" if isinstance(wait, int | float) else ""))
+        parts.append(
+            "between runs" + (f" — next window in {fmt_secs(wait)}" if isinstance(wait, int | float) else "")
+        )
     return " · ".join(parts)
 
 
 def render_state(state: Mapping[str, Any] | None) -> str:
     """The page's content for one state.json dict (None: no state yet). Every value is HTML-escaped."""
     if state is None:
-        return f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
+        return (
+            f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
+        )
     parts = [_head(state), _clock(state), _ranks(state), _start(state), _hosts(state), _missing(state)]
     parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _history(state)]
     return "".join(parts)
@@ -377,7 +389,9 @@ def render_state(state: Mapping[str, Any] | None) -> str:
 
 def render_page(state: Mapping[str, Any] | None) -> str:
     """The whole HTML document: server-rendered state, replaced live by /status.js when scripts run."""
-    title = f"flodld · {state.get('run_id') or '?'} · {state.get('phase') or '?'}" if state else "flodld status"
+    title = (
+        f"flodld · {state.get('run_id') or '?'} · {state.get('phase') or '?'}" if state else "flodld status"
+    )
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
@@ -688,10 +702,17 @@ def _fill(template: str, values: Mapping[str, object]) -> str:
     return template
 
 
-STATUS_JS = _fill(_JS_TEMPLATE, {
-    "MAX_ROWS": MAX_ROWS, "MAX_HISTORY": MAX_HISTORY, "POLL_MS": int(POLL_SECS * 1000),
-    "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000), "NO_STATE": NO_STATE_TEXT, "NOTES": PHASE_NOTES,
-})
+STATUS_JS = _fill(
+    _JS_TEMPLATE,
+    {
+        "MAX_ROWS": MAX_ROWS,
+        "MAX_HISTORY": MAX_HISTORY,
+        "POLL_MS": int(POLL_SECS * 1000),
+        "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000),
+        "NO_STATE": NO_STATE_TEXT,
+        "NOTES": PHASE_NOTES,
+    },
+)
 
 
 def wants_html(request: web.Request) -> bool:

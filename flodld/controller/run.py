@@ -206,7 +206,10 @@ class Controller:
         if self._borrowed:
             return self._listen_on_borrowed_port()
         self._runner = web.AppRunner(
-            build_app(self), access_log=None, handle_signals=False, logger=HttpRefusalLog(self.counters.dropped)
+            build_app(self),
+            access_log=None,
+            handle_signals=False,
+            logger=HttpRefusalLog(self.counters.dropped),
         )
         await self._runner.setup()
         self.mux.set_http(self._runner.server)
@@ -217,7 +220,9 @@ class Controller:
             # Trust follows the addresses the sockets really have (a hostname may resolve anywhere, and to
             # several addresses: one that is not loopback decides).
             hosts = self.mux.bound_hosts() or [address[0]]
-            self.policy = self._derive_policy(next((h for h in hosts if not is_loopback_literal(h)), hosts[0]))
+            self.policy = self._derive_policy(
+                next((h for h in hosts if not is_loopback_literal(h)), hosts[0])
+            )
         except PolicyError:
             await self.mux.close()
             await self._runner.cleanup()
@@ -234,10 +239,15 @@ class Controller:
     def _log_admission(self) -> None:
         assert self.address is not None
         if self.policy.warning:
-            log.warning("event=open_admission_warning bind=%s detail=%r", self.address[0], self.policy.warning)
+            log.warning(
+                "event=open_admission_warning bind=%s detail=%r", self.address[0], self.policy.warning
+            )
         if self.options.start_switch and self.policy.start.value != "auto":
-            log.info("event=start_credential value=%s use='fdl start --token <value>' (not the join token; "
-                     "equal to `fdl start --derive-credential` fed the join token)", self.start_credential)
+            log.info(
+                "event=start_credential value=%s use='fdl start --token <value>' (not the join token; "
+                "equal to `fdl start --derive-credential` fed the join token)",
+                self.start_credential,
+            )
 
     def _listen_on_borrowed_port(self) -> tuple[str, int]:
         """Under the Service: the port is bound already; derive trust from it and serve this run's channels."""
@@ -247,7 +257,9 @@ class Controller:
         self.mux.register(Channel.JOIN, functools.partial(handle_join, self._as_join_run()), hold_gate=True)
         self.mux.register(Channel.RENDEZVOUS, self.store.handle)
         self.address = self._bound
-        log.info("event=run_listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id)
+        log.info(
+            "event=run_listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id
+        )
         self._log_admission()
         return self.address
 
@@ -310,14 +322,22 @@ class Controller:
         assert self.address is not None
         controller = _host_port(self.options.advertised_host, self.address[1])
         self.window = JoinWindow(
-            self.policy, self.options.roster, self.clock(), run_id=self.run_id, controller=controller,
+            self.policy,
+            self.options.roster,
+            self.clock(),
+            run_id=self.run_id,
+            controller=controller,
             tolerance=self.options.tolerance,
         )
         self.started_at = time.time()
         p = self.policy
         log.info(
             "event=window_open quorum=%d target=%s window_secs=%g cap_secs=%g start=%s admission=%s",
-            p.quorum, p.target, p.window_secs, p.cap_secs, p.start.value,
+            p.quorum,
+            p.target,
+            p.window_secs,
+            p.cap_secs,
+            p.start.value,
             "pre-shared" if p.trust is TrustMode.PRESHARED else "open",
         )
         self._announce()
@@ -355,7 +375,9 @@ class Controller:
             self.storm_log.flush()
             log.info(
                 "event=world_formed world_size=%d hosts=%d reason=%r",
-                world.world_size, len(world.hosts), window.reason,
+                world.world_size,
+                len(world.hosts),
+                window.reason,
             )
             self._spawn(self._ship(world))
         self._announce()
@@ -389,8 +411,12 @@ class Controller:
         if task.cancelled() or task.exception() is None:
             return
         error = task.exception()
-        log.error("event=internal_error task=%s error=%r", task.get_coro().__qualname__, error,  # type: ignore[union-attr]
-                  exc_info=error)
+        log.error(
+            "event=internal_error task=%s error=%r",
+            task.get_coro().__qualname__,  # type: ignore[union-attr]
+            error,
+            exc_info=error,
+        )
         if self._result is None:
             if self._finishing:  # _finish itself died: conclude without it
                 self._conclude(RunResult(Phase.FAILED, f"internal error while finishing the run: {error!r}"))
@@ -405,22 +431,37 @@ class Controller:
             self.window.ledger.refuse(code, reason)
         else:
             self.counters.refusals[code] += 1
-        self.storm_log.event("join_refused", logging.WARNING, "event=join_refused peer=%s code=%s reason=%r",
-                             peer, code, reason, detail=lambda: f"peer={peer} code={code}")
+        self.storm_log.event(
+            "join_refused",
+            logging.WARNING,
+            "event=join_refused peer=%s code=%s reason=%r",
+            peer,
+            code,
+            reason,
+            detail=lambda: f"peer={peer} code={code}",
+        )
 
     def admit(self, hello: Hello, link: HostLink) -> Accept | Reject:
         """Decide a hello and, on admission, queue the Accept on the link in the same step."""
         window = self.window
         if window is None:
             self.refuse(link.peer, "window_not_open", "the join window is not open yet")
-            return Reject(code="window_not_open", reason="the join window is not open yet; dial again shortly")
+            return Reject(
+                code="window_not_open", reason="the join window is not open yet; dial again shortly"
+            )
         now = self.clock()
         outcome = window.hello(hello, now, evaluate=False)
         if isinstance(outcome, Refused):
             code = outcome.code
             self.storm_log.event(
-                "join_refused", logging.WARNING, "event=join_refused peer=%s host=%s code=%s reason=%r", link.peer,
-                hello.host, code, outcome.reason, detail=lambda: f"peer={link.peer} host={hello.host} code={code}",
+                "join_refused",
+                logging.WARNING,
+                "event=join_refused peer=%s host=%s code=%s reason=%r",
+                link.peer,
+                hello.host,
+                code,
+                outcome.reason,
+                detail=lambda: f"peer={link.peer} host={hello.host} code={code}",
             )
             self._settle_this_turn()
             return Reject(code=outcome.code, reason=outcome.reason[:1024])
@@ -439,10 +480,17 @@ class Controller:
         self._links[hello.host] = link
         joined = window.ledger.joined_ranks
         self.storm_log.event(
-            "joined", logging.INFO,
+            "joined",
+            logging.INFO,
             "event=joined host=%s peer=%s ranks=%s devices=%d variant=%s joined_ranks=%d target=%s quorum=%d",
-            hello.host, link.peer, list(outcome.ranks), len(hello.devices), hello.variant,
-            joined, self.policy.target, self.policy.quorum,
+            hello.host,
+            link.peer,
+            list(outcome.ranks),
+            len(hello.devices),
+            hello.variant,
+            joined,
+            self.policy.target,
+            self.policy.quorum,
             detail=lambda: f"host={hello.host} joined_ranks={joined}",
         )
         self._settle_this_turn()
@@ -451,14 +499,25 @@ class Controller:
     def rank_exited(self, link: HostLink, rank: int, code: int) -> None:
         window = self.window
         if window is None or window.world is None or rank not in window.world.ranks.get(link.host, ()):
-            log.warning("event=rank_exit_ignored host=%s rank=%d code=%d reason=not this host's rank in a formed world",
-                        link.host, rank, code)
+            log.warning(
+                "event=rank_exit_ignored host=%s rank=%d code=%d reason=not this host's rank in a formed world",
+                link.host,
+                rank,
+                code,
+            )
             return
         if code:
             log.warning("event=rank_exited host=%s rank=%d code=%d", link.host, rank, code)
         else:  # clean exits of a large world arrive as a storm: coalesced past a burst
-            self.storm_log.event("rank_exited", logging.INFO, "event=rank_exited host=%s rank=%d code=%d",
-                                 link.host, rank, code, detail=lambda: f"host={link.host} rank={rank}")
+            self.storm_log.event(
+                "rank_exited",
+                logging.INFO,
+                "event=rank_exited host=%s rank=%d code=%d",
+                link.host,
+                rank,
+                code,
+                detail=lambda: f"host={link.host} rank={rank}",
+            )
         decided = window.phase in TERMINAL_PHASES
         window.rank_exited(rank, code, self.clock())  # after the verdict: recorded for state.json only
         if not decided:
@@ -497,13 +556,25 @@ class Controller:
                 self._settle()
             return
         if ended.outcome is LinkOutcome.RETURNED:
-            log.warning("event=host_left_before_formation host=%s peer=%s ranks_returned=%s why=%r",
-                        link.host, link.peer, list(ended.ranks), ended.why)
+            log.warning(
+                "event=host_left_before_formation host=%s peer=%s ranks_returned=%s why=%r",
+                link.host,
+                link.peer,
+                list(ended.ranks),
+                ended.why,
+            )
         elif ended.outcome is LinkOutcome.LOST:
             log.warning("event=host_link_closed host=%s lost=%s why=%r", link.host, True, ended.why)
         else:
-            self.storm_log.event("host_link_closed", logging.INFO, "event=host_link_closed host=%s lost=%s why=%r",
-                                 link.host, False, ended.why, detail=lambda: f"host={link.host}")
+            self.storm_log.event(
+                "host_link_closed",
+                logging.INFO,
+                "event=host_link_closed host=%s lost=%s why=%r",
+                link.host,
+                False,
+                ended.why,
+                detail=lambda: f"host={link.host}",
+            )
         self._settle()
 
     # --- formation and the end ----------------------------------------------------------------
@@ -520,17 +591,26 @@ class Controller:
         assert self.address is not None
         first = world.hosts[0]
         return WorldEnvelope(
-            run_id=self.run_id, world_size=world.world_size, ranks=list(world.ranks[first]),
+            run_id=self.run_id,
+            world_size=world.world_size,
+            ranks=list(world.ranks[first]),
             local_world_size=len(world.ranks[first]),
-            controller_host=self.options.advertised_host, controller_port=self.address[1],
-            averaging=self.options.averaging, backend=self.options.backend, env=dict(self.options.env),
+            controller_host=self.options.advertised_host,
+            controller_port=self.address[1],
+            averaging=self.options.averaging,
+            backend=self.options.backend,
+            env=dict(self.options.env),
         )
 
     def _envelope(self, template: WorldEnvelope, world: World, host: str, link: HostLink) -> WorldEnvelope:
         """`host`'s envelope: the template with only already-checked fields swapped."""
         ranks = list(world.ranks[host])
         return template.model_copy(
-            update={"ranks": ranks, "local_world_size": len(ranks), "controller_host": self._controller_host_for(link)}
+            update={
+                "ranks": ranks,
+                "local_world_size": len(ranks),
+                "controller_host": self._controller_host_for(link),
+            }
         )
 
     def _relay_spec(self) -> RelaySpec | None:
@@ -538,7 +618,9 @@ class Controller:
             return None
         assert self.address is not None
         port = self.address[1]
-        return RelaySpec(data_port=port, control_port=port, fold=self.options.fold, cadence=self.options.cadence)
+        return RelaySpec(
+            data_port=port, control_port=port, fold=self.options.fold, cadence=self.options.cadence
+        )
 
     async def _ship(self, world: World) -> None:
         """WorldFormed to every host in admission order, then training (or failure for lost hosts).
@@ -557,7 +639,9 @@ class Controller:
                     continue
                 assert template is not None
                 # model_construct: the envelope is already checked (see _envelope_template).
-                message = WorldFormed.model_construct(envelope=self._envelope(template, world, host, link), relay=relay)
+                message = WorldFormed.model_construct(
+                    envelope=self._envelope(template, world, host, link), relay=relay
+                )
                 try:
                     link.stream.send_nowait(message)
                 except (ConnectionError, OSError) as error:
@@ -567,14 +651,17 @@ class Controller:
                 sent.append(link)
         except Exception as error:  # a bug or a limit: say so in the verdict, never sit in forming
             log.exception("event=world_formed_build_failed hosts=%d", len(world.hosts))
-            self.abort(f"formation failed: could not build WorldFormed for {len(world.hosts)} host(s) "
-                       f"({type(error).__name__}: {error})"[:1024])
+            self.abort(
+                f"formation failed: could not build WorldFormed for {len(world.hosts)} host(s) "
+                f"({type(error).__name__}: {error})"[:1024]
+            )
             return
         # A WorldFormed is a few hundred bytes: almost every write went out at once. Only links with bytes
         # still buffered need a drain (a task each), not all 10,000.
         backed_up = [link for link in sent if _write_buffered(link)]
         results = await asyncio.gather(
-            *(asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS) for link in backed_up), return_exceptions=True
+            *(asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS) for link in backed_up),
+            return_exceptions=True,
         )
         for link, outcome in zip(backed_up, results, strict=True):
             if isinstance(outcome, BaseException):
@@ -652,11 +739,14 @@ class Controller:
         exits = sorted(window.rank_exits.items()) if window is not None else []
         ended = self.ended_at if self.ended_at is not None else time.time()
         return RunRecord(
-            run_id=self.run_id, verdict=result.verdict, reason=result.reason,
+            run_id=self.run_id,
+            verdict=result.verdict,
+            reason=result.reason,
             started_at=self.started_at if self.started_at is not None else ended,
-            formed_at=self.formed_at, ended_at=ended,
+            formed_at=self.formed_at,
+            ended_at=ended,
             ranks=world.world_size if world is not None else 0,
-            hosts=list(world.hosts[:DEFAULT_MEMBERS[1]]) if world is not None else [],
+            hosts=list(world.hosts[: DEFAULT_MEMBERS[1]]) if world is not None else [],
             host_count=len(world.hosts) if world is not None else 0,
             rank_exits=[RankExit(rank=rank, code=code) for rank, code in exits],
         )
@@ -665,8 +755,9 @@ class Controller:
         """Join refusals the run's ledger counted (the port-level ones are in `counters.refusals`)."""
         return self.window.ledger.refused_counts if self.window is not None else {}
 
-    def metrics_text(self, *, runs: Mapping[str, int] | None = None,
-                     past_refusals: Mapping[str, int] | None = None) -> str:
+    def metrics_text(
+        self, *, runs: Mapping[str, int] | None = None, past_refusals: Mapping[str, int] | None = None
+    ) -> str:
         """`runs` (finished runs by verdict) and `past_refusals` (earlier runs' ledgers): from the Service."""
         refusals = self.counters.refusals.copy()
         refusals.update(past_refusals or {})
@@ -677,27 +768,40 @@ class Controller:
             joined_ranks, joined_hosts = self.window.ledger.joined_ranks, self.window.ledger.member_count
         view = ControllerCounters(**{**vars(self.counters), "refusals": refusals})
         return render_prometheus(
-            view, phase=self.phase.value if self.phase else None, joined_ranks=joined_ranks, joined_hosts=joined_hosts,
-            run_id=self.run_id, runs=runs,
+            view,
+            phase=self.phase.value if self.phase else None,
+            joined_ranks=joined_ranks,
+            joined_hosts=joined_hosts,
+            run_id=self.run_id,
+            runs=runs,
         )
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
         """POST /start: switch, mode, credential, state, then the window's own rules, in that order."""
         if not self.options.start_switch:
-            return _refusal(409, "no_start_switch", "no start switch this run (no join window with a start mode)")
+            return _refusal(
+                409, "no_start_switch", "no start switch this run (no join window with a start mode)"
+            )
         if self.policy.start.value == "auto":
             return _refusal(
-                409, "auto_mode",
+                409,
+                "auto_mode",
                 "start mode is auto — the window closes on target/expiry; set controller.join.start: manual "
                 "(or hybrid) to hold for an operator start",
             )
         if not local and not token_matches(token, self.start_credential):
             if token_matches(token, self.salt_hex):
                 # The join token is the run's master key: say so, never accept it here.
-                log.warning("event=start_refused code=join_token detail='the join token (session salt) was presented "
-                            "as the start credential; if it crossed a network, treat it as exposed and rotate it'")
-                return _refusal(403, "join_token", "start refused: that is the join token, not the start credential "
-                                "(`fdl start --derive-credential` computes it); if it crossed a network, rotate it")
+                log.warning(
+                    "event=start_refused code=join_token detail='the join token (session salt) was presented "
+                    "as the start credential; if it crossed a network, treat it as exposed and rotate it'"
+                )
+                return _refusal(
+                    403,
+                    "join_token",
+                    "start refused: that is the join token, not the start credential "
+                    "(`fdl start --derive-credential` computes it); if it crossed a network, rotate it",
+                )
             refused = forbidden()
             code = "bad_token" if token else "missing_token"
             log.warning("event=start_refused code=%s", code)
@@ -712,10 +816,15 @@ class Controller:
         if not decision.already:
             log.info("event=start_armed joined_ranks=%d quorum=%d", decision.joined_ranks, decision.quorum)
         self._settle()
-        return HttpAnswer(200, {
-            "armed": True, "joined_ranks": decision.joined_ranks, "min_rank_start": decision.quorum,
-            "already_armed": decision.already,
-        })
+        return HttpAnswer(
+            200,
+            {
+                "armed": True,
+                "joined_ranks": decision.joined_ranks,
+                "min_rank_start": decision.quorum,
+                "already_armed": decision.already,
+            },
+        )
 
 
 def _write_buffered(link: HostLink) -> bool:

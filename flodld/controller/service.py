@@ -103,7 +103,7 @@ class Service:
         self._wake = asyncio.Event()
         self._next_window_at: float | None = None
         self._changes = 0  # bumped when the service part of state.json changes (with the run's own version)
-        self._history_json: list[dict[str, Any]] | None = None  # history as state.json lists it, until it changes
+        self._history_json: list[dict[str, Any]] | None = None
         self.state_cache = StateCache(self._build_state, self._state_version, depends_on=self._run_clears)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -113,7 +113,10 @@ class Service:
         if self.address is not None:
             return self.address
         self._runner = web.AppRunner(
-            build_app(self), access_log=None, handle_signals=False, logger=HttpRefusalLog(self.counters.dropped)
+            build_app(self),
+            access_log=None,
+            handle_signals=False,
+            logger=HttpRefusalLog(self.counters.dropped),
         )
         await self._runner.setup()
         self.mux.set_http(self._runner.server)
@@ -123,8 +126,12 @@ class Service:
             await self._runner.cleanup()
             self._runner = None
             raise
-        log.info("event=listening bind=%s port=%d mode=%s", self.address[0], self.address[1],
-                 "once" if self.once else "service")
+        log.info(
+            "event=listening bind=%s port=%d mode=%s",
+            self.address[0],
+            self.address[1],
+            "once" if self.once else "service",
+        )
         return self.address
 
     async def serve(self) -> RunResult | None:
@@ -137,7 +144,9 @@ class Service:
         try:
             while self._stopping is None:
                 options = self.options.model_copy(update={"run_id": self._run_id(self.options)})
-                controller = assemble_controller(options, on_phase=self._on_phase, mux=self.mux, address=address)
+                controller = assemble_controller(
+                    options, on_phase=self._on_phase, mux=self.mux, address=address
+                )
                 self.runs_started += 1
                 try:
                     await controller.start()
@@ -149,8 +158,14 @@ class Service:
                 self.controller = controller
                 self._next_window_at = None
                 self._changed()
-                log.info("event=ready bind=%s port=%d run_id=%s run=%d admission=%s", address[0], address[1],
-                         controller.run_id, self.runs_started, controller.policy.trust.value)
+                log.info(
+                    "event=ready bind=%s port=%d run_id=%s run=%d admission=%s",
+                    address[0],
+                    address[1],
+                    controller.run_id,
+                    self.runs_started,
+                    controller.policy.trust.value,
+                )
                 if self._stopping is not None:  # a signal raced the window open
                     controller.abort(self._stopping)
                 result = await controller.wait()
@@ -186,9 +201,15 @@ class Service:
         self.history.appendleft(record)
         self._changed()
         self.runs[result.verdict.value] += 1
-        log.log(logging.INFO if result.ok else logging.WARNING,
-                "event=run_ended run_id=%s verdict=%s ranks=%d hosts=%d reason=%r", record.run_id,
-                result.verdict.value, record.ranks, len(record.hosts), result.reason)
+        log.log(
+            logging.INFO if result.ok else logging.WARNING,
+            "event=run_ended run_id=%s verdict=%s ranks=%d hosts=%d reason=%r",
+            record.run_id,
+            result.verdict.value,
+            record.ranks,
+            len(record.hosts),
+            result.reason,
+        )
 
     def stop(self, reason: str) -> None:
         """Abort the current run (Abort down every link) and end the service once it is recorded."""
@@ -212,15 +233,28 @@ class Service:
             # state.json is readable by whoever reaches the port: no hex run that could be (part of) a token.
             self.config_error = _HEX_RUN.sub("<redacted>", f"{type(error).__name__}: {error}")[:2000]
             self._changed()
-            log.error("event=reload_failed config=%s error=%r action='keeping the previous config'",
-                      self._config_path, self.config_error)
+            log.error(
+                "event=reload_failed config=%s error=%r action='keeping the previous config'",
+                self._config_path,
+                self.config_error,
+            )
             return False
-        if self.address is not None and (options.port not in (0, self.address[1]) or
-                                         options.effective_bind_host != self.options.effective_bind_host):
-            log.warning("event=reload_partial detail='port and bind stay as bound until a restart' port=%d bind=%s",
-                        self.address[1], self.options.effective_bind_host)
-            options = options.model_copy(update={"port": self.options.port, "bind_host": self.options.bind_host,
-                                                 "loopback_bind": self.options.loopback_bind})
+        if self.address is not None and (
+            options.port not in (0, self.address[1])
+            or options.effective_bind_host != self.options.effective_bind_host
+        ):
+            log.warning(
+                "event=reload_partial detail='port and bind stay as bound until a restart' port=%d bind=%s",
+                self.address[1],
+                self.options.effective_bind_host,
+            )
+            options = options.model_copy(
+                update={
+                    "port": self.options.port,
+                    "bind_host": self.options.bind_host,
+                    "loopback_bind": self.options.loopback_bind,
+                }
+            )
         self.options = options
         self._changed()
         self.config_error = None
@@ -272,11 +306,18 @@ class Service:
         if between and self._next_window_at is not None:
             remaining = max(0.0, self._next_window_at - time.monotonic())
         service = ServiceState(
-            runs_started=self.runs_started, runs=dict(self.runs), between_runs=between,
-            next_window_in_secs=remaining, config=self._config_path, config_loaded_at=self.config_loaded_at,
-            config_error=self.config_error, history_limit=self.history.maxlen or 0,
+            runs_started=self.runs_started,
+            runs=dict(self.runs),
+            between_runs=between,
+            next_window_in_secs=remaining,
+            config=self._config_path,
+            config_loaded_at=self.config_loaded_at,
+            config_error=self.config_error,
+            history_limit=self.history.maxlen or 0,
         )
-        if self._history_json is None:  # up to history_runs records of up to 500 hosts: dumped once per change
+        if (
+            self._history_json is None
+        ):  # up to history_runs records of up to 500 hosts: dumped once per change
             self._history_json = [record.model_dump(mode="json") for record in self.history]
         state["history"] = self._history_json
         state["service"] = service.model_dump(mode="json")
@@ -292,8 +333,15 @@ class Service:
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
         controller = self.controller
         if controller is None or controller.result is not None:
-            return HttpAnswer(503, {"error": NO_STATE if controller is None else
-                                    "between runs: the next join window is not open yet", "code": "no_window"})
+            return HttpAnswer(
+                503,
+                {
+                    "error": NO_STATE
+                    if controller is None
+                    else "between runs: the next join window is not open yet",
+                    "code": "no_window",
+                },
+            )
         return controller.request_start(local=local, token=token)
 
 

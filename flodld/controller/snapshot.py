@@ -135,7 +135,11 @@ class StormLog:
     """Per-event log lines up to `burst` per kind and `period`; past that, one summary line per period."""
 
     def __init__(
-        self, logger: logging.Logger, *, burst: int = 20, period: float = 1.0,
+        self,
+        logger: logging.Logger,
+        *,
+        burst: int = 20,
+        period: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
@@ -147,7 +151,9 @@ class StormLog:
         # kind -> (events held, highest level, the last held event's detail, formatted only if written)
         self._held: dict[str, tuple[int, int, Callable[[], str]]] = {}
 
-    def event(self, kind: str, level: int, message: str, *args: object, detail: Callable[[], str] | None = None) -> None:
+    def event(
+        self, kind: str, level: int, message: str, *args: object, detail: Callable[[], str] | None = None
+    ) -> None:
         """Log `message % args` unless this kind is past its burst this period; then hold (count) it."""
         self._roll()
         count = self._counts.get(kind, 0) + 1
@@ -162,8 +168,14 @@ class StormLog:
         """Write the summary lines for the events held so far (call at the end of a storm, e.g. formation)."""
         for kind, (count, level, detail) in self._held.items():
             last = detail()
-            self.logger.log(level, "event=%s_coalesced count=%d period_secs=%g%s", kind, count, self.period,
-                            f" last: {last}" if last else "")
+            self.logger.log(
+                level,
+                "event=%s_coalesced count=%d period_secs=%g%s",
+                kind,
+                count,
+                self.period,
+                f" last: {last}" if last else "",
+            )
         self._held.clear()
 
     def _roll(self) -> None:

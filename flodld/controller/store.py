@@ -186,11 +186,14 @@ class StoreService:
             if message.run_id != self.run_id:
                 self.counters.dropped["rendezvous_wrong_run"] += 1
                 log.info("event=store_refused peer=%s reason=wrong_run run_id=%r", where, message.run_id)
-                await self._reply(stream, StoreError(
-                    code="wrong_run",
-                    reason=f"this controller serves run {self.run_id!r}, not {message.run_id!r}; the rank was "
-                    "started for another run",
-                ))
+                await self._reply(
+                    stream,
+                    StoreError(
+                        code="wrong_run",
+                        reason=f"this controller serves run {self.run_id!r}, not {message.run_id!r}; the rank was "
+                        "started for another run",
+                    ),
+                )
                 return
             await self._reply(stream, StoreOk())
             await self._serve(stream, message.client_id)
@@ -221,8 +224,15 @@ class StoreService:
             except StoreTimeout as error:
                 reply, tail = StoreError(code="timeout", reason=str(error)[:1024]), b""
             if len(tail) > self.max_reply_bytes:  # a last guard: answer, never drop the connection
-                reply, tail = StoreError(code="too_large", reason=(
-                    f"the reply would carry {len(tail)} bytes, over the {self.max_reply_bytes}-byte cap")), b""
+                reply, tail = (
+                    StoreError(
+                        code="too_large",
+                        reason=(
+                            f"the reply would carry {len(tail)} bytes, over the {self.max_reply_bytes}-byte cap"
+                        ),
+                    ),
+                    b"",
+                )
             await self._reply(stream, reply, tail)
 
     async def _answer(self, request: Message, tail: bytes, client: str) -> Reply:
@@ -331,8 +341,12 @@ class StoreService:
             # A re-sent pop waits beside the original, still parked on the dead connection: whichever wakes
             # first pops and records the reply, and the other one answers from that record.
             await self._until(
-                lambda: self.state.queue_len(key) > 0 or (request_id > 0 and self.ledger.answered(client, request_id)),
-                request.timeout, lambda: f"queue: {key!r}",
+                lambda: (
+                    self.state.queue_len(key) > 0
+                    or (request_id > 0 and self.ledger.answered(client, request_id))
+                ),
+                request.timeout,
+                lambda: f"queue: {key!r}",
             )
             if request_id:
                 replay = self.ledger.lookup(client, request_id)
@@ -379,23 +393,33 @@ class StoreService:
         seen: set[str] = set()
         for key in keys:
             if key in seen:
-                raise Refused("duplicate_key", f"multi_get names {key!r} more than once; ask for each key once")
+                raise Refused(
+                    "duplicate_key", f"multi_get names {key!r} more than once; ask for each key once"
+                )
             seen.add(key)
         await self._until_values(keys, request.timeout)
         lengths = [len(self.state.get(k) or b"") for k in keys]
         if sum(lengths) > self.max_reply_bytes:  # sized before anything is copied
-            raise Refused("too_large", (
-                f"multi_get of {len(keys)} keys would return {sum(lengths)} bytes, over the {self.max_reply_bytes}-"
-                "byte reply cap; fetch the keys in smaller groups"))
+            raise Refused(
+                "too_large",
+                (
+                    f"multi_get of {len(keys)} keys would return {sum(lengths)} bytes, over the {self.max_reply_bytes}-"
+                    "byte reply cap; fetch the keys in smaller groups"
+                ),
+            )
         return StoreValues(lengths=lengths), b"".join(self.state.get(k) or b"" for k in keys)
 
     async def _list_keys(self, request: Message) -> Reply:
         keys = [k.encode() for k in self.state.list_keys()]
         total = sum(len(k) for k in keys)
         if len(keys) > MAX_LIST_ITEMS or total > self.max_reply_bytes:
-            raise Refused("too_large", (
-                f"list_keys: {len(keys)} keys ({total} bytes) exceed what one reply carries "
-                f"({MAX_LIST_ITEMS} keys, {self.max_reply_bytes} bytes)"))
+            raise Refused(
+                "too_large",
+                (
+                    f"list_keys: {len(keys)} keys ({total} bytes) exceed what one reply carries "
+                    f"({MAX_LIST_ITEMS} keys, {self.max_reply_bytes} bytes)"
+                ),
+            )
         return StoreValues(lengths=[len(k) for k in keys]), b"".join(keys)
 
     async def _queue_len(self, request: Message) -> Reply:

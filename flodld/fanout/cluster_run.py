@@ -49,7 +49,9 @@ async def probe_all_devices(cluster: ClusterConfig, local_cwd: str) -> dict[str,
 
             counts[host] = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if counts[host] == 0:
-                raise FanOutError(host, "local_devices: all found no CUDA device; list CPU ranks (e.g. [cpu:2])")
+                raise FanOutError(
+                    host, "local_devices: all found no CUDA device; list CPU ranks (e.g. [cpu:2])"
+                )
         else:
             remote.append(worker)
     found = await asyncio.gather(
@@ -196,5 +198,7 @@ async def _supervise(controller: Controller, fanout: FanOut, local_agents: dict[
     return EXIT_FAILED
 
 
-async def _relay_exit(host: str, process: asyncio.subprocess.Process, exits: asyncio.Queue[AgentExit]) -> None:
+async def _relay_exit(
+    host: str, process: asyncio.subprocess.Process, exits: asyncio.Queue[AgentExit]
+) -> None:
     exits.put_nowait(AgentExit(host, await process.wait()))

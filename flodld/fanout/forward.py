@@ -135,7 +135,9 @@ def session_socket_inodes(session: int, *, proc: str = "/proc") -> set[int]:
         try:
             with open(os.path.join(proc, entry, "stat")) as handle:
                 stat = handle.read()
-            if int(stat.rpartition(")")[2].split()[3]) != session:  # fields after comm: state ppid pgrp session
+            if (
+                int(stat.rpartition(")")[2].split()[3]) != session
+            ):  # fields after comm: state ppid pgrp session
                 continue
             fd_dir = os.path.join(proc, entry, "fd")
             for fd in os.listdir(fd_dir):

@@ -143,10 +143,14 @@ async def probe_device_count(worker: WorkerConfig, workdir: str, *, timeout: flo
         raise FanOutError(worker.host, f"probing local_devices: all failed: {exc}") from exc
     last = out.strip().splitlines()[-1:] or [""]
     if code != 0 or not last[0].isdigit():
-        raise FanOutError(worker.host, f"probing local_devices: all failed (exit {code}): {err.strip()[-400:]}")
+        raise FanOutError(
+            worker.host, f"probing local_devices: all failed (exit {code}): {err.strip()[-400:]}"
+        )
     count = int(last[0])
     if count == 0:
-        raise FanOutError(worker.host, "local_devices: all found no CUDA device; list CPU ranks (e.g. [cpu:2])")
+        raise FanOutError(
+            worker.host, "local_devices: all found no CUDA device; list CPU ranks (e.g. [cpu:2])"
+        )
     return count
 
 
@@ -160,7 +164,9 @@ class AgentExit:
 class FanOut:
     """The remote agents of one run: start them together, learn of exits, stop them all."""
 
-    def __init__(self, plans: Sequence[AgentPlan], *, on_output: OutputSink | None = None, grace_s: int = 10) -> None:
+    def __init__(
+        self, plans: Sequence[AgentPlan], *, on_output: OutputSink | None = None, grace_s: int = 10
+    ) -> None:
         self.plans = list(plans)
         self.on_output = on_output
         self.grace_s = grace_s
@@ -170,7 +176,9 @@ class FanOut:
 
     async def start(self) -> None:
         """Start every agent; if any fails, stop those already started and raise FanOutError."""
-        results = await asyncio.gather(*(self._start_one(plan) for plan in self.plans), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._start_one(plan) for plan in self.plans), return_exceptions=True
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await self.stop()

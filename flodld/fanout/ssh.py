@@ -94,8 +94,10 @@ class SshEndpoint:
 def _not_an_option(value: str, what: str) -> None:
     """Refuse a name that ssh would read as a command-line option (`-oProxyCommand=...` runs a command)."""
     if value.startswith("-") or any(ord(char) < 32 for char in value):
-        raise SshConfigError(f"{what} {value!r} starts with '-' or holds a control character; ssh would read it "
-                             "as an option — write a host name or address")
+        raise SshConfigError(
+            f"{what} {value!r} starts with '-' or holds a control character; ssh would read it "
+            "as an option — write a host name or address"
+        )
 
 
 def _port(text: str, target: str) -> int:

@@ -25,7 +25,9 @@ NOLOGIN = "/usr/sbin/nologin"
 _KEY_TYPES = "ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecdsa-sha2-nistp521|sk-ssh-ed25519@openssh\\.com"
 # The whole line, anchored at both ends: type, one space-separated base64 blob, an optional comment
 # of printable characters. No option prefix, no second key, no control character anywhere.
-_KEY_LINE = re.compile(rf"(?P<type>{_KEY_TYPES})[ \t]+(?P<blob>[A-Za-z0-9+/]+={{0,2}})(?:[ \t]+(?P<comment>[\x20-\x7e]*))?")
+_KEY_LINE = re.compile(
+    rf"(?P<type>{_KEY_TYPES})[ \t]+(?P<blob>[A-Za-z0-9+/]+={{0,2}})(?:[ \t]+(?P<comment>[\x20-\x7e]*))?"
+)
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but tab
 _USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 
@@ -41,7 +43,9 @@ def check_public_key(key: str) -> str:
     stripped = stripped.rstrip("\n").strip(" \t")
     found = _KEY_LINE.fullmatch(stripped)
     if found is None:
-        raise RecipeError(f"not an OpenSSH public key line: {stripped[:40]!r}; pass the contents of a .pub file")
+        raise RecipeError(
+            f"not an OpenSSH public key line: {stripped[:40]!r}; pass the contents of a .pub file"
+        )
     return stripped
 
 

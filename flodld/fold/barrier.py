@@ -71,18 +71,26 @@ class RoundBarrier(Generic[Member]):
         if member in self._gone:
             raise RoundError(f"{member!r} contributed after it left the round")
         if member not in self._live:
-            raise RoundError(f"{member!r} is not a member of this round (members: {sorted(map(repr, self._live))})")
+            raise RoundError(
+                f"{member!r} is not a member of this round (members: {sorted(map(repr, self._live))})"
+            )
         if member in self._paid:
-            raise RoundError(f"{member!r} deposited twice in round {self.round} (a double deposit is an error)")
+            raise RoundError(
+                f"{member!r} deposited twice in round {self.round} (a double deposit is an error)"
+            )
         if round_number != self.round:
-            raise RoundError(f"{member!r} deposited for round {round_number} but the barrier is at round {self.round}")
+            raise RoundError(
+                f"{member!r} deposited for round {round_number} but the barrier is at round {self.round}"
+            )
         if not weight >= 0 or weight == float("inf"):
             raise RoundError(f"{member!r} deposited weight {weight}; weights must be finite and >= 0")
         if self._fold is None:
             self._fold = fold_from_spec(fold_spec)
             self._accumulator = self._fold.identity(tensors)
         elif fold_spec != self._fold.spec:
-            raise FoldError(f"{member!r} folds with {fold_spec!r} but round {self.round} folds with {self._fold.spec!r}")
+            raise FoldError(
+                f"{member!r} folds with {fold_spec!r} but round {self.round} folds with {self._fold.spec!r}"
+            )
         assert self._accumulator is not None
         self._accumulator = self._fold.add(self._accumulator, tensors)
         self._weight += weight

@@ -58,13 +58,17 @@ def encode_bundle_parts(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpe
     The views share memory with the tensors: send them before the tensors change.
     """
     if len(tensors) > MAX_TENSORS_PER_FRAME:
-        raise CodecError(f"{len(tensors)} tensors in one deposit; at most {MAX_TENSORS_PER_FRAME} are allowed")
+        raise CodecError(
+            f"{len(tensors)} tensors in one deposit; at most {MAX_TENSORS_PER_FRAME} are allowed"
+        )
     specs: list[TensorSpec] = []
     parts: list[memoryview] = []
     for index, tensor in enumerate(tensors):
         name = _WIRE_DTYPES.get(tensor.dtype)
         if name is None:
-            raise CodecError(f"tensor {index} has dtype {tensor.dtype}; supported: {', '.join(_TORCH_DTYPES)}")
+            raise CodecError(
+                f"tensor {index} has dtype {tensor.dtype}; supported: {', '.join(_TORCH_DTYPES)}"
+            )
         flat = tensor.detach().to("cpu").contiguous()
         specs.append(TensorSpec(dtype=name, shape=list(flat.shape)))  # type: ignore[arg-type]  # name is a TensorDtype
         if flat.numel():

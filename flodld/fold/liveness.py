@@ -12,7 +12,9 @@ from collections.abc import Iterable
 
 
 class Liveness:
-    def __init__(self, ranks: Iterable[int], *, timeout: float, now: float, startup: float | None = None) -> None:
+    def __init__(
+        self, ranks: Iterable[int], *, timeout: float, now: float, startup: float | None = None
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f"liveness timeout must be positive seconds, got {timeout}")
         if startup is not None and not startup >= timeout:
@@ -43,7 +45,9 @@ class Liveness:
     def expire_with_limits(self, now: float) -> list[tuple[int, float]]:
         """Like `expire`, with the silence each rank was allowed (the startup grace or the timeout)."""
         dead = sorted(
-            (rank, self._limit(rank)) for rank, last in self._last_heard.items() if now - last > self._limit(rank)
+            (rank, self._limit(rank))
+            for rank, last in self._last_heard.items()
+            if now - last > self._limit(rank)
         )
         for rank, _ in dead:
             self.forget(rank)

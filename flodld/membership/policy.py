@@ -102,7 +102,12 @@ class WindowPolicy:
 
 
 def derive_policy(
-    join: JoinConfig, *, capacity: int, loopback_bind: bool, averaging: AveragingMode, bound_address: str | None = None,
+    join: JoinConfig,
+    *,
+    capacity: int,
+    loopback_bind: bool,
+    averaging: AveragingMode,
+    bound_address: str | None = None,
     preshared: bool = False,
 ) -> WindowPolicy:
     """Fill in defaults from `capacity` (the roster's total ranks) and refuse contradictory knobs.
@@ -125,8 +130,8 @@ def derive_policy(
             f"controller.join: max_join_timeout ({cap:g}s) is below join_timeout ({window:g}s) — the hard cap "
             "cannot expire before the window; raise max_join_timeout or lower join_timeout"
         )
-    bound_loopback = (loopback_bind or join.tunnel_only) if bound_address is None else (
-        is_loopback_literal(bound_address)
+    bound_loopback = (
+        (loopback_bind or join.tunnel_only) if bound_address is None else (is_loopback_literal(bound_address))
     )
     trust, warning = _trust_mode(join, loopback_bind, bound_loopback, bound_address, preshared)
     return WindowPolicy(
@@ -226,7 +231,9 @@ def _trust_mode(
             return TrustMode.OPEN, None
         if bound_address is None:
             return TrustMode.OPEN, OPEN_ADMISSION_WARNING
-        return TrustMode.OPEN, OPEN_ADMISSION_WARNING + " " + OPEN_NETWORK_BIND_WARNING.format(bound=bound_address)
+        return TrustMode.OPEN, OPEN_ADMISSION_WARNING + " " + OPEN_NETWORK_BIND_WARNING.format(
+            bound=bound_address
+        )
     if (loopback_bind or join.tunnel_only) and bound_loopback and not preshared:
         # The only road to a loopback port is through sshd: reachability is the authentication.
         return TrustMode.OPEN, None

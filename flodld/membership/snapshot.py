@@ -58,9 +58,13 @@ class MembersPage(_Model):
 class MemberCounts(_Model):
     """Every member summarized, whatever page `members` lists."""
 
-    by_link: dict[str, int] = Field(default_factory=dict, description="Hosts by join-link state (open / closed / lost).")
+    by_link: dict[str, int] = Field(
+        default_factory=dict, description="Hosts by join-link state (open / closed / lost)."
+    )
     by_variant: dict[str, int] = Field(default_factory=dict, description="Hosts by build variant.")
-    by_vendor: dict[str, int] = Field(default_factory=dict, description="Hosts by device type (cpu, cuda, ...).")
+    by_vendor: dict[str, int] = Field(
+        default_factory=dict, description="Hosts by device type (cpu, cuda, ...)."
+    )
 
 
 class RankExit(_Model):
@@ -94,9 +98,13 @@ class RunRecord(_Model):
     formed_at: float | None = Field(description="When the world formed; null if it never did.")
     ended_at: float = Field(description="When the run reached its verdict.")
     ranks: int = Field(description="World size (0 if the world never formed).")
-    hosts: list[str] = Field(description="The formed world's hosts, in rank order (in state.json: the first "
-                             f"{DEFAULT_MEMBER_PAGE}; `host_count` has them all).")
-    host_count: int | None = Field(default=None, description="How many hosts the world had (null: count `hosts`).")
+    hosts: list[str] = Field(
+        description="The formed world's hosts, in rank order (in state.json: the first "
+        f"{DEFAULT_MEMBER_PAGE}; `host_count` has them all)."
+    )
+    host_count: int | None = Field(
+        default=None, description="How many hosts the world had (null: count `hosts`)."
+    )
     rank_exits: list[RankExit] = Field(description="Exit codes the agents reported.")
 
 
@@ -106,13 +114,19 @@ class ServiceState(_Model):
     runs_started: int = Field(description="Runs (join windows) opened since the daemon started.")
     runs: dict[str, int] = Field(description="Finished runs by verdict since the daemon started.")
     between_runs: bool = Field(description="The last run has ended and the next window is not open yet.")
-    next_window_in_secs: float | None = Field(description="Between runs: seconds until the next window opens.")
-    config: str | None = Field(description="The config file the daemon (re)loads on SIGHUP; null without --config.")
+    next_window_in_secs: float | None = Field(
+        description="Between runs: seconds until the next window opens."
+    )
+    config: str | None = Field(
+        description="The config file the daemon (re)loads on SIGHUP; null without --config."
+    )
     config_loaded_at: float = Field(description="Unix seconds of the last successful (re)load.")
     config_error: str | None = Field(
         description="Why the last SIGHUP reload failed (the previous config stays in force); null when it loaded."
     )
-    history_limit: int = Field(description="How many finished runs `history` keeps (controller.history_runs).")
+    history_limit: int = Field(
+        description="How many finished runs `history` keeps (controller.history_runs)."
+    )
 
 
 class StateSnapshot(_Model):
@@ -140,7 +154,8 @@ class StateSnapshot(_Model):
         "(inclusive indexes) or `?members=all` asked for others; `members_page` says which."
     )
     members_page: MembersPage | None = Field(
-        default=None, description="Which members `members` lists (absent from older controllers: all of them)."
+        default=None,
+        description="Which members `members` lists (absent from older controllers: all of them).",
     )
     member_counts: MemberCounts | None = Field(
         default=None, description="Every member counted by link state, variant and device type."
@@ -154,7 +169,8 @@ class StateSnapshot(_Model):
         "(kept for compatibility).",
     )
     history: list[RunRecord] | None = Field(
-        default=None, description="`flodld serve` only: the last finished runs, newest first (absent for a single run)."
+        default=None,
+        description="`flodld serve` only: the last finished runs, newest first (absent for a single run).",
     )
     service: ServiceState | None = Field(
         default=None, description="`flodld serve` only: the daemon around the runs (absent for a single run)."

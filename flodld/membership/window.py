@@ -301,7 +301,11 @@ class JoinWindow:
             page = ledger.members_slice(start, stop)
             ranks_of = ledger.ranks_of
         missing = [host for host in self.roster if ledger.member(host) is None] if self.roster else []
-        by_link = dict(self._link_counts) if self.world is not None else ({LinkState.OPEN.value: total} if total else {})
+        by_link = (
+            dict(self._link_counts)
+            if self.world is not None
+            else ({LinkState.OPEN.value: total} if total else {})
+        )
         return {
             "phase": self.phase.value,
             "reason": self.reason,
@@ -315,7 +319,9 @@ class JoinWindow:
             "cap_remaining_secs": _remaining(self.policy.cap_secs, elapsed) if window_open else None,
             "start_mode": self.policy.start.value,
             "start_armed": self.start_armed,
-            "startable": window_open and self.policy.start is not StartMode.AUTO and joined >= self.policy.quorum,
+            "startable": window_open
+            and self.policy.start is not StartMode.AUTO
+            and joined >= self.policy.quorum,
             "members": [self._member_state(m, ranks_of(m.host)) for m in page],
             "members_page": {"start": start, "stop": stop, "total": total},
             "member_counts": {
@@ -375,7 +381,9 @@ class JoinWindow:
         if len(self._failed) > self.tolerance:
             failed = self.failed_ranks()
             causes = "".join(
-                f"; host {host!r} lost: {why}" for host, why in self.loss_reasons.items() if host not in self._link_losses
+                f"; host {host!r} lost: {why}"
+                for host, why in self.loss_reasons.items()
+                if host not in self._link_losses
             )
             self._apply(
                 Event.RANKS_FAILED,

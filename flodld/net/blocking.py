@@ -60,7 +60,9 @@ class BlockingChannel:
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail, channel=channel)
+            conn = FrameConnection(
+                Role.DIALER, key, max_payload=max_payload, max_tail=max_tail, channel=channel
+            )
             link = cls(sock, conn)
             link._sendall(magic_prefix(channel) + conn.initial_bytes())
             link._complete_handshake(timeout)
@@ -84,7 +86,9 @@ class BlockingChannel:
 
         The wait for the dialer's nonce is always bounded: `timeout`, or scaled 10 s when None.
         """
-        conn = FrameConnection(Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail, channel=channel)
+        conn = FrameConnection(
+            Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail, channel=channel
+        )
         link = cls(sock, conn)
         link._sendall(conn.initial_bytes())
         link._complete_handshake(timeout if timeout is not None else scaled(HANDSHAKE_SECS))

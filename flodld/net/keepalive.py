@@ -42,5 +42,7 @@ def keep_alive(writer: asyncio.StreamWriter, idle: float | None = None) -> bool:
     except (OSError, AttributeError):  # the TCP_KEEP* names are Linux/BSD only
         return False
     with contextlib.suppress(OSError, AttributeError):  # Linux only: bounds unacknowledged writes
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_link_bound_secs(seconds) * 1000))
+        sock.setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_link_bound_secs(seconds) * 1000)
+        )
     return True

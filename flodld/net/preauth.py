@@ -22,7 +22,9 @@ from flodld.wire.frames import HEADER_BYTES, NONCE_BYTES, PREAUTH_MAX_PAYLOAD, P
 from flodld.wire.magic import Channel
 
 # A dialer sends its nonce and one first frame before anything verifies: that, plus a little slack.
-PREAUTH_CONNECTION_BYTES: Final = NONCE_BYTES + HEADER_BYTES + PREAUTH_MAX_PAYLOAD + PREAUTH_MAX_TAIL + TAG_BYTES + 1024
+PREAUTH_CONNECTION_BYTES: Final = (
+    NONCE_BYTES + HEADER_BYTES + PREAUTH_MAX_PAYLOAD + PREAUTH_MAX_TAIL + TAG_BYTES + 1024
+)
 PREAUTH_BUDGET_BYTES: Final = 32 * 1024 * 1024
 
 
@@ -92,15 +94,25 @@ class GatedReader(asyncio.StreamReader):
     def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         if self._refused:
             return
-        size = data.nbytes if isinstance(data, memoryview) else len(data if isinstance(data, bytes | bytearray) else bytes(data))
+        size = (
+            data.nbytes
+            if isinstance(data, memoryview)
+            else len(data if isinstance(data, bytes | bytearray) else bytes(data))
+        )
         if not self._settled and size:
             refusal: tuple[str, str] | None = None
             if self._held + size > self._allowance:
-                refusal = "preauth_overrun", (
-                    f"sent {self._held + size} bytes before its first frame verified (allowance {self._allowance})"
+                refusal = (
+                    "preauth_overrun",
+                    (
+                        f"sent {self._held + size} bytes before its first frame verified (allowance {self._allowance})"
+                    ),
                 )
             elif not self._budget.take(size):
-                refusal = "preauth_budget", f"the global pre-authentication budget of {self._budget.limit} bytes is spent"
+                refusal = (
+                    "preauth_budget",
+                    f"the global pre-authentication budget of {self._budget.limit} bytes is spent",
+                )
             if refusal is not None:
                 self._refused = True
                 self._overrun(*refusal)

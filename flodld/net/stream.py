@@ -42,7 +42,9 @@ class ConnectError(ConnectionError):
 class FramedStream:
     """Encrypted, authenticated frames over an asyncio stream pair (see flodld.wire.frames for the rules)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: FrameConnection) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: FrameConnection
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.conn = conn
@@ -87,8 +89,10 @@ class FramedStream:
         if len(data) <= WRITE_PIECE:
             self.writer.write(data)
         else:
-            if isinstance(data, memoryview) and not isinstance(data.obj, bytearray) and (
-                self._spare is None or len(self._spare) < len(data)
+            if (
+                isinstance(data, memoryview)
+                and not isinstance(data.obj, bytearray)
+                and (self._spare is None or len(self._spare) < len(data))
             ):
                 # Built in a fresh map: keep a buffer of this size for the next large frame instead.
                 self._spare = bytearray(len(data))
@@ -219,10 +223,16 @@ async def accept_channel(
     gated = reader if isinstance(reader, GatedReader) else None
     if channel is None:
         if gated is None:
-            raise ValueError("accept_channel needs the channel (the magic it was reached by) to bind the session key")
+            raise ValueError(
+                "accept_channel needs the channel (the magic it was reached by) to bind the session key"
+            )
         channel = gated.channel
     conn = FrameConnection(
-        Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail, channel=channel,
+        Role.LISTENER,
+        key,
+        max_payload=max_payload,
+        max_tail=max_tail,
+        channel=channel,
         on_authenticated=gated.authenticated if gated is not None else None,
     )
     _nodelay(writer)
@@ -277,7 +287,9 @@ def _join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def read_channel_prefix(reader: asyncio.StreamReader, *, timeout: float) -> tuple[Channel | None, bytes]:
+async def read_channel_prefix(
+    reader: asyncio.StreamReader, *, timeout: float
+) -> tuple[Channel | None, bytes]:
     """For a mux: read the 4-byte prefix and name its channel (None = unknown magic).
 
     The prefix is consumed; an HTTP handler must put it back in front of the request it parses.

@@ -41,7 +41,9 @@ class Averager:
         env = client.env if client is not None else (read_rank_environment() if in_flodld_rank() else None)
         self.mode = mode or (env.averaging if env else "cpu_sync")
         if self.mode not in AVERAGING_MODES:
-            raise ValueError(f"averaging mode {self.mode!r} is not a CPU mode; use one of {', '.join(AVERAGING_MODES)}")
+            raise ValueError(
+                f"averaging mode {self.mode!r} is not a CPU mode; use one of {', '.join(AVERAGING_MODES)}"
+            )
         self.cadence = cadence or (env.cadence if env else 1)
         if self.cadence < 1:
             raise ValueError(f"cadence must be >= 1 step, got {self.cadence}")

@@ -31,13 +31,17 @@ def rank_device(env: RankEnvironment | None = None) -> torch.device:
     return torch.device("cuda:0" if env.device.startswith("cuda") else "cpu")
 
 
-def init_process_group(backend: str | None = None, *, timeout: timedelta = DEFAULT_PG_TIMEOUT, **kwargs: Any) -> None:
+def init_process_group(
+    backend: str | None = None, *, timeout: timedelta = DEFAULT_PG_TIMEOUT, **kwargs: Any
+) -> None:
     """Join the run's process group (idempotent); also opens the relay legs when the host has a relay."""
     if dist.is_initialized():
         return
     if not in_flodld_rank():
         local_store = dist.HashStore()  # type: ignore[attr-defined]  # exported at runtime, missing from the stubs
-        dist.init_process_group(backend or "gloo", store=local_store, rank=0, world_size=1, timeout=timeout, **kwargs)
+        dist.init_process_group(
+            backend or "gloo", store=local_store, rank=0, world_size=1, timeout=timeout, **kwargs
+        )
         return
     from flodld.rank.store import ControllerStore
 

@@ -69,15 +69,23 @@ class RelayClient:
         self.refused = 0
         self._changed = threading.Condition()
         self._closing = False
-        for target, name in ((self._read_data, "data"), (self._watch_control, "control"), (self._beat, "heartbeat")):
+        for target, name in (
+            (self._read_data, "data"),
+            (self._watch_control, "control"),
+            (self._beat, "heartbeat"),
+        ):
             threading.Thread(target=target, name=f"flodld-relay-{name}", daemon=True).start()
 
     # --- training thread -------------------------------------------------------------------
 
-    def deposit(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, fold: str | None = None) -> int:
+    def deposit(
+        self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, fold: str | None = None
+    ) -> int:
         """Send this rank's contribution to the next round; returns the round number."""
         spec = fold or self.env.fold
-        scaled = [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
+        scaled = (
+            [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
+        )
         specs, tail = encode_bundle_parts(scaled)
         round_number = self.next_round
         self.data.send(Deposit(round=round_number, fold=spec, weight=weight, tensors=specs), tail)
@@ -87,7 +95,9 @@ class RelayClient:
     def wait_round(self, round_number: int, timeout: float | None = None) -> Bundle:
         """Block until the broadcast of `round_number` arrives."""
         with self._changed:
-            ok = self._changed.wait_for(lambda: round_number in self._results or self._error is not None, timeout)
+            ok = self._changed.wait_for(
+                lambda: round_number in self._results or self._error is not None, timeout
+            )
             if self._error is not None:
                 raise RelayClientError(self._error)
             if not ok:
@@ -195,6 +205,8 @@ def relay_client() -> RelayClient:
             )
         env = read_rank_environment()
         if env.relay_port is None:
-            raise RelayClientError("this host has no relay (the run's averaging mode does not use the CPU data plane)")
+            raise RelayClientError(
+                "this host has no relay (the run's averaging mode does not use the CPU data plane)"
+            )
         return connect_relay(env)
     return _client

@@ -245,7 +245,9 @@ class ControllerStore(Store):
         encoded = [_as_bytes(v) for v in values]
         if len(keys) != len(encoded):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(encoded)} values")
-        self._call(StoreMultiSet(keys=list(keys), lengths=[len(v) for v in encoded]), b"".join(encoded), StoreOk)
+        self._call(
+            StoreMultiSet(keys=list(keys), lengths=[len(v) for v in encoded]), b"".join(encoded), StoreOk
+        )
 
     def append(self, key: str, value: bytes | str) -> None:
         self._call(StoreAppend(key=key), _as_bytes(value), StoreOk)
@@ -282,7 +284,12 @@ class ControllerStore(Store):
     def clone(self) -> ControllerStore:
         """A new, independent connection to the same store (its own lock, socket and request ids)."""
         return ControllerStore(
-            self.host, self.port, self._salt, self.run_id, rank=self.rank, timeout=self._timeout,
+            self.host,
+            self.port,
+            self._salt,
+            self.run_id,
+            rank=self.rank,
+            timeout=self._timeout,
             connect_timeout=self._connect_timeout,
         )
 

@@ -65,7 +65,8 @@ def warn_if_public(peer: str, where: str) -> bool:
         "are private only while the salt is: with a configured join token; under open admission the salt crossed "
         "the path in the join's Accept, readable by whoever watched it. Process-group traffic (gloo/NCCL) is not "
         "flodld's and stays cleartext. Use a tunnel (`tunnel: true`, `fdl join --ssh`) or a VPN when in doubt",
-        where, peer,
+        where,
+        peer,
     )
     return True
 
@@ -99,7 +100,10 @@ class Relay:
         server = await asyncio.start_server(self._serve_rank, sock=listener)
         log.info(
             "relay: host %r ranks %s -> controller %s:%d",
-            self.spec.host, self.ranks, self.spec.controller_host, self.spec.controller_port,
+            self.spec.host,
+            self.ranks,
+            self.spec.controller_host,
+            self.spec.controller_port,
         )
         readers = [
             asyncio.create_task(self._read_upstream(Channel.DATA)),
@@ -114,7 +118,12 @@ class Relay:
                 leg.close()
         for stream in self.upstream.values():
             await stream.aclose()
-        log.info("relay: host %r shut down after %d round(s) (exit %d)", self.spec.host, self.rounds, self.exit_code)
+        log.info(
+            "relay: host %r shut down after %d round(s) (exit %d)",
+            self.spec.host,
+            self.rounds,
+            self.exit_code,
+        )
         return self.exit_code
 
     def stop(self, why: str, code: int) -> None:
@@ -139,12 +148,17 @@ class Relay:
         keep_alive(stream.writer)  # a vanished controller ends _read_upstream with an error
         peer = stream.writer.get_extra_info("peername")
         if peer and not self._warned_cleartext:
-            self._warned_cleartext = warn_if_public(str(peer[0]), f"{self.spec.controller_host}:{self.spec.controller_port}")
+            self._warned_cleartext = warn_if_public(
+                str(peer[0]), f"{self.spec.controller_host}:{self.spec.controller_port}"
+            )
         listener_nonce = stream.conn.peer_nonce
         assert listener_nonce is not None  # the handshake completed
         proof = relay_proof(
-            self.host_key, host=self.spec.host, channel=channel,
-            dialer_nonce=stream.conn.nonce, listener_nonce=listener_nonce,
+            self.host_key,
+            host=self.spec.host,
+            channel=channel,
+            dialer_nonce=stream.conn.nonce,
+            listener_nonce=listener_nonce,
         )
         await stream.send(RelayHello(host=self.spec.host, ranks=self.ranks, proof=proof))
         reply = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
@@ -179,7 +193,9 @@ class Relay:
                 writer.close()
                 return
             assert channel is not None
-            stream = await accept_channel(reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS)
+            stream = await accept_channel(
+                reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS
+            )
             hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
         except (TimeoutError, EOFError, OSError, WireError, asyncio.IncompleteReadError) as error:
             log.warning("relay: dropped a loopback connection before its hello: %s", error)
@@ -299,7 +315,10 @@ class Relay:
                     return
         except (EOFError, OSError, WireError) as error:
             live = set(self.ranks) - self.gone
-            self._stop(f"controller {channel} channel closed ({error}) with ranks {sorted(live)} live", 1 if live else 0)
+            self._stop(
+                f"controller {channel} channel closed ({error}) with ranks {sorted(live)} live",
+                1 if live else 0,
+            )
         except Exception:
             log.exception("relay: controller %s reader failed", channel)
         finally:
@@ -311,7 +330,9 @@ class Relay:
             try:
                 await leg.send(message, tail)
             except (OSError, WireError):
-                await self._rank_gone(rank, f"rank {rank} stopped reading its {channel} leg", notify_upstream=True)
+                await self._rank_gone(
+                    rank, f"rank {rank} stopped reading its {channel} leg", notify_upstream=True
+                )
 
         # Concurrently: the next leg's frame is sealed while the previous one drains into its rank.
         await asyncio.gather(*(one(rank, leg) for rank, leg in list(self.legs[channel].items())))

@@ -164,7 +164,12 @@ def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes, length: int = KEY_BYTES
 
 
 def direction_key(
-    key: bytes, dialer_nonce: bytes, listener_nonce: bytes, channel: Channel | None, suite: Suite, sender: Role
+    key: bytes,
+    dialer_nonce: bytes,
+    listener_nonce: bytes,
+    channel: Channel | None,
+    suite: Suite,
+    sender: Role,
 ) -> bytes:
     """The 32-byte AEAD key of the frames `sender` writes on this connection.
 
@@ -179,7 +184,9 @@ def _aead(suite: Suite, key: bytes) -> AESGCM | ChaCha20Poly1305:
     return AESGCM(key) if suite is Suite.AES_256_GCM else ChaCha20Poly1305(key)
 
 
-def _seal_in_place(aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes) -> None:
+def _seal_in_place(
+    aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
+) -> None:
     """Encrypt view[:size] in place and write the tag after it (view is size + TAG_BYTES long)."""
     if hasattr(aead, "encrypt_into"):  # cryptography >= 45: no intermediate ciphertext object
         aead.encrypt_into(nonce, view[:size], aad, view)
@@ -187,7 +194,9 @@ def _seal_in_place(aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryvi
         view[:] = aead.encrypt(nonce, view[:size], aad)
 
 
-def _open_in_place(aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes) -> None:
+def _open_in_place(
+    aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
+) -> None:
     """Check the tag at view[size:] and decrypt view[:size] in place (InvalidTag on failure)."""
     if hasattr(aead, "decrypt_into"):
         aead.decrypt_into(nonce, view, aad, view[:size])
@@ -307,7 +316,9 @@ class FrameConnection:
         if nonce is not None and len(nonce) != NONCE_BYTES:
             raise ValueError(f"a nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
         if not 0 <= max_payload <= _U32_MAX or not 0 <= max_tail <= _U32_MAX:
-            raise ValueError(f"caps must be in 0..{_U32_MAX} bytes, got payload {max_payload}, tail {max_tail}")
+            raise ValueError(
+                f"caps must be in 0..{_U32_MAX} bytes, got payload {max_payload}, tail {max_tail}"
+            )
         self.role = role
         self.channel = channel
         self.max_payload = min(max_payload, MAX_PLAINTEXT)
@@ -500,7 +511,11 @@ class FrameConnection:
                 "bad_version",
                 f"the peer speaks flodld wire protocol version {version}, this build speaks version "
                 f"{PROTOCOL_VERSION}; run the same flodld release on both ends"
-                + (" (version 1 frames are cleartext; version 2 encrypts every frame)" if version == 1 else ""),
+                + (
+                    " (version 1 frames are cleartext; version 2 encrypts every frame)"
+                    if version == 1
+                    else ""
+                ),
             )
         first = self._recv_seq == 0
         max_payload = self.preauth_max_payload if first else self.max_payload
@@ -508,10 +523,13 @@ class FrameConnection:
         what = "first frame's (pre-authentication) " if first else ""
         if payload_len > max_payload:
             self._fail(
-                "too_large", f"{what}payload of {payload_len} bytes exceeds the cap of {max_payload}; refused unread"
+                "too_large",
+                f"{what}payload of {payload_len} bytes exceeds the cap of {max_payload}; refused unread",
             )
         if tail_len > max_tail:
-            self._fail("too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread")
+            self._fail(
+                "too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread"
+            )
         return _Header(kind, seq, payload_len, tail_len, raw)
 
     def _verify(self, header: _Header, body: bytearray | memoryview, sealed: memoryview | None) -> Frame:
@@ -531,7 +549,9 @@ class FrameConnection:
                     # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
                     _open_in_place(self._recv_aead, nonce, view, plain_bytes, header.raw)
             except Exception:  # InvalidTag: forged, altered, replayed under another key, or cut
-                self._fail("bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})")
+                self._fail(
+                    "bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})"
+                )
         if header.seq != self._recv_seq:
             self._fail("replay", f"frame seq {header.seq}, expected {self._recv_seq}: replayed or reordered")
         self._recv_seq += 1
@@ -573,16 +593,22 @@ class FrameConnection:
             raise WireError("handshake", "cannot send before the peer's nonce has arrived")
         if not 0 <= kind <= 0xFFFF:
             raise ValueError(f"frame kind must fit in u16, got {kind}")
-        parts = [memoryview(tail).cast("B")] if isinstance(tail, bytes | bytearray | memoryview) else [
-            memoryview(part).cast("B") for part in tail
-        ]
+        parts = (
+            [memoryview(tail).cast("B")]
+            if isinstance(tail, bytes | bytearray | memoryview)
+            else [memoryview(part).cast("B") for part in tail]
+        )
         tail_len = sum(part.nbytes for part in parts)
         if len(payload) > self.max_payload:
-            raise WireError("too_large", f"payload of {len(payload)} bytes exceeds the cap of {self.max_payload}")
+            raise WireError(
+                "too_large", f"payload of {len(payload)} bytes exceeds the cap of {self.max_payload}"
+            )
         if tail_len > self.max_tail:
             raise WireError("too_large", f"tail of {tail_len} bytes exceeds the cap of {self.max_tail}")
         if self._send_seq >= self._send_limit:
-            raise WireError("closed", "this connection's key has sealed all the frames it may; open a new connection")
+            raise WireError(
+                "closed", "this connection's key has sealed all the frames it may; open a new connection"
+            )
         seq = self._send_seq
         header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, kind, seq, len(payload), tail_len)
         plain_end = HEADER_BYTES + len(payload) + tail_len
@@ -599,7 +625,13 @@ class FrameConnection:
             out[offset : offset + part.nbytes] = part
             offset += part.nbytes
         with memoryview(out) as view:
-            _seal_in_place(self._send_aead, _aead_nonce(self.role, seq), view[HEADER_BYTES:], plain_end - HEADER_BYTES, header)
+            _seal_in_place(
+                self._send_aead,
+                _aead_nonce(self.role, seq),
+                view[HEADER_BYTES:],
+                plain_end - HEADER_BYTES,
+                header,
+            )
         self._send_seq += 1
         return out
 
@@ -628,7 +660,9 @@ class FrameConnection:
         self.suite = suite
         self._send_limit = AES_GCM_MAX_FRAMES if suite is Suite.AES_256_GCM else MAX_SEQ + 1
         self._send_aead = _aead(suite, direction_key(key, dialer, listener, self.channel, suite, self.role))
-        self._recv_aead = _aead(suite, direction_key(key, dialer, listener, self.channel, suite, _PEER[self.role]))
+        self._recv_aead = _aead(
+            suite, direction_key(key, dialer, listener, self.channel, suite, _PEER[self.role])
+        )
 
     def _ensure_alive(self) -> None:
         if self._dead:

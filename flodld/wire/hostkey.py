@@ -51,7 +51,9 @@ def _check_nonces(dialer_nonce: bytes, listener_nonce: bytes) -> None:
         )
 
 
-def derive_host_key(salt: bytes, *, host: str, run_id: str, dialer_nonce: bytes, listener_nonce: bytes) -> bytes:
+def derive_host_key(
+    salt: bytes, *, host: str, run_id: str, dialer_nonce: bytes, listener_nonce: bytes
+) -> bytes:
     """The 16-byte key of `host`, from the salt and the join connection that admitted it."""
     if len(salt) != SALT_BYTES:
         raise ValueError(f"a salt is {SALT_BYTES} bytes, got {len(salt)}")
@@ -84,5 +86,7 @@ def verify_relay_proof(
     host_key: bytes, proof: str, *, host: str, channel: Channel, dialer_nonce: bytes, listener_nonce: bytes
 ) -> bool:
     """Constant-time check of a `RelayHello.proof`."""
-    expected = relay_proof(host_key, host=host, channel=channel, dialer_nonce=dialer_nonce, listener_nonce=listener_nonce)
+    expected = relay_proof(
+        host_key, host=host, channel=channel, dialer_nonce=dialer_nonce, listener_nonce=listener_nonce
+    )
     return hmac.compare_digest(expected, proof.lower())

@@ -34,10 +34,14 @@ from flodld.wire.salt import salt_from_hex, salt_to_hex
 
 JOIN_PROTOCOL_VERSION: Final = 2
 
-DeviceName = Annotated[str, StringConstraints(min_length=3, max_length=32, pattern=r"^[a-z][a-z0-9_]*:[0-9]{1,5}$")]
+DeviceName = Annotated[
+    str, StringConstraints(min_length=3, max_length=32, pattern=r"^[a-z][a-z0-9_]*:[0-9]{1,5}$")
+]
 """A torch device with its index: "cpu:0", "cuda:1"."""
 
-NcclVersion = Annotated[str, StringConstraints(max_length=32, pattern=r"^[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?$")]
+NcclVersion = Annotated[
+    str, StringConstraints(max_length=32, pattern=r"^[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?$")
+]
 """Major.minor[.patch], e.g. "2.27"."""
 
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -51,7 +55,9 @@ def _no_nul(value: str) -> str:
 
 EnvValue = Annotated[str, StringConstraints(max_length=16384), AfterValidator(_no_nul)]
 
-SaltHex = Annotated[str, StringConstraints(max_length=64), AfterValidator(lambda text: salt_to_hex(salt_from_hex(text)))]
+SaltHex = Annotated[
+    str, StringConstraints(max_length=64), AfterValidator(lambda text: salt_to_hex(salt_from_hex(text)))
+]
 """A session salt as 32 hex characters, normalised to lowercase."""
 
 Seconds = Annotated[float, Field(ge=0, le=10**9)]

@@ -185,8 +185,24 @@ class ListKeys:
 
 
 Request = (
-    Validate | Ping | Set | CompareSet | Get | Add | Check | Wait | NumKeys | DeleteKey | Append | MultiGet
-    | MultiSet | CancelWait | QueuePush | QueuePop | QueueLen | ListKeys
+    Validate
+    | Ping
+    | Set
+    | CompareSet
+    | Get
+    | Add
+    | Check
+    | Wait
+    | NumKeys
+    | DeleteKey
+    | Append
+    | MultiGet
+    | MultiSet
+    | CancelWait
+    | QueuePush
+    | QueuePop
+    | QueueLen
+    | ListKeys
 )
 """One decoded request. Replies are the caller's to build with the `reply_*` functions below."""
 
@@ -326,12 +342,16 @@ class TcpStoreServerConnection:
             if self._eof:
                 self.closed = True
                 if self._buffer:
-                    raise TcpStoreProtocolError(f"connection closed inside a request ({len(self._buffer)} bytes)") from None
+                    raise TcpStoreProtocolError(
+                        f"connection closed inside a request ({len(self._buffer)} bytes)"
+                    ) from None
             return None
         del self._buffer[: reader.offset]
         if not self._validated:
             if not isinstance(request, Validate):
-                raise TcpStoreProtocolError(f"the first request must be VALIDATE, got {type(request).__name__}")
+                raise TcpStoreProtocolError(
+                    f"the first request must be VALIDATE, got {type(request).__name__}"
+                )
             if request.magic != VALIDATION_MAGIC:
                 raise TcpStoreProtocolError(f"VALIDATE with a wrong magic 0x{request.magic:08x}")
             self._validated = True

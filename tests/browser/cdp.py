@@ -120,7 +120,9 @@ class Page:
             if value:
                 return value
             if loop.time() > deadline:
-                raise AssertionError(f"not true within {timeout}s in the page: {expression}\nconsole: {self.console}")
+                raise AssertionError(
+                    f"not true within {timeout}s in the page: {expression}\nconsole: {self.console}"
+                )
             await asyncio.sleep(0.1)
 
     async def navigate(self, url: str) -> None:
@@ -130,8 +132,13 @@ class Page:
     async def screenshot(self, path: Path, width: int = 1100) -> None:
         """The whole page as a PNG, `width` CSS pixels wide."""
         height = await self.evaluate("Math.ceil(document.documentElement.scrollHeight)")
-        await self.send("Emulation.setDeviceMetricsOverride", width=width, height=int(height), deviceScaleFactor=1,
-                        mobile=False)
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=int(height),
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         reply = await self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
         path.write_bytes(base64.b64decode(reply["data"]))
 
@@ -144,7 +151,9 @@ async def _browser_url(proc: asyncio.subprocess.Process, timeout: float) -> str:
     while True:
         line = await asyncio.wait_for(proc.stderr.readline(), max(0.1, deadline - loop.time()))
         if not line:
-            raise CdpError(f"chromium exited before DevTools listened: {seen.decode(errors='replace')[-2000:]}")
+            raise CdpError(
+                f"chromium exited before DevTools listened: {seen.decode(errors='replace')[-2000:]}"
+            )
         seen += line
         found = _DEVTOOLS.search(line)
         if found:
@@ -162,14 +171,30 @@ async def _drain(stream: asyncio.StreamReader | None) -> None:
 async def headless_page(chromium: str, profile: Path, *, javascript: bool = True) -> AsyncIterator[Page]:
     """A fresh headless chromium with its own profile dir, and one blank page attached to it."""
     args = [
-        chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-        "--no-default-browser-check", "--disable-extensions", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--mute-audio", "--hide-scrollbars",
-        "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1", f"--user-data-dir={profile}",
-        "--window-size=1100,900", "about:blank",
+        chromium,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--mute-audio",
+        "--hide-scrollbars",
+        "--remote-debugging-port=0",
+        "--remote-debugging-address=127.0.0.1",
+        f"--user-data-dir={profile}",
+        "--window-size=1100,900",
+        "about:blank",
     ]
     proc = await asyncio.create_subprocess_exec(
-        *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
     drain: asyncio.Task[None] | None = None
@@ -180,7 +205,9 @@ async def headless_page(chromium: str, profile: Path, *, javascript: bool = True
             connection = Connection(ws)
             try:
                 target = await connection.send("Target.createTarget", url="about:blank")
-                attached = await connection.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
+                attached = await connection.send(
+                    "Target.attachToTarget", targetId=target["targetId"], flatten=True
+                )
                 page = Page(connection, attached["sessionId"])
                 for domain in ("Page", "Runtime", "Log", "Network"):
                     await page.send(f"{domain}.enable")

@@ -78,9 +78,23 @@ async def serve(tmp_path: Path, token: str) -> AsyncIterator[int]:
     log = tmp_path / "flodld-serve.log"
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flodld", "serve", "--config", str(_config(tmp_path)), "--token", token,
-            "--port", "0", "--bind", "127.0.0.1", "--run-id", "sweep",
-            stdin=asyncio.subprocess.DEVNULL, stdout=sink, stderr=sink,
+            sys.executable,
+            "-m",
+            "flodld",
+            "serve",
+            "--config",
+            str(_config(tmp_path)),
+            "--token",
+            token,
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--run-id",
+            "sweep",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=sink,
+            stderr=sink,
         )
     try:
         for _ in range(300):
@@ -105,7 +119,9 @@ async def serve(tmp_path: Path, token: str) -> AsyncIterator[int]:
 _HOST_ROWS = "Array.from(document.querySelectorAll('#hosts tbody tr')).map(r => r.innerText.split('\\t'))"
 
 
-_HISTORY_ROWS = "Array.from(document.querySelectorAll('#history tbody tr')).map(r => r.innerText.split('\\t'))"
+_HISTORY_ROWS = (
+    "Array.from(document.querySelectorAll('#history tbody tr')).map(r => r.innerText.split('\\t'))"
+)
 START = {"X-Flodld-Start": "1"}  # what `fdl start` sends
 
 
@@ -144,8 +160,9 @@ async def test_status_page_in_headless_chromium_history_then_waiting_to_staging(
         assert await page.text("#phase") == "waiting"
         assert "waiting for quorum: 0 of 3 ranks" in (await page.text("#reason") or "")
         assert await page.text("#hosts .empty") == "none joined yet"
-        assert await page.evaluate("Array.from(document.querySelectorAll('#missing li')).map(e => e.innerText)") \
-            == ["gpu-node-7"]
+        assert await page.evaluate(
+            "Array.from(document.querySelectorAll('#missing li')).map(e => e.innerText)"
+        ) == ["gpu-node-7"]
         assert "hybrid — waiting for quorum (0 of 3 ranks)" in (await page.text("#start-text") or "")
 
         first = seconds_left(await page.text("#window"))
@@ -159,15 +176,20 @@ async def test_status_page_in_headless_chromium_history_then_waiting_to_staging(
         assert isinstance(duplicate.reply, Reject)
         await page.wait_for("document.getElementById('phase').innerText === 'staging'", timeout=5)
         rows = await page.evaluate(_HOST_ROWS)
-        assert [row[:4] + row[5:] for row in rows] == [["node-a", "0", "1× cpu:0", "cpu", "open"],
-                                                       ["node-b", "1–2", "cpu:0, cpu:1", "cpu", "open"]]
+        assert [row[:4] + row[5:] for row in rows] == [
+            ["node-a", "0", "1× cpu:0", "cpu", "open"],
+            ["node-b", "1–2", "cpu:0, cpu:1", "cpu", "open"],
+        ]
         assert all(re.fullmatch(r"\+\d+s", row[4]) for row in rows), rows  # joined, seconds into the window
-        assert (await page.text("#rank-count") or "").startswith("3 joined across 2 host(s) — quorum 3, target 6")
+        assert (await page.text("#rank-count") or "").startswith(
+            "3 joined across 2 host(s) — quorum 3, target 6"
+        )
         assert await page.text("#start-text") == "hybrid — startable — fire with `fdl start`"
         assert await page.evaluate("document.querySelector('#ranks .bar').className") == "bar met"
         await page.wait_for("document.querySelector('#refused tbody') !== null", timeout=5)
         refused = await page.evaluate(
-            "Array.from(document.querySelectorAll('#refused tbody tr')).map(r => r.innerText.split('\\t'))")
+            "Array.from(document.querySelectorAll('#refused tbody tr')).map(r => r.innerText.split('\\t'))"
+        )
         # Only the duplicate: the page's own polling never leaves a keep-alive connection for the mux to cut
         # (that would count as connection_http_lifetime).
         assert refused == [["duplicate_host", "1"]], refused
@@ -187,10 +209,15 @@ async def test_status_page_in_headless_chromium_history_then_waiting_to_staging(
             assert method == "GET" and url.startswith(origin + "/"), (method, url)
             assert "token" not in url and token not in url
         assert {url.removeprefix(origin) for _, url in page.requests} >= {
-            "/status", "/status.css", "/status.js", "/state.json"}
+            "/status",
+            "/status.css",
+            "/status.js",
+            "/state.json",
+        }
         assert sum(1 for _, url in page.requests if url.endswith("/state.json")) >= 3
-        assert not [line for line in page.console if "Content Security Policy" in line or "exception" in line], \
-            page.console
+        assert not [
+            line for line in page.console if "Content Security Policy" in line or "exception" in line
+        ], page.console
 
         # JavaScript off: the server-rendered page says the same.
         async with headless_page(chromium, tmp_path / "profile-nojs", javascript=False) as plain:

@@ -47,7 +47,9 @@ def test_problems_print_as_file_line_key_and_exit_2(tmp_path: Path) -> None:
     done = fdl("config", "check", cwd=tmp_path)
     assert done.returncode == 2
     problems = done.stderr.splitlines()
-    assert problems[0].startswith("fdl.yml:4:5: cluster.controller.prot: unknown key 'prot'; did you mean 'port'?")
+    assert problems[0].startswith(
+        "fdl.yml:4:5: cluster.controller.prot: unknown key 'prot'; did you mean 'port'?"
+    )
     assert problems[1].startswith("fdl.yml:8:52: cluster.workers[1].local_devices[0]: 'gpu1' is not a device")
     assert problems[-1] == "fdl config check: 2 problem(s)"
     assert done.stdout == ""
@@ -59,7 +61,8 @@ def test_window_contradictions_are_problems_at_the_join_line(tmp_path: Path) -> 
     done = fdl("config", "check", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.splitlines()[0].startswith(
-        "fdl.yml:4:5: cluster.controller.join: start: manual and target_ranks contradict"), done.stderr
+        "fdl.yml:4:5: cluster.controller.join: start: manual and target_ranks contradict"
+    ), done.stderr
 
 
 def test_a_named_file_takes_its_overlay_from_next_to_it(tmp_path: Path) -> None:
@@ -78,7 +81,9 @@ def test_stdin_is_checked_as_one_document(tmp_path: Path) -> None:
     done = fdl("config", "check", "-", cwd=tmp_path, stdin=GOOD)
     assert done.returncode == 0 and done.stdout.startswith("<stdin>: OK"), done.stderr
     done = fdl("config", "check", "-", cwd=tmp_path, stdin="cluster: [1]\n")
-    assert done.returncode == 2 and done.stderr.startswith("<stdin>:1:1: cluster: expected a mapping"), done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("<stdin>:1:1: cluster: expected a mapping"), (
+        done.stderr
+    )
 
 
 def test_no_configuration_is_a_problem(tmp_path: Path) -> None:

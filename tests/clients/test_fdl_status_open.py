@@ -20,8 +20,14 @@ pytestmark = pytest.mark.multiproc
 async def _fdl(*args: str, env: dict[str, str]) -> tuple[int, str, str, float]:
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fdl.main", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        stdin=asyncio.subprocess.DEVNULL, env=env,
+        sys.executable,
+        "-m",
+        "fdl.main",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
+        env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
@@ -29,7 +35,9 @@ async def _fdl(*args: str, env: dict[str, str]) -> tuple[int, str, str, float]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER", "FDL_ENV")}
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER", "FDL_ENV")
+    }
     return {**base, **extra}
 
 
@@ -45,17 +53,22 @@ async def test_open_prints_the_url_and_hands_it_to_a_browser_only_with_a_display
     # when closed would ($BROWSER runs in the foreground under `webbrowser`).
     opened, pid_file = tmp_path / "opened", tmp_path / "browser.pid"
     browser = tmp_path / "browser.sh"
-    browser.write_text(f'#!/bin/sh\necho $$ > {pid_file}\necho "$1" > {opened}\nexec sleep 60 >/dev/null 2>&1\n')
+    browser.write_text(
+        f'#!/bin/sh\necho $$ > {pid_file}\necho "$1" > {opened}\nexec sleep 60 >/dev/null 2>&1\n'
+    )
     browser.chmod(0o755)
     try:
         code, out, err, _ = await _fdl("status", "--open", "--addr", addr, env=_env(BROWSER=str(browser)))
         assert (code, out) == (0, f"http://{addr}/status\n")
         assert "no display here" in err and not opened.exists()  # no display: nothing is started
 
-        code, out, err, took = await _fdl("status", "--open", "--addr", addr,
-                                          env=_env(BROWSER=str(browser), DISPLAY=":97"))
+        code, out, err, took = await _fdl(
+            "status", "--open", "--addr", addr, env=_env(BROWSER=str(browser), DISPLAY=":97")
+        )
         assert (code, out) == (0, f"http://{addr}/status\n"), err
-        assert took < 15  # returned while the browser command is still running (it sleeps 60 s, output detached)
+        assert (
+            took < 15
+        )  # returned while the browser command is still running (it sleeps 60 s, output detached)
         assert opened.read_text().strip() == f"http://{addr}/status"
         assert os.path.exists(f"/proc/{pid_file.read_text().strip()}")
 

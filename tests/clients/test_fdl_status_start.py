@@ -26,8 +26,14 @@ pytestmark = pytest.mark.multiproc
 async def fdl(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, str, str]:
     merged = {k: v for k, v in os.environ.items() if k != "FDL_ENV"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fdl.main", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**merged, **(env or {})}, cwd=cwd,
+        sys.executable,
+        "-m",
+        "fdl.main",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**merged, **(env or {})},
+        cwd=cwd,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
@@ -42,16 +48,19 @@ def _free_port() -> int:
 
 async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(tmp_path: Path) -> None:
     token = new_salt().hex()
-    daemon = await start_daemon("--ranks", "2", "--token", token, "--start", "manual", "--window", "0.2",
-                                "--cap", "60")
+    daemon = await start_daemon(
+        "--ranks", "2", "--token", token, "--start", "manual", "--window", "0.2", "--cap", "60"
+    )
     addr = f"127.0.0.1:{daemon.port}"
     try:
         code, out, _ = await fdl("status", "--addr", addr)
         assert code == 0
         assert f"@ {addr} — waiting" in out and "ranks: 0 joined across 0 host(s)" in out
         assert "hosts: none joined yet" in out and "start: manual — waiting for quorum" in out
-        agents = [await join(daemon.port, salt_from_hex(token), h, devices=d) for h, d in (("node-a", 1),
-                                                                                           ("node-b", 2))]
+        agents = [
+            await join(daemon.port, salt_from_hex(token), h, devices=d)
+            for h, d in (("node-a", 1), ("node-b", 2))
+        ]
         code, out, _ = await fdl("status", "--addr", addr)
         assert code == 0
         assert "— staging" in out and "ranks: 3 joined across 2 host(s)   (quorum 2, target none)" in out
@@ -67,8 +76,17 @@ async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(t
         code, _, err = await fdl("start", "--addr", addr)
         assert code == 1 and "start refused" in err and "window is not open" in err
         watch = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fdl.main", "status", "--watch", "--interval", "0.1", "--addr", addr,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "fdl.main",
+            "status",
+            "--watch",
+            "--interval",
+            "0.1",
+            "--addr",
+            addr,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         assert watch.stdout is not None and watch.stderr is not None
         first = await asyncio.wait_for(watch.stdout.readline(), 30)
@@ -123,15 +141,30 @@ def test_bare_host_gets_the_default_port_and_ipv6_literals_parse() -> None:
 
 def test_env_selector_rules() -> None:
     assert split_env(["@lab", "status", "--json"]) == ("lab", ["status", "--json"])
-    assert split_env(["run", "x.py", "--env=lab", "--", "--env", "kept"]) == ("lab", ["run", "x.py", "--", "--env", "kept"])
+    assert split_env(["run", "x.py", "--env=lab", "--", "--env", "kept"]) == (
+        "lab",
+        ["run", "x.py", "--", "--env", "kept"],
+    )
     assert split_env(["status", "@lab"]) == (None, ["status", "@lab"])  # @env only before the command
 
 
 def test_device_summary_and_render_shapes() -> None:
     assert device_summary(["cuda:0", "cuda:0"]) == "2x cuda:0"
     assert device_summary([]) == "no devices listed"
-    text = render({"phase": "failed", "run_id": "r", "joined_ranks": 0, "joined_hosts": 0, "quorum": 1,
-                   "target": None, "members": [], "reason": "quorum not met"}, "h:1", colour=True)
+    text = render(
+        {
+            "phase": "failed",
+            "run_id": "r",
+            "joined_ranks": 0,
+            "joined_hosts": 0,
+            "quorum": 1,
+            "target": None,
+            "members": [],
+            "reason": "quorum not met",
+        },
+        "h:1",
+        colour=True,
+    )
     assert "\033[31mfailed\033[0m" in text and "reason: quorum not met" in text
 
 

@@ -44,7 +44,9 @@ def recorder() -> Iterator[tuple[int, list[tuple[str, dict[str, str]]]]]:
 
 
 def _fdl(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    merged = {k: v for k, v in os.environ.items() if k not in ("FDL_ENV", "FDL_START_TOKEN", "FDL_JOIN_TOKEN")}
+    merged = {
+        k: v for k, v in os.environ.items() if k not in ("FDL_ENV", "FDL_START_TOKEN", "FDL_JOIN_TOKEN")
+    }
     return subprocess.run([sys.executable, "-m", "fdl.main", *args], capture_output=True, text=True, timeout=60,
                           env={**merged, **(env or {})}, input=stdin)  # fmt: skip
 

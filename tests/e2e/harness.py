@@ -18,7 +18,13 @@ EXAMPLES = REPO / "examples"
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
-    for name in ("FLODL_INTERNAL_AGENT_JSON", "FLODL_INTERNAL_RELAY_JSON", "FDL_ENV", "RANK", "FLODL_CONTROLLER"):
+    for name in (
+        "FLODL_INTERNAL_AGENT_JSON",
+        "FLODL_INTERNAL_RELAY_JSON",
+        "FDL_ENV",
+        "RANK",
+        "FLODL_CONTROLLER",
+    ):
         env.pop(name, None)
     return env
 
@@ -26,11 +32,19 @@ def child_env(**extra: str) -> dict[str, str]:
 class Fdl:
     """An `fdl <command>` subprocess whose combined output is collected line by line."""
 
-    def __init__(self, command: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, command: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         argv = [sys.executable, "-m", "fdl.main", command, *args]
         self.process = subprocess.Popen(
-            argv, cwd=cwd or REPO, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+            argv,
+            cwd=cwd or REPO,
+            env=env or child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
         )
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -61,11 +75,15 @@ class Fdl:
                     return found[:count]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (self.process.poll() is not None and not self._pump_alive()):
-                    raise AssertionError(f"no {count}x {pattern!r} in output:\n" + "\n".join(self.lines[-80:]))
+                    raise AssertionError(
+                        f"no {count}x {pattern!r} in output:\n" + "\n".join(self.lines[-80:])
+                    )
                 self._changed.wait(min(remaining, 0.5))
 
     def _pump_alive(self) -> bool:
-        return self.process.stdout is not None and not self.process.stdout.closed and self.process.poll() is None
+        return (
+            self.process.stdout is not None and not self.process.stdout.closed and self.process.poll() is None
+        )
 
     def wait(self, timeout: float = 180.0) -> int:
         try:

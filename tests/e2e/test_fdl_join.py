@@ -37,20 +37,34 @@ def joined_hosts(port: int) -> list[str]:
     return [str(entry["host"]) for entry in hosts]
 
 
-def test_two_walk_ins_form_a_world_fold_through_their_relays_and_one_dials_through_a_forwarder(tmp_path: Path) -> None:
+def test_two_walk_ins_form_a_world_fold_through_their_relays_and_one_dials_through_a_forwarder(
+    tmp_path: Path,
+) -> None:
     port, token = free_port(), secrets.token_hex(16)
     project = write_discovery_project(tmp_path, port, token, ranks=4)
     program = str(PROGRAMS / "walkin.py")
     run = Fdl("run", "--project", str(project), program)
     run.wait_for(r"waiting — window open")
 
-    wrong = Fdl("join", f"127.0.0.1:{port}", "--token", secrets.token_hex(16), "--bin", program,
-                "--host", "intruder", "--devices", "cpu")
+    wrong = Fdl(
+        "join",
+        f"127.0.0.1:{port}",
+        "--token",
+        secrets.token_hex(16),
+        "--bin",
+        program,
+        "--host",
+        "intruder",
+        "--devices",
+        "cpu",
+    )
     assert wrong.wait() == 2, wrong.output
     assert "token mismatch" in wrong.output
 
     env = child_env(FDL_JOIN_TOKEN=token)  # the token stays out of every command line
-    walk_a = Fdl("join", f"127.0.0.1:{port}", "--bin", program, "--host", "walk-a", "--devices", "cpu:2", env=env)
+    walk_a = Fdl(
+        "join", f"127.0.0.1:{port}", "--bin", program, "--host", "walk-a", "--devices", "cpu:2", env=env
+    )
     forwarder = Forwarder(port)
     try:
         deadline = time.monotonic() + 120
@@ -60,8 +74,17 @@ def test_two_walk_ins_form_a_world_fold_through_their_relays_and_one_dials_throu
         status = Fdl("status", "--addr", f"127.0.0.1:{port}")
         assert status.wait() == 0, status.output
         assert "walk-a" in status.output and "waiting" in status.output, status.output
-        walk_b = Fdl("join", f"127.0.0.1:{forwarder.port}", "--bin", program, "--host", "walk-b",
-                     "--devices", "cpu:2", env=env)
+        walk_b = Fdl(
+            "join",
+            f"127.0.0.1:{forwarder.port}",
+            "--bin",
+            program,
+            "--host",
+            "walk-b",
+            "--devices",
+            "cpu:2",
+            env=env,
+        )
         assert walk_a.wait() == 0, walk_a.output
         assert walk_b.wait() == 0, walk_b.output
         assert run.wait() == 0, run.output
@@ -85,8 +108,18 @@ def test_persist_loop_waits_for_a_controller_then_rejoins_the_next_run(tmp_path:
     port, token = free_port(), secrets.token_hex(16)
     project = write_discovery_project(tmp_path, port, token, ranks=1)
     env = child_env(FDL_JOIN_TOKEN=token, FLODL_NET_TIMEOUT_SCALE="0.1")
-    join = Fdl("join", f"127.0.0.1:{port}", "--persist", "--bin", str(EXAMPLES / "allreduce.py"),
-               "--host", "persistent", "--devices", "cpu", env=env)
+    join = Fdl(
+        "join",
+        f"127.0.0.1:{port}",
+        "--persist",
+        "--bin",
+        str(EXAMPLES / "allreduce.py"),
+        "--host",
+        "persistent",
+        "--devices",
+        "cpu",
+        env=env,
+    )
     try:
         join.wait_for(r"re-dialing in", timeout=120)  # no controller yet: transient, backs off
         for run_number in (1, 2):

@@ -74,7 +74,9 @@ def test_fdl_run_executes_the_ir_example_program_on_three_ranks_checked_by_decry
     run = Fdl("run", "--ranks", "3", str(EXAMPLES / "ir_allreduce.py"), "--", *args)
     assert run.wait() == 0, run.output
     form = "generic all_reduce" if lower else "all_reduce_add_ciphertext"
-    verdicts = re.findall(rf"rank (\d)/3: {form} decrypts to world\*chunk\*x \(max error (\S+)\): True", run.output)
+    verdicts = re.findall(
+        rf"rank (\d)/3: {form} decrypts to world\*chunk\*x \(max error (\S+)\): True", run.output
+    )
     assert sorted(rank for rank, _ in verdicts) == ["0", "1", "2"], run.output
     assert all(float(error) < 1e-4 for _, error in verdicts)
     assert "fdl run: run done" in run.output

@@ -57,8 +57,24 @@ def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path
     config = write_project(tmp_path, token, free_port())
     env = child_env(FLODL_NET_TIMEOUT_SCALE="0.1")
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "flodld", "serve", "--config", str(config), "--bind", "127.0.0.1", "--run-id", "persist"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "flodld",
+            "serve",
+            "--config",
+            str(config),
+            "--bind",
+            "127.0.0.1",
+            "--run-id",
+            "persist",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert daemon.stderr is not None
     log: list[str] = []
@@ -70,11 +86,26 @@ def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path
             port = int(found.group(1))
             break
     assert port, "".join(log)
-    threading.Thread(target=lambda: log.extend(daemon.stderr or ()), daemon=True).start()  # never let the pipe fill
+    threading.Thread(
+        target=lambda: log.extend(daemon.stderr or ()), daemon=True
+    ).start()  # never let the pipe fill
     join_env = child_env(FDL_JOIN_TOKEN=token, FLODL_NET_TIMEOUT_SCALE="0.1")
     program = str(PROGRAMS / "persist_step.py")
-    walk_ins = [Fdl("join", f"127.0.0.1:{port}", "--persist", "--bin", program, "--host", host, "--devices", "cpu",
-                    env=join_env) for host in ("walk-a", "walk-b")]
+    walk_ins = [
+        Fdl(
+            "join",
+            f"127.0.0.1:{port}",
+            "--persist",
+            "--bin",
+            program,
+            "--host",
+            host,
+            "--devices",
+            "cpu",
+            env=join_env,
+        )
+        for host in ("walk-a", "walk-b")
+    ]
     try:
         deadline = time.monotonic() + 420
         current: dict[str, object] | None = None
@@ -89,7 +120,10 @@ def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path
             time.sleep(0.5)
         assert current is not None
         history = current["history"]
-        assert isinstance(history, list) and len(history) >= 3, (current, [w.output[-2000:] for w in walk_ins])
+        assert isinstance(history, list) and len(history) >= 3, (
+            current,
+            [w.output[-2000:] for w in walk_ins],
+        )
         oldest_first = list(reversed(history))[:3]
         assert [h["run_id"] for h in oldest_first] == ["persist-1", "persist-2", "persist-3"]
         assert [h["verdict"] for h in oldest_first] == ["done", "failed", "done"], oldest_first

@@ -29,4 +29,6 @@ def test_a_process_group_feature_works_under_fdl_run(row: str, via: str, tmp_pat
     unsupported = re.findall(rf"{row} unsupported rank=\d: (.*)", run.output)
     if unsupported:
         pytest.skip(f"torch {row}: {unsupported[0]} (the same under torchrun)")
-    assert sorted(re.findall(rf"{row} ok rank=(\d)", run.output)) == [str(r) for r in range(ranks)], run.output[-6000:]
+    assert sorted(re.findall(rf"{row} ok rank=(\d)", run.output)) == [str(r) for r in range(ranks)], (
+        run.output[-6000:]
+    )

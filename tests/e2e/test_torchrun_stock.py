@@ -37,7 +37,9 @@ def _check_world(output: str, world: int, locals_: dict[int, tuple[int, int]], h
     assert sorted(int(rank) for rank, _ in tops) == list(range(world)), output[-6000:]
     # As `python torchrun_stock.py` would run it, and with the session salt already out of its environment
     # (flodld.launcher.rank claimed it), so the script's own subprocesses never inherit it.
-    assert {rest for _, rest in tops} == {("127.0.0.1", "False", "torchrun_stock.py", "__main__")}, output[-6000:]
+    assert {rest for _, rest in tops} == {("127.0.0.1", "False", "torchrun_stock.py", "__main__")}, output[
+        -6000:
+    ]
 
 
 def test_the_same_script_under_torchrun_prints_the_same_world() -> None:
@@ -51,7 +53,9 @@ def test_the_same_script_under_torchrun_prints_the_same_world() -> None:
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", STOCK], env=child_env(),
                           capture_output=True, text=True, timeout=150)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = sorted(re.findall(r"stock rank=\d/2 local=\d/2 sum=3 pair=3 group=\d+/\d+", done.stdout))  # two processes share the pipe: a line may lose its newline
+    lines = sorted(
+        re.findall(r"stock rank=\d/2 local=\d/2 sum=3 pair=3 group=\d+/\d+", done.stdout)
+    )  # two processes share the pipe: a line may lose its newline
     assert lines == ["stock rank=0/2 local=0/2 sum=3 pair=3 group=0/1",
                      "stock rank=1/2 local=1/2 sum=3 pair=3 group=0/1"], done.stdout  # fmt: skip
 
@@ -81,12 +85,18 @@ def test_a_stock_torchrun_script_runs_as_is_under_fdl_join_bin(tmp_path: Path) -
     try:
         run.wait_for(r"waiting — window open")
         env = child_env(FDL_JOIN_TOKEN=token)
-        walk_a = Fdl("join", f"127.0.0.1:{port}", "--bin", STOCK, "--host", "walk-a", "--devices", "cpu:2", env=env)
-        walk_b = Fdl("join", f"127.0.0.1:{port}", "--bin", STOCK, "--host", "walk-b", "--devices", "cpu:2", env=env)
+        walk_a = Fdl(
+            "join", f"127.0.0.1:{port}", "--bin", STOCK, "--host", "walk-a", "--devices", "cpu:2", env=env
+        )
+        walk_b = Fdl(
+            "join", f"127.0.0.1:{port}", "--bin", STOCK, "--host", "walk-b", "--devices", "cpu:2", env=env
+        )
         assert walk_a.wait(240) == 0, walk_a.output[-6000:]
         assert walk_b.wait(240) == 0, walk_b.output[-6000:]
         assert run.wait(60) == 0, run.output[-6000:]
     finally:
         run.kill()
     # Each walk-in holds two ranks; which pair a host got depends on the join order.
-    _check_world(walk_a.output + "\n" + walk_b.output, 4, {0: (0, 2), 1: (1, 2), 2: (0, 2), 3: (1, 2)}, hosts=2)
+    _check_world(
+        walk_a.output + "\n" + walk_b.output, 4, {0: (0, 2), 1: (1, 2), 2: (0, 2), 3: (1, 2)}, hosts=2
+    )

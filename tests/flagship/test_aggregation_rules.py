@@ -16,7 +16,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load_aggregation() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("encrypted_aggregation", EXAMPLES / "encrypted_aggregation.py")
+    spec = importlib.util.spec_from_file_location(
+        "encrypted_aggregation", EXAMPLES / "encrypted_aggregation.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("encrypted_aggregation", module)
@@ -32,7 +34,9 @@ def engine() -> CkksEngine:
     return CkksEngine(aggregation.AGGREGATION_PARAMETERS, rng_seed=3)
 
 
-def test_descriptors_that_match_pass_and_a_differing_rank_is_named_with_both_values(engine: CkksEngine) -> None:
+def test_descriptors_that_match_pass_and_a_differing_rank_is_named_with_both_values(
+    engine: CkksEngine,
+) -> None:
     reference = aggregation.descriptor(engine, values=10, transport="relay", program="p")
     aggregation.check_descriptors([reference, dict(reference)])
     other = {**reference, "values": 11}
@@ -63,7 +67,10 @@ def test_the_sum_of_encrypted_updates_decrypts_to_the_mean_within_the_bound(engi
     secret = engine.generate_secret_key()
     public = engine.generate_public_key(secret)
     count, world = 5000, 3  # two ciphertext rows, the second one partly padding
-    parts = [aggregation.encrypt_update(engine, aggregation.make_update(rank, count, 1), public) for rank in range(world)]
+    parts = [
+        aggregation.encrypt_update(engine, aggregation.make_update(rank, count, 1), public)
+        for rank in range(world)
+    ]
     total = engine.sum(parts)
     mean = aggregation.decrypt_mean(engine, total, secret, count, world)
     error = float((mean - aggregation.expected_mean(world, count, 1)).abs().max())

@@ -76,14 +76,21 @@ class RecordingForwarder:
             finally:
                 sink.close()
 
-        await asyncio.gather(pump(reader, upstream_writer, capture.up), pump(upstream_reader, writer, capture.down))
+        await asyncio.gather(
+            pump(reader, upstream_writer, capture.up), pump(upstream_reader, writer, capture.down)
+        )
 
     def close(self) -> None:
         self.server.close()
 
 
 def decode_direction(
-    data: bytes, salt: bytes, role: Role, own_nonce: bytes, channel: Channel, host_key: Callable[[Frame], bytes | None]
+    data: bytes,
+    salt: bytes,
+    role: Role,
+    own_nonce: bytes,
+    channel: Channel,
+    host_key: Callable[[Frame], bytes | None],
 ) -> list[Frame]:
     """Frames of one recorded direction, authenticated as the receiving side would: the first frame under
     the run's salt, the rest under the key `host_key(first frame)` names (None: the salt throughout)."""
@@ -105,13 +112,18 @@ def host_keys(captures: list[Capture], salt: bytes, run_id: str) -> dict[str, by
     for capture in captures:
         if capture.channel is not Channel.JOIN:
             continue
-        dialer_nonce, listener_nonce = bytes(capture.up[4 : 4 + NONCE_BYTES]), bytes(capture.down[:NONCE_BYTES])
-        (hello, *_) = decode_direction(bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce, Channel.JOIN,
-                                       lambda frame: None)
+        dialer_nonce, listener_nonce = (
+            bytes(capture.up[4 : 4 + NONCE_BYTES]),
+            bytes(capture.down[:NONCE_BYTES]),
+        )
+        (hello, *_) = decode_direction(
+            bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce, Channel.JOIN, lambda frame: None
+        )
         message = hello.message()
         assert isinstance(message, Hello)
-        keys[message.host] = derive_host_key(salt, host=message.host, run_id=run_id, dialer_nonce=dialer_nonce,
-                                             listener_nonce=listener_nonce)
+        keys[message.host] = derive_host_key(
+            salt, host=message.host, run_id=run_id, dialer_nonce=dialer_nonce, listener_nonce=listener_nonce
+        )
     return keys
 
 
@@ -130,16 +142,26 @@ def data_plane_frames(
     for capture in captures:
         if capture.channel is not Channel.DATA:
             continue
-        dialer_nonce, listener_nonce = bytes(capture.up[4 : 4 + NONCE_BYTES]), bytes(capture.down[:NONCE_BYTES])
-        up = decode_direction(bytes(capture.up[4:]), salt, Role.LISTENER, listener_nonce, Channel.DATA,
-                              lambda frame: keys[_relay_host(frame)])
+        dialer_nonce, listener_nonce = (
+            bytes(capture.up[4 : 4 + NONCE_BYTES]),
+            bytes(capture.down[:NONCE_BYTES]),
+        )
+        up = decode_direction(
+            bytes(capture.up[4:]),
+            salt,
+            Role.LISTENER,
+            listener_nonce,
+            Channel.DATA,
+            lambda frame: keys[_relay_host(frame)],
+        )
         for frame in up:
             message = frame.message()
             if isinstance(message, HostFrame):
                 host_frames.append((frame, message))
         key = keys[_relay_host(up[0])]
-        for frame in decode_direction(bytes(capture.down), salt, Role.DIALER, dialer_nonce, Channel.DATA,
-                                      lambda frame, key=key: key):  # type: ignore[misc]
+        for frame in decode_direction(
+            bytes(capture.down), salt, Role.DIALER, dialer_nonce, Channel.DATA, lambda frame, key=key: key
+        ):  # type: ignore[misc]
             message = frame.message()
             if isinstance(message, Broadcast):
                 broadcasts.append((frame, message))
@@ -150,10 +172,17 @@ async def run_audited_world(
     tmp_path: Path, extra: tuple[str, ...] = ()
 ) -> tuple[Controller, RecordingForwarder, bool, str]:
     token = secrets.token_hex(16)
-    controller = Controller(ControllerOptions.model_validate({
-        "advertised_host": "127.0.0.1", "port": 0, "loopback_bind": True, "averaging": "cpu_sync",
-        "join": JoinConfig(discovery=True, min_rank_start=2, target_ranks=2, token=token),
-    }))
+    controller = Controller(
+        ControllerOptions.model_validate(
+            {
+                "advertised_host": "127.0.0.1",
+                "port": 0,
+                "loopback_bind": True,
+                "averaging": "cpu_sync",
+                "join": JoinConfig(discovery=True, min_rank_start=2, target_ranks=2, token=token),
+            }
+        )
+    )
     attach_data_plane(controller)
     _, port = await controller.start()
     forwarder = RecordingForwarder(port)
@@ -162,13 +191,29 @@ async def run_audited_world(
     log = tmp_path / "agents.log"
     with log.open("w") as sink:
         for host in HOSTS:
-            spec = AgentSpec(host=host, controller_host="127.0.0.1", controller_port=forwarder_port,
-                             salt_hex=token, devices=["cpu"], connect_attempts=5)
-            agents.append(await asyncio.create_subprocess_exec(
-                sys.executable, str(PROGRAM), "--values", "4096", "--audit-dir", str(tmp_path), *extra,
-                env={**child_env(), AGENT_ENV: encode_spec(spec)}, stdout=sink, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            ))
+            spec = AgentSpec(
+                host=host,
+                controller_host="127.0.0.1",
+                controller_port=forwarder_port,
+                salt_hex=token,
+                devices=["cpu"],
+                connect_attempts=5,
+            )
+            agents.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    str(PROGRAM),
+                    "--values",
+                    "4096",
+                    "--audit-dir",
+                    str(tmp_path),
+                    *extra,
+                    env={**child_env(), AGENT_ENV: encode_spec(spec)},
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
         try:
             result = await asyncio.wait_for(controller.wait(), 180)
             for agent in agents:
@@ -183,7 +228,9 @@ async def run_audited_world(
     return controller, forwarder, result.ok, log.read_text()
 
 
-def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_sees_a_key(tmp_path: Path) -> None:
+def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_sees_a_key(
+    tmp_path: Path,
+) -> None:
     controller, forwarder, ok, output = asyncio.run(run_audited_world(tmp_path))
     assert ok, output
     assert output.count("encrypted mean PASS") == 2, output
@@ -226,7 +273,11 @@ def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_s
 
     # Nothing that crossed the controller, on any channel, carries the secret key or a plaintext update.
     every_byte = b"".join(bytes(capture.up) + bytes(capture.down) for capture in forwarder.captures)
-    assert {capture.channel for capture in forwarder.captures} >= {Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA}
+    assert {capture.channel for capture in forwarder.captures} >= {
+        Channel.JOIN,
+        Channel.RENDEZVOUS,
+        Channel.DATA,
+    }
     secret_bytes = secret.contiguous().numpy().tobytes()
     assert secret_bytes[:256] not in every_byte and secret_bytes[-256:] not in every_byte
     for update in updates:
@@ -247,7 +298,11 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
         return [torch.load(tmp_path / f"rank{rank}-{name}.pt") for rank in range(2)]
 
     key_shares, ciphertexts, sums = dumped("public_key_share"), dumped("ciphertext"), dumped("sum")
-    decryption_shares, secret_shares, updates = dumped("decryption_share"), dumped("secret_share"), dumped("update")
+    decryption_shares, secret_shares, updates = (
+        dumped("decryption_share"),
+        dumped("secret_share"),
+        dumped("update"),
+    )
     assert not (tmp_path / "rank0-secret_key.pt").exists()  # nobody holds the secret key
 
     engine = CkksEngine(THRESHOLD_AGGREGATION.ckks)
@@ -262,7 +317,9 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
         rounds.setdefault(message.round, []).append((message.contributors[0], residues))
         folds[message.round] = message.fold
     # Three aggregation rounds, each with one frame per rank: key shares (QP), ciphertexts and decryption shares (Q).
-    assert len(rounds) == 3 and all(sorted(rank for rank, _ in frames) == [0, 1] for frames in rounds.values())
+    assert len(rounds) == 3 and all(
+        sorted(rank for rank, _ in frames) == [0, 1] for frames in rounds.values()
+    )
     key_round, ct_round, share_round = sorted(rounds)
     assert folds[key_round] == "modular:" + ",".join(map(str, qp))
     assert folds[ct_round] == folds[share_round] == "modular:" + ",".join(map(str, q))

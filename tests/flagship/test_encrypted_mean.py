@@ -27,16 +27,27 @@ def test_relay_transport_is_the_default_under_cpu_averaging_and_every_rank_passe
     errors = assert_encrypted_mean_passed(run.output, ranks, transport="relay")
     assert all(error < 1e-6 for error in errors)
     assert len(set(errors)) == 1, run.output  # every rank decrypted the same sum
-    assert len(re.findall(rf"all_reduce_add_ciphertext over {ranks} rank\(s\) via relay", run.output)) == ranks
+    assert (
+        len(re.findall(rf"all_reduce_add_ciphertext over {ranks} rank\(s\) via relay", run.output)) == ranks
+    )
     assert len(re.findall(rf"collective decryption from {ranks} decryption shares", run.output)) == ranks
     assert len(re.findall(r"checked here\) .* keys threshold", run.output)) == ranks
     assert "fdl run: run done" in run.output
 
 
 @pytest.mark.parametrize(("ranks", "form"), [(2, []), (3, ["--lower"]), (5, [])])
-def test_process_group_transport_runs_the_specialized_and_lowered_program(ranks: int, form: list[str]) -> None:
-    run = Fdl("run", "--ranks", str(ranks), str(ENCRYPTED_MEAN), "--",
-              *encrypted_mean_args(int(VALUES), transport="process-group"), *form)
+def test_process_group_transport_runs_the_specialized_and_lowered_program(
+    ranks: int, form: list[str]
+) -> None:
+    run = Fdl(
+        "run",
+        "--ranks",
+        str(ranks),
+        str(ENCRYPTED_MEAN),
+        "--",
+        *encrypted_mean_args(int(VALUES), transport="process-group"),
+        *form,
+    )
     assert run.wait(240) == 0, run.output
     errors = assert_encrypted_mean_passed(run.output, ranks, transport="process-group")
     # Every rank decrypts the mean itself (threshold keys) and checks it.
@@ -54,21 +65,45 @@ def test_single_key_mode_keeps_rank_0_as_the_key_holder() -> None:
 
 
 @pytest.mark.parametrize("transport", ["relay", "process-group"])
-def test_a_rank_leaving_after_encrypting_fails_every_other_rank_naming_its_missing_share(transport: str) -> None:
-    run = Fdl("run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--keys", "threshold",
-              "--transport", transport, "--fault", "leave", "--fault-rank", "2", "--share-timeout", "10")
+def test_a_rank_leaving_after_encrypting_fails_every_other_rank_naming_its_missing_share(
+    transport: str,
+) -> None:
+    run = Fdl(
+        "run",
+        "--ranks",
+        "3",
+        str(PROGRAM),
+        "--",
+        "--values",
+        VALUES,
+        "--keys",
+        "threshold",
+        "--transport",
+        transport,
+        "--fault",
+        "leave",
+        "--fault-rank",
+        "2",
+        "--share-timeout",
+        "10",
+    )
     assert run.wait(240) == 1, run.output
     assert "rank 2: leaving after encrypting, before its decryption share" in run.output
-    failed = re.findall(r"rank ([01]): FAILED: MissingSharesAggregationError: N-out-of-N decryption needs a "
-                        r"decryption share from each of 3 ranks; rank\(s\) \[2\] published none", run.output)
+    failed = re.findall(
+        r"rank ([01]): FAILED: MissingSharesAggregationError: N-out-of-N decryption needs a "
+        r"decryption share from each of 3 ranks; rank\(s\) \[2\] published none",
+        run.output,
+    )
     assert sorted(failed) == ["0", "1"], run.output
     assert "encrypted mean PASS" not in run.output
 
 
 @pytest.mark.parametrize(
     ("transport", "fault", "named"),
-    [("relay", "values", r"values=4097 \(key holder: 4096\)"),
-     ("process-group", "scale", r"scale=549755813888\.0 \(key holder: 2199023255552\.0\)")],
+    [
+        ("relay", "values", r"values=4097 \(key holder: 4096\)"),
+        ("process-group", "scale", r"scale=549755813888\.0 \(key holder: 2199023255552\.0\)"),
+    ],
     ids=["relay-values", "process-group-scale"],
 )
 def test_ranks_with_different_parameters_are_refused_by_the_descriptor_handshake(
@@ -76,31 +111,54 @@ def test_ranks_with_different_parameters_are_refused_by_the_descriptor_handshake
 ) -> None:
     run = Fdl("run", str(PROGRAM), "--", "--values", VALUES, "--transport", transport, "--fault", fault)
     assert run.wait(240) == 1, run.output
-    refusals = re.findall(r"rank \d: FAILED: ParameterMismatchError: ranks disagree .*rank 1: " + named, run.output)
+    refusals = re.findall(
+        r"rank \d: FAILED: ParameterMismatchError: ranks disagree .*rank 1: " + named, run.output
+    )
     assert len(refusals) >= 1, run.output
     assert "encrypted mean PASS" not in run.output
 
 
 def test_a_rank_encrypting_under_its_own_key_is_refused_before_any_ciphertext_moves() -> None:
-    run = Fdl("run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--fault", "foreign-key",
-              "--fault-rank", "2")
+    run = Fdl(
+        "run",
+        "--ranks",
+        "3",
+        str(PROGRAM),
+        "--",
+        "--values",
+        VALUES,
+        "--fault",
+        "foreign-key",
+        "--fault-rank",
+        "2",
+    )
     assert run.wait(240) == 1, run.output
-    assert re.search(r"FAILED: KeyMismatchError: rank\(s\) \[2\] would encrypt under public key", run.output), run.output
+    assert re.search(
+        r"FAILED: KeyMismatchError: rank\(s\) \[2\] would encrypt under public key", run.output
+    ), run.output
     assert "all_reduce_add_ciphertext over" not in run.output
 
 
 def test_a_rank_leaving_mid_run_is_reported_as_a_changed_world_on_the_relay_path() -> None:
-    run = Fdl("run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--fault", "leave", "--fault-rank", "2")
+    run = Fdl(
+        "run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--fault", "leave", "--fault-rank", "2"
+    )
     assert run.wait(240) == 1, run.output
     assert "rank 2: leaving before the all-reduce" in run.output
-    changed = re.findall(r"rank [01]: FAILED: WorldChangedError: the world changed mid-run: round \d+ folded ranks "
-                         r"\[0, 1\] but the world has 3 \(rank\(s\) \[2\] left\)", run.output)
+    changed = re.findall(
+        r"rank [01]: FAILED: WorldChangedError: the world changed mid-run: round \d+ folded ranks "
+        r"\[0, 1\] but the world has 3 \(rank\(s\) \[2\] left\)",
+        run.output,
+    )
     assert len(changed) == 2, run.output
     assert "encrypted mean PASS" not in run.output
 
 
 def test_a_rank_leaving_mid_run_fails_the_process_group_path_with_a_clear_error() -> None:
-    run = Fdl("run", str(PROGRAM), "--", "--values", VALUES, "--transport", "process-group", "--fault", "leave")
+    run = Fdl(
+        "run", str(PROGRAM), "--", "--values", VALUES, "--transport", "process-group", "--fault", "leave"
+    )
     assert run.wait(240) == 1, run.output
-    assert re.search(r"rank 0: FAILED: WorldChangedError: the all-reduce failed, a rank probably left", run.output), \
-        run.output
+    assert re.search(
+        r"rank 0: FAILED: WorldChangedError: the all-reduce failed, a rank probably left", run.output
+    ), run.output

@@ -27,5 +27,7 @@ def assert_encrypted_mean_passed(output: str, world_size: int, *, transport: str
         output,
     )
     ranks = sorted(int(rank) for rank, _ in verdicts)
-    assert ranks == list(range(world_size)), f"PASS verdicts from ranks {ranks} of {world_size}:\n{output[-4000:]}"
+    assert ranks == list(range(world_size)), (
+        f"PASS verdicts from ranks {ranks} of {world_size}:\n{output[-4000:]}"
+    )
     return [float(error) for _, error in verdicts]

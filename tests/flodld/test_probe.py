@@ -41,7 +41,9 @@ def test_busy_port_is_an_error() -> None:
 
 
 def test_nccl_major_minor_skew_is_a_cluster_error() -> None:
-    summary = aggregate([_host("a", nccl="2.27.3", torch="2.13.0"), _host("b", nccl="2.26.5", torch="2.13.0")])
+    summary = aggregate(
+        [_host("a", nccl="2.27.3", torch="2.13.0"), _host("b", nccl="2.26.5", torch="2.13.0")]
+    )
     assert summary.status == "error"
     assert "a: 2.27" in summary.checks[0].detail and "b: 2.26" in summary.checks[0].detail
 

@@ -58,7 +58,11 @@ def test_under_torchrun_variables_flodld_run_joins_that_world_instead(tmp_path: 
 
 def test_a_plain_process_told_not_to_init_does_not_import_torch(tmp_path: Path) -> None:
     script = tmp_path / "plain.py"
-    script.write_text("import sys, flodld\n"
-                      "sys.exit(flodld.run(lambda: 3 if 'torch' in sys.modules else 0, init_process_group=False))\n")
-    done = subprocess.run([sys.executable, str(script)], env=plain_env(), capture_output=True, text=True, timeout=60)
+    script.write_text(
+        "import sys, flodld\n"
+        "sys.exit(flodld.run(lambda: 3 if 'torch' in sys.modules else 0, init_process_group=False))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], env=plain_env(), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr

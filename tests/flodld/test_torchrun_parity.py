@@ -96,4 +96,6 @@ def test_the_user_guides_flodld_program_runs_under_a_real_torchrun_at_2_ranks(tm
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(script)], env=plain_env(),
                           cwd=tmp_path, capture_output=True, text=True, timeout=150)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(re.findall(r"rank (\d)/2: 3\.0", done.stdout)) == ["0", "1"], done.stdout + done.stderr[-3000:]
+    assert sorted(re.findall(r"rank (\d)/2: 3\.0", done.stdout)) == ["0", "1"], (
+        done.stdout + done.stderr[-3000:]
+    )

@@ -87,7 +87,9 @@ class Lab:
         relays run as `python -m flodld…` and name no test path."""
         found: list[int] = []
         for index in range(1, self.workers + 1):
-            listed = subprocess.run(["ip", "netns", "pids", self.worker_ns(index)], capture_output=True, text=True)
+            listed = subprocess.run(
+                ["ip", "netns", "pids", self.worker_ns(index)], capture_output=True, text=True
+            )
             for pid in listed.stdout.split():
                 try:
                     comm = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -105,7 +107,9 @@ class Lab:
             self.client_key = self.root / "client_key"
             subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key)], check=True)
         (directory / "authorized_keys").write_text(Path(f"{self.client_key}.pub").read_text())
-        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(directory / "host_key")], check=True)
+        subprocess.run(
+            [keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(directory / "host_key")], check=True
+        )
         (directory / "sshd_config").write_text(
             f"Port {SSHD_PORT}\nListenAddress {worker_address(index)}\nHostKey {directory / 'host_key'}\n"
             f"PidFile {directory / 'sshd.pid'}\nAuthorizedKeysFile {directory / 'authorized_keys'}\n"
@@ -122,7 +126,12 @@ class Lab:
         probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if subprocess.run(self.exec_argv(ns, [sys.executable, "-c", probe]), capture_output=True).returncode == 0:
+            if (
+                subprocess.run(
+                    self.exec_argv(ns, [sys.executable, "-c", probe]), capture_output=True
+                ).returncode
+                == 0
+            ):
                 return
             time.sleep(0.2)
         raise AssertionError(f"{host}:{port} never listened in {ns}")

@@ -62,7 +62,9 @@ def test_join_key_cannot_forward_anywhere_else(join_sshd: tuple[int, Path, int, 
     assert _through_forward(listen, key, forbidden) == b""
 
 
-def test_join_key_cannot_run_a_command_or_open_a_shell(join_sshd: tuple[int, Path, int, int], tmp_path: Path) -> None:
+def test_join_key_cannot_run_a_command_or_open_a_shell(
+    join_sshd: tuple[int, Path, int, int], tmp_path: Path
+) -> None:
     listen, key, _, _ = join_sshd
     marker = tmp_path / "pwned"
     target = f"{join_user()}@127.0.0.1"
@@ -84,7 +86,9 @@ def test_join_key_cannot_run_a_command_or_open_a_shell(join_sshd: tuple[int, Pat
 def test_recipe_text_carries_both_layers() -> None:
     recipe = JoinSshdRecipe(controller_port=1337, listen_port=2222, public_keys=("ssh-ed25519 AAAAC3Nza k",))
     line = recipe.authorized_keys().strip()
-    assert line.startswith('restrict,port-forwarding,permitopen="127.0.0.1:1337",command="/usr/sbin/nologin" ')
+    assert line.startswith(
+        'restrict,port-forwarding,permitopen="127.0.0.1:1337",command="/usr/sbin/nologin" '
+    )
     block = recipe.match_block()
     assert "Match User flodl-join" in block and "PermitOpen 127.0.0.1:1337" in block
     assert "ForceCommand /usr/sbin/nologin" in block and "AllowTcpForwarding local" in block

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.multiproc]
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 CONTROLLER_PORT = 29517
-RELAY_ONLY_PROGRAM = '''
+RELAY_ONLY_PROGRAM = """
 import sys
 import torch
 import flodld
@@ -51,8 +51,8 @@ def main():
 
 
 sys.exit(flodld.run(main, init_process_group=False))
-'''
-SLEEPER_PROGRAM = '''
+"""
+SLEEPER_PROGRAM = """
 import sys, time
 import flodld
 
@@ -63,7 +63,7 @@ def main():
 
 
 sys.exit(flodld.run(main, init_process_group=False))
-'''
+"""
 
 
 def _lab_available() -> bool:

@@ -50,12 +50,24 @@ ENVELOPE = WorldEnvelope(
 TENSORS = [Spec(dtype="float32", shape=[2, 3])]
 
 EXEMPLARS: list[Message] = [
-    Hello(host="node-a", devices=["cpu:0", "cpu:1"], device_labels=["cpu", "cpu"], variant="cpu",
-          torch_version="2.13", protocol_version=2, dataset_sig=DIGEST, run_id="r1", nccl_version="2.27",
-          model_sig=DIGEST, averaging="cpu_sync"),
+    Hello(
+        host="node-a",
+        devices=["cpu:0", "cpu:1"],
+        device_labels=["cpu", "cpu"],
+        variant="cpu",
+        torch_version="2.13",
+        protocol_version=2,
+        dataset_sig=DIGEST,
+        run_id="r1",
+        nccl_version="2.27",
+        model_sig=DIGEST,
+        averaging="cpu_sync",
+    ),
     Accept(ranks=[0, 1], salt_hex="00" * 16, formation_wait_secs=1.5, run_id="r1"),
     Reject(code="window_closed", reason="the window closed"),
-    WorldFormed(envelope=ENVELOPE, relay=RelaySpec(data_port=1337, control_port=1337, fold="mean", cadence=1)),
+    WorldFormed(
+        envelope=ENVELOPE, relay=RelaySpec(data_port=1337, control_port=1337, fold="mean", cadence=1)
+    ),
     RankExited(rank=3, code=-9),
     Abort(reason="host b lost"),
     StoreHello(run_id="r1", rank=0, client_id="0f" * 16),

@@ -32,15 +32,39 @@ def write_config(directory: Path, token: str, *, target: int = 8, window: float 
 class DaemonProcess:
     """One `python -m flodld serve` child; stderr is collected for the whole life of the process."""
 
-    def __init__(self, directory: Path, *, token: str | None = None, port: int = 0, extra: tuple[str, ...] = (),
-                 **config: object) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        token: str | None = None,
+        port: int = 0,
+        extra: tuple[str, ...] = (),
+        **config: object,
+    ) -> None:
         self.token = token or salt_to_hex(new_salt())
         self.config = write_config(directory, self.token, **config)  # type: ignore[arg-type]
-        self.argv = [sys.executable, "-m", "flodld", "serve", "--config", str(self.config), "--bind", "127.0.0.1",
-                     "--port", str(port), *extra]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "flodld",
+            "serve",
+            "--config",
+            str(self.config),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLODL_NET_TIMEOUT_SCALE": "0.2"}
-        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self._port_found = threading.Event()
         self.port = 0

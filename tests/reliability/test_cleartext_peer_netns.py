@@ -27,7 +27,9 @@ pytestmark = pytest.mark.netns
 
 @pytest.fixture
 def public_namespace() -> Iterator[tuple[str, str, str]]:
-    require_capability("netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2")
+    require_capability(
+        "netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2"
+    )
     with netns.far_namespace("flpub", 233, public=True) as lab:
         yield lab
 
@@ -40,13 +42,24 @@ async def test_a_public_peer_is_warned_about_once_by_address_and_a_loopback_peer
     caplog.set_level(logging.WARNING)
     async with running(options(bind_host="0.0.0.0")) as (_, port):
         assert status_ok(await http_raw(port, http_request("GET", "/state.json")))  # loopback: no warning
-        dial = ("import socket,sys; s=socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10); "
-                "s.sendall(b'GET /state.json HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n'); "
-                "print(s.recv(12).decode())")
+        dial = (
+            "import socket,sys; s=socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10); "
+            "s.sendall(b'GET /state.json HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n'); "
+            "print(s.recv(12).decode())"
+        )
         for _ in range(2):  # twice: the warning is once per address
             process = await asyncio.create_subprocess_exec(
-                "ip", "netns", "exec", namespace, sys.executable, "-c", dial, near_address, str(port),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                sys.executable,
+                "-c",
+                dial,
+                near_address,
+                str(port),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
             )
             out, err = await asyncio.wait_for(process.communicate(), 20)
             assert process.returncode == 0 and out.startswith(b"HTTP/1.1 200"), (out, err)

@@ -16,11 +16,35 @@ from flodld.config.errors import format_key_path
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fdl.cluster.yml"
 FUZZ = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 ABSURD: list[Any] = [
-    None, True, -1, 0, 2**63, 10**6, 1.5, float("inf"), "", "x" * 5000, "two words", "a/b", "cuda:-1", "cpu:0",
-    "all", [], [-1], [10**6], ["gpu1"], {}, {"unknown": 1}, "127.0.0.1", "0" * 32, "zz",
+    None,
+    True,
+    -1,
+    0,
+    2**63,
+    10**6,
+    1.5,
+    float("inf"),
+    "",
+    "x" * 5000,
+    "two words",
+    "a/b",
+    "cuda:-1",
+    "cpu:0",
+    "all",
+    [],
+    [-1],
+    [10**6],
+    ["gpu1"],
+    {},
+    {"unknown": 1},
+    "127.0.0.1",
+    "0" * 32,
+    "zz",
 ]
 
 
@@ -111,11 +135,32 @@ def test_one_bad_value_or_key_anywhere_is_reported_with_file_line_and_key(
 @given(
     lines=st.lists(
         st.sampled_from(
-            ["cluster:", "  controller:", "    host: h", "    port: 1e9", "  workers:", "    - host: a",
-             "      local_devices: [0", "      local_devices: [cpu:2]", "- ", ": x", "  : y", "\t", "  '",
-             '  "', "{", "}", "&a b", "*a", "*missing", "!!python/object:os.system x", "  join: {token: 12}"]
+            [
+                "cluster:",
+                "  controller:",
+                "    host: h",
+                "    port: 1e9",
+                "  workers:",
+                "    - host: a",
+                "      local_devices: [0",
+                "      local_devices: [cpu:2]",
+                "- ",
+                ": x",
+                "  : y",
+                "\t",
+                "  '",
+                '  "',
+                "{",
+                "}",
+                "&a b",
+                "*a",
+                "*missing",
+                "!!python/object:os.system x",
+                "  join: {token: 12}",
+            ]
         ),
-        min_size=1, max_size=12,
+        min_size=1,
+        max_size=12,
     )
 )
 def test_broken_yaml_is_reported_with_the_file_and_a_line(tmp_path_factory: Any, lines: list[str]) -> None:

@@ -28,7 +28,9 @@ async def test_sigterm_sends_abort_to_every_host_and_exits_cleanly_without_a_tra
     aborted run's reason in the log; `--once` keeps 128+N."""
     daemon = DaemonProcess(tmp_path, extra=extra)
     try:
-        stream = await open_channel("127.0.0.1", daemon.port, Channel.JOIN, salt_from_hex(daemon.token), timeout=5)
+        stream = await open_channel(
+            "127.0.0.1", daemon.port, Channel.JOIN, salt_from_hex(daemon.token), timeout=5
+        )
         await stream.send(hello("member"))
         assert isinstance((await stream.recv(5)).message(), Accept)
         body = await state(daemon.port)

@@ -99,7 +99,9 @@ async def test_a_relay_without_the_salt_is_dropped_unanswered(channel: Channel) 
     ],
     ids=["not-a-hello", "unknown-host", "fewer-ranks", "extra-rank"],
 )
-async def test_a_relay_that_lies_about_who_it_is_gets_a_data_plane_error(first: Message, fragment: str) -> None:
+async def test_a_relay_that_lies_about_who_it_is_gets_a_data_plane_error(
+    first: Message, fragment: str
+) -> None:
     async with formed_world() as (controller, port, agent):
         stream, reply = await _relay(port, controller.salt, Channel.DATA, first, agent)
         assert isinstance(reply, DataPlaneError) and fragment in reply.reason, reply
@@ -121,10 +123,28 @@ async def test_a_second_relay_for_the_same_host_is_refused_and_the_first_keeps_i
     ("frame", "tail", "fragment"),
     [
         (HostFrame(round=0, fold="mean", weight=1.0, contributors=[5], tensors=[]), b"", "owns"),
-        (HostFrame(round=0, fold="mean", weight=1.0, contributors=[0],
-                   tensors=[TensorSpec(dtype="float32", shape=[4])]), b"\x00" * 3, ""),
-        (HostFrame(round=0, fold="mean", weight=1.0, contributors=[0],
-                   tensors=[TensorSpec(dtype="float32", shape=[2**39, 2**39])]), b"", ""),
+        (
+            HostFrame(
+                round=0,
+                fold="mean",
+                weight=1.0,
+                contributors=[0],
+                tensors=[TensorSpec(dtype="float32", shape=[4])],
+            ),
+            b"\x00" * 3,
+            "",
+        ),
+        (
+            HostFrame(
+                round=0,
+                fold="mean",
+                weight=1.0,
+                contributors=[0],
+                tensors=[TensorSpec(dtype="float32", shape=[2**39, 2**39])],
+            ),
+            b"",
+            "",
+        ),
         (HostFrame(round=0, fold="no-such-fold", weight=1.0, contributors=[0], tensors=[]), b"", ""),
     ],
     ids=["foreign-contributor", "short-tail", "absurd-shape", "unknown-fold"],

@@ -64,7 +64,9 @@ async def test_rank_killed_mid_collective_fails_the_run_naming_it_and_leaves_no_
         processes = run.processes()
         assert len(processes) == 4, [p.cmdline for p in processes]  # agent, relay, two ranks
         for process in processes:
-            assert secret.encode() not in process.cmdline.lower(), f"the salt is in the argv of {process.cmdline!r}"
+            assert secret.encode() not in process.cmdline.lower(), (
+                f"the salt is in the argv of {process.cmdline!r}"
+            )
         victim = run.find(RANK="1")
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()

@@ -53,7 +53,11 @@ async def _timed_join(port: int, token: str, host: str) -> float:
 @asynccontextmanager
 async def _flood(port: int) -> AsyncIterator[dict[str, list[asyncio.StreamWriter]]]:
     """Open the hostile connections and keep the slow ones trickling one byte every 0.5 s."""
-    groups: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {"idle": [], "http": [], "join": []}
+    groups: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {
+        "idle": [],
+        "http": [],
+        "join": [],
+    }
     for name, count in (("idle", IDLE), ("http", SLOW_HTTP), ("join", SLOW_JOIN)):
         for _ in range(count):
             groups[name].append(await asyncio.open_connection("127.0.0.1", port))
@@ -103,8 +107,10 @@ async def test_a_thousand_hostile_connections_do_not_delay_state_json_or_a_join(
             loud_join = await _timed_join(port, daemon.token, "during-flood")
             assert max(loud) < FLOOD_BOUND_SECS, (quiet, loud)
             assert loud_join < FLOOD_BOUND_SECS, (quiet_join, loud_join)
-        print(f"state.json median quiet {statistics.median(quiet) * 1e3:.1f} ms, under flood "
-              f"{statistics.median(loud) * 1e3:.1f} ms; join {quiet_join * 1e3:.1f} -> {loud_join * 1e3:.1f} ms")
+        print(
+            f"state.json median quiet {statistics.median(quiet) * 1e3:.1f} ms, under flood "
+            f"{statistics.median(loud) * 1e3:.1f} ms; join {quiet_join * 1e3:.1f} -> {loud_join * 1e3:.1f} ms"
+        )
         for _ in range(100):
             if daemon.open_fds() <= baseline_fds + 5:
                 break

@@ -25,7 +25,16 @@ from flodld.wire.frames import (
 from flodld.wire.salt import new_salt
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KNOWN_CODES = {"bad_magic", "bad_version", "too_large", "bad_tag", "replay", "handshake", "truncated", "closed"}
+KNOWN_CODES = {
+    "bad_magic",
+    "bad_version",
+    "too_large",
+    "bad_tag",
+    "replay",
+    "handshake",
+    "truncated",
+    "closed",
+}
 SMALL_PAYLOAD, SMALL_TAIL = 256, 512
 LARGEST_UNIT = HEADER_BYTES + SMALL_PAYLOAD + SMALL_TAIL + TAG_BYTES
 
@@ -61,7 +70,9 @@ def _feed(conn: FrameConnection, data: bytes, chunk: int, eof: bool) -> tuple[li
 
 @FUZZ
 @given(data=st.binary(max_size=2048), chunk=st.integers(1, 97), eof=st.booleans())
-def test_arbitrary_bytes_from_a_peer_without_the_salt_never_yield_a_frame(data: bytes, chunk: int, eof: bool) -> None:
+def test_arbitrary_bytes_from_a_peer_without_the_salt_never_yield_a_frame(
+    data: bytes, chunk: int, eof: bool
+) -> None:
     listener = FrameConnection(Role.LISTENER, new_salt(), max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL)
     frames, error = _feed(listener, data, chunk, eof)
     assert frames == []

@@ -23,7 +23,9 @@ async def test_the_gate_drops_one_address_beyond_its_limit_and_releases_slots_as
     async with running(options(limit_loopback=True, max_pending_per_peer=LIMIT, magic_deadline=30.0)) as (
         controller, port,
     ):
-        flood = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0)) for _ in range(40)]
+        flood = [
+            await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.9", 0)) for _ in range(40)
+        ]
         dropped = 0
         for reader, _ in flood:
             try:

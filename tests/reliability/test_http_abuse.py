@@ -51,7 +51,9 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("request_bytes", list(HOSTILE.values()), ids=list(HOSTILE))
-async def test_malformed_and_smuggling_requests_get_one_400_and_the_connection_closes(request_bytes: bytes) -> None:
+async def test_malformed_and_smuggling_requests_get_one_400_and_the_connection_closes(
+    request_bytes: bytes,
+) -> None:
     async with running(options(join=MANUAL)) as (_, port):
         response = await http_raw(port, request_bytes, timeout=3)
         assert status(response) == 400, response[:120]
@@ -83,8 +85,16 @@ async def test_malformed_requests_are_counted_and_logged_as_one_line_without_cre
 
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
-    [("PUT", "/start", None), ("DELETE", "/state.json", None), ("PATCH", "/", None), ("OPTIONS", "/", None),
-     ("POST", "/state.json", 404), ("GET", "/start", 404), ("GET", "/../../etc/passwd", 404), ("HEAD", "/", 200)],
+    [
+        ("PUT", "/start", None),
+        ("DELETE", "/state.json", None),
+        ("PATCH", "/", None),
+        ("OPTIONS", "/", None),
+        ("POST", "/state.json", 404),
+        ("GET", "/start", 404),
+        ("GET", "/../../etc/passwd", 404),
+        ("HEAD", "/", 200),
+    ],
 )
 async def test_unsupported_methods_are_dropped_or_refused_and_never_change_state(
     method: str, path: str, expected: int | None
@@ -101,14 +111,19 @@ async def test_unsupported_methods_are_dropped_or_refused_and_never_change_state
             assert body["refused"].get("connection_unknown_magic") == 1
 
 
-async def test_an_oversized_body_or_absurd_content_length_is_answered_at_once_and_never_arms_the_switch() -> None:
+async def test_an_oversized_body_or_absurd_content_length_is_answered_at_once_and_never_arms_the_switch() -> (
+    None
+):
     async with running(options(join=MANUAL)) as (_, port):
         # With the header of a local CLI, so the body limits (not the start header check) answer.
-        big = await http_raw(port, http_request("POST", "/start", {"X-Flodld-Start": "1"}, body=b"x" * 200_000),
-                             timeout=3)
+        big = await http_raw(
+            port, http_request("POST", "/start", {"X-Flodld-Start": "1"}, body=b"x" * 200_000), timeout=3
+        )
         assert status(big) in (409, 413)
-        claim = (b"POST /start HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-Flodld-Start: 1\r\n"
-                 b"Content-Length: 99999999999\r\n\r\n")
+        claim = (
+            b"POST /start HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-Flodld-Start: 1\r\n"
+            b"Content-Length: 99999999999\r\n\r\n"
+        )
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(claim)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
@@ -122,10 +137,15 @@ async def _non_loopback_start(port: int, address: str, token: str | None) -> byt
     return await http_raw(port, http_request("POST", "/start", headers), host=address)
 
 
-async def test_post_start_from_a_non_loopback_address_needs_the_run_token(caplog: pytest.LogCaptureFixture) -> None:
+async def test_post_start_from_a_non_loopback_address_needs_the_run_token(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     address = non_loopback_address()
-    require_capability("nonloopback", address is not None,  # FLODLD_REQUIRE_NONLOOPBACK=1: fail
-                       "no non-loopback IPv4 address here; the injected-peer test below covers the handler")
+    require_capability(
+        "nonloopback",
+        address is not None,  # FLODLD_REQUIRE_NONLOOPBACK=1: fail
+        "no non-loopback IPv4 address here; the injected-peer test below covers the handler",
+    )
     assert address is not None
     caplog.set_level(logging.INFO)
     async with running(options(bind_host="0.0.0.0", join=MANUAL)) as (controller, port):
@@ -133,9 +153,14 @@ async def test_post_start_from_a_non_loopback_address_needs_the_run_token(caplog
         agent.write(agent.conn.send_message(hello("a")))
         await agent.next_message()
         wrong = "0" * 32 if controller.salt_hex != "0" * 32 else "1" * 32
-        for token, code in [(None, "missing_token"), (wrong, "bad_token"), ("", "missing_token"),
-                            (controller.salt_hex[:-1], "bad_token"), ("x" * 5000, "bad_token"),
-                            (controller.salt_hex, "join_token")]:  # the salt is never the start credential
+        for token, code in [
+            (None, "missing_token"),
+            (wrong, "bad_token"),
+            ("", "missing_token"),
+            (controller.salt_hex[:-1], "bad_token"),
+            ("x" * 5000, "bad_token"),
+            (controller.salt_hex, "join_token"),
+        ]:  # the salt is never the start credential
             response = await _non_loopback_start(port, address, token)
             assert status(response) == 403, (token, response[:200])
             assert json_of(response)["code"] == code
@@ -187,7 +212,10 @@ async def test_the_start_handler_treats_every_non_loopback_peer_as_remote(peer: 
 async def test_start_refusal_time_does_not_depend_on_how_much_of_the_token_matched() -> None:
     """A statistical sanity check, not a side-channel proof: a per-character early exit costing even
     tens of microseconds would show as a median gap; we allow noise of a shared 2-core machine."""
-    async with running(options(join=MANUAL)) as (controller, _), _app_seen_from(controller, "203.0.113.9") as port:
+    async with (
+        running(options(join=MANUAL)) as (controller, _),
+        _app_seen_from(controller, "203.0.113.9") as port,
+    ):
         secret = controller.start_credential
         nothing = "".join("0" if c != "0" else "1" for c in secret)
         almost = secret[:-1] + ("0" if secret[-1] != "0" else "1")
@@ -198,12 +226,19 @@ async def test_start_refusal_time_does_not_depend_on_how_much_of_the_token_match
             for round_index in range(240):
                 label = "nothing" if round_index % 2 == 0 else "almost"
                 token = nothing if label == "nothing" else almost
-                request = (f"POST /start?token={token} HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n").encode()
+                request = (
+                    f"POST /start?token={token} HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n"
+                ).encode()
                 begun = loop.time()
                 writer.write(request)
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))
+                length = int(
+                    next(
+                        line.split(b":")[1]
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    )
+                )
                 await reader.readexactly(length)
                 samples[label].append(loop.time() - begun)
                 assert status(head) == 403

@@ -33,7 +33,11 @@ async def test_a_join_not_keyed_with_the_run_salt_gets_no_reply_and_is_counted(w
     other_run = Controller(options(run_id="another-run")).salt  # a second run's own salt
     async with running() as (controller, port):
         assert other_run != controller.salt
-        key = {"wrong_token": new_salt(), "missing_token": OPEN_ADMISSION_KEY, "token_of_another_run": other_run}[who]
+        key = {
+            "wrong_token": new_salt(),
+            "missing_token": OPEN_ADMISSION_KEY,
+            "token_of_another_run": other_run,
+        }[who]
         client = await raw_join(port, key)
         client.write(client.conn.send_message(hello("intruder")))
         loop = asyncio.get_running_loop()
@@ -74,12 +78,16 @@ async def test_open_admission_key_on_a_preshared_run_cannot_join_even_knowing_th
         client = await raw_join(port, OPEN_ADMISSION_KEY)
         client.write(client.conn.send_message(hello("walk-in")))
         assert await client.read_until_closed() == b""
-        assert (await state_until(port, lambda b: b["refused"] == {"bad_tag": 1}))["refused"] == {"bad_tag": 1}
+        assert (await state_until(port, lambda b: b["refused"] == {"bad_tag": 1}))["refused"] == {
+            "bad_tag": 1
+        }
 
 
 async def test_frames_after_an_open_admission_accept_must_use_the_handed_out_salt() -> None:
-    opts = options(bind_host="0.0.0.0", join=JoinConfig(join_timeout=60, target_ranks=8, min_rank_start=1,
-                                                         open_admission=True))
+    opts = options(
+        bind_host="0.0.0.0",
+        join=JoinConfig(join_timeout=60, target_ranks=8, min_rank_start=1, open_admission=True),
+    )
     async with running(opts) as (controller, port):
         client = await raw_join(port, OPEN_ADMISSION_KEY)
         client.write(client.conn.send_message(hello("walk-in")))
@@ -98,8 +106,23 @@ async def test_frames_after_an_open_admission_accept_must_use_the_handed_out_sal
 def _mutated_hellos(seed: int, count: int) -> list[bytes]:
     rng = random.Random(seed)
     good = json.loads(encode_message(hello("fuzz"))[1])
-    absurd = [None, -1, 2**70, "", "h" * 300, "a b", ["cpu:0"] * 5000, ["cuda:0", "cpu:0"], [f"cpu:{i}" for i in
-              range(300)], {"x": 1}, 1.5, "\u0000", 65536, "ab" * 32, "zz"]
+    absurd = [
+        None,
+        -1,
+        2**70,
+        "",
+        "h" * 300,
+        "a b",
+        ["cpu:0"] * 5000,
+        ["cuda:0", "cpu:0"],
+        [f"cpu:{i}" for i in range(300)],
+        {"x": 1},
+        1.5,
+        "\u0000",
+        65536,
+        "ab" * 32,
+        "zz",
+    ]
     payloads = []
     for _ in range(count):
         mutated = dict(good)
@@ -143,9 +166,16 @@ async def test_fuzzed_hellos_get_a_reject_with_a_code_and_never_stop_the_daemon(
 
 @pytest.mark.parametrize(
     ("payload_len", "tail_len", "code"),
-    [(2**20 + 1, 0, "too_large"), (2**32 - 1, 0, "too_large"), (0, 1, "too_large"), (16, 2**32 - 1, "too_large")],
+    [
+        (2**20 + 1, 0, "too_large"),
+        (2**32 - 1, 0, "too_large"),
+        (0, 1, "too_large"),
+        (16, 2**32 - 1, "too_large"),
+    ],
 )
-async def test_an_oversized_length_field_is_refused_from_the_header(payload_len: int, tail_len: int, code: str) -> None:
+async def test_an_oversized_length_field_is_refused_from_the_header(
+    payload_len: int, tail_len: int, code: str
+) -> None:
     async with running() as (controller, port):
         client = await raw_join(port, controller.salt)
         client.write(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, Hello.KIND, 0, payload_len, tail_len))

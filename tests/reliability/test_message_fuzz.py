@@ -23,7 +23,11 @@ ABSURD: list[Any] = [
     "\ud800", "line\nbreak", [], [0] * 10_000, ["cpu:0"] * 10_001, {}, {"nested": {"deep": [1]}},
 ]
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=20,
 )
@@ -105,7 +109,15 @@ def test_malformed_json_and_invalid_utf8_are_bad_payload(payload: bytes) -> None
         ({"devices": ["cpu:0", "cpu:0"]}, "devices"),
         ({"dataset_sig": "zz" * 32}, "dataset_sig"),
     ],
-    ids=["million-devices", "huge-host", "space-host", "negative-version", "string-version", "dup-device", "bad-sig"],
+    ids=[
+        "million-devices",
+        "huge-host",
+        "space-host",
+        "negative-version",
+        "string-version",
+        "dup-device",
+        "bad-sig",
+    ],
 )
 def test_absurd_hellos_are_refused_naming_the_field(change: dict[str, Any], field: str) -> None:
     good = json.loads(encode_message(BY_KIND[Hello.KIND])[1])

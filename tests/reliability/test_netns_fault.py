@@ -32,7 +32,9 @@ FORMATION_BOUND_SECS = 60.0
 @pytest.fixture
 def far_namespace() -> Iterator[tuple[str, str, str]]:
     """(namespace, host-side veth, host-side address) with the far end at .2 inside the namespace."""
-    require_capability("netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2")
+    require_capability(
+        "netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2"
+    )
     with netns.far_namespace("flrel", 231) as lab:
         yield lab
 
@@ -41,11 +43,16 @@ async def test_link_down_mid_run_fails_the_run_naming_the_host_and_leaves_no_pro
     far_namespace: tuple[str, str, str],
 ) -> None:
     namespace, near, near_address = far_namespace
-    options = fault_options(bind_host="0.0.0.0", advertised_host=near_address, capacity=1,
-                            join=fault_options().join.model_copy(update={"target_ranks": 1, "min_rank_start": 1}))
+    options = fault_options(
+        bind_host="0.0.0.0",
+        advertised_host=near_address,
+        capacity=1,
+        join=fault_options().join.model_copy(update={"target_ranks": 1, "min_rank_start": 1}),
+    )
     async with fault_run(options) as run:
-        agent = await run.spawn_agent("far", ranks=1, wrapper=("ip", "netns", "exec", namespace),
-                                      controller_host=near_address)
+        agent = await run.spawn_agent(
+            "far", ranks=1, wrapper=("ip", "netns", "exec", namespace), controller_host=near_address
+        )
         await agent.wait_for("fault-rank 0 step 3", FORMATION_BOUND_SECS)
         netns.ip("link", "set", near, "down")
         cut_at = time.monotonic()

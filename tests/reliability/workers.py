@@ -83,7 +83,9 @@ class AgentProcess:
             if self.process.returncode is not None and fragment not in self.output:
                 await asyncio.sleep(0.1)
                 if fragment not in self.output:
-                    raise AssertionError(f"{self.host} exited {self.process.returncode}:\n{self.output[-3000:]}")
+                    raise AssertionError(
+                        f"{self.host} exited {self.process.returncode}:\n{self.output[-3000:]}"
+                    )
             await asyncio.sleep(0.05)
 
 
@@ -94,16 +96,34 @@ class Run:
     mark: str
     agents: list[AgentProcess] = field(default_factory=list)
 
-    async def spawn_agent(self, host: str, ranks: int = 1, *, wrapper: tuple[str, ...] = (),
-                          controller_host: str = "127.0.0.1", **env: str) -> AgentProcess:
+    async def spawn_agent(
+        self,
+        host: str,
+        ranks: int = 1,
+        *,
+        wrapper: tuple[str, ...] = (),
+        controller_host: str = "127.0.0.1",
+        **env: str,
+    ) -> AgentProcess:
         """Start the fault program in agent role; `wrapper` prefixes the command (e.g. `ip netns exec NS`)."""
-        spec = AgentSpec(host=host, controller_host=controller_host, controller_port=self.port,
-                         salt_hex=self.controller.salt_hex, devices=[f"cpu:{ranks}" if ranks > 1 else "cpu"],
-                         averaging=self.controller.options.averaging, grace_secs=2.0)
+        spec = AgentSpec(
+            host=host,
+            controller_host=controller_host,
+            controller_port=self.port,
+            salt_hex=self.controller.salt_hex,
+            devices=[f"cpu:{ranks}" if ranks > 1 else "cpu"],
+            averaging=self.controller.options.averaging,
+            grace_secs=2.0,
+        )
         environ = {**os.environ, **FAST_ENV, **env, AGENT_ENV: encode_spec(spec), MARK: self.mark}
         process = await asyncio.create_subprocess_exec(
-            *wrapper, sys.executable, str(PROGRAM), env=environ, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *wrapper,
+            sys.executable,
+            str(PROGRAM),
+            env=environ,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
         )
         agent = AgentProcess(host, process)
         agent.reader = asyncio.get_running_loop().create_task(agent.collect())
@@ -137,8 +157,14 @@ class Run:
 
 def fault_options(**overrides: Any) -> ControllerOptions:
     values: dict[str, Any] = {
-        "bind_host": "127.0.0.1", "port": 0, "tick_interval": 0.02, "run_id": "fault-run", "capacity": 2,
-        "magic_deadline": 2.0, "handshake_timeout": 2.0, "averaging": "cpu_sync",
+        "bind_host": "127.0.0.1",
+        "port": 0,
+        "tick_interval": 0.02,
+        "run_id": "fault-run",
+        "capacity": 2,
+        "magic_deadline": 2.0,
+        "handshake_timeout": 2.0,
+        "averaging": "cpu_sync",
         "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2),
         "env": {"OMP_NUM_THREADS": "1", "FLODL_NET_TIMEOUT_SCALE": "0.2"},
     }

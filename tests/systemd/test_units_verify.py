@@ -37,7 +37,9 @@ def test_unit_passes_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
     target = tmp_path / name
     target.write_text(_localise((UNITS_DIR / unit).read_text(), tmp_path))
     result = subprocess.run([analyze, "verify", str(target)], capture_output=True, text=True, timeout=60)
-    problems = [line for line in (result.stdout + result.stderr).splitlines() if name in line or "error" in line]
+    problems = [
+        line for line in (result.stdout + result.stderr).splitlines() if name in line or "error" in line
+    ]
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
 
 

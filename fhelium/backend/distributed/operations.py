@@ -59,7 +59,9 @@ def _group(op_name: str, resources: Sequence[BoundResource]) -> ProcessGroupExec
 
 def _layout_code(value: torch.Tensor) -> torch.Tensor:
     if value.dim() > _MAX_RANK:
-        raise ImplementationError(f"collective payloads have at most {_MAX_RANK} dimensions; got {value.dim()}")
+        raise ImplementationError(
+            f"collective payloads have at most {_MAX_RANK} dimensions; got {value.dim()}"
+        )
     dtype_code = _DTYPES.index(value.dtype) if value.dtype in _DTYPES else len(_DTYPES)
     code = [value.dim(), dtype_code, *value.shape, *([-1] * (_MAX_RANK - value.dim()))]
     return torch.tensor(code, dtype=torch.int64, device=value.device)

@@ -25,7 +25,9 @@ def pinned_memory_available() -> bool:
         return False
 
 
-def transfer_tensor(source: torch.Tensor, target: torch.device, memory_space: str = "default") -> torch.Tensor:
+def transfer_tensor(
+    source: torch.Tensor, target: torch.device, memory_space: str = "default"
+) -> torch.Tensor:
     """Move `source` to `target` in `memory_space`; same-device default transfers return `source`."""
     if memory_space not in memory.MEMORY_SPACES:
         raise ImplementationError(
@@ -43,7 +45,7 @@ def transfer_tensor(source: torch.Tensor, target: torch.device, memory_space: st
         except RuntimeError as error:
             raise ImplementationError(
                 f"Pinned host storage is unavailable in the current PyTorch runtime ({error}); use "
-                "memory_space = \"pageable_host\" or run where an accelerator provides pinned memory"
+                'memory_space = "pageable_host" or run where an accelerator provides pinned memory'
             ) from error
     # pageable_host: a CPU tensor that does not live in pinned storage.
     if source.device.type == "cpu" and not source.is_pinned():

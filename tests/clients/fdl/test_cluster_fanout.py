@@ -57,7 +57,9 @@ async def _fdl(project: Path, *args: str) -> tuple[int, str, str]:
 async def test_cluster_run_fans_out_and_completes(tmp_path: Path) -> None:
     server = await start_local_ssh_server(tmp_path)
     try:
-        code, out, err = await _fdl(_project(tmp_path, server), "run", str(REPO / "examples" / "allreduce.py"))
+        code, out, err = await _fdl(
+            _project(tmp_path, server), "run", str(REPO / "examples" / "allreduce.py")
+        )
     finally:
         server.close()
     assert code == 0, err[-4000:]

@@ -17,7 +17,9 @@ def parse(*words: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     join_command.configure_parser(parser)
     args = parser.parse_args(list(words))
-    args.program_args = reparse(args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?"))
+    args.program_args = reparse(
+        args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?")
+    )
     return args
 
 
@@ -27,13 +29,18 @@ def project(tmp_path: Path, block: str) -> Path:
     return tmp_path
 
 
-def test_a_bare_fdl_join_takes_everything_from_the_join_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bare_fdl_join_takes_everything_from_the_join_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(join_command.TOKEN_ENV, raising=False)
-    directory = project(tmp_path, (
-        "join:\n  address: 10.1.2.3:4000\n"
-        f"  token: {TOKEN}\n  program: {tmp_path / 'train.py'}\n"
-        "  args: ['--epochs', '3']\n  host: box-7\n  devices: ['cpu:2']\n  persist: true\n"
-    ))
+    directory = project(
+        tmp_path,
+        (
+            "join:\n  address: 10.1.2.3:4000\n"
+            f"  token: {TOKEN}\n  program: {tmp_path / 'train.py'}\n"
+            "  args: ['--epochs', '3']\n  host: box-7\n  devices: ['cpu:2']\n  persist: true\n"
+        ),
+    )
     plan = join_command.resolve_plan(parse("--project", str(directory)))
     # The agent is flodld's own process; the program is what it starts as each rank.
     assert plan.command == [sys.executable, "-m", "flodld.agent"]
@@ -44,12 +51,20 @@ def test_a_bare_fdl_join_takes_everything_from_the_join_block(tmp_path: Path, mo
 
 
 def test_flags_win_over_the_block_and_an_empty_tail_clears_its_args(tmp_path: Path) -> None:
-    directory = project(tmp_path, f"join:\n  address: 10.1.2.3:4000\n  program: {tmp_path / 'train.py'}\n"
-                                  "  args: ['--epochs', '3']\n  devices: all\n")
+    directory = project(
+        tmp_path,
+        f"join:\n  address: 10.1.2.3:4000\n  program: {tmp_path / 'train.py'}\n"
+        "  args: ['--epochs', '3']\n  devices: all\n",
+    )
     args = parse("127.0.0.1:5555", "--project", str(directory), "--host", "me", "--devices", "cpu:3", "--")
     plan = join_command.resolve_plan(args)
     assert (plan.spec.controller_host, plan.spec.controller_port) == ("127.0.0.1", 5555)
-    assert plan.spec.program is not None and plan.spec.program[2:] == [] and plan.spec.devices == ["cpu:3"] and plan.spec.host == "me"
+    assert (
+        plan.spec.program is not None
+        and plan.spec.program[2:] == []
+        and plan.spec.devices == ["cpu:3"]
+        and plan.spec.host == "me"
+    )
     assert not plan.persist
 
 
@@ -69,7 +84,9 @@ def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist"))
+    plan = join_command.resolve_plan(
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+    )
     codes = iter([1, 1, 1, 1, 1, 0, 1, 2])
     monkeypatch.setattr(join_command, "attempt", lambda _plan: next(codes))
     sleeps: list[float] = []
@@ -82,7 +99,9 @@ def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
 ) -> None:
     monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
     (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist"))
+    plan = join_command.resolve_plan(
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+    )
     # (exit code, seconds the attempt lasted): three quick failures, a 121 s run, a quick failure, a 120 s
     # run (not more than 2 minutes: no reset), then a permanent failure.
     attempts = iter([(1, 0.0), (1, 1.0), (1, 2.0), (0, 121.0), (1, 1.0), (0, 120.0), (2, 0.0)])

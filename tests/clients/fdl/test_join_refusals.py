@@ -33,12 +33,19 @@ async def fdl_join(*words: str, cwd: Path, timeout: float) -> tuple[int, str]:
     return process.returncode, out.decode()
 
 
-async def test_a_join_without_a_token_refused_by_a_credential_checked_controller_exits_2(tmp_path: Path) -> None:
+async def test_a_join_without_a_token_refused_by_a_credential_checked_controller_exits_2(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "walk.py").write_text(PROGRAM)
-    controller = Controller(ControllerOptions(
-        advertised_host="127.0.0.1", port=0, bind_host="127.0.0.1", averaging="cpu_sync",
-        join=JoinConfig(discovery=True, min_rank_start=1, target_ranks=1, token=secrets.token_hex(16)),
-    ))
+    controller = Controller(
+        ControllerOptions(
+            advertised_host="127.0.0.1",
+            port=0,
+            bind_host="127.0.0.1",
+            averaging="cpu_sync",
+            join=JoinConfig(discovery=True, min_rank_start=1, target_ranks=1, token=secrets.token_hex(16)),
+        )
+    )
     _, port = await controller.start()
     try:
         code, output = await fdl_join(f"127.0.0.1:{port}", "--bin", "walk.py", "--devices", "cpu", "--persist",

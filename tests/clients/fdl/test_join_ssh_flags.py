@@ -14,7 +14,9 @@ def _parse(*words: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     join_command.configure_parser(parser)
     args = parser.parse_args(list(words))
-    args.program_args = reparse(args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?"))
+    args.program_args = reparse(
+        args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?")
+    )
     return args
 
 
@@ -29,7 +31,12 @@ def test_ssh_flag_sets_the_endpoint_and_the_address_is_seen_from_the_ssh_host(tm
     plan = join_command.resolve_plan(_parse("--project", str(directory), "--bin", str(directory / "train.py"),
                                             "--ssh", "walker@gate:2222", "--identity", "/k/join"))  # fmt: skip
     assert plan.ssh is not None
-    assert (plan.ssh.user, plan.ssh.host, plan.ssh.port, plan.ssh.identity_file) == ("walker", "gate", 2222, "/k/join")
+    assert (plan.ssh.user, plan.ssh.host, plan.ssh.port, plan.ssh.identity_file) == (
+        "walker",
+        "gate",
+        2222,
+        "/k/join",
+    )
     assert (plan.spec.controller_host, plan.spec.controller_port) == ("127.0.0.1", 1337)
 
 
@@ -38,16 +45,25 @@ def test_join_ssh_block_supplies_target_and_options(tmp_path: Path) -> None:
         "join:\n  address: 127.0.0.1:4000\n  ssh:\n    target: gate.lan\n    port: 2200\n    user: j\n"
         "    identity_file: /k/id\n    options: [StrictHostKeyChecking=accept-new]\n"
     ))  # fmt: skip
-    plan = join_command.resolve_plan(_parse("--project", str(directory), "--bin", str(directory / "train.py")))
+    plan = join_command.resolve_plan(
+        _parse("--project", str(directory), "--bin", str(directory / "train.py"))
+    )
     assert plan.ssh is not None
-    assert (plan.ssh.host, plan.ssh.port, plan.ssh.user, plan.ssh.identity_file) == ("gate.lan", 2200, "j", "/k/id")
+    assert (plan.ssh.host, plan.ssh.port, plan.ssh.user, plan.ssh.identity_file) == (
+        "gate.lan",
+        2200,
+        "j",
+        "/k/id",
+    )
     assert plan.ssh.parsed["StrictHostKeyChecking"] == "accept-new"
     assert plan.spec.controller_port == 4000
 
 
 def test_no_ssh_means_a_direct_dial(tmp_path: Path) -> None:
     directory = _project(tmp_path)
-    plan = join_command.resolve_plan(_parse("--project", str(directory), "--bin", str(directory / "train.py")))
+    plan = join_command.resolve_plan(
+        _parse("--project", str(directory), "--bin", str(directory / "train.py"))
+    )
     assert plan.ssh is None
 
 
@@ -58,4 +74,6 @@ def test_no_ssh_means_a_direct_dial(tmp_path: Path) -> None:
 def test_bad_ssh_flags_are_usage_errors(tmp_path: Path, flags: tuple[str, ...], fragment: str) -> None:
     directory = _project(tmp_path)
     with pytest.raises(join_command.UsageError, match=fragment):
-        join_command.resolve_plan(_parse("--project", str(directory), "--bin", str(directory / "train.py"), *flags))
+        join_command.resolve_plan(
+            _parse("--project", str(directory), "--bin", str(directory / "train.py"), *flags)
+        )

@@ -32,7 +32,9 @@ def test_write_lays_out_config_keys_and_host_key(tmp_path: Path, capsys: pytest.
     config = (out / "sshd_config").read_text()
     assert "Port 2299" in config and "PermitOpen 127.0.0.1:4242" in config
     line = (out / "authorized_keys").read_text()
-    assert line.startswith('restrict,port-forwarding,permitopen="127.0.0.1:4242",command="/usr/sbin/nologin" ')
+    assert line.startswith(
+        'restrict,port-forwarding,permitopen="127.0.0.1:4242",command="/usr/sbin/nologin" '
+    )
     assert (out / "ssh_host_ed25519_key").exists()
     assert f"sshd -D -e -f {out / 'sshd_config'}" in capsys.readouterr().out
     sshd = require_binary("sshd", "sshd", search_sbin=True)

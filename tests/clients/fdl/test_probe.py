@@ -30,7 +30,9 @@ def _args(**values: object) -> argparse.Namespace:
     return argparse.Namespace(**defaults)
 
 
-def test_single_host_probe_prints_json_and_exits_zero(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_single_host_probe_prints_json_and_exits_zero(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     assert probe_command.main(_args(data_path=str(tmp_path))) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["status"] == "ok" and body["hosts"][0]["facts"]["torch"]
@@ -72,9 +74,17 @@ async def test_cluster_probe_runs_the_module_on_each_worker_over_ssh(tmp_path: P
 
 
 def test_remote_probe_command_runs_in_the_workdir_with_the_worker_interpreter() -> None:
-    worker = ClusterBuilder().controller("h", 1337).worker("w", ["cpu"], path="/srv/x", arch="envs/a").build().workers[0]
+    worker = (
+        ClusterBuilder()
+        .controller("h", 1337)
+        .worker("w", ["cpu"], path="/srv/x", arch="envs/a")
+        .build()
+        .workers[0]
+    )
     command = remote_command(worker, "/srv/x", data_path="/data")
-    assert command == "cd /srv/x && /srv/x/envs/a/bin/python -m flodld.probe --json --host w --data-path /data"
+    assert (
+        command == "cd /srv/x && /srv/x/envs/a/bin/python -m flodld.probe --json --host w --data-path /data"
+    )
 
 
 def test_garbage_from_a_host_becomes_an_error_report() -> None:

@@ -41,7 +41,10 @@ def gpus(*indices: int) -> tuple[str, ...]:
 def test_the_default_uses_every_gpu_over_nccl_when_the_host_has_one() -> None:
     local = choose_local_ranks(cuda_count=4)
     assert local.devices == gpus(0, 1, 2, 3) and local.backend == "nccl"
-    assert local.describe() == "4 GPU rank(s) on cuda:0, cuda:1, cuda:2, cuda:3, backend nccl (every GPU on this host)"
+    assert (
+        local.describe()
+        == "4 GPU rank(s) on cuda:0, cuda:1, cuda:2, cuda:3, backend nccl (every GPU on this host)"
+    )
     cluster = embedded_cluster(local)
     assert cluster.controller.backend.value == "nccl" and cluster.controller.host == "127.0.0.1"
     assert cluster.capacity() == 4
@@ -74,7 +77,9 @@ def test_ranks_asks_for_cpu_ranks_even_on_a_gpu_host_and_the_line_names_the_gpus
     ("all", 0, cpus(2), "gloo"),  # as `fdl join --devices all`: CPU ranks on a host without GPU
     ("cuda:1,cpu", 2, ("cuda:1", "cpu:0"), "gloo"),  # any CPU rank: gloo
 ])  # fmt: skip
-def test_devices_takes_the_join_syntax(spec: str, cuda_count: int, devices: tuple[str, ...], backend: str) -> None:
+def test_devices_takes_the_join_syntax(
+    spec: str, cuda_count: int, devices: tuple[str, ...], backend: str
+) -> None:
     local = choose_local_ranks(devices=spec, cuda_count=cuda_count)
     assert (local.devices, local.backend) == (devices, backend)
     assert local.reason == f"from --devices {spec}"
@@ -95,7 +100,9 @@ def test_run_and_join_refuse_a_bad_device_list_with_the_same_message(tmp_path: P
     (tmp_path / "train.py").write_text("")
     parser = join_command.argparse.ArgumentParser()
     join_command.configure_parser(parser)
-    args = parser.parse_args(["--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--devices", " , "])
+    args = parser.parse_args(
+        ["--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--devices", " , "]
+    )
     args.controller, args.program_args = "127.0.0.1:1", None
     with pytest.raises(join_command.UsageError) as joined:
         join_command.resolve_plan(args)
@@ -146,7 +153,9 @@ def test_flags_that_agree_are_accepted_and_named(kwargs: dict[str, object], cuda
      "--devices all asks for 2 GPU rank(s) on cuda:0, cuda:1 but --ranks 2 asks for 2 CPU rank(s)"),
     ({"devices": "0", "nproc_per_node": "gpu"}, 2, "--devices 0 asks for 1 GPU rank(s) on cuda:0 but"),
 ])  # fmt: skip
-def test_bad_or_contradictory_flags_are_refused(kwargs: dict[str, object], cuda_count: int, message: str) -> None:
+def test_bad_or_contradictory_flags_are_refused(
+    kwargs: dict[str, object], cuda_count: int, message: str
+) -> None:
     with pytest.raises(ValueError) as refused:
         choose_local_ranks(cuda_count=cuda_count, **kwargs)  # type: ignore[arg-type]  # table of flags
     assert message in str(refused.value)
@@ -178,11 +187,15 @@ def test_fdl_run_exits_2_on_bad_rank_flags(
 
 
 def test_rank_flags_may_follow_the_program(program: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert fdl_main(["run", str(program), "--ranks", "2", "--nproc-per-node", "3", "--", "--epochs", "1"]) == 2
+    assert (
+        fdl_main(["run", str(program), "--ranks", "2", "--nproc-per-node", "3", "--", "--epochs", "1"]) == 2
+    )
     assert "--nproc-per-node 3 asks for" in capsys.readouterr().err
 
 
-def test_rank_flags_next_to_a_cluster_block_are_refused(program: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_rank_flags_next_to_a_cluster_block_are_refused(
+    program: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (program.parent / "fdl.yml").write_text(CLUSTER_BLOCK)
     assert fdl_main(["run", "--nproc-per-node", "1", str(program)]) == 2
     assert "--nproc-per-node only size the embedded default; this project's fdl.yml has a cluster: block" in (
@@ -210,21 +223,34 @@ def test_gpu_asked_on_a_host_without_one_exits_2_naming_the_fix(program: Path) -
 def test_probe_reports_what_fdl_run_would_start(program: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert fdl_main(["probe", "--json", "--ranks", "3"]) == 0
     host = json.loads(capsys.readouterr().out)["hosts"][0]
-    assert host["facts"]["fdl_run"] == run_command.plan_run(
-        run_command.argparse.Namespace(ranks=3, devices=None, nproc_per_node=None, project=".")
-    )[1]
-    assert host["facts"]["fdl_run"].startswith("the embedded default: 3 CPU rank(s), backend gloo (from --ranks 3")
+    assert (
+        host["facts"]["fdl_run"]
+        == run_command.plan_run(
+            run_command.argparse.Namespace(ranks=3, devices=None, nproc_per_node=None, project=".")
+        )[1]
+    )
+    assert host["facts"]["fdl_run"].startswith(
+        "the embedded default: 3 CPU rank(s), backend gloo (from --ranks 3"
+    )
     assert fdl_main(["probe"]) == 0
     expected = LocalRanks.describe(choose_local_ranks())
-    assert f"[ok  ] fdl_run: `fdl run` would start the embedded default: {expected}" in capsys.readouterr().out
+    assert (
+        f"[ok  ] fdl_run: `fdl run` would start the embedded default: {expected}" in capsys.readouterr().out
+    )
 
 
 def test_probe_fails_where_fdl_run_would_refuse(program: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert fdl_main(["probe", "--devices", "cpu:2", "--ranks", "3"]) == 1
-    assert "[FAIL] fdl_run: `fdl run` would refuse to start (exit 2): --devices cpu:2 asks for" in capsys.readouterr().out
+    assert (
+        "[FAIL] fdl_run: `fdl run` would refuse to start (exit 2): --devices cpu:2 asks for"
+        in capsys.readouterr().out
+    )
     (program.parent / "fdl.yml").write_text(CLUSTER_BLOCK)
     assert fdl_main(["probe"]) == 0
-    assert "`fdl run` would start the cluster: block of fdl.yml: 1 worker(s), 1 on this host" in capsys.readouterr().out
+    assert (
+        "`fdl run` would start the cluster: block of fdl.yml: 1 worker(s), 1 on this host"
+        in capsys.readouterr().out
+    )
 
 
 # --- real runs -----------------------------------------------------------------------------------------
@@ -232,9 +258,14 @@ def test_probe_fails_where_fdl_run_would_refuse(program: Path, capsys: pytest.Ca
 
 @pytest.mark.multiproc
 def test_nproc_per_node_runs_that_many_cpu_ranks_on_a_host_without_gpu() -> None:
-    run = Fdl("run", "--nproc-per-node", "2", str(EXAMPLES / "allreduce.py"), env=child_env(CUDA_VISIBLE_DEVICES=""))
+    run = Fdl(
+        "run", "--nproc-per-node", "2", str(EXAMPLES / "allreduce.py"), env=child_env(CUDA_VISIBLE_DEVICES="")
+    )
     assert run.wait() == 0, run.output
-    assert "fdl run: starting the embedded default: 2 CPU rank(s), backend gloo (from --nproc-per-node 2)" in run.output
+    assert (
+        "fdl run: starting the embedded default: 2 CPU rank(s), backend gloo (from --nproc-per-node 2)"
+        in run.output
+    )
     assert len(re.findall(r"all_reduce ok \[3\.0, ", run.output)) == 2, run.output
     assert "fdl run: run done" in run.output
 
@@ -248,8 +279,12 @@ def test_one_rank_per_gpu_all_reduces_over_nccl(words: list[str]) -> None:
     run = Fdl("run", *words, str(HERE / "gpu_allreduce.py"))
     assert run.wait(240) == 0, run.output
     listed = ", ".join(f"cuda:{index}" for index in range(count))
-    assert f"fdl run: starting the embedded default: {count} GPU rank(s) on {listed}, backend nccl" in run.output
-    done = re.findall(r"rank (\d+)/(\d+): nccl all_reduce ok on cuda:0 \(physical GPU (\d+), backend nccl\)", run.output)
+    assert (
+        f"fdl run: starting the embedded default: {count} GPU rank(s) on {listed}, backend nccl" in run.output
+    )
+    done = re.findall(
+        r"rank (\d+)/(\d+): nccl all_reduce ok on cuda:0 \(physical GPU (\d+), backend nccl\)", run.output
+    )
     assert sorted(int(rank) for rank, _, _ in done) == list(range(count)), run.output
     assert {int(world) for _, world, _ in done} == {count}
     assert len({gpu for _, _, gpu in done}) == count  # one rank per GPU, each its own

@@ -9,9 +9,11 @@ import torch
 import torch.distributed as dist
 
 # Top level: under flodld this runs in ranks only (never in an agent or relay, which are flodld's own).
-print(f"stock top-level RANK={os.environ.get('RANK')} MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
-      f"salt_in_env={'FLODL_INTERNAL_SALT' in os.environ} argv0={os.path.basename(sys.argv[0])} name={__name__}",
-      flush=True)
+print(
+    f"stock top-level RANK={os.environ.get('RANK')} MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
+    f"salt_in_env={'FLODL_INTERNAL_SALT' in os.environ} argv0={os.path.basename(sys.argv[0])} name={__name__}",
+    flush=True,
+)
 
 
 def main() -> None:
@@ -29,8 +31,11 @@ def main() -> None:
     if rank in (0, 1):
         dist.all_reduce(p, group=pair)
     dist.barrier()
-    print(f"stock rank={rank}/{world} local={local[0]}/{local[1]} sum={t.item():g} pair={p.item():g} "
-          f"group={os.environ.get('GROUP_RANK')}/{os.environ.get('GROUP_WORLD_SIZE')}", flush=True)
+    print(
+        f"stock rank={rank}/{world} local={local[0]}/{local[1]} sum={t.item():g} pair={p.item():g} "
+        f"group={os.environ.get('GROUP_RANK')}/{os.environ.get('GROUP_WORLD_SIZE')}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -125,7 +125,9 @@ def test_declared_prime_ids_select_the_moduli() -> None:
     x = Ciphertext(data, 0, 1.0, (0, 3))
     (out,) = _run(text, x)
     assert isinstance(out, Ciphertext)
-    assert out.data[:, 0].unique().tolist() == [(180) % 97] and out.data[:, 1].unique().tolist() == [200 % 107]
+    assert out.data[:, 0].unique().tolist() == [(180) % 97] and out.data[:, 1].unique().tolist() == [
+        200 % 107
+    ]
 
 
 def test_boundary_rejects_a_ciphertext_in_the_wrong_state() -> None:
@@ -150,10 +152,14 @@ def test_link_fails_for_a_missing_resource() -> None:
   }
 }
 """
-    with pytest.raises(ResourceError, match="Required resource 'world' \\(kind 'process-group'\\) is not bound"):
+    with pytest.raises(
+        ResourceError, match="Required resource 'world' \\(kind 'process-group'\\) is not bound"
+    ):
         _backend().link(Program.parse(text))
     wrong_kind = BoundResource("world", "execution-device", torch.device("cpu"))
-    with pytest.raises(ResourceError, match="Resource 'world' has kind 'execution-device'; required 'process-group'"):
+    with pytest.raises(
+        ResourceError, match="Resource 'world' has kind 'execution-device'; required 'process-group'"
+    ):
         _backend(wrong_kind).link(Program.parse(text))
 
 
@@ -177,7 +183,10 @@ def test_recorded_implementation_is_a_hard_constraint() -> None:
   }}
 }}
 """
-    with pytest.raises(ExecutionError, match=r"requests implementation 'gpu-add'.*registered for this operation: torch-rns-add"):
+    with pytest.raises(
+        ExecutionError,
+        match=r"requests implementation 'gpu-add'.*registered for this operation: torch-rns-add",
+    ):
         _backend().link(Program.parse(text))
 
 

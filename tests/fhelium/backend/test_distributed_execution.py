@@ -49,7 +49,9 @@ def spawn_world(world: int, tmp_path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda p: f"world{p}")
-def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
     size = int(request.param)
     return size, spawn_world(size, tmp_path_factory.mktemp(f"world{size}"))
 

@@ -50,7 +50,9 @@ def test_pageable_host_transfer_of_a_cpu_tensor_stays_pageable() -> None:
 
 
 def test_pinned_host_transfer_allocates_pinned_storage() -> None:
-    require_capability("pinned_memory", pinned_memory_available(), "PyTorch has no pinned-memory allocator here")
+    require_capability(
+        "pinned_memory", pinned_memory_available(), "PyTorch has no pinned-memory allocator here"
+    )
     value = torch.arange(8)
     out = _run("pinned_host", value)
     assert out.is_pinned() and torch.equal(out, value)

@@ -106,9 +106,9 @@ def test_expand_subtract_keeps_pinned_operations() -> None:
 
 def test_assign_implementations_reaches_structured_regions_and_respects_existing_choice() -> None:
     program = Program.parse(STRUCTURED)
-    first, (result,) = Pipeline([AssignImplementationsPass({"fhelium_ckks.subtract": "torch-rns-subtract"})]).run(
-        program
-    )
+    first, (result,) = Pipeline(
+        [AssignImplementationsPass({"fhelium_ckks.subtract": "torch-rns-subtract"})]
+    ).run(program)
     assert result.stats == PassStats(matched=4, transformed=4)
     chosen = [
         op.attributes[EXECUTION_IMPLEMENTATION_ATTRIBUTE].data  # type: ignore[attr-defined]
@@ -127,8 +127,12 @@ def test_assign_implementations_reaches_structured_regions_and_respects_existing
 
 
 def test_pass_registry_builds_passes_by_name_with_checked_options() -> None:
-    assert {"lower-specialized-collectives", "check-collective-uniformity", "expand-ckks-subtract",
-            "assign-implementations"} <= set(pass_names())
+    assert {
+        "lower-specialized-collectives",
+        "check-collective-uniformity",
+        "expand-ckks-subtract",
+        "assign-implementations",
+    } <= set(pass_names())
     with pytest.raises(PassError, match="unknown pass 'nope'; known passes: "):
         create_pass("nope")
     with pytest.raises(PassError, match="has no option"):
@@ -152,7 +156,9 @@ def test_every_builtin_pass_is_known_by_its_one_name() -> None:
 def test_passes_run_as_xdsl_module_passes_in_an_xdsl_pipeline() -> None:
     program = Program.parse(STRUCTURED)
     spec = ArgSpec("expand-ckks-subtract", {})
-    PassPipeline((ExpandCiphertextSubtractPass.from_pass_spec(spec),)).apply(create_dialect_context(), program.module)
+    PassPipeline((ExpandCiphertextSubtractPass.from_pass_spec(spec),)).apply(
+        create_dialect_context(), program.module
+    )
     program.verify()
     # The same four subtracts as through Pipeline; the one inside the vendor op stays.
     assert [operation_name(op) for op in program.walk()].count("fhelium_ckks.subtract") == 1

@@ -93,7 +93,9 @@ def test_preserve_mode_keeps_the_specialized_operation() -> None:
 
 
 def test_lowering_refuses_an_operation_pinned_to_an_implementation() -> None:
-    pinned = INPUT.replace('{note = "kept"}', '{fhelium.execution.implementation = "torch-ciphertext-add-all-reduce"}')
+    pinned = INPUT.replace(
+        '{note = "kept"}', '{fhelium.execution.implementation = "torch-ciphertext-add-all-reduce"}'
+    )
     program = Program.parse(pinned)
     with pytest.raises(PassError, match=r"requests Backend implementation .*preserve the operation"):
         Pipeline([LowerSpecializedCollectivesPass()]).run(program)

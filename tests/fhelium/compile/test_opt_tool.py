@@ -71,7 +71,9 @@ def test_bad_input_and_bad_pipeline_exit_with_two(tmp_path: Path, capsys: pytest
 
 
 def test_pipeline_spec_parsing() -> None:
-    passes = parse_pipeline("check-collective-uniformity, assign-implementations{fhelium_ckks.add=torch-rns-add}")
+    passes = parse_pipeline(
+        "check-collective-uniformity, assign-implementations{fhelium_ckks.add=torch-rns-add}"
+    )
     assert [p.name for p in passes] == ["check-collective-uniformity", "assign-implementations"]
     with pytest.raises(PassError, match="must look like key=value"):
         parse_pipeline("lower-specialized-collectives{oops}")

@@ -88,7 +88,10 @@ def test_stack_select_unbind_batch_round_trip() -> None:
     stacked = Ciphertext.stack_batch([a, b])
     assert stacked.batch_shape == (2,)
     assert torch.equal(stacked.select_batch(1).data, b.data)
-    assert [torch.equal(x.data, y.data) for x, y in zip(stacked.unbind_batch(), [a, b], strict=True)] == [True, True]
+    assert [torch.equal(x.data, y.data) for x, y in zip(stacked.unbind_batch(), [a, b], strict=True)] == [
+        True,
+        True,
+    ]
     other = Ciphertext(torch.zeros(2, 3, 16, dtype=torch.int64), 0, 2.0**20, (0, 1, 2))
     with pytest.raises(ShapeMismatchError, match=r"values\[1\]"):
         Ciphertext.stack_batch([a, other])
@@ -111,7 +114,9 @@ def test_replace_keeps_identity() -> None:
 def test_plaintext_representations() -> None:
     slots = Plaintext(torch.ones(4), 0, 2.0**10)
     assert slots.batch_shape == ()
-    rns = Plaintext(None, 1, 2.0, torch.zeros(2, 3, 8, dtype=torch.int64), "rns", "ntt", "Q", "standard", (1, 2, 3))
+    rns = Plaintext(
+        None, 1, 2.0, torch.zeros(2, 3, 8, dtype=torch.int64), "rns", "ntt", "Q", "standard", (1, 2, 3)
+    )
     assert rns.batch_shape == (2,)
     with pytest.raises(FheliumValueError, match="exactly one representation"):
         Plaintext(torch.ones(4), 0, 1.0, torch.zeros(4, dtype=torch.int64))

@@ -459,7 +459,9 @@ def reductions(ctx: RankContext) -> dict[str, Any]:
             trace = ReductionTrace()
             fdist.all_reduce_ciphertext(view, engine=ctx.engine, group=group, trace=trace, algorithm=algorithm)
             assert view.data is data_object and view.data.stride() == strides
-            assert torch.equal(view.data, expected), f"all_reduce_ciphertext ({algorithm}) differs from the Python modular sum"
+            assert torch.equal(view.data, expected), (
+                f"all_reduce_ciphertext ({algorithm}) differs from the Python modular sum"
+            )
             assert torch.equal(wide.data[..., [0, 4], :], outside_before), "storage outside the view changed"
             schedules[algorithm] = vars(trace)
         all_trace = schedules["tree"]

@@ -29,7 +29,9 @@ def test_compiled_engine_matches_eager_bit_for_bit(toy_engine: CkksEngine, toy_k
     for batch in [(), (3,), (2, 2)]:  # several ranks and sizes: shape-generic graphs must serve all
         x = torch.rand(*batch, toy_engine.slot_count, generator=generator, dtype=torch.float64) * 2 - 1
         ct = toy_engine.encode_encrypt(x, toy_keys.public)
-        eager_product = toy_engine.rescale(toy_engine.relinearize(toy_engine.multiply(ct, ct), toy_keys.relin()))
+        eager_product = toy_engine.rescale(
+            toy_engine.relinearize(toy_engine.multiply(ct, ct), toy_keys.relin())
+        )
         compiled_product = compiled.rescale(compiled.relinearize(compiled.multiply(ct, ct), toy_keys.relin()))
         assert torch.equal(compiled_product.data, eager_product.data)
         rotated = compiled.rotate(ct, toy_keys.rotation(1))

@@ -36,7 +36,9 @@ def _reference_key_switch(
         accumulator = [0] * engine.ring_degree
         for j in ids:
             digit = [centered(c, engine.moduli[j]) for c in poly_coefficients]
-            key_poly = crt_poly(_coefficients(engine, key.data[j, component, list(qp_ids)], qp_ids), qp_moduli)
+            key_poly = crt_poly(
+                _coefficients(engine, key.data[j, component, list(qp_ids)], qp_ids), qp_moduli
+            )
             product = negacyclic_product(digit, key_poly, big_qp)
             accumulator = [(x + y) % big_qp for x, y in zip(accumulator, product, strict=True)]
         out.append([(c - centered(c, special)) // special for c in accumulator])
@@ -104,8 +106,10 @@ def test_add_on_a_limb_slice_is_per_limb_modular_addition(tiny_engine: CkksEngin
     assert result.data.data_ptr() == lhs.data[:, 1:].data_ptr()
     assert torch.equal(lhs.data[:, 0], before[:, 0])
     for limb in (1, 2):
-        expected = [[(a + b) % moduli[limb] for a, b in zip(x, y, strict=True)]
-                    for x, y in zip(before[:, limb].tolist(), rhs.data[:, limb].tolist(), strict=True)]
+        expected = [
+            [(a + b) % moduli[limb] for a, b in zip(x, y, strict=True)]
+            for x, y in zip(before[:, limb].tolist(), rhs.data[:, limb].tolist(), strict=True)
+        ]
         assert lhs.data[:, limb].tolist() == expected
     assert tiny_engine.moduli_for(lhs.slice_limbs(1, 3).prime_ids) == moduli[1:3]
 
@@ -130,7 +134,10 @@ def test_mod_down_divides_the_divided_term_and_adds_the_addend(tiny_engine: Ckks
     addend = [rng.randrange(-50, 51) for _ in range(n)]
     values = engine.ntt.forward(residues_of(coefficients, qp_moduli), qp_ids)
     result = engine._mod_down(
-        values.unsqueeze(0), ids, residues_of(addend, q_moduli).unsqueeze(0), torch.tensor(divided).view(1, 1, n)
+        values.unsqueeze(0),
+        ids,
+        residues_of(addend, q_moduli).unsqueeze(0),
+        torch.tensor(divided).view(1, 1, n),
     )
     got = engine.ntt.inverse(result[0], ids)
     expected = []

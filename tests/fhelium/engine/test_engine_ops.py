@@ -101,7 +101,9 @@ def test_domain_changes_and_mod_switch(toy_engine: CkksEngine, toy_keys: KeySet)
     switched = toy_engine.mod_switch(cx)
     assert switched.depth == 1 and switched.scale == cx.scale
     assert _error(toy_engine, toy_keys, switched, x) < TOLERANCE
-    rescaled_coefficient = toy_engine.rescale(toy_engine.to_coefficient(toy_engine.multiply_plain(cx, toy_engine.encode(x))))
+    rescaled_coefficient = toy_engine.rescale(
+        toy_engine.to_coefficient(toy_engine.multiply_plain(cx, toy_engine.encode(x)))
+    )
     assert _error(toy_engine, toy_keys, rescaled_coefficient, x * x) < TOLERANCE
 
 
@@ -129,7 +131,10 @@ def test_validation_errors_name_the_values(toy_engine: CkksEngine, toy_keys: Key
     x = _slots(engine, 13)
     a = engine.encode_encrypt(x, keys.public)
     b = engine.encode_encrypt(x, keys.public, scale=2.0**29)
-    with pytest.raises(ScaleMismatchError, match=r"add requires exactly equal scales: lhs.scale=1073741824.0, rhs.scale=536870912.0, ratio=2.0"):
+    with pytest.raises(
+        ScaleMismatchError,
+        match=r"add requires exactly equal scales: lhs.scale=1073741824.0, rhs.scale=536870912.0, ratio=2.0",
+    ):
         engine.add(a, b)
     deeper = engine.mod_switch(a)
     with pytest.raises(DepthMismatchError, match=r"lhs\.depth=0, rhs\.depth=1"):
@@ -238,6 +243,8 @@ def test_grouped_batch_operations_match_one_pass(
     one_pass = pipeline()
     monkeypatch.setattr(base_module, "BATCH_BLOCK_RESIDUES", 1)  # one ciphertext per group
     grouped = pipeline()
-    assert {name: torch.equal(grouped[name], one_pass[name]) for name in one_pass} == dict.fromkeys(one_pass, True)
+    assert {name: torch.equal(grouped[name], one_pass[name]) for name in one_pass} == dict.fromkeys(
+        one_pass, True
+    )
     encrypted = toy_engine.encode_encrypt(x, toy_keys.public)
     assert encrypted.batch_shape == (2, 3) and _error(toy_engine, toy_keys, encrypted, x) < TOLERANCE

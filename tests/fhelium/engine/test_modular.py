@@ -98,7 +98,9 @@ def test_digit_inner_product_matches_python_integers(bits: int) -> None:
     n, digits, batch = 16, 3, 2
     q = torch.tensor(moduli).unsqueeze(-1)
     rng = random.Random(bits)
-    lifted = [[[[rng.randrange(p) for _ in range(n)] for p in moduli] for _ in range(batch)] for _ in range(digits)]
+    lifted = [
+        [[[rng.randrange(p) for _ in range(n)] for p in moduli] for _ in range(batch)] for _ in range(digits)
+    ]
     keys = [[[[rng.randrange(p) for _ in range(n)] for p in moduli]] for _ in range(digits) for _ in range(2)]
     key_tensor = torch.tensor(keys).view(digits, 2, 1, len(moduli), n)
     lifted[0][0][0][:2] = [moduli[0] - 1, moduli[0] - 1]
@@ -109,5 +111,7 @@ def test_digit_inner_product_matches_python_integers(bits: int) -> None:
     for c in range(2):
         for s in range(batch):
             for r, p in enumerate(moduli):
-                expected = [sum(lifted[j][s][r][t] * k[j][c][0][r][t] for j in range(digits)) % p for t in range(n)]
+                expected = [
+                    sum(lifted[j][s][r][t] * k[j][c][0][r][t] for j in range(digits)) % p for t in range(n)
+                ]
                 assert result[c, s, r].tolist() == expected

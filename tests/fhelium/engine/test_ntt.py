@@ -37,7 +37,9 @@ def test_pointwise_product_is_the_negacyclic_product() -> None:
     ids = (0, 1, 2)
     a, b = _random_rows(moduli, n, 1), _random_rows(moduli, n, 2)
     q = torch.tensor(moduli).unsqueeze(-1)
-    product = mul_mod(ntt.forward(torch.tensor(a), ids), ntt.forward(torch.tensor(b), ids), q, 1.0 / q.double())
+    product = mul_mod(
+        ntt.forward(torch.tensor(a), ids), ntt.forward(torch.tensor(b), ids), q, 1.0 / q.double()
+    )
     result = ntt.inverse(product, ids).tolist()
     for row, modulus in enumerate(moduli):
         assert result[row] == negacyclic_product(a[row], b[row], modulus)

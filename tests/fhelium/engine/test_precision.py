@@ -52,4 +52,6 @@ def test_precision_at_n16384_scale40(
     print("max decryption error (N=2^14, scale 2^40):", {k: f"{v:.2e}" for k, v in measured.items()})
     for name, value in measured.items():
         record_property(name, value)
-    assert {name: value < BOUNDS[name] for name, value in measured.items()} == dict.fromkeys(BOUNDS, True), measured
+    assert {name: value < BOUNDS[name] for name, value in measured.items()} == dict.fromkeys(BOUNDS, True), (
+        measured
+    )

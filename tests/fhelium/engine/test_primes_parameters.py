@@ -37,18 +37,42 @@ def test_presets_have_distinct_primes_and_pass_security() -> None:
 
 
 def test_security_check_names_the_limit_and_the_opt_out() -> None:
-    with pytest.raises(ValidationError, match=r"exceeds the 128-bit security limit of 27 bits.*enforce_security=False"):
-        CkksParameters(log_ring_degree=10, scale_bits=30, scale_prime_bits=(30,), base_prime_bits=40, special_prime_bits=40)
+    with pytest.raises(
+        ValidationError, match=r"exceeds the 128-bit security limit of 27 bits.*enforce_security=False"
+    ):
+        CkksParameters(
+            log_ring_degree=10,
+            scale_bits=30,
+            scale_prime_bits=(30,),
+            base_prime_bits=40,
+            special_prime_bits=40,
+        )
     CkksParameters(
-        log_ring_degree=10, scale_bits=30, scale_prime_bits=(30,), base_prime_bits=40, special_prime_bits=40,
+        log_ring_degree=10,
+        scale_bits=30,
+        scale_prime_bits=(30,),
+        base_prime_bits=40,
+        special_prime_bits=40,
         enforce_security=False,
     )
 
 
 def test_parameter_errors_are_specific() -> None:
     with pytest.raises(ValidationError, match="between 20 and 50 bits"):
-        CkksParameters(log_ring_degree=14, scale_bits=40, scale_prime_bits=(60,), base_prime_bits=50, special_prime_bits=50)
+        CkksParameters(
+            log_ring_degree=14,
+            scale_bits=40,
+            scale_prime_bits=(60,),
+            base_prime_bits=50,
+            special_prime_bits=50,
+        )
     with pytest.raises(ValidationError, match="special_prime_bits=40 must be at least the largest Q prime"):
-        CkksParameters(log_ring_degree=14, scale_bits=40, scale_prime_bits=(40,), base_prime_bits=50, special_prime_bits=40)
+        CkksParameters(
+            log_ring_degree=14,
+            scale_bits=40,
+            scale_prime_bits=(40,),
+            base_prime_bits=50,
+            special_prime_bits=40,
+        )
     with pytest.raises(ValueError, match="unknown CKKS preset 'nope'"):
         preset_parameters("nope")

@@ -42,7 +42,9 @@ def test_encoder_round_trip_and_galois_rotation() -> None:
                 rotated[..., k - 32] -= coefficients[..., i]
             else:
                 rotated[..., k] += coefficients[..., i]
-        assert torch.allclose(encoder.coefficients_to_slots(rotated), torch.roll(slots, step, dims=-1), atol=1e-12)
+        assert torch.allclose(
+            encoder.coefficients_to_slots(rotated), torch.roll(slots, step, dims=-1), atol=1e-12
+        )
 
 
 def test_ternary_is_balanced_and_skips_rejected_bytes() -> None:

@@ -49,10 +49,21 @@ FULL_VOCABULARY = f"""builtin.module {{
 def test_catalog_registers_fhelium_dialects_in_order() -> None:
     assert registered_dialect_names() == ("fhelium", "fhelium_ckks", "fhelium_dist", "fhelium_memory")
     context = create_dialect_context()
-    for name in ("fhelium_dist.rank", "fhelium_dist.group_size", "fhelium_dist.broadcast",
-                 "fhelium_dist.all_reduce", "fhelium_dist.all_reduce_add_ciphertext", "fhelium_dist.yield",
-                 "fhelium_memory.transfer", "fhelium_ckks.add", "fhelium.resource.ref",
-                 "arith.addi", "scf.for", "scf.if", "func.func"):
+    for name in (
+        "fhelium_dist.rank",
+        "fhelium_dist.group_size",
+        "fhelium_dist.broadcast",
+        "fhelium_dist.all_reduce",
+        "fhelium_dist.all_reduce_add_ciphertext",
+        "fhelium_dist.yield",
+        "fhelium_memory.transfer",
+        "fhelium_ckks.add",
+        "fhelium.resource.ref",
+        "arith.addi",
+        "scf.for",
+        "scf.if",
+        "func.func",
+    ):
         assert context.get_optional_op(name) is not None, name
     assert context.get_optional_type("fhelium_dist.group") is distributed.GroupType
     assert context.get_optional_type("fhelium_memory.device") is memory.DeviceType
@@ -140,8 +151,7 @@ def test_broadcast_requires_root() -> None:
 
 def test_rank_needs_a_group_operand() -> None:
     message = _verify_error(
-        '%t = "vendor.t"() : () -> index\n'
-        '%r = "fhelium_dist.rank"(%t) : (index) -> index'
+        '%t = "vendor.t"() : () -> index\n%r = "fhelium_dist.rank"(%t) : (index) -> index'
     )
     assert "fhelium_dist.group" in message
 
@@ -155,10 +165,14 @@ def _all_reduce(block: str, value_type: str = "tensor<4xi64>") -> str:
 
 
 def test_all_reduce_combine_needs_two_arguments_of_the_value_type() -> None:
-    message = _verify_error(_all_reduce('^bb0(%a: tensor<4xi64>):\n  "fhelium_dist.yield"(%a) : (tensor<4xi64>) -> ()'))
+    message = _verify_error(
+        _all_reduce('^bb0(%a: tensor<4xi64>):\n  "fhelium_dist.yield"(%a) : (tensor<4xi64>) -> ()')
+    )
     assert "combine arguments must match the reduced value type" in message
     message = _verify_error(
-        _all_reduce('^bb0(%a: tensor<4xi64>, %b: tensor<4xi32>):\n  "fhelium_dist.yield"(%a) : (tensor<4xi64>) -> ()')
+        _all_reduce(
+            '^bb0(%a: tensor<4xi64>, %b: tensor<4xi32>):\n  "fhelium_dist.yield"(%a) : (tensor<4xi64>) -> ()'
+        )
     )
     assert "combine arguments must match the reduced value type" in message
 
@@ -173,7 +187,7 @@ def test_all_reduce_combine_must_end_with_dist_yield() -> None:
 def test_all_reduce_yield_type_must_match() -> None:
     message = _verify_error(
         _all_reduce(
-            '^bb0(%a: tensor<4xi64>, %b: tensor<4xi64>):\n'
+            "^bb0(%a: tensor<4xi64>, %b: tensor<4xi64>):\n"
             '  %c = "vendor.cast"(%a) : (tensor<4xi64>) -> tensor<4xi32>\n'
             '  "fhelium_dist.yield"(%c) : (tensor<4xi32>) -> ()'
         )
@@ -200,7 +214,7 @@ def test_transfer_rejects_unknown_memory_space() -> None:
 
 
 def test_ckks_add_requires_matching_states() -> None:
-    other = '!fhelium_ckks.ciphertext<{depth = 1 : i64}>'
+    other = "!fhelium_ckks.ciphertext<{depth = 1 : i64}>"
     message = _verify_error(
         f'%a = "vendor.a"() : () -> {CT}\n%b = "vendor.b"() : () -> {other}\n'
         f'%c = "fhelium_ckks.add"(%a, %b) : ({CT}, {other}) -> {CT}'
@@ -210,7 +224,9 @@ def test_ckks_add_requires_matching_states() -> None:
 
 
 _GROUP = '%g = "fhelium.resource.ref"() {symbol = "w", kind = "process-group"} : () -> !fhelium_dist.group\n'
-_DEVICE = '%d = "fhelium.resource.ref"() {symbol = "d", kind = "execution-device"} : () -> !fhelium_memory.device\n'
+_DEVICE = (
+    '%d = "fhelium.resource.ref"() {symbol = "d", kind = "execution-device"} : () -> !fhelium_memory.device\n'
+)
 _DEPTH1 = "!fhelium_ckks.ciphertext<{depth = 1 : i64}>"
 _COMBINE = f' ({{\n^bb0(%l: {CT}, %r: {CT}):\n  "fhelium_dist.yield"(%l) : ({CT}) -> ()\n}})'
 _WITH_GROUP = f"({CT}, !fhelium_dist.group)"

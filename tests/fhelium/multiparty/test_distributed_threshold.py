@@ -84,7 +84,9 @@ def test_a_rank_summing_another_key_share_than_it_committed_to_is_refused_on_eve
     # steer the collective key; the committed shares, opened after the sum, no longer add up to it.
     for result in run_world(3, "rogue-sum:2"):
         assert not result["ok"] and result["error"] == "MultipartyError", result
-        assert "the summed key shares differ from the sum of the committed, opened shares" in result["message"]
+        assert (
+            "the summed key shares differ from the sum of the committed, opened shares" in result["message"]
+        )
 
 
 def test_a_rank_opening_another_key_share_than_it_committed_to_is_named() -> None:

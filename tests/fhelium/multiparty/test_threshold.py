@@ -30,7 +30,9 @@ from fhelium.serialization import inspect_bytes, validate_value_description, val
 
 
 def _world(parties: int, session: str = "test") -> tuple[list[ThresholdParty], bytes, object]:
-    members = [ThresholdParty(rank, parties, session=session, rng_seed=1000 + rank) for rank in range(parties)]
+    members = [
+        ThresholdParty(rank, parties, session=session, rng_seed=1000 + rank) for rank in range(parties)
+    ]
     commitments = [member.commit_seed() for member in members]
     reveals = [member.reveal_seed() for member in members]
     seed = members[0].combine_seed(commitments, reveals)
@@ -55,8 +57,9 @@ def test_preset_keeps_128_bit_security_and_the_error_bound() -> None:
     assert params.ckks.total_modulus_bits == 150 <= 218 and params.ckks.enforce_security
     assert params.smudging_sigma >= required_smudging_sigma(params.ckks.ring_degree, params.max_parties, 40)
     for parties in (2, 4):
-        estimate = expected_max_mean_error(params.ckks.ring_degree, parties, params.smudging_sigma,
-                                           params.message_scale, 1 << 20)
+        estimate = expected_max_mean_error(
+            params.ckks.ring_degree, parties, params.smudging_sigma, params.message_scale, 1 << 20
+        )
         assert estimate <= 2e-7  # the bound is 1e-6
 
 
@@ -103,12 +106,16 @@ def test_commitment_refuses_a_rank_revealing_a_different_seed() -> None:
     commitments = [member.commit_seed() for member in members]
     reveals = [member.reveal_seed() for member in members]
     cheat = SeedReveal(1, 3, "s", bytes(32))
-    with pytest.raises(SeedCommitmentError, match=r"rank\(s\) \[1\] revealed a seed contribution that does not match"):
+    with pytest.raises(
+        SeedCommitmentError, match=r"rank\(s\) \[1\] revealed a seed contribution that does not match"
+    ):
         members[0].combine_seed(commitments, [reveals[0], cheat, reveals[2]])
     # copying another rank's commitment and contribution does not cancel it out either
     copied = [commitments[0], SeedCommitment(1, 3, "s", commitments[0].digest), commitments[2]]
     with pytest.raises(SeedCommitmentError, match=r"rank\(s\) \[1\]"):
-        members[0].combine_seed(copied, [reveals[0], SeedReveal(1, 3, "s", reveals[0].contribution), reveals[2]])
+        members[0].combine_seed(
+            copied, [reveals[0], SeedReveal(1, 3, "s", reveals[0].contribution), reveals[2]]
+        )
     with pytest.raises(SeedCommitmentError, match=r"rank\(s\) \[2\] missing"):
         members[0].combine_seed(commitments, reveals[:2])
     seed = members[0].combine_seed(commitments, reveals)
@@ -173,11 +180,22 @@ def test_every_value_round_trips_through_bytes_and_the_secret_share_needs_allow_
 
 
 def test_share_descriptions_are_validated_before_any_payload() -> None:
-    good = {"prime_ids": [0, 1], "depth": 0, "scale": 2.0**88, "party": 0, "parties": 2,
-            "ciphertext_digest_hex": "00" * 32}
+    good = {
+        "prime_ids": [0, 1],
+        "depth": 0,
+        "scale": 2.0**88,
+        "party": 0,
+        "parties": 2,
+        "ciphertext_digest_hex": "00" * 32,
+    }
     shape = {"data": {"shape": (4, 2, 8192), "dtype": torch.int64}}
-    validate_value_description(schema_version=2, value_type="DecryptionShare", metadata=good,
-                               tensor_names=["data"], tensor_metadata=shape)
+    validate_value_description(
+        schema_version=2,
+        value_type="DecryptionShare",
+        metadata=good,
+        tensor_names=["data"],
+        tensor_metadata=shape,
+    )
     bad_cases = [
         ({**good, "party": 2}, shape, "party must be an int in"),
         ({**good, "extra": 1}, shape, "unexpected fields"),
@@ -187,12 +205,20 @@ def test_share_descriptions_are_validated_before_any_payload() -> None:
     ]
     for metadata, tensors, message in bad_cases:
         with pytest.raises(FheliumValueError, match=message):
-            validate_value_description(schema_version=2, value_type="DecryptionShare", metadata=metadata,
-                                       tensor_names=["data"], tensor_metadata=tensors)
+            validate_value_description(
+                schema_version=2,
+                value_type="DecryptionShare",
+                metadata=metadata,
+                tensor_names=["data"],
+                tensor_metadata=tensors,
+            )
     with pytest.raises(FheliumValueError, match="seed_hex"):
-        validate_value_description(schema_version=2, value_type="PublicKeyShare",
-                                   metadata={"prime_ids": [0, 1, 2], "party": 0, "parties": 2, "seed_hex": "zz"},
-                                   tensor_names=["data"])
+        validate_value_description(
+            schema_version=2,
+            value_type="PublicKeyShare",
+            metadata={"prime_ids": [0, 1, 2], "party": 0, "parties": 2, "seed_hex": "zz"},
+            tensor_names=["data"],
+        )
 
 
 def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -204,5 +230,7 @@ def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path) -> 
         "import sys; from fhelium.serialization import load_value; "
         f"v = load_value({str(tmp_path / 'c.fhe')!r}); print(type(v).__name__, v.party, v.parties)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.split() == ["SeedCommitment", "0", "2"]

@@ -22,7 +22,9 @@ from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
 
 
 def update(rank: int, count: int) -> torch.Tensor:
-    return torch.rand(count, generator=torch.Generator().manual_seed(7919 + rank), dtype=torch.float64) * 2 - 1
+    return (
+        torch.rand(count, generator=torch.Generator().manual_seed(7919 + rank), dtype=torch.float64) * 2 - 1
+    )
 
 
 def main() -> int:

@@ -49,13 +49,17 @@ def _random(moduli: list[int], n: int, batch: tuple[int, ...], seed: int) -> tor
     return torch.cat(rows, dim=-2)
 
 
-def _native_and_reference(n: int, moduli: list[int]) -> tuple[tuple[torch.Tensor, torch.Tensor], NegacyclicNtt]:
+def _native_and_reference(
+    n: int, moduli: list[int]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], NegacyclicNtt]:
     roots = [primitive_root_of_unity(2 * n, q) for q in moduli]
     return native.ntt_tables(moduli, roots, n), NegacyclicNtt(n, moduli, torch.device("cpu"), native=False)
 
 
 @pytest.mark.parametrize("level", _levels())
-@pytest.mark.parametrize(("log_n", "limbs", "batch"), [(10, 1, ()), (11, 3, (2,)), (12, 4, (3,)), (13, 2, (2, 2)), (14, 5, ())])
+@pytest.mark.parametrize(
+    ("log_n", "limbs", "batch"), [(10, 1, ()), (11, 3, (2,)), (12, 4, (3,)), (13, 2, (2, 2)), (14, 5, ())]
+)
 def test_forward_and_inverse_are_bit_identical_to_the_torch_reference(
     level: str, log_n: int, limbs: int, batch: tuple[int, ...]
 ) -> None:
@@ -79,7 +83,11 @@ def test_extreme_residues_and_small_rings(level: str) -> None:
         moduli = _moduli(n, 3)
         (q, tables), reference = _native_and_reference(n, moduli)
         column = torch.tensor(moduli).unsqueeze(-1)
-        for x in (torch.zeros(3, n, dtype=torch.int64), (column - 1).expand(3, n).clone(), _random(moduli, n, (4,), n)):
+        for x in (
+            torch.zeros(3, n, dtype=torch.int64),
+            (column - 1).expand(3, n).clone(),
+            _random(moduli, n, (4,), n),
+        ):
             expected = reference.forward(x, (0, 1, 2))
             assert torch.equal(native.ntt_forward(x, q, tables, level), expected)
             assert torch.equal(native.ntt_inverse(expected, q, tables, level), x)
@@ -93,7 +101,9 @@ def test_entry_t_is_the_evaluation_at_an_odd_power_of_psi(level: str) -> None:
     q, tables = native.ntt_tables([prime], [psi], n)
     a = [random.Random(5).randrange(prime) for _ in range(n)]
     evaluated = native.ntt_forward(torch.tensor([a]), q, tables, level)[0].tolist()
-    assert evaluated == [sum(c * pow(psi, (2 * t + 1) * i, prime) for i, c in enumerate(a)) % prime for t in range(n)]
+    assert evaluated == [
+        sum(c * pow(psi, (2 * t + 1) * i, prime) for i, c in enumerate(a)) % prime for t in range(n)
+    ]
 
 
 @pytest.mark.parametrize("level", _levels())
@@ -105,11 +115,16 @@ def test_non_contiguous_inputs(level: str) -> None:
     wide = torch.remainder(wide, torch.tensor(moduli).unsqueeze(-1))
     strided = wide[..., ::2]  # stride 2 along N
     assert not strided.is_contiguous()
-    assert torch.equal(native.ntt_forward(strided, q, tables, level), reference.forward(strided.contiguous(), (0, 1, 2)))
-    batch_last = _random(moduli, n, (4,), seed=10).transpose(0, 1).contiguous().transpose(0, 1)  # [4, 3, n] view
+    assert torch.equal(
+        native.ntt_forward(strided, q, tables, level), reference.forward(strided.contiguous(), (0, 1, 2))
+    )
+    batch_last = (
+        _random(moduli, n, (4,), seed=10).transpose(0, 1).contiguous().transpose(0, 1)
+    )  # [4, 3, n] view
     assert not batch_last.is_contiguous()
     assert torch.equal(
-        native.ntt_inverse(batch_last, q, tables, level), reference.inverse(batch_last.contiguous(), (0, 1, 2))
+        native.ntt_inverse(batch_last, q, tables, level),
+        reference.inverse(batch_last.contiguous(), (0, 1, 2)),
     )
 
 
@@ -137,7 +152,9 @@ def test_the_engine_ntt_uses_native_ops_and_matches_the_torch_path(monkeypatch: 
         assert torch.equal(with_native.inverse(rows, ids), reference.inverse(rows, ids))
 
 
-@pytest.mark.parametrize("shapes", [((3, 64), (3, 64), (3, 1)), ((2, 1, 3, 64), (4, 3, 64), (3, 1)), ((3, 64), (64,), (3, 1))])
+@pytest.mark.parametrize(
+    "shapes", [((3, 64), (3, 64), (3, 1)), ((2, 1, 3, 64), (4, 3, 64), (3, 1)), ((3, 64), (64,), (3, 1))]
+)
 def test_mul_mod_and_mul_add_mod_match_the_reference(
     shapes: tuple[tuple[int, ...], ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,7 +170,10 @@ def test_mul_mod_and_mul_add_mod_match_the_reference(
     def residues(shape: tuple[int, ...]) -> torch.Tensor:  # shape [..., 3, 64]: row r below moduli[r]
         return torch.remainder(torch.randint(0, 1 << 62, shape, generator=generator), q)
 
-    a, b = residues(shapes[0]), torch.remainder(torch.randint(0, 1 << 62, shapes[1], generator=generator), min(moduli))
+    a, b = (
+        residues(shapes[0]),
+        torch.remainder(torch.randint(0, 1 << 62, shapes[1], generator=generator), min(moduli)),
+    )
     c = residues(shapes[0])
     expected = reference(a, b, q)
     assert torch.equal(native.mul_mod(a, b, q), expected)
@@ -211,7 +231,9 @@ def _run_without_compiler(tmp_path: Path, *, require: bool) -> subprocess.Comple
         "assert torch.equal(ntt.inverse(ntt.forward(x, (0,)), (0,)), x)\n"
         "print(ntt.native_level, len([w for w in caught if 'native kernels unavailable' in str(w.message)]))\n"
     )
-    return subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_without_a_compiler_the_torch_path_runs_with_one_warning(tmp_path: Path) -> None:

@@ -52,7 +52,9 @@ CASES = {
 }
 
 
-def _engines(parameters: CkksParameters, level: str, monkeypatch: pytest.MonkeyPatch) -> tuple[CkksEngine, CkksEngine]:
+def _engines(
+    parameters: CkksParameters, level: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[CkksEngine, CkksEngine]:
     monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
     reference = CkksEngine(parameters, rng_seed=5)
     monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, level)
@@ -63,13 +65,17 @@ def _engines(parameters: CkksParameters, level: str, monkeypatch: pytest.MonkeyP
 
 def _residues(engine: CkksEngine, ids: tuple[int, ...], batch: tuple[int, ...], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(0, engine.moduli[i], (*batch, 1, engine.ring_degree), generator=generator) for i in ids]
+    rows = [
+        torch.randint(0, engine.moduli[i], (*batch, 1, engine.ring_degree), generator=generator) for i in ids
+    ]
     return torch.cat(rows, dim=-2)
 
 
 @pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", list(CASES))
-def test_key_switching_and_mod_down_are_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_switching_and_mod_down_are_bit_identical(
+    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference, engine = _engines(CASES[case], level, monkeypatch)
     with monkeypatch.context() as patch:
         patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
@@ -102,7 +108,9 @@ def test_key_switching_and_mod_down_are_bit_identical(case: str, level: str, mon
 
 @pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n8", "n1024", "n2048-50bit", "n16384"])
-def test_rescale_is_bit_identical_in_both_domains(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rescale_is_bit_identical_in_both_domains(
+    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference, engine = _engines(CASES[case], level, monkeypatch)
     for depth, batch in ((0, (3,)), (reference.parameters.max_depth - 1, ())):
         ids = reference.q_ids_at(depth)
@@ -127,7 +135,9 @@ def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
     with monkeypatch.context() as patch:
         patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
         keys = reference.generate_keys(rotation_steps=(1, -3), conjugation=True)
-        x = torch.rand(3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        x = torch.rand(
+            3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+        )
         ct = reference.encode_encrypt(x, keys.public)
         expected = [
             reference.rescale(reference.relinearize(reference.multiply(ct, ct), keys.relin())).data,
@@ -144,7 +154,9 @@ def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
     for got, want in zip(results, expected, strict=True):
         assert torch.equal(got, want)
     # and the values decrypt: x^2 after the native multiply, x rolled by one after the rotation
-    decoded = engine.decode(engine.decrypt(engine.rescale(engine.relinearize(engine.multiply(ct, ct), keys.relin())), keys.secret))
+    decoded = engine.decode(
+        engine.decrypt(engine.rescale(engine.relinearize(engine.multiply(ct, ct), keys.relin())), keys.secret)
+    )
     assert torch.allclose(decoded.real, x**2, atol=1e-4)
 
 
@@ -180,12 +192,16 @@ def test_rns_ops_have_fake_implementations() -> None:
     torch.library.opcheck(ops.key_switch_lifted.default, (lifted, key, digits, rows, q, tables, level))
     values = torch.remainder(torch.randint(0, 1 << 62, (2, 4, n), generator=generator), column)
     torch.library.opcheck(ops.divide_round.default, (values, q, tables, 3, True, level))
-    torch.library.opcheck(ops.divide_round.default, (x, q[:3].contiguous(), tables[:3].contiguous(), 0, False, level))
+    torch.library.opcheck(
+        ops.divide_round.default, (x, q[:3].contiguous(), tables[:3].contiguous(), 0, False, level)
+    )
 
 
 @pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n8", "n1024", "n2048-50bit", "n16384"])
-def test_encryption_mod_down_and_encrypt_are_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_encryption_mod_down_and_encrypt_are_bit_identical(
+    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference, engine = _engines(CASES[case], level, monkeypatch)
     for depth, batch in ((0, (2,)), (reference.parameters.max_depth, ())):
         ids = reference.q_ids_at(depth)
@@ -214,7 +230,9 @@ def test_encryption_mod_down_and_encrypt_are_bit_identical(case: str, level: str
         assert torch.equal(ct.data, expected_ct.data)
 
 
-def _torch_reference(monkeypatch: pytest.MonkeyPatch, function: object, *arguments: torch.Tensor) -> torch.Tensor:
+def _torch_reference(
+    monkeypatch: pytest.MonkeyPatch, function: object, *arguments: torch.Tensor
+) -> torch.Tensor:
     with monkeypatch.context() as patch:
         patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
         result = function(*arguments)  # type: ignore[operator]
@@ -225,9 +243,17 @@ def _torch_reference(monkeypatch: pytest.MonkeyPatch, function: object, *argumen
 @pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize(
     "shapes",
-    [((3, 64), (3, 64)), ((2, 1, 3, 67), (4, 3, 67)), ((3, 64), (64,)), ((2, 3, 16), (1, 1, 1)), ((5, 3, 1000), (5, 3, 1000))],
+    [
+        ((3, 64), (3, 64)),
+        ((2, 1, 3, 67), (4, 3, 67)),
+        ((3, 64), (64,)),
+        ((2, 3, 16), (1, 1, 1)),
+        ((5, 3, 1000), (5, 3, 1000)),
+    ],
 )
-def test_elementwise_ops_are_bit_identical(shapes: tuple[tuple[int, ...], ...], level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_elementwise_ops_are_bit_identical(
+    shapes: tuple[tuple[int, ...], ...], level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from fhelium.engine import modular as mod
 
     moduli = [(1 << 50) - 27, (1 << 40) - 87, (1 << 30) - 35]
@@ -236,7 +262,9 @@ def test_elementwise_ops_are_bit_identical(shapes: tuple[tuple[int, ...], ...], 
 
     def residues(shape: tuple[int, ...]) -> torch.Tensor:
         x = torch.randint(0, 1 << 62, shape, generator=generator)
-        return torch.remainder(x, q) if len(shape) >= 2 and shape[-2] == 3 else torch.remainder(x, min(moduli))
+        return (
+            torch.remainder(x, q) if len(shape) >= 2 and shape[-2] == 3 else torch.remainder(x, min(moduli))
+        )
 
     a, b = residues(shapes[0]), residues(shapes[1])
     a.view(-1)[:3] = 0  # the extremes 0 and q - 1 among random entries
@@ -251,7 +279,9 @@ def test_elementwise_ops_are_bit_identical(shapes: tuple[tuple[int, ...], ...], 
         expected = _torch_reference(monkeypatch, reference, *arguments)
         assert torch.equal(ours(*arguments, level=level), expected), name
     product = _torch_reference(monkeypatch, lambda x, y, m: mod.mul_mod(x, y, m, 1.0 / m.double()), a, b, q)
-    assert torch.equal(native.mul_add_mod(a, b, c, q, level=level), _torch_reference(monkeypatch, mod.add_mod, product, c, q))
+    assert torch.equal(
+        native.mul_add_mod(a, b, c, q, level=level), _torch_reference(monkeypatch, mod.add_mod, product, c, q)
+    )
     # in place on a strided view (every other limb-row entry), b broadcast into it
     if a.shape == torch.broadcast_shapes(a.shape, b.shape):
         for ours_, reference_ in ((native.add_mod_, mod.add_mod_), (native.sub_mod_, mod.sub_mod_)):
@@ -269,7 +299,9 @@ def test_the_engine_modular_functions_use_the_native_ops(monkeypatch: pytest.Mon
     calls: list[str] = []
     for name in ("add_mod", "sub_mod", "add_mod_", "sub_mod_", "mul_mod"):
         original = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, _n=name, _o=original, **k: calls.append(_n) or _o(*a, **k))
+        monkeypatch.setattr(
+            native, name, lambda *a, _n=name, _o=original, **k: calls.append(_n) or _o(*a, **k)
+        )
     q = torch.tensor([[97], [193]])
     x = torch.tensor([[5, 96], [0, 192]])
     assert mod.add_mod(x, x, q).tolist() == [[10, 95], [0, 191]]
@@ -301,7 +333,11 @@ def test_sampling_to_ntt_is_bit_identical(case: str, level: str, monkeypatch: py
     ids = tuple(range(len(reference.moduli)))
     small = torch.randint(-20, 21, (3, 2, reference.ring_degree), generator=generator)
     small[0, 0, :2] = torch.tensor([-(min(reference.moduli) - 1), min(reference.moduli) - 1])  # the extremes
-    for values, prime_ids in ((small, ids), (small[:, 1], ids[1:3]), (small.transpose(0, 1), (ids[-1], ids[0]))):
+    for values, prime_ids in (
+        (small, ids),
+        (small[:, 1], ids[1:3]),
+        (small.transpose(0, 1), (ids[-1], ids[0])),
+    ):
         with monkeypatch.context() as patch:
             patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
             expected = reference._small_ntt(values, prime_ids)

@@ -87,8 +87,14 @@ def test_valid_description_passes() -> None:
         (lambda d: d["metadata"].update(scale=-1.0), "scale must be a positive finite"),
         (lambda d: d["metadata"].update(polynomial_domain="x"), "polynomial_domain must be one of"),
         (lambda d: d.update(tensor_names=["data", "extra"]), "tensor names do not match"),
-        (lambda d: d["tensor_metadata"].update(data={"shape": (2, 4, 8), "dtype": torch.int64}), "limb axis has 4 rows"),
-        (lambda d: d["tensor_metadata"].update(data={"shape": (2, 3, 8), "dtype": torch.float32}), "int64 or int32"),
+        (
+            lambda d: d["tensor_metadata"].update(data={"shape": (2, 4, 8), "dtype": torch.int64}),
+            "limb axis has 4 rows",
+        ),
+        (
+            lambda d: d["tensor_metadata"].update(data={"shape": (2, 3, 8), "dtype": torch.float32}),
+            "int64 or int32",
+        ),
     ],
 )
 def test_description_errors_name_the_problem(change: Any, message: str) -> None:

@@ -69,8 +69,13 @@ def main() -> int:
 
         try:
             outcome = threshold_aggregation.aggregate_mean_threshold(
-                transport, values=values, seed=args.seed, bound=args.bound, lower=args.lower,
-                share_timeout_s=args.share_timeout, say=lambda message: print(f"rank {rank}: {message}", flush=True),
+                transport,
+                values=values,
+                seed=args.seed,
+                bound=args.bound,
+                lower=args.lower,
+                share_timeout_s=args.share_timeout,
+                say=lambda message: print(f"rank {rank}: {message}", flush=True),
                 before_decrypt=leave_before_share if faulty == "leave" else None,
                 audit=audit if fault_args.audit_dir else None,
             )
@@ -82,7 +87,12 @@ def main() -> int:
 
     try:
         outcome = aggregation.aggregate_mean(
-            transport, values=values, seed=args.seed, bound=args.bound, lower=args.lower, parameters=parameters,
+            transport,
+            values=values,
+            seed=args.seed,
+            bound=args.bound,
+            lower=args.lower,
+            parameters=parameters,
             say=lambda message: print(f"rank {rank}: {message}", flush=True),
             public_key_hook=own_key if faulty == "foreign-key" else None,
             before_reduce=leave if faulty == "leave" else None,

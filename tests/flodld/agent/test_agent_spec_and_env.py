@@ -33,10 +33,13 @@ def envelope(**overrides: object) -> WorldEnvelope:
 
 
 def test_agent_spec_round_trips_through_hex_and_omits_unset_fields() -> None:
-    spec = AgentSpec(host="h", controller_host="127.0.0.1", controller_port=9, salt_hex="ab" * 16, devices=["cpu:2"])
+    spec = AgentSpec(
+        host="h", controller_host="127.0.0.1", controller_port=9, salt_hex="ab" * 16, devices=["cpu:2"]
+    )
     text = encode_spec(spec)
     assert bytes.fromhex(text).decode() == (
-        '{"host":"h","controller_host":"127.0.0.1","controller_port":9,"salt_hex":"' + "ab" * 16
+        '{"host":"h","controller_host":"127.0.0.1","controller_port":9,"salt_hex":"'
+        + "ab" * 16
         + '","devices":["cpu:2"],"grace_secs":5.0}'
     )
     assert decode_agent_spec(text) == spec
@@ -70,16 +73,38 @@ def test_devices_resolve_to_one_indexed_device_per_rank() -> None:
 def test_rank_environment_is_torchrun_shaped_and_carries_the_salt_only_in_the_environment() -> None:
     parent = {"PATH": "/bin", AGENT_ENV: "secret-spec", RELAY_ENV: "x", "OMP_NUM_THREADS": "1"}
     env = rank_environment(
-        parent, envelope(), local_rank=1, device="cpu:1", salt=SALT, host="b", relay_port=4000, fold="mean", cadence=1
+        parent,
+        envelope(),
+        local_rank=1,
+        device="cpu:1",
+        salt=SALT,
+        host="b",
+        relay_port=4000,
+        fold="mean",
+        cadence=1,
     )
     assert AGENT_ENV not in env and RELAY_ENV not in env
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+        "3",
+        "4",
+        "1",
+        "2",
+    )
     assert env["FLODL_CONTROLLER"] == "10.0.0.1:1337" and env["EXTRA"] == "1"
     parsed = read_rank_environment(env)
     assert parsed.salt == SALT and parsed.relay_port == 4000 and parsed.rank == 3
     assert SALT.hex() not in " ".join(program_argv())
-    cuda = rank_environment(parent, envelope(), local_rank=0, device="cuda:5", salt=SALT, host="b",
-                            relay_port=None, fold="mean", cadence=1)
+    cuda = rank_environment(
+        parent,
+        envelope(),
+        local_rank=0,
+        device="cuda:5",
+        salt=SALT,
+        host="b",
+        relay_port=None,
+        fold="mean",
+        cadence=1,
+    )
     assert cuda["CUDA_VISIBLE_DEVICES"] == "5" and "FLODL_RELAY_PORT" not in cuda
 
 
@@ -91,8 +116,15 @@ def test_rank_environment_errors_name_the_variable() -> None:
 
 
 def test_relay_environment_has_only_the_relay_role() -> None:
-    spec = RelayRoleSpec(host="b", controller_host="h", controller_port=5, salt_hex=SALT.hex(),
-                         host_key_hex=SALT.hex(), ranks=[2], listen_fd=7)
+    spec = RelayRoleSpec(
+        host="b",
+        controller_host="h",
+        controller_port=5,
+        salt_hex=SALT.hex(),
+        host_key_hex=SALT.hex(),
+        ranks=[2],
+        listen_fd=7,
+    )
     env = relay_environment({AGENT_ENV: "x", "RANK": "1", "FLODL_CONTROLLER": "h:5"}, spec)
     assert set(env) == {RELAY_ENV}
     assert current_role(env) is Role.RELAY
@@ -107,10 +139,15 @@ def test_role_dispatch_refuses_two_roles_at_once() -> None:
 
 
 def test_address_rewrite_replaces_the_controller_in_envelope_and_relay_only() -> None:
-    formed = WorldFormed(envelope=envelope(), relay=RelaySpec(data_port=1337, control_port=1337, fold="mean", cadence=1))
+    formed = WorldFormed(
+        envelope=envelope(), relay=RelaySpec(data_port=1337, control_port=1337, fold="mean", cadence=1)
+    )
     rewritten = rewrite_controller_address(formed, "127.0.0.1", 40123)
     assert (rewritten.envelope.controller_host, rewritten.envelope.controller_port) == ("127.0.0.1", 40123)
-    assert rewritten.relay is not None and (rewritten.relay.data_port, rewritten.relay.control_port) == (40123, 40123)
-    assert rewritten.envelope.model_dump(exclude={"controller_host", "controller_port"}) == formed.envelope.model_dump(
-        exclude={"controller_host", "controller_port"}
+    assert rewritten.relay is not None and (rewritten.relay.data_port, rewritten.relay.control_port) == (
+        40123,
+        40123,
     )
+    assert rewritten.envelope.model_dump(
+        exclude={"controller_host", "controller_port"}
+    ) == formed.envelope.model_dump(exclude={"controller_host", "controller_port"})

@@ -39,7 +39,9 @@ EXIT_BOUND_SECS = 2 * LINK_KEEPALIVE_SECS * SCALE + GRACE_SECS + 6.0
 @pytest.fixture
 def far_namespace() -> Iterator[tuple[str, str, str]]:
     """(namespace, host-side veth, host-side address); the far end is .2 inside the namespace."""
-    require_capability("netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2")
+    require_capability(
+        "netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2"
+    )
     with netns.far_namespace("fldag", 232) as lab:
         yield lab
 
@@ -59,18 +61,43 @@ async def test_an_agent_cut_off_from_its_controller_tears_down_and_exits_non_zer
     far_namespace: tuple[str, str, str],
 ) -> None:
     namespace, near, near_address = far_namespace
-    controller = Controller(options(
-        bind_host="0.0.0.0", advertised_host=near_address, capacity=1, averaging="nccl_sync",
-        link_keepalive_secs=600.0,  # the controller must not end the link first: this is the agent's test
-        join=JoinConfig(join_timeout=60, target_ranks=1, min_rank_start=1),
-    ))
+    controller = Controller(
+        options(
+            bind_host="0.0.0.0",
+            advertised_host=near_address,
+            capacity=1,
+            averaging="nccl_sync",
+            link_keepalive_secs=600.0,  # the controller must not end the link first: this is the agent's test
+            join=JoinConfig(join_timeout=60, target_ranks=1, min_rank_start=1),
+        )
+    )
     _, port = await controller.start()
-    spec = AgentSpec(host="far", controller_host=near_address, controller_port=port, salt_hex=controller.salt_hex,
-                     devices=["cpu"], averaging="nccl_sync", grace_secs=GRACE_SECS)
-    env = {**os.environ, "FLODL_NET_TIMEOUT_SCALE": str(SCALE), "PYTHONUNBUFFERED": "1", AGENT_ENV: encode_spec(spec)}
+    spec = AgentSpec(
+        host="far",
+        controller_host=near_address,
+        controller_port=port,
+        salt_hex=controller.salt_hex,
+        devices=["cpu"],
+        averaging="nccl_sync",
+        grace_secs=GRACE_SECS,
+    )
+    env = {
+        **os.environ,
+        "FLODL_NET_TIMEOUT_SCALE": str(SCALE),
+        "PYTHONUNBUFFERED": "1",
+        AGENT_ENV: encode_spec(spec),
+    }
     agent = await asyncio.create_subprocess_exec(
-        "ip", "netns", "exec", namespace, sys.executable, str(PROGRAM), env=env,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        "ip",
+        "netns",
+        "exec",
+        namespace,
+        sys.executable,
+        str(PROGRAM),
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
     )
     lines: list[str] = []

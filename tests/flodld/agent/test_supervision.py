@@ -34,7 +34,11 @@ def test_a_failing_rank_is_reported_and_tears_the_host_down() -> None:
     assert supervisor.handle(RankExit(4, -15)) == [ReportRankExit(4, -15)]
     final = supervisor.handle(RelayExit(-15))
     assert final[0] == CloseLink()
-    assert isinstance(final[1], Finish) and final[1].exit_code == 1 and "rank 5 exited with code 3" in final[1].summary
+    assert (
+        isinstance(final[1], Finish)
+        and final[1].exit_code == 1
+        and "rank 5 exited with code 3" in final[1].summary
+    )
 
 
 def test_relay_death_mid_run_tears_down_but_a_requested_stop_does_not() -> None:
@@ -66,5 +70,7 @@ def test_a_relay_that_stops_cleanly_before_its_ranks_exit_is_not_a_failure() -> 
     supervisor = Supervisor("h", [0], has_relay=True)
     assert supervisor.handle(RelayExit(0)) == []  # every rank closed its legs; their exits come next
     assert supervisor.handle(RankExit(0, 0)) == [
-        ReportRankExit(0, 0), CloseLink(), Finish(0, "host 'h' finished cleanly")
+        ReportRankExit(0, 0),
+        CloseLink(),
+        Finish(0, "host 'h' finished cleanly"),
     ]

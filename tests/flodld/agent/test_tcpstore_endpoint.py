@@ -51,7 +51,9 @@ def _serve(uid: int | None = None) -> Iterator[Served]:
         mux = PortMux(counters)
         mux.register(Channel.RENDEZVOUS, service.handle)
         _, port = await mux.start("127.0.0.1", 0)
-        endpoint = AgentStoreEndpoint(ControllerAddress("127.0.0.1", port, salt, "run-1"), say=said.append, uid=uid)
+        endpoint = AgentStoreEndpoint(
+            ControllerAddress("127.0.0.1", port, salt, "run-1"), say=said.append, uid=uid
+        )
         return mux, endpoint, port, await endpoint.start()
 
     mux, endpoint, port, endpoint_port = asyncio.run_coroutine_threadsafe(main(), loop).result(10)
@@ -112,7 +114,9 @@ _CLIENT = textwrap.dedent(
 def test_torchs_tcpstore_client_gets_torchs_answers_from_the_controller_store(served: Served) -> None:
     # A flodld rank (ControllerStore) sets a key only after the TCPStore client has been waiting for it.
     def late_set() -> None:
-        store = ControllerStore("127.0.0.1", served.store_port, served.salt, "run-1", timeout=timedelta(seconds=30))
+        store = ControllerStore(
+            "127.0.0.1", served.store_port, served.salt, "run-1", timeout=timedelta(seconds=30)
+        )
         store.set("/from_controller", b"hello")
         store.close()
 
@@ -140,7 +144,9 @@ def test_torchs_tcpstore_client_gets_torchs_answers_from_the_controller_store(se
     assert out["clone"] == "1"
     assert out["late"] == "hello"
     # What the client stored is in the controller's authenticated store (torch prefixes its keys with '/').
-    store = ControllerStore("127.0.0.1", served.store_port, served.salt, "run-1", timeout=timedelta(seconds=10))
+    store = ControllerStore(
+        "127.0.0.1", served.store_port, served.salt, "run-1", timeout=timedelta(seconds=10)
+    )
     try:
         assert store.get("/k") == b"v2++" and store.get("init/") == b"1"
     finally:
@@ -181,8 +187,10 @@ def test_a_peer_of_another_uid_is_closed_before_a_byte_is_read() -> None:
 _SYSTEM_PYTHON = "/usr/bin/python3"  # the test user cannot run root's interpreter under /root
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None or not os.access(_SYSTEM_PYTHON, os.X_OK),
-                    reason="needs root, setpriv and /usr/bin/python3 to be another uid")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not os.access(_SYSTEM_PYTHON, os.X_OK),
+    reason="needs root, setpriv and /usr/bin/python3 to be another uid",
+)
 def test_a_connection_from_another_real_uid_is_refused(served: Served) -> None:
     from tests.flodld.fanout.joinuser import as_join_user, join_user
 

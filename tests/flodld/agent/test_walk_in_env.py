@@ -47,16 +47,24 @@ async def run_agent(env: dict[str, str], *, token: str | None, cluster_env: bool
                       open_admission=token is None)  # fmt: skip
     controller = Controller(options(averaging="nccl_sync", env=env, join=join))
     _, port = await controller.start()
-    extra = {name: value for name, value in (("cluster_env", cluster_env), ("accept_env", accept_env)) if value}
+    extra = {
+        name: value for name, value in (("cluster_env", cluster_env), ("accept_env", accept_env)) if value
+    }
     spec = AgentSpec(host="walker", controller_host="127.0.0.1", controller_port=port, salt_hex=token,
                      devices=["cpu"], averaging="nccl_sync", **extra)  # type: ignore[arg-type]  # fmt: skip
     # The agent's own PYTHONPATH (where flodld is) stays: only the controller's values are under test.
-    environ = {name: value for name, value in os.environ.items() if name not in REPORTED or name == "PYTHONPATH"}
+    environ = {
+        name: value for name, value in os.environ.items() if name not in REPORTED or name == "PYTHONPATH"
+    }
     environ.update({"PYTHONUNBUFFERED": "1", "FLODL_TEST_REPORT_ENV": ",".join(REPORTED),
                     AGENT_ENV: encode_spec(spec)})  # fmt: skip
     agent = await asyncio.create_subprocess_exec(
-        sys.executable, str(PROGRAM), env=environ, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        str(PROGRAM),
+        env=environ,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     try:
         out, _ = await asyncio.wait_for(agent.communicate(), 120)
@@ -119,7 +127,11 @@ async def test_a_fan_out_agent_keeps_the_cluster_env(tmp_path: Path) -> None:
     code, output, seen = await run_agent(env, token=secrets.token_hex(16), cluster_env=True)
     assert code == 0, output
     assert seen is not None, output
-    assert (seen["PYTHONSTARTUP"], seen["MYAPP_MODE"], seen["NCCL_DEBUG"]) == (env["PYTHONSTARTUP"], "fast", "INFO")
+    assert (seen["PYTHONSTARTUP"], seen["MYAPP_MODE"], seen["NCCL_DEBUG"]) == (
+        env["PYTHONSTARTUP"],
+        "fast",
+        "INFO",
+    )
 
 
 def test_accept_env_comes_from_the_flag_and_the_join_block(tmp_path: Path) -> None:
@@ -132,7 +144,9 @@ def test_accept_env_comes_from_the_flag_and_the_join_block(tmp_path: Path) -> No
         parser = argparse.ArgumentParser()
         join_command.configure_parser(parser)
         args = parser.parse_args(list(words))
-        args.program_args = reparse(args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?"))
+        args.program_args = reparse(
+            args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?")
+        )
         return join_command.resolve_plan(args).spec
 
     (tmp_path / "train.py").write_text("")
@@ -142,5 +156,7 @@ def test_accept_env_comes_from_the_flag_and_the_join_block(tmp_path: Path) -> No
     assert spec.accept_env == ["MYAPP_MODE", "HF_HOME", "WANDB_MODE", "TZ"] and not spec.cluster_env
     with pytest.raises(join_command.UsageError, match="not an environment variable name"):
         plan("--project", str(tmp_path), "--accept-env", "LD_*")
-    (tmp_path / "fdl.yml").write_text(f"join:\n  address: 10.1.2.3:4000\n  program: {tmp_path / 'train.py'}\n")
+    (tmp_path / "fdl.yml").write_text(
+        f"join:\n  address: 10.1.2.3:4000\n  program: {tmp_path / 'train.py'}\n"
+    )
     assert plan("--project", str(tmp_path)).accept_env is None

@@ -36,7 +36,12 @@ def test_workers_must_not_be_empty_without_discovery() -> None:
 
 
 def test_an_empty_roster_is_fine_under_discovery() -> None:
-    cluster = ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=2, token="ab" * 16).build()
+    cluster = (
+        ClusterBuilder()
+        .controller("10.0.0.1")
+        .join(discovery=True, min_rank_start=2, token="ab" * 16)
+        .build()
+    )
     assert cluster.workers == ()
     assert cluster.capacity() == 0
 
@@ -50,7 +55,8 @@ def test_discovery_on_a_network_bind_without_a_way_in_is_refused_naming_the_thre
 
 
 @pytest.mark.parametrize(
-    "way_in", [{"token": "ab" * 16}, {"open_admission": True}, {"tunnel_only": True}],
+    "way_in",
+    [{"token": "ab" * 16}, {"open_admission": True}, {"tunnel_only": True}],
     ids=["token", "open_admission", "tunnel_only"],
 )
 def test_discovery_with_a_way_in_loads(way_in: dict[str, Any]) -> None:
@@ -60,7 +66,9 @@ def test_discovery_with_a_way_in_loads(way_in: dict[str, Any]) -> None:
 
 def test_discovery_behind_an_all_tunneled_roster_binds_loopback_and_loads() -> None:
     cluster = (
-        ClusterBuilder().controller("10.0.0.1").join(discovery=True, min_rank_start=1)
+        ClusterBuilder()
+        .controller("10.0.0.1")
+        .join(discovery=True, min_rank_start=1)
         .worker("node-a", devices=["cpu"], path="/srv/p", tunnel=True)
         .build()
     )
@@ -243,8 +251,12 @@ def test_ssh_target_defaults_to_the_worker_host() -> None:
 
 @pytest.mark.parametrize("key", ["docker", "arch"])
 def test_controller_docker_and_arch_are_refused_as_not_implemented(key: str) -> None:
-    found = failures(ClusterBuilder().controller("10.0.0.1", **{key: "cuda"}).worker("127.0.0.1", devices=["cpu"]))
-    assert "not implemented" in found[f"controller.{key}"] and f"workers[].{key}" in found[f"controller.{key}"]
+    found = failures(
+        ClusterBuilder().controller("10.0.0.1", **{key: "cuda"}).worker("127.0.0.1", devices=["cpu"])
+    )
+    assert (
+        "not implemented" in found[f"controller.{key}"] and f"workers[].{key}" in found[f"controller.{key}"]
+    )
 
 
 def test_controller_docker_is_refused_in_yaml_at_its_line() -> None:

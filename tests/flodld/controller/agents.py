@@ -63,7 +63,13 @@ class Agent:
 
 
 async def join(
-    port: int, key: bytes, host: str, devices: int = 1, *, open_admission: bool = False, address: str = "127.0.0.1"
+    port: int,
+    key: bytes,
+    host: str,
+    devices: int = 1,
+    *,
+    open_admission: bool = False,
+    address: str = "127.0.0.1",
 ) -> Agent:
     """Dial, hello, read Accept/Reject; under open admission switch to the salt from Accept."""
     stream = await open_channel(address, port, Channel.JOIN, key, timeout=10)
@@ -79,8 +85,12 @@ async def join(
 def options(**overrides: object) -> ControllerOptions:
     """Loopback controller on an ephemeral port with scaled-down timeouts."""
     values: dict[str, object] = {
-        "bind_host": "127.0.0.1", "port": 0, "tick_interval": 0.02, "magic_deadline": 2.0,
-        "handshake_timeout": 2.0, "run_id": "test-run",
+        "bind_host": "127.0.0.1",
+        "port": 0,
+        "tick_interval": 0.02,
+        "magic_deadline": 2.0,
+        "handshake_timeout": 2.0,
+        "run_id": "test-run",
     }
     values.update(overrides)
     return ControllerOptions.model_validate(values)

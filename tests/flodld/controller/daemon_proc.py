@@ -30,8 +30,20 @@ class Daemon:
 
 async def start_daemon(*flags: str, env: dict[str, str] | None = None) -> Daemon:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1", "--run-id", "daemon-run",
-        *flags, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        sys.executable,
+        "-m",
+        "flodld",
+        "serve",
+        "--once",
+        "--port",
+        "0",
+        "--bind",
+        "127.0.0.1",
+        "--run-id",
+        "daemon-run",
+        *flags,
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
     assert proc.stderr is not None

@@ -32,7 +32,9 @@ async def open_relay(
     stream = await open_channel("127.0.0.1", port, channel, salt, timeout=5)
     listener_nonce = stream.conn.peer_nonce
     assert listener_nonce is not None
-    proof = relay_proof(host_key, host=host, channel=channel, dialer_nonce=stream.conn.nonce, listener_nonce=listener_nonce)
+    proof = relay_proof(
+        host_key, host=host, channel=channel, dialer_nonce=stream.conn.nonce, listener_nonce=listener_nonce
+    )
     await stream.send(RelayHello(host=host, ranks=ranks, proof=proof))
     reply = (await stream.recv(5)).message()
     if isinstance(reply, HelloAck):
@@ -51,7 +53,9 @@ class TwoHosts:
 @asynccontextmanager
 async def two_hosts() -> AsyncIterator[TwoHosts]:
     """A formed cpu_sync world of hosts "a" (rank 0) and "b" (rank 1); both join links stay open."""
-    opts = options(capacity=2, averaging="cpu_sync", join=JoinConfig(join_timeout=30, target_ranks=2, min_rank_start=2))
+    opts = options(
+        capacity=2, averaging="cpu_sync", join=JoinConfig(join_timeout=30, target_ranks=2, min_rank_start=2)
+    )
     controller = Controller(opts)
     attach_data_plane(controller, environ={})
     _, port = await controller.start()

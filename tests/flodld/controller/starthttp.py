@@ -18,7 +18,9 @@ def credential(token: str) -> str:
     return hmac.new(bytes.fromhex(token), b"flodld/start/v1", hashlib.sha256).hexdigest()
 
 
-async def raw(port: int, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+async def raw(
+    port: int, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     """One raw HTTP/1.1 request; (status, lower-cased headers, body). Status 0: closed without an answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", "Content-Length: 0"]
@@ -33,7 +35,9 @@ async def raw(port: int, method: str, path: str, headers: dict[str, str] | None 
         return 0, {}, b""
     head, _, body = answer.partition(b"\r\n\r\n")
     first, *rest = head.decode().split("\r\n")
-    fields = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in rest)}
+    fields = {
+        name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in rest)
+    }
     return int(first.split(" ", 2)[1]), fields, body
 
 

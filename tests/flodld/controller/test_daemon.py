@@ -65,7 +65,9 @@ async def test_serve_notifies_systemd_serves_state_json_and_exits_zero_when_the_
                     statuses.append(notify.recv(4096).decode())
                 except BlockingIOError:
                     break
-            assert any("STATUS=training" in s for s in statuses) and any("STOPPING=1" in s for s in statuses), statuses
+            assert any("STATUS=training" in s for s in statuses) and any(
+                "STOPPING=1" in s for s in statuses
+            ), statuses
         finally:
             daemon.kill()
             notify.close()
@@ -96,13 +98,16 @@ async def test_post_start_refusals_answer_each_documented_status() -> None:
     finally:
         auto.proc.send_signal(signal.SIGTERM)
         await auto.finish()
-    manual = await start_daemon("--ranks", "2", "--token", token, "--start", "manual", "--window", "0.1",
-                                "--cap", "30")
+    manual = await start_daemon(
+        "--ranks", "2", "--token", token, "--start", "manual", "--window", "0.1", "--cap", "30"
+    )
     try:
         status, body = await http(manual.port, "POST", "/start", START)
         assert (status, body["code"]) == (409, "quorum_not_met") and "0 of 2" in body["error"]
         agents = [await join(manual.port, salt_from_hex(token), h) for h in ("a", "b")]
-        code, raw = await _curl("-X", "POST", "-H", "X-Flodld-Start: 1", f"http://127.0.0.1:{manual.port}/start")
+        code, raw = await _curl(
+            "-X", "POST", "-H", "X-Flodld-Start: 1", f"http://127.0.0.1:{manual.port}/start"
+        )
         assert code == 200 and json.loads(raw)["armed"] is True
         await asyncio.gather(*(agent.world() for agent in agents))
         status, body = await http(manual.port, "POST", "/start", START)
@@ -116,7 +121,18 @@ async def test_post_start_refusals_answer_each_documented_status() -> None:
 
 async def test_bad_config_exits_two_with_a_reason() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodld", "serve", "--port", "0", "--start", "manual", "--target", "2", "--ranks", "2",
+        sys.executable,
+        "-m",
+        "flodld",
+        "serve",
+        "--port",
+        "0",
+        "--start",
+        "manual",
+        "--target",
+        "2",
+        "--ranks",
+        "2",
         stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), 20)

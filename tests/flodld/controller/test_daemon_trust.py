@@ -27,13 +27,16 @@ async def test_tunnel_only_with_a_network_bind_exits_two_naming_both_flags_and_t
     code, err = await serve_exit("--tunnel-only", "--discovery", "--min-ranks", "1", "--bind", "0.0.0.0")
     assert code == 2, f"flodld served a tunnel_only window on 0.0.0.0 (exit {code}): {err[-2000:]}"
     assert "--tunnel-only" in err and "--bind" in err and "0.0.0.0" in err
-    assert "127.0.0.1" in err and "--token" in err  # the fixes: bind loopback, or drop tunnel_only for a token
+    assert (
+        "127.0.0.1" in err and "--token" in err
+    )  # the fixes: bind loopback, or drop tunnel_only for a token
     assert "event=listening" not in err  # refused before the port was ever opened
 
 
 async def test_tunnel_only_on_a_loopback_hostname_is_open_through_the_tunnel() -> None:
-    daemon = await start_daemon("--tunnel-only", "--discovery", "--min-ranks", "1", "--bind", "localhost",
-                                "--window", "20")
+    daemon = await start_daemon(
+        "--tunnel-only", "--discovery", "--min-ranks", "1", "--bind", "localhost", "--window", "20"
+    )
     try:
         agent = await join(daemon.port, OPEN_ADMISSION_KEY, "walk-in", open_admission=True)
         assert agent.accepted.ranks == [0]
@@ -64,8 +67,9 @@ async def test_a_tunneled_roster_on_a_network_bind_needs_the_salt(tmp_path: Path
 
 
 async def test_open_admission_on_a_network_bind_is_explicit_and_warned_naming_the_address() -> None:
-    daemon = await start_daemon("--open-admission", "--discovery", "--min-ranks", "1", "--bind", "0.0.0.0",
-                                "--window", "20")
+    daemon = await start_daemon(
+        "--open-admission", "--discovery", "--min-ranks", "1", "--bind", "0.0.0.0", "--window", "20"
+    )
     try:
         await asyncio.sleep(0.2)  # the warning follows the listening line
         agent = await join(daemon.port, OPEN_ADMISSION_KEY, "walk-in", open_admission=True)

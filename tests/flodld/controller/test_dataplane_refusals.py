@@ -20,12 +20,18 @@ HUGE_EMPTY = TensorSpec.model_validate({"dtype": "float32", "shape": [0] + [2**4
 async def test_a_zero_element_huge_shape_is_refused_and_the_round_completes_without_that_host() -> None:
     async with two_hosts() as world:
         salt = world.controller.salt
-        relay_a, reply = await open_relay(world.port, salt, world.keys["a"], Channel.DATA, host="a", ranks=[0])
+        relay_a, reply = await open_relay(
+            world.port, salt, world.keys["a"], Channel.DATA, host="a", ranks=[0]
+        )
         assert isinstance(reply, HelloAck)
-        relay_b, reply = await open_relay(world.port, salt, world.keys["b"], Channel.DATA, host="b", ranks=[1])
+        relay_b, reply = await open_relay(
+            world.port, salt, world.keys["b"], Channel.DATA, host="b", ranks=[1]
+        )
         assert isinstance(reply, HelloAck)
 
-        await relay_a.send(HostFrame(round=0, fold="mean", weight=1.0, contributors=[0], tensors=[HUGE_EMPTY]))
+        await relay_a.send(
+            HostFrame(round=0, fold="mean", weight=1.0, contributors=[0], tensors=[HUGE_EMPTY])
+        )
         refusal = (await relay_a.recv(5)).message()
         assert isinstance(refusal, DataPlaneError) and "tensor 0" in refusal.reason, refusal
         with pytest.raises((EOFError, ConnectionError, WireError)):

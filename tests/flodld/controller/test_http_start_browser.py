@@ -47,14 +47,17 @@ async def test_a_browser_request_never_fires_the_start(browser: dict[str, str]) 
         await stop(daemon)
 
 
-async def test_a_simple_loopback_post_without_the_start_header_is_refused_and_preflights_get_no_cors() -> None:
+async def test_a_simple_loopback_post_without_the_start_header_is_refused_and_preflights_get_no_cors() -> (
+    None
+):
     token = new_salt().hex()
     daemon = await start_daemon("--ranks", "1", "--token", token, "--start", "manual", "--window", "20")
     try:
         agent = await join(daemon.port, salt_from_hex(token), "a")
         # What a cross-site <form method=post> (or fetch no-cors) sends when the browser adds no Origin.
-        status, fields, body = await raw(daemon.port, "POST", "/start",
-                                          {"Content-Type": "application/x-www-form-urlencoded"})
+        status, fields, body = await raw(
+            daemon.port, "POST", "/start", {"Content-Type": "application/x-www-form-urlencoded"}
+        )
         answer = json.loads(body)
         assert (status, answer["code"]) == (403, "missing_token") and "X-Flodld-Start: 1" in answer["error"]
         assert "access-control-allow-origin" not in fields  # no wildcard CORS on POST

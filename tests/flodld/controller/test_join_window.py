@@ -187,7 +187,9 @@ async def test_window_expiry_with_quorum_forms_below_target() -> None:
 
 
 async def test_hard_cap_without_quorum_fails_and_aborts_every_host() -> None:
-    controller, port = await started(options(capacity=3, join=JoinConfig(join_timeout=0.2, max_join_timeout=0.5)))
+    controller, port = await started(
+        options(capacity=3, join=JoinConfig(join_timeout=0.2, max_join_timeout=0.5))
+    )
     try:
         a = await join(port, controller.salt, "a")
         b = await join(port, controller.salt, "b")
@@ -320,7 +322,9 @@ async def test_every_refusal_is_logged_with_the_peer_address(caplog: pytest.LogC
             await eventually(lambda: sum("event=join_refused" in r.getMessage() for r in caplog.records) == 2)
         lines = [r.getMessage() for r in caplog.records if "event=join_refused" in r.getMessage()]
         assert all("peer=127.0.0.1" in line for line in lines)
-        assert any("code=bad_tag" in line for line in lines) and any("code=unknown_host" in line for line in lines)
+        assert any("code=bad_tag" in line for line in lines) and any(
+            "code=unknown_host" in line for line in lines
+        )
     finally:
         await controller.close()
 
@@ -342,7 +346,9 @@ async def test_clean_exits_end_done_but_a_corrupted_link_after_formation_fails_t
         assert result.verdict is Phase.FAILED
         _, state = await http(port, "GET", "/state.json")
         links = {m["host"]: m["link"] for m in state["members"]}
-        assert links == {"a": "closed", "b": "lost", "c": "open"} and state["rank_exits"] == [{"rank": 0, "code": 0}]
+        assert links == {"a": "closed", "b": "lost", "c": "open"} and state["rank_exits"] == [
+            {"rank": 0, "code": 0}
+        ]
     finally:
         await controller.close()
 

@@ -56,7 +56,9 @@ def test_the_log_queue_is_bounded_and_reports_what_it_dropped() -> None:
             records.get_nowait()
         logger.warning("after the flood")
         notice, record = records.get_nowait(), records.get_nowait()
-        assert notice.getMessage() == "event=log_records_dropped count=6 reason='log writer behind; queue full'"
+        assert (
+            notice.getMessage() == "event=log_records_dropped count=6 reason='log writer behind; queue full'"
+        )
         assert notice.levelno == logging.WARNING
         assert record.getMessage() == "after the flood" and handler.dropped == 0
     finally:

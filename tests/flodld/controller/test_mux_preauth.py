@@ -36,7 +36,9 @@ SOURCE = "127.0.0.9"  # a loopback alias, with the loopback exemption turned off
 
 
 @asynccontextmanager
-async def serving(*, limit: int = 4, budget: int = 1 << 20) -> AsyncIterator[tuple[PortMux, int, list[object]]]:
+async def serving(
+    *, limit: int = 4, budget: int = 1 << 20
+) -> AsyncIterator[tuple[PortMux, int, list[object]]]:
     """A mux whose stream channels run accept_channel and then echo every frame."""
     seen: list[object] = []
 
@@ -50,7 +52,9 @@ async def serving(*, limit: int = 4, budget: int = 1 << 20) -> AsyncIterator[tup
             seen.append(error)
 
     mux = PortMux(
-        ControllerCounters(), gate=PreAdmissionGate(limit, exempt_loopback=False), budget=PreAuthBudget(budget),
+        ControllerCounters(),
+        gate=PreAdmissionGate(limit, exempt_loopback=False),
+        budget=PreAuthBudget(budget),
         magic_deadline=10.0,
     )
     for channel in (Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL):
@@ -116,8 +120,12 @@ async def test_a_wrong_key_never_releases_the_slot_early(channel: Channel) -> No
 
 
 @pytest.mark.parametrize("channel", [Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL])
-@pytest.mark.parametrize(("payload", "tail"), [(16 * 1024 * 1024, 0), (0, 2**30), (PREAUTH_MAX_PAYLOAD + 1, 0), (10, 1)])
-async def test_a_first_frame_over_the_small_caps_is_refused_from_its_header(channel: Channel, payload: int, tail: int) -> None:
+@pytest.mark.parametrize(
+    ("payload", "tail"), [(16 * 1024 * 1024, 0), (0, 2**30), (PREAUTH_MAX_PAYLOAD + 1, 0), (10, 1)]
+)
+async def test_a_first_frame_over_the_small_caps_is_refused_from_its_header(
+    channel: Channel, payload: int, tail: int
+) -> None:
     async with serving() as (mux, port, seen):
         stream = await _dial(port, channel, key=WRONG)
         stream.writer.write(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 1, 0, payload, tail))
@@ -138,7 +146,9 @@ async def test_bytes_past_the_allowance_before_authentication_end_the_connection
                 await stream.writer.drain()
         except ConnectionError:
             pass
-        assert await _is_closed(stream)  # by the allowance or by the first frame's bad tag, whichever is first
+        assert await _is_closed(
+            stream
+        )  # by the allowance or by the first frame's bad tag, whichever is first
         await _eventually(lambda: mux.budget.used == 0)
 
 

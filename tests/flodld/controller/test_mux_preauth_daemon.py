@@ -71,19 +71,25 @@ async def test_unauthenticated_floods_on_every_channel_leave_rss_near_idle_and_t
         idle = daemon.rss_bytes()
 
         channels = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
-        held = await asyncio.gather(*(_hostile(port, channel) for channel in channels for _ in range(PER_CHANNEL)))
+        held = await asyncio.gather(
+            *(_hostile(port, channel) for channel in channels for _ in range(PER_CHANNEL))
+        )
         await asyncio.sleep(0.5)
         loaded = daemon.rss_bytes()  # while every hostile connection is still open on our side
         grew = loaded - idle
-        print(f"daemon RSS idle {idle / 2**20:.1f} MiB, under {len(held)} hostile connections "
-              f"{loaded / 2**20:.1f} MiB (+{grew / 2**20:.1f} MiB)")
+        print(
+            f"daemon RSS idle {idle / 2**20:.1f} MiB, under {len(held)} hostile connections "
+            f"{loaded / 2**20:.1f} MiB (+{grew / 2**20:.1f} MiB)"
+        )
         assert grew < RSS_SLACK, f"RSS grew by {grew / 2**20:.1f} MiB under unauthenticated floods"
 
         body = await state(port)
         assert body["phase"] == "training"
         # Still serving the run: the host's relay is admitted on DATA.
         key = agent_host_key(salt, "h", formed.envelope.run_id, agent.conn)
-        relay, reply = await open_relay(port, salt, key, Channel.DATA, host="h", ranks=list(formed.envelope.ranks))
+        relay, reply = await open_relay(
+            port, salt, key, Channel.DATA, host="h", ranks=list(formed.envelope.ranks)
+        )
         assert isinstance(reply, HelloAck), reply
         await relay.aclose()
         for _, writer in held:

@@ -18,10 +18,17 @@ def test_network_bind_unless_every_remote_worker_is_tunneled() -> None:
     )
     options = ControllerOptions.from_cluster(mixed)
     assert options.effective_bind_host == "0.0.0.0" and options.capacity == 3 and options.port == 1400
-    assert options.tunneled_hosts == frozenset({"node-a"}) and options.roster == ("localhost", "node-a", "node-b")
+    assert options.tunneled_hosts == frozenset({"node-a"}) and options.roster == (
+        "localhost",
+        "node-a",
+        "node-b",
+    )
     tunneled = (
-        ClusterBuilder().controller("10.0.0.1").worker("localhost", ["cpu"])
-        .worker("node-a", ["cpu"], path="/srv", tunnel=True).build()
+        ClusterBuilder()
+        .controller("10.0.0.1")
+        .worker("localhost", ["cpu"])
+        .worker("node-a", ["cpu"], path="/srv", tunnel=True)
+        .build()
     )
     assert ControllerOptions.from_cluster(tunneled).effective_bind_host == "127.0.0.1"
     assert ControllerOptions.from_cluster(tunneled, bind_host="::").effective_bind_host == "::"
@@ -38,14 +45,21 @@ def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> 
         "--host", "10.0.0.5", "--port", "1400", "--bind", "127.0.0.1", "--ranks", "6", "--averaging", "cpu_sync",
         "--run-id", "r1", "--tolerance", "2", "--target", "6", "--window", "30",
     ]))  # fmt: skip
-    assert (given.advertised_host, given.port, given.bind_host, given.capacity) == ("10.0.0.5", 1400, "127.0.0.1", 6)
+    assert (given.advertised_host, given.port, given.bind_host, given.capacity) == (
+        "10.0.0.5",
+        1400,
+        "127.0.0.1",
+        6,
+    )
     assert (given.averaging, given.run_id, given.tolerance) == ("cpu_sync", "r1", 2)
     assert (given.join.target_ranks, given.join.join_timeout) == (6, 30.0)
     defaults = options_from_args(parser.parse_args([]))
     assert defaults.tolerance == 0 and defaults.join.target_ranks is None and defaults.run_id != "r1"
 
 
-def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import argparse
 
     from flodld.controller.daemon import add_serve_arguments, options_from_args
@@ -55,13 +69,23 @@ def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(capsys:
     given = options_from_args(parser.parse_args(["--averaging", "nccl_sync"]))
     assert given.averaging is AveragingMode.NCCL_SYNC and not given.cpu_averaging
     assert ControllerOptions(averaging="cpu_cadence").averaging is AveragingMode.CPU_CADENCE  # type: ignore[arg-type]
-    cluster = ClusterBuilder().controller("10.0.0.1", averaging="cpu_async").worker("localhost", ["cpu"]).build()
+    cluster = (
+        ClusterBuilder().controller("10.0.0.1", averaging="cpu_async").worker("localhost", ["cpu"]).build()
+    )
     assert ControllerOptions.from_cluster(cluster).averaging is AveragingMode.CPU_ASYNC
-    with pytest.raises(SystemExit) as refused:  # an unknown mode stops at the command line, naming the choices
+    with pytest.raises(
+        SystemExit
+    ) as refused:  # an unknown mode stops at the command line, naming the choices
         parser.parse_args(["--averaging", "cpu_fast"])
     assert refused.value.code == 2
     usage = capsys.readouterr().err
     assert all(mode.value in usage for mode in AveragingMode)
-    with pytest.raises(PolicyError, match=r"cpu_sync / cpu_cadence / cpu_async\), but averaging is 'nccl_sync'"):
-        derive_policy(JoinConfig(discovery=True, tunnel_only=True, min_rank_start=1), capacity=0, loopback_bind=True,
-                      averaging=AveragingMode.NCCL_SYNC)
+    with pytest.raises(
+        PolicyError, match=r"cpu_sync / cpu_cadence / cpu_async\), but averaging is 'nccl_sync'"
+    ):
+        derive_policy(
+            JoinConfig(discovery=True, tunnel_only=True, min_rank_start=1),
+            capacity=0,
+            loopback_bind=True,
+            averaging=AveragingMode.NCCL_SYNC,
+        )

@@ -49,17 +49,41 @@ class _Elements(HTMLParser):
 
 def _state(**changes: Any) -> dict[str, Any]:
     state: dict[str, Any] = {
-        "phase": "staging", "reason": "staging: 3 ranks in, quorum 3 met", "run_id": "r1",
-        "controller": "10.0.0.1:1337", "joined_ranks": 3, "joined_hosts": 2, "quorum": 3, "target": 6,
-        "window_remaining_secs": 125.4, "cap_remaining_secs": 3725.0, "start_mode": "hybrid",
-        "start_armed": False, "startable": True,
+        "phase": "staging",
+        "reason": "staging: 3 ranks in, quorum 3 met",
+        "run_id": "r1",
+        "controller": "10.0.0.1:1337",
+        "joined_ranks": 3,
+        "joined_hosts": 2,
+        "quorum": 3,
+        "target": 6,
+        "window_remaining_secs": 125.4,
+        "cap_remaining_secs": 3725.0,
+        "start_mode": "hybrid",
+        "start_armed": False,
+        "startable": True,
         "members": [
-            {"host": "node-a", "ranks": [0], "devices": ["cuda:0"], "device_labels": ["H100"], "variant": "cu124",
-             "joined_at_secs": 1.7, "link": "open"},
-            {"host": "node-b", "ranks": [1, 2], "devices": ["cpu:0", "cpu:1"], "device_labels": [], "variant": "cpu",
-             "joined_at_secs": 12.2, "link": "lost"},
+            {
+                "host": "node-a",
+                "ranks": [0],
+                "devices": ["cuda:0"],
+                "device_labels": ["H100"],
+                "variant": "cu124",
+                "joined_at_secs": 1.7,
+                "link": "open",
+            },
+            {
+                "host": "node-b",
+                "ranks": [1, 2],
+                "devices": ["cpu:0", "cpu:1"],
+                "device_labels": [],
+                "variant": "cpu",
+                "joined_at_secs": 12.2,
+                "link": "lost",
+            },
         ],
-        "missing": ["gpu-node-7"], "refused": {"bad_token": 2, "duplicate_host": 5},
+        "missing": ["gpu-node-7"],
+        "refused": {"bad_token": 2, "duplicate_host": 5},
         "rank_exits": [{"rank": 0, "code": 0}, {"rank": 1, "code": -9}],
         "connections": {"by_channel": {}, "dropped": {}},
     }
@@ -73,26 +97,60 @@ HOSTILE = '"><script>alert(1)</script><img src=x onerror=alert(2)>&amp;'
 def test_the_fallback_shows_every_part_of_the_state() -> None:
     page = _Elements(render_page(_state()))
     text = " ".join(page.text)
-    for expected in ("staging", "quorum met, window still open", "staging: 3 ranks in, quorum 3 met", "2m 05s left",
-                     "1h 02m left", "quorum 3, target 6", "hybrid — startable — fire with `fdl start`", "node-a",
-                     "1× H100", "cu124", "+1s", "1–2", "cpu:0, cpu:1", "lost", "gpu-node-7", "duplicate_host",
-                     "rank exits (2, 1 non-zero)", "-9"):
+    for expected in (
+        "staging",
+        "quorum met, window still open",
+        "staging: 3 ranks in, quorum 3 met",
+        "2m 05s left",
+        "1h 02m left",
+        "quorum 3, target 6",
+        "hybrid — startable — fire with `fdl start`",
+        "node-a",
+        "1× H100",
+        "cu124",
+        "+1s",
+        "1–2",
+        "cpu:0, cpu:1",
+        "lost",
+        "gpu-node-7",
+        "duplicate_host",
+        "rank exits (2, 1 non-zero)",
+        "-9",
+    ):
         assert expected in text, expected
     assert text.index("duplicate_host") < text.index("bad_token")  # refusals by count, largest first
     assert page.by_id("phase")["class"] == "phase phase-staging"
     assert page.by_id("app")["data-source"] == "server"
-    bar = next(attrs for tag, attrs in page.tags if tag == "div" and (attrs.get("class") or "").startswith("bar"))
+    bar = next(
+        attrs for tag, attrs in page.tags if tag == "div" and (attrs.get("class") or "").startswith("bar")
+    )
     assert bar["class"] == "bar met"
-    assert ("div", {"class": "fill w50"}) in page.tags and ("div", {"class": "mark l50", "title": "quorum"}) in page.tags
+    assert ("div", {"class": "fill w50"}) in page.tags and (
+        "div",
+        {"class": "mark l50", "title": "quorum"},
+    ) in page.tags
     assert not any(attrs.get("id") == "history" for _, attrs in page.tags)  # no history without the service
 
 
 def test_every_value_is_escaped_in_the_fallback() -> None:
-    hostile_member = {"host": HOSTILE, "ranks": [0], "devices": [HOSTILE], "device_labels": [], "variant": HOSTILE,
-                      "joined_at_secs": 0, "link": HOSTILE}
+    hostile_member = {
+        "host": HOSTILE,
+        "ranks": [0],
+        "devices": [HOSTILE],
+        "device_labels": [],
+        "variant": HOSTILE,
+        "joined_at_secs": 0,
+        "link": HOSTILE,
+    }
     state = _state(
-        phase=HOSTILE, reason=HOSTILE, run_id=HOSTILE, controller=HOSTILE, start_mode=HOSTILE,
-        members=[hostile_member], missing=[HOSTILE], refused={HOSTILE: 1},
+        phase=HOSTILE,
+        reason=HOSTILE,
+        run_id=HOSTILE,
+        controller=HOSTILE,
+        start_mode=HOSTILE,
+        members=[hostile_member],
+        missing=[HOSTILE],
+        refused={HOSTILE: 1},
         history=[{"run_id": HOSTILE, "verdict": HOSTILE, "reason": HOSTILE, "ended_at": HOSTILE}],
     )
     document = render_page(state)
@@ -111,26 +169,66 @@ def test_every_value_is_escaped_in_the_fallback() -> None:
 def test_no_state_yet_and_a_closed_window() -> None:
     page = _Elements(render_page(None))
     assert "no membership state published yet" in page.text
-    closed = " ".join(_Elements(render_page(_state(
-        phase="training", window_remaining_secs=None, cap_remaining_secs=None, start_mode="manual",
-        startable=False, members=[], missing=[], refused={}, rank_exits=[]))).text)
+    closed = " ".join(
+        _Elements(
+            render_page(
+                _state(
+                    phase="training",
+                    window_remaining_secs=None,
+                    cap_remaining_secs=None,
+                    start_mode="manual",
+                    startable=False,
+                    members=[],
+                    missing=[],
+                    refused={},
+                    rank_exits=[],
+                )
+            )
+        ).text
+    )
     assert "closed" in closed and "none joined yet" in closed and "nobody on the roster is missing" in closed
     assert "manual — window closed" in closed and "none reported" in closed
 
 
 def test_long_lists_are_cut_with_a_note() -> None:
-    members = [{"host": f"h{i}", "ranks": [i], "devices": ["cpu:0"], "device_labels": [], "variant": "cpu",
-                "joined_at_secs": 0, "link": "open"} for i in range(MAX_ROWS + 7)]
+    members = [
+        {
+            "host": f"h{i}",
+            "ranks": [i],
+            "devices": ["cpu:0"],
+            "device_labels": [],
+            "variant": "cpu",
+            "joined_at_secs": 0,
+            "link": "open",
+        }
+        for i in range(MAX_ROWS + 7)
+    ]
     page = _Elements(render_page(_state(members=members, missing=[f"m{i}" for i in range(MAX_ROWS + 3)])))
-    assert sum(1 for tag, _ in page.tags if tag == "tr") == (MAX_ROWS + 1) + 3 + 3  # hosts, refusals, exits (+ heads)
+    assert (
+        sum(1 for tag, _ in page.tags if tag == "tr") == (MAX_ROWS + 1) + 3 + 3
+    )  # hosts, refusals, exits (+ heads)
     text = " ".join(page.text)
-    assert f"hosts ({MAX_ROWS + 7})" in text and "7 more hosts not shown" in text and "3 more names not shown" in text
+    assert (
+        f"hosts ({MAX_ROWS + 7})" in text
+        and "7 more hosts not shown" in text
+        and "3 more names not shown" in text
+    )
 
 
 def test_a_paged_member_list_shows_the_world_total() -> None:
     """state.json lists the first page of members (`members_page`); the page counts the whole world."""
-    members = [{"host": f"h{i}", "ranks": [i], "devices": ["cpu:0"], "device_labels": [], "variant": "cpu",
-                "joined_at_secs": 0, "link": "open"} for i in range(MAX_ROWS)]
+    members = [
+        {
+            "host": f"h{i}",
+            "ranks": [i],
+            "devices": ["cpu:0"],
+            "device_labels": [],
+            "variant": "cpu",
+            "joined_at_secs": 0,
+            "link": "open",
+        }
+        for i in range(MAX_ROWS)
+    ]
     state = _state(members=members)
     state["members_page"] = {"start": 0, "stop": MAX_ROWS, "total": 5000}
     text = " ".join(_Elements(render_page(state)).text)
@@ -139,23 +237,52 @@ def test_a_paged_member_list_shows_the_world_total() -> None:
 
 def test_history_and_service_of_a_long_running_daemon_are_rendered_when_state_has_them() -> None:
     history = [  # RunRecord, as `flodld serve` (the service) publishes it, newest first
-        {"run_id": "sweep-2", "verdict": "failed", "reason": "window expired: quorum not met", "started_at": 1_700_000_800,
-         "formed_at": None, "ended_at": 1_700_000_842.9, "ranks": 0, "hosts": [], "rank_exits": []},
-        {"run_id": "sweep-1", "verdict": "done", "reason": "every host link closed cleanly", "started_at": 1_700_000_000,
-         "formed_at": 1_700_000_012.5, "ended_at": 1_700_000_754, "ranks": 8, "hosts": [f"n{i}" for i in range(8)],
-         "rank_exits": [{"rank": r, "code": 0 if r != 3 else 1} for r in range(8)]},
+        {
+            "run_id": "sweep-2",
+            "verdict": "failed",
+            "reason": "window expired: quorum not met",
+            "started_at": 1_700_000_800,
+            "formed_at": None,
+            "ended_at": 1_700_000_842.9,
+            "ranks": 0,
+            "hosts": [],
+            "rank_exits": [],
+        },
+        {
+            "run_id": "sweep-1",
+            "verdict": "done",
+            "reason": "every host link closed cleanly",
+            "started_at": 1_700_000_000,
+            "formed_at": 1_700_000_012.5,
+            "ended_at": 1_700_000_754,
+            "ranks": 8,
+            "hosts": [f"n{i}" for i in range(8)],
+            "rank_exits": [{"rank": r, "code": 0 if r != 3 else 1} for r in range(8)],
+        },
     ]
-    service = {"runs_started": 3, "runs": {"done": 1, "failed": 1}, "between_runs": True, "next_window_in_secs": 4.2,
-               "config": "/etc/flodld/fdl.yml", "config_loaded_at": 1_700_000_000, "config_error": "ConfigError: <bad>",
-               "history_limit": 50}
+    service = {
+        "runs_started": 3,
+        "runs": {"done": 1, "failed": 1},
+        "between_runs": True,
+        "next_window_in_secs": 4.2,
+        "config": "/etc/flodld/fdl.yml",
+        "config_loaded_at": 1_700_000_000,
+        "config_error": "ConfigError: <bad>",
+        "history_limit": 50,
+    }
     document = render_page(_state(history=history, service=service))
     page = _Elements(document)
     section = document.split('<section id="history">', 1)[1].split("</section>", 1)[0]
     rows = " | ".join(_Elements(section).text)  # the history table's cells, in order
     assert "history (2)" in rows
-    assert "sweep-2 | failed | 2023-11-14 22:27:22Z | never | 42s | 0 | — | — | window expired: quorum not met" in rows
-    assert ("sweep-1 | done | 2023-11-14 22:25:54Z | +12s | 12m 34s | 8 | n0, n1, n2, n3, n4, n5 +2 more | rank 3: 1 | "
-            "every host link closed cleanly") in rows
+    assert (
+        "sweep-2 | failed | 2023-11-14 22:27:22Z | never | 42s | 0 | — | — | window expired: quorum not met"
+        in rows
+    )
+    assert (
+        "sweep-1 | done | 2023-11-14 22:25:54Z | +12s | 12m 34s | 8 | n0, n1, n2, n3, n4, n5 +2 more | rank 3: 1 | "
+        "every host link closed cleanly"
+    ) in rows
     assert ("td", {"class": "phase phase-failed"}) in page.tags
     text = " ".join(page.text)
     assert "service: run 3 · 1 done, 1 failed · between runs — next window in 4s" in text
@@ -168,35 +295,56 @@ def test_history_and_service_of_a_long_running_daemon_are_rendered_when_state_ha
 
 def test_formatters() -> None:
     assert [fmt_secs(v) for v in (0, 59.9, 60, 3599, 3600, -3, None, True)] == [
-        "0s", "59s", "1m 00s", "59m 59s", "1h 00m", "0s", "—", "—"]
+        "0s",
+        "59s",
+        "1m 00s",
+        "59m 59s",
+        "1h 00m",
+        "0s",
+        "—",
+        "—",
+    ]
     assert fmt_ranks([7, 0, 1, 2, 3, 9, 10]) == "0–3, 7, 9–10" and fmt_ranks([]) == "—"
     assert duration_secs({"started_at": 10, "ended_at": 25.5}) == 15.5 and duration_secs({}) is None
     assert exits_summary([]) == "—" and exits_summary({"0": 0, "1": 0}) == "all 2 exited 0"
     assert start_text({"start_mode": "auto"}).startswith("auto — the window closes by itself")
-    assert start_text({"start_mode": "manual", "start_armed": True}) == "manual — armed — forming at the next tick"
+    assert (
+        start_text({"start_mode": "manual", "start_armed": True})
+        == "manual — armed — forming at the next tick"
+    )
     assert start_text({"start_mode": "hybrid", "phase": "waiting", "joined_ranks": 1, "quorum": 3}) == (
-        "hybrid — waiting for quorum (1 of 3 ranks)")
+        "hybrid — waiting for quorum (1 of 3 ranks)"
+    )
 
 
 def test_the_script_builds_text_nodes_and_only_gets() -> None:
-    assert "innerHTML" not in STATUS_JS and "outerHTML" not in STATUS_JS and "insertAdjacentHTML" not in STATUS_JS
+    assert (
+        "innerHTML" not in STATUS_JS
+        and "outerHTML" not in STATUS_JS
+        and "insertAdjacentHTML" not in STATUS_JS
+    )
     assert "eval(" not in STATUS_JS and "document.write" not in STATUS_JS
     assert 'fetch("/state.json", {method: "GET"' in STATUS_JS and STATUS_JS.count("fetch(") == 1
     assert "token" not in STATUS_JS.lower() and "/start" not in STATUS_JS
     assert "POLL_MS = 1000" in STATUS_JS  # at most once a second per tab
 
 
-async def _get(port: int, path: str, headers: dict[str, str] | None = None,
-               method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+async def _get(
+    port: int, path: str, headers: dict[str, str] | None = None, method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
     """One request without `Connection: close`, as a browser sends it: the server must close."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"] + [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"] + [
+        f"{k}: {v}" for k, v in (headers or {}).items()
+    ]
     writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
     answer = await asyncio.wait_for(reader.read(), 3)  # returns only because the server closes
     writer.close()
     head, _, body = answer.partition(b"\r\n\r\n")
     first, *rest = head.decode().split("\r\n")
-    fields = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in rest)}
+    fields = {
+        name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in rest)
+    }
     return int(first.split(" ", 2)[1]), fields, body
 
 
@@ -214,18 +362,33 @@ async def test_page_routes_carry_the_security_headers_and_root_negotiates() -> N
             "/status.css": await _get(port, "/status.css"),
         }
         types = {path: fields["content-type"] for path, (_, fields, _) in answers.items()}
-        assert types == {"/status": "text/html; charset=utf-8", "/ (browser)": "text/html; charset=utf-8",
-                         "/status.js": "text/javascript; charset=utf-8", "/status.css": "text/css; charset=utf-8"}
+        assert types == {
+            "/status": "text/html; charset=utf-8",
+            "/ (browser)": "text/html; charset=utf-8",
+            "/status.js": "text/javascript; charset=utf-8",
+            "/status.css": "text/css; charset=utf-8",
+        }
         for path, (status, fields, _) in answers.items():
             assert status == 200, path
             assert fields["content-security-policy"] == CONTENT_SECURITY_POLICY, path
-            assert fields["x-content-type-options"] == "nosniff" and fields["referrer-policy"] == "no-referrer", path
-            assert fields["x-frame-options"] == "DENY" and fields["cross-origin-resource-policy"] == "same-origin"
+            assert (
+                fields["x-content-type-options"] == "nosniff" and fields["referrer-policy"] == "no-referrer"
+            ), path
+            assert (
+                fields["x-frame-options"] == "DENY"
+                and fields["cross-origin-resource-policy"] == "same-origin"
+            )
             assert "access-control-allow-origin" not in fields, path  # no CORS at all on the page
             assert fields["connection"] == "close", path
         csp = dict(part.strip().split(" ", 1) for part in CONTENT_SECURITY_POLICY.split(";"))
-        assert csp["default-src"] == "'none'" and csp["script-src"] == "'self'" and csp["style-src"] == "'self'"
-        assert csp["connect-src"] == "'self'" and csp["frame-ancestors"] == "'none'" and csp["form-action"] == "'none'"
+        assert (
+            csp["default-src"] == "'none'" and csp["script-src"] == "'self'" and csp["style-src"] == "'self'"
+        )
+        assert (
+            csp["connect-src"] == "'self'"
+            and csp["frame-ancestors"] == "'none'"
+            and csp["form-action"] == "'none'"
+        )
         assert "unsafe" not in CONTENT_SECURITY_POLICY and "*" not in CONTENT_SECURITY_POLICY
         page = answers["/status"][2].decode()
         assert "&lt;b&gt;node&lt;/b&gt;" in page and "<b>node</b>" not in page
@@ -234,10 +397,16 @@ async def test_page_routes_carry_the_security_headers_and_root_negotiates() -> N
 
         # Anything that is not a browser asking for HTML gets state.json at `/`, as before the page.
         status, fields, body = await _get(port, "/", {"Accept": "*/*"})
-        assert status == 200 and fields["content-type"].startswith("application/json") and fields["vary"] == "Accept"
+        assert (
+            status == 200
+            and fields["content-type"].startswith("application/json")
+            and fields["vary"] == "Accept"
+        )
         assert json.loads(body)["members"][0]["host"] == "<b>node</b>"
         status, fields, body = await _get(port, "/state.json")  # unchanged, but it closes like every answer
-        assert status == 200 and fields["connection"] == "close" and fields["access-control-allow-origin"] == "*"
+        assert (
+            status == 200 and fields["connection"] == "close" and fields["access-control-allow-origin"] == "*"
+        )
         status, fields, body = await _get(port, "/status", method="HEAD")
         assert status == 200 and body == b"" and fields["content-security-policy"] == CONTENT_SECURITY_POLICY
         status, _, body = await _get(port, "/nope")

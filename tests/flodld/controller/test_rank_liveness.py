@@ -17,13 +17,17 @@ from .agents import eventually, http, join, options
 from .relays import agent_host_key, open_relay
 
 LIVENESS_ENV = {
-    "FLODL_LIVENESS_TIMEOUT_SECS": "0.4", "FLODL_LIVENESS_STARTUP_SECS": "0.8", "FLODL_HEARTBEAT_INTERVAL_SECS": "0.05",
+    "FLODL_LIVENESS_TIMEOUT_SECS": "0.4",
+    "FLODL_LIVENESS_STARTUP_SECS": "0.8",
+    "FLODL_HEARTBEAT_INTERVAL_SECS": "0.05",
 }
 
 
 async def _formed(devices: int) -> tuple[Controller, int]:
     opts = options(
-        capacity=devices, averaging="cpu_sync", env=LIVENESS_ENV,
+        capacity=devices,
+        averaging="cpu_sync",
+        env=LIVENESS_ENV,
         join=JoinConfig(join_timeout=30, target_ranks=devices, min_rank_start=devices),
     )
     controller = Controller(opts)

@@ -32,7 +32,9 @@ def _fds_for(hosts: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-async def _storm(port: int, key: bytes, hosts: int, in_flight: int = 256) -> list[tuple[FramedStream, Accept]]:
+async def _storm(
+    port: int, key: bytes, hosts: int, in_flight: int = 256
+) -> list[tuple[FramedStream, Accept]]:
     gate = asyncio.Semaphore(in_flight)
 
     async def one(index: int) -> tuple[FramedStream, Accept]:
@@ -49,8 +51,11 @@ async def _storm(port: int, key: bytes, hosts: int, in_flight: int = 256) -> lis
 async def test_a_world_of_5000_hosts_forms_with_a_small_world_formed_per_host() -> None:
     _fds_for(HOSTS)
     # Handshake and magic deadlines sized for a busy 2-core CI box, not for a test of deadlines
-    controller, port = await started(options(capacity=HOSTS, join=JoinConfig(join_timeout=120),
-                                             handshake_timeout=30.0, magic_deadline=30.0))
+    controller, port = await started(
+        options(
+            capacity=HOSTS, join=JoinConfig(join_timeout=120), handshake_timeout=30.0, magic_deadline=30.0
+        )
+    )
     links: list[tuple[FramedStream, Accept]] = []
     try:
         begun = time.monotonic()
@@ -69,12 +74,18 @@ async def test_a_world_of_5000_hosts_forms_with_a_small_world_formed_per_host() 
         await eventually(lambda: controller.phase is Phase.TRAINING, timeout=30)
         # The roster is fetched once, paged, from state.json (not shipped in every WorldFormed)
         _, body = await http(port, "GET", "/state.json")
-        assert body["joined_hosts"] == HOSTS and body["members_page"] == {"start": 0, "stop": 500, "total": HOSTS}
+        assert body["joined_hosts"] == HOSTS and body["members_page"] == {
+            "start": 0,
+            "stop": 500,
+            "total": HOSTS,
+        }
         assert len(body["members"]) == 500 and body["member_counts"]["by_link"] == {"open": HOSTS}
         _, tail = await http(port, "GET", f"/state.json?members={HOSTS - 3}..{HOSTS + 10}")
         by_rank = {a.ranks[0]: f"h{i:05d}" for i, (_, a) in enumerate(links)}
         assert [m["host"] for m in tail["members"]] == [by_rank[r] for r in range(HOSTS - 3, HOSTS)]
-        print(f"{HOSTS} hosts formed {formed_in:.1f}s after the first dial; WorldFormed payload {max(sizes)} bytes")
+        print(
+            f"{HOSTS} hosts formed {formed_in:.1f}s after the first dial; WorldFormed payload {max(sizes)} bytes"
+        )
         for stream, accept in links:
             for rank in accept.ranks:
                 await stream.send(RankExited(rank=rank, code=0))
@@ -90,7 +101,7 @@ async def test_a_host_past_the_world_limit_is_refused_at_join_with_world_full() 
     controller, port = await started(options(capacity=10, join=JoinConfig(join_timeout=30)))
     try:
         assert controller.window is not None
-        controller.window.ledger.max_world_ranks = 3  # the protocol's own limit is 2**31 ranks: too many to dial
+        controller.window.ledger.max_world_ranks = 3
         first = await join(port, controller.salt, "a", devices=2)
         assert first.accepted.ranks == [0, 1]
         refused = await join(port, controller.salt, "b", devices=2)

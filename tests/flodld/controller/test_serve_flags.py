@@ -56,15 +56,21 @@ async def test_serve_with_a_missing_overlay_exits_2(tmp_path: Path) -> None:
 def test_window_flags_override_the_config(tmp_path: Path) -> None:
     config = tmp_path / "fdl.yml"
     config.write_text(cluster(1111, "{join_timeout: 30, min_rank_start: 1}"))
-    options = options_from_args(parse("--config", str(config), "--min-ranks", "3", "--discovery", "--open-admission"))
+    options = options_from_args(
+        parse("--config", str(config), "--min-ranks", "3", "--discovery", "--open-admission")
+    )
     join_config = options.join
     assert (join_config.min_rank_start, join_config.discovery, join_config.open_admission) == (3, True, True)
     assert join_config.join_timeout == 30 and not join_config.tunnel_only
     tunnel = options_from_args(parse("--discovery", "--min-ranks", "1", "--tunnel-only"))
     assert tunnel.join.tunnel_only and tunnel.effective_bind_host == "127.0.0.1"
     plain = options_from_args(parse("--ranks", "2"))
-    assert (plain.join.min_rank_start, plain.join.discovery, plain.join.open_admission, plain.join.tunnel_only) == (
-        None, False, False, False)
+    assert (
+        plain.join.min_rank_start,
+        plain.join.discovery,
+        plain.join.open_admission,
+        plain.join.tunnel_only,
+    ) == (None, False, False, False)
 
 
 @pytest.mark.multiproc

@@ -83,7 +83,10 @@ async def test_three_runs_on_one_port_each_with_its_verdict_in_the_history() -> 
         failed = history[1]
         assert failed["ranks"] == 2 and failed["hosts"] == ["a", "b"]
         assert {"rank": 0, "code": 3} in failed["rank_exits"]
-        assert failed["formed_at"] is not None and failed["started_at"] <= failed["formed_at"] <= failed["ended_at"]
+        assert (
+            failed["formed_at"] is not None
+            and failed["started_at"] <= failed["formed_at"] <= failed["ended_at"]
+        )
         assert state["service"]["runs"] == {"done": 2, "failed": 1}
         assert state["service"]["runs_started"] == 4
         _, metrics = await http_text(port, "/metrics")
@@ -99,8 +102,11 @@ async def test_three_runs_on_one_port_each_with_its_verdict_in_the_history() -> 
 
 
 async def test_each_run_gets_a_fresh_salt_without_a_configured_token() -> None:
-    opts = options(capacity=2, averaging="nccl_sync", join=JoinConfig(join_timeout=30, target_ranks=2,
-                                                                      min_rank_start=2, open_admission=True))
+    opts = options(
+        capacity=2,
+        averaging="nccl_sync",
+        join=JoinConfig(join_timeout=30, target_ranks=2, min_rank_start=2, open_admission=True),
+    )
     service = Service(opts)
     _, port = await service.listen()
     serving = asyncio.ensure_future(service.serve())
@@ -139,7 +145,9 @@ async def test_stop_aborts_the_current_run_and_records_the_reason() -> None:
 
 async def test_reload_applies_from_the_next_window_and_a_broken_config_keeps_the_old_one() -> None:
     first = two_rank_options()
-    wider = first.model_copy(update={"capacity": 3, "join": first.join.model_copy(update={"target_ranks": 3})})
+    wider = first.model_copy(
+        update={"capacity": 3, "join": first.join.model_copy(update={"target_ranks": 3})}
+    )
     loads: list[object] = [ValueError("line 3: bad key"), wider]
 
     def load() -> ControllerOptions:
@@ -212,11 +220,29 @@ def test_fdl_status_names_the_previous_run_while_the_next_window_waits() -> None
     from fdl.status import render, render_history
 
     state = {
-        "phase": "waiting", "run_id": "svc-2", "joined_ranks": 0, "joined_hosts": 0, "quorum": 2, "target": 2,
-        "window_remaining_secs": 30.0, "cap_remaining_secs": None, "members": [], "reason": "",
-        "history": [{"run_id": "svc-1", "verdict": "failed", "reason": "1 of 2 ranks failed (ranks [1])",
-                     "started_at": 100.0, "formed_at": 101.0, "ended_at": 105.5, "ranks": 2, "hosts": ["a", "b"],
-                     "rank_exits": [{"rank": 0, "code": 0}, {"rank": 1, "code": 3}]}],
+        "phase": "waiting",
+        "run_id": "svc-2",
+        "joined_ranks": 0,
+        "joined_hosts": 0,
+        "quorum": 2,
+        "target": 2,
+        "window_remaining_secs": 30.0,
+        "cap_remaining_secs": None,
+        "members": [],
+        "reason": "",
+        "history": [
+            {
+                "run_id": "svc-1",
+                "verdict": "failed",
+                "reason": "1 of 2 ranks failed (ranks [1])",
+                "started_at": 100.0,
+                "formed_at": 101.0,
+                "ended_at": 105.5,
+                "ranks": 2,
+                "hosts": ["a", "b"],
+                "rank_exits": [{"rank": 0, "code": 0}, {"rank": 1, "code": 3}],
+            }
+        ],
         "service": {"between_runs": False, "config_error": None},
     }
     text = render(state, "127.0.0.1:1337")

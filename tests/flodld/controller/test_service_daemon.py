@@ -69,10 +69,20 @@ async def test_sighup_reloads_for_the_next_window_and_a_broken_config_is_kept_ou
 
 async def test_bad_config_at_start_exits_two(tmp_path: Path) -> None:
     config = tmp_path / "fdl.yml"
-    config.write_text("cluster:\n  controller:\n    host: 127.0.0.1\n    between_runs_secs: -1\n  workers: []\n")
+    config.write_text(
+        "cluster:\n  controller:\n    host: 127.0.0.1\n    between_runs_secs: -1\n  workers: []\n"
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodld", "serve", "--config", str(config), "--port", "0",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "flodld",
+        "serve",
+        "--config",
+        str(config),
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2, err

@@ -36,9 +36,13 @@ class Clock:
 
 def test_many_readers_share_one_build_and_one_encoding() -> None:
     clock, version, builds = Clock(), [0], []
-    cache = StateCache(lambda members: builds.append(members) or {"n": len(builds)}, lambda: version[0], clock=clock)
+    cache = StateCache(
+        lambda members: builds.append(members) or {"n": len(builds)}, lambda: version[0], clock=clock
+    )
     bodies = [cache.get().body for _ in range(100)]
-    assert builds == [DEFAULT_MEMBERS] and all(body is bodies[0] for body in bodies) and bodies[0] == b'{"n":1}'
+    assert (
+        builds == [DEFAULT_MEMBERS] and all(body is bodies[0] for body in bodies) and bodies[0] == b'{"n":1}'
+    )
     version[0] += 1  # a change within the interval waits for it
     clock.now += STATE_INTERVAL_SECS / 2
     assert cache.get().data == {"n": 1}
@@ -93,7 +97,9 @@ def test_a_storm_of_lines_is_coalesced_into_a_count() -> None:
     try:
         storm = StormLog(logger, burst=5, period=1.0, clock=clock)
         for i in range(1000):
-            storm.event("joined", logging.INFO, "event=joined host=%s", f"h{i}", detail=lambda i=i: f"host=h{i}")
+            storm.event(
+                "joined", logging.INFO, "event=joined host=%s", f"h{i}", detail=lambda i=i: f"host=h{i}"
+            )
         assert len(records) == 5
         clock.now += 1.0
         storm.tick()
@@ -124,8 +130,9 @@ async def test_state_json_pages_validate_against_the_schema_and_bad_pages_are_re
 
 
 async def test_pollers_during_a_join_storm_cost_one_build_per_interval() -> None:
-    controller, port = await started(options(capacity=300, join=JoinConfig(join_timeout=60),
-                                             handshake_timeout=30.0, magic_deadline=30.0))
+    controller, port = await started(
+        options(capacity=300, join=JoinConfig(join_timeout=60), handshake_timeout=30.0, magic_deadline=30.0)
+    )
     stop = asyncio.Event()
     polls = 0
 
@@ -147,17 +154,28 @@ async def test_pollers_during_a_join_storm_cost_one_build_per_interval() -> None
         elapsed = loop.time() - begun
         assert all(a.accepted for a in agents)
         # one build per interval, plus one per phase change (waiting -> forming -> training)
-        assert controller.state_cache.builds <= elapsed / STATE_INTERVAL_SECS + 6, (controller.state_cache.builds, polls)
+        assert controller.state_cache.builds <= elapsed / STATE_INTERVAL_SECS + 6, (
+            controller.state_cache.builds,
+            polls,
+        )
         assert polls > controller.state_cache.builds
     finally:
         await controller.close()
 
 
 async def test_the_service_state_shares_the_runs_build_and_summarizes_history_hosts() -> None:
-    service = Service(ControllerOptions.model_validate({
-        "bind_host": "127.0.0.1", "port": 0, "tick_interval": 0.02, "run_id": "svc",
-        "capacity": 2, "between_runs_secs": 30,
-    }))
+    service = Service(
+        ControllerOptions.model_validate(
+            {
+                "bind_host": "127.0.0.1",
+                "port": 0,
+                "tick_interval": 0.02,
+                "run_id": "svc",
+                "capacity": 2,
+                "between_runs_secs": 30,
+            }
+        )
+    )
     task = asyncio.create_task(service.serve())
     try:
         for _ in range(200):
@@ -186,13 +204,36 @@ async def test_the_service_state_shares_the_runs_build_and_summarizes_history_ho
 def test_fdl_status_prints_the_counts_and_the_first_hosts_of_a_large_world() -> None:
     from fdl.status import LISTED_HOSTS, render, render_history
 
-    members = [{"host": f"h{i:04d}", "ranks": [i], "devices": ["cpu:0"], "device_labels": [], "variant": "cpu",
-                "joined_at_secs": 1.0, "link": "open"} for i in range(500)]
-    state = {"phase": "training", "joined_ranks": 5000, "joined_hosts": 5000, "members": members,
-             "members_page": {"start": 0, "stop": 500, "total": 5000},
-             "member_counts": {"by_link": {"open": 5000}, "by_variant": {"cpu": 5000}, "by_vendor": {"cpu": 5000}},
-             "history": [{"run_id": "r", "verdict": "done", "ranks": 5000, "hosts": ["h0000", "h0001"],
-                          "host_count": 5000, "rank_exits": []}]}
+    members = [
+        {
+            "host": f"h{i:04d}",
+            "ranks": [i],
+            "devices": ["cpu:0"],
+            "device_labels": [],
+            "variant": "cpu",
+            "joined_at_secs": 1.0,
+            "link": "open",
+        }
+        for i in range(500)
+    ]
+    state = {
+        "phase": "training",
+        "joined_ranks": 5000,
+        "joined_hosts": 5000,
+        "members": members,
+        "members_page": {"start": 0, "stop": 500, "total": 5000},
+        "member_counts": {"by_link": {"open": 5000}, "by_variant": {"cpu": 5000}, "by_vendor": {"cpu": 5000}},
+        "history": [
+            {
+                "run_id": "r",
+                "verdict": "done",
+                "ranks": 5000,
+                "hosts": ["h0000", "h0001"],
+                "host_count": 5000,
+                "rank_exits": [],
+            }
+        ],
+    }
     text = render(state, "127.0.0.1:1337")
     assert "hosts: 5000 (links open 5000; variants cpu 5000; devices cpu 5000)" in text
     assert f"hosts 0..{LISTED_HOSTS - 1} of 5000 (more: fdl status --members A..B)" in text

@@ -58,9 +58,27 @@ def daemon() -> Iterator[Daemon]:
     salt = new_salt()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1", "--run-id", RUN_ID,
-             "--ranks", "2", "--token", salt.hex(), "--window", "600"],
-            stdout=subprocess.DEVNULL, stderr=log,
+            [
+                sys.executable,
+                "-m",
+                "flodld",
+                "serve",
+                "--once",
+                "--port",
+                "0",
+                "--bind",
+                "127.0.0.1",
+                "--run-id",
+                RUN_ID,
+                "--ranks",
+                "2",
+                "--token",
+                salt.hex(),
+                "--window",
+                "600",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )
         try:
             deadline = time.monotonic() + 30

@@ -21,7 +21,9 @@ from tests.conftest import require_binary
 
 
 def test_forward_never_prompts_and_pins_the_local_end_to_loopback() -> None:
-    endpoint = parse_ssh_target("walker@gate.example:2222", "/keys/join", ("StrictHostKeyChecking=accept-new",))
+    endpoint = parse_ssh_target(
+        "walker@gate.example:2222", "/keys/join", ("StrictHostKeyChecking=accept-new",)
+    )
     argv = forward_command(endpoint, 40001, ("127.0.0.1", 1337))
     assert argv[:3] == ["ssh", "-N", "-T"]
     joined = " ".join(argv)
@@ -125,7 +127,9 @@ def test_a_local_listener_that_takes_the_forward_port_first_is_refused(
                 message = str(error)
             else:
                 forward.close()
-                raise AssertionError(f"open_forward returned a forward on port {port}, which a squatter holds")
+                raise AssertionError(
+                    f"open_forward returned a forward on port {port}, which a squatter holds"
+                )
             assert "REFUSING" in message and str(port) in message and "not this join's own ssh" in message
             squatter.setblocking(False)
             with pytest.raises(BlockingIOError):

@@ -79,7 +79,12 @@ async def _wait_no_process(marker: str, timeout: float = 20.0) -> None:
 
 
 def _worker(**settings: Any) -> ClusterConfig:
-    return ClusterBuilder().controller("10.0.0.1", 1337).worker("node-a", ["cpu:2"], path="/srv/fl", **settings).build()
+    return (
+        ClusterBuilder()
+        .controller("10.0.0.1", 1337)
+        .worker("node-a", ["cpu:2"], path="/srv/fl", **settings)
+        .build()
+    )
 
 
 @pytest.mark.parametrize(
@@ -113,7 +118,9 @@ def test_plan_carries_salt_in_the_secret_env_and_tunnel_points_at_loopback() -> 
                .worker("node-b", ["cpu:1"], path="/p", tunnel=True,
                        ssh={"target": "b.lan", "port": 2222, "user": "u", "options": ["ProxyJump=bastion"]})
                .build())  # fmt: skip
-    plan = plan_agent(cluster.workers[0], cluster, program="t.py", args=[], controller_port=1337, salt_hex="cd" * 16)
+    plan = plan_agent(
+        cluster.workers[0], cluster, program="t.py", args=[], controller_port=1337, salt_hex="cd" * 16
+    )
     assert (plan.endpoint.host, plan.endpoint.port, plan.endpoint.user) == ("b.lan", 2222, "u")
     assert plan.endpoint.parsed["ProxyJump"] == "bastion"
     spec = decode_agent_spec(plan.secret_env(40123)[AGENT_ENV])
@@ -125,7 +132,9 @@ def test_plan_carries_salt_in_the_secret_env_and_tunnel_points_at_loopback() -> 
 
 def test_untunneled_plan_dials_the_advertised_controller() -> None:
     cluster = _worker()
-    plan = plan_agent(cluster.workers[0], cluster, program="t.py", args=[], controller_port=1337, salt_hex=None)
+    plan = plan_agent(
+        cluster.workers[0], cluster, program="t.py", args=[], controller_port=1337, salt_hex=None
+    )
     spec = decode_agent_spec(plan.secret_env(None)[AGENT_ENV])
     assert (spec.controller_host, spec.controller_port, spec.salt_hex) == ("10.0.0.1", 1337, None)
     assert endpoint_for(cluster.workers[0]).host == "node-a"
@@ -169,10 +178,14 @@ async def test_agent_dying_before_formation_aborts_naming_its_host(tmp_path: Pat
     (broken / "bin" / "python").write_text("#!/bin/sh\necho 'no flodld here'\nexit 3\n")
     (broken / "bin" / "python").chmod(0o755)
     cluster = _cluster(server)
-    cluster = cluster.model_copy(update={"workers": [cluster.workers[0].model_copy(update={"arch": str(broken)})]})
+    cluster = cluster.model_copy(
+        update={"workers": [cluster.workers[0].model_copy(update={"arch": str(broken)})]}
+    )
     said: list[str] = []
     try:
-        code = await run_cluster_job(str(program), [], cluster, say=said.append, on_output=lambda host, line: None)
+        code = await run_cluster_job(
+            str(program), [], cluster, say=said.append, on_output=lambda host, line: None
+        )
     finally:
         server.close()
     assert code == 1
@@ -231,7 +244,9 @@ async def test_local_devices_all_is_probed_over_ssh_at_dispatch(tmp_path: Path) 
             assert await probe_device_count(cluster.workers[0], str(REPO)) == here
         else:  # no CUDA device: the run stops before any window opens, naming the host
             said: list[str] = []
-            code = await run_cluster_job(EXAMPLE, [], cluster, say=said.append, on_output=lambda host, line: None)
+            code = await run_cluster_job(
+                EXAMPLE, [], cluster, say=said.append, on_output=lambda host, line: None
+            )
             assert code == 1
             assert any("'remote-a'" in line and "local_devices: all found no CUDA device" in line
                        for line in said), said  # fmt: skip
@@ -248,7 +263,9 @@ async def test_busy_controller_port_fails_before_any_agent_starts(tmp_path: Path
         busy.bind(("0.0.0.0", cluster.controller.port))
         busy.listen()
         try:
-            code = await run_cluster_job(EXAMPLE, [], cluster, say=said.append, on_output=lambda host, line: None)
+            code = await run_cluster_job(
+                EXAMPLE, [], cluster, say=said.append, on_output=lambda host, line: None
+            )
         finally:
             server.close()
     assert code == 1

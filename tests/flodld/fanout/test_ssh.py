@@ -312,13 +312,17 @@ async def test_accept_new_treats_a_host_under_a_cert_authority_as_known(tmp_path
         server.close()
 
 
-async def test_accept_new_still_takes_a_new_host_beside_revoked_and_ca_lines_for_others(tmp_path: Path) -> None:
+async def test_accept_new_still_takes_a_new_host_beside_revoked_and_ca_lines_for_others(
+    tmp_path: Path,
+) -> None:
     server = await start_local_ssh_server(tmp_path)
     other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
     known = tmp_path / "known_hosts"
     known.write_text(f"@revoked * {other}\n@cert-authority *.example.org {other}\n")
     try:
-        assert (await run_remote(_accept_new(server.port, server.client_key_path, known), "echo hi"))[1].strip() == "hi"
+        assert (await run_remote(_accept_new(server.port, server.client_key_path, known), "echo hi"))[
+            1
+        ].strip() == "hi"
         assert f"[127.0.0.1]:{server.port} ssh-ed25519 " in known.read_text()
     finally:
         server.close()

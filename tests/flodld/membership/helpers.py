@@ -28,6 +28,10 @@ def hello(host: str, devices: int | list[str] = 1, **fields: Any) -> Hello:
     return Hello(**values)
 
 
-def policy(capacity: int = 2, *, loopback_bind: bool = False, averaging: str = "cpu_sync", **knobs: Any) -> WindowPolicy:
+def policy(
+    capacity: int = 2, *, loopback_bind: bool = False, averaging: str = "cpu_sync", **knobs: Any
+) -> WindowPolicy:
     """The policy `derive_policy` makes from these `controller.join:` knobs."""
-    return derive_policy(JoinConfig(**knobs), capacity=capacity, loopback_bind=loopback_bind, averaging=averaging)
+    return derive_policy(
+        JoinConfig(**knobs), capacity=capacity, loopback_bind=loopback_bind, averaging=averaging
+    )

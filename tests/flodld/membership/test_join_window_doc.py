@@ -38,7 +38,19 @@ def test_every_state_json_field_is_described() -> None:
 
 
 def test_every_admission_code_is_described() -> None:
-    codes = ["window_closed", "protocol_version", "duplicate_host", "unknown_host", "empty_devices",
-             "too_many_devices", "world_full", "vendor_mix", "dataset_mismatch", "run_id_mismatch", "nccl_skew", "model_mismatch"]
+    codes = [
+        "window_closed",
+        "protocol_version",
+        "duplicate_host",
+        "unknown_host",
+        "empty_devices",
+        "too_many_devices",
+        "world_full",
+        "vendor_mix",
+        "dataset_mismatch",
+        "run_id_mismatch",
+        "nccl_skew",
+        "model_mismatch",
+    ]
     positions = [DOC.index(f"`{code}`") for code in codes]
     assert positions == sorted(positions), "admission codes must be documented in check order"

@@ -78,29 +78,113 @@ def test_freeze_closes_the_window() -> None:
 
 
 # (name, ledger kwargs, policy kwargs, roster, earlier hellos, refused hello, code, sentence fragments)
-REFUSALS: list[tuple[str, dict[str, Any], dict[str, Any], list[str], list[Hello], Hello, str, tuple[str, ...]]] = [
-    ("protocol_version", {}, {}, [], [], hello("a", protocol_version=99), "protocol_version", ("99", "version")),
+REFUSALS: list[
+    tuple[str, dict[str, Any], dict[str, Any], list[str], list[Hello], Hello, str, tuple[str, ...]]
+] = [
+    (
+        "protocol_version",
+        {},
+        {},
+        [],
+        [],
+        hello("a", protocol_version=99),
+        "protocol_version",
+        ("99", "version"),
+    ),
     ("duplicate_host", {}, {}, [], [hello("a")], hello("a"), "duplicate_host", ("'a'", "already joined")),
     ("unknown_host", {}, {}, ["a", "b"], [], hello("x"), "unknown_host", ("'x'", "target_ranks")),
     ("empty_devices", {}, {}, [], [], hello("a", 0), "empty_devices", ("'a'", "no devices")),
     ("too_many_devices", {}, {}, [], [], hello("a", 257), "too_many_devices", ("257", "256")),
-    ("vendor_mix_inside_hello", {}, {}, [], [], hello("a", ["cpu:0", "cuda:0"]), "vendor_mix", ("cpu and cuda",)),
-    ("vendor_mix_against_cohort", {}, {}, [], [hello("a", ["cuda:0"])], hello("b"), "vendor_mix",
-     ("cohort is cuda", "'a'", "offers cpu")),
-    ("dataset_first_member", {}, {}, [], [hello("a", dataset_sig=SIG_A)], hello("b", dataset_sig=SIG_B),
-     "dataset_mismatch", ("bbbbbbbb", "aaaaaaaa", "'a'")),
-    ("dataset_configured", {"dataset_sig": SIG_A}, {}, [], [], hello("b", dataset_sig=SIG_B), "dataset_mismatch",
-     ("the controller",)),
-    ("run_id", {}, {}, [], [hello("a", run_id="run-1")], hello("b", run_id="run-2"), "run_id_mismatch",
-     ("run-2", "run-1")),
-    ("run_id_configured", {"run_id": "run-1"}, {}, [], [], hello("b", run_id="run-2"), "run_id_mismatch",
-     ("the controller",)),
-    ("nccl_skew", {}, {}, [], [hello("a", nccl_version="2.27.5")], hello("b", nccl_version="2.26.2"), "nccl_skew",
-     ("2.27", "2.26", "fdl nccl build")),
-    ("model_first_member", {}, {}, [], [hello("a", model_sig=SIG_A)], hello("b", model_sig=SIG_B),
-     "model_mismatch", ("model mismatch",)),
-    ("model_configured", {"model_sig": SIG_A}, {}, [], [], hello("b", model_sig=SIG_B), "model_mismatch",
-     ("the controller",)),
+    (
+        "vendor_mix_inside_hello",
+        {},
+        {},
+        [],
+        [],
+        hello("a", ["cpu:0", "cuda:0"]),
+        "vendor_mix",
+        ("cpu and cuda",),
+    ),
+    (
+        "vendor_mix_against_cohort",
+        {},
+        {},
+        [],
+        [hello("a", ["cuda:0"])],
+        hello("b"),
+        "vendor_mix",
+        ("cohort is cuda", "'a'", "offers cpu"),
+    ),
+    (
+        "dataset_first_member",
+        {},
+        {},
+        [],
+        [hello("a", dataset_sig=SIG_A)],
+        hello("b", dataset_sig=SIG_B),
+        "dataset_mismatch",
+        ("bbbbbbbb", "aaaaaaaa", "'a'"),
+    ),
+    (
+        "dataset_configured",
+        {"dataset_sig": SIG_A},
+        {},
+        [],
+        [],
+        hello("b", dataset_sig=SIG_B),
+        "dataset_mismatch",
+        ("the controller",),
+    ),
+    (
+        "run_id",
+        {},
+        {},
+        [],
+        [hello("a", run_id="run-1")],
+        hello("b", run_id="run-2"),
+        "run_id_mismatch",
+        ("run-2", "run-1"),
+    ),
+    (
+        "run_id_configured",
+        {"run_id": "run-1"},
+        {},
+        [],
+        [],
+        hello("b", run_id="run-2"),
+        "run_id_mismatch",
+        ("the controller",),
+    ),
+    (
+        "nccl_skew",
+        {},
+        {},
+        [],
+        [hello("a", nccl_version="2.27.5")],
+        hello("b", nccl_version="2.26.2"),
+        "nccl_skew",
+        ("2.27", "2.26", "fdl nccl build"),
+    ),
+    (
+        "model_first_member",
+        {},
+        {},
+        [],
+        [hello("a", model_sig=SIG_A)],
+        hello("b", model_sig=SIG_B),
+        "model_mismatch",
+        ("model mismatch",),
+    ),
+    (
+        "model_configured",
+        {"model_sig": SIG_A},
+        {},
+        [],
+        [],
+        hello("b", model_sig=SIG_B),
+        "model_mismatch",
+        ("the controller",),
+    ),
 ]
 
 
@@ -148,7 +232,9 @@ def test_checks_run_in_the_documented_order() -> None:
 def test_the_first_failing_check_decides() -> None:
     """A hello that fails every check is refused for each reason in turn as the earlier ones are fixed."""
     ledger = Ledger(policy(capacity=2), ["a", "b"])
-    admit(ledger, hello("a", ["cuda:0"], dataset_sig=SIG_A, run_id="r1", nccl_version="2.27", model_sig=SIG_A))
+    admit(
+        ledger, hello("a", ["cuda:0"], dataset_sig=SIG_A, run_id="r1", nccl_version="2.27", model_sig=SIG_A)
+    )
     fields: dict[str, Any] = {
         "host": "a",
         "devices": [],

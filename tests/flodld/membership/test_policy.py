@@ -90,8 +90,20 @@ def test_tunnel_only_binds_loopback() -> None:
 
 CONTRADICTIONS: list[tuple[str, dict[str, Any], int, str, tuple[str, ...]]] = [
     ("discovery_without_quorum", {"discovery": True}, 0, "cpu_sync", ("discovery", "min_rank_start")),
-    ("manual_with_target", {"start": "manual", "target_ranks": 2}, 2, "cpu_sync", ("start: manual", "target_ranks")),
-    ("token_and_open_admission", {"token": TOKEN, "open_admission": True}, 2, "cpu_sync", ("token", "open_admission")),
+    (
+        "manual_with_target",
+        {"start": "manual", "target_ranks": 2},
+        2,
+        "cpu_sync",
+        ("start: manual", "target_ranks"),
+    ),
+    (
+        "token_and_open_admission",
+        {"token": TOKEN, "open_admission": True},
+        2,
+        "cpu_sync",
+        ("token", "open_admission"),
+    ),
     ("tunnel_only_without_discovery", {"tunnel_only": True}, 2, "cpu_sync", ("tunnel_only", "discovery")),
     (
         "tunnel_only_under_nccl",
@@ -100,8 +112,20 @@ CONTRADICTIONS: list[tuple[str, dict[str, Any], int, str, tuple[str, ...]]] = [
         "nccl_sync",
         ("tunnel_only", "averaging", "cpu_sync"),
     ),
-    ("quorum_above_target", {"min_rank_start": 3, "target_ranks": 2}, 4, "cpu_sync", ("min_rank_start", "target_ranks")),
-    ("quorum_above_capacity", {"min_rank_start": 3}, 2, "cpu_sync", ("min_rank_start", "target_ranks", "capacity 2")),
+    (
+        "quorum_above_target",
+        {"min_rank_start": 3, "target_ranks": 2},
+        4,
+        "cpu_sync",
+        ("min_rank_start", "target_ranks"),
+    ),
+    (
+        "quorum_above_capacity",
+        {"min_rank_start": 3},
+        2,
+        "cpu_sync",
+        ("min_rank_start", "target_ranks", "capacity 2"),
+    ),
     (
         "discovery_quorum_above_target",
         {"discovery": True, "min_rank_start": 3, "target_ranks": 2},
@@ -109,7 +133,13 @@ CONTRADICTIONS: list[tuple[str, dict[str, Any], int, str, tuple[str, ...]]] = [
         "cpu_sync",
         ("min_rank_start", "target_ranks"),
     ),
-    ("cap_below_window", {"join_timeout": 300, "max_join_timeout": 200}, 2, "cpu_sync", ("max_join_timeout", "join_timeout")),
+    (
+        "cap_below_window",
+        {"join_timeout": 300, "max_join_timeout": 200},
+        2,
+        "cpu_sync",
+        ("max_join_timeout", "join_timeout"),
+    ),
     ("empty_roster_without_discovery", {}, 0, "cpu_sync", ("workers", "discovery")),
 ]
 
@@ -146,7 +176,14 @@ def test_summary_states_the_window_for_the_log() -> None:
 @pytest.mark.parametrize(
     ("knobs", "loopback_bind", "bound", "preshared", "trust", "network_warning"),
     [
-        ({}, True, "127.0.0.1", False, TrustMode.OPEN, False),  # tunneled workers, loopback: sshd is the check
+        (
+            {},
+            True,
+            "127.0.0.1",
+            False,
+            TrustMode.OPEN,
+            False,
+        ),  # tunneled workers, loopback: sshd is the check
         ({}, True, "::1", False, TrustMode.OPEN, False),
         ({}, True, "::ffff:127.0.0.1", False, TrustMode.OPEN, False),
         ({}, True, "0.0.0.0", False, TrustMode.PRESHARED, False),  # intent says loopback, the bind does not
@@ -156,12 +193,23 @@ def test_summary_states_the_window_for_the_log() -> None:
         ({"open_admission": True}, False, "0.0.0.0", False, TrustMode.OPEN, True),  # explicit, and loud
         ({"open_admission": True}, True, "0.0.0.0", True, TrustMode.OPEN, True),
         ({"open_admission": True}, False, "127.0.0.1", False, TrustMode.OPEN, False),
-        ({"discovery": True, "min_rank_start": 1, "tunnel_only": True}, False, "127.0.0.2", False, TrustMode.OPEN,
-         False),
+        (
+            {"discovery": True, "min_rank_start": 1, "tunnel_only": True},
+            False,
+            "127.0.0.2",
+            False,
+            TrustMode.OPEN,
+            False,
+        ),
     ],
 )
 def test_trust_follows_the_bound_address(
-    knobs: dict[str, Any], loopback_bind: bool, bound: str, preshared: bool, trust: TrustMode, network_warning: bool
+    knobs: dict[str, Any],
+    loopback_bind: bool,
+    bound: str,
+    preshared: bool,
+    trust: TrustMode,
+    network_warning: bool,
 ) -> None:
     p = derive_policy(JoinConfig(**knobs), capacity=2, loopback_bind=loopback_bind, averaging="cpu_sync",
                       bound_address=bound, preshared=preshared)  # fmt: skip

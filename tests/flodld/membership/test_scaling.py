@@ -72,7 +72,9 @@ def test_an_exit_report_costs_the_same_in_a_world_of_2000_as_of_10() -> None:
     small, large = trained_window(10), trained_window(2000)
     small.rank_exited(2, 0, 1.0)  # the frozen world computes its size once, on first use
     large.rank_exited(2, 0, 1.0)
-    assert python_calls(lambda: small.rank_exited(3, 0, 1.0)) == python_calls(lambda: large.rank_exited(3, 0, 1.0))
+    assert python_calls(lambda: small.rank_exited(3, 0, 1.0)) == python_calls(
+        lambda: large.rank_exited(3, 0, 1.0)
+    )
     assert python_calls(lambda: small.host_closed("h00003", 1.0)) == python_calls(
         lambda: large.host_closed("h00003", 1.0)
     )

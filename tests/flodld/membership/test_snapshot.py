@@ -15,7 +15,9 @@ T0 = 50.0
 
 def test_docs_state_schema_is_the_generated_schema() -> None:
     stored = (ROOT / "docs" / "state-schema.json").read_text(encoding="utf-8")
-    assert json.loads(stored) == state_schema(), "regenerate with: python -m flodld.membership docs/state-schema.json"
+    assert json.loads(stored) == state_schema(), (
+        "regenerate with: python -m flodld.membership docs/state-schema.json"
+    )
     assert stored == render_state_schema()
 
 
@@ -49,7 +51,12 @@ def test_snapshot_reports_members_missing_workers_refusals_and_exits() -> None:
     assert snap.missing == ["a", "c"]
     assert snap.refused == {"duplicate_host": 1, "unknown_host": 1}
     member = snap.members[0]
-    assert (member.host, member.ranks, member.devices, member.joined_at_secs) == ("b", [0, 1], ["cpu:0", "cpu:1"], 4.0)
+    assert (member.host, member.ranks, member.devices, member.joined_at_secs) == (
+        "b",
+        [0, 1],
+        ["cpu:0", "cpu:1"],
+        4.0,
+    )
     assert member.device_labels == ["x86 core", "x86 core"]
     assert member.link is LinkState.OPEN
     w.hello(hello("a"), T0 + 7)
@@ -67,7 +74,12 @@ def test_startable_and_armed_follow_the_switch() -> None:
     assert not w.snapshot(T0).startable
     w.hello(hello("a"), T0 + 1)
     snap = w.snapshot(T0 + 1)
-    assert (snap.phase, snap.startable, snap.start_armed, snap.start_mode) == (Phase.STAGING, True, False, "manual")
+    assert (snap.phase, snap.startable, snap.start_armed, snap.start_mode) == (
+        Phase.STAGING,
+        True,
+        False,
+        "manual",
+    )
     w.arm_start(T0 + 2)
     assert w.snapshot(T0 + 2).start_armed
 

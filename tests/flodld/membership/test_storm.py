@@ -81,7 +81,11 @@ def test_state_lists_one_page_and_counts_every_member() -> None:
     state = w.state(T0 + 2)
     assert [m["host"] for m in state["members"]] == [f"h{i:04d}" for i in range(500)]
     assert state["members_page"] == {"start": 0, "stop": 500, "total": 1200}
-    assert state["member_counts"] == {"by_link": {"open": 1200}, "by_variant": {"cpu": 1200}, "by_vendor": {"cpu": 1200}}
+    assert state["member_counts"] == {
+        "by_link": {"open": 1200},
+        "by_variant": {"cpu": 1200},
+        "by_vendor": {"cpu": 1200},
+    }
     page = w.state(T0 + 2, (1190, 5000))
     assert [m["host"] for m in page["members"]] == [f"h{i:04d}" for i in range(1190, 1200)]
     assert page["members"][-1]["ranks"] == [1798, 1799]

@@ -12,7 +12,14 @@ from tests.flodld.membership.helpers import policy
 REFUSALS: list[tuple[str, dict[str, Any], Phase, int, str, str]] = [
     ("auto_mode", {}, Phase.WAITING, 2, "auto_mode", "start mode is auto"),
     ("below_quorum", {"start": "manual"}, Phase.WAITING, 1, "quorum_not_met", "quorum not met: 1 of 2 ranks"),
-    ("forming", {"start": "manual"}, Phase.FORMING, 2, "window_closed", "window is not open (phase: forming)"),
+    (
+        "forming",
+        {"start": "manual"},
+        Phase.FORMING,
+        2,
+        "window_closed",
+        "window is not open (phase: forming)",
+    ),
     ("failed", {"start": "hybrid"}, Phase.FAILED, 2, "window_closed", "(phase: failed)"),
     ("training", {"start": "hybrid"}, Phase.TRAINING, 2, "window_closed", "(phase: training)"),
 ]

@@ -14,9 +14,17 @@ from tests.flodld.membership.helpers import hello, policy
 T0 = 1000.0  # an arbitrary monotonic origin: nothing may assume the clock starts at zero
 
 
-def window(roster: list[str] | None = None, capacity: int = 2, tolerance: int = 0, **knobs: Any) -> JoinWindow:
-    return JoinWindow(policy(capacity=capacity, **knobs), roster or [], T0, run_id="run-7",
-                      controller="127.0.0.1:1337", tolerance=tolerance)
+def window(
+    roster: list[str] | None = None, capacity: int = 2, tolerance: int = 0, **knobs: Any
+) -> JoinWindow:
+    return JoinWindow(
+        policy(capacity=capacity, **knobs),
+        roster or [],
+        T0,
+        run_id="run-7",
+        controller="127.0.0.1:1337",
+        tolerance=tolerance,
+    )
 
 
 def join(w: JoinWindow, host: str, devices: int = 1, at: float = 1.0) -> tuple[int, ...]:
@@ -259,7 +267,10 @@ def test_the_core_decides_what_a_link_end_means_before_and_after_formation() -> 
     join(w, "a")
     join(w, "b")
     ended = w.link_ended("b", T0 + 1.5, clean=True, why="host closed its join link")
-    assert (ended.outcome, ended.ranks) == (LinkOutcome.RETURNED, (1,))  # before formation: its rank goes back
+    assert (ended.outcome, ended.ranks) == (
+        LinkOutcome.RETURNED,
+        (1,),
+    )  # before formation: its rank goes back
     join(w, "b", at=1.6)
     join(w, "c", at=1.7)
     run_to_training(w)
@@ -270,7 +281,11 @@ def test_the_core_decides_what_a_link_end_means_before_and_after_formation() -> 
     dead = w.link_ended("b", T0 + 5, clean=True, why="host closed its join link")
     assert dead.outcome is LinkOutcome.LOST and dead.ranks == (1,)
     assert w.loss_reasons == {"b": "host closed its join link with rank(s) [1] unreported"}
-    assert (w.links["b"], w.failed_ranks(), w.phase) == (LinkState.LOST, [1], Phase.TRAINING)  # within tolerance
+    assert (w.links["b"], w.failed_ranks(), w.phase) == (
+        LinkState.LOST,
+        [1],
+        Phase.TRAINING,
+    )  # within tolerance
     assert w.final_reason == w.reason  # a run that has not failed names no lost link
     broken = w.link_ended("c", T0 + 6, clean=False, why="join link broke: ConnectionResetError()")
     assert broken.outcome is LinkOutcome.LOST and w.phase is Phase.FAILED
@@ -279,7 +294,9 @@ def test_the_core_decides_what_a_link_end_means_before_and_after_formation() -> 
         f"{w.reason} — lost join link(s): host 'b': host closed its join link with rank(s) [1] unreported; "
         "host 'c': join link broke: ConnectionResetError()"
     )
-    assert w.link_ended("c", T0 + 7, clean=True, why="late").outcome is LinkOutcome.IGNORED  # after the verdict
+    assert (
+        w.link_ended("c", T0 + 7, clean=True, why="late").outcome is LinkOutcome.IGNORED
+    )  # after the verdict
 
 
 def test_a_loss_reason_is_kept_once_named_by_its_first_cause() -> None:
@@ -287,7 +304,9 @@ def test_a_loss_reason_is_kept_once_named_by_its_first_cause() -> None:
     join(w, "a")
     join(w, "b")
     run_to_training(w)
-    w.host_closed("a", T0 + 3, lost=True, why="no heartbeat for 6s")  # a subsystem: named in the verdict itself
+    w.host_closed(
+        "a", T0 + 3, lost=True, why="no heartbeat for 6s"
+    )  # a subsystem: named in the verdict itself
     w.link_ended("a", T0 + 4, clean=False, why="join link broke")
     assert w.loss_reasons == {"a": "no heartbeat for 6s"}
     w.abort("stopped by the operator", T0 + 5)

@@ -15,7 +15,9 @@ Handler = Callable[[FramedStream], Awaitable[None]]
 
 
 @asynccontextmanager
-async def framed_server(handler: Handler, key: bytes = SALT, **caps: int) -> AsyncIterator[tuple[int, list[object]]]:
+async def framed_server(
+    handler: Handler, key: bytes = SALT, **caps: int
+) -> AsyncIterator[tuple[int, list[object]]]:
     """Serve `handler` for rendezvous-channel dials; yields (port, problems seen by the server)."""
     problems: list[object] = []
 

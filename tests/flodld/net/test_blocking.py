@@ -88,7 +88,9 @@ def _blocking_pair(server: socket.socket) -> tuple[BlockingChannel, BlockingChan
     """(dialer, listener); the listener accepts in a thread because both handshakes block."""
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(_accept, server)
-        dialer = BlockingChannel.connect("127.0.0.1", server.getsockname()[1], Channel.RENDEZVOUS, SALT, timeout=5)
+        dialer = BlockingChannel.connect(
+            "127.0.0.1", server.getsockname()[1], Channel.RENDEZVOUS, SALT, timeout=5
+        )
         return dialer, accepted.result(5)
 
 

@@ -29,7 +29,9 @@ def v1_frame(salt: bytes, channel: Channel, dialer_nonce: bytes, listener_nonce:
     return header + payload + hmac.digest(key, direction + header + payload, hashlib.sha256)[:16]
 
 
-async def test_the_controller_refuses_a_version_1_agent_naming_both_versions(caplog: pytest.LogCaptureFixture) -> None:
+async def test_the_controller_refuses_a_version_1_agent_naming_both_versions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO)
     async with running() as (controller, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -37,7 +39,9 @@ async def test_the_controller_refuses_a_version_1_agent_naming_both_versions(cap
         writer.write(magic_prefix(Channel.JOIN) + dialer_nonce)
         listener_nonce = await asyncio.wait_for(reader.readexactly(16), 5)
         kind, payload = encode_message(hello("old-agent"))
-        writer.write(v1_frame(controller.salt, Channel.JOIN, dialer_nonce, listener_nonce, b"D", kind, payload))
+        writer.write(
+            v1_frame(controller.salt, Channel.JOIN, dialer_nonce, listener_nonce, b"D", kind, payload)
+        )
         async with asyncio.timeout(5):
             assert await reader.read(-1) == b""  # dropped unanswered
         writer.close()
@@ -54,7 +58,9 @@ async def test_a_dialer_refuses_a_version_1_listener_naming_both_versions() -> N
         dialer_nonce = await reader.readexactly(16)
         listener_nonce = bytes(16)
         kind, payload = encode_message(Reject(code="busy", reason="a version 1 controller"))
-        writer.write(listener_nonce + v1_frame(salt, Channel.JOIN, dialer_nonce, listener_nonce, b"L", kind, payload))
+        writer.write(
+            listener_nonce + v1_frame(salt, Channel.JOIN, dialer_nonce, listener_nonce, b"L", kind, payload)
+        )
         await writer.drain()
         await asyncio.sleep(1)
         writer.close()

@@ -44,7 +44,9 @@ async def test_a_first_frame_over_the_pre_authentication_caps_is_refused_unread(
         framed_server(echo) as (port, problems),
         await open_channel("127.0.0.1", port, Channel.RENDEZVOUS, SALT, timeout=5) as stream,
     ):
-        await stream.send(RankExited(rank=1, code=0), tail=b"t" * 4096)  # fine after auth, not as a first frame
+        await stream.send(
+            RankExited(rank=1, code=0), tail=b"t" * 4096
+        )  # fine after auth, not as a first frame
         with pytest.raises((EOFError, WireError, ConnectionError)):
             await stream.recv(timeout=5)
     assert [getattr(problem, "code", None) for problem in problems] == ["too_large"]
@@ -151,7 +153,9 @@ def _free_port() -> int:
 async def test_connect_with_retry_names_what_where_and_attempts() -> None:
     port = _free_port()
     with pytest.raises(ConnectError) as caught:
-        await connect_with_retry("127.0.0.1", port, Channel.JOIN, SALT, what="agent join", attempts=3, backoff=0.01)
+        await connect_with_retry(
+            "127.0.0.1", port, Channel.JOIN, SALT, what="agent join", attempts=3, backoff=0.01
+        )
     text = str(caught.value)
     assert text.startswith(f"agent join: connect to 127.0.0.1:{port} (join channel) failed after 3 attempts")
     assert "ConnectionRefused" in text

@@ -23,9 +23,17 @@ def test_valid_scales_stretch_deadlines(monkeypatch: pytest.MonkeyPatch, raw: st
 
 @pytest.mark.parametrize(
     ("raw", "fragment"),
-    [("fast", "is not a number"), ("0.09", "out of range"), ("-1", "out of range"), ("nan", "finite"), ("inf", "finite")],
+    [
+        ("fast", "is not a number"),
+        ("0.09", "out of range"),
+        ("-1", "out of range"),
+        ("nan", "finite"),
+        ("inf", "finite"),
+    ],
 )
-def test_invalid_scales_name_the_variable_and_the_fix(monkeypatch: pytest.MonkeyPatch, raw: str, fragment: str) -> None:
+def test_invalid_scales_name_the_variable_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch, raw: str, fragment: str
+) -> None:
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", raw)
     with pytest.raises(TimeoutScaleError, match=fragment) as caught:
         timeout_scale()

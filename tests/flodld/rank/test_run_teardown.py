@@ -110,8 +110,15 @@ def test_the_rank_launcher_settles_torch_distributed_at_exit(tmp_path: Path) -> 
         "pg.close_process_group = traced\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "flodld.launcher.rank", str(script)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "flodld.launcher.rank", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines == ["atexit used the group [1.0, 1.0]", "settle: initialized True", "settle: after False []"], lines
+    assert lines == [
+        "atexit used the group [1.0, 1.0]",
+        "settle: initialized True",
+        "settle: after False []",
+    ], lines

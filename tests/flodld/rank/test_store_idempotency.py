@@ -22,10 +22,14 @@ def _through(proxy: ResettingProxy, server: StoreServer) -> ControllerStore:
 
 
 def _direct(server: StoreServer) -> ControllerStore:
-    return ControllerStore("127.0.0.1", server.port, server.salt, server.run_id, timeout=timedelta(seconds=10))
+    return ControllerStore(
+        "127.0.0.1", server.port, server.salt, server.run_id, timeout=timedelta(seconds=10)
+    )
 
 
-def test_add_whose_reply_was_lost_counts_once(store_server: StoreServer, resetting_proxy: ResettingProxy) -> None:
+def test_add_whose_reply_was_lost_counts_once(
+    store_server: StoreServer, resetting_proxy: ResettingProxy
+) -> None:
     store = _through(resetting_proxy, store_server)
     assert store.add("n", 5) == 5
     resetting_proxy.cut_next_reply()
@@ -36,8 +40,9 @@ def test_add_whose_reply_was_lost_counts_once(store_server: StoreServer, resetti
     store.close()
 
 
-def test_append_whose_reply_was_lost_appends_once(store_server: StoreServer,
-                                                  resetting_proxy: ResettingProxy) -> None:
+def test_append_whose_reply_was_lost_appends_once(
+    store_server: StoreServer, resetting_proxy: ResettingProxy
+) -> None:
     store = _through(resetting_proxy, store_server)
     store.append("log", b"a")
     resetting_proxy.cut_next_reply()
@@ -47,8 +52,9 @@ def test_append_whose_reply_was_lost_appends_once(store_server: StoreServer,
     store.close()
 
 
-def test_compare_set_whose_reply_was_lost_swaps_once(store_server: StoreServer,
-                                                     resetting_proxy: ResettingProxy) -> None:
+def test_compare_set_whose_reply_was_lost_swaps_once(
+    store_server: StoreServer, resetting_proxy: ResettingProxy
+) -> None:
     store = _through(resetting_proxy, store_server)
     other = _direct(store_server)
     other.set("lock", b"free")
@@ -62,8 +68,9 @@ def test_compare_set_whose_reply_was_lost_swaps_once(store_server: StoreServer,
     store.close()
 
 
-def test_queue_pop_whose_reply_was_lost_pops_once(store_server: StoreServer,
-                                                  resetting_proxy: ResettingProxy) -> None:
+def test_queue_pop_whose_reply_was_lost_pops_once(
+    store_server: StoreServer, resetting_proxy: ResettingProxy
+) -> None:
     store = _through(resetting_proxy, store_server)
     for item in (b"1", b"2"):
         store.queue_push("q", item)
@@ -84,8 +91,9 @@ def test_each_clone_is_its_own_client(store_server: StoreServer) -> None:
     store.close()
 
 
-def test_a_blocking_queue_pop_re_sent_after_a_reset_gets_the_item(store_server: StoreServer,
-                                                                   resetting_proxy: ResettingProxy) -> None:
+def test_a_blocking_queue_pop_re_sent_after_a_reset_gets_the_item(
+    store_server: StoreServer, resetting_proxy: ResettingProxy
+) -> None:
     """The original pop stays parked on the controller after its connection died; the item pushed later
     must reach the re-sent pop, not vanish into the dead connection."""
     store = _through(resetting_proxy, store_server)

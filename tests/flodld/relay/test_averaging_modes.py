@@ -100,7 +100,9 @@ def test_cadence_averages_every_kth_step_and_returns_local_values_between(plane:
         averagers = [Averager("cpu_cadence", cadence=2, client=client) for client in clients]
 
         def steps(rank: int) -> list[float]:
-            return [averagers[rank].step([torch.tensor([float(rank * 10 + step)])])[0].item() for step in range(4)]
+            return [
+                averagers[rank].step([torch.tensor([float(rank * 10 + step)])])[0].item() for step in range(4)
+            ]
 
         futures = [in_thread(lambda rank=rank: steps(rank)) for rank in (0, 1)]
         results = [future.result(30) for future in futures]
@@ -152,12 +154,25 @@ def test_a_rank_that_stops_hearing_the_controller_exits_instead_of_hanging(plane
     import sys
 
     env = {
-        **os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-        "FLODL_CONTROLLER": "127.0.0.1:1", "FLODL_INTERNAL_SALT": SALT.hex(), "FLODL_RELAY_PORT": str(plane.relay_port),
-        "FLODL_LIVENESS_TIMEOUT_SECS": "2", "FLODL_HEARTBEAT_INTERVAL_SECS": "0.2", "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "FLODL_CONTROLLER": "127.0.0.1:1",
+        "FLODL_INTERNAL_SALT": SALT.hex(),
+        "FLODL_RELAY_PORT": str(plane.relay_port),
+        "FLODL_LIVENESS_TIMEOUT_SECS": "2",
+        "FLODL_HEARTBEAT_INTERVAL_SECS": "0.2",
+        "OMP_NUM_THREADS": "1",
     }
-    rank = subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK_PROGRAM],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert rank.stdout is not None
         assert rank.stdout.readline().strip() == "connected"

@@ -20,7 +20,9 @@ def test_a_public_controller_gets_a_loud_warning(peer: str, caplog: pytest.LogCa
     assert "ctl.example:29500" in record.getMessage()
 
 
-@pytest.mark.parametrize("peer", ["127.0.0.1", "::1", "10.1.2.3", "192.168.1.5", "172.16.0.9", "100.64.0.1", "fd00::1"])
+@pytest.mark.parametrize(
+    "peer", ["127.0.0.1", "::1", "10.1.2.3", "192.168.1.5", "172.16.0.9", "100.64.0.1", "fd00::1"]
+)
 def test_loopback_and_private_controllers_do_not_warn(peer: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="flodld.relay"):
         assert warn_if_public(peer, "ctl:1") is False

@@ -52,8 +52,15 @@ async def test_no_plaintext_on_the_rank_legs_or_the_relay_upstreams() -> None:
     upstream = RecordingForwarder(port)
     listener = socket.create_server(("127.0.0.1", 0))
     relay_port = listener.getsockname()[1]
-    spec = RelayRoleSpec(host=HOST, controller_host="127.0.0.1", controller_port=upstream.port, salt_hex=SALT.hex(),
-                         host_key_hex=HOST_KEY.hex(), ranks=RANKS, listen_fd=listener.detach())
+    spec = RelayRoleSpec(
+        host=HOST,
+        controller_host="127.0.0.1",
+        controller_port=upstream.port,
+        salt_hex=SALT.hex(),
+        host_key_hex=HOST_KEY.hex(),
+        ranks=RANKS,
+        listen_fd=listener.detach(),
+    )
     relay = Relay(spec)
     task = asyncio.create_task(relay.run())
     legs_observer = RecordingForwarder(relay_port)
@@ -80,7 +87,10 @@ async def test_no_plaintext_on_the_rank_legs_or_the_relay_upstreams() -> None:
         upstream.close()
         legs_observer.close()
 
-    for observer, channels in ((upstream, (Channel.DATA, Channel.CONTROL)), (legs_observer, (Channel.DATA, Channel.CONTROL))):
+    for observer, channels in (
+        (upstream, (Channel.DATA, Channel.CONTROL)),
+        (legs_observer, (Channel.DATA, Channel.CONTROL)),
+    ):
         transcripts = observer.recorded()
         wire = b"\x00".join(transcripts)
         for channel in channels:  # the observer did see each channel's traffic

@@ -39,7 +39,14 @@ class World:
 @pytest.fixture
 async def world() -> AsyncIterator[World]:
     dead: list[tuple[int, str]] = []
-    plane = DataPlane(SALT, HOSTS, host_key=HOST_KEYS.get, liveness_timeout=3.0, heartbeat_interval=0.2, on_rank_dead=lambda r, why: dead.append((r, why)))
+    plane = DataPlane(
+        SALT,
+        HOSTS,
+        host_key=HOST_KEYS.get,
+        liveness_timeout=3.0,
+        heartbeat_interval=0.2,
+        on_rank_dead=lambda r, why: dead.append((r, why)),
+    )
     mux = PortMux(ControllerCounters())
     mux.register(Channel.DATA, plane.handle_data)
     mux.register(Channel.CONTROL, plane.handle_control)
@@ -50,8 +57,13 @@ async def world() -> AsyncIterator[World]:
         listener = socket.create_server(("127.0.0.1", 0))
         ports[host] = listener.getsockname()[1]
         spec = RelayRoleSpec(
-            host=host, controller_host="127.0.0.1", controller_port=port, salt_hex=SALT.hex(),
-            host_key_hex=HOST_KEYS[host].hex(), ranks=ranks, listen_fd=listener.detach(),
+            host=host,
+            controller_host="127.0.0.1",
+            controller_port=port,
+            salt_hex=SALT.hex(),
+            host_key_hex=HOST_KEYS[host].hex(),
+            ranks=ranks,
+            listen_fd=listener.detach(),
         )
         relays[host] = Relay(spec)
         tasks[host] = asyncio.create_task(relays[host].run())
@@ -86,7 +98,9 @@ def host_port(world: World, rank: int) -> int:
     return next(world.relay_ports[h] for h, ranks in HOSTS.items() if rank in ranks)
 
 
-async def test_cpu_sync_average_is_the_mean_of_all_deposits_and_a_leaving_rank_is_folded_out(world: World) -> None:
+async def test_cpu_sync_average_is_the_mean_of_all_deposits_and_a_leaving_rank_is_folded_out(
+    world: World,
+) -> None:
     legs = {rank: await leg(host_port(world, rank), Channel.DATA, rank) for rank in range(4)}
     values = {rank: torch.tensor([float(rank), 10.0 * rank]) for rank in range(4)}
     for rank, stream in legs.items():

@@ -42,17 +42,32 @@ async def test_rounds_of_large_tensors_average_exactly_round_after_round() -> No
     for host, ranks in HOSTS.items():
         listener = socket.create_server(("127.0.0.1", 0))
         relay_ports[host] = listener.getsockname()[1]
-        relay = Relay(RelayRoleSpec(host=host, controller_host="127.0.0.1", controller_port=port, salt_hex=SALT.hex(),
-                                    host_key_hex=HOST_KEYS[host].hex(), ranks=ranks, listen_fd=listener.detach()))
+        relay = Relay(
+            RelayRoleSpec(
+                host=host,
+                controller_host="127.0.0.1",
+                controller_port=port,
+                salt_hex=SALT.hex(),
+                host_key_hex=HOST_KEYS[host].hex(),
+                ranks=ranks,
+                listen_fd=listener.detach(),
+            )
+        )
         relays.append(relay)
         tasks.append(asyncio.create_task(relay.run()))
     try:
         legs = {rank: await leg(relay_ports[host], rank) for host, ranks in HOSTS.items() for rank in ranks}
         for round_number in range(3):
-            values = {rank: torch.arange(ELEMENTS, dtype=torch.float32) * (rank + 1) + round_number for rank in legs}
+            values = {
+                rank: torch.arange(ELEMENTS, dtype=torch.float32) * (rank + 1) + round_number for rank in legs
+            }
 
-            async def one(rank: int, stream: FramedStream, values: dict[int, torch.Tensor] = values,
-                          round_number: int = round_number) -> torch.Tensor:
+            async def one(
+                rank: int,
+                stream: FramedStream,
+                values: dict[int, torch.Tensor] = values,
+                round_number: int = round_number,
+            ) -> torch.Tensor:
                 specs, parts = encode_bundle_parts([values[rank]])
                 await stream.send(Deposit(round=round_number, fold="sum", weight=1.0, tensors=specs), parts)
                 frame = await stream.recv(60)

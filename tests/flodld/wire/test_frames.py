@@ -74,19 +74,29 @@ def test_direction_keys_bind_salt_channel_suite_direction_and_both_nonces() -> N
     assert direction_key(SALT, listener_nonce, dialer_nonce, Channel.DATA, aes, dialer) != expected
     assert direction_key(OTHER_SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer) != expected
     assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, Role.LISTENER) != expected
-    assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, Suite.CHACHA20_POLY1305, dialer) != expected
-    keys = {direction_key(SALT, dialer_nonce, listener_nonce, channel, aes, dialer) for channel in CHANNEL_MAGICS}
+    assert (
+        direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, Suite.CHACHA20_POLY1305, dialer)
+        != expected
+    )
+    keys = {
+        direction_key(SALT, dialer_nonce, listener_nonce, channel, aes, dialer) for channel in CHANNEL_MAGICS
+    }
     assert len(keys) == len(CHANNEL_MAGICS)  # every channel keys differently
     assert direction_key(SALT, dialer_nonce, listener_nonce, None, aes, dialer) not in keys
 
 
-@pytest.mark.parametrize(("dialer_aes", "listener_aes", "suite"), [
-    (True, True, Suite.AES_256_GCM),
-    (True, False, Suite.CHACHA20_POLY1305),
-    (False, True, Suite.CHACHA20_POLY1305),
-    (False, False, Suite.CHACHA20_POLY1305),
-])
-def test_the_cipher_is_chosen_from_both_nonces_flags(dialer_aes: bool, listener_aes: bool, suite: Suite) -> None:
+@pytest.mark.parametrize(
+    ("dialer_aes", "listener_aes", "suite"),
+    [
+        (True, True, Suite.AES_256_GCM),
+        (True, False, Suite.CHACHA20_POLY1305),
+        (False, True, Suite.CHACHA20_POLY1305),
+        (False, False, Suite.CHACHA20_POLY1305),
+    ],
+)
+def test_the_cipher_is_chosen_from_both_nonces_flags(
+    dialer_aes: bool, listener_aes: bool, suite: Suite
+) -> None:
     dialer = FrameConnection(Role.DIALER, SALT, aes=dialer_aes)
     listener = FrameConnection(Role.LISTENER, SALT, aes=listener_aes)
     assert choose_suite(dialer.nonce, listener.nonce) is suite
@@ -123,7 +133,10 @@ def test_a_connection_keyed_for_one_channel_never_verifies_on_another(other: Cha
 
 def test_the_first_frame_is_held_to_the_pre_authentication_caps_from_its_header() -> None:
     _dialer, listener = connected_pair()
-    assert (listener.preauth_max_payload, listener.preauth_max_tail) == (PREAUTH_MAX_PAYLOAD, PREAUTH_MAX_TAIL)
+    assert (listener.preauth_max_payload, listener.preauth_max_tail) == (
+        PREAUTH_MAX_PAYLOAD,
+        PREAUTH_MAX_TAIL,
+    )
     expect_error(listener, _forged_header(PREAUTH_MAX_PAYLOAD + 1, 0), "too_large")
     _dialer, listener = connected_pair()
     error = expect_error(listener, _forged_header(0, 1), "too_large")  # no tail at all before auth
@@ -213,7 +226,14 @@ def test_frame_layout_is_header_then_aead_of_payload_and_tail(aes: bool) -> None
     dialer.send_frame(0x0106, b"{}")  # seq 0
     wire = bytes(dialer.send_frame(0x0106, b'{"reason":"x"}', b"TAIL"))  # seq 1
     magic, version, kind, seq, payload_len, tail_len = HEADER.unpack_from(wire)
-    assert (magic, version, kind, seq, payload_len, tail_len) == (FRAME_MAGIC, PROTOCOL_VERSION, 0x0106, 1, 14, 4)
+    assert (magic, version, kind, seq, payload_len, tail_len) == (
+        FRAME_MAGIC,
+        PROTOCOL_VERSION,
+        0x0106,
+        1,
+        14,
+        4,
+    )
     assert PROTOCOL_VERSION == 2
     assert b"reason" not in wire and b"TAIL" not in wire  # encrypted
     suite = Suite.AES_256_GCM if aes else Suite.CHACHA20_POLY1305
@@ -246,7 +266,10 @@ def test_byte_at_a_time_delivery_reassembles_frames_and_wants_exact_sizes() -> N
         listener.receive_data(wire[index : index + 1])
         while isinstance(event := listener.next_event(), Frame):
             events.append(event)
-    assert [(f.kind, f.seq, f.payload, f.tail) for f in events] == [(7, 0, b"payload", b"tail"), (8, 1, b"p2", b"")]
+    assert [(f.kind, f.seq, f.payload, f.tail) for f in events] == [
+        (7, 0, b"payload", b"tail"),
+        (8, 1, b"p2", b""),
+    ]
     assert listener.bytes_wanted == HEADER_BYTES
 
 
@@ -280,7 +303,11 @@ def test_connection_is_dead_after_an_error() -> None:
     wire = bytearray(dialer.send_frame(1, b"x"))
     wire[-1] ^= 1
     expect_error(listener, bytes(wire), "bad_tag")
-    for call in (listener.next_event, lambda: listener.receive_data(b"more"), lambda: listener.send_frame(1, b"")):
+    for call in (
+        listener.next_event,
+        lambda: listener.receive_data(b"more"),
+        lambda: listener.send_frame(1, b""),
+    ):
         with pytest.raises(WireError) as caught:
             call()
         assert caught.value.code == "closed"
@@ -386,13 +413,17 @@ def test_default_caps_refuse_a_claimed_length_from_the_header_alone(payload_len:
 # --- properties ---------------------------------------------------------------------------------------
 
 frames_strategy = st.lists(
-    st.tuples(st.integers(0, 0xFFFF), st.binary(max_size=300), st.binary(max_size=300)), min_size=1, max_size=6
+    st.tuples(st.integers(0, 0xFFFF), st.binary(max_size=300), st.binary(max_size=300)),
+    min_size=1,
+    max_size=6,
 )
 
 
 @PROPERTY
 @given(frames=frames_strategy, direction=st.sampled_from(["dial", "listen"]), chunk=st.integers(1, 64))
-def test_any_frame_sequence_round_trips(frames: list[tuple[int, bytes, bytes]], direction: str, chunk: int) -> None:
+def test_any_frame_sequence_round_trips(
+    frames: list[tuple[int, bytes, bytes]], direction: str, chunk: int
+) -> None:
     dialer, listener = connected_pair(first_frame_caps=False)
     sender, receiver = (dialer, listener) if direction == "dial" else (listener, dialer)
     wire = b"".join(sender.send_frame(kind, payload, tail) for kind, payload, tail in frames)
@@ -408,7 +439,9 @@ def test_any_frame_sequence_round_trips(frames: list[tuple[int, bytes, bytes]], 
 @given(
     payload=st.binary(max_size=64), tail=st.binary(max_size=64), data=st.data(), preceding=st.integers(0, 2)
 )
-def test_any_single_bit_flip_is_rejected(payload: bytes, tail: bytes, data: st.DataObject, preceding: int) -> None:
+def test_any_single_bit_flip_is_rejected(
+    payload: bytes, tail: bytes, data: st.DataObject, preceding: int
+) -> None:
     dialer, listener = connected_pair()
     for _ in range(preceding):
         deliver(listener, dialer.send_frame(5, b"ok"))
@@ -450,7 +483,9 @@ def test_any_replayed_or_reordered_frame_is_rejected(count: int, data: st.DataOb
     excess=st.integers(1, 2**20),
     which=st.sampled_from(["payload", "tail"]),
 )
-def test_any_over_cap_length_is_rejected_before_the_body(max_payload: int, max_tail: int, excess: int, which: str) -> None:
+def test_any_over_cap_length_is_rejected_before_the_body(
+    max_payload: int, max_tail: int, excess: int, which: str
+) -> None:
     _dialer, listener = connected_pair(max_payload=max_payload, max_tail=max_tail)
     claimed = (max_payload + excess, 0) if which == "payload" else (0, max_tail + excess)
     listener.receive_data(_forged_header(*claimed))
@@ -507,8 +542,13 @@ def test_sending_stops_before_a_sequence_number_could_repeat() -> None:
     assert caught.value.code == "closed"
 
 
-def _pair_on(channel: Channel, *, dialer_nonce: bytes | None = None, listener_nonce: bytes | None = None,
-             listener_channel: Channel | None = None) -> tuple[FrameConnection, FrameConnection]:
+def _pair_on(
+    channel: Channel,
+    *,
+    dialer_nonce: bytes | None = None,
+    listener_nonce: bytes | None = None,
+    listener_channel: Channel | None = None,
+) -> tuple[FrameConnection, FrameConnection]:
     dialer = FrameConnection(Role.DIALER, SALT, channel=channel, nonce=dialer_nonce)
     listener = FrameConnection(Role.LISTENER, SALT, channel=listener_channel or channel, nonce=listener_nonce)
     listener.receive_data(dialer.initial_bytes())
@@ -521,7 +561,9 @@ ALL_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
 
 @pytest.mark.parametrize("channel", ALL_CHANNELS)
 @pytest.mark.parametrize("attack", ["tampered", "replayed", "reordered", "cross_channel"])
-def test_every_channel_refuses_a_tampered_replayed_reordered_or_cross_channel_frame(channel: Channel, attack: str) -> None:
+def test_every_channel_refuses_a_tampered_replayed_reordered_or_cross_channel_frame(
+    channel: Channel, attack: str
+) -> None:
     dialer, listener = _pair_on(channel)
     first, second = dialer.send_frame(1, b'{"a":1}', b""), dialer.send_frame(2, b'{"b":2}')
     if attack == "tampered":

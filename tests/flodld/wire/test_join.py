@@ -55,7 +55,9 @@ def envelope_fields(**overrides: Any) -> dict[str, Any]:
 
 EXAMPLES: list[Message] = [
     Hello(**hello_fields()),
-    Hello(**hello_fields(devices=["cpu:0"], device_labels=[], dataset_sig=None, run_id=None, nccl_version=None)),
+    Hello(
+        **hello_fields(devices=["cpu:0"], device_labels=[], dataset_sig=None, run_id=None, nccl_version=None)
+    ),
     Accept(ranks=[2, 3], salt_hex="ab" * 16, formation_wait_secs=12.5, run_id="run-42"),
     Accept(ranks=[0], salt_hex=None, formation_wait_secs=0.0, run_id="run-42"),
     Reject(code="duplicate_host", reason="host 'node-b' is already in the run"),
@@ -136,7 +138,10 @@ def test_invalid_accept_is_bad_payload(fields: dict[str, Any], fragment: str) ->
 
 
 def test_accept_normalises_the_salt_to_lowercase() -> None:
-    assert Accept(ranks=[0], salt_hex=" " + "AB" * 16 + "\n", formation_wait_secs=1.0, run_id="r").salt_hex == "ab" * 16
+    assert (
+        Accept(ranks=[0], salt_hex=" " + "AB" * 16 + "\n", formation_wait_secs=1.0, run_id="r").salt_hex
+        == "ab" * 16
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,7 +169,9 @@ def test_invalid_reject_is_bad_payload(fields: dict[str, Any], fragment: str) ->
     ],
 )
 def test_invalid_world_envelope_is_bad_payload(overrides: dict[str, Any], fragment: str) -> None:
-    decode_expecting_bad_payload(WorldFormed, {"envelope": envelope_fields(**overrides), "relay": None}, fragment)
+    decode_expecting_bad_payload(
+        WorldFormed, {"envelope": envelope_fields(**overrides), "relay": None}, fragment
+    )
 
 
 def test_invalid_relay_spec_is_bad_payload() -> None:
@@ -172,7 +179,9 @@ def test_invalid_relay_spec_is_bad_payload() -> None:
     decode_expecting_bad_payload(WorldFormed, {"envelope": envelope_fields(), "relay": relay}, "cadence")
 
 
-@pytest.mark.parametrize(("fields", "fragment"), [({"rank": -1, "code": 0}, "rank"), ({"rank": 0, "code": 256}, "code")])
+@pytest.mark.parametrize(
+    ("fields", "fragment"), [({"rank": -1, "code": 0}, "rank"), ({"rank": 0, "code": 256}, "code")]
+)
 def test_invalid_rank_exited_is_bad_payload(fields: dict[str, Any], fragment: str) -> None:
     decode_expecting_bad_payload(RankExited, fields, fragment)
 
@@ -192,7 +201,9 @@ def test_encoded_hello_is_json_with_the_contract_field_names() -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 NEVER_VALID = [{"unexpected": 1}, [[{}]], True]
@@ -208,7 +219,10 @@ def test_any_field_replaced_by_a_wrong_type_is_bad_payload(message: Message, dat
 
 
 @settings(max_examples=80, deadline=None)
-@given(kind=st.sampled_from([cls.KIND for cls in (Hello, Accept, Reject, WorldFormed, RankExited, Abort)]), value=json_values)
+@given(
+    kind=st.sampled_from([cls.KIND for cls in (Hello, Accept, Reject, WorldFormed, RankExited, Abort)]),
+    value=json_values,
+)
 def test_arbitrary_json_decodes_or_is_bad_payload(kind: int, value: object) -> None:
     payload = json.dumps(value).encode()
     try:

@@ -116,7 +116,9 @@ class _Analysis:
         for init, carried in zip(loop.iter_args, body.args[1:], strict=True):
             if self.depends(init):
                 self.mark([carried])
-        inner = divergent if self.uniform_trip_count(loop) else [*divergent, "scf.for trip count depends on rank"]
+        inner = (
+            divergent if self.uniform_trip_count(loop) else [*divergent, "scf.for trip count depends on rank"]
+        )
         # Iterate to a fixpoint so rank dependence that flows through iter_args is seen.
         while True:
             before = len(self.rank_dependent)

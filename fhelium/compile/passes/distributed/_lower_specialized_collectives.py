@@ -74,7 +74,8 @@ class LowerSpecializedCollectivesPass(Pass):
         matches = [op for op in program_operations(program) if isinstance(op, dist.AllReduceAddCiphertextOp)]
         if not self.lower_ciphertext_add:
             notes = tuple(
-                Diagnostic("note", "preserved for a whole-operation implementation", op.name) for op in matches
+                Diagnostic("note", "preserved for a whole-operation implementation", op.name)
+                for op in matches
             )
             return PassResult(program, PassStats(matched=len(matches), skipped=len(matches)), notes)
         for op in matches:  # refuse before rewriting anything
