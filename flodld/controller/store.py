@@ -26,6 +26,7 @@ from flodld.controller.metrics import ControllerCounters
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
+from flodld.wire.handlers import HandlerTable
 from flodld.wire.messages import MAX_LIST_ITEMS, Message
 from flodld.wire.store import (
     MAX_VALUE_BYTES,
@@ -153,24 +154,22 @@ class StoreService:
         self.ledger = ledger or RequestLedger()
         self._changed = asyncio.Event()
         # Mutations: applied synchronously, so applying and recording the reply never interleave.
-        self._apply: dict[type[Message], Callable[[Message, bytes], Reply]] = {
-            StoreSet: self._set,
-            StoreAdd: self._add,
-            StoreCompareSet: self._compare_set,
-            StoreDeleteKey: self._delete_key,
-            StoreMultiSet: self._multi_set,
-            StoreAppend: self._append,
-            StoreQueuePush: self._queue_push,
-        }
-        self._query: dict[type[Message], Callable[[Message], Awaitable[Reply]]] = {
-            StoreGet: self._get,
-            StoreWait: self._wait,
-            StoreCheck: self._check,
-            StoreNumKeys: self._num_keys,
-            StoreMultiGet: self._multi_get,
-            StoreListKeys: self._list_keys,
-            StoreQueueLen: self._queue_len,
-        }
+        self._apply: HandlerTable[[bytes], Reply] = HandlerTable("store mutation")
+        self._apply.register(StoreSet, self._set)
+        self._apply.register(StoreAdd, self._add)
+        self._apply.register(StoreCompareSet, self._compare_set)
+        self._apply.register(StoreDeleteKey, self._delete_key)
+        self._apply.register(StoreMultiSet, self._multi_set)
+        self._apply.register(StoreAppend, self._append)
+        self._apply.register(StoreQueuePush, self._queue_push)
+        self._query: HandlerTable[[], Awaitable[Reply]] = HandlerTable("store request")
+        self._query.register(StoreGet, self._get)
+        self._query.register(StoreWait, self._wait)
+        self._query.register(StoreCheck, self._check)
+        self._query.register(StoreNumKeys, self._num_keys)
+        self._query.register(StoreMultiGet, self._multi_get)
+        self._query.register(StoreListKeys, self._list_keys)
+        self._query.register(StoreQueueLen, self._queue_len)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -243,16 +242,12 @@ class StoreService:
                 return replay
         if isinstance(request, StoreQueuePop):
             return await self._queue_pop(request, client, request_id)
-        apply = self._apply.get(type(request))
-        if apply is not None:
-            reply = apply(request, tail)
+        if type(request) in self._apply:
+            reply = self._apply.dispatch(request, tail)
             if request_id:
                 self.ledger.remember(client, request_id, *reply)
             return reply
-        query = self._query.get(type(request))
-        if query is None:
-            raise ValueError(f"{type(request).__name__} is not a store request")
-        return await query(request)
+        return await self._query.dispatch(request)  # Unhandled (a ValueError) answers bad_request
 
     async def _receive(self, stream: FramedStream, timeout: float | None) -> Frame:
         frame = await stream.recv(timeout)
@@ -288,20 +283,17 @@ class StoreService:
 
     # --- mutations (synchronous) -------------------------------------------------------------------
 
-    def _set(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreSet)
+    def _set(self, request: StoreSet, tail: bytes) -> Reply:
         self.state.set(request.key, tail)
         self._notify()
         return StoreOk(), b""
 
-    def _add(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreAdd)
+    def _add(self, request: StoreAdd, tail: bytes) -> Reply:
         value = self.state.add(request.key, request.amount)
         self._notify()
         return StoreInt(value=value), b""
 
-    def _compare_set(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreCompareSet)
+    def _compare_set(self, request: StoreCompareSet, tail: bytes) -> Reply:
         if request.expected_len > len(tail):
             raise ValueError(f"expected_len {request.expected_len} exceeds the {len(tail)}-byte tail")
         expected, desired = tail[: request.expected_len], tail[request.expected_len :]
@@ -309,28 +301,24 @@ class StoreService:
         self._notify()
         return StoreValue(), held
 
-    def _delete_key(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreDeleteKey)
+    def _delete_key(self, request: StoreDeleteKey, tail: bytes) -> Reply:
         existed = self.state.delete(request.key)
         self._notify()
         return StoreBool(value=existed), b""
 
-    def _multi_set(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreMultiSet)
+    def _multi_set(self, request: StoreMultiSet, tail: bytes) -> Reply:
         if len(request.keys) != len(request.lengths):
             raise ValueError(f"{len(request.keys)} keys but {len(request.lengths)} value lengths")
         self.state.multi_set(list(zip(request.keys, split_tail(tail, list(request.lengths)), strict=True)))
         self._notify()
         return StoreOk(), b""
 
-    def _append(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreAppend)
+    def _append(self, request: StoreAppend, tail: bytes) -> Reply:
         self.state.append(request.key, tail)
         self._notify()
         return StoreOk(), b""
 
-    def _queue_push(self, request: Message, tail: bytes) -> Reply:
-        assert isinstance(request, StoreQueuePush)
+    def _queue_push(self, request: StoreQueuePush, tail: bytes) -> Reply:
         self.state.queue_push(request.key, tail)
         self._notify()
         return StoreOk(), b""
@@ -363,15 +351,13 @@ class StoreService:
 
     # --- queries ---------------------------------------------------------------------------------
 
-    async def _get(self, request: Message) -> Reply:
-        assert isinstance(request, StoreGet)
+    async def _get(self, request: StoreGet) -> Reply:
         await self._until_values([request.key], request.timeout)
         value = self.state.get(request.key)
         assert value is not None
         return StoreValue(), value
 
-    async def _wait(self, request: Message) -> Reply:
-        assert isinstance(request, StoreWait)
+    async def _wait(self, request: StoreWait) -> Reply:
         keys = list(request.keys)
 
         def missing() -> str:
@@ -380,15 +366,13 @@ class StoreService:
         await self._until(lambda: self.state.has_all(keys), request.timeout, missing)
         return StoreOk(), b""
 
-    async def _check(self, request: Message) -> Reply:
-        assert isinstance(request, StoreCheck)
+    async def _check(self, request: StoreCheck) -> Reply:
         return StoreBool(value=self.state.has_all(list(request.keys))), b""
 
-    async def _num_keys(self, request: Message) -> Reply:
+    async def _num_keys(self, request: StoreNumKeys) -> Reply:
         return StoreInt(value=self.state.num_keys()), b""
 
-    async def _multi_get(self, request: Message) -> Reply:
-        assert isinstance(request, StoreMultiGet)
+    async def _multi_get(self, request: StoreMultiGet) -> Reply:
         keys = list(request.keys)
         seen: set[str] = set()
         for key in keys:
@@ -409,7 +393,7 @@ class StoreService:
             )
         return StoreValues(lengths=lengths), b"".join(self.state.get(k) or b"" for k in keys)
 
-    async def _list_keys(self, request: Message) -> Reply:
+    async def _list_keys(self, request: StoreListKeys) -> Reply:
         keys = [k.encode() for k in self.state.list_keys()]
         total = sum(len(k) for k in keys)
         if len(keys) > MAX_LIST_ITEMS or total > self.max_reply_bytes:
@@ -422,6 +406,5 @@ class StoreService:
             )
         return StoreValues(lengths=[len(k) for k in keys]), b"".join(keys)
 
-    async def _queue_len(self, request: Message) -> Reply:
-        assert isinstance(request, StoreQueueLen)
+    async def _queue_len(self, request: StoreQueueLen) -> Reply:
         return StoreInt(value=self.state.queue_len(request.key)), b""

@@ -21,10 +21,12 @@ from __future__ import annotations
 import secrets
 import threading
 from datetime import timedelta
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+
+# The public name (torch.distributed.Store); torch re-exports it without `as`, which mypy does not count.
+from torch.distributed import Store  # type: ignore[attr-defined]
 
 from flodld.net.blocking import BlockingChannel
 from flodld.wire.frames import MAX_PAYLOAD, Frame
@@ -61,6 +63,8 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 CONNECT_TIMEOUT_SECS = 10.0
 # Extra seconds the socket waits beyond a server-side wait, so the server's timeout answer wins.
 REPLY_MARGIN_SECS = 10.0
+
+M = TypeVar("M", bound=Message)
 
 _DistStoreError: type[RuntimeError] = getattr(dist, "DistStoreError", RuntimeError)
 
@@ -137,7 +141,7 @@ class ControllerStore(Store):
         return channel
 
     @staticmethod
-    def _expect(frame: Frame, kind: type[Message]) -> Message:
+    def _expect(frame: Frame, kind: type[M]) -> M:
         message = frame.message()
         if isinstance(message, StoreError):
             if message.code == "timeout":
@@ -153,8 +157,8 @@ class ControllerStore(Store):
         self._next_request_id += 1
         return request_id
 
-    def _call(self, request: Message, tail: bytes, kind: type[Message], wait_secs: float = 0.0) -> Frame:
-        """Send one request, return the reply frame (checked to be `kind`); one re-dial on a broken link.
+    def _call(self, request: Message, tail: bytes, kind: type[M], wait_secs: float = 0.0) -> tuple[M, bytes]:
+        """Send one request, return the reply (a `kind`) and its tail; one re-dial on a broken link.
 
         A mutating request gets its request id here, once: the re-send after a re-dial carries the same id.
         """
@@ -176,22 +180,17 @@ class ControllerStore(Store):
                             f"controller store at {self.host}:{self.port}: connection lost twice ({error!r})"
                         ) from error
                     continue
-                self._expect(frame, kind)
-                return frame
+                return self._expect(frame, kind), frame.tail
         raise AssertionError("unreachable")
 
     def _wait_secs(self, timeout: timedelta | None = None) -> float:
         return (timeout if timeout is not None else self._timeout).total_seconds()
 
     def _int(self, request: Message) -> int:
-        message = self._call(request, b"", StoreInt).message()
-        assert isinstance(message, StoreInt)
-        return message.value
+        return self._call(request, b"", StoreInt)[0].value
 
     def _bool(self, request: Message) -> bool:
-        message = self._call(request, b"", StoreBool).message()
-        assert isinstance(message, StoreBool)
-        return message.value
+        return self._call(request, b"", StoreBool)[0].value
 
     # --- torch.distributed.Store -------------------------------------------------------------
 
@@ -204,7 +203,7 @@ class ControllerStore(Store):
 
     def get(self, key: str) -> bytes:
         wait = self._wait_secs()
-        return self._call(StoreGet(key=key, timeout=wait), b"", StoreValue, wait).tail
+        return self._call(StoreGet(key=key, timeout=wait), b"", StoreValue, wait)[1]
 
     def add(self, key: str, amount: int) -> int:
         return self._int(StoreAdd(key=key, amount=int(amount)))
@@ -212,7 +211,7 @@ class ControllerStore(Store):
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         expected_b = _as_bytes(expected)
         request = StoreCompareSet(key=key, expected_len=len(expected_b))
-        return self._call(request, expected_b + _as_bytes(desired), StoreValue).tail
+        return self._call(request, expected_b + _as_bytes(desired), StoreValue)[1]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         wait = self._wait_secs(timeout)
@@ -235,10 +234,8 @@ class ControllerStore(Store):
         """Values of `keys` in order. A key named twice is fetched once (the controller refuses duplicates)."""
         unique = list(dict.fromkeys(keys))
         wait = self._wait_secs()
-        frame = self._call(StoreMultiGet(keys=unique, timeout=wait), b"", StoreValues, wait)
-        message = frame.message()
-        assert isinstance(message, StoreValues)
-        values = dict(zip(unique, split_tail(frame.tail, list(message.lengths)), strict=True))
+        message, tail = self._call(StoreMultiGet(keys=unique, timeout=wait), b"", StoreValues, wait)
+        values = dict(zip(unique, split_tail(tail, list(message.lengths)), strict=True))
         return [values[key] for key in keys]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
@@ -253,10 +250,8 @@ class ControllerStore(Store):
         self._call(StoreAppend(key=key), _as_bytes(value), StoreOk)
 
     def list_keys(self) -> list[str]:
-        frame = self._call(StoreListKeys(), b"", StoreValues)
-        message = frame.message()
-        assert isinstance(message, StoreValues)
-        return [piece.decode() for piece in split_tail(frame.tail, list(message.lengths))]
+        message, tail = self._call(StoreListKeys(), b"", StoreValues)
+        return [piece.decode() for piece in split_tail(tail, list(message.lengths))]
 
     def queue_push(self, key: str, value: bytes | str) -> None:
         self._call(StoreQueuePush(key=key), _as_bytes(value), StoreOk)
@@ -265,7 +260,7 @@ class ControllerStore(Store):
         """Pop the head of queue `key`; block (up to the store timeout) for one, or raise QueueEmptyError."""
         wait = self._wait_secs() if block else 0.0
         try:
-            return self._call(StoreQueuePop(key=key, timeout=wait), b"", StoreValue, wait).tail
+            return self._call(StoreQueuePop(key=key, timeout=wait), b"", StoreValue, wait)[1]
         except StoreRequestError as error:
             if error.code == "queue_empty":
                 raise QueueEmptyError(f"controller store: queue {key!r} is empty") from None

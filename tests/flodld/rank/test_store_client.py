@@ -11,8 +11,11 @@ from datetime import timedelta
 
 import pytest
 
+from flodld.net.blocking import BlockingChannel
 from flodld.rank.store import ControllerStore, StoreRequestError
+from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt, salt_to_hex
+from flodld.wire.store import StoreError, StoreGet, StoreHello, StoreInt, StoreOk, StoreSet, StoreValue
 
 from .conftest import StoreServer
 
@@ -127,3 +130,27 @@ def test_gloo_all_reduce_over_controller_store(store_server: StoreServer, world:
         assert proc.returncode == 0, err[-2000:]
         assert f"RESULT {expected}" in out
     assert store_server.service.state.num_keys() > 0
+
+
+def test_a_message_that_is_no_store_request_is_refused_and_the_connection_keeps_serving(
+    store_server: StoreServer,
+) -> None:
+    """A reply kind (or another channel's message) mid-session answers bad_request naming its class."""
+    channel = BlockingChannel.connect(
+        "127.0.0.1", store_server.port, Channel.RENDEZVOUS, store_server.salt, timeout=10
+    )
+    try:
+        channel.send(StoreHello(run_id=store_server.run_id))
+        assert isinstance(channel.recv(10).message(), StoreOk)
+        for stray in (StoreInt(value=1), StoreHello(run_id=store_server.run_id)):
+            channel.send(stray)
+            reply = channel.recv(10).message()
+            assert isinstance(reply, StoreError) and reply.code == "bad_request", reply
+            assert reply.reason == f"{type(stray).__name__} is not a store request"
+        channel.send(StoreSet(key="k"), b"v")
+        assert isinstance(channel.recv(10).message(), StoreOk)
+        channel.send(StoreGet(key="k", timeout=1.0))
+        frame = channel.recv(10)
+        assert isinstance(frame.message(), StoreValue) and frame.tail == b"v"
+    finally:
+        channel.close()
