@@ -29,7 +29,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -61,6 +61,33 @@ ABORT_TIMEOUT_SECS = 5.0
 SHIP_CHUNK_HOSTS = 256  # WorldFormed writes per event-loop turn: HTTP and links are served in between
 
 PhaseListener = Callable[[Phase, str], object]
+
+
+@dataclass(frozen=True)
+class RunChannel:
+    """How a run serves one channel of the controller port: its handler, bound to the run."""
+
+    handler: Callable[[Controller], ChannelHandler]
+    hold_gate: bool = False
+    """The handler releases the peer's pre-admission slot itself (`PortMux.register`)."""
+
+
+def _join_handler(run: Controller) -> ChannelHandler:
+    join_run: JoinRun = run  # the join channel knows the run only through this protocol
+    return functools.partial(handle_join, join_run)
+
+
+def _store_handler(run: Controller) -> ChannelHandler:
+    return run.store.handle
+
+
+RUN_CHANNELS: Final[Mapping[Channel, RunChannel]] = {
+    # The join handshake keeps the peer's gate slot until the window decided its hello.
+    Channel.JOIN: RunChannel(_join_handler, hold_gate=True),
+    Channel.RENDEZVOUS: RunChannel(_store_handler),
+}
+"""The channels a run serves from `listen()` on, whoever bound the port. Channels that exist only once
+the world formed (the data plane's DATA/CONTROL) come through `Controller.register_channels`."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +146,7 @@ class Controller:
         self.window: JoinWindow | None = None
         self.address: tuple[str, int] | None = None
         self._links: dict[str, HostLink] = {}
+        self._channels: set[Channel] = set()  # on the mux for this run; taken off at close()
         self._runner: web.AppRunner | None = None
         self._driver: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -167,11 +195,26 @@ class Controller:
     def result(self) -> RunResult | None:
         return self._result
 
+    def register_channels(self, handlers: Mapping[Channel, ChannelHandler]) -> None:
+        """Serve each channel (DATA, CONTROL) with its `handler(reader, writer)` until the run closes; the
+        magic is already consumed."""
+        for channel in handlers:
+            if channel in RUN_CHANNELS or channel is Channel.HTTP:
+                raise ValueError(f"the {channel.value} channel is served by the controller itself")
+        for channel, handler in handlers.items():
+            self._serve(channel, handler)
+
     def register_channel(self, channel: Channel, handler: ChannelHandler) -> None:
-        """Serve `channel` (DATA, CONTROL) with `handler(reader, writer)`; the magic is already consumed."""
-        if channel in (Channel.JOIN, Channel.RENDEZVOUS, Channel.HTTP):
-            raise ValueError(f"the {channel.value} channel is served by the controller itself")
-        self.mux.register(channel, handler)
+        """`register_channels` for one channel."""
+        self.register_channels({channel: handler})
+
+    def _serve(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
+        self.mux.register(channel, handler, hold_gate=hold_gate)
+        self._channels.add(channel)
+
+    def _serve_run_channels(self) -> None:
+        for channel, spec in RUN_CHANNELS.items():
+            self._serve(channel, spec.handler(self), hold_gate=spec.hold_gate)
 
     def host_key(self, host: str) -> bytes | None:
         """The key derived at `host`'s admission (flodld.wire.hostkey); None without a live join link."""
@@ -213,8 +256,7 @@ class Controller:
         )
         await self._runner.setup()
         self.mux.set_http(self._runner.server)
-        self.mux.register(Channel.JOIN, functools.partial(handle_join, self._as_join_run()), hold_gate=True)
-        self.mux.register(Channel.RENDEZVOUS, self.store.handle)
+        self._serve_run_channels()
         address = await self.mux.start(self.options.effective_bind_host, self.options.port)
         try:
             # Trust follows the addresses the sockets really have (a hostname may resolve anywhere, and to
@@ -232,9 +274,6 @@ class Controller:
         log.info("event=listening bind=%s port=%d run_id=%s", address[0], address[1], self.run_id)
         self._log_admission()
         return self.address
-
-    def _as_join_run(self) -> JoinRun:
-        return self
 
     def _log_admission(self) -> None:
         assert self.address is not None
@@ -254,8 +293,7 @@ class Controller:
         assert self._bound is not None
         hosts = self.mux.bound_hosts() or [self._bound[0]]
         self.policy = self._derive_policy(next((h for h in hosts if not is_loopback_literal(h)), hosts[0]))
-        self.mux.register(Channel.JOIN, functools.partial(handle_join, self._as_join_run()), hold_gate=True)
-        self.mux.register(Channel.RENDEZVOUS, self.store.handle)
+        self._serve_run_channels()
         self.address = self._bound
         log.info(
             "event=run_listening bind=%s port=%d run_id=%s", self.address[0], self.address[1], self.run_id
@@ -306,8 +344,9 @@ class Controller:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
         if self._borrowed:
-            for channel in (Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL):
+            for channel in sorted(self._channels):
                 self.mux.unregister(channel)
+            self._channels.clear()
             for link in list(self._links.values()):
                 link.stream.close()
             return
