@@ -2,7 +2,7 @@
 
 A stock torchrun script (env://, gloo on CPU, no flodld import) unless FEATURES_VIA_FLODLD=1, which joins
 through `flodld.run` (the controller store directly). Each row prints `ROW ok rank=R` on every rank when
-its checks pass, and raises otherwise.
+its checks pass, and raises otherwise. Row `every` runs every row but pipelining in one process group.
 """
 
 from __future__ import annotations
@@ -146,6 +146,17 @@ def checkpoint(rank: int, world: int) -> None:
     assert loaded[f"rank{rank}"]["rank_step"].item() == 7 + rank
 
 
+def every(rank: int, world: int) -> None:
+    """Every row that runs at any world size, one after another in one process group (pipelining needs
+    exactly two ranks: run it on its own)."""
+    for name, row in ROWS.items():
+        if name in ("every", "pipelining"):
+            continue
+        row(rank, world)
+        dist.barrier()
+        print(f"{name} ok rank={rank}", flush=True)
+
+
 ROWS = {
     "ddp": ddp,
     "object_collectives": object_collectives,
@@ -155,6 +166,7 @@ ROWS = {
     "tensor_parallel": tensor_parallel,
     "pipelining": pipelining,
     "checkpoint": checkpoint,
+    "every": every,
 }
 
 
