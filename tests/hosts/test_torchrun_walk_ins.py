@@ -49,7 +49,7 @@ def _walk_in_world(lab: Lab, row: str, ranks_per_host: int) -> tuple[str, list[s
                  str(program), "--host", f"node-{index}", "--devices", f"cpu:{ranks_per_host}", "--project",
                  str(lab.root), "--", row, str(lab.root / "checkpoint")],
                 log=lab.root / f"walker{index}.log", cwd=lab.root, env=env,
-            )  # fmt: skip
+            )
         )
     logs = [_wait(walker, lab.root / f"walker{i}.log", 240) for i, walker in enumerate(walkers, start=1)]
     served = _wait(controller, lab.root / "controller.log", 60)
