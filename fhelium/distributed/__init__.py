@@ -53,6 +53,7 @@ from torch.distributed import (
 from fhelium.distributed._ciphertext_reduction import (
     CiphertextAdder,
     ReductionTrace,
+    ResidueModuliAdder,
     all_reduce_ciphertext,
     reduce_ciphertext,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "ProcessGroup",
     "ReduceOp",
     "ReductionTrace",
+    "ResidueModuliAdder",
     "Work",
     "all_gather",
     "all_gather_ciphertexts",

@@ -11,8 +11,9 @@ rank-local ``engine.add_``, which reduces per limb.
 followed by a broadcast (three latency-bound steps with the control exchange). ``"sum"`` is one
 raw SUM all-reduce followed by a per-limb remainder on every rank; it is exact when no partial
 sum can wrap, i.e. when ``P * max(q) < 2**63`` (any world size below 8192 with our <= 50-bit
-primes), and it needs the engine to say which moduli its ``add_`` reduces by
-(``engine.residue_moduli``). ``"auto"`` (the default) takes ``"sum"`` when both hold and the
+primes), and it needs the engine to say which moduli its ``add_`` reduces by (a
+:class:`ResidueModuliAdder`: ``engine.residue_moduli``; the CKKS engine and the Backend's
+Program-path adder both are one). ``"auto"`` (the default) takes ``"sum"`` when both hold and the
 tree otherwise; the choice travels in the control exchange, so ranks that would choose
 differently fail together before any payload moves.
 
@@ -23,8 +24,9 @@ covering both the messages and the local modular additions.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -50,14 +52,19 @@ from fhelium.distributed._schedule import StepKind, binomial_reduce_rounds, redu
 
 
 class CiphertextAdder(Protocol):
-    """The one engine method reductions need: modular per-limb ``lhs += rhs`` in lhs's storage.
-
-    An engine may also offer ``residue_moduli(value) -> Sequence[int]``: the prime of each of
-    ``value``'s limbs, promising that ``add_`` is canonical addition modulo them. That enables
-    the ``"sum"`` all-reduce schedule.
-    """
+    """The one engine method reductions need: modular per-limb ``lhs += rhs`` in lhs's storage."""
 
     def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> Any: ...
+
+
+@runtime_checkable
+class ResidueModuliAdder(CiphertextAdder, Protocol):
+    """An adder that also names its moduli: ``residue_moduli(value)`` is the prime of each of
+    ``value``'s limbs, promising that ``add_`` is canonical addition modulo them (results in
+    ``[0, q)``). That enables the ``"sum"`` all-reduce schedule; a plain :class:`CiphertextAdder`
+    gets the tree."""
+
+    def residue_moduli(self, value: Ciphertext) -> Sequence[int]: ...
 
 
 Algorithm = Literal["auto", "tree", "sum"]
@@ -214,9 +221,11 @@ def reduce_ciphertext(
 
 def _sum_moduli(engine: object, value: object, size: int) -> tuple[list[int] | None, str]:
     """The limb moduli when the SUM schedule is exact here, else None and the reason."""
-    moduli_of = getattr(engine, "residue_moduli", None)
-    if not callable(moduli_of) or not isinstance(value, Ciphertext):
-        return None, "the engine does not offer residue_moduli(value)"
+    if not isinstance(engine, ResidueModuliAdder) or not isinstance(value, Ciphertext):
+        return None, "the engine does not offer residue_moduli(value) (not a ResidueModuliAdder)"
+    moduli_of = engine.residue_moduli
+    if not callable(moduli_of):
+        return None, "the engine's residue_moduli is not callable"
     if value.data.dtype != torch.int64:
         return None, f"the residues are {value.data.dtype}; the SUM schedule adds in int64 only"
     try:
