@@ -35,17 +35,21 @@ from fhelium.backend.rns.operations import (
     operand_prime_ids,
 )
 from fhelium.core import Ciphertext
-from fhelium.distributed import all_reduce_ciphertext
+from fhelium.distributed import CiphertextAdder, ReductionTrace, ResidueModuliAdder, all_reduce_ciphertext
+
+# The control exchange of fhelium.distributed's typed collectives, shared so that a Program's
+# collectives and the library's refuse mismatched layouts the same way.
+from fhelium.distributed._collective_common import (
+    agree,
+    check_identical_layouts,
+    describe_or_error,
+    exchange_control,
+    group_info,
+    rank_body,
+)
 from fhelium.ir import OpenStateType
 from fhelium.ir.dialects import ckks
 from fhelium.ir.dialects import distributed as dist
-
-#: dtype codes for the layout handshake; position in this tuple is the code.
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-)
-_MAX_RANK = 14
 
 
 def _group(op_name: str, resources: Sequence[BoundResource]) -> ProcessGroupExecutionResource:
@@ -57,28 +61,15 @@ def _group(op_name: str, resources: Sequence[BoundResource]) -> ProcessGroupExec
     raise ImplementationError(f"{op_name} needs a bound {PROCESS_GROUP_RESOURCE_KIND!r} resource")
 
 
-def _layout_code(value: torch.Tensor) -> torch.Tensor:
-    if value.dim() > _MAX_RANK:
-        raise ImplementationError(
-            f"collective payloads have at most {_MAX_RANK} dimensions; got {value.dim()}"
-        )
-    dtype_code = _DTYPES.index(value.dtype) if value.dtype in _DTYPES else len(_DTYPES)
-    code = [value.dim(), dtype_code, *value.shape, *([-1] * (_MAX_RANK - value.dim()))]
-    return torch.tensor(code, dtype=torch.int64, device=value.device)
-
-
 def check_equal_layout(op_name: str, value: torch.Tensor, group: ProcessGroupExecutionResource) -> None:
-    """Agree on shape and dtype before the payload gather; every rank raises the same error."""
-    local = _layout_code(value)
-    gathered = [torch.empty_like(local) for _ in range(group.size)]
-    torch_dist.all_gather(gathered, local, group=group.process_group)
-    reference = gathered[0]
-    mismatched = [rank for rank, code in enumerate(gathered) if not torch.equal(code, reference)]
-    if mismatched:
-        raise ImplementationError(
-            f"{op_name} needs equal payload layouts on every rank; group ranks {mismatched} differ from "
-            f"rank 0 (shape/dtype codes {[code.tolist()[: 2 + int(code[0])] for code in gathered]})"
-        )
+    """Agree on shape, dtype and device type before the payload moves, through the same control
+    exchange as ``fhelium.distributed``'s typed collectives (each rank's tensor descriptor, then the
+    same comparison everywhere): a mismatch raises the same ``CollectiveArgumentError`` on every
+    rank before any payload moves, and the group stays usable."""
+    info = group_info(group.process_group)
+    descriptor, error = describe_or_error(value)
+    exchange = exchange_control(info, op_name, arguments={}, error=error, body=rank_body(descriptor))
+    agree(info, op_name, lambda: check_identical_layouts(exchange, op_name))
 
 
 class TorchProcessGroupQueryImplementation(OperandResourcesOnly):
@@ -148,8 +139,8 @@ class TorchGenericAllReduceImplementation(OperandResourcesOnly):
         return (collective_fold(invocation.operation_name, value, group, combine),)
 
 
-class _RegistryAddEngine:
-    """The engine duck type fhelium.distributed needs, with additions from a Backend implementation."""
+class _RegistryAddEngine(CiphertextAdder):
+    """The adder fhelium.distributed needs, with additions from a Backend implementation."""
 
     def __init__(
         self, add: OperationImplementation, invocation: OperationInvocation, rns: BoundResource
@@ -168,8 +159,23 @@ class _RegistryAddEngine:
         return lhs
 
 
+class _RegistryModularAddEngine(_RegistryAddEngine, ResidueModuliAdder):
+    """The adder over an add implementation that declares ``canonical_modular_add``: it also names
+    the moduli, so ``all_reduce_ciphertext`` may take the ``sum`` schedule where that is exact."""
+
+    def residue_moduli(self, value: Ciphertext) -> list[int]:
+        return self.moduli_for(value.prime_ids)
+
+
 class TorchCiphertextAddAllReduceImplementation:
-    """Whole-operation `all_reduce_add_ciphertext` through `fhelium.distributed.all_reduce_ciphertext`."""
+    """Whole-operation `all_reduce_add_ciphertext` through `fhelium.distributed.all_reduce_ciphertext`.
+
+    When the add implementation declares ``canonical_modular_add = True`` (``TorchRnsAddImplementation``
+    does: its result is ``(lhs + rhs) mod q`` in ``[0, q)`` with ``q`` from its bound ``rns-moduli``
+    resource), the adder handed over is a ``ResidueModuliAdder`` and the all-reduce takes the
+    one-step ``sum`` schedule where it is exact; any other add implementation gets the tree.
+    ``last_trace`` is this rank's ``ReductionTrace`` of the latest execution (diagnostics, tests).
+    """
 
     name = "torch-ciphertext-add-all-reduce"
     operation_types: tuple[type[Operation], ...] = (dist.AllReduceAddCiphertextOp,)
@@ -182,6 +188,7 @@ class TorchCiphertextAddAllReduceImplementation:
     ) -> None:
         self.add = add if add is not None else TorchRnsAddImplementation(rns_symbol)
         self.rns_symbol = rns_symbol
+        self.last_trace: ReductionTrace | None = None
 
     def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
         return self.add.resource_requirements(self._add_invocation(invocation))
@@ -207,8 +214,16 @@ class TorchCiphertextAddAllReduceImplementation:
             prime_ids=prime_ids,
             modulus_basis=value_type.state_str("basis") or "Q",  # type: ignore[arg-type]  # checked by Ciphertext
         )
-        engine = _RegistryAddEngine(self.add, add_invocation, add_resources[0])
-        all_reduce_ciphertext(ciphertext, engine=engine, group=group.process_group)
+        modular = getattr(self.add, "canonical_modular_add", False) is True
+        adder = _RegistryModularAddEngine if modular else _RegistryAddEngine
+        trace = ReductionTrace()
+        all_reduce_ciphertext(
+            ciphertext,
+            engine=adder(self.add, add_invocation, add_resources[0]),
+            group=group.process_group,
+            trace=trace,
+        )
+        self.last_trace = trace
         return (ciphertext.data,)
 
 

@@ -123,6 +123,9 @@ def _check_same_layout(name: str, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
 class TorchRnsAddImplementation(_RnsImplementation):
     name = "torch-rns-add"
     operation_types: tuple[type[Operation], ...] = (ckks.AddOp,)
+    #: The result is (lhs + rhs) mod q in [0, q), q from the bound rns-moduli resource: the
+    #: ciphertext all-reduce may then use its exact one-step ``sum`` schedule.
+    canonical_modular_add = True
 
     def _compute(self, inputs: tuple[torch.Tensor, ...], moduli: torch.Tensor) -> torch.Tensor:
         return rns_add(inputs[0], inputs[1], moduli)

@@ -17,15 +17,72 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 MODULI = (1_000_003, 998_244_353, 754_974_721)
+# 3 x the first prime wraps int64 but 2 x does not: the sum schedule is exact for 2 ranks, not for 3
+BIG_MODULI = (3_100_000_000_000_000_000, 1_000_003, 998_244_353)
 CT = "!fhelium_ckks.ciphertext<{depth = 0 : i64}>"
 
 
-def _fake_ciphertext(seed: int) -> Any:
+def _fake_ciphertext(seed: int, moduli: tuple[int, ...] = MODULI) -> Any:
     from fhelium.core import Ciphertext
 
     generator = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(0, q, (2, 1, 16), generator=generator) for q in MODULI]
-    return Ciphertext(torch.cat(rows, dim=1), 0, 2.0**40, (0, 1, 2))
+    rows = [torch.randint(0, q, (2, 1, 16), generator=generator) for q in moduli]
+    return Ciphertext(torch.cat(rows, dim=1), 0, 2.0**40, tuple(range(len(moduli))))
+
+
+class _UndeclaredAdd:
+    """A registered add with the same arithmetic as the default one but without the
+    ``canonical_modular_add`` declaration: the all-reduce must not assume it and takes the tree."""
+
+    name = "test-undeclared-add"
+
+    def __init__(self) -> None:
+        from fhelium.ir.dialects import ckks
+
+        self.operation_types = (ckks.AddOp,)
+
+    def resource_requirements(self, invocation: Any) -> Any:
+        from fhelium.backend import ResourceRequirement
+
+        return (ResourceRequirement("rns", "rns-moduli"),)
+
+    def execute(self, invocation: Any, inputs: Any, resources: Any) -> Any:
+        from fhelium.backend.rns.operations import moduli_column, rns_add
+
+        return (rns_add(inputs[0], inputs[1], moduli_column(invocation, inputs[0], resources[-1].value)),)
+
+
+def _schedules(rank: int, world: int, example: Any) -> dict[str, Any]:
+    """The compiled example's all-reduce, per adder and moduli: the schedule each rank ran and
+    the result."""
+    from fhelium.backend import BoundResource, OperationBackend, OperationImplementationRegistry
+    from fhelium.backend.distributed import (
+        TorchCiphertextAddAllReduceImplementation,
+        bind_process_group,
+        distributed_operation_contributions,
+    )
+    from fhelium.backend.rns import RnsModuli
+    from fhelium.backend.rns.operations import ckks_operation_contributions
+
+    out: dict[str, Any] = {}
+    cases: dict[str, tuple[Any, tuple[int, ...]]] = {
+        "declared_small": (None, MODULI),
+        "declared_big": (None, BIG_MODULI),
+        "undeclared_small": (_UndeclaredAdd(), MODULI),
+    }
+    for name, (add, moduli) in cases.items():
+        ckks_ops = ckks_operation_contributions()
+        all_reduce = TorchCiphertextAddAllReduceImplementation(add if add is not None else ckks_ops[0])
+        registry = OperationImplementationRegistry(ckks_ops).extend(
+            distributed_operation_contributions(ciphertext_add=all_reduce)
+        )
+        backend = OperationBackend(
+            registry, [bind_process_group(), BoundResource("rns", "rns-moduli", RnsModuli(moduli))]
+        )
+        (result,) = backend.link(example).run(_fake_ciphertext(7 + rank, moduli), 1)
+        assert all_reduce.last_trace is not None
+        out[name] = {"algorithm": all_reduce.last_trace.algorithm, "data": result.data.tolist()}
+    return out
 
 
 def main() -> None:
@@ -103,6 +160,17 @@ def main() -> None:
         results["example_specialized"] = specialized_out.data.tolist()
         results["example_generic"] = generic_out.data.tolist()
         results["example_metadata"] = [specialized_out.scale, list(specialized_out.prime_ids)]
+        results["schedules"] = _schedules(rank, world, example)
+
+        # Mismatched payload layouts (rank 0 holds one more limb): every rank fails in the control
+        # exchange with the same error, before any payload moves, and the group stays usable.
+        mismatched = _fake_ciphertext(100 + rank, MODULI if rank == 0 else MODULI[:2])
+        try:
+            backend.link(combine).run(mismatched)
+            results["mismatch"] = None
+        except Exception as error:  # recorded for the test process to compare across ranks
+            results["mismatch"] = [type(error).__name__, str(error)]
+        results["after_mismatch_query"] = list(backend.link(query).run())
 
         if world == 3:
             # A subgroup: IR ranks are group-relative; root 1 is global rank 2.

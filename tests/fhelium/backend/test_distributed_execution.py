@@ -92,6 +92,52 @@ def test_example_generic_and_specialized_all_reduce_agree(world: tuple[int, list
         assert result["example_metadata"] == [2.0**40, [0, 1, 2]]
 
 
+def test_compiled_all_reduce_takes_the_sum_schedule_where_it_is_exact(
+    world: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """The Program path's adder is a ResidueModuliAdder over the default (declared canonical) add:
+    `sum` where P x max(q) fits int64, the tree where it does not or where the add implementation
+    does not declare canonical modular addition; the result is the modular sum either way."""
+    size, results = world
+    big = (3_100_000_000_000_000_000, 1_000_003, 998_244_353)
+    expected_schedule = {
+        "declared_small": "sum" if size > 1 else "tree",  # one rank: nothing to add
+        "declared_big": "sum" if size == 2 else "tree",  # 3 x 3.1e18 would wrap int64
+        "undeclared_small": "tree",
+    }
+    for name, moduli in (("declared_small", MODULI), ("declared_big", big), ("undeclared_small", MODULI)):
+        q = torch.tensor(moduli).view(1, -1, 1)
+        parts = []
+        for rank in range(size):
+            generator = torch.Generator().manual_seed(7 + rank)
+            parts.append(
+                torch.cat([torch.randint(0, m, (2, 1, 16), generator=generator) for m in moduli], dim=1)
+            )
+        expected = parts[0]
+        for part in parts[1:]:
+            total = expected + part  # < 2 x 3.1e18: no wrap
+            expected = torch.where(total >= q, total - q, total)
+        for rank, result in enumerate(results):
+            schedule = result["schedules"][name]
+            assert schedule["algorithm"] == expected_schedule[name], (name, rank)
+            assert torch.equal(torch.tensor(schedule["data"]), expected), (name, rank)
+
+
+def test_mismatched_layouts_fail_together_in_the_control_exchange(
+    world: tuple[int, list[dict[str, Any]]],
+) -> None:
+    size, results = world
+    if size == 1:
+        assert results[0]["mismatch"] is None  # nothing to compare with
+        return
+    errors = [result["mismatch"] for result in results]
+    assert errors[0] is not None and all(error == errors[0] for error in errors)
+    kind, message = errors[0]
+    assert kind == "CollectiveArgumentError"
+    assert "fhelium_dist.all_reduce" in message and "group rank 1" in message and "shape" in message
+    assert all(result["after_mismatch_query"] == [rank, size] for rank, result in enumerate(results))
+
+
 def test_subgroup_ranks_are_group_relative(world: tuple[int, list[dict[str, Any]]]) -> None:
     size, results = world
     if size != 3:
