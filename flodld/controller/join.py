@@ -19,6 +19,7 @@ from flodld.controller.metrics import ControllerCounters
 from flodld.net.preauth import GatedReader
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.errors import WireError
+from flodld.wire.handlers import HandlerTable
 from flodld.wire.join import Accept, Hello, RankExited, Reject
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
@@ -164,6 +165,15 @@ def _keepalive(writer: asyncio.StreamWriter, idle: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
+REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link report")
+"""What an admitted host may send up its join link; any other kind is logged and ignored."""
+
+
+@REPORTS.handles(RankExited)
+def _rank_exited(message: RankExited, controller: JoinRun, link: HostLink) -> None:
+    controller.rank_exited(link, message.rank, message.code)
+
+
 async def _supervise(controller: JoinRun, link: HostLink) -> None:
     """Read RankExited reports until the host closes its side (or the link breaks)."""
     why, lost = "link closed", True
@@ -176,8 +186,8 @@ async def _supervise(controller: JoinRun, link: HostLink) -> None:
             except WireError as error:
                 log.debug("event=join_frame_ignored host=%s detail=%r", link.host, error.detail)
                 continue
-            if isinstance(message, RankExited):
-                controller.rank_exited(link, message.rank, message.code)
+            if type(message) in REPORTS:
+                REPORTS.dispatch(message, controller, link)
             else:
                 log.debug("event=join_frame_ignored host=%s kind=%s", link.host, type(message).__name__)
     except EOFError:
