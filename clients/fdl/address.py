@@ -6,10 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flodld.config.errors import ConfigError
-from flodld.config.fields import LOOPBACK_HOSTS
-from flodld.config.loader import load_config
-from flodld.config.models import DEFAULT_CONTROLLER_PORT, parse_address
+from flodld import api
 
 
 @dataclass(frozen=True)
@@ -30,22 +27,22 @@ def format_address(host: str, port: int) -> str:
 def resolve_candidates(addr: str | None, env: str | None, project: Path | str, command: str) -> Candidates:
     """The resolution order of `fdl status` / `fdl start` (ValueError/ConfigError on bad input)."""
     if addr:
-        return Candidates((parse_address(addr, DEFAULT_CONTROLLER_PORT),), "--addr")
+        return Candidates((api.parse_address(addr, api.DEFAULT_CONTROLLER_PORT),), "--addr")
     if env:
-        project_config = load_config(project, env)
+        project_config = api.load_config(project, env)
         cluster = project_config.cluster
         if cluster is not None:
             host, port = cluster.controller.host, cluster.controller.port
             addresses = [(host, port)]
-            if host not in LOOPBACK_HOSTS:
+            if host not in api.LOOPBACK_HOSTS:
                 addresses.append(("127.0.0.1", port))
             return Candidates(tuple(addresses), f"fdl.{env}.yml controller")
     print(
-        f"fdl {command}: no cluster env active; trying 127.0.0.1:{DEFAULT_CONTROLLER_PORT} "
+        f"fdl {command}: no cluster env active; trying 127.0.0.1:{api.DEFAULT_CONTROLLER_PORT} "
         f"(pass --addr or use `fdl @<env> {command}` to target a specific controller)",
         file=sys.stderr,
     )
-    return Candidates((("127.0.0.1", DEFAULT_CONTROLLER_PORT),), "convention default")
+    return Candidates((("127.0.0.1", api.DEFAULT_CONTROLLER_PORT),), "convention default")
 
 
-__all__ = ["Candidates", "ConfigError", "format_address", "resolve_candidates"]
+__all__ = ["Candidates", "format_address", "resolve_candidates"]

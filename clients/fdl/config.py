@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+
+from fdl.cli import Subparsers
+from flodld import api
 
 EXIT_OK, EXIT_PROBLEMS = 0, 2
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
         "config", help="configuration tools: fdl config check [FILE]", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,9 +46,6 @@ def _problem(text: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from flodld.config.errors import ConfigError, ConfigIssue
-    from flodld.config.loader import BASE_FILE, config_overlay_file, load_config, load_config_file, load_text
-
     env = getattr(args, "env", None)
     files: list[Path]
     try:
@@ -55,21 +54,21 @@ def main(args: argparse.Namespace) -> int:
                 _problem("fdl config check: --env needs a file to find the overlay next to; stdin has none")
                 return EXIT_PROBLEMS
             files = [Path("<stdin>")]
-            project = load_text(sys.stdin.read(), "<stdin>")
+            project = api.load_text(sys.stdin.read(), "<stdin>")
         elif args.file is not None:
-            files = [Path(args.file)] + ([config_overlay_file(args.file, env)] if env is not None else [])
-            project = load_config_file(args.file, env)
+            files = [Path(args.file)] + ([api.config_overlay_file(args.file, env)] if env is not None else [])
+            project = api.load_config_file(args.file, env)
         else:
             directory = Path(args.project)
-            files = [directory / BASE_FILE] + ([directory / f"fdl.{env}.yml"] if env is not None else [])
+            files = [directory / api.BASE_FILE] + ([directory / f"fdl.{env}.yml"] if env is not None else [])
             files = [path for path in files if path.is_file()] or files[:1]
-            project = load_config(directory, env)
-    except ConfigError as error:
+            project = api.load_config(directory, env)
+    except api.ConfigError as error:
         for issue in error.issues:
             _problem(str(issue))
         _problem(f"fdl config check: {len(error.issues)} problem(s)")
         return EXIT_PROBLEMS
-    problems: list[ConfigIssue] = []
+    problems: list[api.ConfigIssue] = []
     window = "no cluster: block"
     if project.cluster is not None:
         window, policy_issue = _window(project.cluster, files)
@@ -85,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _roster(cluster: Any) -> str:
+def _roster(cluster: api.ClusterConfig | None) -> str:
     if cluster is None:
         return "no roster"
     if not cluster.workers:
@@ -98,30 +97,26 @@ def _roster(cluster: Any) -> str:
     return f"roster: {len(cluster.workers)} worker(s) {hosts}, capacity {cluster.explicit_capacity}{probed}"
 
 
-def _walk_in(join: Any) -> str:
+def _walk_in(join: api.WalkInConfig | None) -> str:
     if join is None:
         return ""
     host, port = join.controller_endpoint()
     return f"; join: block dials {host}:{port}"
 
 
-def _window(cluster: Any, files: list[Path]) -> tuple[str, Any]:
+def _window(cluster: api.ClusterConfig, files: list[Path]) -> tuple[str, api.ConfigIssue | None]:
     """(the window's one-line summary, or a ConfigIssue for a knob contradiction the controller would refuse)."""
-    from flodld.config.errors import ConfigIssue
-    from flodld.controller.options import ControllerOptions
-    from flodld.membership.policy import PolicyError, derive_policy
-
     if cluster.hosts_to_probe:
         # Capacity (and so the default quorum and target) is known only once the `all` hosts are counted.
         return (f"window: averaging {cluster.controller.averaging.value}, checked at dispatch "
                 "(local_devices: all)", None)  # fmt: skip
-    options = ControllerOptions.from_cluster(cluster)
+    options = api.ControllerOptions.from_cluster(cluster)
     try:
-        policy = derive_policy(options.join, capacity=options.capacity, loopback_bind=options.wants_loopback,
+        policy = api.derive_policy(options.join, capacity=options.capacity, loopback_bind=options.wants_loopback,
                                averaging=options.averaging)  # fmt: skip
-    except PolicyError as error:
+    except api.PolicyError as error:
         where = _locate(files, ("cluster", "controller", "join"))
-        return "", ConfigIssue(("cluster", "controller", "join"), str(error).removeprefix("controller.join: "),
+        return "", api.ConfigIssue(("cluster", "controller", "join"), str(error).removeprefix("controller.join: "),
                                *where)  # fmt: skip
     summary = policy.summary().removeprefix("join window open (").removesuffix(")")
     return f"window: {summary}, averaging {options.averaging}", None
@@ -129,15 +124,12 @@ def _window(cluster: Any, files: list[Path]) -> tuple[str, Any]:
 
 def _locate(files: list[Path], key_path: tuple[str, ...]) -> tuple[Path | None, int | None, int | None]:
     """The last file that writes `key_path` (or its nearest parent), with its line and column."""
-    from flodld.config.errors import ConfigError
-    from flodld.config.yamlsource import read_yaml
-
     for path in reversed(files):
         if not path.is_file():
             continue
         try:
-            positions = read_yaml(path).positions
-        except ConfigError:
+            positions = api.read_yaml(path).positions
+        except api.ConfigError:
             continue
         for cut in range(len(key_path), 0, -1):
             where = positions.get(key_path[:cut])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 from dataclasses import dataclass
-from typing import Any
 
 HTTP_TIMEOUT_SECS = 5.0
 
@@ -16,7 +15,8 @@ class HttpReply:
     reason: str
     body: bytes
 
-    def json(self) -> Any:
+    def json(self) -> object:
+        """The body as JSON: whatever value it holds (narrow it before use)."""
         return json.loads(self.body)
 
 

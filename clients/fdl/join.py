@@ -30,16 +30,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+from fdl.cli import Subparsers
 from fdl.run import program_command, reparse
-from flodld.agent.spawn import agent_command
-from flodld.agent.spec import AGENT_ENV, AgentSpec, DeviceError, encode_spec, parse_device_list
-from flodld.net.timeouts import scaled
-
-if TYPE_CHECKING:  # asyncssh loads only when --ssh is used
-    from flodld.fanout.ssh import SshEndpoint
+from flodld import api
 
 EXIT_DONE, EXIT_TRANSIENT, EXIT_PERMANENT = 0, 1, 2
 BACKOFF_INITIAL_SECS = 5.0
@@ -48,8 +44,8 @@ BACKOFF_RESET_AFTER_SECS = 120.0
 TOKEN_ENV = "FDL_JOIN_TOKEN"
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
         "join",
         help="walk in: run a program in agent role against a controller",
         description=__doc__,
@@ -115,26 +111,22 @@ class UsageError(ValueError):
 @dataclass(frozen=True)
 class JoinPlan:
     command: list[str]
-    spec: AgentSpec
+    spec: api.AgentSpec
     persist: bool
-    ssh: SshEndpoint | None = None  # --ssh: every attempt dials through its own fresh forward
+    ssh: api.SshEndpoint | None = None  # --ssh: every attempt dials through its own fresh forward
 
 
 def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> JoinPlan:
     """Merge flags over the fdl.yml `join:` block; UsageError names the problem and the fix."""
-    from flodld.config.errors import ConfigError, ConfigNotFoundError
-    from flodld.config.loader import load_config
-    from flodld.config.models import WalkInConfig, parse_address
-
     env_name = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
     try:
-        block = load_config(args.project, env_name).join or WalkInConfig()
-    except ConfigNotFoundError:
-        block = WalkInConfig()
-    except ConfigError as error:
+        block = api.load_config(args.project, env_name).join or api.WalkInConfig()
+    except api.ConfigNotFoundError:
+        block = api.WalkInConfig()
+    except api.ConfigError as error:
         raise UsageError(f"fdl.yml: {error}") from None
     try:
-        host, port = parse_address(args.controller) if args.controller else block.controller_endpoint()
+        host, port = api.parse_address(args.controller) if args.controller else block.controller_endpoint()
     except ValueError as error:
         raise UsageError(f"controller address: {error}") from None
     token = args.token if args.token not in (None, "-") else None
@@ -160,8 +152,8 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
     devices: list[str] | None
     if args.devices is not None:
         try:
-            devices = parse_device_list(args.devices)
-        except DeviceError as error:
+            devices = api.parse_device_list(args.devices)
+        except api.DeviceError as error:
             raise UsageError(str(error)) from None
     else:
         devices = None if block.devices == "all" else list(block.devices)
@@ -170,32 +162,28 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
     name = (
         args.host or block.host or os.environ.get("FLODL_HOST_NAME") or socket.gethostname() or "unknown-host"
     )
-    from flodld.agent.envpolicy import parse_accept_env
-
     try:
-        accept_env = parse_accept_env([*block.accept_env, *(getattr(args, "accept_env", None) or ())])
+        accept_env = api.parse_accept_env([*block.accept_env, *(getattr(args, "accept_env", None) or ())])
     except ValueError as error:
         raise UsageError(str(error)) from None
-    spec = AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices,
+    spec = api.AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices,
                      accept_env=list(accept_env) or None, program=command)  # fmt: skip
     # The agent is flodld's own process; PROGRAM starts only as its ranks (a stock torchrun script works).
-    return JoinPlan(agent_command(), spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
+    return JoinPlan(api.agent_command(), spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
 
 
-def _ssh_endpoint(args: argparse.Namespace, block: Any) -> SshEndpoint | None:
+def _ssh_endpoint(args: argparse.Namespace, block: api.WalkInConfig) -> api.SshEndpoint | None:
     """`--ssh`/`--identity` over the `join.ssh` block; None when neither asks for a forward."""
-    from flodld.fanout.ssh import SshConfigError, SshEndpoint
-
     ssh = block.ssh
     identity = getattr(args, "identity", None) or (ssh.identity_file if ssh is not None else None)
     options = tuple(ssh.options) if ssh is not None else ()
     try:
         if getattr(args, "ssh", None):
-            return SshEndpoint.parse(args.ssh, identity_file=identity, options=options)
+            return api.SshEndpoint.parse(args.ssh, identity_file=identity, options=options)
         if ssh is not None and ssh.target is not None:
-            return SshEndpoint.parse(ssh.target, port=ssh.port, user=ssh.user, identity_file=identity,
+            return api.SshEndpoint.parse(ssh.target, port=ssh.port, user=ssh.user, identity_file=identity,
                                      options=options)  # fmt: skip
-    except SshConfigError as error:
+    except api.SshConfigError as error:
         raise UsageError(f"--ssh: {error}") from None
     if getattr(args, "identity", None):
         raise UsageError("--identity only applies with --ssh (or a join.ssh block in fdl.yml)")
@@ -204,13 +192,11 @@ def _ssh_endpoint(args: argparse.Namespace, block: Any) -> SshEndpoint | None:
 
 def _attempt_through_ssh(plan: JoinPlan) -> int:
     """One attempt through a fresh forward; the agent dials its local end, which it then hands on."""
-    from flodld.fanout.forward import ForwardError, open_forward
-
     assert plan.ssh is not None
     remote = (plan.spec.controller_host, plan.spec.controller_port)
     try:
-        forward = open_forward(plan.ssh, remote)
-    except ForwardError as error:
+        forward = api.open_forward(plan.ssh, remote)
+    except api.ForwardError as error:
         say(str(error))
         # A refused key stays refused; a dead network may come back.
         return EXIT_PERMANENT if "Permission denied" in str(error) else EXIT_TRANSIENT
@@ -228,7 +214,7 @@ def attempt(plan: JoinPlan) -> int:
     """Run the program once in agent role; its exit code (0 done, 1 transient, 2 permanent)."""
     if plan.ssh is not None:
         return _attempt_through_ssh(plan)
-    env = {**os.environ, AGENT_ENV: encode_spec(plan.spec), "FLODL_HOST_NAME": plan.spec.host}
+    env = {**os.environ, api.AGENT_ENV: api.encode_spec(plan.spec), "FLODL_HOST_NAME": plan.spec.host}
     env.pop(TOKEN_ENV, None)
     try:
         child = subprocess.Popen(plan.command, env=env, stdin=subprocess.DEVNULL)
@@ -259,8 +245,10 @@ class Stopped(Exception):
     """fdl join received SIGTERM: the agent was told, and the loop ends."""
 
 
-def join_loop(plan: JoinPlan, *, sleep: Any = time.sleep, clock: Any = time.monotonic) -> int:
-    backoff = scaled(BACKOFF_INITIAL_SECS)
+def join_loop(
+    plan: JoinPlan, *, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic
+) -> int:
+    backoff = api.scaled(BACKOFF_INITIAL_SECS)
     while True:
         started = clock()
         code = attempt(plan)
@@ -271,12 +259,12 @@ def join_loop(plan: JoinPlan, *, sleep: Any = time.sleep, clock: Any = time.mono
         if not plan.persist:
             return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
         lasted = clock() - started
-        if lasted > scaled(BACKOFF_RESET_AFTER_SECS):
-            backoff = scaled(BACKOFF_INITIAL_SECS)
+        if lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
+            backoff = api.scaled(BACKOFF_INITIAL_SECS)
         outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
         say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
         sleep(backoff)
-        backoff = min(backoff * 2, scaled(BACKOFF_MAX_SECS))
+        backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
 
 
 def main(args: argparse.Namespace) -> int:

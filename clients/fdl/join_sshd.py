@@ -12,15 +12,15 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
+from fdl.cli import Subparsers
+from flodld import api
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
         "join-sshd", help="write or show the guardrailed join sshd recipe", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
@@ -48,25 +48,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _recipe(args: argparse.Namespace) -> JoinSshdRecipe:
+def _recipe(args: argparse.Namespace) -> api.JoinSshdRecipe:
     keys: list[str] = []
     for name in args.key:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise RecipeError(f"--key {name}: no such file; pass the walk-in's .pub file")
+            raise api.RecipeError(f"--key {name}: no such file; pass the walk-in's .pub file")
         keys.extend(
             line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
         )
     if not keys:
-        raise RecipeError("no join key given; pass --key KEY.pub (the walk-in's public key) at least once")
-    return JoinSshdRecipe(controller_port=args.controller_port, listen_port=args.listen_port,
+        raise api.RecipeError("no join key given; pass --key KEY.pub (the walk-in's public key) at least once")
+    return api.JoinSshdRecipe(controller_port=args.controller_port, listen_port=args.listen_port,
                           public_keys=tuple(keys), join_user=args.user)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         recipe = _recipe(args)
-    except RecipeError as error:
+    except api.RecipeError as error:
         print(f"fdl join-sshd: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.action == "show":

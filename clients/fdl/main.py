@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flodld.config.loader import available_envs
+from flodld import api
 
 
 class UsageError(Exception):
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_env(env: str, project: Path | str) -> None:
     """Refuse an overlay that does not exist, listing the ones that do."""
-    envs = available_envs(project)
+    envs = api.available_envs(project)
     if env not in envs:
         listing = ", ".join(envs) if envs else f"none (no fdl.<env>.yml in {Path(project).resolve()})"
         raise UsageError(f"unknown environment {env!r}: no fdl.{env}.yml; available overlays: {listing}")

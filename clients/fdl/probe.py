@@ -14,16 +14,16 @@ import asyncio
 import json
 import os
 import sys
-from typing import Any
 
+from fdl.cli import Subparsers
 from fdl.run import add_rank_options, plan_run
-from flodld.probe import HostReport, aggregate, probe_local, render
+from flodld import api
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
         "probe", help="readiness checks (this host, or every worker with @cluster)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
@@ -44,29 +44,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_rank_options(parser)
 
 
-def _cluster(args: argparse.Namespace) -> Any:
+def _cluster(args: argparse.Namespace) -> api.ClusterConfig | None:
     """The selected overlay's cluster block, or None for a single-host probe."""
     env = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
     if env is None:
         return None
-    from flodld.config.loader import load_config
-
-    return load_config(args.project, env).cluster
+    return api.load_config(args.project, env).cluster
 
 
-def collect(args: argparse.Namespace) -> list[HostReport]:
+def collect(args: argparse.Namespace) -> list[api.HostReport]:
     cluster = _cluster(args)
     if cluster is None:
-        report = probe_local(data_path=args.data_path, port=args.port)
+        report = api.probe_local(data_path=args.data_path, port=args.port)
         if report.facts.get("torch"):  # without torch, the torch check already says what to fix
             add_run_plan(report, args)
         return [report]
-    from flodld.fanout.remote_probe import probe_cluster
-
-    return asyncio.run(probe_cluster(cluster, data_path=args.data_path))
+    return asyncio.run(api.probe_cluster(cluster, data_path=args.data_path))
 
 
-def add_run_plan(report: HostReport, args: argparse.Namespace) -> None:
+def add_run_plan(report: api.HostReport, args: argparse.Namespace) -> None:
     """What `fdl run` (with the given rank flags) would start on this host, as the `fdl_run` check."""
     try:
         _, plan = plan_run(args)
@@ -78,14 +74,12 @@ def add_run_plan(report: HostReport, args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from flodld.config.errors import ConfigError
-
     try:
         reports = collect(args)
-    except ConfigError as error:
+    except api.ConfigError as error:
         print(f"fdl probe: {error}", file=sys.stderr)
         return EXIT_USAGE
-    summary = aggregate(reports) if len(reports) > 1 else None
+    summary = api.aggregate(reports) if len(reports) > 1 else None
     everything = reports + ([summary] if summary is not None else [])
     failed = any(report.status == "error" for report in everything)
     if args.json:
@@ -95,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
             body["cluster"] = summary.to_json()
         print(json.dumps(body, indent=2))
     else:
-        print(render(everything))
+        print(api.render(everything))
     return EXIT_ERRORS if failed else EXIT_OK
 
 

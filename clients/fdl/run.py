@@ -29,19 +29,20 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flodld.agent.spawn import agent_command
-from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec, parse_device_list, resolve_devices
+from fdl.cli import Subparsers
+from flodld import api
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_CPU_RANKS = 2
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
         "run", help="run a program on every rank (controller embedded)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -90,7 +91,11 @@ def split_at_dashdash(rest: list[str]) -> tuple[list[str], list[str] | None]:
     return rest, None
 
 
-def reparse(args: argparse.Namespace, add_options: Any, positional: Any) -> list[str] | None:
+def reparse(
+    args: argparse.Namespace,
+    add_options: Callable[[argparse.ArgumentParser], object],
+    positional: Callable[[argparse.ArgumentParser], object],
+) -> list[str] | None:
     """Finish parsing what REMAINDER swallowed (options may follow the positional), into `args`."""
     head, tail = split_at_dashdash(list(args.rest))
     parser = argparse.ArgumentParser(add_help=False, prog="fdl")
@@ -197,12 +202,12 @@ def choose_local_ranks(
     asked: list[tuple[str, tuple[str, ...]]] = []
     if devices is not None:
         flag = f"--devices {devices}"
-        entries = parse_device_list(devices)  # the parser of `fdl join --devices`
+        entries = api.parse_device_list(devices)  # the parser of `fdl join --devices`
         if [entry.lower() for entry in entries] == ["all"] and not count:
             # as for `fdl join --devices all` on a host without GPU: CPU ranks instead
             asked.append((flag, _cpu_ranks(cpu_fallback, f"--ranks {cpu_fallback}")))
         else:
-            asked.append((flag, tuple(resolve_devices(entries, cuda_count=count))))
+            asked.append((flag, tuple(api.resolve_devices(entries, cuda_count=count))))
     if nproc_per_node is not None:
         asked.append((f"--nproc-per-node {nproc_per_node}", _nproc_devices(nproc_per_node, count)))
     if ranks is not None:
@@ -255,33 +260,28 @@ def _nproc_devices(value: str, cuda_count: int) -> tuple[str, ...]:
     return tuple(f"cuda:{index}" for index in range(count))
 
 
-def embedded_cluster(local: LocalRanks) -> Any:
+def embedded_cluster(local: LocalRanks) -> api.ClusterConfig:
     """The embedded default: controller on 127.0.0.1 (free port), one local worker with these ranks,
     cpu_sync averaging through the relay, over nccl (GPU ranks only) or gloo."""
-    from flodld.config.builder import ClusterBuilder
-
     return (
-        ClusterBuilder()
+        api.ClusterBuilder()
         .controller("127.0.0.1", 0, averaging="cpu_sync", backend=local.backend)
         .worker("127.0.0.1", devices=local.entries)
         .build()
     )
 
 
-def _project_cluster(args: argparse.Namespace) -> Any:
+def _project_cluster(args: argparse.Namespace) -> api.ClusterConfig | None:
     """The project's cluster block (with the selected overlay), or None for the embedded default."""
-    from flodld.config.errors import ConfigNotFoundError
-    from flodld.config.loader import load_config
-
     env = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
     try:
-        project = load_config(getattr(args, "project", "."), env)
-    except ConfigNotFoundError:
+        project = api.load_config(getattr(args, "project", "."), env)
+    except api.ConfigNotFoundError:
         return None
     return project.cluster
 
 
-def plan_run(args: argparse.Namespace) -> tuple[Any, str]:
+def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
     """(the cluster config `fdl run` starts, what it is: 'the embedded default: 2 CPU rank(s), ...').
 
     ValueError (exit 2) for bad usage: a bad or contradictory rank flag, rank flags next to a
@@ -304,18 +304,14 @@ def plan_run(args: argparse.Namespace) -> tuple[Any, str]:
     return embedded_cluster(local_ranks), f"the embedded default: {local_ranks.describe()}"
 
 
-async def run_job(command: list[str], cluster: Any, *, port: int | None = None) -> int:
-    from flodld.controller.options import ControllerOptions
-    from flodld.controller.service import assemble_controller
-    from flodld.wire.salt import OPEN_ADMISSION_KEY
-
+async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int | None = None) -> int:
     overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
     if port is not None:
         overrides["port"] = port
     if cluster.controller.host in ("127.0.0.1", "localhost"):
         overrides["bind_host"] = "127.0.0.1"
-    options = ControllerOptions.from_cluster(cluster, probed=None, **overrides)
-    controller = assemble_controller(
+    options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
+    controller = api.assemble_controller(
         options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
     )
     _, bound_port = await controller.start()
@@ -324,10 +320,10 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
         f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "
         f"{options.capacity} rank(s); starting {len(local)} local agent(s)"
     )
-    pre_shared = controller.join_key != OPEN_ADMISSION_KEY
+    pre_shared = controller.join_key != api.OPEN_ADMISSION_KEY
     agents: list[asyncio.subprocess.Process] = []
     for worker in local:
-        spec = AgentSpec(
+        spec = api.AgentSpec(
             host=worker.host,
             controller_host="127.0.0.1",
             controller_port=bound_port,
@@ -338,10 +334,10 @@ async def run_job(command: list[str], cluster: Any, *, port: int | None = None) 
             host_env=worker.rank_env() or None,
             program=command,
         )
-        env = {**os.environ, **worker.env, AGENT_ENV: encode_spec(spec)}
+        env = {**os.environ, **worker.env, api.AGENT_ENV: api.encode_spec(spec)}
         # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
         agents.append(
-            await asyncio.create_subprocess_exec(*agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL)
+            await asyncio.create_subprocess_exec(*api.agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL)
         )
 
     loop = asyncio.get_running_loop()
@@ -426,9 +422,7 @@ def main(args: argparse.Namespace) -> int:
     # Plain asyncio: the controller's mux checks for asyncio.Transport, which uvloop's transports are not.
     if any(not worker.is_local(cluster.controller.host) for worker in cluster.workers):
         # cluster_run loads asyncssh: only when there is a remote worker.
-        from flodld.fanout.cluster_run import run_cluster_job
-
-        return asyncio.run(run_cluster_job(args.program, tail or [], cluster, port=args.port))
+        return asyncio.run(api.run_cluster_job(args.program, tail or [], cluster, port=args.port))
     return asyncio.run(run_job(command, cluster, port=args.port))
 
 

@@ -16,10 +16,11 @@ import json
 import os
 import re
 import sys
-from typing import Any
 
 from fdl.address import format_address, resolve_candidates
+from fdl.cli import Subparsers
 from fdl.endpoint import request
+from flodld import api
 
 TOKEN_ENV = "FDL_START_TOKEN"
 JOIN_TOKEN_ENV = "FDL_JOIN_TOKEN"
@@ -27,8 +28,8 @@ START_HEADER = "X-Flodld-Start"  # flodld.controller.http.START_HEADER
 _JOIN_TOKEN = re.compile(r"[0-9a-fA-F]{32}")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser("start", help="fire the start of a staged window")
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("start", help="fire the start of a staged window")
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
     parser.add_argument(
         "--token",
@@ -46,16 +47,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def derive_credential() -> int:
     """`--derive-credential`: join token in (stdin or FDL_JOIN_TOKEN), start credential out."""
-    from flodld.membership.switch import start_credential
-    from flodld.wire.salt import SaltError, salt_from_hex
-
     text = os.environ.get(JOIN_TOKEN_ENV) or sys.stdin.readline()
     try:
-        salt = salt_from_hex(text)
-    except SaltError as error:
+        salt = api.salt_from_hex(text)
+    except api.SaltError as error:
         print(f"fdl start --derive-credential: {error}", file=sys.stderr)
         return 2
-    print(start_credential(salt))
+    print(api.start_credential(salt))
     return 0
 
 

@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from fdl.address import Candidates, format_address, resolve_candidates
+from fdl.cli import Subparsers
 from fdl.endpoint import request
 
 WINDOW_PHASES = ("waiting", "staging")
@@ -33,8 +34,8 @@ NO_RUN_HINT = (
 )
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser("status", help="show the run's membership state")
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("status", help="show the run's membership state")
     parser.add_argument("--json", action="store_true", help="print state.json verbatim")
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
     parser.add_argument("--watch", action="store_true", help="refresh until the run ends")

@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, Store
+
+# torch.distributed re-exports both from torch._C without `as`, so strict mypy (no implicit re-export)
+# does not see them; they are the public names all the same.
+from torch.distributed import HashStore, Store  # type: ignore[attr-defined]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -70,7 +73,7 @@ def init(
     world_size: int | None = None,
     rank: int | None = None,
     store: Store | None = None,
-    pg_options: Any | None = None,
+    pg_options: object | None = None,
     device_id: torch.device | int | None = None,
 ) -> None:
     """Create the default process group (no-op if one exists; the device is still selected).

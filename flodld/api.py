@@ -1,0 +1,169 @@
+"""The public API of flodld for programs built on it: the `fdl` client and anything like it.
+
+A client imports this module (`from flodld import api`) and uses the names in `__all__`
+(`api.load_config(...)`); nothing else under `flodld` is promised to it, and
+`tests/test_import_contract.py` holds `clients/` to that. Every name here is re-exported from the
+module that defines it, unchanged: `api.load_config is flodld.config.load_config`.
+
+Each name loads its defining module on first use (PEP 562), so `import flodld.api` costs nothing and
+a command pays only for what it touches: `fdl status` reads the configuration (pydantic, ruamel) but
+never loads aiohttp (the controller) or asyncssh (the SSH fan-out), which together double its
+start-up time. Type checkers read the imports under `TYPE_CHECKING`, so every name keeps its type.
+
+Adding a name: one import under `TYPE_CHECKING` and one entry in `_EXPORTS` (the contract test checks
+that the two agree and that each name is the object its module defines).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flodld.agent.envpolicy import parse_accept_env
+    from flodld.agent.spawn import agent_command
+    from flodld.agent.spec import (
+        AGENT_ENV,
+        AgentSpec,
+        DeviceError,
+        encode_spec,
+        parse_device_list,
+        resolve_devices,
+    )
+    from flodld.config import (
+        DEFAULT_CONTROLLER_PORT,
+        ClusterBuilder,
+        ClusterConfig,
+        ConfigError,
+        ConfigIssue,
+        ConfigNotFoundError,
+        ProjectConfig,
+        WalkInConfig,
+        available_envs,
+        load_config,
+        load_text,
+        parse_address,
+    )
+    from flodld.config.fields import LOOPBACK_HOSTS
+    from flodld.config.loader import BASE_FILE, config_overlay_file, load_config_file
+    from flodld.config.yamlsource import read_yaml
+    from flodld.controller.options import ControllerOptions
+    from flodld.controller.service import assemble_controller
+    from flodld.fanout.cluster_run import run_cluster_job
+    from flodld.fanout.forward import ForwardError, open_forward
+    from flodld.fanout.remote_probe import probe_cluster
+    from flodld.fanout.ssh import SshConfigError, SshEndpoint
+    from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
+    from flodld.membership import PolicyError, derive_policy
+    from flodld.membership.switch import start_credential
+    from flodld.net import scaled
+    from flodld.probe import HostReport, aggregate, probe_local, render
+    from flodld.wire.salt import OPEN_ADMISSION_KEY, SaltError, salt_from_hex
+
+# Where each public name is defined, grouped by module (the import above is the same list).
+_MODULES: dict[str, tuple[str, ...]] = {
+    "flodld.agent.envpolicy": ("parse_accept_env",),
+    "flodld.agent.spawn": ("agent_command",),
+    "flodld.agent.spec": (
+        "AGENT_ENV",
+        "AgentSpec",
+        "DeviceError",
+        "encode_spec",
+        "parse_device_list",
+        "resolve_devices",
+    ),
+    "flodld.config": (
+        "DEFAULT_CONTROLLER_PORT",
+        "ClusterBuilder",
+        "ClusterConfig",
+        "ConfigError",
+        "ConfigIssue",
+        "ConfigNotFoundError",
+        "ProjectConfig",
+        "WalkInConfig",
+        "available_envs",
+        "load_config",
+        "load_text",
+        "parse_address",
+    ),
+    "flodld.config.fields": ("LOOPBACK_HOSTS",),
+    "flodld.config.loader": ("BASE_FILE", "config_overlay_file", "load_config_file"),
+    "flodld.config.yamlsource": ("read_yaml",),
+    "flodld.controller.options": ("ControllerOptions",),
+    "flodld.controller.service": ("assemble_controller",),
+    "flodld.fanout.cluster_run": ("run_cluster_job",),
+    "flodld.fanout.forward": ("ForwardError", "open_forward"),
+    "flodld.fanout.remote_probe": ("probe_cluster",),
+    "flodld.fanout.ssh": ("SshConfigError", "SshEndpoint"),
+    "flodld.fanout.sshd_recipe": ("JoinSshdRecipe", "RecipeError"),
+    "flodld.membership": ("PolicyError", "derive_policy"),
+    "flodld.membership.switch": ("start_credential",),
+    "flodld.net": ("scaled",),
+    "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
+    "flodld.wire.salt": ("OPEN_ADMISSION_KEY", "SaltError", "salt_from_hex"),
+}
+
+_EXPORTS: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = [
+    "AGENT_ENV",
+    "BASE_FILE",
+    "DEFAULT_CONTROLLER_PORT",
+    "LOOPBACK_HOSTS",
+    "OPEN_ADMISSION_KEY",
+    "AgentSpec",
+    "ClusterBuilder",
+    "ClusterConfig",
+    "ConfigError",
+    "ConfigIssue",
+    "ConfigNotFoundError",
+    "ControllerOptions",
+    "DeviceError",
+    "ForwardError",
+    "HostReport",
+    "JoinSshdRecipe",
+    "PolicyError",
+    "ProjectConfig",
+    "RecipeError",
+    "SaltError",
+    "SshConfigError",
+    "SshEndpoint",
+    "WalkInConfig",
+    "agent_command",
+    "aggregate",
+    "assemble_controller",
+    "available_envs",
+    "config_overlay_file",
+    "derive_policy",
+    "encode_spec",
+    "load_config",
+    "load_config_file",
+    "load_text",
+    "open_forward",
+    "parse_accept_env",
+    "parse_address",
+    "parse_device_list",
+    "probe_cluster",
+    "probe_local",
+    "read_yaml",
+    "render",
+    "resolve_devices",
+    "run_cluster_job",
+    "salt_from_hex",
+    "scaled",
+    "start_credential",
+]
+
+
+def __getattr__(name: str) -> object:
+    """Load a public name's defining module on first use, and keep the name here from then on."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (its public names: __all__)")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
