@@ -8,13 +8,13 @@ and systemd's RestartPreventExitStatus=2 know when to stop.
 from __future__ import annotations
 
 import importlib.metadata
-import ipaddress
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
 from flodld.agent.spec import AgentSpec, device_label
+from flodld.net.addresses import is_private_address
 from flodld.net.keepalive import keep_alive
 from flodld.net.stream import ConnectError, FramedStream, connect_with_retry
 from flodld.net.timeouts import scaled
@@ -106,13 +106,6 @@ def rewrite_controller_address(formed: WorldFormed, host: str, port: int) -> Wor
 
 def cleartext_warning(peer: str, where: str, *, pre_shared: bool) -> str | None:
     """The warning for a join link to a controller outside private address space (None inside it)."""
-    try:
-        if ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback:
-            return None
-    except ValueError:
-        pass
-    from flodld.controller.addresses import is_private_address  # only off loopback: it costs an import
-
     if is_private_address(peer):
         return None
     salt = "" if pre_shared else (

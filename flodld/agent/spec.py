@@ -121,7 +121,7 @@ def resolve_devices(requested: list[str] | None, *, cuda_count: int | None = Non
     def cuda_devices() -> int:
         if cuda_count is not None:
             return cuda_count
-        import torch
+        import torch  # only when GPUs are asked for: the agent is a light process, no torch otherwise
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -174,7 +174,7 @@ def _integer(text: str, entry: str) -> int:
 def device_label(device: str) -> str:
     """A human label for the roster: the GPU's name, or 'CPU'."""
     if device.startswith("cuda:"):
-        import torch
+        import torch  # only for a GPU's name: the agent is a light process, no torch otherwise
 
         try:
             return str(torch.cuda.get_device_name(int(device[5:])))[:256]

@@ -11,7 +11,7 @@ from flodld.config.errors import ConfigError, ConfigIssue, ConfigNotFoundError
 from flodld.config.issues import issues_from_validation
 from flodld.config.merge import merge_documents
 from flodld.config.models import ProjectConfig
-from flodld.config.yamlsource import Position, SourceDocument, read_yaml
+from flodld.config.yamlsource import Position, SourceDocument, parse_yaml, read_yaml
 
 BASE_FILE = "fdl.yml"
 _ENV_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -98,8 +98,6 @@ def validate_document(document: SourceDocument, default_file: Path | None = None
 
 def load_text(text: str, name: str = BASE_FILE) -> ProjectConfig:
     """Validate YAML text as if it were a file called `name` (tests, `fdl config check -`)."""
-    from flodld.config.yamlsource import parse_yaml
-
     return validate_document(parse_yaml(text, Path(name)), default_file=Path(name))
 
 

@@ -117,7 +117,7 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_rules(self) -> ClusterConfig:
-        from flodld.config.rules import cluster_violations
+        from flodld.config.rules import cluster_violations  # cycle: rules.py imports these models
 
         violations = cluster_violations(self)
         if violations:

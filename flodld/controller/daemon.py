@@ -206,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"flodld: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        import uvloop
+        import uvloop  # optional: a dependency on Linux only
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.run
     else:

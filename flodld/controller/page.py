@@ -19,12 +19,12 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from aiohttp import web
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aiohttp import web
-
-    from flodld.controller.http import StatusSource
+    from flodld.controller.http import StatusSource  # for types only: http.py imports this module
 
     Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -721,8 +721,6 @@ def wants_html(request: web.Request) -> bool:
 
 
 def _respond(body: str, content_type: str) -> web.Response:
-    from aiohttp import web
-
     return web.Response(
         text=body, content_type=content_type, charset="utf-8", headers={**SECURITY_HEADERS, "Vary": "Accept"}
     )

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from flodld.controller.addresses import CleartextWarner
+from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, build_app
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux, PreAdmissionGate
@@ -56,8 +58,6 @@ def assemble_controller(
     if on_phase is not None:
         controller.on_phase(on_phase)
     if data_plane:
-        from flodld.controller.dataplane import attach_data_plane
-
         attach_data_plane(controller)  # relays of CPU averaging modes dial DATA/CONTROL on this port
     return controller
 
@@ -181,8 +181,6 @@ class Service:
     def _run_id(self, options: ControllerOptions) -> str:
         """A fresh run id per run: the configured one as a prefix under the service, else random."""
         if options.run_id is None:
-            import secrets
-
             return secrets.token_hex(8)
         return options.run_id if self.once else f"{options.run_id}-{self.runs_started + 1}"
 

@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING, Any
 from flodld.agent.spawn import agent_command
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
 from flodld.config.models import ClusterConfig
+from flodld.controller.options import ControllerOptions
+from flodld.controller.service import assemble_controller
 from flodld.fanout.launcher import AgentExit, FanOut, FanOutError, plan_agent, probe_device_count, workdir_for
+from flodld.wire.salt import OPEN_ADMISSION_KEY
 
 if TYPE_CHECKING:
     from flodld.controller.run import Controller
@@ -45,7 +48,7 @@ async def probe_all_devices(cluster: ClusterConfig, local_cwd: str) -> dict[str,
         worker = cluster.worker(host)
         assert worker is not None
         if worker.is_local(cluster.controller.host):
-            import torch
+            import torch  # only to count local CUDA devices: `fdl` itself never loads torch
 
             counts[host] = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if counts[host] == 0:
@@ -73,10 +76,6 @@ async def run_cluster_job(
     grace_s: int = 10,
 ) -> int:
     """Run `program args` on every worker of `cluster`; returns 0 when the run is done, else 1."""
-    from flodld.controller.options import ControllerOptions
-    from flodld.controller.service import assemble_controller
-    from flodld.wire.salt import OPEN_ADMISSION_KEY
-
     env = dict(os.environ if environ is None else environ)
     local_cwd = os.getcwd()
     try:

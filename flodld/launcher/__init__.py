@@ -65,7 +65,7 @@ def _run_role(name: str, run: Callable[[], int]) -> None:
 
 def run_agent_role() -> None:
     """`python -m flodld.agent`: run the agent role to its exit code and leave."""
-    from flodld.agent.run import run_agent
+    from flodld.agent.run import run_agent  # only in that role: `import flodld` stays light
 
     _run_role("agent", run_agent)
 
@@ -79,10 +79,10 @@ def exit_if_worker_role() -> None:
     if role is Role.RANK:
         claim_salt()
     elif role is Role.AGENT:
-        from flodld.agent.run import run_agent
+        from flodld.agent.run import run_agent  # only in that role: `import flodld` stays light
 
         _run_role("agent", run_agent)
     elif role is Role.RELAY:
-        from flodld.relay.server import run_relay
+        from flodld.relay.server import run_relay  # only in that role: `import flodld` stays light
 
         _run_role("relay", run_relay)

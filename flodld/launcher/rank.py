@@ -18,17 +18,16 @@ import os
 import runpy
 import sys
 
+from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment
+
 
 def main(argv: list[str]) -> None:
     if not argv:
         sys.stderr.write("usage: python -m flodld.launcher.rank SCRIPT.py [ARGS]\n")
         sys.exit(2)
-    from flodld.rank.env import claim_salt, in_flodld_rank
-
     claim_salt()
     if in_flodld_rank() and os.environ.get("FLODL_RELAY_PORT"):
-        from flodld.rank.env import read_rank_environment
-        from flodld.rank.relay_client import connect_relay
+        from flodld.rank.relay_client import connect_relay  # loads torch: only in a rank that has a relay
 
         connect_relay(read_rank_environment())
     atexit.register(_settle_torch_distributed)  # registered first, so it runs after the script's own handlers
@@ -44,7 +43,7 @@ def _settle_torch_distributed() -> None:
     never touched torch.distributed pays nothing."""
     if "torch.distributed" not in sys.modules:
         return
-    from flodld.rank.process_group import close_process_group
+    from flodld.rank.process_group import close_process_group  # loads torch: only if the script did
 
     close_process_group()
 

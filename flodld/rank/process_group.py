@@ -7,6 +7,7 @@ so the same training code runs unchanged on a laptop.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from flodld.rank.env import RankEnvironment, in_flodld_rank, read_rank_environment
+from flodld.rank.relay_client import connect_relay
+from flodld.rank.store import ControllerStore
 
 DEFAULT_PG_TIMEOUT = timedelta(seconds=300)
 
@@ -43,14 +46,10 @@ def init_process_group(
             backend or "gloo", store=local_store, rank=0, world_size=1, timeout=timeout, **kwargs
         )
         return
-    from flodld.rank.store import ControllerStore
-
     env = read_rank_environment()
     if env.device.startswith("cpu"):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
     if env.relay_port is not None:
-        from flodld.rank.relay_client import connect_relay
-
         connect_relay(env)
     store = ControllerStore(
         env.controller_host, env.controller_port, env.salt, env.run_id, rank=env.rank, timeout=timeout
@@ -112,8 +111,6 @@ def quiesce_gloo_workers(*, limit_s: float = 2.0, interval_s: float = 0.002, cal
     shuts down, flodld lets the workers finish: sleeping releases the GIL to a worker that waits for
     it, and a worker that was preempted mid-free shows as runnable until it is done.
     """
-    import time
-
     deadline = time.monotonic() + limit_s
     calm = 0
     while calm < calm_samples:
