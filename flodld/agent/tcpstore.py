@@ -26,6 +26,7 @@ import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from flodld.net.stream import FramedStream, open_channel
 from flodld.wire import tcpstore as ts
@@ -68,6 +69,8 @@ WAIT_SLICE_SECS = 5.0
 MAX_CONNECTIONS = 1024
 READ_CHUNK = 256 * 1024
 _PROC_NET = ("/proc/net/tcp", "/proc/net/tcp6")
+
+M = TypeVar("M", bound=Message)
 
 
 # --- who is on the other end -------------------------------------------------------------------
@@ -165,7 +168,8 @@ class ControllerLink:
         self._stream = stream
         return stream
 
-    async def call(self, request: Message, kind: type[Message], tail: bytes = b"") -> Frame:
+    async def call(self, request: Message, kind: type[M], tail: bytes = b"") -> tuple[M, bytes]:
+        """Send `request`; the reply (checked to be a `kind`) and its tail. One re-dial on a broken link."""
         if "request_id" in type(request).model_fields:
             request = request.model_copy(update={"request_id": self._next_id})
             self._next_id += 1
@@ -179,8 +183,7 @@ class ControllerLink:
                 if attempt:
                     raise ConnectionError(f"controller store: connection lost twice ({error!r})") from error
                 continue
-            _check(frame, kind)
-            return frame
+            return _check(frame, kind), frame.tail
         raise AssertionError("unreachable")
 
     def drop(self) -> None:
@@ -189,7 +192,7 @@ class ControllerLink:
             self._stream = None
 
 
-def _check(frame: Frame, kind: type[Message]) -> Message:
+def _check(frame: Frame, kind: type[M]) -> M:
     message = frame.message()
     if isinstance(message, StoreError):
         raise StoreRefused(message.code, message.reason)
@@ -218,16 +221,14 @@ async def node_rank(address: ControllerAddress, *, first_rank: int, local_size: 
             await link.call(
                 StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), StoreOk, str(local_size).encode()
             )
-            total = _int(await link.call(StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size), StoreInt))
+            total = (await link.call(StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size), StoreInt))[0].value
             if total == world_size:
                 await link.call(StoreSet(key=f"{GROUP_PREFIX}done"), StoreOk, b"1")
             await link.call(StoreWait(keys=[f"{GROUP_PREFIX}done"], timeout=timeout), StoreOk)
-            frame = await link.call(StoreListKeys(), StoreValues)
+            listed, tail = await link.call(StoreListKeys(), StoreValues)
     finally:
         link.drop()
-    message = frame.message()
-    assert isinstance(message, StoreValues)
-    keys = [piece.decode() for piece in split_tail(frame.tail, list(message.lengths))]
+    keys = [piece.decode() for piece in split_tail(tail, list(listed.lengths))]
     firsts = sorted(int(key.rsplit("/", 1)[1]) for key in keys if key.startswith(f"{GROUP_PREFIX}host/"))
     return firsts.index(first_rank), len(firsts)
 
@@ -292,30 +293,28 @@ class _Session:
                 await link.call(StoreSet(key=key), StoreOk, value)
                 return b""
             case ts.CompareSet(key, expected, desired):
-                frame = await link.call(StoreCompareSet(key=key, expected_len=len(expected)), StoreValue,
+                _, held = await link.call(StoreCompareSet(key=key, expected_len=len(expected)), StoreValue,
                                         expected + desired)  # fmt: skip
-                return ts.reply_value(frame.tail)
+                return ts.reply_value(held)
             case ts.Get(key):
-                return ts.reply_value((await link.call(StoreGet(key=key, timeout=0), StoreValue)).tail)
+                return ts.reply_value((await link.call(StoreGet(key=key, timeout=0), StoreValue))[1])
             case ts.Add(key, amount):
-                return ts.reply_int(_int(await link.call(StoreAdd(key=key, amount=amount), StoreInt)))
+                return ts.reply_int((await link.call(StoreAdd(key=key, amount=amount), StoreInt))[0].value)
             case ts.Check(keys):
-                return ts.reply_check(_bool(await link.call(StoreCheck(keys=list(keys)), StoreBool)))
+                return ts.reply_check((await link.call(StoreCheck(keys=list(keys)), StoreBool))[0].value)
             case ts.Wait(keys):
                 return await self._wait(list(keys))
             case ts.NumKeys():
-                return ts.reply_int(_int(await link.call(StoreNumKeys(), StoreInt)))
+                return ts.reply_int((await link.call(StoreNumKeys(), StoreInt))[0].value)
             case ts.DeleteKey(key):
-                return ts.reply_deleted(_bool(await link.call(StoreDeleteKey(key=key), StoreBool)))
+                return ts.reply_deleted((await link.call(StoreDeleteKey(key=key), StoreBool))[0].value)
             case ts.Append(key, value):
                 await link.call(StoreAppend(key=key), StoreOk, value)
                 return b""
             case ts.MultiGet(keys):
                 unique = list(dict.fromkeys(keys))
-                frame = await link.call(StoreMultiGet(keys=unique, timeout=0), StoreValues)
-                message = frame.message()
-                assert isinstance(message, StoreValues)
-                values = dict(zip(unique, split_tail(frame.tail, list(message.lengths)), strict=True))
+                found, tail = await link.call(StoreMultiGet(keys=unique, timeout=0), StoreValues)
+                values = dict(zip(unique, split_tail(tail, list(found.lengths)), strict=True))
                 return ts.reply_values([values[key] for key in keys])
             case ts.MultiSet(keys, values):
                 await link.call(StoreMultiSet(keys=list(keys), lengths=[len(v) for v in values]), StoreOk,
@@ -329,21 +328,17 @@ class _Session:
             case ts.QueuePop(key):
                 try:
                     return ts.reply_queue_pop(
-                        (await link.call(StoreQueuePop(key=key, timeout=0), StoreValue)).tail
+                        (await link.call(StoreQueuePop(key=key, timeout=0), StoreValue))[1]
                     )
                 except StoreRefused as error:
                     if error.code == "queue_empty":
                         return ts.reply_queue_pop(None)
                     raise
             case ts.QueueLen(key):
-                return ts.reply_int(_int(await link.call(StoreQueueLen(key=key), StoreInt)))
+                return ts.reply_int((await link.call(StoreQueueLen(key=key), StoreInt))[0].value)
             case ts.ListKeys():
-                frame = await link.call(StoreListKeys(), StoreValues)
-                message = frame.message()
-                assert isinstance(message, StoreValues)
-                return ts.reply_keys(
-                    [piece.decode() for piece in split_tail(frame.tail, list(message.lengths))]
-                )
+                listed, tail = await link.call(StoreListKeys(), StoreValues)
+                return ts.reply_keys([piece.decode() for piece in split_tail(tail, list(listed.lengths))])
         raise AssertionError(f"unhandled {request!r}")
 
     async def _wait(self, keys: list[str]) -> bytes:
@@ -381,18 +376,6 @@ class _Session:
                 return False
             raise
         return True
-
-
-def _int(frame: Frame) -> int:
-    message = frame.message()
-    assert isinstance(message, StoreInt)
-    return message.value
-
-
-def _bool(frame: Frame) -> bool:
-    message = frame.message()
-    assert isinstance(message, StoreBool)
-    return message.value
 
 
 # --- the endpoint ------------------------------------------------------------------------------
