@@ -3,8 +3,9 @@
 One relay per host dials each channel and introduces itself with RelayHello, whose `proof` must verify
 under the key derived at that host's admission (`host_key(host)`): a host can speak only as itself.
 After HelloAck the connection is rekeyed to that host key. On DATA, host frames
-are folded across hosts (a RoundBarrier over hosts with live ranks); the finished value goes down
-as Broadcast to every relay. On CONTROL, rank heartbeats feed a Liveness table; a coordinator
+are folded across hosts chunk by chunk (a RoundBarrier over hosts with live ranks); each chunk, finished
+as soon as every live host's chunk at that offset is in, goes down as a Broadcast chunk to every relay,
+so a large round is pipelined rather than stored and forwarded whole. On CONTROL, rank heartbeats feed a Liveness table; a coordinator
 heartbeat goes down every interval, and a rank silent past the timeout is declared dead: its relay
 folds it out, and `on_rank_dead` tells the rest of the controller.
 
@@ -18,25 +19,26 @@ import asyncio
 import contextlib
 import logging
 import time
-import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from flodld.fold import round_barrier
 from flodld.fold.liveness import Liveness
+from flodld.net.dispatch import Dispatch
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
 from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
 from flodld.wire.errors import WireError
-from flodld.wire.frames import Tail
+from flodld.wire.frames import Frame, Tail
 from flodld.wire.hostkey import verify_relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
 if TYPE_CHECKING:
     from flodld.controller.run import Controller
-    from flodld.fold.barrier import RoundBarrier, RoundResult
+    from flodld.fold.barrier import ChunkResult, RoundBarrier
 
 log = logging.getLogger("flodld.controller.dataplane")
 
@@ -52,18 +54,12 @@ HostKeyLookup = Callable[[str], bytes | None]
 """The key derived at `host`'s admission, or None when that host has no live admission."""
 
 
-def _folds() -> Any:
-    """The fold modules, imported on first use: they load torch, which a controller that never
-    forms a CPU world (or has not formed one yet) should not wait for."""
-    from flodld.fold import barrier, base, codec
+@dataclass(frozen=True)
+class _Relay:
+    """Whose frames a relay connection carries (the context of its dispatch table)."""
 
-    base.use_fold_threads()
-    return types.SimpleNamespace(
-        RoundBarrier=barrier.RoundBarrier,
-        fold_from_spec=base.fold_from_spec,
-        decode_bundle=codec.decode_bundle,
-        encode_bundle_parts=codec.encode_bundle_parts,
-    )
+    host: str
+    stream: FramedStream
 
 
 @dataclass(frozen=True)
@@ -102,7 +98,6 @@ class DataPlane:
         self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
         # The fold machinery (torch) loads with the first host frame: a run that never averages
         # through the relays never pays for it, and formation is not delayed by the import.
-        self._fold: Any = None
         self._barrier: RoundBarrier[str] | None = None
         self.clock = clock
         self.liveness = Liveness(self.host_of, timeout=liveness_timeout, now=clock(), startup=startup_timeout)
@@ -110,10 +105,14 @@ class DataPlane:
         self.on_rank_dead = on_rank_dead
         self.relays: dict[Channel, dict[str, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.rounds = 0
-        self._round_contributors: set[int] = set()
+        self._chunk_ranks: dict[int, set[int]] = {}  # ranks in the open chunks of this round, by offset
         self.dead_ranks: list[int] = []
         self.gone_ranks: list[int] = []
         self._ticker: asyncio.Task[None] | None = None
+        self._data: Dispatch[_Relay] = (
+            Dispatch().on(HostFrame, self._on_host_frame).on(RankGone, self._on_rank_gone)
+        )
+        self._control: Dispatch[_Relay] = Dispatch().on(Heartbeat, self._on_heartbeat)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -146,8 +145,7 @@ class DataPlane:
 
     def _ensure_barrier(self) -> RoundBarrier[str]:
         if self._barrier is None:
-            self._fold = _folds()
-            self._barrier = self._fold.RoundBarrier(self.live_hosts())
+            self._barrier = round_barrier(self.live_hosts())
         return self._barrier
 
     def stats(self) -> DataPlaneStats:
@@ -184,10 +182,10 @@ class DataPlane:
             host = await self._admit_relay(channel, stream, hello)
             if host is None:
                 return
-            if channel is Channel.DATA:
-                await self._data_loop(host, stream)
-            else:
-                await self._control_loop(host, stream)
+            table = self._data if channel is Channel.DATA else self._control
+            relay = _Relay(host, stream)
+            while not await table(relay, await stream.recv()):
+                pass
         except (EOFError, OSError, WireError) as error:
             log.info("event=relay_closed channel=%s host=%s reason=%r", channel.value, host, str(error))
         except Exception as error:  # never a silent handler death: counted, logged, cleaned up below
@@ -205,26 +203,13 @@ class DataPlane:
             stream.close()
 
     async def _admit_relay(self, channel: Channel, stream: FramedStream, hello: Message) -> str | None:
-        refusal: str | None = None
         if not isinstance(hello, RelayHello):
-            refusal = f"expected RelayHello first, got {type(hello).__name__}"
-        elif hello.host not in self.host_ranks:
-            refusal = f"host {hello.host!r} is not in this world (hosts: {sorted(self.host_ranks)})"
-        elif not self._proves_host_key(channel, stream, hello):
-            refusal = (
-                f"the relay's hello for host {hello.host!r} does not verify under that host's admission key: "
-                "a relay speaks only for the host whose agent started it"
-            )
-        elif sorted(hello.ranks) != self.host_ranks[hello.host]:
-            refusal = f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {self.host_ranks[hello.host]}"
-        elif hello.host in self.relays[channel]:
-            refusal = f"host {hello.host!r} already has a relay on the {channel} channel"
-        if refusal is not None:
-            self.refusals[f"{channel.value}_hello"] += 1
-            log.warning("event=relay_refused channel=%s reason=%r", channel.value, refusal)
-            await self._send_quietly(stream, DataPlaneError(reason=refusal))
+            await self._refuse(channel, stream, f"expected RelayHello first, got {type(hello).__name__}")
             return None
-        assert isinstance(hello, RelayHello)
+        refusal = self._refusal(channel, stream, hello)
+        if refusal is not None:
+            await self._refuse(channel, stream, refusal)
+            return None
         key = self.host_key(hello.host)
         assert key is not None  # checked by _proves_host_key
         self.relays[channel][hello.host] = stream
@@ -238,6 +223,26 @@ class DataPlane:
             "event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks)
         )
         return hello.host
+
+    async def _refuse(self, channel: Channel, stream: FramedStream, refusal: str) -> None:
+        self.refusals[f"{channel.value}_hello"] += 1
+        log.warning("event=relay_refused channel=%s reason=%r", channel.value, refusal)
+        await self._send_quietly(stream, DataPlaneError(reason=refusal))
+
+    def _refusal(self, channel: Channel, stream: FramedStream, hello: RelayHello) -> str | None:
+        """Why this relay's hello is refused, or None (the decision; `_admit_relay` acts on it)."""
+        if hello.host not in self.host_ranks:
+            return f"host {hello.host!r} is not in this world (hosts: {sorted(self.host_ranks)})"
+        if not self._proves_host_key(channel, stream, hello):
+            return (
+                f"the relay's hello for host {hello.host!r} does not verify under that host's admission key: "
+                "a relay speaks only for the host whose agent started it"
+            )
+        if sorted(hello.ranks) != self.host_ranks[hello.host]:
+            return f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {self.host_ranks[hello.host]}"
+        if hello.host in self.relays[channel]:
+            return f"host {hello.host!r} already has a relay on the {channel} channel"
+        return None
 
     def _proves_host_key(self, channel: Channel, stream: FramedStream, hello: RelayHello) -> bool:
         key = self.host_key(hello.host)
@@ -255,34 +260,41 @@ class DataPlane:
 
     # --- data ------------------------------------------------------------------------------
 
-    async def _data_loop(self, host: str, stream: FramedStream) -> None:
-        while True:
-            frame = await stream.recv()
-            message = frame.message()
-            if isinstance(message, HostFrame):
-                barrier = self._ensure_barrier()
-                try:
-                    owned = set(self.host_ranks[host])
-                    if not set(message.contributors) <= owned:
-                        raise ValueError(
-                            f"host {host!r} folded ranks {message.contributors} but owns {sorted(owned)}"
-                        )
-                    tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
-                    result = barrier.contribute(host, message.round, message.fold, tensors, message.weight)
-                    del tensors
-                    stream.conn.recycle(frame)  # folded into the accumulator: its buffer is free
-                except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
-                    self.refusals["host_frame"] += 1
-                    log.error(
-                        "event=host_frame_refused host=%s reason=%r", host, f"{type(error).__name__}: {error}"
-                    )
-                    await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
-                    return
-                self._round_contributors.update(message.contributors)
-                if result is not None:
-                    await self._broadcast(result)
-            elif isinstance(message, RankGone) and self.host_of.get(message.rank) == host:
-                await self._rank_left(host, message.rank, message.reason or "its leg to the relay closed")
+    async def _on_host_frame(self, relay: _Relay, message: HostFrame, frame: Frame) -> bool:
+        """Fold one chunk of a host's partial fold; broadcast every chunk it completes. True on a refusal."""
+        barrier = self._ensure_barrier()
+        conn = relay.stream.conn
+        try:
+            owned = set(self.host_ranks[relay.host])
+            if not set(message.contributors) <= owned:
+                raise ValueError(
+                    f"host {relay.host!r} folded ranks {message.contributors} but owns {sorted(owned)}"
+                )
+            results = barrier.contribute_chunk(
+                relay.host,
+                message.round,
+                message.fold,
+                message.tensors,
+                message.offset,
+                frame.tail_view,
+                message.weight,
+                lambda: conn.recycle(frame),  # folded into the accumulator: its buffer is free
+            )
+        except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
+            self.refusals["host_frame"] += 1
+            log.error(
+                "event=host_frame_refused host=%s reason=%r", relay.host, f"{type(error).__name__}: {error}"
+            )
+            await self._send_quietly(relay.stream, DataPlaneError(reason=str(error)[:1024]))
+            return True
+        self._chunk_ranks.setdefault(message.offset, set()).update(message.contributors)
+        for result in results:
+            await self._broadcast(result)
+        return False
+
+    async def _on_rank_gone(self, relay: _Relay, message: RankGone, frame: Frame) -> None:
+        if self.host_of.get(message.rank) == relay.host:
+            await self._rank_left(relay.host, message.rank, message.reason or "its leg to the relay closed")
 
     async def _rank_left(self, host: str, rank: int, reason: str, *, dead: bool = False) -> None:
         if rank not in self.live_ranks[host]:
@@ -292,34 +304,33 @@ class DataPlane:
         (self.dead_ranks if dead else self.gone_ranks).append(rank)
         log.info("event=rank_left host=%s rank=%d dead=%s reason=%r", host, rank, dead, reason)
         if not self.live_ranks[host]:
-            result = self._barrier.remove(host) if self._barrier is not None else None
-            if result is not None:
+            for result in self._barrier.leave(host) if self._barrier is not None else []:
                 await self._broadcast(result)
 
-    async def _broadcast(self, result: RoundResult[str]) -> None:
-        fold = self._fold.fold_from_spec(result.fold_spec)
-        specs, tail = self._fold.encode_bundle_parts(fold.finish(result.tensors, result.weight))
-        contributors = sorted(self._round_contributors)
-        self._round_contributors = set()
+    async def _broadcast(self, result: ChunkResult[str]) -> None:
+        """Finish one completed chunk in place and send it to every live relay (sealed from the accumulator)."""
+        result.finish()
         message = Broadcast(
             round=result.round,
             fold=result.fold_spec,
             weight=result.weight,
-            contributors=contributors,
-            tensors=specs,
+            contributors=sorted(self._chunk_ranks.pop(result.offset, set())),
+            tensors=list(result.specs),
+            offset=result.offset,
         )
-        self.rounds += 1
+        if result.last:
+            self.rounds += 1
+            self._chunk_ranks.clear()
+        tail = result.byte_views()
         for host, stream in list(self.relays[Channel.DATA].items()):
             if host in self.live_hosts():
                 await self._send_quietly(stream, message, tail)
 
     # --- control ---------------------------------------------------------------------------
 
-    async def _control_loop(self, host: str, stream: FramedStream) -> None:
-        while True:
-            message = (await stream.recv()).message()
-            if isinstance(message, Heartbeat) and self.host_of.get(message.rank) == host:
-                self.liveness.heard(message.rank, self.clock())
+    async def _on_heartbeat(self, relay: _Relay, message: Heartbeat, frame: Frame) -> None:
+        if self.host_of.get(message.rank) == relay.host:
+            self.liveness.heard(message.rank, self.clock())
 
     async def _tick_forever(self) -> None:
         while True:

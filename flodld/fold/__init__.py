@@ -1,49 +1,40 @@
 """Sans-io folding of deposits: pluggable reductions and the round barrier that drives them.
 
-Names are loaded on first use: the reductions need torch, the liveness table does not.
+The reductions need torch, the liveness table does not: nothing here imports torch. Import the
+torch-backed names from their modules (`flodld.fold.base`, `.barrier`, `.chunks`, `.codec`); a process
+that folds only when a deposit arrives (the relay, the controller) builds its barrier through
+`round_barrier`, the one lazy, typed way in, which loads torch and sets the fold threads on first use;
+`register_fold` plugs a fold in (it loads torch too).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from flodld.fold.barrier import RoundBarrier, RoundError, RoundResult
-    from flodld.fold.base import (
-        Bundle,
-        Fold,
-        FoldError,
-        MeanFold,
-        ModularFold,
-        SumFold,
-        fold_from_spec,
-        register_fold,
-    )
+    from flodld.fold.barrier import RoundBarrier
+    from flodld.fold.base import Fold
 
-_HOMES = {
-    "RoundBarrier": "barrier", "RoundError": "barrier", "RoundResult": "barrier",
-    "Bundle": "base", "Fold": "base", "FoldError": "base", "MeanFold": "base", "ModularFold": "base",
-    "SumFold": "base", "fold_from_spec": "base", "register_fold": "base",
-}
+Member = TypeVar("Member", bound=Hashable)
 
-__all__ = [
-    "Bundle",
-    "Fold",
-    "FoldError",
-    "MeanFold",
-    "ModularFold",
-    "RoundBarrier",
-    "RoundError",
-    "RoundResult",
-    "SumFold",
-    "fold_from_spec",
-    "register_fold",
-]
+_threads_set = False
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'flodld.fold' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"flodld.fold.{home}"), name)
+def round_barrier(members: Iterable[Member]) -> RoundBarrier[Member]:
+    """A new `RoundBarrier` over `members`; the first call imports torch and applies `use_fold_threads`."""
+    global _threads_set
+    from flodld.fold.barrier import RoundBarrier
+    from flodld.fold.base import use_fold_threads
+
+    if not _threads_set:
+        use_fold_threads()
+        _threads_set = True
+    return RoundBarrier(members)
+
+
+def register_fold(name: str, factory: Callable[[str], Fold]) -> None:
+    """`flodld.fold.base.register_fold`, reachable from the package (importing it loads torch)."""
+    from flodld.fold.base import register_fold as register
+
+    register(name, factory)

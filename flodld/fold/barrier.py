@@ -1,26 +1,42 @@
 """The round barrier: who still owes a deposit this round, and the running fold of those who paid.
 
 Used twice with the same rules: by a relay over its local ranks, and by the controller over
-hosts (a host frame is a partial fold). Rules:
+hosts (a host frame is a partial fold). A deposit arrives as one or more chunks (`flodld.fold.chunks`);
+each chunk is folded and handed on as soon as every live member's chunk at that offset is in, so a
+large bundle is pipelined through the hops instead of stored and forwarded whole. Rules:
 
-- a round completes when every live member has contributed; the result is the partial sum and
-  summed weight (`finish` is the top-level caller's job);
-- a member that leaves is folded out: if it had not contributed, the round stops waiting for it;
-  if it had, its contribution stays in the round;
-- contributing twice to one round, contributing after leaving, or contributing to another round
-  number is an error (the caller's peer is broken, and the message says so);
-- all contributions of a round must name the same fold spec.
+- every chunk folds its members in one fixed order (sorted members), whatever order they arrive in: a
+  chunk that arrives early waits (the caller's buffer is released once it is folded), so the float sums
+  are the same bit for bit at every chunk size and every arrival order;
+- a chunk is complete when every live member has folded it; chunks are handed on in offset order, and
+  the round completes with its last chunk; the result is the partial sum and summed weight per chunk
+  (`finish_slice` is the top-level caller's job);
+- a member that leaves is folded out: chunks it had sent stay in the round, the rest stop waiting for
+  it (a member that leaves in the middle of its deposit is in the chunks that arrived and out of the
+  others: every element is the weighted sum of the deposits that reached it, and each chunk's weight
+  and contributors say whose);
+- depositing twice in one round, after leaving, or for another round number, a chunk out of order, a
+  different schema, fold or weight within a round, or chunk boundaries that differ between members
+  is an error (the caller's peer is broken, and the message says so).
+
+The accumulator is allocated once per schema and fold, and reused round after round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import torch
+
 from flodld.fold.base import Bundle, Fold, FoldError, fold_from_spec
+from flodld.fold.chunks import Layout, Piece, byte_views, held
+from flodld.fold.codec import encode_bundle
+from flodld.wire.data import TensorSpec
 
 Member = TypeVar("Member", bound=Hashable)
+Release = Callable[[], None]
 
 
 class RoundError(ValueError):
@@ -29,7 +45,10 @@ class RoundError(ValueError):
 
 @dataclass(frozen=True)
 class RoundResult(Generic[Member]):
-    """A completed round: partial sum, total weight, and who is in it."""
+    """A completed round: partial sum, total weight, and who is in it (`contribute`'s whole-bundle view).
+
+    `tensors` is the barrier's accumulator: valid until the barrier folds the next round.
+    """
 
     round: int
     fold_spec: str
@@ -38,8 +57,51 @@ class RoundResult(Generic[Member]):
     contributors: frozenset[Member]
 
 
+@dataclass(frozen=True)
+class ChunkResult(Generic[Member]):
+    """A completed chunk: the partial sum of bytes [offset, offset + length) of the round's bundle.
+
+    `pieces` locate it in `tensors` (the accumulator; `byte_views()` for a frame's tail): valid until the
+    barrier folds the same chunk of the next round. `last` marks the round's final chunk.
+    """
+
+    round: int
+    fold: Fold
+    specs: tuple[TensorSpec, ...]
+    offset: int
+    length: int
+    tensors: Bundle
+    pieces: tuple[Piece, ...]
+    weight: float
+    contributors: frozenset[Member]
+    last: bool
+
+    @property
+    def fold_spec(self) -> str:
+        return self.fold.spec
+
+    def byte_views(self) -> list[memoryview]:
+        return byte_views(self.tensors, self.pieces)
+
+    def finish(self) -> None:
+        """Apply the fold's `finish_slice` to this chunk in place (the top-level hop does, once)."""
+        for piece in self.pieces:
+            self.fold.finish_slice(held(self.tensors, piece), self.weight, piece.span)
+
+
+@dataclass
+class _Chunk(Generic[Member]):
+    length: int
+    pieces: tuple[Piece, ...]
+    parked: dict[Member, tuple[list[torch.Tensor], float, Release | None]] = field(default_factory=dict)
+    position: int = 0  # index into the round's fold order
+    weight: float = 0.0
+    folded: set[Member] = field(default_factory=set)
+    complete: bool = False
+
+
 class RoundBarrier(Generic[Member]):
-    """Sans-io barrier that folds contributions incrementally, so memory stays at one accumulator."""
+    """Sans-io barrier that folds contributions chunk by chunk into one reused accumulator."""
 
     def __init__(self, members: Iterable[Member], *, first_round: int = 0) -> None:
         self._live: set[Member] = set(members)
@@ -47,13 +109,20 @@ class RoundBarrier(Generic[Member]):
             raise RoundError("a round barrier needs at least one member")
         self._gone: set[Member] = set()
         self.round = first_round
+        self._kept: tuple[str, tuple[TensorSpec, ...], Bundle] | None = None  # the reused accumulator
         self._reset()
 
     def _reset(self) -> None:
-        self._paid: set[Member] = set()
         self._fold: Fold | None = None
-        self._accumulator: Bundle | None = None
-        self._weight = 0.0
+        self._layout: Layout | None = None
+        self._accumulator: Bundle = ()
+        self._order: list[Member] = []
+        self._next: dict[Member, int] = {}  # each member's next chunk offset
+        self._weights: dict[Member, float] = {}
+        self._paid: set[Member] = set()  # every chunk sent
+        self._chunks: dict[int, _Chunk[Member]] = {}
+        self._emitted = 0  # bytes handed on
+        self._touched = False
 
     @property
     def live(self) -> frozenset[Member]:
@@ -61,13 +130,93 @@ class RoundBarrier(Generic[Member]):
 
     @property
     def waiting_for(self) -> frozenset[Member]:
-        """Live members that still owe this round."""
+        """Live members that still owe (some of) this round."""
         return frozenset(self._live - self._paid)
 
-    def contribute(
-        self, member: Member, round_number: int, fold_spec: str, tensors: Bundle, weight: float
-    ) -> RoundResult[Member] | None:
-        """Fold one contribution; returns the result when it completes the round."""
+    # --- chunks -----------------------------------------------------------------------------
+
+    def contribute_chunk(
+        self,
+        member: Member,
+        round_number: int,
+        fold_spec: str,
+        specs: Sequence[TensorSpec],
+        offset: int,
+        data: memoryview,
+        weight: float,
+        release: Release | None = None,
+    ) -> list[ChunkResult[Member]]:
+        """Take one chunk of `member`'s deposit (bytes `data` at `offset`); returns the chunks it completes.
+
+        `data` must stay untouched until `release` is called (at once when the chunk folds now, later
+        when it waits for a member before it in the fold order); a writable view is used in place.
+        On an error nothing of this chunk is kept and `release` is not called.
+        """
+        self._check_member(member, round_number, weight)
+        data = memoryview(data).cast("B")
+        if self._fold is None or self._layout is None:
+            fold: Fold = fold_from_spec(fold_spec)
+            layout = Layout(specs)
+        else:
+            fold, layout = self._fold, self._layout
+            if fold_spec != fold.spec:
+                raise FoldError(
+                    f"{member!r} folds with {fold_spec!r} but round {self.round} folds with {fold.spec!r}"
+                )
+            if tuple(specs) != layout.specs:
+                raise FoldError(
+                    f"{member!r} deposits a schema that differs from round {self.round}'s: "
+                    + _diff(specs, layout.specs)
+                )
+        expected = self._next.get(member, 0)
+        if offset != expected:
+            raise RoundError(
+                f"{member!r} sent the chunk at byte {offset} of round {self.round}; expected byte {expected}"
+            )
+        if member in self._weights and self._weights[member] != weight:
+            raise RoundError(
+                f"{member!r} changed its weight within round {self.round} ({self._weights[member]} -> {weight})"
+            )
+        chunk = self._chunks.get(offset)
+        if chunk is None:
+            chunk = _Chunk(length=data.nbytes, pieces=tuple(layout.pieces(offset, data.nbytes)))
+        elif chunk.length != data.nbytes:
+            raise FoldError(
+                f"{member!r} sent {data.nbytes} bytes at offset {offset} but its peers sent {chunk.length}: "
+                "every member must split a deposit at the same chunk size"
+            )
+        if data.readonly and data.nbytes:
+            data = memoryview(bytearray(data))
+        accumulator = self._accumulator_for(fold, layout) if self._fold is None else self._accumulator
+        incoming = layout.incoming(data, chunk.pieces)
+        for piece, tensor in zip(chunk.pieces, incoming, strict=True):
+            fold.check_slice(tensor, piece.span)
+        # Accepted: from here on the chunk is the round's.
+        if self._fold is None:
+            self._start(fold, layout, accumulator)
+        assert self._layout is not None
+        self._chunks[offset] = chunk
+        self._weights[member] = weight
+        self._next[member] = offset + data.nbytes
+        if self._next[member] == self._layout.total:
+            self._paid.add(member)
+        chunk.parked[member] = (incoming, weight, release)
+        self._drain(chunk)
+        return self._emit()
+
+    def leave(self, member: Member) -> list[ChunkResult[Member]]:
+        """Fold a member out (EOF, declared dead); returns the chunks that completed without it."""
+        if member not in self._live:
+            return []
+        self._live.discard(member)
+        self._gone.add(member)
+        if self._fold is None:
+            return []
+        for chunk in self._chunks.values():
+            self._drain(chunk)
+        return self._emit()
+
+    def _check_member(self, member: Member, round_number: int, weight: float) -> None:
         if member in self._gone:
             raise RoundError(f"{member!r} contributed after it left the round")
         if member not in self._live:
@@ -84,38 +233,120 @@ class RoundBarrier(Generic[Member]):
             )
         if not weight >= 0 or weight == float("inf"):
             raise RoundError(f"{member!r} deposited weight {weight}; weights must be finite and >= 0")
-        if self._fold is None:
-            self._fold = fold_from_spec(fold_spec)
-            self._accumulator = self._fold.identity(tensors)
-        elif fold_spec != self._fold.spec:
-            raise FoldError(
-                f"{member!r} folds with {fold_spec!r} but round {self.round} folds with {self._fold.spec!r}"
+
+    def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
+        """The kept accumulator when schema and fold are the round before's, else a new one from `identity`
+        (which refuses a schema the fold cannot take: FoldError, before anything is kept)."""
+        kept = self._kept
+        if kept is not None and kept[0] == fold.spec and kept[1] == layout.specs:
+            return kept[2]
+        self._kept = None  # drop the old accumulator before allocating the new one
+        return fold.identity(layout.empty())
+
+    def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
+        self._kept = (fold.spec, layout.specs, accumulator)
+        self._fold, self._layout, self._accumulator = fold, layout, accumulator
+        self._order = _fixed_order(self._live)
+
+    def _drain(self, chunk: _Chunk[Member]) -> None:
+        """Fold the chunk's parked contributions in the fixed order, as far as they have arrived."""
+        assert self._fold is not None
+        while chunk.position < len(self._order):
+            member = self._order[chunk.position]
+            parked = chunk.parked.pop(member, None)
+            if parked is None:
+                if member in self._live:
+                    return  # its chunk is still to come
+                chunk.position += 1  # left before sending this chunk
+                continue
+            incoming, weight, release = parked
+            first = not chunk.folded
+            for piece, tensor in zip(chunk.pieces, incoming, strict=True):
+                target = held(self._accumulator, piece)
+                if first:
+                    target.zero_()  # the accumulator is reused: this round's neutral start
+                self._fold.add_slice(target, tensor, piece.span)
+            del incoming
+            chunk.weight += weight
+            chunk.folded.add(member)
+            chunk.position += 1
+            if release is not None:
+                release()
+        chunk.complete = True
+
+    def _emit(self) -> list[ChunkResult[Member]]:
+        assert self._fold is not None and self._layout is not None
+        results: list[ChunkResult[Member]] = []
+        while True:
+            chunk = self._chunks.get(self._emitted)
+            if chunk is None or not chunk.complete:
+                return results
+            if not chunk.folded:  # every member left before sending it: no value to hand on
+                return results
+            end = self._emitted + chunk.length
+            last = end == self._layout.total
+            results.append(
+                ChunkResult(
+                    round=self.round,
+                    fold=self._fold,
+                    specs=self._layout.specs,
+                    offset=self._emitted,
+                    length=chunk.length,
+                    tensors=self._accumulator,
+                    pieces=chunk.pieces,
+                    weight=chunk.weight,
+                    contributors=frozenset(chunk.folded),
+                    last=last,
+                )
             )
-        assert self._accumulator is not None
-        self._accumulator = self._fold.add(self._accumulator, tensors)
-        self._weight += weight
-        self._paid.add(member)
-        return self._complete_if_done()
+            del self._chunks[self._emitted]
+            self._emitted = end
+            if last:
+                self.round += 1
+                self._reset()
+                return results
+
+    # --- whole bundles ----------------------------------------------------------------------
+
+    def contribute(
+        self, member: Member, round_number: int, fold_spec: str, tensors: Bundle, weight: float
+    ) -> RoundResult[Member] | None:
+        """Fold one whole-bundle contribution (one chunk); returns the result when it completes the round."""
+        specs, tail = encode_bundle(tensors)
+        data = memoryview(bytearray(tail))
+        return self._whole(self.contribute_chunk(member, round_number, fold_spec, specs, 0, data, weight))
 
     def remove(self, member: Member) -> RoundResult[Member] | None:
         """Fold a member out (EOF, declared dead); returns a result if that was all the round awaited."""
-        if member not in self._live:
-            return None
-        self._live.discard(member)
-        self._gone.add(member)
-        return self._complete_if_done()
+        return self._whole(self.leave(member))
 
-    def _complete_if_done(self) -> RoundResult[Member] | None:
-        if self._live - self._paid or self._fold is None:
-            return None
-        assert self._accumulator is not None
-        result = RoundResult(
-            round=self.round,
-            fold_spec=self._fold.spec,
-            tensors=self._accumulator,
-            weight=self._weight,
-            contributors=frozenset(self._paid),
-        )
-        self.round += 1
-        self._reset()
-        return result
+    @staticmethod
+    def _whole(results: list[ChunkResult[Member]]) -> RoundResult[Member] | None:
+        for result in results:
+            if result.last:
+                return RoundResult(
+                    round=result.round,
+                    fold_spec=result.fold_spec,
+                    tensors=result.tensors,
+                    weight=result.weight,
+                    contributors=result.contributors,
+                )
+        return None
+
+
+def _fixed_order(members: Iterable[Member]) -> list[Member]:
+    try:
+        return sorted(members)  # type: ignore[type-var]  # ranks and host names sort
+    except TypeError:
+        return sorted(members, key=repr)
+
+
+def _diff(got: Sequence[TensorSpec], want: Sequence[TensorSpec]) -> str:
+    if len(got) != len(want):
+        return f"it carries {len(got)} tensor(s) but this round folds {len(want)}"
+    for index, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        if mine.shape != theirs.shape:
+            return f"tensor {index} has shape {tuple(mine.shape)} but this round folds {tuple(theirs.shape)}"
+        if mine.dtype != theirs.dtype:
+            return f"tensor {index} has dtype {mine.dtype} but this round folds {theirs.dtype}"
+    return "the tensor specs differ"  # pragma: no cover

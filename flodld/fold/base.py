@@ -12,6 +12,7 @@ aggregation, and no key is ever involved.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -43,8 +44,22 @@ class FoldError(ValueError):
     """Deposits do not fit together (schema, dtype, or fold mismatch); the message names both sides."""
 
 
+@dataclass(frozen=True)
+class Span:
+    """Where a 1-D slice of a chunk lies: tensor `index` of the bundle, of full `shape`, elements from `start`."""
+
+    index: int
+    shape: tuple[int, ...]
+    start: int
+
+
 class Fold(Protocol):
-    """The pluggable reduction. `spec` names it on the wire so every hop rebuilds the same fold."""
+    """The pluggable reduction. `spec` names it on the wire so every hop rebuilds the same fold.
+
+    Every fold is a sum (associative, commutative, neutral element zero): `identity` returns zeros.
+    The relay and the controller fold chunk by chunk through the slice methods, on flat 1-D slices
+    (`Span` says which elements of which tensor); the bundle methods are the same fold on whole bundles.
+    """
 
     @property
     def spec(self) -> str: ...
@@ -63,6 +78,18 @@ class Fold(Protocol):
 
     def finish(self, accumulator: Bundle, weight: float) -> Bundle:
         """The broadcast value from the total sum and the total weight."""
+        ...
+
+    def check_slice(self, incoming: torch.Tensor, span: Span) -> None:
+        """Refuse (FoldError) a slice that `add_slice` must not fold; called when it arrives."""
+        ...
+
+    def add_slice(self, held: torch.Tensor, incoming: torch.Tensor, span: Span) -> None:
+        """`held += incoming` in place, for an `incoming` that passed `check_slice` (keeps no reference)."""
+        ...
+
+    def finish_slice(self, held: torch.Tensor, weight: float, span: Span) -> None:
+        """`finish` on a slice, in place: element for element the same as `finish` on the whole bundle."""
         ...
 
 
@@ -97,6 +124,15 @@ class _FloatSum:
             held.add_(incoming)
         return accumulator
 
+    def check_slice(self, incoming: torch.Tensor, span: Span) -> None:
+        return None  # the schema (floating dtypes) was checked by `identity`
+
+    def add_slice(self, held: torch.Tensor, incoming: torch.Tensor, span: Span) -> None:
+        held.add_(incoming)
+
+    def finish_slice(self, held: torch.Tensor, weight: float, span: Span) -> None:
+        return None
+
     @property
     def spec(self) -> str:
         raise NotImplementedError
@@ -115,6 +151,11 @@ class MeanFold(_FloatSum):
         # In place: the accumulator is this round's own (never a deposit's memory), and dividing in
         # place spares a fresh tensor per round (bit for bit the same quotient as `tensor / weight`).
         return tuple(tensor.div_(weight) for tensor in accumulator)
+
+    def finish_slice(self, held: torch.Tensor, weight: float, span: Span) -> None:
+        if weight <= 0:
+            raise FoldError("cannot average a round whose total weight is zero (every deposit had weight 0)")
+        held.div_(weight)
 
 
 class SumFold(_FloatSum):
@@ -190,6 +231,55 @@ class ModularFold:
     def finish(self, accumulator: Bundle, weight: float) -> Bundle:
         return accumulator
 
+    # --- slices: a flat run of elements of a `[..., limb, N]` tensor; element e lies in limb (e // N) % L
+
+    def _slice_moduli(self, span: Span, count: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(begin, end, modulus column) per run of the slice: whole rows of N share a column of moduli."""
+        if len(span.shape) < 2 or span.shape[-2] != len(self.moduli):
+            raise FoldError(
+                f"tensor {span.index} has shape {span.shape}; the modular fold needs [..., limb, N] "
+                f"with {len(self.moduli)} limb(s), one per modulus"
+            )
+        width, limbs = span.shape[-1], len(self.moduli)
+        runs: list[tuple[int, int, torch.Tensor]] = []
+        position, end = span.start, span.start + count
+        while position < end:
+            row = position // width
+            if position % width or end - position < width:  # a partial row: one modulus
+                stop = min(end, (row + 1) * width)
+                runs.append((position - span.start, stop - span.start, self._column[row % limbs]))
+            else:  # whole rows, each with its limb's modulus
+                rows = (end - position) // width
+                column = self._column[(torch.arange(row, row + rows) % limbs)]
+                stop = position + rows * width
+                runs.append((position - span.start, stop - span.start, column))
+            position = stop
+        return runs
+
+    def check_slice(self, incoming: torch.Tensor, span: Span) -> None:
+        if incoming.dtype != torch.int64:
+            raise FoldError(f"tensor {span.index} has dtype {incoming.dtype}; the modular fold needs int64")
+        for begin, end, modulus in self._slice_moduli(span, incoming.numel()):
+            part = incoming[begin:end]
+            if modulus.dim() == 2:
+                part = part.view(modulus.shape[0], -1)
+            if bool((part < 0).any()) or bool((part >= modulus).any()):
+                raise FoldError(
+                    f"tensor {span.index} holds residues outside [0, q) for its limb's modulus q "
+                    f"{list(self.moduli)}; reduce every residue modulo its limb's prime before depositing"
+                )
+
+    def add_slice(self, held: torch.Tensor, incoming: torch.Tensor, span: Span) -> None:
+        held.add_(incoming)  # residues in [0, q), q < 2**62: the sum of two never overflows int64
+        for begin, end, modulus in self._slice_moduli(span, held.numel()):
+            part = held[begin:end]
+            if modulus.dim() == 2:
+                part = part.view(modulus.shape[0], -1)
+            torch.remainder(part, modulus, out=part)
+
+    def finish_slice(self, held: torch.Tensor, weight: float, span: Span) -> None:
+        return None
+
 
 FoldFactory = Callable[[str], Fold]
 
@@ -207,7 +297,9 @@ def _modular_from_params(params: str) -> Fold:
     try:
         moduli = [int(part) for part in params.split(",") if part.strip()]
     except ValueError as error:
-        raise FoldError(f"modular fold parameters must be comma-separated integers, got {params!r}") from error
+        raise FoldError(
+            f"modular fold parameters must be comma-separated integers, got {params!r}"
+        ) from error
     return ModularFold(moduli)
 
 

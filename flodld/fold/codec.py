@@ -17,7 +17,7 @@ import torch
 from flodld.fold.base import Bundle
 from flodld.wire.data import MAX_TENSORS_PER_FRAME, TensorSpec
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
+TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,
@@ -25,7 +25,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
 }
-_WIRE_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+_WIRE_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("flodld's tensor codec assumes a little-endian host")
@@ -40,7 +40,7 @@ class CodecError(ValueError):
     """Tensor header and bytes disagree, or a tensor cannot travel; the message says which."""
 
 
-def _check_shape(index: int, spec: TensorSpec) -> None:
+def check_shape(index: int, spec: TensorSpec) -> None:
     span = 1
     for dimension in spec.shape:
         span *= max(dimension, 1)
@@ -66,9 +66,7 @@ def encode_bundle_parts(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpe
     for index, tensor in enumerate(tensors):
         name = _WIRE_DTYPES.get(tensor.dtype)
         if name is None:
-            raise CodecError(
-                f"tensor {index} has dtype {tensor.dtype}; supported: {', '.join(_TORCH_DTYPES)}"
-            )
+            raise CodecError(f"tensor {index} has dtype {tensor.dtype}; supported: {', '.join(TORCH_DTYPES)}")
         flat = tensor.detach().to("cpu").contiguous()
         specs.append(TensorSpec(dtype=name, shape=list(flat.shape)))  # type: ignore[arg-type]  # name is a TensorDtype
         if flat.numel():
@@ -89,7 +87,7 @@ def decode_bundle(specs: Sequence[TensorSpec], tail: bytes | bytearray | memoryv
     the tensors share its memory, with no copy. A read-only one (`bytes`) is copied first.
     """
     for index, spec in enumerate(specs):
-        _check_shape(index, spec)
+        check_shape(index, spec)
     view = memoryview(tail).cast("B")
     expected = sum(spec.nbytes() for spec in specs)
     if expected != view.nbytes:
@@ -100,7 +98,7 @@ def decode_bundle(specs: Sequence[TensorSpec], tail: bytes | bytearray | memoryv
     offset = 0
     for index, spec in enumerate(specs):
         size = spec.nbytes()
-        dtype = _TORCH_DTYPES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         try:
             if size:
                 raw = torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)

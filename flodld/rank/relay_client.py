@@ -1,7 +1,8 @@
 """The rank's side of the relay: deposits for CPU averaging, heartbeats, and the controller watch.
 
 Two loopback legs to the host's relay, each an authenticated framed channel:
-- data: `Deposit` up, `Broadcast` down (a reader thread keeps the latest broadcast);
+- data: `Deposit` up in chunks of `FLODL_CHUNK_BYTES` (default 1 MiB; the relay folds and forwards each
+  chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps the latest);
 - control: `Heartbeat` up every interval, `CoordinatorHeartbeat`/`Shutdown` down.
 If the control leg closes, or stays silent for the liveness timeout, the controller is gone and
 this process exits (code 1) rather than hang forever inside a collective.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from flodld.fold.base import Bundle
+from flodld.fold.chunks import Assembly, Layout, chunk_bytes_from_env, split_parts
 from flodld.fold.codec import decode_bundle, encode_bundle_parts
 from flodld.net.blocking import BlockingChannel
 from flodld.net.timeouts import scaled
@@ -24,6 +26,7 @@ from flodld.rank.env import RankEnvironment
 from flodld.wire.control import CoordinatorHeartbeat, Heartbeat, Shutdown
 from flodld.wire.data import Broadcast, DataPlaneError, Deposit, HelloAck, RankHello
 from flodld.wire.errors import WireError
+from flodld.wire.frames import Frame
 from flodld.wire.magic import Channel
 
 # The relay may still be starting when a rank dials; its listener already queues the connection.
@@ -67,6 +70,8 @@ class RelayClient:
         self.latest: tuple[Broadcast, Bundle] | None = None
         self._error: str | None = None
         self.refused = 0
+        self.chunk_bytes = chunk_bytes_from_env()
+        self._assembling: tuple[Broadcast, Assembly] | None = None
         self._changed = threading.Condition()
         self._closing = False
         for target, name in (
@@ -86,9 +91,13 @@ class RelayClient:
         scaled = (
             [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
         )
-        specs, tail = encode_bundle_parts(scaled)
+        specs, parts = encode_bundle_parts(scaled)
+        ranges = Layout(specs).ranges(self.chunk_bytes)
         round_number = self.next_round
-        self.data.send(Deposit(round=round_number, fold=spec, weight=weight, tensors=specs), tail)
+        for (offset, _), tail in zip(ranges, split_parts(parts, ranges), strict=True):
+            self.data.send(
+                Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset), tail
+            )
         self.next_round += 1
         return round_number
 
@@ -124,7 +133,10 @@ class RelayClient:
                 frame = self.data.recv()
                 message = frame.message()
                 if isinstance(message, Broadcast):
-                    tensors = decode_bundle(message.tensors, frame.tail_view)
+                    done = self._assemble(message, frame)
+                    if done is None:
+                        continue
+                    message, tensors = done
                     with self._changed:
                         self._results[message.round] = (message, tensors)
                         self.latest = (message, tensors)
@@ -143,6 +155,25 @@ class RelayClient:
             self.data.close()
         finally:
             self._fail(reason)
+
+    def _assemble(self, message: Broadcast, frame: Frame) -> tuple[Broadcast, Bundle] | None:
+        """The round's value once its last chunk is in (an unchunked broadcast: at once, without a copy)."""
+        if message.offset == 0 and frame.tail_view.nbytes == sum(spec.nbytes() for spec in message.tensors):
+            self._assembling = None
+            return message, decode_bundle(message.tensors, frame.tail_view)
+        if message.offset == 0:
+            self._assembling = (message, Assembly(message.tensors))
+        elif self._assembling is None or self._assembling[0].round != message.round:
+            raise ValueError(
+                f"a broadcast chunk of round {message.round} at offset {message.offset} without its start"
+            )
+        assembly = self._assembling[1]
+        complete = assembly.add(message.offset, frame.tail_view)
+        self.data.conn.recycle(frame)  # copied into the round's tensors: its buffer is free
+        if not complete:
+            return None
+        self._assembling = None
+        return message, assembly.tensors
 
     def _fail(self, reason: str) -> None:
         with self._changed:

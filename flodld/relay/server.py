@@ -1,7 +1,8 @@
 """The relay: one per host, between the local ranks (loopback legs) and the controller (two upstreams).
 
-Data: ranks deposit, the barrier folds all live local deposits, one HostFrame goes up, and the
-controller's Broadcast is fanned out to the live ranks. Control: heartbeats up, coordinator
+Data: ranks deposit in chunks, the barrier folds each chunk of all live local deposits and sends it up
+as a HostFrame chunk as soon as it is complete (pipelined, never a whole large frame stored first), and
+the controller's Broadcast chunks are fanned out to the live ranks as they come. Control: heartbeats up, coordinator
 heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing folds it out
 (RankGone up). The relay ends when every rank is gone, when the controller goes away, or on TERM.
 """
@@ -14,8 +15,11 @@ import logging
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from flodld.fold import round_barrier
+from flodld.net.dispatch import Dispatch
 from flodld.net.keepalive import keep_alive
 from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
 from flodld.relay.spec import RelayRoleSpec
@@ -31,17 +35,25 @@ from flodld.wire.data import (
     RelayHello,
 )
 from flodld.wire.errors import WireError
-from flodld.wire.frames import Tail
+from flodld.wire.frames import Frame, Tail
 from flodld.wire.hostkey import relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
 if TYPE_CHECKING:
-    from flodld.fold.barrier import RoundBarrier, RoundResult
+    from flodld.fold.barrier import ChunkResult, RoundBarrier
 
 log = logging.getLogger("flodld.relay")
 
 HANDSHAKE_TIMEOUT_SECS = 10.0
+
+
+@dataclass(frozen=True)
+class _Leg:
+    """Who a rank leg's frames come from (the context of the leg's dispatch table)."""
+
+    rank: int
+    stream: FramedStream
 
 
 def warn_if_public(peer: str, where: str) -> bool:
@@ -80,7 +92,6 @@ class Relay:
         # Folding needs torch; it loads with the first deposit, so a run that only uses the relay for
         # liveness (gloo/nccl collectives) starts its relay without the import.
         self._barrier: RoundBarrier[int] | None = None
-        self._fold: Any = None
         self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.gone: set[int] = set()
         self.upstream: dict[Channel, FramedStream] = {}
@@ -89,6 +100,16 @@ class Relay:
         self.rounds = 0
         self.refused = 0
         self._warned_cleartext = False
+        self._rank_data: Dispatch[_Leg] = Dispatch(self._unexpected_on_data_leg).on(Deposit, self._on_deposit)
+        self._rank_control: Dispatch[_Leg] = Dispatch().on(Heartbeat, self._on_heartbeat)
+        self._from_controller: Dispatch[FramedStream] = (
+            Dispatch()
+            .on(Broadcast, self._on_broadcast)
+            .on(CoordinatorHeartbeat, self._on_coordinator_word)
+            .on(Shutdown, self._on_coordinator_word)
+            .on(DeclareDead, self._on_declare_dead)
+            .on(DataPlaneError, self._on_refused)
+        )
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -169,11 +190,7 @@ class Relay:
 
     def _ensure_barrier(self) -> RoundBarrier[int]:
         if self._barrier is None:
-            from flodld.fold import barrier, base, codec
-
-            base.use_fold_threads()
-            self._fold = codec
-            self._barrier = barrier.RoundBarrier(set(self.ranks) - self.gone)
+            self._barrier = round_barrier(set(self.ranks) - self.gone)
         return self._barrier
 
     # --- ranks -----------------------------------------------------------------------------
@@ -201,21 +218,24 @@ class Relay:
             log.warning("relay: dropped a loopback connection before its hello: %s", error)
             writer.close()
             return
-        refusal = self._check_rank_hello(channel, hello)
-        if refusal is not None:
+        refusal = (
+            self._check_rank_hello(channel, hello)
+            if isinstance(hello, RankHello)
+            else f"expected RankHello on a {channel} leg, got {type(hello).__name__}"
+        )
+        if refusal is not None or not isinstance(hello, RankHello):
             log.warning("relay: %s", refusal)
-            await self._send_quietly(stream, DataPlaneError(reason=refusal))
+            await self._send_quietly(stream, DataPlaneError(reason=refusal or "no RankHello"))
             stream.close()
             return
-        assert isinstance(hello, RankHello)
         rank = hello.rank
         self.legs[channel][rank] = stream
         try:
             await stream.send(HelloAck())
-            if channel is Channel.DATA:
-                await self._rank_data_loop(rank, stream)
-            else:
-                await self._rank_control_loop(rank, stream)
+            table = self._rank_data if channel is Channel.DATA else self._rank_control
+            leg = _Leg(rank, stream)
+            while not await table(leg, await stream.recv()):
+                pass
         except (EOFError, OSError, WireError) as error:
             if rank not in self.gone:
                 log.info("relay: rank %d %s leg closed (%s)", rank, channel, error)
@@ -225,9 +245,8 @@ class Relay:
             # Always fold the rank out, whatever ended its leg: the barrier must not wait for it.
             await self._rank_gone(rank, f"rank {rank} closed its {channel} leg", notify_upstream=True)
 
-    def _check_rank_hello(self, channel: Channel, hello: Message) -> str | None:
-        if not isinstance(hello, RankHello):
-            return f"expected RankHello on a {channel} leg, got {type(hello).__name__}"
+    def _check_rank_hello(self, channel: Channel, hello: RankHello) -> str | None:
+        """Why this rank's hello is refused, or None."""
         if hello.rank not in self.ranks:
             return f"rank {hello.rank} is not one of this host's ranks {self.ranks}"
         if hello.rank in self.gone:
@@ -236,31 +255,36 @@ class Relay:
             return f"rank {hello.rank} opened a second {channel} leg"
         return None
 
-    async def _rank_data_loop(self, rank: int, stream: FramedStream) -> None:
-        while True:
-            frame = await stream.recv()
-            message = frame.message()
-            if not isinstance(message, Deposit):
-                raise WireError("bad_payload", f"rank {rank} sent {type(message).__name__} on its data leg")
-            barrier = self._ensure_barrier()
-            try:
-                tensors = self._fold.decode_bundle(message.tensors, frame.tail_view)
-                result = barrier.contribute(rank, message.round, message.fold, tensors, message.weight)
-                del tensors
-                stream.conn.recycle(frame)  # folded (copied into the accumulator): its buffer is free
-            except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
-                self.refused += 1
-                log.error("relay: refusing rank %d: %s: %s", rank, type(error).__name__, error)
-                await self._send_quietly(stream, DataPlaneError(reason=str(error)[:1024]))
-                return
-            if result is not None:
-                await self._ship(result)
+    async def _on_deposit(self, leg: _Leg, message: Deposit, frame: Frame) -> bool:
+        """Fold one chunk of a rank's deposit; ship every chunk it completes. True (stop) on a refusal."""
+        barrier = self._ensure_barrier()
+        conn = leg.stream.conn
+        try:
+            results = barrier.contribute_chunk(
+                leg.rank,
+                message.round,
+                message.fold,
+                message.tensors,
+                message.offset,
+                frame.tail_view,
+                message.weight,
+                lambda: conn.recycle(frame),  # folded into the accumulator: its buffer is free
+            )
+        except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
+            self.refused += 1
+            log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
+            await self._send_quietly(leg.stream, DataPlaneError(reason=str(error)[:1024]))
+            return True
+        for result in results:
+            await self._ship(result)
+        return False
 
-    async def _rank_control_loop(self, rank: int, stream: FramedStream) -> None:
-        while True:
-            message = (await stream.recv()).message()
-            if isinstance(message, Heartbeat) and message.rank == rank:
-                await self.upstream[Channel.CONTROL].send(message)
+    async def _unexpected_on_data_leg(self, leg: _Leg, message: Message, frame: Frame) -> bool:
+        raise WireError("bad_payload", f"rank {leg.rank} sent {type(message).__name__} on its data leg")
+
+    async def _on_heartbeat(self, leg: _Leg, message: Heartbeat, frame: Frame) -> None:
+        if message.rank == leg.rank:
+            await self.upstream[Channel.CONTROL].send(message)
 
     async def _rank_gone(self, rank: int, reason: str, *, notify_upstream: bool) -> None:
         if rank in self.gone:
@@ -270,9 +294,9 @@ class Relay:
             leg = legs.pop(rank, None)
             if leg is not None:
                 leg.close()
-        result = self._barrier.remove(rank) if self._barrier is not None else None
+        results = self._barrier.leave(rank) if self._barrier is not None else []
         try:
-            if result is not None:
+            for result in results:
                 await self._ship(result)
             if notify_upstream:
                 await self.upstream[Channel.DATA].send(RankGone(rank=rank, reason=reason[:1024]))
@@ -282,37 +306,25 @@ class Relay:
         if self.gone >= set(self.ranks):
             self._stop("every local rank has left", 0)
 
-    async def _ship(self, result: RoundResult[int]) -> None:
-        specs, tail = self._fold.encode_bundle_parts(result.tensors)
+    async def _ship(self, result: ChunkResult[int]) -> None:
+        """One completed chunk up, sealed straight from the accumulator (scatter views, no copy first)."""
         frame = HostFrame(
             round=result.round,
             fold=result.fold_spec,
             weight=result.weight,
             contributors=sorted(result.contributors),
-            tensors=specs,
+            tensors=list(result.specs),
+            offset=result.offset,
         )
-        await self.upstream[Channel.DATA].send(frame, tail)
+        await self.upstream[Channel.DATA].send(frame, result.byte_views())
 
     # --- controller ------------------------------------------------------------------------
 
     async def _read_upstream(self, channel: Channel) -> None:
         stream = self.upstream[channel]
         try:
-            while True:
-                frame = await stream.recv()
-                message = frame.message()
-                if isinstance(message, Broadcast):
-                    self.rounds += 1
-                    await self._fan_out(Channel.DATA, message, frame.tail_view)
-                    stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
-                elif isinstance(message, CoordinatorHeartbeat | Shutdown):
-                    await self._fan_out(Channel.CONTROL, message, b"")
-                elif isinstance(message, DeclareDead):
-                    log.warning("relay: controller declared rank %d dead: %s", message.rank, message.reason)
-                    await self._rank_gone(message.rank, message.reason, notify_upstream=False)
-                elif isinstance(message, DataPlaneError):
-                    self._stop(f"controller refused this host's data: {message.reason}", 1)
-                    return
+            while not await self._from_controller(stream, await stream.recv()):
+                pass
         except (EOFError, OSError, WireError) as error:
             live = set(self.ranks) - self.gone
             self._stop(
@@ -324,6 +336,25 @@ class Relay:
         finally:
             if not self.finished.is_set():  # an unexpected error must end the relay, not leave it hanging
                 self._stop(f"controller {channel} reader ended unexpectedly", 1)
+
+    async def _on_broadcast(self, stream: FramedStream, message: Broadcast, frame: Frame) -> None:
+        if message.offset == 0:
+            self.rounds += 1
+        await self._fan_out(Channel.DATA, message, frame.tail_view)
+        stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
+
+    async def _on_coordinator_word(
+        self, stream: FramedStream, message: CoordinatorHeartbeat | Shutdown, frame: Frame
+    ) -> None:
+        await self._fan_out(Channel.CONTROL, message, b"")
+
+    async def _on_declare_dead(self, stream: FramedStream, message: DeclareDead, frame: Frame) -> None:
+        log.warning("relay: controller declared rank %d dead: %s", message.rank, message.reason)
+        await self._rank_gone(message.rank, message.reason, notify_upstream=False)
+
+    async def _on_refused(self, stream: FramedStream, message: DataPlaneError, frame: Frame) -> bool:
+        self._stop(f"controller refused this host's data: {message.reason}", 1)
+        return True
 
     async def _fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
         async def one(rank: int, leg: FramedStream) -> None:

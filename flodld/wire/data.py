@@ -95,6 +95,7 @@ class Deposit(Message):
     fold: FoldSpec
     weight: Weight
     tensors: TensorSpecs
+    offset: Count = 0
 
 
 @register(0x0305)
@@ -106,6 +107,7 @@ class HostFrame(Message):
     weight: Weight
     contributors: BoundedList[Rank]
     tensors: TensorSpecs
+    offset: Count = 0
 
 
 @register(0x0306)
@@ -117,6 +119,7 @@ class Broadcast(Message):
     weight: Weight
     contributors: BoundedList[Rank]
     tensors: TensorSpecs
+    offset: Count = 0
 
 
 @register(0x0307)

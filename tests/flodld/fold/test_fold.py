@@ -3,12 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodld.fold import (
+from flodld.fold.barrier import RoundBarrier, RoundError
+from flodld.fold.base import (
     FoldError,
     MeanFold,
     ModularFold,
-    RoundBarrier,
-    RoundError,
     fold_from_spec,
     register_fold,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodld.fold import FoldError, ModularFold
+from flodld.fold.base import FoldError, ModularFold
 from flodld.fold.codec import CodecError, decode_bundle, encode_bundle
 from flodld.wire.data import TensorSpec
 

@@ -1,0 +1,188 @@
+"""Chunks of a bundle: where a bundle's bytes split, and which tensor elements a chunk holds.
+
+A bundle's bytes are its tensors' bytes concatenated in order (what an unchunked frame's tail carries).
+A chunk is the byte range [offset, offset + length) of them; it starts and ends on element boundaries,
+so each chunk is a list of `Piece`s: runs of whole elements of one tensor. `Layout.ranges` splits at a
+chunk size every sender uses alike (the receiving hop checks that members agree chunk by chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flodld.fold.base import Bundle, Span
+from flodld.fold.codec import TORCH_DTYPES, CodecError, check_shape
+from flodld.wire.data import TensorSpec
+
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+CHUNK_BYTES_ENV = "FLODL_CHUNK_BYTES"
+MIN_CHUNK_BYTES = 64
+
+
+def chunk_bytes_from_env(environ: dict[str, str] | None = None) -> int:
+    """The chunk size a rank splits its deposits at: `FLODL_CHUNK_BYTES`, default 1 MiB."""
+    import os
+
+    raw = (environ if environ is not None else os.environ).get(CHUNK_BYTES_ENV)
+    if not raw:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{CHUNK_BYTES_ENV}={raw!r} is not a whole number of bytes") from None
+    if value < MIN_CHUNK_BYTES:
+        raise ValueError(f"{CHUNK_BYTES_ENV}={value} is below the minimum of {MIN_CHUNK_BYTES} bytes")
+    return value
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [span.start, span.start + count) of tensor span.index, at `at` bytes into the chunk."""
+
+    span: Span
+    count: int
+    at: int
+    nbytes: int
+
+
+class Layout:
+    """The byte layout of a bundle schema (checked like `decode_bundle` checks it)."""
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self.specs = tuple(specs)
+        self.dtypes: list[torch.dtype] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.starts: list[int] = []
+        self.itemsizes: list[int] = []
+        offset = 0
+        for index, spec in enumerate(self.specs):
+            check_shape(index, spec)
+            dtype = TORCH_DTYPES[spec.dtype]
+            self.dtypes.append(dtype)
+            self.shapes.append(tuple(spec.shape))
+            self.starts.append(offset)
+            self.itemsizes.append(dtype.itemsize)
+            offset += spec.nbytes()
+        self.total = offset
+
+    def empty(self) -> Bundle:
+        """Uninitialised tensors of this schema (fresh memory)."""
+        return tuple(
+            torch.empty(shape, dtype=dtype) for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+    def ranges(self, chunk_bytes: int) -> list[tuple[int, int]]:
+        """(offset, length) of each chunk at about `chunk_bytes` each, ends moved back to element boundaries.
+
+        A bundle with no bytes is one empty chunk.
+        """
+        if chunk_bytes < max(self.itemsizes, default=1):
+            raise ValueError(f"a chunk of {chunk_bytes} bytes cannot hold one element of this bundle")
+        if self.total == 0:
+            return [(0, 0)]
+        out: list[tuple[int, int]] = []
+        begin = 0
+        index = 0
+        while begin < self.total:
+            end = min(self.total, begin + chunk_bytes)
+            while index + 1 < len(self.starts) and self.starts[index + 1] <= end:
+                index += 1
+            # Align `end` down to an element of the tensor it falls in (a tensor start is always aligned).
+            while self.starts[index] > end:  # pragma: no cover - the walk above never overshoots
+                index -= 1
+            end -= (end - self.starts[index]) % self.itemsizes[index]
+            if end <= begin:  # pragma: no cover - chunk_bytes >= every itemsize rules this out
+                raise ValueError("chunk size too small for this bundle")
+            out.append((begin, end - begin))
+            begin = end
+        return out
+
+    def pieces(self, offset: int, length: int) -> list[Piece]:
+        """The element runs of chunk [offset, offset + length); CodecError unless it lies on element boundaries."""
+        end = offset + length
+        if offset < 0 or length < 0 or end > self.total:
+            raise CodecError(f"chunk [{offset}, {end}) lies outside the bundle's {self.total} bytes")
+        if length == 0 and self.total:
+            raise CodecError(f"an empty chunk at offset {offset} of a bundle of {self.total} bytes")
+        pieces: list[Piece] = []
+        for index, start in enumerate(self.starts):
+            size = self.total - start if index + 1 == len(self.starts) else self.starts[index + 1] - start
+            lo, hi = max(offset, start), min(end, start + size)
+            if lo >= hi:
+                continue
+            item = self.itemsizes[index]
+            if (lo - start) % item or (hi - start) % item:
+                raise CodecError(
+                    f"chunk [{offset}, {end}) splits an element of tensor {index} ({self.specs[index].dtype}); "
+                    "chunks start and end on element boundaries"
+                )
+            span = Span(index=index, shape=self.shapes[index], start=(lo - start) // item)
+            pieces.append(Piece(span=span, count=(hi - lo) // item, at=lo - offset, nbytes=hi - lo))
+        return pieces
+
+    def incoming(self, data: memoryview, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+        """1-D tensors over `data` (a chunk's bytes, writable: shared, not copied) for each piece."""
+        out: list[torch.Tensor] = []
+        for piece in pieces:
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=piece.nbytes, offset=piece.at)
+            out.append(raw.view(self.dtypes[piece.span.index]))
+        return out
+
+
+def held(tensors: Bundle, piece: Piece) -> torch.Tensor:
+    """The 1-D slice of `tensors` (contiguous, this layout's schema) that `piece` covers."""
+    return tensors[piece.span.index].view(-1)[piece.span.start : piece.span.start + piece.count]
+
+
+def byte_views(tensors: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> list[memoryview]:
+    """Byte views (no copy) of the slices of `tensors` that `pieces` cover: a frame's scatter tail."""
+    views: list[memoryview] = []
+    for piece in pieces:
+        if piece.nbytes:
+            flat = held(tuple(tensors), piece).view(torch.uint8)
+            views.append(memoryview(flat.numpy()).cast("B"))  # type: ignore[arg-type]
+    return views
+
+
+def split_parts(parts: Sequence[memoryview], ranges: Sequence[tuple[int, int]]) -> Iterator[list[memoryview]]:
+    """Cut the scatter views of a whole bundle's bytes (`encode_bundle_parts`) into one view list per range."""
+    index, inside = 0, 0
+    for _, length in ranges:
+        chunk: list[memoryview] = []
+        left = length
+        while left:
+            part = parts[index]
+            take = min(left, part.nbytes - inside)
+            chunk.append(part[inside : inside + take])
+            inside += take
+            left -= take
+            if inside == part.nbytes:
+                index, inside = index + 1, 0
+        yield chunk
+
+
+class Assembly:
+    """A bundle received chunk by chunk (in order): tensors of fresh memory, filled as chunks arrive."""
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self.layout = Layout(specs)
+        self.tensors = self.layout.empty()
+        self.filled = 0
+
+    def add(self, offset: int, data: memoryview) -> bool:
+        """Copy the chunk at `offset` in; True once every byte has arrived. CodecError out of order."""
+        if offset != self.filled:
+            raise CodecError(f"chunk at offset {offset} but {self.filled} bytes have arrived")
+        view = memoryview(data).cast("B")
+        pieces = self.layout.pieces(offset, view.nbytes)
+        for piece, source in zip(pieces, self.layout.incoming(_writable(view), pieces), strict=True):
+            held(self.tensors, piece).copy_(source)
+        self.filled += view.nbytes
+        return self.filled == self.layout.total
+
+
+def _writable(view: memoryview) -> memoryview:
+    return memoryview(bytearray(view)) if view.readonly and view.nbytes else view

@@ -1,0 +1,262 @@
+"""Chunked folding equals the unchunked fold bit for bit: float sums in a fixed order, the modular fold exactly.
+
+The reference is the bundle fold (`identity`, `add` in member order, `finish`) on whole tensors; the
+chunked path is the barrier fed chunk by chunk, in shuffled arrival order, at chunk sizes that do and do
+not divide the tensors, through one level (a relay) and two (relays, then the controller).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Hashable, Sequence
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from flodld.fold.barrier import ChunkResult, RoundBarrier, RoundError
+from flodld.fold.base import Bundle, FoldError, fold_from_spec
+from flodld.fold.chunks import Assembly, Layout, split_parts
+from flodld.fold.codec import CodecError, encode_bundle_parts
+from flodld.wire.data import TensorSpec
+
+Member = TypeVar("Member", bound=Hashable)
+MODULI = (1073479681, 1072496641, 97)
+
+
+def float_bundle(rank: int) -> Bundle:
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return (
+        torch.randn(1031, generator=generator) * 1e3,  # prime length: no chunk size divides it
+        torch.randn(7, 13, dtype=torch.float64, generator=generator),
+        torch.randn(
+            333, dtype=torch.float16, generator=generator
+        ),  # odd bytes: later tensors start unaligned
+        torch.empty(0, 4),
+        torch.tensor(float(rank) / 3.0),  # a scalar
+        torch.randn(2, 2, 129, generator=generator).to(torch.bfloat16),
+    )
+
+
+def modular_bundle(rank: int) -> Bundle:
+    generator = torch.Generator().manual_seed(2000 + rank)
+    limbs = [torch.randint(0, q, (2, 1, 77), generator=generator) for q in MODULI]
+    return (
+        torch.cat(limbs, dim=1),
+        torch.cat([torch.randint(0, q, (1, 1, 5), generator=generator) for q in MODULI], 1),
+    )
+
+
+def reference(spec: str, deposits: list[Bundle], weights: list[float]) -> Bundle:
+    fold = fold_from_spec(spec)
+    accumulator = fold.identity(deposits[0])
+    for deposit in deposits:  # member order
+        accumulator = fold.add(accumulator, deposit)
+    return fold.finish(accumulator, sum(weights))
+
+
+def chunks_of(deposit: Bundle, chunk_bytes: int) -> tuple[list[TensorSpec], list[tuple[int, memoryview]]]:
+    specs, parts = encode_bundle_parts(deposit)
+    ranges = Layout(specs).ranges(chunk_bytes)
+    pieces = [
+        (offset, memoryview(bytearray(b"".join(bytes(view) for view in views))))
+        for (offset, _), views in zip(ranges, split_parts(parts, ranges), strict=True)
+    ]
+    return specs, pieces
+
+
+def fold_chunked(
+    barrier: RoundBarrier[Member],
+    spec: str,
+    deposits: dict[Member, Bundle],
+    weights: dict[Member, float],
+    chunk_bytes: int,
+    seed: int,
+) -> list[ChunkResult[Member]]:
+    """Feed every member's chunks, interleaved in a shuffled order (each member's own chunks in order)."""
+    queues = {member: chunks_of(deposit, chunk_bytes) for member, deposit in deposits.items()}
+    cursor = dict.fromkeys(deposits, 0)
+    shuffle = random.Random(seed)
+    results: list[ChunkResult[Member]] = []
+    while any(cursor[member] < len(queues[member][1]) for member in deposits):
+        member = shuffle.choice([m for m in deposits if cursor[m] < len(queues[m][1])])
+        specs, pieces = queues[member]
+        offset, data = pieces[cursor[member]]
+        cursor[member] += 1
+        results += barrier.contribute_chunk(member, barrier.round, spec, specs, offset, data, weights[member])
+    return results
+
+
+def assemble(results: Sequence[ChunkResult[Any]], *, finish: bool) -> Bundle:
+    assembly = Assembly(results[0].specs)
+    done = False
+    for result in results:
+        if finish:
+            result.finish()
+        done = assembly.add(result.offset, memoryview(b"".join(bytes(view) for view in result.byte_views())))
+    assert done and results[-1].last
+    return assembly.tensors
+
+
+def assert_bitwise_equal(got: Bundle, want: Bundle) -> None:
+    assert len(got) == len(want)
+    for index, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, index
+        assert (
+            mine.contiguous().view(-1).view(torch.uint8).tolist()
+            == theirs.contiguous().view(-1).view(torch.uint8).tolist()
+        ), index
+
+
+CHUNK_SIZES = [64, 100, 1000, 4099, 1 << 20]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("chunk_bytes", CHUNK_SIZES)
+@pytest.mark.parametrize("spec", ["mean", "sum", "modular:" + ",".join(map(str, MODULI))])
+def test_one_level_chunked_fold_equals_the_unchunked_fold_bit_for_bit(
+    spec: str, chunk_bytes: int, ranks: int
+) -> None:
+    make = modular_bundle if spec.startswith("modular") else float_bundle
+    deposits = {rank: make(rank) for rank in range(ranks)}
+    weights = {rank: 1.0 + rank for rank in range(ranks)}
+    want = reference(spec, [deposits[r] for r in range(ranks)], [weights[r] for r in range(ranks)])
+    barrier: RoundBarrier[int] = RoundBarrier(range(ranks))
+    for round_number in range(2):  # the second round reuses the accumulator
+        results = fold_chunked(barrier, spec, deposits, weights, chunk_bytes, seed=round_number * 7 + ranks)
+        assert [r.round for r in results] == [round_number] * len(results)
+        assert all(r.weight == sum(weights.values()) and r.contributors == set(deposits) for r in results)
+        assert_bitwise_equal(assemble(results, finish=True), want)
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNK_SIZES)
+@pytest.mark.parametrize("spec", ["mean", "modular:" + ",".join(map(str, MODULI))])
+def test_two_level_chunked_fold_equals_the_same_tree_unchunked(spec: str, chunk_bytes: int) -> None:
+    """Relays fold their ranks and pass each chunk up as it completes; the controller folds hosts."""
+    make = modular_bundle if spec.startswith("modular") else float_bundle
+    hosts = {"a": [0, 1], "b": [2], "c": [3, 4]}
+    deposits = {rank: make(rank) for rank in range(5)}
+    fold = fold_from_spec(spec)
+    partials = []
+    for ranks in hosts.values():
+        partial = fold.identity(deposits[ranks[0]])
+        for rank in ranks:
+            partial = fold.add(partial, deposits[rank])
+        partials.append(partial)
+    total = fold.identity(partials[0])
+    for partial in partials:  # host order
+        total = fold.add(total, partial)
+    want = fold.finish(total, 5.0)
+    world: RoundBarrier[str] = RoundBarrier(hosts)
+    shuffle = random.Random(3)
+    relays: dict[str, RoundBarrier[int]] = {host: RoundBarrier(ranks) for host, ranks in hosts.items()}
+    streams = {
+        host: chunks_of_results(relays[host], spec, {r: deposits[r] for r in ranks}, chunk_bytes)
+        for host, ranks in hosts.items()
+    }
+    top: list[ChunkResult[str]] = []
+    while any(streams.values()):
+        host = shuffle.choice([h for h, pending in streams.items() if pending])
+        result = streams[host].pop(0)
+        data = memoryview(bytearray(b"".join(bytes(v) for v in result[3])))
+        top += world.contribute_chunk(host, 0, spec, result[0], result[1], data, result[2])
+    assert_bitwise_equal(assemble(top, finish=True), want)
+
+
+Shipped = tuple[tuple[TensorSpec, ...], int, float, list[bytes]]
+
+
+def chunks_of_results(
+    barrier: RoundBarrier[int], spec: str, deposits: dict[int, Bundle], chunk_bytes: int
+) -> list[Shipped]:
+    out = fold_chunked(barrier, spec, deposits, dict.fromkeys(deposits, 1.0), chunk_bytes, seed=len(deposits))
+    return [(r.specs, r.offset, r.weight, [bytes(v) for v in r.byte_views()]) for r in out]
+
+
+def test_a_chunk_folds_only_when_the_members_before_it_in_the_fixed_order_have_arrived() -> None:
+    barrier: RoundBarrier[int] = RoundBarrier([0, 1, 2])
+    specs, pieces = chunks_of((torch.arange(64, dtype=torch.float32),), 64)
+    released: list[int] = []
+    assert len(pieces) == 4
+    for member in (2, 1):
+        release = functools.partial(released.append, member)
+        assert barrier.contribute_chunk(member, 0, "sum", specs, 0, pieces[0][1], 1.0, release) == []
+    assert released == []  # rank 0 folds first: both wait
+    done = barrier.contribute_chunk(0, 0, "sum", specs, 0, pieces[0][1], 1.0, lambda: released.append(0))
+    assert released == [0, 1, 2] and [(r.offset, r.length, r.last) for r in done] == [(0, 64, False)]
+
+
+def test_a_member_that_leaves_mid_deposit_is_in_the_chunks_it_sent_and_out_of_the_rest() -> None:
+    barrier: RoundBarrier[int] = RoundBarrier([0, 1])
+    specs, zero = chunks_of((torch.zeros(32),), 64)
+    _, ones = chunks_of((torch.ones(32),), 64)
+    out = barrier.contribute_chunk(0, 0, "mean", specs, 0, ones[0][1], 1.0)
+    out += barrier.contribute_chunk(1, 0, "mean", specs, 0, zero[0][1], 1.0)
+    out += barrier.leave(1)
+    out += barrier.contribute_chunk(0, 0, "mean", specs, 64, ones[1][1], 1.0)
+    assert [(r.offset, r.weight, sorted(r.contributors), r.last) for r in out] == [
+        (0, 2.0, [0, 1], False),
+        (64, 1.0, [0], True),
+    ]
+    mean = assemble(out, finish=True)[0]
+    assert torch.equal(mean, torch.cat([torch.full((16,), 0.5), torch.ones(16)]))
+
+
+def test_chunk_refusals_name_the_rule() -> None:
+    barrier: RoundBarrier[int] = RoundBarrier([0, 1])
+    specs, pieces = chunks_of((torch.zeros(32),), 64)
+    with pytest.raises(RoundError, match="expected byte 0"):
+        barrier.contribute_chunk(0, 0, "sum", specs, 64, pieces[1][1], 1.0)
+    barrier.contribute_chunk(0, 0, "sum", specs, 0, pieces[0][1], 1.0)
+    with pytest.raises(FoldError, match="same chunk size"):
+        barrier.contribute_chunk(1, 0, "sum", specs, 0, memoryview(bytearray(32)), 1.0)
+    with pytest.raises(CodecError, match="element boundaries"):
+        RoundBarrier([0]).contribute_chunk(0, 0, "sum", specs, 0, memoryview(bytearray(62)), 1.0)
+    with pytest.raises(RoundError, match="changed its weight"):
+        barrier.contribute_chunk(0, 0, "sum", specs, 64, pieces[1][1], 2.0)
+    other, _ = chunks_of((torch.zeros(31),), 64)
+    with pytest.raises(FoldError, match="shape"):
+        barrier.contribute_chunk(1, 0, "sum", other, 0, pieces[0][1], 1.0)
+    # A refused chunk leaves nothing behind: the round goes on as if it never came.
+    barrier.contribute_chunk(1, 0, "sum", specs, 0, pieces[0][1], 1.0)
+
+
+def test_a_modular_chunk_with_a_residue_out_of_its_limbs_range_is_refused_on_arrival() -> None:
+    barrier: RoundBarrier[int] = RoundBarrier([0, 1])
+    bad = torch.zeros(1, 2, 8, dtype=torch.int64)
+    bad[0, 1, 5] = 101  # limb 1's modulus
+    specs, pieces = chunks_of((bad,), 128)
+    barrier.contribute_chunk(
+        0,
+        0,
+        "modular:97,101",
+        specs,
+        0,
+        chunks_of((torch.zeros(1, 2, 8, dtype=torch.int64),), 128)[1][0][1],
+        1.0,
+    )
+    with pytest.raises(FoldError, match=r"outside \[0, q\)"):
+        barrier.contribute_chunk(1, 0, "modular:97,101", specs, 0, pieces[0][1], 1.0)
+    good = chunks_of((torch.ones(1, 2, 8, dtype=torch.int64),), 128)[1][0][1]
+    (result,) = barrier.contribute_chunk(1, 0, "modular:97,101", specs, 0, good, 1.0)
+    assert torch.equal(result.tensors[0], torch.ones(1, 2, 8, dtype=torch.int64))
+
+
+def test_the_accumulator_is_reused_round_after_round() -> None:
+    barrier: RoundBarrier[int] = RoundBarrier([0])
+    specs, pieces = chunks_of((torch.ones(8),), 64)
+    first = barrier.contribute_chunk(0, 0, "sum", specs, 0, pieces[0][1], 1.0)
+    second = barrier.contribute_chunk(0, 1, "sum", specs, 0, pieces[0][1], 1.0)
+    assert first[0].tensors[0].data_ptr() == second[0].tensors[0].data_ptr()
+    assert torch.equal(second[0].tensors[0], torch.ones(8))
+
+
+def test_layout_ranges_end_on_element_boundaries_and_cover_every_byte() -> None:
+    specs, _ = encode_bundle_parts(float_bundle(0))
+    layout = Layout(specs)
+    for chunk_bytes in (8, 13, 100, 4099):
+        ranges = layout.ranges(chunk_bytes)
+        assert sum(length for _, length in ranges) == layout.total
+        assert all(layout.pieces(offset, length) for offset, length in ranges)
+        assert all(0 < length <= chunk_bytes for _, length in ranges)
