@@ -62,6 +62,7 @@ TENSEAL_STYLE_PARAMETERS = CkksParameters(
     log_ring_degree=13, scale_bits=40, scale_prime_bits=(40, 40), base_prime_bits=50, special_prime_bits=50
 )
 SEED = 7
+_THRESHOLD_RUNS = itertools.count()
 
 
 def free_port() -> int:
@@ -128,8 +129,10 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
 def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
     from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
 
-    channel = ProcessGroupChannel(session="bench", timeout_s=600)
-    session = ThresholdSession(channel, session="bench")
+    # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
+    name = f"bench-{next(_THRESHOLD_RUNS)}"
+    channel = ProcessGroupChannel(session=name, timeout_s=600)
+    session = ThresholdSession(channel, session=name)
     engine = session.engine
     executable = link_program(ProcessGroupTransport(), engine, lower=False)
     slots = engine.slot_count
@@ -146,19 +149,20 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     dist.barrier()
     elapsed = time.perf_counter() - started
     # Three SUM all-reduces (key shares, ciphertexts, decryption shares), each counted as a ring, plus
-    # five all_gathers of one padded buffer each: seed commitments, reveals, key share commitments and
-    # key fingerprints (64 KiB records) and the opened key shares (1 MiB records).
+    # six all_gathers: seed commitments, reveals, key share commitments and key fingerprints (64 KiB
+    # records), the opened key shares (1 MiB records) and each rank's 1/world of the decoded slots.
     from fhelium.multiparty.distributed import MAX_KEY_SHARE_BYTES, MAX_RECORD_BYTES
 
     residue_bytes = sum(t.numel() * t.element_size() for t in (ciphertext.data, ciphertext.data[1]))
     residue_bytes += engine.ring_degree * len(engine.moduli) * 8
     record_bytes = (world - 1) * (4 * (MAX_RECORD_BYTES + 8) + MAX_KEY_SHARE_BYTES + 8)
+    slot_bytes = (world - 1) * -(-rows // world) * slots * 16  # complex128 slices, ring all_gather
     return {
         "seconds": elapsed,
         "encrypt_seconds": encrypt_seconds,
         "error": float((mean - truth).abs().max()),
-        "bytes_sent": 2 * (world - 1) * residue_bytes // world + record_bytes,
-        "rounds": 3 * 2 * (world - 1) + 5 * (world - 1),
+        "bytes_sent": 2 * (world - 1) * residue_bytes // world + record_bytes + slot_bytes,
+        "rounds": 3 * 2 * (world - 1) + 6 * (world - 1),
     }
 
 

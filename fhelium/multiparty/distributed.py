@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -26,7 +27,13 @@ import torch.distributed as dist
 import fhelium.distributed as fdist
 from fhelium.core import Ciphertext, PublicKey
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
-from fhelium.multiparty.protocol import MissingSharesError, MultipartyError, ThresholdParty
+from fhelium.multiparty.protocol import (
+    MissingSharesError,
+    MultipartyError,
+    ThresholdParty,
+    combine_decryption,
+    reduce_sum_,
+)
 from fhelium.multiparty.values import PublicKeyShare, SeedCommitment, SeedReveal
 from fhelium.serialization import value_from_bytes, value_to_bytes
 
@@ -44,6 +51,7 @@ EXCHANGES = {
     "public-key-share-open": "its opened public key share",
     "public-key-fingerprint": "the collective key's fingerprint",
     "decryption-shares": "a decryption share",
+    "decoded-slots": "its slice of the decoded sum",
 }
 
 
@@ -151,7 +159,7 @@ class ProcessGroupChannel:
             raise MultipartyError(f"a {tag!r} record of {len(data)} bytes exceeds the {max_bytes}-byte cap")
         self._arrive(tag, {"exchange": tag, "kind": "records", "cap": max_bytes})
         padded = torch.zeros(max_bytes + 8, dtype=torch.uint8)
-        padded[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        padded[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
         if data:
             padded[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
@@ -162,12 +170,12 @@ class ProcessGroupChannel:
         self.bytes_sent += len(data)
         records = []
         for rank, raw in enumerate(gathered):
-            length = int.from_bytes(bytes(raw[:8].tolist()), "little")
+            length = int.from_bytes(raw[:8].numpy().tobytes(), "little")
             if length > max_bytes:
                 raise MultipartyError(
                     f"rank {rank} announced a {length}-byte {tag!r} record (cap {max_bytes})"
                 )
-            records.append(bytes(raw[8 : 8 + length].tolist()))
+            records.append(raw[8 : 8 + length].numpy().tobytes())
         return records
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
@@ -194,7 +202,21 @@ class ProcessGroupChannel:
             raise self._collective_failed(tag, error) from error
         self.bytes_sent += buffer.numel() * buffer.element_size()
         q = torch.tensor(list(moduli), dtype=buffer.dtype, device=buffer.device).reshape(-1, 1)
-        return torch.remainder(buffer, q)
+        return reduce_sum_(buffer, q, self.world_size)
+
+
+    def all_gather_tensor(self, tag: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank, checked before it moves)."""
+        self._arrive(
+            tag, {"exchange": tag, "kind": "tensor", "shape": list(tensor.shape), "dtype": str(tensor.dtype)}
+        )
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            fdist.all_gather(gathered, tensor.contiguous(), group=self.group)
+        except RuntimeError as error:
+            raise self._collective_failed(tag, error) from error
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return gathered
 
 
 def key_share_digest(party: int, parties: int, session: str, serialized_share: bytes) -> bytes:
@@ -300,12 +322,42 @@ class ThresholdSession:
             raise MultipartyError("encrypt before generate_public_key")
         return self.party.encrypt(values, self.public)
 
-    def decrypt(self, ct: Ciphertext) -> torch.Tensor:
-        """Publish h_i, all-reduce the shares, decode c0 + Σ h_i: complex128 slots ``[*batch, S]`` on every rank."""
+    def decrypt(
+        self, ct: Ciphertext, *, record: Callable[[str, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """Publish h_i, all-reduce the shares, decode c0 + Σ h_i: complex128 slots ``[*batch, S]`` on every rank.
+
+        Every rank's share covers every row (each row needs every secret share), but the decoding
+        (c0 + Σ h_i, inverse NTT, CRT, slots) is split: on a channel with ``all_gather_tensor``
+        (the process group), rank r decodes the r-th 1/world of the batch rows and the decoded
+        slots, the function's output that every rank gets anyway, are all-gathered. Without it
+        (the relay channel) every rank decodes every row. ``record(name, tensor)`` sees this
+        rank's decryption share and the summed shares (the flagship's audit).
+        """
+        engine = self.engine
         share = self.party.decryption_share(ct, digest=False)
-        moduli = self.engine.moduli_for(ct.prime_ids)
+        if record is not None:
+            record("decryption_share", share.data)
+        moduli = engine.moduli_for(ct.prime_ids)
         total = self.channel.all_reduce_residues("decryption-shares", share.data, moduli)
-        return self.party.combine_decryption(ct, total)
+        if record is not None:
+            record("decryption_sum", total)
+        gather = getattr(self.channel, "all_gather_tensor", None)
+        world, rows = self.channel.world_size, math.prod(ct.batch_shape)
+        if gather is None or world == 1 or rows < world:
+            return self.party.combine_decryption(ct, total)
+        per = -(-rows // world)
+        start, stop = min(self.channel.rank * per, rows), min((self.channel.rank + 1) * per, rows)
+        limbs, n = ct.data.shape[-2:]
+        slots = torch.zeros(per, engine.slot_count, dtype=torch.complex128)
+        if stop > start:
+            part = Ciphertext(
+                ct.data.reshape(2, rows, limbs, n)[:, start:stop], ct.depth, ct.scale, ct.prime_ids, "ntt"
+            )
+            slots[: stop - start] = combine_decryption(engine, part, total.reshape(rows, limbs, n)[start:stop])
+        pieces = gather("decoded-slots", torch.view_as_real(slots))
+        decoded = torch.view_as_complex(torch.cat(pieces)[:rows].contiguous())
+        return decoded.view(*ct.batch_shape, engine.slot_count)
 
 
 __all__ = [

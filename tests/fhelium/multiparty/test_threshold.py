@@ -234,3 +234,37 @@ def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path) -> 
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["SeedCommitment", "0", "2"]
+
+
+def test_the_fast_reductions_give_the_exact_residues() -> None:
+    from fhelium.multiparty.protocol import reduce_signed, reduce_sum_
+
+    engine = ThresholdParty(0, 2).engine
+    q = torch.tensor(engine.moduli[:2], dtype=torch.int64).reshape(-1, 1)
+    q_inverse = 1.0 / q.double()
+    generator = torch.Generator().manual_seed(5)
+    # signed int64 up to ±2^62 (the flooding noise reaches ±2^60.2, encoded coefficients < 2^62)
+    x = torch.randint(-(2**62), 2**62, (3, 1, 4096), generator=generator, dtype=torch.int64)
+    x[0, 0, :6] = torch.tensor([0, 1, -1, 2**62 - 1, -(2**62) + 1, int(q[0, 0])])
+    assert torch.equal(reduce_signed(x, q, q_inverse), torch.remainder(x, q))
+    # sums of `terms` residues, extremes included: 0 and terms·(q − 1)
+    for terms in (1, 2, 3, 5, 64):
+        parts = [torch.remainder(torch.randint(0, 2**62, (11, 2, 64), generator=generator), q) for _ in range(terms)]
+        total = torch.stack(parts).sum(0)
+        total[0, :, 0], total[0, :, 1] = 0, terms * (q[:, 0] - 1)
+        expected = torch.remainder(total, q)
+        assert torch.equal(reduce_sum_(total.clone(), q, terms), expected)
+
+
+@pytest.mark.parametrize("rows", [None, 1, 11])  # an unbatched ciphertext, one row, rows not a multiple of the block
+def test_blocked_decryption_share_and_combine_fit_any_batch(rows: int | None) -> None:
+    members, _, public = _world(2)
+    generator = torch.Generator().manual_seed(3)
+    shape = (4096,) if rows is None else (rows, 4096)
+    updates = [torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1 for _ in members]
+    engine = members[0].engine
+    total = engine.sum([m.encrypt(u, public) for m, u in zip(members, updates, strict=True)])
+    shares = [member.decryption_share(total) for member in members]
+    assert shares[0].data.shape == total.data.shape[1:]
+    slots = combine_decryption(engine, total, shares).real
+    assert float((slots.reshape(-1) - sum(updates).reshape(-1)).abs().max()) < 1e-6

@@ -56,7 +56,7 @@ def main() -> int:
             channel.all_reduce_residues = rogue_reduce  # type: ignore[method-assign]
             channel.all_gather_bytes = rogue_gather  # type: ignore[method-assign]
         session.generate_public_key()
-        count = 5000  # two ciphertext rows of 4096 slots
+        count = 3 * 4096 + 100  # four ciphertext rows: decoded 2+2 (2 ranks), 2+2+0 (3), by every rank (5)
         rows = -(-count // 4096)
         padded = torch.zeros(rows * 4096, dtype=torch.float64)
         padded[:count] = update(rank, count)
