@@ -182,6 +182,8 @@ class DataPlane:
             host = await self._admit_relay(channel, stream, hello)
             if host is None:
                 return
+            if channel is Channel.DATA:
+                stream.read_directly()  # host frames go from the socket straight into their frame buffers
             table = self._data if channel is Channel.DATA else self._control
             relay = _Relay(host, stream)
             while not await table(relay, await stream.recv()):

@@ -39,6 +39,90 @@ class ConnectError(ConnectionError):
     """Every connection attempt failed; the message names what, where, how often and the last error."""
 
 
+class _DirectReceiver(asyncio.BufferedProtocol):
+    """Reads a transport straight into its FrameConnection's buffers (no StreamReader in between).
+
+    Installed by `FramedStream.read_directly`: the kernel copies a frame's body into the buffer the frame
+    is decrypted in, instead of into a bytes object, the StreamReader's buffer, a slice of it and then the
+    connection's buffer. Reading stays driven by `recv`: one read per request, never past the frame the
+    connection is reading (`bytes_wanted`), the transport paused in between (back-pressure as before).
+    Writing is untouched: flow control and the close waiter stay with the transport's previous protocol.
+    """
+
+    def __init__(
+        self, conn: FrameConnection, transport: asyncio.Transport, previous: asyncio.BaseProtocol
+    ) -> None:
+        self._conn = conn
+        self._transport = transport
+        self._previous = previous
+        self._scratch = bytearray(64 * 1024)
+        self._direct = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.eof = False
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        view = self._conn.receive_buffer()
+        if view is not None and len(view):
+            self._direct = True
+            return view
+        self._direct = False
+        return memoryview(self._scratch)[: min(max(self._conn.bytes_wanted, 1), len(self._scratch))]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._transport.pause_reading()
+        try:
+            if self._direct:
+                self._conn.receive_filled(nbytes)
+            else:
+                self._conn.receive_data(bytes(self._scratch[:nbytes]))
+        except BaseException as error:  # a WireError: recv raises it from next_event
+            self.error = error
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return True  # half-close: our side may still write
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if exc is not None and self.error is None:
+            self.error = exc
+        self._wake()
+        self._previous.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._previous.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._previous.resume_writing()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def read_more(self) -> None:
+        """One read into the connection (or its end) ; raises what ended the connection."""
+        if self.error is not None:
+            raise self.error
+        if self.eof:
+            self._conn.receive_data(b"")
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._transport.resume_reading()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            if not self._transport.is_closing():
+                self._transport.pause_reading()
+        if self.error is not None:
+            raise self.error
+        if self.eof:
+            self._conn.receive_data(b"")
+
+
 class FramedStream:
     """Encrypted, authenticated frames over an asyncio stream pair (see flodld.wire.frames for the rules)."""
 
@@ -53,6 +137,7 @@ class FramedStream:
         self._mid_frame = False  # a large frame is being written piece by piece
         self._deferred: list[bytearray | memoryview] = []  # send_nowait frames sealed meanwhile
         self._spare: bytearray | None = None  # where large frames are built, reused while its pages are warm
+        self._direct: _DirectReceiver | None = None
 
     @property
     def peername(self) -> tuple[str, int] | None:
@@ -128,7 +213,36 @@ class FramedStream:
                     raise EOFError("peer closed the connection")
                 await self._read_more()
 
+    def read_directly(self) -> bool:
+        """From now on, read the socket straight into the connection's buffers (see `_DirectReceiver`).
+
+        For the data plane's bulk channels, after the handshake. Bytes the StreamReader already holds
+        are handed to the connection first. False (and nothing changes) where the transport cannot
+        switch protocols.
+        """
+        if self._direct is not None:
+            return True
+        transport = self.writer.transport
+        buffered = getattr(self.reader, "_buffer", None)
+        if not isinstance(transport, asyncio.Transport) or not isinstance(buffered, bytearray):
+            return False
+        if not hasattr(transport, "set_protocol") or transport.is_closing():
+            return False
+        if self.reader.at_eof() or self.reader.exception() is not None:
+            return False
+        direct = _DirectReceiver(self.conn, transport, transport.get_protocol())
+        if buffered:
+            self.conn.receive_data(bytes(buffered))
+            buffered.clear()
+        transport.pause_reading()
+        transport.set_protocol(direct)
+        self._direct = direct
+        return True
+
     async def _read_more(self) -> None:
+        if self._direct is not None:
+            await self._direct.read_more()
+            return
         # Whatever has arrived, up to what completes the unit being read: never past the frame, and the
         # reader's own buffer stays small (a large body is gathered in the connection's buffer, not
         # in the StreamReader's, which would regrow and copy it).

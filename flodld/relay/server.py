@@ -186,6 +186,8 @@ class Relay:
         if not isinstance(reply, HelloAck):
             raise ConnectionError(f"controller refused the relay's {channel} channel: {reply!r}")
         stream.rekey(self.host_key)  # the controller rekeyed after its HelloAck: from here on, as this host
+        if channel is Channel.DATA:
+            stream.read_directly()  # broadcasts go from the socket straight into their frame buffers
         return stream
 
     def _ensure_barrier(self) -> RoundBarrier[int]:
@@ -232,6 +234,8 @@ class Relay:
         self.legs[channel][rank] = stream
         try:
             await stream.send(HelloAck())
+            if channel is Channel.DATA:
+                stream.read_directly()  # deposits go from the socket straight into their frame buffers
             table = self._rank_data if channel is Channel.DATA else self._rank_control
             leg = _Leg(rank, stream)
             while not await table(leg, await stream.recv()):

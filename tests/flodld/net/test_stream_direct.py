@@ -1,0 +1,84 @@
+"""`FramedStream.read_directly`: the socket read straight into the connection's buffers, same frames.
+
+Frames sent before the switch (already in the StreamReader), large frames in the lazily mapped
+buffers, a timeout that loses nothing, reading paused between receives (back-pressure), and a
+clean close as EOFError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flodld.net import FramedStream, accept_channel, open_channel
+from flodld.wire.join import Abort, RankExited
+from flodld.wire.magic import Channel
+
+SALT = bytes(range(16))
+
+
+async def pair() -> tuple[FramedStream, FramedStream, asyncio.Server]:
+    accepted: asyncio.Future[FramedStream] = asyncio.get_running_loop().create_future()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(4)  # the channel magic, as the mux reads it
+        accepted.set_result(await accept_channel(reader, writer, SALT, channel=Channel.DATA, timeout=5))
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    dialer = await open_channel("127.0.0.1", port, Channel.DATA, SALT, timeout=5)
+    return dialer, await asyncio.wait_for(accepted, 5), server
+
+
+async def test_frames_before_and_after_the_switch_arrive_intact_and_in_order() -> None:
+    sender, receiver, server = await pair()
+    sizes = [10, 3 * 1024 * 1024 + 7, 0, 65_537, 5 * 1024 * 1024]
+    tails = [bytes([n]) * size for n, size in enumerate(sizes)]
+
+    async def send_all() -> None:
+        for index, tail in enumerate(tails):
+            await sender.send(RankExited(rank=index, code=0), tail)
+
+    try:
+        await sender.send(Abort(reason="first"))
+        assert (await receiver.recv(5)).message() == Abort(reason="first")  # authenticated
+        sending = asyncio.create_task(send_all())
+        await asyncio.sleep(0.1)  # the StreamReader holds the start of the stream, the sender waits to drain
+        assert receiver.read_directly()
+        for index, tail in enumerate(tails):
+            frame = await receiver.recv(10)
+            assert frame.message() == RankExited(rank=index, code=0)
+            assert frame.tail_view == tail, index
+            receiver.conn.recycle(frame)
+        await sending
+    finally:
+        sender.close()
+        receiver.close()
+        server.close()
+
+
+async def test_reading_pauses_between_receives_and_a_timeout_loses_nothing() -> None:
+    sender, receiver, server = await pair()
+    try:
+        await sender.send(Abort(reason="first"))
+        await receiver.recv(5)
+        assert receiver.read_directly()
+        transport = receiver.writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        with pytest.raises(TimeoutError):
+            await receiver.recv(0.05)
+        assert not transport.is_reading()  # nobody asked: the kernel holds the bytes
+        sending = asyncio.create_task(sender.send(RankExited(rank=1, code=0), b"x" * (2 * 1024 * 1024)))
+        await asyncio.sleep(0.1)
+        assert not transport.is_reading()
+        frame = await receiver.recv(5)
+        assert frame.message() == RankExited(rank=1, code=0) and frame.tail == b"x" * (2 * 1024 * 1024)
+        await sending
+        await sender.aclose()
+        with pytest.raises(EOFError):
+            await receiver.recv(5)
+    finally:
+        sender.close()
+        receiver.close()
+        server.close()
