@@ -4,11 +4,14 @@ The C++ source (``csrc/fhelium_native.cpp``) is compiled on first use with the m
 compiler against the torch already installed (``torch.utils.cpp_extension.load``: no build
 isolation, no download, no ``-march``), into a cache directory keyed by the torch version, the
 Python version and a hash of the source and flags; ``make venv`` builds it once during set-up.
-Later processes only load the cached library.
+Later processes only load the cached library. After compiling a new build, older builds in the
+cache (other keys, last modified before the new one, not being built) are removed.
 
 Dispatch levels (``FHELIUM_NATIVE_LEVEL``): ``ifma`` (AVX-512 IFMA52, chosen by default where the
-CPU has it), ``scalar`` (portable ``unsigned __int128`` Shoup arithmetic) and ``torch`` (do not use
-the native ops: the pure-torch reference path in ``fhelium.engine``). Every native level is
+CPU has it), ``dq`` (AVX-512 DQ without IFMA: the scalar level's 64-bit Shoup products in 8 lanes;
+the default on AVX-512 CPUs without IFMA), ``scalar`` (portable ``unsigned __int128`` Shoup
+arithmetic) and ``torch`` (do not use the native ops: the pure-torch reference path in
+``fhelium.engine``). Every native level is
 bit-identical to the torch reference. Where the extension cannot be built the engine falls back
 to the torch path with one warning; ``FHELIUM_REQUIRE_NATIVE=1`` turns that into an error (CI).
 """
@@ -28,9 +31,12 @@ import torch
 LEVEL_ENVIRONMENT_VARIABLE = "FHELIUM_NATIVE_LEVEL"
 REQUIRE_ENVIRONMENT_VARIABLE = "FHELIUM_REQUIRE_NATIVE"
 CACHE_ENVIRONMENT_VARIABLE = "FHELIUM_NATIVE_CACHE"
-LEVELS = ("scalar", "ifma")
-LEVEL_CODES = {"scalar": 0, "ifma": 1}
+LEVELS = ("scalar", "dq", "ifma")
+LEVEL_CODES = {"scalar": 0, "dq": 1, "ifma": 2}
 SOURCES = (Path(__file__).parent / "csrc" / "fhelium_native.cpp",)
+# included by the sources: part of the cache key, not compiled on their own (named .cpp so that
+# the package data pattern csrc/*.cpp ships them)
+INCLUDES = (Path(__file__).parent / "csrc" / "ntt_avx512.inc.cpp",)
 # -fopenmp only compiles at::parallel_for's inline OpenMP region; nothing links an OpenMP runtime of
 # its own: the GOMP symbols resolve to the one libtorch_cpu already loaded (torch's thread pool)
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
@@ -46,21 +52,67 @@ _state: dict[str, bool | str] = {}
 
 def _source_hash() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *INCLUDES):
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     return digest.hexdigest()[:16]
 
 
-def build_directory() -> Path:
-    """Where the compiled library lives: keyed by torch version, Python version and source hash."""
+def cache_root() -> Path:
+    """The cache holding one build directory per key (``FHELIUM_NATIVE_CACHE`` overrides it)."""
     root = os.environ.get(CACHE_ENVIRONMENT_VARIABLE)
     if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fhelium" / "native"
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fhelium" / "native"
+
+
+def build_directory() -> Path:
+    """Where the compiled library lives: keyed by torch version, Python version and source hash."""
     key = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{_source_hash()}"
-    return base / key.replace("+", "_")
+    return cache_root() / key.replace("+", "_")
+
+
+def _is_build_directory(path: Path) -> bool:
+    """A directory this module created: named torch<version>-py<version>-<16 hex digits>."""
+    name = path.name
+    digest = name.rsplit("-", 1)[-1]
+    return (
+        path.is_dir()
+        and not path.is_symlink()
+        and name.startswith("torch")
+        and "-py" in name
+        and len(digest) == 16
+        and all(c in "0123456789abcdef" for c in digest)
+    )
+
+
+def prune_stale_builds(current: Path | None = None) -> list[Path]:
+    """Remove the cache's other build directories last modified before ``current`` (default: this
+    process's ``build_directory()``), which the engine runs after it compiled a new build. Kept: the
+    current key; anything newer (another checkout or interpreter may be using it); a build in
+    progress (cpp_extension's ``lock`` file); anything not named like a build. Returns what was
+    removed; a directory that cannot be removed is left in place."""
+    import shutil
+
+    current = build_directory() if current is None else current
+    try:
+        current_time = current.stat().st_mtime
+        entries = list(current.parent.iterdir())
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if entry.name == current.name or not _is_build_directory(entry) or (entry / "lock").exists():
+            continue
+        try:
+            stale = entry.stat().st_mtime < current_time
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed.append(entry)
+    return removed
 
 
 def _ninja_on_path() -> None:
@@ -85,15 +137,19 @@ def _build_and_load(verbose: bool = False) -> None:
     _ninja_on_path()
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    compiled = not (directory / f"fhelium_native_{_source_hash()}.so").exists()
     cpp_extension.load(
         name=f"fhelium_native_{_source_hash()}",
         sources=[str(source) for source in SOURCES],
         extra_cflags=list(CFLAGS),
+        extra_include_paths=sorted({str(include.parent) for include in INCLUDES}),
         build_directory=str(directory),
         is_python_module=False,
         verbose=verbose,
     )
     _register_fakes()
+    if compiled:
+        prune_stale_builds(directory)
 
 
 def _register_fakes() -> None:
@@ -298,7 +354,7 @@ def _code(chosen: str | None) -> int:
 def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
     """(a·b) mod q elementwise with broadcasting, a, b in [0, q) (same result as the torch reference).
 
-    ``level``: ``scalar`` or ``ifma`` (8 lanes of AVX-512 DQ); None: ``elementwise_level()``."""
+    ``level``: ``scalar``, or ``dq``/``ifma`` (8 lanes of AVX-512 DQ at both); None: ``elementwise_level()``."""
     result: torch.Tensor = torch.ops.fhelium.mul_mod(a, b, q, _code(level))
     return result
 
@@ -429,6 +485,7 @@ __all__ = [
     "add_mod",
     "add_mod_",
     "build_directory",
+    "cache_root",
     "decompose",
     "divide_round",
     "elementwise_level",
@@ -443,6 +500,7 @@ __all__ = [
     "ntt_inverse",
     "ntt_tables",
     "permute_last",
+    "prune_stale_builds",
     "requested_level",
     "small_ntt",
     "sub_mod",

@@ -8,9 +8,12 @@
 // Algorithm: Cooley-Tukey (forward, natural -> bit-reversed) and Gentleman-Sande (inverse,
 // bit-reversed -> natural) with Harvey's lazy butterflies and Shoup-precomputed twiddles; the
 // forward ends with a bit-reversing gather, the inverse starts with one; n^-1 is folded into the
-// last inverse stage. Dispatch levels: 0 = scalar (unsigned __int128 Shoup products), 1 = AVX-512
-// IFMA52 (vpmadd52lo/hi; needs q < 2^50 so that lazy values < 4q fit 52 bits). The IFMA code is
-// compiled with per-function target attributes (no -march), picked at run time from CPUID.
+// last inverse stage. Dispatch levels: 0 = scalar (unsigned __int128 Shoup products), 1 = AVX-512 DQ
+// (the same 64-bit Shoup products in 8 lanes: vpmullq for the low halves, four vpmuludq 32x32
+// partial products for the high half), 2 = AVX-512 IFMA52 (vpmadd52lo/hi; needs q < 2^50 so that
+// lazy values < 4q fit 52 bits, else the row runs at the DQ level). The vector NTT rows are written
+// once (ntt_avx512.inc.cpp) and compiled per level with per-function target attributes (no -march); the
+// level is picked at run time from CPUID.
 // Threads: at::parallel_for (torch's own intra-op pool), one row per task.
 
 #include <ATen/ATen.h>
@@ -33,18 +36,39 @@ using u64 = uint64_t;
 using u128 = unsigned __int128;
 
 constexpr int64_t kLevelScalar = 0;
-constexpr int64_t kLevelIfma = 1;
+constexpr int64_t kLevelDq = 1;
+constexpr int64_t kLevelIfma = 2;
 constexpr u64 kIfmaModulusBound = u64{1} << 50;
 
-bool cpu_has_ifma() {
+bool cpu_has_dq() {
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512ifma");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
   }();
   return has;
 }
 
-int64_t best_level() { return cpu_has_ifma() ? kLevelIfma : kLevelScalar; }
+// the IFMA level also runs the DQ level's elementwise lanes
+bool cpu_has_ifma() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return cpu_has_dq() && __builtin_cpu_supports("avx512ifma");
+  }();
+  return has;
+}
+
+int64_t best_level() { return cpu_has_ifma() ? kLevelIfma : (cpu_has_dq() ? kLevelDq : kLevelScalar); }
+
+// the requested level, checked against the CPU
+int64_t checked_level(int64_t level) {
+  TORCH_CHECK(level == kLevelScalar || level == kLevelDq || level == kLevelIfma,
+              "fhelium native: unknown dispatch level ", level);
+  TORCH_CHECK(level != kLevelIfma || cpu_has_ifma(),
+              "fhelium native: the IFMA level was requested but this CPU lacks AVX-512 IFMA");
+  TORCH_CHECK(level != kLevelDq || cpu_has_dq(),
+              "fhelium native: the DQ level was requested but this CPU lacks AVX-512 DQ");
+  return level;
+}
 
 int log2_exact(int64_t n) {
   TORCH_CHECK(n >= 2 && (n & (n - 1)) == 0, "fhelium native NTT: ring degree must be a power of two >= 2, got ", n);
@@ -257,145 +281,72 @@ const SmallStage& small_stage(int h) {
 // one per stage. The same butterflies, in another order: the same bits.
 constexpr int64_t kIfmaBlock = 4096;
 
-// one Cooley-Tukey stage (m groups at distance half) on the residues [begin, end)
-FHELIUM_IFMA inline void forward_stage_ifma(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
-                                            int64_t end, __m512i q, __m512i two_q, __m512i mask52) {
-  if (half >= 8) {
-    for (int64_t i = begin / (2 * half); i < end / (2 * half); ++i) {
-      const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.forward[m + i]));
-      const __m512i ws = _mm512_set1_epi64(static_cast<long long>(t.forward_shoup[m + i] >> 12));
-      u64* x = a + 2 * i * half;
-      u64* y = x + half;
-      for (int64_t j = 0; j < half; j += 8) {
-        const __m512i u = ifma_reduce_once(_mm512_loadu_si512(x + j), two_q);
-        const __m512i v = ifma_mul_shoup_lazy(_mm512_loadu_si512(y + j), w, ws, q, mask52);
-        _mm512_storeu_si512(x + j, _mm512_add_epi64(u, v));
-        _mm512_storeu_si512(y + j, _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q));
-      }
-    }
-    return;
-  }
-  const SmallStage& s = small_stage(static_cast<int>(half));
-  const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
-  const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
-  const __m512i pick = _mm512_load_si512(s.twiddle);
-  for (int64_t b = begin; b < end; b += 16) {
-    const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
-    const int64_t first = m + b / (2 * half);
-    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward + first));
-    const __m512i ws = _mm512_srli_epi64(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward_shoup + first)), 12);
-    const __m512i u = ifma_reduce_once(_mm512_permutex2var_epi64(lo, take_x, hi), two_q);
-    const __m512i v = ifma_mul_shoup_lazy(_mm512_permutex2var_epi64(lo, take_y, hi), w, ws, q, mask52);
-    const __m512i x = _mm512_add_epi64(u, v);
-    const __m512i y = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
-    _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
-    _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
-  }
+namespace ifma {
+#define FHELIUM_VECTOR FHELIUM_IFMA
+FHELIUM_IFMA inline __m512i mul_shoup_lazy_vector(__m512i y, __m512i w, __m512i ws52, __m512i q) {
+  return ifma_mul_shoup_lazy(y, w, ws52, q, _mm512_set1_epi64((1LL << 52) - 1));
 }
+inline long long shoup_operand(u64 shoup_value) { return static_cast<long long>(shoup_value >> 12); }
+FHELIUM_IFMA inline __m512i shoup_operands(__m512i shoup_values) { return _mm512_srli_epi64(shoup_values, 12); }
+FHELIUM_IFMA inline __m512i reduce_once(__m512i x, __m512i bound) { return ifma_reduce_once(x, bound); }
+#include "ntt_avx512.inc.cpp"
+#undef FHELIUM_VECTOR
+}  // namespace ifma
 
-// one Gentleman-Sande stage (m groups at distance half) on the residues [begin, end)
-FHELIUM_IFMA inline void inverse_stage_ifma(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
-                                            int64_t end, __m512i q, __m512i two_q, __m512i mask52) {
-  if (half >= 8) {
-    for (int64_t i = begin / (2 * half); i < end / (2 * half); ++i) {
-      const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.inverse[m + i]));
-      const __m512i ws = _mm512_set1_epi64(static_cast<long long>(t.inverse_shoup[m + i] >> 12));
-      u64* x = a + 2 * i * half;
-      u64* y = x + half;
-      for (int64_t j = 0; j < half; j += 8) {
-        const __m512i u = _mm512_loadu_si512(x + j), v = _mm512_loadu_si512(y + j);
-        _mm512_storeu_si512(x + j, ifma_reduce_once(_mm512_add_epi64(u, v), two_q));
-        const __m512i d = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
-        _mm512_storeu_si512(y + j, ifma_mul_shoup_lazy(d, w, ws, q, mask52));
-      }
-    }
-    return;
-  }
-  const SmallStage& s = small_stage(static_cast<int>(half));
-  const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
-  const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
-  const __m512i pick = _mm512_load_si512(s.twiddle);
-  for (int64_t b = begin; b < end; b += 16) {
-    const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
-    const int64_t first = m + b / (2 * half);
-    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse + first));
-    const __m512i ws = _mm512_srli_epi64(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse_shoup + first)), 12);
-    const __m512i u = _mm512_permutex2var_epi64(lo, take_x, hi);
-    const __m512i v = _mm512_permutex2var_epi64(lo, take_y, hi);
-    const __m512i x = ifma_reduce_once(_mm512_add_epi64(u, v), two_q);
-    const __m512i y = ifma_mul_shoup_lazy(_mm512_add_epi64(_mm512_sub_epi64(u, v), two_q), w, ws, q, mask52);
-    _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
-    _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
-  }
-}
+// ------------------------------------------------------------------------------------ AVX-512 DQ
+// No IFMA: the scalar level's 64-bit Shoup product in 8 lanes. The high half of y * Shoup(w) from
+// four 32x32 -> 64 partial products (vpmuludq), the low halves with vpmullq (DQ), so every lazy value
+// equals the scalar level's, for any q < 2^62.
+#define FHELIUM_DQ __attribute__((target("avx512f,avx512dq")))
 
-FHELIUM_IFMA void forward_ifma(u64* a, u64* out, const RowTables& t, int logn) {
-  const int64_t n = int64_t{1} << logn;
-  const __m512i q = _mm512_set1_epi64(static_cast<long long>(t.q));
-  const __m512i two_q = _mm512_set1_epi64(static_cast<long long>(2 * t.q));
-  const __m512i mask52 = _mm512_set1_epi64((1LL << 52) - 1);
-  const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
-  int64_t m = 1, half = n >> 1;
-  for (; 2 * half > block; m <<= 1, half >>= 1) forward_stage_ifma(a, t, m, half, 0, n, q, two_q, mask52);
-  for (int64_t begin = 0; begin < n; begin += block) {
-    for (int64_t mm = m, hh = half; mm < n; mm <<= 1, hh >>= 1) {
-      forward_stage_ifma(a, t, mm, hh, begin, begin + block, q, two_q, mask52);
-    }
-  }
-  const uint32_t* rev = bitrev_table(logn);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256i index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rev + k));
-    __m512i v = _mm512_i32gather_epi64(index, reinterpret_cast<const long long*>(a), 8);
-    v = ifma_reduce_once(ifma_reduce_once(v, two_q), q);
-    _mm512_storeu_si512(out + k, v);
-  }
+namespace dq {
+#define FHELIUM_VECTOR FHELIUM_DQ
+FHELIUM_DQ inline __m512i mul_high_64(__m512i a, __m512i b) {
+  const __m512i low32 = _mm512_set1_epi64(0xffffffffLL);
+  const __m512i a_high = _mm512_srli_epi64(a, 32), b_high = _mm512_srli_epi64(b, 32);
+  const __m512i ll = _mm512_mul_epu32(a, b), lh = _mm512_mul_epu32(a, b_high);
+  const __m512i hl = _mm512_mul_epu32(a_high, b), hh = _mm512_mul_epu32(a_high, b_high);
+  const __m512i middle = _mm512_add_epi64(_mm512_add_epi64(_mm512_srli_epi64(ll, 32), _mm512_and_si512(lh, low32)),
+                                          _mm512_and_si512(hl, low32));  // < 3 * 2^32
+  return _mm512_add_epi64(_mm512_add_epi64(hh, _mm512_srli_epi64(lh, 32)),
+                          _mm512_add_epi64(_mm512_srli_epi64(hl, 32), _mm512_srli_epi64(middle, 32)));
 }
-
-FHELIUM_IFMA void inverse_ifma(const u64* in, u64* a, u64* out, const RowTables& t, int logn) {
-  const int64_t n = int64_t{1} << logn;
-  const __m512i q = _mm512_set1_epi64(static_cast<long long>(t.q));
-  const __m512i two_q = _mm512_set1_epi64(static_cast<long long>(2 * t.q));
-  const __m512i mask52 = _mm512_set1_epi64((1LL << 52) - 1);
-  const uint32_t* rev = bitrev_table(logn);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256i index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rev + k));
-    _mm512_storeu_si512(a + k, _mm512_i32gather_epi64(index, reinterpret_cast<const long long*>(in), 8));
-  }
-  const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
-  for (int64_t begin = 0; begin < n; begin += block) {
-    for (int64_t mm = n >> 1, hh = 1; mm > 1 && 2 * hh <= block; mm >>= 1, hh <<= 1) {
-      inverse_stage_ifma(a, t, mm, hh, begin, begin + block, q, two_q, mask52);
-    }
-  }
-  int64_t m = n >> 1, half = 1;
-  while (m > 1 && 2 * half <= block) {
-    m >>= 1;
-    half <<= 1;
-  }
-  for (; m > 1; m >>= 1, half <<= 1) inverse_stage_ifma(a, t, m, half, 0, n, q, two_q, mask52);
-  const __m512i ni = _mm512_set1_epi64(static_cast<long long>(t.inverse[0]));
-  const __m512i nis = _mm512_set1_epi64(static_cast<long long>(t.inverse_shoup[0] >> 12));
-  const __m512i wn = _mm512_set1_epi64(static_cast<long long>(t.forward[0]));
-  const __m512i wns = _mm512_set1_epi64(static_cast<long long>(t.forward_shoup[0] >> 12));
-  const int64_t h = n >> 1;
-  for (int64_t j = 0; j < h; j += 8) {
-    const __m512i u = _mm512_loadu_si512(a + j), v = _mm512_loadu_si512(a + j + h);
-    const __m512i x = ifma_mul_shoup_lazy(_mm512_add_epi64(u, v), ni, nis, q, mask52);
-    const __m512i y = ifma_mul_shoup_lazy(_mm512_add_epi64(_mm512_sub_epi64(u, v), two_q), wn, wns, q, mask52);
-    _mm512_storeu_si512(out + j, ifma_reduce_once(x, q));
-    _mm512_storeu_si512(out + j + h, ifma_reduce_once(y, q));
-  }
+// mul_shoup_lazy lane by lane: y*w - floor(y*ws / 2^64)*q (mod 2^64), in [0, 2q) for any y
+FHELIUM_DQ inline __m512i mul_shoup_lazy_vector(__m512i y, __m512i w, __m512i ws, __m512i q) {
+  return _mm512_sub_epi64(_mm512_mullo_epi64(y, w), _mm512_mullo_epi64(mul_high_64(y, ws), q));
 }
+inline long long shoup_operand(u64 shoup_value) { return static_cast<long long>(shoup_value); }
+FHELIUM_DQ inline __m512i shoup_operands(__m512i shoup_values) { return shoup_values; }
+FHELIUM_DQ inline __m512i reduce_once(__m512i x, __m512i bound) {
+  return _mm512_min_epu64(x, _mm512_sub_epi64(x, bound));
+}
+#include "ntt_avx512.inc.cpp"
+#undef FHELIUM_VECTOR
+}  // namespace dq
 
 // ------------------------------------------------------------------------------------ ops
+// one row at a resolved level (see resolve_level)
+inline void forward_row(u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
+  if (level == kLevelIfma) ifma::forward(scratch, out, t, logn);
+  else if (level == kLevelDq) dq::forward(scratch, out, t, logn);
+  else forward_scalar(scratch, out, t, logn);
+}
+
+inline void inverse_row(const u64* in, u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
+  if (level == kLevelIfma) ifma::inverse(in, scratch, out, t, logn);
+  else if (level == kLevelDq) dq::inverse(in, scratch, out, t, logn);
+  else inverse_scalar(in, scratch, out, t, logn);
+}
+
+// the level a row kernel runs: the vector levels need N >= 16 (16-element blocks); IFMA needs every
+// q < 2^50 (lazy values below 4q in 52 bits) and otherwise runs the DQ level, which takes q < 2^62
 int64_t resolve_level(int64_t level, const at::Tensor& moduli, int logn) {
-  TORCH_CHECK(level == kLevelScalar || level == kLevelIfma, "fhelium native: unknown dispatch level ", level);
+  checked_level(level);
+  if (level == kLevelScalar || logn < 4) return kLevelScalar;
   if (level == kLevelIfma) {
-    TORCH_CHECK(cpu_has_ifma(), "fhelium native: the IFMA level was requested but this CPU lacks AVX-512 IFMA");
-    if (logn < 4) return kLevelScalar;  // the 16-element blocks need N >= 16
     const int64_t* q = moduli.data_ptr<int64_t>();
     for (int64_t i = 0; i < moduli.numel(); ++i) {
-      if (static_cast<u64>(q[i]) >= kIfmaModulusBound) return kLevelScalar;
+      if (static_cast<u64>(q[i]) >= kIfmaModulusBound) return kLevelDq;
     }
   }
   return level;
@@ -441,12 +392,10 @@ at::Tensor ntt_run(const at::Tensor& x_in, const at::Tensor& moduli, const at::T
       const u64* in = source + row * n;
       u64* result = target + row * n;
       if (inverse) {
-        if (chosen == kLevelIfma) inverse_ifma(in, scratch.data(), result, t, logn);
-        else inverse_scalar(in, scratch.data(), result, t, logn);
+        inverse_row(in, scratch.data(), result, t, logn, chosen);
       } else {
         std::memcpy(scratch.data(), in, static_cast<size_t>(n) * sizeof(u64));
-        if (chosen == kLevelIfma) forward_ifma(scratch.data(), result, t, logn);
-        else forward_scalar(scratch.data(), result, t, logn);
+        forward_row(scratch.data(), result, t, logn, chosen);
       }
     }
   });
@@ -502,17 +451,15 @@ inline int64_t elementwise_one(const int64_t* v, int64_t q) {
   }
 }
 
-#define FHELIUM_AVX512DQ __attribute__((target("avx512f,avx512dq")))
-
-FHELIUM_AVX512DQ inline __m512i load_or_broadcast(const char* p, int64_t stride) {
+FHELIUM_DQ inline __m512i load_or_broadcast(const char* p, int64_t stride) {
   return stride == 0 ? _mm512_set1_epi64(*reinterpret_cast<const long long*>(p)) : _mm512_loadu_si512(p);
 }
 
-FHELIUM_AVX512DQ inline __m512i add_q_if_negative(__m512i r, __m512i q) {
+FHELIUM_DQ inline __m512i add_q_if_negative(__m512i r, __m512i q) {
   return _mm512_add_epi64(r, _mm512_and_si512(_mm512_srai_epi64(r, 63), q));
 }
 
-FHELIUM_AVX512DQ inline __m512i mul_mod_vector(__m512i a, __m512i b, __m512i q) {
+FHELIUM_DQ inline __m512i mul_mod_vector(__m512i a, __m512i b, __m512i q) {
   // mul_mod_one lane by lane: the same binary64 operations in the same order, then exact corrections
   const __m512d q_inverse = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_cvtepi64_pd(q));
   const __m512d product = _mm512_mul_pd(_mm512_cvtepi64_pd(a), _mm512_cvtepi64_pd(b));
@@ -525,7 +472,7 @@ FHELIUM_AVX512DQ inline __m512i mul_mod_vector(__m512i a, __m512i b, __m512i q) 
 // count elements with byte strides; returns how many it handled (a multiple of 8), 0 if the strides
 // do not suit the vector loop
 template <Elementwise op>
-FHELIUM_AVX512DQ int64_t elementwise_vector(char** data, const int64_t* strides, int64_t count, int inputs) {
+FHELIUM_DQ int64_t elementwise_vector(char** data, const int64_t* strides, int64_t count, int inputs) {
   for (int t = 0; t <= inputs; ++t) {
     if (strides[t] != 8 && (t == 0 || strides[t] != 0)) return 0;
   }
@@ -569,12 +516,8 @@ void elementwise_loop(at::TensorIterator& iter, int inputs, bool vector) {
   });
 }
 
-bool vector_level(int64_t level) {
-  TORCH_CHECK(level == kLevelScalar || level == kLevelIfma, "fhelium native: unknown dispatch level ", level);
-  TORCH_CHECK(level == kLevelScalar || cpu_has_ifma(),
-              "fhelium native: the IFMA level was requested but this CPU lacks AVX-512 IFMA");
-  return level == kLevelIfma;
-}
+// the elementwise ops and the tensor product: 8 AVX-512 DQ lanes at the DQ and IFMA levels
+bool vector_level(int64_t level) { return checked_level(level) != kLevelScalar; }
 
 template <Elementwise op>
 at::Tensor elementwise(std::initializer_list<const at::Tensor*> operands, int64_t level) {
@@ -645,15 +588,6 @@ inline RowTables row_tables(const u64* table, const int64_t* q, int64_t prime, i
   return RowTables{base, base + n, base + 2 * n, base + 3 * n, static_cast<u64>(q[prime])};
 }
 
-inline void forward_row(u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
-  if (level == kLevelIfma) forward_ifma(scratch, out, t, logn);
-  else forward_scalar(scratch, out, t, logn);
-}
-
-inline void inverse_row(const u64* in, u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
-  if (level == kLevelIfma) inverse_ifma(in, scratch, out, t, logn);
-  else inverse_scalar(in, scratch, out, t, logn);
-}
 
 // Lifting a centered residue of q_src to q_dst: c > q_src/2 stands for c - q_src; adding
 // K - q_src, K = q_dst*ceil(q_src/q_dst), keeps it non-negative and below q_src + q_dst.
@@ -758,16 +692,58 @@ FHELIUM_IFMA void mac_finish_ifma(const u64* lo, const u64* hi, u64* out, int64_
   }
 }
 
+FHELIUM_DQ void lift_row_dq(const u64* c, u64* out, int64_t n, const Lift& l) {
+  const __m512i half = _mm512_set1_epi64(static_cast<long long>(l.half_src));
+  const __m512i offset = _mm512_set1_epi64(static_cast<long long>(l.offset));
+  const __m512i q = _mm512_set1_epi64(static_cast<long long>(l.q));
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i one_shoup = _mm512_set1_epi64(static_cast<long long>(l.one_shoup));
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i v = _mm512_loadu_si512(c + k);
+    const __m512i y = _mm512_mask_add_epi64(v, _mm512_cmpgt_epu64_mask(v, half), v, offset);
+    _mm512_storeu_si512(out + k, dq::reduce_once(dq::mul_shoup_lazy_vector(y, one, one_shoup, q), q));
+  }
+}
+
+FHELIUM_DQ void sub_mul_row_dq(const u64* x, const u64* c, u64* out, int64_t n, u64 q_, u64 w_, u64 ws_) {
+  const __m512i q = _mm512_set1_epi64(static_cast<long long>(q_));
+  const __m512i w = _mm512_set1_epi64(static_cast<long long>(w_));
+  const __m512i ws = _mm512_set1_epi64(static_cast<long long>(ws_));
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i d = _mm512_add_epi64(_mm512_sub_epi64(_mm512_loadu_si512(x + k), _mm512_loadu_si512(c + k)), q);
+    _mm512_storeu_si512(out + k, dq::reduce_once(dq::mul_shoup_lazy_vector(d, w, ws, q), q));
+  }
+}
+
+// mac_scalar in 8 lanes (the same binary64 estimate and corrections, lane by lane)
+FHELIUM_DQ void mac_dq(u64* acc, const u64* d, const u64* k0, const u64* k1, int64_t n, u64 q_, bool first) {
+  const __m512i q = _mm512_set1_epi64(static_cast<long long>(q_));
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m512i dv = _mm512_loadu_si512(d + k);
+    const __m512i m0 = mul_mod_vector(dv, _mm512_loadu_si512(k0 + k), q);
+    const __m512i m1 = mul_mod_vector(dv, _mm512_loadu_si512(k1 + k), q);
+    if (first) {
+      _mm512_storeu_si512(acc + k, m0);
+      _mm512_storeu_si512(acc + n + k, m1);
+    } else {
+      _mm512_storeu_si512(acc + k, dq::reduce_once(_mm512_add_epi64(_mm512_loadu_si512(acc + k), m0), q));
+      _mm512_storeu_si512(acc + n + k, dq::reduce_once(_mm512_add_epi64(_mm512_loadu_si512(acc + n + k), m1), q));
+    }
+  }
+}
+
 constexpr int64_t kIfmaMacDigits = 15;
 constexpr int64_t kKeySwitchChunkResidues = int64_t{1} << 18;
 
 inline void lift_row(const u64* c, u64* out, int64_t n, const Lift& l, int64_t level) {
   if (level == kLevelIfma) lift_row_ifma(c, out, n, l);
+  else if (level == kLevelDq) lift_row_dq(c, out, n, l);
   else lift_row_scalar(c, out, n, l);
 }
 
 inline void sub_mul_row(const u64* x, const u64* c, u64* out, int64_t n, u64 q, u64 w, u64 ws, int64_t level) {
   if (level == kLevelIfma) sub_mul_row_ifma(x, c, out, n, q, w, ws);
+  else if (level == kLevelDq) sub_mul_row_dq(x, c, out, n, q, w, ws);
   else sub_mul_row_scalar(x, c, out, n, q, w, ws);
 }
 
@@ -947,6 +923,7 @@ at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, c
           }
           const u64* k0 = key_data + digit_of[j] * ks0 + row_of[i] * ks2;
           if (ifma_mac) mac_ifma(acc.data(), row, k0, k0 + ks1, n, j == 0);
+          else if (chosen != kLevelScalar) mac_dq(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
           else mac_scalar(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
         }
         u64* result0 = accumulated.data() + (b * qp + i) * n;
@@ -1207,7 +1184,7 @@ at::Tensor permute_last(const at::Tensor& x_in, const at::Tensor& index_in) {
 // The ciphertext tensor product in the NTT domain: a, b [2, ..., L, N] -> [3, ..., L, N] =
 // (a0 b0, a0 b1 + a1 b0, a1 b1) mod q (row r of each component uses moduli[r % L]); exact, so the
 // same residues as the engine's Karatsuba form.
-FHELIUM_AVX512DQ void tensor_product_row_vector(const int64_t* a0, const int64_t* a1, const int64_t* b0,
+FHELIUM_DQ void tensor_product_row_vector(const int64_t* a0, const int64_t* a1, const int64_t* b0,
                                                 const int64_t* b1, int64_t* d0, int64_t* d1, int64_t* d2, int64_t n,
                                                 int64_t q_) {
   const __m512i q = _mm512_set1_epi64(q_);

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,74 @@ def test_entry_t_is_the_evaluation_at_an_odd_power_of_psi(level: str) -> None:
     assert evaluated == [
         sum(c * pow(psi, (2 * t + 1) * i, prime) for i, c in enumerate(a)) % prime for t in range(n)
     ]
+
+
+@pytest.mark.parametrize("level", _levels())
+def test_primes_above_the_ifma_bound_match_the_big_integer_evaluation(level: str) -> None:
+    """61-bit primes (above IFMA's 2^50; the IFMA level runs such rows at the DQ level, whose 64-bit
+    Shoup products take any q < 2^62), including the extreme residue q - 1."""
+    n = 64
+    primes = ntt_primes(61, n, 2)
+    roots = [primitive_root_of_unity(2 * n, p) for p in primes]
+    q, tables = native.ntt_tables(primes, roots, n)
+    rng = random.Random(61)
+    rows = [[rng.randrange(p) for _ in range(n)] for p in primes]
+    rows[1][:4] = [primes[1] - 1] * 4
+    x = torch.tensor(rows)
+    evaluated = native.ntt_forward(x, q, tables, level).tolist()
+    for r, (p, psi) in enumerate(zip(primes, roots, strict=True)):
+        assert evaluated[r] == [
+            sum(c * pow(psi, (2 * t + 1) * i, p) for i, c in enumerate(rows[r])) % p for t in range(n)
+        ]
+    assert torch.equal(native.ntt_inverse(torch.tensor(evaluated), q, tables, level), x)
+
+
+def test_levels_are_ordered_and_checked_against_the_cpu() -> None:
+    supported = native.supported_levels()
+    assert supported == native.LEVELS[: len(supported)]  # each level needs the CPU of the one below
+    assert [native.LEVEL_CODES[name] for name in native.LEVELS] == [0, 1, 2]
+    x = torch.zeros(1, 16, dtype=torch.int64)
+    q = torch.tensor([ntt_primes(30, 16, 1)[0]])
+    for name in native.LEVELS[len(supported) :]:  # a level this CPU lacks is refused, never run
+        with pytest.raises(RuntimeError, match="this CPU lacks"):
+            torch.ops.fhelium.mul_mod(x, x, q, native.LEVEL_CODES[name])
+    with pytest.raises(RuntimeError, match="unknown dispatch level"):
+        torch.ops.fhelium.mul_mod(x, x, q, 7)
+
+
+def _fake_build(cache: Path, digest: str, age_s: float, *, lock: bool = False) -> Path:
+    directory = cache / f"torch2.13.0_cpu-py311-{digest}"
+    directory.mkdir(parents=True)
+    (directory / f"fhelium_native_{digest}.so").write_bytes(b"")
+    if lock:
+        (directory / "lock").write_bytes(b"")
+    when = time.time() - age_s
+    os.utime(directory, (when, when))
+    return directory
+
+
+def test_pruning_keeps_the_current_build_and_removes_only_older_ones(tmp_path: Path) -> None:
+    current = _fake_build(tmp_path, "0123456789abcdef", 100)
+    stale = _fake_build(tmp_path, "1111111111111111", 5000)
+    newer = _fake_build(tmp_path, "2222222222222222", 10)  # another checkout's newer build
+    building = _fake_build(tmp_path, "3333333333333333", 5000, lock=True)  # cpp_extension's lock
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    os.utime(unrelated, (0, 0))
+    assert native.prune_stale_builds(current) == [stale]
+    assert current.exists() and newer.exists() and building.exists() and unrelated.exists()
+    assert not stale.exists()
+    assert native.prune_stale_builds(current) == []  # idempotent
+    assert native.prune_stale_builds(tmp_path / "torch-py-missing") == []  # no current build: nothing
+
+
+def test_the_cache_key_covers_the_included_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = native.build_directory()
+    assert before.parent == native.cache_root() and all(path.exists() for path in native.INCLUDES)
+    edited = tmp_path / native.INCLUDES[0].name
+    edited.write_bytes(native.INCLUDES[0].read_bytes() + b"// edited\n")
+    monkeypatch.setattr(native, "INCLUDES", (edited,))
+    assert native.build_directory() != before and native.build_directory().parent == before.parent
 
 
 @pytest.mark.parametrize("level", _levels())
