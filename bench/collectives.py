@@ -148,8 +148,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     payload = 2 * LIMBS * RING_DEGREE * 8
-    print(f"ciphertext: N=2^14, {LIMBS} limbs, {payload / 2**20:.2f} MiB; batch of {args.batch}: "
-          f"{payload * args.batch / 2**20:.1f} MiB; gloo on 127.0.0.1; medians of {args.runs} runs, slowest rank")  # fmt: skip
+    print(
+        f"ciphertext: N=2^14, {LIMBS} limbs, {payload / 2**20:.2f} MiB; batch of {args.batch}: "
+        f"{payload * args.batch / 2**20:.1f} MiB; gloo on 127.0.0.1; "
+        f"medians of {args.runs} runs, slowest rank"
+    )
     header = (
         f"{'P':>2} {'payload':<8} {'operation':<27} {'typed ms':>9} {'raw op':<16} {'raw ms':>8} {'ratio':>6}"
     )
@@ -172,7 +175,8 @@ def main() -> None:
                     f"{raw_ms:>8.3f} {typed_ms / raw_ms:>6.2f}"
                 )
             print(
-                f"{world_size:>2} {label:<8} {'(local engine.add_)':<27} {results[f'{label}/local_add_']:>9.3f}"
+                f"{world_size:>2} {label:<8} {'(local engine.add_)':<27} "
+                f"{results[f'{label}/local_add_']:>9.3f}"
             )
 
 

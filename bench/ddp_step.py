@@ -99,17 +99,32 @@ def main() -> int:
         print("torchrun not found next to this interpreter or on PATH", file=sys.stderr)
         return 2
     print(
-        f"MLP {WIDTH}x{WIDTH}x{WIDTH}x10, batch {BATCH}, {args.steps} steps after {args.warmup} warm-up, gloo on CPU, "
-        f"median of {args.repeats}"
+        f"MLP {WIDTH}x{WIDTH}x{WIDTH}x10, batch {BATCH}, {args.steps} steps after {args.warmup} warm-up, "
+        f"gloo on CPU, median of {args.repeats}"
     )
     print(f"{'ranks':>5} {'torchrun steps/s':>17} {'fdl run steps/s':>16} {'fdl/torchrun':>13}")
     for ranks in args.ranks:
         baseline, ours = [], []
         for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits both launchers alike
-            baseline.append(measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), *rank_args],
-                                    ranks))  # fmt: skip
-            ours.append(measure([sys.executable, "-m", "fdl.main", "run", "--ranks", str(ranks), str(HERE), "--",
-                                 *rank_args], ranks))  # fmt: skip
+            baseline.append(
+                measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), *rank_args], ranks)
+            )
+            ours.append(
+                measure(
+                    [
+                        sys.executable,
+                        "-m",
+                        "fdl.main",
+                        "run",
+                        "--ranks",
+                        str(ranks),
+                        str(HERE),
+                        "--",
+                        *rank_args,
+                    ],
+                    ranks,
+                )
+            )
         base, mine = statistics.median(baseline), statistics.median(ours)
         print(f"{ranks:>5} {base:>17.1f} {mine:>16.1f} {mine / base:>12.2f}x", flush=True)
     return 0

@@ -78,8 +78,11 @@ def main() -> int:
     for ranks in args.ranks:
         baseline, ours, stock = [], [], []
         for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every launcher alike
-            baseline.append(measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"],
-                                    ranks))  # fmt: skip
+            baseline.append(
+                measure(
+                    [torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"], ranks
+                )
+            )
             ours.append(measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank"], ranks))
             stock.append(
                 measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks)

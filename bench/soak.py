@@ -446,9 +446,9 @@ async def drive_daemon(args: argparse.Namespace) -> int:
     scratch = tempfile.TemporaryDirectory(prefix="soak-daemon-")
     config = Path(scratch.name) / "fdl.yml"
     config.write_text(
-        "cluster:\n  controller:\n    host: 127.0.0.1\n    join:\n      discovery: true\n"
-        f"      min_rank_start: {args.hosts}\n      target_ranks: {args.hosts}\n      join_timeout: {RUN_BOUND_SECS}\n"
-        f"      token: {salt_hex}\n  workers: []\n"
+        "cluster:\n  controller:\n    host: 127.0.0.1\n    join:\n      discovery: true\n      "
+        f"min_rank_start: {args.hosts}\n      target_ranks: {args.hosts}\n      join_timeout: "
+        f"{RUN_BOUND_SECS}\n      token: {salt_hex}\n  workers: []\n"
     )
     log = open(Path(scratch.name) / "daemon.log", "w")  # noqa: SIM115 - lives as long as the daemon
     daemon = subprocess.Popen(

@@ -21,13 +21,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from fhelium.core import Ciphertext, PublicKey
+from fhelium.core import Ciphertext, PublicKey, SecretKey
 from fhelium.engine import CkksEngine
 from fhelium.engine.parameters import CkksParameters
+
+if TYPE_CHECKING:  # the backend (and xDSL) load only when a Program is linked
+    from fhelium.backend import BoundResource, OperationInvocation, ProgramExecutable, ResourceRequirement
 
 PROGRAM_PATH = Path(__file__).with_name("encrypted_mean.mlir")
 DESCRIPTOR_VERSION = 1
@@ -91,8 +94,8 @@ def encrypt_update(
     if largest * world_size >= headroom(engine):
         raise AggregationError(
             f"|update| reaches {largest:.3g}; summed over {world_size} rank(s) it may exceed the "
-            f"{headroom(engine):.0f} a slot holds at scale 2^{math.log2(engine.default_scale):.0f}: scale the "
-            "updates down (e.g. clip them) or use parameters with a larger Q prime or a smaller scale"
+            f"{headroom(engine):.0f} a slot holds at scale 2^{math.log2(engine.default_scale):.0f}: scale "
+            "the updates down (e.g. clip them) or use parameters with a larger Q prime or a smaller scale"
         )
     slots = engine.slot_count
     rows = max(1, -(-update.numel() // slots))
@@ -102,7 +105,7 @@ def encrypt_update(
 
 
 def decrypt_mean(
-    engine: CkksEngine, total: Ciphertext, secret: Any, count: int, world_size: int
+    engine: CkksEngine, total: Ciphertext, secret: SecretKey, count: int, world_size: int
 ) -> torch.Tensor:
     """Decrypt the world's sum and divide by the world size (only the key holder can)."""
     slots = engine.decrypt_decode(total, secret).real
@@ -304,9 +307,9 @@ class RelayGroup:
         if contributors != list(range(self.world_size)):
             missing = sorted(set(range(self.world_size)) - set(contributors))
             raise WorldChangedError(
-                f"the world changed mid-run: round {round_number} folded ranks {contributors} but the world has "
-                f"{self.world_size} (rank(s) {missing} left); the partial sum cannot be decrypted into the mean. "
-                "Restart the run once every rank is back"
+                f"the world changed mid-run: round {round_number} folded ranks {contributors} but the world "
+                f"has {self.world_size} (rank(s) {missing} left); the partial sum cannot be decrypted into "
+                "the mean. Restart the run once every rank is back"
             )
         self.rounds += 1
         return total
@@ -325,11 +328,14 @@ class RelayCiphertextAllReduce:
         self.operation_types: tuple[type[Operation], ...] = (dist_dialect.AllReduceAddCiphertextOp,)
         self.engine = engine
 
-    def resource_requirements(self, invocation: Any) -> tuple[Any, ...]:
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
         return ()
 
     def execute(
-        self, invocation: Any, inputs: tuple[torch.Tensor, ...], resources: tuple[Any, ...]
+        self,
+        invocation: OperationInvocation,
+        inputs: tuple[torch.Tensor, ...],
+        resources: tuple[BoundResource, ...],
     ) -> tuple[torch.Tensor, ...]:
         from fhelium.backend.rns.operations import operand_prime_ids
 
@@ -357,8 +363,8 @@ class RelayTransport:
         env = read_rank_environment()
         if env.relay_port is None:
             raise AggregationError(
-                "the relay transport needs a CPU averaging mode (cpu_sync/cpu_cadence/cpu_async): this host has no "
-                "relay; use --transport process-group or set controller.averaging to a cpu_* mode"
+                "the relay transport needs a CPU averaging mode (cpu_sync/cpu_cadence/cpu_async): this host "
+                "has no relay; use --transport process-group or set controller.averaging to a cpu_* mode"
             )
         self.rank = env.rank
         self.world_size = env.world_size
@@ -446,7 +452,7 @@ class Outcome:
 Say = Callable[[str], None]
 
 
-def link_program(transport: Transport, engine: CkksEngine, *, lower: bool) -> Any:
+def link_program(transport: Transport, engine: CkksEngine, *, lower: bool) -> ProgramExecutable:
     from fhelium.backend import OperationBackend
     from fhelium.compile import Pipeline
     from fhelium.compile.passes import LowerSpecializedCollectivesPass
@@ -456,8 +462,8 @@ def link_program(transport: Transport, engine: CkksEngine, *, lower: bool) -> An
     if lower:
         if transport.name == "relay":
             raise AggregationError(
-                "--lower needs the process-group transport: the generic all_reduce runs a combine region on every "
-                "rank, while the relay path folds on the controller, which only adds residues"
+                "--lower needs the process-group transport: the generic all_reduce runs a combine region on "
+                "every rank, while the relay path folds on the controller, which only adds residues"
             )
         program, _ = Pipeline([LowerSpecializedCollectivesPass()]).run(program)
     registry, resources = transport.world_binding(engine)

@@ -39,7 +39,8 @@ def run(main: Callable[[], T], *, init_process_group: bool = True) -> T:
 
 def _init_process_group() -> None:
     """A flodld rank joins its run; under torchrun (MASTER_ADDR and WORLD_SIZE set) a plain process joins
-    torchrun's world through env://; any other plain process becomes a world of one."""
+    torchrun's world through env://; any other plain process becomes a world of one.
+    """
     import os
 
     from flodld.launcher import Role, current_role

@@ -91,7 +91,8 @@ def product_files() -> Iterator[Path]:
 
 def imports_of(path: Path, text: str | None = None) -> Iterator[Imported]:
     """Every import in the file (or in `text`, as though it were that file), at any depth:
-    function-level and TYPE_CHECKING imports included, relative ones made absolute."""
+    function-level and TYPE_CHECKING imports included, relative ones made absolute.
+    """
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     rel = str(path.relative_to(ROOT))

@@ -28,8 +28,12 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = parser.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    check = actions.add_parser("check", help="validate fdl.yml (or FILE) and its overlay; exit 2 on any problem",
-                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    check = actions.add_parser(
+        "check",
+        help="validate fdl.yml (or FILE) and its overlay; exit 2 on any problem",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     check.add_argument(
         "file", nargs="?", help="the file to check (default: fdl.yml in --project); '-' reads stdin"
     )
@@ -105,19 +109,26 @@ def _walk_in(join: api.WalkInConfig | None) -> str:
 
 
 def _window(cluster: api.ClusterConfig, files: list[Path]) -> tuple[str, api.ConfigIssue | None]:
-    """(the window's one-line summary, or a ConfigIssue for a knob contradiction the controller would refuse)."""
+    """(the window's one-line summary, or a ConfigIssue for a knob contradiction the controller would
+    refuse).
+    """
     if cluster.hosts_to_probe:
         # Capacity (and so the default quorum and target) is known only once the `all` hosts are counted.
         return (f"window: averaging {cluster.controller.averaging.value}, checked at dispatch "
                 "(local_devices: all)", None)  # fmt: skip
     options = api.ControllerOptions.from_cluster(cluster)
     try:
-        policy = api.derive_policy(options.join, capacity=options.capacity, loopback_bind=options.wants_loopback,
-                               averaging=options.averaging)  # fmt: skip
+        policy = api.derive_policy(
+            options.join,
+            capacity=options.capacity,
+            loopback_bind=options.wants_loopback,
+            averaging=options.averaging,
+        )
     except api.PolicyError as error:
         where = _locate(files, ("cluster", "controller", "join"))
-        return "", api.ConfigIssue(("cluster", "controller", "join"), str(error).removeprefix("controller.join: "),
-                               *where)  # fmt: skip
+        return "", api.ConfigIssue(
+            ("cluster", "controller", "join"), str(error).removeprefix("controller.join: "), *where
+        )
     summary = policy.summary().removeprefix("join window open (").removesuffix(")")
     return f"window: {summary}, averaging {options.averaging}", None
 

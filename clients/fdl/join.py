@@ -2,14 +2,16 @@
 
 Starts an agent (flodld's own process) against that controller: it joins the window, receives the
 formed world and starts its relay and one PROGRAM rank per device. PROGRAM needs no flodld import: a
-stock torchrun script (`init_process_group()` over env://) runs as is. Every flag defaults from the top-level `join:` block of
-fdl.yml, so a golden image can boot into a bare `fdl join`. The token may also come from the
-FDL_JOIN_TOKEN environment variable or from stdin (`--token -`), keeping it out of `ps`.
+stock torchrun script (`init_process_group()` over env://) runs as is. Every flag defaults from the
+top-level `join:` block of fdl.yml, so a golden image can boot into a bare `fdl join`. The token may
+also come from the FDL_JOIN_TOKEN environment variable or from stdin (`--token -`), keeping it out
+of `ps`.
 
 Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token, no
-token for a controller that checks credentials, bad config, incompatible build) — for systemd's RestartPreventExitStatus=2. With --persist it never
-gives up on transient failures: it backs off 5 s doubling to 60 s and dials again (the backoff
-resets after a run that lasted longer than 2 minutes).
+token for a controller that checks credentials, bad config, incompatible build) — for systemd's
+RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off
+5 s doubling to 60 s and dials again (the backoff resets after a run that lasted longer than 2
+minutes).
 
 The controller's `env:` is filtered: a walk-in applies thread counts (OMP_NUM_THREADS, ...), NCCL_*/GLOO_*
 tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the names --accept-env (or
@@ -166,10 +168,19 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
         accept_env = api.parse_accept_env([*block.accept_env, *(getattr(args, "accept_env", None) or ())])
     except ValueError as error:
         raise UsageError(str(error)) from None
-    spec = api.AgentSpec(host=name, controller_host=host, controller_port=port, salt_hex=token, devices=devices,
-                     accept_env=list(accept_env) or None, program=command)  # fmt: skip
+    spec = api.AgentSpec(
+        host=name,
+        controller_host=host,
+        controller_port=port,
+        salt_hex=token,
+        devices=devices,
+        accept_env=list(accept_env) or None,
+        program=command,
+    )
     # The agent is flodld's own process; PROGRAM starts only as its ranks (a stock torchrun script works).
-    return JoinPlan(api.agent_command(), spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block))
+    return JoinPlan(
+        api.agent_command(), spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block)
+    )
 
 
 def _ssh_endpoint(args: argparse.Namespace, block: api.WalkInConfig) -> api.SshEndpoint | None:
@@ -246,7 +257,10 @@ class Stopped(Exception):
 
 
 def join_loop(
-    plan: JoinPlan, *, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic
+    plan: JoinPlan,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> int:
     backoff = api.scaled(BACKOFF_INITIAL_SECS)
     while True:

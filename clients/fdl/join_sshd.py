@@ -58,7 +58,9 @@ def _recipe(args: argparse.Namespace) -> api.JoinSshdRecipe:
             line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
         )
     if not keys:
-        raise api.RecipeError("no join key given; pass --key KEY.pub (the walk-in's public key) at least once")
+        raise api.RecipeError(
+            "no join key given; pass --key KEY.pub (the walk-in's public key) at least once"
+        )
     return api.JoinSshdRecipe(controller_port=args.controller_port, listen_port=args.listen_port,
                           public_keys=tuple(keys), join_user=args.user)  # fmt: skip
 

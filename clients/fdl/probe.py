@@ -2,9 +2,10 @@
 
 Checks Python, torch (version, build), CUDA devices and NCCL, gloo, the controller port and an
 optional shared data path, and says what `fdl run` would start here (the `fdl_run` check and fact;
---devices, --nproc-per-node and --ranks ask about those flags of `fdl run`). With an overlay selected the probe runs on every worker where its
-agent would run, then cross-host rules apply (NCCL major.minor skew is an error). Exit status:
-0 green or warnings only, 1 any error, 2 bad usage (unreadable config).
+--devices, --nproc-per-node and --ranks ask about those flags of `fdl run`). With an overlay
+selected the probe runs on every worker where its agent would run, then cross-host rules apply
+(NCCL major.minor skew is an error). Exit status: 0 green or warnings only, 1 any error, 2 bad
+usage (unreadable config).
 """
 
 from __future__ import annotations

@@ -217,20 +217,22 @@ def choose_local_ranks(
             return LocalRanks(
                 tuple(f"cuda:{index}" for index in range(count)), "every GPU on this host", count
             )
-        return LocalRanks(_cpu_ranks(DEFAULT_CPU_RANKS, "--ranks"), "no GPU on this host; --ranks N sets the count",
-                          count)  # fmt: skip
+        return LocalRanks(
+            _cpu_ranks(DEFAULT_CPU_RANKS, "--ranks"), "no GPU on this host; --ranks N sets the count", count
+        )
     (first_flag, chosen), *others = asked
     for flag, other in others:
         if sorted(other) != sorted(chosen):  # the same ranks, whatever order they were listed in
             raise ValueError(
-                f"{first_flag} asks for {_describe_devices(chosen)} but {flag} asks for {_describe_devices(other)}; "
-                "they are spellings of the same choice: give one, or make them agree"
+                f"{first_flag} asks for {_describe_devices(chosen)} but {flag} asks for "
+                f"{_describe_devices(other)}; they are spellings of the same choice: "
+                "give one, or make them agree"
             )
     return LocalRanks(chosen, "from " + " and ".join(flag for flag, _ in asked), count)
 
 
 def _nproc_devices(value: str, cuda_count: int) -> tuple[str, ...]:
-    """torchrun's --nproc-per-node: N, gpu or cpu, as this host's devices (one rank each)."""
+    """Torchrun's --nproc-per-node: N, gpu or cpu, as this host's devices (one rank each)."""
     word = value.strip().lower()
     if word == "gpu":
         if not cuda_count:
@@ -262,7 +264,8 @@ def _nproc_devices(value: str, cuda_count: int) -> tuple[str, ...]:
 
 def embedded_cluster(local: LocalRanks) -> api.ClusterConfig:
     """The embedded default: controller on 127.0.0.1 (free port), one local worker with these ranks,
-    cpu_sync averaging through the relay, over nccl (GPU ranks only) or gloo."""
+    cpu_sync averaging through the relay, over nccl (GPU ranks only) or gloo.
+    """
     return (
         api.ClusterBuilder()
         .controller("127.0.0.1", 0, averaging="cpu_sync", backend=local.backend)
@@ -290,16 +293,21 @@ def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
     devices, nproc, ranks = (getattr(args, name, None) for name in ("devices", "nproc_per_node", "ranks"))
     cluster = _project_cluster(args)
     if cluster is not None:
-        given = [flag for flag, value in (("--devices", devices), ("--nproc-per-node", nproc), ("--ranks", ranks))
-                 if value is not None]  # fmt: skip
+        given = [
+            flag
+            for flag, value in (("--devices", devices), ("--nproc-per-node", nproc), ("--ranks", ranks))
+            if value is not None
+        ]
         if given:
             raise ValueError(
                 f"{' and '.join(given)} only size the embedded default; this project's fdl.yml has "
                 "a cluster: block (list the ranks in its workers' local_devices)"
             )
         local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
-        return cluster, (f"the cluster: block of fdl.yml: {len(cluster.workers)} worker(s), {len(local)} on this "
-                         f"host, backend {cluster.controller.backend.value}")  # fmt: skip
+        return cluster, (
+            f"the cluster: block of fdl.yml: {len(cluster.workers)} worker(s), {len(local)} on this "
+            f"host, backend {cluster.controller.backend.value}"
+        )
     local_ranks = choose_local_ranks(devices=devices, nproc_per_node=nproc, ranks=ranks)
     return embedded_cluster(local_ranks), f"the embedded default: {local_ranks.describe()}"
 
@@ -335,9 +343,12 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
             program=command,
         )
         env = {**os.environ, **worker.env, api.AGENT_ENV: api.encode_spec(spec)}
-        # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
+        # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script
+        # works).
         agents.append(
-            await asyncio.create_subprocess_exec(*api.agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL)
+            await asyncio.create_subprocess_exec(
+                *api.agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL
+            )
         )
 
     loop = asyncio.get_running_loop()
@@ -390,8 +401,8 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
         # A killed agent closes its link like a finished one; its unreported ranks make the run lost.
         host, code = died[0]
         say(
-            f"run FAILED: the agent of host {host!r} died ({_describe(code)}); the controller saw its host link "
-            f"close ({result.reason})"
+            f"run FAILED: the agent of host {host!r} died ({_describe(code)}); the controller saw its host "
+            f"link close ({result.reason})"
         )
         return EXIT_FAILED
     if result.ok:

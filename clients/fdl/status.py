@@ -141,7 +141,8 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
             lines.append(
                 "  hosts:"
                 if total <= len(shown)
-                else f"  hosts {first}..{first + len(shown) - 1} of {total} (more: fdl status --members A..B):"
+                else f"  hosts {first}..{first + len(shown) - 1} of {total} "
+                "(more: fdl status --members A..B):"
             )
         width = max((len(m["host"]) for m in shown), default=0)
         for m in shown:
@@ -280,7 +281,8 @@ OPEN_WAIT_SECS = 2.0
 def open_in_browser(url: str, wait: float = OPEN_WAIT_SECS) -> bool:
     """Hand `url` to the user's browser without ever blocking: `webbrowser` may run a browser that only
     returns when it exits ($BROWSER, a console browser), so it runs in a daemon thread that we wait on
-    for at most `wait` seconds. False when the hand-off failed."""
+    for at most `wait` seconds. False when the hand-off failed.
+    """
     result: list[bool] = []
 
     def hand_off() -> None:

@@ -46,7 +46,8 @@ class Ciphertext(TensorResident):
         check_integer_tensor(owner, "data", self.data, min_ndim=3)
         if self.data.size(0) not in (2, 3):
             raise FheliumValueError(
-                f"Ciphertext component axis (dim 0) must have extent 2 or 3; got shape {tuple(self.data.shape)}"
+                "Ciphertext component axis (dim 0) must have extent 2 or 3; got shape "
+                f"{tuple(self.data.shape)}"
             )
         self.depth = check_depth(owner, self.depth)
         self.scale = coerce_scale(owner, self.scale)

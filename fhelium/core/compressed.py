@@ -169,7 +169,8 @@ class CompressedPlaintext(TensorResident):
         )
         if not torch.equal(value.decompress_data(), full):
             raise FheliumValueError(
-                f"Plaintext is not exactly representable as {compression_layout} with unique_count={unique_count}"
+                f"Plaintext is not exactly representable as {compression_layout} with "
+                f"unique_count={unique_count}"
             )
         return value
 

@@ -38,7 +38,8 @@ class DenseKey(TensorResident):
         check_integer_tensor(owner, "data", self.data, min_ndim=self.LEADING_AXES + 2)
         if self.data.ndim != self.LEADING_AXES + 2:
             raise FheliumValueError(
-                f"{owner} data must have {self.LEADING_AXES + 2} dimensions; got shape {tuple(self.data.shape)}"
+                f"{owner} data must have {self.LEADING_AXES + 2} dimensions; got shape "
+                f"{tuple(self.data.shape)}"
             )
         self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
         if self.data.size(-2) != len(self.prime_ids):
@@ -116,7 +117,8 @@ class KeySwitchKey(DenseKey):
     def _check_extra(self) -> None:
         if self.data.size(1) != 2:
             raise FheliumValueError(
-                f"{type(self).__name__} data must have 2 components per digit; got shape {tuple(self.data.shape)}"
+                f"{type(self).__name__} data must have 2 components per digit; got shape "
+                f"{tuple(self.data.shape)}"
             )
 
     @property

@@ -80,7 +80,8 @@ class Plaintext(TensorResident):
                 raise FheliumValueError("Plaintext approximate_coefficients data must be finite")
             if self.polynomial_domain not in (None, "coefficient"):
                 raise FheliumValueError(
-                    f"Plaintext {rep} must have polynomial_domain 'coefficient'; got {self.polynomial_domain!r}"
+                    f"Plaintext {rep} must have polynomial_domain 'coefficient'; got "
+                    f"{self.polynomial_domain!r}"
                 )
             self.polynomial_domain = "coefficient"
             if self.modulus_basis is not None or self.residue_representation is not None or self.prime_ids:
@@ -104,7 +105,8 @@ class Plaintext(TensorResident):
             or self.prime_ids
         ):
             raise FheliumValueError(
-                f"Plaintext {rep} carries no polynomial_domain, modulus_basis, residue_representation or prime_ids"
+                f"Plaintext {rep} carries no polynomial_domain, modulus_basis, "
+                "residue_representation or prime_ids"
             )
 
     @property

@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from fhelium.distributed._schedule import StepKind, binomial_reduce_rounds, redu
 class CiphertextAdder(Protocol):
     """The one engine method reductions need: modular per-limb ``lhs += rhs`` in lhs's storage."""
 
-    def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> Any: ...
+    def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> object: ...
 
 
 @runtime_checkable
@@ -62,7 +62,8 @@ class ResidueModuliAdder(CiphertextAdder, Protocol):
     """An adder that also names its moduli: ``residue_moduli(value)`` is the prime of each of
     ``value``'s limbs, promising that ``add_`` is canonical addition modulo them (results in
     ``[0, q)``). That enables the ``"sum"`` all-reduce schedule; a plain :class:`CiphertextAdder`
-    gets the tree."""
+    gets the tree.
+    """
 
     def residue_moduli(self, value: Ciphertext) -> Sequence[int]: ...
 
@@ -117,7 +118,7 @@ def _validate(
         descriptor, error = describe_or_error(value)
     if error is None:
         assert isinstance(value, Ciphertext)
-        error = _engine_refusal(engine, value)
+        error = _engine_refusal(cast(CiphertextAdder, engine), value)  # add_ checked callable above
     exchange = exchange_control(info, operation, arguments=arguments, error=error, body=rank_body(descriptor))
     agree(info, operation, lambda: check_identical_layouts(exchange, operation))
 
@@ -126,10 +127,11 @@ def _validate(
 _ACCEPTED_LAYOUTS: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 
 
-def _engine_refusal(engine: Any, value: Ciphertext) -> str | None:
+def _engine_refusal(engine: CiphertextAdder, value: Ciphertext) -> str | None:
     """Try ``engine.add_`` on a one-limb, one-entry copy so an incompatible engine (other ring,
     primes, dtype or device) is reported through the control exchange instead of failing on
-    one rank in the middle of the tree, where its peers would wait for it."""
+    one rank in the middle of the tree, where its peers would wait for it.
+    """
     layout = (
         value.data.dtype,
         value.data.device,

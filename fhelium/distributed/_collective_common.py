@@ -177,7 +177,7 @@ class ControlExchange:
 
     records: list[ControlRecord] = field(default_factory=list)
 
-    def body_of(self, group_rank: int) -> Any:
+    def body_of(self, group_rank: int) -> Any:  # Any: a peer's JSON, unchecked; read it under agree()
         return self.records[group_rank].body
 
 
@@ -236,7 +236,7 @@ def exchange_control(
     *,
     arguments: dict[str, Any],
     error: str | None,
-    body: Any = None,
+    body: dict[str, Any] | None = None,
     stage: str = "argument validation",
 ) -> ControlExchange:
     """Share every rank's arguments, error and body; raise the same error on all ranks if needed.
@@ -441,7 +441,8 @@ class PointToPointBatch:
 @dataclass
 class PreparedBroadcast:
     """One leaf of a broadcast with its transport storage allocated up front (see
-    :func:`agree_on_allocation`): the source's packed buffer, or a receiver's slot."""
+    :func:`agree_on_allocation`): the source's packed buffer, or a receiver's slot.
+    """
 
     buffer: torch.Tensor
     slot: ReceiveSlot | None = None

@@ -87,8 +87,9 @@ class TensorSpec(_Model):
             span *= max(extent, 1)
             if span > MAX_TRANSFER_BYTES:
                 raise DescriptorError(
-                    f"{what} of shape {list(self.shape)} ({self.dtype}) spans over the {MAX_TRANSFER_BYTES}-byte "
-                    "cap (zero extents counted as one, as torch's strides count them)"
+                    f"{what} of shape {list(self.shape)} ({self.dtype}) spans over the "
+                    f"{MAX_TRANSFER_BYTES}-byte cap "
+                    "(zero extents counted as one, as torch's strides count them)"
                 )
 
 
@@ -259,8 +260,12 @@ def payload_leaves(value: object) -> tuple[torch.Tensor, ...]:
     return tuple(ValueEnvelope.from_value(value).tensors.values())
 
 
-def rebuild(descriptor: Descriptor, leaves: tuple[torch.Tensor, ...]) -> Any:
-    """The typed value (or raw tensor) around received leaves, through the value schema."""
+def rebuild(descriptor: Descriptor, leaves: tuple[torch.Tensor, ...]) -> Any:  # Any: see the docstring
+    """The typed value (or raw tensor) around received leaves, through the value schema.
+
+    Its type is known only at run time, from the sender's descriptor; the collectives check it
+    against the types their caller accepts.
+    """
     if isinstance(descriptor, TensorDescriptor):
         (tensor,) = leaves
         return tensor

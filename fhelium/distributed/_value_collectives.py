@@ -16,6 +16,7 @@ from fhelium.core import (
     Ciphertext,
     CompressedPlaintext,
     ConjugationKey,
+    DenseKey,
     KeySwitchKey,
     Plaintext,
     PublicKey,
@@ -200,7 +201,10 @@ def _scatter_source_error(values: object, accepts: tuple[type, ...], info: Group
     if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         return f"source rank {info.global_rank} must supply a sequence of values, one per group rank"
     if len(values) != info.size:
-        return f"source must supply exactly one value per group rank: got {len(values)} for group size {info.size}"
+        return (
+            f"source must supply exactly one value per group rank: got {len(values)} for group size "
+            f"{info.size}"
+        )
     for position, item in enumerate(values):
         error = type_error(item, accepts, f"source values[{position}]")
         if error is not None:
@@ -351,12 +355,12 @@ def broadcast_compressed_plaintext(
 
 
 def broadcast_key(
-    key_or_none: Any,
+    key_or_none: DenseKey | None,
     *,
     src: int = 0,
     group: dist.ProcessGroup | None = None,
     allow_secret_key: bool = False,
-) -> Any:
+) -> DenseKey:
     """Broadcast a public or evaluation key; a SecretKey only with ``allow_secret_key=True``.
 
     Refusing secret keys by default keeps an accidental broadcast from leaking the decryption

@@ -55,7 +55,8 @@ class EngineBase:
         compile_kernels: bool | None = None,
     ) -> None:
         """``compile_kernels``: opt-in ``torch.compile`` of the NTT butterflies (None: the
-        ``FHELIUM_COMPILE=1`` environment variable decides); eager is the default."""
+        ``FHELIUM_COMPILE=1`` environment variable decides); eager is the default.
+        """
         self.parameters = (
             parameters if isinstance(parameters, CkksParameters) else preset_parameters(parameters)
         )
@@ -120,7 +121,9 @@ class EngineBase:
                 f"{name} has Montgomery residues; this engine keeps standard residues in [0, q)"
             )
         if value.data.device != self.device:
-            raise ParameterMismatchError(f"{name} is on {value.data.device}; this engine runs on {self.device}")
+            raise ParameterMismatchError(
+                f"{name} is on {value.data.device}; this engine runs on {self.device}"
+            )
         self.moduli_for(value.prime_ids)
         return value
 
@@ -157,16 +160,18 @@ class EngineBase:
         for field in ("polynomial_domain", "modulus_basis"):
             if getattr(lhs, field) != getattr(rhs, field):
                 raise ValueStateError(
-                    f"{operation} requires equal {field}: lhs={getattr(lhs, field)!r}, rhs={getattr(rhs, field)!r}"
+                    f"{operation} requires equal {field}: lhs={getattr(lhs, field)!r}, "
+                    f"rhs={getattr(rhs, field)!r}"
                 )
         if components and lhs.component_count != rhs.component_count:
             raise ValueStateError(
-                f"{operation} requires equal component counts: lhs={lhs.component_count}, rhs={rhs.component_count}"
+                f"{operation} requires equal component counts: lhs={lhs.component_count}, "
+                f"rhs={rhs.component_count}"
             )
         if same_scale and lhs.scale != rhs.scale:
             raise ScaleMismatchError(
-                f"{operation} requires exactly equal scales: lhs.scale={lhs.scale!r}, rhs.scale={rhs.scale!r}, "
-                f"ratio={lhs.scale / rhs.scale!r}"
+                f"{operation} requires exactly equal scales: lhs.scale={lhs.scale!r}, "
+                f"rhs.scale={rhs.scale!r}, ratio={lhs.scale / rhs.scale!r}"
             )
         if components and lhs.data.shape != rhs.data.shape:
             raise ShapeMismatchError(
@@ -185,11 +190,13 @@ class EngineBase:
             )
         if pt.prime_ids != ct.prime_ids:
             raise PrimeMismatchError(
-                f"{operation}: ciphertext prime_ids {list(ct.prime_ids)} != plaintext prime_ids {list(pt.prime_ids)}"
+                f"{operation}: ciphertext prime_ids {list(ct.prime_ids)} != plaintext prime_ids "
+                f"{list(pt.prime_ids)}"
             )
         if pt.polynomial_domain != ct.polynomial_domain:
             raise ValueStateError(
-                f"{operation}: ciphertext domain {ct.polynomial_domain!r} != plaintext domain {pt.polynomial_domain!r}"
+                f"{operation}: ciphertext domain {ct.polynomial_domain!r} != plaintext domain "
+                f"{pt.polynomial_domain!r}"
             )
         if pt.residue_representation != "standard":
             raise ValueStateError(f"{operation}: plaintext must use standard residues")

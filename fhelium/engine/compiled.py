@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -25,7 +24,8 @@ def compile_requested(explicit: bool | None) -> bool:
     return os.environ.get(COMPILE_ENVIRONMENT_VARIABLE) == "1" if explicit is None else explicit
 
 
-def _plain(argument: Any) -> Any:
+def _plain(argument: object) -> object:
+    """A tensor detached and at storage offset 0 (a copy when it starts later); anything else as is."""
     if not isinstance(argument, torch.Tensor):
         return argument
     return argument.detach() if argument.storage_offset() == 0 else argument.clone()
@@ -38,7 +38,7 @@ def compile_kernel(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     compiled = torch.compile(kernel, dynamic=True)
     traced = False
 
-    def run(*arguments: Any) -> torch.Tensor:
+    def run(*arguments: object) -> torch.Tensor:
         nonlocal traced
         plain = [_plain(argument) for argument in arguments]
         if traced:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-import fhelium.engine.modular as mod  # the module itself: `from fhelium.engine import` would go through the package
+# The module itself: `from fhelium.engine import modular` would go through the package.
+import fhelium.engine.modular as mod
 from fhelium import native as _native
 from fhelium.core import (
     Ciphertext,
@@ -87,7 +88,8 @@ class CkksEngine(EngineBase):
 
     def generate_public_key(self, secret: SecretKey) -> PublicKey:
         """(−a·s + e, a) over Q and P: encrypting in QP and dividing by P (as SEAL does) shrinks the
-        fresh-encryption noise from ‖e·u + e1·s‖ to the rounding error of that division."""
+        fresh-encryption noise from ‖e·u + e1·s‖ to the rounding error of that division.
+        """
         self._check_secret(secret)
         ids = secret.prime_ids
         m = self._mod(ids)
@@ -196,7 +198,7 @@ class CkksEngine(EngineBase):
         return x1.double() + float(q1_t) * k.double()
 
     def decode(self, plaintext: Plaintext) -> torch.Tensor:
-        """rns or approximate-coefficient Plaintext → complex128 slots ``[*batch, S]`` on CPU."""
+        """An rns or approximate-coefficient Plaintext → complex128 slots ``[*batch, S]`` on CPU."""
         if not isinstance(plaintext, Plaintext) or plaintext.data is None:
             raise FheliumValueError("decode needs a Plaintext with coefficient data (rns or approximate)")
         if plaintext.representation == "approximate_coefficients":
@@ -301,7 +303,8 @@ class CkksEngine(EngineBase):
             raise FheliumValueError(f"expand_seeded needs a SeededCiphertext; got {type(value).__name__}")
         if value.ring_dimension != self.ring_degree:
             raise ParameterMismatchError(
-                f"SeededCiphertext has ring dimension {value.ring_dimension}; this engine uses N={self.ring_degree}"
+                f"SeededCiphertext has ring dimension {value.ring_dimension}; this engine uses "
+                f"N={self.ring_degree}"
             )
         a = self.uniform_from_seed(value.seed, value.prime_ids, value.batch_shape).to(value.c0.device)
         return Ciphertext(torch.stack((value.c0, a)), value.depth, value.scale, value.prime_ids, "ntt")
@@ -349,7 +352,7 @@ class CkksEngine(EngineBase):
         return lhs.with_data(mod.add_mod(lhs.data, rhs.data, self._mod(lhs.prime_ids).q))
 
     def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
-        """lhs += rhs in lhs's storage (also through a ``slice_limbs`` view); returns lhs."""
+        """In place: ``lhs += rhs`` in lhs's storage (also through a ``slice_limbs`` view); returns lhs."""
         self._check_pair(lhs, rhs, "add_")
         mod.add_mod_(lhs.data, rhs.data, self._mod(lhs.prime_ids).q)
         return lhs
@@ -460,8 +463,8 @@ class CkksEngine(EngineBase):
     def _check_switch_key(self, key: KeySwitchKey) -> None:
         if key.prime_ids != tuple(range(len(self.moduli))) or key.digit_count != self.q_count:
             raise ParameterMismatchError(
-                f"{type(key).__name__} does not match this engine: expected {self.q_count} digits over prime ids "
-                f"0..{len(self.moduli) - 1}; got {key.digit_count} digits over {list(key.prime_ids)}"
+                f"{type(key).__name__} does not match this engine: expected {self.q_count} digits over prime "
+                f"ids 0..{len(self.moduli) - 1}; got {key.digit_count} digits over {list(key.prime_ids)}"
             )
 
     def _decompose(self, poly_ntt: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:

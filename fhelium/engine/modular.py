@@ -114,7 +114,8 @@ def neg_mod(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _native_elementwise(*tensors: torch.Tensor) -> bool:
     """Whether the native elementwise ops (``fhelium.native``) serve these operands: int64 CPU
-    tensors, the extension available and ``FHELIUM_NATIVE_LEVEL`` not ``torch``."""
+    tensors, the extension available and ``FHELIUM_NATIVE_LEVEL`` not ``torch``.
+    """
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.device.type != "cpu":
             return False
@@ -126,7 +127,8 @@ def _native_elementwise(*tensors: torch.Tensor) -> bool:
 def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor) -> torch.Tensor:
     """(a·b) mod q for a, b in [0, q); ``q_inverse`` is 1/q in float64, shaped like q.
 
-    On CPU the native op computes the same estimate and corrections in one pass (same bits)."""
+    On CPU the native op computes the same estimate and corrections in one pass (same bits).
+    """
     if _native_elementwise(a, b, q):
         from fhelium import native
 

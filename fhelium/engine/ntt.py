@@ -174,7 +174,8 @@ class NegacyclicNtt:
         ``native``: use the native ops (``fhelium.native``) — None: on a CPU device, when the
         torch stages are not compiled, the extension is available and ``FHELIUM_NATIVE_LEVEL``
         is not ``torch``; True: require them; False: the pure-torch path. ``native_level`` says
-        which ran (``torch``, ``scalar`` or ``ifma``)."""
+        which ran (``torch``, ``scalar`` or ``ifma``).
+        """
         self.compiled = compile_requested(compiled)
         # fused (compiled) stages make 1-2 passes instead of ~14, so cache blocking matters less
         # than the per-call overhead (~50 µs) that more groups cost
@@ -207,7 +208,10 @@ class NegacyclicNtt:
         return _RowTables.build(self.moduli, self.ring_degree, self.device)
 
     def _native_tables(self, prime_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(moduli, tables) of the native op for ``prime_ids``: views for consecutive ids, else a cached copy."""
+        """(moduli, tables) of the native op for ``prime_ids``.
+
+        Views for consecutive ids, else a cached copy.
+        """
         key = tuple(prime_ids)
         cached = self._native_cache.get(key)
         if cached is not None:

@@ -1,7 +1,8 @@
 """fhelium-opt: parse a `.mlir` Program, run named passes, print the result (in the style of xdsl-opt).
 
     python -m fhelium.tools.opt examples/ir_allreduce.mlir -p lower-specialized-collectives
-    python -m fhelium.tools.opt in.mlir -p 'check-collective-uniformity,lower-specialized-collectives{lower_ciphertext_add=false}'
+    PASSES='check-collective-uniformity,lower-specialized-collectives{lower_ciphertext_add=false}'
+    python -m fhelium.tools.opt in.mlir -p "$PASSES"
 
 Diagnostics go to stderr; any error diagnostic makes the exit status 1. Exit status 2 means the
 input or the pass list was invalid.

@@ -63,7 +63,7 @@ class Connection:
                 future.set_exception(CdpError("the browser closed the DevTools connection"))
 
     async def send(self, method: str, session: str | None = None, timeout: float = 10.0,
-                   **params: Any) -> dict[str, Any]:
+                   **params: object) -> dict[str, Any]:
         ident = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[ident] = future
@@ -95,10 +95,10 @@ class Page:
     def requests(self) -> list[tuple[str, str]]:
         return self.connection.requests
 
-    async def send(self, method: str, timeout: float = 10.0, **params: Any) -> dict[str, Any]:
+    async def send(self, method: str, timeout: float = 10.0, **params: object) -> dict[str, Any]:
         return await self.connection.send(method, self.session, timeout, **params)
 
-    async def evaluate(self, expression: str) -> Any:
+    async def evaluate(self, expression: str) -> Any:  # Any: the page's JSON value
         """The value of a JavaScript expression in the page (JSON-serializable results only)."""
         reply = await self.send("Runtime.evaluate", expression=expression, returnByValue=True)
         if "exceptionDetails" in reply:
@@ -108,10 +108,11 @@ class Page:
     async def text(self, selector: str) -> str | None:
         """What a person reads in the first element matching `selector` (None when there is none)."""
         return await self.evaluate(  # type: ignore[no-any-return]
-            f"(function(){{var e=document.querySelector({json.dumps(selector)});return e?e.innerText:null;}})()"
+            f"(function(){{var e=document.querySelector({json.dumps(selector)});"
+            "return e?e.innerText:null;})()"
         )
 
-    async def wait_for(self, expression: str, timeout: float = 10.0) -> Any:
+    async def wait_for(self, expression: str, timeout: float = 10.0) -> Any:  # Any: the page's JSON value
         """Poll until `expression` is truthy in the page; its value."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -56,14 +56,18 @@ def _free_port() -> int:
 
 
 def _config(tmp_path: Path) -> Path:
-    """A hybrid window: quorum 3, target 6; one configured worker that never comes (missing), walk-ins allowed
-    (the target is above the roster's 2 ranks). The port in the file is only for validation: serve gets --port 0."""
+    """A hybrid window: quorum 3, target 6; one configured worker that never comes (missing).
+
+    Walk-ins are allowed (the target is above the roster's 2 ranks). The port in the file is only for
+    validation: serve gets --port 0.
+    """
     path = tmp_path / "fdl.yml"
     path.write_text(
         "cluster:\n  controller:\n    host: 127.0.0.1\n"
         f"    port: {_free_port()}\n"
         "    between_runs_secs: 0\n"
-        "    join: {min_rank_start: 3, target_ranks: 6, join_timeout: 180, max_join_timeout: 600, start: hybrid}\n"
+        "    join: {min_rank_start: 3, target_ranks: 6, join_timeout: 180, max_join_timeout: 600, "
+        "start: hybrid}\n"
         "  workers:\n    - host: gpu-node-7\n      local_devices: ['cpu:2']\n      path: /srv/project\n"
     )
     return path

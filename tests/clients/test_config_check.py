@@ -1,5 +1,6 @@
 """`fdl config check [FILE] [--env X]`: every problem as file:line:column: key, exit 2; clean: exit 0 and one
-summary line of the roster and the window. Run through the real `fdl` entry point as a subprocess."""
+summary line of the roster and the window. Run through the real `fdl` entry point as a subprocess.
+"""
 
 from __future__ import annotations
 

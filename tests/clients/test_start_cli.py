@@ -1,5 +1,6 @@
 """`fdl start` never sends the join token, sends X-Flodld-Start, and derives the start credential
-(issue 13, points 6 and 12), as a real process against a recording HTTP server."""
+(issue 13, points 6 and 12), as a real process against a recording HTTP server.
+"""
 
 from __future__ import annotations
 
@@ -47,8 +48,14 @@ def _fdl(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> subp
     merged = {
         k: v for k, v in os.environ.items() if k not in ("FDL_ENV", "FDL_START_TOKEN", "FDL_JOIN_TOKEN")
     }
-    return subprocess.run([sys.executable, "-m", "fdl.main", *args], capture_output=True, text=True, timeout=60,
-                          env={**merged, **(env or {})}, input=stdin)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "fdl.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**merged, **(env or {})},
+        input=stdin,
+    )
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

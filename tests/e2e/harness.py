@@ -123,7 +123,10 @@ def free_port() -> int:
 
 
 class Forwarder:
-    """A TCP forwarder on an ephemeral loopback port (like an `ssh -L` end); records each connection's magic."""
+    """A TCP forwarder on an ephemeral loopback port (like an `ssh -L` end).
+
+    It records each connection's magic.
+    """
 
     def __init__(self, target_port: int) -> None:
         import socket

@@ -1,4 +1,7 @@
-"""One `flodld serve`, two `fdl join --persist` walk-ins, three successive runs: no operator step between them."""
+"""One `flodld serve`, two `fdl join --persist` walk-ins, three successive runs.
+
+No operator step between them.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Every process-group feature works through flodld (issue 20, goal 2): one row per test, each at 4 gloo
 CPU ranks under `fdl run` (pipelining on 2), both as a stock torchrun script (env:// through the agent's
 loopback TCPStore endpoint) and through `flodld.run` (the controller store directly, a Python Store that
-torch's C++ groups call back into)."""
+torch's C++ groups call back into).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ from tests.e2e.harness import PROGRAMS, Fdl, child_env
 pytestmark = pytest.mark.multiproc
 
 FEATURES = str(PROGRAMS / "torchrun_features.py")
-ROWS = ["ddp", "object_collectives", "monitored_barrier", "split_group", "fsdp2_hsdp", "tensor_parallel", "pipelining",
-        "checkpoint"]  # fmt: skip
+ROWS = [
+    "ddp",
+    "object_collectives",
+    "monitored_barrier",
+    "split_group",
+    "fsdp2_hsdp",
+    "tensor_parallel",
+    "pipelining",
+    "checkpoint",
+]
 
 
 @pytest.mark.parametrize("via", ["env", "flodld"])

@@ -1,7 +1,7 @@
 """Entry points the multi-host tests start inside a network namespace (`python -m tests.hosts.drivers`).
 
-    fanout CLUSTER_JSON PROGRAM [ARGS...]   the launcher side of `fdl @cluster run`
-    serve OPTIONS_JSON                      a bare controller (prints `listening HOST:PORT`, exits 0 on done)
+fanout CLUSTER_JSON PROGRAM [ARGS...]   the launcher side of `fdl @cluster run`
+serve OPTIONS_JSON                      a bare controller (prints `listening HOST:PORT`, exits 0 on done)
 """
 
 from __future__ import annotations

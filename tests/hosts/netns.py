@@ -76,15 +76,23 @@ class Lab:
     def spawn(self, ns: str, argv: list[str], *, log: Path, cwd: Path | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
         with log.open("wb") as handle:
-            process = subprocess.Popen(self.exec_argv(ns, argv), stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)  # fmt: skip
+            process = subprocess.Popen(
+                self.exec_argv(ns, argv),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
         self.processes.append(process)
         return process
 
     def worker_processes(self) -> list[int]:
         """PIDs in the workers' network namespaces other than sshd's: what a run started on the worker hosts
         (agents, relays, ranks, whatever they spawned). Found by namespace, not by command line: agents and
-        relays run as `python -m flodld…` and name no test path."""
+        relays run as `python -m flodld…` and name no test path.
+        """
         found: list[int] = []
         for index in range(1, self.workers + 1):
             listed = subprocess.run(

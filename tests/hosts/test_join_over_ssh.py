@@ -61,8 +61,10 @@ def test_unaccepted_key_fails_fast_without_prompting(join_sshd: tuple[int, Path,
                                                           tmp_path: Path) -> None:  # fmt: skip
     listen, _, allowed, _ = join_sshd
     stranger = tmp_path / "stranger"
-    subprocess.run([require_binary("sshd", "ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [require_binary("sshd", "ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)],
+        check=True,
+    )
     endpoint = parse_ssh_target(f"x@127.0.0.1:{listen}", str(stranger), NO_KNOWN_HOSTS)
     started = time.monotonic()
     with pytest.raises(ForwardError, match="Permission denied"):
@@ -76,10 +78,19 @@ async def test_walk_in_joins_a_tunnel_only_window_through_the_join_sshd(
     sshd_for_port: tuple[JoinSshd, int],
 ) -> None:
     sshd, port = sshd_for_port
-    options = ControllerOptions.model_validate({
-        "port": port, "averaging": "cpu_sync",
-        "join": {"discovery": True, "tunnel_only": True, "min_rank_start": 2, "target_ranks": 2, "join_timeout": 60},
-    })  # fmt: skip
+    options = ControllerOptions.model_validate(
+        {
+            "port": port,
+            "averaging": "cpu_sync",
+            "join": {
+                "discovery": True,
+                "tunnel_only": True,
+                "min_rank_start": 2,
+                "target_ranks": 2,
+                "join_timeout": 60,
+            },
+        }
+    )
     controller = Controller(options)
     attach_data_plane(controller)
     bind, _ = await controller.start()
@@ -88,8 +99,13 @@ async def test_walk_in_joins_a_tunnel_only_window_through_the_join_sshd(
                      averaging="cpu_sync")  # fmt: skip
     command = [sys.executable, str(REPO / "examples" / "allreduce.py"), "--average"]
     try:
-        code = await run_agent_through_forward(_endpoint(sshd), ("127.0.0.1", port), spec, command,
-                                               environ={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})  # fmt: skip
+        code = await run_agent_through_forward(
+            _endpoint(sshd),
+            ("127.0.0.1", port),
+            spec,
+            command,
+            environ={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        )
         result = await controller.wait()
     finally:
         await controller.close()

@@ -45,8 +45,8 @@ from flodld.rank.env import read_rank_environment
 def main():
     env = read_rank_environment()
     (mean,) = all_average([torch.full((3,), float(env.rank))])
-    print(f"rank {env.rank}/{env.world_size} via {env.controller_host}:{env.controller_port} mean {mean.tolist()}",
-          flush=True)
+    print(f"rank {env.rank}/{env.world_size} via {env.controller_host}:{env.controller_port} "
+          f"mean {mean.tolist()}", flush=True)
     return 0 if torch.allclose(mean, torch.full((3,), (env.world_size - 1) / 2)) else 1
 
 
@@ -89,22 +89,35 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
 def _cluster(lab: Lab, *, tunnel: bool) -> dict[str, object]:
     def worker(index: int) -> dict[str, object]:
         return {
-            "host": f"node-{index}", "local_devices": ["cpu:2"], "path": str(REPO), "tunnel": tunnel,
-            "ssh": {"target": worker_address(index), "port": SSHD_PORT, "user": "root",
-                    "identity_file": str(lab.client_key),
-                    "options": ["StrictHostKeyChecking=no", "ServerAliveInterval=1", "ServerAliveCountMax=3"]},
+            "host": f"node-{index}",
+            "local_devices": ["cpu:2"],
+            "path": str(REPO),
+            "tunnel": tunnel,
+            "ssh": {
+                "target": worker_address(index),
+                "port": SSHD_PORT,
+                "user": "root",
+                "identity_file": str(lab.client_key),
+                "options": ["StrictHostKeyChecking=no", "ServerAliveInterval=1", "ServerAliveCountMax=3"],
+            },
             "env": {"GLOO_SOCKET_IFNAME": "fdl0", "OMP_NUM_THREADS": "1"},
-        }  # fmt: skip
+        }
 
-    return {"controller": {"host": controller_address(1), "port": CONTROLLER_PORT, "join": {"join_timeout": 120}},
-            "workers": [worker(1), worker(2)]}  # fmt: skip
+    return {
+        "controller": {"host": controller_address(1), "port": CONTROLLER_PORT, "join": {"join_timeout": 120}},
+        "workers": [worker(1), worker(2)],
+    }
 
 
 def _fanout(lab: Lab, cluster: dict[str, object], program: Path, *args: str) -> subprocess.Popen[bytes]:
     config = lab.root / "cluster.json"
     config.write_text(json.dumps(cluster))
-    return lab.spawn(lab.controller_ns, [PYTHON, "-m", "tests.hosts.drivers", "fanout", str(config), str(program),
-                                         *args], log=lab.root / "launcher.log", cwd=REPO)  # fmt: skip
+    return lab.spawn(
+        lab.controller_ns,
+        [PYTHON, "-m", "tests.hosts.drivers", "fanout", str(config), str(program), *args],
+        log=lab.root / "launcher.log",
+        cwd=REPO,
+    )
 
 
 def _wait(process: subprocess.Popen[bytes], log: Path, timeout: float) -> str:
@@ -196,14 +209,19 @@ def test_walk_in_over_join_ssh_joins_a_discovery_window(lab: Lab) -> None:
                         "join_timeout": 120}}  # fmt: skip
     (lab.root / "options.json").write_text(json.dumps(options))
     serve_log = lab.root / "serve.log"
-    controller = lab.spawn(lab.controller_ns, [PYTHON, "-m", "tests.hosts.drivers", "serve",
-                                               str(lab.root / "options.json")], log=serve_log, cwd=REPO)  # fmt: skip
+    controller = lab.spawn(
+        lab.controller_ns,
+        [PYTHON, "-m", "tests.hosts.drivers", "serve", str(lab.root / "options.json")],
+        log=serve_log,
+        cwd=REPO,
+    )
     end = time.monotonic() + 60
     while "listening" not in serve_log.read_text() and time.monotonic() < end:
         assert controller.poll() is None, serve_log.read_text()
         time.sleep(0.2)
     assert f"listening 127.0.0.1:{CONTROLLER_PORT}" in serve_log.read_text()
-    # A worker outside walks in through the door with `fdl join --ssh`: only the forward reaches the controller.
+    # A worker outside walks in through the door with `fdl join --ssh`: only the forward reaches the
+    # controller.
     program = lab.root / "walker_allreduce.py"
     program.write_text((REPO / "examples" / "allreduce.py").read_text())
     project = lab.root / "walker_project"
@@ -213,11 +231,31 @@ def test_walk_in_over_join_ssh_joins_a_discovery_window(lab: Lab) -> None:
         "    options: [StrictHostKeyChecking=no, UserKnownHostsFile=/dev/null]\n"
     )
     walk_log = lab.root / "walker.log"
-    walker = lab.spawn(lab.worker_ns(1), [str(REPO / ".venv" / "bin" / "fdl"), "join", "--project", str(project),
-                                          "--ssh", f"{user}@{controller_address(1)}:2222", "--identity", str(walker_key),
-                                          "--bin", str(program), "--host", "walker", "--devices", "cpu:2",
-                                          f"127.0.0.1:{CONTROLLER_PORT}", "--", "--average"],
-                       log=walk_log, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    walker = lab.spawn(
+        lab.worker_ns(1),
+        [
+            str(REPO / ".venv" / "bin" / "fdl"),
+            "join",
+            "--project",
+            str(project),
+            "--ssh",
+            f"{user}@{controller_address(1)}:2222",
+            "--identity",
+            str(walker_key),
+            "--bin",
+            str(program),
+            "--host",
+            "walker",
+            "--devices",
+            "cpu:2",
+            f"127.0.0.1:{CONTROLLER_PORT}",
+            "--",
+            "--average",
+        ],
+        log=walk_log,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     walked = _wait(walker, walk_log, 240)
     assert walker.returncode == 0, walked[-6000:]
     assert f"-> 127.0.0.1:{CONTROLLER_PORT} via {user}@{controller_address(1)}:2222" in walked

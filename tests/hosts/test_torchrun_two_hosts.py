@@ -1,6 +1,7 @@
 """torchrun parity across two "real hosts" (network namespaces, fan-out over SSH, 2 gloo CPU ranks each):
 a stock torchrun script (env:// through each host's agent TCPStore endpoint, no flodld import) and the
-process-group feature rows of tests/e2e/programs/torchrun_features.py (issue 20, goals 2 and 3)."""
+process-group feature rows of tests/e2e/programs/torchrun_features.py (issue 20, goals 2 and 3).
+"""
 
 from __future__ import annotations
 

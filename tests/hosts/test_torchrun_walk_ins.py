@@ -2,7 +2,8 @@
 its own network namespace, and on each of two worker hosts (namespaces) `fdl join HOST:PORT --bin SCRIPT`
 with the run's token, as an operator walks workers in; no SSH anywhere. The script is the stock torchrun
 feature program (env://, no flodld import): every process-group row in one world of 4 gloo CPU ranks (two
-per host), and pipelining in a world of 2 (one per host)."""
+per host), and pipelining in a world of 2 (one per host).
+"""
 
 from __future__ import annotations
 

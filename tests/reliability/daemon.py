@@ -22,7 +22,7 @@ from flodld.wire.messages import Message
 CLOSE_BOUND_SECS = 4.0
 
 
-def options(**overrides: Any) -> ControllerOptions:
+def options(**overrides: object) -> ControllerOptions:
     values: dict[str, Any] = {
         "bind_host": "127.0.0.1", "port": 0, "tick_interval": 0.02, "magic_deadline": 1.5,
         "handshake_timeout": 1.5, "run_id": "abuse-run", "capacity": 8,
@@ -42,7 +42,7 @@ async def running(opts: ControllerOptions | None = None) -> AsyncIterator[tuple[
         await controller.close()
 
 
-def hello(host: str, devices: int = 1, **changes: Any) -> Hello:
+def hello(host: str, devices: int = 1, **changes: object) -> Hello:
     values: dict[str, Any] = {
         "host": host, "devices": [f"cpu:{i}" for i in range(devices)], "device_labels": [], "variant": "cpu",
         "torch_version": "2.13", "protocol_version": JOIN_PROTOCOL_VERSION,
@@ -130,7 +130,8 @@ def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1])
 
 
-def json_of(response: bytes) -> Any:
+def json_of(response: bytes) -> dict[str, Any]:
+    """The JSON object in an HTTP response's body (every endpoint answers one)."""
     return json.loads(response.partition(b"\r\n\r\n")[2])
 
 
@@ -146,8 +147,13 @@ STATE_SETTLE_SECS = 3.0
 that needs an event it just caused polls until it shows, within this bound."""
 
 
-async def state_until(port: int, check: Callable[[dict[str, Any]], bool], *, host: str = "127.0.0.1") -> dict[str, Any]:
-    """The first state.json for which `check` holds, polled for at most STATE_SETTLE_SECS (then the last one)."""
+async def state_until(
+    port: int, check: Callable[[dict[str, Any]], bool], *, host: str = "127.0.0.1"
+) -> dict[str, Any]:
+    """The first state.json for which `check` holds, polled for at most STATE_SETTLE_SECS.
+
+    When none does in time, the last one.
+    """
     deadline = asyncio.get_running_loop().time() + STATE_SETTLE_SECS
     while True:
         body = await state(port, host=host)

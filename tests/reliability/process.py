@@ -22,9 +22,9 @@ def write_config(directory: Path, token: str, *, target: int = 8, window: float 
     target_line = f"      target_ranks: {target}\n" if start != "manual" else ""
     path = directory / "fdl.yml"
     path.write_text(
-        "cluster:\n  controller:\n    host: 127.0.0.1\n    join:\n      discovery: true\n"
-        f"      min_rank_start: {min_ranks}\n{target_line}      join_timeout: {window}\n      start: {start}\n"
-        f"      token: {token}\n  workers: []\n"
+        "cluster:\n  controller:\n    host: 127.0.0.1\n    join:\n      discovery: true\n      "
+        f"min_rank_start: {min_ranks}\n{target_line}      join_timeout: {window}\n      start: {start}\n     "
+        f" token: {token}\n  workers: []\n"
     )
     return path
 

@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
@@ -57,7 +58,7 @@ def _load_example() -> dict[str, Any]:
 BASE = _load_example()
 
 
-def _leaf_paths(node: Any, prefix: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+def _leaf_paths(node: object, prefix: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
     paths = [prefix] if prefix else []
     if isinstance(node, dict):
         for key, value in node.items():
@@ -71,7 +72,7 @@ def _leaf_paths(node: Any, prefix: tuple[str | int, ...] = ()) -> list[tuple[str
 PATHS = _leaf_paths(BASE)
 
 
-def _set(document: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+def _set(document: dict[str, Any], path: tuple[str | int, ...], value: object) -> None:
     node: Any = document
     for step in path[:-1]:
         node = node[step]
@@ -87,7 +88,8 @@ def _dump(document: dict[str, Any]) -> str:
 def _related(issue_path: tuple[str | int, ...], mutated: tuple[str | int, ...]) -> bool:
     """The issue names the mutated key, an ancestor or descendant of it, or a sibling in the same mapping
     (a cross-field rule, e.g. a worker's `host` made loopback refused at its `tunnel: true`, names the key
-    whose change fixes it)."""
+    whose change fixes it).
+    """
     shorter = min(len(issue_path), len(mutated))
     if shorter > 0 and issue_path[:shorter] == mutated[:shorter]:
         return True
@@ -106,7 +108,7 @@ def _assert_located(error: ConfigError, file: Path) -> None:
 @FUZZ
 @given(path=st.sampled_from(PATHS), value=st.sampled_from(ABSURD), rename=st.booleans())
 def test_one_bad_value_or_key_anywhere_is_reported_with_file_line_and_key(
-    tmp_path_factory: Any, path: tuple[str | int, ...], value: Any, rename: bool
+    tmp_path_factory: pytest.TempPathFactory, path: tuple[str | int, ...], value: object, rename: bool
 ) -> None:
     directory: Path = tmp_path_factory.mktemp("cfg")
     document = copy.deepcopy(BASE)
@@ -163,7 +165,9 @@ def test_one_bad_value_or_key_anywhere_is_reported_with_file_line_and_key(
         max_size=12,
     )
 )
-def test_broken_yaml_is_reported_with_the_file_and_a_line(tmp_path_factory: Any, lines: list[str]) -> None:
+def test_broken_yaml_is_reported_with_the_file_and_a_line(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[str]
+) -> None:
     directory: Path = tmp_path_factory.mktemp("yaml")
     target = directory / "fdl.yml"
     target.write_text("\n".join(lines) + "\n")

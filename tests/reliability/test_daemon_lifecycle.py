@@ -25,7 +25,8 @@ async def test_sigterm_sends_abort_to_every_host_and_exits_cleanly_without_a_tra
     tmp_path: Path, extra: tuple[str, ...], expected: int
 ) -> None:
     """The service stops cleanly (exit 0: `systemctl stop` leaves the unit inactive, not failed), the
-    aborted run's reason in the log; `--once` keeps 128+N."""
+    aborted run's reason in the log; `--once` keeps 128+N.
+    """
     daemon = DaemonProcess(tmp_path, extra=extra)
     try:
         stream = await open_channel(

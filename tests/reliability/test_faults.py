@@ -117,7 +117,8 @@ async def test_agent_killed_after_the_window_closed_fails_the_run_naming_the_hos
         assert body["joined_ranks"] == 2
         assert {m["host"]: m["link"] for m in body["members"]}["doomed"] == "lost"
         await run.until_no_processes(ORPHAN_BOUND_SECS)
-        # The process is gone (checked above); wait() only collects the status asyncio may not have reaped yet.
+        # The process is gone (checked above); wait() only collects the status asyncio may not have reaped
+        # yet.
         survivor_code = await asyncio.wait_for(survivor.process.wait(), ORPHAN_BOUND_SECS)
         assert survivor_code != 0
         print(f"{moment}: failed {time.monotonic() - killed_at:.2f}s after SIGKILL: {result.reason}")

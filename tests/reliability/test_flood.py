@@ -144,7 +144,8 @@ async def test_connections_that_never_send_a_magic_are_cut_at_the_mux_deadline(t
 
 async def test_a_byte_at_a_time_http_head_is_cut_within_a_bound(tmp_path: Path) -> None:
     """A slowloris HTTP head must not hold a connection (and an fd) for ever: the daemon closes it within
-    the mux deadline plus 2 s even though a byte arrives every half second."""
+    the mux deadline plus 2 s even though a byte arrives every half second.
+    """
     daemon = DaemonProcess(tmp_path)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)

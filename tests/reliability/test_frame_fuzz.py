@@ -1,4 +1,7 @@
-"""Fuzz the frame decoder with hostile byte streams: only WireError, never an allocation of the claimed size."""
+"""Fuzz the frame decoder with hostile byte streams.
+
+Only WireError, never an allocation of the claimed size.
+"""
 
 from __future__ import annotations
 
@@ -143,7 +146,8 @@ def test_garbage_spliced_into_a_valid_stream_kills_the_connection_after_the_good
 
 def test_a_claimed_length_just_under_the_default_caps_allocates_only_what_arrived() -> None:
     """After authentication a header may promise 16 MiB of payload and 1 GiB of tail; memory follows the bytes
-    actually sent. (Before it, the first frame is capped small: see the pre-authentication tests.)"""
+    actually sent. Before it, the first frame is capped small: see the pre-authentication tests.
+    """
     salt = new_salt()
     dialer = FrameConnection(Role.DIALER, salt)
     listener = FrameConnection(Role.LISTENER, salt)

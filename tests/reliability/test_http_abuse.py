@@ -33,21 +33,23 @@ from .daemon import status_of as status
 
 MANUAL = JoinConfig(join_timeout=60, min_rank_start=1, start="manual")
 HOSTILE = {
-    "smuggle-cl-te": b"POST /start HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     b"0\r\n\r\nGET /state.json HTTP/1.1\r\nHost: t\r\n\r\n",
+    "smuggle-cl-te": b"POST /start HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+    b"0\r\n\r\nGET /state.json HTTP/1.1\r\nHost: t\r\n\r\n",
     "smuggle-two-cl": b"POST /start HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nContent-Length: 44\r\n\r\n"
-                      b"GET /state.json HTTP/1.1\r\nHost: t\r\n\r\n",
+    b"GET /state.json HTTP/1.1\r\nHost: t\r\n\r\n",
     "smuggle-te-obfuscated": b"POST /start HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: xchunked\r\n\r\n",
     "obs-fold": b"GET /state.json HTTP/1.1\r\nHost: t\r\nX: a\r\n b\r\n\r\n",
     "oversize-header": b"GET /state.json HTTP/1.1\r\nHost: t\r\nX-A: " + b"a" * 100_000 + b"\r\n\r\n",
     "oversize-uri": b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: t\r\n\r\n",
-    "header-count": b"GET /state.json HTTP/1.1\r\nHost: t\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(5000))
-                    + b"\r\n",
+    "header-count": b"GET /state.json HTTP/1.1\r\nHost: t\r\n"
+    + b"".join(b"X-%d: 1\r\n" % i for i in range(5000))
+    + b"\r\n",
     "nul-in-header": b"GET /state.json HTTP/1.1\r\nHost: t\x00x\r\n\r\n",
     "invalid-utf8-path": b"GET /\xff\xfe HTTP/1.1\r\nHost: t\r\n\r\n",
     "bare-lf": b"GET /state.json HTTP/1.1\nHost: t\n\n",
     "space-before-colon": b"GET /state.json HTTP/1.1\r\nHost : t\r\n\r\n",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("request_bytes", list(HOSTILE.values()), ids=list(HOSTILE))
@@ -211,7 +213,8 @@ async def test_the_start_handler_treats_every_non_loopback_peer_as_remote(peer: 
 
 async def test_start_refusal_time_does_not_depend_on_how_much_of_the_token_matched() -> None:
     """A statistical sanity check, not a side-channel proof: a per-character early exit costing even
-    tens of microseconds would show as a median gap; we allow noise of a shared 2-core machine."""
+    tens of microseconds would show as a median gap; we allow noise of a shared 2-core machine.
+    """
     async with (
         running(options(join=MANUAL)) as (controller, _),
         _app_seen_from(controller, "203.0.113.9") as port,

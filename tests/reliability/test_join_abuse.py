@@ -1,4 +1,7 @@
-"""Abuse of the join channel on a real daemon: every refusal is silent or a Reject, counted, and the daemon serves on."""
+"""Abuse of the join channel on a real daemon.
+
+Every refusal is silent or a Reject, counted, and the daemon serves on.
+"""
 
 from __future__ import annotations
 

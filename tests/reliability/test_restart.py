@@ -1,5 +1,6 @@
 """The controller killed and restarted while a persist-mode walk-in (`fdl join --persist`) waits: the
-walk-in re-dials the new controller on the same port within REDIAL_BOUND_SECS, and nothing is orphaned."""
+walk-in re-dials the new controller on the same port within REDIAL_BOUND_SECS, and nothing is orphaned.
+"""
 
 from __future__ import annotations
 

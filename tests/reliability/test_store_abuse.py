@@ -1,5 +1,7 @@
-"""The rendezvous store protocol under hostile input on a real daemon: refusals are answered or dropped, counted,
-and an honest rank keeps working."""
+"""The rendezvous store protocol under hostile input on a real daemon.
+
+Refusals are answered or dropped, counted, and an honest rank keeps working.
+"""
 
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ class Run:
         return body
 
 
-def fault_options(**overrides: Any) -> ControllerOptions:
+def fault_options(**overrides: object) -> ControllerOptions:
     values: dict[str, Any] = {
         "bind_host": "127.0.0.1",
         "port": 0,

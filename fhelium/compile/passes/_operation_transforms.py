@@ -56,7 +56,8 @@ def program_operations(program: Program) -> Iterator[Operation]:
 def is_traversed(op: Operation) -> bool:
     """True for an operation `program_operations` yields: a non-terminator in a top-level function,
     possibly inside known region owners, never inside an opaque one. Rewrite patterns check it so a
-    pattern walk touches exactly what the structured traversal would."""
+    pattern walk touches exactly what the structured traversal would.
+    """
     if is_terminator(op):
         return False
     parent = op.parent_op()

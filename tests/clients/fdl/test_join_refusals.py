@@ -1,5 +1,6 @@
 """`fdl join` against a controller that checks credentials, without a token: exit 2 with the hint, also under
---persist (a refusal that re-dialing cannot fix must not loop forever)."""
+--persist (a refusal that re-dialing cannot fix must not loop forever).
+"""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ async def test_a_join_without_a_token_refused_by_a_credential_checked_controller
     )
     _, port = await controller.start()
     try:
-        code, output = await fdl_join(f"127.0.0.1:{port}", "--bin", "walk.py", "--devices", "cpu", "--persist",
-                                      cwd=tmp_path, timeout=40)  # fmt: skip
+        code, output = await fdl_join(
+            f"127.0.0.1:{port}", "--bin", "walk.py", "--devices", "cpu", "--persist", cwd=tmp_path, timeout=40
+        )
     finally:
         await controller.stop("test over")
     assert code == 2, output

@@ -28,8 +28,18 @@ def _project(tmp_path: Path, block: str = "") -> Path:
 
 def test_ssh_flag_sets_the_endpoint_and_the_address_is_seen_from_the_ssh_host(tmp_path: Path) -> None:
     directory = _project(tmp_path)
-    plan = join_command.resolve_plan(_parse("--project", str(directory), "--bin", str(directory / "train.py"),
-                                            "--ssh", "walker@gate:2222", "--identity", "/k/join"))  # fmt: skip
+    plan = join_command.resolve_plan(
+        _parse(
+            "--project",
+            str(directory),
+            "--bin",
+            str(directory / "train.py"),
+            "--ssh",
+            "walker@gate:2222",
+            "--identity",
+            "/k/join",
+        )
+    )
     assert plan.ssh is not None
     assert (plan.ssh.user, plan.ssh.host, plan.ssh.port, plan.ssh.identity_file) == (
         "walker",

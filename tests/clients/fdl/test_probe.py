@@ -46,7 +46,8 @@ def test_single_host_probe_fails_on_a_missing_data_path(capsys: pytest.CaptureFi
 def test_cluster_probe_reads_the_overlay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "fdl.yml").write_text("join:\n  address: 127.0.0.1\n")
     (tmp_path / "fdl.lab.yml").write_text(
-        "cluster:\n  controller: {host: 127.0.0.1, port: 0}\n  workers:\n    - {host: localhost, local_devices: [cpu]}\n"
+        "cluster:\n  controller: {host: 127.0.0.1, port: 0}\n"
+        "  workers:\n    - {host: localhost, local_devices: [cpu]}\n"
     )
     assert probe_command.main(_args(project=str(tmp_path), env="lab")) == 0
     body = json.loads(capsys.readouterr().out)

@@ -24,7 +24,10 @@ from tests.conftest import cuda_device_count
 from tests.e2e.harness import EXAMPLES, Fdl, child_env
 
 HERE = Path(__file__).resolve().parent
-CLUSTER_BLOCK = "cluster:\n  controller: {host: 127.0.0.1, port: 0}\n  workers:\n    - {host: 127.0.0.1, local_devices: [cpu]}\n"
+CLUSTER_BLOCK = (
+    "cluster:\n  controller: {host: 127.0.0.1, port: 0}\n"
+    "  workers:\n    - {host: 127.0.0.1, local_devices: [cpu]}\n"
+)
 
 
 def cpus(count: int) -> tuple[str, ...]:
@@ -174,7 +177,10 @@ def program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.parametrize(("words", "message"), [
-    (["--devices", "cpu:3", "--ranks", "2"], "they are spellings of the same choice: give one, or make them agree"),
+    (
+        ["--devices", "cpu:3", "--ranks", "2"],
+        "they are spellings of the same choice: give one, or make them agree",
+    ),
     (["--nproc_per_node", "many"], "--nproc-per-node 'many' is not understood"),
     (["--devices", ","], "--devices ',' names no device"),
 ])  # fmt: skip
@@ -299,6 +305,9 @@ def test_without_a_gpu_driver_fdl_run_learns_it_has_no_gpu_without_importing_tor
 
     if any(os.path.exists(node) for node in GPU_DRIVER_NODES):
         pytest.skip("this host has a GPU driver: torch is asked")
-    probe = "import sys; from fdl.run import cuda_device_count; print(cuda_device_count(), 'torch' in sys.modules)"
+    probe = (
+        "import sys; from fdl.run import cuda_device_count; "
+        "print(cuda_device_count(), 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["0", "False"]  # a second or more off every `fdl run` launch on a CPU host

@@ -120,7 +120,9 @@ def pipelining(rank: int, world: int) -> None:
     full = _model()
     stage_module = full[:2] if rank == 0 else full[2:]
     stage = PipelineStage(stage_module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    schedule = ScheduleGPipe(
+        stage, n_microbatches=2, loss_fn=lambda out, target: ((out - target) ** 2).mean()
+    )
     torch.manual_seed(3)
     x, target = torch.randn(4, 8), torch.randn(4, 4)
     if rank == 0:
@@ -148,7 +150,8 @@ def checkpoint(rank: int, world: int) -> None:
 
 def every(rank: int, world: int) -> None:
     """Every row that runs at any world size, one after another in one process group (pipelining needs
-    exactly two ranks: run it on its own)."""
+    exactly two ranks: run it on its own).
+    """
     for name, row in ROWS.items():
         if name in ("every", "pipelining"):
             continue

@@ -1,5 +1,6 @@
 """A stock torchrun script: no flodld import, env:// rendezvous, gloo. Runs as is under torchrun,
-`fdl run` and `fdl join --bin`."""
+`fdl run` and `fdl join --bin`.
+"""
 
 import os
 import sys
@@ -11,7 +12,8 @@ import torch.distributed as dist
 # Top level: under flodld this runs in ranks only (never in an agent or relay, which are flodld's own).
 print(
     f"stock top-level RANK={os.environ.get('RANK')} MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
-    f"salt_in_env={'FLODL_INTERNAL_SALT' in os.environ} argv0={os.path.basename(sys.argv[0])} name={__name__}",
+    f"salt_in_env={'FLODL_INTERNAL_SALT' in os.environ} argv0={os.path.basename(sys.argv[0])} "
+    f"name={__name__}",
     flush=True,
 )
 

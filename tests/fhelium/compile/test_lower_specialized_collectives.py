@@ -23,7 +23,8 @@ builtin.module {{
       %inner = "fhelium_dist.all_reduce_add_ciphertext"(%a, %g) : ({CT}, !fhelium_dist.group) -> {CT}
       scf.yield %inner : {CT}
     }}
-    %sum = "fhelium_dist.all_reduce_add_ciphertext"(%looped, %g) {{note = "kept"}} : ({CT}, !fhelium_dist.group) -> {CT}
+    %sum = "fhelium_dist.all_reduce_add_ciphertext"(%looped, %g) {{note = "kept"}}
+        : ({CT}, !fhelium_dist.group) -> {CT}
     func.return %sum : {CT}
   }}
 }}
@@ -56,7 +57,8 @@ def filecheck(output: str, checks: str) -> None:
             assert not any(pattern in line for line in lines[position:]), f"unexpected {pattern!r}"
         elif kind == "CHECK-NEXT":
             assert position < len(lines) and pattern in lines[position], (
-                f"CHECK-NEXT {pattern!r} does not match line {position}: {lines[position] if position < len(lines) else 'EOF'!r}"
+                f"CHECK-NEXT {pattern!r} does not match line {position}: "
+                f"{lines[position] if position < len(lines) else 'EOF'!r}"
             )
             position += 1
         else:

@@ -21,7 +21,8 @@ DIVERGENT = """builtin.module {
     %c0 = arith.constant 0 : index
     %root = arith.cmpi eq, %r, %c0 : index
     %out = scf.if %root -> (tensor<4xi64>) {
-      %b = "fhelium_dist.broadcast"(%x, %g) {root = 0 : i64} : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi64>
+      %b = "fhelium_dist.broadcast"(%x, %g) {root = 0 : i64}
+          : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi64>
       scf.yield %b : tensor<4xi64>
     } else {
       scf.yield %x : tensor<4xi64>

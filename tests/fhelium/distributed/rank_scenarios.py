@@ -123,7 +123,7 @@ def _broadcast_cases() -> list[tuple[str, Callable[..., Any], Callable[[], Any]]
     return cases
 
 
-def _key(index: int) -> Any:
+def _key(index: int) -> object:
     return keys(15)[index]
 
 
@@ -457,7 +457,9 @@ def reductions(ctx: RankContext) -> dict[str, Any]:
             data_object, strides = view.data, view.data.stride()
             assert not view.data.is_contiguous()
             trace = ReductionTrace()
-            fdist.all_reduce_ciphertext(view, engine=ctx.engine, group=group, trace=trace, algorithm=algorithm)
+            fdist.all_reduce_ciphertext(
+                view, engine=ctx.engine, group=group, trace=trace, algorithm=algorithm
+            )
             assert view.data is data_object and view.data.stride() == strides
             assert torch.equal(view.data, expected), (
                 f"all_reduce_ciphertext ({algorithm}) differs from the Python modular sum"
@@ -572,7 +574,13 @@ def peer_skips_collective(ctx: RankContext) -> dict[str, Any]:
 _HUGE = 2**40 - 1
 
 
-def _forging(ctx: RankContext, forgers: Sequence[int], forge: Callable[[dict[str, Any]], None]) -> Any:
+# What the typed collectives call to describe a value: (descriptor, None) or (None, why not).
+Describe = Callable[[object], tuple[dict[str, Any] | None, str | None]]
+
+
+def _forging(
+    ctx: RankContext, forgers: Sequence[int], forge: Callable[[dict[str, Any]], None]
+) -> Describe:
     """On ``forgers``, make the typed collectives announce a doctored descriptor (a hostile peer)."""
     from fhelium.distributed import _value_collectives
 
@@ -590,7 +598,7 @@ def _forging(ctx: RankContext, forgers: Sequence[int], forge: Callable[[dict[str
     return honest
 
 
-def _restore(honest: Any) -> None:
+def _restore(honest: Describe) -> None:
     from fhelium.distributed import _value_collectives
 
     _value_collectives.describe_or_error = honest
@@ -690,7 +698,7 @@ def _with_headroom(limited: bool, headroom: int, call: Callable[[], object]) -> 
 
 
 def _gather_beyond_headroom(ctx: RankContext) -> str:
-    """dst (rank 0) fits the first 105 MB value in its headroom, not the second."""
+    """The dst (rank 0) fits the first 105 MB value in its headroom, not the second."""
     mine = _big_ciphertext() if ctx.rank != 0 else ciphertext(5)
     return _with_headroom(ctx.rank == 0, 160 << 20, lambda: fdist.gather_ciphertexts(mine, dst=0))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -93,7 +94,7 @@ def test_raw_tensor_has_its_own_descriptor_kind() -> None:
     assert payload_leaves(tensor) == (tensor,)
 
 
-def _tampered(change: Any) -> dict[str, Any]:
+def _tampered(change: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
     wire = _wire(ciphertext())
     change(wire)
     return wire
@@ -121,7 +122,9 @@ def _tampered(change: Any) -> dict[str, Any]:
         (lambda w: w["tensors"][0].update(shape=[2, 3, 2**40]), "cap"),
     ],
 )
-def test_bad_descriptors_are_refused_before_allocation(change: Any, message: str) -> None:
+def test_bad_descriptors_are_refused_before_allocation(
+    change: Callable[[dict[str, Any]], object], message: str
+) -> None:
     with pytest.raises(DescriptorError, match=message):
         decode_descriptor(_tampered(change))
 

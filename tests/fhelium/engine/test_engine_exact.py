@@ -116,7 +116,8 @@ def test_add_on_a_limb_slice_is_per_limb_modular_addition(tiny_engine: CkksEngin
 
 def test_mod_down_divides_the_divided_term_and_adds_the_addend(tiny_engine: CkksEngine) -> None:
     """ModDown with both extra terms (as encryption uses it) against big-integer divide-and-round:
-    result = (V − center(V mod P)) / P + addend over Q, where V = values + divided over QP."""
+    result = (V − center(V mod P)) / P + addend over Q, where V = values + divided over QP.
+    """
     engine = tiny_engine
     ids = engine.q_ids_at(0)
     qp_ids = (*ids, engine.special_prime_id)

@@ -11,7 +11,6 @@ import hashlib
 import json
 import struct
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -125,7 +124,7 @@ class OldRandomSource(RandomSource):
         super().__init__(seed)
         self._old_draw = 0
 
-    def stream(self, purpose: Any) -> RandomSource:
+    def stream(self, purpose: sampling.Purpose) -> RandomSource:
         return self
 
     def _bytes(self, count: int) -> bytearray:

@@ -17,7 +17,8 @@ CT = '!fhelium_ckks.ciphertext<{basis = "Q", components = 2 : i64, depth = 0 : i
 FULL_VOCABULARY = f"""builtin.module {{
   func.func @main(%x: {CT}, %t: tensor<4xi64>) -> ({CT}, tensor<4xi64>, index) {{
     %g = "fhelium.resource.ref"() {{symbol = "world", kind = "process-group"}} : () -> !fhelium_dist.group
-    %d = "fhelium.resource.ref"() {{symbol = "host", kind = "execution-device"}} : () -> !fhelium_memory.device
+    %d = "fhelium.resource.ref"() {{symbol = "host", kind = "execution-device"}}
+        : () -> !fhelium_memory.device
     %r = "fhelium_dist.rank"(%g) : (!fhelium_dist.group) -> index
     %p = "fhelium_dist.group_size"(%g) : (!fhelium_dist.group) -> index
     %c0 = arith.constant 0 : index
@@ -32,8 +33,10 @@ FULL_VOCABULARY = f"""builtin.module {{
       %s = "fhelium_ckks.add"(%a, %x) : ({CT}, {CT}) -> {CT}
       scf.yield %s : {CT}
     }}
-    %b = "fhelium_dist.broadcast"(%t, %g) {{root = 0 : i64}} : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi64>
-    %m = "fhelium_memory.transfer"(%b, %d) {{memory_space = "pinned_host"}} : (tensor<4xi64>, !fhelium_memory.device) -> tensor<4xi64>
+    %b = "fhelium_dist.broadcast"(%t, %g) {{root = 0 : i64}}
+        : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi64>
+    %m = "fhelium_memory.transfer"(%b, %d) {{memory_space = "pinned_host"}}
+        : (tensor<4xi64>, !fhelium_memory.device) -> tensor<4xi64>
     %sum = "fhelium_dist.all_reduce_add_ciphertext"(%acc, %g) : ({CT}, !fhelium_dist.group) -> {CT}
     %red = "fhelium_dist.all_reduce"(%sum, %g) ({{
     ^bb0(%lhs: {CT}, %rhs: {CT}):
@@ -134,7 +137,8 @@ def test_broadcast_result_type_must_match_operand() -> None:
     message = _verify_error(
         '%g = "fhelium.resource.ref"() {symbol = "w", kind = "process-group"} : () -> !fhelium_dist.group\n'
         '%t = "vendor.t"() : () -> tensor<4xi64>\n'
-        '%b = "fhelium_dist.broadcast"(%t, %g) {root = 0 : i64} : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi32>'
+        '%b = "fhelium_dist.broadcast"(%t, %g) {root = 0 : i64} : (tensor<4xi64>, !fhelium_dist.group) -> '
+        "tensor<4xi32>"
     )
     assert "fhelium_dist.broadcast: result 'result'" in message
     assert "expected from variable 'T', but got tensor<4xi32>" in message
@@ -160,7 +164,8 @@ def _all_reduce(block: str, value_type: str = "tensor<4xi64>") -> str:
     return (
         '%g = "fhelium.resource.ref"() {symbol = "w", kind = "process-group"} : () -> !fhelium_dist.group\n'
         f'%t = "vendor.t"() : () -> {value_type}\n'
-        f'%r = "fhelium_dist.all_reduce"(%t, %g) ({{\n{block}\n}}) : ({value_type}, !fhelium_dist.group) -> {value_type}'
+        f'%r = "fhelium_dist.all_reduce"(%t, %g) ({{\n{block}\n}}) : ({value_type}, !fhelium_dist.group) -> '
+        f"{value_type}"
     )
 
 
@@ -199,16 +204,19 @@ def test_specialized_all_reduce_requires_ciphertexts() -> None:
     message = _verify_error(
         '%g = "fhelium.resource.ref"() {symbol = "w", kind = "process-group"} : () -> !fhelium_dist.group\n'
         '%t = "vendor.t"() : () -> tensor<4xi64>\n'
-        '%r = "fhelium_dist.all_reduce_add_ciphertext"(%t, %g) : (tensor<4xi64>, !fhelium_dist.group) -> tensor<4xi64>'
+        '%r = "fhelium_dist.all_reduce_add_ciphertext"(%t, %g) : (tensor<4xi64>, !fhelium_dist.group) -> '
+        "tensor<4xi64>"
     )
     assert "fhelium_ckks.ciphertext" in message
 
 
 def test_transfer_rejects_unknown_memory_space() -> None:
     message = _verify_error(
-        '%d = "fhelium.resource.ref"() {symbol = "d", kind = "execution-device"} : () -> !fhelium_memory.device\n'
+        '%d = "fhelium.resource.ref"() {symbol = "d", kind = "execution-device"} : () -> '
+        "!fhelium_memory.device\n"
         '%t = "vendor.t"() : () -> tensor<4xi64>\n'
-        '%m = "fhelium_memory.transfer"(%t, %d) {memory_space = "vram"} : (tensor<4xi64>, !fhelium_memory.device) -> tensor<4xi64>'
+        '%m = "fhelium_memory.transfer"(%t, %d) {memory_space = "vram"} : (tensor<4xi64>, '
+        "!fhelium_memory.device) -> tensor<4xi64>"
     )
     assert "memory_space must be 'default', 'pageable_host', or 'pinned_host'" in message
 

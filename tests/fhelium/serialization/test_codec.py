@@ -2,13 +2,15 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from fhelium.core import Ciphertext, FheliumValueError, ParameterMismatchError, RotationKey, SeededCiphertext
-from fhelium.engine import CkksEngine, Preset
+from fhelium.engine import CkksEngine, KeySet, Preset
 from fhelium.serialization import (
     inspect_bytes,
     inspect_value,
@@ -18,6 +20,9 @@ from fhelium.serialization import (
     value_to_bytes,
 )
 
+# Edits a value blob's manifest and safetensors header in place.
+Change = Callable[[dict[str, Any], dict[str, Any]], object]
+
 
 @pytest.fixture(scope="module")
 def engine() -> CkksEngine:
@@ -26,11 +31,11 @@ def engine() -> CkksEngine:
 
 
 @pytest.fixture(scope="module")
-def keys(engine: CkksEngine):  # type: ignore[no-untyped-def]
+def keys(engine: CkksEngine) -> KeySet:
     return engine.generate_keys(rotation_steps=(2,))
 
 
-def test_ciphertext_bytes_round_trip_decrypts(engine: CkksEngine, keys) -> None:  # type: ignore[no-untyped-def]
+def test_ciphertext_bytes_round_trip_decrypts(engine: CkksEngine, keys: KeySet) -> None:
     x = torch.linspace(-1, 1, engine.slot_count, dtype=torch.float64)
     ct = engine.encode_encrypt(x, keys.public)
     blob = value_to_bytes(ct, engine=engine)
@@ -41,7 +46,7 @@ def test_ciphertext_bytes_round_trip_decrypts(engine: CkksEngine, keys) -> None:
     assert inspect_bytes(blob)["value_type"] == "Ciphertext"
 
 
-def test_file_round_trip_keys_and_permissions(engine: CkksEngine, keys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_file_round_trip_keys_and_permissions(engine: CkksEngine, keys: KeySet, tmp_path: Path) -> None:
     path = save_value(keys.rotation(2), tmp_path / "rot.safetensors", engine=engine)
     assert path.stat().st_mode & 0o777 == 0o600
     loaded = load_value(path, engine=engine)
@@ -54,7 +59,7 @@ def test_file_round_trip_keys_and_permissions(engine: CkksEngine, keys, tmp_path
     save_value(keys.secret, tmp_path / "sk.safetensors", allow_secret=True)
 
 
-def test_seeded_ciphertext_is_about_half_size_and_expands(engine: CkksEngine, keys) -> None:  # type: ignore[no-untyped-def]
+def test_seeded_ciphertext_is_about_half_size_and_expands(engine: CkksEngine, keys: KeySet) -> None:
     x = torch.linspace(-1, 1, engine.slot_count, dtype=torch.float64)
     seeded = engine.encrypt_seeded(engine.encode(x), keys.secret)
     full = engine.expand_seeded(seeded)
@@ -66,7 +71,7 @@ def test_seeded_ciphertext_is_about_half_size_and_expands(engine: CkksEngine, ke
     assert torch.equal(engine.expand_seeded(reloaded).data, full.data)
 
 
-def test_loading_checks_engine_parameters(engine: CkksEngine, keys) -> None:  # type: ignore[no-untyped-def]
+def test_loading_checks_engine_parameters(engine: CkksEngine, keys: KeySet) -> None:
     ct = engine.encode_encrypt(torch.zeros(4), keys.public)
     blob = value_to_bytes(ct, engine=engine)
     other = CkksEngine(Preset.TOY_N2048, rng_seed=1)
@@ -80,7 +85,7 @@ def test_loading_checks_engine_parameters(engine: CkksEngine, keys) -> None:  # 
         value_from_bytes(blob, expected_type="PublicKey")
 
 
-def _rewrite_manifest(blob: bytes, change) -> bytes:  # type: ignore[no-untyped-def]
+def _rewrite_manifest(blob: bytes, change: Change) -> bytes:
     (size,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + size])
     manifest = json.loads(header["__metadata__"]["fhelium.manifest"])
@@ -101,7 +106,9 @@ def _rewrite_manifest(blob: bytes, change) -> bytes:  # type: ignore[no-untyped-
         (lambda m, h: m.update(tensor_names=["c0"]), "lacks a usable entry for tensor 'c0'"),
     ],
 )
-def test_bad_headers_are_refused_before_payload(engine: CkksEngine, keys, change, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_headers_are_refused_before_payload(
+    engine: CkksEngine, keys: KeySet, change: Change, message: str
+) -> None:
     blob = value_to_bytes(engine.encode_encrypt(torch.zeros(4), keys.public))
     with pytest.raises(FheliumValueError, match=message):
         value_from_bytes(_rewrite_manifest(blob, change))

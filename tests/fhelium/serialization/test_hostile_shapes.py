@@ -1,6 +1,7 @@
 """A serialized value whose header declares a zero-element tensor with huge extents is refused
 as a value error (issue 13, point 10): torch would raise 'Stride calculation overflowed' while
-building it, a RuntimeError that callers handling FheliumValueError do not expect."""
+building it, a RuntimeError that callers handling FheliumValueError do not expect.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ def _values() -> list[Any]:
 
 
 @pytest.mark.parametrize("value", _values(), ids=lambda v: type(v).__name__)
-def test_envelope_round_trip_preserves_type_metadata_and_storage(value: Any) -> None:
+def test_envelope_round_trip_preserves_type_metadata_and_storage(value: object) -> None:
     envelope = ValueEnvelope.from_value(value)
     assert envelope.schema_version == VALUE_SCHEMA_VERSION and envelope.value_type == type(value).__name__
     rebuilt = envelope.to_value()
@@ -97,7 +98,9 @@ def test_valid_description_passes() -> None:
         ),
     ],
 )
-def test_description_errors_name_the_problem(change: Any, message: str) -> None:
+def test_description_errors_name_the_problem(
+    change: Callable[[dict[str, Any]], object], message: str
+) -> None:
     description = _ct_description()
     change(description)
     with pytest.raises(FheliumValueError, match=message):

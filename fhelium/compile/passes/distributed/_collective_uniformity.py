@@ -4,10 +4,11 @@ Structural verification accepts such Programs (the IR is permissive on purpose);
 them before launch, where a mismatch would otherwise hang every rank inside Gloo or NCCL.
 
 A value is *rank-dependent* when it is computed, directly or through any operation, from
-`fhelium_dist.rank`; collective results (broadcast, all-reduce) are the same on every rank again. A collective is flagged when it sits under an `scf.if` with a rank-dependent
-condition or inside an `scf.for` whose trip count may depend on the rank. A loop `[lo, lo + n)` with
-rank-dependent `lo` but uniform `n` and step is recognised as uniform, since that is how ranks
-select their own interval. Collectives hidden inside opaque region owners get a warning.
+`fhelium_dist.rank`; collective results (broadcast, all-reduce) are the same on every rank again.
+A collective is flagged when it sits under an `scf.if` with a rank-dependent condition or inside an
+`scf.for` whose trip count may depend on the rank. A loop `[lo, lo + n)` with rank-dependent `lo`
+but uniform `n` and step is recognised as uniform, since that is how ranks select their own
+interval. Collectives hidden inside opaque region owners get a warning.
 """
 
 from __future__ import annotations
