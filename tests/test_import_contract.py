@@ -4,16 +4,18 @@
    and every `api.NAME` it touches is in `flodld.api.__all__`.
 2. `flodld.api` re-exports each name unchanged from the module that defines it.
 3. No product module (flodld, fhelium, clients, bench, examples) imports a private name (`_x`) or from
-   a private module (`a._b`) of another area: an area is a top-level subpackage (`flodld.controller`,
-   `fhelium.backend`), a top-level module (`flodld.probe`), or one script; third-party packages (torch)
+   a private module (`a._b`) of another area. An area is a top-level subpackage (`flodld.controller`,
+   `fhelium.backend`), a top-level module (`flodld.probe`) or one script; third-party packages (torch)
    count too. The exceptions are listed below, each with its reason. Tests are not checked: they test
    a package's private helpers on purpose.
+4. A name taken from another area's package is in that package's `__all__` (or is a submodule).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +168,39 @@ def test_the_checker_sees_each_form_of_crossing() -> None:
         (i.module, i.name) for i in imports_of(placed, source) if crosses(i, "flodld.controller.probe_module")
     ]
     assert found == [("torch._C", None), ("flodld.wire.frames", "_aead"), ("flodld", "_fold_helper")]
+
+
+def outside_all(imported: Imported, importer: str) -> bool:
+    """A name taken from another area's package (one with `__all__`) that is neither in it nor a submodule."""
+    if imported.name is None or imported.module.split(".")[0] not in ("flodld", "fhelium"):
+        return False
+    if area(f"{imported.module}.{imported.name}") == area(importer):
+        return False
+    package = importlib.import_module(imported.module)
+    public = getattr(package, "__all__", None)
+    if not hasattr(package, "__path__") or public is None or imported.name in public:
+        return False
+    return importlib.util.find_spec(f"{imported.module}.{imported.name}") is None
+
+
+def test_names_taken_from_another_areas_package_are_in_its_all() -> None:
+    outside = [
+        f"{imported.file}:{imported.line}: from {imported.module} import {imported.name}"
+        for path in product_files()
+        for imported in imports_of(path)
+        if outside_all(imported, module_name(path))
+    ]
+    assert not outside, "names missing from their package's __all__:\n" + "\n".join(outside)
+
+
+def test_the_all_check_sees_a_name_outside_all() -> None:
+    """`annotations` sits in fhelium.compile's namespace (a __future__ import) but not in its __all__."""
+    placed = ROOT / "fhelium" / "backend" / "probe_module.py"
+    source = (
+        "from fhelium.compile import annotations, Pipeline, passes\nfrom fhelium.compile import _pipeline\n"
+    )
+    found = [i.name for i in imports_of(placed, source) if outside_all(i, "fhelium.backend.probe_module")]
+    assert found == ["annotations"]
 
 
 def client_files() -> list[Path]:
