@@ -64,6 +64,10 @@ CHANNEL = "rendezvous"
 # Request-id records: at most this many clients, and this many bytes of remembered reply tails.
 LEDGER_MAX_CLIENTS = 4096
 LEDGER_MAX_BYTES = 64 * 1024 * 1024
+# A reply up to this size is handed to the socket without waiting for it to drain when nothing of the
+# previous reply is still queued: at most one small reply is ever buffered per connection, and the
+# next reply waits (under the write-stall timeout) if the client stopped reading.
+NOWAIT_REPLY_BYTES = 64 * 1024
 
 Reply = tuple[Message, bytes]
 
@@ -170,6 +174,8 @@ class StoreService:
         self._query.register(StoreMultiGet, self._multi_get)
         self._query.register(StoreListKeys, self._list_keys)
         self._query.register(StoreQueueLen, self._queue_len)
+        # The kinds that carry a request id (answered once per id: `RequestLedger`).
+        self._deduplicated = frozenset([*self._apply, StoreQueuePop])
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -235,14 +241,15 @@ class StoreService:
             await self._reply(stream, reply, tail)
 
     async def _answer(self, request: Message, tail: bytes, client: str) -> Reply:
-        request_id = getattr(request, "request_id", 0) if client else 0
+        kind = type(request)
+        request_id: int = getattr(request, "request_id", 0) if client and kind in self._deduplicated else 0
         if request_id:
             replay = self.ledger.lookup(client, request_id)
             if replay is not None:
                 return replay
         if isinstance(request, StoreQueuePop):
             return await self._queue_pop(request, client, request_id)
-        if type(request) in self._apply:
+        if kind in self._apply:
             reply = self._apply.dispatch(request, tail)
             if request_id:
                 self.ledger.remember(client, request_id, *reply)
@@ -255,7 +262,10 @@ class StoreService:
         return frame
 
     async def _reply(self, stream: FramedStream, message: Message, tail: bytes = b"") -> None:
-        await stream.send(message, tail)
+        if len(tail) <= NOWAIT_REPLY_BYTES and not stream.writer.transport.get_write_buffer_size():
+            stream.send_nowait(message, tail)
+        else:
+            await stream.send(message, tail)
         self.counters.frame_out(CHANNEL, len(tail))
 
     def _notify(self) -> None:
@@ -264,6 +274,8 @@ class StoreService:
         self._changed = asyncio.Event()
 
     async def _until(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+        if ready():
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not ready():
@@ -352,9 +364,11 @@ class StoreService:
     # --- queries ---------------------------------------------------------------------------------
 
     async def _get(self, request: StoreGet) -> Reply:
-        await self._until_values([request.key], request.timeout)
         value = self.state.get(request.key)
-        assert value is not None
+        if value is None:
+            await self._until_values([request.key], request.timeout)
+            value = self.state.get(request.key)
+            assert value is not None
         return StoreValue(), value
 
     async def _wait(self, request: StoreWait) -> Reply:
