@@ -16,9 +16,10 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+
+from flodld.wire.handlers import HandlerTable
 
 
 class SupervisorState(Enum):
@@ -119,23 +120,25 @@ class Supervisor:
         self.failed_ranks: dict[int, int] = {}
         self.teardown_reason: str | None = None
         self._relay_stop_requested = False
-        self._table: dict[tuple[SupervisorState, type], Callable[[Event], list[Action]]] = {
-            (SupervisorState.RUNNING, RankExit): self._rank_exit,
-            (SupervisorState.TEARING_DOWN, RankExit): self._rank_exit,
-            (SupervisorState.RUNNING, RelayExit): self._relay_exit,
-            (SupervisorState.TEARING_DOWN, RelayExit): self._relay_exit,
-            (SupervisorState.RUNNING, AbortReceived): self._teardown_event,
-            (SupervisorState.RUNNING, LinkLost): self._teardown_event,
-            (SupervisorState.RUNNING, Interrupted): self._teardown_event,
-            (SupervisorState.TEARING_DOWN, GraceExpired): lambda event: [KillAll()],
-        }
+        # Per state, the events that mean something there; any other event in that state changes nothing.
+        running: HandlerTable[[], list[Action]] = HandlerTable("event while running")
+        running.register(RankExit, self._rank_exit)
+        running.register(RelayExit, self._relay_exit)
+        running.register(AbortReceived, self._teardown_event)
+        running.register(LinkLost, self._teardown_event)
+        running.register(Interrupted, self._teardown_event)
+        tearing_down: HandlerTable[[], list[Action]] = HandlerTable("event while tearing down")
+        tearing_down.register(RankExit, self._rank_exit)
+        tearing_down.register(RelayExit, self._relay_exit)
+        tearing_down.register(GraceExpired, lambda event: [KillAll()])
+        self._table = {SupervisorState.RUNNING: running, SupervisorState.TEARING_DOWN: tearing_down}
 
     def handle(self, event: Event) -> list[Action]:
         """Actions for `event`; events that change nothing in this state yield none."""
-        handler = self._table.get((self.state, type(event)))
-        if handler is None:
+        table = self._table.get(self.state)
+        if table is None or type(event) not in table:
             return []
-        return handler(event)
+        return table.dispatch(event)
 
     def start(self) -> list[Action]:
         """Actions due before any event (a host with no children finishes at once)."""
@@ -145,8 +148,7 @@ class Supervisor:
     def children_live(self) -> int:
         return len(self.live_ranks) + int(self.relay_live)
 
-    def _rank_exit(self, event: Event) -> list[Action]:
-        assert isinstance(event, RankExit)
+    def _rank_exit(self, event: RankExit) -> list[Action]:
         if event.rank not in self.live_ranks:
             return []
         self.live_ranks.discard(event.rank)
@@ -161,8 +163,7 @@ class Supervisor:
             actions.append(TerminateRelay())
         return actions + self._finish_if_empty()
 
-    def _relay_exit(self, event: Event) -> list[Action]:
-        assert isinstance(event, RelayExit)
+    def _relay_exit(self, event: RelayExit) -> list[Action]:
         if not self.relay_live:
             return []
         self.relay_live = False
@@ -176,8 +177,7 @@ class Supervisor:
             )
         return actions + self._finish_if_empty()
 
-    def _teardown_event(self, event: Event) -> list[Action]:
-        assert isinstance(event, AbortReceived | LinkLost | Interrupted)
+    def _teardown_event(self, event: AbortReceived | LinkLost | Interrupted) -> list[Action]:
         prefix = {
             AbortReceived: "abort from the controller",
             LinkLost: "controller link lost",

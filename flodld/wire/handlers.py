@@ -11,11 +11,12 @@ or async (then `dispatch` returns the awaitable).
     apply: HandlerTable[[bytes], Reply] = HandlerTable("store mutation")
     apply.register(StoreSet, self._set)              # def _set(self, request: StoreSet, tail: bytes) -> Reply
 
-    @UPSTREAM.handles(RankExited)                    # module-level functions: the decorator form
+    @REPORTS.handles(RankExited)                     # module-level functions: the decorator form
     def _rank_exited(message: RankExited, run: JoinRun, link: HostLink) -> None: ...
 
-Lookup is by exact class (messages are final, registered classes): a subclass is not served by its
-base's handler. A message with no handler raises `Unhandled` (a `ValueError`); `handler_for` and
+The key may be any class: a sans-io core keys its events the same way (`agent/supervision.py`, one table
+per state). Lookup is by exact class (messages and events are final classes): a subclass is not served by
+its base's handler. A message with no handler raises `Unhandled` (a `ValueError`); `handler_for` and
 `in` let a loop treat it otherwise (ignore it, answer an error).
 """
 
@@ -24,11 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
-from flodld.wire.messages import Message
-
 __all__ = ["HandlerTable", "Unhandled"]
 
-M = TypeVar("M", bound=Message)
+M = TypeVar("M")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -36,18 +35,18 @@ R = TypeVar("R")
 class Unhandled(ValueError):
     """`dispatch` met a message class the table has no handler for."""
 
-    def __init__(self, table: str, kind: type[Message]) -> None:
+    def __init__(self, table: str, kind: type) -> None:
         super().__init__(f"{kind.__name__} is not a {table}")
         self.kind = kind
 
 
 class HandlerTable(Generic[P, R]):
-    """Message class -> handler `(message, *P) -> R`; each entry keeps its own message type."""
+    """Class -> handler `(message, *P) -> R`; each entry keeps its own message type."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         # The one place the per-entry message type is erased: `register` checked it, `dispatch` keys by it.
-        self._handlers: dict[type[Message], Callable[..., R]] = {}
+        self._handlers: dict[type, Callable[..., R]] = {}
 
     def register(self, kind: type[M], handler: Callable[Concatenate[M, P], R]) -> None:
         """Serve `kind` with `handler`; a class is registered once per table."""
@@ -66,7 +65,7 @@ class HandlerTable(Generic[P, R]):
 
         return add
 
-    def handler_for(self, message: Message) -> Callable[..., R] | None:
+    def handler_for(self, message: object) -> Callable[..., R] | None:
         """The handler registered for `type(message)`, or None."""
         return self._handlers.get(type(message))
 
@@ -80,7 +79,7 @@ class HandlerTable(Generic[P, R]):
     def __contains__(self, kind: object) -> bool:
         return kind in self._handlers
 
-    def __iter__(self) -> Iterator[type[Message]]:
+    def __iter__(self) -> Iterator[type]:
         return iter(self._handlers)
 
     def __len__(self) -> int:

@@ -67,3 +67,18 @@ def test_async_handlers_return_their_awaitable() -> None:
         return await table.dispatch(StoreGet(key="x", timeout=0))
 
     assert asyncio.run(main()) == "x"
+
+
+def test_any_class_keys_a_table_not_only_messages() -> None:
+    class Tick:
+        pass
+
+    class Tock(Tick):
+        pass
+
+    table: HandlerTable[[], str] = HandlerTable("clock event")
+    table.register(Tick, lambda event: "tick")
+    assert table.dispatch(Tick()) == "tick"
+    assert Tock not in table  # exact class: a subclass is not served by its base's handler
+    with pytest.raises(Unhandled, match="Tock is not a clock event"):
+        table.dispatch(Tock())
