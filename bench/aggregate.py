@@ -19,6 +19,8 @@ Every configuration runs as P gloo processes on this machine (one torch thread e
   fhelium.serialization, and the table says so.
 Times are wall-clock from a barrier to the mean being available, best of interleaved repeats;
 ratios are against the floor and between ours and the usual pipeline. Errors are the max absolute error of the decrypted mean.
+The CPU line gives the busiest rank's process CPU seconds over the same span of the same repeats:
+on a machine shared with other work the wall-clock ratios move between runs, the CPU ratios much less.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
     transport = ProcessGroupTransport()
     executable = link_program(transport, engine, lower=False)
     started = timed_barrier()
+    cpu_started = time.process_time()
     secret = engine.generate_secret_key() if rank == KEY_HOLDER else None
     public = fdist.broadcast_key(
         engine.generate_public_key(secret) if secret is not None else None, src=KEY_HOLDER
@@ -105,6 +108,7 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
     mean = decrypt_mean(engine, total, secret, update.numel(), world) if secret is not None else None
     dist.barrier()
     elapsed = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started
     trace = fdist.ReductionTrace()
     fdist.all_reduce_ciphertext(ciphertext.clone(), engine=engine, trace=trace)
     nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
@@ -119,6 +123,7 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
         rounds = trace.schedule_rounds + 1
     return {
         "seconds": elapsed,
+        "cpu_seconds": cpu_seconds,
         "encrypt_seconds": encrypt_seconds,
         "error": float((mean - truth).abs().max()) if mean is not None else None,
         "bytes_sent": bytes_sent,
@@ -140,6 +145,7 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     padded = torch.zeros(rows * slots, dtype=torch.float64)
     padded[: update.numel()] = update.double()
     started = timed_barrier()
+    cpu_started = time.process_time()
     session.generate_public_key()
     encrypt_started = time.perf_counter()
     ciphertext = session.encrypt(padded.view(rows, slots))
@@ -148,6 +154,7 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     mean = session.decrypt(total).real.reshape(-1)[: update.numel()] / world
     dist.barrier()
     elapsed = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started
     # Three SUM all-reduces (key shares, ciphertexts, decryption shares), each counted as a ring, plus
     # six all_gathers: seed commitments, reveals, key share commitments and key fingerprints (64 KiB
     # records), the opened key shares (1 MiB records) and each rank's 1/world of the decoded slots.
@@ -159,6 +166,7 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     slot_bytes = (world - 1) * -(-rows // world) * slots * 16  # complex128 slices, ring all_gather
     return {
         "seconds": elapsed,
+        "cpu_seconds": cpu_seconds,
         "encrypt_seconds": encrypt_seconds,
         "error": float((mean - truth).abs().max()),
         "bytes_sent": 2 * (world - 1) * residue_bytes // world + record_bytes + slot_bytes,
@@ -203,6 +211,7 @@ def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torc
 
     engine = CkksEngine(TENSEAL_STYLE_PARAMETERS)
     started = timed_barrier()
+    cpu_started = time.process_time()
     # TenSEAL clients share one context, secret key included; the server only gets the public part.
     if rank == KEY_HOLDER:
         secret = engine.generate_secret_key()
@@ -237,13 +246,21 @@ def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torc
     mean = decrypt_mean(engine, summed, secret, update.numel(), world)
     dist.barrier()
     elapsed = time.perf_counter() - started
-    return {"seconds": elapsed, "error": float((mean - truth).abs().max()), "bytes_sent": sent, "rounds": 2}
+    cpu_seconds = time.process_time() - cpu_started
+    return {
+        "seconds": elapsed,
+        "cpu_seconds": cpu_seconds,
+        "error": float((mean - truth).abs().max()),
+        "bytes_sent": sent,
+        "rounds": 2,
+    }
 
 
 def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
     import tenseal as ts
 
     started = timed_barrier()
+    cpu_started = time.process_time()
     if rank == KEY_HOLDER:
         context = ts.context(
             ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
@@ -280,7 +297,14 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
     )
     dist.barrier()
     elapsed = time.perf_counter() - started
-    return {"seconds": elapsed, "error": float((mean - truth).abs().max()), "bytes_sent": sent, "rounds": 2}
+    cpu_seconds = time.process_time() - cpu_started
+    return {
+        "seconds": elapsed,
+        "cpu_seconds": cpu_seconds,
+        "error": float((mean - truth).abs().max()),
+        "bytes_sent": sent,
+        "rounds": 2,
+    }
 
 
 def worker(rank: int, world: int, port: int, values: int, tenseal: bool, repeats: int, results: Any) -> None:
@@ -363,6 +387,15 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
         f"  threshold / single-key time: {threshold_s / ours_s:.2f} (goal <= 1.3), threshold / usual: "
         f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= 1e-6): "
         f"{'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of threshold"
+    )
+    cpu = {
+        key: max(row[key][at]["cpu_seconds"] for row in rows)
+        for key, at in (("ours", ours_at), ("threshold", threshold_at), ("usual", usual_at))
+    }
+    print(
+        f"  CPU seconds of the busiest rank (same repeats; less sensitive to other load on the machine): "
+        f"single-key {cpu['ours']:.3f}, threshold {cpu['threshold']:.3f} ({cpu['threshold'] / cpu['ours']:.2f}x), "
+        f"usual {cpu['usual']:.3f} (threshold / usual {cpu['threshold'] / cpu['usual']:.2f})"
     )
     print(
         "  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a ring, "

@@ -226,8 +226,8 @@ def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: Threshol
     if message.size(-1) < engine.slot_count:
         message = torch.nn.functional.pad(message, (0, engine.slot_count - message.size(-1)))
     low = float(2**parameters.encode_scale_bits)
-    coefficients = engine.encoder.slots_to_coefficients(message) * low
-    largest = float(coefficients.abs().max()) if coefficients.numel() else 0.0
+    coefficients = engine.encoder.slots_to_coefficients(message).mul_(low)
+    largest = max(abs(float(bound)) for bound in torch.aminmax(coefficients)) if coefficients.numel() else 0.0
     if not math.isfinite(largest) or largest >= 2.0**62:
         raise FheliumValueError(
             f"encoded coefficients reach {largest:.3g}: the values are too large to encode"
@@ -236,7 +236,7 @@ def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: Threshol
     factor = torch.tensor(
         [[pow(2, shift, p)] for p in engine.moduli_for(ids)], dtype=torch.int64, device=engine.device
     )
-    integers = coefficients.round().long().to(engine.device).view(-1, 1, engine.ring_degree)
+    integers = coefficients.round_().long().to(engine.device).view(-1, 1, engine.ring_degree)
     residues = torch.empty(
         integers.size(0), len(ids), engine.ring_degree, dtype=torch.int64, device=engine.device
     )
