@@ -7,6 +7,12 @@ rebuild the same reduction without configuration (a modular fold carries its mod
 Flow of one round: each rank sends `Deposit` to its relay; the relay sends one `HostFrame` (the
 partial sum of its live ranks) upstream; the controller folds hosts and sends `Broadcast` (the
 finished value) to every relay, which forwards it to its live ranks.
+
+Chunks: a large bundle travels as several frames of one kind, each carrying the whole schema (`tensors`)
+and, in its tail, the bytes [`offset`, `offset` + tail length) of the bundle's bytes (every tensor's
+bytes, concatenated in order), starting and ending on element boundaries. Every hop folds and forwards
+a chunk as soon as every live member's chunk at that offset is in. An unchunked frame is the chunk at
+offset 0 that carries every byte. `flodld.fold.chunks` splits and checks (docs/protocol.md).
 """
 
 from __future__ import annotations
