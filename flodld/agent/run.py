@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import assert_never
 
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
@@ -223,31 +224,32 @@ class AgentShell:
         try:
             while True:
                 for action in actions:
-                    if isinstance(action, sv.ReportRankExit):
-                        say(f"rank {action.rank} exited with {sv.describe_exit(action.code)}")
-                        with contextlib.suppress(OSError, WireError, TimeoutError):
-                            await joined.stream.send(
-                                RankExited(rank=action.rank, code=max(-128, min(255, action.code)))
+                    match action:  # every Action kind, checked exhaustive by mypy (assert_never)
+                        case sv.ReportRankExit(rank, code):
+                            say(f"rank {rank} exited with {sv.describe_exit(code)}")
+                            with contextlib.suppress(OSError, WireError, TimeoutError):
+                                await joined.stream.send(RankExited(rank=rank, code=max(-128, min(255, code))))
+                        case sv.TerminateRelay():
+                            self._signal(lambda child: child.rank is None, signal.SIGTERM)
+                        case sv.TerminateAll(reason):
+                            say(
+                                f"tearing down host {self.spec.host!r} ({reason}); "
+                                f"terminating {supervisor.children_live} child(ren)"
                             )
-                    elif isinstance(action, sv.TerminateRelay):
-                        self._signal(lambda child: child.rank is None, signal.SIGTERM)
-                    elif isinstance(action, sv.TerminateAll):
-                        say(
-                            f"tearing down host {self.spec.host!r} ({action.reason}); "
-                            f"terminating {supervisor.children_live} child(ren)"
-                        )
-                        self._signal(lambda child: True, signal.SIGTERM)
-                        grace = asyncio.get_running_loop().call_later(
-                            self.spec.grace_secs, self.events.put_nowait, sv.GraceExpired()
-                        )
-                    elif isinstance(action, sv.KillAll):
-                        say(f"grace period of {self.spec.grace_secs:g}s over; killing what is left")
-                        self._signal(lambda child: True, signal.SIGKILL)
-                    elif isinstance(action, sv.CloseLink):
-                        await joined.stream.aclose()
-                    elif isinstance(action, sv.Finish):
-                        say(action.summary)
-                        return action.exit_code
+                            self._signal(lambda child: True, signal.SIGTERM)
+                            grace = asyncio.get_running_loop().call_later(
+                                self.spec.grace_secs, self.events.put_nowait, sv.GraceExpired()
+                            )
+                        case sv.KillAll():
+                            say(f"grace period of {self.spec.grace_secs:g}s over; killing what is left")
+                            self._signal(lambda child: True, signal.SIGKILL)
+                        case sv.CloseLink():
+                            await joined.stream.aclose()
+                        case sv.Finish(exit_code, summary):
+                            say(summary)
+                            return exit_code
+                        case _:
+                            assert_never(action)
                 actions = supervisor.handle(await self.events.get())
         finally:
             if grace is not None:
