@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flodld.net.stream import FramedStream, open_channel
 from flodld.wire.join import JOIN_PROTOCOL_VERSION, Accept, Hello, RankExited, WorldFormed
 from flodld.wire.magic import Channel
+from flodld.wire.messages import Message
 from flodld.wire.salt import new_salt
 from flodld.wire.store import (
     StoreAdd,
@@ -214,6 +215,15 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _cpu_secs(pid: int) -> float:
+    """User + system CPU seconds the process has used so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def _pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
@@ -342,15 +352,26 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
 # --- the store storm --------------------------------------------------------------------------------
 
 
-async def _store_call(stream: FramedStream, request: object, tail: bytes, kind: type) -> object:
-    await stream.send(request, tail)  # type: ignore[arg-type]
+async def _store_call(stream: FramedStream, request: Message, tail: bytes, kind: type[Message]) -> None:
+    await stream.send(request, tail)
     message = (await stream.recv(300)).message()
     assert isinstance(message, kind), message
-    return message
 
 
-async def store_storm(ranks: int, peers: int) -> tuple[int, float, float, int | None]:
-    """(store ops, store ops/s, baseline round trips/s, controller exit code)."""
+@dataclass
+class StoreStormResult:
+    ops: int
+    rate: float
+    """Store ops/s over the storm."""
+    baseline: float
+    """Bare asyncio echo round trips/s (client and server in this process)."""
+    controller_cpu_secs: float
+    """CPU the controller process used during the storm: the store's own cost, whatever else runs."""
+    exit_code: int | None
+
+
+async def store_storm(ranks: int, peers: int) -> StoreStormResult:
+    """N simulated ranks doing gloo init's store pattern against `flodld serve`, and the echo baseline."""
     _raise_fd_limit(2 * ranks + 1024)
     token, run_id = new_salt(), f"storm-{secrets.token_hex(4)}"
     proc, port, drain = await _controller(
@@ -386,9 +407,9 @@ async def store_storm(ranks: int, peers: int) -> tuple[int, float, float, int | 
             await _store_call(stream, StoreAdd(key="/init/done", amount=1, request_id=rid()), b"", StoreInt)
             return ops + 1
 
-        begun = time.perf_counter()
+        begun, cpu_begun = time.perf_counter(), _cpu_secs(proc.pid)
         counts = await asyncio.gather(*(rank_init(rank, stream) for rank, stream in enumerate(streams)))
-        elapsed = time.perf_counter() - begun
+        elapsed, cpu = time.perf_counter() - begun, _cpu_secs(proc.pid) - cpu_begun
         ops = sum(counts)
     finally:
         for stream in streams:
@@ -396,7 +417,7 @@ async def store_storm(ranks: int, peers: int) -> tuple[int, float, float, int | 
         code = await _end(proc)  # no join: SIGTERM aborts the window (a failed verdict is expected)
         drain.cancel()
     baseline = await _baseline_round_trips(ranks, max(1, ops // ranks))
-    return ops, ops / elapsed, baseline, code
+    return StoreStormResult(ops, ops / elapsed, baseline, cpu, code)
 
 
 # --- main ------------------------------------------------------------------------------------------
@@ -451,15 +472,16 @@ async def main(options: argparse.Namespace) -> int:
             ranks = options.store_ranks
             peers = ranks - 1 if options.store_peers == "all" else min(ranks - 1, int(options.store_peers))
             try:
-                ops, rate, baseline, code = await asyncio.wait_for(store_storm(ranks, peers), options.timeout)
+                storm = await asyncio.wait_for(store_storm(ranks, peers), options.timeout)
             except TimeoutError:
                 print(f"store storm: {ranks} ranks did not finish within {options.timeout:g}s (timed out)")
                 return 1
             print()
             print(
-                f"store storm: {ranks} ranks x (add, set, {peers} x (wait, get), add) = {ops:,} ops: "
-                f"{rate:,.0f} ops/s; bare asyncio echo baseline {baseline:,.0f} round trips/s; "
-                f"ratio {rate / baseline:.2f} (controller exit {code})"
+                f"store storm: {ranks} ranks x (add, set, {peers} x (wait, get), add) = {storm.ops:,} ops: "
+                f"{storm.rate:,.0f} ops/s; bare asyncio echo baseline {storm.baseline:,.0f} round trips/s; "
+                f"ratio {storm.rate / storm.baseline:.2f}; controller CPU {storm.controller_cpu_secs:.2f} s "
+                f"({storm.controller_cpu_secs / storm.ops * 1e6:.0f} µs/op) (controller exit {storm.exit_code})"
             )
     finally:
         for proc in _CHILDREN:
