@@ -97,7 +97,7 @@ def _large_buffer(size: int) -> memoryview:
 
 BytesLike = bytes | bytearray | memoryview
 Tail = BytesLike | Sequence[BytesLike]
-"""A frame's tail: one contiguous buffer, or a list of them (scatter parts, gathered once into the frame)."""
+"""A frame's tail: one contiguous buffer, or a list of them (scatter parts, sealed into the frame in order)."""
 
 
 class Role(Enum):
@@ -610,8 +610,9 @@ class FrameConnection:
         a frame of `LARGE_FRAME` bytes and more a memoryview of an anonymous memory map.
 
         `tail` may be any contiguous buffer (e.g. a memoryview of a tensor's storage), counted in bytes
-        whatever its item format, or a sequence of such buffers: they are copied once, side by side,
-        into the frame and encrypted there in place. With `buffer` (large enough), the frame is built in
+        whatever its item format, or a sequence of such buffers: under AES-256-GCM a tail of
+        `STREAM_SEAL_MIN` bytes or more is encrypted from where its parts lie straight into the frame;
+        otherwise the parts are copied once, side by side, into the frame and encrypted there in place. With `buffer` (large enough), the frame is built in
         it and a view of it is returned: the caller must not touch the buffer until the bytes are sent.
         """
         self._ensure_alive()
