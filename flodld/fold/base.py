@@ -261,9 +261,13 @@ class ModularFold:
             raise FoldError(f"tensor {span.index} has dtype {incoming.dtype}; the modular fold needs int64")
         for begin, end, modulus in self._slice_moduli(span, incoming.numel()):
             part = incoming[begin:end]
-            if modulus.dim() == 2:
-                part = part.view(modulus.shape[0], -1)
-            if bool((part < 0).any()) or bool((part >= modulus).any()):
+            if modulus.dim() == 2:  # whole rows: the extremes of each row against its limb's prime
+                low, high = torch.aminmax(part.view(modulus.shape[0], -1), dim=1)
+                bounds = modulus[:, 0]
+            else:
+                low, high = torch.aminmax(part)
+                bounds = modulus
+            if bool((low < 0).any()) or bool((high >= bounds).any()):
                 raise FoldError(
                     f"tensor {span.index} holds residues outside [0, q) for its limb's modulus q "
                     f"{list(self.moduli)}; reduce every residue modulo its limb's prime before depositing"

@@ -260,3 +260,26 @@ def test_layout_ranges_end_on_element_boundaries_and_cover_every_byte() -> None:
         assert sum(length for _, length in ranges) == layout.total
         assert all(layout.pieces(offset, length) for offset, length in ranges)
         assert all(0 < length <= chunk_bytes for _, length in ranges)
+
+
+@pytest.mark.parametrize(
+    "chunk_bytes", [40, 64, 128, 200], ids=["part-rows", "one-row", "two-rows", "rows-and-part"]
+)
+@pytest.mark.parametrize("bad", [101, -1, 2**62], ids=["q-of-limb-1", "negative", "huge"])
+def test_every_chunk_shape_refuses_a_residue_outside_its_limbs_range(chunk_bytes: int, bad: int) -> None:
+    value = torch.zeros(2, 2, 8, dtype=torch.int64)
+    value[1, 1, 5] = bad  # limb 1 (q = 101) of the second component
+    specs, pieces = chunks_of((value,), chunk_bytes)
+    barrier: RoundBarrier[int] = RoundBarrier([0])
+    with pytest.raises(FoldError, match=r"outside \[0, q\)"):
+        for offset, data in pieces:
+            barrier.contribute_chunk(0, 0, "modular:97,101", specs, offset, data, 1.0)
+    value[1, 1, 5] = 100  # q - 1 is fine
+    specs, pieces = chunks_of((value,), chunk_bytes)
+    fresh: RoundBarrier[int] = RoundBarrier([0])
+    results = [
+        r
+        for offset, data in pieces
+        for r in fresh.contribute_chunk(0, 0, "modular:97,101", specs, offset, data, 1.0)
+    ]
+    assert torch.equal(assemble(results, finish=True)[0], value)
