@@ -279,7 +279,12 @@ class ModularFold:
             part = held[begin:end]
             if modulus.dim() == 2:
                 part = part.view(modulus.shape[0], -1)
-            torch.remainder(part, modulus, out=part)
+            # The sum lies in [0, 2q): subtract q, and add it back where that went negative (the sign bit
+            # spread by an arithmetic shift, masked with q). Exactly the remainder, without a division.
+            part.sub_(modulus)
+            negative = part >> 63
+            negative.bitwise_and_(modulus)
+            part.add_(negative)
 
     def finish_slice(self, held: torch.Tensor, weight: float, span: Span) -> None:
         return None

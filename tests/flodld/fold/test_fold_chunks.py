@@ -283,3 +283,28 @@ def test_every_chunk_shape_refuses_a_residue_outside_its_limbs_range(chunk_bytes
         for r in fresh.contribute_chunk(0, 0, "modular:97,101", specs, offset, data, 1.0)
     ]
     assert torch.equal(assemble(results, finish=True)[0], value)
+
+
+def test_the_modular_slice_fold_is_exact_up_to_the_largest_modulus() -> None:
+    moduli = [2**62 - 57, 3]
+    spec = "modular:" + ",".join(map(str, moduli))
+    generator = torch.Generator().manual_seed(7)
+    deposits: dict[int, Bundle] = {
+        rank: (
+            torch.cat(
+                [torch.randint(max(0, q - 1000), q, (4, 1, 33), generator=generator) for q in moduli], dim=1
+            ),
+        )
+        for rank in range(3)
+    }
+    want = reference(spec, [deposits[rank] for rank in range(3)], [1.0] * 3)
+    exact = [
+        sum(int(deposits[rank][0][0, limb, 0]) for rank in range(3)) % q for limb, q in enumerate(moduli)
+    ]
+    assert [int(want[0][0, limb, 0]) for limb in range(2)] == exact
+    for chunk_bytes in (64, 136, 1000):
+        barrier: RoundBarrier[int] = RoundBarrier(range(3))
+        results = fold_chunked(
+            barrier, spec, deposits, dict.fromkeys(range(3), 1.0), chunk_bytes, seed=chunk_bytes
+        )
+        assert_bitwise_equal(assemble(results, finish=True), want)
