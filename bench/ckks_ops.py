@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python bench/ckks_ops.py`` (options: ``--rings 13,14,15 --batches 8,32 --runs 3``;
 ``--quick`` = N=2^14 only, batch 8, 3 runs; ``--clock cpu`` times process CPU instead of wall;
 ``--compile`` runs the NTT stages through torch.compile, the opt-in accelerator). The NTT and
-mul_mod dispatch level (``FHELIUM_NATIVE_LEVEL=ifma|scalar|torch``; default the best this CPU
+mul_mod dispatch level (``FHELIUM_NATIVE_LEVEL=ifma|dq|scalar|torch``; default the best this CPU
 runs, see fhelium.native) is printed in the header; the ``row NTT`` line is one forward NTT per
 residue row (a [limbs, N] polynomial, or B of them, divided by the row count).
 
