@@ -20,6 +20,7 @@ import logging
 import typing
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
 from flodld.controller.metrics import ControllerCounters
@@ -33,6 +34,12 @@ ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 the writer when the handler returns or raises."""
 
 HttpProtocolFactory = Callable[[], asyncio.Protocol]
+
+
+@dataclass(frozen=True)
+class _Route:
+    handler: ChannelHandler
+    hold_gate: bool
 
 MAGIC_DEADLINE_SECS = 5.0
 # Our HTTP answers are small and our clients close after one request, so an HTTP connection gets a
@@ -91,8 +98,7 @@ class PortMux:
         self.gate = gate or PreAdmissionGate()
         self.budget = budget or PreAuthBudget()
         self.warner = warner or CleartextWarner("controller")
-        self._handlers: dict[Channel, ChannelHandler] = {}
-        self._held_until_release: set[Channel] = set()
+        self._routes: dict[Channel, _Route] = {}  # the routing table: channel (from its magic) -> handler
         self._http_factory: HttpProtocolFactory | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -104,13 +110,10 @@ class PortMux:
         `release_gate(peer)` instead (the join handshake does, once decided)."""
         if channel is Channel.HTTP:
             raise ValueError("HTTP is served by set_http(), not a stream handler")
-        self._handlers[channel] = handler
-        if hold_gate:
-            self._held_until_release.add(channel)
+        self._routes[channel] = _Route(handler, hold_gate)
 
     def unregister(self, channel: Channel) -> None:
-        self._handlers.pop(channel, None)
-        self._held_until_release.discard(channel)
+        self._routes.pop(channel, None)
 
     def set_http(self, factory: HttpProtocolFactory | None) -> None:
         self._http_factory = factory
@@ -170,14 +173,14 @@ class PortMux:
             self.gate.release(peer)
             self._drop(transport, peer, "unknown_magic", f"unknown channel magic 0x{int.from_bytes(prefix, 'little'):08x}")
             return
-        handler = self._handlers.get(channel)
-        if handler is None:
+        route = self._routes.get(channel)
+        if route is None:
             self.gate.release(peer)
             self._drop(transport, peer, "no_handler", f"no {channel.value}-channel service running")
             return
         self.counters.connections[channel.value] += 1
         loop = asyncio.get_running_loop()
-        slot = _GateSlot(self.gate, peer, held_by_handler=channel in self._held_until_release)
+        slot = _GateSlot(self.gate, peer, held_by_handler=route.hold_gate)
         reader = GatedReader(
             channel,
             self.budget,
@@ -192,7 +195,7 @@ class PortMux:
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         if len(buffered) > 4:
             protocol.data_received(buffered[4:])
-        task = loop.create_task(self._run_handler(channel, handler, reader, writer, peer, slot))
+        task = loop.create_task(self._run_handler(channel, route.handler, reader, writer, peer, slot))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
