@@ -20,18 +20,19 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flodld.fold import round_barrier
 from flodld.fold.liveness import Liveness
-from flodld.net.dispatch import Dispatch
+from flodld.net.dispatch import serve_frames
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
 from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
+from flodld.wire.handlers import HandlerTable
 from flodld.wire.hostkey import verify_relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
@@ -109,10 +110,13 @@ class DataPlane:
         self.dead_ranks: list[int] = []
         self.gone_ranks: list[int] = []
         self._ticker: asyncio.Task[None] | None = None
-        self._data: Dispatch[_Relay] = (
-            Dispatch().on(HostFrame, self._on_host_frame).on(RankGone, self._on_rank_gone)
+        self._data: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable("host data frame")
+        self._data.register(HostFrame, self._on_host_frame)
+        self._data.register(RankGone, self._on_rank_gone)
+        self._control: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable(
+            "host control frame"
         )
-        self._control: Dispatch[_Relay] = Dispatch().on(Heartbeat, self._on_heartbeat)
+        self._control.register(Heartbeat, self._on_heartbeat)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -184,10 +188,9 @@ class DataPlane:
                 return
             if channel is Channel.DATA:
                 stream.read_directly()  # host frames go from the socket straight into their frame buffers
-            table = self._data if channel is Channel.DATA else self._control
-            relay = _Relay(host, stream)
-            while not await table(relay, await stream.recv()):
-                pass
+            await serve_frames(
+                stream, self._data if channel is Channel.DATA else self._control, _Relay(host, stream)
+            )
         except (EOFError, OSError, WireError) as error:
             log.info("event=relay_closed channel=%s host=%s reason=%r", channel.value, host, str(error))
         except Exception as error:  # never a silent handler death: counted, logged, cleaned up below
@@ -262,7 +265,7 @@ class DataPlane:
 
     # --- data ------------------------------------------------------------------------------
 
-    async def _on_host_frame(self, relay: _Relay, message: HostFrame, frame: Frame) -> bool:
+    async def _on_host_frame(self, message: HostFrame, relay: _Relay, frame: Frame) -> bool:
         """Fold one chunk of a host's partial fold; broadcast every chunk it completes. True on a refusal."""
         barrier = self._ensure_barrier()
         conn = relay.stream.conn
@@ -294,7 +297,7 @@ class DataPlane:
             await self._broadcast(result)
         return False
 
-    async def _on_rank_gone(self, relay: _Relay, message: RankGone, frame: Frame) -> None:
+    async def _on_rank_gone(self, message: RankGone, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
             await self._rank_left(relay.host, message.rank, message.reason or "its leg to the relay closed")
 
@@ -330,7 +333,7 @@ class DataPlane:
 
     # --- control ---------------------------------------------------------------------------
 
-    async def _on_heartbeat(self, relay: _Relay, message: Heartbeat, frame: Frame) -> None:
+    async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
             self.liveness.heard(message.rank, self.clock())
 

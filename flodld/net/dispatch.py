@@ -1,49 +1,43 @@
-"""Handler tables keyed by message type, for the loops that read frames (relay, controller data plane).
+"""Read loops over `wire.handlers.HandlerTable`s: the relay's and the controller data plane's channels.
 
-Each handler is registered with the message class it takes and is typed for it, so a handler never
-re-checks its message's type. A handler returns True to end the loop that dispatches to it. A frame whose
-message has no handler goes to the table's `unhandled` (default: ignored, as the loops always did).
+Each table maps a message class to a handler typed for that class, called as
+`handler(message, context, frame)`; a handler returns True to end the loop. A message whose class has no
+handler goes to `unhandled` (default: ignored, as these loops always did).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar, cast
+from typing import TypeVar
 
+from flodld.net.stream import FramedStream
 from flodld.wire.frames import Frame
+from flodld.wire.handlers import HandlerTable
 from flodld.wire.messages import Message
 
 Context = TypeVar("Context")
-M = TypeVar("M", bound=Message)
 Outcome = bool | None
-Handler = Callable[[Context, M, Frame], Awaitable[Outcome]]
 
 
-class Dispatch(Generic[Context]):
-    """`table.on(HostFrame, handler)`; then `await table(context, frame)` per frame (True: stop reading)."""
+async def serve_frames(
+    stream: FramedStream,
+    table: HandlerTable[[Context, Frame], Awaitable[Outcome]],
+    context: Context,
+    *,
+    unhandled: Callable[[Message, Context], Awaitable[Outcome]] | None = None,
+) -> None:
+    """Receive frames from `stream` and dispatch each through `table` until a handler returns True.
 
-    def __init__(
-        self, unhandled: Callable[[Context, Message, Frame], Awaitable[Outcome]] | None = None
-    ) -> None:
-        self._handlers: dict[type[Message], Callable[[Context, Any, Frame], Awaitable[Outcome]]] = {}
-        self._unhandled = unhandled
-
-    def on(
-        self, kind: type[M], handler: Callable[[Context, M, Frame], Awaitable[Outcome]]
-    ) -> Dispatch[Context]:
-        if kind in self._handlers:
-            raise ValueError(f"{kind.__name__} already has a handler")
-        self._handlers[kind] = cast(Callable[[Context, Any, Frame], Awaitable[Outcome]], handler)
-        return self
-
-    def kinds(self) -> frozenset[type[Message]]:
-        return frozenset(self._handlers)
-
-    async def __call__(self, context: Context, frame: Frame) -> bool:
+    Errors of the stream (EOFError, OSError, WireError) and of the handlers propagate to the caller.
+    """
+    while True:
+        frame = await stream.recv()
         message = frame.message()
-        handler = self._handlers.get(type(message))
-        if handler is not None:
-            return bool(await handler(context, message, frame))
-        if self._unhandled is not None:
-            return bool(await self._unhandled(context, message, frame))
-        return False
+        if type(message) in table:
+            done = await table.dispatch(message, context, frame)
+        elif unhandled is not None:
+            done = await unhandled(message, context)
+        else:
+            done = False
+        if done:
+            return

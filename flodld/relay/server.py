@@ -15,11 +15,12 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flodld.fold import round_barrier
-from flodld.net.dispatch import Dispatch
+from flodld.net.dispatch import serve_frames
 from flodld.net.keepalive import keep_alive
 from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
 from flodld.relay.spec import RelayRoleSpec
@@ -36,6 +37,7 @@ from flodld.wire.data import (
 )
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
+from flodld.wire.handlers import HandlerTable
 from flodld.wire.hostkey import relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
@@ -100,16 +102,20 @@ class Relay:
         self.rounds = 0
         self.refused = 0
         self._warned_cleartext = False
-        self._rank_data: Dispatch[_Leg] = Dispatch(self._unexpected_on_data_leg).on(Deposit, self._on_deposit)
-        self._rank_control: Dispatch[_Leg] = Dispatch().on(Heartbeat, self._on_heartbeat)
-        self._from_controller: Dispatch[FramedStream] = (
-            Dispatch()
-            .on(Broadcast, self._on_broadcast)
-            .on(CoordinatorHeartbeat, self._on_coordinator_word)
-            .on(Shutdown, self._on_coordinator_word)
-            .on(DeclareDead, self._on_declare_dead)
-            .on(DataPlaneError, self._on_refused)
+        self._rank_data: HandlerTable[[_Leg, Frame], Awaitable[bool | None]] = HandlerTable("rank data frame")
+        self._rank_data.register(Deposit, self._on_deposit)
+        self._rank_control: HandlerTable[[_Leg, Frame], Awaitable[bool | None]] = HandlerTable(
+            "rank control frame"
         )
+        self._rank_control.register(Heartbeat, self._on_heartbeat)
+        self._from_controller: HandlerTable[[FramedStream, Frame], Awaitable[bool | None]] = HandlerTable(
+            "controller frame"
+        )
+        self._from_controller.register(Broadcast, self._on_broadcast)
+        self._from_controller.register(CoordinatorHeartbeat, self._on_coordinator_word)
+        self._from_controller.register(Shutdown, self._on_coordinator_word)
+        self._from_controller.register(DeclareDead, self._on_declare_dead)
+        self._from_controller.register(DataPlaneError, self._on_refused)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -236,10 +242,11 @@ class Relay:
             await stream.send(HelloAck())
             if channel is Channel.DATA:
                 stream.read_directly()  # deposits go from the socket straight into their frame buffers
-            table = self._rank_data if channel is Channel.DATA else self._rank_control
             leg = _Leg(rank, stream)
-            while not await table(leg, await stream.recv()):
-                pass
+            if channel is Channel.DATA:
+                await serve_frames(stream, self._rank_data, leg, unhandled=self._unexpected_on_data_leg)
+            else:
+                await serve_frames(stream, self._rank_control, leg)
         except (EOFError, OSError, WireError) as error:
             if rank not in self.gone:
                 log.info("relay: rank %d %s leg closed (%s)", rank, channel, error)
@@ -259,7 +266,7 @@ class Relay:
             return f"rank {hello.rank} opened a second {channel} leg"
         return None
 
-    async def _on_deposit(self, leg: _Leg, message: Deposit, frame: Frame) -> bool:
+    async def _on_deposit(self, message: Deposit, leg: _Leg, frame: Frame) -> bool:
         """Fold one chunk of a rank's deposit; ship every chunk it completes. True (stop) on a refusal."""
         barrier = self._ensure_barrier()
         conn = leg.stream.conn
@@ -283,10 +290,10 @@ class Relay:
             await self._ship(result)
         return False
 
-    async def _unexpected_on_data_leg(self, leg: _Leg, message: Message, frame: Frame) -> bool:
+    async def _unexpected_on_data_leg(self, message: Message, leg: _Leg) -> bool:
         raise WireError("bad_payload", f"rank {leg.rank} sent {type(message).__name__} on its data leg")
 
-    async def _on_heartbeat(self, leg: _Leg, message: Heartbeat, frame: Frame) -> None:
+    async def _on_heartbeat(self, message: Heartbeat, leg: _Leg, frame: Frame) -> None:
         if message.rank == leg.rank:
             await self.upstream[Channel.CONTROL].send(message)
 
@@ -327,8 +334,7 @@ class Relay:
     async def _read_upstream(self, channel: Channel) -> None:
         stream = self.upstream[channel]
         try:
-            while not await self._from_controller(stream, await stream.recv()):
-                pass
+            await serve_frames(stream, self._from_controller, stream)
         except (EOFError, OSError, WireError) as error:
             live = set(self.ranks) - self.gone
             self._stop(
@@ -341,22 +347,22 @@ class Relay:
             if not self.finished.is_set():  # an unexpected error must end the relay, not leave it hanging
                 self._stop(f"controller {channel} reader ended unexpectedly", 1)
 
-    async def _on_broadcast(self, stream: FramedStream, message: Broadcast, frame: Frame) -> None:
+    async def _on_broadcast(self, message: Broadcast, stream: FramedStream, frame: Frame) -> None:
         if message.offset == 0:
             self.rounds += 1
         await self._fan_out(Channel.DATA, message, frame.tail_view)
         stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
 
     async def _on_coordinator_word(
-        self, stream: FramedStream, message: CoordinatorHeartbeat | Shutdown, frame: Frame
+        self, message: CoordinatorHeartbeat | Shutdown, stream: FramedStream, frame: Frame
     ) -> None:
         await self._fan_out(Channel.CONTROL, message, b"")
 
-    async def _on_declare_dead(self, stream: FramedStream, message: DeclareDead, frame: Frame) -> None:
+    async def _on_declare_dead(self, message: DeclareDead, stream: FramedStream, frame: Frame) -> None:
         log.warning("relay: controller declared rank %d dead: %s", message.rank, message.reason)
         await self._rank_gone(message.rank, message.reason, notify_upstream=False)
 
-    async def _on_refused(self, stream: FramedStream, message: DataPlaneError, frame: Frame) -> bool:
+    async def _on_refused(self, message: DataPlaneError, stream: FramedStream, frame: Frame) -> bool:
         self._stop(f"controller refused this host's data: {message.reason}", 1)
         return True
 
