@@ -4,8 +4,8 @@ The C++ source (``csrc/fhelium_native.cpp``) is compiled on first use with the m
 compiler against the torch already installed (``torch.utils.cpp_extension.load``: no build
 isolation, no download, no ``-march``), into a cache directory keyed by the torch version, the
 Python version and a hash of the source and flags; ``make venv`` builds it once during set-up.
-Later processes only load the cached library. After compiling a new build, older builds in the
-cache (other keys, last modified before the new one, not being built) are removed.
+Later processes only load the cached library (and mark it used). After compiling a new build, the
+cache's other builds not used for a day (``STALE_AFTER_S``) and not being built are removed.
 
 Dispatch levels (``FHELIUM_NATIVE_LEVEL``): ``ifma`` (AVX-512 IFMA52, chosen by default where the
 CPU has it), ``dq`` (AVX-512 DQ without IFMA: the scalar level's 64-bit Shoup products in 8 lanes;
@@ -40,6 +40,8 @@ INCLUDES = (Path(__file__).parent / "csrc" / "ntt_avx512.inc.cpp",)
 # -fopenmp only compiles at::parallel_for's inline OpenMP region; nothing links an OpenMP runtime of
 # its own: the GOMP symbols resolve to the one libtorch_cpu already loaded (torch's thread pool)
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+# a cached build not loaded for this long before a new one was compiled is removed then
+STALE_AFTER_S = 24 * 3600.0
 
 
 class NativeUnavailableError(RuntimeError):
@@ -86,12 +88,13 @@ def _is_build_directory(path: Path) -> bool:
     )
 
 
-def prune_stale_builds(current: Path | None = None) -> list[Path]:
-    """Remove the cache's other build directories last modified before ``current`` (default: this
-    process's ``build_directory()``), which the engine runs after it compiled a new build. Kept: the
-    current key; anything newer (another checkout or interpreter may be using it); a build in
-    progress (cpp_extension's ``lock`` file); anything not named like a build. Returns what was
-    removed; a directory that cannot be removed is left in place."""
+def prune_stale_builds(current: Path | None = None, *, unused_for_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove the cache's other build directories that were last used (loading one touches it) more
+    than ``unused_for_s`` before ``current`` (default: this process's ``build_directory()``); the
+    engine runs this after it compiled a new build. Kept: the current key; builds used recently
+    (another checkout or interpreter sharing the cache, e.g. a CI run on another commit, may still
+    load them); a build in progress (cpp_extension's ``lock`` file); anything not named like a
+    build. Returns what was removed; a directory that cannot be removed is left in place."""
     import shutil
 
     current = build_directory() if current is None else current
@@ -105,7 +108,7 @@ def prune_stale_builds(current: Path | None = None) -> list[Path]:
         if entry.name == current.name or not _is_build_directory(entry) or (entry / "lock").exists():
             continue
         try:
-            stale = entry.stat().st_mtime < current_time
+            stale = entry.stat().st_mtime < current_time - unused_for_s
         except OSError:
             continue
         if stale:
@@ -148,6 +151,10 @@ def _build_and_load(verbose: bool = False) -> None:
         verbose=verbose,
     )
     _register_fakes()
+    try:
+        os.utime(directory)  # last used now: a build that other processes still load is never stale
+    except OSError:
+        pass
     if compiled:
         prune_stale_builds(directory)
 

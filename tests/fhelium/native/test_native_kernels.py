@@ -151,19 +151,34 @@ def _fake_build(cache: Path, digest: str, age_s: float, *, lock: bool = False) -
     return directory
 
 
-def test_pruning_keeps_the_current_build_and_removes_only_older_ones(tmp_path: Path) -> None:
+def test_pruning_removes_only_builds_unused_for_a_day(tmp_path: Path) -> None:
+    day = native.STALE_AFTER_S
     current = _fake_build(tmp_path, "0123456789abcdef", 100)
-    stale = _fake_build(tmp_path, "1111111111111111", 5000)
-    newer = _fake_build(tmp_path, "2222222222222222", 10)  # another checkout's newer build
-    building = _fake_build(tmp_path, "3333333333333333", 5000, lock=True)  # cpp_extension's lock
+    stale = _fake_build(tmp_path, "1111111111111111", day + 1000)
+    recent = _fake_build(tmp_path, "4444444444444444", 2000)  # e.g. a CI run on another commit
+    newer = _fake_build(tmp_path, "2222222222222222", 10)
+    building = _fake_build(tmp_path, "3333333333333333", day + 1000, lock=True)  # cpp_extension's lock
     unrelated = tmp_path / "notes"
     unrelated.mkdir()
     os.utime(unrelated, (0, 0))
     assert native.prune_stale_builds(current) == [stale]
-    assert current.exists() and newer.exists() and building.exists() and unrelated.exists()
+    assert all(path.exists() for path in (current, recent, newer, building, unrelated))
     assert not stale.exists()
     assert native.prune_stale_builds(current) == []  # idempotent
+    assert native.prune_stale_builds(current, unused_for_s=0) == [recent]
     assert native.prune_stale_builds(tmp_path / "torch-py-missing") == []  # no current build: nothing
+
+
+def test_loading_marks_the_build_used(tmp_path: Path) -> None:
+    """A process that only loads the cached library refreshes its directory, so another checkout's
+    new build does not count it stale while it is in use."""
+    directory = native.build_directory()
+    assert directory.exists()
+    os.utime(directory, (0, 0))
+    script = "from fhelium import native; assert native.load()"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", script], env=environment, check=True, timeout=300)
+    assert directory.stat().st_mtime > time.time() - 600
 
 
 def test_the_cache_key_covers_the_included_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
