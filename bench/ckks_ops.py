@@ -2,7 +2,10 @@
 
 Run: ``.venv/bin/python bench/ckks_ops.py`` (options: ``--rings 13,14,15 --batches 8,32 --runs 3``;
 ``--quick`` = N=2^14 only, batch 8, 3 runs; ``--clock cpu`` times process CPU instead of wall;
-``--compile`` runs the NTT stages through torch.compile, the opt-in accelerator). The NTT and
+``--compile`` runs the NTT stages through torch.compile, the opt-in accelerator;
+``--thread-split`` with ``--threads 2 --clock cpu`` and ``OMP_WAIT_POLICY=PASSIVE`` adds each batched op's CPU
+time on the calling thread and on the whole process, which shows how the work splits between the
+threads even where a loaded machine makes two-thread wall time meaningless). The NTT and
 mul_mod dispatch level (``FHELIUM_NATIVE_LEVEL=ifma|dq|scalar|torch``; default the best this CPU
 runs, see fhelium.native) is printed in the header; the ``row NTT`` line is one forward NTT per
 residue row (a [limbs, N] polynomial, or B of them, divided by the row count).
@@ -94,6 +97,21 @@ def fhelium_operations(engine: CkksEngine, batch: int) -> dict[str, Callable[[],
 ROW_SCALED = "row NTT (forward)"
 
 
+def thread_split_ms(operation: Callable[[], object], runs: int) -> tuple[float, float]:
+    """(CPU ms of the calling thread, CPU ms of the whole process) for one call, each the minimum
+    over ``runs``: with several torch threads and ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads
+    sleep), how the work splits between the calling thread and the pool, which a loaded machine
+    does not distort the way it distorts wall time."""
+    operation()
+    calling = total = float("inf")
+    for _ in range(runs):
+        thread_start, process_start = time.thread_time(), time.process_time()
+        operation()
+        calling = min(calling, time.thread_time() - thread_start)
+        total = min(total, time.process_time() - process_start)
+    return calling * 1e3, total * 1e3
+
+
 def ntt_rows(engine: CkksEngine, batch: int) -> int:
     return max(1, batch) * len(engine.q_ids_at(0))
 
@@ -102,7 +120,7 @@ def seal_operations(log_n: int) -> tuple[dict[str, Callable[[], object]], Callab
     """SEAL's raw API through TenSEAL (the operations, and a timer of SEAL's forward NTT in ms per
     residue row), or None when TenSEAL is not importable."""
     try:
-        from tenseal import sealapi  # optional [anchors] extra
+        from tenseal import sealapi  # type: ignore[import-untyped,import-not-found,unused-ignore]  # optional [anchors] extra
     except ImportError:
         return None
     n = 1 << log_n
@@ -190,6 +208,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
+        "--thread-split",
+        action="store_true",
+        help="also print, per batched op, the CPU time of the calling thread and of the process "
+        "(use with --threads 2 --clock cpu and OMP_WAIT_POLICY=PASSIVE, so SEAL is timed in CPU time too): "
+        "a load-independent view of the split",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="opt-in torch.compile of the NTT stages (first call compiles for 20-60 s; not in the timings)",
@@ -261,6 +286,21 @@ def main() -> None:
                 line += f" {seal[name]:8.2f} {ms / seal[name]:10.1f}x {best_batched / seal[name]:11.1f}x"
             print(line)
         print(f"SEAL column: {seal_label}")
+        if args.thread_split:
+            print(
+                f"thread split, B={batches[0]}, {args.threads} thread(s), CPU ms per ciphertext (row NTT: per row), "
+                f"min of {runs}; est. = the larger share, vs SEAL = SEAL's single-thread ms / est."
+            )
+            operations = fhelium_operations(engine, batches[0])
+            for name, op in operations.items():
+                divisor = ntt_rows(engine, batches[0]) if name == ROW_SCALED else batches[0]
+                calling, total = (v / divisor for v in thread_split_ms(op, runs))
+                estimate = max(calling, total - calling)
+                versus = f" vs SEAL {seal[name] / estimate:4.1f}x" if name in seal else ""
+                print(
+                    f"  {name:24s} calling {calling:7.3f}  total {total:7.3f}  "
+                    f"calling share {calling / total:4.2f}  est. {estimate:7.3f}{versus}"
+                )
         row_seal = (
             "SEAL's transform_to_ntt per row, this run"
             if seal_api is not None
