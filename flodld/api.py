@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from flodld.agent.spawn import agent_command
     from flodld.agent.spec import (
         AGENT_ENV,
+        SPEC_ON_STDIN,
         AgentSpec,
         DeviceError,
         encode_spec,
@@ -66,6 +67,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.agent.spawn": ("agent_command",),
     "flodld.agent.spec": (
         "AGENT_ENV",
+        "SPEC_ON_STDIN",
         "AgentSpec",
         "DeviceError",
         "encode_spec",
@@ -111,6 +113,7 @@ __all__ = [
     "DEFAULT_CONTROLLER_PORT",
     "LOOPBACK_HOSTS",
     "OPEN_ADMISSION_KEY",
+    "SPEC_ON_STDIN",
     "AgentSpec",
     "ClusterBuilder",
     "ClusterConfig",

@@ -318,19 +318,34 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
         overrides["port"] = port
     if cluster.controller.host in ("127.0.0.1", "localhost"):
         overrides["bind_host"] = "127.0.0.1"
-    options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
-    controller = api.assemble_controller(
-        options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
-    )
-    _, bound_port = await controller.start()
     local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+    # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
+    # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
+    agents: list[asyncio.subprocess.Process] = [
+        await asyncio.create_subprocess_exec(
+            *api.agent_command(),
+            env={**os.environ, **worker.env, api.AGENT_ENV: api.SPEC_ON_STDIN},
+            stdin=asyncio.subprocess.PIPE,
+        )
+        for worker in local
+    ]
+    try:
+        options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
+        controller = api.assemble_controller(
+            options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
+        )
+        _, bound_port = await controller.start()
+    except BaseException:
+        for agent in agents:  # never told what to join: they go without a word
+            agent.kill()
+            await agent.wait()
+        raise
     say(
         f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "
         f"{options.capacity} rank(s); starting {len(local)} local agent(s)"
     )
     pre_shared = controller.join_key != api.OPEN_ADMISSION_KEY
-    agents: list[asyncio.subprocess.Process] = []
-    for worker in local:
+    for worker, agent in zip(local, agents, strict=True):
         spec = api.AgentSpec(
             host=worker.host,
             controller_host="127.0.0.1",
@@ -342,14 +357,11 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
             host_env=worker.rank_env() or None,
             program=command,
         )
-        env = {**os.environ, **worker.env, api.AGENT_ENV: api.encode_spec(spec)}
-        # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script
-        # works).
-        agents.append(
-            await asyncio.create_subprocess_exec(
-                *api.agent_command(), env=env, stdin=asyncio.subprocess.DEVNULL
-            )
-        )
+        assert agent.stdin is not None
+        agent.stdin.write(api.encode_spec(spec).encode() + b"\n")  # the salt never enters its environment
+        with contextlib.suppress(ConnectionError):  # an agent that already died is reported below
+            await agent.stdin.drain()
+        agent.stdin.close()
 
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()

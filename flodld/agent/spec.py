@@ -1,20 +1,26 @@
 """The agent's spec (hex JSON in FLODL_INTERNAL_AGENT_JSON) and the resolution of its devices.
 
 The spec rides the environment, never argv, because it may carry the pre-shared salt: any local
-user can read another process's command line through `ps`.
+user can read another process's command line through `ps`. A launcher that starts the agent before
+it knows the spec (`fdl run` starts its local agents while its controller comes up, so the agent's
+imports overlap the controller's) sets the variable to `-` and writes the hex spec as one line on
+the agent's stdin once it is known; the salt then never sits in the agent's environment at all.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Final
+import sys
+from typing import IO, Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flodld.config.fields import AveragingMode
 
 AGENT_ENV: Final = "FLODL_INTERNAL_AGENT_JSON"
+SPEC_ON_STDIN: Final = "-"  # AGENT_ENV's value when the spec arrives as one line on stdin
+MAX_SPEC_LINE: Final = 1 << 20  # a spec is a few KiB of hex; anything longer is not one
 
 
 class SpecError(ValueError):
@@ -85,10 +91,20 @@ def decode_hex_json(text: str, variable: str) -> object:
         raise SpecError(f"{variable} decodes to invalid JSON: {error}") from None
 
 
-def agent_spec_from_env() -> AgentSpec:
+def agent_spec_from_env(stdin: IO[str] | None = None) -> AgentSpec:
+    """The spec from AGENT_ENV, or from one line of `stdin` (default sys.stdin) when AGENT_ENV is `-`."""
     text = os.environ.get(AGENT_ENV)
     if text is None:
         raise SpecError(f"{AGENT_ENV} is not set; the agent role needs its spec there")
+    if text == SPEC_ON_STDIN:
+        line = (stdin or sys.stdin).readline(MAX_SPEC_LINE + 1)
+        if not line.endswith("\n"):
+            raise SpecError(
+                f"{AGENT_ENV}={SPEC_ON_STDIN}: stdin "
+                + ("ended before the spec line did (the launcher went away)" if len(line) <= MAX_SPEC_LINE
+                   else f"sent a line over {MAX_SPEC_LINE} bytes, which is no spec")
+            )  # fmt: skip
+        text = line.strip()
     try:
         return decode_agent_spec(text)
     except ValidationError as error:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flodld.agent.join import rewrite_controller_address
@@ -151,3 +153,50 @@ def test_address_rewrite_replaces_the_controller_in_envelope_and_relay_only() ->
     assert rewritten.envelope.model_dump(
         exclude={"controller_host", "controller_port"}
     ) == formed.envelope.model_dump(exclude={"controller_host", "controller_port"})
+
+
+def test_a_spec_announced_as_coming_on_stdin_is_read_from_one_line_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fdl run` starts its agents before its controller listens (their imports overlap its start) and
+    writes each spec, salt included, on the agent's stdin: the salt never sits in the agent's environment."""
+    import io
+
+    from flodld.agent.spec import SPEC_ON_STDIN, agent_spec_from_env
+
+    spec = AgentSpec(host="h", controller_host="127.0.0.1", controller_port=1, salt_hex="ab" * 16)
+    monkeypatch.setenv(AGENT_ENV, SPEC_ON_STDIN)
+    assert agent_spec_from_env(io.StringIO(encode_spec(spec) + "\n")) == spec
+    with pytest.raises(SpecError, match="stdin ended before the spec line did"):
+        agent_spec_from_env(io.StringIO(encode_spec(spec)))  # the launcher died mid-line
+    with pytest.raises(SpecError, match="stdin ended"):
+        agent_spec_from_env(io.StringIO(""))
+    with pytest.raises(SpecError, match="over 1048576 bytes"):
+        agent_spec_from_env(io.StringIO("a" * (2 << 20) + "\n"))
+
+
+def test_fdl_runs_agent_has_no_salt_in_its_environment(tmp_path: Path) -> None:
+    """Under `fdl run` the agent's /proc/PID/environ (readable by the same user, inherited by nothing
+    of flodld's but visible) carries the role marker, not the spec and its salt."""
+    import subprocess
+    import sys
+
+    program = tmp_path / "peek.py"
+    program.write_text(
+        "import os, sys\n"
+        "import flodld\n"
+        "from flodld.rank.env import read_rank_environment\n"
+        "def main():\n"
+        "    salt = read_rank_environment().salt.hex()\n"
+        "    environ = open(f'/proc/{os.getppid()}/environ', 'rb').read().decode(errors='replace')\n"
+        "    spec = dict(v.split('=', 1) for v in environ.split('\\0') if '=' in v).get('FLODL_INTERNAL_AGENT_JSON')\n"
+        "    marker = spec == '-'\n"
+        "    environ += bytes.fromhex(spec).decode() if spec and spec != '-' else ''\n"
+        "    print('agent-env', 'salt-present' if salt in environ else 'no-salt', 'marker' if marker else 'nomarker',"
+        " flush=True)\n"
+        "    return 0\n"
+        "sys.exit(flodld.run(main, init_process_group=False))\n"
+    )
+    fdl = Path(sys.executable).with_name("fdl")
+    done = subprocess.run([str(fdl), "run", "--ranks", "1", str(program)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "agent-env no-salt marker" in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
