@@ -149,7 +149,9 @@ class DataPlane:
 
     def _ensure_barrier(self) -> RoundBarrier[str]:
         if self._barrier is None:
-            self._barrier = round_barrier(self.live_hosts())
+            # Two accumulators: a relay that has all of a round may start the next one while a send of
+            # this round's last chunk to a slower relay still waits to read it (see RoundBarrier).
+            self._barrier = round_barrier(self.live_hosts(), accumulators=2)
         return self._barrier
 
     def stats(self) -> DataPlaneStats:

@@ -101,15 +101,25 @@ class _Chunk(Generic[Member]):
 
 
 class RoundBarrier(Generic[Member]):
-    """Sans-io barrier that folds contributions chunk by chunk into one reused accumulator."""
+    """Sans-io barrier that folds contributions chunk by chunk into reused accumulators.
 
-    def __init__(self, members: Iterable[Member], *, first_round: int = 0) -> None:
+    `accumulators` (1 or 2) is how many rounds' values may be in use at once. The top-level hop sends a
+    finished chunk to several peers, and a peer that has the whole round may deposit the next one while a
+    send to a slower peer still waits to read the chunk: with 2, round r + 1 folds into the other
+    accumulator, and round r + 2 cannot start before every peer had all of round r (its deposits wait
+    for round r + 1, which waits for every peer's deposit, which waits for round r).
+    """
+
+    def __init__(self, members: Iterable[Member], *, first_round: int = 0, accumulators: int = 1) -> None:
         self._live: set[Member] = set(members)
         if not self._live:
             raise RoundError("a round barrier needs at least one member")
+        if accumulators not in (1, 2):
+            raise ValueError(f"a round barrier keeps 1 or 2 accumulators, not {accumulators}")
         self._gone: set[Member] = set()
         self.round = first_round
-        self._kept: tuple[str, tuple[TensorSpec, ...], Bundle] | None = None  # the reused accumulator
+        # The reused accumulators, by round parity: (fold spec, schema, tensors) or None.
+        self._kept: list[tuple[str, tuple[TensorSpec, ...], Bundle] | None] = [None] * accumulators
         self._reset()
 
     def _reset(self) -> None:
@@ -237,14 +247,15 @@ class RoundBarrier(Generic[Member]):
     def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
         """The kept accumulator when schema and fold are the round before's, else a new one from `identity`
         (which refuses a schema the fold cannot take: FoldError, before anything is kept)."""
-        kept = self._kept
+        slot = self.round % len(self._kept)
+        kept = self._kept[slot]
         if kept is not None and kept[0] == fold.spec and kept[1] == layout.specs:
             return kept[2]
-        self._kept = None  # drop the old accumulator before allocating the new one
+        self._kept[slot] = None  # drop the old accumulator before allocating the new one
         return fold.identity(layout.empty())
 
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
-        self._kept = (fold.spec, layout.specs, accumulator)
+        self._kept[self.round % len(self._kept)] = (fold.spec, layout.specs, accumulator)
         self._fold, self._layout, self._accumulator = fold, layout, accumulator
         self._order = _fixed_order(self._live)
 

@@ -308,3 +308,16 @@ def test_the_modular_slice_fold_is_exact_up_to_the_largest_modulus() -> None:
             barrier, spec, deposits, dict.fromkeys(range(3), 1.0), chunk_bytes, seed=chunk_bytes
         )
         assert_bitwise_equal(assemble(results, finish=True), want)
+
+
+def test_two_accumulators_alternate_so_a_round_never_overwrites_the_one_before() -> None:
+    """The controller's case: round r + 1 folds while round r's value may still be waiting to be sent."""
+    barrier: RoundBarrier[int] = RoundBarrier([0], accumulators=2)
+    specs, pieces = chunks_of((torch.ones(8),), 64)
+    results = [
+        barrier.contribute_chunk(0, number, "sum", specs, 0, pieces[0][1], 1.0)[0] for number in range(4)
+    ]
+    pointers = [result.tensors[0].data_ptr() for result in results]
+    assert pointers[0] != pointers[1] and pointers[0] == pointers[2] and pointers[1] == pointers[3]
+    with pytest.raises(ValueError, match="1 or 2"):
+        RoundBarrier([0], accumulators=3)
