@@ -37,21 +37,6 @@ ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str, str | None], str] = {
         )
         for name in ("_aead", "_open_in_place", "_seal_in_place")
     },
-    **{
-        ("fhelium/backend/distributed/operations.py", "fhelium.distributed._collective_common", name): (
-            "a compiled Program's collectives refuse mismatched layouts through the same control "
-            "exchange as fhelium.distributed's typed collectives (the four steps of _collective_common); "
-            "those steps are not yet a public module of fhelium.distributed"
-        )
-        for name in (
-            "agree",
-            "check_identical_layouts",
-            "describe_or_error",
-            "exchange_control",
-            "group_info",
-            "rank_body",
-        )
-    },
     ("fhelium/engine/compiled.py", "torch.fx.experimental._config", None): (
         "the opt-in torch.compile path sets backed_size_oblivious/use_duck_shape, which torch offers "
         "only in this private config module; nothing else in fhelium needs it"

@@ -39,7 +39,7 @@ from fhelium.distributed import CiphertextAdder, ReductionTrace, ResidueModuliAd
 
 # The control exchange of fhelium.distributed's typed collectives, shared so that a Program's
 # collectives and the library's refuse mismatched layouts the same way.
-from fhelium.distributed._collective_common import (
+from fhelium.distributed.steps import (
     agree,
     check_identical_layouts,
     describe_or_error,
