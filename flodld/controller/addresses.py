@@ -51,7 +51,8 @@ class CleartextWarner:
         self._log.warning(
             "event=cleartext_peer what=%s peer=%s WARNING: peer is outside every private address range; "
             "flodld's frames to it are encrypted, but the process group's rank traffic (gloo/NCCL) is "
-            "CLEARTEXT; route it through an SSH tunnel (`tunnel: true`) or an encrypted overlay (WireGuard/VPN)",
+            "CLEARTEXT; route it through an SSH tunnel (`tunnel: true`) or an encrypted overlay "
+            "(WireGuard/VPN)",
             self._what,
             address,
         )

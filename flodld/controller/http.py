@@ -46,14 +46,16 @@ class StatusSource(Protocol):
         """The snapshot as JSON-ready data, or None before the window has state (shared: do not change it).
 
         A source may also offer `state_body(members) -> bytes | None`: the same as JSON text, for the
-        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader."""
+        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader.
+        """
 
     def metrics_text(self) -> str:
         """Prometheus text exposition."""
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
         """Decide a POST /start from a local caller (loopback, not a browser, START_HEADER sent) or any
-        other caller presenting `token` (the start credential)."""
+        other caller presenting `token` (the start credential).
+        """
 
 
 _CREDENTIAL = re.compile(r"(?i)(token=|bearer\s+)[^\s&'\"\\]+")
@@ -140,13 +142,14 @@ def build_app(source: StatusSource) -> web.Application:
     async def start(request: web.Request) -> web.Response:
         marks = browser_marks(request)
         if marks:
-            # A web page (cross-site, or same-origin after DNS rebinding) never starts a run, whatever it holds.
+            # A web page (cross-site, or same-origin after DNS rebinding) never starts a run, whatever it
+            # holds.
             log.warning("event=start_refused code=browser_request headers=%s", ",".join(marks))
             return _json(
                 403,
                 {
-                    "error": f"start refused: a browser request ({', '.join(marks)} sent) cannot fire the start; "
-                    "use `fdl start` or curl with -H 'X-Flodld-Start: 1'",
+                    "error": f"start refused: a browser request ({', '.join(marks)} sent) cannot fire the "
+                    "start; use `fdl start` or curl with -H 'X-Flodld-Start: 1'",
                     "code": "browser_request",
                 },
                 _POST_HEADERS,

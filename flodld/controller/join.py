@@ -47,7 +47,8 @@ class JoinRun(Protocol):
     """What the join channel asks of the run it admits hosts to (the Controller is one).
 
     The channel handshakes and reads frames; every decision (refuse, admit, what an exit or a link's end
-    means) belongs to the run."""
+    means) belongs to the run.
+    """
 
     @property
     def counters(self) -> ControllerCounters:
@@ -82,7 +83,10 @@ class JoinRun(Protocol):
         """The host reported a rank's exit code."""
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
-        """The link ended: cleanly (`lost=False`: the host closed it) or not (reset, bad frame, failed write)."""
+        """The link ended.
+
+        Cleanly (`lost=False`: the host closed it) or not (reset, bad frame, failed write).
+        """
 
 
 async def handle_join(
@@ -154,7 +158,8 @@ async def handle_join(
 def _keepalive(writer: asyncio.StreamWriter, idle: float) -> None:
     """TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
     network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
-    after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link."""
+    after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
+    """
     sock = writer.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return

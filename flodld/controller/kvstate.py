@@ -38,7 +38,8 @@ class KeyValueState:
     def _check_value(self, key: str, length: int) -> None:
         if length > self.max_value_bytes:
             raise StoreFull(
-                f"a {length}-byte value under {key!r} exceeds the per-value cap of {self.max_value_bytes} bytes"
+                f"a {length}-byte value under {key!r} exceeds the per-value cap of {self.max_value_bytes} "
+                "bytes"
             )
 
     def _store(self, key: str, value: bytes) -> None:
@@ -47,7 +48,8 @@ class KeyValueState:
         new_total = self._bytes - (len(key) + len(old) if old is not None else 0) + len(key) + len(value)
         if new_total > self.max_bytes:
             raise StoreFull(
-                f"storing {len(value)} bytes under {key!r} would exceed the store budget of {self.max_bytes} bytes"
+                f"storing {len(value)} bytes under {key!r} would exceed the store budget of {self.max_bytes} "
+                "bytes"
             )
         self._data[key] = value
         self._bytes = new_total
@@ -96,8 +98,9 @@ class KeyValueState:
         return value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        """torch semantics: absent + empty `expected` creates; a match swaps; returns what is held now
-        (for an absent key with non-empty `expected`, `expected` itself, as torch does)."""
+        """Compare-and-set with torch semantics: absent + empty `expected` creates; a match swaps; returns
+        what is held now (for an absent key with non-empty `expected`, `expected` itself, as torch does).
+        """
         current = self._data.get(key)
         if current is None:
             if expected == b"":
@@ -136,7 +139,8 @@ class KeyValueState:
         extra = len(value) + (0 if queue else len(key))
         if self._bytes + extra > self.max_bytes:
             raise StoreFull(
-                f"queueing {len(value)} bytes on {key!r} would exceed the store budget of {self.max_bytes} bytes"
+                f"queueing {len(value)} bytes on {key!r} would exceed the store budget of {self.max_bytes} "
+                "bytes"
             )
         self._queues.setdefault(key, deque()).append(value)
         self._bytes += extra

@@ -73,7 +73,8 @@ def render_prometheus(
 ) -> str:
     """Prometheus text exposition (version 0.0.4) of the run's phase and the controller counters.
 
-    `runs`: finished runs by verdict since the daemon started (`flodld serve`; absent for a single run)."""
+    `runs`: finished runs by verdict since the daemon started (`flodld serve`; absent for a single run).
+    """
     lines: list[str] = []
     lines += _family(
         "flodld_phase",

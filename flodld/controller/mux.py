@@ -107,7 +107,8 @@ class PortMux:
     def register(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
         """Route `channel` to `handler`. The pre-admission slot stays taken until the connection's
         first frame verifies (or it ends); with `hold_gate`, until the handler calls
-        `release_gate(peer)` instead (the join handshake does, once decided)."""
+        `release_gate(peer)` instead (the join handshake does, once decided).
+        """
         if channel is Channel.HTTP:
             raise ValueError("HTTP is served by set_http(), not a stream handler")
         self._routes[channel] = _Route(handler, hold_gate)
@@ -137,7 +138,8 @@ class PortMux:
 
     def stop_listening(self) -> None:
         """Close the listening socket; routed connections keep running. (No wait_closed(): since
-        3.12 it waits for every connection, and ours outlive the listener by design.)"""
+        3.12 it waits for every connection, and ours outlive the listener by design.)
+        """
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -171,7 +173,8 @@ class PortMux:
         channel = channel_for_prefix(prefix)
         if channel is None:
             self.gate.release(peer)
-            self._drop(transport, peer, "unknown_magic", f"unknown channel magic 0x{int.from_bytes(prefix, 'little'):08x}")
+            magic = int.from_bytes(prefix, "little")
+            self._drop(transport, peer, "unknown_magic", f"unknown channel magic 0x{magic:08x}")
             return
         route = self._routes.get(channel)
         if route is None:

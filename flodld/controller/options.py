@@ -71,7 +71,8 @@ class ControllerOptions(BaseModel):
     )
     between_runs_secs: Annotated[float, Field(ge=0)] = Field(
         0.0,
-        description="`flodld serve`: pause between a run's verdict and the next window (controller.between_runs_secs).",
+        description="`flodld serve`: pause between a run's verdict and the next window "
+        "(controller.between_runs_secs).",
     )
     history_runs: Annotated[int, Field(ge=1)] = Field(
         50,
@@ -87,13 +88,15 @@ class ControllerOptions(BaseModel):
     @property
     def wants_loopback(self) -> bool:
         """The configured intent (tunneled workers, tunnel_only). Trust follows the address actually
-        bound (`Controller.listen`), never this alone: `bind_host` may say otherwise."""
+        bound (`Controller.listen`), never this alone: `bind_host` may say otherwise.
+        """
         return self.loopback_bind or self.join.tunnel_only
 
     @property
     def timeout_scale(self) -> float:
         """FLODL_NET_TIMEOUT_SCALE as the run sees it: the run env first (what its ranks and relays read),
-        then this process's environment."""
+        then this process's environment.
+        """
         raw = self.env.get(TIMEOUT_SCALE_ENV, "").strip()
         if not raw:
             return timeout_scale()

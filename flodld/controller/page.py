@@ -147,7 +147,8 @@ def _config_error(state: Mapping[str, Any]) -> str:
 
 def _clock(state: Mapping[str, Any]) -> str:
     cells = []
-    for key, label, field in (("window", "window", "window_remaining_secs"), ("cap", "hard cap", "cap_remaining_secs")):
+    clocks = (("window", "window", "window_remaining_secs"), ("cap", "hard cap", "cap_remaining_secs"))
+    for key, label, field in clocks:
         value = state.get(field)
         text = fmt_secs(value) + " left" if isinstance(value, int | float) else "closed"
         cells.append(
@@ -195,7 +196,8 @@ def _start(state: Mapping[str, Any]) -> str:
     armed = "yes" if state.get("start_armed") else "no"
     cls = "go" if state.get("startable") or state.get("start_armed") else ""
     return (
-        f'<section id="start"><h2>start switch</h2><p id="start-text" class="{cls}">{_e(start_text(state))}</p>'
+        '<section id="start"><h2>start switch</h2><p id="start-text" '
+        f'class="{cls}">{_e(start_text(state))}</p>'
         f'<p class="meta">mode <span id="start-mode">{_e(state.get("start_mode") or "auto")}</span>, '
         f'armed <span id="start-armed">{armed}</span></p></section>'
     )
@@ -237,10 +239,16 @@ def _hosts(state: Mapping[str, Any]) -> str:
 def _missing(state: Mapping[str, Any]) -> str:
     missing = [str(name) for name in (state.get("missing") or [])]
     if not missing:
-        return '<section id="missing"><h2>missing</h2><p class="empty">nobody on the roster is missing</p></section>'
+        return (
+            '<section id="missing"><h2>missing</h2>'
+            '<p class="empty">nobody on the roster is missing</p></section>'
+        )
     more = _more(len(missing) - MAX_ROWS, "names") if len(missing) > MAX_ROWS else ""
     items = "".join(f"<li>{_e(name)}</li>" for name in missing[:MAX_ROWS])
-    return f'<section id="missing"><h2>missing ({len(missing)})</h2><ul class="names">{items}</ul>{more}</section>'
+    return (
+        f'<section id="missing"><h2>missing ({len(missing)})</h2>'
+        f'<ul class="names">{items}</ul>{more}</section>'
+    )
 
 
 def _refused(state: Mapping[str, Any]) -> str:
@@ -267,7 +275,8 @@ def _exits(state: Mapping[str, Any]) -> str:
     )
     more = _more(len(exits) - MAX_ROWS, "exits") if len(exits) > MAX_ROWS else ""
     return (
-        f'<section id="exits"><h2>rank exits ({len(exits)}, {bad} non-zero)</h2><table><thead><tr><th>rank</th>'
+        f'<section id="exits"><h2>rank exits ({len(exits)}, {bad} '
+        "non-zero)</h2><table><thead><tr><th>rank</th>"
         f"<th>code</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
     )
 
@@ -339,7 +348,8 @@ def _history(state: Mapping[str, Any]) -> str:
         verdict = str(_first(h, "verdict", "phase") or "?")
         duration = duration_secs(h)
         rows.append(
-            f'<tr><td>{_e(h.get("run_id") or "?")}</td><td class="phase phase-{_e(verdict)}">{_e(verdict)}</td>'
+            f'<tr><td>{_e(h.get("run_id") or "?")}</td><td class="phase '
+            f'phase-{_e(verdict)}">{_e(verdict)}</td>'
             f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
             f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
             f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
@@ -351,7 +361,8 @@ def _history(state: Mapping[str, Any]) -> str:
         else ""
     )
     return (
-        f'<section id="history"><h2>history ({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>'
+        '<section id="history"><h2>history '
+        f"({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>"
         "<th>ended</th><th>formed</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th>"
         f"<th>reason</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}</section>"
     )
@@ -419,11 +430,13 @@ STATUS_CSS = (
 body{margin:0;background:var(--bg);color:var(--fg);font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,
 "DejaVu Sans",sans-serif}
 main{max-width:1100px;margin:0 auto;padding:18px 20px}
-section{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:12px 16px;margin:0 0 12px}
+section{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:12px 16px;
+margin:0 0 12px}
 h1{font-size:20px;margin:0 0 6px}h1 span{font-family:ui-monospace,"DejaVu Sans Mono",monospace}
 h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute);margin:0 0 8px}
 p{margin:4px 0}.meta,.note,.more,.empty{color:var(--mute)}.reason{font-size:16px}
-.phase{display:inline-block;padding:2px 10px;border-radius:12px;font-weight:600;color:#fff;background:var(--mute)}
+.phase{display:inline-block;padding:2px 10px;border-radius:12px;font-weight:600;color:#fff;
+background:var(--mute)}
 td.phase{display:table-cell;border-radius:0;padding:4px 8px}
 .phase-waiting,.phase-staging,.phase-forming{background:var(--warn)}
 .phase-training,.phase-done{background:var(--ok)}.phase-failed{background:var(--bad)}
@@ -481,7 +494,8 @@ _JS_TEMPLATE = """"use strict";
     return Math.floor(s / 3600) + "h " + pad2(Math.floor((s % 3600) / 60)) + "m";
   }
   function fmtRanks(ranks) {
-    var v = (ranks || []).filter(function (r) { return typeof r === "number"; }).sort(function (a, b) { return a - b; });
+    var v = (ranks || []).filter(function (r) { return typeof r === "number"; })
+      .sort(function (a, b) { return a - b; });
     var parts = [], i = 0, j;
     while (i < v.length) {
       j = i;
@@ -492,18 +506,24 @@ _JS_TEMPLATE = """"use strict";
     return parts.join(", ") || "\\u2014";
   }
   function fmtDevices(m) {
-    var labels = (m.device_labels && m.device_labels.length ? m.device_labels : (m.devices || [])).map(String);
+    var labels = (m.device_labels && m.device_labels.length ? m.device_labels : (m.devices || []))
+      .map(String);
     if (!labels.length) { return "no devices listed"; }
-    if (labels.every(function (x) { return x === labels[0]; })) { return labels.length + "\\u00d7 " + labels[0]; }
+    if (labels.every(function (x) { return x === labels[0]; })) {
+      return labels.length + "\\u00d7 " + labels[0];
+    }
     return labels.join(", ");
   }
   function fmtTime(v) {
     if (isNum(v) && v > 1e8) { return new Date(v * 1000).toISOString().replace("T", " ").slice(0, 19) + "Z"; }
     return (v === null || v === undefined || v === "") ? "\\u2014" : String(v);
   }
-  function pct(part, whole) { return whole > 0 ? Math.max(0, Math.min(100, Math.round(100 * part / whole))) : 0; }
+  function pct(part, whole) {
+    return whole > 0 ? Math.max(0, Math.min(100, Math.round(100 * part / whole))) : 0;
+  }
   function more(n, noun) {
-    return h("p", {"class": "more"}, n + " more " + noun + " not shown (the page lists the first " + MAX_ROWS + ").");
+    return h("p", {"class": "more"},
+      n + " more " + noun + " not shown (the page lists the first " + MAX_ROWS + ").");
   }
   function table(head, rows) {
     return h("table", {}, h("thead", {}, h("tr", {}, head.map(function (t) { return h("th", {}, t); }))),
@@ -526,10 +546,14 @@ _JS_TEMPLATE = """"use strict";
     return mode + " \\u2014 " + what;
   }
   function first(e, keys) {
-    for (var i = 0; i < keys.length; i++) { if (e[keys[i]] !== null && e[keys[i]] !== undefined) { return e[keys[i]]; } }
+    for (var i = 0; i < keys.length; i++) {
+      if (e[keys[i]] !== null && e[keys[i]] !== undefined) { return e[keys[i]]; }
+    }
     return null;
   }
-  function count(v) { return Array.isArray(v) ? String(v.length) : (v === null || v === undefined ? "\\u2014" : String(v)); }
+  function count(v) {
+    return Array.isArray(v) ? String(v.length) : (v === null || v === undefined ? "\\u2014" : String(v));
+  }
   function duration(e) {
     if (isNum(e.duration_secs)) { return e.duration_secs; }
     var a = first(e, ["started_at", "opened_at", "start"]), b = first(e, ["ended_at", "end"]);
@@ -537,17 +561,22 @@ _JS_TEMPLATE = """"use strict";
   }
   function exitsSummary(v) {
     var pairs = [];
-    if (Array.isArray(v)) { v.forEach(function (x) { if (x && typeof x === "object") { pairs.push([x.rank, int(x.code)]); } }); }
-    else if (v && typeof v === "object") { Object.keys(v).forEach(function (k) { pairs.push([k, int(v[k])]); }); }
+    if (Array.isArray(v)) {
+      v.forEach(function (x) { if (x && typeof x === "object") { pairs.push([x.rank, int(x.code)]); } });
+    } else if (v && typeof v === "object") {
+      Object.keys(v).forEach(function (k) { pairs.push([k, int(v[k])]); });
+    }
     if (!pairs.length) { return "\\u2014"; }
-    var bad = pairs.filter(function (p) { return p[1] !== 0; }).map(function (p) { return "rank " + p[0] + ": " + p[1]; });
+    var bad = pairs.filter(function (p) { return p[1] !== 0; })
+      .map(function (p) { return "rank " + p[0] + ": " + p[1]; });
     if (!bad.length) { return "all " + pairs.length + " exited 0"; }
     return bad.slice(0, 8).join("; ") + (bad.length > 8 ? " \\u2026" : "");
   }
 
   function formedAfter(e) {
     if (e.formed_at === null && Object.prototype.hasOwnProperty.call(e, "formed_at")) { return "never"; }
-    return (isNum(e.started_at) && isNum(e.formed_at)) ? "+" + fmtSecs(e.formed_at - e.started_at) : "\\u2014";
+    return (isNum(e.started_at) && isNum(e.formed_at))
+      ? "+" + fmtSecs(e.formed_at - e.started_at) : "\\u2014";
   }
   function hostsSummary(v) {
     if (!Array.isArray(v)) { return count(v); }
@@ -558,9 +587,11 @@ _JS_TEMPLATE = """"use strict";
     var v = s.service;
     if (!v || typeof v !== "object") { return ""; }
     var runs = (v.runs && typeof v.runs === "object") ? v.runs : {};
-    var parts = ["service: run " + int(v.runs_started), int(runs.done) + " done, " + int(runs.failed) + " failed"];
+    var parts = ["service: run " + int(v.runs_started),
+      int(runs.done) + " done, " + int(runs.failed) + " failed"];
     if (v.between_runs) {
-      parts.push("between runs" + (isNum(v.next_window_in_secs) ? " \\u2014 next window in " + fmtSecs(v.next_window_in_secs) : ""));
+      parts.push("between runs" +
+        (isNum(v.next_window_in_secs) ? " \\u2014 next window in " + fmtSecs(v.next_window_in_secs) : ""));
     }
     return parts.join(" \\u00b7 ");
   }
@@ -574,7 +605,8 @@ _JS_TEMPLATE = """"use strict";
   function render(s) {
     var out = [];
     if (!s) {
-      return [h("section", {id: "head"}, h("h1", {}, "flodld"), h("p", {id: "reason", "class": "reason"}, __NO_STATE__))];
+      return [h("section", {id: "head"}, h("h1", {}, "flodld"),
+        h("p", {id: "reason", "class": "reason"}, __NO_STATE__))];
     }
     var phase = String(s.phase || "?");
     out.push(h("section", {id: "head"},
@@ -583,19 +615,25 @@ _JS_TEMPLATE = """"use strict";
         h("span", {"class": "note"}, NOTES[phase] || "")),
       h("p", {id: "reason", "class": "reason"}, s.reason || ""),
       h("p", {"class": "meta"}, "controller ", h("span", {id: "controller"}, s.controller || "?"),
-        serviceText(s) ? [document.createTextNode(" \\u00b7 "), h("span", {id: "service"}, serviceText(s))] : null),
+        serviceText(s)
+          ? [document.createTextNode(" \\u00b7 "), h("span", {id: "service"}, serviceText(s))] : null),
       (s.service && s.service.config_error) ? h("p", {id: "config-error", "class": "bad"},
         "config reload failed (the previous config stays in force): " + s.service.config_error) : null));
     out.push(h("section", {id: "clock"},
-      h("div", {"class": "clock"}, h("span", {"class": "label"}, "window"), " ", h("span", {id: "window"}, countdown("window_remaining_secs"))),
-      h("div", {"class": "clock"}, h("span", {"class": "label"}, "hard cap"), " ", h("span", {id: "cap"}, countdown("cap_remaining_secs")))));
+      h("div", {"class": "clock"}, h("span", {"class": "label"}, "window"), " ",
+        h("span", {id: "window"}, countdown("window_remaining_secs"))),
+      h("div", {"class": "clock"}, h("span", {"class": "label"}, "hard cap"), " ",
+        h("span", {id: "cap"}, countdown("cap_remaining_secs")))));
     var joined = int(s.joined_ranks), quorum = int(s.quorum), target = int(s.target);
     var scale = Math.max(target, quorum, joined, 1);
     out.push(h("section", {id: "ranks"}, h("h2", {}, "ranks"),
-      h("p", {id: "rank-count"}, h("b", {}, String(joined)), " joined across " + int(s.joined_hosts) + " host(s) \\u2014 quorum " +
+      h("p", {id: "rank-count"}, h("b", {}, String(joined)),
+        " joined across " + int(s.joined_hosts) + " host(s) \\u2014 quorum " +
         quorum + ", " + (target ? "target " + target : "no target")),
-      h("div", {"class": "bar " + (joined >= quorum ? "met" : "short"), role: "img", "aria-label": joined + " of " + scale + " ranks"},
-        h("div", {"class": "fill w" + pct(joined, scale)}), h("div", {"class": "mark l" + pct(quorum, scale), title: "quorum"}))));
+      h("div", {"class": "bar " + (joined >= quorum ? "met" : "short"), role: "img",
+        "aria-label": joined + " of " + scale + " ranks"},
+        h("div", {"class": "fill w" + pct(joined, scale)}),
+        h("div", {"class": "mark l" + pct(quorum, scale), title: "quorum"}))));
     out.push(h("section", {id: "start"}, h("h2", {}, "start switch"),
       h("p", {id: "start-text", "class": (s.startable || s.start_armed) ? "go" : ""}, startText(s)),
       h("p", {"class": "meta"}, "mode ", h("span", {id: "start-mode"}, s.start_mode || "auto"), ", armed ",
@@ -607,10 +645,12 @@ _JS_TEMPLATE = """"use strict";
       if (page && isNum(page.total) && page.total >= total) { total = page.total; }
       var shown = Math.min(members.length, MAX_ROWS);
       out.push(section("hosts", "hosts (" + total + ")", [
-        table(["host", "ranks", "devices", "variant", "joined", "link"], members.slice(0, MAX_ROWS).map(function (m) {
+        table(["host", "ranks", "devices", "variant", "joined", "link"],
+          members.slice(0, MAX_ROWS).map(function (m) {
           var link = String(m.link || "open");
-          return h("tr", {}, h("td", {}, m.host || "?"), h("td", {}, fmtRanks(m.ranks)), h("td", {}, fmtDevices(m)),
-            h("td", {}, m.variant || "-"), h("td", {}, isNum(m.joined_at_secs) ? "+" + Math.floor(m.joined_at_secs) + "s" : "\\u2014"),
+          return h("tr", {}, h("td", {}, m.host || "?"), h("td", {}, fmtRanks(m.ranks)),
+            h("td", {}, fmtDevices(m)), h("td", {}, m.variant || "-"),
+            h("td", {}, isNum(m.joined_at_secs) ? "+" + Math.floor(m.joined_at_secs) + "s" : "\\u2014"),
             h("td", {"class": "link-" + link}, link));
         })),
         total > shown ? more(total - shown, "hosts") : null]));
@@ -625,12 +665,14 @@ _JS_TEMPLATE = """"use strict";
     var exits = (s.rank_exits || []).filter(function (x) { return x && typeof x === "object"; });
     var bad = exits.filter(function (x) { return int(x.code) !== 0; }).length;
     out.push(h("div", {"class": "cols"},
-      refused.length ? section("refused", "refusals", table(["reason", "count"], refused.slice(0, MAX_ROWS).map(function (r) {
+      refused.length ? section("refused", "refusals",
+        table(["reason", "count"], refused.slice(0, MAX_ROWS).map(function (r) {
         return h("tr", {}, h("td", {}, r[0]), h("td", {}, String(r[1])));
       }))) : section("refused", "refusals", empty("none")),
       exits.length ? section("exits", "rank exits (" + exits.length + ", " + bad + " non-zero)", [
         table(["rank", "code"], exits.slice(0, MAX_ROWS).map(function (x) {
-          return h("tr", {}, h("td", {}, String(int(x.rank))), h("td", {"class": int(x.code) ? "bad" : "ok"}, String(int(x.code))));
+          return h("tr", {}, h("td", {}, String(int(x.rank))),
+            h("td", {"class": int(x.code) ? "bad" : "ok"}, String(int(x.code))));
         })), exits.length > MAX_ROWS ? more(exits.length - MAX_ROWS, "exits") : null])
         : section("exits", "rank exits", empty("none reported"))));
     if (Array.isArray(s.history)) {
@@ -640,11 +682,14 @@ _JS_TEMPLATE = """"use strict";
           ["run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason"],
           hist.slice(0, MAX_HISTORY).map(function (e) {
             var verdict = String(first(e, ["verdict", "phase"]) || "?"), d = duration(e);
-            return h("tr", {}, h("td", {}, e.run_id || "?"), h("td", {"class": "phase phase-" + verdict}, verdict),
+            return h("tr", {}, h("td", {}, e.run_id || "?"),
+              h("td", {"class": "phase phase-" + verdict}, verdict),
               h("td", {}, fmtTime(first(e, ["ended_at", "end"]))), h("td", {}, formedAfter(e)),
               h("td", {}, d === null ? "\\u2014" : fmtSecs(d)), h("td", {}, count(e.ranks)),
-              h("td", {}, hostsSummary(e.hosts)), h("td", {}, exitsSummary(e.rank_exits)), h("td", {}, e.reason || ""));
-          })), hist.length > MAX_HISTORY ? h("p", {"class": "more"}, (hist.length - MAX_HISTORY) + " older runs not shown.") : null]));
+              h("td", {}, hostsSummary(e.hosts)), h("td", {}, exitsSummary(e.rank_exits)),
+              h("td", {}, e.reason || ""));
+          })), hist.length > MAX_HISTORY
+          ? h("p", {"class": "more"}, (hist.length - MAX_HISTORY) + " older runs not shown.") : null]));
     }
     return out;
   }
@@ -653,11 +698,13 @@ _JS_TEMPLATE = """"use strict";
     var app = document.getElementById("app");
     var fresh = h("main", {id: "app", "data-source": "live"}, render(state));
     app.parentNode.replaceChild(fresh, app);
-    document.title = state ? "flodld \\u00b7 " + (state.run_id || "?") + " \\u00b7 " + (state.phase || "?") : "flodld status";
+    document.title = state
+      ? "flodld \\u00b7 " + (state.run_id || "?") + " \\u00b7 " + (state.phase || "?") : "flodld status";
     tick();
   }
   function tick() {
-    var w = document.getElementById("window"), c = document.getElementById("cap"), live = document.getElementById("live");
+    var w = document.getElementById("window"), c = document.getElementById("cap");
+    var live = document.getElementById("live");
     if (w) { w.textContent = countdown("window_remaining_secs"); }
     if (c) { c.textContent = countdown("cap_remaining_secs"); }
     if (live && lastOk) {
@@ -665,7 +712,10 @@ _JS_TEMPLATE = """"use strict";
       live.textContent = failures ? "controller not answering \\u2014 last update " + age + "s ago, retrying"
         : "live \\u00b7 updated " + age + "s ago";
       live.className = failures ? "stale" : "";
-    } else if (live && failures) { live.textContent = "controller not answering, retrying"; live.className = "stale"; }
+    } else if (live && failures) {
+      live.textContent = "controller not answering, retrying";
+      live.className = "stale";
+    }
   }
   function schedule() {
     var wait = document.hidden ? HIDDEN_POLL_MS : POLL_MS;
@@ -677,7 +727,8 @@ _JS_TEMPLATE = """"use strict";
     var since = Date.now() - lastPoll;
     if (since < POLL_MS) { clearTimeout(timer); timer = setTimeout(poll, POLL_MS - since); return; }
     lastPoll = Date.now();
-    fetch("/state.json", {method: "GET", cache: "no-store", credentials: "omit", referrerPolicy: "no-referrer"})
+    fetch("/state.json", {method: "GET", cache: "no-store", credentials: "omit",
+      referrerPolicy: "no-referrer"})
       .then(function (r) { return r.json().then(function (body) { return [r.status, body]; }); })
       .then(function (res) {
         state = res[0] === 200 ? res[1] : null;

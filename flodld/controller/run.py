@@ -197,16 +197,13 @@ class Controller:
 
     def register_channels(self, handlers: Mapping[Channel, ChannelHandler]) -> None:
         """Serve each channel (DATA, CONTROL) with its `handler(reader, writer)` until the run closes; the
-        magic is already consumed."""
+        magic is already consumed.
+        """
         for channel in handlers:
             if channel in RUN_CHANNELS or channel is Channel.HTTP:
                 raise ValueError(f"the {channel.value} channel is served by the controller itself")
         for channel, handler in handlers.items():
             self._serve(channel, handler)
-
-    def register_channel(self, channel: Channel, handler: ChannelHandler) -> None:
-        """`register_channels` for one channel."""
-        self.register_channels({channel: handler})
 
     def _serve(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
         self.mux.register(channel, handler, hold_gate=hold_gate)
@@ -289,7 +286,10 @@ class Controller:
             )
 
     def _listen_on_borrowed_port(self) -> tuple[str, int]:
-        """Under the Service: the port is bound already; derive trust from it and serve this run's channels."""
+        """Under the Service: the port is bound already.
+
+        Derive trust from it and serve this run's channels.
+        """
         assert self._bound is not None
         hosts = self.mux.bound_hosts() or [self._bound[0]]
         self.policy = self._derive_policy(next((h for h in hosts if not is_loopback_literal(h)), hosts[0]))
@@ -335,7 +335,8 @@ class Controller:
 
     async def close(self) -> None:
         """Stop listening and end every connection (HTTP included). On a borrowed port: take this run's
-        handlers off the mux and close its remaining join links; the port and the mux stay up."""
+        handlers off the mux and close its remaining join links; the port and the mux stay up.
+        """
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -539,7 +540,8 @@ class Controller:
         window = self.window
         if window is None or window.world is None or rank not in window.world.ranks.get(link.host, ()):
             log.warning(
-                "event=rank_exit_ignored host=%s rank=%d code=%d reason=not this host's rank in a formed world",
+                "event=rank_exit_ignored host=%s rank=%d code=%d reason=not this host's rank in a formed "
+                "world",
                 link.host,
                 rank,
                 code,
@@ -564,7 +566,8 @@ class Controller:
 
     def rank_lost(self, rank: int, why: str) -> None:
         """A subsystem (the data plane's liveness) declared `rank` dead: its host counts as lost, so its
-        unreported ranks fail the run beyond the tolerance, and the reason names the host."""
+        unreported ranks fail the run beyond the tolerance, and the reason names the host.
+        """
         window = self.window
         if window is None or window.world is None or window.phase in TERMINAL_PHASES:
             return
@@ -580,7 +583,8 @@ class Controller:
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
         """The host's join link ended (`lost`: it broke rather than closed cleanly). The window decides what
-        that means (`JoinWindow.link_ended`); this logs it and acts on the phase."""
+        that means (`JoinWindow.link_ended`); this logs it and acts on the phase.
+        """
         if link.closed.is_set():
             return
         link.closed.set()
@@ -626,7 +630,8 @@ class Controller:
 
     def _envelope_template(self, world: World) -> WorldEnvelope:
         """The parts every host's envelope shares (the env included), validated once. Each envelope is O(1)
-        in the world's size: no host list."""
+        in the world's size: no host list.
+        """
         assert self.address is not None
         first = world.hosts[0]
         return WorldEnvelope(
@@ -665,7 +670,8 @@ class Controller:
         """WorldFormed to every host in admission order, then training (or failure for lost hosts).
 
         A WorldFormed that cannot be built or encoded fails the run with the reason (never a stall in
-        `forming`); a host whose link is gone by now is that host's loss, as on any write failure."""
+        `forming`); a host whose link is gone by now is that host's loss, as on any write failure.
+        """
         sent: list[HostLink] = []
         try:
             relay = self._relay_spec()
@@ -803,7 +809,8 @@ class Controller:
         joined_ranks = joined_hosts = 0
         if self.window is not None:
             refusals.update(self.window.ledger.refused_counts)
-            # The ledger's running totals (after formation it holds exactly the world): no O(members) snapshot.
+            # The ledger's running totals (after formation it holds exactly the world): no O(members)
+            # snapshot.
             joined_ranks, joined_hosts = self.window.ledger.joined_ranks, self.window.ledger.member_count
         view = ControllerCounters(**{**vars(self.counters), "refusals": refusals})
         return render_prometheus(

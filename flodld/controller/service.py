@@ -138,7 +138,8 @@ class Service:
         """Host runs until `stop()` (or, with `once`, one run); returns the last run's result.
 
         PolicyError/ValueError from the first run's options propagate (bad config at start); a later
-        run's options come from a reload that was already checked."""
+        run's options come from a reload that was already checked.
+        """
         address = await self.listen()
         result: RunResult | None = None
         try:
@@ -220,7 +221,8 @@ class Service:
 
     def reload(self) -> bool:
         """Re-read the config; it applies from the next window. A config that no longer loads keeps the
-        old one in force, logs why and shows it in state.json (`service.config_error`)."""
+        old one in force, logs why and shows it in state.json (`service.config_error`).
+        """
         if self._load is None:
             log.warning("event=reload_skipped reason='no --config to re-read'")
             return False

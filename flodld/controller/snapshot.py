@@ -6,11 +6,11 @@ build is reused while it is younger than `interval` (200 ms: the most a burst of
 build per interval), and for up to `max_age` (1 s: countdowns and connection counts move on their own)
 while the state's version (`JoinWindow.generation` and friends) has not moved. An expensive build (a
 `?members=all` of 10,000 hosts takes ~100 ms) is held for `COST_FACTOR` times what it cost to build and
-encode, so whatever readers ask, state.json takes at most ~1/COST_FACTOR of the event loop. Discrete changes that a
-reader should see at once (a phase change, a run ending, a reload) `clear()` the cache instead; a cache
-built on another's (the Service's on its run's) passes `depends_on` so that one's clears reach it too. The JSON text is encoded
-once per build, on first use, and handed to every reader as the same bytes. A reader must not change
-the data it gets: it is shared.
+encode, so whatever readers ask, state.json takes at most ~1/COST_FACTOR of the event loop. Discrete changes
+that a reader should see at once (a phase change, a run ending, a reload) `clear()` the cache instead; a cache
+built on another's (the Service's on its run's) passes `depends_on` so that one's clears reach it too. The
+JSON text is encoded once per build, on first use, and handed to every reader as the same bytes. A reader
+must not change the data it gets: it is shared.
 
 `StormLog` keeps a per-event line (a join, a refusal) for the first `burst` events of each kind per
 `period`, then counts them and writes one summary line per kind and period: a storm of 10,000 hellos
@@ -45,7 +45,10 @@ class BadMembersQuery(ValueError):
 
 
 def parse_members(text: str | None) -> MemberRange:
-    """`?members=` as a range: absent -> the default page, `all` -> every member, `A..B` -> A to B inclusive."""
+    """`?members=` as a range.
+
+    Absent -> the default page, `all` -> every member, `A..B` -> A to B inclusive.
+    """
     if text is None or text == "":
         return DEFAULT_MEMBERS
     if text == "all":

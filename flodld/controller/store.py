@@ -186,7 +186,8 @@ class StoreService:
             hello = await self._receive(stream, self.hello_timeout)
             message = hello.message()
             if not isinstance(message, StoreHello):
-                await self._reply(stream, StoreError(code="bad_request", reason="the first store frame must be StoreHello"))
+                refusal = StoreError(code="bad_request", reason="the first store frame must be StoreHello")
+                await self._reply(stream, refusal)
                 return
             if message.run_id != self.run_id:
                 self.counters.dropped["rendezvous_wrong_run"] += 1
@@ -195,8 +196,8 @@ class StoreService:
                     stream,
                     StoreError(
                         code="wrong_run",
-                        reason=f"this controller serves run {self.run_id!r}, not {message.run_id!r}; the rank was "
-                        "started for another run",
+                        reason=f"this controller serves run {self.run_id!r}, not {message.run_id!r}; "
+                        "the rank was started for another run",
                     ),
                 )
                 return
@@ -233,7 +234,8 @@ class StoreService:
                     StoreError(
                         code="too_large",
                         reason=(
-                            f"the reply would carry {len(tail)} bytes, over the {self.max_reply_bytes}-byte cap"
+                            f"the reply would carry {len(tail)} bytes, over the {self.max_reply_bytes}-byte "
+                            "cap"
                         ),
                     ),
                     b"",
@@ -401,8 +403,8 @@ class StoreService:
             raise Refused(
                 "too_large",
                 (
-                    f"multi_get of {len(keys)} keys would return {sum(lengths)} bytes, over the {self.max_reply_bytes}-"
-                    "byte reply cap; fetch the keys in smaller groups"
+                    f"multi_get of {len(keys)} keys would return {sum(lengths)} bytes, over the "
+                    f"{self.max_reply_bytes}-byte reply cap; fetch the keys in smaller groups"
                 ),
             )
         return StoreValues(lengths=lengths), b"".join(self.state.get(k) or b"" for k in keys)
