@@ -83,8 +83,11 @@ def probe_local(
     report.facts["torch"] = torch.__version__
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
     report.add("torch", "ok", f"torch {torch.__version__} ({build})")
-    report.add("gloo", "ok" if dist.is_available() and dist.is_gloo_available() else "error",
-               "gloo backend available" if dist.is_gloo_available() else "gloo backend missing from this torch")  # fmt: skip
+    report.add(
+        "gloo",
+        "ok" if dist.is_available() and dist.is_gloo_available() else "error",
+        "gloo backend available" if dist.is_gloo_available() else "gloo backend missing from this torch",
+    )
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         report.facts["cuda_devices"] = ", ".join(names)

@@ -94,12 +94,12 @@ def judge_controller_env(
 def refusal_message(refused: Iterable[str], where: str) -> str:
     names = sorted(refused)
     return (
-        f"REFUSING the run on this host: controller {where} sets environment variable(s) {', '.join(names)} for "
-        "this walk-in's ranks, outside what a walk-in applies unasked (thread counts, NCCL_*/GLOO_* tuning, "
-        "torch debug knobs). A controller's env can run code on this machine (LD_PRELOAD, PYTHONSTARTUP, "
-        "BASH_ENV, ...). If you trust this controller with them, pass --accept-env "
-        f"{','.join(names)} to fdl join (or list them under join.accept_env in fdl.yml); "
-        "otherwise ask its operator to drop them from env:"
+        f"REFUSING the run on this host: controller {where} sets environment variable(s) {', '.join(names)} "
+        "for this walk-in's ranks, outside what a walk-in applies unasked (thread counts, NCCL_*/GLOO_* "
+        "tuning, torch debug knobs). A controller's env can run code on this machine (LD_PRELOAD, "
+        "PYTHONSTARTUP, BASH_ENV, ...). If you trust this controller with them, pass --accept-env "
+        f"{','.join(names)} to fdl join (or list them under join.accept_env in fdl.yml); otherwise ask its "
+        "operator to drop them from env:"
     )
 
 

@@ -113,9 +113,9 @@ def cleartext_warning(peer: str, where: str, *, pre_shared: bool) -> str | None:
         "can decrypt this run's links too."
     )
     return (
-        f"WARNING: controller {where} (peer {peer}) is outside every private address range. flodld's own links "
-        "to it are encrypted (AEAD keyed from the run salt), but the process group's traffic between ranks "
-        f"(gloo/NCCL) is CLEARTEXT: anyone on the path can read the tensors the ranks exchange.{salt} "
+        f"WARNING: controller {where} (peer {peer}) is outside every private address range. flodld's own "
+        "links to it are encrypted (AEAD keyed from the run salt), but the process group's traffic between "
+        f"ranks (gloo/NCCL) is CLEARTEXT: anyone on the path can read the tensors the ranks exchange.{salt} "
         "Dial through `fdl join --ssh`, a tunnel or an encrypted overlay (WireGuard/VPN)"
     )
 
@@ -128,7 +128,8 @@ def _stderr(message: str) -> None:
 async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], None] = _stderr) -> Joined:
     """Dial, get admitted, wait for formation; raises JoinFailed with an actionable message.
 
-    `warn` receives the cleartext warning when the controller's address is public."""
+    `warn` receives the cleartext warning when the controller's address is public.
+    """
     pre_shared = spec.salt_hex is not None
     key = salt_from_hex(spec.salt_hex) if spec.salt_hex is not None else OPEN_ADMISSION_KEY
     where = f"{spec.controller_host}:{spec.controller_port}"
@@ -188,8 +189,8 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
             )
         if len(formed.envelope.ranks) != len(hello.devices):
             raise JoinFailed(
-                f"controller assigned {len(formed.envelope.ranks)} rank(s) for {len(hello.devices)} device(s) "
-                "— protocol violation",
+                f"controller assigned {len(formed.envelope.ranks)} rank(s) for {len(hello.devices)} "
+                "device(s) — protocol violation",
                 ExitClass.PERMANENT,
             )
     except BaseException:
@@ -216,9 +217,9 @@ async def _receive(
             # An open-admission hello is tagged with the public key; a credential-checked controller drops
             # it without a word (bad_tag). Re-dialing without a token can never succeed.
             raise JoinFailed(
-                f"controller {where} closed before replying to a join without a token — it checks credentials "
-                "(controller.join.token): pass the run's token with --token HEX, --token - (stdin) or "
-                "FDL_JOIN_TOKEN",
+                f"controller {where} closed before replying to a join without a token — it checks "
+                "credentials (controller.join.token): pass the run's token with --token HEX, --token - "
+                "(stdin) or FDL_JOIN_TOKEN",
                 ExitClass.PERMANENT,
             ) from None
         what = "before the world formed"

@@ -75,7 +75,8 @@ class AgentShell:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, self.events.put_nowait, sv.Interrupted(f"signal {signum.name}"))
         say(
-            f"host {self.spec.host!r} dialing controller {self.spec.controller_host}:{self.spec.controller_port} "
+            f"host {self.spec.host!r} dialing controller "
+            f"{self.spec.controller_host}:{self.spec.controller_port} "
             f"with {len(self.devices)} rank(s) (devices {self.devices}, admission: "
             f"{'pre-shared salt' if self.spec.salt_hex else 'open'})"
         )
@@ -135,7 +136,8 @@ class AgentShell:
     async def _spawn_all(self, joined: Joined) -> None:
         formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host
         argv = rank_command(self.spec.program)
-        # torch's env:// rendezvous (a stock script) reaches the controller's store through this loopback endpoint.
+        # torch's env:// rendezvous (a stock script) reaches the controller's store through this loopback
+        # endpoint.
         self.store_endpoint = AgentStoreEndpoint(
             ControllerAddress(
                 envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id
@@ -147,7 +149,8 @@ class AgentShell:
         if formed.relay is not None:
             listener = bind_relay_listener()
             relay_port = listener.getsockname()[1]
-            # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as `host`).
+            # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as
+            # `host`).
             host_key = join_host_key(joined.salt, host=host, run_id=envelope.run_id, conn=joined.stream.conn)
             spec = relay_spec_for(
                 formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno()
@@ -179,14 +182,21 @@ class AgentShell:
             self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
 
     async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
-        """torchrun's GROUP_RANK/GROUP_WORLD_SIZE for a host in a world of several (None, said, if unknown)."""
+        """The GROUP_RANK/GROUP_WORLD_SIZE torchrun gives a host in a world of several.
+
+        None, said, if unknown.
+        """
         envelope = joined.formed.envelope
         address = ControllerAddress(
             envelope.controller_host, envelope.controller_port, joined.salt, envelope.run_id
         )
         try:
-            return await node_rank(address, first_rank=envelope.ranks[0], local_size=envelope.local_world_size,
-                                   world_size=envelope.world_size)  # fmt: skip
+            return await node_rank(
+                address,
+                first_rank=envelope.ranks[0],
+                local_size=envelope.local_world_size,
+                world_size=envelope.world_size,
+            )
         except (TimeoutError, StoreRefused, ConnectionError, OSError, WireError) as error:
             say(f"GROUP_RANK unknown, left out of the ranks' environment ({error!r})")
             return None
@@ -228,7 +238,9 @@ class AgentShell:
                         case sv.ReportRankExit(rank, code):
                             say(f"rank {rank} exited with {sv.describe_exit(code)}")
                             with contextlib.suppress(OSError, WireError, TimeoutError):
-                                await joined.stream.send(RankExited(rank=rank, code=max(-128, min(255, code))))
+                                await joined.stream.send(
+                                    RankExited(rank=rank, code=max(-128, min(255, code)))
+                                )
                         case sv.TerminateRelay():
                             self._signal(lambda child: child.rank is None, signal.SIGTERM)
                         case sv.TerminateAll(reason):

@@ -48,7 +48,8 @@ def rank_command(program: Sequence[str] | None) -> list[str]:
     A Python script (`[python, SCRIPT.py, *args]`) starts through `python -m flodld.launcher.rank`, which
     claims the salt and opens the rank's relay legs (heartbeats) before running the script unchanged: a
     stock script never imports flodld, and without heartbeats the controller would declare it dead once
-    the startup grace is over. Any other program starts as given."""
+    the startup grace is over. Any other program starts as given.
+    """
     if not program:
         return program_argv()
     if len(program) >= 2 and program[1].endswith(".py"):
@@ -68,7 +69,8 @@ def torchrun_environment(envelope: WorldEnvelope, *, local_rank: int, store_port
     rank, rank 0 included, a client of it (torch then starts no store server of its own). GROUP_RANK and
     GROUP_WORLD_SIZE are `node` (this host's index among the hosts, and their number: the agents work it
     out in the store, flodld.agent.tcpstore.node_rank), or (0, 1) when this host holds the whole world;
-    left out when neither is known."""
+    left out when neither is known.
+    """
     env = {
         "MASTER_ADDR": AGENT_STORE_HOST,
         "MASTER_PORT": str(store_port),
@@ -127,7 +129,8 @@ def rank_environment(
     Precedence: the agent's own environment, then the run's `env` (the controller's cluster scope),
     then `host_env` (this worker's `env:` and `nccl_socket_ifname`, which override the cluster scope),
     then the identity variables flodld sets per rank (with `store_port`, torchrun's as well: see
-    `torchrun_environment`; without it, none of torchrun's rendezvous variables leak through)."""
+    `torchrun_environment`; without it, none of torchrun's rendezvous variables leak through).
+    """
     env = base_environment(parent)
     env.update(envelope.env)
     env.update(host_env or {})

@@ -8,8 +8,8 @@ Rules:
 - a rank exiting non-zero tears the host down: its peers would otherwise hang in a collective
   waiting for it (the controller hears the exit and decides for the other hosts);
 - when every rank has exited cleanly, the relay's job is over and it is asked to stop;
-- the relay failing (non-zero exit) while ranks run, Abort from the controller, losing the controller link, or a
-  signal to the agent tear the host down: TERM to every child, KILL after the grace period;
+- the relay failing (non-zero exit) while ranks run, Abort from the controller, losing the controller link,
+  or a signal to the agent tear the host down: TERM to every child, KILL after the grace period;
 - when no child is left, the join link is closed (the controller's "host done" event) and the
   agent exits 0 only if every child succeeded and nothing tore the host down.
 """

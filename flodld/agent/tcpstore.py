@@ -99,7 +99,8 @@ def socket_owner_uid(
     """The uid owning the TCP socket bound to `local` and connected to `remote` on this host, or None.
 
     For a connection accepted on 127.0.0.1, pass the peer's address as `local` and ours as `remote`:
-    the peer's socket is the entry with those ends (the kernel keeps both ends of a loopback connection)."""
+    the peer's socket is the entry with those ends (the kernel keeps both ends of a loopback connection).
+    """
     want_local = (_plain(ipaddress.ip_address(local[0])), local[1])
     want_remote = (_plain(ipaddress.ip_address(remote[0])), remote[1])
     for table in tables:
@@ -147,7 +148,8 @@ class ControllerLink:
     """One authenticated rendezvous connection, dialed on first use and re-dialed once when it breaks.
 
     Mutating requests carry this link's request ids under its own client id, so one re-sent after a lost
-    reply is answered from the controller's record, never applied twice (as ControllerStore does)."""
+    reply is answered from the controller's record, never applied twice (as ControllerStore does).
+    """
 
     def __init__(self, address: ControllerAddress) -> None:
         self.address = address
@@ -209,19 +211,23 @@ GROUP_TIMEOUT_SECS = 10.0
 
 async def node_rank(address: ControllerAddress, *, first_rank: int, local_size: int, world_size: int,
                     timeout: float = GROUP_TIMEOUT_SECS) -> tuple[int, int]:  # fmt: skip
-    """(this host's index among the world's hosts, the number of hosts): torchrun's GROUP_RANK, GROUP_WORLD_SIZE.
+    """This host's index among the world's hosts and the number of hosts.
+
+    They are torchrun's GROUP_RANK and GROUP_WORLD_SIZE.
 
     Formation tells a host its ranks, not its index, so the agents work it out in the run's store: each
     publishes its first rank and rank count, adds its count to a total, and the one that completes the
     world marks it done; then every host counts the hosts whose first rank is below its own (hosts hold
-    contiguous rank ranges). A few store round trips; TimeoutError when a host never publishes."""
+    contiguous rank ranges). A few store round trips; TimeoutError when a host never publishes.
+    """
     link = ControllerLink(address)
     try:
         async with asyncio.timeout(timeout):
             await link.call(
                 StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), StoreOk, str(local_size).encode()
             )
-            total = (await link.call(StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size), StoreInt))[0].value
+            added = StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size)
+            total = (await link.call(added, StoreInt))[0].value
             if total == world_size:
                 await link.call(StoreSet(key=f"{GROUP_PREFIX}done"), StoreOk, b"1")
             await link.call(StoreWait(keys=[f"{GROUP_PREFIX}done"], timeout=timeout), StoreOk)
@@ -345,7 +351,8 @@ class _Session:
         """WAIT: ask the controller in slices until every key exists, or until the client sends CANCEL_WAIT.
 
         A cancel answers WAIT_CANCELED at once and drops the controller link (its slice is left to time out
-        there); the link is re-dialed for the next request."""
+        there); the link is re-dialed for the next request.
+        """
         next_request = asyncio.ensure_future(self.requests.get())
         try:
             while True:

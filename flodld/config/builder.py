@@ -36,7 +36,10 @@ class ClusterBuilder:
         return self
 
     def join(self, **knobs: Any) -> Self:
-        """`controller.join` knobs (min_rank_start, join_timeout, target_ranks, ...); repeated calls add up."""
+        """`controller.join` knobs (min_rank_start, join_timeout, target_ranks, ...).
+
+        Repeated calls add up.
+        """
         self._join.update(knobs)
         return self
 

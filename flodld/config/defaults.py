@@ -8,7 +8,8 @@ from flodld.config.models import ClusterConfig
 
 def embedded_default(ranks: int = 2) -> ClusterConfig:
     """Controller on 127.0.0.1 with port 0 (the OS picks a free one), one local worker with `ranks` CPU ranks,
-    cpu_sync averaging over a gloo process group."""
+    cpu_sync averaging over a gloo process group.
+    """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
     return (

@@ -62,7 +62,8 @@ def config_overlay_file(config_file: Path | str, env: str) -> Path:
 
 def load_config_file(config_file: Path | str, env: str | None = None) -> ProjectConfig:
     """Like `load_config`, for a file named explicitly (`flodld serve --config other.yml --env x`): the
-    overlay is `other.x.yml` next to it, whatever the file is called. The base file must exist."""
+    overlay is `other.x.yml` next to it, whatever the file is called. The base file must exist.
+    """
     path = Path(config_file)
     if not path.is_file():
         raise ConfigNotFoundError(ConfigIssue((), f"config file {path} does not exist", path))
@@ -77,7 +78,8 @@ def load_config_file(config_file: Path | str, env: str | None = None) -> Project
             raise ConfigError(
                 ConfigIssue(
                     (),
-                    f"unknown environment {env!r}: {overlay.name} (the overlay of {path.name}) does not exist",
+                    f"unknown environment {env!r}: {overlay.name} (the overlay of {path.name}) does not "
+                    "exist",
                     overlay,
                 )
             )

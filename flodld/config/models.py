@@ -93,7 +93,8 @@ class WorkerConfig(BaseModel):
 
     def rank_env(self) -> dict[str, str]:
         """What this worker's ranks get over the cluster-scope `env`: NCCL_SOCKET_IFNAME and
-        GLOO_SOCKET_IFNAME from `nccl_socket_ifname`, then the worker's own `env:` (which wins)."""
+        GLOO_SOCKET_IFNAME from `nccl_socket_ifname`, then the worker's own `env:` (which wins).
+        """
         env: dict[str, str] = {}
         if self.nccl_socket_ifname is not None:
             env["NCCL_SOCKET_IFNAME"] = self.nccl_socket_ifname
@@ -193,7 +194,9 @@ class WalkInConfig(BaseModel):
     devices: DeviceSpec = ALL_DEVICES
     persist: Flag = False
     # Controller env names this walk-in applies beyond the safe set (flodld.agent.envpolicy).
-    accept_env: tuple[Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], ...] = ()
+    accept_env: tuple[
+        Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], ...
+    ] = ()
 
     @field_validator("address")
     @classmethod

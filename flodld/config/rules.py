@@ -73,7 +73,8 @@ def _roster_rules(cluster: ClusterConfig) -> list[RuleViolation]:
             found.append(
                 RuleViolation(
                     ("workers", index, "path"),
-                    f"remote worker {worker.host!r} needs path: (the project checkout directory on that host)",
+                    f"remote worker {worker.host!r} needs path: (the project checkout directory on that "
+                    "host)",
                 )
             )
     return found
@@ -94,8 +95,8 @@ def _averaging_rules(cluster: ClusterConfig) -> list[RuleViolation]:
         found.append(
             RuleViolation(
                 ("controller", "cadence"),
-                f"{controller.averaging.value} averages every step, so cadence {controller.cadence} has no effect; "
-                "remove cadence or choose cpu_cadence / cpu_async / nccl_cadence",
+                f"{controller.averaging.value} averages every step, so cadence {controller.cadence} has no "
+                "effect; remove cadence or choose cpu_cadence / cpu_async / nccl_cadence",
             )
         )
     if controller.backend is Backend.NCCL:
@@ -120,8 +121,8 @@ def _network_rules(cluster: ClusterConfig) -> list[RuleViolation]:
                 found.append(
                     RuleViolation(
                         ("workers", index, "nccl_socket_ifname"),
-                        f"worker {worker.host!r} needs nccl_socket_ifname: (e.g. eth0) because the cluster spans "
-                        "several hosts and the backend is NCCL",
+                        f"worker {worker.host!r} needs nccl_socket_ifname: (e.g. eth0) because the cluster "
+                        "spans several hosts and the backend is NCCL",
                     )
                 )
     if controller.port == 0:
@@ -182,10 +183,11 @@ def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
         found.append(
             RuleViolation(
                 ("controller", "join", "discovery"),
-                "discovery: true on a network bind can never admit a walk-in: with no token the session salt is "
-                "random and every hello is refused (bad_tag); set controller.join.token (32 hex, handed to "
-                "walk-ins as fdl join --token / FDL_JOIN_TOKEN), or open_admission: true (anyone who reaches the "
-                "port joins), or tunnel_only: true (loopback bind, walk-ins arrive through sshd)",
+                "discovery: true on a network bind can never admit a walk-in: with no token the session "
+                "salt is random and every hello is refused (bad_tag); set controller.join.token (32 hex, "
+                "handed to walk-ins as fdl join --token / FDL_JOIN_TOKEN), or open_admission: true (anyone "
+                "who reaches the port joins), or tunnel_only: true (loopback bind, walk-ins arrive through "
+                "sshd)",
             )
         )
     if join.tunnel_only:
@@ -193,7 +195,8 @@ def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
             found.append(
                 RuleViolation(
                     ("controller", "join", "tunnel_only"),
-                    f"tunnel_only needs a CPU averaging mode ({CPU_MODES_TEXT}); NCCL traffic cannot ride tunnels",
+                    f"tunnel_only needs a CPU averaging mode ({CPU_MODES_TEXT}); NCCL traffic cannot ride "
+                    "tunnels",
                 )
             )
         for index, worker in enumerate(cluster.workers):
@@ -201,8 +204,8 @@ def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
                 found.append(
                     RuleViolation(
                         ("workers", index, "tunnel"),
-                        f"join.tunnel_only binds the controller to loopback, so remote worker {worker.host!r} "
-                        "must set tunnel: true to reach it",
+                        "join.tunnel_only binds the controller to loopback, so remote worker "
+                        f"{worker.host!r} must set tunnel: true to reach it",
                     )
                 )
     return found

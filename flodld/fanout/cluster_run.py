@@ -95,8 +95,10 @@ async def run_cluster_job(
         bind, bound_port = await controller.start()
     except OSError as error:
         await controller.close()
-        say(f"run FAILED: the controller cannot listen on {options.effective_bind_host}:{options.port} ({error}); "
-            "free the port or set cluster.controller.port")  # fmt: skip
+        say(
+            f"run FAILED: the controller cannot listen on {options.effective_bind_host}:{options.port} "
+            f"({error}); free the port or set cluster.controller.port"
+        )
         return EXIT_FAILED
     # Always the salt, unless the operator set open_admission explicitly (then the join key is public,
     # the controller warns, and agents receive the salt in Accept like any joiner).
@@ -142,8 +144,12 @@ async def run_cluster_job(
         await controller.close()
 
 
-async def _supervise(controller: Controller, fanout: FanOut, local_agents: dict[str, asyncio.subprocess.Process],
-                     say: Callable[[str], None]) -> int:  # fmt: skip
+async def _supervise(
+    controller: Controller,
+    fanout: FanOut,
+    local_agents: dict[str, asyncio.subprocess.Process],
+    say: Callable[[str], None],
+) -> int:
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -89,11 +89,15 @@ def forward_command(
 
 _TCP_LISTEN = "0A"
 # Local addresses (as /proc/net/tcp{,6} write them) at which a dial of 127.0.0.1 can land.
-_REACHES_LOOPBACK = frozenset({
-    "0100007F", "00000000",  # 127.0.0.1, 0.0.0.0
-    "00000000000000000000000000000000",  # :: (dual-stack unless IPV6_V6ONLY, which /proc does not show)
-    "0000000000000000FFFF00000100007F", "0000000000000000FFFF000000000000",  # ::ffff:127.0.0.1, ::ffff:0.0.0.0
-})  # fmt: skip
+_REACHES_LOOPBACK = frozenset(
+    {
+        "0100007F",
+        "00000000",  # 127.0.0.1, 0.0.0.0
+        "00000000000000000000000000000000",  # :: (dual-stack unless IPV6_V6ONLY, which /proc does not show)
+        "0000000000000000FFFF00000100007F",
+        "0000000000000000FFFF000000000000",  # ::ffff:127.0.0.1, ::ffff:0.0.0.0
+    }
+)
 
 
 class ForwardOwnerUnknown(ForwardError):
@@ -120,8 +124,8 @@ def loopback_listeners(port: int, *, proc: str = "/proc") -> set[int]:
                 inodes.add(int(fields[9]))
     if not found_table:
         raise ForwardOwnerUnknown(
-            f"cannot tell who listens on 127.0.0.1:{port} ({proc}/net/tcp is missing): `fdl join --ssh` verifies "
-            "that the forward belongs to its own ssh and needs Linux /proc for that"
+            f"cannot tell who listens on 127.0.0.1:{port} ({proc}/net/tcp is missing): `fdl join --ssh` "
+            "verifies that the forward belongs to its own ssh and needs Linux /proc for that"
         )
     return inodes
 
@@ -195,8 +199,13 @@ def open_forward(
         port = free_local_port()
         argv = forward_command(endpoint, port, remote, ssh_binary=binary, connect_timeout=timeout)
         with tempfile.TemporaryFile() as errors:  # a file, not a pipe: ssh may outlive our reading
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-                                       start_new_session=True)  # fmt: skip
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+                start_new_session=True,
+            )
             forward = LocalForward(port, process, endpoint)
             deadline = time.monotonic() + timeout
             try:
@@ -229,10 +238,10 @@ def open_forward(
 
 def squatter_message(port: int, endpoint: SshEndpoint) -> str:
     return (
-        f"REFUSING to dial 127.0.0.1:{port}: another process (not this join's own ssh) is listening there, where "
-        f"the forward via {endpoint.label} should be — a local user may be impersonating the controller to "
-        "hand this host's ranks its environment and code. Find it with `ss -ltnp 'sport = :"
-        f"{port}'`; nothing was sent to it"
+        f"REFUSING to dial 127.0.0.1:{port}: another process (not this join's own ssh) is listening there, "
+        f"where the forward via {endpoint.label} should be — a local user may be impersonating the "
+        "controller to hand this host's ranks its environment and code. Find it with `ss -ltnp 'sport = "
+        f":{port}'`; nothing was sent to it"
     )
 
 

@@ -124,8 +124,16 @@ def plan_agent(
         devices=devices, averaging=controller.averaging, cluster_env=True,
         host_env=worker.rank_env() or None, program=[python, program, *args],
     )  # fmt: skip
-    return AgentPlan(host=worker.host, endpoint=endpoint_for(worker), workdir=workdir, argv=tuple(argv), spec=spec,
-                     tunnel=worker.tunnel, controller_port=controller_port, worker_env=worker_env)  # fmt: skip
+    return AgentPlan(
+        host=worker.host,
+        endpoint=endpoint_for(worker),
+        workdir=workdir,
+        argv=tuple(argv),
+        spec=spec,
+        tunnel=worker.tunnel,
+        controller_port=controller_port,
+        worker_env=worker_env,
+    )
 
 
 def device_count_command(worker: WorkerConfig, workdir: str) -> str:

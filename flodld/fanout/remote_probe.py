@@ -40,16 +40,20 @@ def parse_remote_report(host: str, code: int, out: str, err: str) -> HostReport:
             return report
     report = HostReport(host=host)
     detail = (err.strip() or out.strip())[-400:] or "no output"
-    report.add("probe", "error",
-               f"{problem}: {detail} — is flodld installed in that host's environment (see arch:/path:)?")  # fmt: skip
+    report.add(
+        "probe",
+        "error",
+        f"{problem}: {detail} — is flodld installed in that host's environment (see arch:/path:)?",
+    )
     return report
 
 
 async def probe_worker(worker: WorkerConfig, workdir: str, *, data_path: str | None,
                        timeout: float = 120.0) -> HostReport:  # fmt: skip
     try:
-        code, out, err = await run_remote(endpoint_for(worker), probe_command(worker, workdir, data_path=data_path),
-                                          timeout=timeout)  # fmt: skip
+        code, out, err = await run_remote(
+            endpoint_for(worker), probe_command(worker, workdir, data_path=data_path), timeout=timeout
+        )
     except (ConnectionError, TimeoutError, OSError) as exc:
         report = HostReport(host=worker.host)
         report.add("ssh", "error", f"cannot run the probe over SSH: {exc or 'timed out'}")

@@ -170,7 +170,8 @@ async def _connect_one(
 
 class _FirstContact(asyncssh.SSHClient):
     """accept-new for a host with no trusted entry: any key that is not @revoked (asyncssh checks
-    revocation before it asks this), the way OpenSSH's accept-new takes a new host's key."""
+    revocation before it asks this), the way OpenSSH's accept-new takes a new host's key.
+    """
 
     def validate_host_public_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
         return True

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NOLOGIN = "/usr/sbin/nologin"
-_KEY_TYPES = "ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecdsa-sha2-nistp521|sk-ssh-ed25519@openssh\\.com"
+_KEY_TYPES = (
+    "ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecdsa-sha2-nistp521|sk-ssh-ed25519@openssh\\.com"
+)
 # The whole line, anchored at both ends: type, one space-separated base64 blob, an optional comment
 # of printable characters. No option prefix, no second key, no control character anywhere.
 _KEY_LINE = re.compile(
@@ -37,8 +39,8 @@ def check_public_key(key: str) -> str:
     stripped = key.strip(" \t")
     if _CONTROL.search(stripped.rstrip("\n")):  # one trailing newline (a .pub file's) is fine
         raise RecipeError(
-            f"public key {stripped[:40]!r}... holds a newline or control character: one key string must be one "
-            "authorized_keys line; pass each key on its own (the contents of one .pub file)"
+            f"public key {stripped[:40]!r}... holds a newline or control character: one key string must be "
+            "one authorized_keys line; pass each key on its own (the contents of one .pub file)"
         )
     stripped = stripped.rstrip("\n").strip(" \t")
     found = _KEY_LINE.fullmatch(stripped)
@@ -71,7 +73,8 @@ class JoinSshdRecipe:
             check_public_key(key)
         if not _USER.fullmatch(self.join_user) or self.join_user == "root":
             raise RecipeError(
-                f"join_user {self.join_user!r} must be an unprivileged account name (not root), e.g. flodl-join"
+                f"join_user {self.join_user!r} must be an unprivileged account name (not root), e.g. "
+                "flodl-join"
             )
 
     @property

@@ -36,8 +36,9 @@ def current_role(environ: Mapping[str, str] | None = None) -> Role:
     if agent + relay + rank > 1:
         raise RoleError(
             f"flodld: inconsistent role environment ({AGENT_ENV}={'set' if agent else 'unset'}, "
-            f"{RELAY_ENV}={'set' if relay else 'unset'}, rank={'yes' if rank else 'no'}); a process plays one "
-            "role — unset the stray variables (they leak when a flodld child starts another flodld program)"
+            f"{RELAY_ENV}={'set' if relay else 'unset'}, rank={'yes' if rank else 'no'}); a process plays "
+            "one role — unset the stray variables (they leak when a flodld child starts another flodld "
+            "program)"
         )
     if agent:
         return Role.AGENT
@@ -74,7 +75,8 @@ def exit_if_worker_role() -> None:
     """Run the agent or relay role and exit when this process is one; return otherwise.
 
     In a rank it takes the session salt out of the environment first, so that no subprocess of the
-    training program inherits it (flodld.rank.env.claim_salt)."""
+    training program inherits it (flodld.rank.env.claim_salt).
+    """
     role = current_role()
     if role is Role.RANK:
         claim_salt()

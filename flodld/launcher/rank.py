@@ -40,7 +40,8 @@ def main(argv: list[str]) -> None:
 def _settle_torch_distributed() -> None:
     """At exit, before the interpreter shuts down: close a process group the script left open and let
     gloo's worker threads finish freeing their last work (see `quiesce_gloo_workers`). A script that
-    never touched torch.distributed pays nothing."""
+    never touched torch.distributed pays nothing.
+    """
     if "torch.distributed" not in sys.modules:
         return
     from flodld.rank.process_group import close_process_group  # loads torch: only if the script did

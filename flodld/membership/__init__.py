@@ -1,5 +1,6 @@
 """Sans-io membership: the join window's policy, phase table and verdict, admission ledger, start
-switch and state snapshot. Time is always an argument; nothing here does I/O."""
+switch and state snapshot. Time is always an argument; nothing here does I/O.
+"""
 
 from __future__ import annotations
 

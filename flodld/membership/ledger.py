@@ -296,12 +296,14 @@ def _device_list(ledger: Ledger, hello: Hello) -> Refused | None:
     if not hello.devices:
         return Refused(
             "empty_devices",
-            f"host {hello.host!r} offered no devices (a worker with no ranks cannot train); offer at least one",
+            f"host {hello.host!r} offered no devices (a worker with no ranks cannot train); offer at least "
+            "one",
         )
     if len(hello.devices) > MAX_RANKS_PER_HOST:
         return Refused(
             "too_many_devices",
-            f"host {hello.host!r} offered {len(hello.devices)} devices, over the per-host cap {MAX_RANKS_PER_HOST}",
+            f"host {hello.host!r} offered {len(hello.devices)} devices, over the per-host cap "
+            f"{MAX_RANKS_PER_HOST}",
         )
     # Duplicate device names and empty host names never get here: the Hello model refuses them.
     return None
@@ -374,8 +376,8 @@ def _nccl(ledger: Ledger, hello: Hello) -> Refused | None:
         return Refused(
             "nccl_skew",
             f"NCCL version skew: this cohort loads {expected[0]}.{expected[1]}.x (set by {reference[1]}) and "
-            f"{hello.host!r} loads {offered[0]}.{offered[1]}.x — NCCL refuses its handshake across major.minor "
-            "skew; align the torch builds, or bridge with fdl nccl build",
+            f"{hello.host!r} loads {offered[0]}.{offered[1]}.x — NCCL refuses its handshake across "
+            "major.minor skew; align the torch builds, or bridge with fdl nccl build",
         )
     return None
 

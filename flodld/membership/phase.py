@@ -156,8 +156,8 @@ def _closing_event(
     cap = f"{policy.cap_secs:g}s"
     if manual and quorum_met:
         return Event.HARD_CAP, (
-            f"operator start not received: {joined} ranks staged with quorum {policy.quorum} met, but "
-            f"start: manual got no fdl start within the {cap} hard cap — raise max_join_timeout for a longer hold"
+            f"operator start not received: {joined} ranks staged with quorum {policy.quorum} met, but start: "
+            f"manual got no fdl start within the {cap} hard cap — raise max_join_timeout for a longer hold"
         )
     return Event.HARD_CAP, f"quorum not met: {joined} of {policy.quorum} ranks joined after {cap} hard cap"
 

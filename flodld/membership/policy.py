@@ -37,7 +37,8 @@ OPEN_NETWORK_BIND_WARNING = (
 
 def is_loopback_literal(address: str) -> bool:
     """True for an IP literal in 127/8, ::1 or IPv4-mapped loopback; anything else (0.0.0.0, ::,
-    a hostname, garbage) is not loopback."""
+    a hostname, garbage) is not loopback.
+    """
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0].strip("[]"))
     except ValueError:
@@ -127,8 +128,8 @@ def derive_policy(
     cap = join.max_join_timeout if join.max_join_timeout is not None else max(DEFAULT_HARD_CAP_SECS, window)
     if cap < window:
         raise PolicyError(
-            f"controller.join: max_join_timeout ({cap:g}s) is below join_timeout ({window:g}s) — the hard cap "
-            "cannot expire before the window; raise max_join_timeout or lower join_timeout"
+            f"controller.join: max_join_timeout ({cap:g}s) is below join_timeout ({window:g}s) — the hard "
+            "cap cannot expire before the window; raise max_join_timeout or lower join_timeout"
         )
     bound_loopback = (
         (loopback_bind or join.tunnel_only) if bound_address is None else (is_loopback_literal(bound_address))
@@ -158,16 +159,17 @@ def _check_discovery_family(join: JoinConfig, averaging: AveragingMode) -> None:
         )
     if join.tunnel_only and not join.discovery:
         raise PolicyError(
-            "controller.join: tunnel_only is a discovery-mode knob and discovery is off — an enumerated roster "
-            "infers the bind scope from its workers' tunnel: flags; set discovery: true or drop tunnel_only"
+            "controller.join: tunnel_only is a discovery-mode knob and discovery is off — an enumerated "
+            "roster infers the bind scope from its workers' tunnel: flags; set discovery: true or drop "
+            "tunnel_only"
         )
     # Only CPU modes send all their traffic through the per-host relay's single upstream connection,
     # the one thing a controller tunnel can carry.
     if join.tunnel_only and not averaging.is_cpu:
         raise PolicyError(
             f"controller.join: tunnel_only needs a CPU averaging mode ({AveragingMode.cpu_modes_text()}), "
-            f"but averaging is {averaging.value!r} — NCCL's data plane is peer-to-peer and cannot ride a controller "
-            "tunnel; switch averaging to a cpu_* mode or drop tunnel_only"
+            f"but averaging is {averaging.value!r} — NCCL's data plane is peer-to-peer and cannot ride a "
+            "controller tunnel; switch averaging to a cpu_* mode or drop tunnel_only"
         )
     if join.token is not None and join.open_admission:
         raise PolicyError(
@@ -218,10 +220,10 @@ def _trust_mode(
 ) -> tuple[TrustMode, str | None]:
     if join.tunnel_only and not bound_loopback:
         raise PolicyError(
-            f"controller.join: tunnel_only (--tunnel-only) promises a loopback-only listener, but the controller "
-            f"is bound to {bound_address} (--bind / bind_host), which is not loopback — anyone who can reach it "
-            "would be admitted without the salt; drop --bind (tunnel_only binds 127.0.0.1) or bind 127.0.0.1 / "
-            "::1, or drop tunnel_only and set controller.join.token (--token)"
+            "controller.join: tunnel_only (--tunnel-only) promises a loopback-only listener, but the "
+            f"controller is bound to {bound_address} (--bind / bind_host), which is not loopback — anyone "
+            "who can reach it would be admitted without the salt; drop --bind (tunnel_only binds 127.0.0.1) "
+            "or bind 127.0.0.1 / ::1, or drop tunnel_only and set controller.join.token (--token)"
         )
     if join.token is not None:
         # Even behind sshd a configured token is checked: sshd and the token are two layers.

@@ -79,7 +79,8 @@ class ConnectionCounts(_Model):
 
     by_channel: dict[str, int] = Field(
         default_factory=dict,
-        description="Connections routed since the port opened, by channel (join, http, rendezvous, data, control).",
+        description="Connections routed since the port opened, by channel "
+        "(join, http, rendezvous, data, control).",
     )
     dropped: dict[str, int] = Field(
         default_factory=dict,
@@ -122,7 +123,8 @@ class ServiceState(_Model):
     )
     config_loaded_at: float = Field(description="Unix seconds of the last successful (re)load.")
     config_error: str | None = Field(
-        description="Why the last SIGHUP reload failed (the previous config stays in force); null when it loaded."
+        description="Why the last SIGHUP reload failed (the previous config stays in force); "
+        "null when it loaded."
     )
     history_limit: int = Field(
         description="How many finished runs `history` keeps (controller.history_runs)."
@@ -150,8 +152,8 @@ class StateSnapshot(_Model):
     start_armed: bool
     startable: bool = Field(description="Open window, manual/hybrid, quorum met: `fdl start` would arm.")
     members: list[MemberState] = Field(
-        description=f"One page of hosts in admission order: the first {DEFAULT_MEMBER_PAGE} unless `?members=A..B` "
-        "(inclusive indexes) or `?members=all` asked for others; `members_page` says which."
+        description=f"One page of hosts in admission order: the first {DEFAULT_MEMBER_PAGE} unless "
+        "`?members=A..B` (inclusive indexes) or `?members=all` asked for others; `members_page` says which."
     )
     members_page: MembersPage | None = Field(
         default=None,

@@ -62,7 +62,8 @@ def arm(policy: WindowPolicy, phase: Phase, *, joined_ranks: int, armed: bool) -
         return StartRefused(
             "quorum_not_met",
             409,
-            f"quorum not met: {joined_ranks} of {policy.quorum} ranks joined — check fdl status and fire again",
+            f"quorum not met: {joined_ranks} of {policy.quorum} ranks joined — check fdl status and fire "
+            "again",
         )
     return Armed(joined_ranks=joined_ranks, quorum=policy.quorum, already=armed)
 

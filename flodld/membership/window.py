@@ -42,7 +42,8 @@ class LinkOutcome(Enum):
 @dataclass(frozen=True)
 class LinkEnded:
     """`JoinWindow.link_ended`'s decision, for the shell to log: `ranks` are the ranks that went back
-    (RETURNED) or the host's unreported ones (CLOSED, LOST); `why` is the sentence the verdict names."""
+    (RETURNED) or the host's unreported ones (CLOSED, LOST); `why` is the sentence the verdict names.
+    """
 
     outcome: LinkOutcome
     ranks: tuple[int, ...] = ()
@@ -104,7 +105,8 @@ class JoinWindow:
         `evaluate=False` (a storm: the shell calls `tick` once per event-loop turn instead) skips both
         evaluations unless they could decide something at this hello: before it, when the clock has
         reached the window's end; after it, when the target is reached (so the very next hello of the
-        same turn is already refused, and the world never overshoots the target)."""
+        same turn is already refused, and the world never overshoots the target).
+        """
         if evaluate or self.elapsed(now) >= self.policy.window_secs:
             self.tick(now)
         if self.phase not in WINDOW_PHASES:
@@ -123,7 +125,8 @@ class JoinWindow:
 
     def disconnect(self, host: str, now: float) -> tuple[int, ...]:
         """A member's link broke. Before formation its ranks go back (later members renumber); after it the
-        host is `lost` (see `host_closed`)."""
+        host is `lost` (see `host_closed`).
+        """
         if self.phase in WINDOW_PHASES:
             ranks = self.ledger.retract(host)
             self.tick(now)
@@ -190,7 +193,8 @@ class JoinWindow:
     def host_closed(self, host: str, now: float, *, lost: bool = False, why: str = "") -> Phase:
         """A host's join link ended: its exit event. A clean EOF marks it `closed`; `lost=True` (the link
         broke: reset, write failure, bad frame, a silent rank) marks it `lost` and counts its unreported
-        ranks as failed; `why`, if given, is named in the failure verdict."""
+        ranks as failed; `why`, if given, is named in the failure verdict.
+        """
         if self.phase in WINDOW_PHASES:
             self.disconnect(host, now)
             return self.phase
@@ -212,7 +216,8 @@ class JoinWindow:
         frame, failed write, keepalive). Before formation the host's ranks go back; after it the host is
         done, or lost when the link broke or closed with ranks unreported (an agent reports every rank's
         exit before it closes its link, so that is a dead agent: a SIGKILLed agent's kernel still sends
-        a clean FIN). A lost host's `why` is named in `final_reason`."""
+        a clean FIN). A lost host's `why` is named in `final_reason`.
+        """
         if self.phase in TERMINAL_PHASES:
             return LinkEnded(LinkOutcome.IGNORED, why=why)
         if self.phase in WINDOW_PHASES:
@@ -274,7 +279,8 @@ class JoinWindow:
         lost = [(host, why) for host, why in self.loss_reasons.items() if host in self._link_losses]
         if self.phase is not Phase.FAILED or not lost:
             return self.reason
-        return f"{self.reason} — lost join link(s): " + "; ".join(f"host {host!r}: {why}" for host, why in lost)
+        links = "; ".join(f"host {host!r}: {why}" for host, why in lost)
+        return f"{self.reason} — lost join link(s): " + links
 
     def failed_ranks(self) -> list[int]:
         """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
@@ -282,12 +288,14 @@ class JoinWindow:
 
     def snapshot(self, now: float, members: tuple[int, int] | None = None) -> StateSnapshot:
         """state.json at `now` as the model (countdowns computed live, never frozen); every member unless
-        `members` = (start, stop) asks for a page. The controller serves `state()` (no model per member)."""
+        `members` = (start, stop) asks for a page. The controller serves `state()` (no model per member).
+        """
         return StateSnapshot.model_validate(self.state(now, members or (0, MAX_WORLD_RANKS)))
 
     def state(self, now: float, members: tuple[int, int] = (0, DEFAULT_MEMBER_PAGE)) -> dict[str, Any]:
         """state.json at `now` as JSON-ready data: the page `members` = (start, stop) of hosts in admission
-        order, and every member counted. O(page + roster + exits), never O(members)."""
+        order, and every member counted. O(page + roster + exits), never O(members).
+        """
         elapsed = self.elapsed(now)
         window_open = self.phase in WINDOW_PHASES
         ledger = self.ledger

@@ -79,7 +79,8 @@ GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo'
 
 def _gloo_worker_states() -> list[str] | None:
     """The scheduler state letter (R, S, D, ...) of each gloo worker thread of this process, or None
-    where /proc cannot say (not Linux)."""
+    where /proc cannot say (not Linux).
+    """
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

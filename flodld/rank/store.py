@@ -231,7 +231,10 @@ class ControllerStore(Store):
     deleteKey = delete_key
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        """Values of `keys` in order. A key named twice is fetched once (the controller refuses duplicates)."""
+        """Values of `keys` in order.
+
+        A key named twice is fetched once (the controller refuses duplicates).
+        """
         unique = list(dict.fromkeys(keys))
         wait = self._wait_secs()
         message, tail = self._call(StoreMultiGet(keys=unique, timeout=wait), b"", StoreValues, wait)

@@ -127,7 +127,8 @@ class WorldEnvelope(WireModel):
     """What one host needs to start its ranks: its global ranks and the world around them.
 
     O(1) in the world's size (plus the run's env): no host list, so formation sends O(hosts) bytes in total
-    and no world size is capped by a list bound."""
+    and no world size is capped by a list bound.
+    """
 
     run_id: Name
     world_size: Annotated[int, Field(ge=1, le=2**31)]

@@ -38,8 +38,8 @@ def salt_from_hex(text: str) -> bytes:
     cleaned = text.strip()
     if len(cleaned) != SALT_HEX_CHARS:
         raise SaltError(
-            f"session token must be {SALT_HEX_CHARS} hex characters ({SALT_BYTES} bytes), got {len(cleaned)}; "
-            "generate one with: python -c 'import secrets; print(secrets.token_hex(16))'"
+            f"session token must be {SALT_HEX_CHARS} hex characters ({SALT_BYTES} bytes), got "
+            f"{len(cleaned)}; generate one with: python -c 'import secrets; print(secrets.token_hex(16))'"
         )
     for position, char in enumerate(cleaned):
         if char not in _HEX_DIGITS:

@@ -138,7 +138,8 @@ class StoreListKeys(Message):
 @register(0x020E)
 class StoreQueuePush(Message):
     """Push the tail onto the FIFO queue `key` (queues and plain keys are separate; `check`/`wait` see a
-    non-empty queue as present)."""
+    non-empty queue as present).
+    """
 
     key: StoreKey
     request_id: RequestId = 0
@@ -147,7 +148,8 @@ class StoreQueuePush(Message):
 @register(0x020F)
 class StoreQueuePop(Message):
     """Wait up to `timeout` (0 = do not wait) for queue `key` to be non-empty, pop its head: StoreValue,
-    or StoreError(queue_empty) when it stayed empty (timeout > 0: StoreError(timeout))."""
+    or StoreError(queue_empty) when it stayed empty (timeout > 0: StoreError(timeout)).
+    """
 
     key: StoreKey
     timeout: WaitSecs
@@ -192,7 +194,8 @@ class StoreBool(Message):
 class StoreError(Message):
     """A request failed: `timeout`, `bad_request`, `too_large` (a value, or a whole reply, over the cap),
     `duplicate_key` (multi_get naming a key twice), `wrong_run`, `not_integer`, `queue_empty`,
-    `stale_request` (a request id older than the client's last)."""
+    `stale_request` (a request id older than the client's last).
+    """
 
     code: ReasonCode
     reason: Reason

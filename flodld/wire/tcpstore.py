@@ -6,9 +6,10 @@ nothing of this protocol (which has no authentication at all) ever leaves the ho
 
 The protocol, as torch 2.13's TCPStore client sends it (recorded bytes in tests/flodld/wire/test_tcpstore.py;
 the query types only grew at the end of torch's enum since VALIDATE became 0, so older clients in the
-supported range send a subset; re-record when a torch version is added): every request is one query-type byte followed by its
-arguments; integers are 8 bytes little-endian (the machine's order: x86-64 and aarch64 are little);
-a string or a byte value is a u64 length and the bytes; a key list is a u64 count and the strings.
+supported range send a subset; re-record when a torch version is added): every request is one query-type
+byte followed by its arguments; integers are 8 bytes little-endian (the machine's order: x86-64 and aarch64
+are little); a string or a byte value is a u64 length and the bytes; a key list is a u64 count and the
+strings.
 
 | byte | request | arguments | reply |
 |---|---|---|---|
