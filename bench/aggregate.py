@@ -18,7 +18,8 @@ Every configuration runs as P gloo processes on this machine (one torch thread e
   TenSEAL itself is used when importable; otherwise the same pipeline runs on our engine and
   fhelium.serialization, and the table says so.
 Times are wall-clock from a barrier to the mean being available, best of interleaved repeats;
-ratios are against the floor and between ours and the usual pipeline. Errors are the max absolute error of the decrypted mean.
+ratios are against the floor and between ours and the usual pipeline. Errors are the max absolute error of
+the decrypted mean.
 The CPU line gives the busiest rank's process CPU seconds over the same span of the same repeats:
 on a machine shared with other work the wall-clock ratios move between runs, the CPU ratios much less.
 """
@@ -196,7 +197,8 @@ def _through_server(
     rank: int, world: int, blob: bytes, server_sum: Callable[[Iterator[bytes]], bytes]
 ) -> tuple[bytes, int]:
     """The usual star: every client sends its blob to the server (co-located with client 0), which
-    sums them as they arrive and sends the serialized sum back. Returns the sum and the bytes sent."""
+    sums them as they arrive and sends the serialized sum back. Returns the sum and the bytes sent.
+    """
     if rank != KEY_HOLDER:
         _send_blob(blob, KEY_HOLDER)
         return _recv_blob(KEY_HOLDER), len(blob)
@@ -362,7 +364,8 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
     mib = 2**20
     print(f"\n{world} ranks, {values} values per rank")
     print(
-        f"  {'pipeline':<34}{'time':>9}{'vs floor':>10}{'max error':>11}{'MiB sent/rank (max)':>21}{'rounds':>8}"
+        f"  {'pipeline':<34}{'time':>9}{'vs floor':>10}{'max error':>11}"
+        f"{'MiB sent/rank (max)':>21}{'rounds':>8}"
     )
     print(
         f"  {'floor: gloo all_reduce float32':<34}{floor_s:>8.3f}s{1.0:>9.1f}x{'exact':>11}"
@@ -385,8 +388,9 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
     met = threshold_s <= 1.3 * ours_s and threshold_s <= usual_s / 2 and threshold_error <= 1e-6
     print(
         f"  threshold / single-key time: {threshold_s / ours_s:.2f} (goal <= 1.3), threshold / usual: "
-        f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= 1e-6): "
-        f"{'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of threshold"
+        f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= "
+        f"1e-6): {'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of "
+        "threshold"
     )
     cpu = {
         key: max(row[key][at]["cpu_seconds"] for row in rows)
@@ -394,13 +398,14 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
     }
     print(
         f"  CPU seconds of the busiest rank (same repeats; less sensitive to other load on the machine): "
-        f"single-key {cpu['ours']:.3f}, threshold {cpu['threshold']:.3f} ({cpu['threshold'] / cpu['ours']:.2f}x), "
+        f"single-key {cpu['ours']:.3f}, threshold {cpu['threshold']:.3f} "
+        f"({cpu['threshold'] / cpu['ours']:.2f}x), "
         f"usual {cpu['usual']:.3f} (threshold / usual {cpu['threshold'] / cpu['usual']:.2f})"
     )
     print(
-        "  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a ring, "
-        "or under 'tree' the tree messages plus the root sending one broadcast copy per peer; "
-        "MiB sent is the busiest rank's)"
+        "  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a "
+        "ring, or under 'tree' the tree messages plus the root sending one broadcast copy per peer; MiB "
+        "sent is the busiest rank's)"
     )
 
 
@@ -417,8 +422,8 @@ def main() -> int:
     print(f"cpu threads per rank: 1; machine cores: {os.cpu_count()}; torch {torch.__version__}")
     if not tenseal:
         print(
-            "TenSEAL: unavailable (not installable here); the usual pipeline runs on our engine with TenSEAL's "
-            "tutorial parameters and fhelium.serialization for the byte round trips"
+            "TenSEAL: unavailable (not installable here); the usual pipeline runs on our engine with "
+            "TenSEAL's tutorial parameters and fhelium.serialization for the byte round trips"
         )
     for world in args.ranks:
         summarize(world, args.values, run(world, args.values, tenseal, max(1, args.repeats)), usual_name)

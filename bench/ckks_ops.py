@@ -101,7 +101,8 @@ def thread_split_ms(operation: Callable[[], object], runs: int) -> tuple[float, 
     """(CPU ms of the calling thread, CPU ms of the whole process) for one call, each the minimum
     over ``runs``: with several torch threads and ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads
     sleep), how the work splits between the calling thread and the pool, which a loaded machine
-    does not distort the way it distorts wall time."""
+    does not distort the way it distorts wall time.
+    """
     operation()
     calling = total = float("inf")
     for _ in range(runs):
@@ -118,7 +119,8 @@ def ntt_rows(engine: CkksEngine, batch: int) -> int:
 
 def seal_operations(log_n: int) -> tuple[dict[str, Callable[[], object]], Callable[[int], float]] | None:
     """SEAL's raw API through TenSEAL (the operations, and a timer of SEAL's forward NTT in ms per
-    residue row), or None when TenSEAL is not importable."""
+    residue row), or None when TenSEAL is not importable.
+    """
     try:
         from tenseal import sealapi  # type: ignore[import-untyped,import-not-found,unused-ignore]  # optional [anchors] extra
     except ImportError:
@@ -178,7 +180,8 @@ def seal_operations(log_n: int) -> tuple[dict[str, Callable[[], object]], Callab
 
     def row_ntt_ms(runs: int) -> float:
         """SEAL's forward NTT (Evaluator.transform_to_ntt_inplace on a fresh ciphertext: 2 polynomials
-        of coeff_modulus_size rows each), per row; the inverse that prepares each sample is not timed."""
+        of coeff_modulus_size rows each), per row; the inverse that prepares each sample is not timed.
+        """
         cipher = encode_encrypt()
         rows = cipher.size() * cipher.coeff_modulus_size()
         best = float("inf")
@@ -234,9 +237,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, "
-        f"{'compiled' if args.compile else 'eager'} NTT stages, "
-        f"native dispatch level {CkksEngine(Preset.TOY_N1024, compile_kernels=args.compile).ntt.native_level}, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"{'compiled' if args.compile else 'eager'} NTT stages, native dispatch level "
+        f"{CkksEngine(Preset.TOY_N1024, compile_kernels=args.compile).ntt.native_level}, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
 
     for log_n in rings:
@@ -246,7 +249,8 @@ def main() -> None:
         start = time.perf_counter()
         engine.generate_keys(rotation_steps=(1,))
         print(
-            f"keygen (secret, public, relinearization, 1 rotation key): {(time.perf_counter() - start) * 1e3:.0f} ms"
+            "keygen (secret, public, relinearization, 1 rotation key): "
+            f"{(time.perf_counter() - start) * 1e3:.0f} ms"
         )
 
         single = {name: best_ms(op, runs) for name, op in fhelium_operations(engine, 0).items()}
@@ -288,8 +292,8 @@ def main() -> None:
         print(f"SEAL column: {seal_label}")
         if args.thread_split:
             print(
-                f"thread split, B={batches[0]}, {args.threads} thread(s), CPU ms per ciphertext (row NTT: per row), "
-                f"min of {runs}; est. = the larger share, vs SEAL = SEAL's single-thread ms / est."
+                f"thread split, B={batches[0]}, {args.threads} thread(s), CPU ms per ciphertext (row NTT: "
+                f"per row), min of {runs}; est. = the larger share, vs SEAL = SEAL's single-thread ms / est."
             )
             operations = fhelium_operations(engine, batches[0])
             for name, op in operations.items():
@@ -307,8 +311,8 @@ def main() -> None:
             else "the issue's implied per-row cost"
         )
         print(
-            f"{ROW_SCALED}: ms per residue row (ct/s column: rows/s), NTT dispatch level {engine.ntt.native_level}; "
-            f"its SEAL figure: {row_seal}"
+            f"{ROW_SCALED}: ms per residue row (ct/s column: rows/s), NTT dispatch level "
+            f"{engine.ntt.native_level}; its SEAL figure: {row_seal}"
         )
 
 

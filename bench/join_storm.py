@@ -114,7 +114,8 @@ async def _controller(*flags: str) -> tuple[asyncio.subprocess.Process, int, asy
             raise SystemExit("flodld serve exited before listening")
         found = _PORT.search(line)
         if found:
-            return proc, int(found.group(1)), asyncio.create_task(proc.stderr.read())  # keep the log pipe flowing
+            # keep the log pipe flowing
+            return proc, int(found.group(1)), asyncio.create_task(proc.stderr.read())
 
 
 # --- baselines ---------------------------------------------------------------------------------------
@@ -193,7 +194,8 @@ async def _poll(port: int, path: str, stop: asyncio.Event, samples: list[float])
 async def poller_main(port: int, pollers: int) -> None:
     """Child process: poll state.json (and the 404 baseline) until stdin closes, then print JSON samples.
 
-    A separate process, so the agents' own event-loop load does not inflate the latencies."""
+    A separate process, so the agents' own event-loop load does not inflate the latencies.
+    """
     stop = asyncio.Event()
     state: list[float] = []
     baseline: list[float] = []
@@ -425,18 +427,19 @@ async def store_storm(ranks: int, peers: int) -> StoreStormResult:
 
 def _table(rows: list[StormRow]) -> str:
     lines = [
-        "| agents | admissions/s (TCP connect+echo baseline, ratio) | first dial → formed | last accept → formed "
-        "| state.json p50 / p99 (404 baseline p50 / p99, polls) | controller RSS linked (idle) | RSS per host "
-        "| WorldFormed bytes per host | exit |",
+        "| agents | admissions/s (TCP connect+echo baseline, ratio) | first dial → formed | last accept → "
+        "formed | state.json p50 / p99 (404 baseline p50 / p99, polls) | controller RSS linked (idle) | RSS "
+        "per host | WorldFormed bytes per host | exit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.agents:,} | {r.admit_rate:,.0f} ({r.baseline_rate:,.0f}, {r.admit_rate / r.baseline_rate:.2f}) "
-            f"| {r.first_dial_to_formed_ms:,.0f} ms | {r.last_accept_to_formed_ms:,.0f} ms "
-            f"| {r.state_p50:,.1f} / {r.state_p99:,.1f} ms ({r.base_p50:,.1f} / {r.base_p99:,.1f} ms, {r.polls}) "
-            f"| {r.peak_rss:,.0f} MiB ({r.idle_rss:,.0f} MiB) | {r.per_host_bytes / 1024:,.1f} KiB "
-            f"| {r.formed_bytes} B | {r.exit_code} |"
+            f"| {r.agents:,} | {r.admit_rate:,.0f} ({r.baseline_rate:,.0f}, "
+            f"{r.admit_rate / r.baseline_rate:.2f}) | {r.first_dial_to_formed_ms:,.0f} ms | "
+            f"{r.last_accept_to_formed_ms:,.0f} ms | {r.state_p50:,.1f} / {r.state_p99:,.1f} ms "
+            f"({r.base_p50:,.1f} / {r.base_p99:,.1f} ms, {r.polls}) | {r.peak_rss:,.0f} MiB "
+            f"({r.idle_rss:,.0f} MiB) | {r.per_host_bytes / 1024:,.1f} KiB | {r.formed_bytes} B | "
+            f"{r.exit_code} |"
         )
     return "\n".join(lines)
 
@@ -481,7 +484,8 @@ async def main(options: argparse.Namespace) -> int:
                 f"store storm: {ranks} ranks x (add, set, {peers} x (wait, get), add) = {storm.ops:,} ops: "
                 f"{storm.rate:,.0f} ops/s; bare asyncio echo baseline {storm.baseline:,.0f} round trips/s; "
                 f"ratio {storm.rate / storm.baseline:.2f}; controller CPU {storm.controller_cpu_secs:.2f} s "
-                f"({storm.controller_cpu_secs / storm.ops * 1e6:.0f} µs/op) (controller exit {storm.exit_code})"
+                f"({storm.controller_cpu_secs / storm.ops * 1e6:.0f} µs/op) (controller exit "
+                f"{storm.exit_code})"
             )
     finally:
         for proc in _CHILDREN:

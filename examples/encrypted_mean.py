@@ -113,8 +113,9 @@ def report(outcome: Outcome, transport: str, keys: str = "single") -> str:
     how = "checked here" if outcome.checked_locally else "as measured by the key holder"
     verdict = "PASS" if outcome.ok else "FAIL"
     return (
-        f"encrypted mean {verdict}: max error {outcome.max_error:.3e} (bound {outcome.bound:.0e}, {how}) over "
-        f"{outcome.values} values, {outcome.world_size} ranks, transport {transport} keys {keys} [{phases}]"
+        f"encrypted mean {verdict}: max error {outcome.max_error:.3e} (bound {outcome.bound:.0e}, {how}) "
+        f"over {outcome.values} values, {outcome.world_size} ranks, transport {transport} keys {keys} "
+        f"[{phases}]"
     )
 
 

@@ -144,7 +144,10 @@ def threshold_descriptor(session: ThresholdSession, *, values: int, transport: s
 
 
 def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
-    """Refuse (identically on every rank) when any rank's descriptor differs from rank 0's (no key holder here)."""
+    """Refuse (identically on every rank) when any rank's descriptor differs from rank 0's.
+
+    There is no key holder here.
+    """
     refuse_differing_records(
         records,
         reference_rank=0,
@@ -204,8 +207,8 @@ def aggregate_mean_threshold(
         )
         timings.measure("handshake", started)
         say(
-            f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} values, "
-            f"threshold keys (scale 2^{parameters.message_scale_bits}, flooding sigma 2^57)"
+            f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} "
+            f"values, threshold keys (scale 2^{parameters.message_scale_bits}, flooding sigma 2^57)"
         )
 
         started = time.perf_counter()
@@ -215,8 +218,8 @@ def aggregate_mean_threshold(
         record("public_key_share", session.key_share.data)
         timings.measure("keys", started)
         say(
-            f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by every rank; "
-            "no rank holds the secret key"
+            f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by "
+            "every rank; no rank holds the secret key"
         )
 
         started = time.perf_counter()
@@ -225,8 +228,8 @@ def aggregate_mean_threshold(
         largest = float(update.abs().max()) if update.numel() else 0.0
         if largest * world >= headroom:
             raise AggregationError(
-                f"|update| reaches {largest:.3g}; summed over {world} ranks it may exceed the {headroom:.0f} a slot "
-                "holds: scale the updates down (e.g. clip them)"
+                f"|update| reaches {largest:.3g}; summed over {world} ranks it may exceed the {headroom:.0f} "
+                "a slot holds: scale the updates down (e.g. clip them)"
             )
         slots = engine.slot_count
         rows = max(1, -(-values // slots))

@@ -209,7 +209,8 @@ class ProgramExecutable:
         """Execute with public values (Ciphertext, tensors, ints); returns public values."""
         if len(inputs) != len(self._argument_types):
             raise ExecutionError(
-                f"@{self.function.sym_name.data} takes {len(self._argument_types)} arguments, got {len(inputs)}"
+                f"@{self.function.sym_name.data} takes {len(self._argument_types)} arguments, got "
+                f"{len(inputs)}"
             )
         payloads = [
             to_payload(f"argument {index}", declared, value)

@@ -85,7 +85,8 @@ Implementation = OperationImplementation | RegionOperationImplementation
 
 class OperandResourcesOnly:
     """Base for an implementation whose resources all arrive as operands (a group, a device): it
-    asks the Backend for nothing more at link time."""
+    asks the Backend for nothing more at link time.
+    """
 
     def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
         return ()
@@ -145,8 +146,8 @@ class OperationImplementationRegistry:
                 ) from None
         if not named:
             raise ImplementationError(
-                f"no Backend implementation is registered for {operation_name(op)}; register one or lower the "
-                "operation before linking"
+                f"no Backend implementation is registered for {operation_name(op)}; register one or lower "
+                "the operation before linking"
             )
         if len(named) > 1:
             raise ImplementationError(

@@ -145,8 +145,8 @@ class ProcessGroupChannel:
         if differing:
             detail = "; ".join(f"rank {rank}: {theirs[rank][:200]}" for rank in differing)
             raise MultipartyError(
-                f"the {tag!r} exchange was refused before any payload moved: rank(s) {differing} describe another "
-                f"payload than rank {self.rank} ({mine[:200]}): {detail}"
+                f"the {tag!r} exchange was refused before any payload moved: rank(s) {differing} describe "
+                f"another payload than rank {self.rank} ({mine[:200]}): {detail}"
             )
 
     def _collective_failed(self, tag: str, error: Exception) -> MultipartyError:
@@ -295,14 +295,15 @@ class ThresholdSession:
             shares.append(value)
         if wrong:
             raise MultipartyError(
-                f"rank(s) {wrong} opened a key share that does not match the commitment they published before any "
-                "share moved (or one for another rank or seed); the collective key is refused"
+                f"rank(s) {wrong} opened a key share that does not match the commitment they published "
+                "before any share moved (or one for another rank or seed); the collective key is refused"
             )
         reference = party.combine_public_key(shares, seed)
         if not torch.equal(reference.data[0].cpu(), total.cpu()):
             raise MultipartyError(
-                "the summed key shares differ from the sum of the committed, opened shares: a rank (or the fold) "
-                "contributed another key share to the sum than it committed to; the collective key is refused"
+                "the summed key shares differ from the sum of the committed, opened shares: a rank (or the "
+                "fold) contributed another key share to the sum than it committed to; the collective key is "
+                "refused"
             )
         public = party.combine_public_key(total, seed)
         fingerprint = key_fingerprint(public)
@@ -325,7 +326,9 @@ class ThresholdSession:
     def decrypt(
         self, ct: Ciphertext, *, record: Callable[[str, torch.Tensor], None] | None = None
     ) -> torch.Tensor:
-        """Publish h_i, all-reduce the shares, decode c0 + Σ h_i: complex128 slots ``[*batch, S]`` on every rank.
+        """Publish h_i, all-reduce the shares, decode c0 + Σ h_i.
+
+        The result: complex128 slots ``[*batch, S]`` on every rank.
 
         Every rank's share covers every row (each row needs every secret share), but the decoding
         (c0 + Σ h_i, inverse NTT, CRT, slots) is split: on a channel with ``all_gather_tensor``
@@ -354,7 +357,8 @@ class ThresholdSession:
             part = Ciphertext(
                 ct.data.reshape(2, rows, limbs, n)[:, start:stop], ct.depth, ct.scale, ct.prime_ids, "ntt"
             )
-            slots[: stop - start] = combine_decryption(engine, part, total.reshape(rows, limbs, n)[start:stop])
+            summed = total.reshape(rows, limbs, n)[start:stop]
+            slots[: stop - start] = combine_decryption(engine, part, summed)
         pieces = gather("decoded-slots", torch.view_as_real(slots))
         decoded = torch.view_as_complex(torch.cat(pieces)[:rows].contiguous())
         return decoded.view(*ct.batch_shape, engine.slot_count)

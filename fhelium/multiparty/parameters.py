@@ -118,10 +118,12 @@ class ThresholdParameters:
         needed = required_smudging_sigma(self.ckks.ring_degree, self.max_parties, self.statistical_security)
         if self.smudging_sigma < needed:
             raise ValueError(
-                f"flooding σ = 2^{math.log2(self.smudging_sigma):.2f} is below the 2^{math.log2(needed):.2f} that "
-                f"{self.statistical_security}-bit statistical security needs for {self.max_parties} parties"
+                f"flooding σ = 2^{math.log2(self.smudging_sigma):.2f} is below the 2^{math.log2(needed):.2f} "
+                f"that {self.statistical_security}-bit statistical security needs for {self.max_parties} "
+                "parties"
             )
-        # the low component must smooth the lattice 2^shift·Z the high one lives on (η ≈ 1.9 std for ε = 2^-100)
+        # the low component must smooth the lattice 2^shift·Z the high one lives on (η ≈ 1.9 std for ε =
+        # 2^-100)
         if self.smudging_low_sigma < 4.0 * 2.0**self.smudging_shift_bits:
             raise ValueError("smudging_low_sigma must be at least 4·2^smudging_shift_bits")
         if self.smudging_low_sigma > 2.0**44 or self.smudging_high_sigma > 2.0**44:

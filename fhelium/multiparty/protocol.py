@@ -139,7 +139,8 @@ def combine_public_key(
         if ranks != list(range(count)):
             missing = sorted(set(range(count)) - set(ranks))
             raise MissingSharesError(
-                f"the collective public key needs a key share from each of {count} ranks; missing rank(s) {missing}",
+                f"the collective public key needs a key share from each of {count} ranks; missing rank(s) "
+                f"{missing}",
                 missing,
             )
         for share in shares:
@@ -332,7 +333,8 @@ class ThresholdParty:
             raise MultipartyError(f"party {party} is outside [0, {parties})")
         if parties > parameters.max_parties:
             raise MultipartyError(
-                f"these threshold parameters are sized for at most {parameters.max_parties} parties; got {parties}"
+                f"these threshold parameters are sized for at most {parameters.max_parties} parties; got "
+                f"{parties}"
             )
         self.party = party
         self.parties = parties

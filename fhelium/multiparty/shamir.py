@@ -101,8 +101,8 @@ def activate(
     if len(active) < threshold:
         missing = sorted(set(range(party.parties)) - set(active))
         raise MissingSharesError(
-            f"t-out-of-N decryption needs {threshold} of {party.parties} parties; only {len(active)} are active "
-            f"(missing rank(s) {missing})",
+            f"t-out-of-N decryption needs {threshold} of {party.parties} parties; only {len(active)} are "
+            f"active (missing rank(s) {missing})",
             missing,
         )
     engine = party.engine

@@ -129,7 +129,10 @@ class PublicKeyShare:
 
 @dataclass(eq=False)
 class SeedCommitment:
-    """SHA-256 commitment of party ``party`` to its 32-byte seed contribution (see protocol.commitment_digest)."""
+    """SHA-256 commitment of party ``party`` to its 32-byte seed contribution.
+
+    See protocol.commitment_digest.
+    """
 
     party: int
     parties: int

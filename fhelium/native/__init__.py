@@ -94,7 +94,8 @@ def prune_stale_builds(current: Path | None = None, *, unused_for_s: float = STA
     engine runs this after it compiled a new build. Kept: the current key; builds used recently
     (another checkout or interpreter sharing the cache, e.g. a CI run on another commit, may still
     load them); a build in progress (cpp_extension's ``lock`` file); anything not named like a
-    build. Returns what was removed; a directory that cannot be removed is left in place."""
+    build. Returns what was removed; a directory that cannot be removed is left in place.
+    """
     import shutil
 
     current = build_directory() if current is None else current
@@ -285,7 +286,8 @@ def load(*, verbose: bool = False) -> bool:
                 _state["error"] = f"{type(error).__name__}: {error}"
                 if os.environ.get(REQUIRE_ENVIRONMENT_VARIABLE) != "1":
                     warnings.warn(
-                        f"fhelium native kernels unavailable, using the pure-torch path ({str(_state['error'])[:2000]})",
+                        "fhelium native kernels unavailable, using the pure-torch path "
+                        f"({str(_state['error'])[:2000]})",
                         RuntimeWarning,
                         stacklevel=2,
                     )
@@ -307,7 +309,8 @@ def supported_levels() -> tuple[str, ...]:
 
 def level() -> str:
     """The level the engine uses now: ``FHELIUM_NATIVE_LEVEL`` if set, else the best supported,
-    ``torch`` when the extension is unavailable."""
+    ``torch`` when the extension is unavailable.
+    """
     wanted = requested_level()
     if wanted == "torch":
         return "torch"
@@ -344,7 +347,8 @@ def ntt_inverse(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, lev
 
 def elementwise_level() -> str:
     """``level()`` for the elementwise ops, remembered per value of ``FHELIUM_NATIVE_LEVEL`` (they are
-    called often, on small tensors too)."""
+    called often, on small tensors too).
+    """
     key = f"level:{os.environ.get(LEVEL_ENVIRONMENT_VARIABLE, '')}"
     cached = _state.get(key)
     if not isinstance(cached, str):
@@ -361,7 +365,8 @@ def _code(chosen: str | None) -> int:
 def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
     """(a·b) mod q elementwise with broadcasting, a, b in [0, q) (same result as the torch reference).
 
-    ``level``: ``scalar``, or ``dq``/``ifma`` (8 lanes of AVX-512 DQ at both); None: ``elementwise_level()``."""
+    ``level``: ``scalar``, or ``dq``/``ifma`` (8 lanes of AVX-512 DQ at both); None: ``elementwise_level()``.
+    """
     result: torch.Tensor = torch.ops.fhelium.mul_mod(a, b, q, _code(level))
     return result
 
@@ -402,7 +407,8 @@ def divide_round(
     x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, *, ntt: bool, level: str
 ) -> torch.Tensor:
     """``[..., R, N]`` → ``[..., R-1, N]``: round(x / q_drop) over the other R-1 primes (row ``drop``
-    removed; 0 is a rescale, R-1 a ModDown). ``ntt``: x is in (and the result stays in) the NTT domain."""
+    removed; 0 is a rescale, R-1 a ModDown). ``ntt``: x is in (and the result stays in) the NTT domain.
+    """
     result: torch.Tensor = torch.ops.fhelium.divide_round(x, moduli, tables, drop, ntt, LEVEL_CODES[level])
     return result
 
@@ -417,7 +423,8 @@ def mod_down(
 ) -> torch.Tensor:
     """ModDown with encryption's extra terms: NTT ``values [..., L+1, N]`` over ``moduli`` (L Q primes,
     then P) → round((values + divided) / P) + addend over the Q primes, NTT domain. ``addend``:
-    coefficient-domain residues ``[..., L, N]``; ``divided``: small signed integers ``[..., 1, N]``."""
+    coefficient-domain residues ``[..., L, N]``; ``divided``: small signed integers ``[..., 1, N]``.
+    """
     result: torch.Tensor = torch.ops.fhelium.mod_down(
         values, addend, divided, moduli, tables, LEVEL_CODES[level]
     )
@@ -426,7 +433,8 @@ def mod_down(
 
 def small_ntt(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
     """Small signed integers ``[..., N]`` (|x| < every q) → their residues' NTT ``[..., rows, N]``
-    (sampling to NTT in one call: the residue is taken inside the transform's first pass)."""
+    (sampling to NTT in one call: the residue is taken inside the transform's first pass).
+    """
     result: torch.Tensor = torch.ops.fhelium.small_ntt(x, moduli, tables, LEVEL_CODES[level])
     return result
 
@@ -441,14 +449,16 @@ def tensor_product(
     a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: str | None = None
 ) -> torch.Tensor:
     """NTT-domain ciphertexts ``[2, ..., L, N]`` → ``[3, ..., L, N]`` = (a0·b0, a0·b1 + a1·b0, a1·b1)
-    mod q, limb r modulo ``moduli[r]``, in one pass."""
+    mod q, limb r modulo ``moduli[r]``, in one pass.
+    """
     result: torch.Tensor = torch.ops.fhelium.tensor_product(a, b, moduli, _code(level))
     return result
 
 
 def decompose(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
     """NTT ``[..., L, N]`` over ``moduli[:L]`` → ``[L, ..., L+1, N]``: digit j (the centered coefficients
-    of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain."""
+    of row j) lifted to every prime of ``moduli`` (the L Q primes, then P), NTT domain.
+    """
     result: torch.Tensor = torch.ops.fhelium.decompose(x, moduli, tables, LEVEL_CODES[level])
     return result
 
@@ -463,7 +473,8 @@ def key_switch(
     level: str,
 ) -> torch.Tensor:
     """Hybrid key switching in one call: NTT ``x [..., L, N]`` over ``moduli[:L]`` (``moduli`` = the L Q
-    primes, then P) → ``[2, ..., L, N]`` = ModDown(Σ_j NTT(lift(digit_j))·key[key_digits[j], :, key_rows])."""
+    primes, then P) → ``[2, ..., L, N]`` = ModDown(Σ_j NTT(lift(digit_j))·key[key_digits[j], :, key_rows]).
+    """
     result: torch.Tensor = torch.ops.fhelium.key_switch(
         x, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level]
     )

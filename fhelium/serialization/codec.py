@@ -84,7 +84,8 @@ def _read_header(blob: bytes | memoryview) -> dict[str, Any]:
     (header_size,) = struct.unpack("<Q", bytes(blob[:8]))
     if header_size > MAX_HEADER_BYTES or 8 + header_size > len(blob):
         raise FheliumValueError(
-            f"fhelium value header claims {header_size} bytes (limit {MAX_HEADER_BYTES}, blob {len(blob)} bytes)"
+            f"fhelium value header claims {header_size} bytes (limit {MAX_HEADER_BYTES}, blob {len(blob)} "
+            "bytes)"
         )
     try:
         header = json.loads(bytes(blob[8 : 8 + header_size]))
@@ -150,7 +151,8 @@ def check_against_engine(value: object, engine: EngineLike, *, moduli: list[str]
     first = next(iter(envelope.tensors.values()))
     if first.size(-1) != engine.ring_degree:
         raise ParameterMismatchError(
-            f"{envelope.value_type} has ring dimension {first.size(-1)}; the engine uses N={engine.ring_degree}"
+            f"{envelope.value_type} has ring dimension {first.size(-1)}; the engine uses "
+            f"N={engine.ring_degree}"
         )
     expected = engine.moduli_for(prime_ids)
     if moduli is not None and [int(q) for q in moduli] != expected:

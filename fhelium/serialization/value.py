@@ -180,7 +180,9 @@ def _check_int(value_type: str, name: str, value: object, *, minimum: int = 0) -
         raise _fail(value_type, f"{name} must be an int >= {minimum}; got {value!r}")
 
 
-def _check_enum(value_type: str, name: str, value: object, choices: tuple[str, ...], *, optional: bool) -> None:
+def _check_enum(
+    value_type: str, name: str, value: object, choices: tuple[str, ...], *, optional: bool
+) -> None:
     if optional and value is None:
         return
     if not isinstance(value, str) or value not in choices:
@@ -472,7 +474,8 @@ class ValueEnvelope:
             return cls(VALUE_SCHEMA_VERSION, value_type, ext_metadata, ext_tensors)
         if VALUE_TYPES.get(value_type) is not type(value):
             raise FheliumValueError(
-                f"Value envelopes support exact fhelium values {sorted(VALUE_TYPES)}; got {type(value).__qualname__}"
+                f"Value envelopes support exact fhelium values {sorted(VALUE_TYPES)}; got "
+                f"{type(value).__qualname__}"
             )
         metadata: dict[str, Any]
         tensors: dict[str, torch.Tensor]

@@ -65,7 +65,8 @@ def check_equal_layout(op_name: str, value: torch.Tensor, group: ProcessGroupExe
     """Agree on shape, dtype and device type before the payload moves, through the same control
     exchange as ``fhelium.distributed``'s typed collectives (each rank's tensor descriptor, then the
     same comparison everywhere): a mismatch raises the same ``CollectiveArgumentError`` on every
-    rank before any payload moves, and the group stays usable."""
+    rank before any payload moves, and the group stays usable.
+    """
     info = group_info(group.process_group)
     descriptor, error = describe_or_error(value)
     exchange = exchange_control(info, op_name, arguments={}, error=error, body=rank_body(descriptor))
@@ -161,7 +162,8 @@ class _RegistryAddEngine(CiphertextAdder):
 
 class _RegistryModularAddEngine(_RegistryAddEngine, ResidueModuliAdder):
     """The adder over an add implementation that declares ``canonical_modular_add``: it also names
-    the moduli, so ``all_reduce_ciphertext`` may take the ``sum`` schedule where that is exact."""
+    the moduli, so ``all_reduce_ciphertext`` may take the ``sum`` schedule where that is exact.
+    """
 
     def residue_moduli(self, value: Ciphertext) -> list[int]:
         return self.moduli_for(value.prime_ids)
