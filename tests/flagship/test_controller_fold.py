@@ -93,7 +93,8 @@ def decode_direction(
     host_key: Callable[[Frame], bytes | None],
 ) -> list[Frame]:
     """Frames of one recorded direction, authenticated as the receiving side would: the first frame under
-    the run's salt, the rest under the key `host_key(first frame)` names (None: the salt throughout)."""
+    the run's salt, the rest under the key `host_key(first frame)` names (None: the salt throughout).
+    """
     receiver = FrameConnection(role, salt, nonce=own_nonce, channel=channel)
     receiver.receive_data(data)
     frames: list[Frame] = []
@@ -316,7 +317,8 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
         (residues,) = decode_bundle(message.tensors, frame.tail)
         rounds.setdefault(message.round, []).append((message.contributors[0], residues))
         folds[message.round] = message.fold
-    # Three aggregation rounds, each with one frame per rank: key shares (QP), ciphertexts and decryption shares (Q).
+    # Three aggregation rounds, each with one frame per rank: key shares (QP), ciphertexts and decryption
+    # shares (Q).
     assert len(rounds) == 3 and all(
         sorted(rank for rank, _ in frames) == [0, 1] for frames in rounds.values()
     )
@@ -326,7 +328,8 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
     expected_by_round = {key_round: key_shares, ct_round: ciphertexts, share_round: decryption_shares}
     for round_number, frames in rounds.items():
         for rank, residues in frames:
-            # exactly what the rank held (a key share, its ciphertext, its decryption share): residues, nothing else
+            # exactly what the rank held (a key share, its ciphertext, its decryption share): residues,
+            # nothing else
             assert residues.dtype == torch.int64
             assert torch.equal(residues, expected_by_round[round_number][rank])
     folded: dict[int, torch.Tensor] = {}

@@ -1,8 +1,8 @@
 """The encrypted-mean workload as other suites run it (e.g. tests/hosts for the tunnel-only run).
 
-    from tests.flagship.workload import ENCRYPTED_MEAN, encrypted_mean_args, assert_encrypted_mean_passed
-    launcher = _fanout(lab, cluster, str(ENCRYPTED_MEAN), *encrypted_mean_args())
-    assert_encrypted_mean_passed(output, world_size=4, transport="relay")
+from tests.flagship.workload import ENCRYPTED_MEAN, encrypted_mean_args, assert_encrypted_mean_passed
+launcher = _fanout(lab, cluster, str(ENCRYPTED_MEAN), *encrypted_mean_args())
+assert_encrypted_mean_passed(output, world_size=4, transport="relay")
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def encrypted_mean_args(values: int = SMALL_VALUES, *, transport: str = "relay")
 def assert_encrypted_mean_passed(output: str, world_size: int, *, transport: str = "relay") -> list[float]:
     """Every rank printed a PASS verdict for this world and transport; returns the measured errors."""
     verdicts = re.findall(
-        rf"encrypted_mean rank (\d+)/{world_size}: encrypted mean PASS: max error (\S+) .* transport {transport} ",
+        rf"encrypted_mean rank (\d+)/{world_size}: encrypted mean PASS: max error (\S+) .* transport "
+        rf"{transport} ",
         output,
     )
     ranks = sorted(int(rank) for rank, _ in verdicts)

@@ -1,5 +1,6 @@
 """`flodld.run(main)` outside flodld: the user guide's own example, run with plain `python train.py`, is a
-world of one (docs/user-guide.md, "Write a program")."""
+world of one (docs/user-guide.md, "Write a program").
+"""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_under_torchrun_variables_flodld_run_joins_that_world_instead(tmp_path: 
     script = tmp_path / "train.py"
     script.write_text(guide_example())
     env = plain_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0")
-    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=100)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "rank 0/1: 1.0", done.stdout + done.stderr
 

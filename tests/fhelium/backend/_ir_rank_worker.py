@@ -32,7 +32,8 @@ def _fake_ciphertext(seed: int, moduli: tuple[int, ...] = MODULI) -> Any:
 
 class _UndeclaredAdd:
     """A registered add with the same arithmetic as the default one but without the
-    ``canonical_modular_add`` declaration: the all-reduce must not assume it and takes the tree."""
+    ``canonical_modular_add`` declaration: the all-reduce must not assume it and takes the tree.
+    """
 
     name = "test-undeclared-add"
 
@@ -54,7 +55,8 @@ class _UndeclaredAdd:
 
 def _schedules(rank: int, world: int, example: Any) -> dict[str, Any]:
     """The compiled example's all-reduce, per adder and moduli: the schedule each rank ran and
-    the result."""
+    the result.
+    """
     from fhelium.backend import BoundResource, OperationBackend, OperationImplementationRegistry
     from fhelium.backend.distributed import (
         TorchCiphertextAddAllReduceImplementation,
@@ -121,7 +123,8 @@ def main() -> None:
             """builtin.module {
   func.func @main(%x: tensor<5xi64>, %root: index) -> tensor<5xi64> {
     %g = "fhelium.resource.ref"() {symbol = "world", kind = "process-group"} : () -> !fhelium_dist.group
-    %b = "fhelium_dist.broadcast"(%x, %g) {root = %ROOT% : i64} : (tensor<5xi64>, !fhelium_dist.group) -> tensor<5xi64>
+    %b = "fhelium_dist.broadcast"(%x, %g) {root = %ROOT% : i64}
+        : (tensor<5xi64>, !fhelium_dist.group) -> tensor<5xi64>
     func.return %b : tensor<5xi64>
   }
 }

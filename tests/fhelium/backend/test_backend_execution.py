@@ -72,7 +72,8 @@ ARITH = """builtin.module {
     %lt = arith.cmpi slt, %a, %b : index
     %sel = arith.select %lt, %a, %b : index
     %cast = arith.index_cast %mul : index to i64
-    func.return %sub, %mul, %div, %floor, %rem, %min, %max, %sel, %lt, %cast : index, index, index, index, index, index, index, index, i1, i64
+    func.return %sub, %mul, %div, %floor, %rem, %min, %max, %sel, %lt, %cast
+        : index, index, index, index, index, index, index, index, i1, i64
   }
 }
 """

@@ -97,7 +97,8 @@ def test_compiled_all_reduce_takes_the_sum_schedule_where_it_is_exact(
 ) -> None:
     """The Program path's adder is a ResidueModuliAdder over the default (declared canonical) add:
     `sum` where P x max(q) fits int64, the tree where it does not or where the add implementation
-    does not declare canonical modular addition; the result is the modular sum either way."""
+    does not declare canonical modular addition; the result is the modular sum either way.
+    """
     size, results = world
     big = (3_100_000_000_000_000_000, 1_000_003, 998_244_353)
     expected_schedule = {

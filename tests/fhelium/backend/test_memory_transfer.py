@@ -19,7 +19,8 @@ def _transfer_program(memory_space: str | None) -> Program:
     return Program.parse(
         f"""builtin.module {{
   func.func @main(%x: {T}) -> {T} {{
-    %d = "fhelium.resource.ref"() {{symbol = "target", kind = "execution-device"}} : () -> !fhelium_memory.device
+    %d = "fhelium.resource.ref"() {{symbol = "target", kind = "execution-device"}}
+        : () -> !fhelium_memory.device
     %y = "fhelium_memory.transfer"(%x, %d){attribute} : ({T}, !fhelium_memory.device) -> {T}
     func.return %y : {T}
   }}

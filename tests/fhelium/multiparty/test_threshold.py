@@ -249,14 +249,19 @@ def test_the_fast_reductions_give_the_exact_residues() -> None:
     assert torch.equal(reduce_signed(x, q, q_inverse), torch.remainder(x, q))
     # sums of `terms` residues, extremes included: 0 and terms·(q − 1)
     for terms in (1, 2, 3, 5, 64):
-        parts = [torch.remainder(torch.randint(0, 2**62, (11, 2, 64), generator=generator), q) for _ in range(terms)]
+        parts = [
+            torch.remainder(torch.randint(0, 2**62, (11, 2, 64), generator=generator), q)
+            for _ in range(terms)
+        ]
         total = torch.stack(parts).sum(0)
         total[0, :, 0], total[0, :, 1] = 0, terms * (q[:, 0] - 1)
         expected = torch.remainder(total, q)
         assert torch.equal(reduce_sum_(total.clone(), q, terms), expected)
 
 
-@pytest.mark.parametrize("rows", [None, 1, 11])  # an unbatched ciphertext, one row, rows not a multiple of the block
+@pytest.mark.parametrize(
+    "rows", [None, 1, 11]
+)  # an unbatched ciphertext, one row, rows not a multiple of the block
 def test_blocked_decryption_share_and_combine_fit_any_batch(rows: int | None) -> None:
     members, _, public = _world(2)
     generator = torch.Generator().manual_seed(3)

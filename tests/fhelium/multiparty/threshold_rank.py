@@ -82,7 +82,8 @@ def main() -> int:
 
 def _hold_the_store_until_every_live_rank_finished(rank: int, live: int) -> None:
     """Rank 0 hosts the TCPStore: it leaves only once every live rank has its outcome (bounded), so no rank
-    still waiting on the store sees it vanish (a reset) instead of the protocol's own verdict."""
+    still waiting on the store sees it vanish (a reset) instead of the protocol's own verdict.
+    """
     try:
         store = dist.distributed_c10d._get_default_store()
         store.add("test/finished", 1)

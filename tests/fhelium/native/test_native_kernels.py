@@ -110,7 +110,8 @@ def test_entry_t_is_the_evaluation_at_an_odd_power_of_psi(level: str) -> None:
 @pytest.mark.parametrize("level", _levels())
 def test_primes_above_the_ifma_bound_match_the_big_integer_evaluation(level: str) -> None:
     """61-bit primes (above IFMA's 2^50; the IFMA level runs such rows at the DQ level, whose 64-bit
-    Shoup products take any q < 2^62), including the extreme residue q - 1."""
+    Shoup products take any q < 2^62), including the extreme residue q - 1.
+    """
     n = 64
     primes = ntt_primes(61, n, 2)
     roots = [primitive_root_of_unity(2 * n, p) for p in primes]
@@ -171,7 +172,8 @@ def test_pruning_removes_only_builds_unused_for_a_day(tmp_path: Path) -> None:
 
 def test_loading_marks_the_build_used(tmp_path: Path) -> None:
     """A process that only loads the cached library refreshes its directory, so another checkout's
-    new build does not count it stale while it is in use."""
+    new build does not count it stale while it is in use.
+    """
     directory = native.build_directory()
     assert directory.exists()
     os.utime(directory, (0, 0))
@@ -304,16 +306,13 @@ def _run_without_compiler(tmp_path: Path, *, require: bool) -> subprocess.Comple
     }
     environment.pop(native.LEVEL_ENVIRONMENT_VARIABLE, None)
     script = (
-        "import warnings, torch\n"
-        "warnings.simplefilter('always')\n"
-        "from fhelium.engine.ntt import NegacyclicNtt\n"
-        "from fhelium.engine.primes import ntt_primes\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    ntt = NegacyclicNtt(16, ntt_primes(30, 16, 1), torch.device('cpu'))\n"
-        "    NegacyclicNtt(16, ntt_primes(30, 16, 1), torch.device('cpu'))\n"
-        "x = torch.arange(16).view(1, 16)\n"
-        "assert torch.equal(ntt.inverse(ntt.forward(x, (0,)), (0,)), x)\n"
-        "print(ntt.native_level, len([w for w in caught if 'native kernels unavailable' in str(w.message)]))\n"
+        "import warnings, torch\nwarnings.simplefilter('always')\nfrom fhelium.engine.ntt import "
+        "NegacyclicNtt\nfrom fhelium.engine.primes import ntt_primes\nwith "
+        "warnings.catch_warnings(record=True) as caught:\n    ntt = NegacyclicNtt(16, ntt_primes(30, 16, "
+        "1), torch.device('cpu'))\n    NegacyclicNtt(16, ntt_primes(30, 16, 1), torch.device('cpu'))\nx = "
+        "torch.arange(16).view(1, 16)\nassert torch.equal(ntt.inverse(ntt.forward(x, (0,)), (0,)), "
+        "x)\nprint(ntt.native_level, len([w for w in caught if 'native kernels unavailable' in "
+        "str(w.message)]))\n"
     )
     return subprocess.run(
         [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300

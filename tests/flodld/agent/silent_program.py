@@ -1,4 +1,7 @@
-"""A training program whose ranks never talk to the controller: only the agent's join link can notice it die."""
+"""A training program whose ranks never talk to the controller.
+
+Only the agent's join link can notice it die.
+"""
 
 from __future__ import annotations
 

@@ -155,9 +155,12 @@ def test_address_rewrite_replaces_the_controller_in_envelope_and_relay_only() ->
     ) == formed.envelope.model_dump(exclude={"controller_host", "controller_port"})
 
 
-def test_a_spec_announced_as_coming_on_stdin_is_read_from_one_line_there(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_spec_announced_as_coming_on_stdin_is_read_from_one_line_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`fdl run` starts its agents before its controller listens (their imports overlap its start) and
-    writes each spec, salt included, on the agent's stdin: the salt never sits in the agent's environment."""
+    writes each spec, salt included, on the agent's stdin: the salt never sits in the agent's environment.
+    """
     import io
 
     from flodld.agent.spec import SPEC_ON_STDIN, agent_spec_from_env
@@ -175,7 +178,8 @@ def test_a_spec_announced_as_coming_on_stdin_is_read_from_one_line_there(monkeyp
 
 def test_fdl_runs_agent_has_no_salt_in_its_environment(tmp_path: Path) -> None:
     """Under `fdl run` the agent's /proc/PID/environ (readable by the same user, inherited by nothing
-    of flodld's but visible) carries the role marker, not the spec and its salt."""
+    of flodld's but visible) carries the role marker, not the spec and its salt.
+    """
     import subprocess
     import sys
 
@@ -187,10 +191,12 @@ def test_fdl_runs_agent_has_no_salt_in_its_environment(tmp_path: Path) -> None:
         "def main():\n"
         "    salt = read_rank_environment().salt.hex()\n"
         "    environ = open(f'/proc/{os.getppid()}/environ', 'rb').read().decode(errors='replace')\n"
-        "    spec = dict(v.split('=', 1) for v in environ.split('\\0') if '=' in v).get('FLODL_INTERNAL_AGENT_JSON')\n"
+        "    spec = dict(v.split('=', 1) for v in environ.split('\\0') if '=' in "
+        "v).get('FLODL_INTERNAL_AGENT_JSON')\n"
         "    marker = spec == '-'\n"
         "    environ += bytes.fromhex(spec).decode() if spec and spec != '-' else ''\n"
-        "    print('agent-env', 'salt-present' if salt in environ else 'no-salt', 'marker' if marker else 'nomarker',"
+        "    print('agent-env', 'salt-present' if salt in environ else 'no-salt', 'marker' if marker else "
+        "'nomarker',"
         " flush=True)\n"
         "    return 0\n"
         "sys.exit(flodld.run(main, init_process_group=False))\n"

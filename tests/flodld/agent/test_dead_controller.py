@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 PROGRAM = Path(__file__).with_name("silent_program.py")
 SCALE = 0.2
 GRACE_SECS = 1.0
-# keepalive idle + 3 probes at idle/3 = 2 * idle (3 s at scale 0.2), the grace period, and slack for 2 busy cores
+# keepalive idle + 3 probes at idle/3 = 2 * idle (3 s at scale 0.2), the grace period, and slack for 2 busy
+# cores
 EXIT_BOUND_SECS = 2 * LINK_KEEPALIVE_SECS * SCALE + GRACE_SECS + 6.0
 
 

@@ -1,5 +1,6 @@
 """The light processes stay light: the agent, the relay, `import flodld`, the rank launcher and `fdl` load no
-torch, and the agent and relay no HTTP server (aiohttp comes with the controller package only)."""
+torch, and the agent and relay no HTTP server (aiohttp comes with the controller package only).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The agent's loopback TCPStore endpoint (flodld.agent.tcpstore) in front of the real controller store:
 torch's own TCPStore client (in a subprocess, as a rank would be) gets torch's answers, what it stores
-lands in the controller's authenticated store, and a connection from another uid is refused."""
+lands in the controller's authenticated store, and a connection from another uid is refused.
+"""
 
 from __future__ import annotations
 
@@ -96,7 +97,10 @@ _CLIENT = textwrap.dedent(
     op("delete", lambda: [c.delete_key("n"), c.delete_key("n")])
     op("append", lambda: (c.append("k", b"++"), c.get("k"))[1])
     op("multi_get", lambda: [v.decode() for v in c.multi_get(["k", "zz", "k"])])
-    op("multi_set", lambda: (c.multi_set(["a", "b"], [b"1", b"22"]), [c.get("a").decode(), c.get("b").decode()])[1])
+    op(
+        "multi_set",
+        lambda: (c.multi_set(["a", "b"], [b"1", b"22"]), [c.get("a").decode(), c.get("b").decode()])[1],
+    )
     op("queue", lambda: (c.queue_push("q", b"qq"), c.queue_push("q", b"q2"), c.queue_len("q"))[2])
     op("pop", lambda: [c.queue_pop("q").decode(), c.queue_pop("q", block=False).decode()])
     op("pop_empty", lambda: c.queue_pop("q", block=False))
@@ -122,8 +126,12 @@ def test_torchs_tcpstore_client_gets_torchs_answers_from_the_controller_store(se
 
     timer = threading.Timer(6.0, late_set)
     timer.start()
-    result = subprocess.run([sys.executable, "-c", _CLIENT, str(served.endpoint_port)], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _CLIENT, str(served.endpoint_port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     timer.join()
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -168,8 +176,12 @@ _RAW_CLIENT = textwrap.dedent(
 
 
 def test_a_same_uid_peer_gets_its_ping_answered(served: Served) -> None:
-    result = subprocess.run([sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)], capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "reply=5d3f0000" in result.stdout, result.stdout + result.stderr
     assert served.endpoint.refused == 0
 
@@ -178,8 +190,12 @@ def test_a_peer_of_another_uid_is_closed_before_a_byte_is_read() -> None:
     # The endpoint is told it serves some other uid: this test's own (real) connection then comes from
     # "another uid", and is refused on the uid found in /proc/net/tcp.
     for served in _serve(uid=os.getuid() + 4242):
-        result = subprocess.run([sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)], capture_output=True,
-                                text=True, timeout=60)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert "reply=\n" in result.stdout or result.stdout.strip() == "reply=", result.stdout + result.stderr
         assert served.endpoint.refused == 1
 
@@ -195,8 +211,13 @@ def test_a_connection_from_another_real_uid_is_refused(served: Served) -> None:
     from tests.flodld.fanout.joinuser import as_join_user, join_user
 
     user = join_user()
-    result = subprocess.run(as_join_user([_SYSTEM_PYTHON, "-c", _RAW_CLIENT, str(served.endpoint_port)], user),
-                            capture_output=True, text=True, timeout=60, cwd="/")  # fmt: skip
+    result = subprocess.run(
+        as_join_user([_SYSTEM_PYTHON, "-c", _RAW_CLIENT, str(served.endpoint_port)], user),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "reply=", result.stdout
     assert served.endpoint.refused == 1
@@ -226,8 +247,12 @@ def test_a_web_page_posting_to_the_endpoint_is_dropped_and_the_next_client_is_se
     with socket.create_connection(("127.0.0.1", served.endpoint_port), timeout=10) as sock:
         sock.sendall(b"POST /store HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\nhi")
         assert sock.recv(64) == b""  # closed without a byte: the first request must be torch's VALIDATE
-    result = subprocess.run([sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)], capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "reply=5d3f0000" in result.stdout, result.stdout + result.stderr
 
 

@@ -40,8 +40,13 @@ def hostile_env(evil: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
-async def run_agent(env: dict[str, str], *, token: str | None, cluster_env: bool | None = None,
-                    accept_env: list[str] | None = None) -> tuple[int, str, dict[str, str | None] | None]:  # fmt: skip
+async def run_agent(
+    env: dict[str, str],
+    *,
+    token: str | None,
+    cluster_env: bool | None = None,
+    accept_env: list[str] | None = None,
+) -> tuple[int, str, dict[str, str | None] | None]:
     """One agent against a fresh controller whose run env is `env`: (exit code, output, what the rank saw)."""
     join = JoinConfig(discovery=True, join_timeout=60, target_ranks=1, min_rank_start=1, token=token,
                       open_admission=token is None)  # fmt: skip

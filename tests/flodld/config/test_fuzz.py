@@ -34,11 +34,40 @@ DOCUMENTS = st.dictionaries(st.sampled_from(["cluster", "join", "other"]), VALUE
 
 YAML_PIECES = st.sampled_from(
     [
-        "cluster:", "join:", "  controller:", "    host: h", "  workers:", "    - host: a", "      local_devices: [0]",
-        "- ", ": ", "[", "]", "{", "}", "&a ", "*a", "!t ", "'", '"', "\t", "  ", "\n", "#", "? ", "|", ">", "%YAML 1.2",
-        "---", "...", "\x00", "\ud7ff", "port: 1e9", "token: 0x1f",
+        "cluster:",
+        "join:",
+        "  controller:",
+        "    host: h",
+        "  workers:",
+        "    - host: a",
+        "      local_devices: [0]",
+        "- ",
+        ": ",
+        "[",
+        "]",
+        "{",
+        "}",
+        "&a ",
+        "*a",
+        "!t ",
+        "'",
+        '"',
+        "\t",
+        "  ",
+        "\n",
+        "#",
+        "? ",
+        "|",
+        ">",
+        "%YAML 1.2",
+        "---",
+        "...",
+        "\x00",
+        "\ud7ff",
+        "port: 1e9",
+        "token: 0x1f",
     ]
-)  # fmt: skip
+)
 
 
 def _check(text: str) -> None:

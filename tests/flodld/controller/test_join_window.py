@@ -56,7 +56,8 @@ async def test_target_reached_forms_at_once_and_ranks_ship_in_admission_order() 
         w1, w2 = await first.world(), await second.world()
         assert (w1.envelope.ranks, w2.envelope.ranks) == ([0, 1], [2])
         assert w1.relay is not None and w1.relay.data_port == port
-        state = controller.state_json()  # the roster, in admission order, is in state.json (not in WorldFormed)
+        # the roster, in admission order, is in state.json (not in WorldFormed)
+        state = controller.state_json()
         assert state is not None and [m["host"] for m in state["members"]] == ["a", "b"]
         await eventually(lambda: controller.phase is Phase.TRAINING)
         await first.leave()

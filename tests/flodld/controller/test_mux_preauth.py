@@ -1,6 +1,7 @@
 """Issue 13 point 5, in process: what a peer without the salt can make the mux hold.
 
-- the per-address gate slot is held until the connection's FIRST AUTHENTICATED frame (not released at routing);
+- the per-address gate slot is held until the connection's FIRST AUTHENTICATED frame (not released at
+  routing);
 - the first frame is capped small, with no tail, before a byte of its body is read;
 - every byte before authentication counts against a per-connection allowance and one global budget.
 """

@@ -41,10 +41,30 @@ def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> 
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    given = options_from_args(parser.parse_args([
-        "--host", "10.0.0.5", "--port", "1400", "--bind", "127.0.0.1", "--ranks", "6", "--averaging", "cpu_sync",
-        "--run-id", "r1", "--tolerance", "2", "--target", "6", "--window", "30",
-    ]))  # fmt: skip
+    given = options_from_args(
+        parser.parse_args(
+            [
+                "--host",
+                "10.0.0.5",
+                "--port",
+                "1400",
+                "--bind",
+                "127.0.0.1",
+                "--ranks",
+                "6",
+                "--averaging",
+                "cpu_sync",
+                "--run-id",
+                "r1",
+                "--tolerance",
+                "2",
+                "--target",
+                "6",
+                "--window",
+                "30",
+            ]
+        )
+    )
     assert (given.advertised_host, given.port, given.bind_host, given.capacity) == (
         "10.0.0.5",
         1400,

@@ -280,8 +280,8 @@ def test_history_and_service_of_a_long_running_daemon_are_rendered_when_state_ha
         in rows
     )
     assert (
-        "sweep-1 | done | 2023-11-14 22:25:54Z | +12s | 12m 34s | 8 | n0, n1, n2, n3, n4, n5 +2 more | rank 3: 1 | "
-        "every host link closed cleanly"
+        "sweep-1 | done | 2023-11-14 22:25:54Z | +12s | 12m 34s | 8 | n0, n1, n2, n3, n4, n5 +2 more | rank "
+        "3: 1 | every host link closed cleanly"
     ) in rows
     assert ("td", {"class": "phase phase-failed"}) in page.tags
     text = " ".join(page.text)

@@ -1,4 +1,7 @@
-"""Rank liveness reaches the verdict: a rank silent past the heartbeat timeout fails the run, named in state.json."""
+"""Rank liveness reaches the verdict.
+
+A rank silent past the heartbeat timeout fails the run, named in state.json.
+"""
 
 from __future__ import annotations
 

@@ -49,10 +49,14 @@ async def test_run_channels_and_registered_ones_are_served_until_the_run_closes(
 
         for served_by_the_run in (Channel.JOIN, Channel.RENDEZVOUS, Channel.HTTP):
             with pytest.raises(ValueError, match="served by the controller itself"):
-                run.register_channels({Channel.DATA: handler(Channel.DATA), served_by_the_run: handler(Channel.JOIN)})
+                run.register_channels(
+                    {Channel.DATA: handler(Channel.DATA), served_by_the_run: handler(Channel.JOIN)}
+                )
         await _dropped_unserved(mux, port, Channel.DATA)  # a refused table registers nothing
 
-        run.register_channels({Channel.DATA: handler(Channel.DATA), Channel.CONTROL: handler(Channel.CONTROL)})
+        run.register_channels(
+            {Channel.DATA: handler(Channel.DATA), Channel.CONTROL: handler(Channel.CONTROL)}
+        )
         for count, channel in enumerate((Channel.DATA, Channel.CONTROL), start=1):
             _, writer = await _dial(port, channel)
             await eventually(lambda count=count: len(reached) == count)

@@ -1,7 +1,8 @@
 """Issue 18: a world larger than 4096 hosts forms, each WorldFormed is O(1) in the world's size, a world
 limit is a refusal at join (never a stall), and a WorldFormed that cannot be built fails the run.
 
-Real controller, real loopback sockets, every agent in this process."""
+Real controller, real loopback sockets, every agent in this process.
+"""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ async def test_a_world_of_5000_hosts_forms_with_a_small_world_formed_per_host() 
         by_rank = {a.ranks[0]: f"h{i:05d}" for i, (_, a) in enumerate(links)}
         assert [m["host"] for m in tail["members"]] == [by_rank[r] for r in range(HOSTS - 3, HOSTS)]
         print(
-            f"{HOSTS} hosts formed {formed_in:.1f}s after the first dial; WorldFormed payload {max(sizes)} bytes"
+            f"{HOSTS} hosts formed {formed_in:.1f}s after the first dial; WorldFormed payload {max(sizes)} "
+            "bytes"
         )
         for stream, accept in links:
             for rank in accept.ranks:

@@ -1,5 +1,6 @@
 """`flodld serve` flags: the overlay of an explicit --config, the window flags over the config, and a real
-daemon whose window follows --discovery / --min-ranks."""
+daemon whose window follows --discovery / --min-ranks.
+"""
 
 from __future__ import annotations
 

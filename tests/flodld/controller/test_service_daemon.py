@@ -1,5 +1,6 @@
 """`flodld serve` (the service) as a real process: SIGHUP reloads for the next window, a broken config
-keeps the old one and says so in state.json, SIGTERM between runs exits 0."""
+keeps the old one and says so in state.json, SIGTERM between runs exits 0.
+"""
 
 from __future__ import annotations
 

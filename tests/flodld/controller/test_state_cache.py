@@ -1,5 +1,6 @@
 """Issue 18: state.json is built at most once per change and per interval, encoded once for every reader,
-paged on request, and summarized by default; a storm of log lines is coalesced."""
+paged on request, and summarized by default; a storm of log lines is coalesced.
+"""
 
 from __future__ import annotations
 

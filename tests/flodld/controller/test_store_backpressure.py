@@ -1,5 +1,6 @@
 """The store hands small replies to the socket without waiting for each to drain, yet a client that sends
-requests and never reads its replies still costs the controller at most about one reply of buffer."""
+requests and never reads its replies still costs the controller at most about one reply of buffer.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ async def test_a_client_that_never_reads_its_replies_is_held_to_one_buffered_rep
     mux.register(Channel.RENDEZVOUS, service.handle)
     _, port = await mux.start("127.0.0.1", 0)
     try:
-        stream = await open_channel("127.0.0.1", port, Channel.RENDEZVOUS, salt, timeout=10, max_tail=len(VALUE))
+        stream = await open_channel(
+            "127.0.0.1", port, Channel.RENDEZVOUS, salt, timeout=10, max_tail=len(VALUE)
+        )
         await stream.send(StoreHello(run_id="bp"))
         assert isinstance((await stream.recv(10)).message(), StoreOk)
         await stream.send(StoreSet(key="k"), VALUE)

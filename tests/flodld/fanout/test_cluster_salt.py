@@ -40,8 +40,13 @@ async def test_every_tunneled_fan_out_agent_gets_the_salt_and_the_run_needs_it(t
     said: list[str] = []
     lines: list[str] = []
     try:
-        code = await run_cluster_job(str(program), [], _cluster(server, tunnel=True, ranks=1), say=said.append,
-                                     on_output=lambda host, line: lines.append(line))  # fmt: skip
+        code = await run_cluster_job(
+            str(program),
+            [],
+            _cluster(server, tunnel=True, ranks=1),
+            say=said.append,
+            on_output=lambda host, line: lines.append(line),
+        )
     finally:
         server.close()
     assert code == 0, "\n".join(said + lines)
@@ -53,10 +58,12 @@ async def test_every_tunneled_fan_out_agent_gets_the_salt_and_the_run_needs_it(t
 
 def test_the_fan_out_controller_is_pre_shared_even_on_a_loopback_bind() -> None:
     cluster = (
-        ClusterBuilder().controller("10.0.0.1", 1400)
-        .worker("node-a", ["cpu"], path="/srv", tunnel=True).worker("node-b", ["cpu"], path="/srv", tunnel=True)
+        ClusterBuilder()
+        .controller("10.0.0.1", 1400)
+        .worker("node-a", ["cpu"], path="/srv", tunnel=True)
+        .worker("node-b", ["cpu"], path="/srv", tunnel=True)
         .build()
-    )  # fmt: skip
+    )
     options = ControllerOptions.from_cluster(cluster, preshared=True)
     controller = Controller(options)
     assert options.effective_bind_host == "127.0.0.1"

@@ -104,8 +104,14 @@ def test_arch_selects_the_interpreter(settings: dict[str, Any], python: str) -> 
 
 def test_docker_wraps_the_command_and_passes_env_by_name_only() -> None:
     cluster = _worker(docker="cuda", env={"FOO": "bar"})
-    plan = plan_agent(cluster.workers[0], cluster, program="train.py", args=["--lr", "1"], controller_port=1337,
-                      salt_hex="ab" * 16)  # fmt: skip
+    plan = plan_agent(
+        cluster.workers[0],
+        cluster,
+        program="train.py",
+        args=["--lr", "1"],
+        controller_port=1337,
+        salt_hex="ab" * 16,
+    )
     assert plan.argv == ("docker", "compose", "run", "--rm", "-T", "-e", "FOO", "-e", AGENT_ENV, "cuda",
                          "python", "-m", "flodld.agent")  # fmt: skip
     assert plan.spec.program == ["python", "train.py", "--lr", "1"]
@@ -153,8 +159,13 @@ async def test_fan_out_run_completes_and_leaves_no_process(tmp_path: Path, tunne
     said: list[str] = []
     lines: list[str] = []
     try:
-        code = await run_cluster_job(str(program), ["--average"], _cluster(server, tunnel=tunnel),
-                                     say=said.append, on_output=lambda host, line: lines.append(f"{host} {line}"))  # fmt: skip
+        code = await run_cluster_job(
+            str(program),
+            ["--average"],
+            _cluster(server, tunnel=tunnel),
+            say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"),
+        )
     finally:
         server.close()
     assert code == 0, "\n".join(said + lines)
@@ -203,8 +214,16 @@ async def test_cancelled_launcher_stops_every_remote_process(tmp_path: Path) -> 
         "sys.exit(flodld.run(main, init_process_group=False))\n"
     )
     lines: list[str] = []
-    job = asyncio.create_task(run_cluster_job(str(program), [], _cluster(server), say=lambda m: None,
-                                              on_output=lambda h, line: lines.append(line), grace_s=2))  # fmt: skip
+    job = asyncio.create_task(
+        run_cluster_job(
+            str(program),
+            [],
+            _cluster(server),
+            say=lambda m: None,
+            on_output=lambda h, line: lines.append(line),
+            grace_s=2,
+        )
+    )
     try:
         end = time.monotonic() + 120
         while sum("rank up" in line for line in lines) < 2 and time.monotonic() < end:

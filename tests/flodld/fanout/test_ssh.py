@@ -220,7 +220,8 @@ def test_bad_ssh_settings_are_named(kwargs: dict[str, object], fragment: str) ->
 def test_secrets_never_enter_the_command_line() -> None:
     command = supervised_command("/srv/flodl", ["python", "train.py", "--lr", "0.1"])
     assert "train.py" in command and SECRET not in command
-    assert secret_env_block({"FLODL_INTERNAL_AGENT_JSON": SECRET}) == f"FLODL_INTERNAL_AGENT_JSON={SECRET}\n\n"
+    block = secret_env_block({"FLODL_INTERNAL_AGENT_JSON": SECRET})
+    assert block == f"FLODL_INTERNAL_AGENT_JSON={SECRET}\n\n"
     with pytest.raises(SshConfigError, match="cannot be sent over stdin"):
         secret_env_block({"A": "multi\nline"})
 
@@ -245,8 +246,12 @@ async def test_strict_host_key_checking_refuses_an_unknown_host(tmp_path: Path) 
 async def test_accept_new_remembers_the_key_and_then_refuses_a_changed_one(tmp_path: Path) -> None:
     server = await start_local_ssh_server(tmp_path)
     known = tmp_path / "known_hosts"
-    accept_new = SshEndpoint(host="127.0.0.1", port=server.port, identity_file=str(server.client_key_path),
-                             options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"))  # fmt: skip
+    accept_new = SshEndpoint(
+        host="127.0.0.1",
+        port=server.port,
+        identity_file=str(server.client_key_path),
+        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"),
+    )
     strict = SshEndpoint(host="127.0.0.1", port=server.port, identity_file=str(server.client_key_path),
                          options=("StrictHostKeyChecking=yes", f"UserKnownHostsFile={known}"))  # fmt: skip
     try:
@@ -256,8 +261,12 @@ async def test_accept_new_remembers_the_key_and_then_refuses_a_changed_one(tmp_p
     finally:
         server.close()
     impostor = await start_local_ssh_server(tmp_path, name="impostor")  # new host key, same address book
-    moved = SshEndpoint(host="127.0.0.1", port=impostor.port, identity_file=str(impostor.client_key_path),
-                        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"))  # fmt: skip
+    moved = SshEndpoint(
+        host="127.0.0.1",
+        port=impostor.port,
+        identity_file=str(impostor.client_key_path),
+        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"),
+    )
     known.write_text(known.read_text().replace(f"[127.0.0.1]:{server.port}", f"[127.0.0.1]:{impostor.port}"))
     try:
         with pytest.raises(ConnectionError):
@@ -269,15 +278,23 @@ async def test_accept_new_remembers_the_key_and_then_refuses_a_changed_one(tmp_p
 async def _server_key(tmp_path: Path, port: int, client_key: Path) -> str:
     """The test server's host key as a known_hosts key field ('ssh-ed25519 AAAA...'), learned once."""
     scratch = tmp_path / "scratch_known_hosts"
-    learn = SshEndpoint(host="127.0.0.1", port=port, identity_file=str(client_key),
-                        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={scratch}"))  # fmt: skip
+    learn = SshEndpoint(
+        host="127.0.0.1",
+        port=port,
+        identity_file=str(client_key),
+        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={scratch}"),
+    )
     await run_remote(learn, "true")
     return scratch.read_text().split(None, 1)[1].strip()
 
 
 def _accept_new(port: int, key: Path, known: Path) -> SshEndpoint:
-    return SshEndpoint(host="127.0.0.1", port=port, identity_file=str(key),
-                       options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"))  # fmt: skip
+    return SshEndpoint(
+        host="127.0.0.1",
+        port=port,
+        identity_file=str(key),
+        options=("StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={known}"),
+    )
 
 
 async def test_accept_new_refuses_a_revoked_host_key(tmp_path: Path) -> None:

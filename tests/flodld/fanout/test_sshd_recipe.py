@@ -1,5 +1,6 @@
 """The join sshd recipe (issue 13, point 13): one key string is one restricted line; the dedicated
-sshd admits only the join user, never root, and runs unprivileged (the recipe and the unit)."""
+sshd admits only the join user, never root, and runs unprivileged (the recipe and the unit).
+"""
 
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def test_an_unprivileged_door_forwards_for_the_join_user_and_refuses_root(tmp_pa
     assert check.returncode == 0, check.stderr
     log = tmp_path / "sshd.log"
     with log.open("w") as sink:
-        proc = subprocess.Popen(as_join_user([sshd, "-D", "-e", "-f", str(door / "sshd_config")], user), stderr=sink)
+        argv = as_join_user([sshd, "-D", "-e", "-f", str(door / "sshd_config")], user)
+        proc = subprocess.Popen(argv, stderr=sink)
     try:
         end = time.monotonic() + 10
         while time.monotonic() < end:
@@ -152,8 +154,9 @@ def test_an_unprivileged_door_forwards_for_the_join_user_and_refuses_root(tmp_pa
             forward.terminate()
             forward.wait(timeout=10)
         if user != "root":
-            refused = subprocess.run(_ssh(listen, key, "root@127.0.0.1", "true"), capture_output=True, text=True,
-                                     timeout=30)  # fmt: skip
+            refused = subprocess.run(
+                _ssh(listen, key, "root@127.0.0.1", "true"), capture_output=True, text=True, timeout=30
+            )
             assert refused.returncode != 0
         ps = subprocess.run(["ps", "-o", "user=", "-p", str(proc.pid)], capture_output=True, text=True)
         assert ps.stdout.strip() not in ("root", "0")  # the door's sshd is not root

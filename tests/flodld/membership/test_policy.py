@@ -166,7 +166,8 @@ def test_negative_capacity_is_refused() -> None:
 def test_summary_states_the_window_for_the_log() -> None:
     line = policy(capacity=2, start="hybrid", join_timeout=30).summary()
     assert line == (
-        "join window open (start hybrid, quorum 2 ranks, target 2, window 30s, cap 600s, admission: pre-shared salt)"
+        "join window open (start hybrid, quorum 2 ranks, target 2, window 30s, cap 600s, admission: "
+        "pre-shared salt)"
     )
 
 

@@ -1,5 +1,6 @@
 """Issue 18, the sans-io side: a storm of hellos costs no verdict per hello, yet the target still closes
-the window at the exact hello; the world limit refuses at join; state.json pages and summarizes."""
+the window at the exact hello; the world limit refuses at join; state.json pages and summarizes.
+"""
 
 from __future__ import annotations
 

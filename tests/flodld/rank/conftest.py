@@ -65,7 +65,8 @@ def store_server() -> Iterator[StoreServer]:
 class ResettingProxy:
     """A TCP relay in front of a store server that can lose one reply: `cut_next_reply(hook)` makes it
     drop the next bytes the server sends, run `hook()` (the server has applied the request by then),
-    and reset both sides of that connection. Later connections are relayed normally."""
+    and reset both sides of that connection. Later connections are relayed normally.
+    """
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port

@@ -79,7 +79,8 @@ def test_gloo_workers_of_a_group_torch_keeps_alive_are_quiet_before_the_interpre
     """A group that torch itself keeps past `destroy_process_group` keeps its gloo workers; the teardown
     waits until none is runnable, so none is left freeing a work (and taking the GIL) during shutdown,
     which aborted a rank after `checkpoint ok` in CI (SIGABRT, 'terminate called without an active
-    exception')."""
+    exception').
+    """
     import subprocess
     import sys
 
@@ -90,7 +91,8 @@ def test_gloo_workers_of_a_group_torch_keeps_alive_are_quiet_before_the_interpre
 
 def test_the_rank_launcher_settles_torch_distributed_at_exit(tmp_path: Path) -> None:
     """A stock script that leaves its group open exits through the launcher with the group destroyed and
-    gloo's workers quiet, after the script's own atexit handlers (which may still use the group)."""
+    gloo's workers quiet, after the script's own atexit handlers (which may still use the group).
+    """
     import subprocess
     import sys
 

@@ -1,6 +1,7 @@
 """`ControllerStore` honours torch's Store contract: PyTorch's own store-test assertions
 (test/distributed/test_store.py), restated against the real store service on a loopback mux, plus
-torch's C++-trampoline check `torch.distributed._test_python_store`."""
+torch's C++-trampoline check `torch.distributed._test_python_store`.
+"""
 
 from __future__ import annotations
 

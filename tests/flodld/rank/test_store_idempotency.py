@@ -95,7 +95,8 @@ def test_a_blocking_queue_pop_re_sent_after_a_reset_gets_the_item(
     store_server: StoreServer, resetting_proxy: ResettingProxy
 ) -> None:
     """The original pop stays parked on the controller after its connection died; the item pushed later
-    must reach the re-sent pop, not vanish into the dead connection."""
+    must reach the re-sent pop, not vanish into the dead connection.
+    """
     store = _through(resetting_proxy, store_server)
     got: list[bytes] = []
     popper = threading.Thread(target=lambda: got.append(store.queue_pop("jobs")))

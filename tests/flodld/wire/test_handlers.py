@@ -31,7 +31,10 @@ def test_dispatch_calls_the_handler_of_the_message_class_with_the_table_argument
     assert seen == [("set", "k", b"v"), ("add", 3, b"")]
     assert StoreSet in table and StoreGet not in table and len(table) == 2
     assert set(table) == {StoreSet, StoreAdd}
-    assert table.handler_for(StoreSet(key="k")) is on_set and table.handler_for(StoreGet(key="k", timeout=1)) is None
+    assert (
+        table.handler_for(StoreSet(key="k")) is on_set
+        and table.handler_for(StoreGet(key="k", timeout=1)) is None
+    )
 
 
 def test_a_message_without_a_handler_raises_unhandled_naming_it() -> None:

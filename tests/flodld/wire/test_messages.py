@@ -147,4 +147,6 @@ def test_every_registered_message_is_capped_and_in_a_channel_range() -> None:
     ranges = [*KIND_RANGES.values(), range(0xFE00, 0xFF00)]  # 0xFExx: test-only kinds
     for kind, cls in registered_kinds().items():
         assert list(uncapped_fields(cls)) == []
-        assert any(kind in span for span in ranges), f"{cls.__qualname__} kind {kind:#06x} outside every range"
+        assert any(kind in span for span in ranges), (
+            f"{cls.__qualname__} kind {kind:#06x} outside every range"
+        )

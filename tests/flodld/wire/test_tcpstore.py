@@ -1,6 +1,7 @@
 """The TCPStore codec (flodld.wire.tcpstore) against bytes recorded between torch 2.13's TCPStore client and
 torch's own (libuv) server, through a logging proxy: every request the client sent decodes to the request
-we expect, and every reply we encode is byte for byte what torch's server answered."""
+we expect, and every reply we encode is byte for byte what torch's server answered.
+"""
 
 from __future__ import annotations
 
