@@ -417,8 +417,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 heartbeat_interval=interval,
                 on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
             )
-            controller.register_channel(Channel.DATA, plane.handle_data)
-            controller.register_channel(Channel.CONTROL, plane.handle_control)
+            controller.register_channels({Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control})
             plane.start()
             planes.append(plane)
         if planes and phase in TERMINAL_PHASES:

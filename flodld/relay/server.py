@@ -10,7 +10,6 @@ heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing f
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import socket
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flodld.fold import round_barrier
+from flodld.net.addresses import is_private_address
 from flodld.net.dispatch import serve_frames
 from flodld.net.keepalive import keep_alive
 from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
@@ -64,14 +64,7 @@ def warn_if_public(peer: str, where: str) -> bool:
     The upstreams are encrypted (wire protocol v2), so the warning is about the salt they are keyed from:
     private only while the salt is (a configured join token; under open admission it crossed the path).
     """
-    try:
-        if ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback:
-            return False
-    except ValueError:
-        pass
-    from flodld.controller.addresses import is_private_address  # only off loopback: it costs an import
-
-    if is_private_address(peer):
+    if is_private_address(peer):  # loopback included
         return False
     log.warning(
         "relay: WARNING: controller %s (peer %s) is outside every private address range. The relay's DATA and "
