@@ -277,16 +277,8 @@ class DataPlane:
                 raise ValueError(
                     f"host {relay.host!r} folded ranks {message.contributors} but owns {sorted(owned)}"
                 )
-            results = barrier.contribute_chunk(
-                relay.host,
-                message.round,
-                message.fold,
-                message.tensors,
-                message.offset,
-                frame.tail_view,
-                message.weight,
-                lambda: conn.recycle(frame),  # folded into the accumulator: its buffer is free
-            )
+            # Folded into the accumulator, the frame's buffer is free again.
+            results = barrier.contribute_message(relay.host, message, frame.tail_view, lambda: conn.recycle(frame))
         except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
             self.refusals["host_frame"] += 1
             log.error(

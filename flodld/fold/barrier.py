@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -37,6 +37,21 @@ from flodld.wire.data import TensorSpec
 
 Member = TypeVar("Member", bound=Hashable)
 Release = Callable[[], None]
+
+
+class ChunkMessage(Protocol):
+    """What a chunk's message says about it (`Deposit` and `HostFrame` both do)."""
+
+    @property
+    def round(self) -> int: ...
+    @property
+    def fold(self) -> str: ...
+    @property
+    def tensors(self) -> Sequence[TensorSpec]: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def weight(self) -> float: ...
 
 
 class RoundError(ValueError):
@@ -144,6 +159,15 @@ class RoundBarrier(Generic[Member]):
         return frozenset(self._live - self._paid)
 
     # --- chunks -----------------------------------------------------------------------------
+
+    def contribute_message(
+        self, member: Member, message: ChunkMessage, data: memoryview, release: Release | None = None
+    ) -> list[ChunkResult[Member]]:
+        """`contribute_chunk` with the round, fold, schema, offset and weight a chunk's message carries
+        (a rank's `Deposit` at the relay, a relay's `HostFrame` at the controller)."""
+        return self.contribute_chunk(
+            member, message.round, message.fold, message.tensors, message.offset, data, message.weight, release
+        )
 
     def contribute_chunk(
         self,

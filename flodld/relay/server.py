@@ -264,16 +264,8 @@ class Relay:
         barrier = self._ensure_barrier()
         conn = leg.stream.conn
         try:
-            results = barrier.contribute_chunk(
-                leg.rank,
-                message.round,
-                message.fold,
-                message.tensors,
-                message.offset,
-                frame.tail_view,
-                message.weight,
-                lambda: conn.recycle(frame),  # folded into the accumulator: its buffer is free
-            )
+            # Folded into the accumulator, the frame's buffer is free again.
+            results = barrier.contribute_message(leg.rank, message, frame.tail_view, lambda: conn.recycle(frame))
         except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
             self.refused += 1
             log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
