@@ -54,6 +54,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure_parser(parser)
+    parser.set_defaults(func=main)
     return parser
 
 

@@ -12,7 +12,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fdl import config as config_command
+from fdl import join as join_command
+from fdl import join_sshd, probe, start, status
+from fdl import run as run_command
 from flodld import api
+
+# The subcommands, in `fdl --help` order: each module's add_parser(subparsers) sets its `func`.
+COMMANDS = (status, start, probe, join_sshd, config_command, run_command, join_command)
 
 
 class UsageError(Exception):
@@ -49,24 +56,13 @@ def split_env(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fdl import config as config_command
-    from fdl import join as join_command
-    from fdl import join_sshd, probe, start, status
-    from fdl import run as run_command
-
     parser = argparse.ArgumentParser(
         prog="fdl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--env", dest="env_flag", metavar="ENV", help="use the fdl.<ENV>.yml overlay")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    status.add_parser(subparsers)
-    start.add_parser(subparsers)
-    probe.add_parser(subparsers)
-    join_sshd.add_parser(subparsers)
-    config_command.add_parser(subparsers)
-    for module in (run_command, join_command):
-        sub = module.add_parser(subparsers)
-        sub.set_defaults(func=module.main)
+    for command in COMMANDS:  # each module's add_parser sets its own `func`
+        command.add_parser(subparsers)
     return parser
 
 
