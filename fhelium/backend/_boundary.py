@@ -40,7 +40,7 @@ def _check_state(position: str, declared: OpenStateType, value: Ciphertext | Pla
             raise BoundaryError(f"{position}: declared {key} = {expected!r} but the value has {actual!r}")
 
 
-def to_payload(position: str, declared: Attribute, value: Any) -> Any:
+def to_payload(position: str, declared: Attribute, value: object) -> object:
     """Decompose one entry argument into what the interpreter carries (tensor, scalar, resource)."""
     if isinstance(value, BoundResource):
         return value
@@ -72,7 +72,7 @@ def to_payload(position: str, declared: Attribute, value: Any) -> Any:
     raise BoundaryError(f"{position}: cannot pass a {type(value).__name__} into a Program")
 
 
-def _template(declared: Attribute, inputs: Sequence[tuple[Attribute, Any]], kind: type) -> Any:
+def _template(declared: Attribute, inputs: Sequence[tuple[Attribute, object]], kind: type) -> object:
     for input_type, value in inputs:
         if isinstance(value, kind) and input_type == declared:
             return value
@@ -92,8 +92,8 @@ def _state_scale(declared: OpenStateType) -> float | None:
 
 
 def from_payload(
-    position: str, declared: Attribute, payload: Any, inputs: Sequence[tuple[Attribute, Any]]
-) -> Any:
+    position: str, declared: Attribute, payload: object, inputs: Sequence[tuple[Attribute, object]]
+) -> object:
     """Rebuild a public value for one result from its payload and declared type."""
     if isinstance(declared, CiphertextType):
         if not isinstance(payload, torch.Tensor):

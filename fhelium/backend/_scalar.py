@@ -20,7 +20,7 @@ class ScalarError(TypeError):
     """An arith operation received something that is not a host scalar."""
 
 
-def as_scalar(op_name: str, value: Any) -> int | float | bool:
+def as_scalar(op_name: str, value: object) -> int | float | bool:
     if isinstance(value, bool | int | float):
         return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -98,7 +98,7 @@ def constant_value(op: arith.ConstantOp) -> int | float | bool:
     raise ScalarError(f"arith.constant with {value} is not a host scalar; only integer/float constants run")
 
 
-def evaluate(op: Operation, operands: list[Any]) -> Any:
+def evaluate(op: Operation, operands: list[Any]) -> object:
     """The single result of a scalar arith op, or raise ScalarError if `op` is not one."""
     scalars = [as_scalar(op.name, value) for value in operands]
     handler = BINARY.get(type(op))

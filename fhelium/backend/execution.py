@@ -189,7 +189,7 @@ class _Preparer:
 def _region_callable(prepared: PreparedBlock, env: Env) -> Callable[..., tuple[torch.Tensor, ...]]:
     """A region as a function of its block arguments, seeing the enclosing SSA values."""
 
-    def call(*arguments: Any) -> tuple[torch.Tensor, ...]:
+    def call(*arguments: object) -> tuple[torch.Tensor, ...]:
         return prepared.run(env, arguments)
 
     return call
@@ -205,7 +205,7 @@ class ProgramExecutable:
         self._argument_types = tuple(function.function_type.inputs.data)
         self._result_types = tuple(function.function_type.outputs.data)
 
-    def run(self, *inputs: Any) -> tuple[Any, ...]:
+    def run(self, *inputs: object) -> tuple[Any, ...]:
         """Execute with public values (Ciphertext, tensors, ints); returns public values."""
         if len(inputs) != len(self._argument_types):
             raise ExecutionError(
@@ -228,14 +228,14 @@ class ProgramExecutable:
             for index, (declared, value) in enumerate(zip(self._result_types, outputs, strict=True))
         )
 
-    def run_payloads(self, *payloads: Any) -> tuple[Any, ...]:
+    def run_payloads(self, *payloads: object) -> tuple[Any, ...]:
         """Execute on raw payloads (tensors, scalars, BoundResources); no boundary adaptation."""
         return self._body.run(ChainMap(), payloads)
 
     def as_callable(self) -> Callable[..., tuple[Any, ...]]:
         """A plain function running this executable (the same prepared control flow)."""
 
-        def compiled(*inputs: Any) -> tuple[Any, ...]:
+        def compiled(*inputs: object) -> tuple[Any, ...]:
             return self.run(*inputs)
 
         compiled.__name__ = self.function.sym_name.data

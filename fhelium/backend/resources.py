@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ class ResourceBindings:
     def __contains__(self, symbol: str) -> bool:
         return symbol in self._by_symbol
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[BoundResource]:
         return iter(self._by_symbol.values())
 
     def resolve(self, requirement: ResourceRequirement) -> BoundResource:

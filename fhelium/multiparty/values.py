@@ -8,7 +8,7 @@ validated before a payload is used. ``SecretKeyShare`` is serialized only with `
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,7 +203,11 @@ class DecryptionShare:
 # --------------------------------------------------------------------------- registration
 
 
-def _validate_key_share(name: str, has_seed: bool) -> Any:
+# A ValueTypeExtension's validate: (metadata, tensor descriptions) -> None, raising when invalid.
+_Validator = Callable[[Mapping[str, Any], Mapping[str, Mapping[str, Any]] | None], None]
+
+
+def _validate_key_share(name: str, has_seed: bool) -> _Validator:
     def validate(metadata: Mapping[str, Any], tensors: Mapping[str, Mapping[str, Any]] | None) -> None:
         _check_prime_ids_meta(name, metadata["prime_ids"])
         _check_party(name, metadata["party"], metadata["parties"])
@@ -228,7 +232,7 @@ def _validate_decryption_share(
         _check_data_shape(name, tensors, len(metadata["prime_ids"]), exact_ndim=None)
 
 
-def _validate_seed_record(name: str, field: str) -> Any:
+def _validate_seed_record(name: str, field: str) -> _Validator:
     def validate(metadata: Mapping[str, Any], tensors: Mapping[str, Mapping[str, Any]] | None) -> None:
         _check_party(name, metadata["party"], metadata["parties"])
         _check_session(name, metadata["session"])

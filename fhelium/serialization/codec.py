@@ -13,6 +13,7 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,7 +39,7 @@ _DTYPES = {"I64": torch.int64, "I32": torch.int32, "F64": torch.float64, "F32": 
 class EngineLike(Protocol):
     ring_degree: int
 
-    def moduli_for(self, prime_ids: Any) -> list[int]: ...
+    def moduli_for(self, prime_ids: Iterable[int]) -> list[int]: ...
 
 
 def _manifest(envelope: ValueEnvelope, engine: EngineLike | None) -> dict[str, Any]:

@@ -154,7 +154,7 @@ class _RegistryAddEngine(CiphertextAdder):
         moduli: list[int] = self._rns.value.moduli_for(prime_ids)
         return moduli
 
-    def add_(self, lhs: Any, rhs: Any) -> Any:
+    def add_(self, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
         (total,) = self._add.execute(self._invocation, (lhs.data, rhs.data), (self._rns,))
         lhs.data.copy_(total)
         return lhs
