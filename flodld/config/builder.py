@@ -30,12 +30,12 @@ class ClusterBuilder:
         self._workers: list[dict[str, Any]] = []
         self._env: dict[str, str] = {}
 
-    def controller(self, host: str, port: int = DEFAULT_CONTROLLER_PORT, **settings: Any) -> Self:
+    def controller(self, host: str, port: int = DEFAULT_CONTROLLER_PORT, **settings: object) -> Self:
         """`settings`: path, averaging, backend, cadence (as in `cluster.controller`)."""
         self._controller = {"host": host, "port": port, **settings}
         return self
 
-    def join(self, **knobs: Any) -> Self:
+    def join(self, **knobs: object) -> Self:
         """`controller.join` knobs (min_rank_start, join_timeout, target_ranks, ...).
 
         Repeated calls add up.
@@ -50,7 +50,7 @@ class ClusterBuilder:
         *,
         ssh: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
-        **settings: Any,
+        **settings: object,
     ) -> Self:
         """Add a worker; `devices` is `local_devices` ("all", or entries such as 0, "cuda:1", "cpu:4")."""
         entry: dict[str, Any] = {

@@ -30,7 +30,7 @@ _PATTERN_HELP = {
 
 def issues_from_validation(
     exc: ValidationError,
-    data: Any,
+    data: object,
     root_model: type[BaseModel],
     positions: Mapping[KeyPath, Position] | None = None,
     default_file: Path | None = None,
@@ -72,10 +72,10 @@ def _located(
     return ConfigIssue(key_path, message, default_file)
 
 
-def _data_path(data: Any, loc: tuple[int | str, ...]) -> tuple[KeyPath, bool]:
+def _data_path(data: object, loc: tuple[int | str, ...]) -> tuple[KeyPath, bool]:
     """The part of `loc` that names real keys/items in `data`; `complete` if the last step was real."""
     path: list[str | int] = []
-    node = data
+    node: Any = data  # walked under the isinstance checks below
     complete = True
     for part in loc:
         is_key = isinstance(node, dict) and isinstance(part, str) and part in node
@@ -98,7 +98,7 @@ def _model_at(root_model: type[BaseModel], path: KeyPath) -> type[BaseModel] | N
     return model
 
 
-def _find_model(annotation: Any) -> type[BaseModel] | None:
+def _find_model(annotation: object) -> type[BaseModel] | None:
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation
     for argument in get_args(annotation):
@@ -124,12 +124,12 @@ def _unknown_key_message(key: str, model: type[BaseModel] | None) -> str:
     return f"{message} (allowed here: {', '.join(allowed)})"
 
 
-def _shorten(value: Any) -> str:
+def _shorten(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _describe(kind: str, pydantic_message: str, given: Any, key_path: KeyPath) -> str:
+def _describe(kind: str, pydantic_message: str, given: object, key_path: KeyPath) -> str:
     if kind == "value_error":
         return pydantic_message.removeprefix("Value error, ")
     if kind in ("list_type", "tuple_type"):

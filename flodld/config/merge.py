@@ -46,7 +46,7 @@ def _merge(
     return merged
 
 
-def _subtree_paths(value: Any, prefix: KeyPath) -> list[KeyPath]:
+def _subtree_paths(value: object, prefix: KeyPath) -> list[KeyPath]:
     """Every key path at or under `prefix` within `value` (linear in the subtree's size)."""
     paths: list[KeyPath] = [prefix]
     if isinstance(value, dict):

@@ -99,7 +99,7 @@ class _Converter:
     def _fail(self, key_path: KeyPath, position: Position, message: str) -> ConfigError:
         return ConfigError(ConfigIssue(key_path, message, self.path, position.line, position.column))
 
-    def convert(self, node: object, key_path: KeyPath, position: Position, depth: int) -> Any:
+    def convert(self, node: object, key_path: KeyPath, position: Position, depth: int) -> object:
         self.nodes += 1
         self.positions[key_path] = position
         if self.nodes > MAX_NODES:
@@ -139,7 +139,7 @@ class _Converter:
             for index, item in enumerate(node)
         ]
 
-    def _scalar(self, node: object, key_path: KeyPath, position: Position) -> Any:
+    def _scalar(self, node: object, key_path: KeyPath, position: Position) -> object:
         # ruamel subclasses int/float/str to remember formatting; hand validation the plain types.
         if node is None or isinstance(node, bool):
             return node

@@ -79,7 +79,13 @@ class HttpRefusalLog:
         self.dropped = dropped
         self.logger = logger or logging.getLogger("flodld.controller.http")
 
-    def exception(self, message: str, *args: Any, exc_info: Any = None, **kwargs: Any) -> None:
+    def exception(
+        self,
+        message: str,
+        *args: object,
+        exc_info: BaseException | bool | None = None,
+        **kwargs: Any,  # noqa: ANN401, RUF100  logging.Logger.error's keywords, passed on
+    ) -> None:
         if isinstance(exc_info, HttpProcessingError):
             peer = args[0] if args else "?"
             reason = _redact_credentials(" ".join(str(exc_info.message).split()))[:200]
@@ -88,7 +94,7 @@ class HttpRefusalLog:
             return
         self.logger.error(message, *args, exc_info=exc_info or True, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:  # debug/info/warning/error as the real logger has them
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401, RUF100  debug/info/warning/error as the real logger has them
         return getattr(self.logger, name)
 
 

@@ -137,8 +137,10 @@ class PortMux:
         return [str(sock.getsockname()[0]) for sock in (self._server.sockets if self._server else ())]
 
     def stop_listening(self) -> None:
-        """Close the listening socket; routed connections keep running. (No wait_closed(): since
-        3.12 it waits for every connection, and ours outlive the listener by design.)
+        """Close the listening socket; routed connections keep running.
+
+        No wait_closed(): since 3.12 it waits for every connection, and ours outlive the listener by
+        design.
         """
         if self._server is not None:
             self._server.close()

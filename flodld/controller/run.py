@@ -27,7 +27,7 @@ import ipaddress
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -440,7 +440,7 @@ class Controller:
             except Exception:  # a broken observer must not break admission or formation
                 log.exception("event=phase_listener_failed phase=%s", phase.value)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

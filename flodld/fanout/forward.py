@@ -249,7 +249,10 @@ def squatter_message(port: int, endpoint: SshEndpoint) -> str:
 async def forwarded(
     endpoint: SshEndpoint, remote: tuple[str, int], *, timeout: float = FORWARD_READY_TIMEOUT_S
 ) -> AsyncIterator[int]:
-    """`async with forwarded(ep, ("127.0.0.1", 1337)) as port:` — one attempt's forward."""
+    """One attempt's forward, as a context manager that gives the local port.
+
+    Usage: `async with forwarded(ep, ("127.0.0.1", 1337)) as port:`.
+    """
     forward = await asyncio.to_thread(open_forward, endpoint, remote, timeout=timeout)
     try:
         yield forward.local_port

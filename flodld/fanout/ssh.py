@@ -70,7 +70,7 @@ class SshEndpoint:
             raise SshConfigError(f"StrictHostKeyChecking must be yes, no or accept-new, got {strict!r}")
 
     @classmethod
-    def parse(cls, target: str, **kwargs: Any) -> SshEndpoint:
+    def parse(cls, target: str, **kwargs: Any) -> SshEndpoint:  # noqa: ANN401, RUF100  SshEndpoint's other fields, passed on
         """`[user@]host[:port]`, with IPv6 literals in brackets: `user@[fe80::1]:2222`."""
         user, _, rest = target.rpartition("@")
         port = kwargs.pop("port", 22)
@@ -293,7 +293,7 @@ async def start_remote_agent(
     argv: Sequence[str],
     secret_env: Mapping[str, str] | Callable[[int | None], Mapping[str, str]],
     remote_forward: tuple[int, int] | None = None,
-    on_output: Any = None,
+    on_output: Callable[[str, str], None] | None = None,
     grace_s: int = 10,
 ) -> RemoteAgent:
     """Connect, optionally add a remote forward, start the supervised agent.
@@ -328,7 +328,11 @@ async def start_remote_agent(
     return agent
 
 
-async def _pump(process: asyncssh.SSHClientProcess[str], endpoint: SshEndpoint, on_output: Any) -> None:
+async def _pump(
+    process: asyncssh.SSHClientProcess[str],
+    endpoint: SshEndpoint,
+    on_output: Callable[[str, str], None] | None,
+) -> None:
     async for line in process.stdout:
         if not line:  # end of stream, not an empty line (those still carry "\n")
             break

@@ -182,7 +182,7 @@ def uncapped_fields(model: type[BaseModel]) -> Iterator[str]:
         yield from _uncapped(info.annotation, list(info.metadata), f"{model.__name__}.{name}", set())
 
 
-def _uncapped(annotation: Any, metadata: list[Any], path: str, seen: set[type]) -> Iterator[str]:
+def _uncapped(annotation: object, metadata: list[Any], path: str, seen: set[type]) -> Iterator[str]:
     while typing.get_origin(annotation) is Annotated:
         annotation, *extra = typing.get_args(annotation)
         metadata = metadata + extra
