@@ -35,6 +35,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +310,9 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
     }
 
 
-def worker(rank: int, world: int, port: int, values: int, tenseal: bool, repeats: int, results: Any) -> None:
+def worker(
+    rank: int, world: int, port: int, values: int, tenseal: bool, repeats: int, results: Queue[dict[str, Any]]
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     update = make_update(rank, values, SEED)

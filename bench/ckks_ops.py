@@ -140,7 +140,7 @@ def seal_operations(log_n: int) -> tuple[dict[str, Callable[[], object]], Callab
     values = [0.5] * (n // 2)
     scale = 2.0**40
 
-    def encode_encrypt() -> Any:
+    def encode_encrypt() -> Any:  # noqa: ANN401, RUF100  a SEAL Ciphertext (tenseal.sealapi has no types)
         plain, cipher = sealapi.Plaintext(), sealapi.Ciphertext()
         encoder.encode(values, scale, plain)
         encryptor.encrypt(plain, cipher)
@@ -150,30 +150,30 @@ def seal_operations(log_n: int) -> tuple[dict[str, Callable[[], object]], Callab
     plain = sealapi.Plaintext()
     encoder.encode(values, scale, plain)
 
-    def decrypt_decode() -> Any:
+    def decrypt_decode() -> object:
         out = sealapi.Plaintext()
         decryptor.decrypt(ct, out)
         return encoder.decode_double(out)
 
-    def add() -> Any:
+    def add() -> object:
         out = sealapi.Ciphertext()
         evaluator.add(ct, ct, out)
         return out
 
-    def multiply() -> Any:
+    def multiply() -> object:
         out = sealapi.Ciphertext()
         evaluator.multiply(ct, ct, out)
         evaluator.relinearize_inplace(out, relin)
         evaluator.rescale_to_next_inplace(out)
         return out
 
-    def multiply_plain() -> Any:
+    def multiply_plain() -> object:
         out = sealapi.Ciphertext()
         evaluator.multiply_plain(ct, plain, out)
         evaluator.rescale_to_next_inplace(out)
         return out
 
-    def rotate() -> Any:
+    def rotate() -> object:
         out = sealapi.Ciphertext()
         evaluator.rotate_vector(ct, 1, galois, out)
         return out

@@ -1,4 +1,4 @@
-"""Join storm: N simulated agents join one `flodld serve --once` at once; how does the controller hold up?
+"""Join storm: N simulated agents join one `flodld serve --once` at once; how the controller holds up.
 
     .venv/bin/python bench/join_storm.py [--agents 1000,5000,10000] [--pollers 8] [--store-ranks 1000]
 

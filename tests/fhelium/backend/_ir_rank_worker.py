@@ -9,9 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # imported for real after sys.path is set, inside the functions
+    from fhelium.backend import OperationInvocation, ResourceRequirement
+    from fhelium.backend.implementation import Resources, Tensors
+    from fhelium.core import Ciphertext
+    from fhelium.ir import Program
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
@@ -22,7 +28,7 @@ BIG_MODULI = (3_100_000_000_000_000_000, 1_000_003, 998_244_353)
 CT = "!fhelium_ckks.ciphertext<{depth = 0 : i64}>"
 
 
-def _fake_ciphertext(seed: int, moduli: tuple[int, ...] = MODULI) -> Any:
+def _fake_ciphertext(seed: int, moduli: tuple[int, ...] = MODULI) -> Ciphertext:
     from fhelium.core import Ciphertext
 
     generator = torch.Generator().manual_seed(seed)
@@ -42,18 +48,18 @@ class _UndeclaredAdd:
 
         self.operation_types = (ckks.AddOp,)
 
-    def resource_requirements(self, invocation: Any) -> Any:
+    def resource_requirements(self, invocation: OperationInvocation) -> tuple[ResourceRequirement, ...]:
         from fhelium.backend import ResourceRequirement
 
         return (ResourceRequirement("rns", "rns-moduli"),)
 
-    def execute(self, invocation: Any, inputs: Any, resources: Any) -> Any:
+    def execute(self, invocation: OperationInvocation, inputs: Tensors, resources: Resources) -> Tensors:
         from fhelium.backend.rns.operations import moduli_column, rns_add
 
         return (rns_add(inputs[0], inputs[1], moduli_column(invocation, inputs[0], resources[-1].value)),)
 
 
-def _schedules(rank: int, world: int, example: Any) -> dict[str, Any]:
+def _schedules(rank: int, world: int, example: Program) -> dict[str, Any]:
     """The compiled example's all-reduce, per adder and moduli: the schedule each rank ran and
     the result.
     """

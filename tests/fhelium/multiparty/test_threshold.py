@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,7 +222,7 @@ def test_share_descriptions_are_validated_before_any_payload() -> None:
         )
 
 
-def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path: Path) -> None:
     member = ThresholdParty(0, 2, session="lazy")
     blob = value_to_bytes(member.commit_seed())
     (tmp_path / "c.fhe").write_bytes(blob)

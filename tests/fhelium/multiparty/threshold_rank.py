@@ -12,13 +12,14 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import fhelium.distributed as fdist
-from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
+from fhelium.multiparty.distributed import MAX_RECORD_BYTES, ProcessGroupChannel, ThresholdSession
 
 
 def update(rank: int, count: int) -> torch.Tensor:
@@ -43,15 +44,15 @@ def main() -> int:
         if kind.startswith("rogue") and rank == int(target):
             honest_reduce, honest_gather = channel.all_reduce_residues, channel.all_gather_bytes
 
-            def rogue_reduce(tag, residues, moduli):  # type: ignore[no-untyped-def]
+            def rogue_reduce(tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
                 if kind == "rogue-sum" and tag == "public-key-shares":
                     residues = torch.remainder(residues + 1, torch.tensor(moduli).reshape(-1, 1))
                 return honest_reduce(tag, residues, moduli)
 
-            def rogue_gather(tag, data, *args):  # type: ignore[no-untyped-def]
+            def rogue_gather(tag: str, data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
                 if kind == "rogue-open" and tag == "public-key-share-open":
                     data = data[:-8] + bytes(8)  # another last residue than committed
-                return honest_gather(tag, data, *args)
+                return honest_gather(tag, data, max_bytes)
 
             channel.all_reduce_residues = rogue_reduce  # type: ignore[method-assign]
             channel.all_gather_bytes = rogue_gather  # type: ignore[method-assign]

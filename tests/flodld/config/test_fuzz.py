@@ -105,7 +105,9 @@ def test_arbitrary_text_gives_a_model_or_config_error(text: str) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(base=DOCUMENTS, overlay=DOCUMENTS)
-def test_overlay_merge_of_random_documents_never_crashes(tmp_path: Path, base: Any, overlay: Any) -> None:
+def test_overlay_merge_of_random_documents_never_crashes(
+    tmp_path: Path, base: object, overlay: object
+) -> None:
     yaml = YAML(typ="safe")
     with (tmp_path / "fdl.yml").open("w") as handle:
         yaml.dump(base, handle)

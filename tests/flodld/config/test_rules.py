@@ -9,7 +9,7 @@ import pytest
 from flodld.config import ClusterBuilder, ClusterConfig, ConfigError, format_key_path
 
 
-def two_hosts(**controller: Any) -> ClusterBuilder:
+def two_hosts(**controller: object) -> ClusterBuilder:
     return (
         ClusterBuilder()
         .controller("10.0.0.1", 1337, **controller)

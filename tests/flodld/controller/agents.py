@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flodld.controller.options import ControllerOptions
@@ -115,7 +116,7 @@ async def http(port: int, method: str, path: str, headers: dict[str, str] | None
     return status, json.loads(body)
 
 
-async def eventually(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+async def eventually(predicate: Callable[[], object], timeout: float = 3.0) -> None:
     """Poll `predicate` until true (the controller acts on its own loop turn)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from aiohttp import web
@@ -40,7 +40,7 @@ async def _http_mux(**mux_options: float) -> AsyncIterator[tuple[PortMux, int]]:
         await runner.cleanup()
 
 
-async def _wait_for(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+async def _wait_for(predicate: Callable[[], object], timeout: float = 3.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -85,7 +85,7 @@ async def _is_closed(stream: FramedStream, within: float = 3.0) -> bool:
         return False
 
 
-async def _eventually(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+async def _eventually(predicate: Callable[[], object], timeout: float = 3.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"

@@ -47,7 +47,7 @@ class _Elements(HTMLParser):
         return next(attrs for _, attrs in self.tags if attrs.get("id") == ident)
 
 
-def _state(**changes: Any) -> dict[str, Any]:
+def _state(**changes: object) -> dict[str, Any]:
     state: dict[str, Any] = {
         "phase": "staging",
         "reason": "staging: 3 ranks in, quorum 3 met",

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +23,9 @@ from tests.reliability.process import DaemonProcess, write_config
 pytestmark = pytest.mark.multiproc
 
 
-async def eventually_state(port: int, predicate, timeout: float = 10.0) -> dict:  # type: ignore[no-untyped-def,type-arg]
+async def eventually_state(
+    port: int, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
+) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

@@ -78,7 +78,9 @@ async def _wait_no_process(marker: str, timeout: float = 20.0) -> None:
 # --- the plan (pure) ---------------------------------------------------------------------------
 
 
-def _worker(**settings: Any) -> ClusterConfig:
+def _worker(
+    **settings: Any,  # noqa: ANN401, RUF100  worker settings, passed on to ClusterBuilder.worker
+) -> ClusterConfig:
     return (
         ClusterBuilder()
         .controller("10.0.0.1", 1337)

@@ -13,7 +13,7 @@ SIG_A = "a" * 64
 SIG_B = "b" * 64
 
 
-def hello(host: str, devices: int | list[str] = 1, **fields: Any) -> Hello:
+def hello(host: str, devices: int | list[str] = 1, **fields: object) -> Hello:
     """A valid hello from `host` offering `devices` CPU devices (or the given device names)."""
     names = [f"cpu:{i}" for i in range(devices)] if isinstance(devices, int) else devices
     values: dict[str, Any] = {
@@ -29,7 +29,11 @@ def hello(host: str, devices: int | list[str] = 1, **fields: Any) -> Hello:
 
 
 def policy(
-    capacity: int = 2, *, loopback_bind: bool = False, averaging: str = "cpu_sync", **knobs: Any
+    capacity: int = 2,
+    *,
+    loopback_bind: bool = False,
+    averaging: str = "cpu_sync",
+    **knobs: Any,  # noqa: ANN401, RUF100  the `controller.join` knobs, passed on to JoinConfig
 ) -> WindowPolicy:
     """The policy `derive_policy` makes from these `controller.join:` knobs."""
     return derive_policy(

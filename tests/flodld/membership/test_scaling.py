@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
 
 from flodld.membership.ledger import Ledger
 from flodld.membership.phase import Phase
@@ -20,7 +20,7 @@ from .helpers import hello, policy
 def python_calls(operation: Callable[[], object]) -> int:
     count = 0
 
-    def profiler(frame: Any, event: str, arg: Any) -> None:
+    def profiler(frame: FrameType, event: str, arg: object) -> None:
         nonlocal count
         if event == "call":
             count += 1

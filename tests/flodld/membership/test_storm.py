@@ -5,7 +5,8 @@ the window at the exact hello; the world limit refuses at join; state.json pages
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
 
 import pytest
 
@@ -22,10 +23,10 @@ from .helpers import hello, policy
 T0 = 10.0
 
 
-def verdict_calls(operation: Any) -> int:
+def verdict_calls(operation: Callable[[], object]) -> int:
     count = 0
 
-    def profiler(frame: Any, event: str, arg: Any) -> None:
+    def profiler(frame: FrameType, event: str, arg: object) -> None:
         nonlocal count
         if event == "call" and frame.f_code is phase_module.verdict.__code__:
             count += 1

@@ -15,7 +15,10 @@ T0 = 1000.0  # an arbitrary monotonic origin: nothing may assume the clock start
 
 
 def window(
-    roster: list[str] | None = None, capacity: int = 2, tolerance: int = 0, **knobs: Any
+    roster: list[str] | None = None,
+    capacity: int = 2,
+    tolerance: int = 0,
+    **knobs: Any,  # noqa: ANN401, RUF100  the `controller.join` knobs, passed on to policy()
 ) -> JoinWindow:
     return JoinWindow(
         policy(capacity=capacity, **knobs),

@@ -19,7 +19,7 @@ from tests.flodld.wire.conftest import connected_pair
 SIG = "0123456789abcdef" * 4
 
 
-def hello_fields(**overrides: Any) -> dict[str, Any]:
+def hello_fields(**overrides: object) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "host": "node-b",
         "devices": ["cuda:0", "cuda:1"],
@@ -37,7 +37,7 @@ def hello_fields(**overrides: Any) -> dict[str, Any]:
     return fields
 
 
-def envelope_fields(**overrides: Any) -> dict[str, Any]:
+def envelope_fields(**overrides: object) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "run_id": "run-42",
         "world_size": 4,
