@@ -140,7 +140,7 @@ def seal_operations(log_n: int) -> tuple[dict[str, Callable[[], object]], Callab
     values = [0.5] * (n // 2)
     scale = 2.0**40
 
-    def encode_encrypt() -> Any:  # noqa: ANN401, RUF100  a SEAL Ciphertext (tenseal.sealapi has no types)
+    def encode_encrypt() -> Any:  # noqa: ANN401  a SEAL Ciphertext (tenseal.sealapi has no types)
         plain, cipher = sealapi.Plaintext(), sealapi.Ciphertext()
         encoder.encode(values, scale, plain)
         encryptor.encrypt(plain, cipher)

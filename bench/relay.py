@@ -160,9 +160,16 @@ def cipher_rates(size: int) -> tuple[str, float, float]:
 def run_world(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_RELAY_SIZES": ",".join(map(str, sizes)),
-               "BENCH_RELAY_RUNS": str(runs), "BENCH_RELAY_OUT": str(out),
-               "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "clients"), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "BENCH_RELAY_SIZES": ",".join(map(str, sizes)),
+            "BENCH_RELAY_RUNS": str(runs),
+            "BENCH_RELAY_OUT": str(out),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO), str(REPO / "clients"), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
         for name in ("FLODL_INTERNAL_AGENT_JSON", "FLODL_INTERNAL_RELAY_JSON", "RANK", "FLODL_CONTROLLER"):
             env.pop(name, None)
         proc = subprocess.run(
@@ -185,7 +192,8 @@ def run_world(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[str, fl
         )
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(
-                f"fdl run --ranks {ranks} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                f"fdl run --ranks {ranks} failed "
+                f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             )
         return json.loads(out.read_text())  # type: ignore[no-any-return]
 
@@ -210,7 +218,8 @@ def main() -> int:
         print(f"cipher {suite} on {size} MiB: seal {seal:.2f} GiB/s, open {open_:.2f} GiB/s", flush=True)
     print()
     print(
-        "| ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | vs loopback | cipher share (est.) |"
+        "| ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | vs loopback | "
+        "cipher share (est.) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for ranks in (int(part) for part in options.ranks.split(",")):
@@ -223,8 +232,10 @@ def main() -> int:
             seals, opens = 4 + (ranks - 1), 4  # critical path: see the module docstring
             cipher = (size / 1024) * (seals / seal + opens / open_)
             print(
-                f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | {average / reduce_:.1f}x "
-                f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | {min(cipher / average, 1):.0%} |",
+                f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | "
+                f"{average / reduce_:.1f}x "
+                f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | "
+                f"{min(cipher / average, 1):.0%} |",
                 flush=True,
             )
     return 0

@@ -177,7 +177,7 @@ class ControlExchange:
 
     records: list[ControlRecord] = field(default_factory=list)
 
-    def body_of(self, group_rank: int) -> Any:  # noqa: ANN401, RUF100  a peer's JSON, unchecked; read it under agree()
+    def body_of(self, group_rank: int) -> Any:  # noqa: ANN401  a peer's JSON, unchecked; read it under agree()
         return self.records[group_rank].body
 
 

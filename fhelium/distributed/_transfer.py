@@ -260,7 +260,7 @@ def payload_leaves(value: object) -> tuple[torch.Tensor, ...]:
     return tuple(ValueEnvelope.from_value(value).tensors.values())
 
 
-def rebuild(descriptor: Descriptor, leaves: tuple[torch.Tensor, ...]) -> Any:  # noqa: ANN401, RUF100  see the docstring
+def rebuild(descriptor: Descriptor, leaves: tuple[torch.Tensor, ...]) -> Any:  # noqa: ANN401  see the docstring
     """The typed value (or raw tensor) around received leaves, through the value schema.
 
     Its type is known only at run time, from the sender's descriptor; the collectives check it

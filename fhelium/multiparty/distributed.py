@@ -98,7 +98,7 @@ class ProcessGroupChannel:
         session: str = "",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         group: dist.ProcessGroup | None = None,
-        store: Any = None,  # noqa: ANN401, RUF100  a torch.distributed Store (not exported for type checkers)
+        store: Any = None,  # noqa: ANN401  a torch.distributed Store (not exported for type checkers)
     ) -> None:
         if not dist.is_initialized():
             raise MultipartyError("ProcessGroupChannel needs an initialised torch.distributed process group")

@@ -446,7 +446,7 @@ def _check_tensor_metadata(
         )
 
 
-def _rns_metadata(value: Any) -> dict[str, Any]:  # noqa: ANN401, RUF100  a VALUE_TYPES key type, checked by the caller
+def _rns_metadata(value: Any) -> dict[str, Any]:  # noqa: ANN401  a VALUE_TYPES key type, checked by the caller
     return {
         "prime_ids": list(value.prime_ids),
         "polynomial_domain": value.polynomial_domain,

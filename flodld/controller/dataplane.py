@@ -5,9 +5,9 @@ under the key derived at that host's admission (`host_key(host)`): a host can sp
 After HelloAck the connection is rekeyed to that host key. On DATA, host frames
 are folded across hosts chunk by chunk (a RoundBarrier over hosts with live ranks); each chunk, finished
 as soon as every live host's chunk at that offset is in, goes down as a Broadcast chunk to every relay,
-so a large round is pipelined rather than stored and forwarded whole. On CONTROL, rank heartbeats feed a Liveness table; a coordinator
-heartbeat goes down every interval, and a rank silent past the timeout is declared dead: its relay
-folds it out, and `on_rank_dead` tells the rest of the controller.
+so a large round is pipelined rather than stored and forwarded whole. On CONTROL, rank heartbeats
+feed a Liveness table; a coordinator heartbeat goes down every interval, and a rank silent past the
+timeout is declared dead: its relay folds it out, and `on_rank_dead` tells the rest of the controller.
 
 Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
 `mux.register(Channel.CONTROL, plane.handle_control)`, then `plane.start()`.
@@ -92,7 +92,8 @@ class DataPlane:
             raise ValueError("a data plane needs at least one host")
         self.salt = salt
         self.host_key = host_key
-        # Refused relays and frames by reason; the controller passes its `dropped` counter (state.json, /metrics).
+        # Refused relays and frames by reason; the controller passes its `dropped` counter (state.json,
+        # /metrics).
         self.refusals: Counter[str] = refusals if refusals is not None else Counter()
         self.host_ranks = {host: sorted(ranks) for host, ranks in host_ranks.items()}
         self.host_of = {rank: host for host, ranks in self.host_ranks.items() for rank in ranks}
@@ -246,7 +247,8 @@ class DataPlane:
                 "a relay speaks only for the host whose agent started it"
             )
         if sorted(hello.ranks) != self.host_ranks[hello.host]:
-            return f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {self.host_ranks[hello.host]}"
+            owned = self.host_ranks[hello.host]
+            return f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {owned}"
         if hello.host in self.relays[channel]:
             return f"host {hello.host!r} already has a relay on the {channel} channel"
         return None
@@ -278,7 +280,9 @@ class DataPlane:
                     f"host {relay.host!r} folded ranks {message.contributors} but owns {sorted(owned)}"
                 )
             # Folded into the accumulator, the frame's buffer is free again.
-            results = barrier.contribute_message(relay.host, message, frame.tail_view, lambda: conn.recycle(frame))
+            results = barrier.contribute_message(
+                relay.host, message, frame.tail_view, lambda: conn.recycle(frame)
+            )
         except Exception as error:  # any decode or fold failure is this host's refusal, never a crash
             self.refusals["host_frame"] += 1
             log.error(
@@ -307,7 +311,7 @@ class DataPlane:
                 await self._broadcast(result)
 
     async def _broadcast(self, result: ChunkResult[str]) -> None:
-        """Finish one completed chunk in place and send it to every live relay (sealed from the accumulator)."""
+        """Finish one completed chunk in place; send it to every live relay, sealed from the accumulator."""
         result.finish()
         message = Broadcast(
             round=result.round,
@@ -409,7 +413,9 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 heartbeat_interval=interval,
                 on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
             )
-            controller.register_channels({Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control})
+            controller.register_channels(
+                {Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control}
+            )
             plane.start()
             planes.append(plane)
         if planes and phase in TERMINAL_PHASES:

@@ -84,7 +84,7 @@ class HttpRefusalLog:
         message: str,
         *args: object,
         exc_info: BaseException | bool | None = None,
-        **kwargs: Any,  # noqa: ANN401, RUF100  logging.Logger.error's keywords, passed on
+        **kwargs: Any,  # noqa: ANN401  logging.Logger.error's keywords, passed on
     ) -> None:
         if isinstance(exc_info, HttpProcessingError):
             peer = args[0] if args else "?"
@@ -94,7 +94,7 @@ class HttpRefusalLog:
             return
         self.logger.error(message, *args, exc_info=exc_info or True, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:  # noqa: ANN401, RUF100  debug/info/warning/error as the real logger has them
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401  debug/info/warning/error as the real logger has them
         return getattr(self.logger, name)
 
 

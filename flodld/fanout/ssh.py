@@ -70,7 +70,7 @@ class SshEndpoint:
             raise SshConfigError(f"StrictHostKeyChecking must be yes, no or accept-new, got {strict!r}")
 
     @classmethod
-    def parse(cls, target: str, **kwargs: Any) -> SshEndpoint:  # noqa: ANN401, RUF100  SshEndpoint's other fields, passed on
+    def parse(cls, target: str, **kwargs: Any) -> SshEndpoint:  # noqa: ANN401  SshEndpoint's other fields, passed on
         """`[user@]host[:port]`, with IPv6 literals in brackets: `user@[fe80::1]:2222`."""
         user, _, rest = target.rpartition("@")
         port = kwargs.pop("port", 22)

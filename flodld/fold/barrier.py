@@ -164,9 +164,17 @@ class RoundBarrier(Generic[Member]):
         self, member: Member, message: ChunkMessage, data: memoryview, release: Release | None = None
     ) -> list[ChunkResult[Member]]:
         """`contribute_chunk` with the round, fold, schema, offset and weight a chunk's message carries
-        (a rank's `Deposit` at the relay, a relay's `HostFrame` at the controller)."""
+        (a rank's `Deposit` at the relay, a relay's `HostFrame` at the controller).
+        """
         return self.contribute_chunk(
-            member, message.round, message.fold, message.tensors, message.offset, data, message.weight, release
+            member,
+            message.round,
+            message.fold,
+            message.tensors,
+            message.offset,
+            data,
+            message.weight,
+            release,
         )
 
     def contribute_chunk(
@@ -209,7 +217,8 @@ class RoundBarrier(Generic[Member]):
             )
         if member in self._weights and self._weights[member] != weight:
             raise RoundError(
-                f"{member!r} changed its weight within round {self.round} ({self._weights[member]} -> {weight})"
+                f"{member!r} changed its weight within round {self.round} ({self._weights[member]} -> "
+                f"{weight})"
             )
         chunk = self._chunks.get(offset)
         if chunk is None:
@@ -270,7 +279,8 @@ class RoundBarrier(Generic[Member]):
 
     def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
         """The kept accumulator when schema and fold are the round before's, else a new one from `identity`
-        (which refuses a schema the fold cannot take: FoldError, before anything is kept)."""
+        (which refuses a schema the fold cannot take: FoldError, before anything is kept).
+        """
         slot = self.round % len(self._kept)
         kept = self._kept[slot]
         if kept is not None and kept[0] == fold.spec and kept[1] == layout.specs:

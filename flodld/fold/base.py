@@ -46,7 +46,7 @@ class FoldError(ValueError):
 
 @dataclass(frozen=True)
 class Span:
-    """Where a 1-D slice of a chunk lies: tensor `index` of the bundle, of full `shape`, elements from `start`."""
+    """Where a 1-D slice of a chunk lies: tensor `index` of the bundle, of `shape`, elements from `start`."""
 
     index: int
     shape: tuple[int, ...]

@@ -101,7 +101,7 @@ class Layout:
         return out
 
     def pieces(self, offset: int, length: int) -> list[Piece]:
-        """The element runs of chunk [offset, offset + length); CodecError unless it lies on element boundaries."""
+        """The element runs of chunk [offset, offset + length); CodecError unless on element boundaries."""
         end = offset + length
         if offset < 0 or length < 0 or end > self.total:
             raise CodecError(f"chunk [{offset}, {end}) lies outside the bundle's {self.total} bytes")
@@ -116,7 +116,8 @@ class Layout:
             item = self.itemsizes[index]
             if (lo - start) % item or (hi - start) % item:
                 raise CodecError(
-                    f"chunk [{offset}, {end}) splits an element of tensor {index} ({self.specs[index].dtype}); "
+                    f"chunk [{offset}, {end}) splits an element of tensor {index} "
+                    f"({self.specs[index].dtype}); "
                     "chunks start and end on element boundaries"
                 )
             span = Span(index=index, shape=self.shapes[index], start=(lo - start) // item)
@@ -148,7 +149,7 @@ def byte_views(tensors: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> list
 
 
 def split_parts(parts: Sequence[memoryview], ranges: Sequence[tuple[int, int]]) -> Iterator[list[memoryview]]:
-    """Cut the scatter views of a whole bundle's bytes (`encode_bundle_parts`) into one view list per range."""
+    """Cut the scatter views of a bundle's bytes (`encode_bundle_parts`) into one view list per range."""
     index, inside = 0, 0
     for _, length in ranges:
         chunk: list[memoryview] = []

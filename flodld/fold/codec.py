@@ -46,7 +46,8 @@ def check_shape(index: int, spec: TensorSpec) -> None:
         span *= max(dimension, 1)
         if span > MAX_SHAPE_SPAN:
             raise CodecError(
-                f"tensor {index} has shape {spec.shape}: its non-zero dimensions multiply past {MAX_SHAPE_SPAN} "
+                f"tensor {index} has shape {spec.shape}: its non-zero dimensions multiply past "
+                f"{MAX_SHAPE_SPAN} "
                 "(torch cannot describe it even with zero elements); send a smaller shape"
             )
 

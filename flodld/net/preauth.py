@@ -79,7 +79,7 @@ class GatedReader(asyncio.StreamReader):
 
     @property
     def refused(self) -> bool:
-        """True once this connection went over its allowance or the budget (the owner dropped and counted it)."""
+        """True once this connection went over its allowance or the budget; its owner drops and counts it."""
         return self._refused
 
     @property
@@ -105,7 +105,8 @@ class GatedReader(asyncio.StreamReader):
                 refusal = (
                     "preauth_overrun",
                     (
-                        f"sent {self._held + size} bytes before its first frame verified (allowance {self._allowance})"
+                        f"sent {self._held + size} bytes before its first frame verified (allowance "
+                        f"{self._allowance})"
                     ),
                 )
             elif not self._budget.take(size):

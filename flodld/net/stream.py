@@ -163,14 +163,16 @@ class FramedStream:
 
     def _reusable(self) -> bytearray | None:
         """The spare buffer, when nothing of an earlier frame built in it can still be queued (a transport
-        may hold views of what it has not sent yet)."""
+        may hold views of what it has not sent yet).
+        """
         if self._spare is None or self.writer.transport.get_write_buffer_size():
             return None
         return self._spare
 
     async def _write(self, data: bytearray | memoryview) -> None:
         """Write a sealed frame and drain. A large frame goes in WRITE_PIECE pieces, each drained before the
-        next, so the transport never buffers (copies) more than one piece of it."""
+        next, so the transport never buffers (copies) more than one piece of it.
+        """
         if len(data) <= WRITE_PIECE:
             self.writer.write(data)
         else:
@@ -200,9 +202,10 @@ class FramedStream:
             await self.writer.drain()
 
     async def recv(self, timeout: float | None = None) -> Frame:
-        """The next frame. EOFError on a clean close; ConnectionResetError on a reset; WireError on a violation; TimeoutError.
+        """The next frame.
 
-        A timeout loses nothing: bytes already read stay buffered in the connection.
+        EOFError on a clean close; ConnectionResetError on a reset; WireError on a violation; TimeoutError
+        past `timeout`. A timeout loses nothing: bytes already read stay buffered in the connection.
         """
         async with self._recv_lock, asyncio.timeout(timeout):
             while True:
@@ -301,7 +304,7 @@ async def open_channel(
     max_payload: int = MAX_PAYLOAD,
     max_tail: int = DEFAULT_MAX_TAIL,
 ) -> FramedStream:
-    """Dial `channel` on host:port: write magic and nonce, wait for the listener's nonce (all within `timeout`)."""
+    """Dial `channel` on host:port: write magic and nonce, then wait for the listener's nonce (`timeout`)."""
     conn = FrameConnection(Role.DIALER, key, max_payload=max_payload, max_tail=max_tail, channel=channel)
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host, port)

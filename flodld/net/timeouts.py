@@ -1,4 +1,4 @@
-"""FLODL_NET_TIMEOUT_SCALE: one knob that stretches (slow WAN) or shrinks (test rigs) every network deadline."""
+"""FLODL_NET_TIMEOUT_SCALE: one knob that stretches (slow WAN) or shrinks (test rigs) every net deadline."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def timeout_scale() -> float:
         ) from None
     if not math.isfinite(value) or value < MIN_TIMEOUT_SCALE:
         raise TimeoutScaleError(
-            f"{TIMEOUT_SCALE_ENV}={raw!r} is out of range; expected a finite scale factor >= {MIN_TIMEOUT_SCALE}"
+            f"{TIMEOUT_SCALE_ENV}={raw!r} is out of range; expected a finite scale factor >= "
+            f"{MIN_TIMEOUT_SCALE}"
         )
     return value
 

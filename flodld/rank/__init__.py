@@ -23,7 +23,7 @@ __all__ = [
 
 
 # PEP 562: the lazily loaded function; type checkers see its real type through the TYPE_CHECKING import.
-def __getattr__(name: str) -> Any:  # noqa: ANN401, RUF100  the function's own type, see above
+def __getattr__(name: str) -> Any:  # noqa: ANN401  the function's own type, see above
     if name in ("init_process_group", "rank_device"):
         from flodld.rank import process_group
 

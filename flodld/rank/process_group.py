@@ -38,7 +38,7 @@ def init_process_group(
     backend: str | None = None,
     *,
     timeout: timedelta = DEFAULT_PG_TIMEOUT,
-    **kwargs: Any,  # noqa: ANN401, RUF100  torch.distributed.init_process_group's keywords, passed on
+    **kwargs: Any,  # noqa: ANN401  torch.distributed.init_process_group's keywords, passed on
 ) -> None:
     """Join the run's process group (idempotent); also opens the relay legs when the host has a relay."""
     if dist.is_initialized():

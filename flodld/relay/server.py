@@ -2,14 +2,15 @@
 
 Data: ranks deposit in chunks, the barrier folds each chunk of all live local deposits and sends it up
 as a HostFrame chunk as soon as it is complete (pipelined, never a whole large frame stored first), and
-the controller's Broadcast chunks are fanned out to the live ranks as they come. Control: heartbeats up, coordinator
-heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing folds it out
+the controller's Broadcast chunks are fanned out to the live ranks as they come. Control: heartbeats up,
+coordinator heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing folds it out
 (RankGone up). The relay ends when every rank is gone, when the controller goes away, or on TERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -67,11 +68,16 @@ def warn_if_public(peer: str, where: str) -> bool:
     if is_private_address(peer):  # loopback included
         return False
     log.warning(
-        "relay: WARNING: controller %s (peer %s) is outside every private address range. The relay's DATA and "
-        "CONTROL upstreams to it are encrypted (AEAD, keys from the run salt and this host's admission), so they "
-        "are private only while the salt is: with a configured join token; under open admission the salt crossed "
-        "the path in the join's Accept, readable by whoever watched it. Process-group traffic (gloo/NCCL) is not "
-        "flodld's and stays cleartext. Use a tunnel (`tunnel: true`, `fdl join --ssh`) or a VPN when in doubt",
+        "relay: WARNING: controller %s (peer %s) is outside every private address range. The relay's DATA "
+        "and "
+        "CONTROL upstreams to it are encrypted (AEAD, keys from the run salt and this host's admission), so "
+        "they "
+        "are private only while the salt is: with a configured join token; under open admission the salt "
+        "crossed "
+        "the path in the join's Accept, readable by whoever watched it. Process-group traffic (gloo/NCCL) is "
+        "not "
+        "flodld's and stays cleartext. Use a tunnel (`tunnel: true`, `fdl join --ssh`) or a VPN when in "
+        "doubt",
         where,
         peer,
     )
@@ -198,7 +204,8 @@ class Relay:
 
     async def _serve_rank(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One rank leg's task. Cancelled when the relay stops (SIGTERM): that ends the leg quietly,
-        since the streams callback that owns this task would log a cancelled handler as an error."""
+        since the streams callback that owns this task would log a cancelled handler as an error.
+        """
         try:
             await self._serve_rank_leg(reader, writer)
         except asyncio.CancelledError:
@@ -265,7 +272,8 @@ class Relay:
         conn = leg.stream.conn
         try:
             # Folded into the accumulator, the frame's buffer is free again.
-            results = barrier.contribute_message(leg.rank, message, frame.tail_view, lambda: conn.recycle(frame))
+            release = functools.partial(conn.recycle, frame)
+            results = barrier.contribute_message(leg.rank, message, frame.tail_view, release)
         except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
             self.refused += 1
             log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)

@@ -97,7 +97,7 @@ def _large_buffer(size: int) -> memoryview:
 
 BytesLike = bytes | bytearray | memoryview
 Tail = BytesLike | Sequence[BytesLike]
-"""A frame's tail: one contiguous buffer, or a list of them (scatter parts, sealed into the frame in order)."""
+"""A frame's tail: one contiguous buffer, or a list of them (scatter parts, sealed into the frame in turn)."""
 
 
 class Role(Enum):
@@ -204,7 +204,8 @@ def _seal_parts(
     key: bytes, nonce: bytes, aad: bytes, pieces: Sequence[memoryview], out: memoryview
 ) -> None:
     """AES-256-GCM of the concatenated `pieces` into `out` (ciphertext, then the tag), reading each piece
-    where it lies: byte for byte what `_seal_in_place` makes of the gathered plaintext (GCM is a stream)."""
+    where it lies: byte for byte what `_seal_in_place` makes of the gathered plaintext (GCM is a stream).
+    """
     encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
     encryptor.authenticate_additional_data(aad)
     offset = 0
@@ -286,7 +287,8 @@ class Frame:
     __hash__ = None  # type: ignore[assignment]  # mutable-looking value object, like a dataclass with eq
 
     def __repr__(self) -> str:
-        return f"Frame(kind={self.kind:#06x}, seq={self.seq}, payload={len(self.payload)}B, tail={self.tail_view.nbytes}B)"
+        sizes = f"payload={len(self.payload)}B, tail={self.tail_view.nbytes}B"
+        return f"Frame(kind={self.kind:#06x}, seq={self.seq}, {sizes})"
 
 
 class NeedData:
@@ -464,7 +466,8 @@ class FrameConnection:
 
     def _reserve(self, count: int) -> None:
         """Room for `count` more body bytes: the buffer at least doubles when it grows (never past the
-        body's length), so a body costs at most one extra copy in all, whatever the read sizes."""
+        body's length), so a body costs at most one extra copy in all, whatever the read sizes.
+        """
         assert self._body is not None
         needed = self._filled + count
         if needed <= len(self._body):
@@ -612,8 +615,9 @@ class FrameConnection:
         `tail` may be any contiguous buffer (e.g. a memoryview of a tensor's storage), counted in bytes
         whatever its item format, or a sequence of such buffers: under AES-256-GCM a tail of
         `STREAM_SEAL_MIN` bytes or more is encrypted from where its parts lie straight into the frame;
-        otherwise the parts are copied once, side by side, into the frame and encrypted there in place. With `buffer` (large enough), the frame is built in
-        it and a view of it is returned: the caller must not touch the buffer until the bytes are sent.
+        otherwise the parts are copied once, side by side, into the frame and encrypted there in place.
+        With `buffer` (large enough), the frame is built in it and a view of it is returned: the caller
+        must not touch the buffer until the bytes are sent.
         """
         self._ensure_alive()
         if self._send_aead is None:

@@ -98,7 +98,7 @@ class Page:
     async def send(self, method: str, timeout: float = 10.0, **params: object) -> dict[str, Any]:
         return await self.connection.send(method, self.session, timeout, **params)
 
-    async def evaluate(self, expression: str) -> Any:  # noqa: ANN401, RUF100  the page's JSON value
+    async def evaluate(self, expression: str) -> Any:  # noqa: ANN401  the page's JSON value
         """The value of a JavaScript expression in the page (JSON-serializable results only)."""
         reply = await self.send("Runtime.evaluate", expression=expression, returnByValue=True)
         if "exceptionDetails" in reply:
@@ -112,7 +112,7 @@ class Page:
             "return e?e.innerText:null;})()"
         )
 
-    async def wait_for(self, expression: str, timeout: float = 10.0) -> Any:  # noqa: ANN401, RUF100  the page's JSON
+    async def wait_for(self, expression: str, timeout: float = 10.0) -> Any:  # noqa: ANN401  the page's JSON
         """Poll until `expression` is truthy in the page; its value."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

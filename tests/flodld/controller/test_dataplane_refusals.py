@@ -1,5 +1,6 @@
 """Point 10 of issue 13, controller side: a host frame that does not decode is a counted refusal, and the
-host's ranks are folded out in `finally`, so the other hosts' round still completes."""
+host's ranks are folded out in `finally`, so the other hosts' round still completes.
+"""
 
 from __future__ import annotations
 

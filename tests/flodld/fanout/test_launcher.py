@@ -79,7 +79,7 @@ async def _wait_no_process(marker: str, timeout: float = 20.0) -> None:
 
 
 def _worker(
-    **settings: Any,  # noqa: ANN401, RUF100  worker settings, passed on to ClusterBuilder.worker
+    **settings: Any,  # noqa: ANN401  worker settings, passed on to ClusterBuilder.worker
 ) -> ClusterConfig:
     return (
         ClusterBuilder()

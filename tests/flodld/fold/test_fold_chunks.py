@@ -1,4 +1,4 @@
-"""Chunked folding equals the unchunked fold bit for bit: float sums in a fixed order, the modular fold exactly.
+"""Chunked folding equals the unchunked fold bit for bit: float sums in fixed order, the modular fold exactly.
 
 The reference is the bundle fold (`identity`, `add` in member order, `finish`) on whole tensors; the
 chunked path is the barrier fed chunk by chunk, in shuffled arrival order, at chunk sizes that do and do

@@ -33,7 +33,7 @@ def policy(
     *,
     loopback_bind: bool = False,
     averaging: str = "cpu_sync",
-    **knobs: Any,  # noqa: ANN401, RUF100  the `controller.join` knobs, passed on to JoinConfig
+    **knobs: Any,  # noqa: ANN401  the `controller.join` knobs, passed on to JoinConfig
 ) -> WindowPolicy:
     """The policy `derive_policy` makes from these `controller.join:` knobs."""
     return derive_policy(

@@ -18,7 +18,7 @@ def window(
     roster: list[str] | None = None,
     capacity: int = 2,
     tolerance: int = 0,
-    **knobs: Any,  # noqa: ANN401, RUF100  the `controller.join` knobs, passed on to policy()
+    **knobs: Any,  # noqa: ANN401  the `controller.join` knobs, passed on to policy()
 ) -> JoinWindow:
     return JoinWindow(
         policy(capacity=capacity, **knobs),

@@ -1,5 +1,6 @@
 """Issue 21: a peer still speaking wire protocol version 1 (HMAC-authenticated cleartext) is refused, over
-real sockets, with both versions named: by a listener (the controller's join channel) and by a dialer."""
+real sockets, with both versions named: by a listener (the controller's join channel) and by a dialer.
+"""
 
 from __future__ import annotations
 

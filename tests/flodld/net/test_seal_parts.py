@@ -1,5 +1,6 @@
 """Large tails are sealed from where their parts lie (AES-256-GCM as a stream): the same bytes as sealing
-the gathered plaintext, and frames that round-trip under both suites, whatever the part sizes."""
+the gathered plaintext, and frames that round-trip under both suites, whatever the part sizes.
+"""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ import threading
 
 class RecordingForwarder:
     """Listens on an ephemeral loopback port and forwards each connection to `target_port`, keeping a
-    transcript of what went each way (like an on-path observer)."""
+    transcript of what went each way (like an on-path observer).
+    """
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port

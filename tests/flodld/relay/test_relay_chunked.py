@@ -1,4 +1,4 @@
-"""Chunked deposits through real relays and the controller's data plane (loopback sockets, encrypted):
+"""Chunked deposits through real relays and the controller's data plane (loopback sockets, encrypted).
 
 - the broadcast equals the unchunked fold of the same tree bit for bit (relays sum their ranks in rank
   order, the controller sums hosts in host order, then divides), at chunk sizes that do not divide the

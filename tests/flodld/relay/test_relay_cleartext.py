@@ -1,5 +1,6 @@
 """Issue 13 point 14 / issue 21: a relay dialing a public controller warns; its upstreams are encrypted now,
-so the warning names what their secrecy rests on (the salt) and what stays cleartext (gloo/NCCL)."""
+so the warning names what their secrecy rests on (the salt) and what stays cleartext (gloo/NCCL).
+"""
 
 from __future__ import annotations
 

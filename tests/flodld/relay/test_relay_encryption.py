@@ -1,5 +1,6 @@
 """Issue 21: an on-path observer between a rank and its relay, and between a relay and the controller,
-sees no plaintext: not the tensors deposited, not the averages broadcast, not the host's name."""
+sees no plaintext: not the tensors deposited, not the averages broadcast, not the host's name.
+"""
 
 from __future__ import annotations
 

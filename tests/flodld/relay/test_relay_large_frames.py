@@ -1,5 +1,6 @@
 """Large tensors through a real relay and controller data plane: the buffers the relay and the controller
-reuse from round to round (frame recycling, reused send buffers) never leak one round into the next."""
+reuse from round to round (frame recycling, reused send buffers) never leak one round into the next.
+"""
 
 from __future__ import annotations
 

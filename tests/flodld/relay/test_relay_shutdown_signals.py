@@ -53,7 +53,12 @@ print("relay returned", code, flush=True)
 
 
 def test_a_term_during_loop_teardown_neither_warns_nor_kills_the_relay() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "wakeup fd" not in done.stderr and "Bad file descriptor" not in done.stderr, done.stderr
     assert done.returncode == 0 and done.stdout.strip() == "relay returned 0", (done.returncode, done.stderr)

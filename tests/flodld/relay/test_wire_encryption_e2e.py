@@ -1,6 +1,7 @@
 """Issue 21: a recording forwarder between a real `fdl join` walk-in (agent, relay, ranks) and a real
 controller (`fdl run`) sees the join, rendezvous, data and control channels, and none of their plaintext:
-not the host's name from its Hello, not the tensor the ranks average, not the average."""
+not the host's name from its Hello, not the tensor the ranks average, not the average.
+"""
 
 from __future__ import annotations
 

@@ -602,7 +602,8 @@ def test_large_frames_round_trip_through_reused_buffers() -> None:
 
 def test_a_large_claimed_body_commits_memory_only_for_what_arrived() -> None:
     """Past LARGE_FRAME the body lives in a lazily committed map: resident memory follows the bytes that
-    arrived, not the length the header claims (tracemalloc does not see maps, so this reads RSS)."""
+    arrived, not the length the header claims (tracemalloc does not see maps, so this reads RSS).
+    """
     import resource
 
     def rss() -> int:

@@ -1,5 +1,6 @@
 """Encryption test program: torch.distributed init through the controller's store, then one CPU average
-of a known tensor through the relays. The test looks for that tensor's bytes on the wire."""
+of a known tensor through the relays. The test looks for that tensor's bytes on the wire.
+"""
 
 from __future__ import annotations
 
