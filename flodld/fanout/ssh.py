@@ -203,7 +203,9 @@ def _accept_new_known_hosts(endpoint: SshEndpoint, path: Path) -> tuple[Any, boo
 
 # Runs on the remote host. Secret environment arrives on stdin as KEY=VALUE lines ended by an
 # empty line; the agent runs in its own session so the whole tree can be signalled; stdin EOF
-# (the launcher or its session is gone) or HUP/TERM/INT tears the group down.
+# (the launcher or its session is gone) or HUP/TERM/INT tears the group down. The stdin watcher
+# tears the group down itself rather than signalling this shell: a signal ignored when bash started
+# (HUP under nohup, say) cannot be trapped, and the tree would outlive its launcher.
 SUPERVISOR = r"""
 set -u
 while IFS= read -r kv && [ -n "$kv" ]; do export "$kv"; done
@@ -211,17 +213,20 @@ grace="$1"; workdir="$2"; shift 2
 cd "$workdir" || { echo "fdl: cannot cd to $workdir on $(hostname)" >&2; exit 2; }
 setsid "$@" </dev/null &
 child=$!
-stop() {
-  trap - HUP TERM INT
+stop_group() {
   kill -TERM -- "-$child" 2>/dev/null
   end=$(( $(date +%s) + grace ))
   while kill -0 -- "-$child" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 0.1; done
   kill -KILL -- "-$child" 2>/dev/null
+}
+stop() {
+  trap - HUP TERM INT
+  stop_group
   exit 143
 }
 trap stop HUP TERM INT
 exec 3<&0
-( while IFS= read -r -u 3 _; do :; done; kill -HUP $$ 2>/dev/null ) >/dev/null 2>&1 &
+( while IFS= read -r -u 3 _; do :; done; stop_group ) >/dev/null 2>&1 &
 watcher=$!
 wait "$child"
 code=$?

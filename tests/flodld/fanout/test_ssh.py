@@ -226,6 +226,45 @@ def test_secrets_never_enter_the_command_line() -> None:
         secret_env_block({"A": "multi\nline"})
 
 
+def test_the_supervisor_tears_its_tree_down_on_stdin_eof_with_hangup_and_term_ignored(tmp_path: Path) -> None:
+    """A shell started with HUP and TERM ignored (under `nohup`, say) cannot trap them.
+
+    The stdin watcher must end the agent's group itself. It used to signal the shell with HUP, which
+    such a shell never acted on, so the tree outlived its launcher (CI caught it under nohup).
+    """
+    import subprocess
+
+    out = tmp_path / "agent.out"
+    script = tmp_path / "agent.py"
+    script.write_text(CHILD_SCRIPT)
+    command = supervised_command(str(tmp_path), [sys.executable, str(script), str(out)], grace_s=1)
+
+    def ignore_hangup_and_term() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    shell = subprocess.Popen(
+        ["bash", "-c", command], stdin=subprocess.PIPE, preexec_fn=ignore_hangup_and_term
+    )
+    try:
+        assert shell.stdin is not None
+        shell.stdin.write(secret_env_block({"FLODL_TEST_SECRET": SECRET}).encode())
+        shell.stdin.flush()
+        end = time.monotonic() + 20
+        while not (out.exists() and out.read_text().count(" ") >= 2) and time.monotonic() < end:
+            time.sleep(0.05)
+        pids = [int(x) for x in out.read_text().split()[:2]]
+        shell.stdin.close()  # the launcher is gone
+        shell.wait(15)
+        end = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), f"processes still alive: {[p for p in pids if _alive(p)]}"
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+
+
 def test_sigterm_constant_is_what_the_supervisor_reports() -> None:
     assert 128 + signal.SIGTERM == 143
 
