@@ -11,9 +11,9 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TypeVar, assert_never
 
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
@@ -60,11 +60,18 @@ async def _forward_output(child: Child, prefix: str) -> None:
         sys.stdout.flush()
 
 
+T = TypeVar("T")
+
+
 class AgentShell:
     def __init__(self, spec: AgentSpec, devices: list[str]) -> None:
         self.spec = spec
         self.devices = devices
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
+        # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
+        # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
+        self.stopping = asyncio.Event()
+        self.reader: asyncio.Future[None] | None = None
         self.children: list[Child] = []
         self.forwarders: list[asyncio.Future[None]] = []
         self.watchers: list[asyncio.Future[None]] = []
@@ -73,7 +80,7 @@ class AgentShell:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(signum, self.events.put_nowait, sv.Interrupted(f"signal {signum.name}"))
+            loop.add_signal_handler(signum, self._post, sv.Interrupted(f"signal {signum.name}"))
         say(
             f"host {self.spec.host!r} dialing controller "
             f"{self.spec.controller_host}:{self.spec.controller_port} "
@@ -108,9 +115,11 @@ class AgentShell:
             joined.formed = joined.formed.model_copy(
                 update={"envelope": envelope.model_copy(update={"env": verdict.apply})}
             )
+        self.reader = asyncio.ensure_future(self._read_link(joined))  # an abort counts from now on
         try:
             await self._spawn_all(joined)
         except OSError as error:
+            self.reader.cancel()
             say(f"spawn failed; terminating {len(self.children)} already-spawned child(ren): {error}")
             for child in self.children:
                 signal_group(child.process, signal.SIGKILL)
@@ -159,8 +168,11 @@ class AgentShell:
                                         pass_fds=[listener.fileno()])  # fmt: skip
             listener.close()  # the relay owns it now
             self._adopt(Child("relay", process, None), f"[{host}:relay] ")
-        # After the relay started (it does not need it): a few store round trips in a world of several hosts.
-        node = await self._node_rank(joined) if envelope.local_world_size < envelope.world_size else None
+        # After the relay started (it does not need it): a few store round trips in a world of several hosts,
+        # given up as soon as the host is being torn down (its ranks then start only to be terminated).
+        node = None
+        if envelope.local_world_size < envelope.world_size:
+            node = await self._unless_stopping(self._node_rank(joined))
         fold = formed.relay.fold if formed.relay is not None else "mean"
         cadence = formed.relay.cadence if formed.relay is not None else 1
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
@@ -201,6 +213,25 @@ class AgentShell:
             say(f"GROUP_RANK unknown, left out of the ranks' environment ({error!r})")
             return None
 
+    async def _unless_stopping(self, work: Coroutine[object, object, T]) -> T | None:
+        """`work`'s result, or None (work cancelled) once an event that tears the host down arrived."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+
+    def _post(self, event: sv.Event) -> None:
+        """Queue an event for the supervisor; one that tears the host down also sets `stopping`."""
+        if isinstance(event, sv.AbortReceived | sv.LinkLost | sv.Interrupted | sv.RelayExit):
+            self.stopping.set()
+        self.events.put_nowait(event)
+
     def _adopt(self, child: Child, prefix: str) -> None:
         self.children.append(child)
         self.forwarders.append(asyncio.ensure_future(_forward_output(child, prefix)))
@@ -209,26 +240,26 @@ class AgentShell:
     async def _watch_exit(self, child: Child) -> None:
         code = await child.process.wait()
         if child.rank is None:
-            self.events.put_nowait(sv.RelayExit(code))
+            self._post(sv.RelayExit(code))
         else:
-            self.events.put_nowait(sv.RankExit(child.rank, code))
+            self._post(sv.RankExit(child.rank, code))
 
     async def _read_link(self, joined: Joined) -> None:
         try:
             while True:
                 message = (await joined.stream.recv()).message()
                 if isinstance(message, Abort):
-                    self.events.put_nowait(sv.AbortReceived(message.reason))
+                    self._post(sv.AbortReceived(message.reason))
         except EOFError:
-            self.events.put_nowait(sv.LinkLost("controller closed the join connection"))
+            self._post(sv.LinkLost("controller closed the join connection"))
         except (WireError, OSError) as error:
-            self.events.put_nowait(sv.LinkLost(f"join connection error: {error}"))
+            self._post(sv.LinkLost(f"join connection error: {error}"))
 
     async def _supervise(self, joined: Joined) -> int:
         supervisor = sv.Supervisor(
             self.spec.host, list(joined.formed.envelope.ranks), has_relay=joined.formed.relay is not None
         )
-        reader = asyncio.ensure_future(self._read_link(joined))
+        reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
         grace: asyncio.TimerHandle | None = None
         actions = supervisor.start()
         try:

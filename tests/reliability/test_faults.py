@@ -122,3 +122,30 @@ async def test_agent_killed_after_the_window_closed_fails_the_run_naming_the_hos
         survivor_code = await asyncio.wait_for(survivor.process.wait(), ORPHAN_BOUND_SECS)
         assert survivor_code != 0
         print(f"{moment}: failed {time.monotonic() - killed_at:.2f}s after SIGKILL: {result.reason}")
+
+
+async def test_an_abort_during_the_group_rank_wait_tears_the_host_down_at_once() -> None:
+    """In a world of several hosts an agent works out torchrun's GROUP_RANK in the run's store before its
+    ranks start, waiting up to 10 s for every host to publish. A run that fails meanwhile must not hold the
+    host's teardown for that wait: here the other host (a protocol-level agent) never publishes and drops
+    its link with its rank unreported; the controller fails the run and aborts the real agent, which must
+    end, with every process of the run, within the orphan bound — not after the 10 s store wait (CI caught
+    the agent still waiting, and counted it an orphan).
+    """
+    from tests.flodld.controller.agents import join
+
+    async with fault_run() as run:
+        survivor = await run.spawn_agent("survivor", ranks=1)
+        ghost = await join(run.port, run.controller.salt, "ghost")
+        assert ghost.accepted
+        await ghost.world(timeout=FORMATION_BOUND_SECS)
+        await survivor.wait_for("world formed", FORMATION_BOUND_SECS)
+        await asyncio.sleep(0.5)  # the survivor is in its GROUP_RANK wait: the ghost never publishes
+        await ghost.stream.aclose()  # its rank unreported: the host is lost, the run fails
+        result = await asyncio.wait_for(run.controller.wait(), FAIL_BOUND_SECS)
+        verdict_at = time.monotonic()
+        assert result.verdict is Phase.FAILED and "ghost" in result.reason, result.reason
+        await run.until_no_processes(ORPHAN_BOUND_SECS)
+        assert time.monotonic() - verdict_at < ORPHAN_BOUND_SECS
+        await asyncio.wait_for(survivor.process.wait(), ORPHAN_BOUND_SECS)
+        assert "abort from the controller" in survivor.output, survivor.output[-3000:]
