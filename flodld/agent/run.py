@@ -87,21 +87,16 @@ class AgentShell:
             f"with {len(self.devices)} rank(s) (devices {self.devices}, admission: "
             f"{'pre-shared salt' if self.spec.salt_hex else 'open'})"
         )
-        join = asyncio.ensure_future(join_world(self.spec, build_hello(self.spec, self.devices), warn=say))
-        interrupt = asyncio.ensure_future(self.events.get())
-        await asyncio.wait({join, interrupt}, return_when=asyncio.FIRST_COMPLETED)
-        if not join.done():
-            join.cancel()
-            with contextlib.suppress(asyncio.CancelledError, JoinFailed):
-                await join
-            say(f"interrupted before the world formed ({interrupt.result()})")
-            return ExitClass.TRANSIENT
-        interrupt.cancel()
         try:
-            joined = join.result()
+            joined = await self._unless_stopping(
+                join_world(self.spec, build_hello(self.spec, self.devices), warn=say)
+            )
         except JoinFailed as failure:
             say(str(failure))
             return failure.exit_class
+        if joined is None:  # before formation only a signal stops the host; its event is the queue's first
+            say(f"interrupted before the world formed ({self.events.get_nowait()})")
+            return ExitClass.TRANSIENT
         envelope = joined.formed.envelope
         say(
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
@@ -222,7 +217,7 @@ class AgentShell:
         if task.done():
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned: how it ends is moot
             await task
         return None
 
