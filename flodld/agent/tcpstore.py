@@ -29,37 +29,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from flodld.net.stream import FramedStream, open_channel
+from flodld.wire import store as ws
 from flodld.wire import tcpstore as ts
 from flodld.wire.errors import WireError
 from flodld.wire.frames import MAX_PAYLOAD, Frame
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
-from flodld.wire.store import (
-    MAX_VALUE_BYTES,
-    StoreAdd,
-    StoreAppend,
-    StoreBool,
-    StoreCheck,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreError,
-    StoreGet,
-    StoreHello,
-    StoreInt,
-    StoreListKeys,
-    StoreMultiGet,
-    StoreMultiSet,
-    StoreNumKeys,
-    StoreOk,
-    StoreQueueLen,
-    StoreQueuePop,
-    StoreQueuePush,
-    StoreSet,
-    StoreValue,
-    StoreValues,
-    StoreWait,
-    split_tail,
-)
+from flodld.wire.store import MAX_VALUE_BYTES, split_tail
 
 log = logging.getLogger("flodld.agent.tcpstore")
 
@@ -162,8 +138,8 @@ class ControllerLink:
         stream = await open_channel(a.host, a.port, Channel.RENDEZVOUS, a.salt, timeout=CONNECT_TIMEOUT_SECS,
                                     max_payload=MAX_PAYLOAD, max_tail=MAX_VALUE_BYTES)  # fmt: skip
         try:
-            await stream.send(StoreHello(run_id=a.run_id, rank=-1, client_id=self.client_id))
-            _check(await stream.recv(CONNECT_TIMEOUT_SECS), StoreOk)
+            await stream.send(ws.StoreHello(run_id=a.run_id, rank=-1, client_id=self.client_id))
+            _check(await stream.recv(CONNECT_TIMEOUT_SECS), ws.StoreOk)
         except BaseException:
             stream.close()
             raise
@@ -196,7 +172,7 @@ class ControllerLink:
 
 def _check(frame: Frame, kind: type[M]) -> M:
     message = frame.message()
-    if isinstance(message, StoreError):
+    if isinstance(message, ws.StoreError):
         raise StoreRefused(message.code, message.reason)
     if not isinstance(message, kind):
         raise StoreRefused("bad_reply", f"expected {kind.__name__}, got {type(message).__name__}")
@@ -224,14 +200,14 @@ async def node_rank(address: ControllerAddress, *, first_rank: int, local_size: 
     try:
         async with asyncio.timeout(timeout):
             await link.call(
-                StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), StoreOk, str(local_size).encode()
+                ws.StoreSet(key=f"{GROUP_PREFIX}host/{first_rank}"), ws.StoreOk, str(local_size).encode()
             )
-            added = StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size)
-            total = (await link.call(added, StoreInt))[0].value
+            added = ws.StoreAdd(key=f"{GROUP_PREFIX}ranks", amount=local_size)
+            total = (await link.call(added, ws.StoreInt))[0].value
             if total == world_size:
-                await link.call(StoreSet(key=f"{GROUP_PREFIX}done"), StoreOk, b"1")
-            await link.call(StoreWait(keys=[f"{GROUP_PREFIX}done"], timeout=timeout), StoreOk)
-            listed, tail = await link.call(StoreListKeys(), StoreValues)
+                await link.call(ws.StoreSet(key=f"{GROUP_PREFIX}done"), ws.StoreOk, b"1")
+            await link.call(ws.StoreWait(keys=[f"{GROUP_PREFIX}done"], timeout=timeout), ws.StoreOk)
+            listed, tail = await link.call(ws.StoreListKeys(), ws.StoreValues)
     finally:
         link.drop()
     keys = [piece.decode() for piece in split_tail(tail, list(listed.lengths))]
@@ -296,54 +272,56 @@ class _Session:
             case ts.Ping(nonce):
                 return ts.reply_ping(nonce)
             case ts.Set(key, value):
-                await link.call(StoreSet(key=key), StoreOk, value)
+                await link.call(ws.StoreSet(key=key), ws.StoreOk, value)
                 return b""
             case ts.CompareSet(key, expected, desired):
-                _, held = await link.call(StoreCompareSet(key=key, expected_len=len(expected)), StoreValue,
-                                        expected + desired)  # fmt: skip
+                compare = ws.StoreCompareSet(key=key, expected_len=len(expected))
+                _, held = await link.call(compare, ws.StoreValue, expected + desired)
                 return ts.reply_value(held)
             case ts.Get(key):
-                return ts.reply_value((await link.call(StoreGet(key=key, timeout=0), StoreValue))[1])
+                return ts.reply_value((await link.call(ws.StoreGet(key=key, timeout=0), ws.StoreValue))[1])
             case ts.Add(key, amount):
-                return ts.reply_int((await link.call(StoreAdd(key=key, amount=amount), StoreInt))[0].value)
+                added, _ = await link.call(ws.StoreAdd(key=key, amount=amount), ws.StoreInt)
+                return ts.reply_int(added.value)
             case ts.Check(keys):
-                return ts.reply_check((await link.call(StoreCheck(keys=list(keys)), StoreBool))[0].value)
+                present, _ = await link.call(ws.StoreCheck(keys=list(keys)), ws.StoreBool)
+                return ts.reply_check(present.value)
             case ts.Wait(keys):
                 return await self._wait(list(keys))
             case ts.NumKeys():
-                return ts.reply_int((await link.call(StoreNumKeys(), StoreInt))[0].value)
+                return ts.reply_int((await link.call(ws.StoreNumKeys(), ws.StoreInt))[0].value)
             case ts.DeleteKey(key):
-                return ts.reply_deleted((await link.call(StoreDeleteKey(key=key), StoreBool))[0].value)
+                return ts.reply_deleted((await link.call(ws.StoreDeleteKey(key=key), ws.StoreBool))[0].value)
             case ts.Append(key, value):
-                await link.call(StoreAppend(key=key), StoreOk, value)
+                await link.call(ws.StoreAppend(key=key), ws.StoreOk, value)
                 return b""
             case ts.MultiGet(keys):
                 unique = list(dict.fromkeys(keys))
-                found, tail = await link.call(StoreMultiGet(keys=unique, timeout=0), StoreValues)
+                found, tail = await link.call(ws.StoreMultiGet(keys=unique, timeout=0), ws.StoreValues)
                 values = dict(zip(unique, split_tail(tail, list(found.lengths)), strict=True))
                 return ts.reply_values([values[key] for key in keys])
             case ts.MultiSet(keys, values):
-                await link.call(StoreMultiSet(keys=list(keys), lengths=[len(v) for v in values]), StoreOk,
-                                b"".join(values))  # fmt: skip
+                multi_set = ws.StoreMultiSet(keys=list(keys), lengths=[len(v) for v in values])
+                await link.call(multi_set, ws.StoreOk, b"".join(values))
                 return b""
             case ts.CancelWait():
                 return ts.reply_wait_canceled()  # no wait pending (it answered already): just acknowledge
             case ts.QueuePush(key, value):
-                await link.call(StoreQueuePush(key=key), StoreOk, value)
+                await link.call(ws.StoreQueuePush(key=key), ws.StoreOk, value)
                 return b""
             case ts.QueuePop(key):
                 try:
                     return ts.reply_queue_pop(
-                        (await link.call(StoreQueuePop(key=key, timeout=0), StoreValue))[1]
+                        (await link.call(ws.StoreQueuePop(key=key, timeout=0), ws.StoreValue))[1]
                     )
                 except StoreRefused as error:
                     if error.code == "queue_empty":
                         return ts.reply_queue_pop(None)
                     raise
             case ts.QueueLen(key):
-                return ts.reply_int((await link.call(StoreQueueLen(key=key), StoreInt))[0].value)
+                return ts.reply_int((await link.call(ws.StoreQueueLen(key=key), ws.StoreInt))[0].value)
             case ts.ListKeys():
-                listed, tail = await link.call(StoreListKeys(), StoreValues)
+                listed, tail = await link.call(ws.StoreListKeys(), ws.StoreValues)
                 return ts.reply_keys([piece.decode() for piece in split_tail(tail, list(listed.lengths))])
         raise AssertionError(f"unhandled {request!r}")
 
@@ -377,7 +355,7 @@ class _Session:
 
     async def _wait_slice(self, keys: list[str]) -> bool:
         try:
-            await self.link.call(StoreWait(keys=keys, timeout=WAIT_SLICE_SECS), StoreOk)
+            await self.link.call(ws.StoreWait(keys=keys, timeout=WAIT_SLICE_SECS), ws.StoreOk)
         except StoreRefused as error:
             if error.code == "timeout":
                 return False

@@ -24,36 +24,12 @@ from collections.abc import Awaitable, Callable
 from flodld.controller.kvstate import KeyValueState, NotAnInteger, StoreFull
 from flodld.controller.metrics import ControllerCounters
 from flodld.net.stream import FramedStream, accept_channel
+from flodld.wire import store as ws
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
 from flodld.wire.handlers import HandlerTable
 from flodld.wire.messages import MAX_LIST_ITEMS, Message
-from flodld.wire.store import (
-    MAX_VALUE_BYTES,
-    StoreAdd,
-    StoreAppend,
-    StoreBool,
-    StoreCheck,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreError,
-    StoreGet,
-    StoreHello,
-    StoreInt,
-    StoreListKeys,
-    StoreMultiGet,
-    StoreMultiSet,
-    StoreNumKeys,
-    StoreOk,
-    StoreQueueLen,
-    StoreQueuePop,
-    StoreQueuePush,
-    StoreSet,
-    StoreValue,
-    StoreValues,
-    StoreWait,
-    split_tail,
-)
+from flodld.wire.store import MAX_VALUE_BYTES, split_tail
 
 log = logging.getLogger("flodld.controller.store")
 
@@ -159,23 +135,23 @@ class StoreService:
         self._changed = asyncio.Event()
         # Mutations: applied synchronously, so applying and recording the reply never interleave.
         self._apply: HandlerTable[[bytes], Reply] = HandlerTable("store mutation")
-        self._apply.register(StoreSet, self._set)
-        self._apply.register(StoreAdd, self._add)
-        self._apply.register(StoreCompareSet, self._compare_set)
-        self._apply.register(StoreDeleteKey, self._delete_key)
-        self._apply.register(StoreMultiSet, self._multi_set)
-        self._apply.register(StoreAppend, self._append)
-        self._apply.register(StoreQueuePush, self._queue_push)
+        self._apply.register(ws.StoreSet, self._set)
+        self._apply.register(ws.StoreAdd, self._add)
+        self._apply.register(ws.StoreCompareSet, self._compare_set)
+        self._apply.register(ws.StoreDeleteKey, self._delete_key)
+        self._apply.register(ws.StoreMultiSet, self._multi_set)
+        self._apply.register(ws.StoreAppend, self._append)
+        self._apply.register(ws.StoreQueuePush, self._queue_push)
         self._query: HandlerTable[[], Awaitable[Reply]] = HandlerTable("store request")
-        self._query.register(StoreGet, self._get)
-        self._query.register(StoreWait, self._wait)
-        self._query.register(StoreCheck, self._check)
-        self._query.register(StoreNumKeys, self._num_keys)
-        self._query.register(StoreMultiGet, self._multi_get)
-        self._query.register(StoreListKeys, self._list_keys)
-        self._query.register(StoreQueueLen, self._queue_len)
+        self._query.register(ws.StoreGet, self._get)
+        self._query.register(ws.StoreWait, self._wait)
+        self._query.register(ws.StoreCheck, self._check)
+        self._query.register(ws.StoreNumKeys, self._num_keys)
+        self._query.register(ws.StoreMultiGet, self._multi_get)
+        self._query.register(ws.StoreListKeys, self._list_keys)
+        self._query.register(ws.StoreQueueLen, self._queue_len)
         # The kinds that carry a request id (answered once per id: `RequestLedger`).
-        self._deduplicated = frozenset([*self._apply, StoreQueuePop])
+        self._deduplicated = frozenset([*self._apply, ws.StoreQueuePop])
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -185,8 +161,8 @@ class StoreService:
                                           max_tail=self.max_reply_bytes)
             hello = await self._receive(stream, self.hello_timeout)
             message = hello.message()
-            if not isinstance(message, StoreHello):
-                refusal = StoreError(code="bad_request", reason="the first store frame must be StoreHello")
+            if not isinstance(message, ws.StoreHello):
+                refusal = ws.StoreError(code="bad_request", reason="the first store frame must be StoreHello")
                 await self._reply(stream, refusal)
                 return
             if message.run_id != self.run_id:
@@ -194,14 +170,14 @@ class StoreService:
                 log.info("event=store_refused peer=%s reason=wrong_run run_id=%r", where, message.run_id)
                 await self._reply(
                     stream,
-                    StoreError(
+                    ws.StoreError(
                         code="wrong_run",
                         reason=f"this controller serves run {self.run_id!r}, not {message.run_id!r}; "
                         "the rank was started for another run",
                     ),
                 )
                 return
-            await self._reply(stream, StoreOk())
+            await self._reply(stream, ws.StoreOk())
             await self._serve(stream, message.client_id)
         except (EOFError, ConnectionError, asyncio.IncompleteReadError):
             return
@@ -219,19 +195,19 @@ class StoreService:
             try:
                 reply, tail = await self._answer(frame.message(), frame.tail, client)
             except WireError as error:
-                reply, tail = StoreError(code="bad_request", reason=str(error)[:1024]), b""
+                reply, tail = ws.StoreError(code="bad_request", reason=str(error)[:1024]), b""
             except Refused as error:
-                reply, tail = StoreError(code=error.code, reason=str(error)[:1024]), b""
+                reply, tail = ws.StoreError(code=error.code, reason=str(error)[:1024]), b""
             except ValueError as error:
                 code = "not_integer" if isinstance(error, NotAnInteger) else "bad_request"
-                reply, tail = StoreError(code=code, reason=str(error)[:1024]), b""
+                reply, tail = ws.StoreError(code=code, reason=str(error)[:1024]), b""
             except StoreFull as error:
-                reply, tail = StoreError(code="too_large", reason=str(error)[:1024]), b""
+                reply, tail = ws.StoreError(code="too_large", reason=str(error)[:1024]), b""
             except StoreTimeout as error:
-                reply, tail = StoreError(code="timeout", reason=str(error)[:1024]), b""
+                reply, tail = ws.StoreError(code="timeout", reason=str(error)[:1024]), b""
             if len(tail) > self.max_reply_bytes:  # a last guard: answer, never drop the connection
                 reply, tail = (
-                    StoreError(
+                    ws.StoreError(
                         code="too_large",
                         reason=(
                             f"the reply would carry {len(tail)} bytes, over the {self.max_reply_bytes}-byte "
@@ -249,7 +225,7 @@ class StoreService:
             replay = self.ledger.lookup(client, request_id)
             if replay is not None:
                 return replay
-        if isinstance(request, StoreQueuePop):
+        if isinstance(request, ws.StoreQueuePop):
             return await self._queue_pop(request, client, request_id)
         if kind in self._apply:
             reply = self._apply.dispatch(request, tail)
@@ -297,47 +273,47 @@ class StoreService:
 
     # --- mutations (synchronous) -------------------------------------------------------------------
 
-    def _set(self, request: StoreSet, tail: bytes) -> Reply:
+    def _set(self, request: ws.StoreSet, tail: bytes) -> Reply:
         self.state.set(request.key, tail)
         self._notify()
-        return StoreOk(), b""
+        return ws.StoreOk(), b""
 
-    def _add(self, request: StoreAdd, tail: bytes) -> Reply:
+    def _add(self, request: ws.StoreAdd, tail: bytes) -> Reply:
         value = self.state.add(request.key, request.amount)
         self._notify()
-        return StoreInt(value=value), b""
+        return ws.StoreInt(value=value), b""
 
-    def _compare_set(self, request: StoreCompareSet, tail: bytes) -> Reply:
+    def _compare_set(self, request: ws.StoreCompareSet, tail: bytes) -> Reply:
         if request.expected_len > len(tail):
             raise ValueError(f"expected_len {request.expected_len} exceeds the {len(tail)}-byte tail")
         expected, desired = tail[: request.expected_len], tail[request.expected_len :]
         held = self.state.compare_set(request.key, expected, desired)
         self._notify()
-        return StoreValue(), held
+        return ws.StoreValue(), held
 
-    def _delete_key(self, request: StoreDeleteKey, tail: bytes) -> Reply:
+    def _delete_key(self, request: ws.StoreDeleteKey, tail: bytes) -> Reply:
         existed = self.state.delete(request.key)
         self._notify()
-        return StoreBool(value=existed), b""
+        return ws.StoreBool(value=existed), b""
 
-    def _multi_set(self, request: StoreMultiSet, tail: bytes) -> Reply:
+    def _multi_set(self, request: ws.StoreMultiSet, tail: bytes) -> Reply:
         if len(request.keys) != len(request.lengths):
             raise ValueError(f"{len(request.keys)} keys but {len(request.lengths)} value lengths")
         self.state.multi_set(list(zip(request.keys, split_tail(tail, list(request.lengths)), strict=True)))
         self._notify()
-        return StoreOk(), b""
+        return ws.StoreOk(), b""
 
-    def _append(self, request: StoreAppend, tail: bytes) -> Reply:
+    def _append(self, request: ws.StoreAppend, tail: bytes) -> Reply:
         self.state.append(request.key, tail)
         self._notify()
-        return StoreOk(), b""
+        return ws.StoreOk(), b""
 
-    def _queue_push(self, request: StoreQueuePush, tail: bytes) -> Reply:
+    def _queue_push(self, request: ws.StoreQueuePush, tail: bytes) -> Reply:
         self.state.queue_push(request.key, tail)
         self._notify()
-        return StoreOk(), b""
+        return ws.StoreOk(), b""
 
-    async def _queue_pop(self, request: StoreQueuePop, client: str, request_id: int) -> Reply:
+    async def _queue_pop(self, request: ws.StoreQueuePop, client: str, request_id: int) -> Reply:
         key = request.key
         if request.timeout > 0:
             # A re-sent pop waits beside the original, still parked on the dead connection: whichever wakes
@@ -358,37 +334,37 @@ class StoreService:
         if value is None:
             raise Refused("queue_empty", f"queue {key!r} is empty")
         self._notify()
-        reply: Reply = (StoreValue(), value)
+        reply: Reply = (ws.StoreValue(), value)
         if request_id:
             self.ledger.remember(client, request_id, *reply)
         return reply
 
     # --- queries ---------------------------------------------------------------------------------
 
-    async def _get(self, request: StoreGet) -> Reply:
+    async def _get(self, request: ws.StoreGet) -> Reply:
         value = self.state.get(request.key)
         if value is None:
             await self._until_values([request.key], request.timeout)
             value = self.state.get(request.key)
             assert value is not None
-        return StoreValue(), value
+        return ws.StoreValue(), value
 
-    async def _wait(self, request: StoreWait) -> Reply:
+    async def _wait(self, request: ws.StoreWait) -> Reply:
         keys = list(request.keys)
 
         def missing() -> str:
             return f"keys: {[k for k in keys if not self.state.present(k)][:8]}"
 
         await self._until(lambda: self.state.has_all(keys), request.timeout, missing)
-        return StoreOk(), b""
+        return ws.StoreOk(), b""
 
-    async def _check(self, request: StoreCheck) -> Reply:
-        return StoreBool(value=self.state.has_all(list(request.keys))), b""
+    async def _check(self, request: ws.StoreCheck) -> Reply:
+        return ws.StoreBool(value=self.state.has_all(list(request.keys))), b""
 
-    async def _num_keys(self, request: StoreNumKeys) -> Reply:
-        return StoreInt(value=self.state.num_keys()), b""
+    async def _num_keys(self, request: ws.StoreNumKeys) -> Reply:
+        return ws.StoreInt(value=self.state.num_keys()), b""
 
-    async def _multi_get(self, request: StoreMultiGet) -> Reply:
+    async def _multi_get(self, request: ws.StoreMultiGet) -> Reply:
         keys = list(request.keys)
         seen: set[str] = set()
         for key in keys:
@@ -407,9 +383,9 @@ class StoreService:
                     f"{self.max_reply_bytes}-byte reply cap; fetch the keys in smaller groups"
                 ),
             )
-        return StoreValues(lengths=lengths), b"".join(self.state.get(k) or b"" for k in keys)
+        return ws.StoreValues(lengths=lengths), b"".join(self.state.get(k) or b"" for k in keys)
 
-    async def _list_keys(self, request: StoreListKeys) -> Reply:
+    async def _list_keys(self, request: ws.StoreListKeys) -> Reply:
         keys = [k.encode() for k in self.state.list_keys()]
         total = sum(len(k) for k in keys)
         if len(keys) > MAX_LIST_ITEMS or total > self.max_reply_bytes:
@@ -420,7 +396,7 @@ class StoreService:
                     f"({MAX_LIST_ITEMS} keys, {self.max_reply_bytes} bytes)"
                 ),
             )
-        return StoreValues(lengths=[len(k) for k in keys]), b"".join(keys)
+        return ws.StoreValues(lengths=[len(k) for k in keys]), b"".join(keys)
 
-    async def _queue_len(self, request: StoreQueueLen) -> Reply:
-        return StoreInt(value=self.state.queue_len(request.key)), b""
+    async def _queue_len(self, request: ws.StoreQueueLen) -> Reply:
+        return ws.StoreInt(value=self.state.queue_len(request.key)), b""

@@ -29,35 +29,11 @@ import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from flodld.net.blocking import BlockingChannel
+from flodld.wire import store as ws
 from flodld.wire.frames import MAX_PAYLOAD, Frame
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
-from flodld.wire.store import (
-    MAX_VALUE_BYTES,
-    StoreAdd,
-    StoreAppend,
-    StoreBool,
-    StoreCheck,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreError,
-    StoreGet,
-    StoreHello,
-    StoreInt,
-    StoreListKeys,
-    StoreMultiGet,
-    StoreMultiSet,
-    StoreNumKeys,
-    StoreOk,
-    StoreQueueLen,
-    StoreQueuePop,
-    StoreQueuePush,
-    StoreSet,
-    StoreValue,
-    StoreValues,
-    StoreWait,
-    split_tail,
-)
+from flodld.wire.store import MAX_VALUE_BYTES, split_tail
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 CONNECT_TIMEOUT_SECS = 10.0
@@ -132,8 +108,8 @@ class ControllerStore(Store):
             max_payload=MAX_PAYLOAD, max_tail=MAX_VALUE_BYTES,
         )
         try:
-            channel.send(StoreHello(run_id=self.run_id, rank=self.rank, client_id=self.client_id))
-            self._expect(channel.recv(self._connect_timeout), StoreOk)
+            channel.send(ws.StoreHello(run_id=self.run_id, rank=self.rank, client_id=self.client_id))
+            self._expect(channel.recv(self._connect_timeout), ws.StoreOk)
         except BaseException:
             channel.close()
             raise
@@ -143,7 +119,7 @@ class ControllerStore(Store):
     @staticmethod
     def _expect(frame: Frame, kind: type[M]) -> M:
         message = frame.message()
-        if isinstance(message, StoreError):
+        if isinstance(message, ws.StoreError):
             if message.code == "timeout":
                 raise StoreTimeoutError(message.code, message.reason)
             raise StoreRequestError(message.code, message.reason)
@@ -187,10 +163,10 @@ class ControllerStore(Store):
         return (timeout if timeout is not None else self._timeout).total_seconds()
 
     def _int(self, request: Message) -> int:
-        return self._call(request, b"", StoreInt)[0].value
+        return self._call(request, b"", ws.StoreInt)[0].value
 
     def _bool(self, request: Message) -> bool:
-        return self._call(request, b"", StoreBool)[0].value
+        return self._call(request, b"", ws.StoreBool)[0].value
 
     # --- torch.distributed.Store -------------------------------------------------------------
 
@@ -199,32 +175,32 @@ class ControllerStore(Store):
         self._timeout = timeout
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._call(StoreSet(key=key), _as_bytes(value), StoreOk)
+        self._call(ws.StoreSet(key=key), _as_bytes(value), ws.StoreOk)
 
     def get(self, key: str) -> bytes:
         wait = self._wait_secs()
-        return self._call(StoreGet(key=key, timeout=wait), b"", StoreValue, wait)[1]
+        return self._call(ws.StoreGet(key=key, timeout=wait), b"", ws.StoreValue, wait)[1]
 
     def add(self, key: str, amount: int) -> int:
-        return self._int(StoreAdd(key=key, amount=int(amount)))
+        return self._int(ws.StoreAdd(key=key, amount=int(amount)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         expected_b = _as_bytes(expected)
-        request = StoreCompareSet(key=key, expected_len=len(expected_b))
-        return self._call(request, expected_b + _as_bytes(desired), StoreValue)[1]
+        request = ws.StoreCompareSet(key=key, expected_len=len(expected_b))
+        return self._call(request, expected_b + _as_bytes(desired), ws.StoreValue)[1]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         wait = self._wait_secs(timeout)
-        self._call(StoreWait(keys=list(keys), timeout=wait), b"", StoreOk, wait)
+        self._call(ws.StoreWait(keys=list(keys), timeout=wait), b"", ws.StoreOk, wait)
 
     def check(self, keys: list[str]) -> bool:
-        return self._bool(StoreCheck(keys=list(keys)))
+        return self._bool(ws.StoreCheck(keys=list(keys)))
 
     def delete_key(self, key: str) -> bool:
-        return self._bool(StoreDeleteKey(key=key))
+        return self._bool(ws.StoreDeleteKey(key=key))
 
     def num_keys(self) -> int:
-        return self._int(StoreNumKeys())
+        return self._int(ws.StoreNumKeys())
 
     # The C++ trampoline looks these two up by their C++ names (PrefixStore over this store calls them).
     getNumKeys = num_keys
@@ -237,7 +213,7 @@ class ControllerStore(Store):
         """
         unique = list(dict.fromkeys(keys))
         wait = self._wait_secs()
-        message, tail = self._call(StoreMultiGet(keys=unique, timeout=wait), b"", StoreValues, wait)
+        message, tail = self._call(ws.StoreMultiGet(keys=unique, timeout=wait), b"", ws.StoreValues, wait)
         values = dict(zip(unique, split_tail(tail, list(message.lengths)), strict=True))
         return [values[key] for key in keys]
 
@@ -245,32 +221,31 @@ class ControllerStore(Store):
         encoded = [_as_bytes(v) for v in values]
         if len(keys) != len(encoded):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(encoded)} values")
-        self._call(
-            StoreMultiSet(keys=list(keys), lengths=[len(v) for v in encoded]), b"".join(encoded), StoreOk
-        )
+        request = ws.StoreMultiSet(keys=list(keys), lengths=[len(v) for v in encoded])
+        self._call(request, b"".join(encoded), ws.StoreOk)
 
     def append(self, key: str, value: bytes | str) -> None:
-        self._call(StoreAppend(key=key), _as_bytes(value), StoreOk)
+        self._call(ws.StoreAppend(key=key), _as_bytes(value), ws.StoreOk)
 
     def list_keys(self) -> list[str]:
-        message, tail = self._call(StoreListKeys(), b"", StoreValues)
+        message, tail = self._call(ws.StoreListKeys(), b"", ws.StoreValues)
         return [piece.decode() for piece in split_tail(tail, list(message.lengths))]
 
     def queue_push(self, key: str, value: bytes | str) -> None:
-        self._call(StoreQueuePush(key=key), _as_bytes(value), StoreOk)
+        self._call(ws.StoreQueuePush(key=key), _as_bytes(value), ws.StoreOk)
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the head of queue `key`; block (up to the store timeout) for one, or raise QueueEmptyError."""
         wait = self._wait_secs() if block else 0.0
         try:
-            return self._call(StoreQueuePop(key=key, timeout=wait), b"", StoreValue, wait)[1]
+            return self._call(ws.StoreQueuePop(key=key, timeout=wait), b"", ws.StoreValue, wait)[1]
         except StoreRequestError as error:
             if error.code == "queue_empty":
                 raise QueueEmptyError(f"controller store: queue {key!r} is empty") from None
             raise
 
     def queue_len(self, key: str) -> int:
-        return self._int(StoreQueueLen(key=key))
+        return self._int(ws.StoreQueueLen(key=key))
 
     def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
         """Block until `world_size` callers reached barrier `key` (torch's own Store::barrier scheme)."""
