@@ -18,7 +18,6 @@ import re
 import shutil
 import signal
 import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,6 +28,7 @@ from flodld.wire.join import Reject
 from flodld.wire.salt import new_salt, salt_from_hex
 from tests.conftest import require_binary
 from tests.flodld.controller.agents import http, join
+from tests.serve import listening_port, serve_argv
 
 from .cdp import headless_page
 
@@ -73,43 +73,27 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
-_LISTENING = re.compile(r"event=listening bind=\S+ port=(\d+)")
-
-
 @asynccontextmanager
 async def serve(tmp_path: Path, token: str) -> AsyncIterator[int]:
     """`flodld serve` as a service (one run after another), its log in the temp dir; yields the port."""
     log = tmp_path / "flodld-serve.log"
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "flodld",
-            "serve",
-            "--config",
-            str(_config(tmp_path)),
-            "--token",
-            token,
-            "--port",
-            "0",
-            "--bind",
-            "127.0.0.1",
-            "--run-id",
-            "sweep",
+            *serve_argv("--token", token, config=_config(tmp_path), run_id="sweep"),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=sink,
             stderr=sink,
         )
     try:
         for _ in range(300):
-            found = _LISTENING.search(log.read_text(errors="replace"))
-            if found:
+            port = listening_port(log.read_text(errors="replace"))
+            if port is not None:
                 break
             assert proc.returncode is None, log.read_text(errors="replace")
             await asyncio.sleep(0.1)
         else:
             raise AssertionError(f"flodld serve did not listen: {log.read_text(errors='replace')}")
-        yield int(found.group(1))
+        yield port
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)

@@ -177,8 +177,10 @@ class Forwarder:
         self.listener.close()
 
 
-def write_discovery_project(directory: Path, port: int, token: str, ranks: int) -> Path:
-    """An fdl.yml whose window is roster-free (walk-ins only) and forms at `ranks` ranks."""
+def write_discovery_project(
+    directory: Path, port: int, token: str, ranks: int, *, join_timeout: float = 120
+) -> Path:
+    """An fdl.yml whose window is roster-free (walk-ins only) and forms at `ranks` ranks; its directory."""
     (directory / "fdl.yml").write_text(
         "cluster:\n"
         "  controller:\n"
@@ -190,7 +192,7 @@ def write_discovery_project(directory: Path, port: int, token: str, ranks: int) 
         "      discovery: true\n"
         f"      min_rank_start: {ranks}\n"
         f"      target_ranks: {ranks}\n"
-        "      join_timeout: 120\n"
+        f"      join_timeout: {join_timeout}\n"
         f"      token: {token}\n"
         "  workers: []\n"
     )

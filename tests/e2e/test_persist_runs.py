@@ -10,7 +10,6 @@ import re
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -19,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import PROGRAMS, REPO, Fdl, child_env, free_port
+from tests.e2e.harness import PROGRAMS, REPO, Fdl, child_env, free_port, write_discovery_project
+from tests.serve import listening_port, serve_argv
 
 pytestmark = pytest.mark.multiproc
-
-_LISTENING = re.compile(r"event=listening bind=\S+ port=(\d+)")
 
 
 def state(port: int) -> dict[str, object] | None:
@@ -35,43 +33,12 @@ def state(port: int) -> dict[str, object] | None:
         return None
 
 
-def write_project(directory: Path, token: str, port: int) -> Path:
-    path = directory / "fdl.yml"
-    path.write_text(
-        "cluster:\n"
-        "  controller:\n"
-        "    host: 127.0.0.1\n"
-        f"    port: {port}\n"
-        "    averaging: cpu_sync\n"
-        "    backend: gloo\n"
-        "    join:\n"
-        "      discovery: true\n"
-        "      min_rank_start: 2\n"
-        "      target_ranks: 2\n"
-        "      join_timeout: 300\n"
-        f"      token: {token}\n"
-        "  workers: []\n"
-    )
-    return path
-
-
 def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path: Path) -> None:
     token = secrets.token_hex(16)
-    config = write_project(tmp_path, token, free_port())
+    project = write_discovery_project(tmp_path, free_port(), token, ranks=2, join_timeout=300)
     env = child_env(FLODL_NET_TIMEOUT_SCALE="0.1")
     daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flodld",
-            "serve",
-            "--config",
-            str(config),
-            "--bind",
-            "127.0.0.1",
-            "--run-id",
-            "persist",
-        ],
+        serve_argv(config=project / "fdl.yml", port=None, run_id="persist"),
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -84,9 +51,8 @@ def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path
     port = 0
     for line in daemon.stderr:
         log.append(line)
-        found = _LISTENING.search(line)
-        if found:
-            port = int(found.group(1))
+        port = listening_port(line) or 0
+        if port:
             break
     assert port, "".join(log)
     threading.Thread(

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from flodld.wire.salt import new_salt, salt_to_hex
-
-_LISTENING = re.compile(r"event=listening bind=\S+ port=(\d+)")
+from tests.serve import listening_port, serve_argv
 
 
 def write_config(directory: Path, token: str, *, target: int = 8, window: float = 60, start: str = "auto",
@@ -43,19 +40,7 @@ class DaemonProcess:
     ) -> None:
         self.token = token or salt_to_hex(new_salt())
         self.config = write_config(directory, self.token, **config)  # type: ignore[arg-type]
-        self.argv = [
-            sys.executable,
-            "-m",
-            "flodld",
-            "serve",
-            "--config",
-            str(self.config),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *extra,
-        ]
+        self.argv = serve_argv(*extra, config=self.config, port=port)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLODL_NET_TIMEOUT_SCALE": "0.2"}
         self.proc = subprocess.Popen(
             self.argv,
@@ -78,9 +63,9 @@ class DaemonProcess:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line)
-            match = _LISTENING.search(line)
-            if match and not self._port_found.is_set():
-                self.port = int(match.group(1))
+            port = listening_port(line)
+            if port is not None and not self._port_found.is_set():
+                self.port = port
                 self._port_found.set()
 
     @property

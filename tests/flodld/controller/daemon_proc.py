@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import sys
 from dataclasses import dataclass
 
-_LISTENING = re.compile(rb"event=listening bind=\S+ port=(\d+)")
+from tests.serve import listening_port, serve_argv
 
 
 @dataclass
@@ -30,18 +28,7 @@ class Daemon:
 
 async def start_daemon(*flags: str, env: dict[str, str] | None = None) -> Daemon:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "flodld",
-        "serve",
-        "--once",
-        "--port",
-        "0",
-        "--bind",
-        "127.0.0.1",
-        "--run-id",
-        "daemon-run",
-        *flags,
+        *serve_argv("--once", *flags, run_id="daemon-run"),
         stderr=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
@@ -53,6 +40,6 @@ async def start_daemon(*flags: str, env: dict[str, str] | None = None) -> Daemon
         if not line:
             raise AssertionError(f"daemon exited before listening: {log.decode(errors='replace')}")
         log += line
-        found = _LISTENING.search(line)
-        if found:
-            return Daemon(proc, int(found.group(1)), log)
+        port = listening_port(line)
+        if port is not None:
+            return Daemon(proc, port, log)

@@ -6,7 +6,8 @@ import asyncio
 import hashlib
 import hmac
 import signal
-import sys
+
+from tests.serve import run_to_exit, serve_argv
 
 from .daemon_proc import Daemon
 
@@ -48,15 +49,5 @@ async def stop(daemon: Daemon) -> None:
 
 
 async def serve_exit(*flags: str) -> tuple[int | None, str]:
-    """Run `flodld serve FLAGS`; (exit code, stderr). None: it was still running after 20 s (killed)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", *flags,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        _, err = await asyncio.wait_for(proc.communicate(), 20)
-    except TimeoutError:
-        proc.kill()
-        _, err = await proc.communicate()
-        return None, err.decode(errors="replace")
-    return proc.returncode, err.decode(errors="replace")
+    """Run `flodld serve --once --port 0 FLAGS`; (exit code, stderr). None: still running at 20 s (killed)."""
+    return await run_to_exit(serve_argv("--once", *flags, bind=None))

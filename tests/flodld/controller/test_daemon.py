@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from flodld.membership.snapshot import StateSnapshot
 from flodld.wire.salt import new_salt, salt_from_hex
 from tests.conftest import require_binary
+from tests.serve import run_to_exit, serve_argv
 
 from .agents import http, join
 from .daemon_proc import start_daemon
@@ -120,23 +120,8 @@ async def test_post_start_refusals_answer_each_documented_status() -> None:
 
 
 async def test_bad_config_exits_two_with_a_reason() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "flodld",
-        "serve",
-        "--port",
-        "0",
-        "--start",
-        "manual",
-        "--target",
-        "2",
-        "--ranks",
-        "2",
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 2 and b"target_ranks" in err
+    code, err = await run_to_exit(serve_argv("--start", "manual", "--target", "2", "--ranks", "2", bind=None))
+    assert code == 2 and "target_ranks" in err
 
 
 async def test_serve_reads_the_cluster_config_and_its_overlay(tmp_path: Path) -> None:

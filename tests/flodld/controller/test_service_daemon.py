@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from flodld.wire.magic import Channel
 from flodld.wire.salt import salt_from_hex
 from tests.reliability.daemon import hello, state
 from tests.reliability.process import DaemonProcess, write_config
+from tests.serve import run_to_exit, serve_argv
 
 pytestmark = pytest.mark.multiproc
 
@@ -77,18 +77,6 @@ async def test_bad_config_at_start_exits_two(tmp_path: Path) -> None:
     config.write_text(
         "cluster:\n  controller:\n    host: 127.0.0.1\n    between_runs_secs: -1\n  workers: []\n"
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "flodld",
-        "serve",
-        "--config",
-        str(config),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 2, err
-    assert b"between_runs_secs" in err
+    code, err = await run_to_exit(serve_argv(config=config, bind=None), timeout=30)
+    assert code == 2, err
+    assert "between_runs_secs" in err
