@@ -11,22 +11,17 @@ import torch
 from fhelium.core.errors import FheliumValueError, ShapeMismatchError, ValueStateError
 from fhelium.core.resident import TensorResident
 from fhelium.core.state import (
+    LevelMetadata,
     ModulusBasis,
     PolynomialDomain,
     ResidueRepresentation,
-    check_basis,
-    check_depth,
-    check_domain,
+    RnsMetadata,
     check_integer_tensor,
-    check_limb_axis,
-    check_residue,
-    coerce_prime_ids,
-    coerce_scale,
 )
 
 
 @dataclass(eq=False)
-class Ciphertext(TensorResident):
+class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
     """A CKKS ciphertext (or a batch of them sharing one metadata record).
 
     Limb row ``j`` holds residues modulo the prime with id ``prime_ids[j]``. Construction never
@@ -49,13 +44,8 @@ class Ciphertext(TensorResident):
                 "Ciphertext component axis (dim 0) must have extent 2 or 3; got shape "
                 f"{tuple(self.data.shape)}"
             )
-        self.depth = check_depth(owner, self.depth)
-        self.scale = coerce_scale(owner, self.scale)
-        self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
-        check_limb_axis(owner, self.data, self.prime_ids)
-        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
-        self.modulus_basis = check_basis(owner, self.modulus_basis)
-        self.residue_representation = check_residue(owner, self.residue_representation)
+        self._check_level(owner)
+        self._check_rns_metadata(owner, self.data)
         if self.polynomial_domain == "coefficient" and self.residue_representation == "montgomery":
             raise FheliumValueError("Coefficient-domain Ciphertext cannot use Montgomery residues")
 

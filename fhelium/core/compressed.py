@@ -12,18 +12,13 @@ from fhelium.core.resident import TensorResident
 from fhelium.core.state import (
     COMPRESSED_PLAINTEXT_LAYOUTS,
     CompressedPlaintextLayout,
+    LevelMetadata,
     ModulusBasis,
     PolynomialDomain,
     ResidueRepresentation,
-    check_basis,
+    RnsMetadata,
     check_choice,
-    check_depth,
-    check_domain,
     check_integer_tensor,
-    check_limb_axis,
-    check_residue,
-    coerce_prime_ids,
-    coerce_scale,
 )
 
 COMPRESSED_PLAINTEXT_FORMAT_VERSION = 1
@@ -34,7 +29,7 @@ def _is_power_of_two(value: int) -> bool:
 
 
 @dataclass(eq=False)
-class CompressedPlaintext(TensorResident):
+class CompressedPlaintext(LevelMetadata, RnsMetadata, TensorResident):
     """``data [*batch, limb, unique]`` expands losslessly to ``[*batch, limb, ring_dimension]``.
 
     Layouts: ``cyclic`` repeats the whole pattern; ``contiguous`` repeats each entry in place;
@@ -64,13 +59,8 @@ class CompressedPlaintext(TensorResident):
         self.compression_layout = check_choice(  # type: ignore[assignment]  # narrowed by the check
             owner, "compression_layout", self.compression_layout, COMPRESSED_PLAINTEXT_LAYOUTS
         )
-        self.depth = check_depth(owner, self.depth)
-        self.scale = coerce_scale(owner, self.scale)
-        self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
-        check_limb_axis(owner, self.data, self.prime_ids)
-        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
-        self.modulus_basis = check_basis(owner, self.modulus_basis)
-        self.residue_representation = check_residue(owner, self.residue_representation)
+        self._check_level(owner)
+        self._check_rns_metadata(owner, self.data)
         if self.compression_format_version != COMPRESSED_PLAINTEXT_FORMAT_VERSION:
             raise FheliumValueError(
                 f"{owner} compression_format_version must be {COMPRESSED_PLAINTEXT_FORMAT_VERSION}; "

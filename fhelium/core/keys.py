@@ -12,16 +12,13 @@ from fhelium.core.state import (
     ModulusBasis,
     PolynomialDomain,
     ResidueRepresentation,
-    check_basis,
-    check_domain,
+    RnsMetadata,
     check_integer_tensor,
-    check_residue,
-    coerce_prime_ids,
 )
 
 
 @dataclass(eq=False)
-class DenseKey(TensorResident):
+class DenseKey(RnsMetadata, TensorResident):
     """The common base of every key: one RNS tensor with prime ids, domain and basis."""
 
     data: torch.Tensor
@@ -41,14 +38,7 @@ class DenseKey(TensorResident):
                 f"{owner} data must have {self.LEADING_AXES + 2} dimensions; got shape "
                 f"{tuple(self.data.shape)}"
             )
-        self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
-        if self.data.size(-2) != len(self.prime_ids):
-            raise FheliumValueError(
-                f"{owner} limb axis has {self.data.size(-2)} rows but prime_ids names {len(self.prime_ids)}"
-            )
-        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
-        self.modulus_basis = check_basis(owner, self.modulus_basis)
-        self.residue_representation = check_residue(owner, self.residue_representation)
+        self._check_rns_metadata(owner, self.data)
         self._check_extra()
 
     def _check_extra(self) -> None:

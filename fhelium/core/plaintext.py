@@ -11,24 +11,20 @@ from fhelium.core.errors import FheliumValueError
 from fhelium.core.resident import TensorResident
 from fhelium.core.state import (
     PLAINTEXT_REPRESENTATIONS,
+    LevelMetadata,
     ModulusBasis,
     PlaintextRepresentation,
     PolynomialDomain,
     ResidueRepresentation,
-    check_basis,
+    RnsMetadata,
     check_choice,
-    check_depth,
-    check_domain,
     check_integer_tensor,
-    check_limb_axis,
-    check_residue,
     coerce_prime_ids,
-    coerce_scale,
 )
 
 
 @dataclass(eq=False)
-class Plaintext(TensorResident):
+class Plaintext(LevelMetadata, RnsMetadata, TensorResident):
     """An unencrypted CKKS value.
 
     ``representation`` decides which tensor is present and what it means:
@@ -50,8 +46,7 @@ class Plaintext(TensorResident):
 
     def __post_init__(self) -> None:
         owner = "Plaintext"
-        self.depth = check_depth(owner, self.depth)
-        self.scale = coerce_scale(owner, self.scale)
+        self._check_level(owner)
         rep = check_choice(owner, "representation", self.representation, PLAINTEXT_REPRESENTATIONS)
         if (self.message is None) == (self.data is None):
             raise FheliumValueError(
@@ -92,10 +87,7 @@ class Plaintext(TensorResident):
         check_integer_tensor(owner, "data", self.data, min_ndim=2)
         if not self.prime_ids:
             raise FheliumValueError("Plaintext rns representation needs non-empty prime_ids")
-        check_limb_axis(owner, self.data, self.prime_ids)
-        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
-        self.modulus_basis = check_basis(owner, self.modulus_basis)
-        self.residue_representation = check_residue(owner, self.residue_representation)
+        self._check_rns_metadata(owner, self.data)
 
     def _require_no_rns_state(self, rep: str) -> None:
         if (

@@ -9,20 +9,19 @@ import torch
 from fhelium.core.errors import FheliumValueError
 from fhelium.core.resident import TensorResident
 from fhelium.core.state import (
+    LevelMetadata,
     PolynomialDomain,
-    check_depth,
     check_domain,
     check_integer_tensor,
     check_limb_axis,
     coerce_prime_ids,
-    coerce_scale,
 )
 
 SEED_BYTES = 32
 
 
 @dataclass(eq=False)
-class SeededCiphertext(TensorResident):
+class SeededCiphertext(LevelMetadata, TensorResident):
     """About half the size of a Ciphertext: c1 is re-expanded from ``seed`` by the engine.
 
     Only fresh encryptions have this form; any homomorphic operation needs the expanded
@@ -41,8 +40,7 @@ class SeededCiphertext(TensorResident):
         check_integer_tensor(owner, "c0", self.c0, min_ndim=2)
         if not isinstance(self.seed, bytes) or len(self.seed) != SEED_BYTES:
             raise FheliumValueError(f"{owner} seed must be {SEED_BYTES} bytes; got {self.seed!r}")
-        self.depth = check_depth(owner, self.depth)
-        self.scale = coerce_scale(owner, self.scale)
+        self._check_level(owner)
         self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
         check_limb_axis(owner, self.c0, self.prime_ids)
         self.polynomial_domain = check_domain(owner, self.polynomial_domain)

@@ -108,3 +108,44 @@ def check_limb_axis(owner: str, tensor: torch.Tensor, prime_ids: tuple[int, ...]
             f"{owner} limb axis has {tensor.size(-2)} rows but prime_ids names {len(prime_ids)} "
             f"primes: {list(prime_ids)}"
         )
+
+
+class LevelMetadata:
+    """A value's depth and scale, and the one way they are checked.
+
+    A mixin for the value dataclasses that carry them (Ciphertext, CompressedPlaintext, Plaintext,
+    SeededCiphertext): they declare the fields, then call ``_check_level`` from ``__post_init__``.
+    """
+
+    depth: int
+    scale: float
+
+    def _check_level(self, owner: str) -> None:
+        """A non-negative int depth; a positive finite scale, stored as a float."""
+        self.depth = check_depth(owner, self.depth)
+        self.scale = coerce_scale(owner, self.scale)
+
+
+class RnsMetadata:
+    """The RNS metadata of a value with a limb axis, and the one way it is checked.
+
+    A mixin for the value dataclasses (Ciphertext, CompressedPlaintext, an ``rns`` Plaintext and every
+    key): they declare these fields with their own defaults, then call ``_check_rns_metadata`` from
+    ``__post_init__``.
+    """
+
+    prime_ids: tuple[int, ...]
+    polynomial_domain: PolynomialDomain | None
+    modulus_basis: ModulusBasis | None
+    residue_representation: ResidueRepresentation | None
+
+    def _check_rns_metadata(self, owner: str, data: torch.Tensor) -> None:
+        """Non-empty prime ids, one limb row per prime, then the domain, basis and residue axes.
+
+        Each is stored as checked (a tuple of ints, narrowed literals).
+        """
+        self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
+        check_limb_axis(owner, data, self.prime_ids)
+        self.polynomial_domain = check_domain(owner, self.polynomial_domain)
+        self.modulus_basis = check_basis(owner, self.modulus_basis)
+        self.residue_representation = check_residue(owner, self.residue_representation)
