@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.agent.spec import AgentSpec
 from flodld.config.join import JoinConfig
 from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
+from tests.agent_proc import start_agent
 
 PROGRAM = Path(__file__).with_name("fault_program.py")
 MARK = "FLODL_TEST_MARK"
@@ -115,16 +115,8 @@ class Run:
             averaging=self.controller.options.averaging,
             grace_secs=2.0,
         )
-        environ = {**os.environ, **FAST_ENV, **env, AGENT_ENV: encode_spec(spec), MARK: self.mark}
-        process = await asyncio.create_subprocess_exec(
-            *wrapper,
-            sys.executable,
-            str(PROGRAM),
-            env=environ,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
+        environ = {**os.environ, **FAST_ENV, **env, MARK: self.mark}
+        process = await start_agent(PROGRAM, spec, environ, *wrapper)
         agent = AgentProcess(host, process)
         agent.reader = asyncio.get_running_loop().create_task(agent.collect())
         self.agents.append(agent)

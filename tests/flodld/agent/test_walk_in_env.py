@@ -12,14 +12,14 @@ import asyncio
 import json
 import os
 import secrets
-import sys
 from pathlib import Path
 
 import pytest
 
-from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.agent.spec import AgentSpec
 from flodld.config.join import JoinConfig
 from flodld.controller.run import Controller
+from tests.agent_proc import start_agent
 
 from ..controller.agents import options
 
@@ -61,16 +61,8 @@ async def run_agent(
     environ = {
         name: value for name, value in os.environ.items() if name not in REPORTED or name == "PYTHONPATH"
     }
-    environ.update({"PYTHONUNBUFFERED": "1", "FLODL_TEST_REPORT_ENV": ",".join(REPORTED),
-                    AGENT_ENV: encode_spec(spec)})  # fmt: skip
-    agent = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(PROGRAM),
-        env=environ,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+    environ.update({"PYTHONUNBUFFERED": "1", "FLODL_TEST_REPORT_ENV": ",".join(REPORTED)})
+    agent = await start_agent(PROGRAM, spec, environ)
     try:
         out, _ = await asyncio.wait_for(agent.communicate(), 120)
     finally:
