@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.conftest import require_capability
+
 WORKER_IFNAME = "fdl0"
 SSHD_PORT = 2200
+
+
+def require_netns() -> None:
+    """Skip (fail under FLODLD_REQUIRE_NETNS=1) unless namespaces can be made here: root and iproute2."""
+    available = os.geteuid() == 0 and shutil.which("ip") is not None
+    require_capability("netns", available, "needs root and iproute2")
 
 
 def ip(*args: str) -> None:
@@ -190,8 +199,9 @@ def far_namespace(prefix: str, subnet: int, *, public: bool = False) -> Iterator
     benchmarking range, outside every private range flodld knows, so it stands for a public peer
     whatever this machine's own addresses are); names and addresses carry this process's pid so
     concurrent runs do not collide. Whatever a failed run left running in the namespace is killed
-    on the way out.
+    on the way out. Skips as require_netns does where namespaces cannot be made.
     """
+    require_netns()
     tag = f"{os.getpid() % 100000}"
     namespace, near, far = f"{prefix}{tag}", f"v{prefix[-2:]}n{tag}", f"v{prefix[-2:]}f{tag}"
     third = os.getpid() % 200 + 20

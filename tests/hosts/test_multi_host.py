@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flodld.fanout.sshd_recipe import JoinSshdRecipe
-from tests.conftest import require_binary, require_capability
+from tests.conftest import require_binary
 from tests.flodld.fanout.joinuser import as_join_user, door_directory, hand_to_join_user, join_user
 from tests.hosts.netns import (
     SSHD_PORT,
@@ -27,6 +26,7 @@ from tests.hosts.netns import (
     controller_address,
     kill_leftovers,
     processes_mentioning,
+    require_netns,
     worker_address,
 )
 
@@ -66,13 +66,9 @@ sys.exit(flodld.run(main, init_process_group=False))
 """
 
 
-def _lab_available() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None
-
-
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[Lab]:
-    require_capability("netns", _lab_available(), "needs root and iproute2 (`ip netns`)")
+    require_netns()
     sshd = require_binary("sshd", "sshd", search_sbin=True)
     keygen = require_binary("sshd", "ssh-keygen")
     lab = Lab(root=tmp_path, workers=2)

@@ -9,15 +9,12 @@ relay and rank are all gone within ORPHAN_BOUND_SECS.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from flodld.membership.phase import Phase
-from tests.conftest import require_capability
 from tests.hosts import netns
 
 from .workers import fault_options, fault_run
@@ -32,9 +29,6 @@ FORMATION_BOUND_SECS = 60.0
 @pytest.fixture
 def far_namespace() -> Iterator[tuple[str, str, str]]:
     """(namespace, host-side veth, host-side address) with the far end at .2 inside the namespace."""
-    require_capability(
-        "netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2"
-    )
     with netns.far_namespace("flrel", 231) as lab:
         yield lab
 

@@ -10,19 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.agent.spec import AgentSpec
 from flodld.config.join import JoinConfig
 from flodld.controller.run import Controller
 from flodld.net.keepalive import LINK_KEEPALIVE_SECS
-from tests.conftest import require_capability
+from tests.agent_proc import start_agent
 from tests.hosts import netns
 
 from ..controller.agents import options
@@ -40,9 +38,6 @@ EXIT_BOUND_SECS = 2 * LINK_KEEPALIVE_SECS * SCALE + GRACE_SECS + 6.0
 @pytest.fixture
 def far_namespace() -> Iterator[tuple[str, str, str]]:
     """(namespace, host-side veth, host-side address); the far end is .2 inside the namespace."""
-    require_capability(
-        "netns", os.geteuid() == 0 and shutil.which("ip") is not None, "needs root and iproute2"
-    )
     with netns.far_namespace("fldag", 232) as lab:
         yield lab
 
@@ -82,25 +77,8 @@ async def test_an_agent_cut_off_from_its_controller_tears_down_and_exits_non_zer
         averaging="nccl_sync",
         grace_secs=GRACE_SECS,
     )
-    env = {
-        **os.environ,
-        "FLODL_NET_TIMEOUT_SCALE": str(SCALE),
-        "PYTHONUNBUFFERED": "1",
-        AGENT_ENV: encode_spec(spec),
-    }
-    agent = await asyncio.create_subprocess_exec(
-        "ip",
-        "netns",
-        "exec",
-        namespace,
-        sys.executable,
-        str(PROGRAM),
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-    )
+    env = {**os.environ, "FLODL_NET_TIMEOUT_SCALE": str(SCALE), "PYTHONUNBUFFERED": "1"}
+    agent = await start_agent(PROGRAM, spec, env, "ip", "netns", "exec", namespace, new_session=True)
     lines: list[str] = []
     assert agent.stdout is not None
     collector = asyncio.ensure_future(_collect(agent.stdout, lines))

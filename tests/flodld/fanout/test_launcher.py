@@ -7,7 +7,6 @@ processes and the run is a real gloo run; only the network distance is missing.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from flodld.fanout.launcher import (
     wrap_command,
 )
 from tests.flodld.fanout.sshserver import LocalSshServer, start_local_ssh_server
+from tests.hosts.netns import processes_mentioning
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = str(REPO / "examples" / "allreduce.py")
@@ -55,24 +55,11 @@ def _cluster(server: LocalSshServer, *, tunnel: bool = False, ranks: int = 2) ->
     )  # fmt: skip
 
 
-def _processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 async def _wait_no_process(marker: str, timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
-    while _processes_mentioning(marker) and time.monotonic() < end:
+    while processes_mentioning(marker) and time.monotonic() < end:
         await asyncio.sleep(0.1)
-    assert _processes_mentioning(marker) == [], f"orphans mentioning {marker}"
+    assert processes_mentioning(marker) == [], f"orphans mentioning {marker}"
 
 
 # --- the plan (pure) ---------------------------------------------------------------------------
@@ -232,7 +219,7 @@ async def test_cancelled_launcher_stops_every_remote_process(tmp_path: Path) -> 
             await asyncio.sleep(0.1)
         assert sum("rank up" in line for line in lines) == 2, lines
         # The two ranks (the agent and relay are flodld's own processes: they never run the program).
-        assert len(_processes_mentioning(str(program))) >= 2
+        assert len(processes_mentioning(str(program))) >= 2
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job
