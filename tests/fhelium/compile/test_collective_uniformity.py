@@ -31,74 +31,60 @@ def _diagnose(body: str) -> list[str]:
     return [f"{d.severity}: {d.message}" for d in result.diagnostics]
 
 
-def test_collective_under_rank_dependent_if_is_reported() -> None:
-    found = _diagnose(
-        f"""    %is_root = arith.cmpi eq, %r, %c0 : index
-    %out = scf.if %is_root -> ({T}) {{
+def _broadcast_if(condition: str) -> str:
+    """`%out`: %x broadcast where CONDITION holds, %x itself where it does not."""
+    return f"""    %out = scf.if {condition} -> ({T}) {{
       %b = {BCAST}
       scf.yield %b : {T}
     }} else {{
       scf.yield %x : {T}
     }}
 """
-    )
+
+
+def _broadcast_for(lower: str, upper: str) -> str:
+    """`%out`: %x broadcast once per trip of a loop from LOWER to UPPER."""
+    return f"""    %out = scf.for %i = {lower} to {upper} step %c1 iter_args(%a = %x) -> ({T}) {{
+      %b = "fhelium_dist.broadcast"(%a, %g) {{root = 0 : i64}} : ({T}, !fhelium_dist.group) -> {T}
+      scf.yield %b : {T}
+    }}
+"""
+
+
+def test_collective_under_rank_dependent_if_is_reported() -> None:
+    found = _diagnose("    %is_root = arith.cmpi eq, %r, %c0 : index\n" + _broadcast_if("%is_root"))
     assert len(found) == 1
     assert found[0].startswith("error: fhelium_dist.broadcast may be reached by some ranks and not others")
     assert "scf.if condition depends on rank" in found[0]
 
 
 def test_collective_under_uniform_if_is_accepted() -> None:
-    found = _diagnose(
-        f"""    %big = arith.cmpi sgt, %p, %c1 : index
-    %out = scf.if %big -> ({T}) {{
-      %b = {BCAST}
-      scf.yield %b : {T}
-    }} else {{
-      scf.yield %x : {T}
-    }}
-"""
-    )
+    found = _diagnose("    %big = arith.cmpi sgt, %p, %c1 : index\n" + _broadcast_if("%big"))
     assert found == []
 
 
 def test_collective_in_loop_with_rank_dependent_trip_count_is_reported() -> None:
-    found = _diagnose(
-        f"""    %out = scf.for %i = %c0 to %r step %c1 iter_args(%a = %x) -> ({T}) {{
-      %b = "fhelium_dist.broadcast"(%a, %g) {{root = 0 : i64}} : ({T}, !fhelium_dist.group) -> {T}
-      scf.yield %b : {T}
-    }}
-"""
-    )
+    found = _diagnose(_broadcast_for("%c0", "%r"))
     assert len(found) == 1 and "scf.for trip count depends on rank" in found[0]
 
 
 def test_rank_selected_interval_of_uniform_length_is_accepted() -> None:
     found = _diagnose(
-        f"""    %lo = arith.muli %r, %n : index
-    %hi = arith.addi %lo, %n : index
-    %out = scf.for %i = %lo to %hi step %c1 iter_args(%a = %x) -> ({T}) {{
-      %b = "fhelium_dist.broadcast"(%a, %g) {{root = 0 : i64}} : ({T}, !fhelium_dist.group) -> {T}
-      scf.yield %b : {T}
-    }}
-"""
+        "    %lo = arith.muli %r, %n : index\n"
+        "    %hi = arith.addi %lo, %n : index\n" + _broadcast_for("%lo", "%hi")
     )
     assert found == []
 
 
 def test_rank_dependence_through_loop_carried_values_is_tracked() -> None:
     found = _diagnose(
-        f"""    %k = scf.for %i = %c0 to %n step %c1 iter_args(%acc = %c0) -> (index) {{
+        """    %k = scf.for %i = %c0 to %n step %c1 iter_args(%acc = %c0) -> (index) {
       %next = arith.addi %acc, %r : index
       scf.yield %next : index
-    }}
+    }
     %zero = arith.cmpi eq, %k, %c0 : index
-    %out = scf.if %zero -> ({T}) {{
-      %b = {BCAST}
-      scf.yield %b : {T}
-    }} else {{
-      scf.yield %x : {T}
-    }}
 """
+        + _broadcast_if("%zero")
     )
     assert len(found) == 1 and "scf.if condition depends on rank" in found[0]
 
@@ -109,26 +95,16 @@ def test_collective_results_are_uniform_again() -> None:
     %shared = "fhelium_dist.broadcast"(%mine, %g) {{root = 0 : i64}} : ({T}, !fhelium_dist.group) -> {T}
     %k = "vendor.to_index"(%shared) : ({T}) -> index
     %go = arith.cmpi eq, %k, %c0 : index
-    %out = scf.if %go -> ({T}) {{
-      %b = {BCAST}
-      scf.yield %b : {T}
-    }} else {{
-      scf.yield %x : {T}
-    }}
 """
+        + _broadcast_if("%go")
     )
     assert found == []
     diverging = _diagnose(
         f"""    %mine = "vendor.from_index"(%r) : (index) -> {T}
     %k = "vendor.to_index"(%mine) : ({T}) -> index
     %go = arith.cmpi eq, %k, %c0 : index
-    %out = scf.if %go -> ({T}) {{
-      %b = {BCAST}
-      scf.yield %b : {T}
-    }} else {{
-      scf.yield %x : {T}
-    }}
 """
+        + _broadcast_if("%go")
     )
     assert len(diverging) == 1
 
