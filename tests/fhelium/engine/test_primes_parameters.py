@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from pydantic import ValidationError
 
@@ -37,42 +39,41 @@ def test_presets_have_distinct_primes_and_pass_security() -> None:
 
 
 def test_security_check_names_the_limit_and_the_opt_out() -> None:
-    with pytest.raises(
-        ValidationError, match=r"exceeds the 128-bit security limit of 27 bits.*enforce_security=False"
-    ):
-        CkksParameters(
-            log_ring_degree=10,
-            scale_bits=30,
-            scale_prime_bits=(30,),
-            base_prime_bits=40,
-            special_prime_bits=40,
-        )
-    CkksParameters(
+    too_wide_for_the_ring = partial(
+        CkksParameters,
         log_ring_degree=10,
         scale_bits=30,
         scale_prime_bits=(30,),
         base_prime_bits=40,
         special_prime_bits=40,
-        enforce_security=False,
     )
+    with pytest.raises(
+        ValidationError, match=r"exceeds the 128-bit security limit of 27 bits.*enforce_security=False"
+    ):
+        too_wide_for_the_ring()
+    too_wide_for_the_ring(enforce_security=False)
 
 
-def test_parameter_errors_are_specific() -> None:
-    with pytest.raises(ValidationError, match="between 20 and 50 bits"):
+@pytest.mark.parametrize(
+    ("scale_prime_bits", "special_prime_bits", "message"),
+    [
+        ((60,), 50, "between 20 and 50 bits"),
+        ((40,), 40, "special_prime_bits=40 must be at least the largest Q prime"),
+    ],
+)
+def test_parameter_errors_are_specific(
+    scale_prime_bits: tuple[int, ...], special_prime_bits: int, message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
         CkksParameters(
             log_ring_degree=14,
             scale_bits=40,
-            scale_prime_bits=(60,),
+            scale_prime_bits=scale_prime_bits,
             base_prime_bits=50,
-            special_prime_bits=50,
+            special_prime_bits=special_prime_bits,
         )
-    with pytest.raises(ValidationError, match="special_prime_bits=40 must be at least the largest Q prime"):
-        CkksParameters(
-            log_ring_degree=14,
-            scale_bits=40,
-            scale_prime_bits=(40,),
-            base_prime_bits=50,
-            special_prime_bits=40,
-        )
+
+
+def test_an_unknown_preset_is_named() -> None:
     with pytest.raises(ValueError, match="unknown CKKS preset 'nope'"):
         preset_parameters("nope")
