@@ -2,43 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from fdl.status import page_url
 
+from tests.clients.fdl_proc import NO_FDL_ENV, fdl
 from tests.flodld.controller.daemon_proc import start_daemon
 
 pytestmark = pytest.mark.multiproc
 
 
-async def _fdl(*args: str, env: dict[str, str]) -> tuple[int, str, str, float]:
-    started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fdl.main",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        stdin=asyncio.subprocess.DEVNULL,
-        env=env,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode(), time.monotonic() - started
-
-
-def _env(**extra: str) -> dict[str, str]:
-    base = {
-        k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER", "FDL_ENV")
-    }
-    return {**base, **extra}
+NO_DISPLAY = ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER", *NO_FDL_ENV)
 
 
 def test_page_url_brackets_ipv6() -> None:
@@ -58,13 +36,16 @@ async def test_open_prints_the_url_and_hands_it_to_a_browser_only_with_a_display
     )
     browser.chmod(0o755)
     try:
-        code, out, err, _ = await _fdl("status", "--open", "--addr", addr, env=_env(BROWSER=str(browser)))
+        browser_env = {"BROWSER": str(browser)}
+        code, out, err = await fdl("status", "--open", "--addr", addr, env=browser_env, drop=NO_DISPLAY)
         assert (code, out) == (0, f"http://{addr}/status\n")
         assert "no display here" in err and not opened.exists()  # no display: nothing is started
 
-        code, out, err, took = await _fdl(
-            "status", "--open", "--addr", addr, env=_env(BROWSER=str(browser), DISPLAY=":97")
+        started = time.monotonic()
+        code, out, err = await fdl(
+            "status", "--open", "--addr", addr, env={**browser_env, "DISPLAY": ":97"}, drop=NO_DISPLAY
         )
+        took = time.monotonic() - started
         assert (code, out) == (0, f"http://{addr}/status\n"), err
         assert (
             took < 15
@@ -72,7 +53,7 @@ async def test_open_prints_the_url_and_hands_it_to_a_browser_only_with_a_display
         assert opened.read_text().strip() == f"http://{addr}/status"
         assert os.path.exists(f"/proc/{pid_file.read_text().strip()}")
 
-        code, out, err, _ = await _fdl("status", "--open", "--addr", "127.0.0.1:1", env=_env())
+        code, out, err = await fdl("status", "--open", "--addr", "127.0.0.1:1", drop=NO_DISPLAY)
         assert code == 1 and out == "" and "no run listening" in err
     finally:
         if pid_file.exists():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,27 +16,11 @@ from fdl.status import device_summary, render
 
 from flodld.membership.snapshot import StateSnapshot
 from flodld.wire.salt import new_salt, salt_from_hex
+from tests.clients.fdl_proc import fdl
 from tests.flodld.controller.agents import join
 from tests.flodld.controller.daemon_proc import start_daemon
 
 pytestmark = pytest.mark.multiproc
-
-
-async def fdl(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, str, str]:
-    merged = {k: v for k, v in os.environ.items() if k != "FDL_ENV"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fdl.main",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**merged, **(env or {})},
-        cwd=cwd,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def _free_port() -> int:
@@ -168,35 +151,15 @@ def test_device_summary_and_render_shapes() -> None:
     assert "\033[31mfailed\033[0m" in text and "reason: quorum not met" in text
 
 
-def test_start_sends_the_token_in_the_authorization_header_never_the_url() -> None:
-    import http.server
-    import threading
-
-    seen: list[tuple[str, str | None]] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            seen.append((self.path, self.headers.get("Authorization"), self.headers.get("X-Flodld-Start")))
-            body = b'{"armed": true, "joined_ranks": 2}'
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_start_sends_the_token_in_the_authorization_header_never_the_url(
+    recorder: tuple[int, list[tuple[str, dict[str, str]]]],
+) -> None:
+    port, seen = recorder
     token = "00112233445566778899aabbccddeeff" * 2  # a start credential: 64 hex
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "fdl.main", "start", "--addr", f"127.0.0.1:{server.server_address[1]}",
-             "--token", token],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
+    result = subprocess.run(
+        [sys.executable, "-m", "fdl.main", "start", "--addr", f"127.0.0.1:{port}", "--token", token],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert seen == [("/start", f"Bearer {token}", "1")]
+    sent = [(path, headers.get("Authorization"), headers.get("X-Flodld-Start")) for path, headers in seen]
+    assert sent == [("/start", f"Bearer {token}", "1")]

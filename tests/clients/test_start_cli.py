@@ -6,42 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import http.server
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 
 import pytest
 
 JOIN_TOKEN = "00112233445566778899aabbccddeeff"
 CREDENTIAL = hmac.new(bytes.fromhex(JOIN_TOKEN), b"flodld/start/v1", hashlib.sha256).hexdigest()
-
-
-@pytest.fixture
-def recorder() -> Iterator[tuple[int, list[tuple[str, dict[str, str]]]]]:
-    seen: list[tuple[str, dict[str, str]]] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            seen.append((self.path, dict(self.headers.items())))
-            body = b'{"armed": true, "joined_ranks": 1}'
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield int(server.server_address[1]), seen
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _fdl(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> subprocess.CompletedProcess[str]:
