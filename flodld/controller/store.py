@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Final
 
 from flodld.controller.kvstate import KeyValueState, NotAnInteger, StoreFull
 from flodld.controller.metrics import ControllerCounters
@@ -46,6 +47,10 @@ LEDGER_MAX_BYTES = 64 * 1024 * 1024
 NOWAIT_REPLY_BYTES = 64 * 1024
 
 Reply = tuple[Message, bytes]
+
+# The field-less replies, built once (messages are frozen): most requests are answered with one of them.
+_OK: Final = ws.StoreOk()
+_VALUE: Final = ws.StoreValue()
 
 
 class StoreTimeout(Exception):
@@ -190,10 +195,13 @@ class StoreService:
             log.info("event=store_dropped peer=%s reason=%s detail=%r", where, error.code, error.detail)
 
     async def _serve(self, stream: FramedStream, client: str) -> None:
+        counters, transport = self.counters, stream.writer.transport
         while True:
-            frame = await self._receive(stream, None)
+            frame = await stream.recv(None)
+            request_tail = frame.tail
+            counters.frame_in(CHANNEL, len(frame.payload) + len(request_tail))
             try:
-                reply, tail = await self._answer(frame.message(), frame.tail, client)
+                reply, tail = await self._answer(frame.message(), request_tail, client)
             except WireError as error:
                 reply, tail = ws.StoreError(code="bad_request", reason=str(error)[:1024]), b""
             except Refused as error:
@@ -216,7 +224,11 @@ class StoreService:
                     ),
                     b"",
                 )
-            await self._reply(stream, reply, tail)
+            if len(tail) <= NOWAIT_REPLY_BYTES and not transport.get_write_buffer_size():
+                stream.send_nowait(reply, tail)  # `_reply`'s first branch, without a coroutine per request
+                counters.frame_out(CHANNEL, len(tail))
+            else:
+                await self._reply(stream, reply, tail)
 
     async def _answer(self, request: Message, tail: bytes, client: str) -> Reply:
         kind = type(request)
@@ -276,7 +288,7 @@ class StoreService:
     def _set(self, request: ws.StoreSet, tail: bytes) -> Reply:
         self.state.set(request.key, tail)
         self._notify()
-        return ws.StoreOk(), b""
+        return _OK, b""
 
     def _add(self, request: ws.StoreAdd, tail: bytes) -> Reply:
         value = self.state.add(request.key, request.amount)
@@ -289,7 +301,7 @@ class StoreService:
         expected, desired = tail[: request.expected_len], tail[request.expected_len :]
         held = self.state.compare_set(request.key, expected, desired)
         self._notify()
-        return ws.StoreValue(), held
+        return _VALUE, held
 
     def _delete_key(self, request: ws.StoreDeleteKey, tail: bytes) -> Reply:
         existed = self.state.delete(request.key)
@@ -301,17 +313,17 @@ class StoreService:
             raise ValueError(f"{len(request.keys)} keys but {len(request.lengths)} value lengths")
         self.state.multi_set(list(zip(request.keys, split_tail(tail, list(request.lengths)), strict=True)))
         self._notify()
-        return ws.StoreOk(), b""
+        return _OK, b""
 
     def _append(self, request: ws.StoreAppend, tail: bytes) -> Reply:
         self.state.append(request.key, tail)
         self._notify()
-        return ws.StoreOk(), b""
+        return _OK, b""
 
     def _queue_push(self, request: ws.StoreQueuePush, tail: bytes) -> Reply:
         self.state.queue_push(request.key, tail)
         self._notify()
-        return ws.StoreOk(), b""
+        return _OK, b""
 
     async def _queue_pop(self, request: ws.StoreQueuePop, client: str, request_id: int) -> Reply:
         key = request.key
@@ -334,7 +346,7 @@ class StoreService:
         if value is None:
             raise Refused("queue_empty", f"queue {key!r} is empty")
         self._notify()
-        reply: Reply = (ws.StoreValue(), value)
+        reply: Reply = (_VALUE, value)
         if request_id:
             self.ledger.remember(client, request_id, *reply)
         return reply
@@ -347,7 +359,7 @@ class StoreService:
             await self._until_values([request.key], request.timeout)
             value = self.state.get(request.key)
             assert value is not None
-        return ws.StoreValue(), value
+        return _VALUE, value
 
     async def _wait(self, request: ws.StoreWait) -> Reply:
         keys = list(request.keys)
@@ -356,7 +368,7 @@ class StoreService:
             return f"keys: {[k for k in keys if not self.state.present(k)][:8]}"
 
         await self._until(lambda: self.state.has_all(keys), request.timeout, missing)
-        return ws.StoreOk(), b""
+        return _OK, b""
 
     async def _check(self, request: ws.StoreCheck) -> Reply:
         return ws.StoreBool(value=self.state.has_all(list(request.keys))), b""

@@ -1,7 +1,9 @@
 """asyncio adapter: a FrameConnection driven by a StreamReader/StreamWriter pair.
 
-The stream reads exactly what the connection asks for (`bytes_wanted`), so it never reads past the
-frame a header announced, and an over-cap header is refused before its body is read.
+Inside a frame the stream reads exactly what the connection asks for (`bytes_wanted`), so it never
+reads a body past what its header announced, and an over-cap header is refused before its body is read.
+At a frame boundary it takes what the StreamReader already holds, up to `READ_AHEAD` bytes (bytes that
+arrived and were counted already): small frames sent back to back cost one read, not two per frame.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from flodld.wire.magic import MAGIC_BYTES, Channel, channel_for_prefix, magic_pr
 from flodld.wire.messages import Message
 
 READ_CHUNK = 4 * 1024 * 1024
+# At a frame boundary: read up to this much of what has arrived (the StreamReader's own limit).
+READ_AHEAD = 64 * 1024
 WRITE_PIECE = 1024 * 1024
 WRITE_STALL_SECS = 30.0
 CONNECT_ATTEMPTS = 60
@@ -207,14 +211,28 @@ class FramedStream:
         EOFError on a clean close; ConnectionResetError on a reset; WireError on a violation; TimeoutError
         past `timeout`. A timeout loses nothing: bytes already read stay buffered in the connection.
         """
-        async with self._recv_lock, asyncio.timeout(timeout):
-            while True:
-                event = self.conn.next_event()
-                if isinstance(event, Frame):
-                    return event
-                if isinstance(event, Closed):
-                    raise EOFError("peer closed the connection")
-                await self._read_more()
+        if not self._recv_lock.locked():
+            # A frame already complete in the connection's buffer needs no lock and no read: nothing
+            # between here and the return yields to another reader.
+            event = self.conn.next_event()
+            if isinstance(event, Frame):
+                return event
+            if isinstance(event, Closed):
+                raise EOFError("peer closed the connection")
+        async with self._recv_lock:
+            if timeout is None:
+                return await self._recv_loop()
+            async with asyncio.timeout(timeout):
+                return await self._recv_loop()
+
+    async def _recv_loop(self) -> Frame:
+        while True:
+            event = self.conn.next_event()
+            if isinstance(event, Frame):
+                return event
+            if isinstance(event, Closed):
+                raise EOFError("peer closed the connection")
+            await self._read_more()
 
     def read_directly(self) -> bool:
         """From now on, read the socket straight into the connection's buffers (see `_DirectReceiver`).
@@ -246,10 +264,12 @@ class FramedStream:
         if self._direct is not None:
             await self._direct.read_more()
             return
-        # Whatever has arrived, up to what completes the unit being read: never past the frame, and the
-        # reader's own buffer stays small (a large body is gathered in the connection's buffer, not
-        # in the StreamReader's, which would regrow and copy it).
-        want = min(max(self.conn.bytes_wanted, 1), READ_CHUNK)
+        # Inside a body: whatever has arrived, up to what completes it (never past the frame), and the
+        # reader's own buffer stays small (a large body is gathered in the connection's buffer, not in
+        # the StreamReader's, which would regrow and copy it). At a frame boundary: what has arrived, up
+        # to READ_AHEAD, so a header and the small body behind it come in one read.
+        wanted = self.conn.bytes_wanted
+        want = READ_AHEAD if self.conn.at_boundary else min(max(wanted, 1), READ_CHUNK)
         data = await self.reader.read(want)
         # b"" is the end of the stream. A reset is not a clean close: ConnectionResetError propagates,
         # so callers can tell a peer that broke (e.g. a killed agent with unread data) from one that

@@ -43,7 +43,6 @@ import secrets
 import struct
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Final
 
@@ -80,7 +79,6 @@ PREAUTH_MAX_TAIL: Final = 0
 # in flodld.net passes its channel, whose 4-byte magic goes here instead.
 _NO_CHANNEL: Final = b"\x00\x00\x00\x00"
 _U32_MAX: Final = 2**32 - 1
-_SEQ: Final = struct.Struct("<Q")
 _AES_FLAG: Final = 0x01
 
 # How far ahead of the bytes that arrived a frame body's buffer may grow for `receive_buffer`.
@@ -185,11 +183,17 @@ def _aead(suite: Suite, key: bytes) -> AESGCM | ChaCha20Poly1305:
     return AESGCM(key) if suite is Suite.AES_256_GCM else ChaCha20Poly1305(key)
 
 
+# cryptography >= 45 encrypts and decrypts into a given buffer (no intermediate object); checked once.
+_INTO: Final = all(
+    hasattr(cls, name) for cls in (AESGCM, ChaCha20Poly1305) for name in ("encrypt_into", "decrypt_into")
+)
+
+
 def _seal_in_place(
     aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
 ) -> None:
     """Encrypt view[:size] in place and write the tag after it (view is size + TAG_BYTES long)."""
-    if hasattr(aead, "encrypt_into"):  # cryptography >= 45: no intermediate ciphertext object
+    if _INTO:
         aead.encrypt_into(nonce, view[:size], aad, view)
     else:  # pragma: no cover - older cryptography
         view[:] = aead.encrypt(nonce, view[:size], aad)
@@ -224,7 +228,7 @@ def _open_in_place(
     aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
 ) -> None:
     """Check the tag at view[size:] and decrypt view[:size] in place (InvalidTag on failure)."""
-    if hasattr(aead, "decrypt_into"):
+    if _INTO:
         aead.decrypt_into(nonce, view, aad, view[:size])
     else:  # pragma: no cover - older cryptography
         view[:size] = aead.decrypt(nonce, view, aad)
@@ -234,7 +238,7 @@ def _open_into(
     aead: AESGCM | ChaCha20Poly1305, nonce: bytes, sealed: memoryview, out: memoryview, size: int, aad: bytes
 ) -> None:
     """Check the tag of `sealed` and decrypt it into out[:size] (InvalidTag on failure)."""
-    if hasattr(aead, "decrypt_into"):
+    if _INTO:
         aead.decrypt_into(nonce, sealed, aad, out[:size])
     else:  # pragma: no cover - older cryptography
         out[:size] = aead.decrypt(nonce, sealed, aad)
@@ -246,8 +250,8 @@ def _check_key(key: bytes) -> bytes:
     return bytes(key)
 
 
-def _aead_nonce(sender: Role, seq: int) -> bytes:
-    return _DIRECTION[sender] + b"\x00\x00\x00" + _SEQ.pack(seq)
+# The AEAD nonce of a frame: its sender's direction byte, three zero bytes, the 64-bit sequence number.
+_NONCE: Final = struct.Struct("<c3xQ")
 
 
 class Frame:
@@ -309,8 +313,7 @@ NEED_DATA: Final = NeedData()
 CLOSED: Final = Closed()
 
 
-@dataclass(frozen=True)
-class _Header:
+class _Header(typing.NamedTuple):
     kind: int
     seq: int
     payload_len: int
@@ -347,6 +350,8 @@ class FrameConnection:
                 f"caps must be in 0..{_U32_MAX} bytes, got payload {max_payload}, tail {max_tail}"
             )
         self.role = role
+        self._send_direction = _DIRECTION[role]
+        self._recv_direction = _DIRECTION[_PEER[role]]
         self.channel = channel
         self.max_payload = min(max_payload, MAX_PLAINTEXT)
         # One AEAD call seals payload and tail together: their sum stays within what the cipher takes.
@@ -407,6 +412,11 @@ class FrameConnection:
         if self._header is None:
             return max(0, HEADER_BYTES - len(self._buffer))
         return self._body_total - self._filled
+
+    @property
+    def at_boundary(self) -> bool:
+        """Between frames: the nonce is in and no header is being read (later bytes may be buffered)."""
+        return self._peer_nonce is not None and self._header is None
 
     def initial_bytes(self) -> bytes:
         """This side's nonce: the first thing it writes (the dialer writes the channel magic before it)."""
@@ -533,6 +543,14 @@ class FrameConnection:
     def _parse_header(self) -> _Header:
         raw = bytes(self._buffer[:HEADER_BYTES])
         magic, version, kind, seq, payload_len, tail_len = HEADER.unpack(raw)
+        if (
+            magic == FRAME_MAGIC
+            and version == PROTOCOL_VERSION
+            and self._recv_seq  # authenticated: the connection's own caps, checked here
+            and payload_len <= self.max_payload
+            and tail_len <= self.max_tail
+        ):
+            return _Header(kind, seq, payload_len, tail_len, raw)
         if magic != FRAME_MAGIC:
             self._fail("bad_magic", f"frame magic {magic:#010x} != {FRAME_MAGIC:#010x}")
         if version != PROTOCOL_VERSION:
@@ -564,7 +582,7 @@ class FrameConnection:
     def _verify(self, header: _Header, body: bytearray | memoryview, sealed: memoryview | None) -> Frame:
         assert self._recv_aead is not None
         plain_bytes = header.payload_len + header.tail_len
-        nonce = _aead_nonce(_PEER[self.role], header.seq)
+        nonce = _NONCE.pack(self._recv_direction, header.seq)
         if sealed is not None:
             # A body that came in one read-only piece is decrypted into a fresh buffer (one pass, no
             # copy of the ciphertext first).
@@ -624,12 +642,17 @@ class FrameConnection:
             raise WireError("handshake", "cannot send before the peer's nonce has arrived")
         if not 0 <= kind <= 0xFFFF:
             raise ValueError(f"frame kind must fit in u16, got {kind}")
-        parts = (
-            [memoryview(tail).cast("B")]
-            if isinstance(tail, bytes | bytearray | memoryview)
-            else [memoryview(part).cast("B") for part in tail]
-        )
-        tail_len = sum(part.nbytes for part in parts)
+        if isinstance(tail, bytes):  # the common case: no view to cast
+            parts: list[bytes | memoryview] = [tail] if tail else []
+            tail_len = len(tail)
+        else:
+            views = (
+                [memoryview(tail).cast("B")]
+                if isinstance(tail, bytearray | memoryview)
+                else [memoryview(part).cast("B") for part in tail]
+            )
+            parts = list(views)
+            tail_len = sum(view.nbytes for view in views)
         if len(payload) > self.max_payload:
             raise WireError(
                 "too_large", f"payload of {len(payload)} bytes exceeds the cap of {self.max_payload}"
@@ -650,24 +673,19 @@ class FrameConnection:
         else:
             out = _large_buffer(size) if plain_end >= LARGE_FRAME else bytearray(size)
         out[:HEADER_BYTES] = header
+        nonce = _NONCE.pack(self._send_direction, seq)
         if self._send_key is not None and tail_len >= STREAM_SEAL_MIN:
             with memoryview(out) as view:
-                pieces = [memoryview(payload), *parts]
-                _seal_parts(self._send_key, _aead_nonce(self.role, seq), header, pieces, view[HEADER_BYTES:])
+                pieces = [memoryview(payload), *(memoryview(part) for part in parts)]
+                _seal_parts(self._send_key, nonce, header, pieces, view[HEADER_BYTES:])
         else:
-            out[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
             offset = HEADER_BYTES + len(payload)
-            for part in parts:
-                out[offset : offset + part.nbytes] = part
-                offset += part.nbytes
+            out[HEADER_BYTES:offset] = payload
+            for part in parts:  # bytes, or a view cast to bytes: len() counts bytes either way
+                out[offset : offset + len(part)] = part
+                offset += len(part)
             with memoryview(out) as view:
-                _seal_in_place(
-                    self._send_aead,
-                    _aead_nonce(self.role, seq),
-                    view[HEADER_BYTES:],
-                    plain_end - HEADER_BYTES,
-                    header,
-                )
+                _seal_in_place(self._send_aead, nonce, view[HEADER_BYTES:], plain_end - HEADER_BYTES, header)
         self._send_seq += 1
         return out
 

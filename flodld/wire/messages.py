@@ -145,17 +145,21 @@ def registered_kinds() -> dict[int, type[Message]]:
 
 def encode_message(msg: Message) -> tuple[int, bytes]:
     """(kind, compact UTF-8 JSON) for a registered message."""
-    kind = getattr(type(msg), "KIND", None)
-    if kind is None or _REGISTRY.get(kind) is not type(msg):
-        raise ValueError(f"{type(msg).__qualname__} is not registered; decorate it with @register(kind)")
-    return kind, msg.model_dump_json().encode()
+    cls = type(msg)
+    kind = getattr(cls, "KIND", None)
+    if kind is None or _REGISTRY.get(kind) is not cls:
+        raise ValueError(f"{cls.__qualname__} is not registered; decorate it with @register(kind)")
+    # What model_dump_json() makes, as the serializer's bytes (no str round trip).
+    return kind, cls.__pydantic_serializer__.to_json(msg)
 
 
 def decode_message(kind: int, payload: bytes) -> Message:
     """Validate `payload` as the message registered for `kind`."""
-    cls = message_class(kind)
+    cls = _REGISTRY.get(kind) or message_class(kind)
     try:
-        return cls.model_validate_json(payload)
+        # model_validate_json without its keyword plumbing: the class's validator, straight from bytes.
+        message: Message = cls.__pydantic_validator__.validate_json(payload)
+        return message
     except pydantic.ValidationError as error:
         raise WireError("bad_payload", f"invalid {cls.__qualname__} payload: {_summarise(error)}") from None
 
