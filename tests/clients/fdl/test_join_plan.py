@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pytest
 from fdl import join as join_command
-from fdl.run import reparse
+
+from tests.clients.fdl.join_args import parse, project
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
-
-def parse(*words: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    join_command.configure_parser(parser)
-    args = parser.parse_args(list(words))
-    args.program_args = reparse(
-        args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?")
-    )
-    return args
-
-
-def project(tmp_path: Path, block: str) -> Path:
-    (tmp_path / "train.py").write_text("print('hi')\n")
-    (tmp_path / "fdl.yml").write_text(block)
-    return tmp_path
 
 
 def test_a_bare_fdl_join_takes_everything_from_the_join_block(

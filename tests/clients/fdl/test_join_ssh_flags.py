@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 from fdl import join as join_command
-from fdl.run import reparse
 
-
-def _parse(*words: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    join_command.configure_parser(parser)
-    args = parser.parse_args(list(words))
-    args.program_args = reparse(
-        args, join_command._add_options, lambda p: p.add_argument("controller", nargs="?")
-    )
-    return args
-
-
-def _project(tmp_path: Path, block: str = "") -> Path:
-    (tmp_path / "train.py").write_text("print('hi')\n")
-    (tmp_path / "fdl.yml").write_text(block or "join: {}\n")
-    return tmp_path
+from tests.clients.fdl.join_args import parse, project
 
 
 def test_ssh_flag_sets_the_endpoint_and_the_address_is_seen_from_the_ssh_host(tmp_path: Path) -> None:
-    directory = _project(tmp_path)
+    directory = project(tmp_path)
     plan = join_command.resolve_plan(
-        _parse(
+        parse(
             "--project",
             str(directory),
             "--bin",
@@ -51,12 +35,12 @@ def test_ssh_flag_sets_the_endpoint_and_the_address_is_seen_from_the_ssh_host(tm
 
 
 def test_join_ssh_block_supplies_target_and_options(tmp_path: Path) -> None:
-    directory = _project(tmp_path, (
+    directory = project(tmp_path, (
         "join:\n  address: 127.0.0.1:4000\n  ssh:\n    target: gate.lan\n    port: 2200\n    user: j\n"
         "    identity_file: /k/id\n    options: [StrictHostKeyChecking=accept-new]\n"
     ))  # fmt: skip
     plan = join_command.resolve_plan(
-        _parse("--project", str(directory), "--bin", str(directory / "train.py"))
+        parse("--project", str(directory), "--bin", str(directory / "train.py"))
     )
     assert plan.ssh is not None
     assert (plan.ssh.host, plan.ssh.port, plan.ssh.user, plan.ssh.identity_file) == (
@@ -70,9 +54,9 @@ def test_join_ssh_block_supplies_target_and_options(tmp_path: Path) -> None:
 
 
 def test_no_ssh_means_a_direct_dial(tmp_path: Path) -> None:
-    directory = _project(tmp_path)
+    directory = project(tmp_path)
     plan = join_command.resolve_plan(
-        _parse("--project", str(directory), "--bin", str(directory / "train.py"))
+        parse("--project", str(directory), "--bin", str(directory / "train.py"))
     )
     assert plan.ssh is None
 
@@ -82,8 +66,8 @@ def test_no_ssh_means_a_direct_dial(tmp_path: Path) -> None:
     [(("--identity", "/k"), "--identity only applies with --ssh"), (("--ssh", "gate:notaport"), "bad port")],
 )
 def test_bad_ssh_flags_are_usage_errors(tmp_path: Path, flags: tuple[str, ...], fragment: str) -> None:
-    directory = _project(tmp_path)
+    directory = project(tmp_path)
     with pytest.raises(join_command.UsageError, match=fragment):
         join_command.resolve_plan(
-            _parse("--project", str(directory), "--bin", str(directory / "train.py"), *flags)
+            parse("--project", str(directory), "--bin", str(directory / "train.py"), *flags)
         )
