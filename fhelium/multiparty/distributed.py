@@ -32,6 +32,7 @@ from fhelium.multiparty.protocol import (
     MultipartyError,
     ThresholdParty,
     combine_decryption,
+    decode_contributions,
     reduce_sum_,
 )
 from fhelium.multiparty.values import PublicKeyShare, SeedCommitment, SeedReveal
@@ -41,6 +42,8 @@ MAX_RECORD_BYTES = 64 * 1024
 MAX_KEY_SHARE_BYTES = 1 << 20  # a serialized PublicKeyShare (3 primes x 8192 x 8 bytes + header) fits
 KEY_SHARE_COMMITMENT_DOMAIN = b"fhelium.multiparty.key-share-commitment.v1"
 DEFAULT_TIMEOUT_S = 60.0
+# the exchanges without which the sum cannot be decrypted (named as such when a rank is missing)
+DECRYPTION_EXCHANGES = frozenset({"decryption-shares", "ciphertext-c1", "decryption-contributions"})
 
 # What each exchange carries, for the error naming the missing ranks.
 EXCHANGES = {
@@ -51,6 +54,8 @@ EXCHANGES = {
     "public-key-share-open": "its opened public key share",
     "public-key-fingerprint": "the collective key's fingerprint",
     "decryption-shares": "a decryption share",
+    "ciphertext-c1": "its ciphertext's c1 component",
+    "decryption-contributions": "its decryption share (c0_i + h_i)",
     "decoded-slots": "its slice of the decoded sum",
 }
 
@@ -72,7 +77,7 @@ def missing_error(
 ) -> MissingSharesError:
     what = EXCHANGES.get(tag, tag)
     within = f" within {waited:g}s" if waited is not None else ""
-    if tag == "decryption-shares":
+    if tag in DECRYPTION_EXCHANGES:
         head = f"N-out-of-N decryption needs a decryption share from each of {world_size} ranks"
         tail = ": without every share the sum cannot be decrypted (it stays noise)"
     else:
@@ -179,6 +184,9 @@ class ProcessGroupChannel:
         return records
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
+        return self.start_all_reduce_residues(tag, residues.contiguous().clone(), moduli)()
+
+    def _residue_arrival(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         if residues.size(-2) != len(moduli):
             raise MultipartyError(f"{tag}: {residues.size(-2)} limb rows but {len(moduli)} moduli")
         if self.world_size * max(moduli) >= 2**63:
@@ -195,15 +203,60 @@ class ProcessGroupChannel:
                 "moduli": [str(q) for q in moduli],
             },
         )
-        buffer = residues.contiguous().clone()
+        return torch.tensor(list(moduli), dtype=residues.dtype, device=residues.device).reshape(-1, 1)
+
+    def start_all_reduce_residues(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int]
+    ) -> Callable[[], torch.Tensor]:
+        """``all_reduce_residues`` that returns at once; call the result for the sum.
+
+        ``residues`` (contiguous) is summed in place: the caller hands it over. Every rank's
+        arrival and descriptor are checked before the collective starts, as in the blocking form.
+        """
+        q = self._residue_arrival(tag, residues, moduli)
+        if not residues.is_contiguous():
+            raise MultipartyError(f"{tag}: start_all_reduce_residues needs contiguous residues")
         try:
-            fdist.all_reduce(buffer, op=fdist.ReduceOp.SUM, group=self.group)
+            work = fdist.all_reduce(residues, op=fdist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as error:
             raise self._collective_failed(tag, error) from error
-        self.bytes_sent += buffer.numel() * buffer.element_size()
-        q = torch.tensor(list(moduli), dtype=buffer.dtype, device=buffer.device).reshape(-1, 1)
-        return reduce_sum_(buffer, q, self.world_size)
 
+        def finish() -> torch.Tensor:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise self._collective_failed(tag, error) from error
+            self.bytes_sent += residues.numel() * residues.element_size()
+            return reduce_sum_(residues, q, self.world_size)
+
+        return finish
+
+    def start_reduce_residues(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int], dst: int
+    ) -> Callable[[], torch.Tensor | None]:
+        """The per-limb modular sum delivered to group rank ``dst`` only; returns at once.
+
+        Call the result to wait: the sum on ``dst``, None elsewhere. ``residues`` (contiguous) is
+        handed over (the reduction works in place).
+        """
+        q = self._residue_arrival(tag, residues, moduli)
+        if not residues.is_contiguous():
+            raise MultipartyError(f"{tag}: start_reduce_residues needs contiguous residues")
+        target = dst if self.group is None else dist.get_global_rank(self.group, dst)
+        try:
+            work = fdist.reduce(residues, target, op=fdist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as error:
+            raise self._collective_failed(tag, error) from error
+
+        def finish() -> torch.Tensor | None:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise self._collective_failed(tag, error) from error
+            self.bytes_sent += residues.numel() * residues.element_size()
+            return reduce_sum_(residues, q, self.world_size) if self.rank == dst else None
+
+        return finish
 
     def all_gather_tensor(self, tag: str, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on every rank, checked before it moves)."""
@@ -322,6 +375,83 @@ class ThresholdSession:
         if self.public is None:
             raise MultipartyError("encrypt before generate_public_key")
         return self.party.encrypt(values, self.public)
+
+    def aggregate(
+        self, values: torch.Tensor, *, record: Callable[[str, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """Encrypt this rank's real ``values`` ``[rows, ≤S]``, sum over the ranks, decrypt collectively.
+
+        Returns the real slots (float64 ``[rows, S]``) of the sum, on every rank. The fused protocol:
+        the ranks sum only the ciphertexts' c1 components; each rank then publishes c0_i + h_i
+        (its own c0 folded into its flooded decryption share of the summed c1), and the sum of
+        those is c0 + Σ h_i. Publishing c0_i + h_i reveals a function of what the unfused protocol
+        (sum whole ciphertexts, then ``decrypt``) reveals, so no observer learns more, and the
+        ciphertext exchange moves half the bytes.
+
+        On a channel with ``start_all_reduce_residues``, ``start_reduce_residues`` and
+        ``all_gather_tensor`` (the process group) the rows are cut into one slice per rank:
+        slice k is encrypted and its c1 sum starts while the next slice is encrypted, the flooding
+        noise is drawn while the sums are in flight, slice k's contributions are summed on rank k
+        only, which decodes it, and the decoded slices are all-gathered (real parts only). Other
+        channels (the relay road) sum everything with ``all_reduce_residues`` and every rank
+        decodes every row. ``record(name, tensor)`` sees the ciphertext, the summed c1, this
+        rank's contribution and the summed contributions this rank decodes (the flagship's audit).
+        """
+        if self.public is None:
+            raise MultipartyError("aggregate before generate_public_key")
+        party, engine, channel = self.party, self.engine, self.channel
+        values = torch.as_tensor(values)
+        if values.ndim == 1:
+            values = values.unsqueeze(0)
+        rows, world = values.size(0), channel.world_size
+        start_sum = getattr(channel, "start_all_reduce_residues", None)
+        start_reduce = getattr(channel, "start_reduce_residues", None)
+        gather = getattr(channel, "all_gather_tensor", None)
+        if start_sum is None or start_reduce is None or gather is None or world == 1 or rows < world:
+            ct = party.encrypt(values, self.public)
+            moduli = engine.moduli_for(ct.prime_ids)
+            if record is not None:
+                record("ciphertext", ct.data)
+            c1 = channel.all_reduce_residues("ciphertext-c1", ct.data[1], moduli)
+            if record is not None:
+                record("c1_sum", c1)
+            contribution = party.decryption_contribution(ct, c1)
+            if record is not None:
+                record("decryption_share", contribution)
+            total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
+            if record is not None:
+                record("decryption_sum", total)
+            return decode_contributions(engine, total, ct.prime_ids, ct.scale)
+        per = -(-rows // world)
+        bounds = [(min(k * per, rows), min((k + 1) * per, rows)) for k in range(world)]
+        parts: list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]] = []
+        for k, (start, stop) in enumerate(bounds):
+            if stop > start:  # the same on every rank: all encrypt the same number of rows
+                ct = party.encrypt(values[start:stop], self.public)
+                if record is not None:
+                    record("ciphertext", ct.data)
+                moduli = engine.moduli_for(ct.prime_ids)
+                parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1], moduli)))
+        flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
+        pending = []
+        for (k, ct, c1_sum), contribution in zip(parts, flooded, strict=True):
+            c1 = c1_sum()
+            if record is not None:
+                record("c1_sum", c1)
+            party.add_decryption_share_(contribution, c1, ct.prime_ids)
+            if record is not None:
+                record("decryption_share", contribution)
+            moduli = engine.moduli_for(ct.prime_ids)
+            pending.append(start_reduce("decryption-contributions", contribution, moduli, k))
+        mine = torch.zeros(per, engine.slot_count, dtype=torch.float64)
+        for (_, ct, _), finish in zip(parts, pending, strict=True):
+            total = finish()
+            if total is not None:
+                if record is not None:
+                    record("decryption_sum", total)
+                mine[: total.size(0)] = decode_contributions(engine, total, ct.prime_ids, ct.scale)
+        pieces = gather("decoded-slots", mine)
+        return torch.cat(pieces)[:rows]
 
     def decrypt(
         self, ct: Ciphertext, *, record: Callable[[str, torch.Tensor], None] | None = None

@@ -316,6 +316,24 @@ def combine_decryption(
     return engine.decode(plaintext)
 
 
+def decode_contributions(
+    engine: CkksEngine, summed: torch.Tensor, prime_ids: Sequence[int], scale: float, *, depth: int = 0
+) -> torch.Tensor:
+    """Real slots (float64 ``[rows, S]``) of Σ_i (c0_i + h_i) = c0 + Σ h_i, NTT domain ``[rows, limbs, N]``.
+
+    Inverse NTT, CRT reconstruction and decoding, ``BLOCK_ROWS`` rows at a time.
+    """
+    ids = tuple(prime_ids)
+    n = engine.ring_degree
+    rows = summed.reshape(-1, len(ids), n)
+    coefficients = torch.empty(rows.size(0), n, dtype=torch.float64)
+    for start in range(0, rows.size(0), BLOCK_ROWS):
+        phase = engine.ntt.inverse(rows[start : start + BLOCK_ROWS], ids)
+        coefficients[start : start + phase.size(0)] = engine._reconstruct(phase, ids).cpu()
+    plaintext = Plaintext(None, depth, scale, coefficients, "approximate_coefficients")
+    return engine.decode(plaintext).real
+
+
 class ThresholdParty:
     """One party's state: its engine (own randomness), secret share and the protocol's steps."""
 
@@ -419,6 +437,67 @@ class ThresholdParty:
             share.view(*batch, len(ids), n), ids, ct.depth, ct.scale, self.party, self.parties, marker
         )
 
+    def flooded_c0(self, c0: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
+        """c0_i + NTT(e_i'): the part of this party's decryption contribution that needs no c1.
+
+        ``c0`` is this party's own ciphertext's first component ``[rows, limbs, N]`` (NTT domain);
+        e_i' is fresh flooding noise from the ``smudging`` stream, drawn ``BLOCK_ROWS`` rows at a
+        time as in ``decryption_share``. It can be computed while the c1 sum is still in flight.
+        """
+        engine = self.engine
+        ids = tuple(prime_ids)
+        q = engine._mod(ids)
+        n = engine.ring_degree
+        rows = c0.reshape(-1, len(ids), n)
+        out = torch.empty(rows.shape, dtype=torch.int64, device=rows.device)
+        source = engine.random.stream("smudging")
+        for start in range(0, rows.size(0), BLOCK_ROWS):
+            block = rows[start : start + BLOCK_ROWS]
+            noise = smudging_noise(source, block.size(0) * n, self.parameters).view(-1, 1, n).to(rows.device)
+            noise_ntt = engine.ntt.forward(reduce_signed(noise, q.q, q.q_inverse), ids)
+            out[start : start + block.size(0)] = mod.add_mod(block, noise_ntt, q.q)
+        return out.view(c0.shape)
+
+    def add_decryption_share_(
+        self, flooded: torch.Tensor, c1_sum: torch.Tensor, prime_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """In place: ``flooded`` (from ``flooded_c0``) += s_i·c1, giving c0_i + h_i.
+
+        ``c1_sum`` is the second component of the *summed* ciphertext (Σ_j c1_j, NTT domain), so
+        the result is c0_i + s_i·Σ_j c1_j + e_i': this party's own c0 folded into its decryption
+        share. The sum over all parties is c0 + Σ h_i (decodes to the sum of the messages); any
+        N−1 of them leave −s_j·c1 + c0_j of the missing party j, which is noise.
+        """
+        if self.secret is None:
+            raise MultipartyError("a decryption share before key_share: this party holds no secret share")
+        engine = self.engine
+        ids = tuple(prime_ids)
+        q = engine._mod(ids)
+        n = engine.ring_degree
+        if flooded.shape != c1_sum.shape or flooded.size(-2) != len(ids) or flooded.size(-1) != n:
+            raise ParameterMismatchError(
+                f"c1 sum of shape {tuple(c1_sum.shape)} does not match this party's c0 {tuple(flooded.shape)}"
+            )
+        s = self.secret.data[list(ids)]
+        out = flooded.view(-1, len(ids), n)
+        c1 = c1_sum.reshape(-1, len(ids), n)
+        for start in range(0, out.size(0), BLOCK_ROWS):
+            stop = start + BLOCK_ROWS
+            mod.add_mod_(out[start:stop], mod.mul_mod(c1[start:stop], s, q.q, q.q_inverse), q.q)
+        return flooded
+
+    def decryption_contribution(self, ct: Ciphertext, c1_sum: torch.Tensor) -> torch.Tensor:
+        """c0_i + s_i·c1 + e_i' for this party's own ciphertext ``ct`` and the summed c1.
+
+        The fused form of publishing c0_i (in the ciphertext sum) and h_i (the decryption share):
+        it is a function of those two, so it tells any observer no more than they did, and the
+        ciphertext sum then needs only its c1 component (half the bytes).
+        """
+        ct = self.engine._check_ciphertext(ct, "ciphertext")
+        ct.assert_state(polynomial_domain="ntt", components=2, name="decryption_contribution input")
+        flooded = self.flooded_c0(ct.data[0], ct.prime_ids)
+        return self.add_decryption_share_(flooded, c1_sum, ct.prime_ids)
+
     def combine_decryption(
         self, ct: Ciphertext, shares: Sequence[DecryptionShare] | torch.Tensor
     ) -> torch.Tensor:
@@ -438,6 +517,7 @@ __all__ = [
     "combine_seed",
     "commitment_digest",
     "common_uniform",
+    "decode_contributions",
     "encode_values",
     "encrypt_values",
     "reduce_signed",

@@ -56,6 +56,31 @@ def test_every_rank_decrypts_the_mean(world: int) -> None:
         assert result["max_error"] < 1e-6, result
 
 
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_every_rank_gets_the_mean_from_the_fused_aggregate(world: int) -> None:
+    results = run_world(world, "aggregate")
+    for result in results:
+        assert result["ok"], result.get("trace")
+        assert result["max_error"] < 1e-6, result
+        # five rows, one slice per rank: each rank encrypted and c1-summed every slice, published its
+        # c0_i + h_i for every slice, and received (and decoded) the summed shares of its own only
+        records = result["records"]
+        assert records.count("ciphertext") == records.count("decryption_share") == world, records
+        assert records.count("decryption_sum") == 1, records
+
+
+def test_a_rank_that_leaves_before_its_fused_share_fails_every_other_rank_naming_it() -> None:
+    world, leaver, timeout_s = 3, 1, 5.0
+    results = run_world(world, f"aggregate-leave:{leaver}", timeout_s=timeout_s)
+    assert results[leaver].get("left") is True
+    for rank in (0, 2):
+        result = results[rank]
+        assert not result["ok"] and result["error"] == "MissingSharesError", result
+        assert f"rank(s) [{leaver}] published none within 5s" in result["message"]
+        assert "N-out-of-N decryption needs a decryption share from each of 3 ranks" in result["message"]
+        assert result["seconds"] < 60
+
+
 def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() -> None:
     world, leaver, timeout_s = 3, 2, 5.0
     results = run_world(world, f"leave:{leaver}", timeout_s=timeout_s)

@@ -23,6 +23,7 @@ from fhelium.multiparty import (
     SeedReveal,
     ThresholdParty,
     combine_decryption,
+    decode_contributions,
     expected_max_mean_error,
     required_smudging_sigma,
     smudging_noise,
@@ -100,6 +101,63 @@ def test_any_n_minus_1_decryption_shares_give_noise_not_the_sum(parties: int) ->
         error = (slots - truth).abs()
         assert float(error.mean()) > 100.0  # headroom is 2048: uniform garbage, not the sum
         assert abs(float(torch.corrcoef(torch.stack((slots.flatten(), truth.flatten())))[0, 1])) < 0.05
+
+
+def _fused_contributions(
+    parties: int, rows: int = 2
+) -> tuple[list[ThresholdParty], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Every party's c0_i + s_i·Σc1 + e_i' (the fused protocol of ThresholdSession.aggregate)."""
+    members, _, public = _world(parties)
+    updates = _updates(parties, rows)
+    cts = [member.encrypt(update, public) for member, update in zip(members, updates, strict=True)]
+    engine = members[0].engine
+    q = engine._mod(cts[0].prime_ids).q
+    c1 = cts[0].data[1].clone()
+    for ct in cts[1:]:
+        c1 = torch.remainder(c1 + ct.data[1], q)
+    contributions = [member.decryption_contribution(ct, c1) for member, ct in zip(members, cts, strict=True)]
+    return members, contributions, sum(updates), q
+
+
+@pytest.mark.parametrize("parties", [2, 3, 5])
+def test_fused_contributions_c0_plus_share_sum_to_the_sum(parties: int) -> None:
+    members, contributions, truth, q = _fused_contributions(parties, rows=11)  # 11: one partial block
+    total = contributions[0].clone()
+    for contribution in contributions[1:]:
+        total = torch.remainder(total + contribution, q)
+    engine = members[0].engine
+    slots = decode_contributions(engine, total, engine.q_ids_at(0), THRESHOLD_AGGREGATION.message_scale)
+    error = float((slots - truth).abs().max())
+    assert error < 1e-6 * parties, error
+
+
+@pytest.mark.parametrize("parties", [2, 3])
+def test_any_n_minus_1_fused_contributions_give_noise_not_the_sum(parties: int) -> None:
+    members, contributions, truth, q = _fused_contributions(parties)
+    engine = members[0].engine
+    for left_out in range(parties):
+        partial = [c for rank, c in enumerate(contributions) if rank != left_out]
+        summed = partial[0].clone()
+        for contribution in partial[1:]:
+            summed = torch.remainder(summed + contribution, q)
+        slots = decode_contributions(engine, summed, engine.q_ids_at(0), THRESHOLD_AGGREGATION.message_scale)
+        error = (slots - truth).abs()
+        assert float(error.mean()) > 100.0  # the missing c0_j - s_j·c1 term: uniform garbage
+        assert abs(float(torch.corrcoef(torch.stack((slots.flatten(), truth.flatten())))[0, 1])) < 0.05
+
+
+def test_the_fused_contribution_is_c0_plus_the_decryption_share() -> None:
+    # c0_i + h_i with the same flooding noise stream: the fused step publishes a function of what the
+    # unfused protocol published (c0_i inside the ciphertext sum, h_i as the decryption share).
+    members, _, public = _world(2)
+    ct = members[0].encrypt(_updates(2)[0], public)
+    engine = members[0].engine
+    q = engine._mod(ct.prime_ids).q
+    twin = ThresholdParty(0, 2, session="test", rng_seed=1000)  # same randomness as members[0]
+    twin.secret = members[0].secret
+    share = twin.decryption_share(ct, digest=False).data
+    fused = members[0].decryption_contribution(ct, ct.data[1])
+    assert torch.equal(fused, torch.remainder(ct.data[0] + share, q))
 
 
 def test_commitment_refuses_a_rank_revealing_a_different_seed() -> None:

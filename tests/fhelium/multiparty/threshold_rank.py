@@ -1,6 +1,8 @@
 """One rank of a real gloo world running the threshold protocol (driven by test_distributed_threshold.py).
 
-argv: scenario, timeout_s. Scenarios: "mean"; "leave:<rank>" (leaves after encrypting); "shape:<rank>"
+argv: scenario, timeout_s. Scenarios: "mean"; "aggregate" (the fused ThresholdSession.aggregate);
+"aggregate-leave:<rank>" (aggregate, the rank leaves once the c1 sums are done, before its decryption
+share); "leave:<rank>" (leaves after encrypting); "shape:<rank>"
 (decrypts one row fewer); "rogue-sum:<rank>" (adds another key share to the sum than it committed to);
 "rogue-open:<rank>" (opens another key share than it committed to). Prints one JSON line with the outcome.
 """
@@ -57,6 +59,8 @@ def main() -> int:
             channel.all_reduce_residues = rogue_reduce  # type: ignore[method-assign]
             channel.all_gather_bytes = rogue_gather  # type: ignore[method-assign]
         session.generate_public_key()
+        if kind in ("aggregate", "aggregate-leave"):
+            return _aggregate(session, channel, rank, world, None if not target else int(target), result)
         count = 3 * 4096 + 100  # four ciphertext rows: decoded 2+2 (2 ranks), 2+2+0 (3), by every rank (5)
         rows = -(-count // 4096)
         padded = torch.zeros(rows * 4096, dtype=torch.float64)
@@ -79,6 +83,40 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     _hold_the_store_until_every_live_rank_finished(rank, world - (leaver is not None))
     os._exit(0)  # no destroy_process_group: a departed peer would make it wait
+
+
+def _aggregate(
+    session: ThresholdSession,
+    channel: ProcessGroupChannel,
+    rank: int,
+    world: int,
+    leaver: int | None,
+    result: dict[str, object],
+) -> int:
+    count = 4 * 4096 + 100  # five rows: slices 3+2 (2 ranks), 2+2+1 (3), 1+1+1+1+1 (5)
+    rows = -(-count // 4096)
+    padded = torch.zeros(rows * 4096, dtype=torch.float64)
+    padded[:count] = update(rank, count)
+    started = time.monotonic()
+    if rank == leaver:
+
+        def leave(tag: str, residues: torch.Tensor, moduli: Sequence[int], dst: int) -> object:
+            print(json.dumps({"rank": rank, "left": True}), flush=True)
+            os._exit(0)  # every c1 sum is done: it encrypted and summed, and leaves before its share
+
+        channel.start_reduce_residues = leave  # type: ignore[method-assign, assignment]
+    try:
+        seen: list[str] = []
+        total = session.aggregate(padded.view(rows, 4096), record=lambda name, _: seen.append(name))
+        mean = total.reshape(-1)[:count] / world
+        truth = sum(update(r, count) for r in range(world)) / world
+        result.update(ok=True, max_error=float((mean - truth).abs().max()), records=seen)
+    except Exception as error:  # report every failure as data
+        result.update(ok=False, error=type(error).__name__, message=str(error), trace=traceback.format_exc())
+    result["seconds"] = time.monotonic() - started
+    print(json.dumps(result), flush=True)
+    _hold_the_store_until_every_live_rank_finished(rank, world - (leaver is not None))
+    os._exit(0)
 
 
 def _hold_the_store_until_every_live_rank_finished(rank: int, live: int) -> None:
