@@ -4,8 +4,9 @@ Run: ``.venv/bin/python bench/relay.py`` (options: ``--ranks 2,4 --sizes 1,16,64
 
 For each world size it starts ``fdl run --ranks N`` on this machine (embedded default: controller,
 one agent, one relay, N CPU ranks, ``cpu_sync``) with this file as the program. Every rank, per size
-(MiB of float32), takes turns between ``all_average([t])`` (rank → relay → controller → relay → rank,
-every hop encrypted) and ``dist.all_reduce(t)`` (gloo, cleartext, rank to rank), with a barrier before
+(MiB of float32), takes turns between ``all_average([t])`` (rank → relay → rank, every hop encrypted:
+the world has one host, so its relay broadcasts its own fold; a world of several hosts adds the relay →
+controller → relay hops) and ``dist.all_reduce(t)`` (gloo, cleartext, rank to rank), with a barrier before
 each call, and times the slowest rank; medians are printed with their ratio and the per-rank
 throughput of ``all_average`` (bytes of the tensor / time).
 
@@ -13,11 +14,11 @@ In the same run the parent measures:
 - the asyncio loopback ceiling: one asyncio stream pair in two processes moving the same bytes
   (write 4 MiB chunks, readexactly on the other side), GiB/s;
 - the cipher: AES-256-GCM (or ChaCha20-Poly1305, whatever this CPU negotiates) seal and open rates
-  on the same sizes, and from them the cipher's share of an ``all_average``: one round seals and opens
-  the tensor's bytes once per hop on its critical path (rank → relay, relay → controller, controller
-  → relay, relay → rank: 4 seals and 4 opens, plus one extra seal per additional local rank on the
-  relay's fan-out), timed with the rates measured here, over the measured latency. This is an estimate
-  of what a null cipher would save; no null cipher exists in flodld.
+  on the same sizes, and from them the cipher's share of an ``all_average``: the seals and opens of the
+  tensor's bytes on a round's critical path (a rank seals its deposit, the relay opens every rank's
+  deposit and seals the result once per rank, a rank opens it: 1 + N seals and N + 1 opens), timed
+  with the rates measured here, over the measured latency. This is an estimate of what a null cipher
+  would save; no null cipher exists in flodld.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def main() -> int:
             average, reduce_ = row["all_average"], row["all_reduce"]
             throughput = size / 1024 / average  # GiB/s of the tensor per rank
             _, seal, open_ = rates[size]
-            seals, opens = 4 + (ranks - 1), 4  # critical path: see the module docstring
+            seals, opens = 1 + ranks, ranks + 1  # critical path: see the module docstring
             cipher = (size / 1024) * (seals / seal + opens / open_)
             print(
                 f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | "

@@ -5,9 +5,12 @@ under the key derived at that host's admission (`host_key(host)`): a host can sp
 After HelloAck the connection is rekeyed to that host key. On DATA, host frames
 are folded across hosts chunk by chunk (a RoundBarrier over hosts with live ranks); each chunk, finished
 as soon as every live host's chunk at that offset is in, goes down as a Broadcast chunk to every relay,
-so a large round is pipelined rather than stored and forwarded whole. On CONTROL, rank heartbeats
-feed a Liveness table; a coordinator heartbeat goes down every interval, and a rank silent past the
-timeout is declared dead: its relay folds it out, and `on_rank_dead` tells the rest of the controller.
+so a large round is pipelined rather than stored and forwarded whole. A world of one host skips these two
+hops: the HelloAck on its DATA channel says `sole_host`, its relay broadcasts its own fold to its ranks,
+and a host frame arriving here anyway is refused (`rounds` counts only rounds folded here). On CONTROL,
+rank heartbeats feed a Liveness table; a coordinator heartbeat goes down every interval, and a rank
+silent past the timeout is declared dead: its relay folds it out, and `on_rank_dead` tells the rest of
+the controller.
 
 Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
 `mux.register(Channel.CONTROL, plane.handle_control)`, then `plane.start()`.
@@ -65,7 +68,7 @@ class _Relay:
 
 @dataclass(frozen=True)
 class DataPlaneStats:
-    rounds: int
+    rounds: int  # rounds folded here (a sole host's relay folds its rounds itself: 0)
     live_hosts: list[str]
     dead_ranks: list[int]
     gone_ranks: list[int]
@@ -98,6 +101,9 @@ class DataPlane:
         self.host_ranks = {host: sorted(ranks) for host, ranks in host_ranks.items()}
         self.host_of = {rank: host for host, ranks in self.host_ranks.items() for rank in ranks}
         self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
+        # A world of one host: its relay's fold is the world's, so it broadcasts rounds itself (told so in
+        # its DATA HelloAck) and no data frame comes here; liveness and RankGone work as for any world.
+        self.sole_host = len(self.host_ranks) == 1
         # The fold machinery (torch) loads with the first host frame: a run that never averages
         # through the relays never pays for it, and formation is not delayed by the import.
         self._barrier: RoundBarrier[str] | None = None
@@ -151,8 +157,9 @@ class DataPlane:
     def _ensure_barrier(self) -> RoundBarrier[str]:
         if self._barrier is None:
             # Two accumulators: a relay that has all of a round may start the next one while a send of
-            # this round's last chunk to a slower relay still waits to read it (see RoundBarrier).
-            self._barrier = round_barrier(self.live_hosts(), accumulators=2)
+            # this round's last chunk to a slower relay still waits to read it (see RoundBarrier). A host's
+            # weight drops between chunks when one of its ranks leaves in the middle of its deposit.
+            self._barrier = round_barrier(self.live_hosts(), accumulators=2, weights_may_drop=True)
         return self._barrier
 
     def stats(self) -> DataPlaneStats:
@@ -222,7 +229,7 @@ class DataPlane:
         assert key is not None  # checked by _proves_host_key
         self.relays[channel][hello.host] = stream
         try:
-            await stream.send(HelloAck())
+            await stream.send(HelloAck(sole_host=channel is Channel.DATA and self.sole_host))
         except BaseException:
             del self.relays[channel][hello.host]
             raise
@@ -271,7 +278,6 @@ class DataPlane:
 
     async def _on_host_frame(self, message: HostFrame, relay: _Relay, frame: Frame) -> bool:
         """Fold one chunk of a host's partial fold; broadcast every chunk it completes. True on a refusal."""
-        barrier = self._ensure_barrier()
         conn = relay.stream.conn
         try:
             owned = set(self.host_ranks[relay.host])
@@ -279,6 +285,12 @@ class DataPlane:
                 raise ValueError(
                     f"host {relay.host!r} folded ranks {message.contributors} but owns {sorted(owned)}"
                 )
+            if self.sole_host:
+                raise ValueError(
+                    f"host {relay.host!r} is this world's only host: its relay broadcasts its own fold "
+                    "(HelloAck sole_host) and sends no host frames"
+                )
+            barrier = self._ensure_barrier()
             # Folded into the accumulator, the frame's buffer is free again.
             results = barrier.contribute_message(
                 relay.host, message, frame.tail_view, lambda: conn.recycle(frame)

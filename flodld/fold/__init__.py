@@ -21,7 +21,9 @@ Member = TypeVar("Member", bound=Hashable)
 _threads_set = False
 
 
-def round_barrier(members: Iterable[Member], *, accumulators: int = 1) -> RoundBarrier[Member]:
+def round_barrier(
+    members: Iterable[Member], *, accumulators: int = 1, weights_may_drop: bool = False
+) -> RoundBarrier[Member]:
     """A new `RoundBarrier` over `members`; the first call imports torch and applies `use_fold_threads`."""
     global _threads_set
     from flodld.fold.barrier import RoundBarrier
@@ -30,7 +32,7 @@ def round_barrier(members: Iterable[Member], *, accumulators: int = 1) -> RoundB
     if not _threads_set:
         use_fold_threads()
         _threads_set = True
-    return RoundBarrier(members, accumulators=accumulators)
+    return RoundBarrier(members, accumulators=accumulators, weights_may_drop=weights_may_drop)
 
 
 def register_fold(name: str, factory: Callable[[str], Fold]) -> None:

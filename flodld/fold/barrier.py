@@ -17,7 +17,10 @@ large bundle is pipelined through the hops instead of stored and forwarded whole
   and contributors say whose);
 - depositing twice in one round, after leaving, or for another round number, a chunk out of order, a
   different schema, fold or weight within a round, or chunk boundaries that differ between members
-  is an error (the caller's peer is broken, and the message says so).
+  is an error (the caller's peer is broken, and the message says so). With `weights_may_drop` (the
+  controller, whose members are hosts) a member's weight may fall from one chunk to the next, never
+  rise: a host's chunk is a partial fold, and a rank that left its relay mid-deposit is in the host's
+  early chunks and out of the later ones.
 
 The accumulator is allocated once per schema and fold, and reused round after round.
 """
@@ -125,13 +128,21 @@ class RoundBarrier(Generic[Member]):
     for round r + 1, which waits for every peer's deposit, which waits for round r).
     """
 
-    def __init__(self, members: Iterable[Member], *, first_round: int = 0, accumulators: int = 1) -> None:
+    def __init__(
+        self,
+        members: Iterable[Member],
+        *,
+        first_round: int = 0,
+        accumulators: int = 1,
+        weights_may_drop: bool = False,
+    ) -> None:
         self._live: set[Member] = set(members)
         if not self._live:
             raise RoundError("a round barrier needs at least one member")
         if accumulators not in (1, 2):
             raise ValueError(f"a round barrier keeps 1 or 2 accumulators, not {accumulators}")
         self._gone: set[Member] = set()
+        self._weights_may_drop = weights_may_drop
         self.round = first_round
         # The reused accumulators, by round parity: (fold spec, schema, tensors) or None.
         self._kept: list[tuple[str, tuple[TensorSpec, ...], Bundle] | None] = [None] * accumulators
@@ -215,7 +226,8 @@ class RoundBarrier(Generic[Member]):
             raise RoundError(
                 f"{member!r} sent the chunk at byte {offset} of round {self.round}; expected byte {expected}"
             )
-        if member in self._weights and self._weights[member] != weight:
+        held = self._weights.get(member)
+        if held is not None and (weight > held if self._weights_may_drop else weight != held):
             raise RoundError(
                 f"{member!r} changed its weight within round {self.round} ({self._weights[member]} -> "
                 f"{weight})"

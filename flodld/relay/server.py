@@ -2,7 +2,10 @@
 
 Data: ranks deposit in chunks, the barrier folds each chunk of all live local deposits and sends it up
 as a HostFrame chunk as soon as it is complete (pipelined, never a whole large frame stored first), and
-the controller's Broadcast chunks are fanned out to the live ranks as they come. Control: heartbeats up,
+the controller's Broadcast chunks are fanned out to the live ranks as they come. When the controller's
+HelloAck says this is the world's only host (`sole_host`), the relay's fold is the world's: it finishes
+each complete chunk itself and broadcasts it straight back to its ranks (no data frame goes to the
+controller; RankGone still does, and liveness runs on CONTROL as always). Control: heartbeats up,
 coordinator heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing folds it out
 (RankGone up). The relay ends when every rank is gone, when the controller goes away, or on TERM.
 """
@@ -93,6 +96,9 @@ class Relay:
         # Folding needs torch; it loads with the first deposit, so a run that only uses the relay for
         # liveness (gloo/nccl collectives) starts its relay without the import.
         self._barrier: RoundBarrier[int] | None = None
+        # The world's only host (the controller says so in its DATA HelloAck): fold and broadcast here.
+        self.sole_host = False
+        self._failed_round: str | None = None  # why the sole host's fold could not finish a round
         self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.gone: set[int] = set()
         self.upstream: dict[Channel, FramedStream] = {}
@@ -192,12 +198,18 @@ class Relay:
             raise ConnectionError(f"controller refused the relay's {channel} channel: {reply!r}")
         stream.rekey(self.host_key)  # the controller rekeyed after its HelloAck: from here on, as this host
         if channel is Channel.DATA:
+            self.sole_host = reply.sole_host
+            if self.sole_host:
+                log.info("relay: host %r is the world's only host: rounds are broadcast here", self.spec.host)
             stream.read_directly()  # broadcasts go from the socket straight into their frame buffers
         return stream
 
     def _ensure_barrier(self) -> RoundBarrier[int]:
         if self._barrier is None:
-            self._barrier = round_barrier(set(self.ranks) - self.gone)
+            # A sole host broadcasts from its accumulator as the controller does, so it keeps two (a rank
+            # that has all of a round may deposit the next while a send to a slower rank still reads it).
+            live = set(self.ranks) - self.gone
+            self._barrier = round_barrier(live, accumulators=2 if self.sole_host else 1)
         return self._barrier
 
     # --- ranks -----------------------------------------------------------------------------
@@ -270,6 +282,9 @@ class Relay:
         """Fold one chunk of a rank's deposit; ship every chunk it completes. True (stop) on a refusal."""
         barrier = self._ensure_barrier()
         conn = leg.stream.conn
+        if self._failed_round is not None:
+            await self._send_quietly(leg.stream, DataPlaneError(reason=self._failed_round))
+            return True
         try:
             # Folded into the accumulator, the frame's buffer is free again.
             release = functools.partial(conn.recycle, frame)
@@ -311,7 +326,12 @@ class Relay:
             self._stop("every local rank has left", 0)
 
     async def _ship(self, result: ChunkResult[int]) -> None:
-        """One completed chunk up, sealed straight from the accumulator (scatter views, no copy first)."""
+        """One completed chunk up, sealed straight from the accumulator (scatter views, no copy first);
+        on the world's only host, finished and broadcast to the ranks instead.
+        """
+        if self.sole_host:
+            await self._broadcast_here(result)
+            return
         frame = HostFrame(
             round=result.round,
             fold=result.fold_spec,
@@ -321,6 +341,35 @@ class Relay:
             offset=result.offset,
         )
         await self.upstream[Channel.DATA].send(frame, result.byte_views())
+
+    async def _broadcast_here(self, result: ChunkResult[int]) -> None:
+        """The sole host's completed chunk is the world's: finish it in place (what the controller would
+        do) and seal it from the accumulator into every live rank's leg. A fold that cannot finish (a mean
+        of total weight zero) is every rank's verdict: each gets the DataPlaneError, and later deposits too.
+        """
+        if self._failed_round is not None:
+            return
+        try:
+            result.finish()
+        except Exception as error:  # FoldError: the round has no value to broadcast
+            self.refused += 1
+            self._failed_round = f"round {result.round} cannot be finished: {error}"[:1024]
+            log.error("relay: %s", self._failed_round)
+            failure = DataPlaneError(reason=self._failed_round)
+            legs = list(self.legs[Channel.DATA].values())
+            await asyncio.gather(*(self._send_quietly(leg, failure) for leg in legs))
+            return
+        if result.offset == 0:
+            self.rounds += 1
+        message = Broadcast(
+            round=result.round,
+            fold=result.fold_spec,
+            weight=result.weight,
+            contributors=sorted(result.contributors),
+            tensors=list(result.specs),
+            offset=result.offset,
+        )
+        await self._fan_out(Channel.DATA, message, result.byte_views())
 
     # --- controller ------------------------------------------------------------------------
 

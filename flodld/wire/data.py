@@ -6,7 +6,8 @@ rebuild the same reduction without configuration (a modular fold carries its mod
 
 Flow of one round: each rank sends `Deposit` to its relay; the relay sends one `HostFrame` (the
 partial sum of its live ranks) upstream; the controller folds hosts and sends `Broadcast` (the
-finished value) to every relay, which forwards it to its live ranks.
+finished value) to every relay, which forwards it to its live ranks. In a world of one host the
+controller's HelloAck says `sole_host` and that relay broadcasts its own fold (no HostFrame goes up).
 
 Chunks: a large bundle travels as several frames of one kind, each carrying the whole schema (`tensors`)
 and, in its tail, the bytes [`offset`, `offset` + tail length) of the bundle's bytes (every tensor's
@@ -83,7 +84,13 @@ class RelayHello(Message):
 
 @register(0x0302)
 class HelloAck(Message):
-    """Answer to RelayHello or RankHello: the listener accepted the identity."""
+    """Answer to RelayHello or RankHello: the listener accepted the identity.
+
+    `sole_host` (controller → relay, DATA channel): this relay's host is the world's only host, so the
+    relay finishes every chunk and broadcasts it to its ranks itself; no data frame goes to the controller.
+    """
+
+    sole_host: bool = False
 
 
 @register(0x0303)

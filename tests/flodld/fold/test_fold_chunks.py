@@ -203,6 +203,32 @@ def test_a_member_that_leaves_mid_deposit_is_in_the_chunks_it_sent_and_out_of_th
     assert torch.equal(mean, torch.cat([torch.full((16,), 0.5), torch.ones(16)]))
 
 
+def test_a_host_whose_rank_left_mid_deposit_sends_later_chunks_with_less_weight_and_is_folded() -> None:
+    """Two levels: a relay's rank 1 leaves after its first chunk, so the host's partial weighs 2 in chunk 0
+    and 1 in chunk 1; the controller's barrier (`weights_may_drop`) folds both, and every element is the
+    mean of the deposits that reached it. A host weight that rises within a round is still refused.
+    """
+    relay: RoundBarrier[int] = RoundBarrier([0, 1])
+    specs, threes = chunks_of((torch.full((32,), 3.0),), 64)
+    _, ones = chunks_of((torch.ones(32),), 64)
+    partials = relay.contribute_chunk(0, 0, "mean", specs, 0, threes[0][1], 1.0)
+    partials += relay.contribute_chunk(1, 0, "mean", specs, 0, ones[0][1], 1.0)
+    partials += relay.leave(1)
+    partials += relay.contribute_chunk(0, 0, "mean", specs, 64, threes[1][1], 1.0)
+    assert [partial.weight for partial in partials] == [2.0, 1.0]
+    controller: RoundBarrier[str] = RoundBarrier(["host-a"], weights_may_drop=True)
+    out = []
+    for partial in partials:
+        data = memoryview(bytearray(b"".join(bytes(view) for view in partial.byte_views())))
+        out += controller.contribute_chunk("host-a", 0, "mean", specs, partial.offset, data, partial.weight)
+    mean = assemble(out, finish=True)[0]
+    assert torch.equal(mean, torch.cat([torch.full((16,), 2.0), torch.full((16,), 3.0)]))
+    rising: RoundBarrier[str] = RoundBarrier(["host-a"], weights_may_drop=True)
+    rising.contribute_chunk("host-a", 0, "mean", specs, 0, ones[0][1], 1.0)
+    with pytest.raises(RoundError, match="changed its weight"):
+        rising.contribute_chunk("host-a", 0, "mean", specs, 64, ones[1][1], 2.0)
+
+
 def test_chunk_refusals_name_the_rule() -> None:
     barrier: RoundBarrier[int] = RoundBarrier([0, 1])
     specs, pieces = chunks_of((torch.zeros(32),), 64)

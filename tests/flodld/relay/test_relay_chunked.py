@@ -4,7 +4,9 @@
   order, the controller sums hosts in host order, then divides), at chunk sizes that do not divide the
   tensors, for a multi-tensor bundle, at 2, 3 and 4 ranks, round after round;
 - the fold is pipelined: the first chunk of the broadcast arrives while every rank still holds back the
-  last chunk of its deposit (store-and-forward of whole frames could not send anything yet).
+  last chunk of its deposit (store-and-forward of whole frames could not send anything yet);
+- a rank that leaves in the middle of its deposit lowers its host's weight from the next chunk on, and
+  the controller folds that host on (it refused the host's next chunk before: "changed its weight").
 """
 
 from __future__ import annotations
@@ -192,3 +194,26 @@ async def test_the_first_broadcast_chunk_arrives_before_any_rank_sent_its_last_c
             if assemblies[rank].add(message.offset, frame.tail_view):
                 break
         assert_bitwise_equal(assemblies[rank].tensors, want)
+
+
+@pytest.mark.parametrize("world", [4], indirect=True, ids=["4-ranks"])
+async def test_a_rank_leaving_mid_deposit_lowers_its_hosts_weight_and_the_round_completes(
+    world: tuple[dict[str, list[int]], dict[int, FramedStream]],
+) -> None:
+    _, legs = world
+    messages, tails = chunked(deposit(1, 0), 100_003)
+    await legs[1].send(messages[0], tails[0])  # host-a's rank 1 leaves after its first chunk
+    await legs.pop(1).aclose()
+    deposits = {rank: deposit(rank, 0) for rank in legs}
+
+    async def one(rank: int, stream: FramedStream) -> tuple[int, Bundle]:
+        messages, tails = chunked(deposits[rank], 100_003)
+        for message, tail in zip(messages, tails, strict=True):
+            await stream.send(message, tail)
+        return await receive_round(stream, 0)
+
+    results = await asyncio.gather(*(one(rank, stream) for rank, stream in legs.items()))
+    # The last chunk (where the float64 tensor lies) holds the three ranks that stayed, each at weight 1.
+    want = tree_mean({"host-a": [0], "host-b": [2, 3]}, deposits)
+    for _, got in results:
+        assert_bitwise_equal((got[2],), (want[2],))

@@ -121,6 +121,8 @@ async def test_cpu_sync_average_is_the_mean_of_all_deposits_and_a_leaving_rank_i
         assert message.round == 1 and message.contributors == [0, 1, 2]
         assert torch.allclose(average, expected)
     assert 3 in world.plane.stats().gone_ranks
+    # Two hosts: every round crossed the controller (no relay was told it is the world's only host).
+    assert world.plane.stats().rounds == 2 and not any(relay.sole_host for relay in world.relays.values())
 
 
 async def test_a_double_deposit_is_refused_and_the_rank_is_folded_out(world: World) -> None:

@@ -1,6 +1,8 @@
-"""Issue 21: a recording forwarder between a real `fdl join` walk-in (agent, relay, ranks) and a real
-controller (`fdl run`) sees the join, rendezvous, data and control channels, and none of their plaintext:
-not the host's name from its Hello, not the tensor the ranks average, not the average.
+"""Issue 21: a recording forwarder between two real `fdl join` walk-ins (agent, relay, rank each) and a
+real controller (`fdl run`) sees the join, rendezvous, data and control channels, and none of their
+plaintext: not the hosts' names from their Hellos, not the tensor the ranks average, not the average.
+
+Two hosts, so the round crosses the controller (the relay of a world's only host broadcasts its own fold).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tests.flodld.relay.recorder import RecordingForwarder
 pytestmark = pytest.mark.multiproc
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "known_tensor.py"
-HOST = "walkin-secret-hostname"
+HOSTS = ("walkin-secret-hostname-a", "walkin-secret-hostname-b")
 
 
 def pattern(value: float) -> bytes:
@@ -32,21 +34,25 @@ def test_an_observer_on_the_path_to_the_controller_sees_no_plaintext_on_any_chan
     forwarder = RecordingForwarder(port)
     try:
         run.wait_for(r"waiting — window open")
-        walk = Fdl("join", f"127.0.0.1:{forwarder.port}", "--bin", str(PROGRAM), "--host", HOST,
-                   "--devices", "cpu:2", env=child_env(FDL_JOIN_TOKEN=token))
-        assert walk.wait() == 0, walk.output
+        walks = [
+            Fdl("join", f"127.0.0.1:{forwarder.port}", "--bin", str(PROGRAM), "--host", host,
+                "--devices", "cpu:1", env=child_env(FDL_JOIN_TOKEN=token))
+            for host in HOSTS
+        ]
+        for walk in walks:
+            assert walk.wait() == 0, walk.output
         assert run.wait() == 0, run.output
     finally:
         forwarder.close()
         run.kill()
-    assert walk.output.count("known tensor mean ok") == 2, walk.output
+    assert sum(walk.output.count("known tensor mean ok") for walk in walks) == 2, [w.output for w in walks]
 
     transcripts = forwarder.recorded()
     for channel in (Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL):
         assert any(t.startswith(magic_prefix(channel)) for t in transcripts), channel
     wire = b"\x00".join(transcripts)
     assert sum(len(t) for t in transcripts) > 2 * 4096 * 4  # both deposits and the broadcasts crossed it
-    assert HOST.encode() not in wire
+    assert not any(host.encode() in wire for host in HOSTS)
     for value in (1234.5, 1235.5, 1235.0):  # each rank's deposit, and the mean
         assert pattern(value) not in wire, value
     assert token.encode() not in wire and bytes.fromhex(token) not in wire
