@@ -103,9 +103,11 @@ async def started(opts: ControllerOptions) -> tuple[Controller, int]:
     return controller, port
 
 
-async def http(port: int, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:  # type: ignore[type-arg]
-    """One raw HTTP/1.1 request over a fresh connection; returns (status, JSON body)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def http(
+    port: int, method: str, path: str, headers: dict[str, str] | None = None, *, address: str = "127.0.0.1"
+) -> tuple[int, dict]:  # type: ignore[type-arg]
+    """One raw HTTP/1.1 request to ADDRESS over a fresh connection; returns (status, JSON body)."""
+    reader, writer = await asyncio.open_connection(address, port)
     lines = [f"{method} {path} HTTP/1.1", "Host: test", "Connection: close", "Content-Length: 0"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())

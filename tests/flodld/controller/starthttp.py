@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import signal
 
 from tests.serve import run_to_exit, serve_argv
 
+from .agents import Agent
 from .daemon_proc import Daemon
 
 START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller that is not a web page
@@ -40,6 +42,17 @@ async def raw(
         name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in rest)
     }
     return int(first.split(" ", 2)[1]), fields, body
+
+
+async def arm_and_finish(daemon: Daemon, agent: Agent, headers: dict[str, str]) -> None:
+    """The window still stages; POST /start with HEADERS arms it, and the one-host run ends with exit 0."""
+    _, _, body = await raw(daemon.port, "GET", "/state.json")
+    assert json.loads(body)["phase"] == "staging"
+    status, _, body = await raw(daemon.port, "POST", "/start", headers)
+    assert status == 200 and json.loads(body)["armed"] is True
+    await agent.world()
+    await agent.leave()
+    assert await daemon.finish() == 0
 
 
 async def stop(daemon: Daemon) -> None:

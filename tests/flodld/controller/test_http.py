@@ -90,16 +90,7 @@ async def test_remote_post_start_needs_the_token_in_query_or_bearer_header() -> 
     port = controller.address[1]
 
     async def post(path: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:  # type: ignore[type-arg]
-        reader, writer = await asyncio.open_connection(address, port)
-        lines = [f"POST {path} HTTP/1.1", "Host: t", "Connection: close", "Content-Length: 0"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
-        raw = await asyncio.wait_for(reader.read(), 5)
-        writer.close()
-        head, _, body = raw.partition(b"\r\n\r\n")
-        import json
-
-        return int(head.split(b" ", 2)[1]), json.loads(body)
+        return await http(port, "POST", path, headers, address=address)
 
     try:
         assert (await post("/start"))[0] == 403

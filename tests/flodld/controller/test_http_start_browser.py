@@ -15,7 +15,7 @@ from flodld.wire.salt import new_salt, salt_from_hex
 
 from .agents import join
 from .daemon_proc import start_daemon
-from .starthttp import START, credential, raw, stop
+from .starthttp import START, arm_and_finish, credential, raw, stop
 
 pytestmark = pytest.mark.multiproc
 
@@ -66,12 +66,6 @@ async def test_a_simple_loopback_post_without_the_start_header_is_refused_and_pr
             "Access-Control-Request-Headers": "x-flodld-start",
         })  # fmt: skip
         assert status in (0, 403) and not any(name.startswith("access-control-") for name in fields)
-        _, _, body = await raw(daemon.port, "GET", "/state.json")
-        assert json.loads(body)["phase"] == "staging"
-        status, _, body = await raw(daemon.port, "POST", "/start", START)  # what `fdl start` sends
-        assert status == 200 and json.loads(body)["armed"] is True
-        await agent.world()
-        await agent.leave()
-        assert await daemon.finish() == 0
+        await arm_and_finish(daemon, agent, START)  # what `fdl start` sends
     finally:
         daemon.kill()

@@ -15,7 +15,7 @@ from flodld.wire.salt import new_salt, salt_from_hex
 
 from .agents import join
 from .daemon_proc import start_daemon
-from .starthttp import credential, raw, stop
+from .starthttp import arm_and_finish, credential, raw, stop
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,13 +35,7 @@ async def test_the_start_credential_arms_the_salt_does_not_and_the_salt_is_never
         status, _, body = await raw(daemon.port, "POST", f"/start?token={token}")
         assert (status, json.loads(body)["code"]) == (403, "join_token")
         answers.append((status, {}, body))
-        _, _, body = await raw(daemon.port, "GET", "/state.json")
-        assert json.loads(body)["phase"] == "staging"
-        status, _, body = await raw(daemon.port, "POST", "/start", {"Authorization": f"Bearer {expected}"})
-        assert status == 200 and json.loads(body)["armed"] is True
-        await agent.world()
-        await agent.leave()
-        assert await daemon.finish() == 0
+        await arm_and_finish(daemon, agent, {"Authorization": f"Bearer {expected}"})
     finally:
         daemon.kill()
     for _, fields, body in answers:
