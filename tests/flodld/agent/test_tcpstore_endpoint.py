@@ -175,13 +175,15 @@ _RAW_CLIENT = textwrap.dedent(
 )
 
 
-def test_a_same_uid_peer_gets_its_ping_answered(served: Served) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)],
-        capture_output=True,
-        text=True,
-        timeout=60,
+def _raw_ping(port: int) -> subprocess.CompletedProcess[str]:
+    """The raw client (VALIDATE, PING) against PORT as a process of this uid; stdout: `reply=<hex>`."""
+    return subprocess.run(
+        [sys.executable, "-c", _RAW_CLIENT, str(port)], capture_output=True, text=True, timeout=60
     )
+
+
+def test_a_same_uid_peer_gets_its_ping_answered(served: Served) -> None:
+    result = _raw_ping(served.endpoint_port)
     assert "reply=5d3f0000" in result.stdout, result.stdout + result.stderr
     assert served.endpoint.refused == 0
 
@@ -190,12 +192,7 @@ def test_a_peer_of_another_uid_is_closed_before_a_byte_is_read() -> None:
     # The endpoint is told it serves some other uid: this test's own (real) connection then comes from
     # "another uid", and is refused on the uid found in /proc/net/tcp.
     for served in _serve(uid=os.getuid() + 4242):
-        result = subprocess.run(
-            [sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = _raw_ping(served.endpoint_port)
         assert "reply=\n" in result.stdout or result.stdout.strip() == "reply=", result.stdout + result.stderr
         assert served.endpoint.refused == 1
 
@@ -222,8 +219,7 @@ def test_a_connection_from_another_real_uid_is_refused(served: Served) -> None:
     assert result.stdout.strip() == "reply=", result.stdout
     assert served.endpoint.refused == 1
     # ... while the same client as this uid is served.
-    ours = subprocess.run([sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    ours = _raw_ping(served.endpoint_port)
     assert "reply=5d3f0000" in ours.stdout
 
 
@@ -247,12 +243,7 @@ def test_a_web_page_posting_to_the_endpoint_is_dropped_and_the_next_client_is_se
     with socket.create_connection(("127.0.0.1", served.endpoint_port), timeout=10) as sock:
         sock.sendall(b"POST /store HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\nhi")
         assert sock.recv(64) == b""  # closed without a byte: the first request must be torch's VALIDATE
-    result = subprocess.run(
-        [sys.executable, "-c", _RAW_CLIENT, str(served.endpoint_port)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _raw_ping(served.endpoint_port)
     assert "reply=5d3f0000" in result.stdout, result.stdout + result.stderr
 
 
