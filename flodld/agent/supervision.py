@@ -32,9 +32,13 @@ class SupervisorState(Enum):
 
 
 @dataclass(frozen=True)
-class RankExit:
+class _RankOutcome:
     rank: int
     code: int
+
+
+class RankExit(_RankOutcome):
+    """A rank's process exited with `code` (negative: killed by that signal)."""
 
 
 @dataclass(frozen=True)
@@ -43,18 +47,20 @@ class RelayExit:
 
 
 @dataclass(frozen=True)
-class AbortReceived:
+class _TeardownCause:
     reason: str
 
 
-@dataclass(frozen=True)
-class LinkLost:
-    reason: str
+class AbortReceived(_TeardownCause):
+    """The controller sent Abort."""
 
 
-@dataclass(frozen=True)
-class Interrupted:
-    reason: str
+class LinkLost(_TeardownCause):
+    """The join link to the controller is gone."""
+
+
+class Interrupted(_TeardownCause):
+    """A signal to the agent."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +73,8 @@ Event = RankExit | RelayExit | AbortReceived | LinkLost | Interrupted | GraceExp
 # Actions --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ReportRankExit:
-    rank: int
-    code: int
+class ReportRankExit(_RankOutcome):
+    """Report the rank's exit up the join link."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,7 @@ class Supervisor:
             )
         return actions + self._finish_if_empty()
 
-    def _teardown_event(self, event: AbortReceived | LinkLost | Interrupted) -> list[Action]:
+    def _teardown_event(self, event: _TeardownCause) -> list[Action]:
         prefix = {
             AbortReceived: "abort from the controller",
             LinkLost: "controller link lost",

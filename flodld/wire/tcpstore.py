@@ -41,9 +41,10 @@ the connection.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final
+from typing import Final, TypeVar
 
 VALIDATION_MAGIC: Final = 0x3C85F7CE
 MAX_KEY_BYTES: Final = 1024
@@ -86,127 +87,10 @@ class TcpStoreProtocolError(ValueError):
 
 
 # --- requests --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Validate:
-    magic: int
-
-
-@dataclass(frozen=True)
-class Ping:
-    nonce: int
-
-
-@dataclass(frozen=True)
-class Set:
-    key: str
-    value: bytes
-
-
-@dataclass(frozen=True)
-class CompareSet:
-    key: str
-    expected: bytes
-    desired: bytes
-
-
-@dataclass(frozen=True)
-class Get:
-    key: str
-
-
-@dataclass(frozen=True)
-class Add:
-    key: str
-    amount: int
-
-
-@dataclass(frozen=True)
-class Check:
-    keys: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Wait:
-    keys: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class NumKeys:
-    pass
-
-
-@dataclass(frozen=True)
-class DeleteKey:
-    key: str
-
-
-@dataclass(frozen=True)
-class Append:
-    key: str
-    value: bytes
-
-
-@dataclass(frozen=True)
-class MultiGet:
-    keys: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class MultiSet:
-    keys: tuple[str, ...]
-    values: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class CancelWait:
-    pass
-
-
-@dataclass(frozen=True)
-class QueuePush:
-    key: str
-    value: bytes
-
-
-@dataclass(frozen=True)
-class QueuePop:
-    key: str
-
-
-@dataclass(frozen=True)
-class QueueLen:
-    key: str
-
-
-@dataclass(frozen=True)
-class ListKeys:
-    pass
-
-
-Request = (
-    Validate
-    | Ping
-    | Set
-    | CompareSet
-    | Get
-    | Add
-    | Check
-    | Wait
-    | NumKeys
-    | DeleteKey
-    | Append
-    | MultiGet
-    | MultiSet
-    | CancelWait
-    | QueuePush
-    | QueuePop
-    | QueueLen
-    | ListKeys
-)
-"""One decoded request. Replies are the caller's to build with the `reply_*` functions below."""
-
+#
+# Each request class is registered with the query type it answers and what reads its arguments
+# (`@_reads`); the requests that carry the same arguments share the base that declares them. `_parse`
+# looks the query byte up in `_READERS`.
 
 class _Incomplete(Exception):
     """More bytes are needed (internal to the parser)."""
@@ -265,6 +149,189 @@ class _Reader:
     def keys(self) -> tuple[str, ...]:
         return tuple(self.key() for _ in range(self.count()))
 
+    def key_values(self) -> list[tuple[str, bytes]]:
+        return [(self.key(), self.value()) for _ in range(self.count())]
+
+
+_READERS: Final[dict[QueryType, Callable[[_Reader], Request]]] = {}
+"""What reads each query type's arguments into its request; filled by `@_reads` below."""
+
+_R = TypeVar("_R", bound="Request")
+
+
+def _reads(query: QueryType, read: Callable[[_Reader], _R]) -> Callable[[type[_R]], type[_R]]:
+    """Class decorator: `read` reads `query`'s arguments into the decorated request class."""
+
+    def register(kind: type[_R]) -> type[_R]:
+        _READERS[query] = read
+        return kind
+
+    return register
+
+
+@dataclass(frozen=True)
+class _KeyValueRequest:
+    """A request whose arguments are a key and a value."""
+
+    key: str
+    value: bytes
+
+
+@_reads(QueryType.SET, lambda r: Set(r.key(), r.value()))
+class Set(_KeyValueRequest):
+    """SET: store `value` under `key`."""
+
+
+@dataclass(frozen=True)
+class _KeyRequest:
+    """A request whose one argument is a key."""
+
+    key: str
+
+
+@_reads(QueryType.VALIDATE, lambda r: Validate(r.u32()))
+@dataclass(frozen=True)
+class Validate:
+    """VALIDATE: the first request of a connection; `magic` must be VALIDATION_MAGIC."""
+
+    magic: int
+
+
+@_reads(QueryType.COMPARE_SET, lambda r: CompareSet(r.key(), r.value(), r.value()))
+@dataclass(frozen=True)
+class CompareSet:
+    """COMPARE_SET: `desired` under `key` if its value is `expected`; the reply is the value it then holds."""
+
+    key: str
+    expected: bytes
+    desired: bytes
+
+
+@_reads(QueryType.GET, lambda r: Get(r.key()))
+class Get(_KeyRequest):
+    """GET: the value of `key` (the client WAITs for it first)."""
+
+
+@dataclass(frozen=True)
+class _KeysRequest:
+    """A request whose one argument is a key list."""
+
+    keys: tuple[str, ...]
+
+
+@_reads(QueryType.ADD, lambda r: Add(r.key(), r.i64()))
+@dataclass(frozen=True)
+class Add:
+    """ADD: add `amount` to the integer under `key` (an absent key counts as 0)."""
+
+    key: str
+    amount: int
+
+
+@_reads(QueryType.CHECK, lambda r: Check(r.keys()))
+class Check(_KeysRequest):
+    """CHECK: whether every key exists."""
+
+
+@_reads(QueryType.WAIT, lambda r: Wait(r.keys()))
+class Wait(_KeysRequest):
+    """WAIT: answered when every key exists (or the wait is canceled)."""
+
+
+@dataclass(frozen=True)
+class _BareRequest:
+    """A request with no arguments."""
+
+
+@_reads(QueryType.GETNUMKEYS, lambda r: NumKeys())
+class NumKeys(_BareRequest):
+    """GETNUMKEYS: how many keys the store holds."""
+
+
+@_reads(QueryType.DELETE_KEY, lambda r: DeleteKey(r.key()))
+class DeleteKey(_KeyRequest):
+    """DELETE_KEY: remove `key`; the reply says whether it was there."""
+
+
+@_reads(QueryType.APPEND, lambda r: Append(r.key(), r.value()))
+class Append(_KeyValueRequest):
+    """APPEND: add `value` to the end of `key`'s value (an absent key starts empty)."""
+
+
+@_reads(QueryType.MULTI_GET, lambda r: MultiGet(r.keys()))
+class MultiGet(_KeysRequest):
+    """MULTI_GET: the values of several keys (the client WAITs for them first)."""
+
+
+@_reads(QueryType.MULTI_SET, lambda r: MultiSet.of(r.key_values()))
+@dataclass(frozen=True)
+class MultiSet:
+    """MULTI_SET: store each value under the key at its position."""
+
+    keys: tuple[str, ...]
+    values: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, bytes]]) -> MultiSet:
+        """From (key, value) pairs, as the wire lists them."""
+        return cls(tuple(key for key, _ in pairs), tuple(value for _, value in pairs))
+
+
+@_reads(QueryType.CANCEL_WAIT, lambda r: CancelWait())
+class CancelWait(_BareRequest):
+    """CANCEL_WAIT: give up the pending WAIT."""
+
+
+@_reads(QueryType.PING, lambda r: Ping(r.u32()))
+@dataclass(frozen=True)
+class Ping:
+    """PING: the reply echoes `nonce`."""
+
+    nonce: int
+
+
+@_reads(QueryType.QUEUE_PUSH, lambda r: QueuePush(r.key(), r.value()))
+class QueuePush(_KeyValueRequest):
+    """QUEUE_PUSH: add `value` to the back of the queue under `key`."""
+
+
+@_reads(QueryType.QUEUE_POP, lambda r: QueuePop(r.key()))
+class QueuePop(_KeyRequest):
+    """QUEUE_POP: take the front of the queue under `key` (a blocking pop WAITs first)."""
+
+
+@_reads(QueryType.QUEUE_LEN, lambda r: QueueLen(r.key()))
+class QueueLen(_KeyRequest):
+    """QUEUE_LEN: how many values the queue under `key` holds."""
+
+
+@_reads(QueryType.LIST_KEYS, lambda r: ListKeys())
+class ListKeys(_BareRequest):
+    """LIST_KEYS: every key the store holds."""
+
+
+Request = (
+    Validate
+    | Ping
+    | Set
+    | CompareSet
+    | Get
+    | Add
+    | Check
+    | Wait
+    | NumKeys
+    | DeleteKey
+    | Append
+    | MultiGet
+    | MultiSet
+    | CancelWait
+    | QueuePush
+    | QueuePop
+    | QueueLen
+    | ListKeys
+)
+"""One decoded request. Replies are the caller's to build with the `reply_*` functions below."""
+assert len(_READERS) == len(QueryType), "every query type has its reader"
 
 def _parse(reader: _Reader) -> Request:
     code = reader.take(1)[0]
@@ -272,43 +339,7 @@ def _parse(reader: _Reader) -> Request:
         query = QueryType(code)
     except ValueError:
         raise TcpStoreProtocolError(f"unknown query type {code}") from None
-    if query is QueryType.VALIDATE:
-        return Validate(reader.u32())
-    if query is QueryType.PING:
-        return Ping(reader.u32())
-    if query is QueryType.SET:
-        return Set(reader.key(), reader.value())
-    if query is QueryType.COMPARE_SET:
-        return CompareSet(reader.key(), reader.value(), reader.value())
-    if query is QueryType.GET:
-        return Get(reader.key())
-    if query is QueryType.ADD:
-        return Add(reader.key(), reader.i64())
-    if query is QueryType.CHECK:
-        return Check(reader.keys())
-    if query is QueryType.WAIT:
-        return Wait(reader.keys())
-    if query is QueryType.GETNUMKEYS:
-        return NumKeys()
-    if query is QueryType.DELETE_KEY:
-        return DeleteKey(reader.key())
-    if query is QueryType.APPEND:
-        return Append(reader.key(), reader.value())
-    if query is QueryType.MULTI_GET:
-        return MultiGet(reader.keys())
-    if query is QueryType.MULTI_SET:
-        pairs = [(reader.key(), reader.value()) for _ in range(reader.count())]
-        return MultiSet(tuple(key for key, _ in pairs), tuple(value for _, value in pairs))
-    if query is QueryType.CANCEL_WAIT:
-        return CancelWait()
-    if query is QueryType.QUEUE_PUSH:
-        return QueuePush(reader.key(), reader.value())
-    if query is QueryType.QUEUE_POP:
-        return QueuePop(reader.key())
-    if query is QueryType.QUEUE_LEN:
-        return QueueLen(reader.key())
-    assert query is QueryType.LIST_KEYS
-    return ListKeys()
+    return _READERS[query](reader)
 
 
 class TcpStoreServerConnection:
