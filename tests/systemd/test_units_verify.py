@@ -43,31 +43,30 @@ def test_unit_passes_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
 
 
-def test_controller_unit_is_notify_and_hardened() -> None:
+def _service_section(unit: str) -> configparser.SectionProxy:
+    """The [Service] section of UNIT as systemd reads it (keys case-sensitive)."""
     parser = configparser.ConfigParser(strict=False, interpolation=None)
     parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive in units
-    parser.read(UNITS_DIR / "flodld.service")
-    service = parser["Service"]
+    parser.read(UNITS_DIR / unit)
+    return parser["Service"]
+
+
+def test_controller_unit_is_notify_and_hardened() -> None:
+    service = _service_section("flodld.service")
     assert service["Type"] == "notify"
     for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes"}.items():
         assert service[key] == value
 
 
 def test_join_unit_never_restarts_on_permanent_errors() -> None:
-    parser = configparser.ConfigParser(strict=False, interpolation=None)
-    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive in units
-    parser.read(UNITS_DIR / "fdl-join.service")
-    service = parser["Service"]
+    service = _service_section("fdl-join.service")
     assert service["Restart"] == "always"
     assert service["RestartPreventExitStatus"] == "2"
     assert "--persist" in service["ExecStart"]
 
 
 def test_controller_unit_is_a_service_that_reloads_and_never_restart_loops_on_bad_config() -> None:
-    parser = configparser.ConfigParser(strict=False, interpolation=None)
-    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive in units
-    parser.read(UNITS_DIR / "flodld.service")
-    service = parser["Service"]
+    service = _service_section("flodld.service")
     assert service["RestartPreventExitStatus"] == "2"  # flodld serve exits 2 on bad configuration
     assert service["Restart"] == "on-failure"  # SIGTERM exits 0: a stop is not a failure
     assert "-HUP" in service["ExecReload"] and "$MAINPID" in service["ExecReload"]
