@@ -12,11 +12,12 @@ from flodld.config.join import JoinConfig
 from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.run import Controller
 from flodld.membership.phase import Phase
+from flodld.net.stream import FramedStream
 from flodld.wire.control import Heartbeat
 from flodld.wire.data import HelloAck
 from flodld.wire.magic import Channel
 
-from .agents import eventually, http, join, options
+from .agents import Agent, eventually, http, join, options
 from .relays import agent_host_key, open_relay
 
 LIVENESS_ENV = {
@@ -39,15 +40,22 @@ async def _formed(devices: int) -> tuple[Controller, int]:
     return controller, port
 
 
+async def _relayed_host(controller: Controller, port: int, devices: int) -> tuple[Agent, FramedStream]:
+    """Host 'h' with DEVICES ranks joins, the world forms, and its relay's control channel is open."""
+    agent = await join(port, controller.salt, "h", devices=devices)
+    await agent.world()
+    key = agent_host_key(controller.salt, "h", controller.run_id, agent.stream.conn)
+    ranks = list(range(devices))
+    relay, reply = await open_relay(port, controller.salt, key, Channel.CONTROL, host="h", ranks=ranks)
+    assert isinstance(reply, HelloAck)
+    return agent, relay
+
+
 async def test_a_silent_rank_fails_the_run_and_state_json_names_the_rank_and_the_reason() -> None:
     controller, port = await _formed(devices=2)
     try:
-        agent = await join(port, controller.salt, "h", devices=2)
-        await agent.world()
+        agent, relay = await _relayed_host(controller, port, devices=2)  # agent: its join link stays open
         # Rank 0 beats through its relay; rank 1 never says a word.
-        key = agent_host_key(controller.salt, "h", controller.run_id, agent.stream.conn)
-        relay, reply = await open_relay(port, controller.salt, key, Channel.CONTROL, host="h", ranks=[0, 1])
-        assert isinstance(reply, HelloAck)
 
         async def beat() -> None:
             while True:
@@ -76,11 +84,7 @@ async def test_a_silent_rank_fails_the_run_and_state_json_names_the_rank_and_the
 async def test_ranks_that_keep_beating_keep_the_run_training() -> None:
     controller, port = await _formed(devices=1)
     try:
-        agent = await join(port, controller.salt, "h", devices=1)
-        await agent.world()
-        key = agent_host_key(controller.salt, "h", controller.run_id, agent.stream.conn)
-        relay, reply = await open_relay(port, controller.salt, key, Channel.CONTROL, host="h", ranks=[0])
-        assert isinstance(reply, HelloAck)
+        agent, relay = await _relayed_host(controller, port, devices=1)
         for _ in range(30):  # 1.5 s: well past the 0.4 s timeout and the 0.8 s startup grace
             await relay.send(Heartbeat(rank=0, step=0))
             await asyncio.sleep(0.05)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
 from flodld.controller.store import StoreService
 from flodld.wire.magic import Channel
-from flodld.wire.salt import new_salt
+from flodld.wire.salt import new_salt, salt_to_hex
 
 
 @dataclass
@@ -26,6 +29,16 @@ class StoreServer:
     salt: bytes
     run_id: str
     service: StoreService
+
+    def start_ranks(self, script: str, world: int) -> list[subprocess.Popen[str]]:
+        """WORLD processes of `python -c SCRIPT PORT SALT RANK WORLD` (gloo on lo), output piped."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        argv = [sys.executable, "-c", script, str(self.port), salt_to_hex(self.salt)]
+        pipe = subprocess.PIPE
+        return [
+            subprocess.Popen([*argv, str(rank), str(world)], stdout=pipe, stderr=pipe, text=True, env=env)
+            for rank in range(world)
+        ]
 
 
 @pytest.fixture

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 from datetime import timedelta
@@ -14,7 +11,7 @@ import pytest
 from flodld.net.blocking import BlockingChannel
 from flodld.rank.store import ControllerStore, StoreRequestError
 from flodld.wire.magic import Channel
-from flodld.wire.salt import new_salt, salt_to_hex
+from flodld.wire.salt import new_salt
 from flodld.wire.store import StoreError, StoreGet, StoreHello, StoreInt, StoreOk, StoreSet, StoreValue
 
 from .conftest import StoreServer
@@ -115,15 +112,7 @@ _RANK_SCRIPT = textwrap.dedent(
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_all_reduce_over_controller_store(store_server: StoreServer, world: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK_SCRIPT, str(store_server.port), salt_to_hex(store_server.salt),
-             str(rank), str(world)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for rank in range(world)
-    ]
+    procs = store_server.start_ranks(_RANK_SCRIPT, world)
     expected = sum(range(1, world + 1))
     for proc in procs:
         out, err = proc.communicate(timeout=90)

@@ -6,9 +6,6 @@ torch's C++-trampoline check `torch.distributed._test_python_store`.
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -19,7 +16,6 @@ import pytest
 import torch.distributed as dist
 
 from flodld.rank.store import ControllerStore, StoreRequestError
-from flodld.wire.salt import salt_to_hex
 
 from .conftest import StoreServer
 
@@ -284,16 +280,7 @@ _SUBGROUP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.multiproc
 def test_gloo_new_group_over_controller_store(store_server: StoreServer) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    world = 3
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SUBGROUP_SCRIPT, str(store_server.port), salt_to_hex(store_server.salt),
-             str(rank), str(world)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for rank in range(world)
-    ]
+    procs = store_server.start_ranks(_SUBGROUP_SCRIPT, 3)
     outputs = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
