@@ -54,7 +54,7 @@ async def _relayed_host(controller: Controller, port: int, devices: int) -> tupl
 async def test_a_silent_rank_fails_the_run_and_state_json_names_the_rank_and_the_reason() -> None:
     controller, port = await _formed(devices=2)
     try:
-        agent, relay = await _relayed_host(controller, port, devices=2)  # agent: its join link stays open
+        _agent, relay = await _relayed_host(controller, port, devices=2)  # held: its join link stays open
         # Rank 0 beats through its relay; rank 1 never says a word.
 
         async def beat() -> None:
