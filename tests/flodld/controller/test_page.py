@@ -190,19 +190,21 @@ def test_no_state_yet_and_a_closed_window() -> None:
     assert "manual — window closed" in closed and "none reported" in closed
 
 
+def _cpu_member(index: int) -> dict[str, Any]:
+    """A state.json member: host h<INDEX> with rank INDEX on one CPU, link open."""
+    return {
+        "host": f"h{index}",
+        "ranks": [index],
+        "devices": ["cpu:0"],
+        "device_labels": [],
+        "variant": "cpu",
+        "joined_at_secs": 0,
+        "link": "open",
+    }
+
+
 def test_long_lists_are_cut_with_a_note() -> None:
-    members = [
-        {
-            "host": f"h{i}",
-            "ranks": [i],
-            "devices": ["cpu:0"],
-            "device_labels": [],
-            "variant": "cpu",
-            "joined_at_secs": 0,
-            "link": "open",
-        }
-        for i in range(MAX_ROWS + 7)
-    ]
+    members = [_cpu_member(i) for i in range(MAX_ROWS + 7)]
     page = _Elements(render_page(_state(members=members, missing=[f"m{i}" for i in range(MAX_ROWS + 3)])))
     assert (
         sum(1 for tag, _ in page.tags if tag == "tr") == (MAX_ROWS + 1) + 3 + 3
@@ -217,18 +219,7 @@ def test_long_lists_are_cut_with_a_note() -> None:
 
 def test_a_paged_member_list_shows_the_world_total() -> None:
     """state.json lists the first page of members (`members_page`); the page counts the whole world."""
-    members = [
-        {
-            "host": f"h{i}",
-            "ranks": [i],
-            "devices": ["cpu:0"],
-            "device_labels": [],
-            "variant": "cpu",
-            "joined_at_secs": 0,
-            "link": "open",
-        }
-        for i in range(MAX_ROWS)
-    ]
+    members = [_cpu_member(i) for i in range(MAX_ROWS)]
     state = _state(members=members)
     state["members_page"] = {"start": 0, "stop": MAX_ROWS, "total": 5000}
     text = " ".join(_Elements(render_page(state)).text)
