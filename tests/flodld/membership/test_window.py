@@ -42,6 +42,15 @@ def run_to_training(w: JoinWindow, at: float = 2.0) -> None:
     assert w.artifacts_shipped(T0 + at) is Phase.TRAINING
 
 
+def training_window() -> JoinWindow:
+    """Roster a and b, both joined with one rank each, the window run to TRAINING at T0 + 2."""
+    w = window(["a", "b"])
+    join(w, "a")
+    join(w, "b")
+    run_to_training(w)
+    return w
+
+
 def test_fan_out_run_closes_on_full_roster_and_ends_done() -> None:
     w = window(["a", "b"])
     join(w, "a")
@@ -127,19 +136,13 @@ def test_a_join_after_the_cap_is_judged_at_its_own_time() -> None:
 
 
 def test_rank_failure_beyond_tolerance_fails_the_run() -> None:
-    w = window(["a", "b"])
-    join(w, "a")
-    join(w, "b")
-    run_to_training(w)
+    w = training_window()
     assert w.rank_exited(1, -9, T0 + 5) is Phase.FAILED
     assert "over the tolerance of 0" in w.reason
 
 
 def test_exits_after_the_verdict_are_recorded_but_change_nothing() -> None:
-    w = window(["a", "b"])
-    join(w, "a")
-    join(w, "b")
-    run_to_training(w)
+    w = training_window()
     assert w.rank_exited(1, -6, T0 + 5) is Phase.FAILED
     reason = w.reason
     assert w.rank_exited(0, -15, T0 + 6) is Phase.FAILED  # torn down after the failure
@@ -161,10 +164,7 @@ def test_rank_failure_within_tolerance_finishes_degraded() -> None:
 
 
 def test_a_link_lost_before_its_ranks_reported_counts_them_failed() -> None:
-    w = window(["a", "b"])
-    join(w, "a")
-    join(w, "b")
-    run_to_training(w)
+    w = training_window()
     assert w.disconnect("b", T0 + 5) == (1,)
     assert w.links["b"] is LinkState.LOST
     assert w.phase is Phase.FAILED
@@ -245,10 +245,7 @@ def test_links_closing_after_a_failed_window_are_harmless() -> None:
 
 
 def test_a_clean_link_eof_is_the_host_exit_event_even_without_rank_reports() -> None:
-    w = window(["a", "b"])
-    join(w, "a")
-    join(w, "b")
-    run_to_training(w)
+    w = training_window()
     w.host_closed("a", T0 + 5)
     assert w.host_closed("b", T0 + 6) is Phase.DONE
     assert w.links == {"a": LinkState.CLOSED, "b": LinkState.CLOSED}
