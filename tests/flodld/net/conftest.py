@@ -15,6 +15,19 @@ Handler = Callable[[FramedStream], Awaitable[None]]
 
 
 @asynccontextmanager
+async def loopback_server(
+    on_connect: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[int]:
+    """Asyncio's server for ON_CONNECT on 127.0.0.1 at a free port; yields the port, closes it after."""
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@asynccontextmanager
 async def framed_server(
     handler: Handler, key: bytes = SALT, **caps: int
 ) -> AsyncIterator[tuple[int, list[object]]]:
@@ -34,13 +47,8 @@ async def framed_server(
         finally:
             writer.close()
 
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with loopback_server(on_connect) as port:
         yield port, problems
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def echo(stream: FramedStream) -> None:

@@ -17,6 +17,7 @@ from flodld.wire.frames import FRAME_MAGIC, HEADER, PROTOCOL_VERSION
 from flodld.wire.join import Reject
 from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.messages import encode_message
+from tests.flodld.net.conftest import loopback_server
 from tests.reliability.daemon import hello, running
 
 V1_LABEL = b"flodld/session/v2"  # version 1's session-key label (it named the key derivation, not the frame)
@@ -66,14 +67,10 @@ async def test_a_dialer_refuses_a_version_1_listener_naming_both_versions() -> N
         await asyncio.sleep(1)
         writer.close()
 
-    server = await asyncio.start_server(old_listener, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with loopback_server(old_listener) as port:
         stream = await open_channel("127.0.0.1", port, Channel.JOIN, salt, timeout=5)
         with pytest.raises(WireError) as caught:
             await stream.recv(5)
         stream.close()
-    finally:
-        server.close()
     assert caught.value.code == "bad_version"
     assert "version 1" in str(caught.value) and f"version {PROTOCOL_VERSION}" in str(caught.value)

@@ -19,7 +19,7 @@ from flodld.wire.errors import WireError
 from flodld.wire.frames import FRAME_MAGIC, HEADER, PROTOCOL_VERSION
 from flodld.wire.join import Abort, Accept, RankExited
 from flodld.wire.magic import Channel, magic_prefix
-from tests.flodld.net.conftest import SALT, echo, framed_server
+from tests.flodld.net.conftest import SALT, echo, framed_server, loopback_server
 
 OTHER_SALT = bytes(range(16, 32))
 
@@ -131,17 +131,12 @@ async def test_garbage_from_the_listener_is_a_wire_error() -> None:
         writer.write(bytes(16) + b"x" * 24)  # a nonce, then a header with no frame magic
         await writer.drain()
 
-    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with loopback_server(garbage) as port:
         stream = await open_channel("127.0.0.1", port, Channel.DATA, SALT, timeout=5)
         with pytest.raises(WireError) as caught:
             await stream.recv(timeout=5)
         assert caught.value.code == "bad_magic"
         await stream.aclose()
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def _free_port() -> int:
@@ -189,14 +184,9 @@ async def test_open_channel_times_out_when_the_listener_never_answers() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(5)
 
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with loopback_server(silent) as port:
         with pytest.raises(TimeoutError):
             await open_channel("127.0.0.1", port, Channel.JOIN, SALT, timeout=0.2)
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_accept_channel_bounds_the_wait_for_a_silent_dialer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,18 +203,13 @@ async def test_accept_channel_bounds_the_wait_for_a_silent_dialer(monkeypatch: p
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with loopback_server(serve) as port:
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(magic_prefix(Channel.JOIN))  # the magic, then silence instead of a nonce
         started = asyncio.get_running_loop().time()
         assert isinstance(await asyncio.wait_for(outcome, 5), TimeoutError)
         assert 0.5 < asyncio.get_running_loop().time() - started < 3
         writer.close()
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 @pytest.mark.parametrize(
