@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import socket
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +30,73 @@ log = logging.getLogger("flodld.controller.join")
 
 CHANNEL = "join"
 MAX_JOIN_PAYLOAD = 1024 * 1024
+# Join handshakes that may run their CPU-bound steps (key derivation and the dialer's nonce; the hello's
+# decoding and admission) in one event-loop turn. A storm of thousands of dialers otherwise makes every
+# turn run one step of each of them, and an HTTP request (several turns from accept to answer) waits
+# behind each such turn: a poll took seconds. Waiting here holds nothing (a place in line for a later
+# turn, not a slot kept while the peer is slow), so a silent or slow peer cannot hold up the others.
+JOIN_STEPS_PER_TURN = 32
+
+
+class TurnBudget:
+    """At most `per_turn` callers of `take()` go on per event-loop turn; the others wait, in order, for
+    later turns. Sans-io apart from the loop's `call_soon` and futures.
+    """
+
+    def __init__(self, per_turn: int) -> None:
+        if per_turn < 1:
+            raise ValueError(f"a turn budget lets >= 1 step through, got {per_turn}")
+        self.per_turn = per_turn
+        self._used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._refill_scheduled = False
+        self.deferred = 0
+        """How many steps waited for a later turn (for tests and diagnostics)."""
+
+    async def take(self) -> None:
+        if self._used < self.per_turn and not self._waiters:
+            self._used += 1
+            self._schedule_refill()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self.deferred += 1
+        self._schedule_refill()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._used -= 1  # woken and counted, then cancelled: give the step back
+            raise
+
+    def _schedule_refill(self) -> None:
+        if not self._refill_scheduled:
+            self._refill_scheduled = True
+            asyncio.get_running_loop().call_soon(self._refill)
+
+    def _refill(self) -> None:
+        """Runs once per turn while anything is counted or waiting: a new turn's budget, first to waiters."""
+        self._refill_scheduled = False
+        self._used = 0
+        while self._waiters and self._used < self.per_turn:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                self._used += 1
+        if self._used or self._waiters:
+            self._schedule_refill()
+
+
+_BUDGETS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnBudget] = weakref.WeakKeyDictionary()
+
+
+def join_turns() -> TurnBudget:
+    """The running loop's join-step budget (one per loop: every run on a controller port shares it)."""
+    loop = asyncio.get_running_loop()
+    budget = _BUDGETS.get(loop)
+    if budget is None:
+        budget = _BUDGETS[loop] = TurnBudget(JOIN_STEPS_PER_TURN)
+    return budget
 
 
 @dataclass
@@ -98,9 +167,11 @@ async def handle_join(
     peer = str(peername[0]) if peername else "?"
     local_address = str(sockname[0]) if sockname else controller.advertised_host
     timeout = controller.handshake_timeout
+    turns = join_turns()
     gate_held = True
     try:
         try:
+            await turns.take()  # before the nonce exchange: this side's nonce, then the keys
             stream = await accept_channel(
                 reader,
                 writer,
@@ -111,6 +182,7 @@ async def handle_join(
                 max_tail=0,
             )
             frame = await stream.recv(timeout)
+            await turns.take()  # before the hello's decoding and its admission
         except WireError as error:
             controller.refuse(peer, error.code, error.detail)
             return
@@ -148,6 +220,7 @@ async def handle_join(
             return
         controller.release_gate(peer)
         gate_held = False
+        await turns.take()  # before the link's set-up (keepalive, its first read)
         _keepalive(writer, controller.link_keepalive_secs)
         await _supervise(controller, link)
     finally:

@@ -1,0 +1,97 @@
+"""The join channel's per-turn budget: a storm of handshakes runs a bounded number of steps per event-loop
+turn, so whatever else the loop serves (state.json, the store) waits for short turns, never for one step of
+every dialer at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from flodld.controller.join import JOIN_STEPS_PER_TURN, TurnBudget, join_turns
+
+
+class _TurnCounter:
+    """Counts event-loop turns: a callback that re-schedules itself runs once per turn."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self._running = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.turn += 1
+        if self._running:
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> None:
+        self._running = False
+
+
+async def _storm(budget: TurnBudget, takers: int) -> tuple[list[int], Counter[int]]:
+    turns = _TurnCounter()
+    order: list[int] = []
+    per_turn: Counter[int] = Counter()
+
+    async def step(index: int) -> None:
+        await budget.take()
+        order.append(index)
+        per_turn[turns.turn] += 1
+
+    await asyncio.gather(*(step(i) for i in range(takers)))
+    turns.stop()
+    return order, per_turn
+
+
+def test_a_storm_goes_through_a_few_steps_per_turn_in_arrival_order() -> None:
+    budget = TurnBudget(8)
+    order, per_turn = asyncio.run(_storm(budget, 200))
+    assert order == list(range(200))  # first come, first served
+    assert max(per_turn.values()) <= 2 * 8  # a turn's own budget plus the waiters woken for the next
+    assert len(per_turn) >= 200 // 16  # spread over many turns, not all in one
+    assert budget.deferred > 0
+
+
+def test_a_quiet_loop_never_waits() -> None:
+    async def main() -> int:
+        budget = TurnBudget(4)
+        for _ in range(50):  # one step per turn: always within the budget
+            await budget.take()
+            await asyncio.sleep(0)
+        return budget.deferred
+
+    assert asyncio.run(main()) == 0
+
+
+def test_cancelled_waiters_give_their_place_and_the_rest_still_go_through() -> None:
+    async def main() -> list[int]:
+        budget = TurnBudget(2)
+        done: list[int] = []
+
+        async def step(index: int) -> None:
+            await budget.take()
+            done.append(index)
+
+        tasks = [asyncio.create_task(step(i)) for i in range(20)]
+        await asyncio.sleep(0)
+        for task in tasks[5:15]:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return done
+
+    done = asyncio.run(main())
+    assert done == [*range(5), *range(15, 20)]
+
+
+def test_the_budget_is_one_per_loop_and_refuses_zero() -> None:
+    async def both() -> tuple[TurnBudget, TurnBudget]:
+        return join_turns(), join_turns()
+
+    first, second = asyncio.run(both())
+    assert first is second and first.per_turn == JOIN_STEPS_PER_TURN
+    other, _ = asyncio.run(both())
+    assert other is not first  # another loop, its own budget
+    with pytest.raises(ValueError, match=">= 1"):
+        TurnBudget(0)
