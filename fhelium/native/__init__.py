@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -163,9 +163,6 @@ def _build_and_load(verbose: bool = False) -> None:
 def _register_fakes() -> None:
     """Meta/fake implementations, so the ops trace under torch.compile and FakeTensorMode."""
 
-    def ntt_fake(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int) -> torch.Tensor:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
     def mul_mod_fake(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: int = 0) -> torch.Tensor:
         shape = torch.broadcast_shapes(a.shape, b.shape, q.shape)  # type: ignore[no-untyped-call]
         return torch.empty(shape, dtype=a.dtype, device=a.device)
@@ -182,8 +179,6 @@ def _register_fakes() -> None:
     def tables_fake(moduli: torch.Tensor, roots: torch.Tensor, n: int) -> torch.Tensor:
         return torch.empty((moduli.shape[0], 4, n), dtype=torch.int64, device=moduli.device)
 
-    torch.library.register_fake("fhelium::ntt_forward")(ntt_fake)
-    torch.library.register_fake("fhelium::ntt_inverse")(ntt_fake)
     torch.library.register_fake("fhelium::mul_mod")(mul_mod_fake)
     torch.library.register_fake("fhelium::mul_add_mod")(mul_add_mod_fake)
     torch.library.register_fake("fhelium::add_mod")(mul_mod_fake)
@@ -191,51 +186,6 @@ def _register_fakes() -> None:
     torch.library.register_fake("fhelium::add_mod_")(in_place_fake)
     torch.library.register_fake("fhelium::sub_mod_")(in_place_fake)
     torch.library.register_fake("fhelium::ntt_tables")(tables_fake)
-
-    def divide_round_fake(
-        x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, drop: int, ntt: bool, level: int
-    ) -> torch.Tensor:
-        return torch.empty((*x.shape[:-2], x.shape[-2] - 1, x.shape[-1]), dtype=x.dtype, device=x.device)
-
-    def decompose_fake(
-        x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
-    ) -> torch.Tensor:
-        limbs = x.shape[-2]
-        return torch.empty((limbs, *x.shape[:-2], limbs + 1, x.shape[-1]), dtype=x.dtype, device=x.device)
-
-    def key_switch_fake(
-        x: torch.Tensor,
-        key: torch.Tensor,
-        digits: torch.Tensor,
-        rows: torch.Tensor,
-        moduli: torch.Tensor,
-        tables: torch.Tensor,
-        level: int,
-    ) -> torch.Tensor:
-        return torch.empty((2, *x.shape), dtype=x.dtype, device=x.device)
-
-    def key_switch_lifted_fake(
-        lifted: torch.Tensor,
-        key: torch.Tensor,
-        digits: torch.Tensor,
-        rows: torch.Tensor,
-        moduli: torch.Tensor,
-        tables: torch.Tensor,
-        level: int,
-    ) -> torch.Tensor:
-        shape = (2, *lifted.shape[1:-2], lifted.shape[-2] - 1, lifted.shape[-1])
-        return torch.empty(shape, dtype=lifted.dtype, device=lifted.device)
-
-    def mod_down_fake(
-        values: torch.Tensor,
-        addend: torch.Tensor | None,
-        divided: torch.Tensor | None,
-        moduli: torch.Tensor,
-        tables: torch.Tensor,
-        level: int,
-    ) -> torch.Tensor:
-        shape = (*values.shape[:-2], values.shape[-2] - 1, values.shape[-1])
-        return torch.empty(shape, dtype=values.dtype, device=values.device)
 
     def small_ntt_fake(
         x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
@@ -245,19 +195,31 @@ def _register_fakes() -> None:
     def permute_last_fake(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return torch.empty((*x.shape[:-1], index.shape[0]), dtype=x.dtype, device=x.device)
 
-    def tensor_product_fake(
-        a: torch.Tensor, b: torch.Tensor, moduli: torch.Tensor, level: int
-    ) -> torch.Tensor:
-        return torch.empty((3, *a.shape[1:]), dtype=a.dtype, device=a.device)
-
-    torch.library.register_fake("fhelium::tensor_product")(tensor_product_fake)
     torch.library.register_fake("fhelium::small_ntt")(small_ntt_fake)
     torch.library.register_fake("fhelium::permute_last")(permute_last_fake)
-    torch.library.register_fake("fhelium::divide_round")(divide_round_fake)
-    torch.library.register_fake("fhelium::mod_down")(mod_down_fake)
-    torch.library.register_fake("fhelium::decompose")(decompose_fake)
-    torch.library.register_fake("fhelium::key_switch")(key_switch_fake)
-    torch.library.register_fake("fhelium::key_switch_lifted")(key_switch_lifted_fake)
+
+    # The other ops' results have a shape computed from their first tensor, and its dtype and device.
+    def shaped_like_first(shape: Callable[[torch.Size], Sequence[int]]) -> Callable[..., torch.Tensor]:
+        def fake(first: torch.Tensor, *operands: object) -> torch.Tensor:
+            return torch.empty(tuple(shape(first.shape)), dtype=first.dtype, device=first.device)
+
+        return fake
+
+    def one_limb_fewer(x: torch.Size) -> Sequence[int]:
+        return (*x[:-2], x[-2] - 1, x[-1])
+
+    result_shapes: dict[str, Callable[[torch.Size], Sequence[int]]] = {
+        "ntt_forward": lambda x: x,
+        "ntt_inverse": lambda x: x,
+        "divide_round": one_limb_fewer,
+        "mod_down": one_limb_fewer,
+        "decompose": lambda x: (x[-2], *x[:-2], x[-2] + 1, x[-1]),
+        "key_switch": lambda x: (2, *x),
+        "key_switch_lifted": lambda lifted: (2, *lifted[1:-2], lifted[-2] - 1, lifted[-1]),
+        "tensor_product": lambda a: (3, *a[1:]),
+    }
+    for name, shape in result_shapes.items():
+        torch.library.register_fake(f"fhelium::{name}")(shaped_like_first(shape))
 
 
 def requested_level() -> str:
