@@ -13,17 +13,14 @@ steps themselves are gloo between the ranks, as under torchrun.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launchers import fdl_run_command, find_torchrun, rank_figures, torchrun_command
+
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[1]
 WIDTH = 512
 BATCH = 64
 
@@ -68,17 +65,7 @@ def as_rank(steps: int, warmup: int) -> int:
 
 def measure(command: list[str], ranks: int) -> float:
     """The world's steps/s in one launch: the slowest rank's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    rates = [
-        float(r) for r in re.findall(r"ddp-step rank=\d+ steps_per_s=([0-9.]+)", done.stdout + done.stderr)
-    ]
-    if done.returncode != 0 or len(rates) != ranks:
-        raise RuntimeError(
-            f"{command[:3]} failed (exit {done.returncode}, {len(rates)}/{ranks} ranks):\n"
-            f"{(done.stdout + done.stderr)[-3000:]}"
-        )
-    return min(rates)
+    return min(rank_figures(command, ranks, r"ddp-step rank=\d+ steps_per_s=([0-9.]+)", timeout=900))
 
 
 def main() -> int:
@@ -94,9 +81,8 @@ def main() -> int:
     rank_args = ["--as-rank", "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.as_rank:
         return as_rank(args.steps, args.warmup)
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    torchrun = find_torchrun()
     if torchrun is None:
-        print("torchrun not found next to this interpreter or on PATH", file=sys.stderr)
         return 2
     print(
         f"MLP {WIDTH}x{WIDTH}x{WIDTH}x10, batch {BATCH}, {args.steps} steps after {args.warmup} warm-up, "
@@ -106,25 +92,8 @@ def main() -> int:
     for ranks in args.ranks:
         baseline, ours = [], []
         for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits both launchers alike
-            baseline.append(
-                measure([torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), *rank_args], ranks)
-            )
-            ours.append(
-                measure(
-                    [
-                        sys.executable,
-                        "-m",
-                        "fdl.main",
-                        "run",
-                        "--ranks",
-                        str(ranks),
-                        str(HERE),
-                        "--",
-                        *rank_args,
-                    ],
-                    ranks,
-                )
-            )
+            baseline.append(measure(torchrun_command(torchrun, ranks, HERE, *rank_args), ranks))
+            ours.append(measure(fdl_run_command(ranks, HERE, *rank_args), ranks))
         base, mine = statistics.median(baseline), statistics.median(ours)
         print(f"{ranks:>5} {base:>17.1f} {mine:>16.1f} {mine / base:>12.2f}x", flush=True)
     return 0

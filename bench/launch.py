@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launchers import fdl_run_command, find_torchrun, rank_figures, torchrun_command
+
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[1]
 
 
 def as_rank(stock: bool) -> int:
@@ -46,14 +44,9 @@ def as_rank(stock: bool) -> int:
 
 
 def measure(command: list[str], ranks: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """Seconds from the launch to the last rank past init_process_group."""
     started = time.time()
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    stamps = [float(t) for t in re.findall(r"past-init rank=\d+ t=([0-9.]+)", done.stdout + done.stderr)]
-    if done.returncode != 0 or len(stamps) != ranks:
-        raise RuntimeError(f"{command[:3]} failed (exit {done.returncode}, {len(stamps)}/{ranks} ranks):\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
-    return max(stamps) - started
+    return max(rank_figures(command, ranks, r"past-init rank=\d+ t=([0-9.]+)", timeout=600)) - started
 
 
 def main() -> int:
@@ -67,26 +60,18 @@ def main() -> int:
     args = parser.parse_args()
     if args.as_rank:
         return as_rank(args.stock)
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    torchrun = find_torchrun()
     if torchrun is None:
-        print("torchrun not found next to this interpreter or on PATH", file=sys.stderr)
         return 2
     print(
         f"{'ranks':>5} {'torchrun s':>11} {'fdl run s':>10} {'fdl/torchrun':>13} {'env:// s':>9} {'env:///torchrun':>16}"
     )
-    fdl = [sys.executable, "-m", "fdl.main", "run"]
     for ranks in args.ranks:
         baseline, ours, stock = [], [], []
         for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every launcher alike
-            baseline.append(
-                measure(
-                    [torchrun, "--standalone", f"--nproc-per-node={ranks}", str(HERE), "--as-rank"], ranks
-                )
-            )
-            ours.append(measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank"], ranks))
-            stock.append(
-                measure([*fdl, "--ranks", str(ranks), str(HERE), "--", "--as-rank", "--stock"], ranks)
-            )
+            baseline.append(measure(torchrun_command(torchrun, ranks, HERE, "--as-rank"), ranks))
+            ours.append(measure(fdl_run_command(ranks, HERE, "--as-rank"), ranks))
+            stock.append(measure(fdl_run_command(ranks, HERE, "--as-rank", "--stock"), ranks))
         base, mine, env = statistics.median(baseline), statistics.median(ours), statistics.median(stock)
         print(
             f"{ranks:>5} {base:>11.2f} {mine:>10.2f} {mine / base:>12.2f}x {env:>9.2f} {env / base:>15.2f}x",
