@@ -8,6 +8,8 @@ level under test with the same parameters, then runs the engine's own steps on r
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -52,6 +54,14 @@ CASES = {
 }
 
 
+@contextmanager
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Within: FHELIUM_NATIVE_LEVEL=torch (the reference path); the level before it is back after."""
+    with monkeypatch.context() as patch:
+        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        yield
+
+
 def _engines(
     parameters: CkksParameters, level: str, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[CkksEngine, CkksEngine]:
@@ -77,8 +87,7 @@ def test_key_switching_and_mod_down_are_bit_identical(
     case: str, level: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference, engine = _engines(CASES[case], level, monkeypatch)
-    with monkeypatch.context() as patch:
-        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+    with _torch_path(monkeypatch):
         secret = reference.generate_secret_key()
         key = reference.generate_relinearization_key(secret)
     depths = sorted({0, 1, reference.parameters.max_depth})
@@ -87,8 +96,7 @@ def test_key_switching_and_mod_down_are_bit_identical(
         qp_ids = (*ids, reference.special_prime_id)
         poly = _residues(reference, ids, batch, seed=depth + 1)
         values = _residues(reference, qp_ids, (2, *batch), seed=depth + 11)
-        with monkeypatch.context() as patch:
-            patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        with _torch_path(monkeypatch):
             expected_switch = reference._key_switch(poly, ids, key)
             expected_lifted = reference._decompose(poly, ids)
             expected_inner = reference._inner_product(expected_lifted, ids, key)
@@ -117,8 +125,7 @@ def test_rescale_is_bit_identical_in_both_domains(
         data = _residues(reference, ids, (2, *batch), seed=depth + 21)
         for domain in ("ntt", "coefficient"):
             ct = Ciphertext(data, depth, 2.0**20, ids, domain)
-            with monkeypatch.context() as patch:
-                patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+            with _torch_path(monkeypatch):
                 expected = reference.rescale(ct)
             result = engine.rescale(ct)
             assert result.prime_ids == expected.prime_ids and result.scale == expected.scale
@@ -132,8 +139,7 @@ def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
 ) -> None:
     # at N=2^14 a batch of 3 is three groups on the torch path, one native call (chunked inside)
     reference, engine = _engines(CASES[case], level, monkeypatch)
-    with monkeypatch.context() as patch:
-        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+    with _torch_path(monkeypatch):
         keys = reference.generate_keys(rotation_steps=(1, -3), conjugation=True)
         x = torch.rand(
             3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
@@ -211,20 +217,17 @@ def test_encryption_mod_down_and_encrypt_are_bit_identical(
         generator = torch.Generator().manual_seed(depth + 43)
         divided = torch.randint(-40, 41, (2, *batch, 1, reference.ring_degree), generator=generator)
         for extra in ((addend, None), (None, divided), (addend, divided)):
-            with monkeypatch.context() as patch:
-                patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+            with _torch_path(monkeypatch):
                 expected = reference._mod_down(values, ids, *extra)
             assert torch.equal(engine._mod_down(values, ids, *extra), expected)
     # the whole public-key encryption, from the same seeded randomness, both plaintext domains
-    with monkeypatch.context() as patch:
-        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+    with _torch_path(monkeypatch):
         keys = reference.generate_keys(relinearization=False)
     native_keys = engine.generate_keys(relinearization=False)  # the same draws from the same seed
     assert torch.equal(native_keys.public.data, keys.public.data)
     x = torch.rand(3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(44))
     for domain in ("coefficient", "ntt"):
-        with monkeypatch.context() as patch:
-            patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        with _torch_path(monkeypatch):
             expected_ct = reference.encrypt(reference.encode(x, domain=domain), keys.public)
         ct = engine.encrypt(engine.encode(x, domain=domain), native_keys.public)
         assert torch.equal(ct.data, expected_ct.data)
@@ -233,8 +236,7 @@ def test_encryption_mod_down_and_encrypt_are_bit_identical(
 def _torch_reference(
     monkeypatch: pytest.MonkeyPatch, function: object, *arguments: torch.Tensor
 ) -> torch.Tensor:
-    with monkeypatch.context() as patch:
-        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+    with _torch_path(monkeypatch):
         result = function(*arguments)  # type: ignore[operator]
     assert isinstance(result, torch.Tensor)
     return result
@@ -338,8 +340,7 @@ def test_sampling_to_ntt_is_bit_identical(case: str, level: str, monkeypatch: py
         (small[:, 1], ids[1:3]),
         (small.transpose(0, 1), (ids[-1], ids[0])),
     ):
-        with monkeypatch.context() as patch:
-            patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        with _torch_path(monkeypatch):
             expected = reference._small_ntt(values, prime_ids)
         assert torch.equal(engine._small_ntt(values, prime_ids), expected)
     q, tables = engine.ntt._native_tables(ids)
@@ -372,8 +373,7 @@ def test_tensor_product_is_bit_identical(case: str, level: str, monkeypatch: pyt
     lhs = Ciphertext(lhs_data, 0, 2.0**20, ids, "ntt")
     rhs = Ciphertext(rhs_data.transpose(-1, -2).contiguous().transpose(-1, -2), 0, 2.0**20, ids, "ntt")
     assert not rhs.data.is_contiguous()
-    with monkeypatch.context() as patch:
-        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+    with _torch_path(monkeypatch):
         expected = reference.multiply(lhs, rhs)
     result = engine.multiply(lhs, rhs)
     assert torch.equal(result.data, expected.data) and result.scale == expected.scale
