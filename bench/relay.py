@@ -1,6 +1,6 @@
 """The relay data plane: `all_average` against gloo `all_reduce` on the same bytes, in one run.
 
-Run: ``.venv/bin/python bench/relay.py`` (options: ``--ranks 2,4 --sizes 1,16,64 --runs 5``).
+Run: ``.venv/bin/python bench/relay.py`` (options: ``--ranks 2,4 --sizes 1,16,64 --runs 5 --hosts 1,2``).
 
 For each world size it starts ``fdl run --ranks N`` on this machine (embedded default: controller,
 one agent, one relay, N CPU ranks, ``cpu_sync``) with this file as the program. Every rank, per size
@@ -10,13 +10,18 @@ controller → relay hops) and ``dist.all_reduce(t)`` (gloo, cleartext, rank to 
 each call, and times the slowest rank; medians are printed with their ratio and the per-rank
 throughput of ``all_average`` (bytes of the tensor / time).
 
+``--hosts 2`` measures the multi-host road on the same machine: ``fdl run`` serves a walk-in window and
+two ``fdl join`` walk-ins (hosts ``bench-a``, ``bench-b``) bring N/2 ranks each, so every round goes
+rank → relay → controller → relay → rank (four encrypted hops).
+
 In the same run the parent measures:
 - the asyncio loopback ceiling: one asyncio stream pair in two processes moving the same bytes
   (write 4 MiB chunks, readexactly on the other side), GiB/s;
 - the cipher: AES-256-GCM (or ChaCha20-Poly1305, whatever this CPU negotiates) seal and open rates
   on the same sizes, and from them the cipher's share of an ``all_average``: the seals and opens of the
   tensor's bytes on a round's critical path (a rank seals its deposit, the relay opens every rank's
-  deposit and seals the result once per rank, a rank opens it: 1 + N seals and N + 1 opens), timed
+  deposit and seals the result once per rank, a rank opens it: 1 + N seals and N + 1 opens; with
+  several hosts add the relay → controller → relay hops: 2 seals and 2 opens more), timed
   with the rates measured here, over the measured latency. This is an estimate of what a null cipher
   would save; no null cipher exists in flodld.
 """
@@ -158,7 +163,51 @@ def cipher_rates(size: int) -> tuple[str, float, float]:
     return suite.name, size / min(seal) / 2**30, size / min(open_) / 2**30
 
 
-def run_world(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[str, float]]:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _walk_in_world(ranks: int, hosts: int, scratch: str, env: dict[str, str]) -> None:
+    """`fdl run` serving a walk-in window of `ranks` ranks, and `hosts` `fdl join` walk-ins on this box."""
+    import secrets
+
+    if ranks % hosts:
+        raise SystemExit(f"--hosts {hosts} needs a rank count it divides, not {ranks}")
+    port, token = _free_port(), secrets.token_hex(16)
+    (Path(scratch) / "fdl.yml").write_text(
+        "cluster:\n  controller:\n    host: 127.0.0.1\n"
+        f"    port: {port}\n    averaging: cpu_sync\n    backend: gloo\n    join:\n"
+        f"      discovery: true\n      min_rank_start: {ranks}\n      target_ranks: {ranks}\n"
+        f"      join_timeout: 120\n      token: {token}\n  workers: []\n"
+    )
+    program = str(Path(__file__).resolve())
+    fdl = [sys.executable, "-m", "fdl.main"]
+    logs = Path(scratch) / "logs"
+    logs.mkdir()
+    with (logs / "run.log").open("w") as sink:
+        run = subprocess.Popen([*fdl, "run", "--project", scratch, program], cwd=scratch, env=env,
+                               stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    time.sleep(3)  # the window opens
+    joins = []
+    for index in range(hosts):
+        with (logs / f"join{index}.log").open("w") as sink:
+            joins.append(subprocess.Popen(
+                [*fdl, "join", f"127.0.0.1:{port}", "--bin", program, "--host", f"bench-{'ab'[index]}",
+                 "--devices", f"cpu:{ranks // hosts}", "--", "--rank"],
+                cwd=scratch, env={**env, "FDL_JOIN_TOKEN": token},
+                stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            ))
+    codes = [process.wait(timeout=1800) for process in [*joins, run]]
+    if any(codes):
+        text = "\n".join(path.read_text()[-2000:] for path in sorted(logs.iterdir()))
+        raise SystemExit(f"walk-in world of {hosts} hosts failed {codes}:\n{text}")
+
+
+def run_world(ranks: int, sizes: list[int], runs: int, hosts: int = 1) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
         env = {
@@ -173,6 +222,9 @@ def run_world(ranks: int, sizes: list[int], runs: int) -> dict[str, dict[str, fl
         }
         for name in ("FLODL_INTERNAL_AGENT_JSON", "FLODL_INTERNAL_RELAY_JSON", "RANK", "FLODL_CONTROLLER"):
             env.pop(name, None)
+        if hosts > 1:
+            _walk_in_world(ranks, hosts, scratch, env)
+            return json.loads(out.read_text())  # type: ignore[no-any-return]
         proc = subprocess.run(
             [
                 sys.executable,
@@ -206,6 +258,9 @@ def main() -> int:
     parser.add_argument("--ranks", default="2", help="comma-separated world sizes (default 2)")
     parser.add_argument("--sizes", default="1,16,64", help="comma-separated tensor sizes in MiB")
     parser.add_argument("--runs", type=int, default=5, help="timed rounds per size (after one warm-up)")
+    parser.add_argument(
+        "--hosts", default="1", help="comma-separated host counts: 1 (one relay) and/or 2 (walk-ins)"
+    )
     options = parser.parse_args()
     sizes = [int(part) for part in options.sizes.split(",")]
     print(
@@ -219,21 +274,28 @@ def main() -> int:
         print(f"cipher {suite} on {size} MiB: seal {seal:.2f} GiB/s, open {open_:.2f} GiB/s", flush=True)
     print()
     print(
-        "| ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | vs loopback | "
-        "cipher share (est.) |"
+        "| hosts | ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | "
+        "vs loopback | cipher share (est.) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for ranks in (int(part) for part in options.ranks.split(",")):
-        results = run_world(ranks, sizes, options.runs)
+    print("|---|---|---|---|---|---|---|---|---|")
+    worlds = [
+        (hosts, ranks)
+        for hosts in (int(part) for part in options.hosts.split(","))
+        for ranks in (int(part) for part in options.ranks.split(","))
+    ]
+    for hosts, ranks in worlds:
+        results = run_world(ranks, sizes, options.runs, hosts)
         for size in sizes:
             row = results[str(size)]
             average, reduce_ = row["all_average"], row["all_reduce"]
             throughput = size / 1024 / average  # GiB/s of the tensor per rank
             _, seal, open_ = rates[size]
             seals, opens = 1 + ranks, ranks + 1  # critical path: see the module docstring
+            if hosts > 1:
+                seals, opens = seals + 2, opens + 2
             cipher = (size / 1024) * (seals / seal + opens / open_)
             print(
-                f"| {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | "
+                f"| {hosts} | {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | "
                 f"{average / reduce_:.1f}x "
                 f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | "
                 f"{min(cipher / average, 1):.0%} |",
