@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import typing
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from flodld.controller.addresses import CleartextWarner, is_loopback_address
+from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
 from flodld.controller.metrics import ControllerCounters
 from flodld.net.preauth import GatedReader, PreAuthBudget
 from flodld.wire.magic import HTTP_PREFIXES, Channel, channel_for_prefix
@@ -49,6 +50,13 @@ MAX_PENDING_PER_PEER = 64
 STREAM_LIMIT = 1 << 20
 
 
+# Every connection's peer is judged twice (loopback for the gate, private for the cleartext warning); a
+# storm comes from few addresses, so the answers are remembered (bounded: a flood of distinct sources
+# only cycles the cache).
+_is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
+_is_private = functools.lru_cache(maxsize=4096)(is_private_address)
+
+
 class PreAdmissionGate:
     """Caps connections per peer address that have not yet been routed (or, for joins, admitted).
 
@@ -62,7 +70,7 @@ class PreAdmissionGate:
         self._pending: Counter[str] = Counter()
 
     def acquire(self, address: str) -> bool:
-        if self.exempt_loopback and is_loopback_address(address):
+        if self.exempt_loopback and _is_loopback(address):
             return True
         if self._pending[address] >= self.limit:
             return False
@@ -307,7 +315,8 @@ class _MuxProtocol(asyncio.Protocol):
         self._transport = typing.cast(asyncio.Transport, transport)
         peername = transport.get_extra_info("peername")
         self._peer = str(peername[0]) if peername else "?"
-        self._mux.warner.check(self._peer)
+        if not _is_private(self._peer):  # the warner judges it again: public peers are the rare case
+            self._mux.warner.check(self._peer)
         if not self._mux.gate.acquire(self._peer):
             self._done = True
             self._mux._drop(

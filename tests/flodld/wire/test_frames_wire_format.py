@@ -7,7 +7,9 @@ payloads serialized straight to bytes); these checks pin the wire format it must
 from __future__ import annotations
 
 import struct
+import sys
 
+import pydantic
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
@@ -25,6 +27,7 @@ from flodld.wire.frames import (
     choose_suite,
     direction_key,
 )
+from flodld.wire.join import Hello
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt
 
@@ -90,3 +93,19 @@ def test_frames_read_ahead_in_one_feed_come_out_one_by_one_in_order() -> None:
         assert isinstance(message, ws.StoreGet)
         keys.append(message.key)
     assert keys == [f"k{i}" for i in range(5)]
+
+
+def test_names_refuse_every_whitespace_character_as_before() -> None:
+    """`HostName` refuses any whitespace: the fast test (printable, no U+0020) equals the per-char one."""
+    whitespace = [chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace()]
+    assert len(whitespace) > 20  # tab, newline, NBSP, the ideographic space, ...
+    for char in whitespace:
+        with pytest.raises(pydantic.ValidationError):
+            Hello(
+                host=f"host{char}a",
+                devices=["cpu:0"],
+                device_labels=[],
+                variant="cpu",
+                torch_version="t",
+                protocol_version=2,
+            )
