@@ -16,6 +16,7 @@ from fhelium.core.errors import (
     ValueStateError,
 )
 from fhelium.core.keys import (
+    KEY_TYPES,
     ConjugationKey,
     DenseKey,
     KeySwitchKey,
@@ -38,6 +39,7 @@ from fhelium.core.state import (
 
 __all__ = [
     "COMPRESSED_PLAINTEXT_FORMAT_VERSION",
+    "KEY_TYPES",
     "Ciphertext",
     "CompressedPlaintext",
     "CompressedPlaintextLayout",

@@ -159,6 +159,17 @@ class RotationKey(KeySwitchKey):
         return f"RotationKey(step={self.rotation_step}, shape={tuple(self.data.shape)})"
 
 
+KEY_TYPES: tuple[type[DenseKey], ...] = (
+    SecretKey,
+    PublicKey,
+    KeySwitchKey,
+    RotationKey,
+    RelinearizationKey,
+    ConjugationKey,
+)
+"""Every concrete key class (what a value file or a key broadcast may hold)."""
+
+
 def canonical_rotation_step(step: int, slots: int) -> int:
     """The representative of ``step`` modulo ``slots`` in ``[-slots/2, slots/2)``."""
     reduced = step % slots

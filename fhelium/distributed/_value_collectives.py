@@ -8,22 +8,11 @@ are global ranks that must belong to ``group``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch.distributed as dist
 
-from fhelium.core import (
-    Ciphertext,
-    CompressedPlaintext,
-    ConjugationKey,
-    DenseKey,
-    KeySwitchKey,
-    Plaintext,
-    PublicKey,
-    RelinearizationKey,
-    RotationKey,
-    SecretKey,
-)
+from fhelium.core import KEY_TYPES, Ciphertext, CompressedPlaintext, DenseKey, Plaintext, SecretKey
 from fhelium.distributed._collective_common import (
     ControlExchange,
     GroupInfo,
@@ -318,40 +307,59 @@ def _common_layout(exchange: ControlExchange, operation: str, info: GroupInfo) -
 
 # -- public typed wrappers ------------------------------------------------------------------
 
-_SHAREABLE_KEYS: tuple[type, ...] = (PublicKey, KeySwitchKey, RotationKey, RelinearizationKey, ConjugationKey)
+_SHAREABLE_KEYS: tuple[type, ...] = tuple(kind for kind in KEY_TYPES if kind is not SecretKey)
 
 
-def broadcast_ciphertext(
-    value_or_none: Ciphertext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
-) -> Ciphertext:
-    """Broadcast one complete ciphertext from global rank ``src`` (other ranks pass None)."""
-    return broadcast_value(
-        value_or_none,
-        accepts=(Ciphertext,),
-        src=src,
-        info=group_info(group),
-        operation="broadcast_ciphertext",
-    )
+class TypedBroadcast(Protocol[V]):
+    """``broadcast_value`` for one value type: what ``broadcast_ciphertext`` and its kin are."""
+
+    def __call__(self, value_or_none: V | None, *, src: int = 0, group: dist.ProcessGroup | None = None) -> V:
+        """Broadcast one complete value from global rank ``src`` (other ranks pass None)."""
+        ...
 
 
-def broadcast_plaintext(
-    value_or_none: Plaintext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
-) -> Plaintext:
-    return broadcast_value(
-        value_or_none, accepts=(Plaintext,), src=src, info=group_info(group), operation="broadcast_plaintext"
-    )
+class TypedAllGather(Protocol[V]):
+    """``all_gather_values`` for one value type: what ``all_gather_ciphertexts`` and its kin are."""
+
+    def __call__(self, value: V, *, group: dist.ProcessGroup | None = None) -> list[V]:
+        """Every rank gets fresh copies of every rank's value, in group-rank order."""
+        ...
 
 
-def broadcast_compressed_plaintext(
-    value_or_none: CompressedPlaintext | None, *, src: int = 0, group: dist.ProcessGroup | None = None
-) -> CompressedPlaintext:
-    return broadcast_value(
-        value_or_none,
-        accepts=(CompressedPlaintext,),
-        src=src,
-        info=group_info(group),
-        operation="broadcast_compressed_plaintext",
-    )
+def _named(function: Callable[..., object], operation: str, doc: str) -> None:
+    function.__name__ = function.__qualname__ = operation
+    function.__doc__ = doc
+
+
+def typed_broadcast(kind: type[V], operation: str) -> TypedBroadcast[V]:
+    """The public broadcast of ``kind`` values, named ``operation`` (its name in errors and traces)."""
+
+    def broadcast(value_or_none: V | None, *, src: int = 0, group: dist.ProcessGroup | None = None) -> V:
+        info = group_info(group)
+        return broadcast_value(value_or_none, accepts=(kind,), src=src, info=info, operation=operation)
+
+    doc = f"Broadcast one complete {kind.__name__} from global rank ``src`` (other ranks pass None)."
+    _named(broadcast, operation, doc)
+    return broadcast
+
+
+def typed_all_gather(kind: type[V], operation: str) -> TypedAllGather[V]:
+    """The public all-gather of ``kind`` values, named ``operation``."""
+
+    def all_gather(value: V, *, group: dist.ProcessGroup | None = None) -> list[V]:
+        return all_gather_values(value, accepts=(kind,), info=group_info(group), operation=operation)
+
+    doc = f"Every rank gets fresh copies of every rank's {kind.__name__}, in group-rank order."
+    _named(all_gather, operation, doc)
+    return all_gather
+
+
+broadcast_ciphertext = typed_broadcast(Ciphertext, "broadcast_ciphertext")
+broadcast_plaintext = typed_broadcast(Plaintext, "broadcast_plaintext")
+broadcast_compressed_plaintext = typed_broadcast(CompressedPlaintext, "broadcast_compressed_plaintext")
+all_gather_ciphertexts = typed_all_gather(Ciphertext, "all_gather_ciphertexts")
+all_gather_plaintexts = typed_all_gather(Plaintext, "all_gather_plaintexts")
+all_gather_compressed_plaintexts = typed_all_gather(CompressedPlaintext, "all_gather_compressed_plaintexts")
 
 
 def broadcast_key(
@@ -399,20 +407,3 @@ def gather_ciphertexts(
     """``dst`` receives every rank's ciphertext in group-rank order; others get None."""
     info = group_info(group)
     return gather_values(value, accepts=(Ciphertext,), dst=dst, info=info, operation="gather_ciphertexts")
-
-
-def all_gather_ciphertexts(value: Ciphertext, *, group: dist.ProcessGroup | None = None) -> list[Ciphertext]:
-    info = group_info(group)
-    return all_gather_values(value, accepts=(Ciphertext,), info=info, operation="all_gather_ciphertexts")
-
-
-def all_gather_plaintexts(value: Plaintext, *, group: dist.ProcessGroup | None = None) -> list[Plaintext]:
-    info = group_info(group)
-    return all_gather_values(value, accepts=(Plaintext,), info=info, operation="all_gather_plaintexts")
-
-
-def all_gather_compressed_plaintexts(
-    value: CompressedPlaintext, *, group: dist.ProcessGroup | None = None
-) -> list[CompressedPlaintext]:
-    info, operation = group_info(group), "all_gather_compressed_plaintexts"
-    return all_gather_values(value, accepts=(CompressedPlaintext,), info=info, operation=operation)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fhelium.core import (
+    KEY_TYPES,
     Ciphertext,
     CompressedPlaintext,
     ConjugationKey,
@@ -57,14 +58,7 @@ FheliumValue = (
     | SeededCiphertext
 )
 
-_KEY_TYPES: dict[str, type] = {
-    "SecretKey": SecretKey,
-    "PublicKey": PublicKey,
-    "KeySwitchKey": KeySwitchKey,
-    "RotationKey": RotationKey,
-    "RelinearizationKey": RelinearizationKey,
-    "ConjugationKey": ConjugationKey,
-}
+_KEY_TYPES: dict[str, type] = {kind.__name__: kind for kind in KEY_TYPES}
 VALUE_TYPES: dict[str, type] = {
     "Ciphertext": Ciphertext,
     "Plaintext": Plaintext,
