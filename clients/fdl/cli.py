@@ -1,8 +1,9 @@
-"""What every `fdl` command module shares with `fdl.main`: the type of the sub-command table."""
+"""What every `fdl` command module shares with `fdl.main`: the sub-command table's type, `add_command`."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -17,3 +18,22 @@ class Subparsers(Protocol):
         description: str | None = ...,
         formatter_class: type[argparse.HelpFormatter] = ...,
     ) -> argparse.ArgumentParser: ...
+
+
+def add_command(
+    subparsers: Subparsers,
+    name: str,
+    summary: str,
+    description: str | None,
+    configure: Callable[[argparse.ArgumentParser], None],
+    main: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    """Add `fdl NAME`: `summary` in `fdl --help`, `description` (the module's docstring) shown as
+    written, its options from `configure`, and `main` as what runs it (`args.func`).
+    """
+    parser = subparsers.add_parser(
+        name, help=summary, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    configure(parser)
+    parser.set_defaults(func=main)
+    return parser

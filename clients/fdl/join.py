@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fdl.cli import Subparsers
-from fdl.run import program_command, reparse
+from fdl.cli import Subparsers, add_command
+from fdl.run import add_rest, program_command, reparse
 from flodld import api
 
 EXIT_DONE, EXIT_TRANSIENT, EXIT_PERMANENT = 0, 1, 2
@@ -47,25 +47,14 @@ TOKEN_ENV = "FDL_JOIN_TOKEN"
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "join",
-        help="walk in: run a program in agent role against a controller",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    configure_parser(parser)
-    parser.set_defaults(func=main)
-    return parser
+    summary = "walk in: run a program in agent role against a controller"
+    return add_command(subparsers, "join", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     _add_options(parser)
-    parser.add_argument(
-        "rest",
-        nargs=argparse.REMAINDER,
-        metavar="[HOST[:PORT]] [-- ARGS]",
-        help="the controller (default: join.address or 127.0.0.1:1337), then -- and PROGRAM's arguments",
-    )
+    controller = "the controller (default: join.address or 127.0.0.1:1337), then -- and PROGRAM's arguments"
+    add_rest(parser, metavar="[HOST[:PORT]] [-- ARGS]", help=controller)
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:

@@ -13,20 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fdl.cli import Subparsers
+from fdl.cli import Subparsers, add_command
 from flodld import api
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "join-sshd", help="write or show the guardrailed join sshd recipe", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    configure_parser(parser)
-    parser.set_defaults(func=main)
-    return parser
+    summary = "write or show the guardrailed join sshd recipe"
+    return add_command(subparsers, "join-sshd", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from fdl.cli import Subparsers
+from fdl.cli import Subparsers, add_command
 from fdl.run import add_rank_options, plan_run
 from flodld import api
 
@@ -24,13 +24,8 @@ EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "probe", help="readiness checks (this host, or every worker with @cluster)", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    configure_parser(parser)
-    parser.set_defaults(func=main)
-    return parser
+    summary = "readiness checks (this host, or every worker with @cluster)"
+    return add_command(subparsers, "probe", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

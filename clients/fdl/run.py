@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.cli import Subparsers
+from fdl.cli import Subparsers, add_command
 from flodld import api
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -42,13 +42,8 @@ DEFAULT_CPU_RANKS = 2
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "run", help="run a program on every rank (controller embedded)", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    configure_parser(parser)
-    parser.set_defaults(func=main)
-    return parser
+    summary = "run a program on every rank (controller embedded)"
+    return add_command(subparsers, "run", summary, __doc__, configure_parser, main)
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -76,12 +71,13 @@ def add_rank_options(parser: argparse.ArgumentParser) -> None:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     _add_options(parser)
-    parser.add_argument(
-        "rest",
-        nargs=argparse.REMAINDER,
-        metavar="PROGRAM [-- ARGS]",
-        help="the training program (a .py file or an executable), then -- and its arguments",
-    )
+    program = "the training program (a .py file or an executable), then -- and its arguments"
+    add_rest(parser, metavar="PROGRAM [-- ARGS]", help=program)
+
+
+def add_rest(parser: argparse.ArgumentParser, *, metavar: str, help: str) -> None:
+    """The positional `rest`: everything after the options, which `reparse` finishes parsing."""
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar=metavar, help=help)
 
 
 def split_at_dashdash(rest: list[str]) -> tuple[list[str], list[str] | None]:
@@ -97,7 +93,7 @@ def reparse(
     add_options: Callable[[argparse.ArgumentParser], object],
     positional: Callable[[argparse.ArgumentParser], object],
 ) -> list[str] | None:
-    """Finish parsing what REMAINDER swallowed (options may follow the positional), into `args`."""
+    """Finish parsing what `add_rest`'s REMAINDER swallowed (options may follow it), into `args`."""
     head, tail = split_at_dashdash(list(args.rest))
     parser = argparse.ArgumentParser(add_help=False, prog="fdl")
     add_options(parser)
