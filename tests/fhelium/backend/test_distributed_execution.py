@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.ranks import finish_all
+
 WORKER = Path(__file__).with_name("_ir_rank_worker.py")
 MODULI = (1_000_003, 998_244_353, 754_974_721)
 
@@ -34,17 +36,7 @@ def spawn_world(world: int, tmp_path: Path) -> list[dict[str, Any]]:
         )
         for rank in range(world)
     ]
-    logs = []
-    try:
-        for process in processes:
-            out, _ = process.communicate(timeout=90)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for rank, process in enumerate(processes):
-        assert process.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
+    finish_all(processes, timeout=90)
     return [json.loads(path.read_text()) for path in outputs]
 
 

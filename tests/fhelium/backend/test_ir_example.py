@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ranks import finish_all
+
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "examples" / "ir_allreduce.py"
 
@@ -44,16 +46,6 @@ def test_example_program_decrypts_correctly_on_three_ranks() -> None:
                 stderr=subprocess.STDOUT,
             )
         )
-    outputs = []
-    try:
-        for process in processes:
-            out, _ = process.communicate(timeout=100)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for rank, (process, output) in enumerate(zip(processes, outputs, strict=True)):
-        assert process.returncode == 0, f"rank {rank}:\n{output}"
+    for rank, output in enumerate(finish_all(processes, timeout=100)):
         assert f"rank {rank}/3: all_reduce_add_ciphertext decrypts to world*chunk*x" in output
         assert output.rstrip().endswith("True")
