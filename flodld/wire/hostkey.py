@@ -44,22 +44,25 @@ def _field(text: str) -> bytes:
     return _LEN.pack(len(raw)) + raw
 
 
-def _check_nonces(dialer_nonce: bytes, listener_nonce: bytes) -> None:
+def _connection_mac(
+    key: bytes, key_name: str, key_bytes: int, message: bytes, dialer_nonce: bytes, listener_nonce: bytes
+) -> bytes:
+    """HMAC-SHA256 under `key` (a `key_name`, `key_bytes` long) of `message` and the connection's nonces."""
+    if len(key) != key_bytes:
+        raise ValueError(f"a {key_name} is {key_bytes} bytes, got {len(key)}")
     if len(dialer_nonce) != NONCE_BYTES or len(listener_nonce) != NONCE_BYTES:
         raise ValueError(
             f"nonces are {NONCE_BYTES} bytes each, got {len(dialer_nonce)} and {len(listener_nonce)}"
         )
+    return hmac.digest(key, message + dialer_nonce + listener_nonce, hashlib.sha256)
 
 
 def derive_host_key(
     salt: bytes, *, host: str, run_id: str, dialer_nonce: bytes, listener_nonce: bytes
 ) -> bytes:
     """The 16-byte key of `host`, from the salt and the join connection that admitted it."""
-    if len(salt) != SALT_BYTES:
-        raise ValueError(f"a salt is {SALT_BYTES} bytes, got {len(salt)}")
-    _check_nonces(dialer_nonce, listener_nonce)
-    message = HOST_KEY_LABEL + _field(host) + _field(run_id) + dialer_nonce + listener_nonce
-    return hmac.digest(salt, message, hashlib.sha256)[:HOST_KEY_BYTES]
+    message = HOST_KEY_LABEL + _field(host) + _field(run_id)
+    return _connection_mac(salt, "salt", SALT_BYTES, message, dialer_nonce, listener_nonce)[:HOST_KEY_BYTES]
 
 
 def join_host_key(salt: bytes, *, host: str, run_id: str, conn: FrameConnection) -> bytes:
@@ -75,11 +78,8 @@ def relay_proof(
     host_key: bytes, *, host: str, channel: Channel, dialer_nonce: bytes, listener_nonce: bytes
 ) -> str:
     """What a relay puts in `RelayHello.proof`: the host key's MAC over this connection's identity."""
-    if len(host_key) != HOST_KEY_BYTES:
-        raise ValueError(f"a host key is {HOST_KEY_BYTES} bytes, got {len(host_key)}")
-    _check_nonces(dialer_nonce, listener_nonce)
-    message = RELAY_PROOF_LABEL + channel_binding(channel) + _field(host) + dialer_nonce + listener_nonce
-    return hmac.digest(host_key, message, hashlib.sha256).hex()
+    message = RELAY_PROOF_LABEL + channel_binding(channel) + _field(host)
+    return _connection_mac(host_key, "host key", HOST_KEY_BYTES, message, dialer_nonce, listener_nonce).hex()
 
 
 def verify_relay_proof(
