@@ -159,9 +159,12 @@ def test_tunneled_workers_complete_a_cpu_sync_run_with_a_loopback_controller(lab
     _assert_no_process_left(str(program))
 
 
-@pytest.mark.timeout(300)
-def test_sigterm_to_the_launcher_leaves_no_process_on_any_host(lab: Lab) -> None:
-    program = lab.root / "sleeper.py"
+def _sleepers_started(lab: Lab, name: str) -> tuple[Path, subprocess.Popen[bytes], Path]:
+    """A fan-out of SLEEPER_PROGRAM (as NAME) over both workers, once its 4 ranks are up (or 180 s passed).
+
+    Returns (the program, the launcher, its log).
+    """
+    program = lab.root / name
     program.write_text(SLEEPER_PROGRAM)
     launcher = _fanout(lab, _cluster(lab, tunnel=False), program)
     log_path = lab.root / "launcher.log"
@@ -169,6 +172,12 @@ def test_sigterm_to_the_launcher_leaves_no_process_on_any_host(lab: Lab) -> None
     while log_path.read_text(errors="replace").count("rank up") < 4 and time.monotonic() < end:
         assert launcher.poll() is None, log_path.read_text(errors="replace")[-4000:]
         time.sleep(0.2)
+    return program, launcher, log_path
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_launcher_leaves_no_process_on_any_host(lab: Lab) -> None:
+    program, launcher, log_path = _sleepers_started(lab, "sleeper.py")
     assert log_path.read_text(errors="replace").count("rank up") == 4
     assert len(processes_mentioning(str(program))) >= 4  # the ranks run the program
     assert len(lab.worker_processes()) >= 8  # per host: agent, relay, two ranks
@@ -263,14 +272,7 @@ def test_walk_in_over_join_ssh_joins_a_discovery_window(lab: Lab) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_dead_network_is_noticed_by_keepalives_and_every_process_ends(lab: Lab) -> None:
-    program = lab.root / "sleeper_cut.py"
-    program.write_text(SLEEPER_PROGRAM)
-    launcher = _fanout(lab, _cluster(lab, tunnel=False), program)
-    log_path = lab.root / "launcher.log"
-    end = time.monotonic() + 180
-    while log_path.read_text(errors="replace").count("rank up") < 4 and time.monotonic() < end:
-        assert launcher.poll() is None, log_path.read_text(errors="replace")[-4000:]
-        time.sleep(0.2)
+    program, launcher, log_path = _sleepers_started(lab, "sleeper_cut.py")
     subprocess.run(["ip", "-n", lab.worker_ns(1), "link", "set", "fdl0", "down"], check=True)  # cable pulled
     log = _wait(launcher, log_path, 90)
     assert launcher.returncode == 1, log[-4000:]
