@@ -1,10 +1,11 @@
-"""Rules that relate several keys of `cluster:`; pure functions returning every violation found.
+"""Rules that relate several keys of `cluster:`; pure generators yielding every violation found.
 
 Each violation carries the key path (relative to `cluster:`) of the key the operator must change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from flodld.config.devices import spec_has_cpu
@@ -27,148 +28,114 @@ def cluster_violations(cluster: ClusterConfig) -> list[RuleViolation]:
     ]
 
 
-def _unimplemented_rules(cluster: ClusterConfig) -> list[RuleViolation]:
+def _unimplemented_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
     """Keys the schema keeps for compatibility but nothing carries out: refused rather than ignored."""
-    found: list[RuleViolation] = []
     controller = cluster.controller
     for key, value in (("docker", controller.docker), ("arch", controller.arch)):
         if value is not None:
-            found.append(
-                RuleViolation(
-                    ("controller", key),
-                    f"controller.{key} (a pre-flight build) is not implemented, and the run would ignore it; "
-                    f"remove it. workers[].{key} chooses how each worker's agent runs "
-                    + (
-                        "(its compose service)"
-                        if key == "docker"
-                        else "(its Python environment, <path>/<arch>/bin/python)"
-                    ),
-                )
+            yield RuleViolation(
+                ("controller", key),
+                f"controller.{key} (a pre-flight build) is not implemented, and the run would ignore it; "
+                f"remove it. workers[].{key} chooses how each worker's agent runs "
+                + (
+                    "(its compose service)"
+                    if key == "docker"
+                    else "(its Python environment, <path>/<arch>/bin/python)"
+                ),
             )
-    return found
 
 
-def _roster_rules(cluster: ClusterConfig) -> list[RuleViolation]:
-    found: list[RuleViolation] = []
+def _roster_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
     if not cluster.workers and not cluster.controller.join.discovery:
-        found.append(
-            RuleViolation(
-                ("workers",),
-                "must list at least one worker; a roster-free run needs controller.join.discovery: true",
-            )
+        yield RuleViolation(
+            ("workers",),
+            "must list at least one worker; a roster-free run needs controller.join.discovery: true",
         )
     first_index: dict[str, int] = {}
     for index, worker in enumerate(cluster.workers):
         if worker.host in first_index:
-            found.append(
-                RuleViolation(
-                    ("workers", index, "host"),
-                    f"{worker.host!r} is already workers[{first_index[worker.host]}]; each host appears once "
-                    "(list all its devices in one local_devices)",
-                )
+            yield RuleViolation(
+                ("workers", index, "host"),
+                f"{worker.host!r} is already workers[{first_index[worker.host]}]; each host appears once "
+                "(list all its devices in one local_devices)",
             )
         else:
             first_index[worker.host] = index
         if worker.path is None and not worker.is_local(cluster.controller.host):
-            found.append(
-                RuleViolation(
-                    ("workers", index, "path"),
-                    f"remote worker {worker.host!r} needs path: (the project checkout directory on that "
-                    "host)",
-                )
+            yield RuleViolation(
+                ("workers", index, "path"),
+                f"remote worker {worker.host!r} needs path: (the project checkout directory on that host)",
             )
-    return found
 
 
-def _averaging_rules(cluster: ClusterConfig) -> list[RuleViolation]:
-    found: list[RuleViolation] = []
+def _averaging_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
     controller = cluster.controller
     if not controller.averaging.is_cpu and controller.backend is not Backend.NCCL:
-        found.append(
-            RuleViolation(
-                ("controller", "averaging"),
-                f"{controller.averaging.value} averages inside the NCCL process group; set backend: nccl, "
-                f"or use a CPU mode ({CPU_MODES_TEXT})",
-            )
+        yield RuleViolation(
+            ("controller", "averaging"),
+            f"{controller.averaging.value} averages inside the NCCL process group; set backend: nccl, "
+            f"or use a CPU mode ({CPU_MODES_TEXT})",
         )
     if controller.cadence is not None and controller.averaging.is_sync and controller.cadence != 1:
-        found.append(
-            RuleViolation(
-                ("controller", "cadence"),
-                f"{controller.averaging.value} averages every step, so cadence {controller.cadence} has no "
-                "effect; remove cadence or choose cpu_cadence / cpu_async / nccl_cadence",
-            )
+        yield RuleViolation(
+            ("controller", "cadence"),
+            f"{controller.averaging.value} averages every step, so cadence {controller.cadence} has no "
+            "effect; remove cadence or choose cpu_cadence / cpu_async / nccl_cadence",
         )
     if controller.backend is Backend.NCCL:
         for index, worker in enumerate(cluster.workers):
             if spec_has_cpu(worker.local_devices):
-                found.append(
-                    RuleViolation(
-                        ("workers", index, "local_devices"),
-                        f"backend: nccl needs a CUDA device per rank, but {worker.host!r} lists CPU ranks; "
-                        "use CUDA devices or backend: gloo",
-                    )
+                yield RuleViolation(
+                    ("workers", index, "local_devices"),
+                    f"backend: nccl needs a CUDA device per rank, but {worker.host!r} lists CPU ranks; "
+                    "use CUDA devices or backend: gloo",
                 )
-    return found
 
 
-def _network_rules(cluster: ClusterConfig) -> list[RuleViolation]:
-    found: list[RuleViolation] = []
+def _network_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
     controller = cluster.controller
     if cluster.spans_hosts and controller.backend is Backend.NCCL:
         for index, worker in enumerate(cluster.workers):
             if worker.nccl_socket_ifname is None:
-                found.append(
-                    RuleViolation(
-                        ("workers", index, "nccl_socket_ifname"),
-                        f"worker {worker.host!r} needs nccl_socket_ifname: (e.g. eth0) because the cluster "
-                        "spans several hosts and the backend is NCCL",
-                    )
+                yield RuleViolation(
+                    ("workers", index, "nccl_socket_ifname"),
+                    f"worker {worker.host!r} needs nccl_socket_ifname: (e.g. eth0) because the cluster "
+                    "spans several hosts and the backend is NCCL",
                 )
     if controller.port == 0:
         remote = [worker.host for worker in cluster.workers if not worker.is_local(controller.host)]
         if remote or controller.join.discovery:
             who = f"remote workers ({', '.join(remote)})" if remote else "walk-in workers (discovery)"
-            found.append(
-                RuleViolation(
-                    ("controller", "port"),
-                    f"port 0 (pick a free port) only works when every worker runs on the controller host; "
-                    f"{who} must dial a fixed port 1..65535",
-                )
+            yield RuleViolation(
+                ("controller", "port"),
+                f"port 0 (pick a free port) only works when every worker runs on the controller host; "
+                f"{who} must dial a fixed port 1..65535",
             )
-    return found
 
 
-def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
-    found: list[RuleViolation] = []
+def _tunnel_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
     controller = cluster.controller
     for index, worker in enumerate(cluster.workers):
         if not worker.tunnel:
             continue
         path = ("workers", index, "tunnel")
         if worker.is_local(controller.host):
-            found.append(
-                RuleViolation(
-                    path,
-                    f"worker {worker.host!r} runs on the controller host: loopback already reaches the "
-                    "controller and there is no SSH session to carry a tunnel; remove tunnel: true",
-                )
+            yield RuleViolation(
+                path,
+                f"worker {worker.host!r} runs on the controller host: loopback already reaches the "
+                "controller and there is no SSH session to carry a tunnel; remove tunnel: true",
             )
         if not controller.averaging.is_cpu:
-            found.append(
-                RuleViolation(
-                    path,
-                    f"tunnel: true needs a CPU averaging mode ({CPU_MODES_TEXT}), but averaging is "
-                    f"{controller.averaging.value}: NCCL traffic is peer-to-peer and cannot ride the tunnel",
-                )
+            yield RuleViolation(
+                path,
+                f"tunnel: true needs a CPU averaging mode ({CPU_MODES_TEXT}), but averaging is "
+                f"{controller.averaging.value}: NCCL traffic is peer-to-peer and cannot ride the tunnel",
             )
         elif controller.backend is Backend.NCCL:
-            found.append(
-                RuleViolation(
-                    path,
-                    "tunnel: true cannot carry an NCCL process group (its traffic is peer-to-peer); "
-                    "use backend: gloo or remove tunnel",
-                )
+            yield RuleViolation(
+                path,
+                "tunnel: true cannot carry an NCCL process group (its traffic is peer-to-peer); "
+                "use backend: gloo or remove tunnel",
             )
     join = controller.join
     remote = [worker for worker in cluster.workers if not worker.is_local(controller.host)]
@@ -180,32 +147,25 @@ def _tunnel_rules(cluster: ClusterConfig) -> list[RuleViolation]:
         and not join.tunnel_only
         and not loopback_bind
     ):
-        found.append(
-            RuleViolation(
-                ("controller", "join", "discovery"),
-                "discovery: true on a network bind can never admit a walk-in: with no token the session "
-                "salt is random and every hello is refused (bad_tag); set controller.join.token (32 hex, "
-                "handed to walk-ins as fdl join --token / FDL_JOIN_TOKEN), or open_admission: true (anyone "
-                "who reaches the port joins), or tunnel_only: true (loopback bind, walk-ins arrive through "
-                "sshd)",
-            )
+        yield RuleViolation(
+            ("controller", "join", "discovery"),
+            "discovery: true on a network bind can never admit a walk-in: with no token the session "
+            "salt is random and every hello is refused (bad_tag); set controller.join.token (32 hex, "
+            "handed to walk-ins as fdl join --token / FDL_JOIN_TOKEN), or open_admission: true (anyone "
+            "who reaches the port joins), or tunnel_only: true (loopback bind, walk-ins arrive through "
+            "sshd)",
         )
     if join.tunnel_only:
         if not controller.averaging.is_cpu:
-            found.append(
-                RuleViolation(
-                    ("controller", "join", "tunnel_only"),
-                    f"tunnel_only needs a CPU averaging mode ({CPU_MODES_TEXT}); NCCL traffic cannot ride "
-                    "tunnels",
-                )
+            yield RuleViolation(
+                ("controller", "join", "tunnel_only"),
+                f"tunnel_only needs a CPU averaging mode ({CPU_MODES_TEXT}); NCCL traffic cannot ride "
+                "tunnels",
             )
         for index, worker in enumerate(cluster.workers):
             if not worker.tunnel and not worker.is_local(controller.host):
-                found.append(
-                    RuleViolation(
-                        ("workers", index, "tunnel"),
-                        "join.tunnel_only binds the controller to loopback, so remote worker "
-                        f"{worker.host!r} must set tunnel: true to reach it",
-                    )
+                yield RuleViolation(
+                    ("workers", index, "tunnel"),
+                    "join.tunnel_only binds the controller to loopback, so remote worker "
+                    f"{worker.host!r} must set tunnel: true to reach it",
                 )
-    return found
