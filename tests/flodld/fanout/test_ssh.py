@@ -20,6 +20,7 @@ from flodld.fanout.ssh import (
     start_remote_agent,
     supervised_command,
 )
+from tests.e2e.harness import pid_alive
 from tests.flodld.fanout.sshserver import start_local_ssh_server
 
 SECRET = "f00dfeedf00dfeedf00dfeedf00dfeed"
@@ -41,18 +42,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 async def _wait_file(path: Path, timeout: float = 20.0) -> str:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -65,10 +54,10 @@ async def _wait_file(path: Path, timeout: float = 20.0) -> str:
 async def _wait_dead(pids: list[int], timeout: float = 15.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not any(_alive(p) for p in pids):
+        if not any(pid_alive(p) for p in pids):
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"processes still alive: {[p for p in pids if _alive(p)]}")
+    raise AssertionError(f"processes still alive: {[p for p in pids if pid_alive(p)]}")
 
 
 def _endpoint(port: int, key: Path, **extra: object) -> SshEndpoint:
@@ -257,9 +246,10 @@ def test_the_supervisor_tears_its_tree_down_on_stdin_eof_with_hangup_and_term_ig
         shell.stdin.close()  # the launcher is gone
         shell.wait(15)
         end = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < end:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < end:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), f"processes still alive: {[p for p in pids if _alive(p)]}"
+        alive = [p for p in pids if pid_alive(p)]
+        assert not alive, f"processes still alive: {alive}"
     finally:
         if shell.poll() is None:
             shell.kill()
