@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import re
@@ -113,9 +114,18 @@ def _kill_children_now() -> None:
                 os.kill(proc.pid, signal.SIGKILL)
 
 
+_PROFILE: list[str] = []
+"""`--profile-controller DIR`: run each controller under cProfile, its stats written to DIR on exit."""
+
+
 async def _controller(*flags: str) -> tuple[asyncio.subprocess.Process, int, asyncio.Task[bytes]]:
+    profiler: list[str] = []
+    if _PROFILE:
+        target = Path(_PROFILE[0]) / f"controller-{len(_CHILDREN)}-{'-'.join(flags[:2])}.pstats"
+        profiler = ["-m", "cProfile", "-o", str(target)]
     proc = await _spawn(
-        sys.executable, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1", *flags,
+        sys.executable, *profiler, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1",
+        *flags,
         stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stderr is not None
@@ -183,6 +193,19 @@ async def _baseline_round_trips(clients: int, per_client: int) -> float:
 
 
 # --- the join storm ---------------------------------------------------------------------------------
+
+
+def _quiet_collector() -> None:
+    """No cyclic garbage collection in this process during a storm (re-enabled after it).
+
+    Thousands of simulated agents live in this one process; their objects are freed by reference
+    counting, and the full collections their growing number triggers (about a sixth of this process's
+    CPU at 5,000 agents) are a cost of the simulation, not of the controller, that a real fleet spreads
+    over its machines: here it would take CPU from the controller on the same cores.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.disable()
 
 
 async def _http_latency(port: int, path: str) -> float:
@@ -327,6 +350,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
                 await stream.send(RankExited(rank=rank, code=0))
             await stream.aclose()
 
+        _quiet_collector()
         begun, cpu_begun = time.perf_counter(), _cpu_secs(proc.pid)
         storm: asyncio.Future[list[None]] = asyncio.gather(*(agent(i) for i in range(agents)))
         waiter: asyncio.Future[bool] = asyncio.ensure_future(everyone_formed.wait())
@@ -358,6 +382,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             controller_cpu_secs=storm_cpu,
         )
     finally:
+        gc.enable()
         for stream in streams:
             stream.close()
         if poller is not None:
@@ -528,8 +553,16 @@ if __name__ == "__main__":
         "--store-peers", default="32", help="peers each rank reads in the store storm, or `all`"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per storm before giving up")
+    parser.add_argument(
+        "--profile-controller",
+        metavar="DIR",
+        help="run each controller under cProfile (slower: for where the time goes, not for the figures)",
+    )
     parser.add_argument("--poller-for", type=int, help=argparse.SUPPRESS)  # internal: run as the poller child
     options = parser.parse_args()
+    if options.profile_controller:
+        Path(options.profile_controller).mkdir(parents=True, exist_ok=True)
+        _PROFILE.append(options.profile_controller)
     import atexit
 
     atexit.register(_kill_children_now)
