@@ -35,7 +35,7 @@ from aiohttp import web
 
 from flodld.config.models import ClusterConfig
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
-from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, build_app
+from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, StatusSource, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink, JoinRun, handle_join
 from flodld.controller.metrics import ControllerCounters, render_prometheus
@@ -100,6 +100,18 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.verdict is Phase.DONE
+
+
+async def serve_http(source: StatusSource, mux: PortMux, counters: ControllerCounters) -> web.AppRunner:
+    """The port's HTTP side: `source`'s app, set up and handed to `mux` (which starts listening), each
+    malformed request a counted warning (`HttpRefusalLog`). The caller cleans the runner up.
+    """
+    runner = web.AppRunner(
+        build_app(source), access_log=None, handle_signals=False, logger=HttpRefusalLog(counters.dropped)
+    )
+    await runner.setup()
+    mux.set_http(runner.server)
+    return runner
 
 
 class Controller:
@@ -245,14 +257,7 @@ class Controller:
             return self.address
         if self._borrowed:
             return self._listen_on_borrowed_port()
-        self._runner = web.AppRunner(
-            build_app(self),
-            access_log=None,
-            handle_signals=False,
-            logger=HttpRefusalLog(self.counters.dropped),
-        )
-        await self._runner.setup()
-        self.mux.set_http(self._runner.server)
+        self._runner = await serve_http(self, self.mux, self.counters)
         self._serve_run_channels()
         address = await self.mux.start(self.options.effective_bind_host, self.options.port)
         try:

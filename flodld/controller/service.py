@@ -28,11 +28,11 @@ from aiohttp import web
 
 from flodld.controller.addresses import CleartextWarner
 from flodld.controller.dataplane import attach_data_plane
-from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, build_app
+from flodld.controller.http import NO_STATE, HttpAnswer
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
-from flodld.controller.run import Controller, PhaseListener, RunResult
+from flodld.controller.run import Controller, PhaseListener, RunResult, serve_http
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import RunRecord, ServiceState
@@ -112,14 +112,7 @@ class Service:
         """Bind the port and serve HTTP (state.json answers 503 until the first window opens)."""
         if self.address is not None:
             return self.address
-        self._runner = web.AppRunner(
-            build_app(self),
-            access_log=None,
-            handle_signals=False,
-            logger=HttpRefusalLog(self.counters.dropped),
-        )
-        await self._runner.setup()
-        self.mux.set_http(self._runner.server)
+        self._runner = await serve_http(self, self.mux, self.counters)
         try:
             self.address = await self.mux.start(self.options.effective_bind_host, self.options.port)
         except BaseException:
