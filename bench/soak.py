@@ -341,12 +341,17 @@ def advance(child: subprocess.Popen[str]) -> None:
     child.stdin.flush()
 
 
-async def drive(args: argparse.Namespace) -> int:
+def fresh_endpoint() -> tuple[int, str, bytes]:
+    """A free loopback port and a new join token for one soak: (port, token hex, token)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     salt_hex = salt_to_hex(new_salt())
-    key = salt_from_hex(salt_hex)
+    return port, salt_hex, salt_from_hex(salt_hex)
+
+
+async def drive(args: argparse.Namespace) -> int:
+    port, salt_hex, key = fresh_endpoint()
     child = subprocess.Popen(
         [
             sys.executable,
@@ -438,11 +443,7 @@ async def until_state(port: int, predicate: Callable[[dict[str, Any]], bool], bo
 
 async def drive_daemon(args: argparse.Namespace) -> int:
     """`--runs` protocol runs through one real `flodld serve` process (the service)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    salt_hex = salt_to_hex(new_salt())
-    key = salt_from_hex(salt_hex)
+    port, salt_hex, key = fresh_endpoint()
     scratch = tempfile.TemporaryDirectory(prefix="soak-daemon-")
     config = Path(scratch.name) / "fdl.yml"
     config.write_text(
