@@ -122,61 +122,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-class Forwarder:
-    """A TCP forwarder on an ephemeral loopback port (like an `ssh -L` end).
-
-    It records each connection's magic.
-    """
-
-    def __init__(self, target_port: int) -> None:
-        import socket
-
-        self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.listener.getsockname()[1])
-        self.prefixes: list[bytes] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            first = [True]
-            threading.Thread(target=self._pipe, args=(client, upstream, first), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, [False]), daemon=True).start()
-
-    def _pipe(self, source: object, sink: object, record: list[bool]) -> None:
-        import socket
-
-        assert isinstance(source, socket.socket) and isinstance(sink, socket.socket)
-        try:
-            while True:
-                data = source.recv(65536)
-                if not data:
-                    break
-                if record[0]:
-                    record[0] = False
-                    with self._lock:
-                        self.prefixes.append(data[:4])
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                sink.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def write_discovery_project(
     directory: Path, port: int, token: str, ranks: int, *, join_timeout: float = 120
 ) -> Path:

@@ -17,11 +17,11 @@ from tests.e2e.harness import (
     EXAMPLES,
     PROGRAMS,
     Fdl,
-    Forwarder,
     child_env,
     free_port,
     write_discovery_project,
 )
+from tests.flodld.relay.recorder import RecordingForwarder
 
 pytestmark = pytest.mark.multiproc
 
@@ -65,7 +65,7 @@ def test_two_walk_ins_form_a_world_fold_through_their_relays_and_one_dials_throu
     walk_a = Fdl(
         "join", f"127.0.0.1:{port}", "--bin", program, "--host", "walk-a", "--devices", "cpu:2", env=env
     )
-    forwarder = Forwarder(port)
+    forwarder = RecordingForwarder(port)  # an `ssh -L`-like road for walk-b
     try:
         deadline = time.monotonic() + 120
         while "walk-a" not in joined_hosts(port) and time.monotonic() < deadline:
@@ -95,7 +95,7 @@ def test_two_walk_ins_form_a_world_fold_through_their_relays_and_one_dials_throu
     assert re.findall(r"rank [01] controller=127\.0\.0\.1:(\d+)", walk_a.output) == [str(port)] * 2
     # Address rewrite: walk-b's relay and ranks dial the forwarder's ephemeral port, the road its join used.
     assert re.findall(r"rank [23] controller=127\.0\.0\.1:(\d+)", walk_b.output) == [str(forwarder.port)] * 2
-    prefixes = set(forwarder.prefixes)
+    prefixes = {sent[:4] for sent in forwarder.recorded()[0::2]}  # each connection's dialer side
     for channel in (Channel.JOIN, Channel.DATA, Channel.CONTROL, Channel.RENDEZVOUS):
         assert magic_prefix(channel) in prefixes, channel
     for output in (walk_a.output, walk_b.output):
