@@ -20,11 +20,9 @@ class ResourceRequirement:
 
 
 @dataclass(frozen=True)
-class BoundResource:
-    """A live object (a process-group wrapper, a torch.device, an engine) bound to a symbol."""
+class BoundResource(ResourceRequirement):
+    """A live object (a process-group wrapper, a torch.device, an engine) bound to a symbol of a kind."""
 
-    symbol: str
-    kind: str
     value: Any
 
 
