@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 
 from flodld.controller.metrics import ControllerCounters
-from flodld.controller.mux import PortMux, PreAdmissionGate
+from flodld.controller.mux import MAGIC_DEADLINE_SECS, PortMux, PreAdmissionGate
 from flodld.wire.magic import Channel, magic_prefix
 
 
@@ -22,6 +22,20 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 async def _started(mux: PortMux) -> int:
     _, port = await mux.start("127.0.0.1", 0)
     return port
+
+
+@asynccontextmanager
+async def _echo_mux(
+    magic_deadline: float = MAGIC_DEADLINE_SECS, gate: PreAdmissionGate | None = None
+) -> AsyncIterator[tuple[PortMux, int]]:
+    """A started mux that echoes the rendezvous channel (see _echo); closed after."""
+    mux = PortMux(ControllerCounters(), magic_deadline=magic_deadline, gate=gate)
+    mux.register(Channel.RENDEZVOUS, _echo)
+    port = await _started(mux)
+    try:
+        yield mux, port
+    finally:
+        await mux.close()
 
 
 @asynccontextmanager
@@ -48,24 +62,16 @@ async def _wait_for(predicate: Callable[[], object], timeout: float = 3.0) -> No
 
 
 async def test_routes_by_magic_with_bytes_after_the_magic_intact() -> None:
-    mux = PortMux(ControllerCounters())
-    mux.register(Channel.RENDEZVOUS, _echo)
-    port = await _started(mux)
-    try:
+    async with _echo_mux() as (mux, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(magic_prefix(Channel.RENDEZVOUS) + b"hello")  # magic and payload in one segment
         assert await asyncio.wait_for(reader.readexactly(10), 3) == b"echo:hello"
         writer.close()
         assert mux.counters.connections["rendezvous"] == 1
-    finally:
-        await mux.close()
 
 
 async def test_silent_connection_does_not_delay_another_and_is_dropped_at_the_deadline() -> None:
-    mux = PortMux(ControllerCounters(), magic_deadline=0.5)
-    mux.register(Channel.RENDEZVOUS, _echo)
-    port = await _started(mux)
-    try:
+    async with _echo_mux(magic_deadline=0.5) as (mux, port):
         silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(magic_prefix(Channel.RENDEZVOUS) + b"quick")
@@ -76,8 +82,6 @@ async def test_silent_connection_does_not_delay_another_and_is_dropped_at_the_de
         assert mux.counters.dropped["deadline"] == 1
         silent_writer.close()
         writer.close()
-    finally:
-        await mux.close()
 
 
 async def _closed_by_the_mux(reader: asyncio.StreamReader) -> None:
@@ -89,10 +93,7 @@ async def _closed_by_the_mux(reader: asyncio.StreamReader) -> None:
 
 
 async def test_unknown_magic_is_dropped_and_counted_and_the_mux_keeps_routing() -> None:
-    mux = PortMux(ControllerCounters())
-    mux.register(Channel.RENDEZVOUS, _echo)
-    port = await _started(mux)
-    try:
+    async with _echo_mux() as (mux, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"\xef\xbe\xad\xde")
         await _closed_by_the_mux(reader)
@@ -102,8 +103,6 @@ async def test_unknown_magic_is_dropped_and_counted_and_the_mux_keeps_routing() 
         writer.write(magic_prefix(Channel.RENDEZVOUS) + b"again")
         assert await asyncio.wait_for(reader.readexactly(10), 3) == b"echo:again"
         writer.close()
-    finally:
-        await mux.close()
 
 
 async def test_eof_before_magic_and_unserved_channel_are_dropped() -> None:
@@ -125,10 +124,7 @@ async def test_eof_before_magic_and_unserved_channel_are_dropped() -> None:
 
 
 async def test_pre_admission_gate_caps_pending_connections_per_address() -> None:
-    mux = PortMux(ControllerCounters(), magic_deadline=2.0, gate=PreAdmissionGate(3, exempt_loopback=False))
-    mux.register(Channel.RENDEZVOUS, _echo)
-    port = await _started(mux)
-    try:
+    async with _echo_mux(magic_deadline=2.0, gate=PreAdmissionGate(3, exempt_loopback=False)) as (mux, port):
         pending = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
         await _wait_for(lambda: mux.gate.pending("127.0.0.1") == 3)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -145,8 +141,6 @@ async def test_pre_admission_gate_caps_pending_connections_per_address() -> None
         for _, w in pending:
             w.close()
         writer.close()
-    finally:
-        await mux.close()
 
 
 async def test_http_is_handed_to_aiohttp_on_the_same_port() -> None:
