@@ -289,8 +289,19 @@ class StormRow:
         return (self.peak_rss - self.idle_rss) * 1024 * 1024 / self.agents
 
 
+class TooFewDescriptors(Exception):
+    """The storm cannot run here: the controller (and this process) need a socket per agent."""
+
+
 async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
     _raise_fd_limit(2 * agents + 1024)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < agents + 512:
+        raise TooFewDescriptors(
+            f"{agents:,} agents need a descriptor per agent in the controller and in this process "
+            f"({agents + 512:,} with some room), and the limit here is {soft:,} (the hard limit, which only "
+            "a process with CAP_SYS_RESOURCE may raise): not run"
+        )
     token = new_salt()
     proc, port, drain = await _controller("--ranks", str(agents), "--token", token.hex(), "--window", "600")
     poller: asyncio.subprocess.Process | None = None
@@ -505,6 +516,10 @@ async def main(options: argparse.Namespace) -> int:
                 )
             except TimeoutError:
                 print(f"  {agents} agents: no formation within {options.timeout:g}s (timed out)", flush=True)
+                status = 1
+                continue
+            except TooFewDescriptors as error:
+                print(f"  {error}", flush=True)
                 status = 1
                 continue
             rows.append(row)

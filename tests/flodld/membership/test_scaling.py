@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
-from flodld.membership.ledger import Ledger
+from flodld.membership.ledger import Admitted, Ledger, Refused
 from flodld.membership.phase import Phase
 from flodld.membership.window import JoinWindow
 
@@ -114,3 +114,22 @@ def test_a_snapshot_makes_calls_in_proportion_to_the_members_only() -> None:
     per_large = python_calls(lambda: window_large.snapshot(1.0))
     assert per_large <= 10 * per_small + 100  # linear in members, not quadratic
     assert window_large.snapshot(1.0).missing == ["h01000"]
+
+
+def test_a_window_of_20000_hosts_forms_every_rank_once_in_admission_order() -> None:
+    """The 20,000-host world of issue 18, at the protocol core: the socket storm cannot run on a machine
+    whose descriptor limit is 20,000 (the controller needs one per host), the state machine can.
+    """
+    hosts = 20_000
+    window = JoinWindow(policy(capacity=hosts, target_ranks=hosts, min_rank_start=1), [], 0.0)
+    for index in range(hosts):
+        outcome = window.hello(hello(f"h{index:05d}"), 0.001, evaluate=False)
+        assert isinstance(outcome, Admitted) and outcome.ranks == (index,), outcome
+    window.tick(0.002)  # the storm's one evaluation per turn, after the last hello reached the target
+    assert window.phase is Phase.FORMING
+    world = window.form(0.003)
+    assert world is not None and world.world_size == hosts
+    assert window.world_size() == hosts
+    assert [world.ranks[f"h{index:05d}"] for index in (0, 9_999, 19_999)] == [(0,), (9_999,), (19_999,)]
+    late = window.hello(hello("h-late"), 0.004)
+    assert isinstance(late, Refused), late  # the world is formed: a late host is refused, never queued
