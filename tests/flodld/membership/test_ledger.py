@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -77,140 +78,102 @@ def test_freeze_closes_the_window() -> None:
     assert ledger.refused_counts == {"window_closed": 1}
 
 
-# (name, ledger kwargs, policy kwargs, roster, earlier hellos, refused hello, code, sentence fragments)
-REFUSALS: list[
-    tuple[str, dict[str, Any], dict[str, Any], list[str], list[Hello], Hello, str, tuple[str, ...]]
-] = [
-    (
-        "protocol_version",
-        {},
-        {},
-        [],
-        [],
-        hello("a", protocol_version=99),
-        "protocol_version",
-        ("99", "version"),
+@dataclass(frozen=True)
+class RefusalCase:
+    """One admission refusal: REFUSED is refused with CODE after EARLIER were admitted."""
+
+    name: str
+    refused: Hello
+    code: str
+    fragments: tuple[str, ...]  # each one in the refusal's sentence
+    earlier: tuple[Hello, ...] = ()
+    roster: list[str] = field(default_factory=list)
+    configured: dict[str, Any] = field(default_factory=dict)  # the ledger's own expectations
+
+
+REFUSALS = [
+    RefusalCase("protocol_version", hello("a", protocol_version=99), "protocol_version", ("99", "version")),
+    RefusalCase(
+        "duplicate_host",
+        hello("a"),
+        "duplicate_host",
+        ("'a'", "already joined"),
+        earlier=(hello("a"),),
     ),
-    ("duplicate_host", {}, {}, [], [hello("a")], hello("a"), "duplicate_host", ("'a'", "already joined")),
-    ("unknown_host", {}, {}, ["a", "b"], [], hello("x"), "unknown_host", ("'x'", "target_ranks")),
-    ("empty_devices", {}, {}, [], [], hello("a", 0), "empty_devices", ("'a'", "no devices")),
-    ("too_many_devices", {}, {}, [], [], hello("a", 257), "too_many_devices", ("257", "256")),
-    (
-        "vendor_mix_inside_hello",
-        {},
-        {},
-        [],
-        [],
-        hello("a", ["cpu:0", "cuda:0"]),
-        "vendor_mix",
-        ("cpu and cuda",),
-    ),
-    (
+    RefusalCase("unknown_host", hello("x"), "unknown_host", ("'x'", "target_ranks"), roster=["a", "b"]),
+    RefusalCase("empty_devices", hello("a", 0), "empty_devices", ("'a'", "no devices")),
+    RefusalCase("too_many_devices", hello("a", 257), "too_many_devices", ("257", "256")),
+    RefusalCase("vendor_mix_inside_hello", hello("a", ["cpu:0", "cuda:0"]), "vendor_mix", ("cpu and cuda",)),
+    RefusalCase(
         "vendor_mix_against_cohort",
-        {},
-        {},
-        [],
-        [hello("a", ["cuda:0"])],
         hello("b"),
         "vendor_mix",
         ("cohort is cuda", "'a'", "offers cpu"),
+        earlier=(hello("a", ["cuda:0"]),),
     ),
-    (
+    RefusalCase(
         "dataset_first_member",
-        {},
-        {},
-        [],
-        [hello("a", dataset_sig=SIG_A)],
         hello("b", dataset_sig=SIG_B),
         "dataset_mismatch",
         ("bbbbbbbb", "aaaaaaaa", "'a'"),
+        earlier=(hello("a", dataset_sig=SIG_A),),
     ),
-    (
+    RefusalCase(
         "dataset_configured",
-        {"dataset_sig": SIG_A},
-        {},
-        [],
-        [],
         hello("b", dataset_sig=SIG_B),
         "dataset_mismatch",
         ("the controller",),
+        configured={"dataset_sig": SIG_A},
     ),
-    (
+    RefusalCase(
         "run_id",
-        {},
-        {},
-        [],
-        [hello("a", run_id="run-1")],
         hello("b", run_id="run-2"),
         "run_id_mismatch",
         ("run-2", "run-1"),
+        earlier=(hello("a", run_id="run-1"),),
     ),
-    (
+    RefusalCase(
         "run_id_configured",
-        {"run_id": "run-1"},
-        {},
-        [],
-        [],
         hello("b", run_id="run-2"),
         "run_id_mismatch",
         ("the controller",),
+        configured={"run_id": "run-1"},
     ),
-    (
+    RefusalCase(
         "nccl_skew",
-        {},
-        {},
-        [],
-        [hello("a", nccl_version="2.27.5")],
         hello("b", nccl_version="2.26.2"),
         "nccl_skew",
         ("2.27", "2.26", "fdl nccl build"),
+        earlier=(hello("a", nccl_version="2.27.5"),),
     ),
-    (
+    RefusalCase(
         "model_first_member",
-        {},
-        {},
-        [],
-        [hello("a", model_sig=SIG_A)],
         hello("b", model_sig=SIG_B),
         "model_mismatch",
         ("model mismatch",),
+        earlier=(hello("a", model_sig=SIG_A),),
     ),
-    (
+    RefusalCase(
         "model_configured",
-        {"model_sig": SIG_A},
-        {},
-        [],
-        [],
         hello("b", model_sig=SIG_B),
         "model_mismatch",
         ("the controller",),
+        configured={"model_sig": SIG_A},
     ),
 ]
 
 
-@pytest.mark.parametrize(
-    ("ledger_kwargs", "policy_kwargs", "roster", "earlier", "refused", "code", "fragments"),
-    [row[1:] for row in REFUSALS],
-    ids=[row[0] for row in REFUSALS],
-)
-def test_every_admission_refusal_has_a_code_and_a_sentence(
-    ledger_kwargs: dict[str, Any],
-    policy_kwargs: dict[str, Any],
-    roster: list[str],
-    earlier: list[Hello],
-    refused: Hello,
-    code: str,
-    fragments: tuple[str, ...],
-) -> None:
-    ledger = Ledger(policy(capacity=2, **policy_kwargs), roster, **ledger_kwargs)
-    for message in earlier:
+@pytest.mark.parametrize("case", REFUSALS, ids=[case.name for case in REFUSALS])
+def test_every_admission_refusal_has_a_code_and_a_sentence(case: RefusalCase) -> None:
+    ledger = Ledger(policy(capacity=2), case.roster, **case.configured)
+    for message in case.earlier:
         admit(ledger, message)
-    outcome = refuse(ledger, refused)
-    assert outcome.code == code
-    for fragment in fragments:
+    outcome = refuse(ledger, case.refused)
+    assert outcome.code == case.code
+    for fragment in case.fragments:
         assert fragment in outcome.reason
-    assert ledger.refused_counts == {code: 1}
-    assert ledger.joined_ranks == len(earlier)
+    assert ledger.refused_counts == {case.code: 1}
+    assert ledger.joined_ranks == len(case.earlier)
 
 
 def test_checks_run_in_the_documented_order() -> None:
