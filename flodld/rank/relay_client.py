@@ -1,7 +1,7 @@
 """The rank's side of the relay: deposits for CPU averaging, heartbeats, and the controller watch.
 
 Two loopback legs to the host's relay, each an authenticated framed channel:
-- data: `Deposit` up in chunks of `FLODL_CHUNK_BYTES` (default 1 MiB; the relay folds and forwards each
+- data: `Deposit` up in chunks of `FLODL_CHUNK_BYTES` (default 4 MiB; the relay folds and forwards each
   chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps the latest);
 - control: `Heartbeat` up every interval, `CoordinatorHeartbeat`/`Shutdown` down.
 If the control leg closes, or stays silent for the liveness timeout, the controller is gone and
