@@ -27,9 +27,9 @@ from flodld.wire.frames import (
     choose_suite,
     direction_key,
 )
-from flodld.wire.join import Hello
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt
+from tests.flodld.membership.helpers import hello
 
 
 def _pair(aes: bool) -> tuple[FrameConnection, FrameConnection, bytes]:
@@ -101,11 +101,4 @@ def test_names_refuse_every_whitespace_character_as_before() -> None:
     assert len(whitespace) > 20  # tab, newline, NBSP, the ideographic space, ...
     for char in whitespace:
         with pytest.raises(pydantic.ValidationError):
-            Hello(
-                host=f"host{char}a",
-                devices=["cpu:0"],
-                device_labels=[],
-                variant="cpu",
-                torch_version="t",
-                protocol_version=2,
-            )
+            hello(f"host{char}a")
