@@ -14,6 +14,7 @@ from flodld.wire.errors import WireError
 from flodld.wire.join import Reject
 from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt
+from tests.reliability.daemon import running
 
 from .agents import eventually, http, join, options, started
 
@@ -23,8 +24,7 @@ START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller tha
 async def test_two_hundred_concurrent_agents_get_contiguous_ranks_and_every_host_gets_world_formed() -> None:
     count = 200
     total = sum(1 + i % 2 for i in range(count))  # 300 ranks: hosts carry one or two
-    controller, port = await started(options(capacity=total, join=JoinConfig(join_timeout=60)))
-    try:
+    async with running(options(capacity=total, join=JoinConfig(join_timeout=60))) as (controller, port):
         agents = await asyncio.gather(*(join(port, controller.salt, f"h{i:03d}", devices=1 + i % 2)
                                         for i in range(count)))
         ranks = sorted(r for a in agents for r in a.accepted.ranks)
@@ -43,13 +43,10 @@ async def test_two_hundred_concurrent_agents_get_contiguous_ranks_and_every_host
         await asyncio.gather(*(a.leave() for a in agents))
         result = await asyncio.wait_for(controller.wait(), 10)
         assert result.verdict is Phase.DONE
-    finally:
-        await controller.close()
 
 
 async def test_target_reached_forms_at_once_and_ranks_ship_in_admission_order() -> None:
-    controller, port = await started(options(capacity=3, join=JoinConfig(join_timeout=30)))
-    try:
+    async with running(options(capacity=3, join=JoinConfig(join_timeout=30))) as (controller, port):
         first = await join(port, controller.salt, "a", devices=2)
         second = await join(port, controller.salt, "b")
         assert first.accepted.ranks == [0, 1] and second.accepted.ranks == [2]
@@ -65,13 +62,10 @@ async def test_target_reached_forms_at_once_and_ranks_ship_in_admission_order() 
         assert controller.phase is Phase.TRAINING  # one link still open
         await second.leave()
         assert (await asyncio.wait_for(controller.wait(), 5)).verdict is Phase.DONE
-    finally:
-        await controller.close()
 
 
 async def test_silent_connection_held_open_does_not_delay_a_join() -> None:
-    controller, port = await started(options(capacity=1, magic_deadline=5.0))
-    try:
+    async with running(options(capacity=1, magic_deadline=5.0)) as (controller, port):
         _, silent_writer = await asyncio.open_connection("127.0.0.1", port)
         _, half_writer = await asyncio.open_connection("127.0.0.1", port)
         half_writer.write(magic_prefix(Channel.JOIN))  # magic, then nothing: stuck in its own handshake
@@ -84,13 +78,10 @@ async def test_silent_connection_held_open_does_not_delay_a_join() -> None:
         silent_writer.close()
         half_writer.close()
         await agent.leave()
-    finally:
-        await controller.close()
 
 
 async def test_unknown_magic_is_dropped_and_counted_in_state_and_metrics() -> None:
-    controller, port = await started(options(capacity=1))
-    try:
+    async with running(options(capacity=1)) as (_, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"\xde\xad\xbe\xef")
         with pytest.raises((ConnectionError, AssertionError)):
@@ -104,13 +95,10 @@ async def test_unknown_magic_is_dropped_and_counted_in_state_and_metrics() -> No
         assert 'flodld_dropped_connections_total{reason="unknown_magic"} 1' in text
         assert 'flodld_phase{phase="waiting"} 1' in text
         assert 'flodld_connections_total{channel="http"}' in text
-    finally:
-        await controller.close()
 
 
 async def test_wrong_token_hello_is_refused_without_a_reply_or_the_salt() -> None:
-    controller, port = await started(options(capacity=1, join=JoinConfig(token=new_salt().hex())))
-    try:
+    async with running(options(capacity=1, join=JoinConfig(token=new_salt().hex()))) as (controller, port):
         with pytest.raises((EOFError, WireError, ConnectionError)):
             await join(port, new_salt(), "intruder")
         with pytest.raises((EOFError, WireError, ConnectionError)):
@@ -118,26 +106,20 @@ async def test_wrong_token_hello_is_refused_without_a_reply_or_the_salt() -> Non
         _, body = await http(port, "GET", "/state.json")
         assert body["refused"]["bad_tag"] == 2 and body["joined_ranks"] == 0
         assert controller.salt_hex not in str(body)
-    finally:
-        await controller.close()
 
 
 async def test_open_admission_on_a_loopback_bind_hands_out_the_salt() -> None:
-    controller, port = await started(options(capacity=1, loopback_bind=True, averaging="cpu_sync"))
-    try:
+    async with running(options(capacity=1, loopback_bind=True, averaging="cpu_sync")) as (controller, port):
         agent = await join(port, OPEN_ADMISSION_KEY, "walk-in", open_admission=True)
         assert agent.accepted.salt_hex == controller.salt_hex
         world = await agent.world()  # keyed with the salt after the rekey: it verifies
         assert world.envelope.controller_host == "127.0.0.1"
         await agent.leave()
         assert (await asyncio.wait_for(controller.wait(), 5)).ok
-    finally:
-        await controller.close()
 
 
 async def test_a_refused_hello_gets_a_reject_with_the_reason() -> None:
-    controller, port = await started(options(capacity=2, roster=("a", "b")))
-    try:
+    async with running(options(capacity=2, roster=("a", "b"))) as (controller, port):
         stranger = await join(port, controller.salt, "stranger")
         assert isinstance(stranger.reply, Reject) and stranger.reply.code == "unknown_host"
         first = await join(port, controller.salt, "a")
@@ -146,13 +128,10 @@ async def test_a_refused_hello_gets_a_reject_with_the_reason() -> None:
         _, body = await http(port, "GET", "/state.json")
         assert body["missing"] == ["b"] and body["refused"]["unknown_host"] == 1
         await first.leave()
-    finally:
-        await controller.close()
 
 
 async def test_disconnect_before_formation_returns_ranks_and_later_hosts_renumber() -> None:
-    controller, port = await started(options(capacity=3, join=JoinConfig(join_timeout=30)))
-    try:
+    async with running(options(capacity=3, join=JoinConfig(join_timeout=30))) as (controller, port):
         a = await join(port, controller.salt, "a")
         b = await join(port, controller.salt, "b")
         assert (a.accepted.ranks, b.accepted.ranks) == ([0], [1])
@@ -170,28 +149,22 @@ async def test_disconnect_before_formation_returns_ranks_and_later_hosts_renumbe
         await b.leave()
         await c.leave()
         assert (await asyncio.wait_for(controller.wait(), 5)).ok
-    finally:
-        await controller.close()
 
 
 async def test_window_expiry_with_quorum_forms_below_target() -> None:
-    controller, port = await started(options(capacity=4, join=JoinConfig(min_rank_start=1, join_timeout=0.4)))
-    try:
+    opts = options(capacity=4, join=JoinConfig(min_rank_start=1, join_timeout=0.4))
+    async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "only")
         assert controller.phase is Phase.WAITING
         world = await agent.world(timeout=3)
         assert world.envelope.world_size == 1
         assert "window closed with quorum" in controller.window.reason or controller.phase is Phase.TRAINING  # type: ignore[union-attr]
         await agent.leave()
-    finally:
-        await controller.close()
 
 
 async def test_hard_cap_without_quorum_fails_and_aborts_every_host() -> None:
-    controller, port = await started(
-        options(capacity=3, join=JoinConfig(join_timeout=0.2, max_join_timeout=0.5))
-    )
-    try:
+    opts = options(capacity=3, join=JoinConfig(join_timeout=0.2, max_join_timeout=0.5))
+    async with running(opts) as (controller, port):
         a = await join(port, controller.salt, "a")
         b = await join(port, controller.salt, "b")
         aborts = await asyncio.gather(a.abort(timeout=3), b.abort(timeout=3))
@@ -200,15 +173,11 @@ async def test_hard_cap_without_quorum_fails_and_aborts_every_host() -> None:
         assert result.verdict is Phase.FAILED and "quorum not met" in result.reason
         _, body = await http(port, "GET", "/state.json")  # the endpoint outlives the run
         assert body["phase"] == "failed"
-    finally:
-        await controller.close()
 
 
 async def test_manual_mode_stages_through_expiry_until_post_start() -> None:
-    controller, port = await started(
-        options(capacity=1, join=JoinConfig(start="manual", join_timeout=0.2, max_join_timeout=20))
-    )
-    try:
+    opts = options(capacity=1, join=JoinConfig(start="manual", join_timeout=0.2, max_join_timeout=20))
+    async with running(opts) as (controller, port):
         status, body = await http(port, "POST", "/start", START)
         assert (status, body["code"]) == (409, "quorum_not_met") and "0 of 1" in body["error"]
         agent = await join(port, controller.salt, "a")
@@ -221,27 +190,19 @@ async def test_manual_mode_stages_through_expiry_until_post_start() -> None:
         status, body = await http(port, "POST", "/start", START)
         assert status == 409 and body["code"] == "window_closed" and "phase:" in body["error"]
         await agent.leave()
-    finally:
-        await controller.close()
 
 
 async def test_manual_mode_without_start_fails_at_the_hard_cap() -> None:
-    controller, port = await started(
-        options(capacity=1, join=JoinConfig(start="manual", join_timeout=0.1, max_join_timeout=0.4))
-    )
-    try:
+    opts = options(capacity=1, join=JoinConfig(start="manual", join_timeout=0.1, max_join_timeout=0.4))
+    async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "a")
         abort = await agent.abort(timeout=3)
         assert "operator start not received" in abort.reason
-    finally:
-        await controller.close()
 
 
 async def test_hybrid_forms_on_expiry_or_earlier_on_start() -> None:
-    controller, port = await started(
-        options(capacity=4, join=JoinConfig(start="hybrid", min_rank_start=1, join_timeout=30))
-    )
-    try:
+    opts = options(capacity=4, join=JoinConfig(start="hybrid", min_rank_start=1, join_timeout=30))
+    async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "a")
         _, state = await http(port, "GET", "/state.json")
         assert state["phase"] == "staging"
@@ -249,22 +210,15 @@ async def test_hybrid_forms_on_expiry_or_earlier_on_start() -> None:
         assert status == 200
         assert (await agent.world()).envelope.world_size == 1
         await agent.leave()
-    finally:
-        await controller.close()
-    controller, port = await started(
-        options(capacity=4, join=JoinConfig(start="hybrid", min_rank_start=1, join_timeout=0.3))
-    )
-    try:
+    opts = options(capacity=4, join=JoinConfig(start="hybrid", min_rank_start=1, join_timeout=0.3))
+    async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "a")
         assert (await agent.world(timeout=3)).envelope.world_size == 1
         await agent.leave()
-    finally:
-        await controller.close()
 
 
 async def test_a_failing_rank_fails_the_run_and_aborts_every_host() -> None:
-    controller, port = await started(options(capacity=2))
-    try:
+    async with running(options(capacity=2)) as (controller, port):
         a = await join(port, controller.salt, "a")
         b = await join(port, controller.salt, "b")
         await a.world()
@@ -274,8 +228,6 @@ async def test_a_failing_rank_fails_the_run_and_aborts_every_host() -> None:
         assert all("tolerance" in x.reason for x in aborts)
         result = await asyncio.wait_for(controller.wait(), 3)
         assert result.verdict is Phase.FAILED
-    finally:
-        await controller.close()
 
 
 async def test_stop_aborts_every_link_with_the_reason() -> None:
@@ -291,8 +243,8 @@ async def test_stop_aborts_every_link_with_the_reason() -> None:
 
 
 async def test_undecided_join_handshakes_hold_the_per_address_pre_admission_slots() -> None:
-    controller, port = await started(options(capacity=1, limit_loopback=True, max_pending_per_peer=2))
-    try:
+    opts = options(capacity=1, limit_loopback=True, max_pending_per_peer=2)
+    async with running(opts) as (controller, port):
         stuck = []
         for _ in range(2):  # magic sent, then silence: the join handshake is still undecided
             _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -308,13 +260,10 @@ async def test_undecided_join_handshakes_hold_the_per_address_pre_admission_slot
         agent = await join(port, controller.salt, "after")  # slots are released once decided or closed
         assert agent.accepted.ranks == [0]
         await agent.leave()
-    finally:
-        await controller.close()
 
 
 async def test_every_refusal_is_logged_with_the_peer_address(caplog: pytest.LogCaptureFixture) -> None:
-    controller, port = await started(options(capacity=1, roster=("a",)))
-    try:
+    async with running(options(capacity=1, roster=("a",))) as (controller, port):
         with caplog.at_level("WARNING", logger="flodld.controller"):
             with pytest.raises((EOFError, WireError, ConnectionError)):
                 await join(port, new_salt(), "forger")
@@ -326,13 +275,10 @@ async def test_every_refusal_is_logged_with_the_peer_address(caplog: pytest.LogC
         assert any("code=bad_tag" in line for line in lines) and any(
             "code=unknown_host" in line for line in lines
         )
-    finally:
-        await controller.close()
 
 
 async def test_clean_exits_end_done_but_a_corrupted_link_after_formation_fails_the_run() -> None:
-    controller, port = await started(options(capacity=3))
-    try:
+    async with running(options(capacity=3)) as (controller, port):
         a, b, c = [await join(port, controller.salt, host) for host in ("a", "b", "c")]
         for agent in (a, b, c):
             await agent.world()
@@ -350,13 +296,10 @@ async def test_clean_exits_end_done_but_a_corrupted_link_after_formation_fails_t
         assert links == {"a": "closed", "b": "lost", "c": "open"} and state["rank_exits"] == [
             {"rank": 0, "code": 0}
         ]
-    finally:
-        await controller.close()
 
 
 async def test_a_rank_declared_dead_by_a_subsystem_fails_the_run_naming_its_host() -> None:
-    controller, port = await started(options(capacity=2))
-    try:
+    async with running(options(capacity=2)) as (controller, port):
         a, b = await join(port, controller.salt, "quiet-host"), await join(port, controller.salt, "b")
         await a.world()
         await b.world()
@@ -366,15 +309,11 @@ async def test_a_rank_declared_dead_by_a_subsystem_fails_the_run_naming_its_host
         assert "quiet-host" in abort.reason and "no heartbeat" in abort.reason
         result = await asyncio.wait_for(controller.wait(), 3)
         assert result.verdict is Phase.FAILED and "quiet-host" in result.reason
-    finally:
-        await controller.close()
 
 
 async def test_admitted_links_probe_with_tcp_keepalive_scaled_by_the_run_env() -> None:
-    controller, port = await started(
-        options(capacity=2, link_keepalive_secs=15, env={"FLODL_NET_TIMEOUT_SCALE": "0.2"})
-    )
-    try:
+    opts = options(capacity=2, link_keepalive_secs=15, env={"FLODL_NET_TIMEOUT_SCALE": "0.2"})
+    async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "a")
         sock = controller._links["a"].stream.writer.get_extra_info("socket")
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
@@ -382,13 +321,10 @@ async def test_admitted_links_probe_with_tcp_keepalive_scaled_by_the_run_env() -
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
         await agent.leave()
-    finally:
-        await controller.close()
 
 
 async def test_state_json_counts_connections_by_channel_and_drops_by_reason() -> None:
-    controller, port = await started(options(capacity=2))
-    try:
+    async with running(options(capacity=2)) as (controller, port):
         for _ in range(2):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"\xde\xad\xbe\xef")
@@ -406,5 +342,3 @@ async def test_state_json_counts_connections_by_channel_and_drops_by_reason() ->
         assert connections["by_channel"]["join"] == 1
         assert connections["by_channel"]["http"] == 2  # this request counts itself
         assert body["refused"]["connection_unknown_magic"] == 2  # the older spelling stays
-    finally:
-        await controller.close()
