@@ -13,22 +13,24 @@ import struct
 import threading
 import time
 from types import TracebackType
+from typing import TypedDict, Unpack
 
+from flodld.net.frames import next_frame
 from flodld.net.stream import HANDSHAKE_SECS, READ_CHUNK, WRITE_STALL_SECS
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
-from flodld.wire.frames import (
-    DEFAULT_MAX_TAIL,
-    MAX_PAYLOAD,
-    Closed,
-    Frame,
-    FrameConnection,
-    NeedData,
-    Role,
-    Tail,
-)
+from flodld.wire.frames import Frame, FrameConnection, NeedData, Role, Tail
 from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.messages import Message
+
+
+class FrameLimits(TypedDict, total=False):
+    """The caps a channel's frames are held to; an absent one is FrameConnection's default
+    (MAX_PAYLOAD, DEFAULT_MAX_TAIL).
+    """
+
+    max_payload: int
+    max_tail: int
 
 
 class BlockingChannel:
@@ -53,23 +55,17 @@ class BlockingChannel:
         key: bytes,
         *,
         timeout: float,
-        max_payload: int = MAX_PAYLOAD,
-        max_tail: int = DEFAULT_MAX_TAIL,
+        **limits: Unpack[FrameLimits],
     ) -> BlockingChannel:
         """Dial `channel`: write magic and nonce, wait up to `timeout` for the listener's nonce."""
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = FrameConnection(
-                Role.DIALER, key, max_payload=max_payload, max_tail=max_tail, channel=channel
-            )
-            link = cls(sock, conn)
-            link._sendall(magic_prefix(channel) + conn.initial_bytes())
-            link._complete_handshake(timeout)
+            conn = FrameConnection(Role.DIALER, key, channel=channel, **limits)
+            return cls._handshake(sock, conn, magic_prefix(channel), timeout)
         except BaseException:
             sock.close()
             raise
-        return link
 
     @classmethod
     def accept(
@@ -79,27 +75,28 @@ class BlockingChannel:
         *,
         channel: Channel,
         timeout: float | None = None,
-        max_payload: int = MAX_PAYLOAD,
-        max_tail: int = DEFAULT_MAX_TAIL,
+        **limits: Unpack[FrameLimits],
     ) -> BlockingChannel:
         """Listener side on an accepted socket whose channel magic (`channel`) was already read.
 
         The wait for the dialer's nonce is always bounded: `timeout`, or scaled 10 s when None.
         """
-        conn = FrameConnection(
-            Role.LISTENER, key, max_payload=max_payload, max_tail=max_tail, channel=channel
-        )
-        link = cls(sock, conn)
-        link._sendall(conn.initial_bytes())
-        link._complete_handshake(timeout if timeout is not None else scaled(HANDSHAKE_SECS))
-        return link
+        conn = FrameConnection(Role.LISTENER, key, channel=channel, **limits)
+        return cls._handshake(sock, conn, b"", timeout if timeout is not None else scaled(HANDSHAKE_SECS))
 
-    def _complete_handshake(self, timeout: float | None) -> None:
+    @classmethod
+    def _handshake(
+        cls, sock: socket.socket, conn: FrameConnection, prefix: bytes, timeout: float
+    ) -> BlockingChannel:
+        """Send `prefix` (the dialer's channel magic) and this end's nonce, then wait for the peer's."""
+        link = cls(sock, conn)
+        link._sendall(prefix + conn.initial_bytes())
         deadline = _deadline(timeout)
-        while not self.conn.ready:
-            if not isinstance(self.conn.next_event(), NeedData):  # pragma: no cover
+        while not link.conn.ready:
+            if not isinstance(link.conn.next_event(), NeedData):  # pragma: no cover
                 raise WireError("handshake", "unexpected event before the nonce exchange completed")
-            self._read_more(deadline, "the peer's nonce")
+            link._read_more(deadline, "the peer's nonce")
+        return link
 
     def send(self, msg: Message, tail: Tail = b"") -> None:
         with self._send_lock:
@@ -127,13 +124,9 @@ class BlockingChannel:
         """
         deadline = _deadline(timeout)
         with self._recv_lock:
-            while True:
-                event = self.conn.next_event()
-                if isinstance(event, Frame):
-                    return event
-                if isinstance(event, Closed):
-                    raise EOFError("peer closed the connection")
+            while (frame := next_frame(self.conn)) is None:
                 self._read_more(deadline, "a frame")
+            return frame
 
     def _read_more(self, deadline: float | None, what: str) -> None:
         want = min(max(self.conn.bytes_wanted, 1), READ_CHUNK)
