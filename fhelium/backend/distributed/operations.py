@@ -35,17 +35,12 @@ from fhelium.backend.rns.operations import (
     operand_prime_ids,
 )
 from fhelium.core import Ciphertext
-from fhelium.distributed import CiphertextAdder, ReductionTrace, ResidueModuliAdder, all_reduce_ciphertext
-
-# The control exchange of fhelium.distributed's typed collectives, shared so that a Program's
-# collectives and the library's refuse mismatched layouts the same way.
-from fhelium.distributed.steps import (
-    agree,
-    check_identical_layouts,
-    describe_or_error,
-    exchange_control,
-    group_info,
-    rank_body,
+from fhelium.distributed import (
+    CiphertextAdder,
+    ReductionTrace,
+    ResidueModuliAdder,
+    all_reduce_ciphertext,
+    steps,
 )
 from fhelium.ir import OpenStateType
 from fhelium.ir.dialects import ckks
@@ -67,10 +62,11 @@ def check_equal_layout(op_name: str, value: torch.Tensor, group: ProcessGroupExe
     same comparison everywhere): a mismatch raises the same ``CollectiveArgumentError`` on every
     rank before any payload moves, and the group stays usable.
     """
-    info = group_info(group.process_group)
-    descriptor, error = describe_or_error(value)
-    exchange = exchange_control(info, op_name, arguments={}, error=error, body=rank_body(descriptor))
-    agree(info, op_name, lambda: check_identical_layouts(exchange, op_name))
+    info = steps.group_info(group.process_group)
+    descriptor, error = steps.describe_or_error(value)
+    body = steps.rank_body(descriptor)
+    exchange = steps.exchange_control(info, op_name, arguments={}, error=error, body=body)
+    steps.agree(info, op_name, lambda: steps.check_identical_layouts(exchange, op_name))
 
 
 class TorchProcessGroupQueryImplementation(OperandResourcesOnly):
