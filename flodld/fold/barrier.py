@@ -290,15 +290,25 @@ class RoundBarrier(Generic[Member]):
             raise RoundError(f"{member!r} deposited weight {weight}; weights must be finite and >= 0")
 
     def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
-        """The kept accumulator when schema and fold are the round before's, else a new one from `identity`
-        (which refuses a schema the fold cannot take: FoldError, before anything is kept).
+        """The kept accumulator when schema and fold are the round before's, else a new one, uninitialised:
+        `_drain` zeroes each chunk of it as its first member folds, and a chunk nobody folded is never
+        handed on. `identity` still judges the schema first (FoldError, before anything is kept), on meta
+        tensors (shapes and dtypes, no memory): a round whose schema changed no longer allocates and
+        zero-fills a whole accumulator only to zero it again chunk by chunk. A plugin fold whose
+        `identity` cannot take meta tensors gets real ones.
         """
         slot = self.round % len(self._kept)
         kept = self._kept[slot]
         if kept is not None and kept[0] == fold.spec and kept[1] == layout.specs:
             return kept[2]
         self._kept[slot] = None  # drop the old accumulator before allocating the new one
-        return fold.identity(layout.empty())
+        try:
+            fold.identity(layout.empty(device="meta"))
+        except FoldError:
+            raise
+        except Exception:  # a fold that needs real memory to judge: its own identity
+            return fold.identity(layout.empty())
+        return layout.empty()
 
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
         self._kept[self.round % len(self._kept)] = (fold.spec, layout.specs, accumulator)

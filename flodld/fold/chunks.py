@@ -71,10 +71,11 @@ class Layout:
             offset += spec.nbytes()
         self.total = offset
 
-    def empty(self) -> Bundle:
-        """Uninitialised tensors of this schema (fresh memory)."""
+    def empty(self, device: str = "cpu") -> Bundle:
+        """Uninitialised tensors of this schema (fresh memory; on "meta": shapes and dtypes only)."""
         return tuple(
-            torch.empty(shape, dtype=dtype) for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+            torch.empty(shape, dtype=dtype, device=device)
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
         )
 
     def ranges(self, chunk_bytes: int) -> list[tuple[int, int]]:

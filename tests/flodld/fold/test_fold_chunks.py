@@ -347,3 +347,42 @@ def test_two_accumulators_alternate_so_a_round_never_overwrites_the_one_before()
     assert pointers[0] != pointers[1] and pointers[0] == pointers[2] and pointers[1] == pointers[3]
     with pytest.raises(ValueError, match="1 or 2"):
         RoundBarrier([0], accumulators=3)
+
+
+class _NumpyMean:
+    """A plugin fold whose `identity` needs real memory (numpy cannot read meta tensors)."""
+
+    spec = "numpymean"
+
+    def identity(self, like: Bundle) -> Bundle:
+        return tuple(torch.from_numpy(tensor.numpy() * 0) for tensor in like)
+
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401  # the rest of the mean fold, unchanged
+        return getattr(fold_from_spec("mean"), name)
+
+
+@pytest.mark.parametrize("accumulators", [1, 2])
+def test_schemas_that_change_round_by_round_fold_exactly_in_uninitialised_accumulators(
+    accumulators: int,
+) -> None:
+    """A new accumulator is not zero-filled (each chunk is zeroed as its first member folds), so what the
+    memory held before never reaches a result; a plugin whose identity cannot take meta tensors works.
+    """
+    from flodld.fold.base import register_fold
+
+    register_fold("numpymean", lambda params: _NumpyMean())
+    barrier: RoundBarrier[int] = RoundBarrier(range(3), accumulators=accumulators)
+    def schema(number: int, rank: int) -> Bundle:
+        whole = float_bundle(rank)
+        return (whole, whole[:2], (whole[0] * 7,))[number % 3]
+
+    for number in range(6):
+        deposits = {rank: schema(number, rank) for rank in range(3)}
+        spec = "numpymean" if number == 4 else "mean"
+        results = fold_chunked(barrier, spec, deposits, dict.fromkeys(range(3), 1.0), 1000, seed=number)
+        want = reference("mean", [deposits[rank] for rank in range(3)], [1.0] * 3)
+        assert_bitwise_equal(assemble(results, finish=True), want)
+        # Scribble over what this round leaves behind: a later round that reused it unzeroed would show it.
+        for tensor in results[0].tensors:
+            if tensor.numel():
+                tensor.view(-1).view(torch.uint8).fill_(0x7F)
