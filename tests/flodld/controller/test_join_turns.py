@@ -95,3 +95,25 @@ def test_the_budget_is_one_per_loop_and_refuses_zero() -> None:
     assert other is not first  # another loop, its own budget
     with pytest.raises(ValueError, match=">= 1"):
         TurnBudget(0)
+
+
+def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    from flodld.controller import join
+
+    monkeypatch.setattr(join, "FREEZE_EVERY", 3)
+    gc.unfreeze()
+    for _ in range(2):
+        join._link_opened()
+    assert gc.get_freeze_count() == 0  # a few links: the collector is left alone
+    join._link_opened()
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    for _ in range(2):
+        join._link_ended()
+    assert gc.get_freeze_count() >= frozen  # links still open: still frozen
+    join._link_ended()
+    assert gc.get_freeze_count() == 0  # the last link ended: everything back to the collector
