@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -54,6 +55,18 @@ CASES = {
 }
 
 
+@pytest.fixture(params=_levels())
+def level(request: pytest.FixtureRequest) -> str:
+    """Each native level this CPU runs (at least `scalar`)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def engines(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> tuple[CkksEngine, CkksEngine]:
+    """(the torch reference, the engine at LEVEL) over CASES[CASE], seeded alike (CASE: parametrize it)."""
+    return _engines(CASES[case], level, monkeypatch)
+
+
 @contextmanager
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Within: FHELIUM_NATIVE_LEVEL=torch (the reference path); the level before it is back after."""
@@ -81,12 +94,11 @@ def _residues(engine: CkksEngine, ids: tuple[int, ...], batch: tuple[int, ...], 
     return torch.cat(rows, dim=-2)
 
 
-@pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", list(CASES))
 def test_key_switching_and_mod_down_are_bit_identical(
-    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+    engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference, engine = _engines(CASES[case], level, monkeypatch)
+    reference, engine = engines
     with _torch_path(monkeypatch):
         secret = reference.generate_secret_key()
         key = reference.generate_relinearization_key(secret)
@@ -114,12 +126,11 @@ def test_key_switching_and_mod_down_are_bit_identical(
         assert torch.equal(engine._key_switch(strided, ids, key), expected_switch)
 
 
-@pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n8", "n1024", "n2048-50bit", "n16384"])
 def test_rescale_is_bit_identical_in_both_domains(
-    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+    engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference, engine = _engines(CASES[case], level, monkeypatch)
+    reference, engine = engines
     for depth, batch in ((0, (3,)), (reference.parameters.max_depth - 1, ())):
         ids = reference.q_ids_at(depth)
         data = _residues(reference, ids, (2, *batch), seed=depth + 21)
@@ -132,13 +143,12 @@ def test_rescale_is_bit_identical_in_both_domains(
             assert torch.equal(result.data, expected.data)
 
 
-@pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n2048-50bit", "n16384"])
 def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
-    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+    engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # at N=2^14 a batch of 3 is three groups on the torch path, one native call (chunked inside)
-    reference, engine = _engines(CASES[case], level, monkeypatch)
+    reference, engine = engines
     with _torch_path(monkeypatch):
         keys = reference.generate_keys(rotation_steps=(1, -3), conjugation=True)
         x = torch.rand(
@@ -166,31 +176,38 @@ def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
     assert torch.allclose(decoded.real, x**2, atol=1e-4)
 
 
-def test_levels_agree_on_a_batch_of_key_switches() -> None:
-    n = 1 << 12
-    parameters = _parameters(12, (40,) * 4, 48, 50)
-    moduli = list(parameters.moduli)
+class _KeySwitchOperands(NamedTuple):
+    q: torch.Tensor
+    tables: torch.Tensor
+    x: torch.Tensor  # BATCH polynomials over the Q limbs
+    key: torch.Tensor  # one (2, QP, N) key part per Q limb
+    digits: torch.Tensor
+    rows: torch.Tensor
+    generator: torch.Generator  # for more residues after these
+
+
+def _key_switch_operands(parameters: CkksParameters, batch: int, seed: int) -> _KeySwitchOperands:
+    """NTT tables over every modulus of PARAMETERS (Q then P) and random residues for one key switch."""
+    n, moduli = 1 << parameters.log_ring_degree, list(parameters.moduli)
     q, tables = native.ntt_tables(moduli, [primitive_root_of_unity(2 * n, p) for p in moduli], n)
-    generator = torch.Generator().manual_seed(31)
-    column = q.view(-1, 1)
-    x = torch.remainder(torch.randint(0, 1 << 62, (4, 5, n), generator=generator), column[:5])
-    key = torch.remainder(torch.randint(0, 1 << 62, (5, 2, 6, n), generator=generator), column)
-    digits, rows = torch.arange(5), torch.arange(6)
+    generator = torch.Generator().manual_seed(seed)
+    column, limbs = q.view(-1, 1), len(moduli) - 1
+    x = torch.remainder(torch.randint(0, 1 << 62, (batch, limbs, n), generator=generator), column[:limbs])
+    key = torch.remainder(torch.randint(0, 1 << 62, (limbs, 2, len(moduli), n), generator=generator), column)
+    return _KeySwitchOperands(q, tables, x, key, torch.arange(limbs), torch.arange(len(moduli)), generator)
+
+
+def test_levels_agree_on_a_batch_of_key_switches() -> None:
+    q, tables, x, key, digits, rows, _ = _key_switch_operands(_parameters(12, (40,) * 4, 48, 50), 4, seed=31)
     results = [native.key_switch(x, key, digits, rows, q, tables, level) for level in _levels()]
     assert all(torch.equal(results[0], other) for other in results[1:])
 
 
 def test_rns_ops_have_fake_implementations() -> None:
     n = 64
-    parameters = _parameters(6, (30, 30), 40, 50)
-    moduli = list(parameters.moduli)
-    q, tables = native.ntt_tables(moduli, [primitive_root_of_unity(2 * n, p) for p in moduli], n)
-    generator = torch.Generator().manual_seed(32)
+    q, tables, x, key, digits, rows, generator = _key_switch_operands(_parameters(6, (30, 30), 40, 50), 2, 32)
     column = q.view(-1, 1)
-    x = torch.remainder(torch.randint(0, 1 << 62, (2, 3, n), generator=generator), column[:3])
-    key = torch.remainder(torch.randint(0, 1 << 62, (3, 2, 4, n), generator=generator), column)
     level = native.LEVEL_CODES[_levels()[-1]]
-    digits, rows = torch.arange(3), torch.arange(4)
     ops = torch.ops.fhelium
     torch.library.opcheck(ops.key_switch.default, (x, key, digits, rows, q, tables, level))
     lifted = ops.decompose.default(x, q, tables, level)
@@ -203,12 +220,11 @@ def test_rns_ops_have_fake_implementations() -> None:
     )
 
 
-@pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n8", "n1024", "n2048-50bit", "n16384"])
 def test_encryption_mod_down_and_encrypt_are_bit_identical(
-    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+    engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference, engine = _engines(CASES[case], level, monkeypatch)
+    reference, engine = engines
     for depth, batch in ((0, (2,)), (reference.parameters.max_depth, ())):
         ids = reference.q_ids_at(depth)
         qp_ids = (*ids, reference.special_prime_id)
@@ -327,10 +343,11 @@ def test_elementwise_ops_have_fake_implementations() -> None:
         torch.library.opcheck(op.default, (x.clone(), x, q, level))
 
 
-@pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n8", "n1024", "n16384"])
-def test_sampling_to_ntt_is_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    reference, engine = _engines(CASES[case], level, monkeypatch)
+def test_sampling_to_ntt_is_bit_identical(
+    engines: tuple[CkksEngine, CkksEngine], level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, engine = engines
     generator = torch.Generator().manual_seed(61)
     ids = tuple(range(len(reference.moduli)))
     small = torch.randint(-20, 21, (3, 2, reference.ring_degree), generator=generator)
@@ -359,10 +376,11 @@ def test_permute_last_is_index_select() -> None:
     torch.library.opcheck(torch.ops.fhelium.permute_last.default, (x, index))
 
 
-@pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("case", ["n8", "n2048-50bit", "n16384"])
-def test_tensor_product_is_bit_identical(case: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    reference, engine = _engines(CASES[case], level, monkeypatch)
+def test_tensor_product_is_bit_identical(
+    engines: tuple[CkksEngine, CkksEngine], level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, engine = engines
     ids = reference.q_ids_at(0)
     lhs_data = _residues(reference, ids, (2, 3), seed=81)
     rhs_data = _residues(reference, ids, (2, 3), seed=82)
