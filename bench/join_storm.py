@@ -18,6 +18,11 @@ counter) against the controller's store; store ops/s against a bare asyncio echo
 number of request/reply round trips over as many connections. `--store-peers` (default 32) is how many
 peers each rank reads; `all` is gloo's full mesh, O(world²) ops in all.
 
+`--profile-controller DIR` runs each controller under cProfile (stats in DIR; slower, for where the time
+goes). This process runs without cyclic garbage collection during a storm (`_quiet_collector`). A storm that
+needs more descriptors than the hard limit allows (one socket per agent in the controller and here) is
+skipped with the reason.
+
 Every process the bench starts (the controller, the poller) is ended when it finishes, fails, times out
 (`--timeout` per storm), or is interrupted (SIGINT, SIGTERM); the children also get SIGKILL if the bench
 itself is killed (PR_SET_PDEATHSIG).
