@@ -8,56 +8,41 @@
 // and uses RowTables, SmallStage/small_stage and kIfmaBlock from the enclosing file. The butterflies
 // are Harvey's (lazy values below 4q), so every level gives the same fully reduced outputs.
 
-// one Cooley-Tukey stage (m groups at distance half) on the residues [begin, end)
-FHELIUM_VECTOR inline void forward_stage(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
-                                            int64_t end, __m512i q, __m512i two_q) {
-  if (half >= 8) {
-    for (int64_t i = begin / (2 * half); i < end / (2 * half); ++i) {
-      const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.forward[m + i]));
-      const __m512i ws = _mm512_set1_epi64(shoup_operand(t.forward_shoup[m + i]));
-      u64* x = a + 2 * i * half;
-      u64* y = x + half;
-      for (int64_t j = 0; j < half; j += 8) {
-        const __m512i u = reduce_once(_mm512_loadu_si512(x + j), two_q);
-        const __m512i v = mul_shoup_lazy_vector(_mm512_loadu_si512(y + j), w, ws, q);
-        _mm512_storeu_si512(x + j, _mm512_add_epi64(u, v));
-        _mm512_storeu_si512(y + j, _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q));
-      }
-    }
-    return;
-  }
-  const SmallStage& s = small_stage(static_cast<int>(half));
-  const __m512i take_x = _mm512_load_si512(s.take_x), take_y = _mm512_load_si512(s.take_y);
-  const __m512i put_lo = _mm512_load_si512(s.put_lo), put_hi = _mm512_load_si512(s.put_hi);
-  const __m512i pick = _mm512_load_si512(s.twiddle);
-  for (int64_t b = begin; b < end; b += 16) {
-    const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
-    const int64_t first = m + b / (2 * half);
-    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward + first));
-    const __m512i ws = shoup_operands(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.forward_shoup + first)));
-    const __m512i u = reduce_once(_mm512_permutex2var_epi64(lo, take_x, hi), two_q);
-    const __m512i v = mul_shoup_lazy_vector(_mm512_permutex2var_epi64(lo, take_y, hi), w, ws, q);
-    const __m512i x = _mm512_add_epi64(u, v);
-    const __m512i y = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
-    _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
-    _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
+// one butterfly on 8 lanes, in place: Cooley-Tukey when Forward ((x, y) -> (x + wy, x - wy), x taken
+// below 2q first), Gentleman-Sande otherwise ((x, y) -> (x + y below 2q, w(x - y)))
+template <bool Forward>
+FHELIUM_VECTOR inline void butterfly(__m512i& x, __m512i& y, __m512i w, __m512i ws, __m512i q,
+                                     __m512i two_q) {
+  if constexpr (Forward) {
+    const __m512i u = reduce_once(x, two_q);
+    const __m512i v = mul_shoup_lazy_vector(y, w, ws, q);
+    x = _mm512_add_epi64(u, v);
+    y = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
+  } else {
+    const __m512i u = x, v = y;
+    x = reduce_once(_mm512_add_epi64(u, v), two_q);
+    y = mul_shoup_lazy_vector(_mm512_add_epi64(_mm512_sub_epi64(u, v), two_q), w, ws, q);
   }
 }
 
-// one Gentleman-Sande stage (m groups at distance half) on the residues [begin, end)
-FHELIUM_VECTOR inline void inverse_stage(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
-                                            int64_t end, __m512i q, __m512i two_q) {
+// one stage (m groups at distance half) on the residues [begin, end): Cooley-Tukey with the forward
+// twiddles when Forward, Gentleman-Sande with the inverse ones otherwise
+template <bool Forward>
+FHELIUM_VECTOR inline void stage(u64* a, const RowTables& t, int64_t m, int64_t half, int64_t begin,
+                                 int64_t end, __m512i q, __m512i two_q) {
+  const u64* twiddles = Forward ? t.forward : t.inverse;
+  const u64* twiddles_shoup = Forward ? t.forward_shoup : t.inverse_shoup;
   if (half >= 8) {
     for (int64_t i = begin / (2 * half); i < end / (2 * half); ++i) {
-      const __m512i w = _mm512_set1_epi64(static_cast<long long>(t.inverse[m + i]));
-      const __m512i ws = _mm512_set1_epi64(shoup_operand(t.inverse_shoup[m + i]));
+      const __m512i w = _mm512_set1_epi64(static_cast<long long>(twiddles[m + i]));
+      const __m512i ws = _mm512_set1_epi64(shoup_operand(twiddles_shoup[m + i]));
       u64* x = a + 2 * i * half;
       u64* y = x + half;
       for (int64_t j = 0; j < half; j += 8) {
-        const __m512i u = _mm512_loadu_si512(x + j), v = _mm512_loadu_si512(y + j);
-        _mm512_storeu_si512(x + j, reduce_once(_mm512_add_epi64(u, v), two_q));
-        const __m512i d = _mm512_add_epi64(_mm512_sub_epi64(u, v), two_q);
-        _mm512_storeu_si512(y + j, mul_shoup_lazy_vector(d, w, ws, q));
+        __m512i u = _mm512_loadu_si512(x + j), v = _mm512_loadu_si512(y + j);
+        butterfly<Forward>(u, v, w, ws, q, two_q);
+        _mm512_storeu_si512(x + j, u);
+        _mm512_storeu_si512(y + j, v);
       }
     }
     return;
@@ -69,12 +54,10 @@ FHELIUM_VECTOR inline void inverse_stage(u64* a, const RowTables& t, int64_t m, 
   for (int64_t b = begin; b < end; b += 16) {
     const __m512i lo = _mm512_loadu_si512(a + b), hi = _mm512_loadu_si512(a + b + 8);
     const int64_t first = m + b / (2 * half);
-    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse + first));
-    const __m512i ws = shoup_operands(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(t.inverse_shoup + first)));
-    const __m512i u = _mm512_permutex2var_epi64(lo, take_x, hi);
-    const __m512i v = _mm512_permutex2var_epi64(lo, take_y, hi);
-    const __m512i x = reduce_once(_mm512_add_epi64(u, v), two_q);
-    const __m512i y = mul_shoup_lazy_vector(_mm512_add_epi64(_mm512_sub_epi64(u, v), two_q), w, ws, q);
+    const __m512i w = _mm512_permutexvar_epi64(pick, _mm512_loadu_si512(twiddles + first));
+    const __m512i ws = shoup_operands(_mm512_permutexvar_epi64(pick, _mm512_loadu_si512(twiddles_shoup + first)));
+    __m512i x = _mm512_permutex2var_epi64(lo, take_x, hi), y = _mm512_permutex2var_epi64(lo, take_y, hi);
+    butterfly<Forward>(x, y, w, ws, q, two_q);
     _mm512_storeu_si512(a + b, _mm512_permutex2var_epi64(x, put_lo, y));
     _mm512_storeu_si512(a + b + 8, _mm512_permutex2var_epi64(x, put_hi, y));
   }
@@ -86,10 +69,10 @@ FHELIUM_VECTOR void forward(u64* a, u64* out, const RowTables& t, int logn) {
   const __m512i two_q = _mm512_set1_epi64(static_cast<long long>(2 * t.q));
   const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
   int64_t m = 1, half = n >> 1;
-  for (; 2 * half > block; m <<= 1, half >>= 1) forward_stage(a, t, m, half, 0, n, q, two_q);
+  for (; 2 * half > block; m <<= 1, half >>= 1) stage<true>(a, t, m, half, 0, n, q, two_q);
   for (int64_t begin = 0; begin < n; begin += block) {
     for (int64_t mm = m, hh = half; mm < n; mm <<= 1, hh >>= 1) {
-      forward_stage(a, t, mm, hh, begin, begin + block, q, two_q);
+      stage<true>(a, t, mm, hh, begin, begin + block, q, two_q);
     }
   }
   const uint32_t* rev = bitrev_table(logn);
@@ -113,7 +96,7 @@ FHELIUM_VECTOR void inverse(const u64* in, u64* a, u64* out, const RowTables& t,
   const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
   for (int64_t begin = 0; begin < n; begin += block) {
     for (int64_t mm = n >> 1, hh = 1; mm > 1 && 2 * hh <= block; mm >>= 1, hh <<= 1) {
-      inverse_stage(a, t, mm, hh, begin, begin + block, q, two_q);
+      stage<false>(a, t, mm, hh, begin, begin + block, q, two_q);
     }
   }
   int64_t m = n >> 1, half = 1;
@@ -121,7 +104,7 @@ FHELIUM_VECTOR void inverse(const u64* in, u64* a, u64* out, const RowTables& t,
     m >>= 1;
     half <<= 1;
   }
-  for (; m > 1; m >>= 1, half <<= 1) inverse_stage(a, t, m, half, 0, n, q, two_q);
+  for (; m > 1; m >>= 1, half <<= 1) stage<false>(a, t, m, half, 0, n, q, two_q);
   const __m512i ni = _mm512_set1_epi64(static_cast<long long>(t.inverse[0]));
   const __m512i nis = _mm512_set1_epi64(shoup_operand(t.inverse_shoup[0]));
   const __m512i wn = _mm512_set1_epi64(static_cast<long long>(t.forward[0]));
