@@ -1,10 +1,14 @@
-"""What every `fdl` command module shares with `fdl.main`: the sub-command table's type, `add_command`."""
+"""What the `fdl` command modules share: the sub-command table's type, `add_command`, `usage_error`."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
+
+EXIT_USAGE: Final = 2
+"""Every command's exit status for bad input (flags, config): retrying cannot help."""
 
 
 class Subparsers(Protocol):
@@ -37,3 +41,9 @@ def add_command(
     configure(parser)
     parser.set_defaults(func=main)
     return parser
+
+
+def usage_error(command: str, error: Exception) -> int:
+    """Say `fdl COMMAND: error` on stderr; returns the exit status for bad input (EXIT_USAGE)."""
+    print(f"fdl {command}: {error}", file=sys.stderr)
+    return EXIT_USAGE

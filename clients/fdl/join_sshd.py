@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Subparsers, add_command, usage_error
 from flodld import api
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -64,8 +64,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         recipe = _recipe(args)
     except api.RecipeError as error:
-        print(f"fdl join-sshd: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("join-sshd", error)
     if args.action == "show":
         print("# authorized_keys (on the join user):")
         print(recipe.authorized_keys(), end="")

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Subparsers, add_command, usage_error
 from fdl.run import add_rank_options, plan_run
 from flodld import api
 
@@ -73,8 +73,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         reports = collect(args)
     except api.ConfigError as error:
-        print(f"fdl probe: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("probe", error)
     summary = api.aggregate(reports) if len(reports) > 1 else None
     everything = reports + ([summary] if summary is not None else [])
     failed = any(report.status == "error" for report in everything)
