@@ -201,7 +201,13 @@ def _walk_in_world(ranks: int, hosts: int, scratch: str, env: dict[str, str]) ->
                 cwd=scratch, env={**env, "FDL_JOIN_TOKEN": token},
                 stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             ))
-    codes = [process.wait(timeout=1800) for process in [*joins, run]]
+    try:
+        codes = [process.wait(timeout=1800) for process in [*joins, run]]
+    finally:
+        for process in [*joins, run]:  # none outlives the bench (a failed join leaves the window open)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     if any(codes):
         text = "\n".join(path.read_text()[-2000:] for path in sorted(logs.iterdir()))
         raise SystemExit(f"walk-in world of {hosts} hosts failed {codes}:\n{text}")
