@@ -11,9 +11,9 @@ the run's master key. From then on it lives only in this module.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 RANK: Final = "RANK"
 WORLD_SIZE: Final = "WORLD_SIZE"
@@ -83,29 +83,36 @@ def in_flodld_rank(environ: Mapping[str, str] | None = None) -> bool:
     return CONTROLLER in env and RANK in env
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+_N = TypeVar("_N", int, float)
+
+
+def _parsed(env: Mapping[str, str], name: str, parse: Callable[[str], _N], kind: str) -> _N | None:
+    """`name`'s value read by `parse`, None when unset; RankEnvError naming `kind` when it does not parse."""
     raw = env.get(name)
     if raw is None:
-        raise RankEnvError(f"{name} is not set; a flodld rank is started by its agent, which sets it")
+        return None
     try:
-        value = int(raw)
+        return parse(raw)
     except ValueError:
-        raise RankEnvError(f"{name}={raw!r} is not an integer") from None
+        raise RankEnvError(f"{name}={raw!r} is not {kind}") from None
+
+
+def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+    value = _parsed(env, name, int, "an integer")
+    if value is None:
+        raise RankEnvError(f"{name} is not set; a flodld rank is started by its agent, which sets it")
     if value < minimum:
         raise RankEnvError(f"{name}={value} must be >= {minimum}")
     return value
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if not raw:
+    """Seconds, positive; `default` when unset or empty."""
+    if not env.get(name):
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise RankEnvError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise RankEnvError(f"{name}={raw!r} must be a positive number of seconds")
+    value = _parsed(env, name, float, "a number of seconds")
+    if value is None or not value > 0:
+        raise RankEnvError(f"{name}={env[name]!r} must be a positive number of seconds")
     return value
 
 
