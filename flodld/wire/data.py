@@ -111,9 +111,8 @@ class Deposit(Message):
     offset: Count = 0
 
 
-@register(0x0305)
-class HostFrame(Message):
-    """Relay → controller: the partial fold of this host's live ranks for `round` (tail: tensors)."""
+class _FoldedChunk(Message):
+    """A chunk of a fold of several ranks' deposits: what HostFrame and Broadcast carry (tail: tensors)."""
 
     round: Count
     fold: FoldSpec
@@ -121,18 +120,16 @@ class HostFrame(Message):
     contributors: BoundedList[Rank]
     tensors: TensorSpecs
     offset: Count = 0
+
+
+@register(0x0305)
+class HostFrame(_FoldedChunk):
+    """Relay → controller: the partial fold of this host's live ranks for `round` (tail: tensors)."""
 
 
 @register(0x0306)
-class Broadcast(Message):
+class Broadcast(_FoldedChunk):
     """Controller → relay → rank: the finished value of `round` (tail: tensors)."""
-
-    round: Count
-    fold: FoldSpec
-    weight: Weight
-    contributors: BoundedList[Rank]
-    tensors: TensorSpecs
-    offset: Count = 0
 
 
 @register(0x0307)
