@@ -17,6 +17,7 @@ from fhelium.core.errors import (
 )
 from fhelium.core.keys import (
     KEY_TYPES,
+    AnyKey,
     ConjugationKey,
     DenseKey,
     KeySwitchKey,
@@ -40,6 +41,7 @@ from fhelium.core.state import (
 __all__ = [
     "COMPRESSED_PLAINTEXT_FORMAT_VERSION",
     "KEY_TYPES",
+    "AnyKey",
     "Ciphertext",
     "CompressedPlaintext",
     "CompressedPlaintextLayout",

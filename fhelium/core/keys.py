@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 
@@ -159,15 +160,11 @@ class RotationKey(KeySwitchKey):
         return f"RotationKey(step={self.rotation_step}, shape={tuple(self.data.shape)})"
 
 
-KEY_TYPES: tuple[type[DenseKey], ...] = (
-    SecretKey,
-    PublicKey,
-    KeySwitchKey,
-    RotationKey,
-    RelinearizationKey,
-    ConjugationKey,
-)
-"""Every concrete key class (what a value file or a key broadcast may hold)."""
+AnyKey = SecretKey | PublicKey | KeySwitchKey | RotationKey | RelinearizationKey | ConjugationKey
+"""A value of any concrete key class."""
+
+KEY_TYPES: tuple[type[DenseKey], ...] = get_args(AnyKey)
+"""Every concrete key class, in AnyKey's order (what a value file or a key broadcast may hold)."""
 
 
 def canonical_rotation_step(step: int, slots: int) -> int:

@@ -18,14 +18,11 @@ import torch
 
 from fhelium.core import (
     KEY_TYPES,
+    AnyKey,
     Ciphertext,
     CompressedPlaintext,
-    ConjugationKey,
     FheliumValueError,
-    KeySwitchKey,
     Plaintext,
-    PublicKey,
-    RelinearizationKey,
     RotationKey,
     SecretKey,
     SeededCiphertext,
@@ -45,18 +42,7 @@ from fhelium.core.state import (
 VALUE_SCHEMA_VERSION = 2
 _COMPROMISED_SCHEMA_VERSIONS = frozenset({1})
 
-FheliumValue = (
-    Ciphertext
-    | Plaintext
-    | CompressedPlaintext
-    | SecretKey
-    | PublicKey
-    | KeySwitchKey
-    | RotationKey
-    | RelinearizationKey
-    | ConjugationKey
-    | SeededCiphertext
-)
+FheliumValue = Ciphertext | Plaintext | CompressedPlaintext | AnyKey | SeededCiphertext
 
 _KEY_TYPES: dict[str, type] = {kind.__name__: kind for kind in KEY_TYPES}
 VALUE_TYPES: dict[str, type] = {
