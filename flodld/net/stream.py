@@ -202,6 +202,12 @@ class FramedStream:
         await self.drain()
 
     async def drain(self) -> None:
+        transport = self.writer.transport
+        if not transport.get_write_buffer_size() and not transport.is_closing():
+            # Nothing queued, so writing is not paused: drain returns at once (or raises what ended the
+            # connection). No write-stall deadline to arm and cancel for every small frame.
+            await self.writer.drain()
+            return
         async with asyncio.timeout(scaled(WRITE_STALL_SECS)):
             await self.writer.drain()
 
