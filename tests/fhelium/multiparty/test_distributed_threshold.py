@@ -56,7 +56,7 @@ def test_every_rank_decrypts_the_mean(world: int) -> None:
         assert result["max_error"] < 1e-6, result
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])  # 1: the blocking fallback (one sum of each, one decoder)
 def test_every_rank_gets_the_mean_from_the_fused_aggregate(world: int) -> None:
     results = run_world(world, "aggregate")
     for result in results:
@@ -66,6 +66,15 @@ def test_every_rank_gets_the_mean_from_the_fused_aggregate(world: int) -> None:
         # c0_i + h_i for every slice, and received (and decoded) the summed shares of its own only
         records = result["records"]
         assert records.count("ciphertext") == records.count("decryption_share") == world, records
+        assert records.count("decryption_sum") == 1, records
+
+
+def test_the_fused_aggregate_over_a_channel_without_async_sums_has_every_rank_decode_every_row() -> None:
+    for result in run_world(3, "aggregate-blocking"):
+        assert result["ok"], result.get("trace")
+        assert result["max_error"] < 1e-6, result
+        records = result["records"]  # one ciphertext, one c1 sum, one contribution, the whole summed rows
+        assert [records.count(name) for name in ("ciphertext", "c1_sum", "decryption_share")] == [1, 1, 1]
         assert records.count("decryption_sum") == 1, records
 
 

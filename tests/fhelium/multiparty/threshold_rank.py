@@ -1,6 +1,7 @@
 """One rank of a real gloo world running the threshold protocol (driven by test_distributed_threshold.py).
 
 argv: scenario, timeout_s. Scenarios: "mean"; "aggregate" (the fused ThresholdSession.aggregate);
+"aggregate-blocking" (aggregate over a channel with only the ShareChannel methods, as the relay's);
 "aggregate-leave:<rank>" (aggregate, the rank leaves once the c1 sums are done, before its decryption
 share); "leave:<rank>" (leaves after encrypting); "shape:<rank>"
 (decrypts one row fewer); "rogue-sum:<rank>" (adds another key share to the sum than it committed to);
@@ -59,7 +60,9 @@ def main() -> int:
             channel.all_reduce_residues = rogue_reduce  # type: ignore[method-assign]
             channel.all_gather_bytes = rogue_gather  # type: ignore[method-assign]
         session.generate_public_key()
-        if kind in ("aggregate", "aggregate-leave"):
+        if kind == "aggregate-blocking":
+            session.channel = _BlockingChannel(channel)
+        if kind in ("aggregate", "aggregate-leave", "aggregate-blocking"):
             return _aggregate(session, channel, rank, world, None if not target else int(target), result)
         count = 3 * 4096 + 100  # four ciphertext rows: decoded 2+2 (2 ranks), 2+2+0 (3), by every rank (5)
         rows = -(-count // 4096)
@@ -83,6 +86,24 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     _hold_the_store_until_every_live_rank_finished(rank, world - (leaver is not None))
     os._exit(0)  # no destroy_process_group: a departed peer would make it wait
+
+
+class _BlockingChannel:
+    """The process-group channel with only the ShareChannel protocol's methods (like the relay's)."""
+
+    def __init__(self, inner: ProcessGroupChannel) -> None:
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent
+
+    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
+        return self.inner.all_gather_bytes(tag, data, max_bytes)
+
+    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
+        return self.inner.all_reduce_residues(tag, residues, moduli)
 
 
 def _aggregate(
