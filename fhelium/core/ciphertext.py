@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Self
 
 import torch
@@ -136,15 +136,7 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
 
     def with_data(self, data: torch.Tensor) -> Ciphertext:
         """Same metadata around ``data`` (aliased, not copied)."""
-        return Ciphertext(
-            data,
-            self.depth,
-            self.scale,
-            self.prime_ids,
-            self.polynomial_domain,
-            self.modulus_basis,
-            self.residue_representation,
-        )
+        return replace(self, data=data)
 
     def clone(self) -> Ciphertext:
         return self.with_data(self.data.clone())
@@ -157,15 +149,7 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
                 f"Ciphertext limb slice must satisfy 0 <= start < stop <= {limbs}; "
                 f"got start={start!r}, stop={stop!r}"
             )
-        return Ciphertext(
-            self.data[..., start:stop, :],
-            self.depth,
-            self.scale,
-            self.prime_ids[start:stop],
-            self.polynomial_domain,
-            self.modulus_basis,
-            self.residue_representation,
-        )
+        return replace(self, data=self.data[..., start:stop, :], prime_ids=self.prime_ids[start:stop])
 
     @classmethod
     def stack_batch(cls, values: Sequence[Ciphertext]) -> Ciphertext:

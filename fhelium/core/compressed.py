@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -167,19 +167,7 @@ class CompressedPlaintext(LevelMetadata, RnsMetadata, TensorResident):
     def with_storage(
         self, data: torch.Tensor, implicit_data: torch.Tensor | None = None
     ) -> CompressedPlaintext:
-        return CompressedPlaintext(
-            data,
-            self.ring_dimension,
-            self.compression_layout,
-            self.depth,
-            self.scale,
-            self.prime_ids,
-            self.polynomial_domain,
-            self.modulus_basis,
-            self.residue_representation,
-            implicit_data,
-            self.compression_format_version,
-        )
+        return replace(self, data=data, implicit_data=implicit_data)
 
     def with_data(self, data: torch.Tensor) -> CompressedPlaintext:
         return self.with_storage(data, self.implicit_data)

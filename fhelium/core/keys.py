@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import get_args
+from dataclasses import dataclass, field, replace
+from typing import Self, get_args
 
 import torch
 
@@ -60,10 +60,9 @@ class DenseKey(RnsMetadata, TensorResident):
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> DenseKey:
         return self.with_data(tensors[0])
 
-    def with_data(self, data: torch.Tensor) -> DenseKey:
-        return type(self)(
-            data, self.prime_ids, self.polynomial_domain, self.modulus_basis, self.residue_representation
-        )
+    def with_data(self, data: torch.Tensor) -> Self:
+        """The same key (class and metadata, a RotationKey's step too) around ``data``."""
+        return replace(self, data=data)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={tuple(self.data.shape)}, prime_ids={list(self.prime_ids)})"
@@ -145,16 +144,6 @@ class RotationKey(KeySwitchKey):
             raise FheliumValueError(f"RotationKey rotation_step must be an int; got {self.rotation_step!r}")
         slots = self.ring_dimension // 2
         self.rotation_step = canonical_rotation_step(self.rotation_step, slots)
-
-    def with_data(self, data: torch.Tensor) -> RotationKey:
-        return RotationKey(
-            data,
-            self.prime_ids,
-            self.polynomial_domain,
-            self.modulus_basis,
-            self.residue_representation,
-            rotation_step=self.rotation_step,
-        )
 
     def __repr__(self) -> str:
         return f"RotationKey(step={self.rotation_step}, shape={tuple(self.data.shape)})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -115,18 +115,9 @@ class Plaintext(LevelMetadata, RnsMetadata, TensorResident):
         return tuple(self.tensor.shape[:-1]) if self.tensor.ndim else ()
 
     def with_tensor(self, tensor: torch.Tensor) -> Plaintext:
-        has_message = self.message is not None
-        return Plaintext(
-            tensor if has_message else None,
-            self.depth,
-            self.scale,
-            None if has_message else tensor,
-            self.representation,
-            self.polynomial_domain,
-            self.modulus_basis,
-            self.residue_representation,
-            self.prime_ids,
-        )
+        if self.message is not None:
+            return replace(self, message=tensor)
+        return replace(self, data=tensor)
 
     def clone(self) -> Plaintext:
         return self.with_tensor(self.tensor.clone())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +60,4 @@ class SeededCiphertext(LevelMetadata, TensorResident):
         return (self.c0,)
 
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> SeededCiphertext:
-        return SeededCiphertext(
-            tensors[0], self.seed, self.depth, self.scale, self.prime_ids, self.polynomial_domain
-        )
+        return replace(self, c0=tensors[0])
