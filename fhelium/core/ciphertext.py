@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Self
+from typing import ClassVar, Self
 
 import torch
 
@@ -35,6 +35,8 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
     polynomial_domain: PolynomialDomain = "coefficient"
     modulus_basis: ModulusBasis = "Q"
     residue_representation: ResidueRepresentation = "standard"
+
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("data",)
 
     def __post_init__(self) -> None:
         owner = "Ciphertext"
@@ -203,15 +205,6 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
         self.modulus_basis = other.modulus_basis
         self.residue_representation = other.residue_representation
         return self
-
-    # -- TensorResident ------------------------------------------------------------------------
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.data,)
-
-    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Ciphertext:
-        (data,) = tensors
-        return self.with_data(data)
 
     def __repr__(self) -> str:
         return (

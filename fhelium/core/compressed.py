@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,8 @@ class CompressedPlaintext(LevelMetadata, RnsMetadata, TensorResident):
     residue_representation: ResidueRepresentation = "standard"
     implicit_data: torch.Tensor | None = None
     compression_format_version: int = COMPRESSED_PLAINTEXT_FORMAT_VERSION
+
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("data", "implicit_data")
 
     def __post_init__(self) -> None:
         owner = "CompressedPlaintext"
@@ -172,9 +175,3 @@ class CompressedPlaintext(LevelMetadata, RnsMetadata, TensorResident):
     def with_data(self, data: torch.Tensor) -> CompressedPlaintext:
         return self.with_storage(data, self.implicit_data)
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.data,) if self.implicit_data is None else (self.data, self.implicit_data)
-
-    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> CompressedPlaintext:
-        return self.with_storage(tensors[0], tensors[1] if len(tensors) > 1 else None)

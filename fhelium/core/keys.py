@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Self, get_args
+from typing import ClassVar, Self, get_args
 
 import torch
 
@@ -30,6 +30,7 @@ class DenseKey(RnsMetadata, TensorResident):
 
     #: number of leading axes before the limb axis, per key class
     LEADING_AXES = 0
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("data",)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -52,13 +53,6 @@ class DenseKey(RnsMetadata, TensorResident):
     @property
     def limb_count(self) -> int:
         return int(self.data.size(-2))
-
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.data,)
-
-    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> DenseKey:
-        return self.with_data(tensors[0])
 
     def with_data(self, data: torch.Tensor) -> Self:
         """The same key (class and metadata, a RotationKey's step too) around ``data``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -43,6 +44,8 @@ class Plaintext(LevelMetadata, RnsMetadata, TensorResident):
     modulus_basis: ModulusBasis | None = None
     residue_representation: ResidueRepresentation | None = None
     prime_ids: tuple[int, ...] = ()
+
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("message", "data")
 
     def __post_init__(self) -> None:
         owner = "Plaintext"
@@ -145,10 +148,3 @@ class Plaintext(LevelMetadata, RnsMetadata, TensorResident):
         dim = 0
         return first.with_tensor(torch.stack([v.tensor for v in values], dim=dim))
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.tensor,)
-
-    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Plaintext:
-        (tensor,) = tensors
-        return self.with_tensor(tensor)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Self
+from abc import ABC
+from dataclasses import replace
+from typing import ClassVar, Self
 
 import torch
 
@@ -11,16 +12,29 @@ from fhelium.core.errors import FheliumValueError
 
 
 class TensorResident(ABC):
-    """A value whose payload is one or more tensors on one common device."""
+    """A value (a dataclass) whose payload is one or more tensors on one common device.
+
+    ``TENSOR_FIELDS`` names the fields that hold them, in serialization order; a field that is None
+    holds none (a Plaintext's message or data, a CompressedPlaintext's implicit_data).
+    """
+
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]]
+
+    def _tensor_fields(self) -> tuple[str, ...]:
+        return tuple(name for name in self.TENSOR_FIELDS if getattr(self, name) is not None)
 
     @property
-    @abstractmethod
     def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors this value owns, in serialization order."""
+        return tuple(getattr(self, name) for name in self._tensor_fields())
 
-    @abstractmethod
     def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Self:
         """The same value with its tensors replaced (same order as ``_resident_tensors``)."""
+        names = self._tensor_fields()
+        if len(tensors) != len(names):
+            raise FheliumValueError(f"{type(self).__name__} holds {len(names)} tensors; got {len(tensors)}")
+        rebuilt: Self = replace(self, **dict(zip(names, tensors, strict=True)))  # type: ignore[type-var]
+        return rebuilt
 
     @property
     def device(self) -> torch.device:

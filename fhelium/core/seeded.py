@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +36,8 @@ class SeededCiphertext(LevelMetadata, TensorResident):
     prime_ids: tuple[int, ...]
     polynomial_domain: PolynomialDomain = "ntt"
 
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("c0",)
+
     def __post_init__(self) -> None:
         owner = "SeededCiphertext"
         check_integer_tensor(owner, "c0", self.c0, min_ndim=2)
@@ -55,9 +58,3 @@ class SeededCiphertext(LevelMetadata, TensorResident):
     def ring_dimension(self) -> int:
         return int(self.c0.size(-1))
 
-    @property
-    def _resident_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.c0,)
-
-    def _with_resident_tensors(self, tensors: tuple[torch.Tensor, ...]) -> SeededCiphertext:
-        return replace(self, c0=tensors[0])
