@@ -126,16 +126,6 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
             raise ValueStateError(f"{name} must have {components} components; got {self.component_count}")
 
     # -- storage-preserving views and copies ---------------------------------------------------
-    def metadata_equal(self, other: Ciphertext) -> bool:
-        return (
-            self.depth == other.depth
-            and self.scale == other.scale
-            and self.prime_ids == other.prime_ids
-            and self.polynomial_domain == other.polynomial_domain
-            and self.modulus_basis == other.modulus_basis
-            and self.residue_representation == other.residue_representation
-        )
-
     def with_data(self, data: torch.Tensor) -> Ciphertext:
         """Same metadata around ``data`` (aliased, not copied)."""
         return replace(self, data=data)

@@ -133,17 +133,7 @@ class Plaintext(LevelMetadata, RnsMetadata, TensorResident):
         if first.representation == "slots" and first.tensor.ndim == 0:
             raise FheliumValueError("Plaintext.stack_batch cannot stack scalar slot messages")
         for index, value in enumerate(values):
-            same = (
-                value.representation == first.representation
-                and value.depth == first.depth
-                and value.scale == first.scale
-                and value.polynomial_domain == first.polynomial_domain
-                and value.modulus_basis == first.modulus_basis
-                and value.residue_representation == first.residue_representation
-                and value.prime_ids == first.prime_ids
-                and value.tensor.shape == first.tensor.shape
-            )
-            if not same:
+            if not (value.metadata_equal(first) and value.tensor.shape == first.tensor.shape):
                 raise FheliumValueError(f"Plaintext.stack_batch values[{index}] differs from values[0]")
         dim = 0
         return first.with_tensor(torch.stack([v.tensor for v in values], dim=dim))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC
-from dataclasses import replace
-from typing import ClassVar, Self
+from dataclasses import Field, replace
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -19,6 +19,12 @@ class TensorResident(ABC):
     """
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]]
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]  # every subclass is a dataclass
+
+    def metadata_equal(self, other: Self) -> bool:
+        """Every field but the tensors equal (what stacking values into one batch needs)."""
+        names = [name for name in self.__dataclass_fields__ if name not in self.TENSOR_FIELDS]
+        return all(getattr(self, name) == getattr(other, name) for name in names)
 
     def _tensor_fields(self) -> tuple[str, ...]:
         return tuple(name for name in self.TENSOR_FIELDS if getattr(self, name) is not None)
@@ -33,8 +39,7 @@ class TensorResident(ABC):
         names = self._tensor_fields()
         if len(tensors) != len(names):
             raise FheliumValueError(f"{type(self).__name__} holds {len(names)} tensors; got {len(tensors)}")
-        rebuilt: Self = replace(self, **dict(zip(names, tensors, strict=True)))  # type: ignore[type-var]
-        return rebuilt
+        return replace(self, **dict(zip(names, tensors, strict=True)))
 
     @property
     def device(self) -> torch.device:
