@@ -15,13 +15,12 @@ from fhelium.core.state import (
     ModulusBasis,
     PolynomialDomain,
     ResidueRepresentation,
-    RnsMetadata,
-    check_integer_tensor,
+    RnsTensor,
 )
 
 
 @dataclass(eq=False)
-class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
+class Ciphertext(LevelMetadata, RnsTensor, TensorResident):
     """A CKKS ciphertext (or a batch of them sharing one metadata record).
 
     Limb row ``j`` holds residues modulo the prime with id ``prime_ids[j]``. Construction never
@@ -40,7 +39,7 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
 
     def __post_init__(self) -> None:
         owner = "Ciphertext"
-        check_integer_tensor(owner, "data", self.data, min_ndim=3)
+        self._check_data(owner, min_ndim=3)
         if self.data.size(0) not in (2, 3):
             raise FheliumValueError(
                 "Ciphertext component axis (dim 0) must have extent 2 or 3; got shape "
@@ -55,14 +54,6 @@ class Ciphertext(LevelMetadata, RnsMetadata, TensorResident):
     @property
     def component_count(self) -> int:
         return int(self.data.size(0))
-
-    @property
-    def limb_count(self) -> int:
-        return int(self.data.size(-2))
-
-    @property
-    def ring_dimension(self) -> int:
-        return int(self.data.size(-1))
 
     @property
     def batch_shape(self) -> tuple[int, ...]:

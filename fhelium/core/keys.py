@@ -13,13 +13,12 @@ from fhelium.core.state import (
     ModulusBasis,
     PolynomialDomain,
     ResidueRepresentation,
-    RnsMetadata,
-    check_integer_tensor,
+    RnsTensor,
 )
 
 
 @dataclass(eq=False)
-class DenseKey(RnsMetadata, TensorResident):
+class DenseKey(RnsTensor, TensorResident):
     """The common base of every key: one RNS tensor with prime ids, domain and basis."""
 
     data: torch.Tensor
@@ -34,7 +33,7 @@ class DenseKey(RnsMetadata, TensorResident):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        check_integer_tensor(owner, "data", self.data, min_ndim=self.LEADING_AXES + 2)
+        self._check_data(owner, min_ndim=self.LEADING_AXES + 2)
         if self.data.ndim != self.LEADING_AXES + 2:
             raise FheliumValueError(
                 f"{owner} data must have {self.LEADING_AXES + 2} dimensions; got shape "
@@ -45,14 +44,6 @@ class DenseKey(RnsMetadata, TensorResident):
 
     def _check_extra(self) -> None:
         pass
-
-    @property
-    def ring_dimension(self) -> int:
-        return int(self.data.size(-1))
-
-    @property
-    def limb_count(self) -> int:
-        return int(self.data.size(-2))
 
     def with_data(self, data: torch.Tensor) -> Self:
         """The same key (class and metadata, a RotationKey's step too) around ``data``."""

@@ -149,3 +149,21 @@ class RnsMetadata:
         self.polynomial_domain = check_domain(owner, self.polynomial_domain)
         self.modulus_basis = check_basis(owner, self.modulus_basis)
         self.residue_representation = check_residue(owner, self.residue_representation)
+
+
+class RnsTensor(RnsMetadata):
+    """RnsMetadata of a value whose one tensor ``data`` ends ``[..., limb, N]`` (Ciphertext, every key)."""
+
+    data: torch.Tensor
+
+    def _check_data(self, owner: str, *, min_ndim: int) -> None:
+        """``data`` is a dense int64/int32 tensor with no empty axis and at least ``min_ndim`` axes."""
+        check_integer_tensor(owner, "data", self.data, min_ndim=min_ndim)
+
+    @property
+    def limb_count(self) -> int:
+        return int(self.data.size(-2))
+
+    @property
+    def ring_dimension(self) -> int:
+        return int(self.data.size(-1))
