@@ -5,6 +5,9 @@ A channel moves two things: small records (seed commitments and reveals, key fin
 rank's key share or decryption share). ``ProcessGroupChannel`` runs over torch.distributed
 (gloo/NCCL) with ``fhelium.distributed``'s collectives; examples/threshold_aggregation.py has the
 relay channel, where flodld's relays and controller fold the residues with the keyless modular fold.
+A channel may also offer ``start_all_reduce_residues``, ``start_reduce_residues`` (sum delivered to
+one rank) and ``all_gather_tensor`` (the process group does); ``ThresholdSession.aggregate`` then
+pipelines the fused protocol per slice of rows, and falls back to the two blocking methods otherwise.
 
 Nothing waits forever. Before every exchange each rank marks its arrival in the rendezvous store
 and waits at most ``timeout_s`` for the others; a rank that left (after encrypting, say) is named:
@@ -213,9 +216,9 @@ class ProcessGroupChannel:
         ``residues`` (contiguous) is summed in place: the caller hands it over. Every rank's
         arrival and descriptor are checked before the collective starts, as in the blocking form.
         """
-        q = self._residue_arrival(tag, residues, moduli)
-        if not residues.is_contiguous():
+        if not residues.is_contiguous():  # before the arrival: the others must not wait on this rank
             raise MultipartyError(f"{tag}: start_all_reduce_residues needs contiguous residues")
+        q = self._residue_arrival(tag, residues, moduli)
         try:
             work = fdist.all_reduce(residues, op=fdist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as error:
@@ -239,9 +242,9 @@ class ProcessGroupChannel:
         Call the result to wait: the sum on ``dst``, None elsewhere. ``residues`` (contiguous) is
         handed over (the reduction works in place).
         """
-        q = self._residue_arrival(tag, residues, moduli)
-        if not residues.is_contiguous():
+        if not residues.is_contiguous():  # before the arrival: the others must not wait on this rank
             raise MultipartyError(f"{tag}: start_reduce_residues needs contiguous residues")
+        q = self._residue_arrival(tag, residues, moduli)
         target = dst if self.group is None else dist.get_global_rank(self.group, dst)
         try:
             work = fdist.reduce(residues, target, op=fdist.ReduceOp.SUM, group=self.group, async_op=True)
