@@ -19,6 +19,8 @@ import contextlib
 import functools
 import gc
 import logging
+import os
+import socket
 import typing
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -49,6 +51,8 @@ MAGIC_DEADLINE_SECS = 5.0
 HTTP_CONNECTION_SECS = 5.0
 MAX_PENDING_PER_PEER = 64
 STREAM_LIMIT = 1 << 20
+# Connections taken off the kernel's accept queue per readiness of the listening socket (see `_Drain`).
+ACCEPT_BATCH = 1024
 
 
 # Every connection's peer is judged twice (loopback for the gate, private for the cleartext warning); a
@@ -56,6 +60,51 @@ STREAM_LIMIT = 1 << 20
 # only cycles the cache).
 _is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
 _is_private = functools.lru_cache(maxsize=4096)(is_private_address)
+
+
+class _Drain:
+    """Takes queued connections off a listening socket in batches, for a loop that accepts one per turn.
+
+    uvloop (libuv) accepts one connection per event-loop turn. In a join storm the kernel's accept queue
+    then holds every dial in flight (`ss -ltn` showed ~2,000 at 5,000 agents), and a state.json poll
+    waits behind all of them, one loop turn each, before the controller even sees it. This reader, on a
+    duplicate of the listening descriptor, accepts up to `ACCEPT_BATCH` at each readiness and hands each
+    connection to the loop (`connect_accepted_socket`), so the queue empties every turn; the server's own
+    accept then finds it empty (EAGAIN) or takes what arrived since. The routing is unchanged: each
+    connection still gets a `_MuxProtocol`.
+    """
+
+    def __init__(self, mux: PortMux, listening: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self._mux = mux
+        self._loop = loop
+        self._sock = socket.socket(fileno=os.dup(listening.fileno()))
+        self._sock.setblocking(False)
+        loop.add_reader(self._sock.fileno(), self._ready)
+
+    def _ready(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:  # EMFILE and friends: the server's own accept meets (and logs) them too
+                log.debug("event=accept_failed detail=%r", error)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._adopt(conn))
+            self._mux._tasks.add(task)
+            task.add_done_callback(self._mux._tasks.discard)
+
+    async def _adopt(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(lambda: _MuxProtocol(self._mux), conn)
+        except OSError:
+            conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
 
 
 class PreAdmissionGate:
@@ -110,6 +159,7 @@ class PortMux:
         self._routes: dict[Channel, _Route] = {}  # the routing table: channel (from its magic) -> handler
         self._http_factory: HttpProtocolFactory | None = None
         self._server: asyncio.Server | None = None
+        self._drains: list[_Drain] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -145,6 +195,10 @@ class PortMux:
             self._server = await loop.create_server(lambda: _MuxProtocol(self), host, port, backlog=4096)
         except OSError as exc:
             raise OSError(exc.errno, f"controller: bind {host}:{port} failed: {exc.strerror}") from exc
+        if type(loop).__module__.startswith("uvloop"):  # asyncio's own loop accepts in batches already
+            for listening in self._server.sockets:
+                with contextlib.suppress(OSError, ValueError):
+                    self._drains.append(_Drain(self, listening, loop))
         sockname = self._server.sockets[0].getsockname()
         return str(sockname[0]), int(sockname[1])
 
@@ -158,6 +212,9 @@ class PortMux:
         No wait_closed(): since 3.12 it waits for every connection, and ours outlive the listener by
         design.
         """
+        for drain in self._drains:
+            drain.close()
+        self._drains.clear()
         if self._server is not None:
             self._server.close()
             self._server = None
