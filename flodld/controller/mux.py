@@ -53,6 +53,7 @@ MAX_PENDING_PER_PEER = 64
 STREAM_LIMIT = 1 << 20
 # Connections taken off the kernel's accept queue per readiness of the listening socket (see `_Drain`).
 ACCEPT_BATCH = 1024
+ACCEPT_PAUSE_SECS = 0.1
 
 
 # Every connection's peer is judged twice (loopback for the gate, private for the cleartext warning); a
@@ -79,6 +80,7 @@ class _Drain:
         self._loop = loop
         self._sock = socket.socket(fileno=os.dup(listening.fileno()))
         self._sock.setblocking(False)
+        self._closed = self._paused = False
         loop.add_reader(self._sock.fileno(), self._ready)
 
     def _ready(self) -> None:
@@ -87,13 +89,28 @@ class _Drain:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # EMFILE and friends: the server's own accept meets (and logs) them too
+            except OSError as error:
+                # EMFILE and friends: the server's own accept meets (and handles) them too; this reader
+                # steps aside for a moment instead of firing every turn while the queue cannot shrink.
                 log.debug("event=accept_failed detail=%r", error)
+                self._pause()
                 return
             conn.setblocking(False)
             task = self._loop.create_task(self._adopt(conn))
             self._mux._tasks.add(task)
             task.add_done_callback(self._mux._tasks.discard)
+
+    def _pause(self) -> None:
+        if self._closed or self._paused:
+            return
+        self._paused = True
+        self._loop.remove_reader(self._sock.fileno())
+        self._loop.call_later(ACCEPT_PAUSE_SECS, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = False
+        if not self._closed:
+            self._loop.add_reader(self._sock.fileno(), self._ready)
 
     async def _adopt(self, conn: socket.socket) -> None:
         try:
@@ -102,8 +119,10 @@ class _Drain:
             conn.close()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._sock.fileno())
+        self._closed = True
+        if not self._paused:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
 
 
