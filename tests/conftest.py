@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,16 @@ def require_binary(name: str, binary: str, *, search_sbin: bool = False) -> str:
     require_capability(name, path is not None, f"`{binary}` not found on PATH")
     assert path is not None
     return path
+
+
+def prepare_sshd_privsep() -> None:
+    """Make sshd's privilege-separation directory, as openssh-server's tmpfiles.d entry does at boot.
+
+    sshd run as root (CI, the netns hosts) refuses `-t` and `-D` without it, and a fresh container
+    has no boot to make it; an unprivileged sshd never looks at it.
+    """
+    if os.geteuid() == 0:
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ the `Match User` block to add to an existing system sshd instead. See docs/multi
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from fdl.cli import Subparsers, add_command, usage_error
 from flodld import api
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+PRIVSEP_DIR = Path("/run/sshd")  # sshd as root chroots its unprivileged child here
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
@@ -85,6 +87,11 @@ def main(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     for path in [*written, host_key]:
         print(f"wrote {path}")
+    if os.geteuid() == 0 and not PRIVSEP_DIR.is_dir():
+        # sshd run as root refuses to start without it ("Missing privilege separation directory");
+        # the openssh-server package's tmpfiles.d entry makes it at boot, a container may lack it.
+        print(f"fdl join-sshd: note: sshd run as root needs {PRIVSEP_DIR}: mkdir -m 755 {PRIVSEP_DIR}",
+              file=sys.stderr)  # fmt: skip
     print(f"start it:  sshd -D -e -f {directory / 'sshd_config'}")
     print(f"walk-ins:  fdl join --ssh USER@THIS_HOST:{args.listen_port} --identity KEY "
           f"127.0.0.1:{args.controller_port} --bin PROGRAM")  # fmt: skip

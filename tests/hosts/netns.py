@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import require_capability
+from tests.conftest import prepare_sshd_privsep, require_capability
 
 WORKER_IFNAME = "fdl0"
 SSHD_PORT = 2200
@@ -134,7 +134,7 @@ class Lab:
             "PermitRootLogin prohibit-password\nAllowTcpForwarding yes\nLogLevel VERBOSE\n"
             "ClientAliveInterval 1\nClientAliveCountMax 3\n"  # a dead launcher is noticed within seconds
         )
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        prepare_sshd_privsep()
         self.spawn(self.worker_ns(index), [sshd, "-D", "-e", "-f", str(directory / "sshd_config")],
                    log=directory / "sshd.log")  # fmt: skip
         self.wait_listening(self.worker_ns(index), worker_address(index), SSHD_PORT)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fdl import join_sshd
 
-from tests.conftest import require_binary
+from tests.conftest import prepare_sshd_privsep, require_binary
 
 
 def _key(tmp_path: Path) -> Path:
@@ -38,8 +38,23 @@ def test_write_lays_out_config_keys_and_host_key(tmp_path: Path, capsys: pytest.
     assert (out / "ssh_host_ed25519_key").exists()
     assert f"sshd -D -e -f {out / 'sshd_config'}" in capsys.readouterr().out
     sshd = require_binary("sshd", "sshd", search_sbin=True)
+    prepare_sshd_privsep()
     check = subprocess.run([sshd, "-t", "-f", str(out / "sshd_config")], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_write_names_the_privsep_directory_root_sshd_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no-privsep"
+    monkeypatch.setattr(join_sshd, "PRIVSEP_DIR", missing)
+    monkeypatch.setattr(join_sshd.os, "geteuid", lambda: 0)
+    key = [str(_key(tmp_path))]
+    assert join_sshd.main(_args("write", directory=str(tmp_path / "door"), key=key)) == 0
+    assert f"sshd run as root needs {missing}: mkdir -m 755 {missing}" in capsys.readouterr().err
+    missing.mkdir()
+    assert join_sshd.main(_args("write", directory=str(tmp_path / "door2"), key=key)) == 0
+    assert "needs" not in capsys.readouterr().err
 
 
 def test_show_prints_both_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
