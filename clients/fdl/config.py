@@ -16,17 +16,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from fdl.cli import Subparsers
+from fdl.cli import Subparsers, add_command
 from flodld import api
 
 EXIT_OK, EXIT_PROBLEMS = 0, 2
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "config", help="configuration tools: fdl config check [FILE]", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "configuration tools: fdl config check [FILE]"
+    return add_command(subparsers, "config", summary, __doc__, configure_parser, main)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = actions.add_parser(
         "check",
@@ -42,7 +43,6 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     # The overlay of a named FILE lives next to it: `fdl` must not look for it in the project directory.
     check.set_defaults(func=main, env_checked_by_command=True)
-    return parser
 
 
 def _problem(text: str) -> None:

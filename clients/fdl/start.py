@@ -18,7 +18,7 @@ import re
 import sys
 
 from fdl.address import format_address, resolve_candidates
-from fdl.cli import Subparsers
+from fdl.cli import Subparsers, add_command
 from fdl.endpoint import request
 from flodld import api
 
@@ -29,7 +29,11 @@ _JOIN_TOKEN = re.compile(r"[0-9a-fA-F]{32}")
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("start", help="fire the start of a staged window")
+    summary = "fire the start of a staged window"
+    return add_command(subparsers, "start", summary, __doc__, configure_parser, main)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
     parser.add_argument(
         "--token",
@@ -41,8 +45,6 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help=f"print the start credential of the join token read from stdin (or ${JOIN_TOKEN_ENV}) and exit",
     )
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
-    parser.set_defaults(func=main)
-    return parser
 
 
 def derive_credential() -> int:

@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from fdl.address import Candidates, format_address, resolve_candidates
-from fdl.cli import Subparsers
+from fdl.cli import Subparsers, add_command
 from fdl.endpoint import request
 
 WINDOW_PHASES = ("waiting", "staging")
@@ -35,7 +35,11 @@ NO_RUN_HINT = (
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("status", help="show the run's membership state")
+    summary = "show the run's membership state"
+    return add_command(subparsers, "status", summary, __doc__, configure_parser, main)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print state.json verbatim")
     parser.add_argument("--addr", help="controller host[:port] (bare host gets :1337)")
     parser.add_argument("--watch", action="store_true", help="refresh until the run ends")
@@ -54,8 +58,6 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="list hosts A to B (inclusive, admission order) or `all`, instead of the first page",
     )
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
-    parser.set_defaults(func=main)
-    return parser
 
 
 class NoRun(Exception):
