@@ -11,40 +11,30 @@ import tracemalloc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flodld.wire import frames as wf
 from flodld.wire.errors import WIRE_ERROR_CODES, WireError
-from flodld.wire.frames import (
-    CLOSED,
-    FRAME_MAGIC,
-    HEADER,
-    HEADER_BYTES,
-    NEED_DATA,
-    NONCE_BYTES,
-    PROTOCOL_VERSION,
-    TAG_BYTES,
-    Frame,
-    FrameConnection,
-    Role,
-)
 from flodld.wire.salt import new_salt
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Every wire code but the message layer's two: bytes fed to the frame decoder can raise no other.
 KNOWN_CODES = WIRE_ERROR_CODES - {"unknown_kind", "bad_payload"}
 SMALL_PAYLOAD, SMALL_TAIL = 256, 512
-LARGEST_UNIT = HEADER_BYTES + SMALL_PAYLOAD + SMALL_TAIL + TAG_BYTES
+LARGEST_UNIT = wf.HEADER_BYTES + SMALL_PAYLOAD + SMALL_TAIL + wf.TAG_BYTES
 
 
-def _pair(salt: bytes) -> tuple[FrameConnection, FrameConnection]:
-    dialer = FrameConnection(Role.DIALER, salt, max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL)
-    listener = FrameConnection(Role.LISTENER, salt, max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL)
+def _pair(salt: bytes) -> tuple[wf.FrameConnection, wf.FrameConnection]:
+    dialer = wf.FrameConnection(wf.Role.DIALER, salt, max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL)
+    listener = wf.FrameConnection(wf.Role.LISTENER, salt, max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL)
     dialer.receive_data(listener.initial_bytes())
     listener.receive_data(dialer.initial_bytes())
     return dialer, listener
 
 
-def _feed(conn: FrameConnection, data: bytes, chunk: int, eof: bool) -> tuple[list[Frame], WireError | None]:
+def _feed(
+    conn: wf.FrameConnection, data: bytes, chunk: int, eof: bool
+) -> tuple[list[wf.Frame], WireError | None]:
     """Feed in chunks, draining events after each; the unit the decoder asks for never exceeds the caps."""
-    frames: list[Frame] = []
+    frames: list[wf.Frame] = []
     pieces = [data[i : i + chunk] for i in range(0, len(data), chunk)] + ([b""] if eof else [])
     try:
         for piece in pieces:
@@ -52,9 +42,9 @@ def _feed(conn: FrameConnection, data: bytes, chunk: int, eof: bool) -> tuple[li
             while True:
                 assert conn.bytes_wanted <= LARGEST_UNIT
                 event = conn.next_event()
-                if event is NEED_DATA or event is CLOSED:
+                if event is wf.NEED_DATA or event is wf.CLOSED:
                     break
-                assert isinstance(event, Frame)
+                assert isinstance(event, wf.Frame)
                 frames.append(event)
     except WireError as error:
         assert error.code in KNOWN_CODES, error.code
@@ -68,7 +58,9 @@ def _feed(conn: FrameConnection, data: bytes, chunk: int, eof: bool) -> tuple[li
 def test_arbitrary_bytes_from_a_peer_without_the_salt_never_yield_a_frame(
     data: bytes, chunk: int, eof: bool
 ) -> None:
-    listener = FrameConnection(Role.LISTENER, new_salt(), max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL)
+    listener = wf.FrameConnection(
+        wf.Role.LISTENER, new_salt(), max_payload=SMALL_PAYLOAD, max_tail=SMALL_TAIL
+    )
     frames, error = _feed(listener, data, chunk, eof)
     assert frames == []
     if error is not None:
@@ -83,8 +75,8 @@ def test_arbitrary_bytes_from_a_peer_without_the_salt_never_yield_a_frame(
 
 @FUZZ
 @given(
-    magic=st.one_of(st.just(FRAME_MAGIC), st.integers(0, 2**32 - 1)),
-    version=st.one_of(st.just(PROTOCOL_VERSION), st.integers(0, 2**16 - 1)),
+    magic=st.one_of(st.just(wf.FRAME_MAGIC), st.integers(0, 2**32 - 1)),
+    version=st.one_of(st.just(wf.PROTOCOL_VERSION), st.integers(0, 2**16 - 1)),
     kind=st.integers(0, 2**16 - 1),
     seq=st.one_of(st.just(0), st.integers(0, 2**64 - 1)),
     payload_len=st.one_of(st.integers(0, SMALL_PAYLOAD), st.integers(0, 2**32 - 1)),
@@ -96,17 +88,17 @@ def test_forged_headers_are_refused_in_the_documented_order(
     magic: int, version: int, kind: int, seq: int, payload_len: int, tail_len: int, body: bytes, chunk: int
 ) -> None:
     _, listener = _pair(new_salt())
-    header = HEADER.pack(magic, version, kind, seq, payload_len, tail_len)
+    header = wf.HEADER.pack(magic, version, kind, seq, payload_len, tail_len)
     frames, error = _feed(listener, header + body, chunk, eof=True)
     assert frames == []  # no tag was computed with the session key
     assert error is not None
-    if magic != FRAME_MAGIC:
+    if magic != wf.FRAME_MAGIC:
         expected = "bad_magic"
-    elif version != PROTOCOL_VERSION:
+    elif version != wf.PROTOCOL_VERSION:
         expected = "bad_version"
     elif payload_len > listener.preauth_max_payload or tail_len > listener.preauth_max_tail:
         expected = "too_large"  # the first frame is held to the small pre-authentication caps
-    elif len(body) < payload_len + tail_len + TAG_BYTES:
+    elif len(body) < payload_len + tail_len + wf.TAG_BYTES:
         expected = "truncated"
     else:
         expected = "bad_tag"
@@ -141,24 +133,24 @@ def test_a_claimed_length_just_under_the_default_caps_allocates_only_what_arrive
     actually sent. Before it, the first frame is capped small: see the pre-authentication tests.
     """
     salt = new_salt()
-    dialer = FrameConnection(Role.DIALER, salt)
-    listener = FrameConnection(Role.LISTENER, salt)
+    dialer = wf.FrameConnection(wf.Role.DIALER, salt)
+    listener = wf.FrameConnection(wf.Role.LISTENER, salt)
     dialer.receive_data(listener.initial_bytes())
     listener.receive_data(dialer.initial_bytes())
     listener.receive_data(dialer.send_frame(1, b"first"))
-    assert isinstance(listener.next_event(), Frame) and listener.authenticated
-    header = HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 0x0202, 1, 16 * 2**20, 2**30)
+    assert isinstance(listener.next_event(), wf.Frame) and listener.authenticated
+    header = wf.HEADER.pack(wf.FRAME_MAGIC, wf.PROTOCOL_VERSION, 0x0202, 1, 16 * 2**20, 2**30)
     tracemalloc.start()
     try:
         listener.receive_data(header)
-        assert listener.next_event() is NEED_DATA
+        assert listener.next_event() is wf.NEED_DATA
         for _ in range(64):
             listener.receive_data(bytes(1024))
-            assert listener.next_event() is NEED_DATA
+            assert listener.next_event() is wf.NEED_DATA
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert listener.bytes_wanted == 16 * 2**20 + 2**30 + TAG_BYTES - 64 * 1024
+    assert listener.bytes_wanted == 16 * 2**20 + 2**30 + wf.TAG_BYTES - 64 * 1024
     assert peak < 4 * 2**20, f"decoder allocated {peak} bytes for 64 KiB of input"
 
 
@@ -166,9 +158,9 @@ def test_a_claimed_length_just_under_the_default_caps_allocates_only_what_arrive
 @settings(max_examples=30, deadline=None)
 def test_an_over_cap_claim_is_refused_before_any_body_byte(payload_len: int, tail_len: int) -> None:
     for claim in ((payload_len, 0), (0, tail_len)):
-        listener = FrameConnection(Role.LISTENER, new_salt())
-        listener.receive_data(bytes(NONCE_BYTES))
-        listener.receive_data(HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 1, 0, *claim))
+        listener = wf.FrameConnection(wf.Role.LISTENER, new_salt())
+        listener.receive_data(bytes(wf.NONCE_BYTES))
+        listener.receive_data(wf.HEADER.pack(wf.FRAME_MAGIC, wf.PROTOCOL_VERSION, 1, 0, *claim))
         try:
             listener.next_event()
         except WireError as error:

@@ -13,29 +13,17 @@ import pydantic
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
+from flodld.wire import frames as wf
 from flodld.wire import store as ws
-from flodld.wire.frames import (
-    FRAME_MAGIC,
-    HEADER,
-    HEADER_BYTES,
-    PROTOCOL_VERSION,
-    TAG_BYTES,
-    Frame,
-    FrameConnection,
-    Role,
-    Suite,
-    choose_suite,
-    direction_key,
-)
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt
 from tests.flodld.membership.helpers import hello
 
 
-def _pair(aes: bool) -> tuple[FrameConnection, FrameConnection, bytes]:
+def _pair(aes: bool) -> tuple[wf.FrameConnection, wf.FrameConnection, bytes]:
     key = new_salt()
-    dialer = FrameConnection(Role.DIALER, key, channel=Channel.RENDEZVOUS, aes=aes)
-    listener = FrameConnection(Role.LISTENER, key, channel=Channel.RENDEZVOUS, aes=aes)
+    dialer = wf.FrameConnection(wf.Role.DIALER, key, channel=Channel.RENDEZVOUS, aes=aes)
+    listener = wf.FrameConnection(wf.Role.LISTENER, key, channel=Channel.RENDEZVOUS, aes=aes)
     dialer.receive_data(listener.initial_bytes())
     listener.receive_data(dialer.initial_bytes())
     dialer.next_event()
@@ -44,17 +32,17 @@ def _pair(aes: bool) -> tuple[FrameConnection, FrameConnection, bytes]:
 
 
 @pytest.mark.parametrize("aes", [True, False], ids=["aes-gcm", "chacha20-poly1305"])
-@pytest.mark.parametrize("role", [Role.DIALER, Role.LISTENER])
+@pytest.mark.parametrize("role", [wf.Role.DIALER, wf.Role.LISTENER])
 def test_each_frame_is_the_header_then_the_aead_of_payload_and_tail_under_the_direction_nonce(
-    aes: bool, role: Role
+    aes: bool, role: wf.Role
 ) -> None:
     dialer, listener, key = _pair(aes)
-    sender = dialer if role is Role.DIALER else listener
-    suite = choose_suite(dialer.nonce, listener.nonce)
-    assert suite is (Suite.AES_256_GCM if aes else Suite.CHACHA20_POLY1305)
-    sender_key = direction_key(key, dialer.nonce, listener.nonce, Channel.RENDEZVOUS, suite, role)
+    sender = dialer if role is wf.Role.DIALER else listener
+    suite = wf.choose_suite(dialer.nonce, listener.nonce)
+    assert suite is (wf.Suite.AES_256_GCM if aes else wf.Suite.CHACHA20_POLY1305)
+    sender_key = wf.direction_key(key, dialer.nonce, listener.nonce, Channel.RENDEZVOUS, suite, role)
     aead = AESGCM(sender_key) if aes else ChaCha20Poly1305(sender_key)
-    direction = b"D" if role is Role.DIALER else b"L"
+    direction = b"D" if role is wf.Role.DIALER else b"L"
     tails: list[bytes | bytearray | memoryview] = [
         b"",
         b"value" * 10,
@@ -65,19 +53,19 @@ def test_each_frame_is_the_header_then_the_aead_of_payload_and_tail_under_the_di
         request = ws.StoreSet(key=f"/pg/rank/{seq}", request_id=seq + 1)
         wire = bytes(sender.send_message(request, tail))
         payload = request.model_dump_json().encode()
-        header = wire[:HEADER_BYTES]
-        assert HEADER.unpack(header) == (
-            FRAME_MAGIC,
-            PROTOCOL_VERSION,
+        header = wire[:wf.HEADER_BYTES]
+        assert wf.HEADER.unpack(header) == (
+            wf.FRAME_MAGIC,
+            wf.PROTOCOL_VERSION,
             ws.StoreSet.KIND,
             seq,
             len(payload),
             len(bytes(tail)),
         )
         nonce = direction + b"\x00\x00\x00" + struct.pack("<Q", seq)
-        plain = aead.decrypt(nonce, wire[HEADER_BYTES:], header)
+        plain = aead.decrypt(nonce, wire[wf.HEADER_BYTES:], header)
         assert plain == payload + bytes(tail)
-        assert len(wire) == HEADER_BYTES + len(plain) + TAG_BYTES
+        assert len(wire) == wf.HEADER_BYTES + len(plain) + wf.TAG_BYTES
 
 
 def test_frames_read_ahead_in_one_feed_come_out_one_by_one_in_order() -> None:
@@ -88,7 +76,7 @@ def test_frames_read_ahead_in_one_feed_come_out_one_by_one_in_order() -> None:
     for _ in range(5):
         assert listener.at_boundary
         frame = listener.next_event()
-        assert isinstance(frame, Frame)
+        assert isinstance(frame, wf.Frame)
         message = frame.message()
         assert isinstance(message, ws.StoreGet)
         keys.append(message.key)
