@@ -1,10 +1,11 @@
-"""What the `fdl` command modules share: the sub-command table's type, `add_command`, `usage_error`."""
+"""What the `fdl` command modules share: the sub-command table's type, `Command`, `usage_error`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 EXIT_USAGE: Final = 2
@@ -12,7 +13,7 @@ EXIT_USAGE: Final = 2
 
 
 class Subparsers(Protocol):
-    """`ArgumentParser.add_subparsers()`'s result, as far as a command's `add_parser` uses it."""
+    """`ArgumentParser.add_subparsers()`'s result, as far as `Command.add_to` uses it."""
 
     def add_parser(
         self,
@@ -24,23 +25,38 @@ class Subparsers(Protocol):
     ) -> argparse.ArgumentParser: ...
 
 
-def add_command(
-    subparsers: Subparsers,
-    name: str,
-    summary: str,
-    description: str | None,
-    configure: Callable[[argparse.ArgumentParser], None],
-    main: Callable[[argparse.Namespace], int],
-) -> argparse.ArgumentParser:
-    """Add `fdl NAME`: `summary` in `fdl --help`, `description` (the module's docstring) shown as
-    written, its options from `configure`, and `main` as what runs it (`args.func`).
+@dataclass(frozen=True)
+class Command:
+    """One `fdl` subcommand, as one value each command module names `COMMAND`.
+
+    `summary` is its line in `fdl --help`; `description` (the module's docstring) is its own `--help`
+    text, shown as written; `configure` adds its options; `main` runs it and returns the exit status.
     """
-    parser = subparsers.add_parser(
-        name, help=summary, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    configure(parser)
-    parser.set_defaults(func=main)
-    return parser
+
+    name: str
+    summary: str
+    description: str | None
+    configure: Callable[[argparse.ArgumentParser], None]
+    main: Callable[[argparse.Namespace], int]
+
+    def add_to(self, subparsers: Subparsers) -> argparse.ArgumentParser:
+        """Add `fdl NAME` to `fdl`'s sub-command table, with `main` as what runs it (`args.func`)."""
+        parser = subparsers.add_parser(
+            self.name, help=self.summary, description=self.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )  # fmt: skip
+        self.configure(parser)
+        parser.set_defaults(func=self.main)
+        return parser
+
+    def standalone(self, argv: Sequence[str] | None = None) -> int:
+        """Run the command on its own (`python -m fdl.<module>`): its parser, no overlay selection."""
+        parser = argparse.ArgumentParser(
+            prog=f"fdl {self.name}", description=self.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )  # fmt: skip
+        self.configure(parser)
+        return self.main(parser.parse_args(argv))
 
 
 def usage_error(command: str, error: Exception) -> int:

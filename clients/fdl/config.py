@@ -16,15 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Command
 from flodld import api
 
 EXIT_OK, EXIT_PROBLEMS = 0, 2
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "configuration tools: fdl config check [FILE]"
-    return add_command(subparsers, "config", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -147,3 +142,6 @@ def _locate(files: list[Path], key_path: tuple[str, ...]) -> tuple[Path | None, 
             if where is not None:
                 return where.file, where.line, where.column
     return (files[0] if files else None), None, None
+
+
+COMMAND = Command("config", "configuration tools: fdl config check [FILE]", __doc__, configure_parser, main)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Command
 from fdl.run import add_rest, program_command, reparse
 from flodld import api
 
@@ -44,11 +44,6 @@ BACKOFF_INITIAL_SECS = 5.0
 BACKOFF_MAX_SECS = 60.0
 BACKOFF_RESET_AFTER_SECS = 120.0
 TOKEN_ENV = "FDL_JOIN_TOKEN"
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "walk in: run a program in agent role against a controller"
-    return add_command(subparsers, "join", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -289,7 +284,9 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_TRANSIENT
 
 
+COMMAND = Command(
+    "join", "walk in: run a program in agent role against a controller", __doc__, configure_parser, main
+)
+
 if __name__ == "__main__":
-    standalone = argparse.ArgumentParser(prog="fdl join", description=__doc__)
-    configure_parser(standalone)
-    sys.exit(main(standalone.parse_args()))
+    sys.exit(COMMAND.standalone())

@@ -14,16 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fdl.cli import Subparsers, add_command, usage_error
+from fdl.cli import Command, usage_error
 from flodld import api
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PRIVSEP_DIR = Path("/run/sshd")  # sshd as root chroots its unprivileged child here
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "write or show the guardrailed join sshd recipe"
-    return add_command(subparsers, "join-sshd", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +93,9 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+COMMAND = Command(
+    "join-sshd", "write or show the guardrailed join sshd recipe", __doc__, configure_parser, main
+)
+
 if __name__ == "__main__":
-    standalone = argparse.ArgumentParser(prog="fdl join-sshd", description=__doc__)
-    configure_parser(standalone)
-    sys.exit(main(standalone.parse_args()))
+    sys.exit(COMMAND.standalone())

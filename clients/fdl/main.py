@@ -18,8 +18,10 @@ from fdl import join_sshd, probe, start, status
 from fdl import run as run_command
 from flodld import api
 
-# The subcommands, in `fdl --help` order: each module's add_parser(subparsers) sets its `func`.
-COMMANDS = (status, start, probe, join_sshd, config_command, run_command, join_command)
+# The subcommands, in `fdl --help` order: one `fdl.cli.Command` each, named COMMAND in its module.
+COMMANDS = tuple(
+    module.COMMAND for module in (status, start, probe, join_sshd, config_command, run_command, join_command)
+)
 
 
 class UsageError(Exception):
@@ -61,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--env", dest="env_flag", metavar="ENV", help="use the fdl.<ENV>.yml overlay")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:  # each module's add_parser sets its own `func`
-        command.add_parser(subparsers)
+    for command in COMMANDS:
+        command.add_to(subparsers)
     return parser
 
 

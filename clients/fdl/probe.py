@@ -16,16 +16,11 @@ import json
 import os
 import sys
 
-from fdl.cli import Subparsers, add_command, usage_error
+from fdl.cli import Command, usage_error
 from fdl.run import add_rank_options, plan_run
 from flodld import api
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "readiness checks (this host, or every worker with @cluster)"
-    return add_command(subparsers, "probe", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +83,9 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_ERRORS if failed else EXIT_OK
 
 
+COMMAND = Command(
+    "probe", "readiness checks (this host, or every worker with @cluster)", __doc__, configure_parser, main
+)
+
 if __name__ == "__main__":
-    standalone = argparse.ArgumentParser(prog="fdl probe", description=__doc__)
-    configure_parser(standalone)
-    sys.exit(main(standalone.parse_args()))
+    sys.exit(COMMAND.standalone())

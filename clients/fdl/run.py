@@ -34,16 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Command
 from flodld import api
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_CPU_RANKS = 2
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "run a program on every rank (controller embedded)"
-    return add_command(subparsers, "run", summary, __doc__, configure_parser, main)
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -446,7 +441,7 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(run_job(command, cluster, port=args.port))
 
 
+COMMAND = Command("run", "run a program on every rank (controller embedded)", __doc__, configure_parser, main)
+
 if __name__ == "__main__":
-    standalone = argparse.ArgumentParser(prog="fdl run", description=__doc__)
-    configure_parser(standalone)
-    sys.exit(main(standalone.parse_args()))
+    sys.exit(COMMAND.standalone())

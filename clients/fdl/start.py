@@ -18,7 +18,7 @@ import re
 import sys
 
 from fdl.address import format_address, resolve_candidates
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Command
 from fdl.endpoint import request
 from flodld import api
 
@@ -26,11 +26,6 @@ TOKEN_ENV = "FDL_START_TOKEN"
 JOIN_TOKEN_ENV = "FDL_JOIN_TOKEN"
 START_HEADER = "X-Flodld-Start"  # flodld.controller.http.START_HEADER
 _JOIN_TOKEN = re.compile(r"[0-9a-fA-F]{32}")
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "fire the start of a staged window"
-    return add_command(subparsers, "start", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -107,3 +102,6 @@ def main(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+COMMAND = Command("start", "fire the start of a staged window", __doc__, configure_parser, main)

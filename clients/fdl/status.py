@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from fdl.address import Candidates, format_address, resolve_candidates
-from fdl.cli import Subparsers, add_command
+from fdl.cli import Command
 from fdl.endpoint import request
 
 WINDOW_PHASES = ("waiting", "staging")
@@ -32,11 +32,6 @@ NO_RUN_HINT = (
     "for exactly as long as the run does under `fdl run` — a refused connection usually just means no "
     "controller is up."
 )
-
-
-def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    summary = "show the run's membership state"
-    return add_command(subparsers, "status", summary, __doc__, configure_parser, main)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -342,3 +337,6 @@ def main(args: argparse.Namespace) -> int:
         if not args.watch or (state is not None and state.get("phase") in END_PHASES):
             return 0
         time.sleep(max(0.05, args.interval))
+
+
+COMMAND = Command("status", "show the run's membership state", __doc__, configure_parser, main)
