@@ -240,8 +240,9 @@ class Controller:
     def handshake_timeout(self) -> float:
         return self.options.handshake_timeout
 
-    @property
+    @functools.cached_property
     def link_keepalive_secs(self) -> float:
+        """Once per run (it was read per admission: an env lookup and a parse each time)."""
         return self.options.link_keepalive_secs * self.options.timeout_scale
 
     def release_gate(self, peer: str) -> None:
@@ -629,8 +630,8 @@ class Controller:
 
     def _controller_host_for(self, link: HostLink) -> str:
         """The controller address as that host sees it: its tunnel's loopback end, or the advertised host."""
-        if link.host in self.options.tunneled_hosts or is_loopback_address(link.peer):
-            return link.local_address if is_loopback_address(link.local_address) else "127.0.0.1"
+        if link.host in self.options.tunneled_hosts or _is_loopback(link.peer):
+            return link.local_address if _is_loopback(link.local_address) else "127.0.0.1"
         return self.options.advertised_host
 
     def _envelope_template(self, world: World) -> WorldEnvelope:
@@ -876,6 +877,11 @@ class Controller:
                 "already_armed": decision.already,
             },
         )
+
+
+# Asked twice per host at formation; a world's links come from few addresses (bounded: a world from many
+# distinct addresses only cycles the cache).
+_is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
 
 
 def _write_buffered(link: HostLink) -> bool:
