@@ -29,6 +29,7 @@ from fhelium.engine import CkksEngine
 from fhelium.engine import modular as mod
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
 from fhelium.engine.sampling import RandomSource
+from fhelium.multiparty.noise import smudging_noise_from_words
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
 from fhelium.multiparty.values import (
     SEED_BYTES,
@@ -198,16 +199,33 @@ def reduce_sum_(x: torch.Tensor, q: torch.Tensor, terms: int) -> torch.Tensor:
 def smudging_noise(source: RandomSource, count: int, parameters: ThresholdParameters) -> torch.Tensor:
     """``count`` flooding-noise integers 2^shift·Y1 + Y2 (int64), Y1/Y2 rounded untruncated Gaussians.
 
-    One Box–Muller pair per sample: its cosine half gives Y1 and its sine half Y2 (independent
-    standard normals). Box–Muller on 53-bit uniforms reaches at most √(2·ln 2^54) ≈ 8.66 σ; the
-    tail it cannot draw has mass below 2^-57 per sample.
+    One Box–Muller pair per sample (``2·count`` keystream words, one draw of ``source``): its cosine
+    half gives Y1 and its sine half Y2 (independent standard normals). Box–Muller on 53-bit uniforms
+    reaches at most √(2·ln 2^54) ≈ 8.66 σ; the tail it cannot draw has mass below 2^-57 per sample.
+    The arithmetic is fhelium.multiparty.noise's (exactly rounded steps, native kernel or its
+    pure-torch reference, the same bits).
     """
-    uniform = (source.words(2 * count) >> 10).double().add_(0.5).mul_(2.0**-53)  # (0, 1), never 0
-    radius = uniform[:count].log_().mul_(-2.0).sqrt_()
-    angle = uniform[count:].mul_(2.0 * math.pi)
-    high = torch.cos(angle).mul_(radius).mul_(parameters.smudging_high_sigma).round_().long()
-    low = angle.sin_().mul_(radius).mul_(parameters.smudging_low_sigma).round_().long()
-    return high.bitwise_left_shift_(parameters.smudging_shift_bits).add_(low)
+    return smudging_noise_from_words(
+        source.words(2 * count),
+        parameters.smudging_shift_bits,
+        parameters.smudging_high_sigma,
+        parameters.smudging_low_sigma,
+    )
+
+
+def noise_to_ntt(engine: CkksEngine, noise: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
+    """Signed noise ``[rows, N]`` (|x| < 2^62) → its residues' NTT ``[rows, limbs, N]`` over ``prime_ids``.
+
+    The native ``signed_ntt`` (residue and transform in one pass) where the engine's NTT is native,
+    else ``reduce_signed`` and the NTT: the same residues (they are unique), so the same bits.
+    """
+    ids = tuple(prime_ids)
+    if engine.ntt.native_level != "torch" and noise.device.type == "cpu":
+        from fhelium import native
+
+        return native.signed_ntt(noise, *engine.ntt._native_tables(ids), engine.ntt.native_level)
+    q = engine._mod(ids)
+    return engine.ntt.forward(reduce_signed(noise.unsqueeze(-2), q.q, q.q_inverse), ids)
 
 
 def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: ThresholdParameters) -> Plaintext:
@@ -429,8 +447,8 @@ class ThresholdParty:
         for start in range(0, c1.size(0), BLOCK_ROWS):
             rows = c1[start : start + BLOCK_ROWS]
             product = mod.mul_mod(rows, s, q.q, q.q_inverse)
-            noise = smudging_noise(source, rows.size(0) * n, self.parameters).view(-1, 1, n).to(c1.device)
-            noise_ntt = engine.ntt.forward(reduce_signed(noise, q.q, q.q_inverse), ids)
+            noise = smudging_noise(source, rows.size(0) * n, self.parameters).view(-1, n).to(c1.device)
+            noise_ntt = noise_to_ntt(engine, noise, ids)
             share[start : start + rows.size(0)] = mod.add_mod(product, noise_ntt, q.q)
         marker = ciphertext_digest(ct) if digest else bytes(32)
         return DecryptionShare(
@@ -453,8 +471,8 @@ class ThresholdParty:
         source = engine.random.stream("smudging")
         for start in range(0, rows.size(0), BLOCK_ROWS):
             block = rows[start : start + BLOCK_ROWS]
-            noise = smudging_noise(source, block.size(0) * n, self.parameters).view(-1, 1, n).to(rows.device)
-            noise_ntt = engine.ntt.forward(reduce_signed(noise, q.q, q.q_inverse), ids)
+            noise = smudging_noise(source, block.size(0) * n, self.parameters).view(-1, n).to(rows.device)
+            noise_ntt = noise_to_ntt(engine, noise, ids)
             out[start : start + block.size(0)] = mod.add_mod(block, noise_ntt, q.q)
         return out.view(c0.shape)
 
@@ -520,6 +538,7 @@ __all__ = [
     "decode_contributions",
     "encode_values",
     "encrypt_values",
+    "noise_to_ntt",
     "reduce_signed",
     "reduce_sum_",
     "smudging_noise",

@@ -38,8 +38,10 @@ SOURCES = (Path(__file__).parent / "csrc" / "fhelium_native.cpp",)
 # the package data pattern csrc/*.cpp ships them)
 INCLUDES = (Path(__file__).parent / "csrc" / "ntt_avx512.inc.cpp",)
 # -fopenmp only compiles at::parallel_for's inline OpenMP region; nothing links an OpenMP runtime of
-# its own: the GOMP symbols resolve to the one libtorch_cpu already loaded (torch's thread pool)
-CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+# its own: the GOMP symbols resolve to the one libtorch_cpu already loaded (torch's thread pool).
+# -ffp-contract=off: every binary64 multiply and add is rounded separately, as torch's elementwise ops
+# round them (the flooding-noise sampler's bit-identity with its reference depends on it)
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # a cached build not loaded for this long before a new one was compiled is removed then
 STALE_AFTER_S = 24 * 3600.0
 
@@ -196,6 +198,14 @@ def _register_fakes() -> None:
         return torch.empty((*x.shape[:-1], index.shape[0]), dtype=x.dtype, device=x.device)
 
     torch.library.register_fake("fhelium::small_ntt")(small_ntt_fake)
+    torch.library.register_fake("fhelium::signed_ntt")(small_ntt_fake)
+
+    def smudging_noise_fake(
+        words: torch.Tensor, constants: torch.Tensor, shift: int, high: float, low: float, level: int
+    ) -> torch.Tensor:
+        return torch.empty((words.shape[0] // 2,), dtype=words.dtype, device=words.device)
+
+    torch.library.register_fake("fhelium::smudging_noise")(smudging_noise_fake)
     torch.library.register_fake("fhelium::permute_last")(permute_last_fake)
 
     # The other ops' results have a shape computed from their first tensor, and its dtype and device.
@@ -401,6 +411,15 @@ def small_ntt(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level
     return result
 
 
+def signed_ntt(x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: str) -> torch.Tensor:
+    """Signed integers ``[..., N]`` with |x| < 2^62 (moduli above 2^28) → their residues' NTT
+    ``[..., rows, N]``: ``small_ntt`` for values wider than the primes (the flooding noise), the residue
+    exact (the same as the reference's ``reduce_signed``: a residue in [0, q) is unique).
+    """
+    result: torch.Tensor = torch.ops.fhelium.signed_ntt(x, moduli, tables, LEVEL_CODES[level])
+    return result
+
+
 def permute_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(-1, index)`` for int64 CPU tensors in one native pass (Galois automorphisms)."""
     result: torch.Tensor = torch.ops.fhelium.permute_last(x, index)
@@ -459,6 +478,26 @@ def key_switch_lifted(
     return result
 
 
+def smudging_noise(
+    words: torch.Tensor,
+    constants: torch.Tensor,
+    shift_bits: int,
+    high_sigma: float,
+    low_sigma: float,
+    level: str | None = None,
+) -> torch.Tensor:
+    """Flooding noise ``[count]`` from ``2·count`` 63-bit keystream words: the same bits as the reference
+    ``fhelium.multiparty.noise.smudging_noise_from_words`` (whose module builds ``constants``).
+    ``level``: ``scalar``, or ``dq``/``ifma`` (the loop compiled for AVX-512); None: ``elementwise_level()``.
+    """
+    if not load():
+        raise NativeUnavailableError(f"the native extension is unavailable: {_state.get('error')}")
+    result: torch.Tensor = torch.ops.fhelium.smudging_noise(
+        words, constants, shift_bits, high_sigma, low_sigma, _code(level)
+    )
+    return result
+
+
 __all__ = [
     "LEVELS",
     "NativeUnavailableError",
@@ -482,7 +521,9 @@ __all__ = [
     "permute_last",
     "prune_stale_builds",
     "requested_level",
+    "signed_ntt",
     "small_ntt",
+    "smudging_noise",
     "sub_mod",
     "sub_mod_",
     "supported_levels",

@@ -23,8 +23,10 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -1121,9 +1123,14 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
 
 // Sampling to NTT: small signed integers x [..., N] (|x| < every q) -> NTT(x mod q_r) [..., rows, N],
 // the residue taken as the engine's _small_to_rns does (x + (q if x < 0)), fused into the NTT's copy.
-at::Tensor small_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const at::Tensor& tables, int64_t level) {
-  TORCH_CHECK(x_in.dim() >= 1, "fhelium::small_ntt: x must be [..., N]");
-  check_rns_arguments("fhelium::small_ntt", x_in.unsqueeze(-2), moduli, tables);
+// wide: any int64 |x| < 2^62 (the residue by a binary64 quotient estimate, exact after one correction:
+// |x/q - estimate| <= 1/2 + 2^-40, so x - estimate*q lies in (-q, q)); the residue in [0, q) is unique,
+// so this equals the reference's (fhelium.multiparty.protocol.reduce_signed, then the NTT)
+at::Tensor residue_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const at::Tensor& tables, int64_t level,
+                       bool wide) {
+  const char* name = wide ? "fhelium::signed_ntt" : "fhelium::small_ntt";
+  TORCH_CHECK(x_in.dim() >= 1, name, ": x must be [..., N]");
+  check_rns_arguments(name, x_in.unsqueeze(-2), moduli, tables);
   const int64_t rows = moduli.size(0), n = tables.size(2);
   const at::Tensor x = x_in.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
@@ -1139,16 +1146,43 @@ at::Tensor small_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const at:
   const int64_t* source = x.data_ptr<int64_t>();
   u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
   bitrev_table(logn);
+  if (wide) {
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(q[r] > (int64_t{1} << 28), name, ": every modulus must exceed 2^28 (the quotient estimate)");
+    }
+  }
+  std::atomic<bool> out_of_range{false};
   at::parallel_for(0, batch * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<u64> scratch(static_cast<size_t>(n) + 8);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / rows, r = task % rows, qr = q[r];
       const int64_t* v = source + b * n;
-      for (int64_t k = 0; k < n; ++k) scratch[k] = static_cast<u64>(v[k] + ((v[k] >> 63) & qr));
+      if (wide) {
+        const double inverse = 1.0 / static_cast<double>(qr);
+        bool outside = false;
+        for (int64_t k = 0; k < n; ++k) outside |= static_cast<u64>(v[k]) + (u64{1} << 62) >= (u64{1} << 63);
+        if (outside) out_of_range.store(true, std::memory_order_relaxed);
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t estimate = static_cast<int64_t>(std::nearbyint(static_cast<double>(v[k]) * inverse));
+          const int64_t residue = v[k] - estimate * qr;
+          scratch[k] = static_cast<u64>(residue + ((residue >> 63) & qr));
+        }
+      } else {
+        for (int64_t k = 0; k < n; ++k) scratch[k] = static_cast<u64>(v[k] + ((v[k] >> 63) & qr));
+      }
       forward_row(scratch.data(), target + task * n, row_tables(table, q, r, n), logn, chosen);
     }
   });
+  TORCH_CHECK(!out_of_range.load(), name, ": |x| must be below 2^62");
   return out;
+}
+
+at::Tensor small_ntt(const at::Tensor& x, const at::Tensor& moduli, const at::Tensor& tables, int64_t level) {
+  return residue_ntt(x, moduli, tables, level, false);
+}
+
+at::Tensor signed_ntt(const at::Tensor& x, const at::Tensor& moduli, const at::Tensor& tables, int64_t level) {
+  return residue_ntt(x, moduli, tables, level, true);
 }
 
 // out[..., t] = x[..., index[t]] (x.index_select(-1, index)): the Galois automorphisms in the NTT domain
@@ -1247,6 +1281,177 @@ at::Tensor tensor_product(const at::Tensor& a_in, const at::Tensor& b_in, const 
   return out;
 }
 
+// Flooding noise for threshold decryption (fhelium/multiparty/noise.py is the reference): Box-Muller
+// on 53-bit uniforms from 63-bit keystream words, log/sin/cos by the reference's fixed polynomials in
+// separately rounded binary64 operations, in the reference's order (the build uses -ffp-contract=off,
+// so no multiply-add is fused), so every output bit equals the reference's. The polynomial
+// coefficients and constants come from Python (``constants``), never retyped here.
+constexpr int kLogTerms = 12, kSinTerms = 9, kCosTerms = 9;
+constexpr int kNoiseConstants = 4 + kLogTerms + kSinTerms + kCosTerms;
+
+struct NoiseConstants {
+  double ln2_hi, ln2_lo, sqrt2, half_pi;
+  double log_c[kLogTerms], sin_c[kSinTerms], cos_c[kCosTerms];
+  double high_sigma, low_sigma;
+  int64_t shift;
+};
+
+inline double bits_to_double(u64 b) { double d; std::memcpy(&d, &b, 8); return d; }
+inline u64 double_to_bits(double d) { u64 b; std::memcpy(&b, &d, 8); return b; }
+
+inline int64_t smudging_one(int64_t w1, int64_t w2, const NoiseConstants& c) {
+  const double u1 = (static_cast<double>(w1 >> 10) + 0.5) * 0x1p-53;
+  const double u2 = (static_cast<double>(w2 >> 10) + 0.5) * 0x1p-53;
+  // log u1
+  const u64 bits = double_to_bits(u1);
+  const int64_t exponent = static_cast<int64_t>(bits >> 52) - 1023;
+  double m = bits_to_double((bits & ((u64{1} << 52) - 1)) | (u64{1023} << 52));
+  const bool big = m > c.sqrt2;
+  m = big ? m * 0.5 : m;
+  const double e = static_cast<double>(exponent + (big ? 1 : 0));
+  const double s = (m - 1.0) / (m + 1.0);
+  const double z = s * s;
+  double p = c.log_c[0];
+  for (int k = 1; k < kLogTerms; ++k) p = p * z + c.log_c[k];
+  const double tail = (s * 2.0) * p + e * c.ln2_lo;
+  const double log_u = e * c.ln2_hi + tail;
+  const double radius = std::sqrt(log_u * -2.0);
+  // sin, cos of 2 pi u2
+  const double t4 = u2 * 4.0;
+  const double quadrant = std::floor(t4);
+  const double g = t4 - quadrant;
+  const bool flip = g > 0.5;
+  const double x = (flip ? 1.0 - g : g) * c.half_pi;
+  const double x2 = x * x;
+  double ps = c.sin_c[0];
+  for (int k = 1; k < kSinTerms; ++k) ps = ps * x2 + c.sin_c[k];
+  double pc = c.cos_c[0];
+  for (int k = 1; k < kCosTerms; ++k) pc = pc * x2 + c.cos_c[k];
+  const double sin_x = (x * x2) * ps + x;
+  const double cos_x = x2 * pc + 1.0;
+  const double sin_phi = flip ? cos_x : sin_x;
+  const double cos_phi = flip ? sin_x : cos_x;
+  const int64_t q = static_cast<int64_t>(quadrant);
+  const bool odd = (q & 1) != 0;
+  double sine = odd ? cos_phi : sin_phi;
+  double cosine = odd ? sin_phi : cos_phi;
+  sine = q >= 2 ? -sine : sine;
+  cosine = (q == 1 || q == 2) ? -cosine : cosine;
+  const int64_t high = static_cast<int64_t>(std::nearbyint((cosine * radius) * c.high_sigma));
+  const int64_t low = static_cast<int64_t>(std::nearbyint((sine * radius) * c.low_sigma));
+  // two's complement wrap-around like the reference's int64 shift and add (never reached by the presets)
+  return static_cast<int64_t>((static_cast<u64>(high) << c.shift) + static_cast<u64>(low));
+}
+
+void smudging_span_scalar(const int64_t* w, int64_t count, int64_t begin, int64_t end, int64_t* out,
+                          const NoiseConstants& c) {
+  for (int64_t i = begin; i < end; ++i) out[i] = smudging_one(w[i], w[count + i], c);
+}
+
+// 8 lanes of AVX-512 (F + DQ): smudging_one's operations lane by lane, in its order (each intrinsic is
+// one correctly rounded binary64 operation; selects are blends, negation flips the sign bit)
+FHELIUM_DQ inline __m512d horner_vector(__m512d z, const double* coefficients, int terms) {
+  __m512d p = _mm512_set1_pd(coefficients[0]);
+  for (int k = 1; k < terms; ++k) p = _mm512_add_pd(_mm512_mul_pd(p, z), _mm512_set1_pd(coefficients[k]));
+  return p;
+}
+
+FHELIUM_DQ inline __m512i smudging_vector(__m512i w1, __m512i w2, const NoiseConstants& c) {
+  const __m512d half = _mm512_set1_pd(0.5), one = _mm512_set1_pd(1.0), unit = _mm512_set1_pd(0x1p-53);
+  const __m512d u1 = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtepi64_pd(_mm512_srli_epi64(w1, 10)), half), unit);
+  const __m512d u2 = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtepi64_pd(_mm512_srli_epi64(w2, 10)), half), unit);
+  // log u1
+  const __m512i bits = _mm512_castpd_si512(u1);
+  __m512i exponent = _mm512_sub_epi64(_mm512_srli_epi64(bits, 52), _mm512_set1_epi64(1023));
+  __m512d m = _mm512_castsi512_pd(_mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi64((int64_t{1} << 52) - 1)),
+                                                  _mm512_set1_epi64(int64_t{1023} << 52)));
+  const __mmask8 big = _mm512_cmp_pd_mask(m, _mm512_set1_pd(c.sqrt2), _CMP_GT_OQ);
+  m = _mm512_mask_mul_pd(m, big, m, half);
+  exponent = _mm512_mask_add_epi64(exponent, big, exponent, _mm512_set1_epi64(1));
+  const __m512d e = _mm512_cvtepi64_pd(exponent);
+  const __m512d s = _mm512_div_pd(_mm512_sub_pd(m, one), _mm512_add_pd(m, one));
+  const __m512d p = horner_vector(_mm512_mul_pd(s, s), c.log_c, kLogTerms);
+  const __m512d tail = _mm512_add_pd(_mm512_mul_pd(_mm512_mul_pd(s, _mm512_set1_pd(2.0)), p),
+                                     _mm512_mul_pd(e, _mm512_set1_pd(c.ln2_lo)));
+  const __m512d log_u = _mm512_add_pd(_mm512_mul_pd(e, _mm512_set1_pd(c.ln2_hi)), tail);
+  const __m512d radius = _mm512_sqrt_pd(_mm512_mul_pd(log_u, _mm512_set1_pd(-2.0)));
+  // sin, cos of 2 pi u2
+  const __m512d t4 = _mm512_mul_pd(u2, _mm512_set1_pd(4.0));
+  const __m512d quadrant = _mm512_roundscale_pd(t4, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512d g = _mm512_sub_pd(t4, quadrant);
+  const __mmask8 flip = _mm512_cmp_pd_mask(g, half, _CMP_GT_OQ);
+  const __m512d x = _mm512_mul_pd(_mm512_mask_blend_pd(flip, g, _mm512_sub_pd(one, g)), _mm512_set1_pd(c.half_pi));
+  const __m512d x2 = _mm512_mul_pd(x, x);
+  const __m512d sin_x = _mm512_add_pd(_mm512_mul_pd(_mm512_mul_pd(x, x2), horner_vector(x2, c.sin_c, kSinTerms)), x);
+  const __m512d cos_x = _mm512_add_pd(_mm512_mul_pd(x2, horner_vector(x2, c.cos_c, kCosTerms)), one);
+  const __m512d sin_phi = _mm512_mask_blend_pd(flip, sin_x, cos_x);
+  const __m512d cos_phi = _mm512_mask_blend_pd(flip, cos_x, sin_x);
+  const __m512i q = _mm512_cvttpd_epi64(quadrant);
+  const __mmask8 odd = _mm512_test_epi64_mask(q, _mm512_set1_epi64(1));
+  const __m512d sign = _mm512_castsi512_pd(_mm512_set1_epi64(static_cast<int64_t>(u64{1} << 63)));
+  __m512d sine = _mm512_mask_blend_pd(odd, sin_phi, cos_phi);
+  __m512d cosine = _mm512_mask_blend_pd(odd, cos_phi, sin_phi);
+  const __mmask8 negate_sine = _mm512_cmp_epi64_mask(q, _mm512_set1_epi64(2), _MM_CMPINT_NLT);
+  const __mmask8 negate_cosine = _mm512_cmpeq_epi64_mask(q, _mm512_set1_epi64(1)) |
+                                 _mm512_cmpeq_epi64_mask(q, _mm512_set1_epi64(2));
+  sine = _mm512_mask_xor_pd(sine, negate_sine, sine, sign);
+  cosine = _mm512_mask_xor_pd(cosine, negate_cosine, cosine, sign);
+  const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i high = _mm512_cvttpd_epi64(_mm512_roundscale_pd(
+      _mm512_mul_pd(_mm512_mul_pd(cosine, radius), _mm512_set1_pd(c.high_sigma)), rounding));
+  const __m512i low = _mm512_cvttpd_epi64(_mm512_roundscale_pd(
+      _mm512_mul_pd(_mm512_mul_pd(sine, radius), _mm512_set1_pd(c.low_sigma)), rounding));
+  return _mm512_add_epi64(_mm512_sll_epi64(high, _mm_cvtsi64_si128(c.shift)), low);
+}
+
+FHELIUM_DQ void smudging_span_vector(const int64_t* w, int64_t count, int64_t begin, int64_t end, int64_t* out,
+                                     const NoiseConstants& c) {
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m512i w1 = _mm512_loadu_si512(w + i);
+    const __m512i w2 = _mm512_loadu_si512(w + count + i);
+    _mm512_storeu_si512(out + i, smudging_vector(w1, w2, c));
+  }
+  smudging_span_scalar(w, count, i, end, out, c);
+}
+
+at::Tensor smudging_noise(const at::Tensor& words_in, const at::Tensor& constants_in, int64_t shift,
+                          double high_sigma, double low_sigma, int64_t level) {
+  TORCH_CHECK(words_in.device().is_cpu() && words_in.scalar_type() == at::kLong && words_in.dim() == 1 &&
+                  words_in.numel() % 2 == 0,
+              "fhelium::smudging_noise: an even number of int64 CPU words expected");
+  TORCH_CHECK(constants_in.scalar_type() == at::kDouble && constants_in.numel() == kNoiseConstants,
+              "fhelium::smudging_noise: ", kNoiseConstants, " float64 constants expected");
+  TORCH_CHECK(shift >= 0 && shift < 40, "fhelium::smudging_noise: shift must be in [0, 40)");
+  const bool vector = checked_level(level) != kLevelScalar;
+  const at::Tensor words = words_in.contiguous();
+  const at::Tensor constants = constants_in.to(at::kCPU).contiguous();
+  const double* k = constants.data_ptr<double>();
+  NoiseConstants c;
+  c.ln2_hi = k[0];
+  c.ln2_lo = k[1];
+  c.sqrt2 = k[2];
+  c.half_pi = k[3];
+  std::memcpy(c.log_c, k + 4, sizeof(c.log_c));
+  std::memcpy(c.sin_c, k + 4 + kLogTerms, sizeof(c.sin_c));
+  std::memcpy(c.cos_c, k + 4 + kLogTerms + kSinTerms, sizeof(c.cos_c));
+  c.high_sigma = high_sigma;
+  c.low_sigma = low_sigma;
+  c.shift = shift;
+  const int64_t count = words.numel() / 2;
+  at::Tensor out = at::empty({count}, words.options());
+  const int64_t* w = words.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, count, 8192, [&](int64_t begin, int64_t end) {
+    if (vector) {
+      smudging_span_vector(w, count, begin, end, o, c);
+    } else {
+      smudging_span_scalar(w, count, begin, end, o, c);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fhelium, m) {
@@ -1263,10 +1468,12 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
   m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("small_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("signed_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("permute_last(Tensor x, Tensor index) -> Tensor");
   m.def("tensor_product(Tensor a, Tensor b, Tensor moduli, int level) -> Tensor");
   m.def("decompose(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("smudging_noise(Tensor words, Tensor constants, int shift, float high_sigma, float low_sigma, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
 }
 
@@ -1285,7 +1492,9 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("tensor_product", &tensor_product);
   m.impl("permute_last", &permute_last);
   m.impl("small_ntt", &small_ntt);
+  m.impl("signed_ntt", &signed_ntt);
   m.impl("mod_down", &mod_down);
   m.impl("key_switch", &key_switch);
   m.impl("key_switch_lifted", &key_switch_lifted);
+  m.impl("smudging_noise", &smudging_noise);
 }
