@@ -7,10 +7,13 @@
 
 Every rank holds a local update (default 1M float values). With `--keys threshold` (the default)
 nobody holds the secret key: the ranks build a collective public key from key shares
-(fhelium.multiparty), every rank encrypts its update, a compiled rank-local Program
-(examples/encrypted_mean.mlir, `all_reduce_add_ciphertext`) sums the ciphertexts, and every rank
+(fhelium.multiparty), every rank encrypts its update, the ciphertexts are summed and every rank
 publishes a decryption share; the summed shares decrypt the sum on every rank, which divides by the
-world size and checks the error bound. With `--keys single`, rank 0 is the key holder and decrypts.
+world size and checks the error bound. On the relay road a compiled rank-local Program
+(examples/encrypted_mean.mlir, `all_reduce_add_ciphertext`) sums the ciphertexts; on the process
+group the fused protocol (`ThresholdSession.aggregate`: only c1 is summed, each rank publishes its c0
+folded into its decryption share) does, unless `--lower` asks for the lowered Program. With
+`--keys single`, rank 0 is the key holder and decrypts.
 The transport follows the run's averaging mode (`--transport auto`): cpu_* modes use the relays
 (the controller folds residues and never holds a key), others the torch process group.
 Exit code 0 when the measured error is within the bound, 1 otherwise or on any refusal.

@@ -1,15 +1,18 @@
 """Encrypted mean with no key holder: threshold (N-out-of-N) CKKS on both roads of a flodld run.
 
 Every rank holds a share of the secret key (fhelium.multiparty): the public key is built jointly
-from a committed common seed, every rank encrypts its update under it, the compiled Program
-(examples/encrypted_mean.mlir) sums the ciphertexts, and every rank publishes a decryption share;
-the sum of the shares decrypts the sum on **every** rank. Key shares, ciphertexts and decryption
-shares all move as residues:
-- relay road: deposited at the host relay and folded by the relays and the controller with the
-  keyless modular fold (``modular:<q,...>``); the seed commitments and reveals ride the rendezvous
-  store;
-- process-group road: ``all_reduce_ciphertext`` for the ciphertexts, ``fhelium.distributed``
-  all_reduce / all_gather for the shares and the seed records.
+from a committed common seed, every rank encrypts its update under it, the ciphertexts are summed,
+and every rank publishes a decryption share; the sum of the shares decrypts the sum on **every**
+rank. Key shares, ciphertexts and decryption shares all move as residues:
+- relay road: the compiled Program (examples/encrypted_mean.mlir) sums whole ciphertexts, deposited
+  at the host relay and folded by the relays and the controller with the keyless modular fold
+  (``modular:<q,...>``), then the decryption shares are folded the same way; the seed commitments
+  and reveals ride the rendezvous store;
+- process-group road: the fused protocol, ``ThresholdSession.aggregate`` (only the ciphertexts' c1
+  components are all-reduced; each rank publishes c0_i + h_i, its own c0 folded into its flooded
+  decryption share; slice k of the rows is summed and decoded on rank k and the decoded slots are
+  all-gathered: half the bytes of the unfused exchange, see docs/fhelium-multiparty.md). With
+  ``--lower`` the process-group road runs the lowered Program and the unfused decryption instead.
 
 No party, and no coalition short of all other ranks, can decrypt an individual update; the
 controller and the relays see residues and the final sum only (docs/tutorial-encrypted-aggregation.md).
@@ -170,6 +173,43 @@ def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> 
     return out
 
 
+def _fused_mean(
+    session: ThresholdSession,
+    rows: torch.Tensor,
+    world: int,
+    timings: Timings,
+    record: Callable[[str, torch.Tensor], None],
+    before_decrypt: Callable[[], None] | None,
+    say: Say,
+) -> tuple[torch.Tensor, int]:
+    """The process-group road's fused protocol (``ThresholdSession.aggregate``): encrypt, sum only the
+    c1 components, publish c0_i + h_i, decode one slice per rank, all-gather the decoded slots.
+    Returns the flat mean and this rank's ciphertext bytes.
+    """
+    nbytes = 0
+
+    def audit(name: str, tensor: torch.Tensor) -> None:
+        nonlocal nbytes
+        if name == "ciphertext":
+            nbytes += tensor.numel() * tensor.element_size()
+        record(name, tensor)
+
+    started = time.perf_counter()
+    try:
+        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
+    except RuntimeError as error:
+        raise WorldChangedError(
+            f"the threshold aggregation failed, a rank probably left mid-run: {error}"
+        ) from error
+    elapsed = timings.measure("aggregate", started)
+    say(
+        f"fused threshold aggregation over {world} rank(s) via process-group in {elapsed:.2f}s: "
+        f"{rows.size(0)} ciphertexts ({nbytes / 2**20:.1f} MiB) encrypted, c1 summed, "
+        f"collective decryption from {world} decryption shares"
+    )
+    return total.reshape(-1) / world, nbytes
+
+
 def aggregate_mean_threshold(
     transport: Transport,
     *,
@@ -235,34 +275,43 @@ def aggregate_mean_threshold(
         rows = max(1, -(-values // slots))
         padded = torch.zeros(rows * slots, dtype=torch.float64)
         padded[:values] = update.double()
-        ciphertext = session.encrypt(padded.view(rows, slots))
         record("update", update)
-        record("ciphertext", ciphertext.data)
-        elapsed = timings.measure("encrypt", started)
-        nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
-        say(f"encrypted {values} values into {rows} ciphertexts ({nbytes / 2**20:.1f} MiB) in {elapsed:.2f}s")
+        if not isinstance(transport, RelayTransport) and not lower:
+            mean, nbytes = _fused_mean(
+                session, padded.view(rows, slots), world, timings, record, before_decrypt, say
+            )
+            mean = mean[:values]
+        else:
+            ciphertext = session.encrypt(padded.view(rows, slots))
+            record("ciphertext", ciphertext.data)
+            elapsed = timings.measure("encrypt", started)
+            nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
+            say(
+                f"encrypted {values} values into {rows} ciphertexts ({nbytes / 2**20:.1f} MiB) in "
+                f"{elapsed:.2f}s"
+            )
 
-        executable = link_program(transport, engine, lower=lower)
-        started = time.perf_counter()
-        try:
-            (total,) = executable.run(ciphertext)
-        except AggregationError:
-            raise
-        except RuntimeError as error:
-            raise WorldChangedError(
-                f"the all-reduce failed, a rank probably left mid-run: {error}"
-            ) from error
-        elapsed = timings.measure("all_reduce", started)
-        record("sum", total.data)
-        say(f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s")
+            executable = link_program(transport, engine, lower=lower)
+            started = time.perf_counter()
+            try:
+                (total,) = executable.run(ciphertext)
+            except AggregationError:
+                raise
+            except RuntimeError as error:
+                raise WorldChangedError(
+                    f"the all-reduce failed, a rank probably left mid-run: {error}"
+                ) from error
+            elapsed = timings.measure("all_reduce", started)
+            record("sum", total.data)
+            say(f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s")
 
-        if before_decrypt is not None:
-            before_decrypt()
-        started = time.perf_counter()
-        # process-group road: each rank decodes 1/world of the rows, the decoded rows are all-gathered
-        mean = session.decrypt(total, record=record).real.reshape(-1)[:values] / world
-        elapsed = timings.measure("decrypt", started)
-        say(f"collective decryption from {world} decryption shares in {elapsed:.2f}s")
+            if before_decrypt is not None:
+                before_decrypt()
+            started = time.perf_counter()
+            # process-group road: each rank decodes 1/world of the rows, the decoded rows are all-gathered
+            mean = session.decrypt(total, record=record).real.reshape(-1)[:values] / world
+            elapsed = timings.measure("decrypt", started)
+            say(f"collective decryption from {world} decryption shares in {elapsed:.2f}s")
     except MultipartyError as error:
         if getattr(error, "missing", None) is not None:
             raise MissingSharesAggregationError(str(error)) from error

@@ -275,6 +275,10 @@ class ProcessGroupChannel:
         return gathered
 
 
+def _returning(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor
+
+
 def key_share_digest(party: int, parties: int, session: str, serialized_share: bytes) -> bytes:
     """SHA-256 commitment to a serialized PublicKeyShare, bound to the rank, world size and session."""
     header = f"{party}/{parties}/{len(session)}:{session}".encode()
@@ -380,7 +384,11 @@ class ThresholdSession:
         return self.party.encrypt(values, self.public)
 
     def aggregate(
-        self, values: torch.Tensor, *, record: Callable[[str, torch.Tensor], None] | None = None
+        self,
+        values: torch.Tensor,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None = None,
+        before_contribution: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Encrypt this rank's real ``values`` ``[rows, ≤S]``, sum over the ranks, decrypt collectively.
 
@@ -399,6 +407,8 @@ class ThresholdSession:
         channels (the relay road) sum everything with ``all_reduce_residues`` and every rank
         decodes every row. ``record(name, tensor)`` sees the ciphertext, the summed c1, this
         rank's contribution and the summed contributions this rank decodes (the flagship's audit).
+        ``before_contribution()`` runs once every c1 sum has arrived and before this rank publishes
+        any contribution (the flagship's fault injection: a rank leaving after encrypting).
         """
         if self.public is None:
             raise MultipartyError("aggregate before generate_public_key")
@@ -418,6 +428,8 @@ class ThresholdSession:
             c1 = channel.all_reduce_residues("ciphertext-c1", ct.data[1], moduli)
             if record is not None:
                 record("c1_sum", c1)
+            if before_contribution is not None:
+                before_contribution()
             contribution = party.decryption_contribution(ct, c1)
             if record is not None:
                 record("decryption_share", contribution)
@@ -436,6 +448,10 @@ class ThresholdSession:
                 moduli = engine.moduli_for(ct.prime_ids)
                 parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1], moduli)))
         flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
+        if before_contribution is not None:  # every c1 sum first, then the hook, then the contributions
+            sums = [c1_sum() for _, _, c1_sum in parts]
+            parts = [(k, ct, _returning(c1)) for (k, ct, _), c1 in zip(parts, sums, strict=True)]
+            before_contribution()
         pending = []
         for (k, ct, c1_sum), contribution in zip(parts, flooded, strict=True):
             c1 = c1_sum()
