@@ -27,18 +27,34 @@ from .daemon import CLOSE_BOUND_SECS, RawJoin, hello, options, raw_join, state
 RUN_ID = options().run_id
 
 
+TWO_HOSTS = (("h", 2), ("g", 1))
+
+
 @asynccontextmanager
-async def formed_world() -> AsyncIterator[tuple[Controller, int, RawJoin]]:
-    """A one-host world (host "h", ranks [0, 1]) whose data plane is up; the join link stays open."""
-    opts = options(capacity=2, join=JoinConfig(join_timeout=30, target_ranks=2, min_rank_start=2))
+async def formed_world(
+    hosts: tuple[tuple[str, int], ...] = TWO_HOSTS,
+) -> AsyncIterator[tuple[Controller, int, RawJoin]]:
+    """A formed world whose data plane is up (by default "h" with ranks [0, 1] and "g" with rank [2]);
+    the join links stay open and the first host's agent is yielded.
+
+    Two hosts by default, because a one-host world's relay folds and broadcasts itself (HelloAck
+    `sole_host`) and the controller refuses every host frame from it before looking further: a host
+    frame that should be refused for what it carries would be refused for that instead.
+    """
+    ranks = sum(devices for _, devices in hosts)
+    opts = options(capacity=ranks, join=JoinConfig(join_timeout=30, target_ranks=ranks, min_rank_start=ranks))
     controller = Controller(opts)
     attach_data_plane(controller)
     _, port = await controller.start()
-    agent = await raw_join(port, controller.salt)
+    agents: list[RawJoin] = []
     try:
-        agent.write(agent.conn.send_message(hello("h", devices=2)))
-        assert isinstance(await agent.next_message(), Accept)
-        assert isinstance(await agent.next_message(), WorldFormed)
+        for host, devices in hosts:
+            agent = await raw_join(port, controller.salt)
+            agents.append(agent)
+            agent.write(agent.conn.send_message(hello(host, devices=devices)))
+            assert isinstance(await agent.next_message(), Accept)
+        for agent in agents:
+            assert isinstance(await agent.next_message(), WorldFormed)
         # WorldFormed is on its way before the controller enters training (it does after every
         # host's write drained), so an agent can be this fast; wait for the phase as well.
         for _ in range(500):
@@ -46,9 +62,15 @@ async def formed_world() -> AsyncIterator[tuple[Controller, int, RawJoin]]:
                 break
             await asyncio.sleep(0.01)
         assert controller.phase is Phase.TRAINING, controller.phase
-        yield controller, port, agent
+        assert controller.window is not None and controller.window.world is not None
+        first = 0
+        for host, devices in hosts:  # ranks in join order
+            assert sorted(controller.window.world.ranks[host]) == list(range(first, first + devices))
+            first += devices
+        yield controller, port, agents[0]
     finally:
-        agent.close()
+        for agent in agents:
+            agent.close()
         await controller.close()
 
 
@@ -132,7 +154,7 @@ async def test_a_second_relay_for_the_same_host_is_refused_and_the_first_keeps_i
                 tensors=[TensorSpec(dtype="float32", shape=[4])],
             ),
             b"\x00" * 3,
-            "",
+            "splits an element",
         ),
         (
             HostFrame(
@@ -143,9 +165,13 @@ async def test_a_second_relay_for_the_same_host_is_refused_and_the_first_keeps_i
                 tensors=[TensorSpec(dtype="float32", shape=[2**39, 2**39])],
             ),
             b"",
-            "",
+            "multiply past",
         ),
-        (HostFrame(round=0, fold="no-such-fold", weight=1.0, contributors=[0], tensors=[]), b"", ""),
+        (
+            HostFrame(round=0, fold="no-such-fold", weight=1.0, contributors=[0], tensors=[]),
+            b"",
+            "unknown fold",
+        ),
     ],
     ids=["foreign-contributor", "short-tail", "absurd-shape", "unknown-fold"],
 )
@@ -154,11 +180,22 @@ async def test_a_bad_host_frame_gets_a_data_plane_error_and_the_daemon_serves_on
 ) -> None:
     async with formed_world() as (controller, port, agent):
         stream, reply = await _relay(port, controller.salt, Channel.DATA, _hello("h", [0, 1]), agent)
-        assert isinstance(reply, HelloAck)
+        assert isinstance(reply, HelloAck) and not reply.sole_host
         await stream.send(frame, tail)
         refusal = (await stream.recv(10)).message()
         assert isinstance(refusal, DataPlaneError) and fragment in refusal.reason, refusal
+        assert "only host" not in refusal.reason  # refused for what it carries (a world of two hosts)
         assert (await state(port))["phase"] == "training"
+
+
+async def test_a_host_frame_from_the_sole_host_is_refused() -> None:
+    """In a one-host world the relay broadcasts its own fold: any host frame from it is refused."""
+    async with formed_world((("h", 2),)) as (controller, port, agent):
+        stream, reply = await _relay(port, controller.salt, Channel.DATA, _hello("h", [0, 1]), agent)
+        assert isinstance(reply, HelloAck) and reply.sole_host
+        await stream.send(HostFrame(round=0, fold="mean", weight=1.0, contributors=[0], tensors=[]))
+        refusal = (await stream.recv(10)).message()
+        assert isinstance(refusal, DataPlaneError) and "only host" in refusal.reason, refusal
 
 
 async def test_an_over_cap_tail_claim_on_the_data_channel_is_refused_unread() -> None:
