@@ -291,11 +291,11 @@ class RoundBarrier(Generic[Member]):
 
     def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
         """The kept accumulator when schema and fold are the round before's, else a new one, uninitialised:
-        `_drain` zeroes each chunk of it as its first member folds, and a chunk nobody folded is never
-        handed on. `identity` still judges the schema first (FoldError, before anything is kept), on meta
-        tensors (shapes and dtypes, no memory): a round whose schema changed no longer allocates and
-        zero-fills a whole accumulator only to zero it again chunk by chunk. A plugin fold whose
-        `identity` cannot take meta tensors gets real ones.
+        `_drain` starts each chunk of it from its first member (`start_slice`, or zeroed and added to),
+        and a chunk nobody folded is never handed on. `identity` still judges the schema first (FoldError,
+        before anything is kept), on meta tensors (shapes and dtypes, no memory): a round whose schema
+        changed no longer allocates and zero-fills a whole accumulator only to start it again chunk by
+        chunk. A plugin fold whose `identity` cannot take meta tensors gets real ones.
         """
         slot = self.round % len(self._kept)
         kept = self._kept[slot]
@@ -327,11 +327,16 @@ class RoundBarrier(Generic[Member]):
                 chunk.position += 1  # left before sending this chunk
                 continue
             incoming, weight, release = parked
-            first = not chunk.folded
+            # The accumulator is reused (and a new one uninitialised): the chunk's first member starts it,
+            # in one pass where the fold can (`start_slice`), else zeroed and added to.
+            start = getattr(self._fold, "start_slice", None) if not chunk.folded else None
             for piece, tensor in zip(chunk.pieces, incoming, strict=True):
                 target = held(self._accumulator, piece)
-                if first:
-                    target.zero_()  # the accumulator is reused: this round's neutral start
+                if start is not None:
+                    start(target, tensor, piece.span)
+                    continue
+                if not chunk.folded:
+                    target.zero_()
                 self._fold.add_slice(target, tensor, piece.span)
             del incoming
             chunk.weight += weight

@@ -386,3 +386,80 @@ def test_schemas_that_change_round_by_round_fold_exactly_in_uninitialised_accumu
         for tensor in results[0].tensors:
             if tensor.numel():
                 tensor.view(-1).view(torch.uint8).fill_(0x7F)
+
+
+@pytest.mark.parametrize("spec", ["mean", "sum", "modular:" + ",".join(map(str, MODULI))])
+def test_a_chunk_starts_in_one_pass_exactly_as_from_zero(spec: str) -> None:
+    """The chunk's first member starts it with `start_slice` (no zero pass, no add, no reduction), and the
+    result is bit for bit the zero start's: over whatever the reused accumulator held, -0.0 becoming +0.0
+    in the float folds as `0 + x` does, and every residue kept as it is.
+    """
+    modular = spec.startswith("modular")
+    make = modular_bundle if modular else float_bundle
+    deposits = {rank: make(rank) for rank in range(2)}
+    if not modular:  # negative zeros, in both deposits (so the sum is -0.0 + -0.0 after a -0.0 start)
+        for rank in range(2):
+            deposits[rank][0][::5] = -0.0
+    weights = {0: 1.0, 1: 2.0}
+    want = reference(spec, [deposits[0], deposits[1]], [1.0, 2.0])
+    fold = fold_from_spec(spec)
+    calls: list[str] = []
+
+    class Recording:
+        """The real fold, with its slice methods counted."""
+
+        spec = "recorded"
+
+        def __getattr__(self, name: str) -> Any:  # noqa: ANN401
+            attribute = getattr(fold, name)
+            if name in ("start_slice", "add_slice"):
+
+                def counted(*args: Any) -> None:  # noqa: ANN401
+                    calls.append(name)
+                    attribute(*args)
+
+                return counted
+            return attribute
+
+    from flodld.fold.base import register_fold
+
+    register_fold("recorded", lambda params: Recording())  # type: ignore[arg-type, return-value]
+    barrier: RoundBarrier[int] = RoundBarrier(range(2))
+    for number in range(2):
+        calls.clear()
+        results = fold_chunked(barrier, "recorded", deposits, weights, 100, seed=number)
+        assert_bitwise_equal(assemble(results, finish=True), want)
+        pieces = sum(len(result.pieces) for result in results)
+        assert calls.count("start_slice") == pieces and calls.count("add_slice") == pieces
+        for tensor in results[0].tensors:  # what the next round's starts must not see
+            if tensor.numel():
+                tensor.view(-1).view(torch.uint8).fill_(0x7F)
+
+
+def test_a_plugin_fold_without_start_slice_is_started_from_zero() -> None:
+    """A fold that lacks the optional `start_slice` is zeroed and added to, exactly as before."""
+    mean = fold_from_spec("mean")
+
+    class Plain:
+        spec = "plainmean"
+        identity = mean.identity
+        add = mean.add
+        finish = mean.finish
+        check_slice = mean.check_slice
+        add_slice = mean.add_slice
+        finish_slice = mean.finish_slice
+
+    from flodld.fold.base import register_fold
+
+    register_fold("plainmean", lambda params: Plain())  # type: ignore[arg-type, return-value]
+    assert not hasattr(Plain(), "start_slice")
+    deposits = {rank: float_bundle(rank) for rank in range(3)}
+    want = reference("mean", [deposits[rank] for rank in range(3)], [1.0] * 3)
+    barrier: RoundBarrier[int] = RoundBarrier(range(3))
+    for number in range(2):
+        ones = dict.fromkeys(range(3), 1.0)
+        results = fold_chunked(barrier, "plainmean", deposits, ones, 1000, seed=number)
+        assert_bitwise_equal(assemble(results, finish=True), want)
+        for tensor in results[0].tensors:
+            if tensor.numel():
+                tensor.view(-1).view(torch.uint8).fill_(0x7F)
