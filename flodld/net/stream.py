@@ -48,8 +48,10 @@ class _DirectReceiver(asyncio.BufferedProtocol):
 
     Installed by `FramedStream.read_directly`: the kernel copies a frame's body into the buffer the frame
     is decrypted in, instead of into a bytes object, the StreamReader's buffer, a slice of it and then the
-    connection's buffer. Reading stays driven by `recv`: one read per request, never past the frame the
-    connection is reading (`bytes_wanted`), the transport paused in between (back-pressure as before).
+    connection's buffer. Reading stays driven by `recv`: a request reads a header, or a frame's body to its
+    end (as many reads as the bytes come in, the reader woken once, when the body is complete), never past
+    the frame the connection is reading (`bytes_wanted`), the transport paused in between (back-pressure as
+    before).
     Writing is untouched: flow control and the close waiter stay with the transport's previous protocol.
     """
 
@@ -74,14 +76,19 @@ class _DirectReceiver(asyncio.BufferedProtocol):
         return memoryview(self._scratch)[: min(max(self._conn.bytes_wanted, 1), len(self._scratch))]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._transport.pause_reading()
         try:
             if self._direct:
                 self._conn.receive_filled(nbytes)
+                if self._conn.bytes_wanted and not self._conn.at_boundary:
+                    # Still inside the body of the frame being read: keep reading into it, with no pause
+                    # and no wake-up of the reader per read (the next `get_buffer` is the body's rest, so
+                    # nothing past this frame is read). Reading pauses once the body is complete.
+                    return
             else:
                 self._conn.receive_data(bytes(self._scratch[:nbytes]))
         except BaseException as error:  # a WireError: recv raises it from next_event
             self.error = error
+        self._transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:

@@ -8,6 +8,7 @@ clean close as EOFError.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -78,6 +79,54 @@ async def test_reading_pauses_between_receives_and_a_timeout_loses_nothing() -> 
         await sender.aclose()
         with pytest.raises(EOFError):
             await receiver.recv(5)
+    finally:
+        sender.close()
+        receiver.close()
+        server.close()
+
+
+async def test_a_large_body_wakes_the_reader_once_however_many_reads_it_takes() -> None:
+    """Inside a frame's body the socket is read straight into it, read after read, and the reader is woken
+    once, when the body is complete (not after every read); reading then pauses until the next `recv`.
+    """
+    sender, receiver, server = await pair()
+    try:
+        await sender.send(Abort(reason="first"))
+        await receiver.recv(5)
+        assert receiver.read_directly()
+        direct = receiver._direct
+        assert direct is not None
+        transport = receiver.writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        reads = wakes = 0
+        updated, wake = direct.buffer_updated, direct._wake
+
+        def counting_update(nbytes: int) -> None:
+            nonlocal reads
+            reads += 1
+            updated(nbytes)
+
+        def counting_wake() -> None:
+            nonlocal wakes
+            wakes += 1
+            wake()
+
+        direct.buffer_updated = counting_update  # type: ignore[method-assign]
+        direct._wake = counting_wake  # type: ignore[method-assign]
+        sock = receiver.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # a small window: many reads
+        tail = bytes(range(256)) * (24 * 1024)  # 6 MiB
+        sending = asyncio.create_task(sender.send(RankExited(rank=3, code=0), tail))
+        frame = await receiver.recv(10)
+        assert frame.message() == RankExited(rank=3, code=0) and frame.tail_view == tail
+        await sending
+        assert reads > 3, reads  # the body came in several reads (the header in its own)
+        assert wakes <= 2, (wakes, reads)  # the header's read, the body's end
+        assert not transport.is_reading()
+        sending = asyncio.create_task(sender.send(RankExited(rank=4, code=0), b"y" * 70_000))
+        frame = await receiver.recv(5)
+        assert frame.message() == RankExited(rank=4, code=0) and frame.tail == b"y" * 70_000
+        await sending
     finally:
         sender.close()
         receiver.close()
