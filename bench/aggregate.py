@@ -8,7 +8,8 @@ Every configuration runs as P gloo processes on this machine (one torch thread e
 - ours: rank 0 generates keys and broadcasts the public key (typed broadcast_key), every rank
   encrypts under the aggregation parameters (one 50-bit Q limb), the compiled Program
   (examples/encrypted_mean.mlir, all_reduce_add_ciphertext) sums, rank 0 decrypts and divides;
-- ours, threshold, Program: no key holder (fhelium.multiparty), as the flagship's default runs it.
+- ours, threshold, Program: no key holder (fhelium.multiparty), as the flagship's relay road runs it
+  (and its process-group road did before it ran the fused form).
   Committed common seed, collective public key from every rank's committed key share, every rank encrypts
   (two 50-bit Q limbs, scale 2^88), the same compiled Program sums whole ciphertexts, every rank publishes
   a flooded decryption share, the shares are all-reduced and each rank decodes 1/world of the rows
@@ -461,7 +462,7 @@ def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: s
         " "
         f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= "
         f"1e-6): {'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of "
-        "threshold; threshold with the compiled Program (the flagship's path) / single-key: "
+        "threshold; threshold with the compiled Program (the flagship's relay-road form) / single-key: "
         f"{program_s / ours_s:.2f}"
     )
     cpu = {

@@ -275,10 +275,6 @@ class ProcessGroupChannel:
         return gathered
 
 
-def _returning(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: tensor
-
-
 def key_share_digest(party: int, parties: int, session: str, serialized_share: bytes) -> bytes:
     """SHA-256 commitment to a serialized PublicKeyShare, bound to the rank, world size and session."""
     header = f"{party}/{parties}/{len(session)}:{session}".encode()
@@ -448,15 +444,19 @@ class ThresholdSession:
                 moduli = engine.moduli_for(ct.prime_ids)
                 parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1], moduli)))
         flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
-        if before_contribution is not None:  # every c1 sum first, then the hook, then the contributions
-            sums = [c1_sum() for _, _, c1_sum in parts]
-            parts = [(k, ct, _returning(c1)) for (k, ct, _), c1 in zip(parts, sums, strict=True)]
-            before_contribution()
-        pending = []
-        for (k, ct, c1_sum), contribution in zip(parts, flooded, strict=True):
-            c1 = c1_sum()
+        def c1_arrived(finish: Callable[[], torch.Tensor]) -> torch.Tensor:
+            c1 = finish()
             if record is not None:
                 record("c1_sum", c1)
+            return c1
+
+        # with the hook: every c1 sum first, then the hook, then the contributions
+        sums = [c1_arrived(finish) for _, _, finish in parts] if before_contribution is not None else []
+        if before_contribution is not None:
+            before_contribution()
+        pending = []
+        for index, ((k, ct, c1_sum), contribution) in enumerate(zip(parts, flooded, strict=True)):
+            c1 = sums[index] if sums else c1_arrived(c1_sum)
             party.add_decryption_share_(contribution, c1, ct.prime_ids)
             if record is not None:
                 record("decryption_share", contribution)

@@ -90,6 +90,34 @@ def test_a_rank_that_leaves_before_its_fused_share_fails_every_other_rank_naming
         assert result["seconds"] < 60
 
 
+@pytest.mark.parametrize("world", [1, 3])  # 1: the blocking fallback
+def test_the_before_contribution_hook_runs_once_after_every_c1_sum_and_before_any_contribution(
+    world: int,
+) -> None:
+    for result in run_world(world, "aggregate-hook"):
+        assert result["ok"], result.get("trace")
+        assert result["max_error"] < 1e-6, result
+        records = result["records"]
+        assert records.count("before_contribution") == 1, records
+        hook = records.index("before_contribution")
+        assert records[:hook].count("c1_sum") == records.count("c1_sum") >= 1, records
+        assert "decryption_share" not in records[:hook], records
+
+
+def test_a_rank_leaving_in_the_before_contribution_hook_fails_every_other_rank_naming_it() -> None:
+    world, leaver, timeout_s = 3, 2, 5.0
+    results = run_world(world, f"aggregate-hook:{leaver}", timeout_s=timeout_s)
+    assert results[leaver].get("left") is True
+    assert results[leaver]["records"].count("c1_sum") == world  # it had every c1 sum, published no share
+    assert "decryption_share" not in results[leaver]["records"]
+    for rank in (0, 1):
+        result = results[rank]
+        assert not result["ok"] and result["error"] == "MissingSharesError", result
+        assert f"rank(s) [{leaver}] published none within 5s" in result["message"]
+        assert "N-out-of-N decryption needs a decryption share from each of 3 ranks" in result["message"]
+        assert result["seconds"] < 60
+
+
 def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() -> None:
     world, leaver, timeout_s = 3, 2, 5.0
     results = run_world(world, f"leave:{leaver}", timeout_s=timeout_s)

@@ -3,7 +3,8 @@
 argv: scenario, timeout_s. Scenarios: "mean"; "aggregate" (the fused ThresholdSession.aggregate);
 "aggregate-blocking" (aggregate over a channel with only the ShareChannel methods, as the relay's);
 "aggregate-leave:<rank>" (aggregate, the rank leaves once the c1 sums are done, before its decryption
-share); "leave:<rank>" (leaves after encrypting); "shape:<rank>"
+share); "aggregate-hook" / "aggregate-hook:<rank>" (aggregate with a before_contribution hook, which
+records itself, or in which the rank leaves); "leave:<rank>" (leaves after encrypting); "shape:<rank>"
 (decrypts one row fewer); "rogue-sum:<rank>" (adds another key share to the sum than it committed to);
 "rogue-open:<rank>" (opens another key share than it committed to). Prints one JSON line with the outcome.
 """
@@ -62,8 +63,9 @@ def main() -> int:
         session.generate_public_key()
         if kind == "aggregate-blocking":
             session.channel = _BlockingChannel(channel)
-        if kind in ("aggregate", "aggregate-leave", "aggregate-blocking"):
-            return _aggregate(session, channel, rank, world, None if not target else int(target), result)
+        if kind in ("aggregate", "aggregate-leave", "aggregate-blocking", "aggregate-hook"):
+            leaving = None if not target else int(target)
+            return _aggregate(session, channel, rank, world, leaving, result, hook=kind == "aggregate-hook")
         count = 3 * 4096 + 100  # four ciphertext rows: decoded 2+2 (2 ranks), 2+2+0 (3), by every rank (5)
         rows = -(-count // 4096)
         padded = torch.zeros(rows * 4096, dtype=torch.float64)
@@ -113,13 +115,23 @@ def _aggregate(
     world: int,
     leaver: int | None,
     result: dict[str, object],
+    *,
+    hook: bool = False,
 ) -> int:
     count = 4 * 4096 + 100  # five rows: slices 3+2 (2 ranks), 2+2+1 (3), 1+1+1+1+1 (5)
     rows = -(-count // 4096)
     padded = torch.zeros(rows * 4096, dtype=torch.float64)
     padded[:count] = update(rank, count)
     started = time.monotonic()
-    if rank == leaver:
+    seen: list[str] = []
+
+    def before_contribution() -> None:
+        if rank == leaver:
+            print(json.dumps({"rank": rank, "left": True, "records": seen}), flush=True)
+            os._exit(0)  # in the hook: every c1 sum is done, no contribution published
+        seen.append("before_contribution")
+
+    if rank == leaver and not hook:
 
         def leave(tag: str, residues: torch.Tensor, moduli: Sequence[int], dst: int) -> object:
             print(json.dumps({"rank": rank, "left": True}), flush=True)
@@ -127,8 +139,11 @@ def _aggregate(
 
         channel.start_reduce_residues = leave  # type: ignore[method-assign, assignment]
     try:
-        seen: list[str] = []
-        total = session.aggregate(padded.view(rows, 4096), record=lambda name, _: seen.append(name))
+        total = session.aggregate(
+            padded.view(rows, 4096),
+            record=lambda name, _: seen.append(name),
+            before_contribution=before_contribution if hook else None,
+        )
         mean = total.reshape(-1)[:count] / world
         truth = sum(update(r, count) for r in range(world)) / world
         result.update(ok=True, max_error=float((mean - truth).abs().max()), records=seen)
