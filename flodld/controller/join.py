@@ -97,16 +97,11 @@ _LAST: tuple[weakref.ref[asyncio.AbstractEventLoop], TurnBudget] | None = None
 # Thousands of linked hosts are thousands of long-lived objects (stream, connection, task, buffers per
 # link); the collector's full collections rescan all of them each time the heap grows by a quarter: at
 # 10,000 joining hosts eight full collections took ~3.9 s of the controller's time, the longest 1.6 s
-# (a stall every poller and joiner waited behind). Every FREEZE_EVERY admissions, the process collects what
-# is not frozen yet (the links admitted since the last freeze, whatever else serving allocated: a small
-# full collection, and no garbage cycle is frozen with the rest) and moves what is left out of the
-# collector's generations (`gc.freeze`, O(1)); when the last link of the process closes, it is all handed
-# back (`gc.unfreeze`) and the next full collection reclaims whatever cycles the run left. Every full
-# collection, the collector's own or this one, then scans at most about FREEZE_EVERY links' objects: a
-# pause of a few milliseconds (freezing every 1,024 left full collections of ~1,000 links' objects, tens
-# of milliseconds, that every poller waited behind). A process that never links that many hosts at once
-# never freezes anything here.
-FREEZE_EVERY = 128
+# (a stall every poller and joiner waited behind). Every FREEZE_EVERY admissions, what the process holds is
+# moved out of the collector's generations (`gc.freeze`, O(1)); when the last link of the process closes,
+# it is all handed back (`gc.unfreeze`) and the next full collection reclaims whatever cycles the run left.
+# A process that never links that many hosts at once never freezes anything here.
+FREEZE_EVERY = 1024
 
 
 class _LinkedHeap:
@@ -121,7 +116,6 @@ def _link_opened() -> None:
     if _LinkedHeap.admitted_since_freeze >= FREEZE_EVERY:
         _LinkedHeap.admitted_since_freeze = 0
         _LinkedHeap.froze = True
-        gc.collect()
         gc.freeze()
 
 

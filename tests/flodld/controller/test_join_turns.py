@@ -117,34 +117,3 @@ def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_e
     assert gc.get_freeze_count() >= frozen  # links still open: still frozen
     join._link_ended()
     assert gc.get_freeze_count() == 0  # the last link ended: everything back to the collector
-
-
-def test_a_freeze_collects_the_garbage_cycles_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the collector would have reclaimed is reclaimed before the freeze, not kept until the last link
-    ends (a frozen cycle lives as long as the links do).
-    """
-    import gc
-    import weakref
-
-    from flodld.controller import join
-
-    class Node:
-        other: object = None
-
-    monkeypatch.setattr(join, "FREEZE_EVERY", 2)
-    gc.unfreeze()
-    join._link_opened()
-    cycle = Node()
-    cycle.other = Node()
-    cycle.other.other = cycle  # type: ignore[attr-defined]
-    alive = weakref.ref(cycle)
-    del cycle
-    assert alive() is not None  # a cycle: reference counting alone does not free it
-    join._link_opened()  # the freeze
-    try:
-        assert gc.get_freeze_count() > 0
-        assert alive() is None
-    finally:
-        join._link_ended()
-        join._link_ended()
-    assert gc.get_freeze_count() == 0
