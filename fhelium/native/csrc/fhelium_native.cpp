@@ -1121,11 +1121,22 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
   return out;
 }
 
+// The residue in [0, q) of |x| < 2^62 (q in (2^28, 2^62)): the truncated binary64 quotient x·(1/q) is within
+// 1 + 2^-18 of x/q, so x - estimate·q lies in (-q, 2q) and two conditional corrections finish it
+// (no rounding call: the baseline x86-64 build has no SSE4.1 round instruction, so nearbyint is a libm call).
+inline int64_t signed_residue(int64_t x, int64_t q, double inverse) {
+  const int64_t estimate = static_cast<int64_t>(static_cast<double>(x) * inverse);
+  int64_t r = x - estimate * q;
+  r += (r >> 63) & q;
+  r -= q;
+  r += (r >> 63) & q;
+  return r;
+}
+
 // Sampling to NTT: small signed integers x [..., N] (|x| < every q) -> NTT(x mod q_r) [..., rows, N],
 // the residue taken as the engine's _small_to_rns does (x + (q if x < 0)), fused into the NTT's copy.
-// wide: any int64 |x| < 2^62 (the residue by a binary64 quotient estimate, exact after one correction:
-// |x/q - estimate| <= 1/2 + 2^-40, so x - estimate*q lies in (-q, q)); the residue in [0, q) is unique,
-// so this equals the reference's (fhelium.multiparty.protocol.reduce_signed, then the NTT)
+// wide: any int64 |x| < 2^62 (signed_residue); the residue in [0, q) is unique, so this equals the
+// reference's (fhelium.multiparty.protocol.reduce_signed, then the NTT)
 at::Tensor residue_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const at::Tensor& tables, int64_t level,
                        bool wide) {
   const char* name = wide ? "fhelium::signed_ntt" : "fhelium::small_ntt";
@@ -1162,11 +1173,7 @@ at::Tensor residue_ntt(const at::Tensor& x_in, const at::Tensor& moduli, const a
         bool outside = false;
         for (int64_t k = 0; k < n; ++k) outside |= static_cast<u64>(v[k]) + (u64{1} << 62) >= (u64{1} << 63);
         if (outside) out_of_range.store(true, std::memory_order_relaxed);
-        for (int64_t k = 0; k < n; ++k) {
-          const int64_t estimate = static_cast<int64_t>(std::nearbyint(static_cast<double>(v[k]) * inverse));
-          const int64_t residue = v[k] - estimate * qr;
-          scratch[k] = static_cast<u64>(residue + ((residue >> 63) & qr));
-        }
+        for (int64_t k = 0; k < n; ++k) scratch[k] = static_cast<u64>(signed_residue(v[k], qr, inverse));
       } else {
         for (int64_t k = 0; k < n; ++k) scratch[k] = static_cast<u64>(v[k] + ((v[k] >> 63) & qr));
       }
