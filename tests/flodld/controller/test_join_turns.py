@@ -117,3 +117,32 @@ def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_e
     assert gc.get_freeze_count() >= frozen  # links still open: still frozen
     join._link_ended()
     assert gc.get_freeze_count() == 0  # the last link ended: everything back to the collector
+
+
+def test_a_storm_of_linked_hosts_spaces_the_full_collections_until_the_last_link_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    from flodld.controller import join
+
+    monkeypatch.setattr(join, "STORM_LINKS", 3)
+    monkeypatch.setattr(join, "FREEZE_EVERY", 1000)
+    before = gc.get_threshold()
+    try:
+        for _ in range(2):
+            join._link_opened()
+        assert gc.get_threshold() == before  # a few links: the collector's own pace
+        join._link_opened()
+        spaced = gc.get_threshold()
+        assert spaced[:2] == before[:2] and spaced[2] == before[2] * join.FULL_COLLECTION_SPACING
+        join._link_opened()
+        assert gc.get_threshold() == spaced  # spaced once, not again per link
+        for _ in range(3):
+            join._link_ended()
+        assert gc.get_threshold() == spaced  # links still open: still spaced
+        join._link_ended()
+        assert gc.get_threshold() == before  # the last link ended: the collector's pace is back
+    finally:
+        gc.set_threshold(*before)
+        join._LinkedHeap.thresholds = None
