@@ -147,7 +147,11 @@ class FramedStream:
         self._send_lock = asyncio.Lock()
         self._mid_frame = False  # a large frame is being written piece by piece
         self._deferred: list[bytearray | memoryview] = []  # send_nowait frames sealed meanwhile
-        self._spare: bytearray | None = None  # where large frames are built, reused while its pages are warm
+        # Where large frames are built, reused while their pages are warm: two, so the next frame is built
+        # while the transport may still hold the end of the last one. Each with the count of bytes
+        # written up to its frame's end: free once the transport has sent that far (`_reusable`).
+        self._spares: list[tuple[bytearray, int]] = []
+        self._written = 0  # bytes this stream handed to the transport
         self._direct: _DirectReceiver | None = None
 
     @property
@@ -166,47 +170,75 @@ class FramedStream:
         if self._mid_frame:
             self._deferred.append(data)  # goes out right after the large frame being written
         else:
-            self.writer.write(data)
+            self._put(data)
 
     async def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
         async with self._send_lock:
             await self._write(self.conn.send_frame(kind, payload, tail, buffer=self._reusable()))
 
+    def _put(self, data: bytearray | memoryview) -> None:
+        self.writer.write(data)
+        self._written += len(data)
+
     def _reusable(self) -> bytearray | None:
-        """The spare buffer, when nothing of an earlier frame built in it can still be queued (a transport
-        may hold views of what it has not sent yet).
+        """A spare buffer nothing queued still reads: the transport has sent every byte up to the end of the
+        frame last built in it (a transport may hold views of what it has not sent yet). Bytes written
+        around this stream only make the check more cautious.
         """
-        if self._spare is None or self.writer.transport.get_write_buffer_size():
+        if not self._spares:
             return None
-        return self._spare
+        sent = self._written - self.writer.transport.get_write_buffer_size()
+        for buffer, end in self._spares:
+            if end <= sent:
+                return buffer
+        return None
 
     async def _write(self, data: bytearray | memoryview) -> None:
         """Write a sealed frame and drain. A large frame goes in WRITE_PIECE pieces, each drained before the
         next, so the transport never buffers (copies) more than one piece of it.
         """
         if len(data) <= WRITE_PIECE:
-            self.writer.write(data)
+            self._put(data)
+            self._mark_spare(data)
         else:
-            if (
-                isinstance(data, memoryview)
-                and not isinstance(data.obj, bytearray)
-                and (self._spare is None or len(self._spare) < len(data))
-            ):
-                # Built in a fresh map: keep a buffer of this size for the next large frame instead.
-                self._spare = bytearray(len(data))
+            self._keep_spare(data)
             self._mid_frame = True
             try:
                 with memoryview(data) as view:
                     for start in range(0, len(view), WRITE_PIECE):
-                        self.writer.write(view[start : start + WRITE_PIECE])
+                        self._put(view[start : start + WRITE_PIECE])
                         if start + WRITE_PIECE < len(view):
                             await self.drain()
             finally:
+                self._mark_spare(data)
                 self._mid_frame = False
                 deferred, self._deferred = self._deferred, []
                 for frame in deferred:
-                    self.writer.write(frame)
+                    self._put(frame)
         await self.drain()
+
+    def _keep_spare(self, data: bytearray | memoryview) -> None:
+        """A large frame built in a fresh map: keep a buffer of its size for a later frame instead (in a
+        second slot, or in place of a free spare too small for it).
+        """
+        if not isinstance(data, memoryview) or isinstance(data.obj, bytearray):
+            return  # built in a spare already
+        if len(self._spares) < 2:
+            self._spares.append((bytearray(len(data)), 0))
+            return
+        sent = self._written - self.writer.transport.get_write_buffer_size()
+        for index, (buffer, end) in enumerate(self._spares):
+            if end <= sent and len(buffer) < len(data):
+                self._spares[index] = (bytearray(len(data)), 0)
+                return
+
+    def _mark_spare(self, data: bytearray | memoryview) -> None:
+        """The spare `data` was built in (if any) is in use up to the bytes written so far."""
+        if isinstance(data, memoryview) and isinstance(data.obj, bytearray):
+            for index, (buffer, _) in enumerate(self._spares):
+                if buffer is data.obj:
+                    self._spares[index] = (buffer, self._written)
+                    return
 
     async def drain(self) -> None:
         transport = self.writer.transport

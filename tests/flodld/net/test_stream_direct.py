@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import pytest
 
@@ -127,6 +128,50 @@ async def test_a_large_body_wakes_the_reader_once_however_many_reads_it_takes() 
         frame = await receiver.recv(5)
         assert frame.message() == RankExited(rank=4, code=0) and frame.tail == b"y" * 70_000
         await sending
+    finally:
+        sender.close()
+        receiver.close()
+        server.close()
+
+
+async def test_large_frames_are_built_in_spare_buffers_the_transport_no_longer_reads() -> None:
+    """A sender reuses two spare buffers for its large frames, the next built while the transport may still
+    hold the end of the last (not in a fresh map each time it does), and every frame arrives intact.
+    """
+    sender, receiver, server = await pair()
+    try:
+        transport = sender.writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        transport.set_write_buffer_limits(high=64 * 1024 * 1024)  # drain returns with bytes still queued
+        await sender.send(Abort(reason="first"))
+        await receiver.recv(5)
+        assert receiver.read_directly()
+        built_in_spare_while_queued = 0
+        seal = sender.conn.send_frame
+
+        def spying(kind: int, payload: bytes, tail: Any = b"", *, buffer: bytearray | None = None) -> Any:  # noqa: ANN401
+            nonlocal built_in_spare_while_queued
+            if buffer is not None and transport.get_write_buffer_size():
+                built_in_spare_while_queued += 1
+            return seal(kind, payload, tail, buffer=buffer)
+
+        sender.conn.send_frame = spying  # type: ignore[method-assign]
+        tails = [bytes([index]) * (3 * 1024 * 1024) for index in range(10)]
+
+        async def send_all() -> None:
+            for index, tail in enumerate(tails):
+                await sender.send(RankExited(rank=index, code=0), tail)
+
+        sending = asyncio.create_task(send_all())
+        for index, tail in enumerate(tails):
+            frame = await receiver.recv(10)
+            assert frame.message() == RankExited(rank=index, code=0)
+            assert frame.tail_view == tail, index
+            receiver.conn.recycle(frame)
+            await asyncio.sleep(0.005)  # a slower reader: the sender's transport keeps bytes queued
+        await sending
+        assert built_in_spare_while_queued > 0
+        assert len(sender._spares) == 2
     finally:
         sender.close()
         receiver.close()
