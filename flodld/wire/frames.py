@@ -88,6 +88,9 @@ _FIRST_BODY_BUFFER: Final = 1024 * 1024
 # zeroed pages only as they are first written (no separate zero-fill pass over a fresh buffer, and a
 # header that claims a large body commits only the pages of the bytes that actually arrive).
 LARGE_FRAME: Final = 1024 * 1024
+# How many large-frame buffers given back (`FrameConnection.recycle`) a connection keeps for its next
+# frames.
+RECYCLE_KEEP: Final = 2
 
 
 def _large_buffer(size: int) -> memoryview:
@@ -375,7 +378,9 @@ class FrameConnection:
         self._body: bytearray | memoryview | None = None  # ciphertext and tag of the frame being read
         self._body_total = 0  # the body's length, from its header
         self._sealed: memoryview | None = None  # the whole body when it came as one bytes object
-        self._recycled: mmap.mmap | None = None  # a large frame's buffer given back (`recycle`)
+        self._recycled: list[mmap.mmap] = []  # large frames' buffers given back (`recycle`), at most
+        # RECYCLE_KEEP: a frame that waits (a chunk parked for a member before it) holds one while the
+        # next frame is read into another
         self._filled = 0
         self._eof = False
         self._dead = False
@@ -515,8 +520,8 @@ class FrameConnection:
                 # An authenticated peer's large frame: one buffer of the body's size, committed page
                 # by page as the bytes arrive (no regrowth, no copies of what arrived), or the buffer
                 # of an earlier frame given back with `recycle`.
-                recycled, self._recycled = self._recycled, None
-                if recycled is not None and len(recycled) >= self._body_total:
+                recycled = self._take_recycled(self._body_total)
+                if recycled is not None:
                     self._body = memoryview(recycled)[: self._body_total]
                 else:
                     self._body = _large_buffer(self._body_total)
@@ -618,9 +623,22 @@ class FrameConnection:
 
         Only once nothing uses the frame any more: not its tail, nor any tensor built over it.
         """
-        if frame.body is not None and (self._recycled is None or len(frame.body) > len(self._recycled)):
-            self._recycled = frame.body.obj if isinstance(frame.body.obj, mmap.mmap) else None
+        if frame.body is not None and isinstance(frame.body.obj, mmap.mmap):
+            buffer = frame.body.obj
+            if len(self._recycled) < RECYCLE_KEEP:
+                self._recycled.append(buffer)
+            else:  # keep the largest ones
+                smallest = min(range(len(self._recycled)), key=lambda index: len(self._recycled[index]))
+                if len(self._recycled[smallest]) < len(buffer):
+                    self._recycled[smallest] = buffer
         frame.body = None
+
+    def _take_recycled(self, size: int) -> mmap.mmap | None:
+        """A recycled buffer of at least `size` bytes, no longer kept here (None when none is)."""
+        for index, buffer in enumerate(self._recycled):
+            if len(buffer) >= size:
+                return self._recycled.pop(index)
+        return None
 
     # --- sending ---------------------------------------------------------------------------------
 

@@ -600,6 +600,40 @@ def test_large_frames_round_trip_through_reused_buffers() -> None:
         previous = frame
 
 
+def test_two_large_frame_buffers_given_back_are_both_read_into_again() -> None:
+    """A connection keeps up to two recycled bodies (RECYCLE_KEEP): while one frame waits (a chunk parked
+    for a member before it), the next is read into a fresh map, and once both are given back the next two
+    frames reuse both, with no fresh map each time a frame waited.
+    """
+    from flodld.wire.frames import LARGE_FRAME, RECYCLE_KEEP
+
+    assert RECYCLE_KEEP == 2
+    dialer, listener = connected_pair(first_frame_caps=False)
+    deliver(listener, bytes(dialer.send_frame(7, b"{}")))  # authenticated: large bodies go to maps
+
+    def frame_of(index: int) -> Frame:
+        tail = bytes([index]) * (LARGE_FRAME + 100)
+        frame = deliver(listener, bytes(dialer.send_frame(7, b'{"i":%d}' % index, tail)))
+        assert frame.tail == tail and frame.body is not None
+        return frame
+
+    def buffer(frame: Frame) -> object:
+        assert frame.body is not None
+        return frame.body.obj
+
+    first, second = frame_of(0), frame_of(1)  # both held at once
+    maps = [buffer(first), buffer(second)]  # held here: no id is reused by a later map
+    assert maps[0] is not maps[1]
+    listener.recycle(first)
+    listener.recycle(second)
+    third, fourth = frame_of(2), frame_of(3)
+    assert {id(buffer(third)), id(buffer(fourth))} == {id(maps[0]), id(maps[1])}
+    listener.recycle(third)
+    small = deliver(listener, bytes(dialer.send_frame(7, b"{}", b"x" * 10)))  # no large buffer taken
+    assert small.tail == b"x" * 10
+    assert any(buffer(frame_of(4)) is kept for kept in maps)
+
+
 def test_a_large_claimed_body_commits_memory_only_for_what_arrived() -> None:
     """Past LARGE_FRAME the body lives in a lazily committed map: resident memory follows the bytes that
     arrived, not the length the header claims (tracemalloc does not see maps, so this reads RSS).
