@@ -125,3 +125,20 @@ async def eventually(predicate: Callable[[], object], timeout: float = 3.0) -> N
     while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+class TurnCounter:
+    """Counts event-loop turns: a callback that re-schedules itself runs once per turn."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self._running = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.turn += 1
+        if self._running:
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> None:
+        self._running = False

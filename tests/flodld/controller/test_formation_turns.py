@@ -18,25 +18,10 @@ from flodld.membership.phase import Phase
 from flodld.net.stream import FramedStream
 from flodld.wire.join import WorldFormed
 from flodld.wire.messages import Message
-from tests.flodld.controller.agents import Agent, eventually, http, join, options, started
+from tests.flodld.controller.agents import Agent, TurnCounter, eventually, http, join, options, started
 
 HOSTS = 11
 CHUNK = 3
-
-
-class _TurnCounter:
-    def __init__(self) -> None:
-        self.turn = 0
-        self._running = True
-        asyncio.get_running_loop().call_soon(self._tick)
-
-    def _tick(self) -> None:
-        self.turn += 1
-        if self._running:
-            asyncio.get_running_loop().call_soon(self._tick)
-
-    def stop(self) -> None:
-        self._running = False
 
 
 async def _join_in_order(port: int, key: bytes, count: int) -> list[Agent]:
@@ -48,13 +33,13 @@ async def test_world_formed_goes_to_every_host_in_admission_order_a_chunk_per_tu
 ) -> None:
     monkeypatch.setattr(run, "SHIP_CHUNK_HOSTS", CHUNK)
     sent: list[tuple[int, list[int]]] = []  # (turn, the envelope's ranks) per WorldFormed queued
-    turns: list[_TurnCounter] = []
+    turns: list[TurnCounter] = []
     plain_send = FramedStream.send_nowait
 
     def recording_send(self: FramedStream, msg: Message, tail: bytes = b"") -> None:
         if isinstance(msg, WorldFormed):
             if not turns:
-                turns.append(_TurnCounter())
+                turns.append(TurnCounter())
             sent.append((turns[0].turn, list(msg.envelope.ranks)))
         plain_send(self, msg, tail)
 

@@ -11,27 +11,11 @@ from collections import Counter
 import pytest
 
 from flodld.controller.join import JOIN_STEPS_PER_TURN, TurnBudget, join_turns
-
-
-class _TurnCounter:
-    """Counts event-loop turns: a callback that re-schedules itself runs once per turn."""
-
-    def __init__(self) -> None:
-        self.turn = 0
-        self._running = True
-        asyncio.get_running_loop().call_soon(self._tick)
-
-    def _tick(self) -> None:
-        self.turn += 1
-        if self._running:
-            asyncio.get_running_loop().call_soon(self._tick)
-
-    def stop(self) -> None:
-        self._running = False
+from tests.flodld.controller.agents import TurnCounter
 
 
 async def _storm(budget: TurnBudget, takers: int) -> tuple[list[int], Counter[int]]:
-    turns = _TurnCounter()
+    turns = TurnCounter()
     order: list[int] = []
     per_turn: Counter[int] = Counter()
 
