@@ -8,7 +8,9 @@ clean close as EOFError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,7 +22,9 @@ from flodld.wire.magic import Channel
 SALT = bytes(range(16))
 
 
-async def pair() -> tuple[FramedStream, FramedStream, asyncio.Server]:
+@contextlib.asynccontextmanager
+async def connected() -> AsyncIterator[tuple[FramedStream, FramedStream]]:
+    """A DATA channel over loopback: (dialer, accepted end); both ends and the server closed after."""
     accepted: asyncio.Future[FramedStream] = asyncio.get_running_loop().create_future()
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -30,19 +34,24 @@ async def pair() -> tuple[FramedStream, FramedStream, asyncio.Server]:
     server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     dialer = await open_channel("127.0.0.1", port, Channel.DATA, SALT, timeout=5)
-    return dialer, await asyncio.wait_for(accepted, 5), server
+    receiver = await asyncio.wait_for(accepted, 5)
+    try:
+        yield dialer, receiver
+    finally:
+        dialer.close()
+        receiver.close()
+        server.close()
 
 
 async def test_frames_before_and_after_the_switch_arrive_intact_and_in_order() -> None:
-    sender, receiver, server = await pair()
-    sizes = [10, 3 * 1024 * 1024 + 7, 0, 65_537, 5 * 1024 * 1024]
-    tails = [bytes([n]) * size for n, size in enumerate(sizes)]
+    async with connected() as (sender, receiver):
+        sizes = [10, 3 * 1024 * 1024 + 7, 0, 65_537, 5 * 1024 * 1024]
+        tails = [bytes([n]) * size for n, size in enumerate(sizes)]
 
-    async def send_all() -> None:
-        for index, tail in enumerate(tails):
-            await sender.send(RankExited(rank=index, code=0), tail)
+        async def send_all() -> None:
+            for index, tail in enumerate(tails):
+                await sender.send(RankExited(rank=index, code=0), tail)
 
-    try:
         await sender.send(Abort(reason="first"))
         assert (await receiver.recv(5)).message() == Abort(reason="first")  # authenticated
         sending = asyncio.create_task(send_all())
@@ -54,15 +63,10 @@ async def test_frames_before_and_after_the_switch_arrive_intact_and_in_order() -
             assert frame.tail_view == tail, index
             receiver.conn.recycle(frame)
         await sending
-    finally:
-        sender.close()
-        receiver.close()
-        server.close()
 
 
 async def test_reading_pauses_between_receives_and_a_timeout_loses_nothing() -> None:
-    sender, receiver, server = await pair()
-    try:
+    async with connected() as (sender, receiver):
         await sender.send(Abort(reason="first"))
         await receiver.recv(5)
         assert receiver.read_directly()
@@ -80,18 +84,13 @@ async def test_reading_pauses_between_receives_and_a_timeout_loses_nothing() -> 
         await sender.aclose()
         with pytest.raises(EOFError):
             await receiver.recv(5)
-    finally:
-        sender.close()
-        receiver.close()
-        server.close()
 
 
 async def test_a_large_body_wakes_the_reader_once_however_many_reads_it_takes() -> None:
     """Inside a frame's body the socket is read straight into it, read after read, and the reader is woken
     once, when the body is complete (not after every read); reading then pauses until the next `recv`.
     """
-    sender, receiver, server = await pair()
-    try:
+    async with connected() as (sender, receiver):
         await sender.send(Abort(reason="first"))
         await receiver.recv(5)
         assert receiver.read_directly()
@@ -128,18 +127,13 @@ async def test_a_large_body_wakes_the_reader_once_however_many_reads_it_takes() 
         frame = await receiver.recv(5)
         assert frame.message() == RankExited(rank=4, code=0) and frame.tail == b"y" * 70_000
         await sending
-    finally:
-        sender.close()
-        receiver.close()
-        server.close()
 
 
 async def test_large_frames_are_built_in_spare_buffers_the_transport_no_longer_reads() -> None:
     """A sender reuses two spare buffers for its large frames, the next built while the transport may still
     hold the end of the last (not in a fresh map each time it does), and every frame arrives intact.
     """
-    sender, receiver, server = await pair()
-    try:
+    async with connected() as (sender, receiver):
         transport = sender.writer.transport
         assert isinstance(transport, asyncio.Transport)
         transport.set_write_buffer_limits(high=64 * 1024 * 1024)  # drain returns with bytes still queued
@@ -172,7 +166,3 @@ async def test_large_frames_are_built_in_spare_buffers_the_transport_no_longer_r
         await sending
         assert built_in_spare_while_queued > 0
         assert len(sender._spares) == 2
-    finally:
-        sender.close()
-        receiver.close()
-        server.close()
