@@ -24,6 +24,13 @@ In the same run the parent measures:
   several hosts add the relay → controller → relay hops: 2 seals and 2 opens more), timed
   with the rates measured here, over the measured latency. This is an estimate of what a null cipher
   would save; no null cipher exists in flodld.
+
+Two relay roads in the same world, in turn with gloo: ``all_average`` takes the same-host shared-memory
+road between ranks and their relay when ``FLODL_SHM`` allows it (the default; the table says which road
+it took), ``framed`` is the same call with the rank's client told to deposit framed (every byte sealed
+on the loopback legs: the reference road). On the shared-memory road no tensor byte is sealed on a
+rank ⇄ relay leg, so its cipher share counts only the relay → controller → relay hops of a multi-host
+world (2 seals, 2 opens).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ def _rank_main() -> int:
 
     import flodld
     from flodld.rank.averaging import all_average
+    from flodld.rank.relay_client import relay_client
 
     sizes = [int(part) for part in os.environ["BENCH_RELAY_SIZES"].split(",")]
     runs = int(os.environ["BENCH_RELAY_RUNS"])
@@ -65,15 +73,17 @@ def _rank_main() -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
         results: dict[str, dict[str, float]] = {}
+        client = relay_client()
         for size in sizes:
             tensor = torch.full((size * MIB // 4,), float(rank + 1), dtype=torch.float32)
-            samples: dict[str, list[float]] = {"all_average": [], "all_reduce": []}
+            samples: dict[str, list[float]] = {"all_average": [], "framed": [], "all_reduce": []}
             for index in range(1 + runs):  # one warm-up round
                 for name in samples:
                     work = tensor.clone()
+                    client.use_shm = name == "all_average"
                     dist.barrier()
                     begun = time.perf_counter()
-                    if name == "all_average":
+                    if name in ("all_average", "framed"):
                         (result,) = all_average([work])
                     else:
                         dist.all_reduce(work)
@@ -82,9 +92,10 @@ def _rank_main() -> int:
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if index:
                         samples[name].append(float(elapsed))
-                    expected = sum(range(1, world + 1)) / (world if name == "all_average" else 1)
+                    expected = sum(range(1, world + 1)) / (1 if name == "all_reduce" else world)
                     assert float(result[0]) == expected and float(result[-1]) == expected, (name, result[:2])
             results[str(size)] = {name: statistics.median(values) for name, values in samples.items()}
+            results[str(size)]["shm"] = float(client.region is not None)
         if rank == 0:
             out.write_text(json.dumps(results))
         return 0
@@ -280,10 +291,10 @@ def main() -> int:
         print(f"cipher {suite} on {size} MiB: seal {seal:.2f} GiB/s, open {open_:.2f} GiB/s", flush=True)
     print()
     print(
-        "| hosts | ranks | size | relay all_average | gloo all_reduce | ratio | per-rank throughput | "
-        "vs loopback | cipher share (est.) |"
+        "| hosts | ranks | size | road | relay all_average | gloo all_reduce | ratio | framed all_average | "
+        "framed ratio | per-rank throughput | vs loopback | cipher share (est.) | framed cipher share |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worlds = [
         (hosts, ranks)
         for hosts in (int(part) for part in options.hosts.split(","))
@@ -293,18 +304,20 @@ def main() -> int:
         results = run_world(ranks, sizes, options.runs, hosts)
         for size in sizes:
             row = results[str(size)]
-            average, reduce_ = row["all_average"], row["all_reduce"]
+            average, reduce_, framed = row["all_average"], row["all_reduce"], row["framed"]
+            shm = bool(row.get("shm"))
             throughput = size / 1024 / average  # GiB/s of the tensor per rank
             _, seal, open_ = rates[size]
             seals, opens = 1 + ranks, ranks + 1  # critical path: see the module docstring
-            if hosts > 1:
-                seals, opens = seals + 2, opens + 2
-            cipher = (size / 1024) * (seals / seal + opens / open_)
+            upstream = 2 if hosts > 1 else 0
+            framed_cipher = (size / 1024) * ((seals + upstream) / seal + (opens + upstream) / open_)
+            cipher = (size / 1024) * (upstream / seal + upstream / open_) if shm else framed_cipher
+            road = "shm" if shm else "framed"
             print(
-                f"| {hosts} | {ranks} | {size} MiB | {average * 1000:.1f} ms | {reduce_ * 1000:.1f} ms | "
-                f"{average / reduce_:.1f}x "
-                f"| {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | "
-                f"{min(cipher / average, 1):.0%} |",
+                f"| {hosts} | {ranks} | {size} MiB | {road} | {average * 1000:.1f} ms | "
+                f"{reduce_ * 1000:.1f} ms | {average / reduce_:.1f}x | {framed * 1000:.1f} ms | "
+                f"{framed / reduce_:.1f}x | {throughput * 1024:.0f} MiB/s | {throughput / ceiling:.0%} | "
+                f"{min(cipher / average, 1):.0%} | {min(framed_cipher / framed, 1):.0%} |",
                 flush=True,
             )
     return 0

@@ -4,12 +4,19 @@ Two loopback legs to the host's relay, each an authenticated framed channel:
 - data: `Deposit` up in chunks of `FLODL_CHUNK_BYTES` (default 4 MiB; the relay folds and forwards each
   chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps the latest);
 - control: `Heartbeat` up every interval, `CoordinatorHeartbeat`/`Shutdown` down.
+Same-host shared memory (`FLODL_SHM`, default auto; docs/protocol.md "Shared memory"): the rank offers
+its relay a memory region over the data leg (`ShmOffer`), copies each deposit chunk into it and sends a
+small `ShmDeposit`; the relay folds from the region and writes the round's result back over it
+(`ShmResult`). The region is reused round after round, so a deposit waits until the previous round's
+result has been copied out (the Averager's modes always have). When the region cannot be used the rank
+logs why once and goes on framed (FLODL_SHM=on makes that an error).
 If the control leg closes, or stays silent for the liveness timeout, the controller is gone and
 this process exits (code 1) rather than hang forever inside a collective.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -21,10 +28,22 @@ from flodld.fold.base import Bundle
 from flodld.fold.chunks import Assembly, Layout, chunk_bytes_from_env, split_parts
 from flodld.fold.codec import decode_bundle, encode_bundle_parts
 from flodld.net.blocking import BlockingChannel
+from flodld.net.shm import OwnedRegion, ShmError, shm_mode
 from flodld.net.timeouts import scaled
 from flodld.rank.env import RankEnvironment
 from flodld.wire.control import CoordinatorHeartbeat, Heartbeat, Shutdown
-from flodld.wire.data import Broadcast, DataPlaneError, Deposit, HelloAck, RankHello
+from flodld.wire.data import (
+    Broadcast,
+    DataPlaneError,
+    Deposit,
+    HelloAck,
+    RankHello,
+    ShmAccepted,
+    ShmDeposit,
+    ShmOffer,
+    ShmRefused,
+    ShmResult,
+)
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
 from flodld.wire.magic import Channel
@@ -32,6 +51,8 @@ from flodld.wire.magic import Channel
 # The relay may still be starting when a rank dials; its listener already queues the connection.
 CONNECT_TIMEOUT_SECS = 30.0
 LOST_CONTROLLER_EXIT_CODE = 1
+log = logging.getLogger("flodld.rank")
+Result = Broadcast | ShmResult
 
 
 class RelayClientError(RuntimeError):
@@ -66,13 +87,18 @@ class RelayClient:
         self.control = _open_leg(env, Channel.CONTROL)
         self.step = 0
         self.next_round = 0
-        self._results: dict[int, tuple[Broadcast, Bundle]] = {}
-        self.latest: tuple[Broadcast, Bundle] | None = None
+        self._results: dict[int, tuple[Result, Bundle]] = {}
+        self.latest: tuple[Result, Bundle] | None = None
         self._error: str | None = None
         self.refused = 0
         self.chunk_bytes = chunk_bytes_from_env()
-        self._assembling: tuple[Broadcast, Assembly] | None = None
+        self._assembling: tuple[Result, Assembly] | None = None
         self._changed = threading.Condition()
+        self.shm_mode = shm_mode()
+        # Per deposit: whether to use the region (bench/relay.py turns it off to time the framed road).
+        self.use_shm = self.shm_mode != "off"
+        self.region: OwnedRegion | None = None
+        self._shm_reply: ShmAccepted | ShmRefused | None = None
         self._closing = False
         for target, name in (
             (self._read_data, "data"),
@@ -92,14 +118,80 @@ class RelayClient:
             [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
         )
         specs, parts = encode_bundle_parts(scaled)
-        ranges = Layout(specs).ranges(self.chunk_bytes)
+        layout = Layout(specs)
+        ranges = layout.ranges(self.chunk_bytes)
         round_number = self.next_round
-        for (offset, _), tail in zip(ranges, split_parts(parts, ranges), strict=True):
-            self.data.send(
-                Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset), tail
-            )
+        region = self._region_for(layout.total, round_number)
+        for (offset, length), tail in zip(ranges, split_parts(parts, ranges), strict=True):
+            if region is not None:
+                region.write(offset, tail)
+                self.data.send(
+                    ShmDeposit(
+                        round=round_number,
+                        fold=spec,
+                        weight=weight,
+                        tensors=specs,
+                        offset=offset,
+                        length=length,
+                    )
+                )
+            else:
+                self.data.send(
+                    Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset), tail
+                )
         self.next_round += 1
         return round_number
+
+    def _region_for(self, total: int, round_number: int) -> OwnedRegion | None:
+        """The region this deposit goes through, or None (framed). Waits until the previous round's
+        result is copied out: the relay writes each result over the deposit it folded.
+        """
+        if not self.use_shm or self.shm_mode == "off":
+            return None
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self.latest_completed_round() >= round_number - 1 or self._error is not None
+            )
+            if self._error is not None:
+                raise RelayClientError(self._error)
+        if self.region is not None and self.region.capacity >= total:
+            return self.region
+        try:
+            region = OwnedRegion(total)
+        except (ShmError, OSError) as error:
+            self._without_shm(f"no memory region: {error}")
+            return None
+        with self._changed:
+            self._shm_reply = None
+        self.data.send(ShmOffer(pid=os.getpid(), fd=region.fd, size=region.size, tag=region.tag.hex()))
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._shm_reply is not None or self._error is not None, scaled(CONNECT_TIMEOUT_SECS)
+            )
+            reply, error_text = self._shm_reply, self._error
+        if not isinstance(reply, ShmAccepted):
+            region.close()
+            if error_text is not None:
+                raise RelayClientError(error_text)
+            why = reply.reason if isinstance(reply, ShmRefused) else "the relay did not answer the offer"
+            self._without_shm(f"the relay refused the region: {why}")
+            return None
+        if self.region is not None:
+            self.region.close()
+        self.region = region
+        return region
+
+    def _without_shm(self, reason: str) -> None:
+        """Framed from now on, said once (FLODL_SHM=on: an error instead)."""
+        if self.shm_mode == "on":
+            raise RelayClientError(f"FLODL_SHM=on but shared memory with the relay is unavailable: {reason}")
+        self.shm_mode = "off"
+        log.warning(
+            "flodld rank %d: shared memory with the relay is unavailable (%s); deposits go framed "
+            "(set FLODL_SHM=off to silence this)",
+            self.env.rank,
+            reason,
+        )
 
     def wait_round(self, round_number: int, timeout: float | None = None) -> Bundle:
         """Block until the broadcast of `round_number` arrives."""
@@ -122,6 +214,9 @@ class RelayClient:
         self._closing = True
         self.data.close()
         self.control.close()
+        if self.region is not None:
+            self.region.close()
+            self.region = None
 
     # --- background threads ----------------------------------------------------------------
 
@@ -132,7 +227,7 @@ class RelayClient:
             while True:
                 frame = self.data.recv()
                 message = frame.message()
-                if isinstance(message, Broadcast):
+                if isinstance(message, Broadcast | ShmResult):
                     done = self._assemble(message, frame)
                     if done is None:
                         continue
@@ -143,6 +238,10 @@ class RelayClient:
                         # Keep only rounds someone may still wait for (async ranks never wait).
                         for stale in [number for number in self._results if number < message.round - 64]:
                             del self._results[stale]
+                        self._changed.notify_all()
+                elif isinstance(message, ShmAccepted | ShmRefused):
+                    with self._changed:
+                        self._shm_reply = message
                         self._changed.notify_all()
                 elif isinstance(message, DataPlaneError):
                     reason = f"the data plane refused this rank: {message.reason}"
@@ -156,11 +255,19 @@ class RelayClient:
         finally:
             self._fail(reason)
 
-    def _assemble(self, message: Broadcast, frame: Frame) -> tuple[Broadcast, Bundle] | None:
-        """The round's value once its last chunk is in (an unchunked broadcast: at once, without a copy)."""
-        if message.offset == 0 and frame.tail_view.nbytes == sum(spec.nbytes() for spec in message.tensors):
-            self._assembling = None
-            return message, decode_bundle(message.tensors, frame.tail_view)
+    def _assemble(self, message: Result, frame: Frame) -> tuple[Result, Bundle] | None:
+        """The round's value once its last chunk is in (an unchunked broadcast: at once, without a copy;
+        a chunk in the region: copied out of it).
+        """
+        if isinstance(message, ShmResult):
+            if self.region is None:
+                raise ValueError(f"a shared-memory result of round {message.round} without a region")
+            view = self.region.data(message.offset, message.length)
+        else:
+            view = frame.tail_view
+            if message.offset == 0 and view.nbytes == sum(spec.nbytes() for spec in message.tensors):
+                self._assembling = None
+                return message, decode_bundle(message.tensors, view)
         if message.offset == 0:
             self._assembling = (message, Assembly(message.tensors))
         elif self._assembling is None or self._assembling[0].round != message.round:
@@ -168,8 +275,9 @@ class RelayClient:
                 f"a broadcast chunk of round {message.round} at offset {message.offset} without its start"
             )
         assembly = self._assembling[1]
-        complete = assembly.add(message.offset, frame.tail_view)
-        self.data.conn.recycle(frame)  # copied into the round's tensors: its buffer is free
+        complete = assembly.add(message.offset, view)
+        if not isinstance(message, ShmResult):
+            self.data.conn.recycle(frame)  # copied into the round's tensors: its buffer is free
         if not complete:
             return None
         self._assembling = None

@@ -26,6 +26,7 @@ from flodld.fold import round_barrier
 from flodld.net.addresses import is_private_address
 from flodld.net.dispatch import serve_frames
 from flodld.net.keepalive import keep_alive
+from flodld.net.shm import MappedRegion, ShmError, shm_mode
 from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
 from flodld.relay.spec import RelayRoleSpec
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
@@ -38,6 +39,11 @@ from flodld.wire.data import (
     RankGone,
     RankHello,
     RelayHello,
+    ShmAccepted,
+    ShmDeposit,
+    ShmOffer,
+    ShmRefused,
+    ShmResult,
 )
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
@@ -109,6 +115,13 @@ class Relay:
         self._warned_cleartext = False
         self._rank_data: HandlerTable[[_Leg, Frame], Awaitable[bool | None]] = HandlerTable("rank data frame")
         self._rank_data.register(Deposit, self._on_deposit)
+        self._rank_data.register(ShmOffer, self._on_shm_offer)
+        self._rank_data.register(ShmDeposit, self._on_shm_deposit)
+        # Shared memory (docs/protocol.md): each rank's checked region, and the round it last deposited
+        # there (that round's result goes back through the region, every other round's framed).
+        self.shm_enabled = shm_mode() != "off"
+        self.regions: dict[int, MappedRegion] = {}
+        self._shm_round: dict[int, int] = {}
         self._rank_control: HandlerTable[[_Leg, Frame], Awaitable[bool | None]] = HandlerTable(
             "rank control frame"
         )
@@ -148,6 +161,9 @@ class Relay:
         for legs in self.legs.values():
             for leg in legs.values():
                 leg.close()
+        for region in self.regions.values():
+            region.retire()
+        self.regions.clear()
         for stream in self.upstream.values():
             await stream.aclose()
         log.info(
@@ -298,6 +314,64 @@ class Relay:
             await self._ship(result)
         return False
 
+    async def _on_shm_offer(self, message: ShmOffer, leg: _Leg, frame: Frame) -> None:
+        """Map and check the rank's region (flodld.net.shm), or refuse it: the leg goes on framed."""
+        if not self.shm_enabled:
+            await leg.stream.send(ShmRefused(reason="shared memory is off on this relay (FLODL_SHM=off)"))
+            return
+        writer = leg.stream.writer
+        peer, mine = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
+        try:
+            if not peer or not mine or len(peer) != 2:
+                raise ShmError("the data leg is not an IPv4 loopback connection")
+            region = MappedRegion(
+                message.pid,
+                message.fd,
+                message.size,
+                bytes.fromhex(message.tag),
+                leg=((str(peer[0]), int(peer[1])), (str(mine[0]), int(mine[1]))),
+            )
+        except ShmError as error:
+            self.refused += 1
+            log.warning("relay: refused rank %d's shared memory offer: %s", leg.rank, error)
+            await leg.stream.send(ShmRefused(reason=str(error)[:1024]))
+            return
+        old = self.regions.pop(leg.rank, None)
+        if old is not None:
+            old.retire()
+        if leg.rank in self.gone:  # pragma: no cover - a gone rank's leg is closed before its next frame
+            region.retire()
+            return
+        self.regions[leg.rank] = region
+        await leg.stream.send(ShmAccepted(size=message.size))
+
+    async def _on_shm_deposit(self, message: ShmDeposit, leg: _Leg, frame: Frame) -> bool:
+        """Fold a chunk straight from the rank's region, as `_on_deposit` folds a framed one."""
+        barrier = self._ensure_barrier()
+        if self._failed_round is not None:
+            await self._send_quietly(leg.stream, DataPlaneError(reason=self._failed_round))
+            return True
+        region = self.regions.get(leg.rank)
+        lent = False
+        try:
+            if region is None:
+                raise ShmError("a shared-memory deposit without an accepted region")
+            data = region.data(message.offset, message.length)
+            region.lend()
+            lent = True
+            results = barrier.contribute_message(leg.rank, message, data, region.give_back)
+        except Exception as error:  # as `_on_deposit`: refuse this rank, never kill the relay
+            if lent and region is not None:
+                region.give_back()
+            self.refused += 1
+            log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
+            await self._send_quietly(leg.stream, DataPlaneError(reason=str(error)[:1024]))
+            return True
+        self._shm_round[leg.rank] = message.round
+        for result in results:
+            await self._ship(result)
+        return False
+
     async def _unexpected_on_data_leg(self, message: Message, leg: _Leg) -> bool:
         raise WireError("bad_payload", f"rank {leg.rank} sent {type(message).__name__} on its data leg")
 
@@ -313,6 +387,10 @@ class Relay:
             leg = legs.pop(rank, None)
             if leg is not None:
                 leg.close()
+        region = self.regions.pop(rank, None)
+        self._shm_round.pop(rank, None)
+        if region is not None:
+            region.retire()  # unmapped now, or once the fold gave back the chunks it still holds
         results = self._barrier.leave(rank) if self._barrier is not None else []
         try:
             for result in results:
@@ -369,7 +447,7 @@ class Relay:
             tensors=list(result.specs),
             offset=result.offset,
         )
-        await self._fan_out(Channel.DATA, message, result.byte_views())
+        await self._deliver(message, result.byte_views())
 
     # --- controller ------------------------------------------------------------------------
 
@@ -392,7 +470,7 @@ class Relay:
     async def _on_broadcast(self, message: Broadcast, stream: FramedStream, frame: Frame) -> None:
         if message.offset == 0:
             self.rounds += 1
-        await self._fan_out(Channel.DATA, message, frame.tail_view)
+        await self._deliver(message, [frame.tail_view])
         stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
 
     async def _on_coordinator_word(
@@ -409,6 +487,11 @@ class Relay:
         return True
 
     async def _fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
+        await self._fan_out_to(channel, dict(self.legs[channel]), message, tail)
+
+    async def _fan_out_to(
+        self, channel: Channel, legs: dict[int, FramedStream], message: Message, tail: Tail
+    ) -> None:
         async def one(rank: int, leg: FramedStream) -> None:
             try:
                 await leg.send(message, tail)
@@ -418,7 +501,42 @@ class Relay:
                 )
 
         # Concurrently: the next leg's frame is sealed while the previous one drains into its rank.
-        await asyncio.gather(*(one(rank, leg) for rank, leg in list(self.legs[channel].items())))
+        await asyncio.gather(*(one(rank, leg) for rank, leg in legs.items()))
+
+    async def _deliver(self, message: Broadcast, parts: list[memoryview]) -> None:
+        """A result chunk to every live rank: written into the region of each rank that deposited this
+        round there (over its own, already folded, bytes of this chunk) with a small `ShmResult`; framed
+        to the others.
+        """
+        length = sum(part.nbytes for part in parts)
+        notice: ShmResult | None = None
+        framed: dict[int, FramedStream] = {}
+        shared: dict[int, FramedStream] = {}
+        for rank, leg in list(self.legs[Channel.DATA].items()):
+            region = self.regions.get(rank)
+            if (
+                region is None
+                or self._shm_round.get(rank) != message.round
+                or message.offset + length > region.capacity
+            ):
+                framed[rank] = leg
+                continue
+            region.write(message.offset, parts)
+            shared[rank] = leg
+        if shared:
+            notice = ShmResult(
+                round=message.round,
+                fold=message.fold,
+                weight=message.weight,
+                contributors=message.contributors,
+                tensors=message.tensors,
+                offset=message.offset,
+                length=length,
+            )
+        await asyncio.gather(
+            self._fan_out_to(Channel.DATA, framed, message, parts),
+            *([self._fan_out_to(Channel.DATA, shared, notice, b"")] if notice is not None else []),
+        )
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message) -> None:

@@ -145,3 +145,62 @@ class DataPlaneError(Message):
     """Either direction, just before closing: why this hop refuses to go on (double deposit, schema)."""
 
     reason: Reason
+
+
+# --- shared memory between a rank and its relay (same host; docs/protocol.md, "Shared memory") ---------
+
+MAX_REGION_BYTES: Final = 1 << 38
+Pid = Annotated[int, Field(ge=1, lt=2**31)]
+Fd = Annotated[int, Field(ge=0, lt=2**31)]
+RegionBytes = Annotated[int, Field(gt=64, le=MAX_REGION_BYTES)]
+RegionTag = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+
+
+@register(0x0309)
+class ShmOffer(Message):
+    """Rank → relay on its data leg: map my region, memory file `fd` of process `pid`, `size` bytes, whose
+    head holds `tag` (hex). A later offer replaces the earlier one (a bigger bundle). The relay answers
+    `ShmAccepted` or `ShmRefused`; only this leg's authenticated rank may use the region.
+    """
+
+    pid: Pid
+    fd: Fd
+    size: RegionBytes
+    tag: RegionTag
+
+
+@register(0x030A)
+class ShmAccepted(Message):
+    """Relay → rank: the offered region is mapped and checked; `ShmDeposit` may name it."""
+
+    size: RegionBytes
+
+
+@register(0x030B)
+class ShmRefused(Message):
+    """Relay → rank: the offer is refused (the reason); the rank goes on framed, the leg stays open."""
+
+    reason: Reason
+
+
+@register(0x030C)
+class ShmDeposit(Message):
+    """Rank → relay: a `Deposit` chunk whose bytes lie in the rank's region at bundle bytes
+    [`offset`, `offset` + `length`) (no tail).
+    """
+
+    round: Count
+    fold: FoldSpec
+    weight: Weight
+    tensors: TensorSpecs
+    offset: Count = 0
+    length: Count = 0
+
+
+@register(0x030D)
+class ShmResult(_FoldedChunk):
+    """Relay → rank: a `Broadcast` chunk the relay wrote into the rank's region over its deposit, bytes
+    [`offset`, `offset` + `length`) (no tail). Sent only for a round the rank deposited in its region.
+    """
+
+    length: Count = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -26,46 +27,62 @@ HOST_KEY = bytes(range(32, 48))  # what the agent would derive at admission (flo
 
 
 class Plane:
-    """Controller data plane and one relay for ranks 0 and 1, on an event loop in a thread."""
+    """Controller data plane and one relay per host (default: one host "h" with ranks 0 and 1), on an
+    event loop in a thread.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, hosts: dict[str, list[int]] | None = None) -> None:
+        self.hosts = hosts or {"h": [0, 1]}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.relay_port, self.relay_task = self.call(self._start())
+        self.relays: dict[str, Relay] = {}
+        self.relay_ports: dict[str, int] = {}
+        self.call(self._start())
+        first = next(iter(self.hosts))
+        self.relay, self.relay_port = self.relays[first], self.relay_ports[first]
 
-    def call(self, coroutine: object) -> tuple[int, Future[int]]:
+    def call(self, coroutine: object) -> object:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)  # type: ignore[arg-type]
 
-    async def _start(self) -> tuple[int, Future[int]]:
+    @staticmethod
+    def host_key(host: str) -> bytes:
+        return HOST_KEY if host == "h" else hashlib.sha256(host.encode()).digest()[:16]
+
+    async def _start(self) -> None:
         self.plane = DataPlane(
-            SALT, {"h": [0, 1]}, host_key={"h": HOST_KEY}.get, liveness_timeout=60, heartbeat_interval=0.5
+            SALT, self.hosts, host_key=self.host_key, liveness_timeout=60, heartbeat_interval=0.5
         )
         self.mux = PortMux(ControllerCounters())
         self.mux.register(Channel.DATA, self.plane.handle_data)
         self.mux.register(Channel.CONTROL, self.plane.handle_control)
         _, port = await self.mux.start("127.0.0.1", 0)
         self.plane.start()
-        listener = socket.create_server(("127.0.0.1", 0))
-        relay_port = listener.getsockname()[1]
-        self.relay = Relay(RelayRoleSpec(host="h", controller_host="127.0.0.1", controller_port=port,
-                                         salt_hex=SALT.hex(), host_key_hex=HOST_KEY.hex(), ranks=[0, 1],
-                                         listen_fd=listener.detach()))
-        task = asyncio.ensure_future(self.relay.run())
-        return relay_port, task  # type: ignore[return-value]
+        self.relay_tasks: list[asyncio.Future[int]] = []
+        for host, ranks in self.hosts.items():
+            listener = socket.create_server(("127.0.0.1", 0))
+            self.relay_ports[host] = listener.getsockname()[1]
+            self.relays[host] = Relay(RelayRoleSpec(
+                host=host, controller_host="127.0.0.1", controller_port=port, salt_hex=SALT.hex(),
+                host_key_hex=self.host_key(host).hex(), ranks=ranks, listen_fd=listener.detach(),
+            ))
+            self.relay_tasks.append(asyncio.ensure_future(self.relays[host].run()))
 
     def client(self, rank: int) -> RelayClient:
+        host = next(host for host, ranks in self.hosts.items() if rank in ranks)
+        world = sum(len(ranks) for ranks in self.hosts.values())
         env = RankEnvironment(
-            rank=rank, world_size=2, local_rank=rank, local_world_size=2, controller_host="127.0.0.1",
-            controller_port=1, run_id="r", salt=SALT, device="cpu", backend="gloo", averaging="cpu_sync",
-            relay_port=self.relay_port, fold="mean", cadence=1, host="h", liveness_timeout=60,
-            heartbeat_interval=0.5,
+            rank=rank, world_size=world, local_rank=rank, local_world_size=len(self.hosts[host]),
+            controller_host="127.0.0.1", controller_port=1, run_id="r", salt=SALT, device="cpu",
+            backend="gloo", averaging="cpu_sync", relay_port=self.relay_ports[host], fold="mean", cadence=1,
+            host=host, liveness_timeout=60, heartbeat_interval=0.5,
         )
         return RelayClient(env)
 
     def close(self) -> None:
         async def stop() -> None:
-            self.relay.stop("test over", 0)
+            for relay in self.relays.values():
+                relay.stop("test over", 0)
             await self.plane.close()
             await self.mux.close()
 

@@ -1,0 +1,330 @@
+"""Same-host shared memory between ranks and their relay (flodld.net.shm; docs/protocol.md).
+
+Real relays and the controller's data plane; ranks are threads with blocking clients (as in
+test_averaging_modes), so rank and relay share a pid here, which the checks do not exempt: an offer is
+held to the same pid-owns-the-leg, memory-file, size and tag checks as one from another process.
+- the shared-memory road gives the framed road's results bit for bit (float mean and sum, the modular
+  fold), chunked and unchunked, at 2 and 3 ranks on one host and across two hosts, and really is taken;
+- offers are refused with a reason (wrong tag, wrong size, another process's fd, a file that is not a
+  region, a deposit that names no region), and the rank goes on framed with one warning (auto) or fails
+  (FLODL_SHM=on); FLODL_SHM=off offers nothing;
+- a rank that dies mid-round leaves no mapping and no fd of its region in the relay, and the round
+  completes for the others as on the framed road.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from flodld.fold.base import Bundle
+from flodld.fold.chunks import Layout, split_parts
+from flodld.fold.codec import encode_bundle_parts
+from flodld.net.shm import HEADER_BYTES, OwnedRegion
+from flodld.rank.relay_client import RelayClient, RelayClientError
+from flodld.wire.data import Broadcast, ShmAccepted, ShmDeposit, ShmOffer, ShmRefused, ShmResult
+from tests.flodld.fold.test_fold_chunks import MODULI, float_bundle, modular_bundle
+
+from .test_averaging_modes import Plane, in_thread
+
+WORLDS = {
+    "2-ranks": {"h": [0, 1]},
+    "3-ranks": {"h": [0, 1, 2]},
+    "2-hosts": {"a": [0, 1], "b": [2]},
+}
+FOLDS = ["mean", "sum", "modular:" + ",".join(map(str, MODULI))]
+ROUNDS = 2
+
+
+def ranks_of(plane: Plane) -> list[int]:
+    return sorted(rank for ranks in plane.hosts.values() for rank in ranks)
+
+
+def bundle(spec: str, rank: int, step: int) -> Bundle:
+    if spec.startswith("modular"):
+        return modular_bundle(rank + 10 * step)
+    return tuple(tensor * (step + 1) for tensor in float_bundle(rank + 10 * step))
+
+
+def run_rounds(
+    plane: Plane, clients: dict[int, RelayClient], spec: str, *, shm: bool
+) -> dict[int, list[tuple[type, Bundle]]]:
+    """ROUNDS rounds of every rank in its own thread; per rank: (message type, result) per round."""
+
+    def rounds(rank: int) -> list[tuple[type, Bundle]]:
+        client = clients[rank]
+        client.use_shm = shm
+        out = []
+        for step in range(ROUNDS):
+            result = client.wait_round(client.deposit(bundle(spec, rank, step), fold=spec), timeout=30)
+            assert client.latest is not None
+            out.append((type(client.latest[0]), result))
+        return out
+
+    futures = {rank: in_thread(lambda rank=rank: rounds(rank)) for rank in clients}
+    return {rank: future.result(60) for rank, future in futures.items()}  # type: ignore[misc]
+
+
+def assert_bitwise_equal(got: Bundle, want: Bundle) -> None:
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+        assert torch.equal(mine.reshape(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest) -> Iterator[Plane]:
+    plane = Plane(WORLDS[getattr(request, "param", "2-ranks")])
+    yield plane
+    plane.close()
+
+
+@pytest.mark.parametrize("world", list(WORLDS), indirect=True)
+@pytest.mark.parametrize("chunk_bytes", [4099, 1 << 22], ids=["chunked", "unchunked"])
+@pytest.mark.parametrize("spec", FOLDS, ids=["mean", "sum", "modular"])
+def test_the_shared_memory_road_gives_the_framed_roads_results_bit_for_bit(
+    world: Plane, chunk_bytes: int, spec: str
+) -> None:
+    clients = {rank: world.client(rank) for rank in ranks_of(world)}
+    try:
+        for client in clients.values():
+            client.chunk_bytes = chunk_bytes
+        framed = run_rounds(world, clients, spec, shm=False)
+        # The same deposits again, now through the regions (rounds ROUNDS.. of the same world).
+        shared = run_rounds(world, clients, spec, shm=True)
+        for rank in clients:
+            assert [kind for kind, _ in framed[rank]] == [Broadcast] * ROUNDS
+            assert [kind for kind, _ in shared[rank]] == [ShmResult] * ROUNDS
+            for (_, want), (_, got) in zip(framed[rank], shared[rank], strict=True):
+                assert_bitwise_equal(got, want)
+            assert_bitwise_equal(shared[rank][-1][1], shared[0][-1][1])
+        for relay in world.relays.values():
+            assert sorted(relay.regions) == sorted(set(relay.ranks))
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def offer(client: RelayClient, message: ShmOffer) -> ShmAccepted | ShmRefused:
+    with client._changed:
+        client._shm_reply = None
+    client.data.send(message)
+    with client._changed:
+        assert client._changed.wait_for(lambda: client._shm_reply is not None, 10)
+        assert client._shm_reply is not None
+        return client._shm_reply
+
+
+def own_offer(region: OwnedRegion, **changes: object) -> ShmOffer:
+    fields: dict[str, object] = {
+        "pid": os.getpid(),
+        "fd": region.fd,
+        "size": region.size,
+        "tag": region.tag.hex(),
+    }
+    return ShmOffer.model_validate({**fields, **changes})
+
+
+OTHER_PROCESS = """
+import os, sys, time
+from flodld.net.shm import OwnedRegion
+region = OwnedRegion(4096)
+print(region.fd, region.size, region.tag.hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_offers_that_name_the_wrong_memory_are_refused_with_a_reason(world: Plane) -> None:
+    client = world.client(0)
+    region = OwnedRegion(4096)
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout is not None
+        fd, size, tag = other.stdout.readline().split()
+        plain = open(__file__, "rb")  # noqa: SIM115 - a regular file of this user, not a region
+        cases = {
+            "the region's head does not hold the offer's tag": own_offer(region, tag="00" * 32),
+            f"the region has {region.size} bytes, the offer said {region.size + 4096}": own_offer(
+                region, size=region.size + 4096
+            ),
+            # Another process's real region with its right tag: that process does not hold this leg.
+            f"process {other.pid} does not hold this data leg's connection": ShmOffer(
+                pid=other.pid, fd=int(fd), size=int(size), tag=tag
+            ),
+            f"fd {plain.fileno()} of process {os.getpid()} is not a flodld memory file": own_offer(
+                region, fd=plain.fileno()
+            ),
+            f"cannot open fd 999999 of process {os.getpid()}": own_offer(region, fd=999_999),
+        }
+        for reason, message in cases.items():
+            reply = offer(client, message)
+            assert isinstance(reply, ShmRefused) and reason in reply.reason, (reason, reply)
+        plain.close()
+        assert world.relay.regions == {} and world.relay.refused == len(cases)
+        # The leg is still good: the right offer is taken.
+        assert isinstance(offer(client, own_offer(region)), ShmAccepted)
+        assert list(world.relay.regions) == [0]
+    finally:
+        other.communicate("\n", timeout=10)
+        client.close()
+        region.close()
+
+
+@pytest.mark.parametrize(
+    ("offered", "reason"),
+    [(False, "a shared-memory deposit without an accepted region"), (True, "lie outside the region's")],
+    ids=["no-region", "outside-the-region"],
+)
+def test_a_shared_deposit_without_a_region_or_outside_it_is_refused(
+    world: Plane, offered: bool, reason: str
+) -> None:
+    client = world.client(0)
+    region = OwnedRegion(4096)
+    try:
+        if offered:
+            assert isinstance(offer(client, own_offer(region)), ShmAccepted)
+        elements = region.capacity // 4 + 1  # one element more than the region holds
+        specs, _ = encode_bundle_parts([torch.ones(elements)])
+        client.data.send(
+            ShmDeposit(round=0, fold="mean", weight=1.0, tensors=specs, offset=0, length=4 * elements)
+        )
+        with pytest.raises(RelayClientError, match=reason):
+            client.wait_round(0, timeout=10)
+    finally:
+        client.close()
+        region.close()
+
+
+def test_without_a_usable_region_auto_warns_once_and_goes_framed(
+    world: Plane, caplog: pytest.LogCaptureFixture
+) -> None:
+    world.relay.shm_enabled = False  # the relay refuses every offer
+    clients = {rank: world.client(rank) for rank in (0, 1)}
+    try:
+        with caplog.at_level(logging.WARNING, logger="flodld.rank"):
+            results = run_rounds(world, clients, "mean", shm=True)
+        for rank in clients:
+            assert [kind for kind, _ in results[rank]] == [Broadcast] * ROUNDS
+            assert clients[rank].shm_mode == "off" and clients[rank].region is None
+        warnings = [record.getMessage() for record in caplog.records if record.name == "flodld.rank"]
+        assert len(warnings) == 2  # once per rank, not per round
+        assert all("shared memory is off on this relay (FLODL_SHM=off)" in text for text in warnings)
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_shm_on_makes_an_unusable_region_an_error(world: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.relay.shm_enabled = False
+    monkeypatch.setenv("FLODL_SHM", "on")
+    client = world.client(0)
+    try:
+        with pytest.raises(
+            RelayClientError, match="FLODL_SHM=on but shared memory with the relay is unavail"
+        ):
+            client.deposit([torch.ones(4)])
+    finally:
+        client.close()
+
+
+def test_shm_off_offers_nothing(world: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_SHM", "off")
+    clients = {rank: world.client(rank) for rank in (0, 1)}
+    try:
+        results = run_rounds(world, clients, "sum", shm=True)
+        assert all(kind is Broadcast for rank in clients for kind, _ in results[rank])
+        assert world.relay.regions == {} and clients[0].region is None
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def mapped_inodes() -> set[int]:
+    inodes = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and "flodld-shm" in line:
+                inodes.add(int(fields[4]))
+    return inodes
+
+
+def fd_inodes() -> set[int]:
+    inodes = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:flodld-shm"):
+                inodes.add(os.stat(f"/proc/self/fd/{name}").st_ino)
+        except OSError:
+            continue
+    return inodes
+
+
+@pytest.mark.parametrize("world", ["3-ranks"], indirect=True)
+def test_a_rank_that_dies_mid_round_leaves_no_mapping_behind_and_the_round_completes(world: Plane) -> None:
+    clients = {rank: world.client(rank) for rank in (0, 1, 2)}
+    dying = clients.pop(2)
+    chunk = 4099
+    try:
+        deposit = float_bundle(2)
+        specs, parts = encode_bundle_parts(deposit)
+        layout = Layout(specs)
+        ranges = layout.ranges(chunk)
+        region = dying._region_for(layout.total, 0)
+        assert region is not None
+        inode = os.fstat(region.fd).st_ino
+        assert inode in mapped_inodes()
+        (offset, length), first = ranges[0], next(split_parts(parts, ranges))
+        region.write(offset, first)
+        dying.data.send(ShmDeposit(round=0, fold="mean", weight=1.0, tensors=specs, offset=0, length=length))
+        mapped = world.relay.regions[2]
+        dying.close()  # dies in the middle of its deposit: its first chunk waits for ranks 0 and 1
+        for client in clients.values():
+            client.chunk_bytes = chunk
+        results = run_rounds(world, clients, "mean", shm=True)
+        for rank in clients:
+            kind, got = results[rank][0]
+            assert kind is ShmResult
+            # Past rank 2's first chunk, every element is the mean of ranks 0 and 1 (as framed).
+            want = (float_bundle(0)[0] + float_bundle(1)[0]) / 2
+            assert torch.equal(got[0][chunk // 4 :], want[chunk // 4 :])
+        assert 2 not in world.relay.regions and mapped.closed
+        gc.collect()
+        assert inode not in mapped_inodes() and inode not in fd_inodes()
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_a_deposit_waits_for_the_previous_result_before_it_overwrites_the_region(world: Plane) -> None:
+    first, second = world.client(0), world.client(1)
+    try:
+        first.deposit([torch.tensor([1.0, 2.0])])  # round 0, through the region
+        assert first.region is not None and HEADER_BYTES == 64
+        started = threading.Event()
+
+        def again() -> int:
+            started.set()
+            return first.deposit([torch.tensor([5.0, 6.0])])  # must not write until round 0 is back
+
+        pending = in_thread(again)
+        started.wait(5)
+        threading.Event().wait(0.3)  # room to go wrong: a deposit that did not wait would be done by now
+        assert not pending.done()
+        assert first.region.data(0, 8).tobytes() == torch.tensor([1.0, 2.0]).numpy().tobytes()
+        second.deposit([torch.tensor([3.0, 4.0])])
+        assert pending.result(10) == 1
+        assert first.wait_round(0, timeout=10)[0].tolist() == [2.0, 3.0]
+    finally:
+        first.close()
+        second.close()
