@@ -13,15 +13,19 @@ import contextlib
 import gc
 import logging
 import socket
+import typing
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from flodld.controller.metrics import ControllerCounters
-from flodld.net.preauth import GatedReader
-from flodld.net.stream import FramedStream, accept_channel
+from flodld.net.preauth import PREAUTH_CONNECTION_BYTES, GatedReader, PreAuthBudget
+from flodld.net.stream import WRITE_STALL_SECS, FramedStream, accept_channel
+from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
+from flodld.wire.frames import Closed, Frame, FrameConnection, NeedData, Role
 from flodld.wire.handlers import HandlerTable
 from flodld.wire.join import Accept, Hello, RankExited, Reject
 from flodld.wire.magic import Channel
@@ -49,7 +53,7 @@ class TurnBudget:
             raise ValueError(f"a turn budget lets >= 1 step through, got {per_turn}")
         self.per_turn = per_turn
         self._used = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[asyncio.Future[None] | Callable[[], None]] = deque()
         self._refill_scheduled = False
         self.deferred = 0
         """How many steps waited for a later turn (for tests and diagnostics)."""
@@ -70,6 +74,21 @@ class TurnBudget:
                 self._used -= 1  # woken and counted, then cancelled: give the step back
             raise
 
+    def call(self, step: Callable[[], None]) -> None:
+        """Run `step` now if this turn's budget allows (and nobody waits), else in a later turn, in order.
+
+        The callback form of `take()`, for protocol objects that have no coroutine to suspend. A step that
+        raises is logged; the turn goes on.
+        """
+        if self._used < self.per_turn and not self._waiters:
+            self._used += 1
+            self._schedule_refill()
+            step()
+            return
+        self._waiters.append(step)
+        self.deferred += 1
+        self._schedule_refill()
+
     def _schedule_refill(self) -> None:
         if not self._refill_scheduled:
             self._refill_scheduled = True
@@ -81,9 +100,16 @@ class TurnBudget:
         self._used = 0
         while self._waiters and self._used < self.per_turn:
             waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                self._used += 1
+            if isinstance(waiter, asyncio.Future):
+                if not waiter.done():
+                    waiter.set_result(None)
+                    self._used += 1
+                continue
+            self._used += 1
+            try:
+                waiter()
+            except Exception:
+                log.exception("event=join_step_failed")
         if self._used or self._waiters:
             self._schedule_refill()
 
@@ -158,12 +184,34 @@ def join_turns() -> TurnBudget:
     return budget
 
 
+class LinkStream(Protocol):
+    """What the run uses of an admitted host's join connection: a `FramedStream` (the stream path,
+    `handle_join`) or a `JoinProtocol` (the protocol path the controller port serves).
+    """
+
+    @property
+    def conn(self) -> FrameConnection:
+        """The connection's frame state (its nonces key the host key)."""
+
+    def send_nowait(self, msg: Message) -> None:
+        """Queue one message frame."""
+
+    async def drain(self) -> None:
+        """Wait until what was queued is handed to the socket (bounded)."""
+
+    def rekey(self, salt: bytes) -> None:
+        """Both directions to the keys of `salt` (open admission, after the Accept)."""
+
+    def close(self) -> None:
+        """Close the connection."""
+
+
 @dataclass
 class HostLink:
     """An admitted host's join connection."""
 
     host: str
-    stream: FramedStream
+    stream: LinkStream
     peer: str
     local_address: str
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -283,7 +331,7 @@ async def handle_join(
         _keepalive(writer, controller.link_keepalive_secs)
         _link_opened()
         try:
-            await _supervise(controller, link)
+            await _supervise(controller, link, stream)
         finally:
             _link_ended()
     finally:
@@ -291,7 +339,7 @@ async def handle_join(
             controller.release_gate(peer)
 
 
-def _keepalive(writer: asyncio.StreamWriter, idle: float) -> None:
+def _keepalive(writer: asyncio.StreamWriter | asyncio.BaseTransport, idle: float) -> None:
     """TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
     network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
     after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
@@ -315,12 +363,12 @@ def _rank_exited(message: RankExited, controller: JoinRun, link: HostLink) -> No
     controller.rank_exited(link, message.rank, message.code)
 
 
-async def _supervise(controller: JoinRun, link: HostLink) -> None:
+async def _supervise(controller: JoinRun, link: HostLink, stream: FramedStream) -> None:
     """Read RankExited reports until the host closes its side (or the link breaks)."""
     why, lost = "link closed", True
     try:
         while True:
-            frame = await link.stream.recv()
+            frame = await stream.recv()
             controller.counters.frame_in(CHANNEL, len(frame.payload))
             try:
                 message = frame.message()
@@ -350,3 +398,403 @@ async def _send_quietly(controller: JoinRun, stream: FramedStream, message: Mess
     with contextlib.suppress(ConnectionError, TimeoutError, OSError):
         await stream.send(message)
         controller.counters.frame_out(CHANNEL, 0)
+
+
+class JoinPort(Protocol):
+    """What a `JoinProtocol` asks of the port that routed it to the join channel (the `PortMux`)."""
+
+    @property
+    def budget(self) -> PreAuthBudget:
+        """The global pre-authentication budget."""
+
+    def drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
+        """Count, log and abort a connection the port refuses (pre-authentication overrun)."""
+
+    def served(self, transport: asyncio.BaseTransport, ended: bool) -> None:
+        """A connection this protocol serves began or ended (the port aborts the live ones at close)."""
+
+
+# Where a join connection stands (`JoinProtocol._state`).
+_STARTING = 0  # routed, waiting for its turn to write its nonce
+_HANDSHAKE = 1  # nonce written; reading the dialer's nonce and its first frame under the deadline
+_DECIDING = 2  # first frame verified; waiting for its turn to be decoded and decided (reading paused)
+_LINKED = 3  # admitted: WorldFormed/Abort down, RankExited up, until either side closes
+_ENDED = 4
+
+
+class JoinProtocol(asyncio.Protocol):
+    """One join connection served without a stream, task or coroutine: bytes go straight into the sans-io
+    `FrameConnection` and each verified frame into the run (`JoinRun`).
+
+    The same rules as `handle_join` over a `GatedReader`, and the same refusals:
+    - the magic's deadline is the mux's; from routing, the nonce exchange and the first frame are due
+      within the run's `handshake_timeout` (`handshake_timeout` refusal, no reply);
+    - until the first frame verifies, every byte counts against the per-connection allowance
+      (`PREAUTH_CONNECTION_BYTES`) and the port's global budget (`preauth_overrun` / `preauth_budget`,
+      dropped by the port); the first frame is capped small by the frame layer;
+    - the address's pre-admission gate slot is held until the hello is decided (or the connection ends);
+    - every frame is verified (AEAD, sequence: `bad_tag`, `replay`, ... refusals, no reply); nothing is
+      allocated for the host before its hello verified and was admitted;
+    - a hello that does not decode, or another first message, gets a Reject with the reason; the run's
+      own Reject is sent as it is.
+    The CPU-bound steps (this side's nonce and keys; the hello's decoding and admission) go through the
+    loop's `TurnBudget`, as on the stream path. Once admitted, the protocol object is the link's stream
+    (`LinkStream`): it writes WorldFormed/Abort, hands RankExited to the run, and reports the link's end.
+    """
+
+    __slots__ = (
+        "_conn",
+        "_drained",
+        "_early",
+        "_eof",
+        "_gate_held",
+        "_held",
+        "_link",
+        "_paused",
+        "_peer",
+        "_port",
+        "_refused",
+        "_run",
+        "_state",
+        "_timer",
+        "_transport",
+        "local_address",
+    )
+
+    def __init__(self, run: JoinRun, port: JoinPort, peer: str) -> None:
+        self._run = run
+        self._port = port
+        self._peer = peer
+        self._transport: asyncio.Transport | None = None
+        self._state = _STARTING
+        self._conn: FrameConnection | None = None
+        self._early = b""  # bytes that came before this side's turn to start
+        self._eof = False
+        self._held = 0  # pre-authentication bytes counted against the budget (0 once settled)
+        self._timer: asyncio.TimerHandle | None = None
+        self._gate_held = True
+        self._link: HostLink | None = None
+        self._paused = False  # the transport's write buffer is over its high-water mark
+        self._drained: asyncio.Future[None] | None = None
+        self._refused = False
+        self.local_address = run.advertised_host
+
+    # --- LinkStream ------------------------------------------------------------------------------
+
+    @property
+    def conn(self) -> FrameConnection:
+        assert self._conn is not None
+        return self._conn
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._transport
+
+    @property
+    def writer(self) -> asyncio.Transport | None:
+        """The transport (for `get_extra_info`), named as on a FramedStream."""
+        return self._transport
+
+    def send_nowait(self, msg: Message) -> None:
+        assert self._conn is not None and self._transport is not None
+        self._transport.write(self._conn.send_message(msg))
+
+    async def drain(self) -> None:
+        if self._transport is None or self._state == _ENDED:
+            raise ConnectionResetError("the join link is closed")
+        if not self._paused:
+            return
+        if self._drained is None or self._drained.done():
+            self._drained = asyncio.get_running_loop().create_future()
+        async with asyncio.timeout(scaled(WRITE_STALL_SECS)):
+            await asyncio.shield(self._drained)
+
+    def rekey(self, salt: bytes) -> None:
+        self.conn.rekey(salt)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def write_buffered(self) -> bool:
+        """Whether bytes written still wait in the transport."""
+        transport = self._transport
+        return transport is None or transport.is_closing() or transport.get_write_buffer_size() > 0
+
+    # --- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's do not subclass Transport
+        self._port.served(transport, False)
+        sockname = transport.get_extra_info("sockname")
+        if sockname:
+            self.local_address = str(sockname[0])
+        timeout = self._run.handshake_timeout
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._deadline_passed)
+        join_turns().call(self._start)
+
+    def data_received(self, data: bytes) -> None:
+        state = self._state
+        if state == _LINKED:
+            assert self._conn is not None
+            self._conn.receive_data(data)
+            self._pump_link()
+            return
+        if state == _ENDED:
+            return
+        if self._held >= 0 and data:  # pre-authentication: count before holding anything
+            if self._held + len(data) > PREAUTH_CONNECTION_BYTES:
+                self._overrun(
+                    "preauth_overrun",
+                    f"sent {self._held + len(data)} bytes before its first frame verified (allowance "
+                    f"{PREAUTH_CONNECTION_BYTES})",
+                )
+                return
+            budget = self._port.budget
+            if not budget.take(len(data)):
+                self._overrun(
+                    "preauth_budget", f"the global pre-authentication budget of {budget.limit} bytes is spent"
+                )
+                return
+            self._held += len(data)
+        if self._conn is None:
+            self._early += data
+            return
+        self._conn.receive_data(data)
+        if state == _HANDSHAKE:
+            self._pump_handshake()
+
+    def eof_received(self) -> bool:
+        if self._state in (_STARTING, _HANDSHAKE, _DECIDING):
+            self._eof = True
+            if self._state == _HANDSHAKE:
+                assert self._conn is not None
+                self._conn.receive_data(b"")
+                self._pump_handshake()
+            return True  # _DECIDING / _STARTING: looked at in their turn; the transport stays open
+        if self._state == _LINKED:
+            assert self._conn is not None
+            self._conn.receive_data(b"")
+            self._pump_link()
+        return False
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        state = self._state
+        self._state = _ENDED
+        self._port.served(self._transport or _NO_TRANSPORT, True)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("the join link closed"))
+            self._drained.exception()  # retrieved: nobody may be waiting
+        if state == _LINKED:
+            if exc is None:  # closed on this side (the run ended it): as the stream path sees it, an EOF
+                self._end_link("host closed its join link", lost=False)
+            else:
+                self._end_link(f"join link broke: {exc!r}", lost=True)
+            return
+        if state != _ENDED and not self._refused:
+            self._run.refuse(self._peer, "eof_before_hello", "the dialer closed before sending its hello")
+        self._end_handshake()
+
+    # --- the handshake ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """This side's turn: its nonce and keys, then whatever the dialer sent meanwhile."""
+        if self._state != _STARTING:
+            return
+        transport = self._transport
+        assert transport is not None
+        self._conn = conn = FrameConnection(
+            Role.LISTENER,
+            self._run.join_key,
+            max_payload=MAX_JOIN_PAYLOAD,
+            max_tail=0,
+            channel=Channel.JOIN,
+        )
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.write(conn.initial_bytes())
+        self._state = _HANDSHAKE
+        early, self._early = self._early, b""
+        if early:
+            conn.receive_data(early)
+        if self._eof:
+            conn.receive_data(b"")
+        self._pump_handshake()
+
+    def _pump_handshake(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        try:
+            event = conn.next_event()
+        except WireError as error:
+            self._refuse_quietly(error.code, error.detail)
+            return
+        if isinstance(event, NeedData):
+            return
+        if isinstance(event, Closed):
+            self._refuse_quietly("eof_before_hello", "the dialer closed before sending its hello")
+            return
+        # The first frame verified: the peer holds the key. Its bytes go back to the budget, and nothing
+        # more is read until its hello is decided.
+        self._settle()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._state = _DECIDING
+        assert self._transport is not None
+        with contextlib.suppress(RuntimeError, AttributeError):
+            self._transport.pause_reading()
+        join_turns().call(lambda: self._decide(event))
+
+    def _decide(self, frame: Frame) -> None:
+        """The hello's turn: decode it and let the run decide."""
+        if self._state != _DECIDING:
+            return
+        run = self._run
+        run.counters.frame_in(CHANNEL, len(frame.payload))
+        try:
+            hello = frame.message()
+        except WireError as error:
+            self._reject("bad_payload", f"hello decode failed: {error.detail}")
+            return
+        if not isinstance(hello, Hello):
+            self._reject(
+                "expected_hello",
+                f"the first join-channel message must be Hello, got {type(hello).__name__}",
+            )
+            return
+        link = HostLink(hello.host, self, self._peer, self.local_address)
+        accepted = run.admit(hello, link)
+        if isinstance(accepted, Reject):
+            self._send_and_close(accepted)
+            return
+        transport = self._transport
+        assert transport is not None
+        if transport.is_closing():
+            self._state = _ENDED
+            self._release_gate()
+            run.link_closed(link, "accept write failed (the connection closed)", lost=True)
+            return
+        self._release_gate()
+        self._link = link
+        self._state = _LINKED
+        _keepalive(transport, run.link_keepalive_secs)
+        _link_opened()
+        with contextlib.suppress(RuntimeError, AttributeError):
+            transport.resume_reading()
+        if self._eof:
+            assert self._conn is not None
+            self._conn.receive_data(b"")
+        self._pump_link()
+
+    def _deadline_passed(self) -> None:
+        self._timer = None
+        if self._state in (_STARTING, _HANDSHAKE):
+            timeout = self._run.handshake_timeout
+            self._refuse_quietly("handshake_timeout", f"no hello within {timeout:g}s")
+
+    def _overrun(self, code: str, detail: str) -> None:
+        """Over the allowance or the budget: the port drops it (counted there, not as a join refusal)."""
+        self._refused = True
+        self._state = _ENDED
+        assert self._transport is not None
+        self._end_handshake()
+        self._port.drop(self._transport, self._peer, code, detail)
+
+    def _refuse_quietly(self, code: str, detail: str) -> None:
+        """A frame-level failure (wrong key, garbage, silence): counted and logged, no reply."""
+        self._state = _ENDED
+        self._run.refuse(self._peer, code, detail)
+        self._end_handshake()
+        assert self._transport is not None
+        self._transport.close()
+
+    def _reject(self, code: str, reason: str) -> None:
+        self._run.refuse(self._peer, code, reason)
+        self._send_and_close(Reject(code=code, reason=reason[:1024]))
+
+    def _send_and_close(self, message: Message) -> None:
+        self._state = _ENDED
+        with contextlib.suppress(ConnectionError, OSError, WireError):
+            self.send_nowait(message)
+            self._run.counters.frame_out(CHANNEL, 0)
+        self._end_handshake()
+        assert self._transport is not None
+        self._transport.close()
+
+    def _settle(self) -> None:
+        if self._held >= 0:
+            self._port.budget.give(self._held)
+            self._held = -1  # settled: no more counting
+
+    def _release_gate(self) -> None:
+        if self._gate_held:
+            self._gate_held = False
+            self._run.release_gate(self._peer)
+
+    def _end_handshake(self) -> None:
+        self._settle()
+        self._release_gate()
+        self._early = b""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # --- the link --------------------------------------------------------------------------------
+
+    def _pump_link(self) -> None:
+        conn, link = self._conn, self._link
+        assert conn is not None and link is not None
+        while self._state == _LINKED:
+            try:
+                event = conn.next_event()
+            except WireError as error:
+                self._end_link(f"join link violated the protocol: {error}", lost=True)
+                assert self._transport is not None
+                self._transport.abort()
+                return
+            if isinstance(event, NeedData):
+                return
+            if isinstance(event, Closed):
+                self._end_link("host closed its join link", lost=False)
+                return
+            self._run.counters.frame_in(CHANNEL, len(event.payload))
+            try:
+                message = event.message()
+            except WireError as error:
+                log.debug("event=join_frame_ignored host=%s detail=%r", link.host, error.detail)
+                continue
+            if type(message) in REPORTS:
+                REPORTS.dispatch(message, self._run, link)
+            else:
+                log.debug("event=join_frame_ignored host=%s kind=%s", link.host, type(message).__name__)
+
+    def _end_link(self, why: str, *, lost: bool) -> None:
+        link = self._link
+        if link is None:
+            return
+        self._link = None
+        self._state = _ENDED
+        _link_ended()
+        try:
+            self._run.link_closed(link, why, lost=lost)
+        finally:
+            if self._transport is not None and not self._transport.is_closing():
+                self._transport.close()
+
+
+class _NoTransport:
+    """Stands for a transport a protocol never got (connection_lost without connection_made)."""
+
+
+_NO_TRANSPORT = typing.cast(asyncio.BaseTransport, _NoTransport())

@@ -38,12 +38,17 @@ ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 the writer when the handler returns or raises."""
 
 HttpProtocolFactory = Callable[[], asyncio.Protocol]
+ChannelProtocolFactory = Callable[["PortMux", str], asyncio.Protocol]
+"""`factory(mux, peer)`: the protocol that serves a routed connection from its first byte after the magic.
+It owns the peer's gate slot (releases it with `release_gate`), counts its pre-authentication bytes against
+`mux.budget` (dropping with `mux.drop`) and reports its start and end with `mux.served`."""
 
 
 @dataclass(frozen=True)
 class _Route:
-    handler: ChannelHandler
+    handler: ChannelHandler | None
     hold_gate: bool
+    protocol: ChannelProtocolFactory | None = None
 
 MAGIC_DEADLINE_SECS = 5.0
 # Our HTTP answers are small and our clients close after one request, so an HTTP connection gets a
@@ -181,6 +186,7 @@ class PortMux:
         self._drains: list[_Drain] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._served: set[asyncio.BaseTransport] = set()  # connections served by a channel protocol
 
     def register(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
         """Route `channel` to `handler`. The pre-admission slot stays taken until the connection's
@@ -190,6 +196,15 @@ class PortMux:
         if channel is Channel.HTTP:
             raise ValueError("HTTP is served by set_http(), not a stream handler")
         self._routes[channel] = _Route(handler, hold_gate)
+
+    def register_protocol(self, channel: Channel, factory: ChannelProtocolFactory) -> None:
+        """Serve `channel` with an asyncio protocol per connection instead of a stream handler (no
+        StreamReader, writer or task). The protocol holds the gate slot and does its own pre-authentication
+        accounting (see `ChannelProtocolFactory`).
+        """
+        if channel is Channel.HTTP:
+            raise ValueError("HTTP is served by set_http(), not a channel protocol")
+        self._routes[channel] = _Route(None, True, factory)
 
     def unregister(self, channel: Channel) -> None:
         self._routes.pop(channel, None)
@@ -243,6 +258,9 @@ class PortMux:
         self.stop_listening()
         for writer in list(self._writers):
             writer.transport.abort()
+        for transport in list(self._served):
+            abort = getattr(transport, "abort", None)
+            abort() if abort is not None else transport.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -276,6 +294,14 @@ class PortMux:
             self._drop(transport, peer, "no_handler", f"no {channel.value}-channel service running")
             return
         self.counters.connections[channel.value] += 1
+        if route.protocol is not None:
+            served = route.protocol(self, peer)
+            transport.set_protocol(served)
+            served.connection_made(transport)
+            if len(buffered) > 4 and not transport.is_closing():
+                served.data_received(buffered[4:])
+            return
+        assert route.handler is not None
         loop = asyncio.get_running_loop()
         slot = _GateSlot(self.gate, peer, held_by_handler=route.hold_gate)
         reader = GatedReader(
@@ -325,6 +351,17 @@ class PortMux:
             self._drop(
                 transport, peer, "http_lifetime", f"HTTP connection open longer than {self.http_lifetime:g}s"
             )
+
+    def served(self, transport: asyncio.BaseTransport, ended: bool) -> None:
+        """A connection served by a channel protocol began (`ended` False) or ended."""
+        if ended:
+            self._served.discard(transport)
+        else:
+            self._served.add(transport)
+
+    def drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
+        """Count, log and abort a connection (a channel protocol's pre-authentication overrun)."""
+        self._drop(transport, peer, reason, detail)
 
     def _drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
         self.counters.dropped[reason] += 1

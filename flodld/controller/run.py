@@ -37,9 +37,9 @@ from flodld.config.models import ClusterConfig
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
 from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, StatusSource, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
-from flodld.controller.join import HostLink, JoinRun, handle_join
+from flodld.controller.join import HostLink, JoinProtocol, JoinRun, handle_join
 from flodld.controller.metrics import ControllerCounters, render_prometheus
-from flodld.controller.mux import ChannelHandler, PortMux, PreAdmissionGate
+from flodld.controller.mux import ChannelHandler, ChannelProtocolFactory, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache, StormLog
 from flodld.controller.store import StoreService
@@ -49,6 +49,7 @@ from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, deriv
 from flodld.membership.snapshot import RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow, LinkOutcome
+from flodld.net.stream import FramedStream
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
@@ -70,11 +71,23 @@ class RunChannel:
     handler: Callable[[Controller], ChannelHandler]
     hold_gate: bool = False
     """The handler releases the peer's pre-admission slot itself (`PortMux.register`)."""
+    protocol: Callable[[Controller], ChannelProtocolFactory] | None = None
+    """Served by a protocol per connection instead (`PortMux.register_protocol`); `handler` stays for
+    callers that serve the channel over streams."""
 
 
 def _join_handler(run: Controller) -> ChannelHandler:
     join_run: JoinRun = run  # the join channel knows the run only through this protocol
     return functools.partial(handle_join, join_run)
+
+
+def _join_protocol(run: Controller) -> ChannelProtocolFactory:
+    join_run: JoinRun = run
+
+    def factory(mux: PortMux, peer: str) -> JoinProtocol:
+        return JoinProtocol(join_run, mux, peer)
+
+    return factory
 
 
 def _store_handler(run: Controller) -> ChannelHandler:
@@ -83,7 +96,8 @@ def _store_handler(run: Controller) -> ChannelHandler:
 
 RUN_CHANNELS: Final[Mapping[Channel, RunChannel]] = {
     # The join handshake keeps the peer's gate slot until the window decided its hello.
-    Channel.JOIN: RunChannel(_join_handler, hold_gate=True),
+    # Served by a protocol per connection (no stream, task or coroutine while the handshake is in flight).
+    Channel.JOIN: RunChannel(_join_handler, hold_gate=True, protocol=_join_protocol),
     Channel.RENDEZVOUS: RunChannel(_store_handler),
 }
 """The channels a run serves from `listen()` on, whoever bound the port. Channels that exist only once
@@ -223,7 +237,11 @@ class Controller:
 
     def _serve_run_channels(self) -> None:
         for channel, spec in RUN_CHANNELS.items():
-            self._serve(channel, spec.handler(self), hold_gate=spec.hold_gate)
+            if spec.protocol is not None:
+                self.mux.register_protocol(channel, spec.protocol(self))
+                self._channels.add(channel)
+            else:
+                self._serve(channel, spec.handler(self), hold_gate=spec.hold_gate)
 
     def host_key(self, host: str) -> bytes | None:
         """The key derived at `host`'s admission (flodld.wire.hostkey); None without a live join link."""
@@ -886,6 +904,10 @@ _is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
 
 def _write_buffered(link: HostLink) -> bool:
     """Whether bytes written to the link still wait in its transport (unknown: assume so)."""
+    if isinstance(link.stream, JoinProtocol):
+        return link.stream.write_buffered()
+    if not isinstance(link.stream, FramedStream):
+        return True
     transport = link.stream.writer.transport
     try:
         return transport.is_closing() or transport.get_write_buffer_size() > 0

@@ -14,8 +14,8 @@ import pytest
 
 from flodld.config.join import JoinConfig
 from flodld.controller import run
+from flodld.controller.join import JoinProtocol
 from flodld.membership.phase import Phase
-from flodld.net.stream import FramedStream
 from flodld.wire.join import WorldFormed
 from flodld.wire.messages import Message
 from tests.flodld.controller.agents import Agent, TurnCounter, eventually, http, join, options, started
@@ -34,16 +34,16 @@ async def test_world_formed_goes_to_every_host_in_admission_order_a_chunk_per_tu
     monkeypatch.setattr(run, "SHIP_CHUNK_HOSTS", CHUNK)
     sent: list[tuple[int, list[int]]] = []  # (turn, the envelope's ranks) per WorldFormed queued
     turns: list[TurnCounter] = []
-    plain_send = FramedStream.send_nowait
+    plain_send = JoinProtocol.send_nowait
 
-    def recording_send(self: FramedStream, msg: Message, tail: bytes = b"") -> None:
+    def recording_send(self: JoinProtocol, msg: Message) -> None:
         if isinstance(msg, WorldFormed):
             if not turns:
                 turns.append(TurnCounter())
             sent.append((turns[0].turn, list(msg.envelope.ranks)))
-        plain_send(self, msg, tail)
+        plain_send(self, msg)
 
-    monkeypatch.setattr(FramedStream, "send_nowait", recording_send)
+    monkeypatch.setattr(JoinProtocol, "send_nowait", recording_send)
     controller, port = await started(options(capacity=HOSTS, join=JoinConfig(join_timeout=30)))
     try:
         agents = await _join_in_order(port, controller.salt, HOSTS)
@@ -75,14 +75,15 @@ async def test_state_json_answers_while_formation_waits_for_a_slow_host(
     try:
         agents = await _join_in_order(port, controller.salt, 4)
         link = controller._links[slow_host]
-        plain_drain = link.stream.drain
+        plain_drain = JoinProtocol.drain
 
-        async def held_drain() -> None:
-            drains.append(link.host)
-            await released.wait()
-            await plain_drain()
+        async def held_drain(self: JoinProtocol) -> None:
+            if self is link.stream:
+                drains.append(link.host)
+                await released.wait()
+            await plain_drain(self)
 
-        link.stream.drain = held_drain  # type: ignore[method-assign]
+        monkeypatch.setattr(JoinProtocol, "drain", held_drain)
         agents.append(await join(port, controller.salt, "h04"))
         worlds = [await agent.world() for agent in agents]  # every WorldFormed is out
         assert [w.envelope.ranks for w in worlds] == [[index] for index in range(5)]

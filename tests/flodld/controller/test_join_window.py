@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from flodld.config.join import JoinConfig
+from flodld.controller.join import JoinProtocol
 from flodld.controller.snapshot import STATE_MAX_AGE_SECS
 from flodld.membership.phase import Phase
 from flodld.wire.errors import WireError
@@ -315,7 +316,9 @@ async def test_admitted_links_probe_with_tcp_keepalive_scaled_by_the_run_env() -
     opts = options(capacity=2, link_keepalive_secs=15, env={"FLODL_NET_TIMEOUT_SCALE": "0.2"})
     async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "a")
-        sock = controller._links["a"].stream.writer.get_extra_info("socket")
+        link = controller._links["a"].stream
+        assert isinstance(link, JoinProtocol) and link.transport is not None
+        sock = link.transport.get_extra_info("socket")
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 3  # 15 s x 0.2
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
