@@ -69,6 +69,61 @@ def test_cancelled_waiters_give_their_place_and_the_rest_still_go_through() -> N
     assert done == [*range(5), *range(15, 20)]
 
 
+def test_callback_steps_share_the_turns_with_awaited_ones_in_arrival_order() -> None:
+    """`call()` (the join protocol's form: no coroutine) waits in the same line as `take()`."""
+
+    async def main() -> tuple[list[str], Counter[int], int]:
+        budget = TurnBudget(4)
+        turns = TurnCounter()
+        order: list[str] = []
+        per_turn: Counter[int] = Counter()
+        finished = asyncio.get_running_loop().create_future()
+
+        def note(name: str) -> None:
+            order.append(name)
+            per_turn[turns.turn] += 1
+            if len(order) == 60 and not finished.done():
+                finished.set_result(None)
+
+        async def awaited(index: int) -> None:
+            await budget.take()
+            note(f"t{index}")
+
+        tasks = []
+        for index in range(30):  # alternate: a callback step, then a task's step, all in one turn
+            budget.call(lambda index=index: note(f"c{index}"))  # type: ignore[misc]
+            tasks.append(asyncio.create_task(awaited(index)))
+        await asyncio.gather(*tasks)
+        await finished
+        turns.stop()
+        return order, per_turn, budget.deferred
+
+    order, per_turn, deferred = asyncio.run(main())
+    callbacks = [name for name in order if name.startswith("c")]
+    assert callbacks == [f"c{index}" for index in range(30)] and len(order) == 60
+    assert order[:4] == ["c0", "c1", "c2", "c3"]  # the first turn's budget: taken at once, in order
+    assert max(per_turn.values()) <= 2 * 4 and deferred > 0
+
+
+def test_a_failing_callback_step_is_logged_and_the_line_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> list[int]:
+        budget = TurnBudget(1)
+        done: list[int] = []
+
+        def fail() -> None:
+            raise RuntimeError("boom")
+
+        budget.call(lambda: done.append(0))
+        budget.call(fail)
+        budget.call(lambda: done.append(2))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return done
+
+    assert asyncio.run(main()) == [0, 2]
+    assert any("event=join_step_failed" in record.getMessage() for record in caplog.records)
+
+
 def test_the_budget_is_one_per_loop_and_refuses_zero() -> None:
     async def both() -> tuple[TurnBudget, TurnBudget]:
         return join_turns(), join_turns()
