@@ -32,6 +32,9 @@ TAG_BYTES: Final = 32
 HEADER_BYTES: Final = 64  # magic, tag, padding: the bundle's bytes start 64-byte aligned
 MEMFD_NAME: Final = "flodld-shm"
 MAX_REGION_BYTES: Final = 1 << 38  # 256 GiB: refused before anything is mapped
+# Fault every page in with the map (one kernel call) instead of one fault per page on first touch: for a
+# fresh 64 MiB region that is 16384 faults on the round's critical path (the flagship's first big round).
+_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 SHM_ENV: Final = "FLODL_SHM"
 SHM_MODES: Final = ("auto", "on", "off")
 
@@ -69,7 +72,9 @@ class OwnedRegion:
         self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.size)
-            self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = mmap.mmap(
+                self.fd, self.size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE
+            )
         except BaseException:
             os.close(self.fd)
             raise
