@@ -7,9 +7,9 @@ Two loopback legs to the host's relay, each an authenticated framed channel:
 Same-host shared memory (`FLODL_SHM`, default auto; docs/protocol.md "Shared memory"): the rank offers
 its relay a memory region over the data leg (`ShmOffer`), copies each deposit chunk into it and sends a
 small `ShmDeposit`; the relay folds from the region and writes the round's result back over it
-(`ShmResult`). The region is reused round after round, so a deposit waits until the previous round's
-result has been copied out (the Averager's modes always have). When the region cannot be used the rank
-logs why once and goes on framed (FLODL_SHM=on makes that an error).
+(`ShmResult`). The region is reused round after round, so a deposit made before the previous round's
+result has been copied out goes framed (the Averager's modes never do that). When the region cannot be
+used the rank logs why once and goes on framed (FLODL_SHM=on makes that an error).
 If the control leg closes, or stays silent for the liveness timeout, the controller is gone and
 this process exits (code 1) rather than hang forever inside a collective.
 """
@@ -143,17 +143,18 @@ class RelayClient:
         return round_number
 
     def _region_for(self, total: int, round_number: int) -> OwnedRegion | None:
-        """The region this deposit goes through, or None (framed). Waits until the previous round's
-        result is copied out: the relay writes each result over the deposit it folded.
+        """The region this deposit goes through, or None (framed). The relay writes each round's result
+        over the deposit it folded, so a deposit made before this rank's previous round is back goes
+        framed and leaves the region alone (the Averager's modes never do that: they wait, or deposit only
+        once their last round is back).
         """
         if not self.use_shm or self.shm_mode == "off":
             return None
         with self._changed:
-            self._changed.wait_for(
-                lambda: self.latest_completed_round() >= round_number - 1 or self._error is not None
-            )
             if self._error is not None:
                 raise RelayClientError(self._error)
+            if self.latest_completed_round() < round_number - 1:
+                return None
         if self.region is not None and self.region.capacity >= total:
             return self.region
         try:
