@@ -33,6 +33,7 @@ from flodld.rank.relay_client import RelayClient, RelayClientError
 from flodld.wire.data import Broadcast, ShmAccepted, ShmDeposit, ShmOffer, ShmRefused, ShmResult
 from tests.flodld.fold.test_fold_chunks import MODULI, float_bundle, modular_bundle
 
+from .recorder import RecordingForwarder
 from .test_averaging_modes import Plane, in_thread
 
 WORLDS = {
@@ -336,3 +337,35 @@ def test_a_deposit_before_the_previous_result_is_back_goes_framed_and_leaves_the
     finally:
         first.close()
         second.close()
+
+
+def test_an_observer_on_the_rank_legs_sees_no_plaintext_on_the_shared_memory_road(world: Plane) -> None:
+    # The small frames of the shared-memory road (offer, deposits, results) are sealed like every other,
+    # and the tensors are in no byte on the legs. The observer runs in this process, so the relay's pid
+    # check passes: the offer is taken.
+    observer = RecordingForwarder(world.relay_port)
+    world.relay_ports["h"] = observer.port
+    clients = {rank: world.client(rank) for rank in (0, 1)}
+    try:
+        values = {rank: torch.full((4096,), 1234.5 + rank) for rank in clients}
+
+        def one(rank: int) -> tuple[type, Bundle]:
+            client = clients[rank]
+            result = client.wait_round(client.deposit([values[rank]]), timeout=30)
+            assert client.latest is not None
+            return type(client.latest[0]), result
+
+        futures = {rank: in_thread(lambda rank=rank: one(rank)) for rank in clients}
+        for future in futures.values():
+            kind, (mean,) = future.result(30)  # type: ignore[misc]
+            assert kind is ShmResult and torch.equal(mean, torch.full((4096,), 1235.0))
+    finally:
+        for client in clients.values():
+            client.close()
+        observer.close()
+    wire = b"\x00".join(observer.recorded())
+    assert len(wire) > 1000  # the observer saw the legs' traffic
+    for value in (1234.5, 1235.5, 1235.0):  # deposits and the mean
+        assert torch.full((8,), value).numpy().tobytes() not in wire, value
+    for word in (b"Shm", b'"round"', b'"tag"', b'"pid"'):
+        assert word not in wire
