@@ -226,13 +226,69 @@ class CkksEngine(EngineBase):
         ids = plaintext.prime_ids
         if ids != self.q_ids_at(plaintext.depth):
             raise PrimeMismatchError(f"plaintext prime_ids {list(ids)} do not match depth {plaintext.depth}")
-        groups = self._batch_groups(plaintext.batch_shape, len(ids), sampled=True)
+        domain = plaintext.polynomial_domain
+        if domain is None:
+            raise FheliumValueError("encrypt needs a Plaintext in the coefficient or the NTT domain")
+        data = self._public_encrypt(plaintext.data, domain, None, ids, public_key)
+        return Ciphertext(data, plaintext.depth, plaintext.scale, ids, "ntt")
+
+    def encrypt_integers(
+        self,
+        integers: torch.Tensor,
+        public_key: PublicKey,
+        *,
+        scale: float,
+        multiplier: int = 1,
+        depth: int = 0,
+    ) -> Ciphertext:
+        """Public-key encryption of the coefficient-domain message ``integers · multiplier``.
+
+        ``integers``: int64 ``[*batch, N]`` with |x| < 2^62 (every Q prime above 2^28); the
+        multiplier is applied modulo each prime, so the message may exceed 2^62 (fhelium.multiparty
+        encodes at 2^44 and multiplies by 2^44). The same ciphertext, bit for bit and from the same
+        draws, as ``encrypt`` of the Plaintext holding those residues; on the native path the
+        residues are taken inside ModDown instead of in a tensor of their own.
+        """
+        if not isinstance(public_key, PublicKey) or public_key.prime_ids != tuple(range(len(self.moduli))):
+            raise ParameterMismatchError("encrypt needs a PublicKey from this engine's generate_public_key")
+        integers = torch.as_tensor(integers)
+        if integers.dtype != torch.int64 or integers.ndim < 1 or integers.size(-1) != self.ring_degree:
+            raise FheliumValueError(f"encrypt_integers needs int64 [*batch, {self.ring_degree}] integers")
+        ids = self.q_ids_at(depth)
+        moduli = self.moduli_for(ids)
+        if min(moduli) <= 1 << 28:
+            raise FheliumValueError("encrypt_integers needs every Q prime above 2^28")
+        if integers.numel():
+            low, high = (int(bound) for bound in torch.aminmax(integers))
+            if max(-low, high) >= 1 << 62:
+                raise FheliumValueError("encrypt_integers needs |integers| < 2^62")
+        factors = torch.tensor(
+            [multiplier % q for q in moduli], dtype=torch.int64, device=self.device
+        )
+        integers = integers.to(self.device)
+        data = self._public_encrypt(integers.unsqueeze(-2), "coefficient", factors, ids, public_key)
+        return Ciphertext(data, depth, float(scale), ids, "ntt")
+
+    def _public_encrypt(
+        self,
+        message: torch.Tensor,
+        domain: PolynomialDomain,
+        factors: torch.Tensor | None,
+        ids: tuple[int, ...],
+        public_key: PublicKey,
+    ) -> torch.Tensor:
+        """The ciphertext data ``[2, *batch, L, N]`` of ``message`` (residues ``[*batch, L, N]`` in
+        ``domain``, or with ``factors`` signed integers ``[*batch, 1, N]`` times the factors).
+        """
+        batch = tuple(message.shape[:-2])
+        groups = self._batch_groups(batch, len(ids), sampled=True)
         if groups is not None:
-            parts = [self.encrypt(self._plaintext_part(plaintext, g), public_key) for g in groups]
-            return self._join(parts, plaintext.batch_shape)
+            flat = message.reshape(math.prod(batch), *message.shape[-2:])
+            parts = [self._public_encrypt(flat[g], domain, factors, ids, public_key) for g in groups]
+            data = torch.cat(parts, dim=1)
+            return data.view(data.size(0), *batch, *data.shape[-2:])
         qp_ids = (*ids, self.special_prime_id)
         m = self._mod(qp_ids)
-        batch = plaintext.batch_shape
         u = self.random.stream("ephemeral").ternary((*batch, self.ring_degree)).to(self.device)
         errors = (
             self.random.stream("error")
@@ -248,15 +304,31 @@ class CkksEngine(EngineBase):
         products = mod.mul_mod(
             keys.view(2, *([1] * len(batch)), len(qp_ids), self.ring_degree), u_ntt, m.q, m.q_inverse
         )
+        q = self._mod(ids)
         addend = self._small_to_rns(errors[0], ids)
-        if plaintext.polynomial_domain == "coefficient":
-            mod.add_mod_(addend, plaintext.data, self._mod(ids).q)
-        addend = torch.stack((addend, torch.zeros_like(addend)))
         divided = torch.stack((torch.zeros_like(errors[1]), errors[1])).long().unsqueeze(-2)
-        data = self._mod_down(products, ids, addend, divided)
-        if plaintext.polynomial_domain == "ntt":
-            mod.add_mod_(data[0], plaintext.data, self._mod(ids).q)
-        return Ciphertext(data, plaintext.depth, plaintext.scale, ids, "ntt")
+        if factors is None and domain == "coefficient":
+            mod.add_mod_(addend, message, q.q)
+        if self.ntt.native_level != "torch":
+            # the addend (and a message with factors) go into c0 only; the message's residues are
+            # taken and multiplied inside ModDown
+            data = _native.mod_down(
+                products,
+                addend,
+                divided,
+                *self.ntt._native_tables(qp_ids),
+                self.ntt.native_level,
+                message=message if factors is not None else None,
+                message_factors=factors,
+            )
+        else:
+            if factors is not None:  # the reference: the residues, added as a coefficient-domain message
+                residues = mod.mul_mod(torch.remainder(message, q.q), factors.view(-1, 1), q.q, q.q_inverse)
+                mod.add_mod_(addend, residues, q.q)
+            data = self._mod_down(products, ids, torch.stack((addend, torch.zeros_like(addend))), divided)
+        if domain == "ntt":
+            mod.add_mod_(data[0], message, q.q)
+        return data
 
     def encode_encrypt(
         self,

@@ -228,15 +228,15 @@ def noise_to_ntt(engine: CkksEngine, noise: torch.Tensor, prime_ids: Sequence[in
     return engine.ntt.forward(reduce_signed(noise.unsqueeze(-2), q.q, q.q_inverse), ids)
 
 
-def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: ThresholdParameters) -> Plaintext:
-    """Real slots ``[rows, ≤S]`` → a coefficient-domain rns Plaintext at the message scale 2^88.
+def encode_integers(
+    engine: CkksEngine, values: torch.Tensor, parameters: ThresholdParameters
+) -> torch.Tensor:
+    """Real slots ``[rows, ≤S]`` → the coefficients at the low scale 2^44, rounded: int64 ``[rows, N]``.
 
-    The engine's encoder rounds to integers below 2^62, so the message is encoded at 2^44 and the
-    residues multiplied by 2^44 mod each prime (the rounding error, 2^-44 of a slot unit, is far
-    below the flooding noise).
+    The engine's encoder rounds to integers below 2^62, so the message is encoded at 2^44; times
+    2^(88-44) (applied modulo each prime) it is the message at the scale 2^88 (the rounding error,
+    2^-44 of a slot unit, is far below the flooding noise).
     """
-    ids = engine.q_ids_at(0)
-    q = engine._mod(ids)
     message = torch.as_tensor(values).double().cpu()
     if message.ndim == 1:
         message = message.unsqueeze(0)
@@ -251,11 +251,22 @@ def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: Threshol
         raise FheliumValueError(
             f"encoded coefficients reach {largest:.3g}: the values are too large to encode"
         )
+    return coefficients.round_().long().to(engine.device)
+
+
+def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: ThresholdParameters) -> Plaintext:
+    """Real slots ``[rows, ≤S]`` → a coefficient-domain rns Plaintext at the message scale 2^88
+    (``encode_integers``, then the residues multiplied by 2^44 mod each prime).
+    """
+    ids = engine.q_ids_at(0)
+    q = engine._mod(ids)
     shift = parameters.message_scale_bits - parameters.encode_scale_bits
     factor = torch.tensor(
         [[pow(2, shift, p)] for p in engine.moduli_for(ids)], dtype=torch.int64, device=engine.device
     )
-    integers = coefficients.round_().long().to(engine.device).view(-1, 1, engine.ring_degree)
+    integers = encode_integers(engine, values, parameters)
+    batch = integers.shape[:-1]
+    integers = integers.view(-1, 1, engine.ring_degree)
     residues = torch.empty(
         integers.size(0), len(ids), engine.ring_degree, dtype=torch.int64, device=engine.device
     )
@@ -263,7 +274,7 @@ def encode_values(engine: CkksEngine, values: torch.Tensor, parameters: Threshol
         stop = start + BLOCK_ROWS
         block = reduce_signed(integers[start:stop], q.q, q.q_inverse)
         residues[start:stop] = mod.mul_mod(block, factor, q.q, q.q_inverse)
-    residues = residues.view(*coefficients.shape[:-1], len(ids), engine.ring_degree)
+    residues = residues.view(*batch, len(ids), engine.ring_degree)
     return Plaintext(None, 0, parameters.message_scale, residues, "rns", "coefficient", "Q", "standard", ids)
 
 
@@ -273,8 +284,13 @@ def encrypt_values(
     public: PublicKey,
     parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
 ) -> Ciphertext:
-    """Public-key encryption of real slots ``[rows, ≤S]`` under the collective key."""
-    return engine.encrypt(encode_values(engine, values, parameters), public)
+    """Public-key encryption of real slots ``[rows, ≤S]`` under the collective key: the same
+    ciphertext as ``engine.encrypt(encode_values(...))``, without the residue tensor of the
+    message (``CkksEngine.encrypt_integers`` takes the residues inside ModDown).
+    """
+    shift = parameters.message_scale_bits - parameters.encode_scale_bits
+    integers = encode_integers(engine, values, parameters)
+    return engine.encrypt_integers(integers, public, scale=parameters.message_scale, multiplier=1 << shift)
 
 
 def combine_decryption(

@@ -392,13 +392,17 @@ def mod_down(
     moduli: torch.Tensor,
     tables: torch.Tensor,
     level: str,
+    message: torch.Tensor | None = None,
+    message_factors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ModDown with encryption's extra terms: NTT ``values [..., L+1, N]`` over ``moduli`` (L Q primes,
     then P) → round((values + divided) / P) + addend over the Q primes, NTT domain. ``addend``:
     coefficient-domain residues ``[..., L, N]``; ``divided``: small signed integers ``[..., 1, N]``.
+    ``message`` (with ``message_factors`` ``[L]``, residues in [0, q_i)): signed integers
+    ``[..., 1, N]`` with |x| < 2^62 (moduli above 2^28), added to the addend as x·f_i mod q_i.
     """
     result: torch.Tensor = torch.ops.fhelium.mod_down(
-        values, addend, divided, moduli, tables, LEVEL_CODES[level]
+        values, addend, divided, moduli, tables, LEVEL_CODES[level], message, message_factors
     )
     return result
 

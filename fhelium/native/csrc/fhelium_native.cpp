@@ -749,6 +749,52 @@ inline void sub_mul_row(const u64* x, const u64* c, u64* out, int64_t n, u64 q, 
   else sub_mul_row_scalar(x, c, out, n, q, w, ws);
 }
 
+// ModDown's addend step, one row: s[k] = s[k] - P·t mod q with t = a[k] (+ (m[k] mod q)·f mod q);
+// a in [0, q) or null, m signed with |m| < 2^62 or null (signed_residue's estimate), f and p_res in [0, q)
+void fold_addend_row_scalar(u64* s, const int64_t* a, const int64_t* m, int64_t n, int64_t q, int64_t f,
+                            int64_t p_res) {
+  const double inverse = 1.0 / static_cast<double>(q);
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t t = a ? a[k] : 0;
+    if (m) {
+      const int64_t e = static_cast<int64_t>(static_cast<double>(m[k]) * inverse);
+      int64_t r = m[k] - e * q;
+      r += (r >> 63) & q;
+      r -= q;
+      r += (r >> 63) & q;
+      t += mul_mod_one(r, f, q) - q;
+      t += (t >> 63) & q;
+    }
+    int64_t v = static_cast<int64_t>(s[k]) - mul_mod_one(t, p_res, q);
+    v += (v >> 63) & q;
+    s[k] = static_cast<u64>(v);
+  }
+}
+
+FHELIUM_DQ void fold_addend_row_dq(u64* s, const int64_t* a, const int64_t* m, int64_t n, int64_t q_, int64_t f_,
+                                   int64_t p_res_) {
+  const __m512i q = _mm512_set1_epi64(q_), f = _mm512_set1_epi64(f_), p_res = _mm512_set1_epi64(p_res_);
+  const __m512d inverse = _mm512_set1_pd(1.0 / static_cast<double>(q_));
+  for (int64_t k = 0; k < n; k += 8) {
+    __m512i t = a ? _mm512_loadu_si512(a + k) : _mm512_setzero_si512();
+    if (m) {
+      const __m512i x = _mm512_loadu_si512(m + k);
+      const __m512i e = _mm512_cvttpd_epi64(_mm512_mul_pd(_mm512_cvtepi64_pd(x), inverse));
+      __m512i r = add_q_if_negative(_mm512_sub_epi64(x, _mm512_mullo_epi64(e, q)), q);
+      r = add_q_if_negative(_mm512_sub_epi64(r, q), q);
+      t = add_q_if_negative(_mm512_sub_epi64(_mm512_add_epi64(t, mul_mod_vector(r, f, q)), q), q);
+    }
+    const __m512i v = _mm512_sub_epi64(_mm512_loadu_si512(s + k), mul_mod_vector(t, p_res, q));
+    _mm512_storeu_si512(s + k, add_q_if_negative(v, q));
+  }
+}
+
+inline void fold_addend_row(u64* s, const int64_t* a, const int64_t* m, int64_t n, int64_t q, int64_t f, int64_t p_res,
+                            int64_t level) {
+  if (level == kLevelScalar) fold_addend_row_scalar(s, a, m, n, q, f, p_res);
+  else fold_addend_row_dq(s, a, m, n, q, f, p_res);
+}
+
 void check_rns_arguments(const char* name, const at::Tensor& x, const at::Tensor& moduli, const at::Tensor& tables) {
   TORCH_CHECK(x.device().is_cpu() && moduli.device().is_cpu() && tables.device().is_cpu(), name, ": CPU tensors expected");
   TORCH_CHECK(x.scalar_type() == at::kLong && moduli.scalar_type() == at::kLong && tables.scalar_type() == at::kLong,
@@ -1018,13 +1064,30 @@ at::Tensor decompose(const at::Tensor& x_in, const at::Tensor& moduli, const at:
   return out;
 }
 
+// The residue in [0, q) of |x| < 2^62 (q in (2^28, 2^62)): the truncated binary64 quotient x·(1/q) is within
+// 1 + 2^-18 of x/q, so x - estimate·q lies in (-q, 2q) and two conditional corrections finish it
+// (no rounding call: the baseline x86-64 build has no SSE4.1 round instruction, so nearbyint is a libm call).
+inline int64_t signed_residue(int64_t x, int64_t q, double inverse) {
+  const int64_t estimate = static_cast<int64_t>(static_cast<double>(x) * inverse);
+  int64_t r = x - estimate * q;
+  r += (r >> 63) & q;
+  r -= q;
+  r += (r >> 63) & q;
+  return r;
+}
+
 // ModDown with the extra terms of public-key encryption (engine._mod_down): values [..., L+1, N]
 // NTT over moduli (Q primes, then P) -> round((values + divided) / P) + addend over the Q primes,
 // NTT domain. addend: coefficient-domain residues [..., L, N] (folded in as -P*addend before the
 // division); divided: small signed coefficient-domain integers [..., 1, N], |divided| < P.
+// message (with message_factors f [L]): signed coefficient-domain integers [..., 1, N], |message| < 2^62,
+// added to the addend as (message mod q_i)·f_i mod q_i, so a message encoded at a low scale and
+// multiplied up (fhelium.multiparty's 2^44·2^44) needs no residue tensor of its own; the residues
+// are unique, so the result equals the reference's (reduce, multiply, add, then as above).
 at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>& addend_in,
                     const std::optional<at::Tensor>& divided_in, const at::Tensor& moduli, const at::Tensor& tables,
-                    int64_t level) {
+                    int64_t level, const std::optional<at::Tensor>& message_in,
+                    const std::optional<at::Tensor>& factors_in) {
   check_rns_arguments("fhelium::mod_down", values_in, moduli, tables);
   const int64_t qp = moduli.size(0), limbs = qp - 1, n = tables.size(2);
   TORCH_CHECK(limbs >= 1 && values_in.size(-2) == qp, "fhelium::mod_down: values must be [..., ", qp, ", N]");
@@ -1033,11 +1096,17 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
   shape[shape.size() - 2] = limbs;
   const int64_t batch = values.numel() / (qp * n);
   at::Tensor addend, divided;
+  // addend and message: like values, or like values[0] (then they go into the first component only,
+  // as encryption's c0; the rows of the flattened batch below addend_batch)
+  const std::vector<int64_t> first_shape(shape.begin() + 1, shape.end());
+  int64_t addend_batch = 0;
   if (addend_in.has_value()) {
-    TORCH_CHECK(addend_in->sizes() == at::IntArrayRef(shape) && addend_in->scalar_type() == at::kLong &&
-                    addend_in->device().is_cpu(),
-                "fhelium::mod_down: addend must be int64 [..., ", limbs, ", N] like values");
+    const bool whole = addend_in->sizes() == at::IntArrayRef(shape);
+    TORCH_CHECK((whole || (values.dim() > 2 && addend_in->sizes() == at::IntArrayRef(first_shape))) &&
+                    addend_in->scalar_type() == at::kLong && addend_in->device().is_cpu(),
+                "fhelium::mod_down: addend must be int64 [..., ", limbs, ", N] like values or values[0]");
     addend = addend_in->contiguous();
+    addend_batch = addend.numel() / (limbs * n);
   }
   if (divided_in.has_value()) {
     std::vector<int64_t> one_row(shape);
@@ -1046,6 +1115,32 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
                     divided_in->device().is_cpu(),
                 "fhelium::mod_down: divided must be int64 [..., 1, N] like values");
     divided = divided_in->contiguous();
+  }
+  at::Tensor message, factors;
+  TORCH_CHECK(message_in.has_value() == factors_in.has_value(),
+              "fhelium::mod_down: message and message_factors go together");
+  if (message_in.has_value()) {
+    std::vector<int64_t> one_row(shape);
+    one_row[one_row.size() - 2] = 1;
+    const std::vector<int64_t> one_row_first(one_row.begin() + 1, one_row.end());
+    const bool whole = message_in->sizes() == at::IntArrayRef(one_row);
+    TORCH_CHECK(addend.defined(), "fhelium::mod_down: a message needs the addend it is added to");
+    TORCH_CHECK((whole ? addend_batch == batch
+                       : values.dim() > 2 && message_in->sizes() == at::IntArrayRef(one_row_first) &&
+                             addend_batch * values.size(0) == batch) &&
+                    message_in->scalar_type() == at::kLong && message_in->device().is_cpu(),
+                "fhelium::mod_down: message must be int64 [..., 1, N] covering the addend's rows");
+    TORCH_CHECK(factors_in->dim() == 1 && factors_in->size(0) == limbs && factors_in->scalar_type() == at::kLong &&
+                    factors_in->device().is_cpu(),
+                "fhelium::mod_down: message_factors must be int64 [", limbs, "]");
+    message = message_in->contiguous();
+    factors = factors_in->contiguous();
+    const int64_t* q_check = moduli.data_ptr<int64_t>();
+    const int64_t* f_check = factors.data_ptr<int64_t>();
+    for (int64_t i = 0; i < limbs; ++i) {
+      TORCH_CHECK(q_check[i] > (int64_t{1} << 28), "fhelium::mod_down: a message needs moduli above 2^28");
+      TORCH_CHECK(f_check[i] >= 0 && f_check[i] < q_check[i], "fhelium::mod_down: message_factors must lie in [0, q)");
+    }
   }
   at::Tensor out = at::empty(shape, values.options());
   if (batch == 0) return out;
@@ -1056,8 +1151,11 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
   const u64* source = reinterpret_cast<const u64*>(values.data_ptr<int64_t>());
   const int64_t* addend_data = addend.defined() ? addend.data_ptr<int64_t>() : nullptr;
   const int64_t* divided_data = divided.defined() ? divided.data_ptr<int64_t>() : nullptr;
+  const int64_t* message_data = message.defined() ? message.data_ptr<int64_t>() : nullptr;
+  const int64_t* factor_data = factors.defined() ? factors.data_ptr<int64_t>() : nullptr;
   u64* target = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
   const int64_t p = q[limbs];
+  std::atomic<bool> out_of_range{false};
   std::vector<u64> p_inverse(limbs), p_inverse_shoup(limbs);
   std::vector<int64_t> p_residue(limbs);
   std::vector<Lift> lifts;
@@ -1105,32 +1203,23 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
           scratch[k] = static_cast<u64>(v);
         }
       }
-      if (addend_data) {
-        const int64_t* a = addend_data + task * n;
-        for (int64_t k = 0; k < n; ++k) {
-          int64_t v = static_cast<int64_t>(scratch[k]) - mul_mod_one(a[k], p_residue[i], qi);
-          v += (v >> 63) & qi;
-          scratch[k] = static_cast<u64>(v);
+      if (addend_data && b < addend_batch) {  // (b, i) is task for the addend [addend_batch, limbs, N]
+        const int64_t* m = message_data ? message_data + b * n : nullptr;
+        if (m && i == 0) {
+          bool outside = false;
+          for (int64_t k = 0; k < n; ++k) outside |= static_cast<u64>(m[k]) + (u64{1} << 62) >= (u64{1} << 63);
+          if (outside) out_of_range.store(true, std::memory_order_relaxed);
         }
+        fold_addend_row(scratch.data(), addend_data + task * n, m, n, qi, m ? factor_data[i] : 0, p_residue[i],
+                        chosen);
       }
       forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
       sub_mul_row(source + (b * qp + i) * n, correction.data(), target + task * n, n, static_cast<u64>(qi),
                   p_inverse[i], p_inverse_shoup[i], chosen);
     }
   });
+  TORCH_CHECK(!out_of_range.load(), "fhelium::mod_down: |message| must be below 2^62");
   return out;
-}
-
-// The residue in [0, q) of |x| < 2^62 (q in (2^28, 2^62)): the truncated binary64 quotient x·(1/q) is within
-// 1 + 2^-18 of x/q, so x - estimate·q lies in (-q, 2q) and two conditional corrections finish it
-// (no rounding call: the baseline x86-64 build has no SSE4.1 round instruction, so nearbyint is a libm call).
-inline int64_t signed_residue(int64_t x, int64_t q, double inverse) {
-  const int64_t estimate = static_cast<int64_t>(static_cast<double>(x) * inverse);
-  int64_t r = x - estimate * q;
-  r += (r >> 63) & q;
-  r -= q;
-  r += (r >> 63) & q;
-  return r;
 }
 
 // Sampling to NTT: small signed integers x [..., N] (|x| < every q) -> NTT(x mod q_r) [..., rows, N],
@@ -1473,7 +1562,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("add_mod_(Tensor(a!) a, Tensor b, Tensor q, int level=0) -> ()");
   m.def("sub_mod_(Tensor(a!) a, Tensor b, Tensor q, int level=0) -> ()");
   m.def("divide_round(Tensor x, Tensor moduli, Tensor tables, int drop, bool ntt, int level) -> Tensor");
-  m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("mod_down(Tensor values, Tensor? addend, Tensor? divided, Tensor moduli, Tensor tables, int level, Tensor? message=None, Tensor? message_factors=None) -> Tensor");
   m.def("small_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("signed_ntt(Tensor x, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("permute_last(Tensor x, Tensor index) -> Tensor");

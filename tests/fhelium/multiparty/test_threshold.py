@@ -332,3 +332,31 @@ def test_blocked_decryption_share_and_combine_fit_any_batch(rows: int | None) ->
     assert shares[0].data.shape == total.data.shape[1:]
     slots = combine_decryption(engine, total, shares).real
     assert float((slots.reshape(-1) - sum(updates).reshape(-1)).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("level", ["torch", "auto"])
+def test_encrypt_values_is_the_encryption_of_encode_values_bit_for_bit(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """encrypt_values takes the message's residues inside ModDown (encrypt_integers); from the same
+    draws it gives the ciphertext engine.encrypt(encode_values(...)) gives, natively and in torch.
+    """
+    from fhelium.engine import CkksEngine
+    from fhelium.multiparty import encode_values, encrypt_values
+
+    monkeypatch.setenv("FHELIUM_NATIVE_LEVEL", level)
+    generator = torch.Generator().manual_seed(11)
+    values = torch.rand(19, 4096, generator=generator, dtype=torch.float64) * 2 - 1
+    values[0, :3] = torch.tensor([1e6, -1e6, 0.0])  # large coefficients: residues of |x| near 2^62
+    ciphertexts = []
+    for fused in (False, True):
+        engine = CkksEngine(THRESHOLD_AGGREGATION.ckks, rng_seed=9)
+        public = engine.generate_public_key(engine.generate_secret_key())
+        if fused:
+            ciphertexts.append(encrypt_values(engine, values, public, THRESHOLD_AGGREGATION))
+        else:
+            ciphertexts.append(engine.encrypt(encode_values(engine, values, THRESHOLD_AGGREGATION), public))
+    plain, fused_ct = ciphertexts
+    assert torch.equal(fused_ct.data, plain.data)
+    assert fused_ct.scale == plain.scale == THRESHOLD_AGGREGATION.message_scale
+    assert fused_ct.prime_ids == plain.prime_ids

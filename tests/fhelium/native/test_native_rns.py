@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fhelium import native
-from fhelium.core import Ciphertext
+from fhelium.core import Ciphertext, FheliumValueError
 from fhelium.engine import CkksEngine, CkksParameters
 from fhelium.engine.primes import primitive_root_of_unity
 
@@ -215,6 +215,14 @@ def test_rns_ops_have_fake_implementations() -> None:
     torch.library.opcheck(ops.key_switch_lifted.default, (lifted, key, digits, rows, q, tables, level))
     values = torch.remainder(torch.randint(0, 1 << 62, (2, 4, n), generator=generator), column)
     torch.library.opcheck(ops.divide_round.default, (values, q, tables, 3, True, level))
+    # mod_down with encryption's terms: the addend and a message (times factors) in c0 only
+    values = torch.remainder(torch.randint(0, 1 << 62, (2, 2, q.numel(), n), generator=generator), column)
+    limbs = q.numel() - 1
+    addend = torch.remainder(torch.randint(0, 1 << 62, (2, limbs, n), generator=generator), column[:-1])
+    divided = torch.randint(-40, 41, (2, 2, 1, n), generator=generator)
+    message = torch.randint(-(1 << 61), 1 << 61, (2, 1, n), generator=generator)
+    factors = torch.remainder(torch.tensor([1 << 44] * (q.numel() - 1)), q[:-1])
+    torch.library.opcheck(ops.mod_down.default, (values, addend, divided, q, tables, level, message, factors))
     torch.library.opcheck(
         ops.divide_round.default, (x, q[:3].contiguous(), tables[:3].contiguous(), 0, False, level)
     )
@@ -247,6 +255,64 @@ def test_encryption_mod_down_and_encrypt_are_bit_identical(
             expected_ct = reference.encrypt(reference.encode(x, domain=domain), keys.public)
         ct = engine.encrypt(engine.encode(x, domain=domain), native_keys.public)
         assert torch.equal(ct.data, expected_ct.data)
+
+
+@pytest.mark.parametrize("case", ["n64-17limbs", "n1024", "n2048-50bit"])
+def test_encrypt_integers_is_encrypt_of_their_residues_bit_for_bit(
+    case: str, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """encrypt_integers(x, multiplier=f) == encrypt(the residues x·f mod q) from the same draws, at
+    every level: native (the residues taken inside ModDown, the addend in c0 only) and torch.
+    """
+    generator = torch.Generator().manual_seed(45)
+    for batch in ((), (3,), (2, 2)):
+        for multiplier in (1, 1 << 44, 3**40):
+            reference, engine = _engines(CASES[case], level, monkeypatch)
+            plain_reference, _ = _engines(CASES[case], level, monkeypatch)
+            n, ids = reference.ring_degree, reference.q_ids_at(0)
+            x = torch.randint(-(1 << 62) + 1, 1 << 62, (*batch, n), generator=generator)
+            x.view(-1)[:4] = torch.tensor([(1 << 62) - 1, -(1 << 62) + 1, 0, -1])  # the range's edges
+            with _torch_path(monkeypatch):
+                q = plain_reference._mod(ids).q
+                factors = torch.tensor([[multiplier % p] for p in plain_reference.moduli_for(ids)])
+                residues = reference_mul(torch.remainder(x.unsqueeze(-2), q), factors, q)
+                plaintext = plain_reference.encode(torch.zeros(*batch, 1), domain="coefficient")
+                public = plain_reference.generate_keys(relinearization=False).public
+                expected = plain_reference.encrypt(plaintext.with_tensor(residues), public)
+                public = reference.generate_keys(relinearization=False).public
+                torch_ct = reference.encrypt_integers(x, public, scale=2.0**20, multiplier=multiplier)
+            native_public = engine.generate_keys(relinearization=False).public
+            ct = engine.encrypt_integers(x, native_public, scale=2.0**20, multiplier=multiplier)
+            assert torch.equal(torch_ct.data, expected.data)
+            assert torch.equal(ct.data, expected.data)
+            assert ct.scale == 2.0**20 and ct.prime_ids == ids
+    with pytest.raises(FheliumValueError, match="2\\^62"):
+        engine.encrypt_integers(torch.full((n,), 1 << 62), native_public, scale=1.0)
+
+
+def reference_mul(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(a·b) mod q exactly (Python integers): the residues an encryption must hold."""
+    rows = [
+        [[int(x) * int(b[i, 0]) % int(q[i, 0]) for x in row] for i, row in enumerate(poly)]
+        for poly in a.reshape(-1, *a.shape[-2:]).tolist()
+    ]
+    return torch.tensor(rows, dtype=torch.int64).view(a.shape)
+
+
+def test_mod_down_refuses_a_message_beyond_2_62() -> None:
+    parameters = _parameters(6, (30, 30), 40, 50)
+    n, moduli = 64, list(parameters.moduli)
+    q, tables = native.ntt_tables(moduli, [primitive_root_of_unity(2 * n, p) for p in moduli], n)
+    values = torch.zeros(2, 2, len(moduli), n, dtype=torch.int64)
+    addend = torch.zeros(2, len(moduli) - 1, n, dtype=torch.int64)
+    message = torch.zeros(2, 1, n, dtype=torch.int64)
+    factors = torch.ones(len(moduli) - 1, dtype=torch.int64)
+    for level in _levels():
+        native.mod_down(values, addend, None, q, tables, level, message=message, message_factors=factors)
+        message[1, 0, 5] = 1 << 62
+        with pytest.raises(RuntimeError, match="2\\^62"):
+            native.mod_down(values, addend, None, q, tables, level, message=message, message_factors=factors)
+        message[1, 0, 5] = 0
 
 
 def _torch_reference(
