@@ -8,7 +8,9 @@ the rank's memory: same user and ptrace-read rights), and keeps it only when
 
 - the pid owns the very TCP connection the offer came over (its socket is among the pid's fds), so an
   offer cannot name another process's region;
-- the link names one of our memory files, owned by this user, of exactly the offered size;
+- the link names one of our memory files, owned by this user, of exactly the offered size, sealed
+  against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW`): a rank cannot cut the file under the
+  relay's mapping, which would kill the relay with SIGBUS at its next read;
 - the region's head holds the tag the offer carried (compared in constant time): the mapped memory is
   the one the authenticated rank meant.
 
@@ -19,6 +21,7 @@ them (docs/protocol.md, "Shared memory"). Nothing here logs the tag.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import mmap
 import os
@@ -35,6 +38,7 @@ MAX_REGION_BYTES: Final = 1 << 38  # 256 GiB: refused before anything is mapped
 # Fault every page in with the map (one kernel call) instead of one fault per page on first touch: for a
 # fresh 64 MiB region that is 16384 faults on the round's critical path (the flagship's first big round).
 _POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
+SIZE_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 SHM_ENV: Final = "FLODL_SHM"
 SHM_MODES: Final = ("auto", "on", "off")
 
@@ -69,9 +73,10 @@ class OwnedRegion:
         if self.size > MAX_REGION_BYTES:
             raise ShmError(f"a region of {self.size} bytes is above the cap of {MAX_REGION_BYTES}")
         self.tag = secrets.token_bytes(TAG_BYTES)
-        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(
                 self.fd, self.size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE
             )
@@ -169,6 +174,8 @@ class MappedRegion:
                 raise ShmError(f"fd {fd} of process {pid} is not a memory file of this user")
             if info.st_size != size:
                 raise ShmError(f"the region has {info.st_size} bytes, the offer said {size}")
+            if fcntl.fcntl(handle, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+                raise ShmError("the region is not sealed against shrinking and growing")
             self._map: mmap.mmap | None = mmap.mmap(
                 handle, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )

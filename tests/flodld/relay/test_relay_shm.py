@@ -142,6 +142,16 @@ def own_offer(region: OwnedRegion, **changes: object) -> ShmOffer:
     return ShmOffer.model_validate({**fields, **changes})
 
 
+class Unsealed:
+    """A memory file like a region (name, size, head), but without the size seals."""
+
+    def __init__(self, like: OwnedRegion) -> None:
+        self.fd = os.memfd_create("flodld-shm", os.MFD_CLOEXEC)
+        self.size = like.size
+        os.ftruncate(self.fd, self.size)
+        os.pwrite(self.fd, bytes(like.view[:64]), 0)
+
+
 OTHER_PROCESS = """
 import os, sys, time
 from flodld.net.shm import OwnedRegion
@@ -154,6 +164,7 @@ sys.stdin.readline()
 def test_offers_that_name_the_wrong_memory_are_refused_with_a_reason(world: Plane) -> None:
     client = world.client(0)
     region = OwnedRegion(4096)
+    unsealed = Unsealed(region)
     other = subprocess.Popen(
         [sys.executable, "-c", OTHER_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -174,6 +185,10 @@ def test_offers_that_name_the_wrong_memory_are_refused_with_a_reason(world: Plan
                 region, fd=plain.fileno()
             ),
             f"cannot open fd 999999 of process {os.getpid()}": own_offer(region, fd=999_999),
+            # Right name, size and tag, but the rank could shrink it under the relay's map (SIGBUS).
+            "the region is not sealed against shrinking and growing": ShmOffer(
+                pid=os.getpid(), fd=unsealed.fd, size=unsealed.size, tag=region.tag.hex()
+            ),
         }
         for reason, message in cases.items():
             reply = offer(client, message)
@@ -187,6 +202,7 @@ def test_offers_that_name_the_wrong_memory_are_refused_with_a_reason(world: Plan
         other.communicate("\n", timeout=10)
         client.close()
         region.close()
+        os.close(unsealed.fd)
 
 
 @pytest.mark.parametrize(
