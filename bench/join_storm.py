@@ -10,7 +10,14 @@ Per agent count, one fresh controller; printed as one table row each:
   path answering a 404 (no snapshot) as the baseline;
 - controller RSS with every host linked, and per host: (linked - idle) / agents; the WorldFormed bytes
   each host received; the controller's CPU per admission (first dial to last WorldFormed, the pollers'
-  requests included: a figure that holds on a loaded machine where rates do not).
+  requests included: a figure that holds on a loaded machine where rates do not), and this process's CPU
+  per admission (the simulated agents, on the same cores).
+
+The simulated agents (`LeanAgent`) speak the real join protocol with the real crypto (nonce exchange, HKDF
+keys, AEAD-sealed Hello, verified and decoded Accept and WorldFormed, RankExited, close) through the same
+sans-io `FrameConnection` as `flodld agent`, but as one asyncio protocol each, without stream readers,
+writers, locks or timeouts per frame: that machinery was the simulator's cost, not the protocol's, and on
+two shared cores it could set the admission rate instead of the controller.
 
 Then a store storm: N simulated ranks each open a rendezvous connection and run gloo's init pattern
 (add to the init counter, set its own address key, wait for and get its peers' keys, add to the done
@@ -48,8 +55,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flodld.net.stream import FramedStream, open_channel
+from flodld.wire.frames import Frame, FrameConnection, Role
 from flodld.wire.join import JOIN_PROTOCOL_VERSION, Accept, Hello, RankExited, WorldFormed
-from flodld.wire.magic import Channel
+from flodld.wire.magic import Channel, magic_prefix
 from flodld.wire.messages import Message
 from flodld.wire.salt import new_salt
 from flodld.wire.store import (
@@ -200,6 +208,72 @@ async def _baseline_round_trips(clients: int, per_client: int) -> float:
 # --- the join storm ---------------------------------------------------------------------------------
 
 
+class LeanAgent(asyncio.Protocol):
+    """One simulated agent's join link: the real protocol and the real crypto, without the agent's stream
+    machinery.
+
+    Magic and nonce, the controller's nonce, an AEAD-sealed Hello, the verified Accept (decoded and
+    validated), then the verified WorldFormed, RankExited per rank and the close: what `flodld agent`
+    sends and checks, through the same sans-io `FrameConnection`. What it leaves out is the simulator's
+    overhead, not the protocol's: no StreamReader/StreamWriter, lock, timeout or coroutine step per frame
+    (10,000 of them share this one process and the controller's two cores). Before this, the agents
+    used `open_channel` + `FramedStream`, and in some runs this process, not the controller, set the
+    admission rate.
+    """
+
+    def __init__(self, key: bytes, hello: Hello) -> None:
+        self.conn = FrameConnection(Role.DIALER, key, channel=Channel.JOIN)
+        self.hello = hello
+        loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future[Accept] = loop.create_future()
+        self.formed: asyncio.Future[int] = loop.create_future()  # the WorldFormed payload's bytes
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.write(magic_prefix(Channel.JOIN) + self.conn.initial_bytes())  # type: ignore[union-attr]
+
+    def data_received(self, data: bytes) -> None:
+        conn, transport = self.conn, self.transport
+        assert transport is not None
+        was_ready = conn.ready
+        conn.receive_data(data)
+        if not was_ready and conn.ready:
+            transport.write(conn.send_message(self.hello))
+        while True:
+            event = conn.next_event()  # a WireError here fails the bench: the controller broke the protocol
+            if not isinstance(event, Frame):
+                return
+            if not self.accepted.done():
+                reply = event.message()
+                if not isinstance(reply, Accept):
+                    self.accepted.set_exception(AssertionError(f"expected Accept, got {reply!r}"))
+                    return
+                self.accepted.set_result(reply)
+            elif not self.formed.done():
+                world = event.message()  # decoded and validated, as an agent does before it starts ranks
+                if not isinstance(world, WorldFormed):
+                    self.formed.set_exception(AssertionError(f"expected WorldFormed, got {world!r}"))
+                    return
+                self.formed.set_result(len(event.payload))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for waiter in (self.accepted, self.formed):
+            if not waiter.done():
+                waiter.set_exception(ConnectionError(f"the controller closed the join link ({exc!r})"))
+
+    def leave(self, reports: list[Message]) -> None:
+        assert self.transport is not None
+        for report in reports:
+            self.transport.write(self.conn.send_message(report))
+        self.transport.close()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+
 def _quiet_collector() -> None:
     """No cyclic garbage collection in this process during a storm (re-enabled after it).
 
@@ -287,6 +361,7 @@ class StormRow:
     formed_bytes: int
     exit_code: int | None
     controller_cpu_secs: float = float("nan")
+    agents_cpu_secs: float = float("nan")
     """The controller's CPU from the first dial to the last WorldFormed (pollers' requests included)."""
 
     @property
@@ -310,7 +385,8 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
     token = new_salt()
     proc, port, drain = await _controller("--ranks", str(agents), "--token", token.hex(), "--window", "600")
     poller: asyncio.subprocess.Process | None = None
-    streams: list[FramedStream] = []
+    agents_live: list[LeanAgent] = []
+    loop = asyncio.get_running_loop()
     try:
         baseline_rate = await _baseline_connects(agents, in_flight)
         idle_rss = _rss_mib(proc.pid)
@@ -336,38 +412,30 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
 
         async def agent(index: int) -> None:
             async with gate:
-                stream = await open_channel("127.0.0.1", port, Channel.JOIN, token, timeout=120)
-                streams.append(stream)
-                await stream.send(
-                    Hello(
-                        host=f"bench-{index:05d}",
-                        devices=["cpu:0"],
-                        device_labels=[],
-                        variant="cpu",
-                        torch_version="bench",
-                        protocol_version=JOIN_PROTOCOL_VERSION,
-                    )
+                hello = Hello(
+                    host=f"bench-{index:05d}",
+                    devices=["cpu:0"],
+                    device_labels=[],
+                    variant="cpu",
+                    torch_version="bench",
+                    protocol_version=JOIN_PROTOCOL_VERSION,
                 )
-                reply = (await stream.recv(120)).message()
-                assert isinstance(reply, Accept), reply
+                _, lean = await loop.create_connection(lambda: LeanAgent(token, hello), "127.0.0.1", port)
+                agents_live.append(lean)
+                reply = await asyncio.wait_for(lean.accepted, 120)
                 accepted_at.append(time.perf_counter())
-            world = await stream.recv(300)
-            assert world.kind == WorldFormed.KIND, world.kind
+            formed_bytes.append(await asyncio.wait_for(lean.formed, 300))
             formed_at.append(time.perf_counter())
-            formed_bytes.append(len(world.payload))
             if len(formed_at) == agents:
                 everyone_formed.set()
-            await (
-                release.wait()
-            )  # links stay open: RSS at its peak, and the run (and port) outlive the polling
-            for (
-                rank
-            ) in reply.ranks:  # nobody renumbers in a storm without departures: Accept's ranks are final
-                await stream.send(RankExited(rank=rank, code=0))
-            await stream.aclose()
+            # Links stay open: RSS at its peak, and the run (and port) outlive the polling.
+            await release.wait()
+            # Nobody renumbers in a storm without departures: Accept's ranks are final.
+            lean.leave([RankExited(rank=rank, code=0) for rank in reply.ranks])
 
         _quiet_collector()
         begun, cpu_begun = time.perf_counter(), _cpu_secs(proc.pid)
+        own_cpu_begun = time.process_time()
         storm: asyncio.Future[list[None]] = asyncio.gather(*(agent(i) for i in range(agents)))
         waiter: asyncio.Future[bool] = asyncio.ensure_future(everyone_formed.wait())
         await asyncio.wait([waiter, storm], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
@@ -375,6 +443,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             storm.result()  # an agent failed: raise its error
         peak_rss = _rss_mib(proc.pid)
         storm_cpu = _cpu_secs(proc.pid) - cpu_begun
+        own_cpu = time.process_time() - own_cpu_begun
         polled, _ = await poller.communicate(b"")
         release.set()
         await storm
@@ -396,11 +465,12 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             formed_bytes=max(formed_bytes),
             exit_code=code,
             controller_cpu_secs=storm_cpu,
+            agents_cpu_secs=own_cpu,
         )
     finally:
         gc.enable()
-        for stream in streams:
-            stream.close()
+        for lean in agents_live:
+            lean.close()
         if poller is not None:
             await _end(poller)
         await _end(proc)
@@ -485,8 +555,9 @@ def _table(rows: list[StormRow]) -> str:
     lines = [
         "| agents | admissions/s (TCP connect+echo baseline, ratio) | first dial → formed | last accept → "
         "formed | state.json p50 / p99 (404 baseline p50 / p99, polls) | controller RSS linked (idle) | RSS "
-        "per host | WorldFormed bytes per host | controller CPU per admission | exit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "per host | WorldFormed bytes per host | controller CPU per admission | agents' CPU per admission | "
+        "exit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -495,7 +566,8 @@ def _table(rows: list[StormRow]) -> str:
             f"{r.last_accept_to_formed_ms:,.0f} ms | {r.state_p50:,.1f} / {r.state_p99:,.1f} ms "
             f"({r.base_p50:,.1f} / {r.base_p99:,.1f} ms, {r.polls}) | {r.peak_rss:,.0f} MiB "
             f"({r.idle_rss:,.0f} MiB) | {r.per_host_bytes / 1024:,.1f} KiB | {r.formed_bytes} B | "
-            f"{r.controller_cpu_secs / r.agents * 1e6:,.0f} µs | {r.exit_code} |"
+            f"{r.controller_cpu_secs / r.agents * 1e6:,.0f} µs | "
+            f"{r.agents_cpu_secs / r.agents * 1e6:,.0f} µs | {r.exit_code} |"
         )
     return "\n".join(lines)
 
