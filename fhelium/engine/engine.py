@@ -36,7 +36,7 @@ from fhelium.core import (
     ValueStateError,
     canonical_rotation_step,
 )
-from fhelium.engine.base import EngineBase
+from fhelium.engine.base import EngineBase, _Moduli
 from fhelium.engine.compiled import compile_kernel
 from fhelium.engine.keyset import KeySet
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
@@ -240,6 +240,7 @@ class CkksEngine(EngineBase):
         scale: float,
         multiplier: int = 1,
         depth: int = 0,
+        c0_noise: Callable[[int], torch.Tensor] | None = None,
     ) -> Ciphertext:
         """Public-key encryption of the coefficient-domain message ``integers · multiplier``.
 
@@ -248,6 +249,11 @@ class CkksEngine(EngineBase):
         encodes at 2^44 and multiplies by 2^44). The same ciphertext, bit for bit and from the same
         draws, as ``encrypt`` of the Plaintext holding those residues; on the native path the
         residues are taken inside ModDown instead of in a tensor of their own.
+
+        ``c0_noise(rows)``, called once per group of batch rows in order, returns signed integers
+        ``[rows, N]`` (|x| < 2^62) added to c0 alone in the coefficient domain: c0 + NTT(noise)
+        exactly, without a transform of its own (it rides in ModDown's forward NTT with e0).
+        fhelium.multiparty puts a party's flooding noise there (``ThresholdParty.encrypt_flooded``).
         """
         if not isinstance(public_key, PublicKey) or public_key.prime_ids != tuple(range(len(self.moduli))):
             raise ParameterMismatchError("encrypt needs a PublicKey from this engine's generate_public_key")
@@ -266,8 +272,17 @@ class CkksEngine(EngineBase):
             [multiplier % q for q in moduli], dtype=torch.int64, device=self.device
         )
         integers = integers.to(self.device)
-        data = self._public_encrypt(integers.unsqueeze(-2), "coefficient", factors, ids, public_key)
+        data = self._public_encrypt(integers.unsqueeze(-2), "coefficient", factors, ids, public_key, c0_noise)
         return Ciphertext(data, depth, float(scale), ids, "ntt")
+
+    @staticmethod
+    def _wide_to_rns(x: torch.Tensor, q: _Moduli) -> torch.Tensor:
+        """Exact residues in [0, q) of int64 ``x [..., 1, N]`` with |x| < 2^62 (q < 2^50 per row):
+        round(x·(1/q)) in binary64 is within 1/2 + 2^-30 of x/q, so one conditional +q finishes.
+        """
+        estimate = (x.double() * q.q_inverse).round_().long()
+        residues = x - estimate.mul_(q.q)
+        return residues.add_(torch.bitwise_and(residues >> 63, q.q))
 
     def _public_encrypt(
         self,
@@ -276,6 +291,7 @@ class CkksEngine(EngineBase):
         factors: torch.Tensor | None,
         ids: tuple[int, ...],
         public_key: PublicKey,
+        c0_noise: Callable[[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The ciphertext data ``[2, *batch, L, N]`` of ``message`` (residues ``[*batch, L, N]`` in
         ``domain``, or with ``factors`` signed integers ``[*batch, 1, N]`` times the factors).
@@ -284,7 +300,9 @@ class CkksEngine(EngineBase):
         groups = self._batch_groups(batch, len(ids), sampled=True)
         if groups is not None:
             flat = message.reshape(math.prod(batch), *message.shape[-2:])
-            parts = [self._public_encrypt(flat[g], domain, factors, ids, public_key) for g in groups]
+            parts = [
+                self._public_encrypt(flat[g], domain, factors, ids, public_key, c0_noise) for g in groups
+            ]
             data = torch.cat(parts, dim=1)
             return data.view(data.size(0), *batch, *data.shape[-2:])
         qp_ids = (*ids, self.special_prime_id)
@@ -306,6 +324,9 @@ class CkksEngine(EngineBase):
         )
         q = self._mod(ids)
         addend = self._small_to_rns(errors[0], ids)
+        if c0_noise is not None:
+            noise = c0_noise(math.prod(batch)).to(self.device).view(*batch, 1, self.ring_degree)
+            mod.add_mod_(addend, self._wide_to_rns(noise, q), q.q)
         divided = torch.stack((torch.zeros_like(errors[1]), errors[1])).long().unsqueeze(-2)
         if factors is None and domain == "coefficient":
             mod.add_mod_(addend, message, q.q)

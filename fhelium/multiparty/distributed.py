@@ -438,12 +438,17 @@ class ThresholdSession:
         parts: list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]] = []
         for k, (start, stop) in enumerate(bounds):
             if stop > start:  # the same on every rank: all encrypt the same number of rows
-                ct = party.encrypt(values[start:stop], self.public)
-                if record is not None:
+                if record is None:  # c0 comes with the flooding noise in it (encrypt_flooded)
+                    ct = party.encrypt_flooded(values[start:stop], self.public)
+                else:  # the audit sees the ciphertext itself; the noise is added below
+                    ct = party.encrypt(values[start:stop], self.public)
                     record("ciphertext", ct.data)
                 moduli = engine.moduli_for(ct.prime_ids)
                 parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1], moduli)))
-        flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
+        if record is None:
+            flooded = [ct.data[0] for _, ct, _ in parts]
+        else:
+            flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
         def c1_arrived(finish: Callable[[], torch.Tensor]) -> torch.Tensor:
             c1 = finish()
             if record is not None:

@@ -440,6 +440,30 @@ class ThresholdParty:
     def encrypt(self, values: torch.Tensor, public: PublicKey) -> Ciphertext:
         return encrypt_values(self.engine, values, public, self.parameters)
 
+    def encrypt_flooded(self, values: torch.Tensor, public: PublicKey) -> Ciphertext:
+        """``encrypt`` with this party's flooding noise e_i' already added to c0: (c0_i + NTT(e_i'), c1_i).
+
+        For the fused protocol (``ThresholdSession.aggregate``), where c0_i is never published on
+        its own: only c1_i (summed) and c0_i + h_i are. The noise is drawn from the ``smudging``
+        stream once per encryption group of rows and added in the coefficient domain, where it
+        rides in ModDown's forward NTT with e0 (no transform of its own, unlike ``flooded_c0``).
+        With groups of ``BLOCK_ROWS`` rows (the threshold preset's) the draws and so the result
+        are bit for bit ``flooded_c0(encrypt(values).data[0])``.
+        """
+        engine = self.engine
+        n = engine.ring_degree
+        source = engine.random.stream("smudging")
+
+        def noise(rows: int) -> torch.Tensor:
+            return smudging_noise(source, rows * n, self.parameters).view(rows, n)
+
+        parameters = self.parameters
+        shift = parameters.message_scale_bits - parameters.encode_scale_bits
+        integers = encode_integers(engine, values, parameters)
+        return engine.encrypt_integers(
+            integers, public, scale=parameters.message_scale, multiplier=1 << shift, c0_noise=noise
+        )
+
     def decryption_share(self, ct: Ciphertext, *, digest: bool = True) -> DecryptionShare:
         """h_i = s_i·c1 + e_i' in the NTT domain over the ciphertext's primes.
 

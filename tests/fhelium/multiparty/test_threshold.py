@@ -360,3 +360,32 @@ def test_encrypt_values_is_the_encryption_of_encode_values_bit_for_bit(
     assert torch.equal(fused_ct.data, plain.data)
     assert fused_ct.scale == plain.scale == THRESHOLD_AGGREGATION.message_scale
     assert fused_ct.prime_ids == plain.prime_ids
+
+
+@pytest.mark.parametrize("level", ["torch", "auto"])
+@pytest.mark.parametrize("rows", [1, 8, 19])
+def test_encrypt_flooded_is_flooded_c0_of_the_encryption_bit_for_bit(
+    level: str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused protocol's encryption carries the flooding noise in c0 (added before ModDown's
+    forward NTT): the same bits as encrypt, then flooded_c0, from the same draws.
+    """
+    monkeypatch.setenv("FHELIUM_NATIVE_LEVEL", level)
+    _, _, public = _world(2)
+    values = torch.rand(rows, 4096, generator=torch.Generator().manual_seed(rows), dtype=torch.float64)
+    outputs = []
+    for flooded_in_encryption in (False, True):
+        party = ThresholdParty(0, 2, rng_seed=77)
+        if flooded_in_encryption:
+            ct = party.encrypt_flooded(values, public)
+            outputs.append((ct.data[0], ct.data[1], ct.scale, ct.prime_ids))
+        else:
+            ct = party.encrypt(values, public)
+            c0 = party.flooded_c0(ct.data[0], ct.prime_ids)
+            outputs.append((c0, ct.data[1], ct.scale, ct.prime_ids))
+    (c0, c1, scale, ids), (flooded_c0, flooded_c1, flooded_scale, flooded_ids) = outputs
+    assert torch.equal(flooded_c0, c0) and torch.equal(flooded_c1, c1)
+    assert (flooded_scale, flooded_ids) == (scale, ids)
+    # and the noise is there: c0 differs from the plain encryption's by the flooding noise
+    plain = ThresholdParty(0, 2, rng_seed=77).encrypt(values, public)
+    assert not torch.equal(plain.data[0], flooded_c0) and torch.equal(plain.data[1], flooded_c1)
