@@ -199,17 +199,21 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     cpu_started = time.process_time()
     session.generate_public_key()
     encrypt_seconds = 0.0
-    encrypt = session.party.encrypt
 
-    def timed_encrypt(values: torch.Tensor, public: PublicKey) -> Ciphertext:
-        nonlocal encrypt_seconds
-        encrypt_started = time.perf_counter()
-        try:
-            return encrypt(values, public)
-        finally:
-            encrypt_seconds += time.perf_counter() - encrypt_started
+    def timed(encrypt: Callable[[torch.Tensor, PublicKey], Ciphertext]) -> Callable[..., Ciphertext]:
+        def timed_encrypt(values: torch.Tensor, public: PublicKey) -> Ciphertext:
+            nonlocal encrypt_seconds
+            encrypt_started = time.perf_counter()
+            try:
+                return encrypt(values, public)
+            finally:
+                encrypt_seconds += time.perf_counter() - encrypt_started
 
-    session.party.encrypt = timed_encrypt  # type: ignore[method-assign]
+        return timed_encrypt
+
+    # aggregate encrypts with encrypt_flooded (the flooding noise drawn with the encryption)
+    session.party.encrypt = timed(session.party.encrypt)  # type: ignore[method-assign]
+    session.party.encrypt_flooded = timed(session.party.encrypt_flooded)  # type: ignore[method-assign]
     mean = session.aggregate(padded.view(rows, slots)).reshape(-1)[: update.numel()] / world
     dist.barrier()
     elapsed = time.perf_counter() - started
