@@ -14,6 +14,11 @@ from flodld.wire.data import (
     RankGone,
     RankHello,
     RelayHello,
+    ShmAccepted,
+    ShmDeposit,
+    ShmOffer,
+    ShmRefused,
+    ShmResult,
 )
 from flodld.wire.data import TensorSpec as Spec
 from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, RelaySpec, WorldEnvelope, WorldFormed
@@ -77,6 +82,11 @@ EXEMPLARS: list[Message] = [
     Broadcast(round=4, fold="mean", weight=3.0, contributors=[0, 1, 2], tensors=TENSORS),
     RankGone(rank=2, reason="leg closed"),
     DataPlaneError(reason="double deposit"),
+    ShmOffer(pid=4242, fd=7, size=8192, tag="cd" * 32),
+    ShmAccepted(size=8192),
+    ShmRefused(reason="the region's head does not hold the offer's tag"),
+    ShmDeposit(round=4, fold="mean", weight=1.0, tensors=TENSORS, offset=0, length=24),
+    ShmResult(round=4, fold="mean", weight=3.0, contributors=[0, 1, 2], tensors=TENSORS, offset=0, length=24),
     Heartbeat(rank=1, step=10),
     CoordinatorHeartbeat(),
     DeclareDead(rank=1, reason="silent"),
