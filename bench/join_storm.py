@@ -49,7 +49,7 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -339,6 +339,64 @@ def _cpu_secs(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
+# Kernel TCP counters worth a look around a storm (namespace-wide: other traffic on the machine counts too).
+# A SYN or final ACK the kernel drops (full SYN or accept queue) costs the dialer a 1 s retransmission.
+_KERNEL_COUNTERS = (
+    ("TcpExt", "ListenOverflows"),
+    ("TcpExt", "ListenDrops"),
+    ("TcpExt", "TCPReqQFullDrop"),
+    ("TcpExt", "SyncookiesSent"),
+    ("TcpExt", "TCPSynRetrans"),
+    ("TcpExt", "TCPTimeouts"),
+    ("Tcp", "RetransSegs"),
+)
+
+
+def _kernel_counters() -> dict[str, int]:
+    """The `_KERNEL_COUNTERS` from /proc/net/netstat and /proc/net/snmp (empty where they cannot be read)."""
+    found: dict[str, int] = {}
+    for name in ("/proc/net/netstat", "/proc/net/snmp"):
+        try:
+            lines = Path(name).read_text().splitlines()
+        except OSError:
+            continue
+        for header, values in zip(lines[::2], lines[1::2], strict=False):
+            prefix, _, keys = header.partition(":")
+            for key, value in zip(keys.split(), values.partition(":")[2].split(), strict=False):
+                if (prefix, key) in _KERNEL_COUNTERS:
+                    found[key] = int(value)
+    return found
+
+
+@dataclass
+class MachineCpu:
+    """CPU seconds the whole machine spent busy, and stolen by the hypervisor, since boot (/proc/stat)."""
+
+    busy: float
+    steal: float
+
+    @staticmethod
+    def now() -> MachineCpu:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return MachineCpu(float("nan"), float("nan"))
+        tick = os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        return MachineCpu((user + nice + system + irq + softirq) / tick, steal / tick)
+
+
+def _others_share(before: MachineCpu, after: MachineCpu, own_secs: float, wall: float) -> tuple[float, float]:
+    """(CPU the rest of the machine used, CPU stolen) over `wall` seconds, as fractions of all its cores.
+
+    `own_secs` is what the bench's own processes used; the rest is other work on the same cores, which on a
+    shared machine sets the rates more than the code does.
+    """
+    cores = os.cpu_count() or 1
+    others = max(0.0, after.busy - before.busy - own_secs)
+    return others / (wall * cores), (after.steal - before.steal) / (wall * cores)
+
+
 def _pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
@@ -363,6 +421,14 @@ class StormRow:
     controller_cpu_secs: float = float("nan")
     agents_cpu_secs: float = float("nan")
     """The controller's CPU from the first dial to the last WorldFormed (pollers' requests included)."""
+    others_storm: float = float("nan")
+    """The share of the machine's cores other work used during the storm (not the controller, this process
+    or the pollers)."""
+    steal_storm: float = float("nan")
+    others_baseline: float = float("nan")
+    """The same during the connect+echo baseline (not this process)."""
+    kernel: dict[str, int] = field(default_factory=dict)
+    """The kernel's TCP drop and retransmission counters: their increase over the storm."""
 
     @property
     def per_host_bytes(self) -> float:
@@ -388,7 +454,12 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
     agents_live: list[LeanAgent] = []
     loop = asyncio.get_running_loop()
     try:
+        machine, own = MachineCpu.now(), time.process_time()
+        baseline_begun = time.perf_counter()
         baseline_rate = await _baseline_connects(agents, in_flight)
+        others_baseline, _ = _others_share(
+            machine, MachineCpu.now(), time.process_time() - own, time.perf_counter() - baseline_begun
+        )
         idle_rss = _rss_mib(proc.pid)
         poller = await _spawn(
             sys.executable,
@@ -434,6 +505,8 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             lean.leave([RankExited(rank=rank, code=0) for rank in reply.ranks])
 
         _quiet_collector()
+        kernel_begun, machine_begun = _kernel_counters(), MachineCpu.now()
+        poller_cpu_begun = _cpu_secs(poller.pid)
         begun, cpu_begun = time.perf_counter(), _cpu_secs(proc.pid)
         own_cpu_begun = time.process_time()
         storm: asyncio.Future[list[None]] = asyncio.gather(*(agent(i) for i in range(agents)))
@@ -444,6 +517,14 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
         peak_rss = _rss_mib(proc.pid)
         storm_cpu = _cpu_secs(proc.pid) - cpu_begun
         own_cpu = time.process_time() - own_cpu_begun
+        others_storm, steal_storm = _others_share(
+            machine_begun,
+            MachineCpu.now(),
+            storm_cpu + own_cpu + _cpu_secs(poller.pid) - poller_cpu_begun,
+            time.perf_counter() - begun,
+        )
+        kernel_now = _kernel_counters()
+        kernel = {key: kernel_now[key] - value for key, value in kernel_begun.items() if key in kernel_now}
         polled, _ = await poller.communicate(b"")
         release.set()
         await storm
@@ -466,6 +547,10 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             exit_code=code,
             controller_cpu_secs=storm_cpu,
             agents_cpu_secs=own_cpu,
+            others_storm=others_storm,
+            steal_storm=steal_storm,
+            others_baseline=others_baseline,
+            kernel=kernel,
         )
     finally:
         gc.enable()
@@ -572,6 +657,16 @@ def _table(rows: list[StormRow]) -> str:
     return "\n".join(lines)
 
 
+def _machine_line(row: StormRow) -> str:
+    """What else ran on the machine during the storm and its baseline, and what the kernel dropped."""
+    kernel = ", ".join(f"{key} +{value}" for key, value in row.kernel.items()) or "not readable"
+    return (
+        f"other work used {row.others_storm:.0%} of the machine's cores during the storm (steal "
+        f"{row.steal_storm:.0%}), {row.others_baseline:.0%} during the baseline; kernel TCP counters: "
+        f"{kernel}"
+    )
+
+
 async def main(options: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -601,8 +696,11 @@ async def main(options: argparse.Namespace) -> int:
                 continue
             rows.append(row)
             print(_table([row]).splitlines()[-1], flush=True)
+            print(f"  {_machine_line(row)}", flush=True)
         print()
         print(_table(rows))
+        for row in rows:
+            print(f"{row.agents:,} agents: {_machine_line(row)}")
         if options.store_ranks:
             ranks = options.store_ranks
             peers = ranks - 1 if options.store_peers == "all" else min(ranks - 1, int(options.store_peers))
