@@ -167,9 +167,13 @@ async def _echo_server() -> tuple[asyncio.Server, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
-async def _baseline_connects(count: int, in_flight: int) -> float:
-    """Connections/s for connect + one 24-byte echo round trip on a bare asyncio server."""
-    server, port = await _echo_server()
+async def _baseline_connects(count: int, in_flight: int, port: int | None = None) -> float:
+    """Connections/s for connect + one 24-byte echo round trip on a bare asyncio server: in this process,
+    or the one listening on `port` (`echo_main`, a process of its own as the controller is).
+    """
+    server: asyncio.Server | None = None
+    if port is None:
+        server, port = await _echo_server()
     gate = asyncio.Semaphore(in_flight)
 
     async def one() -> None:
@@ -182,8 +186,38 @@ async def _baseline_connects(count: int, in_flight: int) -> float:
     begun = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(count)))
     elapsed = time.perf_counter() - begun
-    server.close()
+    if server is not None:
+        server.close()
     return count / elapsed
+
+
+async def echo_main() -> None:
+    """Child process: the connect+echo baseline's server, in a process of its own (as the controller is),
+    until stdin closes; prints its port first.
+    """
+    server, port = await _echo_server()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    server.close()
+
+
+async def _baseline_apart(count: int, in_flight: int) -> float:
+    """`_baseline_connects` against an echo server in its own process."""
+    echo = await _spawn(
+        sys.executable,
+        __file__,
+        "--echo-server",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert echo.stdout is not None
+        port = int(await asyncio.wait_for(echo.stdout.readline(), 60))
+        return await _baseline_connects(count, in_flight, port)
+    finally:
+        with contextlib.suppress(Exception):
+            await echo.communicate(b"")
+        await _end(echo)
 
 
 async def _baseline_round_trips(clients: int, per_client: int) -> float:
@@ -427,6 +461,8 @@ class StormRow:
     steal_storm: float = float("nan")
     others_baseline: float = float("nan")
     """The same during the connect+echo baseline (not this process)."""
+    baseline_apart_rate: float = float("nan")
+    """The connect+echo baseline with its server in a process of its own."""
     kernel: dict[str, int] = field(default_factory=dict)
     """The kernel's TCP drop and retransmission counters: their increase over the storm."""
 
@@ -460,6 +496,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
         others_baseline, _ = _others_share(
             machine, MachineCpu.now(), time.process_time() - own, time.perf_counter() - baseline_begun
         )
+        baseline_apart_rate = await _baseline_apart(agents, in_flight)
         idle_rss = _rss_mib(proc.pid)
         poller = await _spawn(
             sys.executable,
@@ -550,6 +587,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             others_storm=others_storm,
             steal_storm=steal_storm,
             others_baseline=others_baseline,
+            baseline_apart_rate=baseline_apart_rate,
             kernel=kernel,
         )
     finally:
@@ -661,6 +699,8 @@ def _machine_line(row: StormRow) -> str:
     """What else ran on the machine during the storm and its baseline, and what the kernel dropped."""
     kernel = ", ".join(f"{key} +{value}" for key, value in row.kernel.items()) or "not readable"
     return (
+        f"connect+echo with the echo server in a process of its own {row.baseline_apart_rate:,.0f}/s "
+        f"(ratio {row.admit_rate / row.baseline_apart_rate:.2f}); "
         f"other work used {row.others_storm:.0%} of the machine's cores during the storm (steal "
         f"{row.steal_storm:.0%}), {row.others_baseline:.0%} during the baseline; kernel TCP counters: "
         f"{kernel}"
@@ -749,6 +789,7 @@ if __name__ == "__main__":
         help="run each controller under cProfile (slower: for where the time goes, not for the figures)",
     )
     parser.add_argument("--poller-for", type=int, help=argparse.SUPPRESS)  # internal: run as the poller child
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)  # internal: echo child
     options = parser.parse_args()
     if options.profile_controller:
         Path(options.profile_controller).mkdir(parents=True, exist_ok=True)
@@ -756,7 +797,13 @@ if __name__ == "__main__":
     import atexit
 
     atexit.register(_kill_children_now)
-    entry = poller_main(options.poller_for, options.pollers) if options.poller_for else main(options)
+    entry = (
+        poller_main(options.poller_for, options.pollers)
+        if options.poller_for
+        else echo_main()
+        if options.echo_server
+        else main(options)
+    )
     try:
         import uvloop
     except ImportError:

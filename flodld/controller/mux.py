@@ -22,14 +22,14 @@ import logging
 import os
 import socket
 import typing
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
 from flodld.controller.metrics import ControllerCounters
 from flodld.net.preauth import GatedReader, PreAuthBudget
-from flodld.wire.magic import HTTP_PREFIXES, Channel, channel_for_prefix
+from flodld.wire.magic import HTTP_PREFIXES, MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
 
 log = logging.getLogger("flodld.controller.mux")
 
@@ -56,8 +56,10 @@ MAGIC_DEADLINE_SECS = 5.0
 HTTP_CONNECTION_SECS = 5.0
 MAX_PENDING_PER_PEER = 64
 STREAM_LIMIT = 1 << 20
-# Connections taken off the kernel's accept queue per readiness of the listening socket (see `_Drain`).
+# Connections taken off the kernel's accept queue per readiness of the listening socket, and handed to the
+# loop per turn (see `_Drain`).
 ACCEPT_BATCH = 1024
+ADOPT_PER_TURN = 64
 ACCEPT_PAUSE_SECS = 0.1
 
 
@@ -66,18 +68,28 @@ ACCEPT_PAUSE_SECS = 0.1
 # only cycles the cache).
 _is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
 _is_private = functools.lru_cache(maxsize=4096)(is_private_address)
+_JOIN_MAGIC = magic_prefix(Channel.JOIN)
 
 
 class _Drain:
-    """Takes queued connections off a listening socket in batches, for a loop that accepts one per turn.
+    """Takes queued connections off a listening socket in batches, for a loop that accepts one per turn, and
+    hands them to the loop a bounded number per turn, what is not a join dial first.
 
     uvloop (libuv) accepts one connection per event-loop turn. In a join storm the kernel's accept queue
     then holds every dial in flight (`ss -ltn` showed ~2,000 at 5,000 agents), and a state.json poll
     waits behind all of them, one loop turn each, before the controller even sees it. This reader, on a
-    duplicate of the listening descriptor, accepts up to `ACCEPT_BATCH` at each readiness and hands each
-    connection to the loop (`connect_accepted_socket`), so the queue empties every turn; the server's own
-    accept then finds it empty (EAGAIN) or takes what arrived since. The routing is unchanged: each
-    connection still gets a `_MuxProtocol`.
+    duplicate of the listening descriptor, accepts up to `ACCEPT_BATCH` at each readiness, so the kernel's
+    queue empties every turn; the server's own accept then finds it empty (EAGAIN) or takes what arrived
+    since. The routing is unchanged: each connection still gets a `_MuxProtocol`.
+
+    Handing a connection to the loop (`connect_accepted_socket`: a transport, a task, the protocol's
+    deadline timer) costs tens of microseconds, and a burst of 1,000 handed over at once made one long
+    turn that every other request waited behind. So at most `ADOPT_PER_TURN` are handed over per turn,
+    and a connection whose first bytes are already in and are not the join magic (an HTTP request, a
+    store or data channel) is handed over before the join dials (at most half of a turn's share while
+    dials wait, so neither side starves): a state.json poll in a join storm waits for a few dozen
+    adoptions, not a thousand. A connection that has sent nothing yet waits with the dials. While
+    `ACCEPT_BATCH` connections wait, this reader stops accepting (the kernel queue holds the rest).
     """
 
     def __init__(self, mux: PortMux, listening: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
@@ -85,36 +97,83 @@ class _Drain:
         self._loop = loop
         self._sock = socket.socket(fileno=os.dup(listening.fileno()))
         self._sock.setblocking(False)
-        self._closed = self._paused = False
+        self._closed = self._paused = self._full = self._adopting = False
+        self._first: deque[socket.socket] = deque()  # first bytes in, not the join magic
+        self._later: deque[socket.socket] = deque()  # join dials, and connections with nothing sent yet
         loop.add_reader(self._sock.fileno(), self._ready)
 
+    @property
+    def waiting(self) -> int:
+        """Connections accepted and not yet handed to the loop."""
+        return len(self._first) + len(self._later)
+
     def _ready(self) -> None:
-        for _ in range(ACCEPT_BATCH):
+        for _ in range(ACCEPT_BATCH - self.waiting):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as error:
                 # EMFILE and friends: the server's own accept meets (and handles) them too; this reader
                 # steps aside for a moment instead of firing every turn while the queue cannot shrink.
                 log.debug("event=accept_failed detail=%r", error)
                 self._pause()
-                return
+                break
             conn.setblocking(False)
+            try:
+                head = conn.recv(MAGIC_BYTES, socket.MSG_PEEK)
+            except OSError:  # nothing sent yet (EAGAIN), or already reset: the routing sees to it
+                head = b""
+            (self._first if head and head != _JOIN_MAGIC else self._later).append(conn)
+        else:
+            self._stop_reading()
+        if self.waiting and not self._adopting:
+            self._adopting = True
+            self._loop.call_soon(self._adopt_some)
+
+    def _adopt_some(self) -> None:
+        """This turn's share of the waiting connections, handed to the loop."""
+        self._adopting = False
+        if self._closed:
+            return
+        first = 0
+        for _ in range(ADOPT_PER_TURN):
+            if self._first and (first < ADOPT_PER_TURN // 2 or not self._later):
+                conn = self._first.popleft()
+                first += 1
+            elif self._later:
+                conn = self._later.popleft()
+            else:
+                break
             task = self._loop.create_task(self._adopt(conn))
             self._mux._tasks.add(task)
             task.add_done_callback(self._mux._tasks.discard)
+        if self.waiting:
+            self._adopting = True
+            self._loop.call_soon(self._adopt_some)
+        if self._full and self.waiting < ACCEPT_BATCH:
+            self._full = False
+            if not self._paused:
+                self._loop.add_reader(self._sock.fileno(), self._ready)
+
+    def _stop_reading(self) -> None:
+        """`ACCEPT_BATCH` wait: leave the rest in the kernel's queue until adoption catches up."""
+        if self.waiting >= ACCEPT_BATCH and not self._full:
+            self._full = True
+            if not self._paused:
+                self._loop.remove_reader(self._sock.fileno())
 
     def _pause(self) -> None:
         if self._closed or self._paused:
             return
         self._paused = True
-        self._loop.remove_reader(self._sock.fileno())
+        if not self._full:
+            self._loop.remove_reader(self._sock.fileno())
         self._loop.call_later(ACCEPT_PAUSE_SECS, self._resume)
 
     def _resume(self) -> None:
         self._paused = False
-        if not self._closed:
+        if not self._closed and not self._full:
             self._loop.add_reader(self._sock.fileno(), self._ready)
 
     async def _adopt(self, conn: socket.socket) -> None:
@@ -124,11 +183,15 @@ class _Drain:
             conn.close()
 
     def close(self) -> None:
+        reading = not (self._closed or self._paused or self._full)
         self._closed = True
-        if not self._paused:
+        if reading:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
+        for queue in (self._first, self._later):
+            while queue:
+                queue.popleft().close()
 
 
 class PreAdmissionGate:

@@ -8,13 +8,15 @@ not in time.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 
 import uvloop
 
 from flodld.controller.metrics import ControllerCounters
-from flodld.controller.mux import PortMux
+from flodld.controller.mux import ADOPT_PER_TURN, PortMux
+from flodld.wire.magic import Channel, magic_prefix
 
 QUEUED = 300
 
@@ -70,3 +72,63 @@ def test_the_drain_is_gone_with_the_listener() -> None:
         await mux.close()
 
     uvloop.run(main())
+
+
+DIALS = 300
+
+
+class _Recorded(asyncio.Protocol):
+    def __init__(self, order: list[str], name: str) -> None:
+        order.append(name)
+
+
+async def _order_of_a_storm_and_a_poll() -> tuple[list[str], list[int]]:
+    """DIALS join dials queued in the kernel, then one HTTP request: the order the mux routed them in, and
+    how many connections waited for adoption at each loop turn.
+    """
+    order: list[str] = []
+    mux = PortMux(ControllerCounters())
+    mux.register_protocol(Channel.JOIN, lambda _mux, _peer: _Recorded(order, "join"))
+    mux.set_http(lambda: _Recorded(order, "http"))
+    _, port = await mux.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    waiting: list[int] = []
+
+    def tick() -> None:
+        waiting.append(sum(drain.waiting for drain in mux._drains))
+        loop.call_soon(tick)
+
+    dialers: list[socket.socket] = []
+    try:
+        for _ in range(DIALS):  # queued in the kernel while this turn runs: nobody accepts meanwhile
+            dialer = socket.create_connection(("127.0.0.1", port))
+            dialer.sendall(magic_prefix(Channel.JOIN))
+            dialers.append(dialer)
+        poll = socket.create_connection(("127.0.0.1", port))
+        poll.sendall(b"GET /state.json HTTP/1.1\r\n\r\n")
+        dialers.append(poll)
+        loop.call_soon(tick)
+        deadline = time.monotonic() + 60
+        while len(order) < DIALS + 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0)
+        return order, waiting
+    finally:
+        for dialer in dialers:
+            dialer.close()
+        await mux.close()
+
+
+def test_a_request_queued_behind_a_storm_of_join_dials_is_routed_before_them() -> None:
+    order, _ = uvloop.run(_order_of_a_storm_and_a_poll())
+    assert sorted(order) == ["http"] + ["join"] * DIALS
+    # Accepted last, handed to the loop in the first turn's share (the server's own accept may take a dial
+    # or two before the drain runs).
+    assert order.index("http") < ADOPT_PER_TURN, f"routed after {order.index('http')} join dials"
+
+
+def test_the_drain_hands_a_bounded_number_of_connections_to_the_loop_per_turn() -> None:
+    _, waiting = uvloop.run(_order_of_a_storm_and_a_poll())
+    assert max(waiting) > ADOPT_PER_TURN, "the burst never waited for adoption: the test proves nothing"
+    assert waiting[-1] == 0
+    steps = [before - after for before, after in itertools.pairwise(waiting)]
+    assert max(steps) <= ADOPT_PER_TURN, f"{max(steps)} connections handed over in one turn"
