@@ -268,9 +268,7 @@ class CkksEngine(EngineBase):
             low, high = (int(bound) for bound in torch.aminmax(integers))
             if max(-low, high) >= 1 << 62:
                 raise FheliumValueError("encrypt_integers needs |integers| < 2^62")
-        factors = torch.tensor(
-            [multiplier % q for q in moduli], dtype=torch.int64, device=self.device
-        )
+        factors = torch.tensor([[multiplier % q for q in moduli]], dtype=torch.int64, device=self.device)
         integers = integers.to(self.device)
         data = self._public_encrypt(integers.unsqueeze(-2), "coefficient", factors, ids, public_key, c0_noise)
         return Ciphertext(data, depth, float(scale), ids, "ntt")
@@ -294,16 +292,20 @@ class CkksEngine(EngineBase):
         c0_noise: Callable[[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The ciphertext data ``[2, *batch, L, N]`` of ``message`` (residues ``[*batch, L, N]`` in
-        ``domain``, or with ``factors`` signed integers ``[*batch, 1, N]`` times the factors).
+        ``domain``, or with ``factors [R, L]`` R rows of signed integers ``[*batch, R, N]``, row r
+        times ``factors[r]``, summed).
         """
         batch = tuple(message.shape[:-2])
         groups = self._batch_groups(batch, len(ids), sampled=True)
         if groups is not None:
             flat = message.reshape(math.prod(batch), *message.shape[-2:])
-            parts = [
-                self._public_encrypt(flat[g], domain, factors, ids, public_key, c0_noise) for g in groups
-            ]
-            data = torch.cat(parts, dim=1)
+            data: torch.Tensor | None = None
+            for g in groups:  # each part written into the output while it is still in cache
+                part = self._public_encrypt(flat[g], domain, factors, ids, public_key, c0_noise)
+                if data is None:
+                    data = part.new_empty(part.size(0), flat.size(0), *part.shape[-2:])
+                data[:, g] = part
+            assert data is not None
             return data.view(data.size(0), *batch, *data.shape[-2:])
         qp_ids = (*ids, self.special_prime_id)
         m = self._mod(qp_ids)
@@ -324,13 +326,18 @@ class CkksEngine(EngineBase):
         )
         q = self._mod(ids)
         addend = self._small_to_rns(errors[0], ids)
+        native = self.ntt.native_level != "torch"
         if c0_noise is not None:
             noise = c0_noise(math.prod(batch)).to(self.device).view(*batch, 1, self.ring_degree)
-            mod.add_mod_(addend, self._wide_to_rns(noise, q), q.q)
+            if native and factors is not None:  # one more message row, factor 1
+                message = torch.cat((message, noise), dim=-2)
+                factors = torch.cat((factors, torch.ones_like(factors[:1])))
+            else:
+                mod.add_mod_(addend, self._wide_to_rns(noise, q), q.q)
         divided = torch.stack((torch.zeros_like(errors[1]), errors[1])).long().unsqueeze(-2)
         if factors is None and domain == "coefficient":
             mod.add_mod_(addend, message, q.q)
-        if self.ntt.native_level != "torch":
+        if native:
             # the addend (and a message with factors) go into c0 only; the message's residues are
             # taken and multiplied inside ModDown
             data = _native.mod_down(
@@ -344,8 +351,10 @@ class CkksEngine(EngineBase):
             )
         else:
             if factors is not None:  # the reference: the residues, added as a coefficient-domain message
-                residues = mod.mul_mod(torch.remainder(message, q.q), factors.view(-1, 1), q.q, q.q_inverse)
-                mod.add_mod_(addend, residues, q.q)
+                for row in range(factors.size(0)):
+                    residues = torch.remainder(message[..., row : row + 1, :], q.q)
+                    residues = mod.mul_mod(residues, factors[row].view(-1, 1), q.q, q.q_inverse)
+                    mod.add_mod_(addend, residues, q.q)
             data = self._mod_down(products, ids, torch.stack((addend, torch.zeros_like(addend))), divided)
         if domain == "ntt":
             mod.add_mod_(data[0], message, q.q)

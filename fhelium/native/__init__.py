@@ -398,8 +398,10 @@ def mod_down(
     """ModDown with encryption's extra terms: NTT ``values [..., L+1, N]`` over ``moduli`` (L Q primes,
     then P) → round((values + divided) / P) + addend over the Q primes, NTT domain. ``addend``:
     coefficient-domain residues ``[..., L, N]``; ``divided``: small signed integers ``[..., 1, N]``.
-    ``message`` (with ``message_factors`` ``[L]``, residues in [0, q_i)): signed integers
-    ``[..., 1, N]`` with |x| < 2^62 (moduli above 2^28), added to the addend as x·f_i mod q_i.
+    ``message`` (with ``message_factors`` ``[R, L]``, residues in [0, q_i)): R rows of signed integers
+    ``[..., R, N]`` with |x| < 2^62 (moduli above 2^28), added to the addend as Σ_r x_r·f_ri mod q_i.
+    ``addend`` and ``message`` may also be shaped like ``values[0]``: then they go into the first
+    component only (encryption's c0).
     """
     result: torch.Tensor = torch.ops.fhelium.mod_down(
         values, addend, divided, moduli, tables, LEVEL_CODES[level], message, message_factors

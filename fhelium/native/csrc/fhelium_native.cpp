@@ -1080,10 +1080,11 @@ inline int64_t signed_residue(int64_t x, int64_t q, double inverse) {
 // NTT over moduli (Q primes, then P) -> round((values + divided) / P) + addend over the Q primes,
 // NTT domain. addend: coefficient-domain residues [..., L, N] (folded in as -P*addend before the
 // division); divided: small signed coefficient-domain integers [..., 1, N], |divided| < P.
-// message (with message_factors f [L]): signed coefficient-domain integers [..., 1, N], |message| < 2^62,
-// added to the addend as (message mod q_i)·f_i mod q_i, so a message encoded at a low scale and
-// multiplied up (fhelium.multiparty's 2^44·2^44) needs no residue tensor of its own; the residues
-// are unique, so the result equals the reference's (reduce, multiply, add, then as above).
+// message (with message_factors f [R, L]): R rows of signed coefficient-domain integers [..., R, N],
+// |message| < 2^62, added to the addend as sum_r (message_r mod q_i)·f_ri mod q_i, so a message encoded
+// at a low scale and multiplied up (fhelium.multiparty's 2^44·2^44), and wide noise (factor 1), need no
+// residue tensor of their own; the residues are unique, so the result equals the reference's (reduce,
+// multiply, add, then as above).
 at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>& addend_in,
                     const std::optional<at::Tensor>& divided_in, const at::Tensor& moduli, const at::Tensor& tables,
                     int64_t level, const std::optional<at::Tensor>& message_in,
@@ -1119,27 +1120,34 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
   at::Tensor message, factors;
   TORCH_CHECK(message_in.has_value() == factors_in.has_value(),
               "fhelium::mod_down: message and message_factors go together");
+  int64_t message_rows = 0;
   if (message_in.has_value()) {
-    std::vector<int64_t> one_row(shape);
-    one_row[one_row.size() - 2] = 1;
-    const std::vector<int64_t> one_row_first(one_row.begin() + 1, one_row.end());
-    const bool whole = message_in->sizes() == at::IntArrayRef(one_row);
+    TORCH_CHECK(message_in->dim() >= 2, "fhelium::mod_down: message must be int64 [..., R, N]");
+    message_rows = message_in->size(-2);
+    std::vector<int64_t> rows_shape(shape);
+    rows_shape[rows_shape.size() - 2] = message_rows;
+    const std::vector<int64_t> rows_shape_first(rows_shape.begin() + 1, rows_shape.end());
+    const bool whole = message_in->sizes() == at::IntArrayRef(rows_shape);
     TORCH_CHECK(addend.defined(), "fhelium::mod_down: a message needs the addend it is added to");
-    TORCH_CHECK((whole ? addend_batch == batch
-                       : values.dim() > 2 && message_in->sizes() == at::IntArrayRef(one_row_first) &&
-                             addend_batch * values.size(0) == batch) &&
+    TORCH_CHECK(message_rows >= 1 &&
+                    (whole ? addend_batch == batch
+                           : values.dim() > 2 && message_in->sizes() == at::IntArrayRef(rows_shape_first) &&
+                                 addend_batch * values.size(0) == batch) &&
                     message_in->scalar_type() == at::kLong && message_in->device().is_cpu(),
-                "fhelium::mod_down: message must be int64 [..., 1, N] covering the addend's rows");
-    TORCH_CHECK(factors_in->dim() == 1 && factors_in->size(0) == limbs && factors_in->scalar_type() == at::kLong &&
-                    factors_in->device().is_cpu(),
-                "fhelium::mod_down: message_factors must be int64 [", limbs, "]");
+                "fhelium::mod_down: message must be int64 [..., R, N] covering the addend's rows");
+    TORCH_CHECK(factors_in->dim() == 2 && factors_in->size(0) == message_rows && factors_in->size(1) == limbs &&
+                    factors_in->scalar_type() == at::kLong && factors_in->device().is_cpu(),
+                "fhelium::mod_down: message_factors must be int64 [R, ", limbs, "]");
     message = message_in->contiguous();
     factors = factors_in->contiguous();
     const int64_t* q_check = moduli.data_ptr<int64_t>();
     const int64_t* f_check = factors.data_ptr<int64_t>();
     for (int64_t i = 0; i < limbs; ++i) {
       TORCH_CHECK(q_check[i] > (int64_t{1} << 28), "fhelium::mod_down: a message needs moduli above 2^28");
-      TORCH_CHECK(f_check[i] >= 0 && f_check[i] < q_check[i], "fhelium::mod_down: message_factors must lie in [0, q)");
+      for (int64_t r = 0; r < message_rows; ++r) {
+        const int64_t f = f_check[r * limbs + i];
+        TORCH_CHECK(f >= 0 && f < q_check[i], "fhelium::mod_down: message_factors must lie in [0, q)");
+      }
     }
   }
   at::Tensor out = at::empty(shape, values.options());
@@ -1204,14 +1212,20 @@ at::Tensor mod_down(const at::Tensor& values_in, const std::optional<at::Tensor>
         }
       }
       if (addend_data && b < addend_batch) {  // (b, i) is task for the addend [addend_batch, limbs, N]
-        const int64_t* m = message_data ? message_data + b * n : nullptr;
+        const int64_t* m = message_data ? message_data + b * message_rows * n : nullptr;
         if (m && i == 0) {
           bool outside = false;
-          for (int64_t k = 0; k < n; ++k) outside |= static_cast<u64>(m[k]) + (u64{1} << 62) >= (u64{1} << 63);
+          for (int64_t k = 0; k < n * message_rows; ++k) {
+            outside |= static_cast<u64>(m[k]) + (u64{1} << 62) >= (u64{1} << 63);
+          }
           if (outside) out_of_range.store(true, std::memory_order_relaxed);
         }
+        // s - P·(a + Σ_r m_r·f_r) as successive subtractions: the same residue (it is unique)
         fold_addend_row(scratch.data(), addend_data + task * n, m, n, qi, m ? factor_data[i] : 0, p_residue[i],
                         chosen);
+        for (int64_t r = 1; r < message_rows; ++r) {
+          fold_addend_row(scratch.data(), nullptr, m + r * n, n, qi, factor_data[r * limbs + i], p_residue[i], chosen);
+        }
       }
       forward_row(scratch.data(), correction.data(), row_tables(table, q, i, n), logn, chosen);
       sub_mul_row(source + (b * qp + i) * n, correction.data(), target + task * n, n, static_cast<u64>(qi),

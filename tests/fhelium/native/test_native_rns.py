@@ -220,8 +220,8 @@ def test_rns_ops_have_fake_implementations() -> None:
     limbs = q.numel() - 1
     addend = torch.remainder(torch.randint(0, 1 << 62, (2, limbs, n), generator=generator), column[:-1])
     divided = torch.randint(-40, 41, (2, 2, 1, n), generator=generator)
-    message = torch.randint(-(1 << 61), 1 << 61, (2, 1, n), generator=generator)
-    factors = torch.remainder(torch.tensor([1 << 44] * (q.numel() - 1)), q[:-1])
+    message = torch.randint(-(1 << 61), 1 << 61, (2, 2, n), generator=generator)
+    factors = torch.remainder(torch.tensor([[1 << 44] * limbs, [1] * limbs]), q[:-1])
     torch.library.opcheck(ops.mod_down.default, (values, addend, divided, q, tables, level, message, factors))
     torch.library.opcheck(
         ops.divide_round.default, (x, q[:3].contiguous(), tables[:3].contiguous(), 0, False, level)
@@ -306,7 +306,7 @@ def test_mod_down_refuses_a_message_beyond_2_62() -> None:
     values = torch.zeros(2, 2, len(moduli), n, dtype=torch.int64)
     addend = torch.zeros(2, len(moduli) - 1, n, dtype=torch.int64)
     message = torch.zeros(2, 1, n, dtype=torch.int64)
-    factors = torch.ones(len(moduli) - 1, dtype=torch.int64)
+    factors = torch.ones(1, len(moduli) - 1, dtype=torch.int64)
     for level in _levels():
         native.mod_down(values, addend, None, q, tables, level, message=message, message_factors=factors)
         message[1, 0, 5] = 1 << 62
