@@ -146,6 +146,7 @@ class RoundBarrier(Generic[Member]):
         self.round = first_round
         # The reused accumulators, by round parity: (fold spec, schema, tensors) or None.
         self._kept: list[tuple[str, tuple[TensorSpec, ...], Bundle] | None] = [None] * accumulators
+        self._spare: torch.Tensor | None = None  # memory faulted in ahead for the next new accumulator
         self._reset()
 
     def _reset(self) -> None:
@@ -289,6 +290,19 @@ class RoundBarrier(Generic[Member]):
         if not weight >= 0 or weight == float("inf"):
             raise RoundError(f"{member!r} deposited weight {weight}; weights must be finite and >= 0")
 
+    def prepare(self, nbytes: int) -> None:
+        """Fault in `nbytes` of memory now for the next accumulator this barrier has to make (the first
+        round of a new schema whose bundle is at least half of it): a fresh accumulator's pages would
+        otherwise be faulted in one by one while its round's first member is folded in. A relay calls this
+        when a rank's shared-memory region tells it the size of the rounds to come.
+        """
+        if self._spare is not None and self._spare.numel() >= nbytes:
+            return
+        self._spare = None
+        spare = torch.empty(nbytes, dtype=torch.uint8)
+        spare.zero_()
+        self._spare = spare
+
     def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
         """The kept accumulator when schema and fold are the round before's, else a new one, uninitialised:
         `_drain` starts each chunk of it from its first member (`start_slice`, or zeroed and added to),
@@ -308,6 +322,12 @@ class RoundBarrier(Generic[Member]):
             raise
         except Exception:  # a fold that needs real memory to judge: its own identity
             return fold.identity(layout.empty())
+        spare = self._spare
+        if spare is not None and 2 * layout.total >= spare.numel():
+            tensors = layout.within(spare)
+            if tensors is not None:
+                self._spare = None  # the accumulator's now: never a second one's
+                return tensors
         return layout.empty()
 
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:

@@ -78,6 +78,20 @@ class Layout:
             for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
         )
 
+    def within(self, buffer: torch.Tensor) -> Bundle | None:
+        """Tensors of this schema over the bytes of `buffer` (1-D uint8, shared, not copied), or None when
+        the bundle does not fit or a tensor would start off its element boundary.
+        """
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.total:
+            return None
+        if any(start % itemsize for start, itemsize in zip(self.starts, self.itemsizes, strict=True)):
+            return None
+        parts = zip(self.starts, self.specs, self.dtypes, self.shapes, strict=True)
+        return tuple(
+            buffer[start : start + spec.nbytes()].view(dtype).view(shape)
+            for start, spec, dtype, shape in parts
+        )
+
     def ranges(self, chunk_bytes: int) -> list[tuple[int, int]]:
         """(offset, length) of each chunk at about `chunk_bytes` each, ends moved back to element boundaries.
 
@@ -170,11 +184,13 @@ def split_parts(parts: Sequence[memoryview], ranges: Sequence[tuple[int, int]]) 
 
 
 class Assembly:
-    """A bundle received chunk by chunk (in order): tensors of fresh memory, filled as chunks arrive."""
+    """A bundle received chunk by chunk (in order): tensors of fresh memory (or `tensors`, this schema's
+    tensors given by the caller, e.g. `Layout.within` a buffer already faulted in), filled as chunks arrive.
+    """
 
-    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], tensors: Bundle | None = None) -> None:
         self.layout = Layout(specs)
-        self.tensors = self.layout.empty()
+        self.tensors = self.layout.empty() if tensors is None else tensors
         self.filled = 0
 
     def add(self, offset: int, data: memoryview) -> bool:

@@ -141,6 +141,8 @@ def pid_holds_socket(pid: int, inode: int) -> bool:
 class MappedRegion:
     """A rank's region as its relay maps it, after every check in the module docstring passed.
 
+    `populated`: the file's pages all exist (the rank made them), so the map faulted them in and the
+    relay may ready an accumulator of this size; a sparse file is mapped lazily and readies nothing.
     `lent` counts the chunks the fold still reads; `retire` unmaps at once when none, else when the last
     one is given back (a rank that died mid-round leaves no mapping behind once its chunks are folded).
     """
@@ -176,9 +178,12 @@ class MappedRegion:
                 raise ShmError(f"the region has {info.st_size} bytes, the offer said {size}")
             if fcntl.fcntl(handle, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
                 raise ShmError("the region is not sealed against shrinking and growing")
-            self._map: mmap.mmap | None = mmap.mmap(
-                handle, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-            )
+            # Populated too (the fold reads every page and the result is written back over them), but only
+            # a region whose pages the rank has already made (as OwnedRegion does): populating a sparse file
+            # would make the relay allocate whatever size the rank named.
+            self.populated = info.st_blocks * 512 >= size
+            flags = mmap.MAP_SHARED | (_POPULATE if self.populated else 0)
+            self._map: mmap.mmap | None = mmap.mmap(handle, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as error:
             raise ShmError(f"cannot map fd {fd} of process {pid}: {error}") from None
         finally:

@@ -9,7 +9,8 @@ its relay a memory region over the data leg (`ShmOffer`), copies each deposit ch
 small `ShmDeposit`; the relay folds from the region and writes the round's result back over it
 (`ShmResult`). The region is reused round after round, so a deposit made before the previous round's
 result has been copied out goes framed (the Averager's modes never do that). When the region cannot be
-used the rank logs why once and goes on framed (FLODL_SHM=on makes that an error).
+used the rank logs why once and goes on framed (FLODL_SHM=on makes that an error). `reserve(nbytes)`
+readies the region (and the next result's memory) ahead of a big round, outside a timed part.
 If the control leg closes, or stays silent for the liveness timeout, the controller is gone and
 this process exits (code 1) rather than hang forever inside a collective.
 """
@@ -99,6 +100,7 @@ class RelayClient:
         self.use_shm = self.shm_mode != "off"
         self.region: OwnedRegion | None = None
         self._shm_reply: ShmAccepted | ShmRefused | None = None
+        self._spare: torch.Tensor | None = None  # result memory made ready by `reserve`
         self._closing = False
         for target, name in (
             (self._read_data, "data"),
@@ -155,6 +157,12 @@ class RelayClient:
                 raise RelayClientError(self._error)
             if self.latest_completed_round() < round_number - 1:
                 return None
+        return self._region_of(total)
+
+    def _region_of(self, total: int) -> OwnedRegion | None:
+        """A region of at least `total` bundle bytes: the current one, or a new one offered and accepted
+        (the old one is closed: call only when every result read from it has been copied out).
+        """
         if self.region is not None and self.region.capacity >= total:
             return self.region
         try:
@@ -181,6 +189,45 @@ class RelayClient:
             self.region.close()
         self.region = region
         return region
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make the shared-memory road ready now for rounds of up to `nbytes` bundle bytes, so that the
+        first such round does not pay for it: the region is created, faulted in, offered and accepted here,
+        and memory for that round's result is faulted in too (the first result of at least half `nbytes`
+        is assembled into it). For a program that knows its round size before the timed part (a warm-up).
+
+        Called from the training thread, like `deposit`. True when a region of that size is ready; False
+        when the road is off or refused (`FLODL_SHM`: the refusal is logged once, or raised under `on`), or
+        when a result of this rank's is still out (the region then stays as it is).
+        """
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve {nbytes} bytes")
+        if not self.use_shm or self.shm_mode == "off":
+            return False
+        with self._changed:
+            if self._error is not None:
+                raise RelayClientError(self._error)
+            if self.latest_completed_round() < self.next_round - 1:
+                return False
+        region = self._region_of(nbytes)
+        if region is None:
+            return False
+        spare = torch.empty(nbytes, dtype=torch.uint8)
+        spare.zero_()  # fault the pages in now, not while the round's result is copied out
+        with self._changed:
+            self._spare = spare
+        return True
+
+    def _take_spare(self, layout: Layout) -> Bundle | None:
+        """The reserved result memory as this layout's tensors, when it is the round it was reserved for."""
+        with self._changed:
+            spare = self._spare
+            if spare is None or 2 * layout.total < spare.numel():
+                return None
+            tensors = layout.within(spare)
+            if tensors is not None:
+                self._spare = None
+            return tensors
 
     def _without_shm(self, reason: str) -> None:
         """Framed from now on, said once (FLODL_SHM=on: an error instead)."""
@@ -270,7 +317,8 @@ class RelayClient:
                 self._assembling = None
                 return message, decode_bundle(message.tensors, view)
         if message.offset == 0:
-            self._assembling = (message, Assembly(message.tensors))
+            layout = Layout(message.tensors)
+            self._assembling = (message, Assembly(message.tensors, self._take_spare(layout)))
         elif self._assembling is None or self._assembling[0].round != message.round:
             raise ValueError(
                 f"a broadcast chunk of round {message.round} at offset {message.offset} without its start"

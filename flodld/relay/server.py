@@ -343,6 +343,9 @@ class Relay:
             region.retire()
             return
         self.regions[leg.rank] = region
+        # The region's size is the rounds' to come: fault in their accumulator now, not chunk by chunk.
+        if region.populated:  # the rank made its pages: its rounds are that big
+            self._ensure_barrier().prepare(region.capacity)
         await leg.stream.send(ShmAccepted(size=message.size))
 
     async def _on_shm_deposit(self, message: ShmDeposit, leg: _Leg, frame: Frame) -> bool:

@@ -463,3 +463,58 @@ def test_a_plugin_fold_without_start_slice_is_started_from_zero() -> None:
         for tensor in results[0].tensors:
             if tensor.numel():
                 tensor.view(-1).view(torch.uint8).fill_(0x7F)
+
+
+def test_a_layout_lies_within_a_byte_buffer_it_fits_and_nowhere_else() -> None:
+    specs, parts = encode_bundle_parts([torch.arange(6, dtype=torch.int64).view(2, 3), torch.ones(3)])
+    layout = Layout(specs)
+    buffer = torch.zeros(layout.total + 8, dtype=torch.uint8)
+    tensors = layout.within(buffer)
+    assert tensors is not None
+    assert [(t.dtype, tuple(t.shape)) for t in tensors] == [(torch.int64, (2, 3)), (torch.float32, (3,))]
+    assembly = Assembly(specs, tensors)
+    assert assembly.add(0, memoryview(b"".join(bytes(part) for part in parts)))
+    assert assembly.tensors is tensors
+    assert torch.equal(tensors[0], torch.arange(6).view(2, 3)) and torch.equal(tensors[1], torch.ones(3))
+    assert bytes(buffer[: layout.total].numpy()) == b"".join(bytes(part) for part in parts)
+    assert layout.within(torch.zeros(layout.total - 1, dtype=torch.uint8)) is None  # too small
+    assert layout.within(torch.zeros(layout.total, dtype=torch.int8)) is None  # not bytes
+    odd, _ = encode_bundle_parts([torch.ones(1, dtype=torch.float16), torch.ones(1, dtype=torch.int64)])
+    assert Layout(odd).within(torch.zeros(64, dtype=torch.uint8)) is None  # int64 at byte 2
+
+
+@pytest.mark.parametrize("spec", ["mean", "modular:" + ",".join(map(str, MODULI))])
+def test_a_prepared_barrier_folds_its_next_new_accumulator_in_the_prepared_memory_bit_for_bit(
+    spec: str,
+) -> None:
+    def aligned(rank: int) -> Bundle:  # every tensor on its element boundary (float_bundle's are not)
+        generator = torch.Generator().manual_seed(3000 + rank)
+        return (torch.randn(7, 13, dtype=torch.float64, generator=generator), torch.randn(1031) * 1e3)
+
+    make = modular_bundle if spec.startswith("modular") else aligned
+    deposits = {rank: make(rank) for rank in range(2)}
+    weights = {0: 1.0, 1: 3.0}
+    total = Layout(encode_bundle_parts(list(deposits[0]))[0]).total
+    plain: RoundBarrier[int] = RoundBarrier(range(2))
+    prepared: RoundBarrier[int] = RoundBarrier(range(2))
+    prepared.prepare(total + 100)
+    spare = prepared._spare
+    assert spare is not None
+    prepared.prepare(total)  # already big enough: the same memory
+    assert prepared._spare is spare
+    want = fold_chunked(plain, spec, deposits, weights, 100, seed=1)
+    got = fold_chunked(prepared, spec, deposits, weights, 100, seed=1)
+    assert_bitwise_equal(assemble(got, finish=True), assemble(want, finish=True))
+    assert got[0].tensors[0].untyped_storage().data_ptr() == spare.untyped_storage().data_ptr()
+    assert prepared._spare is None  # taken once: a later new accumulator is fresh memory
+    # Too big a spare for the round (more than twice its bytes) stays for a bigger round.
+    small: RoundBarrier[int] = RoundBarrier(range(2))
+    small.prepare(4 * total)
+    fold_chunked(small, spec, deposits, weights, 100, seed=2)
+    assert small._spare is not None and small._spare.numel() == 4 * total
+    # A schema whose tensors cannot lie in it on their element boundaries gets fresh memory too.
+    unaligned: RoundBarrier[int] = RoundBarrier(range(2))
+    floats = {rank: float_bundle(rank) for rank in range(2)}
+    unaligned.prepare(Layout(encode_bundle_parts(list(floats[0]))[0]).total)
+    fold_chunked(unaligned, "mean", floats, weights, 100, seed=3)
+    assert unaligned._spare is not None

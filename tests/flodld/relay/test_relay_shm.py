@@ -14,6 +14,7 @@ held to the same pid-owns-the-leg, memory-file, size and tag checks as one from 
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import os
@@ -385,3 +386,99 @@ def test_an_observer_on_the_rank_legs_sees_no_plaintext_on_the_shared_memory_roa
         assert torch.full((8,), value).numpy().tobytes() not in wire, value
     for word in (b"Shm", b'"round"', b'"tag"', b'"pid"'):
         assert word not in wire
+
+
+@pytest.mark.parametrize("world", ["2-ranks", "2-hosts"], indirect=True)
+def test_a_reserved_region_is_ready_before_the_round_and_the_round_is_the_framed_roads_bit_for_bit(
+    world: Plane,
+) -> None:
+    spec = FOLDS[2]
+    clients = {rank: world.client(rank) for rank in ranks_of(world)}
+    try:
+        for client in clients.values():
+            client.chunk_bytes = 4099
+        framed = run_rounds(world, clients, spec, shm=False)
+        total = Layout(encode_bundle_parts(list(bundle(spec, 0, 0)))[0]).total
+        for client in clients.values():
+            client.use_shm = True
+            assert client.reserve(total)
+        # Offered and accepted by reserve, before any round: the rounds take these regions as they are.
+        for relay in world.relays.values():
+            assert sorted(relay.regions) == sorted(relay.ranks)
+        regions = {rank: client.region for rank, client in clients.items()}
+        spares = {rank: client._spare for rank, client in clients.items()}
+        shared = run_rounds(world, clients, spec, shm=True)
+        for rank, client in clients.items():
+            assert client.region is regions[rank]
+            assert [kind for kind, _ in shared[rank]] == [ShmResult] * ROUNDS
+            for (_, want), (_, got) in zip(framed[rank], shared[rank], strict=True):
+                assert_bitwise_equal(got, want)
+            # The first result was assembled in the memory reserve faulted in, the second in fresh memory.
+            spare = spares[rank]
+            assert spare is not None and client._spare is None
+            first, second = shared[rank][0][1][0], shared[rank][1][1][0]
+            assert first.untyped_storage().data_ptr() == spare.untyped_storage().data_ptr()
+            assert second.untyped_storage().data_ptr() != spare.untyped_storage().data_ptr()
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_reserve_leaves_the_region_alone_while_a_result_is_out(world: Plane) -> None:
+    first, second = world.client(0), world.client(1)
+    try:
+        assert first.reserve(64)
+        region = first.region
+        first.deposit([torch.tensor([1.0, 2.0])])  # round 0: its result comes back through this region
+        assert not first.reserve(1 << 20)  # so no new region now
+        assert first.region is region and first._spare is not None and first._spare.numel() == 64
+        second.deposit([torch.tensor([3.0, 4.0])])
+        assert first.wait_round(0, timeout=10)[0].tolist() == [2.0, 3.0]
+        assert second.wait_round(0, timeout=10)[0].tolist() == [2.0, 3.0]
+        assert first.reserve(1 << 20) and first.region is not region
+        assert first.region is not None and first.region.capacity >= 1 << 20
+        first.use_shm = False
+        assert not first.reserve(1 << 21)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_reserve_does_nothing_under_shm_off(world: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_SHM", "off")
+    client = world.client(0)
+    try:
+        assert not client.reserve(1 << 20) and client.region is None and client._spare is None
+        assert not world.relay.regions
+    finally:
+        client.close()
+
+
+def test_a_sparse_region_is_mapped_without_populating_it_and_readies_no_accumulator(world: Plane) -> None:
+    # A region whose pages the rank never made (a sealed memory file of 1 GiB, only its head written) is
+    # taken, but the relay neither faults its pages in nor readies an accumulator of its size: that
+    # would make the relay allocate whatever a rank names.
+    client = world.client(0)
+    like = OwnedRegion(4096)
+    fd = os.memfd_create("flodld-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        size = 1 << 30
+        os.ftruncate(fd, size)
+        os.pwrite(fd, bytes(like.view[:64]), 0)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        assert isinstance(offer(client, own_offer(like, fd=fd, size=size)), ShmAccepted)
+        region = world.relay.regions[0]
+        assert not region.populated and region.size == size
+        barrier = world.relay._barrier
+        assert barrier is None or barrier._spare is None
+        assert os.fstat(fd).st_blocks * 512 < 1 << 20  # still sparse after the relay mapped it
+        # The rank's own (populated) region readies the accumulator of its size.
+        assert isinstance(offer(client, own_offer(like)), ShmAccepted)
+        assert world.relay.regions[0].populated
+        barrier = world.relay._barrier
+        assert barrier is not None and barrier._spare is not None
+        assert barrier._spare.numel() == like.capacity
+    finally:
+        client.close()
+        like.close()
+        os.close(fd)
