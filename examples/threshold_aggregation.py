@@ -291,7 +291,7 @@ def aggregate_mean_threshold(
                 f"{elapsed:.2f}s"
             )
 
-            executable = link_program(transport, engine, lower=lower)
+            executable = link_program(transport, engine, lower=lower, reserve=nbytes)
             started = time.perf_counter()
             try:
                 (total,) = executable.run(ciphertext)
