@@ -13,6 +13,16 @@ Per agent count, one fresh controller; printed as one table row each:
   requests included: a figure that holds on a loaded machine where rates do not), and this process's CPU
   per admission (the simulated agents, on the same cores).
 
+Under each row, one line: the connect+echo baseline again with its echo server in a process of its own (as
+the controller is; the table's baseline runs client and server on one event loop, which needs one core
+whatever else runs), the share of the machine's cores other work used during the storm and during the
+baseline (and the hypervisor's steal), and how much the kernel's TCP drop and retransmission counters grew
+over the storm (ListenOverflows, ListenDrops, TCPReqQFullDrop, SyncookiesSent, TCPSynRetrans, TCPTimeouts,
+RetransSegs; namespace-wide). On a shared two-core machine, a storm needs both cores (the controller one,
+the simulated agents most of the other) and the in-process baseline one: other work on one core halves the
+storm's rate and leaves the baseline's, so read the ratios with that line: a row where other work held a
+quarter of the cores or more during the storm is marked CONTENDED.
+
 The simulated agents (`LeanAgent`) speak the real join protocol with the real crypto (nonce exchange, HKDF
 keys, AEAD-sealed Hello, verified and decoded Accept and WorldFormed, RankExited, close) through the same
 sans-io `FrameConnection` as `flodld agent`, but as one asyncio protocol each, without stream readers,
@@ -695,10 +705,24 @@ def _table(rows: list[StormRow]) -> str:
     return "\n".join(lines)
 
 
+# Other work's share of the cores during a storm above which the row is marked contended: a storm needs
+# both cores of a two-core machine (the controller one, the simulated agents most of the other), so other
+# work on half a core or more sets its rate and its latencies (2026-12-03, 20 runs at 10,000 agents: the four
+# slow ones, 0.30-0.39 of the baseline, were the four where other work held 32-45 % of the cores; 0-4 % in
+# the others, 0.51-0.62).
+CONTENDED_SHARE = 0.25
+
+
 def _machine_line(row: StormRow) -> str:
     """What else ran on the machine during the storm and its baseline, and what the kernel dropped."""
     kernel = ", ".join(f"{key} +{value}" for key, value in row.kernel.items()) or "not readable"
-    return (
+    contended = (
+        f"CONTENDED (other work held {row.others_storm:.0%} of the cores during the storm: this row measures "
+        "the machine more than the controller); "
+        if row.others_storm >= CONTENDED_SHARE
+        else ""
+    )
+    return contended + (
         f"connect+echo with the echo server in a process of its own {row.baseline_apart_rate:,.0f}/s "
         f"(ratio {row.admit_rate / row.baseline_apart_rate:.2f}); "
         f"other work used {row.others_storm:.0%} of the machine's cores during the storm (steal "
