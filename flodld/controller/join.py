@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flodld.controller.metrics import ControllerCounters
-from flodld.net.preauth import PREAUTH_CONNECTION_BYTES, GatedReader, PreAuthBudget
+from flodld.net.preauth import GatedReader, PreAuthBudget
+from flodld.net.preauth import charge as preauth_charge
 from flodld.net.stream import WRITE_STALL_SECS, FramedStream, accept_channel
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
@@ -546,18 +547,9 @@ class JoinProtocol(asyncio.Protocol):
         if state == _ENDED:
             return
         if self._held >= 0 and data:  # pre-authentication: count before holding anything
-            if self._held + len(data) > PREAUTH_CONNECTION_BYTES:
-                self._overrun(
-                    "preauth_overrun",
-                    f"sent {self._held + len(data)} bytes before its first frame verified (allowance "
-                    f"{PREAUTH_CONNECTION_BYTES})",
-                )
-                return
-            budget = self._port.budget
-            if not budget.take(len(data)):
-                self._overrun(
-                    "preauth_budget", f"the global pre-authentication budget of {budget.limit} bytes is spent"
-                )
+            refusal = preauth_charge(self._port.budget, self._held, len(data))
+            if refusal is not None:
+                self._overrun(*refusal)
                 return
             self._held += len(data)
         if self._conn is None:

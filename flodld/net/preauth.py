@@ -48,6 +48,22 @@ class PreAuthBudget:
         self.used = max(0, self.used - count)
 
 
+def charge(
+    budget: PreAuthBudget, held: int, size: int, allowance: int = PREAUTH_CONNECTION_BYTES
+) -> tuple[str, str] | None:
+    """Count `size` more bytes of a pre-authenticated connection that holds `held`: None when they fit its
+    `allowance` and the global `budget` (taken from it), else the refusal `(code, detail)` with nothing taken.
+    """
+    if held + size > allowance:
+        return (
+            "preauth_overrun",
+            f"sent {held + size} bytes before its first frame verified (allowance {allowance})",
+        )
+    if not budget.take(size):
+        return "preauth_budget", f"the global pre-authentication budget of {budget.limit} bytes is spent"
+    return None
+
+
 class GatedReader(asyncio.StreamReader):
     """A StreamReader that counts what an unauthenticated peer sends, and refuses past the allowance.
 
@@ -100,20 +116,7 @@ class GatedReader(asyncio.StreamReader):
             else len(data if isinstance(data, bytes | bytearray) else bytes(data))
         )
         if not self._settled and size:
-            refusal: tuple[str, str] | None = None
-            if self._held + size > self._allowance:
-                refusal = (
-                    "preauth_overrun",
-                    (
-                        f"sent {self._held + size} bytes before its first frame verified (allowance "
-                        f"{self._allowance})"
-                    ),
-                )
-            elif not self._budget.take(size):
-                refusal = (
-                    "preauth_budget",
-                    f"the global pre-authentication budget of {self._budget.limit} bytes is spent",
-                )
+            refusal = charge(self._budget, self._held, size, self._allowance)
             if refusal is not None:
                 self._refused = True
                 self._overrun(*refusal)
