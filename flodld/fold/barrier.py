@@ -34,7 +34,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from flodld.fold.base import Bundle, Fold, FoldError, fold_from_spec
-from flodld.fold.chunks import Layout, Piece, byte_views, held
+from flodld.fold.chunks import Layout, Piece, Prefaulted, byte_views, held
 from flodld.fold.codec import encode_bundle
 from flodld.wire.data import TensorSpec
 
@@ -146,7 +146,7 @@ class RoundBarrier(Generic[Member]):
         self.round = first_round
         # The reused accumulators, by round parity: (fold spec, schema, tensors) or None.
         self._kept: list[tuple[str, tuple[TensorSpec, ...], Bundle] | None] = [None] * accumulators
-        self._spare: torch.Tensor | None = None  # memory faulted in ahead for the next new accumulator
+        self._spare = Prefaulted()  # memory faulted in ahead for the next new accumulator
         self._reset()
 
     def _reset(self) -> None:
@@ -296,12 +296,8 @@ class RoundBarrier(Generic[Member]):
         otherwise be faulted in one by one while its round's first member is folded in. A relay calls this
         when a rank's shared-memory region tells it the size of the rounds to come.
         """
-        if self._spare is not None and self._spare.numel() >= nbytes:
-            return
-        self._spare = None
-        spare = torch.empty(nbytes, dtype=torch.uint8)
-        spare.zero_()
-        self._spare = spare
+        if not self._spare.holds(nbytes):
+            self._spare.fault_in(nbytes)
 
     def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
         """The kept accumulator when schema and fold are the round before's, else a new one, uninitialised:
@@ -322,13 +318,8 @@ class RoundBarrier(Generic[Member]):
             raise
         except Exception:  # a fold that needs real memory to judge: its own identity
             return fold.identity(layout.empty())
-        spare = self._spare
-        if spare is not None and 2 * layout.total >= spare.numel():
-            tensors = layout.within(spare)
-            if tensors is not None:
-                self._spare = None  # the accumulator's now: never a second one's
-                return tensors
-        return layout.empty()
+        tensors = self._spare.take(layout)
+        return tensors if tensors is not None else layout.empty()
 
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
         self._kept[self.round % len(self._kept)] = (fold.spec, layout.specs, accumulator)

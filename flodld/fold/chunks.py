@@ -183,6 +183,40 @@ def split_parts(parts: Sequence[memoryview], ranges: Sequence[tuple[int, int]]) 
         yield chunk
 
 
+class Prefaulted:
+    """Memory faulted in ahead (every page touched now) for the next new bundle of about its size, so that
+    bundle's pages are not faulted in one by one on a round's critical path. A bundle of at least half the
+    memory takes it (`take`: its tensors over the memory, which is then no longer here); a smaller one, or
+    one that does not fit, leaves it for a later one.
+    """
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self.buffer: torch.Tensor | None = None
+        if nbytes:
+            self.fault_in(nbytes)
+
+    def holds(self, nbytes: int) -> bool:
+        return self.buffer is not None and self.buffer.numel() >= nbytes
+
+    def fault_in(self, nbytes: int) -> None:
+        """`nbytes` of fresh memory, in place of what was held (given up first)."""
+        self.buffer = None
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.zero_()
+        self.buffer = buffer
+
+    def take(self, layout: Layout) -> Bundle | None:
+        buffer = self.buffer
+        if buffer is None or 2 * layout.total < buffer.numel():
+            return None
+        tensors = layout.within(buffer)
+        if tensors is not None:
+            self.buffer = None  # the bundle's now: never a second one's
+        return tensors
+
+
 class Assembly:
     """A bundle received chunk by chunk (in order): tensors of fresh memory (or `tensors`, this schema's
     tensors given by the caller, e.g. `Layout.within` a buffer already faulted in), filled as chunks arrive.

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from flodld.fold.base import Bundle
-from flodld.fold.chunks import Assembly, Layout, chunk_bytes_from_env, split_parts
+from flodld.fold.chunks import Assembly, Layout, Prefaulted, chunk_bytes_from_env, split_parts
 from flodld.fold.codec import decode_bundle, encode_bundle_parts
 from flodld.net.blocking import BlockingChannel
 from flodld.net.shm import OwnedRegion, ShmError, shm_mode
@@ -100,7 +100,7 @@ class RelayClient:
         self.use_shm = self.shm_mode != "off"
         self.region: OwnedRegion | None = None
         self._shm_reply: ShmAccepted | ShmRefused | None = None
-        self._spare: torch.Tensor | None = None  # result memory made ready by `reserve`
+        self._spare = Prefaulted()  # result memory made ready by `reserve`
         self._closing = False
         for target, name in (
             (self._read_data, "data"),
@@ -150,14 +150,18 @@ class RelayClient:
         framed and leaves the region alone (the Averager's modes never do that: they wait, or deposit only
         once their last round is back).
         """
+        return self._region_of(total) if self._region_free(round_number - 1) else None
+
+    def _region_free(self, last_round: int) -> bool:
+        """Whether the region may take a deposit now: the road is on and this rank's results up to
+        `last_round` are back (copied out of the region).
+        """
         if not self.use_shm or self.shm_mode == "off":
-            return None
+            return False
         with self._changed:
             if self._error is not None:
                 raise RelayClientError(self._error)
-            if self.latest_completed_round() < round_number - 1:
-                return None
-        return self._region_of(total)
+            return self.latest_completed_round() >= last_round
 
     def _region_of(self, total: int) -> OwnedRegion | None:
         """A region of at least `total` bundle bytes: the current one, or a new one offered and accepted
@@ -202,18 +206,9 @@ class RelayClient:
         """
         if nbytes < 0:
             raise ValueError(f"cannot reserve {nbytes} bytes")
-        if not self.use_shm or self.shm_mode == "off":
+        if not self._region_free(self.next_round - 1) or self._region_of(nbytes) is None:
             return False
-        with self._changed:
-            if self._error is not None:
-                raise RelayClientError(self._error)
-            if self.latest_completed_round() < self.next_round - 1:
-                return False
-        region = self._region_of(nbytes)
-        if region is None:
-            return False
-        spare = torch.empty(nbytes, dtype=torch.uint8)
-        spare.zero_()  # fault the pages in now, not while the round's result is copied out
+        spare = Prefaulted(nbytes)  # the pages faulted in now, not while the round's result is copied out
         with self._changed:
             self._spare = spare
         return True
@@ -221,13 +216,7 @@ class RelayClient:
     def _take_spare(self, layout: Layout) -> Bundle | None:
         """The reserved result memory as this layout's tensors, when it is the round it was reserved for."""
         with self._changed:
-            spare = self._spare
-            if spare is None or 2 * layout.total < spare.numel():
-                return None
-            tensors = layout.within(spare)
-            if tensors is not None:
-                self._spare = None
-            return tensors
+            return self._spare.take(layout)
 
     def _without_shm(self, reason: str) -> None:
         """Framed from now on, said once (FLODL_SHM=on: an error instead)."""

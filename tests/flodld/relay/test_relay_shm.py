@@ -406,7 +406,7 @@ def test_a_reserved_region_is_ready_before_the_round_and_the_round_is_the_framed
         for relay in world.relays.values():
             assert sorted(relay.regions) == sorted(relay.ranks)
         regions = {rank: client.region for rank, client in clients.items()}
-        spares = {rank: client._spare for rank, client in clients.items()}
+        spares = {rank: client._spare.buffer for rank, client in clients.items()}
         shared = run_rounds(world, clients, spec, shm=True)
         for rank, client in clients.items():
             assert client.region is regions[rank]
@@ -415,7 +415,7 @@ def test_a_reserved_region_is_ready_before_the_round_and_the_round_is_the_framed
                 assert_bitwise_equal(got, want)
             # The first result was assembled in the memory reserve faulted in, the second in fresh memory.
             spare = spares[rank]
-            assert spare is not None and client._spare is None
+            assert spare is not None and client._spare.buffer is None
             first, second = shared[rank][0][1][0], shared[rank][1][1][0]
             assert first.untyped_storage().data_ptr() == spare.untyped_storage().data_ptr()
             assert second.untyped_storage().data_ptr() != spare.untyped_storage().data_ptr()
@@ -431,7 +431,8 @@ def test_reserve_leaves_the_region_alone_while_a_result_is_out(world: Plane) -> 
         region = first.region
         first.deposit([torch.tensor([1.0, 2.0])])  # round 0: its result comes back through this region
         assert not first.reserve(1 << 20)  # so no new region now
-        assert first.region is region and first._spare is not None and first._spare.numel() == 64
+        spare = first._spare.buffer
+        assert first.region is region and spare is not None and spare.numel() == 64
         second.deposit([torch.tensor([3.0, 4.0])])
         assert first.wait_round(0, timeout=10)[0].tolist() == [2.0, 3.0]
         assert second.wait_round(0, timeout=10)[0].tolist() == [2.0, 3.0]
@@ -448,7 +449,7 @@ def test_reserve_does_nothing_under_shm_off(world: Plane, monkeypatch: pytest.Mo
     monkeypatch.setenv("FLODL_SHM", "off")
     client = world.client(0)
     try:
-        assert not client.reserve(1 << 20) and client.region is None and client._spare is None
+        assert not client.reserve(1 << 20) and client.region is None and client._spare.buffer is None
         assert not world.relay.regions
     finally:
         client.close()
@@ -470,14 +471,14 @@ def test_a_sparse_region_is_mapped_without_populating_it_and_readies_no_accumula
         region = world.relay.regions[0]
         assert not region.populated and region.size == size
         barrier = world.relay._barrier
-        assert barrier is None or barrier._spare is None
+        assert barrier is None or barrier._spare.buffer is None
         assert os.fstat(fd).st_blocks * 512 < 1 << 20  # still sparse after the relay mapped it
         # The rank's own (populated) region readies the accumulator of its size.
         assert isinstance(offer(client, own_offer(like)), ShmAccepted)
         assert world.relay.regions[0].populated
         barrier = world.relay._barrier
-        assert barrier is not None and barrier._spare is not None
-        assert barrier._spare.numel() == like.capacity
+        assert barrier is not None and barrier._spare.buffer is not None
+        assert barrier._spare.buffer.numel() == like.capacity
     finally:
         client.close()
         like.close()
