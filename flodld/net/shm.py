@@ -30,11 +30,12 @@ import stat
 from collections.abc import Sequence
 from typing import Final
 
+from flodld.wire.data import MAX_REGION_BYTES
+
 MAGIC: Final = b"flodld-shm-v1\0\0\0"
 TAG_BYTES: Final = 32
 HEADER_BYTES: Final = 64  # magic, tag, padding: the bundle's bytes start 64-byte aligned
 MEMFD_NAME: Final = "flodld-shm"
-MAX_REGION_BYTES: Final = 1 << 38  # 256 GiB: refused before anything is mapped
 # Fault every page in with the map (one kernel call) instead of one fault per page on first touch: for a
 # fresh 64 MiB region that is 16384 faults on the round's critical path (the flagship's first big round).
 _POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)

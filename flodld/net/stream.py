@@ -187,7 +187,7 @@ class FramedStream:
         """
         if not self._spares:
             return None
-        sent = self._written - self.writer.transport.get_write_buffer_size()
+        sent = self._sent()
         for buffer, end in self._spares:
             if end <= sent:
                 return buffer
@@ -217,6 +217,10 @@ class FramedStream:
                     self._put(frame)
         await self.drain()
 
+    def _sent(self) -> int:
+        """Bytes of this stream's the transport has sent (handed over, less what it still buffers)."""
+        return self._written - self.writer.transport.get_write_buffer_size()
+
     def _keep_spare(self, data: bytearray | memoryview) -> None:
         """A large frame built in a fresh map: keep a buffer of its size for a later frame instead (in a
         second slot, or in place of a free spare too small for it).
@@ -226,7 +230,7 @@ class FramedStream:
         if len(self._spares) < 2:
             self._spares.append((bytearray(len(data)), 0))
             return
-        sent = self._written - self.writer.transport.get_write_buffer_size()
+        sent = self._sent()
         for index, (buffer, end) in enumerate(self._spares):
             if end <= sent and len(buffer) < len(data):
                 self._spares[index] = (bytearray(len(data)), 0)

@@ -305,14 +305,20 @@ class Relay:
             # Folded into the accumulator, the frame's buffer is free again.
             release = functools.partial(conn.recycle, frame)
             results = barrier.contribute_message(leg.rank, message, frame.tail_view, release)
-        except Exception as error:  # any decode or fold failure refuses this rank, never kills the relay
-            self.refused += 1
-            log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
-            await self._send_quietly(leg.stream, DataPlaneError(reason=str(error)[:1024]))
-            return True
+        except Exception as error:
+            return await self._refuse_deposit(leg, error)
         for result in results:
             await self._ship(result)
         return False
+
+    async def _refuse_deposit(self, leg: _Leg, error: Exception) -> bool:
+        """Any decode or fold failure of a deposit (framed or shared) refuses this rank, never kills the
+        relay. True: the leg stops.
+        """
+        self.refused += 1
+        log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
+        await self._send_quietly(leg.stream, DataPlaneError(reason=str(error)[:1024]))
+        return True
 
     async def _on_shm_offer(self, message: ShmOffer, leg: _Leg, frame: Frame) -> None:
         """Map and check the rank's region (flodld.net.shm), or refuse it: the leg goes on framed."""
@@ -363,13 +369,10 @@ class Relay:
             region.lend()
             lent = True
             results = barrier.contribute_message(leg.rank, message, data, region.give_back)
-        except Exception as error:  # as `_on_deposit`: refuse this rank, never kill the relay
+        except Exception as error:
             if lent and region is not None:
                 region.give_back()
-            self.refused += 1
-            log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
-            await self._send_quietly(leg.stream, DataPlaneError(reason=str(error)[:1024]))
-            return True
+            return await self._refuse_deposit(leg, error)
         self._shm_round[leg.rank] = message.round
         for result in results:
             await self._ship(result)

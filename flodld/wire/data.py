@@ -149,7 +149,7 @@ class DataPlaneError(Message):
 
 # --- shared memory between a rank and its relay (same host; docs/protocol.md, "Shared memory") ---------
 
-MAX_REGION_BYTES: Final = 1 << 38
+MAX_REGION_BYTES: Final = 1 << 38  # 256 GiB: refused before anything is opened or mapped
 Pid = Annotated[int, Field(ge=1, lt=2**31)]
 Fd = Annotated[int, Field(ge=0, lt=2**31)]
 RegionBytes = Annotated[int, Field(gt=64, le=MAX_REGION_BYTES)]
