@@ -36,7 +36,7 @@ from fhelium.core import (
     ValueStateError,
     canonical_rotation_step,
 )
-from fhelium.engine.base import EngineBase, _Moduli
+from fhelium.engine.base import EngineBase
 from fhelium.engine.compiled import compile_kernel
 from fhelium.engine.keyset import KeySet
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
@@ -273,15 +273,6 @@ class CkksEngine(EngineBase):
         data = self._public_encrypt(integers.unsqueeze(-2), "coefficient", factors, ids, public_key, c0_noise)
         return Ciphertext(data, depth, float(scale), ids, "ntt")
 
-    @staticmethod
-    def _wide_to_rns(x: torch.Tensor, q: _Moduli) -> torch.Tensor:
-        """Exact residues in [0, q) of int64 ``x [..., 1, N]`` with |x| < 2^62 (q < 2^50 per row):
-        round(x·(1/q)) in binary64 is within 1/2 + 2^-30 of x/q, so one conditional +q finishes.
-        """
-        estimate = (x.double() * q.q_inverse).round_().long()
-        residues = x - estimate.mul_(q.q)
-        return residues.add_(torch.bitwise_and(residues >> 63, q.q))
-
     def _public_encrypt(
         self,
         message: torch.Tensor,
@@ -327,13 +318,11 @@ class CkksEngine(EngineBase):
         q = self._mod(ids)
         addend = self._small_to_rns(errors[0], ids)
         native = self.ntt.native_level != "torch"
-        if c0_noise is not None:
+        if c0_noise is not None:  # one more message row, factor 1 (encrypt_integers passes factors)
+            assert factors is not None
             noise = c0_noise(math.prod(batch)).to(self.device).view(*batch, 1, self.ring_degree)
-            if native and factors is not None:  # one more message row, factor 1
-                message = torch.cat((message, noise), dim=-2)
-                factors = torch.cat((factors, torch.ones_like(factors[:1])))
-            else:
-                mod.add_mod_(addend, self._wide_to_rns(noise, q), q.q)
+            message = torch.cat((message, noise), dim=-2)
+            factors = torch.cat((factors, torch.ones_like(factors[:1])))
         divided = torch.stack((torch.zeros_like(errors[1]), errors[1])).long().unsqueeze(-2)
         if factors is None and domain == "coefficient":
             mod.add_mod_(addend, message, q.q)
@@ -352,7 +341,7 @@ class CkksEngine(EngineBase):
         else:
             if factors is not None:  # the reference: the residues, added as a coefficient-domain message
                 for row in range(factors.size(0)):
-                    residues = torch.remainder(message[..., row : row + 1, :], q.q)
+                    residues = mod.reduce_signed(message[..., row : row + 1, :], q.q)
                     residues = mod.mul_mod(residues, factors[row].view(-1, 1), q.q, q.q_inverse)
                     mod.add_mod_(addend, residues, q.q)
             data = self._mod_down(products, ids, torch.stack((addend, torch.zeros_like(addend))), divided)
