@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -283,14 +283,19 @@ def encrypt_values(
     values: torch.Tensor,
     public: PublicKey,
     parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
+    *,
+    c0_noise: Callable[[int], torch.Tensor] | None = None,
 ) -> Ciphertext:
     """Public-key encryption of real slots ``[rows, ≤S]`` under the collective key: the same
     ciphertext as ``engine.encrypt(encode_values(...))``, without the residue tensor of the
-    message (``CkksEngine.encrypt_integers`` takes the residues inside ModDown).
+    message (``CkksEngine.encrypt_integers`` takes the residues inside ModDown). ``c0_noise``:
+    ``encrypt_integers``'s (``ThresholdParty.encrypt_flooded`` puts the flooding noise there).
     """
     shift = parameters.message_scale_bits - parameters.encode_scale_bits
     integers = encode_integers(engine, values, parameters)
-    return engine.encrypt_integers(integers, public, scale=parameters.message_scale, multiplier=1 << shift)
+    return engine.encrypt_integers(
+        integers, public, scale=parameters.message_scale, multiplier=1 << shift, c0_noise=c0_noise
+    )
 
 
 def combine_decryption(
@@ -450,19 +455,13 @@ class ThresholdParty:
         With groups of ``BLOCK_ROWS`` rows (the threshold preset's) the draws and so the result
         are bit for bit ``flooded_c0(encrypt(values).data[0])``.
         """
-        engine = self.engine
-        n = engine.ring_degree
-        source = engine.random.stream("smudging")
+        n = self.engine.ring_degree
+        source = self.engine.random.stream("smudging")
 
         def noise(rows: int) -> torch.Tensor:
             return smudging_noise(source, rows * n, self.parameters).view(rows, n)
 
-        parameters = self.parameters
-        shift = parameters.message_scale_bits - parameters.encode_scale_bits
-        integers = encode_integers(engine, values, parameters)
-        return engine.encrypt_integers(
-            integers, public, scale=parameters.message_scale, multiplier=1 << shift, c0_noise=noise
-        )
+        return encrypt_values(self.engine, values, public, self.parameters, c0_noise=noise)
 
     def decryption_share(self, ct: Ciphertext, *, digest: bool = True) -> DecryptionShare:
         """h_i = s_i·c1 + e_i' in the NTT domain over the ciphertext's primes.
