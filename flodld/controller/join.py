@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flodld.controller.metrics import ControllerCounters
-from flodld.net.preauth import GatedReader, PreAuthBudget
+from flodld.net.preauth import PreAuthBudget
 from flodld.net.preauth import charge as preauth_charge
-from flodld.net.stream import WRITE_STALL_SECS, FramedStream, accept_channel
+from flodld.net.stream import WRITE_STALL_SECS
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Closed, Frame, FrameConnection, NeedData, Role
@@ -189,9 +189,7 @@ def join_turns() -> TurnBudget:
 
 
 class LinkStream(Protocol):
-    """What the run uses of an admitted host's join connection: a `FramedStream` (the stream path,
-    `handle_join`) or a `JoinProtocol` (the protocol path the controller port serves).
-    """
+    """What the run uses of an admitted host's join connection (a `JoinProtocol`)."""
 
     @property
     def conn(self) -> FrameConnection:
@@ -208,6 +206,9 @@ class LinkStream(Protocol):
 
     def close(self) -> None:
         """Close the connection."""
+
+    def write_buffered(self) -> bool:
+        """Whether bytes written still wait in the transport (unknown: assume so)."""
 
 
 @dataclass
@@ -269,86 +270,12 @@ class JoinRun(Protocol):
         """
 
 
-async def handle_join(
-    controller: JoinRun, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    """The mux handler for the join channel (bound to a run, e.g. the Controller)."""
-    peername = writer.get_extra_info("peername")
-    sockname = writer.get_extra_info("sockname")
-    peer = str(peername[0]) if peername else "?"
-    local_address = str(sockname[0]) if sockname else controller.advertised_host
-    timeout = controller.handshake_timeout
-    turns = join_turns()
-    gate_held = True
-    try:
-        try:
-            await turns.take()  # before the nonce exchange: this side's nonce, then the keys
-            stream = await accept_channel(
-                reader,
-                writer,
-                controller.join_key,
-                channel=Channel.JOIN,
-                timeout=timeout,
-                max_payload=MAX_JOIN_PAYLOAD,
-                max_tail=0,
-            )
-            frame = await stream.recv(timeout)
-            await turns.take()  # before the hello's decoding and its admission
-        except WireError as error:
-            controller.refuse(peer, error.code, error.detail)
-            return
-        except (EOFError, asyncio.IncompleteReadError, ConnectionError):
-            if not (isinstance(reader, GatedReader) and reader.refused):  # else the mux counted its overrun
-                controller.refuse(peer, "eof_before_hello", "the dialer closed before sending its hello")
-            return
-        except TimeoutError:
-            controller.refuse(peer, "handshake_timeout", f"no hello within {timeout:g}s")
-            return
-        controller.counters.frame_in(CHANNEL, len(frame.payload))
-        try:
-            hello = frame.message()
-        except WireError as error:
-            await _reject(controller, stream, peer, "bad_payload", f"hello decode failed: {error.detail}")
-            return
-        if not isinstance(hello, Hello):
-            await _reject(
-                controller,
-                stream,
-                peer,
-                "expected_hello",
-                f"the first join-channel message must be Hello, got {type(hello).__name__}",
-            )
-            return
-        link = HostLink(hello.host, stream, peer, local_address)
-        accepted = controller.admit(hello, link)
-        if isinstance(accepted, Reject):
-            await _send_quietly(controller, stream, accepted)
-            return
-        try:
-            await stream.drain()
-        except (ConnectionError, TimeoutError, OSError) as error:
-            controller.link_closed(link, f"accept write failed ({error!r})", lost=True)
-            return
-        controller.release_gate(peer)
-        gate_held = False
-        await turns.take()  # before the link's set-up (keepalive, its first read)
-        _keepalive(writer, controller.link_keepalive_secs)
-        _link_opened()
-        try:
-            await _supervise(controller, link, stream)
-        finally:
-            _link_ended()
-    finally:
-        if gate_held:
-            controller.release_gate(peer)
-
-
-def _keepalive(writer: asyncio.StreamWriter | asyncio.BaseTransport, idle: float) -> None:
+def _keepalive(transport: asyncio.BaseTransport, idle: float) -> None:
     """TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
     network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
     after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
     """
-    sock = writer.get_extra_info("socket")
+    sock = transport.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     with contextlib.suppress(OSError, AttributeError):  # the TCP_KEEP* names are Linux/BSD only
@@ -365,43 +292,6 @@ REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link repor
 @REPORTS.handles(RankExited)
 def _rank_exited(message: RankExited, controller: JoinRun, link: HostLink) -> None:
     controller.rank_exited(link, message.rank, message.code)
-
-
-async def _supervise(controller: JoinRun, link: HostLink, stream: FramedStream) -> None:
-    """Read RankExited reports until the host closes its side (or the link breaks)."""
-    why, lost = "link closed", True
-    try:
-        while True:
-            frame = await stream.recv()
-            controller.counters.frame_in(CHANNEL, len(frame.payload))
-            try:
-                message = frame.message()
-            except WireError as error:
-                log.debug("event=join_frame_ignored host=%s detail=%r", link.host, error.detail)
-                continue
-            if type(message) in REPORTS:
-                REPORTS.dispatch(message, controller, link)
-            else:
-                log.debug("event=join_frame_ignored host=%s kind=%s", link.host, type(message).__name__)
-    except EOFError:
-        why, lost = "host closed its join link", False
-    except WireError as error:
-        why = f"join link violated the protocol: {error}"
-    except (ConnectionError, asyncio.IncompleteReadError, OSError) as error:
-        why = f"join link broke: {error!r}"
-    finally:
-        controller.link_closed(link, why, lost=lost)
-
-
-async def _reject(controller: JoinRun, stream: FramedStream, peer: str, code: str, reason: str) -> None:
-    controller.refuse(peer, code, reason)
-    await _send_quietly(controller, stream, Reject(code=code, reason=reason[:1024]))
-
-
-async def _send_quietly(controller: JoinRun, stream: FramedStream, message: Message) -> None:
-    with contextlib.suppress(ConnectionError, TimeoutError, OSError):
-        await stream.send(message)
-        controller.counters.frame_out(CHANNEL, 0)
 
 
 class JoinPort(Protocol):
@@ -430,7 +320,7 @@ class JoinProtocol(asyncio.Protocol):
     """One join connection served without a stream, task or coroutine: bytes go straight into the sans-io
     `FrameConnection` and each verified frame into the run (`JoinRun`).
 
-    The same rules as `handle_join` over a `GatedReader`, and the same refusals:
+    The rules (and refusals) of a stream channel behind a `GatedReader` and `accept_channel`:
     - the magic's deadline is the mux's; from routing, the nonce exchange and the first frame are due
       within the run's `handshake_timeout` (`handshake_timeout` refusal, no reply);
     - until the first frame verifies, every byte counts against the per-connection allowance
@@ -442,7 +332,7 @@ class JoinProtocol(asyncio.Protocol):
     - a hello that does not decode, or another first message, gets a Reject with the reason; the run's
       own Reject is sent as it is.
     The CPU-bound steps (this side's nonce and keys; the hello's decoding and admission) go through the
-    loop's `TurnBudget`, as on the stream path. Once admitted, the protocol object is the link's stream
+    loop's `TurnBudget`. Once admitted, the protocol object is the link's stream
     (`LinkStream`): it writes WorldFormed/Abort, hands RankExited to the run, and reports the link's end.
     """
 
@@ -492,11 +382,6 @@ class JoinProtocol(asyncio.Protocol):
 
     @property
     def transport(self) -> asyncio.Transport | None:
-        return self._transport
-
-    @property
-    def writer(self) -> asyncio.Transport | None:
-        """The transport (for `get_extra_info`), named as on a FramedStream."""
         return self._transport
 
     def send_nowait(self, msg: Message) -> None:
@@ -589,7 +474,7 @@ class JoinProtocol(asyncio.Protocol):
             self._drained.set_exception(ConnectionResetError("the join link closed"))
             self._drained.exception()  # retrieved: nobody may be waiting
         if state == _LINKED:
-            if exc is None:  # closed on this side (the run ended it): as the stream path sees it, an EOF
+            if exc is None:  # closed on this side (the run ended it): reported as an EOF
                 self._end_link("host closed its join link", lost=False)
             else:
                 self._end_link(f"join link broke: {exc!r}", lost=True)

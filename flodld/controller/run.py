@@ -37,7 +37,7 @@ from flodld.config.models import ClusterConfig
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
 from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, StatusSource, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
-from flodld.controller.join import HostLink, JoinProtocol, JoinRun, handle_join
+from flodld.controller.join import HostLink, JoinProtocol, JoinRun
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import ChannelHandler, ChannelProtocolFactory, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
@@ -49,7 +49,6 @@ from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, deriv
 from flodld.membership.snapshot import RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow, LinkOutcome
-from flodld.net.stream import FramedStream
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
@@ -68,21 +67,16 @@ PhaseListener = Callable[[Phase, str], object]
 class RunChannel:
     """How a run serves one channel of the controller port: its handler, bound to the run."""
 
-    handler: Callable[[Controller], ChannelHandler]
+    handler: Callable[[Controller], ChannelHandler] | None = None
     hold_gate: bool = False
     """The handler releases the peer's pre-admission slot itself (`PortMux.register`)."""
     protocol: Callable[[Controller], ChannelProtocolFactory] | None = None
-    """Served by a protocol per connection instead (`PortMux.register_protocol`); `handler` stays for
-    callers that serve the channel over streams."""
-
-
-def _join_handler(run: Controller) -> ChannelHandler:
-    join_run: JoinRun = run  # the join channel knows the run only through this protocol
-    return functools.partial(handle_join, join_run)
+    """Served by a protocol per connection instead of a handler (`PortMux.register_protocol`: the protocol
+    holds and releases the slot)."""
 
 
 def _join_protocol(run: Controller) -> ChannelProtocolFactory:
-    join_run: JoinRun = run
+    join_run: JoinRun = run  # the join channel knows the run only through this protocol
 
     def factory(mux: PortMux, peer: str) -> JoinProtocol:
         return JoinProtocol(join_run, mux, peer)
@@ -97,7 +91,7 @@ def _store_handler(run: Controller) -> ChannelHandler:
 RUN_CHANNELS: Final[Mapping[Channel, RunChannel]] = {
     # The join handshake keeps the peer's gate slot until the window decided its hello.
     # Served by a protocol per connection (no stream, task or coroutine while the handshake is in flight).
-    Channel.JOIN: RunChannel(_join_handler, hold_gate=True, protocol=_join_protocol),
+    Channel.JOIN: RunChannel(protocol=_join_protocol),
     Channel.RENDEZVOUS: RunChannel(_store_handler),
 }
 """The channels a run serves from `listen()` on, whoever bound the port. Channels that exist only once
@@ -241,6 +235,7 @@ class Controller:
                 self.mux.register_protocol(channel, spec.protocol(self))
                 self._channels.add(channel)
             else:
+                assert spec.handler is not None
                 self._serve(channel, spec.handler(self), hold_gate=spec.hold_gate)
 
     def host_key(self, host: str) -> bytes | None:
@@ -904,15 +899,7 @@ _is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
 
 def _write_buffered(link: HostLink) -> bool:
     """Whether bytes written to the link still wait in its transport (unknown: assume so)."""
-    if isinstance(link.stream, JoinProtocol):
-        return link.stream.write_buffered()
-    if not isinstance(link.stream, FramedStream):
-        return True
-    transport = link.stream.writer.transport
-    try:
-        return transport.is_closing() or transport.get_write_buffer_size() > 0
-    except (AttributeError, NotImplementedError):
-        return True
+    return link.stream.write_buffered()
 
 
 def _is_ip_literal(address: str) -> bool:

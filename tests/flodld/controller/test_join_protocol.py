@@ -1,9 +1,9 @@
 """Issue 18: the join channel is served by one protocol object per connection (`JoinProtocol`).
 
 No StreamReader, task or coroutine per dial in its handshake nor per linked host, and the same refusals as
-the stream path (`handle_join` over a `GatedReader`): frame-level failures get no reply and a counted
-refusal, the pre-authentication allowance and the global budget drop the connection at the port, the
-address's gate slot and the budget's bytes come back whatever the ending.
+the join channel had over a `GatedReader` (the stream path, `handle_join`, since removed): frame-level
+failures get no reply and a counted refusal, the pre-authentication allowance and the global budget drop
+the connection at the port, the address's gate slot and the budget's bytes come back whatever the ending.
 """
 
 from __future__ import annotations
