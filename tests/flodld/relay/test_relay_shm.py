@@ -28,7 +28,7 @@ import torch
 from flodld.fold.base import Bundle
 from flodld.fold.chunks import Layout, split_parts
 from flodld.fold.codec import encode_bundle_parts
-from flodld.net.shm import OwnedRegion
+from flodld.net.shm import OwnedRegion, shm_mode
 from flodld.rank import relay_client as relay_client_module
 from flodld.rank.relay_client import RelayClient, RelayClientError
 from flodld.wire.data import Broadcast, ShmAccepted, ShmDeposit, ShmOffer, ShmRefused, ShmResult
@@ -483,3 +483,10 @@ def test_a_sparse_region_is_mapped_without_populating_it_and_readies_no_accumula
         client.close()
         like.close()
         os.close(fd)
+
+
+def test_flodld_shm_takes_auto_on_or_off_and_names_them_when_it_is_anything_else() -> None:
+    assert shm_mode({}) == "auto" and shm_mode({"FLODL_SHM": ""}) == "auto"
+    assert [shm_mode({"FLODL_SHM": mode}) for mode in ("auto", "on", "off")] == ["auto", "on", "off"]
+    with pytest.raises(ValueError, match=r"FLODL_SHM='yes'; use one of auto, on, off"):
+        shm_mode({"FLODL_SHM": "yes"})
