@@ -449,15 +449,16 @@ class ThresholdSession:
             flooded = [ct.data[0] for _, ct, _ in parts]
         else:
             flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
+
         def c1_arrived(finish: Callable[[], torch.Tensor]) -> torch.Tensor:
             c1 = finish()
             if record is not None:
                 record("c1_sum", c1)
             return c1
 
-        # with the hook: every c1 sum first, then the hook, then the contributions
-        sums = [c1_arrived(finish) for _, _, finish in parts] if before_contribution is not None else []
-        if before_contribution is not None:
+        sums: list[torch.Tensor] = []
+        if before_contribution is not None:  # every c1 sum first, then the hook, then the contributions
+            sums = [c1_arrived(finish) for _, _, finish in parts]
             before_contribution()
         pending = []
         for index, ((k, ct, c1_sum), contribution) in enumerate(zip(parts, flooded, strict=True)):
