@@ -347,7 +347,6 @@ class JoinProtocol(asyncio.Protocol):
         "_paused",
         "_peer",
         "_port",
-        "_refused",
         "_run",
         "_state",
         "_timer",
@@ -370,7 +369,6 @@ class JoinProtocol(asyncio.Protocol):
         self._link: HostLink | None = None
         self._paused = False  # the transport's write buffer is over its high-water mark
         self._drained: asyncio.Future[None] | None = None
-        self._refused = False
         self.local_address = run.advertised_host
 
     # --- LinkStream ------------------------------------------------------------------------------
@@ -479,7 +477,7 @@ class JoinProtocol(asyncio.Protocol):
             else:
                 self._end_link(f"join link broke: {exc!r}", lost=True)
             return
-        if state != _ENDED and not self._refused:
+        if state != _ENDED:  # an ending on this side (refusal, Reject, overrun) was counted where it happened
             self._run.refuse(self._peer, "eof_before_hello", "the dialer closed before sending its hello")
         self._end_handshake()
 
@@ -585,7 +583,6 @@ class JoinProtocol(asyncio.Protocol):
 
     def _overrun(self, code: str, detail: str) -> None:
         """Over the allowance or the budget: the port drops it (counted there, not as a join refusal)."""
-        self._refused = True
         self._state = _ENDED
         assert self._transport is not None
         self._end_handshake()
