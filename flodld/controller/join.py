@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flodld.controller.metrics import ControllerCounters
+from flodld.net.keepalive import Inherited, keepalive_options, set_options
 from flodld.net.preauth import PreAuthBudget
 from flodld.net.preauth import charge as preauth_charge
 from flodld.net.stream import WRITE_STALL_SECS
@@ -52,10 +53,11 @@ class TurnBudget:
     later turns. Sans-io apart from the loop's `call_soon` and futures.
     """
 
-    def __init__(self, per_turn: int) -> None:
+    def __init__(self, per_turn: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
         if per_turn < 1:
             raise ValueError(f"a turn budget lets >= 1 step through, got {per_turn}")
         self.per_turn = per_turn
+        self._loop = loop  # None: the running loop, asked when a turn is scheduled
         self._used = 0
         self._waiters: deque[asyncio.Future[None] | Callable[[], None]] = deque()
         self._refill_scheduled = False
@@ -96,7 +98,7 @@ class TurnBudget:
     def _schedule_refill(self) -> None:
         if not self._refill_scheduled:
             self._refill_scheduled = True
-            asyncio.get_running_loop().call_soon(self._refill)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._refill)
 
     def _refill(self) -> None:
         """Runs once per turn while anything is counted or waiting: a new turn's budget, first to waiters."""
@@ -174,16 +176,19 @@ def _link_ended() -> None:
             gc.unfreeze()
 
 
-def join_turns() -> TurnBudget:
-    """The running loop's join-step budget (one per loop: every run on a controller port shares it)."""
+def join_turns(loop: asyncio.AbstractEventLoop | None = None) -> TurnBudget:
+    """`loop`'s join-step budget (one per loop: every run on a controller port shares it); by default the
+    running loop's (under Python 3.11 asking for it is a getpid() system call: callers that know it pass it).
+    """
     global _LAST
-    loop = asyncio.get_running_loop()
+    if loop is None:
+        loop = asyncio.get_running_loop()
     last = _LAST
     if last is not None and last[0]() is loop:
         return last[1]
     budget = _BUDGETS.get(loop)
     if budget is None:
-        budget = _BUDGETS[loop] = TurnBudget(JOIN_STEPS_PER_TURN)
+        budget = _BUDGETS[loop] = TurnBudget(JOIN_STEPS_PER_TURN, loop)
     _LAST = (weakref.ref(loop), budget)
     return budget
 
@@ -274,15 +279,12 @@ def _keepalive(transport: asyncio.BaseTransport, idle: float) -> None:
     """TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
     network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
     after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
+    Only where the link did not inherit exactly these from the listening socket (`JoinPort.inherited`).
     """
     sock = transport.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
-    with contextlib.suppress(OSError, AttributeError):  # the TCP_KEEP* names are Linux/BSD only
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(idle)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle / 3)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    set_options(sock, keepalive_options(idle))
 
 
 REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link report")
@@ -300,6 +302,14 @@ class JoinPort(Protocol):
     @property
     def budget(self) -> PreAuthBudget:
         """The global pre-authentication budget."""
+
+    @property
+    def inherited(self) -> Inherited:
+        """The TCP options every connection of the port starts with (set once on its listening socket)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop serving the port (None: the running one)."""
 
     def drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
         """Count, log and abort a connection the port refuses (pre-authentication overrun)."""
@@ -344,6 +354,7 @@ class JoinProtocol(asyncio.Protocol):
         "_gate_held",
         "_held",
         "_link",
+        "_loop",
         "_paused",
         "_peer",
         "_port",
@@ -369,6 +380,7 @@ class JoinProtocol(asyncio.Protocol):
         self._link: HostLink | None = None
         self._paused = False  # the transport's write buffer is over its high-water mark
         self._drained: asyncio.Future[None] | None = None
+        self._loop = port.loop or asyncio.get_running_loop()
         self.local_address = run.advertised_host
 
     # --- LinkStream ------------------------------------------------------------------------------
@@ -392,7 +404,7 @@ class JoinProtocol(asyncio.Protocol):
         if not self._paused:
             return
         if self._drained is None or self._drained.done():
-            self._drained = asyncio.get_running_loop().create_future()
+            self._drained = self._loop.create_future()
         async with asyncio.timeout(scaled(WRITE_STALL_SECS)):
             await asyncio.shield(self._drained)
 
@@ -417,8 +429,8 @@ class JoinProtocol(asyncio.Protocol):
         if sockname:
             self.local_address = str(sockname[0])
         timeout = self._run.handshake_timeout
-        self._timer = asyncio.get_running_loop().call_later(timeout, self._deadline_passed)
-        join_turns().call(self._start)
+        self._timer = self._loop.call_later(timeout, self._deadline_passed)
+        join_turns(self._loop).call(self._start)
 
     def data_received(self, data: bytes) -> None:
         state = self._state
@@ -496,10 +508,11 @@ class JoinProtocol(asyncio.Protocol):
             max_tail=0,
             channel=Channel.JOIN,
         )
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self._port.inherited.nodelay:  # uvloop sets it on its transports; asyncio does not
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.write(conn.initial_bytes())
         self._state = _HANDSHAKE
         early, self._early = self._early, b""
@@ -532,7 +545,7 @@ class JoinProtocol(asyncio.Protocol):
         assert self._transport is not None
         with contextlib.suppress(RuntimeError, AttributeError):
             self._transport.pause_reading()
-        join_turns().call(lambda: self._decide(event))
+        join_turns(self._loop).call(lambda: self._decide(event))
 
     def _decide(self, frame: Frame) -> None:
         """The hello's turn: decode it and let the run decide."""
@@ -566,7 +579,9 @@ class JoinProtocol(asyncio.Protocol):
         self._release_gate()
         self._link = link
         self._state = _LINKED
-        _keepalive(transport, run.link_keepalive_secs)
+        idle = run.link_keepalive_secs
+        if not self._port.inherited.keeps_alive(idle):
+            _keepalive(transport, idle)
         _link_opened()
         with contextlib.suppress(RuntimeError, AttributeError):
             transport.resume_reading()

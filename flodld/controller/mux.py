@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
 from flodld.controller.metrics import ControllerCounters
+from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
 from flodld.wire.magic import HTTP_PREFIXES, MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
 
@@ -236,8 +237,18 @@ class PortMux:
         gate: PreAdmissionGate | None = None,
         warner: CleartextWarner | None = None,
         budget: PreAuthBudget | None = None,
+        link_keepalive: float | None = None,
     ) -> None:
+        """`link_keepalive`: the keepalive idle time (s) set on the listening socket, so every connection
+        starts with it (see `Inherited`); a channel that wants another sets its own per connection.
+        """
         self.counters = counters
+        self.link_keepalive = link_keepalive
+        self.inherited = Inherited()
+        """What accepted connections inherit from the listener (TCP_NODELAY, keepalive): set at `start()`."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop serving the port, from `start()` (protocols take it from here: under Python 3.11 each
+        `asyncio.get_running_loop()` is a getpid() system call)."""
         self.magic_deadline = magic_deadline
         self.http_lifetime = http_lifetime
         self.gate = gate or PreAdmissionGate()
@@ -287,11 +298,12 @@ class PortMux:
         collector took about a sixth of the controller's CPU; this saves a tenth of that).
         """
         gc.freeze()
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(lambda: _MuxProtocol(self), host, port, backlog=4096)
         except OSError as exc:
             raise OSError(exc.errno, f"controller: bind {host}:{port} failed: {exc.strerror}") from exc
+        self.inherited = listen_with(list(self._server.sockets), self.link_keepalive)
         if type(loop).__module__.startswith("uvloop"):  # asyncio's own loop accepts in batches already
             for listening in self._server.sockets:
                 with contextlib.suppress(OSError, ValueError):
@@ -507,7 +519,7 @@ class _MuxProtocol(asyncio.Protocol):
                 self._transport, self._peer, "flood", "too many pre-admission connections from this address"
             )
             return
-        loop = asyncio.get_running_loop()
+        loop = self._mux.loop or asyncio.get_running_loop()
         self._timer = loop.call_later(self._mux.magic_deadline, self._deadline_passed)
 
     def data_received(self, data: bytes) -> None:

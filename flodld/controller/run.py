@@ -161,6 +161,7 @@ class Controller:
             http_lifetime=options.http_lifetime,
             gate=PreAdmissionGate(options.max_pending_per_peer, exempt_loopback=not options.limit_loopback),
             warner=CleartextWarner("controller"),
+            link_keepalive=options.link_keepalive_secs * options.timeout_scale,
         )
         self.store = StoreService(self.run_id, self.salt, self.counters)
         self.window: JoinWindow | None = None

@@ -89,6 +89,7 @@ class Service:
             http_lifetime=options.http_lifetime,
             gate=PreAdmissionGate(options.max_pending_per_peer, exempt_loopback=not options.limit_loopback),
             warner=CleartextWarner("controller"),
+            link_keepalive=options.link_keepalive_secs * options.timeout_scale,
         )
         self.address: tuple[str, int] | None = None
         self.controller: Controller | None = None  # the run state.json shows: the current run, or the last

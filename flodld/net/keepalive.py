@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
+from dataclasses import dataclass
 
 from flodld.net.timeouts import scaled
 
@@ -25,6 +27,70 @@ def dead_link_bound_secs(idle: float | None = None) -> float:
     return 2 * max(1, round(idle))
 
 
+def keepalive_options(idle: float) -> tuple[tuple[int, int, int], ...]:
+    """The (level, option, value) triples of keepalive after `idle` s of silence: probes every idle/3 s,
+    three unanswered ones fail the read. Empty where the platform lacks the TCP_KEEP* names (Linux/BSD only).
+    """
+    names = ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")
+    if not all(hasattr(socket, name) for name in names):
+        return ()
+    seconds = max(1, round(idle))
+    return (
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, seconds),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(seconds / KEEPALIVE_PROBES))),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES),
+    )
+
+
+def set_options(sock: socket.socket, options: tuple[tuple[int, int, int], ...]) -> bool:
+    """Set every option on `sock`; False (what was set stays set) where one is refused or none exist."""
+    if not options:
+        return False
+    try:
+        for level, name, value in options:
+            sock.setsockopt(level, name, value)
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """The TCP options every connection accepted on a listening socket starts with, set once on the listener.
+
+    Linux copies a listening socket's TCP state (TCP_NODELAY, SO_KEEPALIVE and the TCP_KEEP* timings) into
+    each socket it accepts, so a server that wants them on every connection pays four or five system calls
+    once instead of per connection (and no socket object per connection to make them). Elsewhere nothing is
+    assumed inherited: `listen_with` gives the empty answer and each connection sets its own.
+    """
+
+    nodelay: bool = False
+    keepalive: float | None = None
+    """The keepalive idle time (s, as `keepalive_options` rounds it) every accepted socket has, or None."""
+
+    def keeps_alive(self, idle: float) -> bool:
+        """Whether accepted sockets already probe as `keepalive_options(idle)` says."""
+        return self.keepalive is not None and self.keepalive == max(1, round(idle))
+
+
+def listen_with(listeners: list[socket.socket], keepalive: float | None) -> Inherited:
+    """TCP_NODELAY and (when `keepalive` is given) keepalive on every listening socket; what accepted
+    connections may then take as theirs. Nothing is claimed unless every listener took every option.
+    """
+    if not sys.platform.startswith("linux"):
+        return Inherited()
+    tcp = [sock for sock in listeners if sock.family in (socket.AF_INET, socket.AF_INET6)]
+    if not tcp or len(tcp) != len(listeners):
+        return Inherited()
+    nodelay = all(set_options(sock, ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)) for sock in tcp)
+    if keepalive is None:
+        return Inherited(nodelay=nodelay)
+    options = keepalive_options(keepalive)
+    alive = all([set_options(sock, options) for sock in tcp])
+    return Inherited(nodelay=nodelay, keepalive=float(max(1, round(keepalive))) if alive else None)
+
+
 def keep_alive(writer: asyncio.StreamWriter, idle: float | None = None) -> bool:
     """Enable keepalive (idle: seconds, default the scaled LINK_KEEPALIVE_SECS) on the writer's TCP socket.
 
@@ -34,12 +100,7 @@ def keep_alive(writer: asyncio.StreamWriter, idle: float | None = None) -> bool:
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return False
     seconds = max(1, round(scaled(LINK_KEEPALIVE_SECS) if idle is None else idle))
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, seconds)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(seconds / KEEPALIVE_PROBES)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-    except (OSError, AttributeError):  # the TCP_KEEP* names are Linux/BSD only
+    if not set_options(sock, keepalive_options(seconds)):
         return False
     with contextlib.suppress(OSError, AttributeError):  # Linux only: bounds unacknowledged writes
         sock.setsockopt(

@@ -9,8 +9,12 @@ import pytest
 
 from flodld.config.join import JoinConfig
 from flodld.controller.join import JoinProtocol
+from flodld.controller.metrics import ControllerCounters
+from flodld.controller.mux import PortMux
+from flodld.controller.run import Controller
 from flodld.controller.snapshot import STATE_MAX_AGE_SECS
 from flodld.membership.phase import Phase
+from flodld.net.keepalive import Inherited
 from flodld.wire.errors import WireError
 from flodld.wire.join import Reject
 from flodld.wire.magic import Channel, magic_prefix
@@ -324,6 +328,48 @@ async def test_admitted_links_probe_with_tcp_keepalive_scaled_by_the_run_env() -
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
         await agent.leave()
+
+
+async def test_the_listening_socket_carries_nodelay_and_the_runs_keepalive_for_links_to_inherit() -> None:
+    """Set once on the listener instead of per admitted link (five system calls and a socket object per
+    join, ~5 % of a 10,000-host storm's controller CPU); the test above checks a link really has them.
+    """
+    opts = options(capacity=2, link_keepalive_secs=15, env={"FLODL_NET_TIMEOUT_SCALE": "0.2"})
+    async with running(opts) as (controller, _):
+        assert controller.mux.inherited == Inherited(nodelay=True, keepalive=3.0)
+        server = controller.mux._server
+        assert server is not None
+        for sock in server.sockets:
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 3
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+
+
+async def test_a_run_whose_keepalive_differs_from_the_ports_listener_sets_its_own_on_each_link() -> None:
+    """A long-running service's port was set up with the service's options; a run with other ones (here
+    15 s x 0.2 against the listener's 40 s) still probes as it says.
+    """
+    mux = PortMux(ControllerCounters(), link_keepalive=40)
+    address = await mux.start("127.0.0.1", 0)
+    assert mux.inherited.keepalive == 40
+    opts = options(capacity=2, link_keepalive_secs=15, env={"FLODL_NET_TIMEOUT_SCALE": "0.2"})
+    controller = Controller(opts, mux=mux, address=address)
+    await controller.start()
+    try:
+        agent = await join(address[1], controller.salt, "a")
+        link = controller._links["a"].stream
+        assert isinstance(link, JoinProtocol) and link.transport is not None
+        sock = link.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 3
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+        await agent.leave()
+    finally:
+        await controller.close()
+        await mux.close()
 
 
 async def test_state_json_counts_connections_by_channel_and_drops_by_reason() -> None:
