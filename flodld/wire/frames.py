@@ -182,6 +182,25 @@ def direction_key(
     return hkdf_sha256(key, salt=dialer_nonce + listener_nonce, info=info)
 
 
+def direction_keys(
+    key: bytes,
+    dialer_nonce: bytes,
+    listener_nonce: bytes,
+    channel: Channel | None,
+    suite: Suite,
+    sender: Role,
+) -> tuple[bytes, bytes]:
+    """`direction_key` of `sender`'s frames and of its peer's, with one HKDF extract for both (they share
+    the input key and salt; only the info differs). A 32-byte output is one expand block.
+    """
+    prk = hmac.digest(dialer_nonce + listener_nonce, key, hashlib.sha256)
+    info = KEY_LABEL + channel_binding(channel) + bytes((int(suite),))
+    return (
+        hmac.digest(prk, info + _DIRECTION[sender] + b"\x01", hashlib.sha256),
+        hmac.digest(prk, info + _DIRECTION[_PEER[sender]] + b"\x01", hashlib.sha256),
+    )
+
+
 def _aead(suite: Suite, key: bytes) -> AESGCM | ChaCha20Poly1305:
     return AESGCM(key) if suite is Suite.AES_256_GCM else ChaCha20Poly1305(key)
 
@@ -731,12 +750,10 @@ class FrameConnection:
         suite = choose_suite(dialer, listener)
         self.suite = suite
         self._send_limit = AES_GCM_MAX_FRAMES if suite is Suite.AES_256_GCM else MAX_SEQ + 1
-        send_key = direction_key(key, dialer, listener, self.channel, suite, self.role)
+        send_key, recv_key = direction_keys(key, dialer, listener, self.channel, suite, self.role)
         self._send_aead = _aead(suite, send_key)
         self._send_key = send_key if suite is Suite.AES_256_GCM else None
-        self._recv_aead = _aead(
-            suite, direction_key(key, dialer, listener, self.channel, suite, _PEER[self.role])
-        )
+        self._recv_aead = _aead(suite, recv_key)
 
     def _ensure_alive(self) -> None:
         if self._dead:

@@ -29,6 +29,7 @@ from flodld.wire.frames import (
     Suite,
     choose_suite,
     direction_key,
+    direction_keys,
     hkdf_sha256,
 )
 from flodld.wire.join import Abort, RankExited
@@ -78,6 +79,13 @@ def test_direction_keys_bind_salt_channel_suite_direction_and_both_nonces() -> N
         direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, Suite.CHACHA20_POLY1305, dialer)
         != expected
     )
+    for sender, peer in ((Role.DIALER, Role.LISTENER), (Role.LISTENER, Role.DIALER)):
+        for suite in Suite:
+            for channel in (Channel.DATA, Channel.JOIN, None):
+                assert direction_keys(SALT, dialer_nonce, listener_nonce, channel, suite, sender) == (
+                    direction_key(SALT, dialer_nonce, listener_nonce, channel, suite, sender),
+                    direction_key(SALT, dialer_nonce, listener_nonce, channel, suite, peer),
+                )
     keys = {
         direction_key(SALT, dialer_nonce, listener_nonce, channel, aes, dialer) for channel in CHANNEL_MAGICS
     }
