@@ -49,8 +49,8 @@ JOIN_STEPS_PER_TURN = 16
 
 
 class TurnBudget:
-    """At most `per_turn` callers of `take()` go on per event-loop turn; the others wait, in order, for
-    later turns. Sans-io apart from the loop's `call_soon` and futures.
+    """At most `per_turn` steps given to `call()` run per event-loop turn; the others wait, in order, for
+    later turns. Sans-io apart from the loop's `call_soon`.
     """
 
     def __init__(self, per_turn: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -59,32 +59,16 @@ class TurnBudget:
         self.per_turn = per_turn
         self._loop = loop  # None: the running loop, asked when a turn is scheduled
         self._used = 0
-        self._waiters: deque[asyncio.Future[None] | Callable[[], None]] = deque()
+        self._waiters: deque[Callable[[], None]] = deque()
         self._refill_scheduled = False
         self.deferred = 0
         """How many steps waited for a later turn (for tests and diagnostics)."""
 
-    async def take(self) -> None:
-        if self._used < self.per_turn and not self._waiters:
-            self._used += 1
-            self._schedule_refill()
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        self.deferred += 1
-        self._schedule_refill()
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self._used -= 1  # woken and counted, then cancelled: give the step back
-            raise
-
     def call(self, step: Callable[[], None]) -> None:
         """Run `step` now if this turn's budget allows (and nobody waits), else in a later turn, in order.
 
-        The callback form of `take()`, for protocol objects that have no coroutine to suspend. A step that
-        raises is logged; the turn goes on.
+        A step that raises is logged; the turn goes on. A step whose connection ended meanwhile still takes
+        its place in line (it returns at once: the join protocol's steps check their state first).
         """
         if self._used < self.per_turn and not self._waiters:
             self._used += 1
@@ -105,15 +89,10 @@ class TurnBudget:
         self._refill_scheduled = False
         self._used = 0
         while self._waiters and self._used < self.per_turn:
-            waiter = self._waiters.popleft()
-            if isinstance(waiter, asyncio.Future):
-                if not waiter.done():
-                    waiter.set_result(None)
-                    self._used += 1
-                continue
+            step = self._waiters.popleft()
             self._used += 1
             try:
-                waiter()
+                step()
             except Exception:
                 log.exception("event=join_step_failed")
         if self._used or self._waiters:

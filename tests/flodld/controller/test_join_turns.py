@@ -14,95 +14,55 @@ from flodld.controller.join import JOIN_STEPS_PER_TURN, TurnBudget, join_turns
 from tests.flodld.controller.agents import TurnCounter
 
 
-async def _storm(budget: TurnBudget, takers: int) -> tuple[list[int], Counter[int]]:
-    turns = TurnCounter()
-    order: list[int] = []
-    per_turn: Counter[int] = Counter()
+def _storm(budget: TurnBudget, steps: int) -> tuple[list[int], Counter[int]]:
+    """`steps` steps handed to the budget in one turn; the order they ran in and how many ran per turn."""
 
-    async def step(index: int) -> None:
-        await budget.take()
-        order.append(index)
-        per_turn[turns.turn] += 1
+    async def main() -> tuple[list[int], Counter[int]]:
+        turns = TurnCounter()
+        order: list[int] = []
+        per_turn: Counter[int] = Counter()
+        finished = asyncio.get_running_loop().create_future()
 
-    await asyncio.gather(*(step(i) for i in range(takers)))
-    turns.stop()
-    return order, per_turn
+        def step(index: int) -> None:
+            order.append(index)
+            per_turn[turns.turn] += 1
+            if len(order) == steps:
+                finished.set_result(None)
+
+        for index in range(steps):
+            budget.call(lambda index=index: step(index))  # type: ignore[misc]
+        await finished
+        turns.stop()
+        return order, per_turn
+
+    return asyncio.run(main())
 
 
 def test_a_storm_goes_through_a_few_steps_per_turn_in_arrival_order() -> None:
     budget = TurnBudget(8)
-    order, per_turn = asyncio.run(_storm(budget, 200))
+    order, per_turn = _storm(budget, 200)
     assert order == list(range(200))  # first come, first served
-    assert max(per_turn.values()) <= 2 * 8  # a turn's own budget plus the waiters woken for the next
-    assert len(per_turn) >= 200 // 16  # spread over many turns, not all in one
-    assert budget.deferred > 0
+    assert order[:8] == list(range(8)) and per_turn[0] == 8  # the first turn's budget: taken at once
+    assert max(per_turn.values()) <= 8  # never more than a turn's budget
+    assert len(per_turn) >= 200 // 8  # spread over many turns, not all in one
+    assert budget.deferred == 200 - 8
 
 
 def test_a_quiet_loop_never_waits() -> None:
-    async def main() -> int:
+    async def main() -> tuple[int, int]:
         budget = TurnBudget(4)
-        for _ in range(50):  # one step per turn: always within the budget
-            await budget.take()
+        ran = 0
+
+        def step() -> None:
+            nonlocal ran
+            ran += 1
+
+        for _ in range(50):  # one step per turn: always within the budget, run at once
+            budget.call(step)
             await asyncio.sleep(0)
-        return budget.deferred
+        return ran, budget.deferred
 
-    assert asyncio.run(main()) == 0
-
-
-def test_cancelled_waiters_give_their_place_and_the_rest_still_go_through() -> None:
-    async def main() -> list[int]:
-        budget = TurnBudget(2)
-        done: list[int] = []
-
-        async def step(index: int) -> None:
-            await budget.take()
-            done.append(index)
-
-        tasks = [asyncio.create_task(step(i)) for i in range(20)]
-        await asyncio.sleep(0)
-        for task in tasks[5:15]:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return done
-
-    done = asyncio.run(main())
-    assert done == [*range(5), *range(15, 20)]
-
-
-def test_callback_steps_share_the_turns_with_awaited_ones_in_arrival_order() -> None:
-    """`call()` (the join protocol's form: no coroutine) waits in the same line as `take()`."""
-
-    async def main() -> tuple[list[str], Counter[int], int]:
-        budget = TurnBudget(4)
-        turns = TurnCounter()
-        order: list[str] = []
-        per_turn: Counter[int] = Counter()
-        finished = asyncio.get_running_loop().create_future()
-
-        def note(name: str) -> None:
-            order.append(name)
-            per_turn[turns.turn] += 1
-            if len(order) == 60 and not finished.done():
-                finished.set_result(None)
-
-        async def awaited(index: int) -> None:
-            await budget.take()
-            note(f"t{index}")
-
-        tasks = []
-        for index in range(30):  # alternate: a callback step, then a task's step, all in one turn
-            budget.call(lambda index=index: note(f"c{index}"))  # type: ignore[misc]
-            tasks.append(asyncio.create_task(awaited(index)))
-        await asyncio.gather(*tasks)
-        await finished
-        turns.stop()
-        return order, per_turn, budget.deferred
-
-    order, per_turn, deferred = asyncio.run(main())
-    callbacks = [name for name in order if name.startswith("c")]
-    assert callbacks == [f"c{index}" for index in range(30)] and len(order) == 60
-    assert order[:4] == ["c0", "c1", "c2", "c3"]  # the first turn's budget: taken at once, in order
-    assert max(per_turn.values()) <= 2 * 4 and deferred > 0
+    assert asyncio.run(main()) == (50, 0)
 
 
 def test_a_failing_callback_step_is_logged_and_the_line_goes_on(caplog: pytest.LogCaptureFixture) -> None:
