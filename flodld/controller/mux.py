@@ -3,7 +3,9 @@
 Each connection gets its own protocol object, so a silent or slow peer only ever holds its
 own deadline timer, never the accept loop. Until the magic is in, bytes are buffered here;
 then the transport is handed to the channel's handler (asyncio streams) or, for HTTP, to the
-aiohttp protocol, with the buffered bytes replayed so nothing is lost.
+aiohttp protocol, with the buffered bytes replayed so nothing is lost. A plain `GET /state.json` is
+answered here from the status source's bytes when the port has them (`flodld.controller.fastget`); every
+other request still goes to aiohttp.
 
 Until a stream connection's first frame verifies (the peer proved it holds the key), it keeps its
 address's pre-admission gate slot (join: until admitted), and every byte it sends is counted
@@ -27,7 +29,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
+from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head
 from flodld.controller.metrics import ControllerCounters
+from flodld.controller.snapshot import MemberRange
 from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
 from flodld.wire.magic import HTTP_PREFIXES, MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
@@ -39,6 +43,8 @@ ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 the writer when the handler returns or raises."""
 
 HttpProtocolFactory = Callable[[], asyncio.Protocol]
+StateBody = Callable[[MemberRange], bytes | None]
+"""The status source's `state_body`: state.json's bytes for a member page, None before there is state."""
 ChannelProtocolFactory = Callable[["PortMux", str], asyncio.Protocol]
 """`factory(mux, peer)`: the protocol that serves a routed connection from its first byte after the magic.
 It owns the peer's gate slot (releases it with `release_gate`), counts its pre-authentication bytes against
@@ -256,6 +262,8 @@ class PortMux:
         self.warner = warner or CleartextWarner("controller")
         self._routes: dict[Channel, _Route] = {}  # the routing table: channel (from its magic) -> handler
         self._http_factory: HttpProtocolFactory | None = None
+        self._state_body: StateBody | None = None
+        self._http_date = HttpDate()
         self._server: asyncio.Server | None = None
         self._drains: list[_Drain] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -283,8 +291,12 @@ class PortMux:
     def unregister(self, channel: Channel) -> None:
         self._routes.pop(channel, None)
 
-    def set_http(self, factory: HttpProtocolFactory | None) -> None:
+    def set_http(self, factory: HttpProtocolFactory | None, *, state_body: StateBody | None = None) -> None:
+        """Serve HTTP with `factory` (aiohttp's server); with `state_body`, answer a plain `GET /state.json`
+        with its bytes directly (see `flodld.controller.fastget`: a 200 only; anything else, aiohttp).
+        """
         self._http_factory = factory
+        self._state_body = state_body if factory is not None else None
 
     def release_gate(self, address: str) -> None:
         self.gate.release(address)
@@ -352,7 +364,8 @@ class PortMux:
                 return
             self.counters.connections[Channel.HTTP.value] += 1
             timer = asyncio.get_running_loop().call_later(self.http_lifetime, self._end_http, transport, peer)
-            proto = _LimitedLifetime(self._http_factory(), timer)
+            direct = self._direct_state if self._state_body is not None and prefix == b"GET " else None
+            proto = _LimitedLifetime(self._http_factory, timer, direct)
             transport.set_protocol(proto)
             proto.connection_made(transport)
             proto.data_received(buffered)
@@ -421,6 +434,17 @@ class PortMux:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    def _direct_state(self, direct: Direct) -> bytes | None:
+        """The whole 200 answer to a direct state.json request, or None when aiohttp is to answer it."""
+        assert self._state_body is not None
+        try:
+            body = self._state_body(direct.members)
+        except Exception:  # aiohttp's handler meets it again and answers (and logs) it as for any request
+            return None
+        if body is None:  # no state yet: the 503 is aiohttp's
+            return None
+        return answer_head(direct, len(body), self._http_date()) + body
+
     def _end_http(self, transport: asyncio.Transport, peer: str) -> None:
         if not transport.is_closing():
             self._drop(
@@ -463,36 +487,79 @@ class _GateSlot:
 
 
 class _LimitedLifetime(asyncio.Protocol):
-    """The HTTP protocol, with its lifetime timer cancelled as soon as the connection ends.
+    """An HTTP connection: aiohttp's protocol, its lifetime timer cancelled as soon as the connection ends.
 
     Left pending, each timer would keep its closed connection (transport, handler, buffers) alive
     for the whole lifetime: under a busy poller that is thousands of dead connections held at once,
     and a process high-water mark that malloc never gives back (measured: +3 MiB RSS per 2000
     requests that never came down).
+
+    With `direct` (a GET, on a port with a state.json source), the request head is read here first
+    (`HeadReader`): a plain `GET /state.json` gets `direct`'s answer and the connection closes, without
+    aiohttp; anything else gets aiohttp's protocol, fed every byte read so far, as if it had read them
+    itself. The timer bounds the connection either way (a head trickling in is cut like any slow request).
     """
 
-    def __init__(self, inner: asyncio.Protocol, timer: asyncio.TimerHandle) -> None:
-        self.inner = inner
+    def __init__(
+        self,
+        factory: HttpProtocolFactory,
+        timer: asyncio.TimerHandle,
+        direct: Callable[[Direct], bytes | None] | None = None,
+    ) -> None:
         self.timer = timer
+        self._factory = factory
+        self._direct = direct
+        self._head = HeadReader() if direct is not None else None
+        self._transport: asyncio.Transport | None = None
+        self.inner: asyncio.Protocol | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
+        self._transport = typing.cast(asyncio.Transport, transport)
+        if self._head is None:
+            self._hand_over(b"")
 
     def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
+        if self.inner is not None:
+            self.inner.data_received(data)
+            return
+        if self._head is None:  # answered directly: the connection is closing
+            return
+        assert self._direct is not None and self._transport is not None
+        verdict = self._head.feed(data)
+        if verdict is Verdict.MORE:
+            return
+        if isinstance(verdict, Direct) and (answer := self._direct(verdict)) is not None:
+            self._head = None
+            self._transport.write(answer)
+            self._transport.close()
+            return
+        self._hand_over(bytes(self._head.head))
+
+    def _hand_over(self, buffered: bytes) -> None:
+        assert self._transport is not None
+        self._head = None
+        self.inner = self._factory()
+        self.inner.connection_made(self._transport)
+        if buffered:
+            self.inner.data_received(buffered)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        if self.inner is None and self._head is not None:  # a head cut short: aiohttp's, as before
+            self._hand_over(bytes(self._head.head))
+        return self.inner.eof_received() if self.inner is not None else None
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.inner is not None:
+            self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.timer.cancel()
-        self.inner.connection_lost(exc)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
 
 
 class _MuxProtocol(asyncio.Protocol):

@@ -113,12 +113,15 @@ class RunResult:
 async def serve_http(source: StatusSource, mux: PortMux, counters: ControllerCounters) -> web.AppRunner:
     """The port's HTTP side: `source`'s app, set up and handed to `mux` (which starts listening), each
     malformed request a counted warning (`HttpRefusalLog`). The caller cleans the runner up.
+
+    A source with `state_body` (the cached bytes) also lets the mux answer a plain `GET /state.json` itself,
+    from those same bytes, without aiohttp (`flodld.controller.fastget`).
     """
     runner = web.AppRunner(
         build_app(source), access_log=None, handle_signals=False, logger=HttpRefusalLog(counters.dropped)
     )
     await runner.setup()
-    mux.set_http(runner.server)
+    mux.set_http(runner.server, state_body=getattr(source, "state_body", None))
     return runner
 
 
