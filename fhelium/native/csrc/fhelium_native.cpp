@@ -749,6 +749,18 @@ inline void sub_mul_row(const u64* x, const u64* c, u64* out, int64_t n, u64 q, 
   else sub_mul_row_scalar(x, c, out, n, q, w, ws);
 }
 
+// The residue in [0, q) of |x| < 2^62 (q in (2^28, 2^62)): the truncated binary64 quotient x·(1/q) is within
+// 1 + 2^-18 of x/q, so x - estimate·q lies in (-q, 2q) and two conditional corrections finish it
+// (no rounding call: the baseline x86-64 build has no SSE4.1 round instruction, so nearbyint is a libm call).
+inline int64_t signed_residue(int64_t x, int64_t q, double inverse) {
+  const int64_t estimate = static_cast<int64_t>(static_cast<double>(x) * inverse);
+  int64_t r = x - estimate * q;
+  r += (r >> 63) & q;
+  r -= q;
+  r += (r >> 63) & q;
+  return r;
+}
+
 // ModDown's addend step, one row: s[k] = s[k] - P·t mod q with t = a[k] (+ (m[k] mod q)·f mod q);
 // a in [0, q) or null, m signed with |m| < 2^62 or null (signed_residue's estimate), f and p_res in [0, q)
 void fold_addend_row_scalar(u64* s, const int64_t* a, const int64_t* m, int64_t n, int64_t q, int64_t f,
@@ -757,12 +769,7 @@ void fold_addend_row_scalar(u64* s, const int64_t* a, const int64_t* m, int64_t 
   for (int64_t k = 0; k < n; ++k) {
     int64_t t = a ? a[k] : 0;
     if (m) {
-      const int64_t e = static_cast<int64_t>(static_cast<double>(m[k]) * inverse);
-      int64_t r = m[k] - e * q;
-      r += (r >> 63) & q;
-      r -= q;
-      r += (r >> 63) & q;
-      t += mul_mod_one(r, f, q) - q;
+      t += mul_mod_one(signed_residue(m[k], q, inverse), f, q) - q;
       t += (t >> 63) & q;
     }
     int64_t v = static_cast<int64_t>(s[k]) - mul_mod_one(t, p_res, q);
@@ -1062,18 +1069,6 @@ at::Tensor decompose(const at::Tensor& x_in, const at::Tensor& moduli, const at:
     }
   });
   return out;
-}
-
-// The residue in [0, q) of |x| < 2^62 (q in (2^28, 2^62)): the truncated binary64 quotient x·(1/q) is within
-// 1 + 2^-18 of x/q, so x - estimate·q lies in (-q, 2q) and two conditional corrections finish it
-// (no rounding call: the baseline x86-64 build has no SSE4.1 round instruction, so nearbyint is a libm call).
-inline int64_t signed_residue(int64_t x, int64_t q, double inverse) {
-  const int64_t estimate = static_cast<int64_t>(static_cast<double>(x) * inverse);
-  int64_t r = x - estimate * q;
-  r += (r >> 63) & q;
-  r -= q;
-  r += (r >> 63) & q;
-  return r;
 }
 
 // ModDown with the extra terms of public-key encryption (engine._mod_down): values [..., L+1, N]
