@@ -46,6 +46,7 @@ _FIELD: Final = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([\t\x20-\x7e]*)\r\
 _OUTSIDE: Final = re.compile(rb"[^\t\r\n\x20-\x7e]")  # a byte no line of a direct head has
 # Headers that change what aiohttp answers or how it reads on (a body, an upgrade, a 100 Continue).
 _HANDED_OVER_FIELDS: Final = frozenset({b"transfer-encoding", b"upgrade", b"expect"})
+_SERVER: Final = SERVER_SOFTWARE.encode("ascii")  # aiohttp's own Server header, for the same answer
 
 
 class Verdict(enum.Enum):
@@ -149,9 +150,6 @@ def answer_head(direct: Direct, length: int, date: bytes) -> bytes:
         b"Connection: close\r\n"
         b"\r\n"
     ) % (direct.minor, length, date, _SERVER)
-
-
-_SERVER: Final = SERVER_SOFTWARE.encode("ascii")
 
 
 class HttpDate:
