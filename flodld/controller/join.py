@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flodld.controller.metrics import ControllerCounters
+from flodld.net.deadlines import Deadline, DeadlineQueue
 from flodld.net.keepalive import Inherited, keepalive_options, set_options
 from flodld.net.preauth import PreAuthBudget
 from flodld.net.preauth import charge as preauth_charge
@@ -290,6 +291,9 @@ class JoinPort(Protocol):
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop serving the port (None: the running one)."""
 
+    def deadlines(self, timeout: float) -> DeadlineQueue:
+        """The port's queue of `timeout`-s deadlines."""
+
     def drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
         """Count, log and abort a connection the port refuses (pre-authentication overrun)."""
 
@@ -354,7 +358,7 @@ class JoinProtocol(asyncio.Protocol):
         self._early = b""  # bytes that came before this side's turn to start
         self._eof = False
         self._held = 0  # pre-authentication bytes counted against the budget (0 once settled)
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Deadline | None = None
         self._gate_held = True
         self._link: HostLink | None = None
         self._paused = False  # the transport's write buffer is over its high-water mark
@@ -407,8 +411,7 @@ class JoinProtocol(asyncio.Protocol):
         sockname = transport.get_extra_info("sockname")
         if sockname:
             self.local_address = str(sockname[0])
-        timeout = self._run.handshake_timeout
-        self._timer = self._loop.call_later(timeout, self._deadline_passed)
+        self._timer = self._port.deadlines(self._run.handshake_timeout).call(self._deadline_passed)
         join_turns(self._loop).call(self._start)
 
     def data_received(self, data: bytes) -> None:

@@ -32,6 +32,7 @@ from flodld.controller.addresses import CleartextWarner, is_loopback_address, is
 from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head
 from flodld.controller.metrics import ControllerCounters
 from flodld.controller.snapshot import MemberRange
+from flodld.net.deadlines import Deadline, DeadlineQueue
 from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
 from flodld.wire.magic import HTTP_PREFIXES, MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
@@ -269,6 +270,7 @@ class PortMux:
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._served: set[asyncio.BaseTransport] = set()  # connections served by a channel protocol
+        self._deadlines: dict[float, DeadlineQueue] = {}
 
     def register(self, channel: Channel, handler: ChannelHandler, *, hold_gate: bool = False) -> None:
         """Route `channel` to `handler`. The pre-admission slot stays taken until the connection's
@@ -300,6 +302,15 @@ class PortMux:
 
     def release_gate(self, address: str) -> None:
         self.gate.release(address)
+
+    def deadlines(self, timeout: float) -> DeadlineQueue:
+        """The port's queue of `timeout`-s deadlines (one loop timer for all of a length: see
+        `flodld.net.deadlines`); the mux's magic deadline is one, a run's handshake timeout another.
+        """
+        queue = self._deadlines.get(timeout)
+        if queue is None:
+            queue = self._deadlines[timeout] = DeadlineQueue(self.loop or asyncio.get_running_loop(), timeout)
+        return queue
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Bind and listen; returns the bound (host, port), the port resolved when 0 was asked.
@@ -350,6 +361,9 @@ class PortMux:
             abort() if abort is not None else transport.close()
         for task in list(self._tasks):
             task.cancel()
+        for queue in self._deadlines.values():
+            queue.close()
+        self._deadlines.clear()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -363,7 +377,8 @@ class PortMux:
                 self._drop(transport, peer, "no_handler", "no HTTP service running")
                 return
             self.counters.connections[Channel.HTTP.value] += 1
-            timer = asyncio.get_running_loop().call_later(self.http_lifetime, self._end_http, transport, peer)
+            end = functools.partial(self._end_http, transport, peer)
+            timer = self.deadlines(self.http_lifetime).call(end)
             direct = self._direct_state if self._state_body is not None and prefix == b"GET " else None
             proto = _LimitedLifetime(self._http_factory, timer, direct)
             transport.set_protocol(proto)
@@ -434,8 +449,10 @@ class PortMux:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    def _direct_state(self, direct: Direct) -> bytes | None:
-        """The whole 200 answer to a direct state.json request, or None when aiohttp is to answer it."""
+    def _direct_state(self, direct: Direct) -> tuple[bytes, bytes] | None:
+        """The 200 answer to a direct state.json request (its head, then the shared body: written as they
+        are, without a copy joining them), or None when aiohttp is to answer it.
+        """
         assert self._state_body is not None
         try:
             body = self._state_body(direct.members)
@@ -443,7 +460,7 @@ class PortMux:
             return None
         if body is None:  # no state yet: the 503 is aiohttp's
             return None
-        return answer_head(direct, len(body), self._http_date()) + body
+        return answer_head(direct, len(body), self._http_date()), body
 
     def _end_http(self, transport: asyncio.Transport, peer: str) -> None:
         if not transport.is_closing():
@@ -503,8 +520,8 @@ class _LimitedLifetime(asyncio.Protocol):
     def __init__(
         self,
         factory: HttpProtocolFactory,
-        timer: asyncio.TimerHandle,
-        direct: Callable[[Direct], bytes | None] | None = None,
+        timer: Deadline,
+        direct: Callable[[Direct], tuple[bytes, bytes] | None] | None = None,
     ) -> None:
         self.timer = timer
         self._factory = factory
@@ -530,7 +547,7 @@ class _LimitedLifetime(asyncio.Protocol):
             return
         if isinstance(verdict, Direct) and (answer := self._direct(verdict)) is not None:
             self._head = None
-            self._transport.write(answer)
+            self._transport.writelines(answer)
             self._transport.close()
             return
         self._hand_over(bytes(self._head.head))
@@ -570,7 +587,7 @@ class _MuxProtocol(asyncio.Protocol):
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Deadline | None = None
         self._done = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -586,8 +603,7 @@ class _MuxProtocol(asyncio.Protocol):
                 self._transport, self._peer, "flood", "too many pre-admission connections from this address"
             )
             return
-        loop = self._mux.loop or asyncio.get_running_loop()
-        self._timer = loop.call_later(self._mux.magic_deadline, self._deadline_passed)
+        self._timer = self._mux.deadlines(self._mux.magic_deadline).call(self._deadline_passed)
 
     def data_received(self, data: bytes) -> None:
         if self._done:
