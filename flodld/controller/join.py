@@ -43,10 +43,11 @@ MAX_JOIN_PAYLOAD = 1024 * 1024
 # turn run one step of each of them, and an HTTP request (several turns from accept to answer) waits
 # behind each such turn: a poll took seconds. Waiting here holds nothing (a place in line for a later
 # turn, not a slot kept while the peer is slow), so a silent or slow peer cannot hold up the others.
-# 16 rather than 32 since joins are served by `JoinProtocol` (10,000-agent storms, 2026-12-03: state.json
-# p99 43-48 ms at 16, 63-95 ms at 32, 38-39 ms at 8; admissions/s 0.43-0.64 of the baseline at 16,
-# 0.56-0.57 at 32, 0.43-0.51 at 8: the knob trades storm throughput for the other requests' latency).
-JOIN_STEPS_PER_TURN = 16
+# The knob trades storm throughput for the other requests' latency. 24 since state.json is answered without
+# aiohttp and deadlines share a timer (10,000-agent storms, 2026-12-03, alternating runs: admissions/s
+# 0.61-0.73 of the baseline at 16, 0.65-0.78 at 24, 0.68-0.75 at 32; state.json p99 27-33 ms at 16, 28-44 ms
+# at 24, 30-90 ms at 32). Before that: 16 (p99 43-48 ms at 16, 63-95 ms at 32, 38-39 ms at 8).
+JOIN_STEPS_PER_TURN = 24
 
 
 class TurnBudget:
