@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,3 +143,12 @@ class TurnCounter:
 
     def stop(self) -> None:
         self._running = False
+
+
+def server_transports(port: int) -> int:
+    """Transports alive in this process whose local port is `port` (after a full collection)."""
+    gc.collect()
+    return sum(
+        1 for o in gc.get_objects()
+        if isinstance(o, asyncio.Transport) and o.get_extra_info("sockname", ("", 0))[1] == port
+    )  # fmt: skip

@@ -5,7 +5,6 @@ the answer aiohttp gives; everything else (and every error) still goes to aiohtt
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import re
 import socket
@@ -21,7 +20,7 @@ from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
 from flodld.controller.run import Controller, serve_http
 from flodld.controller.snapshot import ALL_MEMBERS, DEFAULT_MEMBERS
-from tests.flodld.controller.agents import options
+from tests.flodld.controller.agents import options, server_transports
 
 POLL = b"GET /state.json HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"  # bench/join_storm.py's poll
 BROWSER = (
@@ -401,14 +400,6 @@ async def test_a_slow_head_is_still_cut_at_the_http_lifetime(monkeypatch: pytest
 
 async def test_directly_answered_connections_are_released_before_their_lifetime_ends() -> None:
     """The lifetime timer is cancelled when a directly answered connection ends (it would hold it)."""
-
-    def server_transports(port: int) -> int:
-        gc.collect()
-        return sum(
-            1 for o in gc.get_objects()
-            if isinstance(o, asyncio.Transport) and o.get_extra_info("sockname", ("", 0))[1] == port
-        )  # fmt: skip
-
     async with _two_ports(http_lifetime=60) as (controller, port, _):
         before = server_transports(port)
         for _ in range(40):

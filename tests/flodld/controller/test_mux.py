@@ -11,6 +11,7 @@ from aiohttp import web
 from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import MAGIC_DEADLINE_SECS, PortMux, PreAdmissionGate
 from flodld.wire.magic import Channel, magic_prefix
+from tests.flodld.controller.agents import server_transports
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -197,15 +198,6 @@ async def test_a_slow_http_head_is_cut_at_the_http_lifetime() -> None:
 
 async def test_finished_http_connections_are_released_before_their_lifetime_ends() -> None:
     """A pending lifetime timer must not keep a closed connection (and its buffers) alive."""
-    import gc
-
-    def server_transports(port: int) -> int:
-        gc.collect()
-        return sum(
-            1 for o in gc.get_objects()
-            if isinstance(o, asyncio.Transport) and o.get_extra_info("sockname", ("", 0))[1] == port
-        )  # fmt: skip
-
     async with _http_mux(http_lifetime=60) as (mux, port):
         before = server_transports(port)
         for _ in range(40):
