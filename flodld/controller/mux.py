@@ -67,6 +67,10 @@ STREAM_LIMIT = 1 << 20
 # Connections taken off the kernel's accept queue per readiness of the listening socket, and handed to the
 # loop per turn (see `_Drain`).
 ACCEPT_BATCH = 1024
+# Accepted per readiness of the listening socket (the rest stay in the kernel's queue for the next turn):
+# each accept is a few system calls and a socket object, and a storm's first burst of 1,024 in one turn
+# was a 40-80 ms stall every state.json poll in flight waited behind (its p99).
+ACCEPT_PER_READY = 128
 ADOPT_PER_TURN = 64
 ACCEPT_PAUSE_SECS = 0.1
 
@@ -86,18 +90,20 @@ class _Drain:
     uvloop (libuv) accepts one connection per event-loop turn. In a join storm the kernel's accept queue
     then holds every dial in flight (`ss -ltn` showed ~2,000 at 5,000 agents), and a state.json poll
     waits behind all of them, one loop turn each, before the controller even sees it. This reader, on a
-    duplicate of the listening descriptor, accepts up to `ACCEPT_BATCH` at each readiness, so the kernel's
-    queue empties every turn; the server's own accept then finds it empty (EAGAIN) or takes what arrived
-    since. The routing is unchanged: each connection still gets a `_MuxProtocol`.
+    duplicate of the listening descriptor, accepts up to `ACCEPT_PER_READY` at each readiness (accepting a
+    storm's first 1,024 at once was a 40-80 ms turn, the p99 of every poll in flight), so the kernel's
+    queue empties within a few turns; the server's own accept then finds it empty (EAGAIN) or takes what
+    arrived since. The routing is unchanged: each connection still gets a `_MuxProtocol`.
 
     Handing a connection to the loop (`connect_accepted_socket`: a transport, a task, the protocol's
-    deadline timer) costs tens of microseconds, and a burst of 1,000 handed over at once made one long
-    turn that every other request waited behind. So at most `ADOPT_PER_TURN` are handed over per turn,
-    and a connection whose first bytes are already in and are not the join magic (an HTTP request, a
-    store or data channel) is handed over before the join dials (at most half of a turn's share while
-    dials wait, so neither side starves): a state.json poll in a join storm waits for a few dozen
-    adoptions, not a thousand. A connection that has sent nothing yet waits with the dials. While
-    `ACCEPT_BATCH` connections wait, this reader stops accepting (the kernel queue holds the rest).
+    deadline) costs tens of microseconds, and a burst of 1,000 handed over at once made one long turn
+    that every other request waited behind. So at most `ADOPT_PER_TURN` join dials are handed over per
+    turn. A connection whose first bytes are already in and are not the join magic (an HTTP request, a
+    store or data channel) goes first: up to half a turn's share is handed over in the turn it is accepted,
+    any more before the join dials of the next turns (at most half of their share while dials wait, so
+    neither side starves). A state.json poll in a join storm waits for the accepts ahead of it, not for a
+    thousand adoptions. A connection that has sent nothing yet waits with the dials. While `ACCEPT_BATCH`
+    connections wait, this reader stops accepting (the kernel queue holds the rest).
     """
 
     def __init__(self, mux: PortMux, listening: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
@@ -116,7 +122,8 @@ class _Drain:
         return len(self._first) + len(self._later)
 
     def _ready(self) -> None:
-        for _ in range(ACCEPT_BATCH - self.waiting):
+        handed = 0  # requests handed to the loop right here (see below)
+        for _ in range(min(ACCEPT_PER_READY, ACCEPT_BATCH - self.waiting)):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -132,7 +139,15 @@ class _Drain:
                 head = conn.recv(MAGIC_BYTES, socket.MSG_PEEK)
             except OSError:  # nothing sent yet (EAGAIN), or already reset: the routing sees to it
                 head = b""
-            (self._first if head and head != _JOIN_MAGIC else self._later).append(conn)
+            if not head or head == _JOIN_MAGIC:
+                self._later.append(conn)
+            elif handed < ADOPT_PER_TURN // 2 and not self._first:
+                # A request whose first bytes are in (state.json, the store, a relay) is handed to the loop
+                # in this turn, not the next one's share: one turn less behind a storm's long turns.
+                handed += 1
+                self._hand_over(conn)
+            else:
+                self._first.append(conn)
         else:
             self._stop_reading()
         if self.waiting and not self._adopting:
@@ -153,9 +168,7 @@ class _Drain:
                 conn = self._later.popleft()
             else:
                 break
-            task = self._loop.create_task(self._adopt(conn))
-            self._mux._tasks.add(task)
-            task.add_done_callback(self._mux._tasks.discard)
+            self._hand_over(conn)
         if self.waiting:
             self._adopting = True
             self._loop.call_soon(self._adopt_some)
@@ -183,6 +196,11 @@ class _Drain:
         self._paused = False
         if not self._closed and not self._full:
             self._loop.add_reader(self._sock.fileno(), self._ready)
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        task = self._loop.create_task(self._adopt(conn))
+        self._mux._tasks.add(task)
+        task.add_done_callback(self._mux._tasks.discard)
 
     async def _adopt(self, conn: socket.socket) -> None:
         try:
