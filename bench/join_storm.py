@@ -396,6 +396,25 @@ _KERNEL_COUNTERS = (
 )
 
 
+def _time_wait() -> int:
+    """TCP sockets in TIME_WAIT, namespace-wide (/proc/net/sockstat `tw`; -1 where it cannot be read).
+
+    Each closed connection leaves one for 60 s on the side that closed first, and this bench closes tens of
+    thousands (baselines, agents): with ~100,000 of them, connect() hunts for a free ephemeral port among
+    `ip_local_port_range`'s 28,232 and the simulated agents' CPU per admission rises by a third, which a
+    back-to-back series of runs shows as a falling ratio. Printed per row; let them drain (a minute) between
+    runs that are to be compared.
+    """
+    try:
+        for line in Path("/proc/net/sockstat").read_text().splitlines():
+            if line.startswith("TCP:"):
+                fields = line.split()
+                return int(fields[fields.index("tw") + 1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
 def _kernel_counters() -> dict[str, int]:
     """The `_KERNEL_COUNTERS` from /proc/net/netstat and /proc/net/snmp (empty where they cannot be read)."""
     found: dict[str, int] = {}
@@ -475,6 +494,8 @@ class StormRow:
     """The connect+echo baseline with its server in a process of its own."""
     kernel: dict[str, int] = field(default_factory=dict)
     """The kernel's TCP drop and retransmission counters: their increase over the storm."""
+    time_wait: int = -1
+    """TCP sockets in TIME_WAIT when the storm began (/proc/net/sockstat; -1: not readable)."""
 
     @property
     def per_host_bytes(self) -> float:
@@ -552,6 +573,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             lean.leave([RankExited(rank=rank, code=0) for rank in reply.ranks])
 
         _quiet_collector()
+        time_wait = _time_wait()
         kernel_begun, machine_begun = _kernel_counters(), MachineCpu.now()
         poller_cpu_begun = _cpu_secs(poller.pid)
         begun, cpu_begun = time.perf_counter(), _cpu_secs(proc.pid)
@@ -599,6 +621,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             others_baseline=others_baseline,
             baseline_apart_rate=baseline_apart_rate,
             kernel=kernel,
+            time_wait=time_wait,
         )
     finally:
         gc.enable()
@@ -726,8 +749,8 @@ def _machine_line(row: StormRow) -> str:
         f"connect+echo with the echo server in a process of its own {row.baseline_apart_rate:,.0f}/s "
         f"(ratio {row.admit_rate / row.baseline_apart_rate:.2f}); "
         f"other work used {row.others_storm:.0%} of the machine's cores during the storm (steal "
-        f"{row.steal_storm:.0%}), {row.others_baseline:.0%} during the baseline; kernel TCP counters: "
-        f"{kernel}"
+        f"{row.steal_storm:.0%}), {row.others_baseline:.0%} during the baseline; "
+        f"{row.time_wait:,} TCP sockets in TIME_WAIT when the storm began; kernel TCP counters: {kernel}"
     )
 
 
