@@ -8,7 +8,7 @@ chunk size every sender uses alike (the receiving hop checks that members agree 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -218,12 +218,17 @@ class Prefaulted:
 
 
 class Assembly:
-    """A bundle received chunk by chunk (in order): tensors of fresh memory (or `tensors`, this schema's
-    tensors given by the caller, e.g. `Layout.within` a buffer already faulted in), filled as chunks arrive.
+    """A bundle received chunk by chunk (in order): tensors of fresh memory, filled as chunks arrive.
+
+    `memory(layout)`, when given, may offer this schema's tensors instead (e.g. `Prefaulted.take`: over a
+    buffer already faulted in); None from it means fresh memory.
     """
 
-    def __init__(self, specs: Sequence[TensorSpec], tensors: Bundle | None = None) -> None:
+    def __init__(
+        self, specs: Sequence[TensorSpec], memory: Callable[[Layout], Bundle | None] | None = None
+    ) -> None:
         self.layout = Layout(specs)
+        tensors = memory(self.layout) if memory is not None else None
         self.tensors = self.layout.empty() if tensors is None else tensors
         self.filled = 0
 

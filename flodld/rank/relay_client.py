@@ -306,8 +306,7 @@ class RelayClient:
                 self._assembling = None
                 return message, decode_bundle(message.tensors, view)
         if message.offset == 0:
-            layout = Layout(message.tensors)
-            self._assembling = (message, Assembly(message.tensors, self._take_spare(layout)))
+            self._assembling = (message, Assembly(message.tensors, self._take_spare))
         elif self._assembling is None or self._assembling[0].round != message.round:
             raise ValueError(
                 f"a broadcast chunk of round {message.round} at offset {message.offset} without its start"

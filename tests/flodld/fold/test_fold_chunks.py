@@ -472,7 +472,7 @@ def test_a_layout_lies_within_a_byte_buffer_it_fits_and_nowhere_else() -> None:
     tensors = layout.within(buffer)
     assert tensors is not None
     assert [(t.dtype, tuple(t.shape)) for t in tensors] == [(torch.int64, (2, 3)), (torch.float32, (3,))]
-    assembly = Assembly(specs, tensors)
+    assembly = Assembly(specs, lambda _: tensors)
     assert assembly.add(0, memoryview(b"".join(bytes(part) for part in parts)))
     assert assembly.tensors is tensors
     assert torch.equal(tensors[0], torch.arange(6).view(2, 3)) and torch.equal(tensors[1], torch.ones(3))
