@@ -22,7 +22,7 @@ from typing import Protocol
 
 from flodld.controller.metrics import ControllerCounters
 from flodld.net.deadlines import Deadline, DeadlineQueue
-from flodld.net.keepalive import Inherited, keepalive_options, set_options
+from flodld.net.keepalive import Inherited, keep_alive, tcp_socket
 from flodld.net.preauth import PreAuthBudget
 from flodld.net.preauth import charge as preauth_charge
 from flodld.net.stream import WRITE_STALL_SECS
@@ -256,18 +256,6 @@ class JoinRun(Protocol):
         """
 
 
-def _keepalive(transport: asyncio.BaseTransport, idle: float) -> None:
-    """TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
-    network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
-    after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
-    Only where the link did not inherit exactly these from the listening socket (`JoinPort.inherited`).
-    """
-    sock = transport.get_extra_info("socket")
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    set_options(sock, keepalive_options(idle))
-
-
 REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link report")
 """What an admitted host may send up its join link; any other kind is logged and ignored."""
 
@@ -492,8 +480,8 @@ class JoinProtocol(asyncio.Protocol):
             channel=Channel.JOIN,
         )
         if not self._port.inherited.nodelay:  # uvloop sets it on its transports; asyncio does not
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock = tcp_socket(transport)
+            if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.write(conn.initial_bytes())
@@ -562,9 +550,13 @@ class JoinProtocol(asyncio.Protocol):
         self._release_gate()
         self._link = link
         self._state = _LINKED
+        # TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
+        # network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
+        # after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
+        # Set here only where the link did not inherit exactly these from the listening socket.
         idle = run.link_keepalive_secs
         if not self._port.inherited.keeps_alive(idle):
-            _keepalive(transport, idle)
+            keep_alive(transport, idle, user_timeout=False)
         _link_opened()
         with contextlib.suppress(RuntimeError, AttributeError):
             transport.resume_reading()

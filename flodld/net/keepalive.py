@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 import sys
+import typing
 from dataclasses import dataclass
 
 from flodld.net.timeouts import scaled
@@ -91,17 +92,34 @@ def listen_with(listeners: list[socket.socket], keepalive: float | None) -> Inhe
     return Inherited(nodelay=nodelay, keepalive=float(max(1, round(keepalive))) if alive else None)
 
 
-def keep_alive(writer: asyncio.StreamWriter, idle: float | None = None) -> bool:
-    """Enable keepalive (idle: seconds, default the scaled LINK_KEEPALIVE_SECS) on the writer's TCP socket.
+def tcp_socket(carrier: asyncio.BaseTransport | asyncio.StreamWriter) -> socket.socket | None:
+    """The TCP socket under a transport or stream writer; None when there is none or it is not TCP."""
+    sock = carrier.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    return typing.cast(socket.socket, sock)
+
+
+def keep_alive(
+    carrier: asyncio.BaseTransport | asyncio.StreamWriter,
+    idle: float | None = None,
+    *,
+    user_timeout: bool = True,
+) -> bool:
+    """Enable keepalive (idle: seconds, default the scaled LINK_KEEPALIVE_SECS) on a transport's or stream
+    writer's TCP socket, and with `user_timeout` TCP_USER_TIMEOUT too (Linux only: bounds unacknowledged
+    writes, for a link that is busy sending when its network goes).
 
     Returns False where the socket is not TCP or the platform lacks the options (nothing is changed then).
     """
-    sock = writer.get_extra_info("socket")
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+    sock = tcp_socket(carrier)
+    if sock is None:
         return False
     seconds = max(1, round(scaled(LINK_KEEPALIVE_SECS) if idle is None else idle))
     if not set_options(sock, keepalive_options(seconds)):
         return False
+    if not user_timeout:
+        return True
     with contextlib.suppress(OSError, AttributeError):  # Linux only: bounds unacknowledged writes
         sock.setsockopt(
             socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_link_bound_secs(seconds) * 1000)

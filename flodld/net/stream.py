@@ -13,6 +13,7 @@ import math
 import socket
 from types import TracebackType
 
+from flodld.net.keepalive import tcp_socket
 from flodld.net.preauth import GatedReader
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
@@ -358,8 +359,8 @@ class FramedStream:
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+    sock = tcp_socket(writer)
+    if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
