@@ -203,8 +203,10 @@ class Controller:
 
     @property
     def start_credential(self) -> str:
-        """What `POST /start` accepts from a caller that is not a local CLI: derived from the salt, not it."""
-        return start_credential(self.salt)
+        """What `POST /start` accepts from a caller that is not a local CLI: derived from the salt (not it)
+        and this run's id, so no other run accepts it.
+        """
+        return start_credential(self.salt, self.run_id)
 
     @property
     def join_key(self) -> bytes:
@@ -303,9 +305,10 @@ class Controller:
             )
         if self.options.start_switch and self.policy.start.value != "auto":
             log.info(
-                "event=start_credential value=%s use='fdl start --token <value>' (not the join token; "
-                "equal to `fdl start --derive-credential` fed the join token)",
+                "event=start_credential value=%s run_id=%s use='fdl start --token <value>' (not the join "
+                "token; equal to `fdl start --derive-credential` fed the join token; for this run only)",
                 self.start_credential,
+                self.run_id,
             )
 
     def _listen_on_borrowed_port(self) -> tuple[str, int]:

@@ -5,11 +5,13 @@ armed the switch stays armed; the verdict re-checks quorum and forms at its next
 fire is the HTTP shell's decision (a loopback caller that is not a browser, or a valid start
 credential checked with `token_matches`).
 
-The start credential is not the session salt: it is `start_credential(salt)`, an HMAC of a fixed label
-under the salt. It can arm the start and nothing else, so sending it over plain HTTP (`fdl start
---token` from another host) never hands an observer the salt, which keys joins, the store and the
-data plane. Whoever holds the salt (a configured `controller.join.token`) can compute it
-(`fdl start --derive-credential`); `flodld serve` logs it when the start mode is manual or hybrid.
+The start credential is not the session salt: it is `start_credential(salt, run_id)`, an HMAC of a
+fixed label and the run id under the salt. It can arm the start of that one run and nothing else, so
+sending it over plain HTTP (`fdl start --token` from another host) never hands an observer the salt,
+which keys joins, the store and the data plane, and a credential seen once arms no later run of a
+service that keeps its salt (a configured `controller.join.token`) from run to run. Whoever holds the
+salt can compute it for the run id that state.json shows (`fdl start --derive-credential`); `flodld
+serve` logs it when the start mode is manual or hybrid.
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ from dataclasses import dataclass
 from flodld.membership.phase import WINDOW_PHASES, Phase
 from flodld.membership.policy import StartMode, WindowPolicy
 
-START_CREDENTIAL_LABEL = b"flodld/start/v1"
+START_CREDENTIAL_LABEL = b"flodld/start/v2"
 
 
-def start_credential(salt: bytes) -> str:
-    """The run's start credential (64 hex characters): HMAC-SHA256(salt, "flodld/start/v1")."""
-    return hmac.new(salt, START_CREDENTIAL_LABEL, hashlib.sha256).hexdigest()
+def start_credential(salt: bytes, run_id: str) -> str:
+    """The start credential of run RUN_ID (64 hex characters).
+
+    HMAC-SHA256(salt, "flodld/start/v2" NUL run_id as UTF-8): the run id binds it to one run, so
+    runs that share a salt (a configured join token) never share a credential.
+    """
+    if not run_id:
+        raise ValueError("start_credential needs the run id (state.json's run_id): the credential is per run")
+    message = START_CREDENTIAL_LABEL + b"\x00" + run_id.encode("utf-8")
+    return hmac.new(salt, message, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)

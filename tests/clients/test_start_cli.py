@@ -7,13 +7,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
 JOIN_TOKEN = "00112233445566778899aabbccddeeff"
-CREDENTIAL = hmac.new(bytes.fromhex(JOIN_TOKEN), b"flodld/start/v1", hashlib.sha256).hexdigest()
+RUN_ID = "svc-7"
+CREDENTIAL = hmac.new(
+    bytes.fromhex(JOIN_TOKEN), b"flodld/start/v2\x00" + RUN_ID.encode(), hashlib.sha256
+).hexdigest()
 
 
 def _fdl(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -57,9 +61,22 @@ def test_the_credential_travels_in_the_authorization_header_with_the_start_heade
 
 
 def test_derive_credential_reads_the_join_token_from_stdin_or_the_environment() -> None:
-    from_stdin = _fdl("start", "--derive-credential", stdin=JOIN_TOKEN + "\n")
+    from_stdin = _fdl("start", "--derive-credential", "--run-id", RUN_ID, stdin=JOIN_TOKEN + "\n")
     assert (from_stdin.returncode, from_stdin.stdout.strip()) == (0, CREDENTIAL), from_stdin.stderr
-    from_env = _fdl("start", "--derive-credential", env={"FDL_JOIN_TOKEN": JOIN_TOKEN.upper()})
+    from_env = _fdl(
+        "start", "--derive-credential", "--run-id", RUN_ID, env={"FDL_JOIN_TOKEN": JOIN_TOKEN.upper()}
+    )
     assert (from_env.returncode, from_env.stdout.strip()) == (0, CREDENTIAL), from_env.stderr
-    bad = _fdl("start", "--derive-credential", stdin="not-hex\n")
+    bad = _fdl("start", "--derive-credential", "--run-id", RUN_ID, stdin="not-hex\n")
     assert bad.returncode == 2 and "32" in bad.stderr
+
+
+def test_derive_credential_is_per_run_and_without_a_run_id_or_a_controller_says_what_to_pass() -> None:
+    other = _fdl("start", "--derive-credential", "--run-id", "svc-8", stdin=JOIN_TOKEN + "\n")
+    assert other.returncode == 0 and other.stdout.strip() not in ("", CREDENTIAL), other.stderr
+    with socket.socket() as unused:  # a port nothing listens on: no state.json to read the run id from
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        lost = _fdl("start", "--derive-credential", "--addr", f"127.0.0.1:{port}", stdin=JOIN_TOKEN + "\n")
+    assert lost.returncode == 1 and lost.stdout == "", lost.stdout
+    assert "per run" in lost.stderr and "--run-id" in lost.stderr and JOIN_TOKEN not in lost.stderr.lower()

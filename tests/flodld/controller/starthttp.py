@@ -16,9 +16,13 @@ from .daemon_proc import Daemon
 START = {"X-Flodld-Start": "1"}  # what `fdl start` sends: a loopback caller that is not a web page
 
 
-def credential(token: str) -> str:
-    """The documented derivation, written out here: HMAC-SHA256(salt, "flodld/start/v1"), hex."""
-    return hmac.new(bytes.fromhex(token), b"flodld/start/v1", hashlib.sha256).hexdigest()
+def credential(token: str, run_id: str = "daemon-run") -> str:
+    """The documented derivation, written out here: HMAC-SHA256(salt, "flodld/start/v2" NUL run_id), hex.
+
+    `start_daemon` runs `--once --run-id daemon-run`, so that is its run's id.
+    """
+    message = b"flodld/start/v2\x00" + run_id.encode()
+    return hmac.new(bytes.fromhex(token), message, hashlib.sha256).hexdigest()
 
 
 async def raw(

@@ -1,7 +1,7 @@
 """The start credential, never the salt (issue 13, point 6), against a real `flodld serve`.
 
 `POST /start` from a caller that is not a local CLI takes the start credential
-HMAC-SHA256(salt, "flodld/start/v1"), which `flodld serve` logs for the operator; the session salt
+HMAC-SHA256(salt, "flodld/start/v2" NUL run_id), which `flodld serve` logs for the operator; the session salt
 (join token) is refused there and never appears in a log line or an HTTP answer.
 """
 
