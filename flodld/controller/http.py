@@ -161,14 +161,25 @@ def build_app(source: StatusSource) -> web.Application:
                 _POST_HEADERS,
             )
         loopback = request.remote is not None and is_loopback_address(request.remote)
-        local = loopback and request.headers.get(START_HEADER, "").strip() == "1"
-        answer = source.request_start(local=local, token=presented_token(request))
+        cli = loopback and request.headers.get(START_HEADER, "").strip() == "1"
+        token = presented_token(request)
+        # A credential that is presented is always checked, even where none is needed: a local CLI that
+        # sends a wrong (stale, mistyped, another run's) credential is told so rather than armed anyway.
+        local = cli and token is None
+        answer = source.request_start(local=local, token=token)
         body = answer.body
-        if loopback and not local and body.get("code") == "missing_token":
+        if loopback and not cli and body.get("code") == "missing_token":
             body = {
                 **body,
                 "error": f"start refused: a loopback caller must send the header '{START_HEADER}: 1' "
                 "(`fdl start` does; curl: -H 'X-Flodld-Start: 1') or the start credential",
+            }
+        elif cli and body.get("code") == "bad_token":
+            body = {
+                **body,
+                "error": "start refused: the start credential presented is not this run's (each run has its "
+                "own; a stale or mistyped --token / $FDL_START_TOKEN is refused even on the controller host) "
+                "— drop the token to start from this host, or pass the current run's credential",
             }
         return _json(answer.status, body, _POST_HEADERS)
 
