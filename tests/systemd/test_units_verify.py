@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,27 @@ def test_controller_unit_is_a_service_that_reloads_and_never_restart_loops_on_ba
     assert "-HUP" in service["ExecReload"] and "$MAINPID" in service["ExecReload"]
     assert int(service["LimitNOFILE"]) >= 4096
     assert "--once" not in service["ExecStart"]
+
+
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(value: str) -> int:
+    """A systemd size (`512M`, `8G`, a plain byte count) as bytes; anything else (infinity, %) fails."""
+    found = re.fullmatch(r"(\d+)([KMGT]?)", value.strip(), re.IGNORECASE)
+    assert found is not None, f"not a fixed size: {value!r}"
+    return int(found.group(1)) * _SIZE_SUFFIX[found.group(2).upper()]
+
+
+def test_controller_unit_bounds_memory_and_tasks_so_a_leak_restarts_it_not_the_host() -> None:
+    """Issue 29, point 9: finite MemoryMax/TasksMax, roomy enough for a 10,000-host run."""
+    service = _service_section("flodld.service")
+    memory = _bytes(service["MemoryMax"])
+    assert 1 << 30 <= memory <= 64 << 30  # at least 1 GiB (10,000 linked hosts take about 240 MiB), finite
+    tasks = service["TasksMax"]
+    assert tasks.isdigit() and 256 <= int(tasks) <= 16384, tasks  # the daemon runs a handful of threads
+    assert service["Restart"] == "on-failure"  # an OOM kill is a failure: the service comes back
+    # The documented drop-in an operator uses to raise them names the same keys.
+    operations = (UNITS_DIR.parent / "docs" / "operations.md").read_text()
+    assert "systemctl edit flodld" in operations
+    assert f"MemoryMax={service['MemoryMax']}" in operations and f"TasksMax={tasks}" in operations
