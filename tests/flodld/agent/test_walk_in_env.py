@@ -27,7 +27,8 @@ pytestmark = pytest.mark.multiproc
 
 PROGRAM = Path(__file__).with_name("env_program.py")
 REPORTED = ("LD_PRELOAD", "PYTHONSTARTUP", "BASH_ENV", "PYTHONPATH", "NCCL_DEBUG", "NCCL_NET_PLUGIN",
-            "OMP_NUM_THREADS", "MYAPP_MODE")  # fmt: skip
+            "OMP_NUM_THREADS", "MYAPP_MODE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+            "GLOO_DEVICE_TRANSPORT", "GLOO_DEVICE_TRANSPORT_TCP_TLS_PKEY")  # fmt: skip
 
 
 def hostile_env(evil: Path) -> dict[str, str]:
@@ -104,6 +105,22 @@ async def test_nccl_knobs_that_load_plugins_are_not_safe() -> None:
     code, output, seen = await run_agent({"NCCL_NET_PLUGIN": "evil"}, token=secrets.token_hex(16))
     assert code == 2 and seen is None, output
     assert "NCCL_NET_PLUGIN" in output
+
+
+async def test_a_controller_cannot_move_a_walk_ins_traffic_or_name_its_key_files_unless_accepted() -> None:
+    """Issue 29, point 5: interface, transport and TLS key-file names are the walk-in owner's call."""
+    routing = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "GLOO_DEVICE_TRANSPORT": "TCP_TLS",
+               "GLOO_DEVICE_TRANSPORT_TCP_TLS_PKEY": "/tmp/not-a-key.pem", "NCCL_DEBUG": "WARN"}  # fmt: skip
+    code, output, seen = await run_agent(routing, token=secrets.token_hex(16))
+    assert code == 2 and seen is None, output
+    named = (
+        "GLOO_DEVICE_TRANSPORT, GLOO_DEVICE_TRANSPORT_TCP_TLS_PKEY, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME"
+    )
+    assert f"{named} for" in output and "interface or transport" in output, output
+    accepted = [name for name in routing if name != "NCCL_DEBUG"]
+    code, output, seen = await run_agent(routing, token=secrets.token_hex(16), accept_env=accepted)
+    assert code == 0 and seen is not None, output
+    assert {name: seen[name] for name in routing} == routing
 
 
 async def test_under_open_admission_a_walk_in_takes_no_controller_env(tmp_path: Path) -> None:
