@@ -8,6 +8,12 @@ each complete chunk itself and broadcasts it straight back to its ranks (no data
 controller; RankGone still does, and liveness runs on CONTROL as always). Control: heartbeats up,
 coordinator heartbeats / shutdown down, DeclareDead folds a rank out. A rank's leg closing folds it out
 (RankGone up). The relay ends when every rank is gone, when the controller goes away, or on TERM.
+
+The loopback listener for ranks serves only connections whose peer socket belongs to the relay's own
+uid (`flodld.net.peeruid`, where /proc/net/tcp exists), holds at most `max_pending_rank_legs` legs
+mid-handshake, counts what each sends before its RankHello verifies against the pre-auth allowance
+and a budget of that many allowances (`flodld.net.preauth`), and drops a leg that has not proved the
+salt by `RANK_PREAUTH_DEADLINE_SECS`.
 """
 
 from __future__ import annotations
@@ -15,17 +21,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
+from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from flodld.fold import round_barrier
 from flodld.net.addresses import is_private_address
 from flodld.net.dispatch import serve_frames
 from flodld.net.keepalive import keep_alive
+from flodld.net.peeruid import peer_uid_known_here, socket_owner_uid
+from flodld.net.preauth import PREAUTH_CONNECTION_BYTES, GatedReader, PreAuthBudget
 from flodld.net.shm import MappedRegion, ShmError, shm_mode
 from flodld.net.stream import FramedStream, accept_channel, connect_with_retry, read_channel_prefix
 from flodld.relay.spec import RelayRoleSpec
@@ -58,6 +68,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("flodld.relay")
 
 HANDSHAKE_TIMEOUT_SECS = 10.0
+RANK_PREAUTH_DEADLINE_SECS = 10.0
+"""From accept to a verified RankHello: a rank leg that has not proved the salt by then is dropped."""
+RANK_LEG_STREAM_LIMIT = 1 << 16  # asyncio's default, as `start_server` used
+
+
+def max_pending_rank_legs(ranks: int) -> int:
+    """Rank legs allowed to be mid-handshake at once: both legs of every rank, plus slack for retries."""
+    return 2 * ranks + 16
+
+
+class _RankLegProtocol(asyncio.StreamReaderProtocol):
+    """A rank leg's stream protocol that keeps its transport, so a pre-auth overrun can abort it."""
+
+    transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream socket's transport
+        super().connection_made(transport)
 
 
 @dataclass(frozen=True)
@@ -113,6 +141,15 @@ class Relay:
         self.rounds = 0
         self.refused = 0
         self._warned_cleartext = False
+        # The loopback listener for ranks (see _accept_rank): served only for this uid, at most
+        # `max_pending_legs` legs mid-handshake holding at most the pre-auth budget, each dropped at
+        # `preauth_deadline` unless its RankHello verified.
+        self.rank_uid = os.getuid()
+        self.preauth_deadline = RANK_PREAUTH_DEADLINE_SECS
+        self.max_pending_legs = max_pending_rank_legs(len(self.ranks))
+        self.preauth_budget = PreAuthBudget(self.max_pending_legs * PREAUTH_CONNECTION_BYTES)
+        self.pending_legs = 0
+        self.dropped: Counter[str] = Counter()
         self._rank_data: HandlerTable[[_Leg, Frame], Awaitable[bool | None]] = HandlerTable("rank data frame")
         self._rank_data.register(Deposit, self._on_deposit)
         self._rank_data.register(ShmOffer, self._on_shm_offer)
@@ -142,7 +179,7 @@ class Relay:
         for channel in (Channel.DATA, Channel.CONTROL):
             self.upstream[channel] = await self._dial(channel)
         listener = socket.socket(fileno=self.spec.listen_fd)
-        server = await asyncio.start_server(self._serve_rank, sock=listener)
+        server = await asyncio.get_running_loop().create_server(self._rank_leg_protocol, sock=listener)
         log.info(
             "relay: host %r ranks %s -> controller %s:%d",
             self.spec.host,
@@ -230,6 +267,49 @@ class Relay:
 
     # --- ranks -----------------------------------------------------------------------------
 
+    def _rank_leg_protocol(self) -> _RankLegProtocol:
+        """A fresh loopback connection: its reader counts what it sends against the pre-auth bounds."""
+        loop = asyncio.get_running_loop()
+        protocol: _RankLegProtocol | None = None
+
+        def overrun(code: str, detail: str) -> None:
+            self._drop_leg(code, detail)
+            if protocol is not None and protocol.transport is not None:
+                protocol.transport.abort()
+
+        reader = GatedReader(
+            Channel.DATA,  # a placeholder: accept_channel is told the leg's channel read from its magic
+            self.preauth_budget,
+            limit=RANK_LEG_STREAM_LIMIT,
+            loop=loop,
+            overrun=overrun,
+        )
+        protocol = _RankLegProtocol(reader, self._serve_rank, loop=loop)
+        return protocol
+
+    def _drop_leg(self, code: str, detail: str) -> None:
+        """Count a loopback connection dropped before its hello; log the first of each kind (a flood of them
+        must not become a flood of log lines).
+        """
+        self.dropped[code] += 1
+        if self.dropped[code] == 1:
+            log.warning("relay: dropped a loopback connection before its hello (%s): %s", code, detail)
+        else:
+            log.debug("relay: dropped a loopback connection before its hello (%s): %s", code, detail)
+
+    def _peer_refusal(self, writer: asyncio.StreamWriter) -> tuple[str, str] | None:
+        """Why this connection is not served before a byte of it is read, or None."""
+        if self.pending_legs >= self.max_pending_legs:
+            return "pending_cap", f"{self.max_pending_legs} loopback connections are mid-handshake already"
+        if not peer_uid_known_here():
+            return None  # no /proc/net/tcp: the loopback bind, the cap, the budget and the deadline bound it
+        peer, ours = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
+        owner = socket_owner_uid((peer[0], peer[1]), (ours[0], ours[1])) if peer and ours else None
+        if owner != self.rank_uid:
+            whose = f"uid {owner}" if owner is not None else "an unknown owner"
+            return "peer_uid", f"its socket belongs to {whose} (only the ranks' uid {self.rank_uid} may dial)"
+        return None
+
     async def _serve_rank(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One rank leg's task. Cancelled when the relay stops (SIGTERM): that ends the leg quietly,
         since the streams callback that owns this task would log a cancelled handler as an error.
@@ -238,22 +318,37 @@ class Relay:
             await self._serve_rank_leg(reader, writer)
         except asyncio.CancelledError:
             writer.close()
+        finally:
+            if isinstance(reader, GatedReader):
+                reader.settle()  # whatever it still held goes back to the pre-auth budget
 
     async def _serve_rank_leg(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            channel, _ = await read_channel_prefix(reader, timeout=HANDSHAKE_TIMEOUT_SECS)
-            if channel not in self.legs:
-                writer.close()
-                return
-            assert channel is not None
-            stream = await accept_channel(
-                reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS
-            )
-            hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
-        except (TimeoutError, EOFError, OSError, WireError, asyncio.IncompleteReadError) as error:
-            log.warning("relay: dropped a loopback connection before its hello: %s", error)
-            writer.close()
+        refused = self._peer_refusal(writer)
+        if refused is not None:
+            self._drop_leg(*refused)
+            writer.transport.abort()  # nothing read, nothing sent
             return
+        self.pending_legs += 1
+        try:
+            # One deadline for the whole pre-authentication: magic, key exchange and RankHello.
+            async with asyncio.timeout(self.preauth_deadline):
+                channel, _ = await read_channel_prefix(reader, timeout=self.preauth_deadline)
+                if channel not in self.legs:
+                    self._drop_leg("unknown_magic", "not a DATA or CONTROL leg")
+                    writer.close()
+                    return
+                assert channel is not None
+                stream = await accept_channel(
+                    reader, writer, self.salt, channel=channel, timeout=self.preauth_deadline
+                )
+                hello = (await stream.recv(self.preauth_deadline)).message()
+        except (TimeoutError, EOFError, OSError, WireError, asyncio.IncompleteReadError) as error:
+            if not (isinstance(reader, GatedReader) and reader.refused):  # an overrun was counted already
+                self._drop_leg(type(error).__name__, str(error) or "no hello before the deadline")
+            writer.transport.abort()
+            return
+        finally:
+            self.pending_legs -= 1
         refusal = (
             self._check_rank_hello(channel, hello)
             if isinstance(hello, RankHello)
