@@ -53,8 +53,9 @@ class StatusSource(Protocol):
         """Prometheus text exposition."""
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
-        """Decide a POST /start from a local caller (loopback, not a browser, START_HEADER sent) or any
-        other caller presenting `token` (the start credential).
+        """Decide a POST /start from a local caller (`local`: loopback, not a browser, START_HEADER sent and
+        no credential presented) or any other caller presenting `token` (the start credential), which is
+        checked whoever presents it.
         """
 
 

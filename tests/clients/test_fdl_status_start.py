@@ -53,7 +53,10 @@ async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(t
         code, out, _ = await fdl("status", "--json", "--addr", addr)
         assert code == 0 and StateSnapshot.model_validate(json.loads(out)).joined_ranks == 3
         code, _, err = await fdl("start", "--addr", addr, "--token", "00" * 32)
-        # Loopback needs no credential (fdl start sends X-Flodld-Start), so even a wrong one arms.
+        # Loopback needs no credential (fdl start sends X-Flodld-Start), but one that is given is checked:
+        # a wrong one is refused, not ignored (issue 29, point 7).
+        assert code == 1 and "403" in err and "not this run's" in err, err
+        code, _, err = await fdl("start", "--addr", addr)
         assert code == 0, err
         await asyncio.gather(*(a.world() for a in agents))
         code, _, err = await fdl("start", "--addr", addr)
