@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -79,4 +80,35 @@ def test_fdl_run_executes_the_ir_example_program_on_three_ranks_checked_by_decry
     )
     assert sorted(rank for rank, _ in verdicts) == ["0", "1", "2"], run.output
     assert all(float(error) < 1e-4 for _, error in verdicts)
+    assert "fdl run: run done" in run.output
+
+
+def _argv_lines(run: Fdl) -> dict[str, list[str]]:
+    return {m[1]: json.loads(m[2]) for m in re.finditer(r"argv rank=(\d+) (\[.*\])", run.output)}
+
+
+def test_a_torchrun_command_line_gives_every_word_after_the_program_to_the_program() -> None:
+    # torchrun --nproc-per-node 2 train.py 1 5 --batch_size 4 --port 29999, renamed (issue 30, goal 3): the
+    # program's --port is not the controller's, and fdl's world is --nproc-per-node's 2 ranks.
+    words = ["1", "5", "--batch_size", "4", "--port", "29999"]
+    run = Fdl("run", "--nproc-per-node", "2", str(PROGRAMS / "argv_echo.py"), *words)
+    assert run.wait() == 0, run.output
+    assert _argv_lines(run) == {"0": words, "1": words}, run.output
+    assert "2 CPU rank(s), backend gloo (from --nproc-per-node 2)" in run.output
+    port = re.search(r"controller on 127\.0\.0\.1:(\d+)", run.output)
+    assert port is not None and port[1] != "29999", run.output
+
+
+def test_a_module_runs_with_dash_m_and_gets_its_arguments() -> None:
+    run = Fdl("run", "--nproc-per-node", "2", "-m", "tests.e2e.programs.argv_echo", "--ranks", "1", "x")
+    assert run.wait() == 0, run.output
+    assert _argv_lines(run) == {"0": ["--ranks", "1", "x"], "1": ["--ranks", "1", "x"]}, run.output
+
+
+def test_the_readmes_single_key_command_works() -> None:
+    # README: `fdl run examples/encrypted_mean.py --keys single` (the program's flag, no `--`).
+    run = Fdl("run", str(EXAMPLES / "encrypted_mean.py"), "--keys", "single")
+    assert run.wait(600) == 0, run.output[-6000:]
+    assert "public key from rank 0" in run.output, run.output[-6000:]
+    assert "rank 0/2: encrypted mean PASS" in run.output and "keys single" in run.output
     assert "fdl run: run done" in run.output
