@@ -36,7 +36,9 @@ torchrun's flags, so that a torchrun command line ports by renaming the command:
   --rdzv-conf join_timeout=SECS   the join window's length (controller.join.join_timeout)
   --rdzv-backend c10d|static, --rdzv-id, --master-addr/--master-port on node 0, --node-rank 0,
   --monitor-interval, --start-method spawn   accepted; they have nothing to set here (a line says so)
-  --local-ranks-filter, --log-dir, --redirects, --tee   refused for now (rank output: the operability work)
+  --local-ranks-filter R[,R]  show only these ranks' output lines (the embedded default's one host: its
+                          local ranks); the controller's and agents' lines still show
+  --log-dir, --redirects, --tee   refused for now (per-rank output files: the operability work)
 Any other torchrun flag is refused with the flodld equivalent.
 """
 
@@ -47,6 +49,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import sys
@@ -98,8 +101,6 @@ TORCHRUN_VALUED: dict[str, Callable[[str], object]] = {
 """torchrun's flags that take a value, with the type fdl run reads it as."""
 
 TORCHRUN_REFUSED: dict[str, str] = {
-    "--local-ranks-filter": "rank output is not filtered yet: it belongs with --log-dir/--redirects/--tee to "
-    "the operability work; every rank's lines carry a [host:device:rN] prefix (grep them)",
     "--log-dir": "per-rank log files are the operability work's, not done yet; fdl run prints every rank's "
     "lines with a [host:device:rN] prefix (redirect fdl run's output)",
     "--redirects": "per-rank redirection is the operability work's, not done yet; fdl run prints every "
@@ -129,6 +130,7 @@ class TorchrunPlan:
 
     walk_in: tuple[str, int] | None = None  # the controller to join as a walk-in agent (fdl join HOST:PORT)
     join_timeout: float | None = None
+    rank_filter: frozenset[int] | None = None  # --local-ranks-filter: the ranks whose lines are shown
     notes: tuple[str, ...] = ()
 
 
@@ -194,6 +196,14 @@ def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
     if value("--monitor-interval") is not None:
         notes.append("--monitor-interval: the agent learns of a rank's exit at once, nothing to poll")
     join_timeout: float | None = None
+    rank_filter: frozenset[int] | None = None
+    if (text := value("--local-ranks-filter")) is not None:
+        try:
+            rank_filter = frozenset(int(word) for word in text.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--local-ranks-filter {text!r}: give rank numbers separated by commas, e.g. 0,1,2"
+            ) from None
     conf = value("--rdzv-conf")
     if conf:
         for pair in conf.split(","):
@@ -240,7 +250,9 @@ def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
         )
     if walk_in is not None and node_rank is not None:
         notes.append(f"--node-rank {node_rank}: the controller assigns ranks (hosts in join order)")
-    return TorchrunPlan(walk_in, join_timeout, tuple(notes))
+    if walk_in is not None and rank_filter is not None:
+        raise ValueError("--local-ranks-filter: only on the embedded default, not when walking in (yet)")
+    return TorchrunPlan(walk_in, join_timeout, rank_filter, tuple(notes))
 
 
 def add_rank_options(parser: argparse.ArgumentParser) -> None:
@@ -568,6 +580,7 @@ async def run_job(
     *,
     port: int | None = None,
     join_timeout: float | None = None,
+    rank_filter: frozenset[int] | None = None,
 ) -> int:
     overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
     if port is not None:
@@ -584,8 +597,15 @@ async def run_job(
             *api.agent_command(),
             env={**os.environ, **worker.env, api.AGENT_ENV: api.SPEC_ON_STDIN},
             stdin=asyncio.subprocess.PIPE,
+            stdout=None if rank_filter is None else asyncio.subprocess.PIPE,
+            limit=OUTPUT_LINE_LIMIT,
         )
         for worker in local
+    ]
+    filters = [
+        asyncio.ensure_future(_filter_rank_output(agent.stdout, rank_filter))
+        for agent in agents
+        if rank_filter is not None and agent.stdout is not None
     ]
     try:
         options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
@@ -662,6 +682,8 @@ async def run_job(
                 agent.kill()
                 await agent.wait()
     await controller.close()
+    if filters:
+        await asyncio.gather(*filters)  # the agents are gone: their pipes are at EOF
     died = [
         (worker.host, agent.returncode)
         for worker, agent in zip(local, agents, strict=True)
@@ -680,6 +702,27 @@ async def run_job(
         return EXIT_DONE
     say(f"run FAILED: {result.reason}")
     return EXIT_FAILED
+
+
+OUTPUT_LINE_LIMIT = 1024 * 1024
+"""The longest output line read whole from a local agent; a longer one is passed on in pieces."""
+
+_RANK_PREFIX = re.compile(rb"^\[[^\]]*:r(\d+)\] ")  # the agent's '[host:device:rN] ' before a rank's line
+
+
+async def _filter_rank_output(stream: asyncio.StreamReader, keep: frozenset[int]) -> None:
+    """Copy an agent's output to ours, leaving out the lines of ranks not in `keep` (--local-ranks-filter)."""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # a line over OUTPUT_LINE_LIMIT: pass on what is buffered, unfiltered
+            line = await stream.read(OUTPUT_LINE_LIMIT)
+        if not line:
+            return
+        match = _RANK_PREFIX.match(line)
+        if match is None or int(match[1]) in keep:
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
 
 
 def _describe(code: int) -> str:
@@ -709,12 +752,18 @@ def main(args: argparse.Namespace) -> int:
     say(f"starting {plan}")
     # Plain asyncio: the controller's mux checks for asyncio.Transport, which uvloop's transports are not.
     if any(not worker.is_local(cluster.controller.host) for worker in cluster.workers):
-        if launch.module or launch.no_python or launch.run_path:
-            say("-m/--no-python/--run-path: not yet with remote workers (the fan-out starts PROGRAM by name)")
+        if launch.module or launch.no_python or launch.run_path or torchrun.rank_filter is not None:
+            say(
+                "-m/--no-python/--run-path/--local-ranks-filter: not yet with remote workers (the fan-out "
+                "starts PROGRAM by name and prints every rank)"
+            )
             return EXIT_USAGE
         # cluster_run loads asyncssh: only when there is a remote worker.
         return asyncio.run(api.run_cluster_job(program, program_args, cluster, port=args.port))
-    return asyncio.run(run_job(command, cluster, port=args.port, join_timeout=torchrun.join_timeout))
+    job = run_job(
+        command, cluster, port=args.port, join_timeout=torchrun.join_timeout, rank_filter=torchrun.rank_filter
+    )
+    return asyncio.run(job)
 
 
 def _walk_in(args: argparse.Namespace, torchrun: TorchrunPlan, command: list[str]) -> int:

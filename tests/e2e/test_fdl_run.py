@@ -99,6 +99,14 @@ def test_a_torchrun_command_line_gives_every_word_after_the_program_to_the_progr
     assert port is not None and port[1] != "29999", run.output
 
 
+def test_local_ranks_filter_shows_only_those_ranks_lines() -> None:
+    program = str(PROGRAMS / "argv_echo.py")
+    run = Fdl("run", "--nproc-per-node", "3", "--local-ranks-filter", "0,2", program, "x")
+    assert run.wait() == 0, run.output
+    assert _argv_lines(run) == {"0": ["x"], "2": ["x"]}, run.output
+    assert "fdl run: run done" in run.output  # fdl's own lines are not filtered
+
+
 def test_a_module_runs_with_dash_m_and_gets_its_arguments() -> None:
     run = Fdl("run", "--nproc-per-node", "2", "-m", "tests.e2e.programs.argv_echo", "--ranks", "1", "x")
     assert run.wait() == 0, run.output

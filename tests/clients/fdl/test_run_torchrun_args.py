@@ -91,6 +91,11 @@ def test_torchrun_flags_that_map_are_accepted_on_the_embedded_default(
     assert started[0]["command"] == [sys.executable, str(program), "--epochs", "1"]
 
 
+def test_local_ranks_filter_reaches_the_run(program: Path, started: list[dict[str, Any]]) -> None:
+    assert fdl_main(["run", "--local-ranks-filter", "0,2", "--nproc-per-node", "3", str(program)]) == 0
+    assert started[0]["rank_filter"] == frozenset({0, 2})
+
+
 def test_rdzv_conf_join_timeout_sets_the_join_window(program: Path, started: list[dict[str, Any]]) -> None:
     assert fdl_main(["run", "--rdzv-conf", "join_timeout=42", str(program)]) == 0
     assert started[0]["join_timeout"] == 42.0
@@ -109,7 +114,7 @@ def test_rdzv_conf_join_timeout_sets_the_join_window(program: Path, started: lis
         (["--log-dir", "/tmp/logs"], "torchrun's --log-dir is not supported by fdl run: per-rank log files"),
         (["-r", "3"], "--redirects is not supported by fdl run"),
         (["--tee", "3"], "--tee is not supported by fdl run"),
-        (["--local-ranks-filter", "0"], "[host:device:rN] prefix"),
+        (["--local-ranks-filter", "0-1"], "'0-1': give rank numbers separated by commas"),
         (["--role", "trainer"], "FLODL_HOST_NAME"),
         (["--local-addr", "10.0.0.1"], "FLODL_HOST_NAME"),
         (["--node-rank", "1"], "give the controller's address (--master-addr or --rdzv-endpoint)"),
