@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import EXAMPLES, PROGRAMS, Fdl, pid_alive
+from tests.e2e.harness import (
+    EXAMPLES,
+    PROGRAMS,
+    Fdl,
+    child_env,
+    free_port,
+    pid_alive,
+    write_discovery_project,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -120,3 +130,28 @@ def test_the_readmes_single_key_command_works() -> None:
     assert "public key from rank 0" in run.output, run.output[-6000:]
     assert "rank 0/2: encrypted mean PASS" in run.output and "keys single" in run.output
     assert "fdl run: run done" in run.output
+
+
+def test_an_rdzv_endpoint_walks_in_to_a_running_controller(tmp_path: Path) -> None:
+    # torchrun --nnodes 2 --rdzv-endpoint HOST:PORT on a second box, renamed: it joins as `fdl join` would.
+    port, token = free_port(), secrets.token_hex(16)
+    host = write_discovery_project(tmp_path, port, token, ranks=2)  # a controller with no worker of its own
+    program = str(PROGRAMS / "argv_echo.py")
+    controller = Fdl("run", "--project", str(host), program)
+    controller.wait_for(r"waiting — window open")
+    walk_dir = tmp_path / "walk"
+    walk_dir.mkdir()
+    walk_in = Fdl(
+        "run", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "2",
+        program, "1", "--port", "29999",
+        cwd=walk_dir, env=child_env(FDL_JOIN_TOKEN=token),
+    )  # fmt: skip
+    try:
+        assert walk_in.wait() == 0, walk_in.output
+        assert controller.wait() == 0, controller.output
+    finally:
+        walk_in.kill()
+        controller.kill()
+    assert f"walking in to the controller at 127.0.0.1:{port}" in walk_in.output
+    assert _argv_lines(walk_in) == {"0": ["1", "--port", "29999"], "1": ["1", "--port", "29999"]}
+    assert "fdl run: run done" in controller.output
