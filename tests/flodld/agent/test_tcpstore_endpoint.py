@@ -279,7 +279,7 @@ def test_a_host_that_never_publishes_makes_node_rank_time_out(served: Served) ->
 # namespace (a PrefixStore), as torch's get a fresh store.
 _TORCH_STORE_TESTS = textwrap.dedent(
     """
-    import itertools, sys
+    import itertools, sys, time
     from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
     import torch.distributed as dist
@@ -342,8 +342,30 @@ _TORCH_STORE_TESTS = textwrap.dedent(
     def test_queue_pop_of_a_key_pushed_later(store):
         assert store.queue_pop("later") == b"x"  # the test process pushes it after several wait slices
 
+    def test_two_blocked_consumers_get_one_item_each(store):
+        # As torch's own server: the first push ends both WAITs, and the consumer that finds the queue
+        # empty again keeps waiting for the second item instead of raising QueueEmptyError.
+        got = []
+
+        def consume():
+            try:
+                got.append(store.clone().queue_pop("q"))
+            except Exception as error:
+                got.append(f"{type(error).__name__}: {error}")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(consume), pool.submit(consume)]
+            time.sleep(1.0)
+            store.queue_push("q", "1")
+            time.sleep(1.0)
+            store.queue_push("q", "2")
+            for future in futures:
+                future.result(timeout=60)
+        assert sorted(got, key=repr) == [b"1", b"2"], got
+
     for test in (test_queues, test_queues_nonblocking, test_queues_bidirectional, test_queues_timeout,
-                 test_long_keys, test_queue_pop_of_a_key_pushed_later):
+                 test_long_keys, test_queue_pop_of_a_key_pushed_later,
+                 test_two_blocked_consumers_get_one_item_each):
         test(fresh())
         print(test.__name__, "ok", flush=True)
     """
@@ -395,5 +417,6 @@ def test_torchs_queue_and_long_key_store_tests_pass_against_the_endpoint(
         for name in (
             "test_queues", "test_queues_nonblocking", "test_queues_bidirectional", "test_queues_timeout",
             "test_long_keys", "test_queue_pop_of_a_key_pushed_later",
+            "test_two_blocked_consumers_get_one_item_each",
         )
     ]  # fmt: skip
