@@ -219,6 +219,25 @@ def test_a_blocking_queue_pop_returns_an_item_pushed_later_by_another_client(sto
     assert popped == [b"x"]
 
 
+def test_two_blocked_consumers_get_one_item_each(store: ControllerStore) -> None:
+    got: list[bytes] = []
+
+    def consume() -> None:
+        local = store.clone()
+        got.append(local.queue_pop("q"))
+        local.close()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(consume), pool.submit(consume)]
+        time.sleep(0.3)
+        store.queue_push("q", "1")
+        time.sleep(0.3)
+        store.queue_push("q", "2")
+        for future in futures:
+            future.result(timeout=30)
+    assert sorted(got) == [b"1", b"2"]
+
+
 def test_clone_is_an_independent_connection_to_the_same_store(store: ControllerStore) -> None:
     clone = store.clone()
     assert isinstance(clone, dist.Store) and clone is not store
