@@ -27,8 +27,9 @@ torchrun's flags, so that a torchrun command line ports by renaming the command:
   -m/--module, --no-python, --run-path   as torchrun: PROGRAM is a module (`python -m`), an executable run
                           as is, or a Python file whatever its name
   --standalone            the embedded default (what fdl run does anyway)
-  --nnodes N|MIN:MAX      accepted when it allows one node (this host); a world of several hosts is a
-                          cluster: block (controller.join.min_rank_start/target_ranks) and `fdl join`
+  --nnodes N|MIN:MAX      one host: accepted. Several: only with a cluster: block (walk-ins make the
+                          hosts) and --nproc-per-node N, as the join window's quorum MIN x N and
+                          target MAX x N ranks (controller.join.min_rank_start/target_ranks)
   --max-restarts N        0 only: restarts are not supported yet, and N > 0 is refused
   --rdzv-endpoint HOST:PORT, or --master-addr HOST [--master-port PORT] with --node-rank >= 1:
                           walk in to the controller there instead (as `fdl join HOST:PORT`; the token
@@ -131,6 +132,7 @@ class TorchrunPlan:
     walk_in: tuple[str, int] | None = None  # the controller to join as a walk-in agent (fdl join HOST:PORT)
     join_timeout: float | None = None
     rank_filter: frozenset[int] | None = None  # --local-ranks-filter: the ranks whose lines are shown
+    nnodes: tuple[int, int] | None = None  # --nnodes MIN:MAX over one host: the window's bounds, in hosts
     notes: tuple[str, ...] = ()
 
 
@@ -241,18 +243,12 @@ def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
             "--master-addr/--master-port: the ranks' MASTER_ADDR:MASTER_PORT is the agent's own loopback "
             "store endpoint (a free port); fdl run's controller port is --port"
         )
-    if walk_in is None and most > 1:
-        raise ValueError(
-            f"--nnodes {value('--nnodes')}: fdl run's embedded controller serves this host only. For a world "
-            "of several hosts give fdl.yml a cluster: block (controller.join.discovery, min_rank_start and "
-            "target_ranks as the bounds, in ranks, and a token), run `fdl @cluster run PROGRAM` here and "
-            "`fdl join HOST:PORT --bin PROGRAM` (or fdl run --rdzv-endpoint HOST:PORT PROGRAM) on the others"
-        )
+    bounds = _nnodes(nnodes) if walk_in is None and most > 1 and nnodes is not None else None
     if walk_in is not None and node_rank is not None:
         notes.append(f"--node-rank {node_rank}: the controller assigns ranks (hosts in join order)")
     if walk_in is not None and rank_filter is not None:
         raise ValueError("--local-ranks-filter: only on the embedded default, not when walking in (yet)")
-    return TorchrunPlan(walk_in, join_timeout, rank_filter, tuple(notes))
+    return TorchrunPlan(walk_in, join_timeout, rank_filter, bounds, tuple(notes))
 
 
 def add_rank_options(parser: argparse.ArgumentParser) -> None:
@@ -739,11 +735,19 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("no program given: fdl run [OPTIONS] PROGRAM [ARGS...]")
         args.program = program
         torchrun = torchrun_plan(args)
+        bounds = _window_bounds(args, torchrun)
         launch = Launch(program, tuple(program_args), args.module, args.no_python, args.run_path)
         command = launch.command()
         if torchrun.walk_in is not None:
             return _walk_in(args, torchrun, command)
         cluster, plan = plan_run(args)
+        if bounds is not None:
+            join = cluster.controller.join.model_copy(
+                update={"min_rank_start": bounds[0], "target_ranks": bounds[1]}
+            )
+            controller = cluster.controller.model_copy(update={"join": join})
+            cluster = cluster.model_copy(update={"controller": controller})
+            plan += f"; --nnodes: quorum {bounds[0]}, target {bounds[1]} rank(s)"
     except (FileNotFoundError, ValueError) as error:
         say(str(error))
         return EXIT_USAGE
@@ -764,6 +768,32 @@ def main(args: argparse.Namespace) -> int:
         command, cluster, port=args.port, join_timeout=torchrun.join_timeout, rank_filter=torchrun.rank_filter
     )
     return asyncio.run(job)
+
+
+def _window_bounds(args: argparse.Namespace, torchrun: TorchrunPlan) -> tuple[int, int] | None:
+    """--nnodes MIN:MAX over more than one host, as the window's quorum and target in ranks (MIN and MAX
+    times --nproc-per-node N, torchrun's ranks per host); only with a cluster: block, whose walk-ins
+    make the hosts. None when --nnodes allows one host. ValueError (exit 2) says what is missing.
+    """
+    if torchrun.nnodes is None:
+        return None
+    low, high = torchrun.nnodes
+    if _project_cluster(args) is None:
+        raise ValueError(
+            f"--nnodes {low}:{high}: fdl run's embedded controller serves this host only. For a world of "
+            "several hosts give fdl.yml a cluster: block (controller.join.discovery and a token), run "
+            "`fdl @cluster run --nnodes MIN:MAX --nproc-per-node N PROGRAM` here and `fdl join HOST:PORT "
+            "--bin PROGRAM` (or fdl run --rdzv-endpoint HOST:PORT PROGRAM) on the others"
+        )
+    per_host = (args.nproc_per_node or "").strip()
+    if not per_host.isdigit() or int(per_host) < 1:
+        raise ValueError(
+            f"--nnodes {low}:{high} counts hosts and the join window counts ranks: give --nproc-per-node N "
+            "(ranks per host, a number) to make the bounds MIN x N and MAX x N ranks, or set "
+            "controller.join.min_rank_start/target_ranks in fdl.yml"
+        )
+    args.nproc_per_node = None  # it sized the bounds; the cluster: block's workers list their own ranks
+    return low * int(per_host), high * int(per_host)
 
 
 def _walk_in(args: argparse.Namespace, torchrun: TorchrunPlan, command: list[str]) -> int:

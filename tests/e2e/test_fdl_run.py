@@ -135,9 +135,10 @@ def test_the_readmes_single_key_command_works() -> None:
 def test_an_rdzv_endpoint_walks_in_to_a_running_controller(tmp_path: Path) -> None:
     # torchrun --nnodes 2 --rdzv-endpoint HOST:PORT on a second box, renamed: it joins as `fdl join` would.
     port, token = free_port(), secrets.token_hex(16)
-    host = write_discovery_project(tmp_path, port, token, ranks=2)  # a controller with no worker of its own
+    host = write_discovery_project(tmp_path, port, token, ranks=4)  # a controller with no worker of its own
     program = str(PROGRAMS / "argv_echo.py")
-    controller = Fdl("run", "--project", str(host), program)
+    # --nnodes 1:2 x --nproc-per-node 1: quorum 1, target 2 ranks (over fdl.yml's 4): the walk-in's 2 form it.
+    controller = Fdl("run", "--project", str(host), "--nnodes", "1:2", "--nproc-per-node", "1", program)
     controller.wait_for(r"waiting — window open")
     walk_dir = tmp_path / "walk"
     walk_dir.mkdir()
@@ -155,3 +156,4 @@ def test_an_rdzv_endpoint_walks_in_to_a_running_controller(tmp_path: Path) -> No
     assert f"walking in to the controller at 127.0.0.1:{port}" in walk_in.output
     assert _argv_lines(walk_in) == {"0": ["1", "--port", "29999"], "1": ["1", "--port", "29999"]}
     assert "fdl run: run done" in controller.output
+    assert "--nnodes: quorum 1, target 2 rank(s)" in controller.output

@@ -96,6 +96,33 @@ def test_local_ranks_filter_reaches_the_run(program: Path, started: list[dict[st
     assert started[0]["rank_filter"] == frozenset({0, 2})
 
 
+DISCOVERY_BLOCK = (
+    "cluster:\n  controller:\n    host: 127.0.0.1\n    port: 29400\n"
+    "    join: {discovery: true, token: " + "cd" * 16 + "}\n"
+    "  workers:\n    - {host: 127.0.0.1, local_devices: [cpu, cpu]}\n"
+)
+
+
+def test_nnodes_min_max_with_a_cluster_block_sets_the_windows_quorum_and_target(
+    program: Path, started: list[dict[str, Any]]
+) -> None:
+    (program.parent / "fdl.yml").write_text(DISCOVERY_BLOCK)
+    assert fdl_main(["run", "--nnodes", "2:4", "--nproc-per-node", "2", str(program), "--nnodes", "9"]) == 0
+    (call,) = started
+    join = call["cluster"].controller.join
+    assert (join.min_rank_start, join.target_ranks) == (4, 8)  # hosts x ranks per host
+    assert call["command"] == [sys.executable, str(program), "--nnodes", "9"]
+
+
+def test_nnodes_over_one_host_with_a_cluster_block_needs_the_ranks_per_host(
+    program: Path, started: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (program.parent / "fdl.yml").write_text(DISCOVERY_BLOCK)
+    assert fdl_main(["run", "--nnodes", "2:4", str(program)]) == 2
+    assert "give --nproc-per-node N (ranks per host, a number)" in capsys.readouterr().err
+    assert not started
+
+
 def test_rdzv_conf_join_timeout_sets_the_join_window(program: Path, started: list[dict[str, Any]]) -> None:
     assert fdl_main(["run", "--rdzv-conf", "join_timeout=42", str(program)]) == 0
     assert started[0]["join_timeout"] == 42.0
@@ -105,7 +132,7 @@ def test_rdzv_conf_join_timeout_sets_the_join_window(program: Path, started: lis
     ("words", "message"),
     [
         (["--max-restarts", "2"], "--max-restarts 2: restarts are not supported yet"),
-        (["--nnodes", "2"], "give fdl.yml a cluster: block (controller.join.discovery, min_rank_start"),
+        (["--nnodes", "2"], "give fdl.yml a cluster: block (controller.join.discovery and a token)"),
         (["--nnodes", "1:4"], "`fdl join HOST:PORT --bin PROGRAM`"),
         (["--nnodes", "x"], "--nnodes 'x' is not understood"),
         (["--rdzv-backend", "etcd"], "the rendezvous is flodld's controller"),
