@@ -1,7 +1,8 @@
 """`fdl`: the thin command-line client. Overlay selection is shared by every command.
 
 Selecting an overlay (`fdl.<env>.yml`): `fdl @env <cmd>` (only before the command),
-`fdl --env env <cmd>` (anywhere before `--`), or `FDL_ENV=env`; the command line wins.
+`fdl --env env <cmd>` (anywhere before `--`, and for `fdl run` before PROGRAM: the words after it are
+PROGRAM's), or `FDL_ENV=env`; the command line wins.
 """
 
 from __future__ import annotations
@@ -76,10 +77,26 @@ def check_env(env: str, project: Path | str) -> None:
         raise UsageError(f"unknown environment {env!r}: no fdl.{env}.yml; available overlays: {listing}")
 
 
+def split_program_words(words: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(fdl's words, `fdl run`'s PROGRAM and its arguments): the latter are the program's alone, so that
+    an `--env` among them is never taken for the overlay selector.
+    """
+    words = list(words)
+    index = 1 if words[:1] and words[0].startswith("@") else 0
+    while index < len(words) and words[index].startswith("-") and words[index] != "--":
+        index += 2 if words[index] == "--env" else 1  # the only top-level option with a separate value
+    if index >= len(words) or words[index] != "run":
+        return words, []
+    start = index + 1 + run_command.program_start(words[index + 1 :])
+    return words[:start], words[start:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     try:
+        words, program = split_program_words(words)
         env, rest = split_env(words)
+        rest += program
         args = build_parser().parse_args(rest)
         env = env or args.env_flag or os.environ.get("FDL_ENV") or None
         args.env = env

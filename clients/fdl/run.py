@@ -1,4 +1,8 @@
-"""`fdl run PROGRAM [-- ARGS]`: the main job on this machine, controller embedded.
+"""`fdl run [OPTIONS] PROGRAM [ARGS...]`: the main job on this machine, controller embedded.
+
+As with torchrun, every word after PROGRAM is PROGRAM's: `fdl run train.py 1 5 --batch_size 4 --port 29999`
+gives train.py all six words and fdl's options only come before PROGRAM. (A `--` right after PROGRAM, the
+older spelling `fdl run PROGRAM -- ARGS`, is dropped; write `-- --` to pass a literal `--`.)
 
 With no `cluster:` block in the project's fdl.yml (the embedded default) it starts a controller
 in-process on 127.0.0.1 (free port) and one local agent that joins over loopback, with one rank per
@@ -18,6 +22,25 @@ Ranks on GPUs only use backend nccl; any CPU rank makes it gloo.
 With a cluster block (`fdl @cluster run`), the overlay's controller settings are used and local
 workers get a local agent; remote workers walk in with `fdl join`. Progress lines go to stderr;
 the exit code is the run's verdict (0 done, 1 failed, 2 bad usage).
+
+torchrun's flags, so that a torchrun command line ports by renaming the command:
+  -m/--module, --no-python, --run-path   as torchrun: PROGRAM is a module (`python -m`), an executable run
+                          as is, or a Python file whatever its name
+  --standalone            the embedded default (what fdl run does anyway)
+  --nnodes N|MIN:MAX      one host: accepted. Several: only with a cluster: block (walk-ins make the
+                          hosts) and --nproc-per-node N, as the join window's quorum MIN x N and
+                          target MAX x N ranks (controller.join.min_rank_start/target_ranks)
+  --max-restarts N        0 only: restarts are not supported yet, and N > 0 is refused
+  --rdzv-endpoint HOST:PORT, or --master-addr HOST [--master-port PORT] with --node-rank >= 1:
+                          walk in to the controller there instead (as `fdl join HOST:PORT`; the token
+                          from FDL_JOIN_TOKEN or the fdl.yml join: block); rank flags size this host
+  --rdzv-conf join_timeout=SECS   the join window's length (controller.join.join_timeout)
+  --rdzv-backend c10d|static, --rdzv-id, --master-addr/--master-port on node 0, --node-rank 0,
+  --monitor-interval, --start-method spawn   accepted; they have nothing to set here (a line says so)
+  --local-ranks-filter R[,R]  show only these ranks' output lines (the embedded default's one host: its
+                          local ranks); the controller's and agents' lines still show
+  --log-dir, --redirects, --tee   refused for now (per-rank output files: the operability work)
+Any other torchrun flag is refused with the flodld equivalent.
 """
 
 from __future__ import annotations
@@ -25,7 +48,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
+import re
 import shutil
 import signal
 import sys
@@ -45,6 +70,185 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     add_rank_options(parser)
     parser.add_argument("--port", type=int, default=None, help="controller port (default: a free one)")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+    _add_torchrun_options(parser)
+
+
+def _flag(name: str) -> list[str]:
+    """Both spellings torchrun takes of a flag: --max-restarts and --max_restarts."""
+    return [name, "--" + name[2:].replace("-", "_")] if "-" in name[2:] else [name]
+
+
+def _add_torchrun_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of torchrun (torch.distributed.run), checked by `torchrun_plan`."""
+    group = parser.add_argument_group("torchrun's flags (see the description above)")
+    for name in ("--module", "--no-python", "--run-path", "--standalone"):
+        names = (["-m"] if name == "--module" else []) + _flag(name)
+        dest = name[2:].replace("-", "_")
+        group.add_argument(*names, dest=dest, action="store_true", help=argparse.SUPPRESS)
+    for name, kind in TORCHRUN_VALUED.items():
+        names = {"--redirects": ["-r"], "--tee": ["-t"]}.get(name, []) + _flag(name)
+        group.add_argument(*names, dest=name[2:].replace("-", "_"), type=kind, default=None,
+                           help=argparse.SUPPRESS)  # fmt: skip
+
+
+TORCHRUN_VALUED: dict[str, Callable[[str], object]] = {
+    "--nnodes": str, "--max-restarts": int, "--node-rank": int, "--master-addr": str, "--master-port": int,
+    "--rdzv-endpoint": str, "--rdzv-conf": str, "--rdzv-backend": str, "--rdzv-id": str,
+    "--monitor-interval": float, "--start-method": str, "--local-ranks-filter": str, "--log-dir": str,
+    "--redirects": str, "--tee": str, "--role": str, "--event-log-handler": str, "--local-addr": str,
+    "--logs-specs": str, "--numa-binding": str, "--signals-to-handle": str, "--shutdown-timeout": str,
+    "--virtual-local-rank": str, "--duplicate-stdout-filters": str, "--duplicate-stderr-filters": str,
+}  # fmt: skip
+"""torchrun's flags that take a value, with the type fdl run reads it as."""
+
+TORCHRUN_REFUSED: dict[str, str] = {
+    "--log-dir": "per-rank log files are the operability work's, not done yet; fdl run prints every rank's "
+    "lines with a [host:device:rN] prefix (redirect fdl run's output)",
+    "--redirects": "per-rank redirection is the operability work's, not done yet; fdl run prints every "
+    "rank's lines with a [host:device:rN] prefix",
+    "--tee": "per-rank tee files are the operability work's, not done yet; fdl run prints every rank's "
+    "lines with a [host:device:rN] prefix",
+    "--duplicate-stdout-filters": "rank output is not filtered yet (the operability work)",
+    "--duplicate-stderr-filters": "rank output is not filtered yet (the operability work)",
+    "--role": "flodld has one role; name the host with FLODL_HOST_NAME (or `fdl join --host`)",
+    "--event-log-handler": "the controller's events are in state.json and its log (flodld serve --state-dir)",
+    "--local-addr": "the host's name in the roster comes from FLODL_HOST_NAME (or `fdl join --host NAME`)",
+    "--logs-specs": "rank output goes through fdl run's own output, prefixed per rank",
+    "--numa-binding": "bind ranks in PROGRAM itself (os.sched_setaffinity) or with numactl via --no-python",
+    "--signals-to-handle": "fdl run aborts the run on SIGINT/SIGTERM and tears every rank down",
+    "--shutdown-timeout": "ranks get SIGTERM, then SIGKILL after the agent's grace (5 s)",
+    "--virtual-local-rank": "each rank sees its own device as LOCAL_RANK; set CUDA_VISIBLE_DEVICES yourself",
+}
+"""torchrun flags fdl run refuses, with what to use instead."""
+
+RDZV_CONF_KEYS = ("join_timeout",)
+"""--rdzv-conf keys fdl run honours (the rest of torchrun's have no counterpart yet and are refused)."""
+
+
+@dataclass(frozen=True)
+class TorchrunPlan:
+    """What torchrun's flags ask of `fdl run`: walk in to a controller, a join timeout, notes to print."""
+
+    walk_in: tuple[str, int] | None = None  # the controller to join as a walk-in agent (fdl join HOST:PORT)
+    join_timeout: float | None = None
+    rank_filter: frozenset[int] | None = None  # --local-ranks-filter: the ranks whose lines are shown
+    nnodes: tuple[int, int] | None = None  # --nnodes MIN:MAX over one host: the window's bounds, in hosts
+    notes: tuple[str, ...] = ()
+
+
+def _nnodes(value: str) -> tuple[int, int]:
+    """The value of torchrun's --nnodes, 'N' or 'MIN:MAX', as (MIN, MAX)."""
+    try:
+        low, _, high = value.partition(":")
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise ValueError(f"--nnodes {value!r} is not understood: give N or MIN:MAX (hosts)") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"--nnodes {value!r}: give 1 <= MIN <= MAX")
+    return bounds
+
+
+def _address(flag: str, value: str, port: int | None = None) -> tuple[str, int]:
+    """The controller's address from --rdzv-endpoint or --master-addr (its port, else the default 1337)."""
+    try:
+        host, parsed = api.parse_address(value)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
+    return host, port if port is not None else parsed
+
+
+def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
+    """Check torchrun's flags in `args`; ValueError (exit 2) names a refused one and the flodld equivalent."""
+    def value(name: str) -> Any:  # noqa: ANN401 (each flag has its own type, as TORCHRUN_VALUED says)
+        return getattr(args, name[2:].replace("-", "_"), None)
+
+    for flag, instead in TORCHRUN_REFUSED.items():
+        if value(flag) is not None:
+            raise ValueError(f"torchrun's {flag} is not supported by fdl run: {instead}")
+    if args.module and args.no_python:
+        raise ValueError("-m and --no-python exclude each other (as under torchrun): give one")
+    if args.run_path and (args.module or args.no_python):
+        raise ValueError("--run-path runs PROGRAM as a Python file: drop -m/--no-python")
+    restarts = value("--max-restarts")
+    if restarts is not None and restarts < 0:
+        raise ValueError(f"--max-restarts {restarts}: give 0 or more")
+    if restarts:
+        raise ValueError(
+            f"--max-restarts {restarts}: restarts are not supported yet (a failed rank fails the run); "
+            "run without it, or with --max-restarts 0"
+        )
+    notes: list[str] = []
+    backend = value("--rdzv-backend")
+    if backend is not None:
+        if backend not in ("c10d", "static"):
+            raise ValueError(
+                f"--rdzv-backend {backend}: the rendezvous is flodld's controller (its authenticated store); "
+                "drop the flag, or give c10d/static"
+            )
+        notes.append(f"--rdzv-backend {backend}: the rendezvous is flodld's controller")
+    if value("--rdzv-id") is not None:
+        notes.append("--rdzv-id: the controller names the run (its run id), nothing to set")
+    method = value("--start-method")
+    if method is not None:
+        if method != "spawn":
+            raise ValueError(
+                f"--start-method {method}: every rank is a fresh process (torchrun's spawn); drop the flag"
+            )
+        notes.append("--start-method spawn: every rank is a fresh process anyway")
+    if value("--monitor-interval") is not None:
+        notes.append("--monitor-interval: the agent learns of a rank's exit at once, nothing to poll")
+    join_timeout: float | None = None
+    rank_filter: frozenset[int] | None = None
+    if (text := value("--local-ranks-filter")) is not None:
+        try:
+            rank_filter = frozenset(int(word) for word in text.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--local-ranks-filter {text!r}: give rank numbers separated by commas, e.g. 0,1,2"
+            ) from None
+    conf = value("--rdzv-conf")
+    if conf:
+        for pair in conf.split(","):
+            key, sep, text = pair.partition("=")
+            key = key.strip()
+            if not sep or key not in RDZV_CONF_KEYS:
+                raise ValueError(
+                    f"--rdzv-conf {pair!r}: fdl run takes only {', '.join(RDZV_CONF_KEYS)}=SECONDS (the join "
+                    "window; the other timeouts are the controller's, set in fdl.yml controller.join)"
+                )
+            try:
+                join_timeout = float(text)
+            except ValueError:
+                raise ValueError(f"--rdzv-conf {pair!r}: {key} must be a number of seconds") from None
+            if join_timeout <= 0:
+                raise ValueError(f"--rdzv-conf {pair!r}: {key} must be positive")
+    nnodes: str | None = value("--nnodes")
+    _, most = _nnodes(nnodes) if nnodes is not None else (1, 1)
+    node_rank, master_addr, master_port = value("--node-rank"), value("--master-addr"), value("--master-port")
+    endpoint = value("--rdzv-endpoint")
+    walk_in: tuple[str, int] | None = None
+    if args.standalone:
+        if endpoint or master_addr or node_rank:
+            notes.append("--standalone: the embedded controller, whatever --rdzv-endpoint/--master-* say")
+    elif endpoint and not endpoint.endswith(":0"):
+        walk_in = _address("--rdzv-endpoint", endpoint)
+    elif node_rank and master_addr:
+        walk_in = _address("--master-addr", master_addr, master_port)
+    elif node_rank:
+        raise ValueError(
+            f"--node-rank {node_rank}: give the controller's address (--master-addr or --rdzv-endpoint)"
+        )
+    elif master_addr or master_port:
+        notes.append(
+            "--master-addr/--master-port: the ranks' MASTER_ADDR:MASTER_PORT is the agent's own loopback "
+            "store endpoint (a free port); fdl run's controller port is --port"
+        )
+    bounds = _nnodes(nnodes) if walk_in is None and most > 1 and nnodes is not None else None
+    if walk_in is not None and node_rank is not None:
+        notes.append(f"--node-rank {node_rank}: the controller assigns ranks (hosts in join order)")
+    if walk_in is not None and rank_filter is not None:
+        raise ValueError("--local-ranks-filter: only on the embedded default, not when walking in (yet)")
+    return TorchrunPlan(walk_in, join_timeout, rank_filter, bounds, tuple(notes))
 
 
 def add_rank_options(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +270,70 @@ def add_rank_options(parser: argparse.ArgumentParser) -> None:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     _add_options(parser)
-    program = "the training program (a .py file or an executable), then -- and its arguments"
-    add_rest(parser, metavar="PROGRAM [-- ARGS]", help=program)
+    program = "the training program (a .py file or an executable), then every word after it (as torchrun)"
+    add_rest(parser, metavar="PROGRAM [ARGS...]", help=program)
+
+
+NO_VALUE_FLAGS = frozenset({
+    "-h", "--help", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+    "--standalone",
+})  # fmt: skip
+"""The options of fdl run that take no value; any other before PROGRAM takes one (or `--opt=value`)."""
+
+
+def program_start(words: list[str]) -> int:
+    """Where PROGRAM is in the words after `run` (len(words) when there is none): the first word that is
+    neither an option nor an option's value, or the `--` that ends the options.
+    """
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--" or not word.startswith("-") or word == "-":
+            return index
+        index += 1 if word in NO_VALUE_FLAGS or "=" in word else 2
+    return len(words)
+
+
+def split_program(rest: list[str]) -> tuple[str | None, list[str]]:
+    """(PROGRAM, its arguments) from what follows fdl run's options: as torchrun, every word after PROGRAM
+    is PROGRAM's. A `--` before PROGRAM ends the options; one right after PROGRAM is dropped (the older
+    spelling `fdl run PROGRAM -- ARGS`). None when no program was given.
+    """
+    words = list(rest)
+    if words[:1] == ["--"]:
+        words.pop(0)
+    if not words:
+        return None, []
+    arguments = words[1:]
+    return words[0], arguments[1:] if arguments[:1] == ["--"] else arguments
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How each rank starts PROGRAM: a module (-m), an executable as is (--no-python), a Python file
+    (--run-path, or a name ending in .py), else an executable looked up on PATH.
+    """
+
+    program: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+
+    def command(self) -> list[str]:
+        """The rank's command line; FileNotFoundError (exit 2) when PROGRAM cannot be found."""
+        if self.module:
+            return [sys.executable, "-m", self.program, *self.args]
+        if self.run_path:
+            if not Path(self.program).is_file():
+                raise FileNotFoundError(f"program {self.program!r} not found (relative to {os.getcwd()})")
+            return [sys.executable, self.program, *self.args]
+        if self.no_python:
+            if not Path(self.program).is_file() and shutil.which(self.program) is None:
+                raise FileNotFoundError(f"program {self.program!r} is neither a file nor on PATH")
+            return [self.program if os.sep in self.program else (shutil.which(self.program) or self.program),
+                    *self.args]  # fmt: skip
+        return program_command(self.program, list(self.args))
 
 
 def add_rest(parser: argparse.ArgumentParser, *, metavar: str, help: str) -> None:
@@ -304,10 +570,19 @@ def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
     return embedded_cluster(local_ranks), f"the embedded default: {local_ranks.describe()}"
 
 
-async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int | None = None) -> int:
+async def run_job(
+    command: list[str],
+    cluster: api.ClusterConfig,
+    *,
+    port: int | None = None,
+    join_timeout: float | None = None,
+    rank_filter: frozenset[int] | None = None,
+) -> int:
     overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
     if port is not None:
         overrides["port"] = port
+    if join_timeout is not None:  # torchrun's --rdzv-conf join_timeout=SECS
+        overrides["join"] = cluster.controller.join.model_copy(update={"join_timeout": join_timeout})
     if cluster.controller.host in ("127.0.0.1", "localhost"):
         overrides["bind_host"] = "127.0.0.1"
     local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
@@ -318,8 +593,15 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
             *api.agent_command(),
             env={**os.environ, **worker.env, api.AGENT_ENV: api.SPEC_ON_STDIN},
             stdin=asyncio.subprocess.PIPE,
+            stdout=None if rank_filter is None else asyncio.subprocess.PIPE,
+            limit=OUTPUT_LINE_LIMIT,
         )
         for worker in local
+    ]
+    filters = [
+        asyncio.ensure_future(_filter_rank_output(agent.stdout, rank_filter))
+        for agent in agents
+        if rank_filter is not None and agent.stdout is not None
     ]
     try:
         options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
@@ -396,6 +678,8 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
                 agent.kill()
                 await agent.wait()
     await controller.close()
+    if filters:
+        await asyncio.gather(*filters)  # the agents are gone: their pipes are at EOF
     died = [
         (worker.host, agent.returncode)
         for worker, agent in zip(local, agents, strict=True)
@@ -416,6 +700,27 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
     return EXIT_FAILED
 
 
+OUTPUT_LINE_LIMIT = 1024 * 1024
+"""The longest output line read whole from a local agent; a longer one is passed on in pieces."""
+
+_RANK_PREFIX = re.compile(rb"^\[[^\]]*:r(\d+)\] ")  # the agent's '[host:device:rN] ' before a rank's line
+
+
+async def _filter_rank_output(stream: asyncio.StreamReader, keep: frozenset[int]) -> None:
+    """Copy an agent's output to ours, leaving out the lines of ranks not in `keep` (--local-ranks-filter)."""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # a line over OUTPUT_LINE_LIMIT: pass on what is buffered, unfiltered
+            line = await stream.read(OUTPUT_LINE_LIMIT)
+        if not line:
+            return
+        match = _RANK_PREFIX.match(line)
+        if match is None or int(match[1]) in keep:
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+
+
 def _describe(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
@@ -425,20 +730,107 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="fdl run: controller: %(message)s")
     try:
-        tail = reparse(args, _add_options, lambda p: p.add_argument("program", nargs="?"))
-        if not args.program:
-            raise ValueError("no program given: fdl run PROGRAM [-- ARGS]")
-        command = program_command(args.program, tail or [])
+        program, program_args = split_program(list(args.rest))
+        if program is None:
+            raise ValueError("no program given: fdl run [OPTIONS] PROGRAM [ARGS...]")
+        args.program = program
+        torchrun = torchrun_plan(args)
+        bounds = _window_bounds(args, torchrun)
+        launch = Launch(program, tuple(program_args), args.module, args.no_python, args.run_path)
+        command = launch.command()
+        if torchrun.walk_in is not None:
+            return _walk_in(args, torchrun, command)
         cluster, plan = plan_run(args)
+        if bounds is not None:
+            join = cluster.controller.join.model_copy(
+                update={"min_rank_start": bounds[0], "target_ranks": bounds[1]}
+            )
+            controller = cluster.controller.model_copy(update={"join": join})
+            cluster = cluster.model_copy(update={"controller": controller})
+            plan += f"; --nnodes: quorum {bounds[0]}, target {bounds[1]} rank(s)"
     except (FileNotFoundError, ValueError) as error:
         say(str(error))
         return EXIT_USAGE
+    for note in torchrun.notes:
+        say(note)
     say(f"starting {plan}")
     # Plain asyncio: the controller's mux checks for asyncio.Transport, which uvloop's transports are not.
     if any(not worker.is_local(cluster.controller.host) for worker in cluster.workers):
+        if launch.module or launch.no_python or launch.run_path or torchrun.rank_filter is not None:
+            say(
+                "-m/--no-python/--run-path/--local-ranks-filter: not yet with remote workers (the fan-out "
+                "starts PROGRAM by name and prints every rank)"
+            )
+            return EXIT_USAGE
         # cluster_run loads asyncssh: only when there is a remote worker.
-        return asyncio.run(api.run_cluster_job(args.program, tail or [], cluster, port=args.port))
-    return asyncio.run(run_job(command, cluster, port=args.port))
+        return asyncio.run(api.run_cluster_job(program, program_args, cluster, port=args.port))
+    job = run_job(
+        command, cluster, port=args.port, join_timeout=torchrun.join_timeout, rank_filter=torchrun.rank_filter
+    )
+    return asyncio.run(job)
+
+
+def _window_bounds(args: argparse.Namespace, torchrun: TorchrunPlan) -> tuple[int, int] | None:
+    """--nnodes MIN:MAX over more than one host, as the window's quorum and target in ranks (MIN and MAX
+    times --nproc-per-node N, torchrun's ranks per host); only with a cluster: block, whose walk-ins
+    make the hosts. None when --nnodes allows one host. ValueError (exit 2) says what is missing.
+    """
+    if torchrun.nnodes is None:
+        return None
+    low, high = torchrun.nnodes
+    if _project_cluster(args) is None:
+        raise ValueError(
+            f"--nnodes {low}:{high}: fdl run's embedded controller serves this host only. For a world of "
+            "several hosts give fdl.yml a cluster: block (controller.join.discovery and a token), run "
+            "`fdl @cluster run --nnodes MIN:MAX --nproc-per-node N PROGRAM` here and `fdl join HOST:PORT "
+            "--bin PROGRAM` (or fdl run --rdzv-endpoint HOST:PORT PROGRAM) on the others"
+        )
+    per_host = (args.nproc_per_node or "").strip()
+    if not per_host.isdigit() or int(per_host) < 1:
+        raise ValueError(
+            f"--nnodes {low}:{high} counts hosts and the join window counts ranks: give --nproc-per-node N "
+            "(ranks per host, a number) to make the bounds MIN x N and MAX x N ranks, or set "
+            "controller.join.min_rank_start/target_ranks in fdl.yml"
+        )
+    args.nproc_per_node = None  # it sized the bounds; the cluster: block's workers list their own ranks
+    return low * int(per_host), high * int(per_host)
+
+
+def _walk_in(args: argparse.Namespace, torchrun: TorchrunPlan, command: list[str]) -> int:
+    """--rdzv-endpoint (or --master-addr with --node-rank >= 1): run as `fdl join HOST:PORT` would, the
+    rank flags sizing this host and PROGRAM (as -m/--no-python/--run-path say) as the ranks' command.
+    """
+    from fdl import join  # fdl.join imports this module: import it only when walking in
+
+    assert torchrun.walk_in is not None
+    host, port = torchrun.walk_in
+    if args.port is not None or torchrun.join_timeout is not None:
+        say("--port and --rdzv-conf set an embedded controller's; walking in, they are the controller's own")
+        return EXIT_USAGE
+    devices = None
+    if any(getattr(args, name, None) is not None for name in ("devices", "nproc_per_node", "ranks")):
+        local = choose_local_ranks(devices=args.devices, nproc_per_node=args.nproc_per_node, ranks=args.ranks)
+        devices = ",".join(local.entries)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    walk = argparse.Namespace(
+        project=args.project, env=getattr(args, "env", None), controller=address, token=None,
+        program=sys.executable,  # checked by fdl join; the ranks' command is `command`, set below
+        program_args=[], devices=devices, host=None, persist=None, ssh=None, identity=None, accept_env=None,
+    )  # fmt: skip
+    try:
+        plan = join.resolve_plan(walk)
+    except join.UsageError as error:
+        say(str(error))
+        return EXIT_USAGE
+    plan = dataclasses.replace(plan, spec=plan.spec.model_copy(update={"program": command}))
+    for note in torchrun.notes:
+        say(note)
+    say(f"walking in to the controller at {host}:{port} (as fdl join)")
+    try:
+        return join.join_loop(plan)
+    except (KeyboardInterrupt, join.Stopped):
+        say("stopped")
+        return join.EXIT_TRANSIENT
 
 
 COMMAND = Command("run", "run a program on every rank (controller embedded)", __doc__, configure_parser, main)

@@ -174,6 +174,11 @@ class _Session:
         self.reader, self.writer, self.link = reader, writer, link
         self.codec = ts.TcpStoreServerConnection()
         self.requests: asyncio.Queue[ts.Request | None] = asyncio.Queue(maxsize=64)
+        # The keys of the WAIT answered last, when it was the previous request: torch's client sends a
+        # blocking queue_pop(key) as WAIT [key] then QUEUE_POP key, and such a pop must not come back
+        # empty when another consumer took the item that ended the wait.
+        self.waited: tuple[str, ...] | None = None
+        self.held: list[ts.Request | None] = []  # a request a wait took off the queue but did not act on
 
     async def _read(self) -> None:
         """Decode requests into the queue (None at EOF or on a protocol error, which ends the session)."""
@@ -194,7 +199,7 @@ class _Session:
     async def run(self) -> None:
         reader = asyncio.ensure_future(self._read())
         try:
-            while (request := await self.requests.get()) is not None:
+            while (request := self.held.pop() if self.held else await self.requests.get()) is not None:
                 reply = await self._answer(request)
                 if reply:
                     self.writer.write(reply)
@@ -212,6 +217,7 @@ class _Session:
             self.link.drop()
 
     async def _answer(self, request: ts.Request) -> bytes:
+        waited, self.waited = self.waited, None
         link = self.link
         match request:
             case ts.Validate():
@@ -234,7 +240,10 @@ class _Session:
                 present, _ = await link.call(ws.StoreCheck(keys=list(keys)), ws.StoreBool)
                 return ts.reply_check(present.value)
             case ts.Wait(keys):
-                return await self._wait(list(keys))
+                reply = await self._wait(list(keys))
+                if reply == ts.reply_stop_waiting():
+                    self.waited = tuple(keys)
+                return reply
             case ts.NumKeys():
                 return ts.reply_int((await link.call(ws.StoreNumKeys(), ws.StoreInt))[0].value)
             case ts.DeleteKey(key):
@@ -256,6 +265,8 @@ class _Session:
             case ts.QueuePush(key, value):
                 await link.call(ws.StoreQueuePush(key=key), ws.StoreOk, value)
                 return b""
+            case ts.QueuePop(key) if waited == (key,):
+                return await self._blocking_pop(key)
             case ts.QueuePop(key):
                 try:
                     return ts.reply_queue_pop(
@@ -279,6 +290,7 @@ class _Session:
         there); the link is re-dialed for the next request.
         """
         next_request = asyncio.ensure_future(self.requests.get())
+        acted = False  # whether the request that interrupted the wait was answered here
         try:
             while True:
                 slice_call = asyncio.ensure_future(self._wait_slice(keys))
@@ -291,14 +303,59 @@ class _Session:
                 with contextlib.suppress(asyncio.CancelledError, StoreRefused, ConnectionError, OSError):
                     await slice_call
                 self.link.drop()
-                following = next_request.result()
+                acted, following = True, next_request.result()
                 if isinstance(following, ts.CancelWait):
                     return ts.reply_wait_canceled()
                 # Only CANCEL_WAIT may follow a WAIT (torch's client holds its op lock while waiting).
                 raise StoreRefused("protocol", f"{type(following).__name__} sent while a WAIT was pending")
         finally:
-            if not next_request.done():
-                next_request.cancel()
+            self._hold_unanswered(next_request, acted)
+
+    async def _blocking_pop(self, key: str) -> bytes:
+        """A blocking QUEUE_POP (after its WAIT): pop from the controller in slices until an item comes.
+
+        As torch's own server, each blocked consumer gets an item: one whose WAIT was ended by an item
+        another consumer then took keeps waiting instead of answering "empty". The client sends nothing
+        while it waits; at its EOF the slice in flight is let finish, and an item it took is pushed back
+        so that it is not lost.
+        """
+        next_request = asyncio.ensure_future(self.requests.get())
+        acted = False  # whether the request that interrupted the wait was answered here
+        try:
+            while True:
+                slice_call = asyncio.ensure_future(self._pop_slice(key))
+                await asyncio.wait({slice_call, next_request}, return_when=asyncio.FIRST_COMPLETED)
+                if not slice_call.done():
+                    value = await slice_call  # the client spoke or left: finish the slice, keep its item
+                    if value is not None:
+                        await self.link.call(ws.StoreQueuePush(key=key), ws.StoreOk, value)
+                    acted, following = True, next_request.result()
+                    what = "EOF" if following is None else type(following).__name__
+                    raise StoreRefused("protocol", f"{what} while a blocking QUEUE_POP was pending")
+                value = slice_call.result()
+                if value is not None:
+                    return ts.reply_queue_pop(value)
+        finally:
+            self._hold_unanswered(next_request, acted)
+
+    def _hold_unanswered(self, next_request: asyncio.Future[ts.Request | None], acted: bool) -> None:
+        """After a wait: stop reading for it, or keep what it read and did not act on for `run` to answer
+        next (a CANCEL_WAIT or the EOF that came just as the wait ended: dropped, the client would wait
+        for its answer forever, or the session would never see its end).
+        """
+        if not next_request.done():
+            next_request.cancel()
+        elif not next_request.cancelled() and not acted:
+            self.held.append(next_request.result())
+
+    async def _pop_slice(self, key: str) -> bytes | None:
+        try:
+            _, value = await self.link.call(ws.StoreQueuePop(key=key, timeout=WAIT_SLICE_SECS), ws.StoreValue)
+        except StoreRefused as error:
+            if error.code in ("timeout", "queue_empty"):
+                return None
+            raise
+        return value
 
     async def _wait_slice(self, keys: list[str]) -> bool:
         try:

@@ -14,14 +14,15 @@ from pydantic import Field, StringConstraints
 
 from flodld.wire.messages import BoundedList, Message, Name, Reason, ReasonCode, register
 
-MAX_KEY_CHARS: Final = 1024
+MAX_KEY_CHARS: Final = 8 * 1024 - 1
 MAX_WAIT_SECS: Final = 7 * 24 * 3600.0
 MAX_VALUE_BYTES: Final = 64 * 1024 * 1024
 """The cap on one stored value, on a request's tail and on a reply's tail (a multi_get answers at most
 this much in total; more gets StoreError(too_large))."""
 
 StoreKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_KEY_CHARS)]
-"""A store key: 1..1024 characters (torch builds keys like '/default_pg/0//cpu//0')."""
+"""A store key: 1..8191 characters (torch builds keys like '/default_pg/0//cpu//0'; its default TCPStore
+server takes keys of up to 8191 bytes, and a PrefixStore's prefixes make keys long)."""
 
 WaitSecs = Annotated[float, Field(ge=0, le=MAX_WAIT_SECS)]
 ValueLength = Annotated[int, Field(ge=0, lt=2**40)]

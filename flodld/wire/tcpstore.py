@@ -47,14 +47,18 @@ from enum import IntEnum
 from typing import Final, TypeVar
 
 VALIDATION_MAGIC: Final = 0x3C85F7CE
-MAX_KEY_BYTES: Final = 1024
-"""A key's cap (the controller store's StoreKey caps keys at 1024 characters)."""
+MAX_KEY_BYTES: Final = 8 * 1024 - 1
+"""A key's cap: the longest key torch's default (libuv) TCPStore server accepts, which drops the
+connection on a key of 8 KiB or more (the controller store's StoreKey has the same cap, in characters)."""
 MAX_VALUE_BYTES: Final = 64 * 1024 * 1024
 """One value's cap, as the controller store's."""
 MAX_KEYS: Final = 4096
 """Keys in one CHECK/WAIT/MULTI_GET/MULTI_SET (the controller store's list bound)."""
-MAX_REQUEST_BYTES: Final = MAX_VALUE_BYTES + 2 * MAX_KEYS * (MAX_KEY_BYTES + 16)
-"""Bytes one request may hold in all (values plus keys); a MULTI_SET over this is refused."""
+MAX_KEY_LIST_BYTES: Final = 8 * 1024 * 1024
+"""The keys of one request in all (4096 keys of 2 KiB): what the agent forwards stays inside one frame's
+16 MiB payload."""
+MAX_REQUEST_BYTES: Final = MAX_VALUE_BYTES + MAX_KEY_LIST_BYTES + 2 * MAX_KEYS * 16
+"""Bytes one request may hold in all (values, keys and their lengths); a MULTI_SET over this is refused."""
 
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
@@ -102,6 +106,7 @@ class _Reader:
     def __init__(self, buffer: bytearray) -> None:
         self.buffer = buffer
         self.offset = 0
+        self.key_bytes = 0  # the request's keys so far, against MAX_KEY_LIST_BYTES
 
     def take(self, count: int) -> bytes:
         end = self.offset + count
@@ -134,6 +139,9 @@ class _Reader:
             raise TcpStoreProtocolError(f"a key of {length} bytes is over the {MAX_KEY_BYTES}-byte cap")
         if length == 0:
             raise TcpStoreProtocolError("an empty key")
+        self.key_bytes += length
+        if self.key_bytes > MAX_KEY_LIST_BYTES:
+            raise TcpStoreProtocolError(f"keys over {MAX_KEY_LIST_BYTES} bytes in one request")
         raw = self.take(length)
         try:
             return raw.decode()
@@ -451,6 +459,7 @@ def reply_keys(keys: list[str]) -> bytes:
 __all__ = [
     "MAX_KEYS",
     "MAX_KEY_BYTES",
+    "MAX_KEY_LIST_BYTES",
     "MAX_VALUE_BYTES",
     "VALIDATION_MAGIC",
     "Add",

@@ -17,6 +17,7 @@ from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 from flodld.wire.salt import new_salt
 from flodld.wire.store import (
+    MAX_KEY_CHARS,
     StoreAdd,
     StoreCompareSet,
     StoreError,
@@ -95,7 +96,7 @@ async def test_bad_requests_get_a_store_error_and_the_connection_keeps_serving()
             (StoreWait(keys=["never"], timeout=0.05), b"", "timeout"),
             ((0x02FF, b"{}"), b"", "bad_request"),
             ((StoreSet.KIND, b'{"key": ""}'), b"", "bad_request"),
-            ((StoreSet.KIND, b'{"key": "' + b"k" * 2000 + b'"}'), b"", "bad_request"),
+            ((StoreSet.KIND, b'{"key": "' + b"k" * (MAX_KEY_CHARS + 1) + b'"}'), b"", "bad_request"),
             ((StoreAdd.KIND, b'{"key": "n", "amount": 99999999999999999999999}'), b"", "bad_request"),
             ((StoreGet.KIND, b'{"key": "k", "timeout": -1}'), b"", "bad_request"),
             ((StoreGet.KIND, b"\xff\xfe"), b"", "bad_request"),

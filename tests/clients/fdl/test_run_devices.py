@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,11 +193,21 @@ def test_fdl_run_exits_2_on_bad_rank_flags(
     assert error.startswith("fdl run: ") and message in error and "starting" not in error
 
 
-def test_rank_flags_may_follow_the_program(program: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        fdl_main(["run", str(program), "--ranks", "2", "--nproc-per-node", "3", "--", "--epochs", "1"]) == 2
-    )
-    assert "--nproc-per-node 3 asks for" in capsys.readouterr().err
+def test_rank_flags_after_the_program_are_the_programs(
+    program: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As under torchrun (issue 30): `--ranks 2 --nproc-per-node 3` after PROGRAM are PROGRAM's, not a
+    # contradiction of fdl's; the run starts (here: run_job is replaced by a recorder).
+    commands: list[list[str]] = []
+
+    async def run_job(command: list[str], cluster: object, **options: object) -> int:
+        commands.append(command)
+        return 0
+
+    monkeypatch.setattr(run_command, "run_job", run_job)
+    words = ["--ranks", "2", "--nproc-per-node", "3", "--", "--epochs", "1"]
+    assert fdl_main(["run", str(program), *words]) == 0
+    assert commands == [[sys.executable, str(program), *words]]
 
 
 def test_rank_flags_next_to_a_cluster_block_are_refused(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -270,3 +271,152 @@ def test_a_host_that_never_publishes_makes_node_rank_time_out(served: Served) ->
     lonely = node_rank(address, first_rank=0, local_size=2, world_size=4, timeout=1.0)
     with pytest.raises(TimeoutError):
         asyncio.run_coroutine_threadsafe(lonely, served.loop).result(30)
+
+
+# PyTorch's own store tests for queues and long keys (test/distributed/test_store.py: test_queues,
+# test_queues_nonblocking, test_queues_bidirectional, test_queues_timeout; a key as long as torch's default
+# TCPStore server takes), restated in torch's TCPStore client against the endpoint. Each test gets its own
+# namespace (a PrefixStore), as torch's get a fresh store.
+_TORCH_STORE_TESTS = textwrap.dedent(
+    """
+    import itertools, sys, time
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    port, names = int(sys.argv[1]), itertools.count()
+
+    def fresh():
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+        return dist.PrefixStore(f"t{next(names)}", client)
+
+    def test_queues(store):
+        assert not store.check(["foo"]) and store.queue_len("foo") == 0
+        store.queue_push("foo", "1")
+        store.queue_push("foo", "2")
+        assert store.check(["foo"]) and store.queue_len("foo") == 2
+        store.wait(["foo"])
+        assert store.queue_pop("foo") == b"1" and store.queue_pop("foo") == b"2"
+        assert not store.check(["foo"]) and store.queue_len("foo") == 0
+
+    def test_queues_nonblocking(store):
+        try:
+            store.queue_pop("foo", block=False)
+            raise AssertionError("no QueueEmptyError")
+        except dist.QueueEmptyError as error:
+            assert "empty" in str(error)
+        store.queue_push("foo", "a")
+        assert store.queue_pop("foo", block=False) == b"a"
+
+    def test_queues_bidirectional(store):
+        def worker_a():
+            local = store.clone()
+            local.queue_push("a", "a1")
+            assert local.queue_pop("b") == b"b1"
+
+        def worker_b():
+            local = store.clone()
+            assert local.queue_pop("a") == b"a1"
+            local.queue_push("b", "b1")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for future in [pool.submit(worker_a), pool.submit(worker_b)]:
+                future.result(timeout=60)
+
+    def test_queues_timeout(store):
+        store.set_timeout(timedelta(seconds=0.01))
+        try:
+            store.queue_pop("non_existant")
+            raise AssertionError("no timeout")
+        except dist.DistStoreError as error:
+            assert "timeout" in str(error)
+
+    def test_long_keys(store):
+        for length in (2048, 8000):
+            key = "k" * length
+            store.set(key, "v")
+            assert store.get(key) == b"v" and store.check([key])
+            store.queue_push(key, "q")
+            assert store.queue_pop(key) == b"q"
+
+    def test_queue_pop_of_a_key_pushed_later(store):
+        assert store.queue_pop("later") == b"x"  # the test process pushes it after several wait slices
+
+    def test_two_blocked_consumers_get_one_item_each(store):
+        # As torch's own server: the first push ends both WAITs, and the consumer that finds the queue
+        # empty again keeps waiting for the second item instead of raising QueueEmptyError.
+        got = []
+
+        def consume():
+            try:
+                got.append(store.clone().queue_pop("q"))
+            except Exception as error:
+                got.append(f"{type(error).__name__}: {error}")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(consume), pool.submit(consume)]
+            time.sleep(1.0)
+            store.queue_push("q", "1")
+            time.sleep(1.0)
+            store.queue_push("q", "2")
+            for future in futures:
+                future.result(timeout=60)
+        assert sorted(got, key=repr) == [b"1", b"2"], got
+
+    for test in (test_queues, test_queues_nonblocking, test_queues_bidirectional, test_queues_timeout,
+                 test_long_keys, test_queue_pop_of_a_key_pushed_later,
+                 test_two_blocked_consumers_get_one_item_each):
+        test(fresh())
+        print(test.__name__, "ok", flush=True)
+    """
+)
+
+
+def test_torchs_queue_and_long_key_store_tests_pass_against_the_endpoint(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flodld.agent.tcpstore as endpoint_module
+
+    monkeypatch.setattr(endpoint_module, "WAIT_SLICE_SECS", 0.2)  # the late pop spans several slices
+    pushed = threading.Event()
+
+    def push_later(process: subprocess.Popen[str]) -> None:
+        store = ControllerStore(
+            "127.0.0.1", served.store_port, served.salt, "run-1", timeout=timedelta(seconds=30)
+        )
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                lines.append(line.strip())
+                if line.startswith("test_long_keys ok"):
+                    time.sleep(1.0)  # the pop is parked by now, over several 0.2 s slices
+                    store.queue_push("/t5/later", "x")  # torch's client prefixes '/', PrefixStore 't5/'
+                    pushed.set()
+        finally:
+            store.close()
+
+    lines: list[str] = []
+    process = subprocess.Popen(
+        [sys.executable, "-c", _TORCH_STORE_TESTS, str(served.endpoint_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    reader = threading.Thread(target=push_later, args=(process,), daemon=True)
+    reader.start()
+    try:
+        code = process.wait(120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(10)
+    assert process.stderr is not None
+    assert code == 0, (lines, process.stderr.read()[-4000:])
+    assert pushed.is_set()
+    assert lines == [
+        f"{name} ok"
+        for name in (
+            "test_queues", "test_queues_nonblocking", "test_queues_bidirectional", "test_queues_timeout",
+            "test_long_keys", "test_queue_pop_of_a_key_pushed_later",
+            "test_two_blocked_consumers_get_one_item_each",
+        )
+    ]  # fmt: skip

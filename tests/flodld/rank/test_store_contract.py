@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from flodld.rank.store import ControllerStore, StoreRequestError
+from flodld.wire.store import MAX_KEY_CHARS
 
 from .conftest import StoreServer
 
@@ -181,6 +182,60 @@ def test_queues_timeout(store: ControllerStore) -> None:
     store.set_timeout(timedelta(seconds=0.01))
     with pytest.raises(dist.DistStoreError, match="timeout"):
         store.queue_pop("non_existant")
+
+
+@pytest.mark.parametrize("length", [2048, MAX_KEY_CHARS])
+def test_a_key_as_long_as_torchs_tcpstore_accepts_works_for_every_kind_of_request(
+    store: ControllerStore, length: int
+) -> None:
+    # torch's TCPStore (default libuv server) takes keys up to 8191 bytes; a 2 KiB key was refused (issue 30).
+    key = "k" * (length - 1) + "/"
+    store.set(key, "v")
+    assert store.get(key) == b"v" and store.check([key])
+    assert store.add(key[:-1] + "n", 2) == 2
+    store.append(key, "w")
+    assert store.multi_get([key]) == [b"vw"]
+    store.queue_push(key, "q")
+    assert store.queue_pop(key) == b"q"
+    store.wait([key])
+    assert store.delete_key(key)
+
+
+def test_a_key_over_the_cap_is_refused_before_it_is_sent(store: ControllerStore) -> None:
+    with pytest.raises(ValueError, match="at most 8191 characters"):
+        store.set("k" * (MAX_KEY_CHARS + 1), "v")
+    assert store.num_keys() == 0  # the connection still serves
+
+
+def test_a_blocking_queue_pop_returns_an_item_pushed_later_by_another_client(store: ControllerStore) -> None:
+    popped: list[bytes] = []
+    waiter = threading.Thread(target=lambda: popped.append(store.queue_pop("later")))
+    waiter.start()
+    pusher = store.clone()
+    time.sleep(0.3)  # the pop parks on the controller first (were the push first, the test still passes)
+    pusher.queue_push("later", "x")
+    waiter.join(30)
+    pusher.close()
+    assert popped == [b"x"]
+
+
+def test_two_blocked_consumers_get_one_item_each(store: ControllerStore) -> None:
+    got: list[bytes] = []
+
+    def consume() -> None:
+        local = store.clone()
+        got.append(local.queue_pop("q"))
+        local.close()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(consume), pool.submit(consume)]
+        time.sleep(0.3)
+        store.queue_push("q", "1")
+        time.sleep(0.3)
+        store.queue_push("q", "2")
+        for future in futures:
+            future.result(timeout=30)
+    assert sorted(got) == [b"1", b"2"]
 
 
 def test_clone_is_an_independent_connection_to_the_same_store(store: ControllerStore) -> None:

@@ -156,6 +156,14 @@ def test_a_peer_that_is_not_a_torch_client_is_refused_on_its_first_request(first
             "value of .* over",
         ),
         (b"\x06" + struct.pack("<Q", ts.MAX_KEYS + 1), "keys in one request"),
+        (b"\x01" + struct.pack("<Q", ts.MAX_KEY_BYTES + 1), "key of 8192 bytes is over the 8191-byte cap"),
+        (  # a key list over the per-request budget, refused at the key that crosses it
+            b"\x06" + struct.pack("<Q", ts.MAX_KEYS)
+            + (struct.pack("<Q", ts.MAX_KEY_BYTES) + b"k" * ts.MAX_KEY_BYTES)
+            * (ts.MAX_KEY_LIST_BYTES // ts.MAX_KEY_BYTES)
+            + struct.pack("<Q", ts.MAX_KEY_BYTES),
+            "keys over 8388608 bytes in one request",
+        ),
         (b"\x01" + struct.pack("<Q", 0), "empty key"),
         (b"\x03" + struct.pack("<Q", 1) + b"\xff", "not UTF-8"),
         (bytes.fromhex("00cef7853c"), "VALIDATE sent twice"),
@@ -166,6 +174,15 @@ def test_lengths_and_counts_are_capped_before_anything_is_allocated(data: bytes,
     codec.receive_data(data)  # only the header: the cap trips before the announced bytes arrive
     with pytest.raises(ts.TcpStoreProtocolError, match=match):
         codec.next_request()
+
+
+@pytest.mark.parametrize("length", [2048, ts.MAX_KEY_BYTES])
+def test_a_key_as_long_as_torchs_server_accepts_is_parsed(length: int) -> None:
+    # torch's default (libuv) TCPStore server takes keys up to 8191 bytes (issue 30: a 2 KiB key was dropped).
+    codec = _validated()
+    key = "k" * length
+    codec.receive_data(b"\x01" + struct.pack("<Q", length) + key.encode() + struct.pack("<Q", 1) + b"v")
+    assert codec.next_request() == ts.Set(key, b"v")
 
 
 def test_eof_inside_a_request_is_an_error_and_a_clean_eof_ends_the_connection() -> None:
