@@ -45,6 +45,21 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     add_rank_options(parser)
     parser.add_argument("--port", type=int, default=None, help="controller port (default: a free one)")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+    parser.add_argument(
+        "--max-restarts", "--max_restarts", dest="max_restarts", type=_restarts, default=None, metavar="N",
+        help="re-form a failed attempt as a fresh world up to N times, as torchrun does; ranks see "
+        "TORCHELASTIC_RESTART_COUNT (default: controller.join.max_restarts, else 0)",
+    )  # fmt: skip
+
+
+def _restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-restarts takes a count, 0 or more; got {text!r}") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"--max-restarts takes a count from 0 to 1000; got {value}")
+    return value
 
 
 def add_rank_options(parser: argparse.ArgumentParser) -> None:
@@ -304,13 +319,58 @@ def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
     return embedded_cluster(local_ranks), f"the embedded default: {local_ranks.describe()}"
 
 
-async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int | None = None) -> int:
-    overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
-    if port is not None:
-        overrides["port"] = port
-    if cluster.controller.host in ("127.0.0.1", "localhost"):
-        overrides["bind_host"] = "127.0.0.1"
-    local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+class _Attempt:
+    """One attempt's processes: the embedded controller and the local agents serving its world."""
+
+    def __init__(self, controller: Any, agents: dict[str, asyncio.subprocess.Process]) -> None:  # noqa: ANN401  api.assemble_controller's Controller
+        self.controller = controller
+        self.agents = agents
+        self.tasks: list[asyncio.Future[Any]] = []
+
+    def watch(self, events: asyncio.Queue[Any]) -> None:
+        """Feed the supervisor each agent's exit and the controller's verdict."""
+
+        async def agent_exit(host: str, agent: asyncio.subprocess.Process) -> None:
+            events.put_nowait(api.AgentExited(host, await agent.wait()))
+
+        async def verdict() -> None:
+            result = await self.controller.wait()
+            events.put_nowait(api.VerdictReached(result.ok, result.reason))
+
+        self.tasks = [asyncio.ensure_future(agent_exit(h, a)) for h, a in self.agents.items()]
+        self.tasks.append(asyncio.ensure_future(verdict()))
+
+    async def collect(self, timeout_s: float) -> None:
+        """Give the agents `timeout_s` to exit after the verdict; KILL the rest (their exits are fed)."""
+        for agent in self.agents.values():
+            if agent.returncode is None:
+                try:
+                    await asyncio.wait_for(agent.wait(), timeout_s)
+                except TimeoutError:
+                    agent.kill()
+
+    async def close(self) -> None:
+        """Nothing of this attempt is left: agents killed if still there, controller closed."""
+        for agent in self.agents.values():
+            if agent.returncode is None:
+                agent.kill()
+                await agent.wait()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.controller.close()
+
+
+async def _start_attempt(
+    command: list[str],
+    cluster: api.ClusterConfig,
+    local: list[Any],
+    overrides: dict[str, Any],
+    *,
+    restart_count: int,
+    max_restarts: int,
+) -> _Attempt:
+    """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it."""
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
     # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
     agents: list[asyncio.subprocess.Process] = [
@@ -322,7 +382,9 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
         for worker in local
     ]
     try:
-        options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
+        options = api.ControllerOptions.from_cluster(
+            cluster, probed=None, restart_count=restart_count, max_restarts=max_restarts, **overrides
+        )
         controller = api.assemble_controller(
             options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
         )
@@ -354,70 +416,75 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
         with contextlib.suppress(ConnectionError):  # an agent that already died is reported below
             await agent.stdin.drain()
         agent.stdin.close()
+    return _Attempt(controller, {worker.host: agent for worker, agent in zip(local, agents, strict=True)})
 
+
+async def run_job(
+    command: list[str],
+    cluster: api.ClusterConfig,
+    *,
+    port: int | None = None,
+    max_restarts: int | None = None,
+) -> int:
+    """Run `command` on the local workers of `cluster`, restarting a failed attempt up to `max_restarts`
+    times (default: `controller.join.max_restarts`); the rules are `api.RunSupervisor`'s.
+    """
+    overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
+    if port is not None:
+        overrides["port"] = port
+    if cluster.controller.host in ("127.0.0.1", "localhost"):
+        overrides["bind_host"] = "127.0.0.1"
+    local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+    bound = cluster.controller.join.max_restarts if max_restarts is None else max_restarts
+    supervisor = api.RunSupervisor([worker.host for worker in local], max_restarts=bound)
+    events: asyncio.Queue[Any] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, interrupted.set)
-    result_task = asyncio.ensure_future(controller.wait())
-    agent_tasks = [asyncio.ensure_future(agent.wait()) for agent in agents]
-    interrupt_task = asyncio.ensure_future(interrupted.wait())
-    pending = {result_task, interrupt_task, *agent_tasks}
-    while not result_task.done():
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if interrupt_task in done:
-            say("interrupted; aborting the run")
-            await controller.stop("interrupted by the operator (fdl run)")
-            break
-        for worker, task in zip(local, agent_tasks, strict=True):
-            if task not in done or task.result() == 0 or result_task.done():
-                continue
-            # The agent reports its ranks and closes its link before exiting; give the controller a
-            # moment to conclude from that, else the agent died unannounced and the run is lost.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(result_task), 2.0)
-            if not result_task.done():
-                await controller.stop(
-                    f"the agent of host {worker.host!r} died ({_describe(task.result())}) "
-                    "without reporting its ranks"
-                )
-        if agent_tasks and all(task.done() for task in agent_tasks) and not result_task.done():
-            # Every local host link is closed; give the controller a moment to conclude.
-            try:
-                await asyncio.wait_for(asyncio.shield(result_task), 5.0)
-            except TimeoutError:
-                await controller.stop("every local agent exited but the run did not conclude")
-    result = await result_task
-    for agent in agents:
-        if agent.returncode is None:
-            try:
-                await asyncio.wait_for(agent.wait(), 15.0)
-            except TimeoutError:
-                agent.kill()
-                await agent.wait()
-    await controller.close()
-    died = [
-        (worker.host, agent.returncode)
-        for worker, agent in zip(local, agents, strict=True)
-        if agent.returncode is not None and agent.returncode < 0
-    ]
-    if result.ok and died:
-        # A killed agent closes its link like a finished one; its unreported ranks make the run lost.
-        host, code = died[0]
-        say(
-            f"run FAILED: the agent of host {host!r} died ({_describe(code)}); the controller saw its host "
-            f"link close ({result.reason})"
-        )
-        return EXIT_FAILED
-    if result.ok:
-        say(f"run done: {result.reason}")
-        return EXIT_DONE
-    say(f"run FAILED: {result.reason}")
-    return EXIT_FAILED
-
-
-def _describe(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"exit code {code}"
+        loop.add_signal_handler(signum, events.put_nowait, api.Interrupted("interrupted by the operator"))
+    timers: dict[str, asyncio.TimerHandle] = {}
+    attempt: _Attempt | None = None
+    collecting: asyncio.Future[None] | None = None
+    actions = list(supervisor.start())
+    try:
+        while True:
+            for action in actions:
+                if isinstance(action, api.StartAttempt):
+                    for timer in timers.values():
+                        timer.cancel()
+                    timers.clear()
+                    if attempt is not None:
+                        await attempt.close()
+                    attempt = await _start_attempt(
+                        command, cluster, local, overrides,
+                        restart_count=action.restart_count, max_restarts=action.max_restarts,
+                    )  # fmt: skip
+                    attempt.watch(events)
+                elif isinstance(action, api.StopAttempt):
+                    assert attempt is not None
+                    await attempt.controller.stop(action.reason)
+                elif isinstance(action, api.ArmTimer):
+                    if action.name in timers:
+                        timers[action.name].cancel()
+                    expired = api.TimerExpired(action.name)
+                    timers[action.name] = loop.call_later(action.seconds, events.put_nowait, expired)
+                elif isinstance(action, api.CollectAgents):
+                    assert attempt is not None
+                    collecting = asyncio.ensure_future(attempt.collect(action.timeout_s))
+                elif isinstance(action, api.Say):
+                    say(action.message)
+                elif isinstance(action, api.Finish):
+                    say(action.summary)
+                    return int(action.exit_code)
+            actions = supervisor.handle(await events.get())
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        for timer in timers.values():
+            timer.cancel()
+        if collecting is not None:
+            collecting.cancel()
+        if attempt is not None:
+            await attempt.close()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -438,7 +505,7 @@ def main(args: argparse.Namespace) -> int:
     if any(not worker.is_local(cluster.controller.host) for worker in cluster.workers):
         # cluster_run loads asyncssh: only when there is a remote worker.
         return asyncio.run(api.run_cluster_job(args.program, tail or [], cluster, port=args.port))
-    return asyncio.run(run_job(command, cluster, port=args.port))
+    return asyncio.run(run_job(command, cluster, port=args.port, max_restarts=args.max_restarts))
 
 
 COMMAND = Command("run", "run a program on every rank (controller embedded)", __doc__, configure_parser, main)
