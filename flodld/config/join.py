@@ -31,7 +31,7 @@ class JoinConfig(BaseModel):
         default=0,
         ge=0,
         le=1000,
-        description="Failed attempts re-formed as a fresh world before the run fails (torchrun --max-restarts).",
+        description="Failed attempts re-formed as a fresh world before the run fails (--max-restarts).",
     )
 
     @field_validator("token")
