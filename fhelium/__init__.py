@@ -6,6 +6,7 @@ The value model lives in ``fhelium.core``, arithmetic in ``fhelium.engine``, fil
 
 from __future__ import annotations
 
+import fhelium.multiparty.values  # noqa: F401  registers the share value types with fhelium.serialization
 from fhelium.core import Ciphertext, Plaintext, PublicKey, SecretKey
 from fhelium.engine import CkksEngine, CkksParameters, Preset
 

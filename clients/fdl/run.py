@@ -30,7 +30,8 @@ torchrun's flags, so that a torchrun command line ports by renaming the command:
   --nnodes N|MIN:MAX      one host: accepted. Several: only with a cluster: block (walk-ins make the
                           hosts) and --nproc-per-node N, as the join window's quorum MIN x N and
                           target MAX x N ranks (controller.join.min_rank_start/target_ranks)
-  --max-restarts N        0 only: restarts are not supported yet, and N > 0 is refused
+  --max-restarts N        re-form a failed attempt as a fresh world up to N times (ranks see
+                          TORCHELASTIC_RESTART_COUNT; default controller.join.max_restarts, else 0)
   --rdzv-endpoint HOST:PORT, or --master-addr HOST [--master-port PORT] with --node-rank >= 1:
                           walk in to the controller there instead (as `fdl join HOST:PORT`; the token
                           from FDL_JOIN_TOKEN or the fdl.yml join: block); rank flags size this host
@@ -132,8 +133,12 @@ class TorchrunPlan:
     walk_in: tuple[str, int] | None = None  # the controller to join as a walk-in agent (fdl join HOST:PORT)
     join_timeout: float | None = None
     rank_filter: frozenset[int] | None = None  # --local-ranks-filter: the ranks whose lines are shown
+    max_restarts: int | None = None  # --max-restarts: failed attempts re-formed before the run fails
     nnodes: tuple[int, int] | None = None  # --nnodes MIN:MAX over one host: the window's bounds, in hosts
     notes: tuple[str, ...] = ()
+
+
+MAX_RESTARTS = 1000  # as controller.join.max_restarts
 
 
 def _nnodes(value: str) -> tuple[int, int]:
@@ -170,13 +175,8 @@ def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
     if args.run_path and (args.module or args.no_python):
         raise ValueError("--run-path runs PROGRAM as a Python file: drop -m/--no-python")
     restarts = value("--max-restarts")
-    if restarts is not None and restarts < 0:
-        raise ValueError(f"--max-restarts {restarts}: give 0 or more")
-    if restarts:
-        raise ValueError(
-            f"--max-restarts {restarts}: restarts are not supported yet (a failed rank fails the run); "
-            "run without it, or with --max-restarts 0"
-        )
+    if restarts is not None and not 0 <= restarts <= MAX_RESTARTS:
+        raise ValueError(f"--max-restarts {restarts}: give a count from 0 to {MAX_RESTARTS}")
     notes: list[str] = []
     backend = value("--rdzv-backend")
     if backend is not None:
@@ -248,7 +248,12 @@ def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
         notes.append(f"--node-rank {node_rank}: the controller assigns ranks (hosts in join order)")
     if walk_in is not None and rank_filter is not None:
         raise ValueError("--local-ranks-filter: only on the embedded default, not when walking in (yet)")
-    return TorchrunPlan(walk_in, join_timeout, rank_filter, bounds, tuple(notes))
+    if walk_in is not None and restarts:
+        raise ValueError(
+            f"--max-restarts {restarts}: a walk-in joins another controller's run, whose restarts are that "
+            "controller's (controller.join.max_restarts); drop the flag"
+        )
+    return TorchrunPlan(walk_in, join_timeout, rank_filter, bounds, tuple(notes), restarts)
 
 
 def add_rank_options(parser: argparse.ArgumentParser) -> None:
@@ -570,22 +575,67 @@ def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
     return embedded_cluster(local_ranks), f"the embedded default: {local_ranks.describe()}"
 
 
-async def run_job(
+class _Attempt:
+    """One attempt's processes: the embedded controller and the local agents serving its world."""
+
+    def __init__(
+        self,
+        controller: Any,  # noqa: ANN401  api.assemble_controller's Controller
+        agents: dict[str, asyncio.subprocess.Process],
+        filters: list[asyncio.Future[None]],
+    ) -> None:
+        self.controller = controller
+        self.agents = agents
+        self.filters = filters  # --local-ranks-filter: one copy of each agent's output
+        self.tasks: list[asyncio.Future[Any]] = []
+
+    def watch(self, events: asyncio.Queue[Any]) -> None:
+        """Feed the supervisor each agent's exit and the controller's verdict."""
+
+        async def agent_exit(host: str, agent: asyncio.subprocess.Process) -> None:
+            events.put_nowait(api.AgentExited(host, await agent.wait()))
+
+        async def verdict() -> None:
+            result = await self.controller.wait()
+            events.put_nowait(api.VerdictReached(result.ok, result.reason))
+
+        self.tasks = [asyncio.ensure_future(agent_exit(h, a)) for h, a in self.agents.items()]
+        self.tasks.append(asyncio.ensure_future(verdict()))
+
+    async def collect(self, timeout_s: float) -> None:
+        """Give the agents `timeout_s` to exit after the verdict; KILL the rest (their exits are fed)."""
+        for agent in self.agents.values():
+            if agent.returncode is None:
+                try:
+                    await asyncio.wait_for(agent.wait(), timeout_s)
+                except TimeoutError:
+                    agent.kill()
+
+    async def close(self) -> None:
+        """Nothing of this attempt is left: agents killed if still there, controller closed."""
+        for agent in self.agents.values():
+            if agent.returncode is None:
+                agent.kill()
+                await agent.wait()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.controller.close()
+        if self.filters:
+            await asyncio.gather(*self.filters)  # the agents are gone: their pipes are at EOF
+
+
+async def _start_attempt(
     command: list[str],
     cluster: api.ClusterConfig,
+    local: list[Any],
+    overrides: dict[str, Any],
     *,
-    port: int | None = None,
-    join_timeout: float | None = None,
-    rank_filter: frozenset[int] | None = None,
-) -> int:
-    overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
-    if port is not None:
-        overrides["port"] = port
-    if join_timeout is not None:  # torchrun's --rdzv-conf join_timeout=SECS
-        overrides["join"] = cluster.controller.join.model_copy(update={"join_timeout": join_timeout})
-    if cluster.controller.host in ("127.0.0.1", "localhost"):
-        overrides["bind_host"] = "127.0.0.1"
-    local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+    restart_count: int,
+    max_restarts: int,
+    rank_filter: frozenset[int] | None,
+) -> _Attempt:
+    """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it."""
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
     # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
     agents: list[asyncio.subprocess.Process] = [
@@ -604,7 +654,9 @@ async def run_job(
         if rank_filter is not None and agent.stdout is not None
     ]
     try:
-        options = api.ControllerOptions.from_cluster(cluster, probed=None, **overrides)
+        options = api.ControllerOptions.from_cluster(
+            cluster, probed=None, restart_count=restart_count, max_restarts=max_restarts, **overrides
+        )
         controller = api.assemble_controller(
             options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
         )
@@ -636,68 +688,81 @@ async def run_job(
         with contextlib.suppress(ConnectionError):  # an agent that already died is reported below
             await agent.stdin.drain()
         agent.stdin.close()
+    hosts = {worker.host: agent for worker, agent in zip(local, agents, strict=True)}
+    return _Attempt(controller, hosts, filters)
 
+
+async def run_job(
+    command: list[str],
+    cluster: api.ClusterConfig,
+    *,
+    port: int | None = None,
+    join_timeout: float | None = None,
+    rank_filter: frozenset[int] | None = None,
+    max_restarts: int | None = None,
+) -> int:
+    """Run `command` on the local workers of `cluster`, restarting a failed attempt up to `max_restarts`
+    times (default: `controller.join.max_restarts`); the rules are `api.RunSupervisor`'s.
+    """
+    overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
+    if port is not None:
+        overrides["port"] = port
+    if join_timeout is not None:  # torchrun's --rdzv-conf join_timeout=SECS
+        overrides["join"] = cluster.controller.join.model_copy(update={"join_timeout": join_timeout})
+    if cluster.controller.host in ("127.0.0.1", "localhost"):
+        overrides["bind_host"] = "127.0.0.1"
+    local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+    bound = cluster.controller.join.max_restarts if max_restarts is None else max_restarts
+    supervisor = api.RunSupervisor([worker.host for worker in local], max_restarts=bound)
+    events: asyncio.Queue[Any] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, interrupted.set)
-    result_task = asyncio.ensure_future(controller.wait())
-    agent_tasks = [asyncio.ensure_future(agent.wait()) for agent in agents]
-    interrupt_task = asyncio.ensure_future(interrupted.wait())
-    pending = {result_task, interrupt_task, *agent_tasks}
-    while not result_task.done():
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if interrupt_task in done:
-            say("interrupted; aborting the run")
-            await controller.stop("interrupted by the operator (fdl run)")
-            break
-        for worker, task in zip(local, agent_tasks, strict=True):
-            if task not in done or task.result() == 0 or result_task.done():
-                continue
-            # The agent reports its ranks and closes its link before exiting; give the controller a
-            # moment to conclude from that, else the agent died unannounced and the run is lost.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(result_task), 2.0)
-            if not result_task.done():
-                await controller.stop(
-                    f"the agent of host {worker.host!r} died ({_describe(task.result())}) "
-                    "without reporting its ranks"
-                )
-        if agent_tasks and all(task.done() for task in agent_tasks) and not result_task.done():
-            # Every local host link is closed; give the controller a moment to conclude.
-            try:
-                await asyncio.wait_for(asyncio.shield(result_task), 5.0)
-            except TimeoutError:
-                await controller.stop("every local agent exited but the run did not conclude")
-    result = await result_task
-    for agent in agents:
-        if agent.returncode is None:
-            try:
-                await asyncio.wait_for(agent.wait(), 15.0)
-            except TimeoutError:
-                agent.kill()
-                await agent.wait()
-    await controller.close()
-    if filters:
-        await asyncio.gather(*filters)  # the agents are gone: their pipes are at EOF
-    died = [
-        (worker.host, agent.returncode)
-        for worker, agent in zip(local, agents, strict=True)
-        if agent.returncode is not None and agent.returncode < 0
-    ]
-    if result.ok and died:
-        # A killed agent closes its link like a finished one; its unreported ranks make the run lost.
-        host, code = died[0]
-        say(
-            f"run FAILED: the agent of host {host!r} died ({_describe(code)}); the controller saw its host "
-            f"link close ({result.reason})"
-        )
-        return EXIT_FAILED
-    if result.ok:
-        say(f"run done: {result.reason}")
-        return EXIT_DONE
-    say(f"run FAILED: {result.reason}")
-    return EXIT_FAILED
+        loop.add_signal_handler(signum, events.put_nowait, api.Interrupted("interrupted by the operator"))
+    timers: dict[str, asyncio.TimerHandle] = {}
+    attempt: _Attempt | None = None
+    collecting: asyncio.Future[None] | None = None
+    actions = list(supervisor.start())
+    try:
+        while True:
+            for action in actions:
+                if isinstance(action, api.StartAttempt):
+                    for timer in timers.values():
+                        timer.cancel()
+                    timers.clear()
+                    if attempt is not None:
+                        await attempt.close()
+                    attempt = await _start_attempt(
+                        command, cluster, local, overrides,
+                        restart_count=action.restart_count, max_restarts=action.max_restarts,
+                        rank_filter=rank_filter,
+                    )  # fmt: skip
+                    attempt.watch(events)
+                elif isinstance(action, api.StopAttempt):
+                    assert attempt is not None
+                    await attempt.controller.stop(action.reason)
+                elif isinstance(action, api.ArmTimer):
+                    if action.name in timers:
+                        timers[action.name].cancel()
+                    expired = api.TimerExpired(action.name)
+                    timers[action.name] = loop.call_later(action.seconds, events.put_nowait, expired)
+                elif isinstance(action, api.CollectAgents):
+                    assert attempt is not None
+                    collecting = asyncio.ensure_future(attempt.collect(action.timeout_s))
+                elif isinstance(action, api.Say):
+                    say(action.message)
+                elif isinstance(action, api.Finish):
+                    say(action.summary)
+                    return int(action.exit_code)
+            actions = supervisor.handle(await events.get())
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        for timer in timers.values():
+            timer.cancel()
+        if collecting is not None:
+            collecting.cancel()
+        if attempt is not None:
+            await attempt.close()
 
 
 OUTPUT_LINE_LIMIT = 1024 * 1024
@@ -719,10 +784,6 @@ async def _filter_rank_output(stream: asyncio.StreamReader, keep: frozenset[int]
         if match is None or int(match[1]) in keep:
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
-
-
-def _describe(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -762,10 +823,21 @@ def main(args: argparse.Namespace) -> int:
                 "starts PROGRAM by name and prints every rank)"
             )
             return EXIT_USAGE
+        if torchrun.max_restarts or cluster.controller.join.max_restarts:
+            say(
+                "--max-restarts / controller.join.max_restarts: not yet with remote workers (restarts "
+                "re-form the local agents' world; the SSH fan-out runs one attempt): drop it, or set it to 0"
+            )
+            return EXIT_USAGE
         # cluster_run loads asyncssh: only when there is a remote worker.
         return asyncio.run(api.run_cluster_job(program, program_args, cluster, port=args.port))
     job = run_job(
-        command, cluster, port=args.port, join_timeout=torchrun.join_timeout, rank_filter=torchrun.rank_filter
+        command,
+        cluster,
+        port=args.port,
+        join_timeout=torchrun.join_timeout,
+        rank_filter=torchrun.rank_filter,
+        max_restarts=torchrun.max_restarts,
     )
     return asyncio.run(job)
 

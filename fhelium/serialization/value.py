@@ -7,7 +7,6 @@ receiver can refuse a bad description before reading or allocating a payload.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -77,16 +76,10 @@ class ValueTypeExtension:
     secret: bool = False
 
 
+# Extension value types register themselves when their module is imported; `import fhelium` imports
+# fhelium.multiparty.values (the package root sits above every layer), so a reader that loads a share
+# from bytes finds it registered without an import of its own, and nothing here names a module above.
 _EXTENSIONS: dict[str, ValueTypeExtension] = {}
-# Extension types by name → the module that registers them (imported on first use, so a reader
-# needs no import of its own to load a share from bytes).
-EXTENSION_MODULES: dict[str, str] = {
-    "SecretKeyShare": "fhelium.multiparty.values",
-    "PublicKeyShare": "fhelium.multiparty.values",
-    "SeedCommitment": "fhelium.multiparty.values",
-    "SeedReveal": "fhelium.multiparty.values",
-    "DecryptionShare": "fhelium.multiparty.values",
-}
 
 
 def register_value_type(extension: ValueTypeExtension) -> None:
@@ -98,11 +91,9 @@ def register_value_type(extension: ValueTypeExtension) -> None:
 
 
 def value_type_extension(name: object) -> ValueTypeExtension | None:
-    """The registered extension of that name (importing its module on first use), else None."""
+    """The registered extension of that name, else None."""
     if not isinstance(name, str):
         return None
-    if name not in _EXTENSIONS and name in EXTENSION_MODULES:
-        importlib.import_module(EXTENSION_MODULES[name])
     return _EXTENSIONS.get(name)
 
 

@@ -9,7 +9,6 @@ the agent's stdin once it is known; the salt then never sits in the agent's envi
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import IO, Annotated, Final
@@ -17,14 +16,26 @@ from typing import IO, Annotated, Final
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flodld.config.fields import AveragingMode
+from flodld.config.rolespec import SpecError, decode_hex_json, encode_spec
 
 AGENT_ENV: Final = "FLODL_INTERNAL_AGENT_JSON"
 SPEC_ON_STDIN: Final = "-"  # AGENT_ENV's value when the spec arrives as one line on stdin
 MAX_SPEC_LINE: Final = 1 << 20  # a spec is a few KiB of hex; anything longer is not one
 
-
-class SpecError(ValueError):
-    """A role spec in the environment is unreadable; the message names the variable and the problem."""
+__all__ = [
+    "AGENT_ENV",
+    "MAX_SPEC_LINE",
+    "SPEC_ON_STDIN",
+    "AgentSpec",
+    "DeviceError",
+    "SpecError",
+    "agent_spec_from_env",
+    "decode_agent_spec",
+    "device_label",
+    "encode_spec",
+    "parse_device_list",
+    "resolve_devices",
+]
 
 
 class AgentSpec(BaseModel):
@@ -71,24 +82,8 @@ class AgentSpec(BaseModel):
     ) = None
 
 
-def encode_spec(spec: BaseModel) -> str:
-    """Lowercase hex of the compact JSON, unset optionals omitted."""
-    return spec.model_dump_json(exclude_none=True).encode().hex()
-
-
 def decode_agent_spec(text: str) -> AgentSpec:
     return AgentSpec.model_validate(decode_hex_json(text, AGENT_ENV))
-
-
-def decode_hex_json(text: str, variable: str) -> object:
-    try:
-        raw = bytes.fromhex(text.strip())
-    except ValueError as error:
-        raise SpecError(f"{variable} is not valid hex ({error}); it must be hex-encoded JSON") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SpecError(f"{variable} decodes to invalid JSON: {error}") from None
 
 
 def agent_spec_from_env(stdin: IO[str] | None = None) -> AgentSpec:

@@ -27,6 +27,12 @@ class JoinConfig(BaseModel):
     token: str | None = Field(default=None, description="Pre-shared session salt, 32 hex characters.")
     tunnel_only: bool = False
     start: Literal["auto", "manual", "hybrid"] = "auto"
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        le=1000,
+        description="Failed attempts re-formed as a fresh world before the run fails (--max-restarts).",
+    )
 
     @field_validator("token")
     @classmethod

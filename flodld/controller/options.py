@@ -52,6 +52,12 @@ class ControllerOptions(BaseModel):
     cadence: Annotated[int, Field(ge=1)] = 1
     env: Mapping[str, str] = Field(default_factory=dict)
     run_id: str | None = None
+    restart_count: Annotated[int, Field(ge=0)] = Field(
+        0, description="This attempt's number within its run (TORCHELASTIC_RESTART_COUNT for its ranks)."
+    )
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        0, description="The run's restart bound (TORCHELASTIC_MAX_RESTARTS for its ranks)."
+    )
     tolerance: Annotated[int, Field(ge=0)] = Field(0, description="Rank failures the run survives.")
     start_switch: bool = Field(True, description="Offer POST /start (manual/hybrid windows).")
     magic_deadline: Annotated[float, Field(gt=0)] = 5.0

@@ -670,6 +670,8 @@ class Controller:
             averaging=self.options.averaging,
             backend=self.options.backend,
             env=dict(self.options.env),
+            restart_count=self.options.restart_count,
+            max_restarts=self.options.max_restarts,
         )
 
     def _envelope(self, template: WorldEnvelope, world: World, host: str, link: HostLink) -> WorldEnvelope:

@@ -15,7 +15,7 @@ from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flodld.agent.spec import SpecError, decode_hex_json
+from flodld.config.rolespec import SpecError, decode_hex_json
 
 RELAY_ENV: Final = "FLODL_INTERNAL_RELAY_JSON"
 

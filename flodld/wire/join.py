@@ -33,6 +33,7 @@ from flodld.wire.messages import (
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
 JOIN_PROTOCOL_VERSION: Final = 2
+MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[
     str, StringConstraints(min_length=3, max_length=32, pattern=r"^[a-z][a-z0-9_]*:[0-9]{1,5}$")
@@ -139,6 +140,10 @@ class WorldEnvelope(WireModel):
     averaging: Name
     backend: Name
     env: Annotated[dict[EnvName, EnvValue], Field(max_length=MAX_LIST_ITEMS)]
+    # The attempt this world is (0 first; a restart forms a fresh world with the next number) and the
+    # run's bound: the ranks see them as TORCHELASTIC_RESTART_COUNT / TORCHELASTIC_MAX_RESTARTS.
+    restart_count: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = 0
+    max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = 0
 
     @model_validator(mode="after")
     def _ranks_fit_the_world(self) -> WorldEnvelope:

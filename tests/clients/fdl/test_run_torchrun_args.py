@@ -1,6 +1,6 @@
 """`fdl run` takes a torchrun command line (issue 30, goal 3): every word after PROGRAM is PROGRAM's, and
 torchrun's own flags are accepted where they map (-m, --no-python, --run-path, --standalone, --nnodes that
-allows one host, --max-restarts 0, --rdzv-conf join_timeout, --rdzv-endpoint / --master-addr with
+allows one host, --max-restarts N, --rdzv-conf join_timeout, --rdzv-endpoint / --master-addr with
 --node-rank >= 1 as a walk-in) or refused naming the flodld equivalent. `run_job` and the walk-in loop are
 replaced by recorders: these tests check what would start, not a run (tests/e2e/test_fdl_run.py runs one).
 """
@@ -123,6 +123,11 @@ def test_nnodes_over_one_host_with_a_cluster_block_needs_the_ranks_per_host(
     assert not started
 
 
+def test_max_restarts_reaches_the_run_supervisor(program: Path, started: list[dict[str, Any]]) -> None:
+    assert fdl_main(["run", "--max-restarts", "3", str(program)]) == 0
+    assert started[0]["max_restarts"] == 3
+
+
 def test_rdzv_conf_join_timeout_sets_the_join_window(program: Path, started: list[dict[str, Any]]) -> None:
     assert fdl_main(["run", "--rdzv-conf", "join_timeout=42", str(program)]) == 0
     assert started[0]["join_timeout"] == 42.0
@@ -131,7 +136,8 @@ def test_rdzv_conf_join_timeout_sets_the_join_window(program: Path, started: lis
 @pytest.mark.parametrize(
     ("words", "message"),
     [
-        (["--max-restarts", "2"], "--max-restarts 2: restarts are not supported yet"),
+        (["--max-restarts", "1001"], "--max-restarts 1001: give a count from 0 to 1000"),
+        (["--max-restarts", "2", "--rdzv-endpoint", "10.0.0.1:1337"], "whose restarts are that controller's"),
         (["--nnodes", "2"], "give fdl.yml a cluster: block (controller.join.discovery and a token)"),
         (["--nnodes", "1:4"], "`fdl join HOST:PORT --bin PROGRAM`"),
         (["--nnodes", "x"], "--nnodes 'x' is not understood"),

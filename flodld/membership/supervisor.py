@@ -1,0 +1,314 @@
+"""One run's attempts, decided event by event: the run supervisor behind `fdl run` (sans-io).
+
+A *run* is one or more *attempts*; an attempt is one formed world (a controller run with its own run
+id, salt, rendezvous namespace and data-plane keys) and the local agents that serve it. The shell
+(`fdl run`) owns the controller, the agent processes, the signals and the timers; this module owns
+what they mean. States per attempt: RUNNING → CONCLUDING (the controller's verdict is in; the
+agents are being collected) → the next attempt, or FINISHED.
+
+Rules:
+- an agent that exits 0 has finished its host; nothing to do;
+- an agent that exits non-zero reports its ranks and closes its link first, so the controller
+  concludes from that; the shell waits `AGENT_DIED_GRACE_S` for the verdict, then stops the attempt
+  naming the agent (it died unannounced: its ranks are lost);
+- every agent gone and no verdict: wait `AGENTS_GONE_GRACE_S`, then stop the attempt;
+- an interrupt (SIGINT/SIGTERM to `fdl run`) stops the attempt and the run: never restarted;
+- the verdict in, the shell collects the agents (TERM/KILL after `COLLECT_TIMEOUT_S`); then:
+  done when the verdict is ok and no agent was killed, else the attempt failed with its *cause*
+  (the verdict's reason, or the killed agent);
+- a failed attempt is followed by the next (`restart_count` + 1, a fresh world) while fewer than
+  `max_restarts` restarts have been made and nobody interrupted; otherwise the run fails with a
+  reason that lists every attempt's cause.
+
+As in torchrun, a restart re-forms the whole world: every rank of the next attempt starts anew with
+`TORCHELASTIC_RESTART_COUNT` set to the attempt's number, and a script that checkpoints resumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from flodld.wire.handlers import HandlerTable
+
+__all__ = [
+    "AGENTS_GONE_GRACE_S",
+    "AGENT_DIED_GRACE_S",
+    "COLLECT_TIMEOUT_S",
+    "AgentExited",
+    "ArmTimer",
+    "Attempt",
+    "CollectAgents",
+    "Finish",
+    "Interrupted",
+    "RunSupervisor",
+    "Say",
+    "StartAttempt",
+    "StopAttempt",
+    "SupervisorState",
+    "TimerExpired",
+    "VerdictReached",
+    "describe_code",
+]
+
+AGENT_DIED_GRACE_S = 2.0  # an agent that died: the controller's moment to conclude from its link
+AGENTS_GONE_GRACE_S = 5.0  # every agent gone and no verdict: the controller's moment to conclude
+COLLECT_TIMEOUT_S = 15.0  # after the verdict, how long agents get to exit before they are killed
+
+EXIT_DONE = 0
+EXIT_FAILED = 1
+
+
+class SupervisorState(Enum):
+    RUNNING = "running"
+    CONCLUDING = "concluding"
+    FINISHED = "finished"
+
+
+def describe_code(code: int) -> str:
+    """'signal 9' or 'exit code 3' (negative codes are signals, as subprocess reports them)."""
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+# Events ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentExited:
+    """The local agent of `host` exited with `code` (negative: killed by that signal)."""
+
+    host: str
+    code: int
+
+
+@dataclass(frozen=True)
+class VerdictReached:
+    """The controller concluded the attempt."""
+
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A signal to the launcher: stop the attempt, and do not restart."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class TimerExpired:
+    """The timer an `ArmTimer` asked for ran out."""
+
+    name: str
+
+
+Event = AgentExited | VerdictReached | Interrupted | TimerExpired
+
+# Actions --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartAttempt:
+    """Form a fresh world (new run id, salt, keys) and start its agents; ranks see `restart_count`."""
+
+    restart_count: int
+    max_restarts: int
+
+
+@dataclass(frozen=True)
+class StopAttempt:
+    """Ask the controller to end the attempt with `reason` (it aborts the hosts and gives a verdict)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ArmTimer:
+    """Feed `TimerExpired(name)` after `seconds` (arming a name again replaces its timer)."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CollectAgents:
+    """Wait up to `timeout_s` for the attempt's agents to exit, KILL the rest; feed each exit."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Say:
+    """A line for the operator."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    exit_code: int
+    summary: str
+
+
+Action = StartAttempt | StopAttempt | ArmTimer | CollectAgents | Say | Finish
+
+
+@dataclass
+class Attempt:
+    """One attempt: its number, its hosts, and why it failed (None while it runs, or if it did not)."""
+
+    number: int
+    hosts: tuple[str, ...]
+    cause: str | None = None
+    agent_codes: dict[str, int] = field(default_factory=dict)
+
+
+class RunSupervisor:
+    """Decides, event by event, what `fdl run`'s shell does with its controller, agents and timers."""
+
+    def __init__(self, hosts: list[str], *, max_restarts: int = 0) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts is {max_restarts}; it counts restarts, 0 or more")
+        self.hosts = tuple(hosts)
+        self.max_restarts = max_restarts
+        self.state = SupervisorState.RUNNING
+        self.attempts: list[Attempt] = []
+        self._live: set[str] = set()
+        self._verdict: VerdictReached | None = None
+        self._interrupted = False
+        self._stopping = False
+        running: HandlerTable[[], list[Action]] = HandlerTable("event while running")
+        running.register(AgentExited, self._agent_exited_running)
+        running.register(VerdictReached, self._verdict_reached)
+        running.register(Interrupted, self._interrupted_event)
+        running.register(TimerExpired, self._timer_expired)
+        concluding: HandlerTable[[], list[Action]] = HandlerTable("event while concluding")
+        concluding.register(AgentExited, self._agent_exited_concluding)
+        concluding.register(Interrupted, self._interrupted_event)
+        self._table = {SupervisorState.RUNNING: running, SupervisorState.CONCLUDING: concluding}
+
+    @property
+    def attempt(self) -> Attempt:
+        return self.attempts[-1]
+
+    def start(self) -> list[Action]:
+        """The first attempt."""
+        return self._start_attempt()
+
+    def handle(self, event: Event) -> list[Action]:
+        """Actions for `event`; an event that means nothing in this state yields none."""
+        table = self._table.get(self.state)
+        if table is None or type(event) not in table:
+            return []
+        return table.dispatch(event)
+
+    # --- running ----------------------------------------------------------------------------
+
+    def _start_attempt(self) -> list[Action]:
+        number = len(self.attempts)
+        self.attempts.append(Attempt(number, self.hosts))
+        self.state = SupervisorState.RUNNING
+        self._live = set(self.hosts)
+        self._verdict = None
+        self._stopping = False
+        actions: list[Action] = []
+        if number:
+            actions.append(
+                Say(f"restarting: attempt {number + 1} of at most {self.max_restarts + 1} (restart {number})")
+            )
+        return [*actions, StartAttempt(number, self.max_restarts)]
+
+    def _agent_exited_running(self, event: AgentExited) -> list[Action]:
+        if event.host not in self._live:
+            return []
+        self._live.discard(event.host)
+        self.attempt.agent_codes[event.host] = event.code
+        actions: list[Action] = []
+        if event.code != 0:
+            actions.append(ArmTimer(f"agent-died:{event.host}", AGENT_DIED_GRACE_S))
+        if not self._live:
+            actions.append(ArmTimer("agents-gone", AGENTS_GONE_GRACE_S))
+        return actions
+
+    def _timer_expired(self, event: TimerExpired) -> list[Action]:
+        if self._stopping:
+            return []
+        if event.name.startswith("agent-died:"):
+            host = event.name.partition(":")[2]
+            code = self.attempt.agent_codes.get(host, 1)
+            return self._stop(
+                f"the agent of host {host!r} died ({describe_code(code)}) without reporting its ranks"
+            )
+        if event.name == "agents-gone":
+            return self._stop("every local agent exited but the run did not conclude")
+        return []
+
+    def _interrupted_event(self, event: Interrupted) -> list[Action]:
+        self._interrupted = True
+        if self.state is SupervisorState.CONCLUDING or self._stopping:
+            return []
+        return [Say(f"{event.reason}; aborting the run"), *self._stop(f"{event.reason} (fdl run)")]
+
+    def _stop(self, reason: str) -> list[Action]:
+        self._stopping = True
+        return [StopAttempt(reason)]
+
+    def _verdict_reached(self, event: VerdictReached) -> list[Action]:
+        self._verdict = event
+        self.state = SupervisorState.CONCLUDING
+        if self._live:
+            return [CollectAgents(COLLECT_TIMEOUT_S)]
+        return self._conclude()
+
+    # --- concluding -------------------------------------------------------------------------
+
+    def _agent_exited_concluding(self, event: AgentExited) -> list[Action]:
+        if event.host not in self._live:
+            return []
+        self._live.discard(event.host)
+        self.attempt.agent_codes[event.host] = event.code
+        return [] if self._live else self._conclude()
+
+    def _cause(self) -> str | None:
+        verdict = self._verdict
+        assert verdict is not None
+        if not verdict.ok:
+            return verdict.reason
+        killed = [(host, code) for host, code in self.attempt.agent_codes.items() if code < 0]
+        if killed:
+            # A killed agent closes its link like a finished one; its unreported ranks make the run lost.
+            host, code = killed[0]
+            return (
+                f"the agent of host {host!r} died ({describe_code(code)}); the controller saw its host link "
+                f"close ({verdict.reason})"
+            )
+        return None
+
+    def _conclude(self) -> list[Action]:
+        cause = self._cause()
+        attempt = self.attempt
+        if cause is None:
+            self.state = SupervisorState.FINISHED
+            assert self._verdict is not None
+            return [Finish(EXIT_DONE, f"run done: {self._verdict.reason}{self._attempts_note()}")]
+        attempt.cause = cause
+        if not self._interrupted and attempt.number < self.max_restarts:
+            return [Say(f"attempt {attempt.number + 1} failed: {cause}"), *self._start_attempt()]
+        self.state = SupervisorState.FINISHED
+        return [Finish(EXIT_FAILED, self._failure_summary())]
+
+    def _attempts_note(self) -> str:
+        failed = [a for a in self.attempts if a.cause is not None]
+        if not failed:
+            return ""
+        return f" (after {len(failed)} restart(s): " + "; ".join(
+            f"attempt {a.number + 1}: {a.cause}" for a in failed
+        ) + ")"
+
+    def _failure_summary(self) -> str:
+        if len(self.attempts) == 1:
+            return f"run FAILED: {self.attempt.cause}"
+        why = "interrupted" if self._interrupted else f"max_restarts ({self.max_restarts}) exhausted"
+        causes = "; ".join(f"attempt {a.number + 1}: {a.cause}" for a in self.attempts)
+        return f"run FAILED after {len(self.attempts)} attempts ({why}): {causes}"
