@@ -253,7 +253,14 @@ def torchrun_plan(args: argparse.Namespace) -> TorchrunPlan:
             f"--max-restarts {restarts}: a walk-in joins another controller's run, whose restarts are that "
             "controller's (controller.join.max_restarts); drop the flag"
         )
-    return TorchrunPlan(walk_in, join_timeout, rank_filter, bounds, tuple(notes), restarts)
+    return TorchrunPlan(
+        walk_in=walk_in,
+        join_timeout=join_timeout,
+        rank_filter=rank_filter,
+        nnodes=bounds,
+        notes=tuple(notes),
+        max_restarts=restarts,
+    )
 
 
 def add_rank_options(parser: argparse.ArgumentParser) -> None:
