@@ -2,7 +2,8 @@
 
 Two loopback legs to the host's relay, each an authenticated framed channel:
 - data: `Deposit` up in chunks of `FLODL_CHUNK_BYTES` (default 4 MiB; the relay folds and forwards each
-  chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps the latest);
+  chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps each round's result for
+  the `wait_round` of that round, checked against the deposit's shapes and dtypes);
 - control: `Heartbeat` up every interval, `CoordinatorHeartbeat`/`Shutdown` down.
 Same-host shared memory (`FLODL_SHM`, default auto; docs/protocol.md "Shared memory"): the rank offers
 its relay a memory region over the data leg (`ShmOffer`), copies each deposit chunk into it and sends a
@@ -44,6 +45,7 @@ from flodld.wire.data import (
     ShmOffer,
     ShmRefused,
     ShmResult,
+    TensorSpec,
 )
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
@@ -72,6 +74,11 @@ def _open_leg(env: RankEnvironment, channel: Channel) -> BlockingChannel:
     return leg
 
 
+def _schema(specs: Sequence[TensorSpec]) -> str:
+    """Shapes and dtypes, for messages: `[float32 (3,), float64 (2, 2)]`."""
+    return "[" + ", ".join(f"{spec.dtype} {tuple(spec.shape)}" for spec in specs) + "]"
+
+
 def _exit_now(message: str, code: int) -> None:
     """Leave immediately: the main thread may be blocked in a collective that will never return."""
     print(message, file=sys.stderr, flush=True)
@@ -89,6 +96,12 @@ class RelayClient:
         self.step = 0
         self.next_round = 0
         self._results: dict[int, tuple[Result, Bundle]] = {}
+        # The schema of each round this client deposited and whose result was not taken yet: a result is
+        # handed only to the round that asked for it, and only with the deposit's shapes and dtypes.
+        self._deposited: dict[int, tuple[TensorSpec, ...]] = {}
+        self._arrived = -1  # the newest round whose result is in (rounds complete in order)
+        # The newest result of any round, for diagnostics (which round, who contributed): never a call's
+        # value, which `wait_round` takes by its round number.
         self.latest: tuple[Result, Bundle] | None = None
         self._error: str | None = None
         self.refused = 0
@@ -114,7 +127,11 @@ class RelayClient:
     def deposit(
         self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, fold: str | None = None
     ) -> int:
-        """Send this rank's contribution to the next round; returns the round number."""
+        """Send this rank's contribution to the next round; returns the round number, which `wait_round`
+        takes the result of (kept until then). The data plane takes round r + 1 from a rank only once
+        round r is complete, so a caller that may have a round out first waits for it (`wait_arrived`, as
+        `flodld.rank.averaging` does).
+        """
         spec = fold or self.env.fold
         scaled = (
             [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
@@ -141,6 +158,8 @@ class RelayClient:
                 self.data.send(
                     Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset), tail
                 )
+        with self._changed:
+            self._deposited[round_number] = tuple(specs)
         self.next_round += 1
         return round_number
 
@@ -231,7 +250,11 @@ class RelayClient:
         )
 
     def wait_round(self, round_number: int, timeout: float | None = None) -> Bundle:
-        """Block until the broadcast of `round_number` arrives."""
+        """Block until the broadcast of `round_number` arrives, and take it (each result is taken once).
+
+        RelayClientError when the result's tensors are not the shapes and dtypes this rank deposited for
+        that round: another round's tensors are never handed back in its place.
+        """
         with self._changed:
             ok = self._changed.wait_for(
                 lambda: round_number in self._results or self._error is not None, timeout
@@ -240,12 +263,32 @@ class RelayClient:
                 raise RelayClientError(self._error)
             if not ok:
                 raise TimeoutError(f"no broadcast for round {round_number} within {timeout}s")
-            _, tensors = self._results.pop(round_number)
+            message, tensors = self._results.pop(round_number)
+            deposited = self._deposited.pop(round_number, None)
+        if deposited is not None and tuple(message.tensors) != deposited:
+            raise RelayClientError(
+                f"the result of round {round_number} has tensors {_schema(message.tensors)} but this rank "
+                f"deposited {_schema(deposited)}: the ranks' averaging calls are out of step (every rank "
+                "must make the same averaging calls in the same order), or the data plane is broken"
+            )
         self.step += 1
         return tensors
 
+    def wait_arrived(self, round_number: int, timeout: float | None = None) -> None:
+        """Block until the results of every round up to `round_number` are in (kept for `wait_round`)."""
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: self._arrived >= round_number or self._error is not None, timeout
+            )
+            if self._error is not None:
+                raise RelayClientError(self._error)
+            if not ok:
+                raise TimeoutError(f"no broadcast for round {round_number} within {timeout}s")
+
     def latest_completed_round(self) -> int:
-        return -1 if self.latest is None else self.latest[0].round
+        """The newest round whose result is in (every earlier one is in too); -1 before the first."""
+        with self._changed:
+            return self._arrived
 
     def close(self) -> None:
         self._closing = True
@@ -271,9 +314,15 @@ class RelayClient:
                     message, tensors = done
                     with self._changed:
                         self._results[message.round] = (message, tensors)
+                        self._arrived = max(self._arrived, message.round)
                         self.latest = (message, tensors)
-                        # Keep only rounds someone may still wait for (async ranks never wait).
-                        for stale in [number for number in self._results if number < message.round - 64]:
+                        # A deposited round's result waits for its caller; one this client did not
+                        # deposit (a hand-made frame) is kept a while for a raw `wait_round`.
+                        for stale in [
+                            number
+                            for number in self._results
+                            if number < message.round - 64 and number not in self._deposited
+                        ]:
                             del self._results[stale]
                         self._changed.notify_all()
                 elif isinstance(message, ShmAccepted | ShmRefused):

@@ -6,8 +6,9 @@ import asyncio
 import hashlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import TypeVar
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from flodld.controller.dataplane import DataPlane
 from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
-from flodld.rank.averaging import Averager
+from flodld.rank.averaging import Averager, all_average
 from flodld.rank.env import RankEnvironment
 from flodld.rank.relay_client import RelayClient
 from flodld.relay.server import Relay
@@ -23,6 +24,7 @@ from flodld.relay.spec import RelayRoleSpec
 from flodld.wire.magic import Channel
 
 SALT = bytes(range(16, 32))
+T = TypeVar("T")
 HOST_KEY = bytes(range(32, 48))  # what the agent would derive at admission (flodld.wire.hostkey)
 
 
@@ -131,26 +133,66 @@ def test_cadence_averages_every_kth_step_and_returns_local_values_between(plane:
             client.close()
 
 
-def test_async_never_waits_and_hands_out_the_last_available_average(plane: Plane) -> None:
-    fast, slow = plane.client(0), plane.client(1)
+def run_ranks(plane: Plane, program: Callable[[int, RelayClient], T], ranks: int = 2) -> list[T]:
+    """`program(rank, client)` on one thread per rank, each with its own relay client; the results by rank."""
+    clients = [plane.client(rank) for rank in range(ranks)]
     try:
-        fast_averager = Averager("cpu_async", client=fast)
-        slow_averager = Averager("cpu_async", client=slow)
-        first = fast_averager.step([torch.tensor([2.0])])
-        second = fast_averager.step([torch.tensor([4.0])])  # round 0 still open: no second deposit
-        assert (first[0].item(), second[0].item()) == (2.0, 4.0)
-        assert fast.next_round == 1
-        slow_averager.step([torch.tensor([6.0])])  # completes round 0: mean(2, 6) = 4
-        for _ in range(200):
-            if fast.latest is not None:
-                break
-            threading.Event().wait(0.05)
-        third = fast_averager.step([torch.tensor([100.0])])
-        assert third[0].item() == 4.0  # the newest finished average, not its own value
-        assert fast.next_round == 2  # and it deposited for round 1
+        futures = [in_thread(lambda rank=rank: program(rank, clients[rank])) for rank in range(ranks)]
+        return [future.result(60) for future in futures]  # type: ignore[misc]
     finally:
-        fast.close()
-        slow.close()
+        for client in clients:
+            client.close()
+
+
+def test_async_applies_its_own_rounds_elastic_update_and_keeps_the_local_steps(plane: Plane) -> None:
+    def program(rank: int, client: RelayClient) -> list[float]:
+        averager = Averager("cpu_async", cadence=2, client=client)  # alpha 0.5
+        out = []
+        for step in range(1, 7):
+            (value,) = averager.step([torch.tensor([float(10 * step + rank)])])
+            out.append(value.item())
+        (last,) = averager.finish([torch.tensor([100.0 + rank])])
+        return [*out, last.item()]
+
+    results = run_ranks(plane, program)
+    # Calls 1, 3, 5 are local. Call 2 deposits 20 + rank (nothing out yet). Call 4 applies round 0
+    # (mean 20.5): 40 + r + 0.5 * (20.5 - (20 + r)), i.e. 40.25 / 40.75, and deposits that (mean 40.5).
+    # Call 6: 60 + r + 0.5 * (40.5 - 40.25 / 40.75); finish applies call 6's round (mean 60.5).
+    assert results[0] == [10.0, 20.0, 30.0, 40.25, 50.0, 60.125, 100.0 + 0.5 * (60.5 - 60.125)]
+    assert results[1] == [11.0, 21.0, 31.0, 40.75, 51.0, 60.875, 101.0 + 0.5 * (60.5 - 60.875)]
+
+
+def test_mixing_all_average_with_async_steps_hands_each_call_its_own_rounds_result(plane: Plane) -> None:
+    """The issue-29 reproduction: an all_average's result came back from the next async step."""
+
+    def program(rank: int, client: RelayClient) -> list[list[float]]:
+        out = [all_average([torch.tensor([100.0 + rank])], client=client)[0].tolist()]
+        averager = Averager("cpu_async", cadence=1, client=client)
+        for step in range(3):
+            out.append(averager.step([torch.zeros(3) + step])[0].tolist())
+            out.append(all_average([torch.tensor([float(step), float(rank)])], client=client)[0].tolist())
+        return out
+
+    for rank, result in enumerate(run_ranks(plane, program)):
+        # Equal zeros-plus-step deposits: each elastic update adds nothing, each step keeps its own values.
+        assert result == [
+            [100.5], [0.0] * 3, [0.0, 0.5], [1.0] * 3, [1.0, 0.5], [2.0] * 3, [2.0, 0.5]
+        ], rank
+
+
+def test_async_refuses_what_it_cannot_average_before_depositing(plane: Plane) -> None:
+    client = plane.client(0)
+    try:
+        with pytest.raises(ValueError, match="cpu_async pulls parameters towards the world's mean"):
+            Averager("cpu_async", cadence=1, fold="sum", client=client).step([torch.ones(2)])
+        with pytest.raises(ValueError, match=r"tensor 1 is torch\.int64"):
+            mixed = [torch.ones(2), torch.ones(2, dtype=torch.long)]
+            Averager("cpu_async", cadence=1, client=client).step(mixed)
+        with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\]"):
+            Averager("cpu_async", alpha=1.5, client=client)
+        assert client.next_round == 0  # nothing was deposited
+    finally:
+        client.close()
 
 
 RANK_PROGRAM = """

@@ -1,15 +1,18 @@
-"""Issue 13 point 10, rank side: a broadcast the rank cannot decode fails its waiters cleanly.
+"""The rank side refuses what its relay answers wrongly, and fails its waiters cleanly.
 
-Before, the rank's reader thread died with torch's RuntimeError and `wait_round` waited forever.
+Issue 13 point 10: a broadcast the rank cannot decode (before, the rank's reader thread died with torch's
+RuntimeError and `wait_round` waited forever). Issue 29 point 10: a result whose tensors are not the
+shapes and dtypes the rank deposited for that round is never handed back as that round's value.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from flodld.net.blocking import BlockingChannel
 from flodld.rank.env import RankEnvironment
@@ -21,10 +24,18 @@ SALT = bytes(range(16))
 HUGE_EMPTY = TensorSpec.model_validate({"dtype": "float32", "shape": [0] + [2**40 - 1] * 7})
 
 
-class FakeRelay:
-    """Accepts a rank's data and control legs, then sends one broadcast that does not decode."""
+def _undecodable(legs: dict[Channel, BlockingChannel]) -> None:
+    undecodable = Broadcast(round=0, fold="mean", weight=1.0, contributors=[0], tensors=[HUGE_EMPTY])
+    legs[Channel.DATA].send(undecodable)
 
-    def __init__(self) -> None:
+
+class FakeRelay:
+    """Accepts a rank's data and control legs, then plays `answer` on them (default: one broadcast that
+    does not decode).
+    """
+
+    def __init__(self, answer: Callable[[dict[Channel, BlockingChannel]], None] = _undecodable) -> None:
+        self.answer = answer
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.legs: dict[Channel, BlockingChannel] = {}
@@ -40,9 +51,7 @@ class FakeRelay:
             leg.recv(5)  # RankHello
             leg.send(HelloAck())
             self.legs[channel] = leg
-        self.legs[Channel.DATA].send(
-            Broadcast(round=0, fold="mean", weight=1.0, contributors=[0], tensors=[HUGE_EMPTY])
-        )
+        self.answer(self.legs)
 
     def close(self) -> None:
         self.thread.join(5)
@@ -71,3 +80,33 @@ def test_a_broadcast_that_does_not_decode_fails_the_wait_instead_of_hanging(rela
         assert client.refused == 1
     finally:
         client.close()  # before the fake closes its control leg (a lost controller exits the process)
+
+
+def _wrong_schema(legs: dict[Channel, BlockingChannel]) -> None:
+    """Take the rank's deposit of round 0, answer round 0 with a float32 (1,) tensor."""
+    legs[Channel.DATA].recv(5)
+    spec = TensorSpec(dtype="float32", shape=[1])
+    result = Broadcast(round=0, fold="mean", weight=2.0, contributors=[0, 1], tensors=[spec])
+    legs[Channel.DATA].send(result, torch.tensor([100.5]).numpy().tobytes())
+
+
+def test_a_result_with_other_tensors_than_the_rounds_deposit_is_refused_not_handed_back() -> None:
+    relay = FakeRelay(_wrong_schema)
+    env = RankEnvironment(
+        rank=0, world_size=2, local_rank=0, local_world_size=2, controller_host="127.0.0.1",
+        controller_port=1, run_id="r", salt=SALT, device="cpu", backend="gloo", averaging="cpu_async",
+        relay_port=relay.port, fold="mean", cadence=1, host="h", liveness_timeout=60, heartbeat_interval=5,
+    )
+    client = RelayClient(env)
+    client.use_shm = False  # framed: the fake relay answers no region offer
+    try:
+        assert client.deposit([torch.zeros(3)]) == 0
+        with pytest.raises(
+            RelayClientError,
+            match=r"the result of round 0 has tensors \[float32 \(1,\)\] but this rank deposited "
+            r"\[float32 \(3,\)\]: the ranks' averaging calls are out of step",
+        ):
+            client.wait_round(0, timeout=10)
+    finally:
+        client.close()
+        relay.close()
