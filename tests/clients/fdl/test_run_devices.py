@@ -238,7 +238,7 @@ def test_probe_reports_what_fdl_run_would_start(program: Path, capsys: pytest.Ca
     assert host["facts"]["fdl_run"].startswith(
         "the embedded default: 3 CPU rank(s), backend gloo (from --ranks 3"
     )
-    assert fdl_main(["probe"]) == 0
+    assert fdl_main(["probe", "-v"]) == 0
     expected = LocalRanks.describe(choose_local_ranks())
     assert (
         f"[ok  ] fdl_run: `fdl run` would start the embedded default: {expected}" in capsys.readouterr().out
@@ -252,7 +252,7 @@ def test_probe_fails_where_fdl_run_would_refuse(program: Path, capsys: pytest.Ca
         in capsys.readouterr().out
     )
     (program.parent / "fdl.yml").write_text(CLUSTER_BLOCK)
-    assert fdl_main(["probe"]) == 0
+    assert fdl_main(["probe", "-v"]) == 0
     assert (
         "`fdl run` would start the cluster: block of fdl.yml: 1 worker(s), 1 on this host"
         in capsys.readouterr().out
