@@ -42,6 +42,7 @@ PERMANENT_REJECT_CODES = frozenset({
     "unknown_host",
     "empty_devices",
     "too_many_devices",
+    "declared_devices",
     "vendor_mix",
     "dataset_mismatch",
     "model_mismatch",

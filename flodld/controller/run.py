@@ -391,6 +391,7 @@ class Controller:
             run_id=self.run_id,
             controller=controller,
             tolerance=self.options.tolerance,
+            declared=self.options.declared_ranks,
         )
         self.started_at = time.time()
         p = self.policy
