@@ -188,6 +188,19 @@ def _ssh_endpoint(args: argparse.Namespace, block: api.WalkInConfig) -> api.SshE
     return None
 
 
+# What OpenSSH (BatchMode) prints when it cannot vouch for the server's host key.
+HOST_KEY_FAILURES = ("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED")
+
+
+def host_key_remedy(ssh: api.SshEndpoint) -> str:
+    """What to do about a host key ssh would not accept; the fix is the operator's, never a retry."""
+    return (
+        f"the host key of {ssh.host} (port {ssh.port}) is unknown to ssh, or changed: check its fingerprint, "
+        f"then add it (`ssh-keyscan -p {ssh.port} {ssh.host} >> ~/.ssh/known_hosts`), or trust it on first "
+        "use with StrictHostKeyChecking=accept-new in join.ssh.options"
+    )
+
+
 def _attempt_through_ssh(plan: JoinPlan) -> int:
     """One attempt through a fresh forward; the agent dials its local end, which it then hands on."""
     assert plan.ssh is not None
@@ -196,6 +209,9 @@ def _attempt_through_ssh(plan: JoinPlan) -> int:
         forward = api.open_forward(plan.ssh, remote)
     except api.ForwardError as error:
         say(str(error))
+        if any(sign in str(error) for sign in HOST_KEY_FAILURES):
+            say(host_key_remedy(plan.ssh))
+            return EXIT_PERMANENT  # only the operator can vouch for a host key: re-dialing never will
         # A refused key stays refused; a dead network may come back.
         return EXIT_PERMANENT if "Permission denied" in str(error) else EXIT_TRANSIENT
     say(f"forward 127.0.0.1:{forward.local_port} -> {remote[0]}:{remote[1]} via {plan.ssh.label}")

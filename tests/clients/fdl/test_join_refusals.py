@@ -83,3 +83,30 @@ async def test_fdl_join_ssh_with_a_refused_key_exits_2_even_under_persist(tmp_pa
         server.close()
     assert code == 2, output
     assert "Permission denied" in output and "not re-dialing" in output, output
+
+
+async def test_fdl_join_ssh_to_an_unknown_host_key_exits_2_with_the_remedy_even_under_persist(
+    tmp_path: Path,
+) -> None:
+    from tests.conftest import require_binary
+    from tests.flodld.fanout.sshserver import start_local_ssh_server
+
+    require_binary("ssh", "ssh")
+    server = await start_local_ssh_server(tmp_path)
+    (tmp_path / "known_hosts").write_text("")  # the server's key is known nowhere
+    (tmp_path / "walk.py").write_text(PROGRAM)
+    (tmp_path / "fdl.yml").write_text(
+        "join:\n  ssh:\n    target: 127.0.0.1\n"
+        f"    port: {server.port}\n    options: [StrictHostKeyChecking=yes, "
+        f"UserKnownHostsFile={tmp_path / 'known_hosts'}]\n"
+    )
+    try:
+        code, output = await fdl_join("127.0.0.1:1337", "--bin", "walk.py", "--devices", "cpu", "--persist",
+                                      "--identity", str(server.client_key_path), cwd=tmp_path,
+                                      timeout=60)  # fmt: skip
+    finally:
+        server.close()
+    assert code == 2, output
+    assert "Host key verification failed" in output, output
+    assert f"ssh-keyscan -p {server.port} 127.0.0.1 >> ~/.ssh/known_hosts" in output, output
+    assert "StrictHostKeyChecking=accept-new" in output and "not re-dialing" in output, output
