@@ -16,7 +16,7 @@ from enum import IntEnum
 from flodld.agent.spec import AgentSpec, device_label
 from flodld.net.addresses import is_private_address
 from flodld.net.keepalive import keep_alive
-from flodld.net.stream import ConnectError, FramedStream, connect_with_retry
+from flodld.net.stream import CONNECT_BACKOFF_SECS, ConnectError, FramedStream, connect_with_retry
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
 from flodld.wire.join import (
@@ -142,6 +142,10 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
             key,
             what=f"agent {spec.host!r} join",
             attempts=spec.connect_attempts,
+            on_first_failure=lambda error, left: warn(
+                f"connect to {where} failed ({error!r}); retrying every {CONNECT_BACKOFF_SECS:g}s for up to "
+                f"{left:.0f}s more — is a controller listening there with its join window open?"
+            ),
         )
     except ConnectError as error:
         raise JoinFailed(
