@@ -420,6 +420,7 @@ async def run_job(command: list[str], cluster: api.ClusterConfig, *, port: int |
             except TimeoutError:
                 agent.kill()
                 await agent.wait()
+    await controller.linger_for_readers()  # a `fdl status --watch` then sees the verdict
     await controller.close()
     died = [
         (worker.host, agent.returncode)
