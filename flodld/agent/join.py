@@ -74,20 +74,35 @@ class Joined:
     salt: bytes
 
 
+def loaded_nccl_version() -> str | None:
+    """The NCCL torch loads here ("2.27.5"), or None without CUDA or an NCCL-enabled build."""
+    import torch  # a GPU agent has imported it already, to count its devices
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        return None
+    return ".".join(str(part) for part in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]  # torch stub
+
+
 def build_hello(spec: AgentSpec, devices: list[str]) -> Hello:
+    """This host's hello. A GPU host also reports its NCCL version, which the ledger holds to the
+    cohort's major.minor (`nccl_skew`); CPU ranks never load NCCL, so theirs says nothing.
+    """
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "unknown"
+    gpu = any(device.startswith("cuda") for device in devices)
     return Hello(
         host=spec.host,
         devices=devices,
         device_labels=[device_label(device) for device in devices],
-        variant="cuda" if any(device.startswith("cuda") for device in devices) else "cpu",
+        variant="cuda" if gpu else "cpu",
         torch_version=torch_version,
         protocol_version=PROTOCOL_VERSION,
         run_id=spec.run_id,
         averaging=spec.averaging,
+        nccl_version=loaded_nccl_version() if gpu else None,
     )
 
 

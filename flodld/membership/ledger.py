@@ -393,7 +393,8 @@ def _nccl(ledger: Ledger, hello: Hello) -> Refused | None:
             "nccl_skew",
             f"NCCL version skew: this cohort loads {expected[0]}.{expected[1]}.x (set by {reference[1]}) and "
             f"{hello.host!r} loads {offered[0]}.{offered[1]}.x — NCCL refuses its handshake across "
-            "major.minor skew; align the torch builds, or bridge with fdl nccl build",
+            "major.minor skew; install the same torch build (and its nvidia-nccl wheel) on every host — "
+            "`fdl probe` on each host (or `fdl @cluster probe`) shows the versions",
         )
     return None
 

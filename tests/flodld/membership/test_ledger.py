@@ -151,7 +151,7 @@ REFUSALS = [
         "nccl_skew",
         hello("b", nccl_version="2.26.2"),
         "nccl_skew",
-        ("2.27", "2.26", "fdl nccl build"),
+        ("2.27", "2.26", "install the same torch build", "`fdl probe`"),
         earlier=(hello("a", nccl_version="2.27.5"),),
     ),
     RefusalCase(
