@@ -326,8 +326,8 @@ def main(args: argparse.Namespace) -> int:
         except NoRun as error:
             if seen is not None and args.watch:
                 print(
-                    f"fdl status: the controller port closed before the verdict was shown (last seen: "
-                    f"{seen}); the launcher (`fdl run`) printed it",
+                    f"fdl status: the run has ended (the controller port closed before its verdict could "
+                    f"be shown; last seen: {seen}; the launcher's output or the daemon's log has it)",
                     file=sys.stderr,
                 )
                 return 0
