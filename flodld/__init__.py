@@ -47,10 +47,20 @@ def _init_process_group() -> None:
     from flodld.rank import init_process_group as init
 
     if current_role() is not Role.RANK and "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch
         import torch.distributed as dist
 
+        from flodld.rank.process_group import default_backend
+
         if not dist.is_initialized():
-            dist.init_process_group(init_method="env://")
+            # The backend as a flodld rank picks it (nccl for a GPU rank, gloo otherwise), never torch's
+            # unnamed default: gloo-only calls such as monitored_barrier then work under both launchers.
+            local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+            on_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+            backend = default_backend("cuda" if on_gpu else "cpu")
+            if backend == "nccl":
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend, init_method="env://")
         return
     init()
 

@@ -1,4 +1,6 @@
-"""Where a thin client finds the controller: `--addr`, else the active overlay, else 127.0.0.1:1337."""
+"""Where a thin client finds the controller: `--addr`, else the active overlay, else the project's
+fdl.yml controller (when its port is fixed), else 127.0.0.1:1337.
+"""
 
 from __future__ import annotations
 
@@ -29,20 +31,32 @@ def resolve_candidates(addr: str | None, env: str | None, project: Path | str, c
     if addr:
         return Candidates((api.parse_address(addr, api.DEFAULT_CONTROLLER_PORT),), "--addr")
     if env:
-        project_config = api.load_config(project, env)
-        cluster = project_config.cluster
+        cluster = api.load_config(project, env).cluster
         if cluster is not None:
-            host, port = cluster.controller.host, cluster.controller.port
-            addresses = [(host, port)]
-            if host not in api.LOOPBACK_HOSTS:
-                addresses.append(("127.0.0.1", port))
-            return Candidates(tuple(addresses), f"fdl.{env}.yml controller")
+            return _controller_candidates(cluster, f"fdl.{env}.yml controller")
+    else:
+        # No overlay: the project's own fdl.yml, when it names a controller with a fixed port.
+        try:
+            cluster = api.load_config(project, None).cluster
+        except api.ConfigNotFoundError:
+            cluster = None
+        if cluster is not None and cluster.controller.port:
+            return _controller_candidates(cluster, "fdl.yml controller")
     print(
         f"fdl {command}: no cluster env active; trying 127.0.0.1:{api.DEFAULT_CONTROLLER_PORT} "
         f"(pass --addr or use `fdl @<env> {command}` to target a specific controller)",
         file=sys.stderr,
     )
     return Candidates((("127.0.0.1", api.DEFAULT_CONTROLLER_PORT),), "convention default")
+
+
+def _controller_candidates(cluster: api.ClusterConfig, origin: str) -> Candidates:
+    """The configured controller, then loopback on its port (`fdl status` run on the controller host)."""
+    host, port = cluster.controller.host, cluster.controller.port
+    addresses = [(host, port)]
+    if host not in api.LOOPBACK_HOSTS:
+        addresses.append(("127.0.0.1", port))
+    return Candidates(tuple(addresses), origin)
 
 
 __all__ = ["Candidates", "format_address", "resolve_candidates"]

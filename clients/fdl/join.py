@@ -10,8 +10,8 @@ of `ps`.
 Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token, no
 token for a controller that checks credentials, bad config, incompatible build) — for systemd's
 RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off
-5 s doubling to 60 s and dials again (the backoff resets after a run that lasted longer than 2
-minutes).
+5 s doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an
+attempt that lasted longer than 2 minutes); SIGTERM ends the loop, also during the back-off.
 
 The controller's `env:` is filtered: a walk-in applies thread counts (OMP_NUM_THREADS, ...), NCCL_*/GLOO_*
 tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the names --accept-env (or
@@ -31,9 +31,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from fdl.cli import Command
 from fdl.run import add_rest, program_command, reparse
@@ -186,6 +188,19 @@ def _ssh_endpoint(args: argparse.Namespace, block: api.WalkInConfig) -> api.SshE
     return None
 
 
+# What OpenSSH (BatchMode) prints when it cannot vouch for the server's host key.
+HOST_KEY_FAILURES = ("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED")
+
+
+def host_key_remedy(ssh: api.SshEndpoint) -> str:
+    """What to do about a host key ssh would not accept; the fix is the operator's, never a retry."""
+    return (
+        f"the host key of {ssh.host} (port {ssh.port}) is unknown to ssh, or changed: check its fingerprint, "
+        f"then add it (`ssh-keyscan -p {ssh.port} {ssh.host} >> ~/.ssh/known_hosts`), or trust it on first "
+        "use with StrictHostKeyChecking=accept-new in join.ssh.options"
+    )
+
+
 def _attempt_through_ssh(plan: JoinPlan) -> int:
     """One attempt through a fresh forward; the agent dials its local end, which it then hands on."""
     assert plan.ssh is not None
@@ -194,6 +209,9 @@ def _attempt_through_ssh(plan: JoinPlan) -> int:
         forward = api.open_forward(plan.ssh, remote)
     except api.ForwardError as error:
         say(str(error))
+        if any(sign in str(error) for sign in HOST_KEY_FAILURES):
+            say(host_key_remedy(plan.ssh))
+            return EXIT_PERMANENT  # only the operator can vouch for a host key: re-dialing never will
         # A refused key stays refused; a dead network may come back.
         return EXIT_PERMANENT if "Permission denied" in str(error) else EXIT_TRANSIENT
     say(f"forward 127.0.0.1:{forward.local_port} -> {remote[0]}:{remote[1]} via {plan.ssh.label}")
@@ -241,29 +259,45 @@ class Stopped(Exception):
     """fdl join received SIGTERM: the agent was told, and the loop ends."""
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
 def join_loop(
     plan: JoinPlan,
     *,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
+    """Attempt until done (or forever with --persist); the back-off resets after a run that formed.
+
+    Every attempt's agent writes a mark file once its world forms, so a fleet of persist walk-ins is
+    re-armed 5 s after any run, done or failed, instead of at the doubled back-off of its idle dials.
+    """
     backoff = api.scaled(BACKOFF_INITIAL_SECS)
-    while True:
-        started = clock()
-        code = attempt(plan)
-        if code == EXIT_PERMANENT:
-            if plan.persist:
-                say("not re-dialing — retrying cannot fix this (exit 2)")
-            return EXIT_PERMANENT
-        if not plan.persist:
-            return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
-        lasted = clock() - started
-        if lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
-            backoff = api.scaled(BACKOFF_INITIAL_SECS)
-        outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
-        say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
-        sleep(backoff)
-        backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
+    with tempfile.TemporaryDirectory(prefix="fdl-join-") as marks:
+        mark = Path(marks) / "formed"
+        marked = replace(plan, spec=plan.spec.model_copy(update={"formed_file": str(mark)}))
+        while True:
+            mark.unlink(missing_ok=True)
+            started = clock()
+            code = attempt(marked)
+            if code == EXIT_PERMANENT:
+                if plan.persist:
+                    say("not re-dialing — retrying cannot fix this (exit 2)")
+                return EXIT_PERMANENT
+            if not plan.persist:
+                return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
+            lasted = clock() - started
+            formed = mark.exists()
+            if formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
+                backoff = api.scaled(BACKOFF_INITIAL_SECS)
+            outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
+            if formed and code != EXIT_DONE:
+                outcome = f"run ended (agent exit code {code})"
+            say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
+            sleep(backoff)
+            backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -277,11 +311,18 @@ def main(args: argparse.Namespace) -> int:
         f"joining {plan.spec.controller_host}:{plan.spec.controller_port} as {plan.spec.host!r}"
         + (" (persist)" if plan.persist else "")
     )
+    # SIGTERM between attempts (the back-off) ends the loop with a word, as it does during one.
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return join_loop(plan)
-    except (KeyboardInterrupt, Stopped):
+    except KeyboardInterrupt:
         say("stopped")
         return EXIT_TRANSIENT
+    except Stopped as stopped:
+        say(f"stopped ({signal.Signals(stopped.args[0]).name}); not re-dialing")
+        return EXIT_TRANSIENT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 COMMAND = Command(

@@ -1,4 +1,4 @@
-"""`fdl join-sshd write DIR --controller-port P --listen-port L --key KEY.pub ...` and `... show`.
+"""`fdl join-sshd write DIR --controller-port P --listen-port L [--listen-address A] --key K.pub ...`, `show`.
 
 `write` lays out a dedicated, unprivileged sshd for walk-ins (sshd_config, authorized_keys and a
 fresh host key) that lets each join key forward to 127.0.0.1:P and do nothing else; start it with
@@ -25,6 +25,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     write = actions.add_parser("write", help="write sshd_config, authorized_keys and a host key into DIR")
     write.add_argument("directory", metavar="DIR")
+    write.add_argument(
+        "--listen-address", default="0.0.0.0", metavar="ADDR",
+        help="address the dedicated sshd listens on (default 0.0.0.0: every IPv4 interface; :: for IPv6 too)",
+    )  # fmt: skip
     show = actions.add_parser("show", help="print the authorized_keys lines and the Match User block")
     for sub in (write, show):
         sub.add_argument(
@@ -54,7 +58,8 @@ def _recipe(args: argparse.Namespace) -> api.JoinSshdRecipe:
             "no join key given; pass --key KEY.pub (the walk-in's public key) at least once"
         )
     return api.JoinSshdRecipe(controller_port=args.controller_port, listen_port=args.listen_port,
-                          public_keys=tuple(keys), join_user=args.user)  # fmt: skip
+                              public_keys=tuple(keys), join_user=args.user,
+                              listen_address=getattr(args, "listen_address", None) or "0.0.0.0")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

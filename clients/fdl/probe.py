@@ -4,8 +4,9 @@ Checks Python, torch (version, build), CUDA devices and NCCL, gloo, the controll
 optional shared data path, and says what `fdl run` would start here (the `fdl_run` check and fact;
 --devices, --nproc-per-node and --ranks ask about those flags of `fdl run`). With an overlay
 selected the probe runs on every worker where its agent would run, then cross-host rules apply
-(NCCL major.minor skew is an error). Exit status: 0 green or warnings only, 1 any error, 2 bad
-usage (unreadable config).
+(NCCL major.minor skew is an error). Silent when every check is green (a CI smoke test reads the
+exit status); a warning or an error prints the whole report, and -v prints it always. Exit status: 0
+green or warnings only, 1 any error, 2 bad usage (unreadable config).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable report (for CI gating)")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print every check, also when all are green"
+    )
     parser.add_argument("--data-path", help="shared data directory that must be readable on every host")
     parser.add_argument(
         "--port",
@@ -78,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
         if summary is not None:
             body["cluster"] = summary.to_json()
         print(json.dumps(body, indent=2))
-    else:
+    elif args.verbose or any(report.status != "ok" for report in everything):
         print(api.render(everything))
     return EXIT_ERRORS if failed else EXIT_OK
 

@@ -554,6 +554,28 @@ def _project_cluster(args: argparse.Namespace) -> api.ClusterConfig | None:
     return project.cluster
 
 
+def local_devices_counts(cluster: api.ClusterConfig, cuda_count: int | None = None) -> dict[str, int]:
+    """The GPU count of every worker on this host with `local_devices: all` (what capacity needs).
+
+    ValueError when there is such a worker and this host has no GPU: `all` offers GPUs only.
+    `cuda_count` is probed through torch when None.
+    """
+    local = [
+        host
+        for host in cluster.hosts_to_probe
+        if (worker := cluster.worker(host)) is not None and worker.is_local(cluster.controller.host)
+    ]
+    if not local:
+        return {}
+    count = cuda_device_count() if cuda_count is None else cuda_count
+    if not count:
+        raise ValueError(
+            f"worker {local[0]!r} has local_devices: all, but this host has no CUDA device; "
+            "list CPU ranks instead (e.g. local_devices: [cpu:2])"
+        )
+    return dict.fromkeys(local, count)
+
+
 def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
     """(the cluster config `fdl run` starts, what it is: 'the embedded default: 2 CPU rank(s), ...').
 
@@ -574,6 +596,8 @@ def plan_run(args: argparse.Namespace) -> tuple[api.ClusterConfig, str]:
                 "a cluster: block (list the ranks in its workers' local_devices)"
             )
         local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
+        if any(worker.host in cluster.hosts_to_probe for worker in local):
+            local_devices_counts(cluster)  # raises (exit 2) before anything starts when there is no GPU
         return cluster, (
             f"the cluster: block of fdl.yml: {len(cluster.workers)} worker(s), {len(local)} on this "
             f"host, backend {cluster.controller.backend.value}"
@@ -618,8 +642,10 @@ class _Attempt:
                 except TimeoutError:
                     agent.kill()
 
-    async def close(self) -> None:
-        """Nothing of this attempt is left: agents killed if still there, controller closed."""
+    async def close(self, *, linger: bool = False) -> None:
+        """Nothing of this attempt is left: agents killed if still there, controller closed (after a
+        moment for a `fdl status --watch` that polled it to see the verdict, with `linger`).
+        """
         for agent in self.agents.values():
             if agent.returncode is None:
                 agent.kill()
@@ -627,6 +653,8 @@ class _Attempt:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if linger:
+            await self.controller.linger_for_readers()
         await self.controller.close()
         if self.filters:
             await asyncio.gather(*self.filters)  # the agents are gone: their pipes are at EOF
@@ -661,8 +689,9 @@ async def _start_attempt(
         if rank_filter is not None and agent.stdout is not None
     ]
     try:
+        probed = local_devices_counts(cluster)  # every worker here is local
         options = api.ControllerOptions.from_cluster(
-            cluster, probed=None, restart_count=restart_count, max_restarts=max_restarts, **overrides
+            cluster, probed=probed, restart_count=restart_count, max_restarts=max_restarts, **overrides
         )
         controller = api.assemble_controller(
             options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
@@ -758,6 +787,9 @@ async def run_job(
                 elif isinstance(action, api.Say):
                     say(action.message)
                 elif isinstance(action, api.Finish):
+                    if attempt is not None:
+                        await attempt.close(linger=True)
+                        attempt = None
                     say(action.summary)
                     return int(action.exit_code)
             actions = supervisor.handle(await events.get())

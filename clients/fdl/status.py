@@ -319,20 +319,24 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "open", False):
         return _open(candidates, out)
-    seen = False
+    seen: str | None = None  # the last phase shown
     while True:
         try:
             address, body = fetch_state(candidates, getattr(args, "members", None))
         except NoRun as error:
-            if seen and args.watch:
-                print("fdl status: the run has ended (the controller port closed)", file=sys.stderr)
+            if seen is not None and args.watch:
+                print(
+                    f"fdl status: the run has ended (the controller port closed before its verdict could "
+                    f"be shown; last seen: {seen}; the launcher's output or the daemon's log has it)",
+                    file=sys.stderr,
+                )
                 return 0
             print(f"fdl status: {error}", file=sys.stderr)
             return 1
-        seen = True
         if args.watch and out.isatty():
             out.write("\033[H\033[2J")
         state = _print_state(body, address, args, out)
+        seen = str(state.get("phase") or "?") if state is not None else "?"
         out.flush()
         if not args.watch or (state is not None and state.get("phase") in END_PHASES):
             return 0

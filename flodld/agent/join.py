@@ -16,7 +16,7 @@ from enum import IntEnum
 from flodld.agent.spec import AgentSpec, device_label
 from flodld.net.addresses import is_private_address
 from flodld.net.keepalive import keep_alive
-from flodld.net.stream import ConnectError, FramedStream, connect_with_retry
+from flodld.net.stream import CONNECT_BACKOFF_SECS, ConnectError, FramedStream, connect_with_retry
 from flodld.net.timeouts import scaled
 from flodld.wire.errors import WireError
 from flodld.wire.join import (
@@ -42,6 +42,7 @@ PERMANENT_REJECT_CODES = frozenset({
     "unknown_host",
     "empty_devices",
     "too_many_devices",
+    "declared_devices",
     "vendor_mix",
     "dataset_mismatch",
     "model_mismatch",
@@ -73,20 +74,35 @@ class Joined:
     salt: bytes
 
 
+def loaded_nccl_version() -> str | None:
+    """The NCCL torch loads here ("2.27.5"), or None without CUDA or an NCCL-enabled build."""
+    import torch  # a GPU agent has imported it already, to count its devices
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        return None
+    return ".".join(str(part) for part in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]  # torch stub
+
+
 def build_hello(spec: AgentSpec, devices: list[str]) -> Hello:
+    """This host's hello. A GPU host also reports its NCCL version, which the ledger holds to the
+    cohort's major.minor (`nccl_skew`); CPU ranks never load NCCL, so theirs says nothing.
+    """
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "unknown"
+    gpu = any(device.startswith("cuda") for device in devices)
     return Hello(
         host=spec.host,
         devices=devices,
         device_labels=[device_label(device) for device in devices],
-        variant="cuda" if any(device.startswith("cuda") for device in devices) else "cpu",
+        variant="cuda" if gpu else "cpu",
         torch_version=torch_version,
         protocol_version=PROTOCOL_VERSION,
         run_id=spec.run_id,
         averaging=spec.averaging,
+        nccl_version=loaded_nccl_version() if gpu else None,
     )
 
 
@@ -141,6 +157,10 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
             key,
             what=f"agent {spec.host!r} join",
             attempts=spec.connect_attempts,
+            on_first_failure=lambda error, left: warn(
+                f"connect to {where} failed ({error!r}); retrying every {CONNECT_BACKOFF_SECS:g}s for up to "
+                f"{left:.0f}s more — is a controller listening there with its join window open?"
+            ),
         )
     except ConnectError as error:
         raise JoinFailed(

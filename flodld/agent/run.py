@@ -102,6 +102,7 @@ class AgentShell:
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
             f"{envelope.ranks}; controller address {envelope.controller_host}:{envelope.controller_port}"
         )
+        self._mark_formed(envelope.run_id)
         if not self.spec.cluster_env:
             verdict = self._judge_env(envelope.env)
             if not verdict.ok:
@@ -123,6 +124,16 @@ class AgentShell:
             await joined.stream.aclose()
             return ExitClass.TRANSIENT
         return await self._supervise(joined)
+
+    def _mark_formed(self, run_id: str) -> None:
+        """Tell the process that started this agent (`fdl join`) that a world formed, when it asked."""
+        if self.spec.formed_file is None:
+            return
+        try:
+            with open(self.spec.formed_file, "w", encoding="utf-8") as mark:
+                mark.write(run_id + "\n")
+        except OSError as error:  # the run goes on; only the starter's back-off misses the news
+            say(f"could not write the formed mark {self.spec.formed_file}: {error}")
 
     def _judge_env(self, env: dict[str, str]) -> envpolicy.EnvVerdict:
         """A walk-in applies only safe or accepted names, and none under open admission."""

@@ -80,6 +80,9 @@ class AgentSpec(BaseModel):
     program: (
         Annotated[list[Annotated[str, Field(max_length=65536)]], Field(min_length=1, max_length=4096)] | None
     ) = None
+    # A file the agent writes the run id to once its world has formed: `fdl join --persist` resets its
+    # back-off after a run that formed, however it ended (the exit code alone cannot say so).
+    formed_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
 
 def decode_agent_spec(text: str) -> AgentSpec:

@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from flodld.config.devices import ALL_DEVICES, DeviceSpec, rank_labels, spec_rank_count
 from flodld.config.errors import RuleViolation, RuleViolations
@@ -188,7 +196,8 @@ class WalkInConfig(BaseModel):
     address: Annotated[str, StringConstraints(min_length=1, max_length=300)] | None = None
     ssh: SshConfig | None = None
     token: str | None = None
-    program: Text | None = None
+    # `bin:` is the golden-image recipe's spelling (and `fdl join --bin`'s); both are accepted.
+    program: Text | None = Field(default=None, validation_alias=AliasChoices("program", "bin"))
     args: tuple[Annotated[str, StringConstraints(max_length=65536)], ...] = ()
     host: Host | None = None
     devices: DeviceSpec = ALL_DEVICES
@@ -197,6 +206,16 @@ class WalkInConfig(BaseModel):
     accept_env: tuple[
         Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], ...
     ] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bin_is_program(cls, data: object) -> object:
+        """`bin:` is an alias of `program:` (below); both at once would leave one silently unused."""
+        if isinstance(data, Mapping) and "bin" in data and "program" in data:
+            raise RuleViolations(
+                [RuleViolation(("bin",), "join.bin and join.program name the same thing; keep one of them")]
+            )
+        return data
 
     @field_validator("address")
     @classmethod

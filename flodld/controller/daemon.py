@@ -30,7 +30,7 @@ from flodld.controller.notify import SystemdNotifier
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.controller.service import Service
-from flodld.membership.policy import PolicyError
+from flodld.membership.policy import PolicyError, is_loopback_literal
 
 log = logging.getLogger("flodld.controller")
 
@@ -197,14 +197,46 @@ async def serve(
     return EXIT_DONE
 
 
+NO_WINDOW_SIZE = (
+    "nothing sizes the join window: without --config there is no roster to count ranks from; pass "
+    "--ranks N (the ranks to wait for), --config FILE (a cluster: block), or --discovery --min-ranks N"
+)
+
+
+def unjoinable_warning(options: ControllerOptions) -> str | None:
+    """Why nobody could join the windows these options open, with the fix; None when someone can.
+
+    On a network bind without a token the controller admits only peers holding its generated salt, and
+    `flodld serve` has no launcher that hands it out: every walk-in would be refused `bad_key`.
+    """
+    join = options.join
+    if join.token is not None or join.open_admission or options.preshared:
+        return None
+    bind = options.effective_bind_host
+    if is_loopback_literal(bind):
+        return None  # reachability through sshd is the credential; the salt rides the accept reply
+    return (
+        f"no join token on the network bind {bind}: walk-ins cannot know this run's generated salt, so "
+        "nobody can join its window; pass --token HEX (controller.join.token; 32 hex characters, e.g. "
+        "from `openssl rand -hex 16`) and give `fdl join` the same --token, or --bind 127.0.0.1 and "
+        "tunnel the workers through sshd (--open-admission only on a fully trusted segment)"
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    if args.config is None and args.ranks is None and not args.discovery and args.min_ranks is None:
+        print(f"flodld: {NO_WINDOW_SIZE}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         options = options_from_args(args)
         Controller(options)  # validate the policy before touching the event loop
     except (ConfigError, RuleViolations, ValidationError, PolicyError, ValueError, OSError) as error:
         print(f"flodld: {error}", file=sys.stderr)
         return EXIT_USAGE
+    warning = unjoinable_warning(options)
+    if warning is not None:
+        log.warning("event=unjoinable_window %s", warning)
     try:
         import uvloop  # optional: a dependency on Linux only
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -44,6 +44,11 @@ class ControllerOptions(BaseModel):
     )
     join: JoinConfig = Field(default_factory=JoinConfig)
     roster: tuple[str, ...] = ()
+    declared_ranks: Mapping[str, int] = Field(
+        default_factory=dict,
+        description="Roster host -> the ranks its local_devices declare (probed for `all`): a host "
+        "offering more is refused `declared_devices`.",
+    )
     capacity: Annotated[int, Field(ge=0)] = 0
     tunneled_hosts: frozenset[str] = frozenset()
     averaging: AveragingMode = AveragingMode.CPU_SYNC
@@ -135,6 +140,11 @@ class ControllerOptions(BaseModel):
             "join": controller.join,
             "roster": tuple(w.host for w in cluster.workers),
             "capacity": cluster.capacity(probed),
+            "declared_ranks": {
+                w.host: count
+                for w in cluster.workers
+                if (count := w.rank_count if w.rank_count is not None else (probed or {}).get(w.host))
+            },
             "tunneled_hosts": frozenset(w.host for w in cluster.workers if w.tunnel),
             "averaging": controller.averaging,
             "backend": str(controller.backend.value),

@@ -58,6 +58,8 @@ PHASE_NOTES = {
     "done": "every host link closed cleanly",
     "failed": "the run failed",
 }
+# Staging with the window's clock run out: only a manual start holds a window past expiry.
+HELD_NOTE = "quorum met, window expired: held until `fdl start` (or the hard cap)"
 
 
 def _e(value: object) -> str:
@@ -118,9 +120,17 @@ def _more(count: int, noun: str) -> str:
     return f'<p class="more">{count} more {_e(noun)} not shown (the page lists the first {MAX_ROWS}).</p>'
 
 
+def phase_note(state: Mapping[str, Any]) -> str:
+    """The phase's gloss; a staging window whose clock has run out is held, not open."""
+    phase = str(state.get("phase") or "?")
+    if phase == "staging" and not isinstance(state.get("window_remaining_secs"), int | float):
+        return HELD_NOTE
+    return PHASE_NOTES.get(phase, "")
+
+
 def _head(state: Mapping[str, Any]) -> str:
     phase = str(state.get("phase") or "?")
-    note = PHASE_NOTES.get(phase, "")
+    note = phase_note(state)
     return (
         f'<section id="head"><h1>run <span id="run-id">{_e(state.get("run_id") or "?")}</span></h1>'
         f'<p><span id="phase" class="phase phase-{_e(phase)}">{_e(phase)}</span> '
@@ -469,6 +479,7 @@ _JS_TEMPLATE = """"use strict";
   var MAX_ROWS = __MAX_ROWS__, MAX_HISTORY = __MAX_HISTORY__;
   var POLL_MS = __POLL_MS__, HIDDEN_POLL_MS = __HIDDEN_MS__, BACKOFF_MAX_MS = 10000;
   var NOTES = __NOTES__;
+  var HELD_NOTE = __HELD_NOTE__;
   var state = null, fetchedAt = 0, lastOk = 0, failures = 0, timer = null, lastPoll = 0;
 
   function h(tag, attrs) {
@@ -612,7 +623,8 @@ _JS_TEMPLATE = """"use strict";
     out.push(h("section", {id: "head"},
       h("h1", {}, "run ", h("span", {id: "run-id"}, s.run_id || "?")),
       h("p", {}, h("span", {id: "phase", "class": "phase phase-" + phase}, phase), " ",
-        h("span", {"class": "note"}, NOTES[phase] || "")),
+        h("span", {"class": "note"},
+          (phase === "staging" && !isNum(s.window_remaining_secs)) ? HELD_NOTE : (NOTES[phase] || ""))),
       h("p", {id: "reason", "class": "reason"}, s.reason || ""),
       h("p", {"class": "meta"}, "controller ", h("span", {id: "controller"}, s.controller || "?"),
         serviceText(s)
@@ -762,6 +774,7 @@ STATUS_JS = _fill(
         "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000),
         "NO_STATE": NO_STATE_TEXT,
         "NOTES": PHASE_NOTES,
+        "HELD_NOTE": HELD_NOTE,
     },
 )
 

@@ -58,6 +58,9 @@ log = logging.getLogger("flodld.controller")
 
 SHIP_TIMEOUT_SECS = 30.0
 ABORT_TIMEOUT_SECS = 5.0
+# How long a one-run controller keeps answering after its verdict when someone polled it over HTTP:
+# longer than `fdl status --watch`'s default 1 s interval, so the watcher's next poll shows the verdict.
+VERDICT_LINGER_SECS = 2.0
 SHIP_CHUNK_HOSTS = 256  # WorldFormed writes per event-loop turn: HTTP and links are served in between
 
 PhaseListener = Callable[[Phase, str], object]
@@ -341,6 +344,14 @@ class Controller:
         assert self._result is not None
         return self._result
 
+    async def linger_for_readers(self, seconds: float = VERDICT_LINGER_SECS) -> None:
+        """Before `close()` of a one-run controller: if anyone read the state over HTTP during the run
+        (`fdl status --watch`, the status page), keep answering `seconds` more so its next poll sees the
+        verdict instead of a closed port. Nobody polled: returns at once.
+        """
+        if self.counters.connections[Channel.HTTP.value]:
+            await asyncio.sleep(seconds)
+
     def abort(self, reason: str) -> None:
         """Fail the run now (Abort goes down every link); `wait()` returns once they are sent."""
         if self._result is not None:
@@ -394,6 +405,7 @@ class Controller:
             run_id=self.run_id,
             controller=controller,
             tolerance=self.options.tolerance,
+            declared=self.options.declared_ranks,
         )
         self.started_at = time.time()
         p = self.policy

@@ -17,6 +17,7 @@ unrestricted authorized_keys line.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,21 @@ _KEY_LINE = re.compile(
 )
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but tab
 _USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")
+
+
+def check_listen_address(address: str) -> str:
+    """An IP literal or a host name for sshd's ListenAddress; nothing that could add a config line."""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(address):
+        raise RecipeError(
+            f"listen address {address!r} is neither an IP address nor a host name; e.g. 10.0.0.5, "
+            "0.0.0.0 (every IPv4 interface) or :: (every interface)"
+        )
+    return address
 
 
 def check_public_key(key: str) -> str:
@@ -64,8 +80,10 @@ class JoinSshdRecipe:
     public_keys: tuple[str, ...]
     controller_host: str = "127.0.0.1"
     join_user: str = "flodl-join"
+    listen_address: str = "0.0.0.0"  # the dedicated instance's ListenAddress
 
     def __post_init__(self) -> None:
+        check_listen_address(self.listen_address)
         for name, port in (("controller_port", self.controller_port), ("listen_port", self.listen_port)):
             if not 1 <= port <= 65535:
                 raise RecipeError(f"{name} must be in 1..65535, got {port}")
@@ -113,7 +131,7 @@ class JoinSshdRecipe:
         """
         return (
             f"Port {self.listen_port}\n"
-            "ListenAddress 0.0.0.0\n"
+            f"ListenAddress {check_listen_address(self.listen_address)}\n"
             f"AllowUsers {self.join_user}\n"
             "PermitRootLogin no\n"
             f"HostKey {directory / 'ssh_host_ed25519_key'}\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -103,12 +103,16 @@ class Ledger:
         run_id: str | None = None,
         protocol_version: int = SUPPORTED_PROTOCOL_VERSION,
         max_world_ranks: int = MAX_WORLD_RANKS,
+        declared: Mapping[str, int] | None = None,
     ) -> None:
         if not 1 <= max_world_ranks <= MAX_WORLD_RANKS:
             raise ValueError(f"max_world_ranks must be in 1..{MAX_WORLD_RANKS}, got {max_world_ranks}")
         self.policy = policy
         self.max_world_ranks = max_world_ranks
         self.roster: tuple[str, ...] = tuple(roster)
+        # Roster host -> the rank count its `local_devices` declares (capacity counts that many, so a
+        # host offering more would push the world past the target); hosts with `all` are absent.
+        self.declared: dict[str, int] = dict(declared or {})
         self.protocol_version = protocol_version
         self._configured: dict[str, str | None] = {
             "dataset_sig": dataset_sig,
@@ -309,6 +313,18 @@ def _device_list(ledger: Ledger, hello: Hello) -> Refused | None:
     return None
 
 
+def _declared_devices(ledger: Ledger, hello: Hello) -> Refused | None:
+    declared = ledger.declared.get(hello.host)
+    if declared is None or len(hello.devices) <= declared:
+        return None
+    return Refused(
+        "declared_devices",
+        f"host {hello.host!r} is declared with {declared} rank(s) in the configured workers (local_devices) "
+        f"and offers {len(hello.devices)} devices; scope the offer to {declared} (fdl join --devices), or "
+        f"list {len(hello.devices)} devices in its local_devices",
+    )
+
+
 def _world_limit(ledger: Ledger, hello: Hello) -> Refused | None:
     if ledger.joined_ranks + len(hello.devices) <= ledger.max_world_ranks:
         return None
@@ -377,7 +393,8 @@ def _nccl(ledger: Ledger, hello: Hello) -> Refused | None:
             "nccl_skew",
             f"NCCL version skew: this cohort loads {expected[0]}.{expected[1]}.x (set by {reference[1]}) and "
             f"{hello.host!r} loads {offered[0]}.{offered[1]}.x — NCCL refuses its handshake across "
-            "major.minor skew; align the torch builds, or bridge with fdl nccl build",
+            "major.minor skew; install the same torch build (and its nvidia-nccl wheel) on every host — "
+            "`fdl probe` on each host (or `fdl @cluster probe`) shows the versions",
         )
     return None
 
@@ -417,6 +434,7 @@ ADMISSION_CHECKS: tuple[AdmissionCheck, ...] = (
     _duplicate_host,
     _roster,
     _device_list,
+    _declared_devices,
     _world_limit,
     _vendor_mix,
     _dataset,

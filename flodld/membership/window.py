@@ -9,7 +9,7 @@ lifecycle follows `TRANSITIONS` and never goes backwards.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -66,6 +66,7 @@ class JoinWindow:
         model_sig: str | None = None,
         expected_run_id: str | None = None,
         max_world_ranks: int = MAX_WORLD_RANKS,
+        declared: Mapping[str, int] | None = None,
     ) -> None:
         if tolerance < 0:
             raise ValueError(f"tolerance must be >= 0 (rank failures the run survives), got {tolerance}")
@@ -77,7 +78,7 @@ class JoinWindow:
         self.tolerance = tolerance
         self.ledger = Ledger(
             policy, self.roster, dataset_sig=dataset_sig, model_sig=model_sig, run_id=expected_run_id,
-            max_world_ranks=max_world_ranks,
+            max_world_ranks=max_world_ranks, declared=declared,
         )
         self.phase = Phase.WAITING
         self.reason = f"window open (quorum {policy.quorum} ranks)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+from collections.abc import Callable
 from types import TracebackType
 
 from flodld.net.keepalive import tcp_socket
@@ -441,10 +442,13 @@ async def connect_with_retry(
     timeout: float | None = None,
     max_payload: int = MAX_PAYLOAD,
     max_tail: int = DEFAULT_MAX_TAIL,
+    on_first_failure: Callable[[BaseException, float], None] | None = None,
 ) -> FramedStream:
     """`open_channel` retried on refused/reset/timed-out dials and unfinished handshakes.
 
     Defaults: ceil(60 * scale) attempts, 0.5 s apart; each attempt bounded by `timeout` (scaled 10 s).
+    `on_first_failure(error, seconds_left)` hears of the first failed attempt when more are to come, so a
+    caller can say what it is waiting for instead of retrying in silence.
     """
     total = attempts if attempts is not None else max(1, math.ceil(CONNECT_ATTEMPTS * scaled(1.0)))
     if total < 1:
@@ -464,6 +468,8 @@ async def connect_with_retry(
             if error.code != "handshake":
                 raise
             last = error
+        if attempt == 0 and total > 1 and on_first_failure is not None and last is not None:
+            on_first_failure(last, (total - 1) * backoff)
     raise ConnectError(
         f"{what}: connect to {_join_host_port(host, port)} ({channel} channel) failed after {total} attempts "
         f"(~{total * backoff:.1f}s): {last!r}"

@@ -67,6 +67,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flodld.relay")
 
+
+def leg_end_level(error: BaseException) -> int:
+    """How loud a rank leg's end is: DEBUG for the way a leaving rank's socket ends (EOF, or a reset or
+    broken pipe when it exits with bytes unread), INFO for anything else. A rank's exit, clean or not,
+    is reported by its agent; this line would only repeat it for every rank of every clean run.
+    """
+    leaving = isinstance(error, EOFError | ConnectionResetError | BrokenPipeError)
+    return logging.DEBUG if leaving else logging.INFO
+
+
 HANDSHAKE_TIMEOUT_SECS = 10.0
 RANK_PREAUTH_DEADLINE_SECS = 10.0
 """From accept to a verified RankHello: a rank leg that has not proved the salt by then is dropped."""
@@ -372,7 +382,7 @@ class Relay:
                 await serve_frames(stream, self._rank_control, leg)
         except (EOFError, OSError, WireError) as error:
             if rank not in self.gone:
-                log.info("relay: rank %d %s leg closed (%s)", rank, channel, error)
+                log.log(leg_end_level(error), "relay: rank %d %s leg closed (%s)", rank, channel, error)
         except Exception:
             log.exception("relay: rank %d %s leg failed", rank, channel)
         finally:

@@ -125,6 +125,52 @@ def test_bare_host_gets_the_default_port_and_ipv6_literals_parse() -> None:
     assert resolve_candidates("[::1]:9000", None, ".", "status").addresses == (("::1", 9000),)
 
 
+def test_without_an_overlay_the_projects_fdl_yml_names_the_controller(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "fdl.yml").write_text(
+        "cluster:\n  controller: {host: 10.0.0.7, port: 1400}\n"
+        "  workers:\n    - {host: 10.0.0.7, local_devices: [cpu]}\n"
+    )
+    found = resolve_candidates(None, None, tmp_path, "status")
+    assert found.addresses == (("10.0.0.7", 1400), ("127.0.0.1", 1400))
+    assert found.origin == "fdl.yml controller" and capsys.readouterr().err == ""
+    # Port 0 (any free port) names nothing to dial; no fdl.yml, or one without a cluster: the default.
+    (tmp_path / "fdl.yml").write_text(
+        "cluster:\n  controller: {host: 127.0.0.1, port: 0}\n"
+        "  workers:\n    - {host: 127.0.0.1, local_devices: [cpu]}\n"
+    )
+    assert resolve_candidates(None, None, tmp_path, "start").addresses == (("127.0.0.1", 1337),)
+    (tmp_path / "fdl.yml").write_text("join: {address: 10.0.0.7}\n")
+    assert resolve_candidates(None, None, tmp_path, "status").addresses == (("127.0.0.1", 1337),)
+    assert resolve_candidates(None, None, tmp_path / "empty", "status").addresses == (("127.0.0.1", 1337),)
+
+
+@pytest.mark.timeout(180)
+def test_status_watch_under_fdl_run_finds_the_controller_in_fdl_yml_and_shows_the_verdict(
+    tmp_path: Path,
+) -> None:
+    from tests.e2e.harness import Fdl
+
+    port = _free_port()
+    (tmp_path / "fdl.yml").write_text(
+        f"cluster:\n  controller: {{host: 127.0.0.1, port: {port}}}\n"
+        "  workers:\n    - {host: 127.0.0.1, local_devices: [cpu]}\n"
+    )
+    (tmp_path / "train.py").write_text("import time\ntime.sleep(3)\nprint('trained', flush=True)\n")
+    run = Fdl("run", "train.py", cwd=tmp_path)
+    try:
+        run.wait_for(rf"controller on 127\.0\.0\.1:{port}", timeout=60)
+        watch = Fdl("status", "--watch", "--interval", "1", cwd=tmp_path)  # no --addr, no overlay
+        assert watch.wait(60) == 0, watch.output
+        assert run.wait(60) == 0, run.output
+    finally:
+        run.kill()
+    assert f"@ 127.0.0.1:{port} — " in watch.output, watch.output
+    assert "— done" in watch.output, watch.output  # the verdict, not "the controller port closed"
+    assert "port closed" not in watch.output, watch.output
+
+
 def test_env_selector_rules() -> None:
     assert split_env(["@lab", "status", "--json"]) == ("lab", ["status", "--json"])
     assert split_env(["run", "x.py", "--env=lab", "--", "--env", "kept"]) == (

@@ -99,3 +99,51 @@ def test_the_user_guides_flodld_program_runs_under_a_real_torchrun_at_2_ranks(tm
     assert sorted(re.findall(r"rank (\d)/2: 3\.0", done.stdout)) == ["0", "1"], (
         done.stdout + done.stderr[-3000:]
     )
+
+
+_BACKEND_PROGRAM = textwrap.dedent(
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import flodld
+
+
+    def main() -> int:
+        rank = dist.get_rank()
+        print(f"rank {rank} backend {dist.get_backend()}", flush=True)
+        dist.monitored_barrier(timeout=timedelta(seconds=60))  # gloo only: refused under torch's default
+        print(f"rank {rank} monitored_barrier ok", flush=True)
+        return 0
+
+
+    flodld.run(main)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_flodld_run_picks_the_same_backend_under_torchrun_and_fdl_run(tmp_path: Path) -> None:
+    # Under torchrun, flodld.run used to call init_process_group without a backend (torch's
+    # "cpu:gloo,cuda:nccl", reported as "undefined"), and monitored_barrier refused to run.
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.flodld.test_run_world_of_one import plain_env
+
+    script = tmp_path / "train.py"
+    script.write_text(_BACKEND_PROGRAM)
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None, "torchrun is installed with torch"
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(script)], env=plain_env(),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=150)  # fmt: skip
+    output = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0, output
+    under_fdl = Fdl("run", "--ranks", "2", str(script), cwd=tmp_path)
+    assert under_fdl.wait(150) == 0, under_fdl.output
+    both = output + under_fdl.output
+    for launched in (done.stdout, under_fdl.output):
+        assert sorted(re.findall(r"rank (\d) backend gloo", launched)) == ["0", "1"], both
+        assert sorted(re.findall(r"rank (\d) monitored_barrier ok", launched)) == ["0", "1"], both

@@ -72,11 +72,39 @@ def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
     plan = join_command.resolve_plan(
         parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
     )
-    codes = iter([1, 1, 1, 1, 1, 0, 1, 2])
+    codes = iter([1, 1, 1, 1, 1, 1, 1, 2])  # dials that never formed a world
     monkeypatch.setattr(join_command, "attempt", lambda _plan: next(codes))
     sleeps: list[float] = []
     assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
     assert sleeps == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
+
+
+def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "train.py").write_text("")
+    plan = join_command.resolve_plan(
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+    )
+    # (exit code, whether the world formed): idle dials, a short run that formed and finished, idle dials,
+    # a formed run that failed (exit 1), idle dials, then a permanent failure. Every attempt takes 0 s.
+    attempts = iter([(1, False), (1, False), (1, False), (0, True), (1, False), (1, False), (1, True),
+                     (1, False), (2, False)])  # fmt: skip
+    marks: list[str] = []
+
+    def attempt(marked: join_command.JoinPlan) -> int:
+        code, formed = next(attempts)
+        assert marked.spec.formed_file is not None and marked.spec.host == plan.spec.host
+        marks.append(marked.spec.formed_file)
+        if formed:  # what the agent does once its world has formed
+            Path(marked.spec.formed_file).write_text("run-1\n")
+        return code
+
+    monkeypatch.setattr(join_command, "attempt", attempt)
+    sleeps: list[float] = []
+    assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
+    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0, 5.0, 10.0]
+    assert len(set(marks)) == 1 and not Path(marks[0]).exists()  # one mark, gone with the loop
 
 
 def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(

@@ -83,3 +83,45 @@ async def test_fdl_join_ssh_with_a_refused_key_exits_2_even_under_persist(tmp_pa
         server.close()
     assert code == 2, output
     assert "Permission denied" in output and "not re-dialing" in output, output
+
+
+async def test_fdl_join_ssh_to_an_unknown_host_key_exits_2_with_the_remedy_even_under_persist(
+    tmp_path: Path,
+) -> None:
+    from tests.conftest import require_binary
+    from tests.flodld.fanout.sshserver import start_local_ssh_server
+
+    require_binary("ssh", "ssh")
+    server = await start_local_ssh_server(tmp_path)
+    (tmp_path / "known_hosts").write_text("")  # the server's key is known nowhere
+    (tmp_path / "walk.py").write_text(PROGRAM)
+    (tmp_path / "fdl.yml").write_text(
+        "join:\n  ssh:\n    target: 127.0.0.1\n"
+        f"    port: {server.port}\n    options: [StrictHostKeyChecking=yes, "
+        f"UserKnownHostsFile={tmp_path / 'known_hosts'}]\n"
+    )
+    try:
+        code, output = await fdl_join("127.0.0.1:1337", "--bin", "walk.py", "--devices", "cpu", "--persist",
+                                      "--identity", str(server.client_key_path), cwd=tmp_path,
+                                      timeout=60)  # fmt: skip
+    finally:
+        server.close()
+    assert code == 2, output
+    assert "Host key verification failed" in output, output
+    assert f"ssh-keyscan -p {server.port} 127.0.0.1 >> ~/.ssh/known_hosts" in output, output
+    assert "StrictHostKeyChecking=accept-new" in output and "not re-dialing" in output, output
+
+
+async def test_fdl_join_to_a_port_where_nothing_listens_says_it_keeps_dialing(tmp_path: Path) -> None:
+    import socket
+
+    (tmp_path / "walk.py").write_text(PROGRAM)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    code, output = await fdl_join(f"127.0.0.1:{port}", "--bin", "walk.py", "--devices", "cpu", cwd=tmp_path,
+                                  timeout=60)  # fmt: skip
+    assert code == 1, output
+    said = output.index(f"connect to 127.0.0.1:{port} failed (ConnectionRefusedError")
+    assert "retrying every 0.5s for up to 6s more — is a controller listening there" in output, output
+    assert said < output.index("failed after 12 attempts"), output  # said while dialing, not at the end

@@ -21,6 +21,7 @@ def _key(tmp_path: Path) -> Path:
 def _args(action: str, **values: object) -> argparse.Namespace:
     base: dict[str, object] = {"action": action, "controller_port": 4242, "listen_port": 2299, "key": [],
                                "user": "flodl-join", "directory": None}  # fmt: skip
+    base["listen_address"] = "0.0.0.0"
     base.update(values)
     return argparse.Namespace(**base)
 
@@ -71,3 +72,25 @@ def test_missing_keys_are_refused(values: dict[str, object], fragment: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     assert join_sshd.main(_args("show", **values)) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_write_takes_the_listen_address_and_refuses_one_that_is_no_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = _key(tmp_path)
+    out = tmp_path / "door"
+    assert join_sshd.main(_args("write", directory=str(out), key=[str(key)], listen_address="10.0.0.5")) == 0
+    config = (out / "sshd_config").read_text().splitlines()
+    assert "ListenAddress 10.0.0.5" in config and "ListenAddress 0.0.0.0" not in config
+    smuggled = "10.0.0.5\nPermitRootLogin yes"
+    assert join_sshd.main(_args("write", directory=str(tmp_path / "d2"), key=[str(key)],
+                                listen_address=smuggled)) == 2  # fmt: skip
+    assert "is neither an IP address nor a host name" in capsys.readouterr().err
+    assert not (tmp_path / "d2").exists()
+
+
+def test_the_listen_address_flag_defaults_to_every_ipv4_interface() -> None:
+    parser = argparse.ArgumentParser()
+    join_sshd.configure_parser(parser)
+    assert parser.parse_args(["write", "d"]).listen_address == "0.0.0.0"
+    assert parser.parse_args(["write", "d", "--listen-address", "::"]).listen_address == "::"

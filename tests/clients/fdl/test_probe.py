@@ -25,7 +25,8 @@ def _free_port() -> int:
 
 
 def _args(**values: object) -> argparse.Namespace:
-    defaults: dict[str, object] = {"json": True, "data_path": None, "port": None, "project": ".", "env": None}
+    defaults: dict[str, object] = {"json": True, "data_path": None, "port": None, "project": "."}
+    defaults |= {"env": None, "verbose": False}
     defaults.update(values)
     return argparse.Namespace(**defaults)
 
@@ -41,6 +42,16 @@ def test_single_host_probe_prints_json_and_exits_zero(
 def test_single_host_probe_fails_on_a_missing_data_path(capsys: pytest.CaptureFixture[str]) -> None:
     assert probe_command.main(_args(json=False, data_path="/no/such/path")) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_single_host_probe_is_silent_when_green_and_verbose_with_v(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert probe_command.main(_args(json=False, data_path=str(tmp_path))) == 0
+    assert capsys.readouterr().out == ""
+    assert probe_command.main(_args(json=False, data_path=str(tmp_path), verbose=True)) == 0
+    out = capsys.readouterr().out
+    assert "[ok  ] python:" in out and "[ok  ] data_path:" in out
 
 
 def test_cluster_probe_reads_the_overlay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,8 @@ from fdl.main import main as fdl_main
 from fdl.run import LocalRanks, choose_local_ranks, embedded_cluster
 
 from flodld.agent.spec import DeviceError
+from flodld.config import load_text
+from flodld.controller.options import ControllerOptions
 from tests.conftest import cuda_device_count
 from tests.e2e.harness import EXAMPLES, Fdl, child_env
 
@@ -249,7 +251,7 @@ def test_probe_reports_what_fdl_run_would_start(program: Path, capsys: pytest.Ca
     assert host["facts"]["fdl_run"].startswith(
         "the embedded default: 3 CPU rank(s), backend gloo (from --ranks 3"
     )
-    assert fdl_main(["probe"]) == 0
+    assert fdl_main(["probe", "-v"]) == 0
     expected = LocalRanks.describe(choose_local_ranks())
     assert (
         f"[ok  ] fdl_run: `fdl run` would start the embedded default: {expected}" in capsys.readouterr().out
@@ -263,11 +265,51 @@ def test_probe_fails_where_fdl_run_would_refuse(program: Path, capsys: pytest.Ca
         in capsys.readouterr().out
     )
     (program.parent / "fdl.yml").write_text(CLUSTER_BLOCK)
-    assert fdl_main(["probe"]) == 0
+    assert fdl_main(["probe", "-v"]) == 0
     assert (
         "`fdl run` would start the cluster: block of fdl.yml: 1 worker(s), 1 on this host"
         in capsys.readouterr().out
     )
+
+
+# --- local_devices: all on a worker of this host -----------------------------------------------------
+
+LOCAL_ALL_BLOCK = (
+    "cluster:\n  controller: {host: 127.0.0.1, port: 0}\n"
+    "  workers:\n    - {host: localhost, local_devices: all}\n"
+)
+
+
+def test_local_devices_all_here_is_counted_here_for_the_window() -> None:
+    cluster = load_text(LOCAL_ALL_BLOCK, name="fdl.yml").cluster
+    assert cluster is not None
+    probed = run_command.local_devices_counts(cluster, cuda_count=3)
+    assert probed == {"localhost": 3}
+    assert ControllerOptions.from_cluster(cluster, probed=probed).capacity == 3
+
+
+def test_local_devices_all_without_a_gpu_is_bad_usage_not_a_traceback(
+    program: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_command, "cuda_device_count", lambda: 0)
+    (program.parent / "fdl.yml").write_text(LOCAL_ALL_BLOCK)
+    assert fdl_main(["run", str(program)]) == 2
+    assert (
+        "fdl run: worker 'localhost' has local_devices: all, but this host has no CUDA device; "
+        "list CPU ranks instead (e.g. local_devices: [cpu:2])" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_local_devices_all_runs_one_rank_per_gpu_of_this_host(tmp_path: Path) -> None:
+    count = cuda_device_count()
+    (tmp_path / "fdl.yml").write_text(LOCAL_ALL_BLOCK.replace("port: 0}", "port: 0, backend: nccl}"))
+    run = Fdl("run", str(HERE / "gpu_allreduce.py"), cwd=tmp_path)
+    assert run.wait(240) == 0, run.output
+    assert f"window open for {count} rank(s)" in run.output
+    assert len(re.findall(r"nccl all_reduce ok on cuda:0", run.output)) == count, run.output
 
 
 # --- real runs -----------------------------------------------------------------------------------------

@@ -141,8 +141,41 @@ def test_unknown_key_inside_the_join_window_block_is_located(tmp_path: Path) -> 
 
 
 def test_renamed_key_hint_for_walk_in_block(tmp_path: Path) -> None:
-    write(tmp_path, "fdl.yml", "join:\n  bin: train.py\n")
-    assert "did you mean 'program'?" in only_issue(tmp_path).message
+    write(tmp_path, "fdl.yml", "join:\n  controller: 10.0.0.1\n")
+    assert "did you mean 'address'?" in only_issue(tmp_path).message
+
+
+GOLDEN_IMAGE_JOIN = """\
+join:
+  ssh:
+    target: ctrl.example.com
+    user: flodl-join
+    identity_file: /etc/flodl/join_key
+  bin: target/release/train
+  args: ["--model", "resnet"]
+  persist: true
+"""
+
+
+def test_the_golden_image_join_block_loads_with_bin_as_program(tmp_path: Path) -> None:
+    write(tmp_path, "fdl.yml", GOLDEN_IMAGE_JOIN)
+    join = load_config(tmp_path).join
+    assert join is not None and join.program == "target/release/train"
+    assert join.args == ("--model", "resnet") and join.persist
+    assert join.ssh is not None and join.ssh.target == "ctrl.example.com" and join.ssh.user == "flodl-join"
+
+
+def test_bin_and_program_together_are_refused_at_bin(tmp_path: Path) -> None:
+    write(tmp_path, "fdl.yml", "join:\n  program: a.py\n  bin: b.py\n")
+    issue = only_issue(tmp_path)
+    assert issue.key_path == ("join", "bin") and issue.line == 3
+    assert "keep one of them" in issue.message
+
+
+def test_a_bad_bin_value_is_located_at_bin(tmp_path: Path) -> None:
+    write(tmp_path, "fdl.yml", "join:\n  bin: [1]\n")
+    issue = only_issue(tmp_path)
+    assert issue.key_path == ("join", "bin") and "valid string" in issue.message
 
 
 def test_unknown_top_level_key_lists_allowed_keys(tmp_path: Path) -> None:

@@ -34,6 +34,16 @@ def test_network_bind_unless_every_remote_worker_is_tunneled() -> None:
     assert ControllerOptions.from_cluster(tunneled, bind_host="::").effective_bind_host == "::"
 
 
+def test_the_roster_declares_each_workers_rank_count_and_probed_all_workers_theirs() -> None:
+    cluster = (
+        ClusterBuilder().controller("10.0.0.1").worker("node-a", [0], path="/srv")
+        .worker("node-b", "all", path="/srv").worker("node-c", ["cpu:3"], path="/srv").build()
+    )  # fmt: skip
+    assert ControllerOptions.from_cluster(cluster, probed={"node-b": 4}).declared_ranks == {
+        "node-a": 1, "node-b": 4, "node-c": 3,
+    }  # fmt: skip
+
+
 def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> None:
     import argparse
 

@@ -190,6 +190,18 @@ def test_no_state_yet_and_a_closed_window() -> None:
     assert "manual — window closed" in closed and "none reported" in closed
 
 
+def test_a_manual_hold_past_the_window_expiry_is_not_called_open() -> None:
+    held = " ".join(
+        _Elements(render_page(_state(start_mode="manual", window_remaining_secs=None, target=None))).text
+    )
+    assert "window still open" not in held
+    assert "quorum met, window expired: held until `fdl start` (or the hard cap)" in held
+    assert "1h 02m left" in held  # the hard cap still counts down
+    # The script draws the same note from the same constant once it polls state.json.
+    assert '"quorum met, window expired: held until `fdl start` (or the hard cap)"' in STATUS_JS
+    assert "!isNum(s.window_remaining_secs)) ? HELD_NOTE" in STATUS_JS
+
+
 def _cpu_member(index: int) -> dict[str, Any]:
     """A state.json member: host h<INDEX> with rank INDEX on one CPU, link open."""
     return {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flodld.config.errors import ConfigError
-from flodld.controller.daemon import add_serve_arguments, options_from_args
+from flodld.controller.daemon import add_serve_arguments, options_from_args, unjoinable_warning
 from flodld.wire.join import WorldFormed
 from flodld.wire.salt import salt_from_hex
 
@@ -99,3 +99,36 @@ async def test_a_discovery_daemon_waits_for_min_ranks_then_forms() -> None:
 async def test_min_ranks_without_discovery_or_ranks_has_no_window_to_size_and_exits_2() -> None:
     code, err = await serve_exit("--min-ranks", "1", "--bind", "127.0.0.1")
     assert code == 2 and "min_rank_start (1)" in err, err
+
+
+def test_only_a_tokenless_network_bind_is_unjoinable() -> None:
+    warning = unjoinable_warning(options_from_args(parse("--ranks", "2")))
+    assert warning is not None and "no join token on the network bind 0.0.0.0" in warning
+    assert "--token" in warning and "--bind 127.0.0.1" in warning
+    token = secrets.token_hex(16)
+    for joinable in (
+        parse("--ranks", "2", "--token", token),
+        parse("--ranks", "2", "--bind", "127.0.0.1"),
+        parse("--ranks", "2", "--open-admission"),
+        parse("--discovery", "--min-ranks", "1", "--tunnel-only"),
+    ):
+        assert unjoinable_warning(options_from_args(joinable)) is None, joinable
+
+
+@pytest.mark.multiproc
+async def test_a_tokenless_network_daemon_warns_at_start_that_nobody_can_join() -> None:
+    daemon = await start_daemon("--ranks", "2", "--bind", "0.0.0.0")
+    try:
+        before_listening = daemon.log.decode(errors="replace")
+    finally:
+        await stop(daemon)
+    assert "WARNING flodld.controller event=unjoinable_window no join token on the network bind" in (
+        before_listening
+    )
+
+
+@pytest.mark.multiproc
+async def test_a_bare_serve_names_ranks_and_exits_2() -> None:
+    code, err = await serve_exit("--bind", "127.0.0.1")
+    assert code == 2, err
+    assert "pass --ranks N (the ranks to wait for), --config FILE" in err and "workers: is empty" not in err

@@ -45,6 +45,7 @@ def test_every_admission_code_is_described() -> None:
         "unknown_host",
         "empty_devices",
         "too_many_devices",
+        "declared_devices",
         "world_full",
         "vendor_mix",
         "dataset_mismatch",

@@ -103,6 +103,14 @@ REFUSALS = [
     RefusalCase("unknown_host", hello("x"), "unknown_host", ("'x'", "target_ranks"), roster=["a", "b"]),
     RefusalCase("empty_devices", hello("a", 0), "empty_devices", ("'a'", "no devices")),
     RefusalCase("too_many_devices", hello("a", 257), "too_many_devices", ("257", "256")),
+    RefusalCase(
+        "declared_devices",
+        hello("a", 2),
+        "declared_devices",
+        ("'a'", "declared with 1 rank(s)", "offers 2 devices", "--devices"),
+        roster=["a", "b"],
+        configured={"declared": {"a": 1, "b": 1}},
+    ),
     RefusalCase("vendor_mix_inside_hello", hello("a", ["cpu:0", "cuda:0"]), "vendor_mix", ("cpu and cuda",)),
     RefusalCase(
         "vendor_mix_against_cohort",
@@ -143,7 +151,7 @@ REFUSALS = [
         "nccl_skew",
         hello("b", nccl_version="2.26.2"),
         "nccl_skew",
-        ("2.27", "2.26", "fdl nccl build"),
+        ("2.27", "2.26", "install the same torch build", "`fdl probe`"),
         earlier=(hello("a", nccl_version="2.27.5"),),
     ),
     RefusalCase(
@@ -176,6 +184,19 @@ def test_every_admission_refusal_has_a_code_and_a_sentence(case: RefusalCase) ->
     assert ledger.joined_ranks == len(case.earlier)
 
 
+def test_a_declared_roster_host_is_admitted_with_its_count_or_fewer_never_more() -> None:
+    ledger = Ledger(policy(capacity=3), ["a", "b"], declared={"a": 1, "b": 2})
+    assert refuse(ledger, hello("a", 2)).code == "declared_devices"
+    assert admit(ledger, hello("a", 1)) == (0,)
+    assert admit(ledger, hello("b", 1)) == (1,)  # a degraded host still counts toward quorum
+    assert ledger.joined_ranks == 2
+
+
+def test_a_host_without_a_declared_count_offers_what_it_has() -> None:
+    ledger = Ledger(policy(capacity=2, target_ranks=4), ["a"], declared={})
+    assert admit(ledger, hello("a", 2)) == (0, 1)
+
+
 def test_checks_run_in_the_documented_order() -> None:
     assert [check.__name__ for check in ADMISSION_CHECKS] == [
         "_window_open",
@@ -183,6 +204,7 @@ def test_checks_run_in_the_documented_order() -> None:
         "_duplicate_host",
         "_roster",
         "_device_list",
+        "_declared_devices",
         "_world_limit",
         "_vendor_mix",
         "_dataset",

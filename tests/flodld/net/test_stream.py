@@ -156,6 +156,17 @@ async def test_connect_with_retry_names_what_where_and_attempts() -> None:
     assert "ConnectionRefused" in text
 
 
+async def test_connect_with_retry_says_once_that_it_keeps_trying_after_the_first_failure() -> None:
+    port = _free_port()
+    heard: list[tuple[str, float]] = []
+    with pytest.raises(ConnectError):
+        await connect_with_retry(
+            "127.0.0.1", port, Channel.JOIN, SALT, what="agent join", attempts=4, backoff=0.01,
+            on_first_failure=lambda error, left: heard.append((type(error).__name__, left)),
+        )  # fmt: skip
+    assert heard == [("ConnectionRefusedError", pytest.approx(0.03))]
+
+
 async def test_connect_with_retry_reaches_a_server_that_starts_late() -> None:
     port = _free_port()
 
