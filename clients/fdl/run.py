@@ -55,7 +55,7 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -613,7 +613,7 @@ class _Attempt:
         self,
         controller: Any,  # noqa: ANN401  api.assemble_controller's Controller
         agents: dict[str, asyncio.subprocess.Process],
-        filters: list[asyncio.Future[None]],
+        filters: Sequence[asyncio.Future[None]],
     ) -> None:
         self.controller = controller
         self.agents = agents
