@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
-from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head
+from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head, busy_answer
 from flodld.controller.metrics import ControllerCounters
-from flodld.controller.snapshot import MemberRange
+from flodld.controller.snapshot import MemberRange, RenderRefused
 from flodld.net.deadlines import Deadline, DeadlineQueue
 from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
@@ -50,8 +50,9 @@ ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 the writer when the handler returns or raises."""
 
 HttpProtocolFactory = Callable[[], asyncio.Protocol]
-StateBody = Callable[[MemberRange], bytes | None]
-"""The status source's `state_body`: state.json's bytes for a member page, None before there is state."""
+StateBody = Callable[[MemberRange, str], bytes | None]
+"""The status source's `state_body(members, source)`: state.json's bytes for a member page, None before there
+is state; work past its cache is charged to the reader's address (`RenderRefused` past the budget)."""
 ChannelProtocolFactory = Callable[["PortMux", str], asyncio.Protocol]
 """`factory(mux, peer)`: the protocol that serves a routed connection from its first byte after the magic.
 It owns the peer's gate slot (releases it with `release_gate`), counts its pre-authentication bytes against
@@ -416,7 +417,7 @@ class PortMux:
             timer = self.deadlines(self.http_lifetime).call(end)
             direct = self._direct_state if self._state_body is not None and prefix == b"GET " else None
             queued = _HttpQueued(self, transport, peer)
-            proto = _LimitedLifetime(self._http_factory, timer, direct, queued)
+            proto = _LimitedLifetime(self._http_factory, timer, direct, queued, peer)
             transport.set_protocol(proto)
             proto.connection_made(transport)
             proto.data_received(buffered)
@@ -485,13 +486,15 @@ class PortMux:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    def _direct_state(self, direct: Direct) -> tuple[bytes, bytes] | None:
+    def _direct_state(self, direct: Direct, peer: str) -> tuple[bytes, bytes] | None:
         """The 200 answer to a direct state.json request (its head, then the shared body: written as they
-        are, without a copy joining them), or None when aiohttp is to answer it.
+        are, without a copy joining them), a 429 past the render budget, or None when aiohttp is to answer.
         """
         assert self._state_body is not None
         try:
-            body = self._state_body(direct.members)
+            body = self._state_body(direct.members, peer)
+        except RenderRefused as refused:  # refused cheaply, here: a flood of refusals never reaches aiohttp
+            return busy_answer(direct, refused.retry_after, refused.detail, self._http_date()), b""
         except Exception:  # aiohttp's handler meets it again and answers (and logs) it as for any request
             return None
         if body is None:  # no state yet: the 503 is aiohttp's
@@ -619,10 +622,12 @@ class _LimitedLifetime(asyncio.Protocol):
         self,
         factory: HttpProtocolFactory,
         timer: Deadline,
-        direct: Callable[[Direct], tuple[bytes, bytes] | None] | None = None,
+        direct: Callable[[Direct, str], tuple[bytes, bytes] | None] | None = None,
         queued: _HttpQueued | None = None,
+        peer: str = "?",
     ) -> None:
         self.timer = timer
+        self._peer = peer
         self._queued = queued
         self._factory = factory
         self._direct = direct
@@ -645,7 +650,7 @@ class _LimitedLifetime(asyncio.Protocol):
         verdict = self._head.feed(data)
         if verdict is Verdict.MORE:
             return
-        if isinstance(verdict, Direct) and (answer := self._direct(verdict)) is not None:
+        if isinstance(verdict, Direct) and (answer := self._direct(verdict, self._peer)) is not None:
             self._head = None
             self._transport.writelines(answer)
             if self._queued is not None:

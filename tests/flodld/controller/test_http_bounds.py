@@ -42,7 +42,7 @@ async def _port(*, lifetime: float = 60.0, budget: int | None = None) -> AsyncIt
     if budget is not None:
         mux.http_budget = PreAuthBudget(budget)
 
-    def state_body(_: MemberRange) -> bytes:
+    def state_body(_: MemberRange, __: str) -> bytes:
         return BODY
 
     assert runner.server is not None
