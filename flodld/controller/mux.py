@@ -548,11 +548,12 @@ class _HttpQueued:
     """One HTTP connection's answer bytes waiting in its transport, counted against the port's `http_budget`
     and its peer's share of it.
 
-    The transport's write-buffer limits are set to zero, so it reports (`pause_writing`) as soon as a
-    write leaves anything queued and again (`resume_writing`) once all of it is sent: `recount` at those
-    points, after a direct answer is written, and at the end (`release`) keeps the count equal to what
-    is queued. Bytes that would go past the budget or the peer's share cut the connection (counted
-    `http_budget`); the abort frees them in the same turn.
+    Once watched (`watch`: a connection handed to aiohttp, or a direct answer that left bytes queued), the
+    transport's write-buffer limits are zero, so it reports (`pause_writing`) as soon as a write leaves
+    anything queued and again (`resume_writing`) once all of it is sent: `recount` at those points, after
+    a direct answer is written, and at the end (`release`) keeps the count equal to what is queued (a
+    direct answer the socket took whole costs one look at the buffer). Bytes that would go past the budget
+    or the peer's share cut the connection (counted `http_budget`); the abort frees them in the same turn.
     """
 
     def __init__(self, mux: PortMux, transport: asyncio.Transport, peer: str) -> None:
@@ -561,13 +562,18 @@ class _HttpQueued:
         self._peer = peer
         self.held = 0
         self._cut = False
+
+    def watch(self) -> None:
+        """Be told of every byte left queued, and of the queue emptying."""
         with contextlib.suppress(Exception):  # a transport without limits (none of ours) is recounted less
-            transport.set_write_buffer_limits(high=0, low=0)
+            self._transport.set_write_buffer_limits(high=0, low=0)
 
     def recount(self) -> None:
         if self._cut:
             return
         size = self._transport.get_write_buffer_size()
+        if size == self.held:
+            return
         more = size - self.held
         mux = self._mux
         if more > 0:
@@ -653,8 +659,9 @@ class _LimitedLifetime(asyncio.Protocol):
         if isinstance(verdict, Direct) and (answer := self._direct(verdict, self._peer)) is not None:
             self._head = None
             self._transport.writelines(answer)
-            if self._queued is not None:
+            if self._queued is not None and self._transport.get_write_buffer_size():
                 self._queued.recount()
+                self._queued.watch()
             self._transport.close()
             return
         self._hand_over(bytes(self._head.head))
@@ -662,6 +669,8 @@ class _LimitedLifetime(asyncio.Protocol):
     def _hand_over(self, buffered: bytes) -> None:
         assert self._transport is not None
         self._head = None
+        if self._queued is not None:
+            self._queued.watch()
         self.inner = self._factory()
         self.inner.connection_made(self._transport)
         if buffered:
