@@ -16,10 +16,13 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
+from flodld.config.join import JoinConfig
 from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
-from flodld.controller.snapshot import MemberRange
+from flodld.controller.run import Controller
+from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange
 from flodld.net.preauth import PreAuthBudget
+from tests.flodld.controller.agents import join, options, started
 
 BODY = b'{"members":[' + b'"x",' * (2 << 20) + b'"x"]}'  # ~8 MiB: far more than the sockets buffer
 HTTP_PEER_SHARE = 4  # flodld.controller.mux.HTTP_PEER_SHARE: one address may hold a quarter of the budget
@@ -141,3 +144,31 @@ async def test_slow_readers_cannot_make_the_port_queue_more_than_the_http_budget
                 sock.close()
         await _settle()
         assert mux.http_budget.used == 0
+
+
+async def test_a_join_is_admitted_while_slow_readers_hold_the_http_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def big_state(
+        self: Controller, members: MemberRange = DEFAULT_MEMBERS, source: str | None = None
+    ) -> bytes:
+        del self, members, source
+        return BODY
+
+    monkeypatch.setattr(Controller, "state_body", big_state)
+    controller, port = await started(options(capacity=4, join=JoinConfig(join_timeout=30)))
+    controller.mux.http_budget = PreAuthBudget(32 << 20)
+    socks = []
+    try:
+        for i in range(40):
+            socks.append(await _never_reads(port, POLL, f"127.0.0.{2 + i % HTTP_PEER_SHARE}"))
+        await _settle()
+        assert controller.mux.http_budget.used > 16 << 20
+        assert controller.counters.dropped["http_budget"] > 0
+        agent = await join(port, controller.salt, "legit")
+        assert agent.accepted
+        await agent.stream.aclose()
+    finally:
+        for sock in socks:
+            sock.close()
+        await controller.close()
