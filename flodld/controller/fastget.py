@@ -22,6 +22,7 @@ a bad `members`: `parse_members` refuses it).
 from __future__ import annotations
 
 import enum
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -150,6 +151,25 @@ def answer_head(direct: Direct, length: int, date: bytes) -> bytes:
         b"Connection: close\r\n"
         b"\r\n"
     ) % (direct.minor, length, date, _SERVER)
+
+
+def busy_answer(direct: Direct, retry_after: int, detail: str, date: bytes) -> bytes:
+    """The whole 429 to a direct request past the render budget (`flodld.controller.snapshot.RenderBudget`):
+    the status and body aiohttp's handler gives (`flodld.controller.page.busy_answer`), closing.
+    """
+    body = json.dumps({"error": detail, "code": "render_budget"}, separators=(",", ":")).encode()
+    return (
+        b"HTTP/1.%d 429 Too Many Requests\r\n"
+        b"Cache-Control: no-cache\r\n"
+        b"Retry-After: %d\r\n"
+        b"Content-Type: application/json; charset=utf-8\r\n"
+        b"Content-Length: %d\r\n"
+        b"Date: %s\r\n"
+        b"Server: %s\r\n"
+        b"Connection: close\r\n"
+        b"\r\n"
+        b"%s"
+    ) % (direct.minor, retry_after, len(body), date, _SERVER, body)
 
 
 class HttpDate:

@@ -17,8 +17,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
-from flodld.controller.page import PAGE_ENDPOINTS, add_routes, close_after_answer
-from flodld.controller.snapshot import BadMembersQuery, parse_members
+from flodld.controller.page import PAGE_ENDPOINTS, add_routes, busy_answer, close_after_answer
+from flodld.controller.snapshot import BadMembersQuery, RenderRefused, parse_members
 
 log = logging.getLogger("flodld.controller.http")
 
@@ -45,8 +45,10 @@ class StatusSource(Protocol):
     def state_json(self) -> dict[str, Any] | None:
         """The snapshot as JSON-ready data, or None before the window has state (shared: do not change it).
 
-        A source may also offer `state_body(members) -> bytes | None`: the same as JSON text, for the
-        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader.
+        A source may also offer `state_body(members, source) -> bytes | None`: the same as JSON text, for the
+        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader, work
+        past its cache charged to the reader's address `source` (`RenderRefused` past the render budget);
+        and `status_html(source) -> bytes`, the status page rendered once per build.
         """
 
     def metrics_text(self) -> str:
@@ -135,7 +137,10 @@ def build_app(source: StatusSource) -> web.Application:
         if state_body is None:  # a source without the cache: the whole state, encoded per request
             snapshot = source.state_json()
             return _json(503, {"error": NO_STATE}) if snapshot is None else _json(200, snapshot)
-        body = state_body(members)
+        try:
+            body = state_body(members, request.remote or "?")
+        except RenderRefused as refused:
+            return busy_answer(refused)
         if body is None:
             return _json(503, {"error": NO_STATE})
         return web.Response(status=200, body=body, content_type="application/json", headers=_HEADERS)

@@ -12,6 +12,12 @@ address's pre-admission gate slot (join: until admitted), and every byte it send
 against a small per-connection allowance and one global pre-authentication budget
 (`flodld.net.preauth`); the first frame itself is capped small by the frame layer. A peer without
 the salt can hold at most that allowance per connection, and all of them together the budget.
+
+HTTP is unauthenticated end to end, so the bytes an HTTP answer leaves queued in its transport (a reader
+that reads slowly or not at all) count against one global budget too (`http_budget`, with a per-address
+share of a quarter of it): an answer that would queue past either is cut at once and counted
+(`http_budget`), not queued. Every HTTP connection, whichever path answers it, is aborted at
+`http_lifetime`, even one already closing with bytes unsent.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
-from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head
+from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head, busy_answer
 from flodld.controller.metrics import ControllerCounters
-from flodld.controller.snapshot import MemberRange
+from flodld.controller.snapshot import MemberRange, RenderRefused
 from flodld.net.deadlines import Deadline, DeadlineQueue
 from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
@@ -44,8 +50,9 @@ ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 the writer when the handler returns or raises."""
 
 HttpProtocolFactory = Callable[[], asyncio.Protocol]
-StateBody = Callable[[MemberRange], bytes | None]
-"""The status source's `state_body`: state.json's bytes for a member page, None before there is state."""
+StateBody = Callable[[MemberRange, str], bytes | None]
+"""The status source's `state_body(members, source)`: state.json's bytes for a member page, None before there
+is state; work past its cache is charged to the reader's address (`RenderRefused` past the budget)."""
 ChannelProtocolFactory = Callable[["PortMux", str], asyncio.Protocol]
 """`factory(mux, peer)`: the protocol that serves a routed connection from its first byte after the magic.
 It owns the peer's gate slot (releases it with `release_gate`), counts its pre-authentication bytes against
@@ -73,6 +80,12 @@ ACCEPT_BATCH = 1024
 ACCEPT_PER_READY = 128
 ADOPT_PER_TURN = 64
 ACCEPT_PAUSE_SECS = 0.1
+HTTP_WRITE_BUDGET_BYTES = 64 * 1024 * 1024
+"""Answer bytes queued for HTTP readers, all connections together (`PortMux.http_budget`): 64 MiB holds a
+dozen 5 MB `?members=all` pages in flight; past it an answer is cut, not queued."""
+HTTP_PEER_SHARE = 4
+"""One address may hold at most 1/HTTP_PEER_SHARE of the HTTP write budget: slow readers from one source
+cannot take all of it from everyone else."""
 
 
 # Every connection's peer is judged twice (loopback for the gate, private for the cleartext warning); a
@@ -263,9 +276,12 @@ class PortMux:
         warner: CleartextWarner | None = None,
         budget: PreAuthBudget | None = None,
         link_keepalive: float | None = None,
+        http_budget: PreAuthBudget | None = None,
     ) -> None:
         """`link_keepalive`: the keepalive idle time (s) set on the listening socket, so every connection
         starts with it (see `Inherited`); a channel that wants another sets its own per connection.
+        `http_budget`: the bytes HTTP answers may leave queued for their readers, all together
+        (`HTTP_WRITE_BUDGET_BYTES` by default; see `_HttpQueued`).
         """
         self.counters = counters
         self.link_keepalive = link_keepalive
@@ -278,6 +294,8 @@ class PortMux:
         self.http_lifetime = http_lifetime
         self.gate = gate or PreAdmissionGate()
         self.budget = budget or PreAuthBudget()
+        self.http_budget = http_budget or PreAuthBudget(HTTP_WRITE_BUDGET_BYTES)
+        self._http_queued: Counter[str] = Counter()  # queued answer bytes per peer address
         self.warner = warner or CleartextWarner("controller")
         self._routes: dict[Channel, _Route] = {}  # the routing table: channel (from its magic) -> handler
         self._http_factory: HttpProtocolFactory | None = None
@@ -398,7 +416,8 @@ class PortMux:
             end = functools.partial(self._end_http, transport, peer)
             timer = self.deadlines(self.http_lifetime).call(end)
             direct = self._direct_state if self._state_body is not None and prefix == b"GET " else None
-            proto = _LimitedLifetime(self._http_factory, timer, direct)
+            queued = _HttpQueued(self, transport, peer)
+            proto = _LimitedLifetime(self._http_factory, timer, direct, queued, peer)
             transport.set_protocol(proto)
             proto.connection_made(transport)
             proto.data_received(buffered)
@@ -467,13 +486,15 @@ class PortMux:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    def _direct_state(self, direct: Direct) -> tuple[bytes, bytes] | None:
+    def _direct_state(self, direct: Direct, peer: str) -> tuple[bytes, bytes] | None:
         """The 200 answer to a direct state.json request (its head, then the shared body: written as they
-        are, without a copy joining them), or None when aiohttp is to answer it.
+        are, without a copy joining them), a 429 past the render budget, or None when aiohttp is to answer.
         """
         assert self._state_body is not None
         try:
-            body = self._state_body(direct.members)
+            body = self._state_body(direct.members, peer)
+        except RenderRefused as refused:  # refused cheaply, here: a flood of refusals never reaches aiohttp
+            return busy_answer(direct, refused.retry_after, refused.detail, self._http_date()), b""
         except Exception:  # aiohttp's handler meets it again and answers (and logs) it as for any request
             return None
         if body is None:  # no state yet: the 503 is aiohttp's
@@ -481,10 +502,12 @@ class PortMux:
         return answer_head(direct, len(body), self._http_date()), body
 
     def _end_http(self, transport: asyncio.Transport, peer: str) -> None:
-        if not transport.is_closing():
-            self._drop(
-                transport, peer, "http_lifetime", f"HTTP connection open longer than {self.http_lifetime:g}s"
-            )
+        # The timer is cancelled when the connection is lost, so it is still there: open, or closing with
+        # bytes its reader has not taken (a direct answer closes right after writing; a reader that never
+        # reads would keep it, and its queued body, for as long as it liked).
+        self._drop(
+            transport, peer, "http_lifetime", f"HTTP connection open longer than {self.http_lifetime:g}s"
+        )
 
     def served(self, transport: asyncio.BaseTransport, ended: bool) -> None:
         """A connection served by a channel protocol began (`ended` False) or ended."""
@@ -521,6 +544,71 @@ class _GateSlot:
             self._gate.release(self._peer)
 
 
+class _HttpQueued:
+    """One HTTP connection's answer bytes waiting in its transport, counted against the port's `http_budget`
+    and its peer's share of it.
+
+    Once watched (`watch`: a connection handed to aiohttp, or a direct answer that left bytes queued), the
+    transport's write-buffer limits are zero, so it reports (`pause_writing`) as soon as a write leaves
+    anything queued and again (`resume_writing`) once all of it is sent: `recount` at those points, after
+    a direct answer is written, and at the end (`release`) keeps the count equal to what is queued (a
+    direct answer the socket took whole costs one look at the buffer). Bytes that would go past the budget
+    or the peer's share cut the connection (counted `http_budget`); the abort frees them in the same turn.
+    """
+
+    def __init__(self, mux: PortMux, transport: asyncio.Transport, peer: str) -> None:
+        self._mux = mux
+        self._transport = transport
+        self._peer = peer
+        self.held = 0
+        self._cut = False
+
+    def watch(self) -> None:
+        """Be told of every byte left queued, and of the queue emptying."""
+        with contextlib.suppress(Exception):  # a transport without limits (none of ours) is recounted less
+            self._transport.set_write_buffer_limits(high=0, low=0)
+
+    def recount(self) -> None:
+        if self._cut:
+            return
+        size = self._transport.get_write_buffer_size()
+        if size == self.held:
+            return
+        more = size - self.held
+        mux = self._mux
+        if more > 0:
+            share = mux.http_budget.limit // HTTP_PEER_SHARE
+            if mux._http_queued[self._peer] + more > share:
+                self._refuse(f"answers queued for this address would exceed its share ({share} bytes)")
+                return
+            if not mux.http_budget.take(more):
+                self._refuse(f"the HTTP write budget of {mux.http_budget.limit} bytes is spent")
+                return
+        else:
+            mux.http_budget.give(-more)
+        mux._http_queued[self._peer] += more
+        self.held = size
+
+    def recount_soon(self) -> None:
+        """`recount` at the end of this turn (from inside a transport's write, where an abort does not go)."""
+        loop = self._mux.loop or asyncio.get_running_loop()
+        loop.call_soon(self.recount)
+
+    def release(self) -> None:
+        """The connection ended: give back everything it held."""
+        self._cut = True
+        if self.held:
+            self._mux.http_budget.give(self.held)
+            self._mux._http_queued[self._peer] -= self.held
+            self.held = 0
+        if self._mux._http_queued[self._peer] <= 0:
+            self._mux._http_queued.pop(self._peer, None)
+
+    def _refuse(self, detail: str) -> None:
+        self._cut = True
+        self._mux._drop(self._transport, self._peer, "http_budget", detail)
+
+
 class _LimitedLifetime(asyncio.Protocol):
     """An HTTP connection: aiohttp's protocol, its lifetime timer cancelled as soon as the connection ends.
 
@@ -532,16 +620,21 @@ class _LimitedLifetime(asyncio.Protocol):
     With `direct` (a GET, on a port with a state.json source), the request head is read here first
     (`HeadReader`): a plain `GET /state.json` gets `direct`'s answer and the connection closes, without
     aiohttp; anything else gets aiohttp's protocol, fed every byte read so far, as if it had read them
-    itself. The timer bounds the connection either way (a head trickling in is cut like any slow request).
+    itself. The timer bounds the connection either way (a head trickling in is cut like any slow request,
+    an answer its reader does not take is cut with it), and `queued` counts what its answers leave queued.
     """
 
     def __init__(
         self,
         factory: HttpProtocolFactory,
         timer: Deadline,
-        direct: Callable[[Direct], tuple[bytes, bytes] | None] | None = None,
+        direct: Callable[[Direct, str], tuple[bytes, bytes] | None] | None = None,
+        queued: _HttpQueued | None = None,
+        peer: str = "?",
     ) -> None:
         self.timer = timer
+        self._peer = peer
+        self._queued = queued
         self._factory = factory
         self._direct = direct
         self._head = HeadReader() if direct is not None else None
@@ -563,9 +656,12 @@ class _LimitedLifetime(asyncio.Protocol):
         verdict = self._head.feed(data)
         if verdict is Verdict.MORE:
             return
-        if isinstance(verdict, Direct) and (answer := self._direct(verdict)) is not None:
+        if isinstance(verdict, Direct) and (answer := self._direct(verdict, self._peer)) is not None:
             self._head = None
             self._transport.writelines(answer)
+            if self._queued is not None and self._transport.get_write_buffer_size():
+                self._queued.recount()
+                self._queued.watch()
             self._transport.close()
             return
         self._hand_over(bytes(self._head.head))
@@ -573,6 +669,8 @@ class _LimitedLifetime(asyncio.Protocol):
     def _hand_over(self, buffered: bytes) -> None:
         assert self._transport is not None
         self._head = None
+        if self._queued is not None:
+            self._queued.watch()
         self.inner = self._factory()
         self.inner.connection_made(self._transport)
         if buffered:
@@ -584,15 +682,22 @@ class _LimitedLifetime(asyncio.Protocol):
         return self.inner.eof_received() if self.inner is not None else None
 
     def pause_writing(self) -> None:
+        # Called from inside the transport's write: the count (and a cut) waits for the turn's end.
+        if self._queued is not None:
+            self._queued.recount_soon()
         if self.inner is not None:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        if self._queued is not None:
+            self._queued.recount()
         if self.inner is not None:
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.timer.cancel()
+        if self._queued is not None:
+            self._queued.release()
         if self.inner is not None:
             self.inner.connection_lost(exc)
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from flodld.controller.snapshot import RenderRefused
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
@@ -790,6 +792,16 @@ def _respond(body: str, content_type: str) -> web.Response:
     )
 
 
+def busy_answer(refused: RenderRefused) -> web.Response:
+    """429 for a reader past the render budget: what was spent, and when to ask again (Retry-After)."""
+    return web.Response(
+        status=429,
+        text=json.dumps({"error": refused.detail, "code": "render_budget"}, separators=(",", ":")),
+        content_type="application/json",
+        headers={"Cache-Control": "no-cache", "Retry-After": str(refused.retry_after)},
+    )
+
+
 async def close_after_answer(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare` hook: every GET/HEAD answer closes its connection.
 
@@ -812,8 +824,20 @@ def add_routes(app: web.Application, source: StatusSource, root_json: Handler) -
     alias) with `root_json`, the state.json handler; `/status` is always the page.
     """
 
-    async def page(_: web.Request) -> web.Response:
-        return _respond(render_page(source.state_json()), "text/html")
+    async def page(request: web.Request) -> web.Response:
+        status_html = getattr(source, "status_html", None)
+        if status_html is None:  # a source without the cache: rendered per request
+            return _respond(render_page(source.state_json()), "text/html")
+        try:
+            body = status_html(request.remote or "?")  # one render per build, charged to the reader
+        except RenderRefused as refused:
+            return busy_answer(refused)
+        return web.Response(
+            body=body,
+            content_type="text/html",
+            charset="utf-8",
+            headers={**SECURITY_HEADERS, "Vary": "Accept"},
+        )
 
     async def root(request: web.Request) -> web.StreamResponse:
         if wants_html(request):

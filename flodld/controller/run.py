@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import json
 import logging
 import secrets
 import time
@@ -41,14 +42,23 @@ from flodld.controller.join import HostLink, JoinProtocol, JoinRun
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import ChannelHandler, ChannelProtocolFactory, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
-from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache, StormLog
+from flodld.controller.page import render_page
+from flodld.controller.snapshot import (
+    DEFAULT_MEMBERS,
+    CachedState,
+    MemberRange,
+    MemberRows,
+    RenderBudget,
+    StateCache,
+    StormLog,
+)
 from flodld.controller.store import StoreService
-from flodld.membership.ledger import Refused, World
+from flodld.membership.ledger import Member, Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, Phase
 from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, derive_policy, is_loopback_literal
-from flodld.membership.snapshot import RankExit, RunRecord
+from flodld.membership.snapshot import LinkState, RankExit, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
-from flodld.membership.window import JoinWindow, LinkOutcome
+from flodld.membership.window import JoinWindow, LinkOutcome, MemberView
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
@@ -99,6 +109,14 @@ RUN_CHANNELS: Final[Mapping[Channel, RunChannel]] = {
 }
 """The channels a run serves from `listen()` on, whoever bound the port. Channels that exist only once
 the world formed (the data plane's DATA/CONTROL) come through `Controller.register_channels`."""
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def render_status(build: CachedState) -> bytes:
+    """The status page for one build (its default member page)."""
+    return render_page(build.page_data(DEFAULT_MEMBERS)).encode()
 
 
 @dataclass(frozen=True)
@@ -184,7 +202,11 @@ class Controller:
         self._phase_listeners: list[PhaseListener] = []
         self._settle_pending = False
         self.storm_log = StormLog(log)
-        self.state_cache = StateCache(self._build_state, self.state_version)
+        self.render_budget = RenderBudget(on_refused=self._count_busy)
+        self.state_cache = StateCache(self._build_state, self.state_version, budget=self.render_budget)
+        # host -> (member, ranks, link, its state.json row): a row is encoded again only when one changed.
+        self._rows: dict[str, tuple[Member, tuple[int, ...], LinkState, bytes]] = {}
+        self.row_encodes = 0
         # Wall-clock (unix seconds) milestones for the run's history record.
         self.started_at: float | None = None
         self.formed_at: float | None = None
@@ -795,16 +817,32 @@ class Controller:
 
     def state_json(self, members: MemberRange = DEFAULT_MEMBERS) -> dict[str, Any] | None:
         """state.json as data: cached (see `StateCache`) and shared between readers; do not change it."""
-        return self.state_cache.get(members).data
+        return self.state_cache.data(members)
 
-    def state_body(self, members: MemberRange = DEFAULT_MEMBERS) -> bytes | None:
-        """state.json as the JSON text every reader of this build gets."""
-        return self.state_cache.get(members).body
+    def state_body(self, members: MemberRange = DEFAULT_MEMBERS, source: str | None = None) -> bytes | None:
+        """state.json as the JSON text every reader of this build gets; work past the cache is charged to
+        `source` (`RenderRefused` past the render budget).
+        """
+        return self.state_cache.body(members, source)
+
+    def status_html(self, source: str | None = None) -> bytes:
+        """The status page, rendered once per build (charged like `state_body`)."""
+        return self.state_cache.derived("status", render_status, source)  # type: ignore[no-any-return]
+
+    def _count_busy(self) -> None:
+        self.counters.dropped["http_busy"] += 1
 
     def _build_state(self, members: MemberRange) -> dict[str, Any] | None:
-        if self.window is None:
+        """One build for every page: the fields, and the members as `MemberRows` (rows encoded on demand
+        from the member list as it stands now, each row once per content).
+        """
+        del members
+        window = self.window
+        if window is None:
             return None
-        state = self.window.state(self.clock(), members)
+        state = window.state(self.clock(), (0, 0))
+        view = window.member_view()
+        state["members"] = MemberRows(len(view.members), functools.partial(self._member_rows, window, view))
         connections = {
             "by_channel": dict(sorted(self.counters.connections.items())),
             "dropped": dict(sorted(self.counters.dropped.items())),
@@ -814,6 +852,25 @@ class Controller:
         for reason, count in connections["dropped"].items():
             state["refused"][f"connection_{reason}"] = count
         return state
+
+    def _member_rows(self, window: JoinWindow, view: MemberView, begin: int, end: int) -> list[bytes]:
+        """Rows `begin` to `end` of `view` as state.json text, each encoded only if its member, ranks or link
+        state changed since it was last encoded.
+        """
+        rows, encoded = self._rows, []
+        if len(rows) > 2 * len(view.members) + 64:  # hosts that left: forget their rows
+            rows.clear()
+        for member in view.members[begin:end]:
+            ranks, link = view.ranks(member), view.links.get(member.host, LinkState.OPEN)
+            known = rows.get(member.host)
+            if known is not None and known[0] is member and known[1] == ranks and known[2] is link:
+                encoded.append(known[3])
+                continue
+            row = _ENCODE(window.member_row(member, ranks, link)).encode()
+            self.row_encodes += 1
+            rows[member.host] = (member, ranks, link, row)
+            encoded.append(row)
+        return encoded
 
     def run_record(self) -> RunRecord:
         """This run's entry in the service history (call once the run has its verdict)."""

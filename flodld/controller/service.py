@@ -32,8 +32,8 @@ from flodld.controller.http import NO_STATE, HttpAnswer
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
-from flodld.controller.run import Controller, PhaseListener, RunResult, serve_http
-from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StateCache
+from flodld.controller.run import Controller, PhaseListener, RunResult, render_status, serve_http
+from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudget, StateCache
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import RunRecord, ServiceState
 
@@ -105,7 +105,10 @@ class Service:
         self._next_window_at: float | None = None
         self._changes = 0  # bumped when the service part of state.json changes (with the run's own version)
         self._history_json: list[dict[str, Any]] | None = None
-        self.state_cache = StateCache(self._build_state, self._state_version, depends_on=self._run_clears)
+        self.render_budget = RenderBudget(on_refused=self._count_busy)
+        self.state_cache = StateCache(
+            self._build_state, self._state_version, depends_on=self._run_clears, budget=self.render_budget
+        )
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -284,14 +287,26 @@ class Service:
 
     def state_json(self, members: MemberRange = DEFAULT_MEMBERS) -> dict[str, Any] | None:
         """state.json as data: cached and shared between readers (see `StateCache`); do not change it."""
-        return self.state_cache.get(members).data
+        return self.state_cache.data(members)
 
-    def state_body(self, members: MemberRange = DEFAULT_MEMBERS) -> bytes | None:
-        return self.state_cache.get(members).body
+    def state_body(self, members: MemberRange = DEFAULT_MEMBERS, source: str | None = None) -> bytes | None:
+        """As `Controller.state_body`, with the service's part."""
+        return self.state_cache.body(members, source)
+
+    def status_html(self, source: str | None = None) -> bytes:
+        """The status page, rendered once per build (charged like `state_body`)."""
+        return self.state_cache.derived("status", render_status, source)  # type: ignore[no-any-return]
+
+    def _count_busy(self) -> None:
+        self.counters.dropped["http_busy"] += 1
 
     def _build_state(self, members: MemberRange) -> dict[str, Any] | None:
+        """The run's build (its `MemberRows` shared: every page is cut from this one build) and the service's
+        part.
+        """
+        del members
         controller = self.controller
-        shared = controller.state_json(members) if controller is not None else None
+        shared = controller.state_cache.head() if controller is not None else None
         if shared is None or self.once:
             return shared
         state = dict(shared)  # the run's build is shared with its own readers: add to a copy

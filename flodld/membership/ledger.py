@@ -154,6 +154,12 @@ class Ledger:
     def joined_ranks(self) -> int:
         return self._joined_ranks
 
+    def first_ranks(self) -> dict[str, int]:
+        """Each member's first rank as it stands now (a copy, O(members) at C speed): with `members`, a view
+        of the ranks that later admissions and retractions do not change.
+        """
+        return dict(self._first_rank)
+
     def ranks_of(self, host: str) -> tuple[int, ...]:
         """The host's current ranks; they shift down when an earlier member is retracted."""
         member = self._members.get(host)

@@ -9,7 +9,7 @@ lifecycle follows `TRANSITIONS` and never goes backwards.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -48,6 +48,17 @@ class LinkEnded:
     outcome: LinkOutcome
     ranks: tuple[int, ...] = ()
     why: str = ""
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """Every member as it stood at one instant (`JoinWindow.member_view`): rows encoded from it later, page by
+    page, agree with each other and with the counts built at that instant.
+    """
+
+    members: Sequence[Member]
+    ranks: Callable[[Member], tuple[int, ...]]
+    links: Mapping[str, LinkState]
 
 
 class JoinWindow:
@@ -343,7 +354,18 @@ class JoinWindow:
             "rank_exits": [{"rank": r, "code": c} for r, c in sorted(self.rank_exits.items())],
         }
 
-    def _member_state(self, m: Member, ranks: Sequence[int]) -> dict[str, Any]:
+    def member_view(self) -> MemberView:
+        """The members, their ranks and link states as they stand now, for rows made later (`member_row`).
+
+        O(members) references copied at C speed (the member tuple, the first-rank and link maps), never a
+        row: the controller encodes rows from it on demand, once per row content.
+        """
+        if self.world is not None:
+            return MemberView(self.world.members, _ranks_in(self.world.ranks), dict(self.links))
+        return MemberView(self.ledger.members, _ranks_from(self.ledger.first_ranks()), dict(self.links))
+
+    def member_row(self, m: Member, ranks: Sequence[int], link: LinkState) -> dict[str, Any]:
+        """One `members` entry of state.json (what `state()` lists for `m`)."""
         return {
             "host": m.host,
             "ranks": list(ranks),
@@ -351,8 +373,11 @@ class JoinWindow:
             "device_labels": list(m.device_labels),
             "variant": m.variant,
             "joined_at_secs": round(m.joined_at - self.opened_at, 3),
-            "link": self.links.get(m.host, LinkState.OPEN).value,
+            "link": link.value,
         }
+
+    def _member_state(self, m: Member, ranks: Sequence[int]) -> dict[str, Any]:
+        return self.member_row(m, ranks, self.links.get(m.host, LinkState.OPEN))
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -409,3 +434,13 @@ class JoinWindow:
 def _remaining(limit: float, elapsed: float) -> float | None:
     """Seconds left before `limit`; 0 exactly at the limit, None after it."""
     return None if elapsed > limit else round(limit - elapsed, 3)
+
+
+def _ranks_in(ranks: Mapping[str, tuple[int, ...]]) -> Callable[[Member], tuple[int, ...]]:
+    """A formed world's ranks (frozen with it) by member."""
+    return lambda m: ranks[m.host]
+
+
+def _ranks_from(first: Mapping[str, int]) -> Callable[[Member], tuple[int, ...]]:
+    """Ranks by member from a copy of the ledger's first ranks (`Ledger.ranks_of`, as of the copy)."""
+    return lambda m: tuple(range(first[m.host], first[m.host] + len(m.devices)))
