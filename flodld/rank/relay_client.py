@@ -2,8 +2,8 @@
 
 Two loopback legs to the host's relay, each an authenticated framed channel:
 - data: `Deposit` up in chunks of `FLODL_CHUNK_BYTES` (default 4 MiB; the relay folds and forwards each
-  chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps each round's result for
-  the `wait_round` of that round, checked against the deposit's shapes and dtypes);
+  chunk as it arrives), `Broadcast` chunks down (a reader thread assembles them and keeps each round's
+  result for the `wait_round` of that round, checked against the deposit's shapes and dtypes);
 - control: `Heartbeat` up every interval, `CoordinatorHeartbeat`/`Shutdown` down.
 Same-host shared memory (`FLODL_SHM`, default auto; docs/protocol.md "Shared memory"): the rank offers
 its relay a memory region over the data leg (`ShmOffer`), copies each deposit chunk into it and sends a
