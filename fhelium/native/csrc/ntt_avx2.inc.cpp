@@ -75,6 +75,52 @@ FHELIUM_VECTOR inline void stage(double* a, const RowTables& t, int64_t m, int64
   }
 }
 
+// [v0 v1 v2 v3] (rows) -> its transpose
+FHELIUM_VECTOR inline void transpose(__m256d& v0, __m256d& v1, __m256d& v2, __m256d& v3) {
+  const __m256d t0 = _mm256_unpacklo_pd(v0, v1), t1 = _mm256_unpackhi_pd(v0, v1);
+  const __m256d t2 = _mm256_unpacklo_pd(v2, v3), t3 = _mm256_unpackhi_pd(v2, v3);
+  v0 = _mm256_permute2f128_pd(t0, t2, 0x20);
+  v1 = _mm256_permute2f128_pd(t1, t3, 0x20);
+  v2 = _mm256_permute2f128_pd(t0, t2, 0x31);
+  v3 = _mm256_permute2f128_pd(t1, t3, 0x31);
+}
+
+// The bit-reversal permutation without gathers: with n = 4 * quarter, rev(Q * quarter + r) =
+// 4 rev'(r) + rev2(Q) (rev' over log2(quarter) bits), so the quarters' entries r..r+3, as rows in the
+// order Q = 0, 2, 1, 3, transposed, are the destination's 4 contiguous entries at 4 rev'(r + s).
+// out[k] = a[rev(k)] for the forward's end (a: binary64 values below 4q; out: reduced residues)
+FHELIUM_VECTOR inline void bit_reverse_out(const double* a, u64* out, int logn, __m256d q, __m256d two_q) {
+  const int64_t quarter = (int64_t{1} << logn) >> 2;
+  const uint32_t* rev = bitrev_table(logn - 2);
+  for (int64_t r = 0; r < quarter; r += 4) {
+    __m256d v0 = _mm256_loadu_pd(a + r), v1 = _mm256_loadu_pd(a + 2 * quarter + r);
+    __m256d v2 = _mm256_loadu_pd(a + quarter + r), v3 = _mm256_loadu_pd(a + 3 * quarter + r);
+    v0 = reduce_once(reduce_once(v0, two_q), q);
+    v1 = reduce_once(reduce_once(v1, two_q), q);
+    v2 = reduce_once(reduce_once(v2, two_q), q);
+    v3 = reduce_once(reduce_once(v3, two_q), q);
+    transpose(v0, v1, v2, v3);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * int64_t{rev[r]}), to_integer(v0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * int64_t{rev[r + 1]}), to_integer(v1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * int64_t{rev[r + 2]}), to_integer(v2));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * int64_t{rev[r + 3]}), to_integer(v3));
+  }
+}
+
+// a[k] = in[rev(k)] as binary64 for the inverse's start (in: residues below 2^52)
+FHELIUM_VECTOR inline void bit_reverse_in(const u64* in, double* a, int logn) {
+  const int64_t quarter = (int64_t{1} << logn) >> 2;
+  const uint32_t* rev = bitrev_table(logn - 2);
+  for (int64_t r = 0; r < quarter; r += 4) {
+    __m256d v0 = load(in + r), v1 = load(in + 2 * quarter + r), v2 = load(in + quarter + r), v3 = load(in + 3 * quarter + r);
+    transpose(v0, v1, v2, v3);
+    _mm256_storeu_pd(a + 4 * int64_t{rev[r]}, v0);
+    _mm256_storeu_pd(a + 4 * int64_t{rev[r + 1]}, v1);
+    _mm256_storeu_pd(a + 4 * int64_t{rev[r + 2]}, v2);
+    _mm256_storeu_pd(a + 4 * int64_t{rev[r + 3]}, v3);
+  }
+}
+
 // a: natural-order coefficients below 2^52 (scratch, destroyed); out: natural-order evaluations
 FHELIUM_VECTOR void forward(u64* a_integers, u64* out, const RowTables& t, int logn) {
   const int64_t n = int64_t{1} << logn;
@@ -92,12 +138,7 @@ FHELIUM_VECTOR void forward(u64* a_integers, u64* out, const RowTables& t, int l
       stage<true>(a, t, mm, hh, begin, begin + block, q, two_q, q_inverse);
     }
   }
-  const uint32_t* rev = bitrev_table(logn);
-  for (int64_t k = 0; k < n; k += 4) {
-    const __m128i index = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rev + k));
-    const __m256d v = reduce_once(reduce_once(_mm256_i32gather_pd(a, index, 8), two_q), q);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), to_integer(v));
-  }
+  bit_reverse_out(a, out, logn, q, two_q);
 }
 
 // in: natural-order evaluations in [0, q); a: scratch of n; out: coefficients in [0, q)
@@ -106,12 +147,7 @@ FHELIUM_VECTOR void inverse(const u64* in, u64* a_integers, u64* out, const RowT
   double* a = reinterpret_cast<double*>(a_integers);
   const double q_scalar = static_cast<double>(t.q), q_inverse = 1.0 / q_scalar;
   const __m256d q = _mm256_set1_pd(q_scalar), two_q = _mm256_set1_pd(2.0 * q_scalar);
-  const uint32_t* rev = bitrev_table(logn);
-  for (int64_t k = 0; k < n; k += 4) {
-    const __m128i index = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rev + k));
-    const __m256i v = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(in), index, 8);
-    _mm256_storeu_pd(a + k, to_double(v));
-  }
+  bit_reverse_in(in, a, logn);
   const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
   for (int64_t begin = 0; begin < n; begin += block) {
     for (int64_t mm = n >> 1, hh = 1; mm > 1 && 2 * hh <= block; mm >>= 1, hh <<= 1) {
