@@ -6,7 +6,7 @@ Run: ``.venv/bin/python bench/ckks_ops.py`` (options: ``--rings 13,14,15 --batch
 ``--thread-split`` with ``--threads 2 --clock cpu`` and ``OMP_WAIT_POLICY=PASSIVE`` adds each batched op's CPU
 time on the calling thread and on the whole process, which shows how the work splits between the
 threads even where a loaded machine makes two-thread wall time meaningless). The NTT and
-mul_mod dispatch level (``FHELIUM_NATIVE_LEVEL=ifma|dq|scalar|torch``; default the best this CPU
+mul_mod dispatch level (``FHELIUM_NATIVE_LEVEL=ifma|dq|avx2|scalar|torch``; default the best this CPU
 runs, see fhelium.native) is printed in the header; the ``row NTT`` line is one forward NTT per
 residue row (a [limbs, N] polynomial, or B of them, divided by the row count).
 
@@ -287,7 +287,7 @@ def main() -> None:
                 seal = {**seal, name: REFERENCE_SEAL_MS[name]}  # the figure, labelled below
             if name in seal:
                 best_batched = min(batched[b][name] for b in batches)
-                line += f" {seal[name]:8.2f} {ms / seal[name]:10.1f}x {best_batched / seal[name]:11.1f}x"
+                line += f" {seal[name]:8.2f} {ms / seal[name]:10.2f}x {best_batched / seal[name]:11.2f}x"
             print(line)
         print(f"SEAL column: {seal_label}")
         if args.thread_split:

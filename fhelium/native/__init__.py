@@ -9,11 +9,13 @@ cache's other builds not used for a day (``STALE_AFTER_S``) and not being built 
 
 Dispatch levels (``FHELIUM_NATIVE_LEVEL``): ``ifma`` (AVX-512 IFMA52, chosen by default where the
 CPU has it), ``dq`` (AVX-512 DQ without IFMA: the scalar level's 64-bit Shoup products in 8 lanes;
-the default on AVX-512 CPUs without IFMA), ``scalar`` (portable ``unsigned __int128`` Shoup
-arithmetic) and ``torch`` (do not use the native ops: the pure-torch reference path in
-``fhelium.engine``). Every native level is
-bit-identical to the torch reference. Where the extension cannot be built the engine falls back
-to the torch path with one warning; ``FHELIUM_REQUIRE_NATIVE=1`` turns that into an error (CI).
+the default on AVX-512 CPUs without IFMA), ``avx2`` (AVX2 + FMA, the default without AVX-512:
+4 lanes of residues held as binary64 integers, exact through FMA; rows need every q < 2^50, else
+they run at ``scalar``), ``scalar`` (portable ``unsigned __int128`` Shoup arithmetic) and
+``torch`` (do not use the native ops: the pure-torch reference path in ``fhelium.engine``). Every
+native level is bit-identical to the torch reference. Where the extension cannot be built the
+engine falls back to the torch path with one warning; ``FHELIUM_REQUIRE_NATIVE=1`` turns that into
+an error (CI).
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ import torch
 LEVEL_ENVIRONMENT_VARIABLE = "FHELIUM_NATIVE_LEVEL"
 REQUIRE_ENVIRONMENT_VARIABLE = "FHELIUM_REQUIRE_NATIVE"
 CACHE_ENVIRONMENT_VARIABLE = "FHELIUM_NATIVE_CACHE"
-LEVELS = ("scalar", "dq", "ifma")
-LEVEL_CODES = {"scalar": 0, "dq": 1, "ifma": 2}
+LEVELS = ("scalar", "avx2", "dq", "ifma")
+LEVEL_CODES = {"scalar": 0, "avx2": 1, "dq": 2, "ifma": 3}
 SOURCES = (Path(__file__).parent / "csrc" / "fhelium_native.cpp",)
 # included by the sources: part of the cache key, not compiled on their own (named .cpp so that
 # the package data pattern csrc/*.cpp ships them)
-INCLUDES = (Path(__file__).parent / "csrc" / "ntt_avx512.inc.cpp",)
+INCLUDES = (
+    Path(__file__).parent / "csrc" / "ntt_avx512.inc.cpp",
+    Path(__file__).parent / "csrc" / "ntt_avx2.inc.cpp",
+)
 # -fopenmp only compiles at::parallel_for's inline OpenMP region; nothing links an OpenMP runtime of
 # its own: the GOMP symbols resolve to the one libtorch_cpu already loaded (torch's thread pool).
 # -ffp-contract=off: every binary64 multiply and add is rounded separately, as torch's elementwise ops
@@ -337,7 +342,8 @@ def _code(chosen: str | None) -> int:
 def mul_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
     """(a·b) mod q elementwise with broadcasting, a, b in [0, q) (same result as the torch reference).
 
-    ``level``: ``scalar``, or ``dq``/``ifma`` (8 lanes of AVX-512 DQ at both); None: ``elementwise_level()``.
+    ``level``: ``scalar``, ``avx2`` (4 binary64 lanes where a, b < q < 2^50) or ``dq``/``ifma`` (8 lanes of
+    AVX-512 DQ at both); None: ``elementwise_level()``.
     """
     result: torch.Tensor = torch.ops.fhelium.mul_mod(a, b, q, _code(level))
     return result
@@ -494,7 +500,8 @@ def smudging_noise(
 ) -> torch.Tensor:
     """Flooding noise ``[count]`` from ``2·count`` 63-bit keystream words: the same bits as the reference
     ``fhelium.multiparty.noise.smudging_noise_from_words`` (whose module builds ``constants``).
-    ``level``: ``scalar``, or ``dq``/``ifma`` (the loop compiled for AVX-512); None: ``elementwise_level()``.
+    ``level``: ``scalar`` or ``avx2`` (the scalar loop), ``dq``/``ifma`` (the loop compiled for AVX-512);
+    None: ``elementwise_level()``.
     """
     if not load():
         raise NativeUnavailableError(f"the native extension is unavailable: {_state.get('error')}")

@@ -8,11 +8,13 @@
 // Algorithm: Cooley-Tukey (forward, natural -> bit-reversed) and Gentleman-Sande (inverse,
 // bit-reversed -> natural) with Harvey's lazy butterflies and Shoup-precomputed twiddles; the
 // forward ends with a bit-reversing gather, the inverse starts with one; n^-1 is folded into the
-// last inverse stage. Dispatch levels: 0 = scalar (unsigned __int128 Shoup products), 1 = AVX-512 DQ
-// (the same 64-bit Shoup products in 8 lanes: vpmullq for the low halves, four vpmuludq 32x32
-// partial products for the high half), 2 = AVX-512 IFMA52 (vpmadd52lo/hi; needs q < 2^50 so that
-// lazy values < 4q fit 52 bits, else the row runs at the DQ level). The vector NTT rows are written
-// once (ntt_avx512.inc.cpp) and compiled per level with per-function target attributes (no -march); the
+// last inverse stage. Dispatch levels: 0 = scalar (unsigned __int128 Shoup products), 1 = AVX2 + FMA
+// (4 lanes of residues held as binary64 integers, products exact through FMA; needs q < 2^50, else
+// the row runs at the scalar level), 2 = AVX-512 DQ (the scalar level's 64-bit Shoup products in 8
+// lanes: vpmullq for the low halves, four vpmuludq 32x32 partial products for the high half), 3 =
+// AVX-512 IFMA52 (vpmadd52lo/hi; needs q < 2^50 so that lazy values < 4q fit 52 bits, else the row
+// runs at the DQ level). The AVX-512 NTT rows are written once (ntt_avx512.inc.cpp) and compiled per
+// level, the AVX2 rows in ntt_avx2.inc.cpp, all with per-function target attributes (no -march); the
 // level is picked at run time from CPUID.
 // Threads: at::parallel_for (torch's own intra-op pool), one row per task.
 
@@ -38,9 +40,21 @@ using u64 = uint64_t;
 using u128 = unsigned __int128;
 
 constexpr int64_t kLevelScalar = 0;
-constexpr int64_t kLevelDq = 1;
-constexpr int64_t kLevelIfma = 2;
+constexpr int64_t kLevelAvx2 = 1;
+constexpr int64_t kLevelDq = 2;
+constexpr int64_t kLevelIfma = 3;
 constexpr u64 kIfmaModulusBound = u64{1} << 50;
+// the AVX2 rows hold residues as binary64 integers: lazy values below 4q < 2^52
+constexpr u64 kAvx2ModulusBound = u64{1} << 50;
+
+// AVX2 with FMA (every AVX2 server CPU has both: Intel since Haswell, AMD since Zen)
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
 
 bool cpu_has_dq() {
   static const bool has = [] {
@@ -59,12 +73,18 @@ bool cpu_has_ifma() {
   return has;
 }
 
-int64_t best_level() { return cpu_has_ifma() ? kLevelIfma : (cpu_has_dq() ? kLevelDq : kLevelScalar); }
+int64_t best_level() {
+  if (cpu_has_ifma()) return kLevelIfma;
+  if (cpu_has_dq()) return kLevelDq;
+  return cpu_has_avx2() ? kLevelAvx2 : kLevelScalar;
+}
 
 // the requested level, checked against the CPU
 int64_t checked_level(int64_t level) {
-  TORCH_CHECK(level == kLevelScalar || level == kLevelDq || level == kLevelIfma,
+  TORCH_CHECK(level == kLevelScalar || level == kLevelAvx2 || level == kLevelDq || level == kLevelIfma,
               "fhelium native: unknown dispatch level ", level);
+  TORCH_CHECK(level != kLevelAvx2 || cpu_has_avx2(),
+              "fhelium native: the AVX2 level was requested but this CPU lacks AVX2 and FMA");
   TORCH_CHECK(level != kLevelIfma || cpu_has_ifma(),
               "fhelium native: the IFMA level was requested but this CPU lacks AVX-512 IFMA");
   TORCH_CHECK(level != kLevelDq || cpu_has_dq(),
@@ -326,29 +346,96 @@ FHELIUM_DQ inline __m512i reduce_once(__m512i x, __m512i bound) {
 #undef FHELIUM_VECTOR
 }  // namespace dq
 
+// ------------------------------------------------------------------------------------ AVX2 + FMA
+// No 64-bit lane multiply at all (no vpmullq, and vpmuludq's 32x32 partial products make a 64-bit
+// Shoup product ~30 instructions for 4 lanes): the residues are held as binary64 integers instead,
+// every q < 2^50 so that lazy values stay below 4q < 2^52. A product y*w is exact as high + low with
+// high = fl(y*w), low = fma(y, w, -high); the quotient estimate floor(y * fl(w/q)) is within 1 of
+// y*w/q (y < 2q), so y*w - estimate*q, computed exactly by one more FMA, lies in [-q, 2q) and one
+// correction makes it lazy. Every output is fully reduced, hence the same bits as the other levels.
+#define FHELIUM_AVX2 __attribute__((target("avx2,fma")))
+
+namespace avx2 {
+#define FHELIUM_VECTOR FHELIUM_AVX2
+// x in [0, 2^52) -> the same integer as binary64 (through the 2^52 bias: exact)
+FHELIUM_AVX2 inline __m256d to_double(__m256i x) {
+  const __m256i bias = _mm256_set1_epi64x(0x4330000000000000LL);
+  return _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(x, bias)), _mm256_castsi256_pd(bias));
+}
+// an integer-valued binary64 in [0, 2^52) -> that integer
+FHELIUM_AVX2 inline __m256i to_integer(__m256d x) {
+  const __m256d bias = _mm256_set1_pd(0x1p52);
+  return _mm256_xor_si256(_mm256_castpd_si256(_mm256_add_pd(x, bias)), _mm256_castpd_si256(bias));
+}
+// x in [0, 2 bound) -> [0, bound): x - bound unless that is negative (its sign bit picks x)
+FHELIUM_AVX2 inline __m256d reduce_once(__m256d x, __m256d bound) {
+  const __m256d d = _mm256_sub_pd(x, bound);
+  return _mm256_blendv_pd(d, x, d);
+}
+// r in [-q, q) -> [0, q) (and [-q, 2q) -> [0, 2q))
+FHELIUM_AVX2 inline __m256d add_q_if_negative(__m256d r, __m256d q) {
+  return _mm256_blendv_pd(r, _mm256_add_pd(r, q), r);
+}
+// w*y mod q in [0, 2q) for y in [0, 2q), w in [0, q), wq = fl(fl(w) * fl(1/q)), q < 2^50: the estimate
+// fl(y*wq) carries three roundings, so it is within 2q * 3 * 2^-53 < 1 of y*w/q and its floor e
+// leaves y*w - e*q in [-q, 2q); high - e*q = (y*w - e*q) - low is an integer below 2^53, exact
+FHELIUM_AVX2 inline __m256d mul_lazy(__m256d y, __m256d w, __m256d wq, __m256d q) {
+  const __m256d high = _mm256_mul_pd(y, w);
+  const __m256d low = _mm256_fmsub_pd(y, w, high);
+  const __m256d e = _mm256_round_pd(_mm256_mul_pd(y, wq), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  return add_q_if_negative(_mm256_add_pd(_mm256_fnmadd_pd(e, q, high), low), q);
+}
+// mul_mod_one lane by lane for a, b in [0, q), q < 2^50 (q_inverse = fl(1/q)): the reference's
+// binary64 estimate in the reference's order, then a*b - estimate*q exactly (high - estimate*q by FMA,
+// plus the product's rounding error), then the reference's two corrections
+FHELIUM_AVX2 inline __m256d mul_mod_exact_lanes(__m256d a, __m256d b, __m256d q, __m256d q_inverse) {
+  const __m256d high = _mm256_mul_pd(a, b);
+  const __m256d low = _mm256_fmsub_pd(a, b, high);
+  const __m256d e = _mm256_round_pd(_mm256_mul_pd(high, q_inverse), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256d r = add_q_if_negative(_mm256_add_pd(_mm256_fnmadd_pd(e, q, high), low), q);
+  return add_q_if_negative(_mm256_sub_pd(r, q), q);
+}
+// 4 residues (integers below 2^52) from memory as binary64, and back
+FHELIUM_AVX2 inline __m256d load(const void* p) {
+  return to_double(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+FHELIUM_AVX2 inline void store(void* p, __m256d v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_integer(v));
+}
+FHELIUM_AVX2 inline __m256i mul_mod_lanes(__m256i a, __m256i b, __m256d q, __m256d q_inverse) {
+  return to_integer(mul_mod_exact_lanes(to_double(a), to_double(b), q, q_inverse));
+}
+#include "ntt_avx2.inc.cpp"
+#undef FHELIUM_VECTOR
+}  // namespace avx2
+
 // ------------------------------------------------------------------------------------ ops
 // one row at a resolved level (see resolve_level)
 inline void forward_row(u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
   if (level == kLevelIfma) ifma::forward(scratch, out, t, logn);
   else if (level == kLevelDq) dq::forward(scratch, out, t, logn);
+  else if (level == kLevelAvx2) avx2::forward(scratch, out, t, logn);
   else forward_scalar(scratch, out, t, logn);
 }
 
 inline void inverse_row(const u64* in, u64* scratch, u64* out, const RowTables& t, int logn, int64_t level) {
   if (level == kLevelIfma) ifma::inverse(in, scratch, out, t, logn);
   else if (level == kLevelDq) dq::inverse(in, scratch, out, t, logn);
+  else if (level == kLevelAvx2) avx2::inverse(in, scratch, out, t, logn);
   else inverse_scalar(in, scratch, out, t, logn);
 }
 
 // the level a row kernel runs: the vector levels need N >= 16 (16-element blocks); IFMA needs every
-// q < 2^50 (lazy values below 4q in 52 bits) and otherwise runs the DQ level, which takes q < 2^62
+// q < 2^50 (lazy values below 4q in 52 bits) and otherwise runs the DQ level, which takes q < 2^62;
+// AVX2 needs every q < 2^50 too (binary64 integers) and otherwise runs the scalar level
 int64_t resolve_level(int64_t level, const at::Tensor& moduli, int logn) {
   checked_level(level);
   if (level == kLevelScalar || logn < 4) return kLevelScalar;
-  if (level == kLevelIfma) {
+  if (level == kLevelIfma || level == kLevelAvx2) {
     const int64_t* q = moduli.data_ptr<int64_t>();
     for (int64_t i = 0; i < moduli.numel(); ++i) {
-      if (static_cast<u64>(q[i]) >= kIfmaModulusBound) return kLevelDq;
+      if (level == kLevelIfma && static_cast<u64>(q[i]) >= kIfmaModulusBound) return kLevelDq;
+      if (level == kLevelAvx2 && static_cast<u64>(q[i]) >= kAvx2ModulusBound) return kLevelScalar;
     }
   }
   return level;
@@ -505,21 +592,96 @@ FHELIUM_DQ int64_t elementwise_vector(char** data, const int64_t* strides, int64
   return vectors;
 }
 
+// elements [from, to) by the scalar formula
 template <Elementwise op>
-void elementwise_loop(at::TensorIterator& iter, int inputs, bool vector) {
-  iter.for_each([inputs, vector](char** data, const int64_t* strides, int64_t count) {
-    int64_t done = vector ? elementwise_vector<op>(data, strides, count, inputs) : 0;
-    int64_t v[3] = {0, 0, 0};
-    for (int64_t i = done; i < count; ++i) {
-      for (int t = 0; t < inputs - 1; ++t) v[t] = *reinterpret_cast<const int64_t*>(data[t + 1] + i * strides[t + 1]);
-      const int64_t q = *reinterpret_cast<const int64_t*>(data[inputs] + i * strides[inputs]);
-      *reinterpret_cast<int64_t*>(data[0] + i * strides[0]) = elementwise_one<op>(v, q);
+inline void elementwise_span(char** data, const int64_t* strides, int64_t from, int64_t to, int inputs) {
+  int64_t v[3] = {0, 0, 0};
+  for (int64_t i = from; i < to; ++i) {
+    for (int t = 0; t < inputs - 1; ++t) v[t] = *reinterpret_cast<const int64_t*>(data[t + 1] + i * strides[t + 1]);
+    const int64_t q = *reinterpret_cast<const int64_t*>(data[inputs] + i * strides[inputs]);
+    *reinterpret_cast<int64_t*>(data[0] + i * strides[0]) = elementwise_one<op>(v, q);
+  }
+}
+
+FHELIUM_AVX2 inline __m256i load_or_broadcast_avx2(const char* p, int64_t stride) {
+  return stride == 0 ? _mm256_set1_epi64x(*reinterpret_cast<const long long*>(p))
+                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+FHELIUM_AVX2 inline __m256i add_q_if_negative_avx2(__m256i r, __m256i q) {
+  return _mm256_add_epi64(r, _mm256_and_si256(_mm256_cmpgt_epi64(_mm256_setzero_si256(), r), q));
+}
+
+// elementwise_vector in 4 AVX2 lanes: add and sub are the reference's integer formulas; the products
+// run in binary64 lanes (avx2::mul_mod_lanes) where a, b < q < 2^50 (the reference's contract, under
+// which its result is the unique residue), else those 4 elements take the scalar formula
+template <Elementwise op>
+FHELIUM_AVX2 int64_t elementwise_avx2(char** data, const int64_t* strides, int64_t count, int inputs) {
+  for (int t = 0; t <= inputs; ++t) {
+    if (strides[t] != 8 && (t == 0 || strides[t] != 0)) return 0;
+  }
+  const int64_t vectors = count / 4 * 4;
+  char* out = data[0];
+  const char* a = data[1];
+  const char* b = data[2];
+  const char* c = inputs == 4 ? data[3] : nullptr;
+  const char* pq = data[inputs];
+  const int64_t sa = strides[1], sb = strides[2], sc = inputs == 4 ? strides[3] : 0, sq = strides[inputs];  // q last
+  constexpr bool product = op == Elementwise::Mul || op == Elementwise::MulAdd;
+  const __m256i outside = _mm256_set1_epi64x(~static_cast<long long>(kAvx2ModulusBound - 1));
+  __m256d q_double = _mm256_setzero_pd(), q_inverse = _mm256_setzero_pd();
+  if (product && sq == 0) {
+    q_double = avx2::to_double(_mm256_andnot_si256(outside, _mm256_set1_epi64x(*reinterpret_cast<const long long*>(pq))));
+    q_inverse = _mm256_div_pd(_mm256_set1_pd(1.0), q_double);
+  }
+  for (int64_t k = 0; k < vectors; k += 4) {
+    const __m256i q = load_or_broadcast_avx2(pq + k * sq, sq);
+    const __m256i va = load_or_broadcast_avx2(a + k * sa, sa);
+    const __m256i vb = load_or_broadcast_avx2(b + k * sb, sb);
+    __m256i r;
+    if constexpr (op == Elementwise::Add) {
+      r = add_q_if_negative_avx2(_mm256_sub_epi64(_mm256_add_epi64(va, vb), q), q);
+    } else if constexpr (op == Elementwise::Sub) {
+      r = add_q_if_negative_avx2(_mm256_sub_epi64(va, vb), q);
+    } else {
+      const __m256i below_q = _mm256_and_si256(_mm256_cmpgt_epi64(q, va), _mm256_cmpgt_epi64(q, vb));
+      if (!_mm256_testz_si256(_mm256_or_si256(_mm256_or_si256(va, vb), q), outside) ||
+          _mm256_movemask_pd(_mm256_castsi256_pd(below_q)) != 0xf) {
+        elementwise_span<op>(data, strides, k, k + 4, inputs);
+        continue;
+      }
+      if (sq != 0) {
+        q_double = avx2::to_double(q);
+        q_inverse = _mm256_div_pd(_mm256_set1_pd(1.0), q_double);
+      }
+      r = avx2::mul_mod_lanes(va, vb, q_double, q_inverse);
+      if constexpr (op == Elementwise::MulAdd) {
+        const __m256i vc = load_or_broadcast_avx2(c + k * sc, sc);
+        r = add_q_if_negative_avx2(_mm256_sub_epi64(_mm256_add_epi64(r, vc), q), q);
+      }
     }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * 8), r);
+  }
+  return vectors;
+}
+
+// kind: kLevelScalar, kLevelAvx2 or kLevelDq (the DQ lanes, at the DQ and IFMA levels)
+template <Elementwise op>
+void elementwise_loop(at::TensorIterator& iter, int inputs, int64_t kind) {
+  iter.for_each([inputs, kind](char** data, const int64_t* strides, int64_t count) {
+    int64_t done = 0;
+    if (kind == kLevelDq) done = elementwise_vector<op>(data, strides, count, inputs);
+    else if (kind == kLevelAvx2) done = elementwise_avx2<op>(data, strides, count, inputs);
+    elementwise_span<op>(data, strides, done, count, inputs);
   });
 }
 
-// the elementwise ops and the tensor product: 8 AVX-512 DQ lanes at the DQ and IFMA levels
-bool vector_level(int64_t level) { return checked_level(level) != kLevelScalar; }
+// the elementwise ops and the tensor product: 8 AVX-512 DQ lanes at the DQ and IFMA levels, 4 AVX2
+// lanes at the AVX2 level
+int64_t vector_kind(int64_t level) {
+  checked_level(level);
+  return level == kLevelIfma ? kLevelDq : level;
+}
 
 template <Elementwise op>
 at::Tensor elementwise(std::initializer_list<const at::Tensor*> operands, int64_t level) {
@@ -529,7 +691,7 @@ at::Tensor elementwise(std::initializer_list<const at::Tensor*> operands, int64_
   config.add_output(out);
   for (const at::Tensor* t : operands) config.add_const_input(*t);
   at::TensorIterator iter = config.build();
-  elementwise_loop<op>(iter, static_cast<int>(operands.size()), vector_level(level));
+  elementwise_loop<op>(iter, static_cast<int>(operands.size()), vector_kind(level));
   return iter.output();
 }
 
@@ -541,7 +703,7 @@ void elementwise_(at::Tensor& a, std::initializer_list<const at::Tensor*> rest, 
   config.add_output(a).add_const_input(a).resize_outputs(false);
   for (const at::Tensor* t : rest) config.add_const_input(*t);
   at::TensorIterator iter = config.build();
-  elementwise_loop<op>(iter, static_cast<int>(rest.size()) + 1, vector_level(level));
+  elementwise_loop<op>(iter, static_cast<int>(rest.size()) + 1, vector_kind(level));
 }
 
 at::Tensor mul_mod(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t level) {
@@ -734,18 +896,69 @@ FHELIUM_DQ void mac_dq(u64* acc, const u64* d, const u64* k0, const u64* k1, int
   }
 }
 
+// The AVX2 rows (all primes below 2^50, see resolve_level): the residues as binary64 integers.
+// lift_row: y = c (+ offset) < q_src + q < 2^51; floor(y * fl(1/q)) is within 1 of y/q, so y - e*q
+// (exact by FMA) lies in [-q, 2q) and two corrections make it the residue
+FHELIUM_AVX2 void lift_row_avx2(const u64* c, u64* out, int64_t n, const Lift& l) {
+  const __m256i half = _mm256_set1_epi64x(static_cast<long long>(l.half_src));
+  const __m256i offset = _mm256_set1_epi64x(static_cast<long long>(l.offset));
+  const double q_scalar = static_cast<double>(l.q);
+  const __m256d q = _mm256_set1_pd(q_scalar), q_inverse = _mm256_set1_pd(1.0 / q_scalar);
+  for (int64_t k = 0; k < n; k += 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + k));
+    const __m256i y = _mm256_add_epi64(v, _mm256_and_si256(_mm256_cmpgt_epi64(v, half), offset));
+    const __m256d yd = avx2::to_double(y);
+    const __m256d e = _mm256_round_pd(_mm256_mul_pd(yd, q_inverse), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256d r = avx2::add_q_if_negative(_mm256_fnmadd_pd(e, q, yd), q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), avx2::to_integer(avx2::reduce_once(r, q)));
+  }
+}
+
+// ((x - c) mod q) * w mod q: the difference x - c + q in (0, 2q), one lazy product, one reduction
+FHELIUM_AVX2 void sub_mul_row_avx2(const u64* x, const u64* c, u64* out, int64_t n, u64 q_, u64 w_) {
+  const double q_scalar = static_cast<double>(q_), w_scalar = static_cast<double>(w_);
+  const __m256d q = _mm256_set1_pd(q_scalar), w = _mm256_set1_pd(w_scalar);
+  const __m256d wq = _mm256_set1_pd(w_scalar * (1.0 / q_scalar));
+  const __m256i qi = _mm256_set1_epi64x(static_cast<long long>(q_));
+  for (int64_t k = 0; k < n; k += 4) {
+    const __m256i d = _mm256_add_epi64(_mm256_sub_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)),
+                                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + k))),
+                                       qi);
+    const __m256d r = avx2::reduce_once(avx2::mul_lazy(avx2::to_double(d), w, wq, q), q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), avx2::to_integer(r));
+  }
+}
+
+// mac_scalar in 4 binary64 lanes (each product the reference's residue, then a reduced sum)
+FHELIUM_AVX2 void mac_avx2(u64* acc, const u64* d, const u64* k0, const u64* k1, int64_t n, u64 q_, bool first) {
+  const double q_scalar = static_cast<double>(q_);
+  const __m256d q = _mm256_set1_pd(q_scalar), q_inverse = _mm256_set1_pd(1.0 / q_scalar);
+  for (int64_t k = 0; k < n; k += 4) {
+    const __m256d dv = avx2::load(d + k), a = avx2::load(k0 + k), b = avx2::load(k1 + k);
+    __m256d m0 = avx2::mul_mod_exact_lanes(dv, a, q, q_inverse), m1 = avx2::mul_mod_exact_lanes(dv, b, q, q_inverse);
+    if (!first) {
+      m0 = avx2::reduce_once(_mm256_add_pd(avx2::load(acc + k), m0), q);
+      m1 = avx2::reduce_once(_mm256_add_pd(avx2::load(acc + n + k), m1), q);
+    }
+    avx2::store(acc + k, m0);
+    avx2::store(acc + n + k, m1);
+  }
+}
+
 constexpr int64_t kIfmaMacDigits = 15;
 constexpr int64_t kKeySwitchChunkResidues = int64_t{1} << 18;
 
 inline void lift_row(const u64* c, u64* out, int64_t n, const Lift& l, int64_t level) {
   if (level == kLevelIfma) lift_row_ifma(c, out, n, l);
   else if (level == kLevelDq) lift_row_dq(c, out, n, l);
+  else if (level == kLevelAvx2) lift_row_avx2(c, out, n, l);
   else lift_row_scalar(c, out, n, l);
 }
 
 inline void sub_mul_row(const u64* x, const u64* c, u64* out, int64_t n, u64 q, u64 w, u64 ws, int64_t level) {
   if (level == kLevelIfma) sub_mul_row_ifma(x, c, out, n, q, w, ws);
   else if (level == kLevelDq) sub_mul_row_dq(x, c, out, n, q, w, ws);
+  else if (level == kLevelAvx2) sub_mul_row_avx2(x, c, out, n, q, w);
   else sub_mul_row_scalar(x, c, out, n, q, w, ws);
 }
 
@@ -798,7 +1011,8 @@ FHELIUM_DQ void fold_addend_row_dq(u64* s, const int64_t* a, const int64_t* m, i
 
 inline void fold_addend_row(u64* s, const int64_t* a, const int64_t* m, int64_t n, int64_t q, int64_t f, int64_t p_res,
                             int64_t level) {
-  if (level == kLevelScalar) fold_addend_row_scalar(s, a, m, n, q, f, p_res);
+  // the AVX2 level runs the scalar row (the signed residues of wide values need int64 <-> binary64)
+  if (level == kLevelScalar || level == kLevelAvx2) fold_addend_row_scalar(s, a, m, n, q, f, p_res);
   else fold_addend_row_dq(s, a, m, n, q, f, p_res);
 }
 
@@ -978,7 +1192,8 @@ at::Tensor key_switch_run(const at::Tensor* x_in, const at::Tensor* lifted_in, c
           }
           const u64* k0 = key_data + digit_of[j] * ks0 + row_of[i] * ks2;
           if (ifma_mac) mac_ifma(acc.data(), row, k0, k0 + ks1, n, j == 0);
-          else if (chosen != kLevelScalar) mac_dq(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
+          else if (chosen == kLevelDq || chosen == kLevelIfma) mac_dq(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
+          else if (chosen == kLevelAvx2) mac_avx2(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
           else mac_scalar(acc.data(), row, k0, k0 + ks1, n, qi, j == 0);
         }
         u64* result0 = accumulated.data() + (b * qp + i) * n;
@@ -1344,6 +1559,29 @@ FHELIUM_DQ void tensor_product_row_vector(const int64_t* a0, const int64_t* a1, 
   }
 }
 
+FHELIUM_AVX2 void tensor_product_row_avx2(const int64_t* a0, const int64_t* a1, const int64_t* b0, const int64_t* b1,
+                                          int64_t* d0, int64_t* d1, int64_t* d2, int64_t n, int64_t q_) {
+  const double q_scalar = static_cast<double>(q_);
+  const __m256d q = _mm256_set1_pd(q_scalar), q_inverse = _mm256_set1_pd(1.0 / q_scalar);
+  using avx2::load;
+  using avx2::store;
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256d x0 = load(a0 + k), x1 = load(a1 + k), y0 = load(b0 + k), y1 = load(b1 + k);
+    store(d0 + k, avx2::mul_mod_exact_lanes(x0, y0, q, q_inverse));
+    store(d2 + k, avx2::mul_mod_exact_lanes(x1, y1, q, q_inverse));
+    const __m256d cross = _mm256_add_pd(avx2::mul_mod_exact_lanes(x0, y1, q, q_inverse),
+                                        avx2::mul_mod_exact_lanes(x1, y0, q, q_inverse));
+    store(d1 + k, avx2::reduce_once(cross, q));
+  }
+  for (; k < n; ++k) {
+    d0[k] = mul_mod_one(a0[k], b0[k], q_);
+    d2[k] = mul_mod_one(a1[k], b1[k], q_);
+    const int64_t cross = mul_mod_one(a0[k], b1[k], q_) + mul_mod_one(a1[k], b0[k], q_) - q_;
+    d1[k] = cross + ((cross >> 63) & q_);
+  }
+}
+
 void tensor_product_row_scalar(const int64_t* a0, const int64_t* a1, const int64_t* b0, const int64_t* b1, int64_t* d0,
                                int64_t* d1, int64_t* d2, int64_t n, int64_t q) {
   for (int64_t k = 0; k < n; ++k) {
@@ -1361,7 +1599,7 @@ at::Tensor tensor_product(const at::Tensor& a_in, const at::Tensor& b_in, const 
   TORCH_CHECK(a_in.sizes() == b_in.sizes() && a_in.dim() >= 3 && a_in.size(0) == 2,
               "fhelium::tensor_product: a and b must both be [2, ..., L, N]");
   TORCH_CHECK(moduli.dim() == 1 && moduli.size(0) == a_in.size(-2), "fhelium::tensor_product: moduli must be [L]");
-  const bool vector = vector_level(level);
+  const int64_t kind = vector_kind(level);
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous(), q = moduli.contiguous();
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
   shape[0] = 3;
@@ -1374,7 +1612,10 @@ at::Tensor tensor_product(const at::Tensor& a_in, const at::Tensor& b_in, const 
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t off = r * n, qr = pq[r % limbs];
-      if (vector) {
+      if (kind == kLevelAvx2 && static_cast<u64>(qr) < kAvx2ModulusBound) {
+        tensor_product_row_avx2(pa + off, pa + component + off, pb + off, pb + component + off, po + off,
+                                po + component + off, po + 2 * component + off, n, qr);
+      } else if (kind == kLevelDq) {
         tensor_product_row_vector(pa + off, pa + component + off, pb + off, pb + component + off, po + off,
                                   po + component + off, po + 2 * component + off, n, qr);
       } else {
@@ -1528,7 +1769,8 @@ at::Tensor smudging_noise(const at::Tensor& words_in, const at::Tensor& constant
   TORCH_CHECK(constants_in.scalar_type() == at::kDouble && constants_in.numel() == kNoiseConstants,
               "fhelium::smudging_noise: ", kNoiseConstants, " float64 constants expected");
   TORCH_CHECK(shift >= 0 && shift < 40, "fhelium::smudging_noise: shift must be in [0, 40)");
-  const bool vector = checked_level(level) != kLevelScalar;
+  // the AVX-512 lanes at the DQ and IFMA levels; the AVX2 level runs the scalar loop
+  const bool vector = checked_level(level) == kLevelDq || level == kLevelIfma;
   const at::Tensor words = words_in.contiguous();
   const at::Tensor constants = constants_in.to(at::kCPU).contiguous();
   const double* k = constants.data_ptr<double>();

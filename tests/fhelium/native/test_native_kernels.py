@@ -79,6 +79,36 @@ def test_forward_and_inverse_are_bit_identical_to_the_torch_reference(
 
 
 @pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize(
+    ("log_n", "limbs"),
+    [(3, 1), (4, 17), (5, 2), (6, 3), (7, 4), (8, 5), (9, 6), (10, 7), (11, 17), (12, 8), (13, 3), (14, 17)],
+)
+def test_every_ring_degree_and_limb_count(
+    level: str, log_n: int, limbs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N = 8 ... 2^14 with 1 ... 17 limbs of the engine's prime sizes (50, 40, 30 bits: every level's
+    vector rows), the extremes 0 and q - 1 in every row.
+    """
+    n = 1 << log_n
+    moduli = _moduli(n, limbs)
+    (q, tables), reference = _native_and_reference(n, moduli)
+    ids = tuple(range(limbs))
+    x = _random(moduli, n, (), seed=log_n * 100 + limbs)
+    x[:, 0] = 0
+    x[:, -1] = q - 1
+    expected = reference.forward(x, ids)
+    forward = native.ntt_forward(x, q, tables, level)
+    assert torch.equal(forward, expected)
+    assert torch.equal(native.ntt_inverse(expected, q, tables, level), x)
+    y = _random(moduli, n, (), seed=log_n * 100 + limbs + 1)
+    column = q.view(-1, 1)
+    with monkeypatch.context() as patch:
+        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        expected_product = mul_mod(x, y, column, 1.0 / column.double())
+    assert torch.equal(native.mul_mod(x, y, column, level=level), expected_product)
+
+
+@pytest.mark.parametrize("level", _levels())
 def test_extreme_residues_and_small_rings(level: str) -> None:
     for n in (2, 4, 8, 16, 32, 64):
         moduli = _moduli(n, 3)
@@ -128,10 +158,27 @@ def test_primes_above_the_ifma_bound_match_the_big_integer_evaluation(level: str
     assert torch.equal(native.ntt_inverse(torch.tensor(evaluated), q, tables, level), x)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def test_levels_are_ordered_and_checked_against_the_cpu() -> None:
     supported = native.supported_levels()
     assert supported == native.LEVELS[: len(supported)]  # each level needs the CPU of the one below
-    assert [native.LEVEL_CODES[name] for name in native.LEVELS] == [0, 1, 2]
+    assert native.LEVELS == ("scalar", "avx2", "dq", "ifma")
+    assert [native.LEVEL_CODES[name] for name in native.LEVELS] == [0, 1, 2, 3]
+    flags = _cpu_flags()
+    if {"avx2", "fma"} <= flags:  # every AVX2 server CPU (and every AVX-512 one) runs the AVX2 level
+        assert "avx2" in supported
+    if flags and "avx512f" not in flags:  # no AVX-512: AVX2 is the best level, chosen by default
+        assert supported[-1] == ("avx2" if {"avx2", "fma"} <= flags else "scalar")
     x = torch.zeros(1, 16, dtype=torch.int64)
     q = torch.tensor([ntt_primes(30, 16, 1)[0]])
     for name in native.LEVELS[len(supported) :]:  # a level this CPU lacks is refused, never run
@@ -269,6 +316,26 @@ def test_mul_mod_and_mul_add_mod_match_the_reference(
     assert torch.equal(native.mul_mod(top, top.t().contiguous().t(), q), reference(top, top, q))
     # the engine's mul_mod runs the native op unless FHELIUM_NATIVE_LEVEL=torch
     assert torch.equal(mul_mod(a, b, q, 1.0 / q.double()), expected)
+
+
+@pytest.mark.parametrize("level", _levels())
+def test_mul_mod_beyond_the_vector_lanes_follows_the_reference_formula(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A modulus above 2^50 or operands not below q (outside the binary64 lanes of the AVX2 level)
+    take the reference's formula: the same bits as the torch path at every level.
+    """
+    q = torch.tensor([[(1 << 61) - 1], [(1 << 40) - 87], [(1 << 50) - 27]])
+    generator = torch.Generator().manual_seed(17)
+    a = torch.randint(0, 1 << 50, (3, 64), generator=generator)
+    b = torch.randint(0, 1 << 50, (3, 64), generator=generator)
+    a[2] %= q[2]
+    b[2] %= q[2]
+    b[2, 5] = q[2, 0]  # one lane at q itself: its four take the scalar formula, the rest stay vector
+    with monkeypatch.context() as patch:
+        patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")
+        expected = mul_mod(a, b, q, 1.0 / q.double())
+    assert torch.equal(native.mul_mod(a, b, q, level=level), expected)
 
 
 def test_ops_have_fake_implementations() -> None:
