@@ -219,6 +219,7 @@ def _program_mean(
     session: ThresholdSession,
     transport: Transport,
     rows: torch.Tensor,
+    values: int,
     lower: bool,
     timings: Timings,
     record: Callable[[str, torch.Tensor], None],
@@ -242,7 +243,7 @@ def _program_mean(
         nonlocal nbytes, executable
         nbytes = c1_only.data.numel() * c1_only.data.element_size()
         executable = link_program(transport, session.engine, lower=lower, reserve=nbytes)
-        record("c1_ciphertext", c1_only.data)
+        audit("c1_ciphertext", c1_only.data)
         started = time.perf_counter()
         try:
             (total,) = executable.run(c1_only)
@@ -253,7 +254,7 @@ def _program_mean(
                 f"the all-reduce failed, a rank probably left mid-run: {error}"
             ) from error
         elapsed = timings.measure("all_reduce", started)
-        record("sum", total.data)
+        audit("sum", total.data)
         say(
             f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s "
             "(c1 components only; c0 stays on each rank)"
@@ -262,8 +263,21 @@ def _program_mean(
         return summed
 
     started = time.perf_counter()
+
+    def audit(name: str, tensor: torch.Tensor) -> None:
+        nonlocal started
+        record(name, tensor)
+        if name == "ciphertext":  # aggregate has just encrypted this rank's rows
+            elapsed = timings.measure("encrypt", started)
+            say(
+                f"encrypted {values} values into {rows.size(0)} ciphertexts "
+                f"({tensor.numel() * tensor.element_size() / 2**20:.1f} MiB) in {elapsed:.2f}s"
+            )
+        elif name == "sum":
+            started = time.perf_counter()  # the decryption's time starts once the c1 sum is back
+
     try:
-        total = session.aggregate(rows, record=record, before_contribution=before_decrypt, sum_c1=sum_c1)
+        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt, sum_c1=sum_c1)
     except RuntimeError as error:
         raise WorldChangedError(
             f"the threshold aggregation failed, a rank probably left mid-run: {error}"
@@ -349,7 +363,8 @@ def aggregate_mean_threshold(
             mean = mean[:values]
         else:
             mean, nbytes = _program_mean(
-                session, transport, padded.view(rows, slots), lower, timings, record, before_decrypt, say
+                session, transport, padded.view(rows, slots), values, lower, timings, record, before_decrypt,
+                say,
             )
             mean = mean[:values]
     except MultipartyError as error:

@@ -653,6 +653,11 @@ class ThresholdSession:
                     round_number,
                     f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
                 )
+        for part, summed in enumerate(sums):
+            # residues at or above their prime would be congruent to a checked value yet feed the
+            # modular kernels out of their range
+            if bool((summed < 0).any()) or bool((summed >= m.q).any()):
+                raise self._refuse(what, round_number, f"has residues outside [0, q) in slice {part}")
         digests = [sum_digest(self.party.session, round_number, what, part, s) for part, s in enumerate(sums)]
         weights = [
             projection_weights(d, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
@@ -743,8 +748,11 @@ class ThresholdSession:
                     break
                 mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
             else:
-                if mine.shape != own[mine_index].shape or not torch.equal(
-                    total, project(mine, weights[mine_index], m.q, m.q_inverse)
+                if (
+                    mine.shape != own[mine_index].shape
+                    or bool((mine < 0).any())
+                    or bool((mine >= m.q).any())
+                    or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
                 ):
                     verdict = b"is not the sum of this round's contributions"
         verdicts = self.channel.all_gather_bytes(f"{what}-verdict:{round_number}", verdict, max_bytes=256)

@@ -174,6 +174,7 @@ C1_ATTACKS = {  # the rounds the attack is played in (the others are honest)
     "subset": (1, 2),
     "scaled": (1, 2),
     "negated": (1, 2),
+    "unreduced": (1, 2),
     "split": (1, 2),
     "replay": (2,),
     "zero-replay": (1, 2),

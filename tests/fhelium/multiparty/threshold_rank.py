@@ -172,7 +172,8 @@ class MaliciousFold(ProcessGroupChannel):
     Underneath, every residue exchange all-gathers the ranks' inputs over the real process group
     (what a fold sees); the answer each rank gets is chosen by ``attack`` (the victim is rank
     ``VICTIM``): "substitute" (the victim's c1 for the sum), "subset" (every c1 but the victim's),
-    "scaled" (twice the sum), "negated" (minus the sum), "split" (rank 0 the sum, the others the sum
+    "scaled" (twice the sum), "negated" (minus the sum), "unreduced" (the sum plus q: congruent, out
+    of range), "split" (rank 0 the sum, the others the sum
     plus the victim's c1), "replay" (round 1 honest, round 2 gets round 1's sum), "zero-replay"
     (round 1 gets 0, which would open every c0; round 2 gets this round's sum plus the victim's c1 of
     round 1), "tamper-sum" (honest c1 sums; each rank's summed contributions are the victim's alone).
@@ -209,6 +210,8 @@ class MaliciousFold(ProcessGroupChannel):
             return torch.remainder(2 * honest, q)
         if attack == "negated":
             return torch.remainder(-honest, q)
+        if attack == "unreduced":  # congruent to the sum, but every residue lifted by its prime
+            return honest + q
         if attack == "split":
             return honest if self.rank == 0 else torch.remainder(honest + victim, q)
         if attack == "replay" and self.round == 2:
