@@ -106,12 +106,18 @@ def sum_digest(session: str, round_number: int, what: str, part: int, summed: to
     round's, even when its residues were replayed bit for bit.
     """
     header = f"{len(session)}:{session}/{round_number}/{what}/{part}/{tuple(summed.shape)}".encode()
-    return hashlib.sha256(
-        SUM_CHECK_DOMAIN
-        + len(header).to_bytes(4, "big")
-        + header
-        + summed.contiguous().cpu().numpy().tobytes()
-    ).digest()
+    digest = hashlib.sha256(SUM_CHECK_DOMAIN + len(header).to_bytes(4, "big") + header)
+    digest.update(memoryview(summed.contiguous().cpu().numpy()).cast("B"))  # no copy of the residues
+    return digest.digest()
+
+
+def out_of_range(residues: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether any residue of ``[..., limbs, N]`` lies outside [0, q_limb): one min/max pass per limb."""
+    for limb in range(residues.size(-2)):
+        low, high = torch.aminmax(residues[..., limb, :])
+        if int(low) < 0 or int(high) >= int(q.reshape(-1)[limb]):
+            return True
+    return False
 
 
 def projection_weights(digest: bytes, moduli: torch.Tensor, rows: int) -> torch.Tensor:
@@ -656,7 +662,7 @@ class ThresholdSession:
         for part, summed in enumerate(sums):
             # residues at or above their prime would be congruent to a checked value yet feed the
             # modular kernels out of their range
-            if bool((summed < 0).any()) or bool((summed >= m.q).any()):
+            if out_of_range(summed, m.q):
                 raise self._refuse(what, round_number, f"has residues outside [0, q) in slice {part}")
         digests = [sum_digest(self.party.session, round_number, what, part, s) for part, s in enumerate(sums)]
         weights = [
@@ -750,8 +756,7 @@ class ThresholdSession:
             else:
                 if (
                     mine.shape != own[mine_index].shape
-                    or bool((mine < 0).any())
-                    or bool((mine >= m.q).any())
+                    or out_of_range(mine, m.q)
                     or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
                 ):
                     verdict = b"is not the sum of this round's contributions"
