@@ -11,9 +11,9 @@ Every configuration runs as P gloo processes on this machine (one torch thread e
 - ours, threshold, Program: no key holder (fhelium.multiparty), as the flagship's relay road runs it
   (and its process-group road did before it ran the fused form).
   Committed common seed, collective public key from every rank's committed key share, every rank encrypts
-  (two 50-bit Q limbs, scale 2^88), the same compiled Program sums whole ciphertexts, every rank publishes
-  a flooded decryption share, the shares are all-reduced and each rank decodes 1/world of the rows
-  (``ThresholdSession.decrypt``), the decoded slots are all-gathered;
+  (two 50-bit Q limbs, scale 2^88), the same compiled Program sums c1-only ciphertexts (c0 zeroed), every
+  rank checks the sum and publishes c0_i + its flooded decryption share, the contributions are all-reduced,
+  checked, and every rank decodes every row (``ThresholdSession.aggregate(sum_c1=...)``);
 - ours, threshold, fused: the same keys, then ``ThresholdSession.aggregate``:
   every rank encrypts (two 50-bit Q limbs, scale 2^88) one slice of rows per rank, the c1 components are
   all-reduced (started per slice while the next is encrypted), every rank publishes c0_i + its flooded
@@ -156,23 +156,38 @@ def threshold_program(rank: int, world: int, update: torch.Tensor, truth: torch.
     started = timed_barrier()
     cpu_started = time.process_time()
     session.generate_public_key()
-    encrypt_started = time.perf_counter()
-    ciphertext = session.encrypt(padded.view(rows, slots))
-    encrypt_seconds = time.perf_counter() - encrypt_started
-    (total,) = executable.run(ciphertext)
-    mean = session.decrypt(total).real.reshape(-1)[: update.numel()] / world
+    encrypt_seconds = 0.0
+    encrypt = session.party.encrypt
+
+    def timed_encrypt(values: torch.Tensor, public: PublicKey) -> Ciphertext:
+        nonlocal encrypt_seconds
+        encrypt_started = time.perf_counter()
+        try:
+            return encrypt(values, public)
+        finally:
+            encrypt_seconds += time.perf_counter() - encrypt_started
+
+    def sum_c1(c1_only: Ciphertext) -> torch.Tensor:
+        (total,) = executable.run(c1_only)
+        summed: torch.Tensor = total.data[1]
+        return summed
+
+    # the flagship's relay road: the Program sums c1-only ciphertexts, the sums are checked, c0_i + h_i
+    session.party.encrypt = timed_encrypt  # type: ignore[method-assign]
+    mean = session.aggregate(padded.view(rows, slots), sum_c1=sum_c1).reshape(-1)[: update.numel()] / world
     dist.barrier()
     elapsed = time.perf_counter() - started
     cpu_seconds = time.process_time() - cpu_started
-    # Three SUM all-reduces (key shares, ciphertexts, decryption shares), each counted as a ring, plus
-    # six all_gathers: seed commitments, reveals, key share commitments and key fingerprints (64 KiB
-    # records), the opened key shares (1 MiB records) and each rank's 1/world of the decoded slots.
+    # Three SUM all-reduces (key shares, the c1-only ciphertexts with their zeroed c0, the contributions),
+    # each counted as a ring, plus six all_gathers: seed commitments, reveals, key share commitments and
+    # key fingerprints (64 KiB records), the opened key shares (1 MiB records); the sum checks' records
+    # (a digest and one [limbs, N] projection per rank and sum) are not counted.
     from fhelium.multiparty.distributed import MAX_KEY_SHARE_BYTES, MAX_RECORD_BYTES
 
-    residue_bytes = sum(t.numel() * t.element_size() for t in (ciphertext.data, ciphertext.data[1]))
+    residue_bytes = 3 * rows * engine.q_count * engine.ring_degree * 8
     residue_bytes += engine.ring_degree * len(engine.moduli) * 8
     record_bytes = (world - 1) * (4 * (MAX_RECORD_BYTES + 8) + MAX_KEY_SHARE_BYTES + 8)
-    slot_bytes = (world - 1) * -(-rows // world) * slots * 16  # complex128 slices, ring all_gather
+    slot_bytes = 0  # every rank decodes every row (the blocking path, as on the relay road)
     return {
         "seconds": elapsed,
         "cpu_seconds": cpu_seconds,

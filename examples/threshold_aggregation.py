@@ -1,18 +1,22 @@
 """Encrypted mean with no key holder: threshold (N-out-of-N) CKKS on both roads of a flodld run.
 
 Every rank holds a share of the secret key (fhelium.multiparty): the public key is built jointly
-from a committed common seed, every rank encrypts its update under it, the ciphertexts are summed,
-and every rank publishes a decryption share; the sum of the shares decrypts the sum on **every**
-rank. Key shares, ciphertexts and decryption shares all move as residues:
-- relay road: the compiled Program (examples/encrypted_mean.mlir) sums whole ciphertexts, deposited
-  at the host relay and folded by the relays and the controller with the keyless modular fold
-  (``modular:<q,...>``), then the decryption shares are folded the same way; the seed commitments
-  and reveals ride the rendezvous store;
-- process-group road: the fused protocol, ``ThresholdSession.aggregate`` (only the ciphertexts' c1
-  components are all-reduced; each rank publishes c0_i + h_i, its own c0 folded into its flooded
-  decryption share; slice k of the rows is summed and decoded on rank k and the decoded slots are
-  all-gathered: half the bytes of the unfused exchange, see docs/fhelium-multiparty.md). With
-  ``--lower`` the process-group road runs the lowered Program and the unfused decryption instead.
+from a committed common seed, every rank encrypts its update under it, only the ciphertexts' c1
+components are summed, and every rank publishes c0_i + h_i (its own c0, a one-time pad, folded into
+its flooded decryption share of the c1 sum); the sum of those decrypts the sum on **every** rank.
+Both roads run this fused protocol (``ThresholdSession.aggregate``), and on both every rank checks the
+c1 sum it was handed (the same on every rank, and the sum of every rank's c1, by a random projection)
+before it publishes anything, and the summed contributions before it decodes: an aggregator that
+substitutes, drops, replays or scales ciphertexts, or answers ranks differently, is refused, naming
+the round (docs/security.md, "Threshold aggregation"). Key shares, c1 sums and contributions move as
+residues:
+- relay road: the compiled Program (examples/encrypted_mean.mlir) sums the c1 components (each rank
+  hands it its ciphertext with c0 zeroed), deposited at the host relay and folded by the relays and
+  the controller with the keyless modular fold (``modular:<q,...>``), then the contributions are
+  folded the same way; the seed commitments, reveals and sum checks ride the rendezvous store;
+- process-group road: slice k of the rows is summed and decoded on rank k and the decoded slots are
+  all-gathered (half the bytes of the unfused exchange, see docs/fhelium-multiparty.md). With
+  ``--lower`` the lowered Program sums the c1 components, as on the relay road.
 
 No party, and no coalition short of all other ranks, can decrypt an individual update; the
 controller and the relays see residues and the final sum only (docs/tutorial-encrypted-aggregation.md).
@@ -42,6 +46,7 @@ from encrypted_aggregation import (
     refuse_differing_records,
 )
 
+from fhelium.core import Ciphertext
 from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError, ThresholdParameters
 from fhelium.multiparty.distributed import (
     EXCHANGES,
@@ -210,6 +215,81 @@ def _fused_mean(
     return total.reshape(-1) / world, nbytes
 
 
+def _program_mean(
+    session: ThresholdSession,
+    transport: Transport,
+    rows: torch.Tensor,
+    values: int,
+    lower: bool,
+    timings: Timings,
+    record: Callable[[str, torch.Tensor], None],
+    before_decrypt: Callable[[], None] | None,
+    say: Say,
+) -> tuple[torch.Tensor, int]:
+    """The relay road (and ``--lower``): the fused protocol with the compiled Program as the c1 sum.
+
+    ``ThresholdSession.aggregate`` hands the Program this rank's ciphertext with c0 zeroed (c0 is
+    the rank's one-time pad and never leaves it), the Program's all_reduce_add_ciphertext sums it
+    through the relays and the controller (or the process group), and the session checks the
+    returned c1 sum against every rank's c1 before any rank publishes c0_i + h_i; the summed
+    contributions are checked the same way before decoding. No decryption share is ever made for a
+    ciphertext the fold returned. Returns the flat mean and this rank's ciphertext bytes.
+    """
+    world = transport.world_size
+    nbytes = 0
+    executable: Any = None
+
+    def sum_c1(c1_only: Ciphertext) -> torch.Tensor:
+        nonlocal nbytes, executable
+        nbytes = c1_only.data.numel() * c1_only.data.element_size()
+        executable = link_program(transport, session.engine, lower=lower, reserve=nbytes)
+        audit("c1_ciphertext", c1_only.data)
+        started = time.perf_counter()
+        try:
+            (total,) = executable.run(c1_only)
+        except AggregationError:
+            raise
+        except RuntimeError as error:
+            raise WorldChangedError(
+                f"the all-reduce failed, a rank probably left mid-run: {error}"
+            ) from error
+        elapsed = timings.measure("all_reduce", started)
+        audit("sum", total.data)
+        say(
+            f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s "
+            "(c1 components only; c0 stays on each rank)"
+        )
+        summed: torch.Tensor = total.data[1]
+        return summed
+
+    started = time.perf_counter()
+
+    def audit(name: str, tensor: torch.Tensor) -> None:
+        nonlocal started
+        record(name, tensor)
+        if name == "ciphertext":  # aggregate has just encrypted this rank's rows
+            elapsed = timings.measure("encrypt", started)
+            say(
+                f"encrypted {values} values into {rows.size(0)} ciphertexts "
+                f"({tensor.numel() * tensor.element_size() / 2**20:.1f} MiB) in {elapsed:.2f}s"
+            )
+        elif name == "sum":
+            started = time.perf_counter()  # the decryption's time starts once the c1 sum is back
+
+    try:
+        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt, sum_c1=sum_c1)
+    except RuntimeError as error:
+        raise WorldChangedError(
+            f"the threshold aggregation failed, a rank probably left mid-run: {error}"
+        ) from error
+    elapsed = timings.measure("decrypt", started)
+    say(
+        f"collective decryption from {world} decryption shares in {elapsed:.2f}s (fused: c0_i + h_i for "
+        "the checked c1 sum; the summed contributions checked before decoding)"
+    )
+    return total.reshape(-1) / world, nbytes
+
+
 def aggregate_mean_threshold(
     transport: Transport,
     *,
@@ -282,36 +362,11 @@ def aggregate_mean_threshold(
             )
             mean = mean[:values]
         else:
-            ciphertext = session.encrypt(padded.view(rows, slots))
-            record("ciphertext", ciphertext.data)
-            elapsed = timings.measure("encrypt", started)
-            nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
-            say(
-                f"encrypted {values} values into {rows} ciphertexts ({nbytes / 2**20:.1f} MiB) in "
-                f"{elapsed:.2f}s"
+            mean, nbytes = _program_mean(
+                session, transport, padded.view(rows, slots), values, lower, timings, record, before_decrypt,
+                say,
             )
-
-            executable = link_program(transport, engine, lower=lower, reserve=nbytes)
-            started = time.perf_counter()
-            try:
-                (total,) = executable.run(ciphertext)
-            except AggregationError:
-                raise
-            except RuntimeError as error:
-                raise WorldChangedError(
-                    f"the all-reduce failed, a rank probably left mid-run: {error}"
-                ) from error
-            elapsed = timings.measure("all_reduce", started)
-            record("sum", total.data)
-            say(f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s")
-
-            if before_decrypt is not None:
-                before_decrypt()
-            started = time.perf_counter()
-            # process-group road: each rank decodes 1/world of the rows, the decoded rows are all-gathered
-            mean = session.decrypt(total, record=record).real.reshape(-1)[:values] / world
-            elapsed = timings.measure("decrypt", started)
-            say(f"collective decryption from {world} decryption shares in {elapsed:.2f}s")
+            mean = mean[:values]
     except MultipartyError as error:
         if getattr(error, "missing", None) is not None:
             raise MissingSharesAggregationError(str(error)) from error

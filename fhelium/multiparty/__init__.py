@@ -17,6 +17,7 @@ from fhelium.multiparty.parameters import (
     required_smudging_sigma,
 )
 from fhelium.multiparty.protocol import (
+    FloodingBudgetError,
     MissingSharesError,
     MultipartyError,
     SeedCommitmentError,
@@ -44,6 +45,7 @@ __all__ = [
     "THRESHOLD_AGGREGATION",
     "THRESHOLD_CKKS_PARAMETERS",
     "DecryptionShare",
+    "FloodingBudgetError",
     "MissingSharesError",
     "MultipartyError",
     "PublicKeyShare",

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 import fhelium.distributed as fdist
 from fhelium.core import Ciphertext, PublicKey
+from fhelium.engine import modular as mod
+from fhelium.engine.sampling import RandomSource
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
 from fhelium.multiparty.protocol import (
     MissingSharesError,
@@ -46,7 +48,18 @@ MAX_KEY_SHARE_BYTES = 1 << 20  # a serialized PublicKeyShare (3 primes x 8192 x 
 KEY_SHARE_COMMITMENT_DOMAIN = b"fhelium.multiparty.key-share-commitment.v1"
 DEFAULT_TIMEOUT_S = 60.0
 # the exchanges without which the sum cannot be decrypted (named as such when a rank is missing)
-DECRYPTION_EXCHANGES = frozenset({"decryption-shares", "ciphertext-c1", "decryption-contributions"})
+DECRYPTION_EXCHANGES = frozenset(
+    {
+        "decryption-shares",
+        "decryption-agreement",
+        "ciphertext-c1",
+        "ciphertext-c1-check",
+        "decryption-contributions",
+        "decryption-contributions-check",
+        "decryption-contributions-digest",
+        "decryption-contributions-verdict",
+    }
+)
 
 # What each exchange carries, for the error naming the missing ranks.
 EXCHANGES = {
@@ -57,10 +70,87 @@ EXCHANGES = {
     "public-key-share-open": "its opened public key share",
     "public-key-fingerprint": "the collective key's fingerprint",
     "decryption-shares": "a decryption share",
+    "decryption-agreement": "the digest of the ciphertext it is asked to decrypt",
+    "ciphertext-c1-check": "its check of the c1 sum",
+    "decryption-contributions-check": "its check of the summed decryption contributions",
+    "decryption-contributions-digest": "the digest of its slice's summed decryption contributions",
+    "decryption-contributions-verdict": "its verdict on its slice's summed decryption contributions",
     "ciphertext-c1": "its ciphertext's c1 component",
     "decryption-contributions": "its decryption share (c0_i + h_i)",
     "decoded-slots": "its slice of the decoded sum",
 }
+
+
+SUM_CHECK_DOMAIN = b"fhelium.multiparty.sum-check.v1"
+DECRYPT_AGREEMENT_DOMAIN = b"fhelium.multiparty.decrypt-agreement.v1"
+DIGEST_BYTES = 32
+
+
+class SumCheckError(MultipartyError):
+    """A sum the channel (the fold) returned is not the sum of this round's inputs: refused.
+
+    ``round`` is the session's aggregation round; ``ranks`` the ranks that were handed another sum
+    than this one (empty when every rank got the same wrong sum).
+    """
+
+    def __init__(self, message: str, round_number: int, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.round = round_number
+        self.ranks = sorted(ranks)
+
+
+def sum_digest(session: str, round_number: int, what: str, part: int, summed: torch.Tensor) -> bytes:
+    """SHA-256 of a summed residue tensor bound to the session, the round, the exchange and the slice.
+
+    Binding the round makes an earlier round's sum another digest (and another challenge) than this
+    round's, even when its residues were replayed bit for bit.
+    """
+    header = f"{len(session)}:{session}/{round_number}/{what}/{part}/{tuple(summed.shape)}".encode()
+    digest = hashlib.sha256(SUM_CHECK_DOMAIN + len(header).to_bytes(4, "big") + header)
+    digest.update(summed.contiguous().cpu().numpy().data)  # the residues in place, no bytes copy
+    return digest.digest()
+
+
+def out_of_range(residues: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether any residue of ``[..., limbs, N]`` lies outside [0, q_limb): one min/max pass per limb."""
+    for limb in range(residues.size(-2)):
+        low, high = torch.aminmax(residues[..., limb, :])
+        if int(low) < 0 or int(high) >= int(q.reshape(-1)[limb]):
+            return True
+    return False
+
+
+def projection_weights(digest: bytes, moduli: torch.Tensor, rows: int) -> torch.Tensor:
+    """The Fiat–Shamir challenge of ``digest``: one uniform multiplier per row and limb, ``[rows, limbs, 1]``.
+
+    Expanded with the engine's ChaCha20 ``RandomSource`` from the digest of the sum being checked, so
+    the fold cannot know the multipliers before it has committed to the sum (every rank derives the
+    same ones from the same sum).
+    """
+    q = moduli.reshape(-1, 1).cpu()
+    weights = RandomSource(digest, purpose="general").uniform_below(q, (q.size(0), rows))
+    return weights.t().contiguous().unsqueeze(-1).to(moduli.device)
+
+
+def project(
+    residues: torch.Tensor, weights: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor
+) -> torch.Tensor:
+    """Σ_r weights[r]·residues[r] mod q: ``[limbs, N]`` from ``[rows, limbs, N]`` residues, exact.
+
+    One pass over the rows (the native fused multiply-add-mod where it serves, else mul_mod and
+    add_mod): the cost of one modular product per residue.
+    """
+    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
+    total = torch.zeros(rows.shape[1:], dtype=torch.int64, device=rows.device)
+    if mod._native_elementwise(rows, weights, q):
+        from fhelium import native
+
+        for row, weight in zip(rows, weights, strict=True):
+            total = native.mul_add_mod(row, weight, total, q)
+        return total
+    for row, weight in zip(rows, weights, strict=True):
+        mod.add_mod_(total, mod.mul_mod(row, weight, q, q_inverse), q)
+    return total
 
 
 class ShareChannel(Protocol):
@@ -78,6 +168,7 @@ class ShareChannel(Protocol):
 def missing_error(
     tag: str, world_size: int, missing: Sequence[int], waited: float | None
 ) -> MissingSharesError:
+    tag = tag.partition(":")[0]  # "<exchange>:<round>" names one round's exchange of that kind
     what = EXCHANGES.get(tag, tag)
     within = f" within {waited:g}s" if waited is not None else ""
     if tag in DECRYPTION_EXCHANGES:
@@ -306,6 +397,8 @@ class ThresholdSession:
         self.engine = self.party.engine
         self.public: PublicKey | None = None
         self.key_share: PublicKeyShare | None = None
+        self.round = 0  # aggregation rounds of this session (bound into every sum check)
+        self.decryptions = 0  # explicit decrypt() calls of this session
 
     def _gather_values(self, tag: str, value: SeedCommitment | SeedReveal) -> list[Any]:
         blobs = self.channel.all_gather_bytes(tag, value_to_bytes(value))
@@ -385,26 +478,46 @@ class ThresholdSession:
         *,
         record: Callable[[str, torch.Tensor], None] | None = None,
         before_contribution: Callable[[], None] | None = None,
+        sum_c1: Callable[[Ciphertext], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Encrypt this rank's real ``values`` ``[rows, ≤S]``, sum over the ranks, decrypt collectively.
 
         Returns the real slots (float64 ``[rows, S]``) of the sum, on every rank. The fused protocol:
         the ranks sum only the ciphertexts' c1 components; each rank then publishes c0_i + h_i
         (its own c0 folded into its flooded decryption share of the summed c1), and the sum of
-        those is c0 + Σ h_i. Publishing c0_i + h_i reveals a function of what the unfused protocol
-        (sum whole ciphertexts, then ``decrypt``) reveals, so no observer learns more, and the
-        ciphertext exchange moves half the bytes.
+        those is c0 + Σ h_i. Every c0_i is a fresh one-time pad (an RLWE sample) used in exactly one
+        contribution, so the only combination of the contributions that decodes is the sum of all of
+        them, and it decodes to the sum of the messages only if every rank folded its secret into
+        the true c1 sum.
+
+        Verified sums (docs/security.md, "Threshold aggregation"): the channel's fold is not
+        trusted. Before publishing its contribution every rank checks that the c1 sum it was handed
+        is the same on every rank (a digest bound to the session, the round and the exchange,
+        all-gathered) and is the sum of this round's c1 components (a random projection: the
+        Fiat–Shamir challenge of that digest gives one uniform multiplier per row and limb, every
+        rank all-gathers the projection of its own c1, and their sum must equal the projection of
+        the sum, exactly, modulo each prime). A substituted ciphertext, a subset sum, an earlier
+        round's sum, a scaled or negated sum, or different sums for different ranks are refused
+        with ``SumCheckError`` naming the round, before any contribution is published. The summed
+        contributions are checked the same way before they are decoded (the fold cannot bias the
+        result unnoticed). Rounds are numbered within the session.
 
         On a channel with ``start_all_reduce_residues``, ``start_reduce_residues`` and
         ``all_gather_tensor`` (the process group) the rows are cut into one slice per rank:
         slice k is encrypted and its c1 sum starts while the next slice is encrypted, the flooding
         noise is drawn while the sums are in flight, slice k's contributions are summed on rank k
-        only, which decodes it, and the decoded slices are all-gathered (real parts only). Other
-        channels (the relay road) sum everything with ``all_reduce_residues`` and every rank
-        decodes every row. ``record(name, tensor)`` sees the ciphertext, the summed c1, this
-        rank's contribution and the summed contributions this rank decodes (the flagship's audit).
-        ``before_contribution()`` runs once every c1 sum has arrived and before this rank publishes
-        any contribution (the flagship's fault injection: a rank leaving after encrypting).
+        only, which checks and decodes it, and the decoded slices are all-gathered (real parts
+        only). Other channels (the relay road) sum everything with ``all_reduce_residues`` and every
+        rank decodes every row. ``sum_c1(ct)``, when given, sums the c1 components instead of the
+        channel (the flagship runs its compiled Program here): it gets this rank's ciphertext with
+        c0 zeroed and returns the summed c1 ``[rows, limbs, N]``; the sum is checked all the same.
+        ``record(name, tensor)`` sees the ciphertext, the summed c1, this rank's contribution and the
+        summed contributions this rank decodes (the flagship's audit). ``before_contribution()`` runs
+        once every c1 sum has arrived and passed its check, before this rank publishes any
+        contribution (the flagship's fault injection: a rank leaving after encrypting).
+
+        Each aggregation spends ``rows`` of this key's flooding budget
+        (``ThresholdParameters.decryption_row_budget``); past it ``FloodingBudgetError``.
         """
         if self.public is None:
             raise MultipartyError("aggregate before generate_public_key")
@@ -413,26 +526,46 @@ class ThresholdSession:
         if values.ndim == 1:
             values = values.unsqueeze(0)
         rows, world = values.size(0), channel.world_size
+        self.round += 1
+        round_number = self.round
+        party.spend_decryption_rows(rows)  # before anything moves: every rank refuses at the same round
         start_sum = getattr(channel, "start_all_reduce_residues", None)
         start_reduce = getattr(channel, "start_reduce_residues", None)
         gather = getattr(channel, "all_gather_tensor", None)
-        if start_sum is None or start_reduce is None or gather is None or world == 1 or rows < world:
+        if (
+            sum_c1 is not None
+            or start_sum is None
+            or start_reduce is None
+            or gather is None
+            or world == 1
+            or rows < world
+        ):
             ct = party.encrypt(values, self.public)
-            moduli = engine.moduli_for(ct.prime_ids)
+            ids = ct.prime_ids
+            moduli = engine.moduli_for(ids)
             if record is not None:
                 record("ciphertext", ct.data)
-            c1 = channel.all_reduce_residues("ciphertext-c1", ct.data[1], moduli)
+            own_c1 = ct.data[1]
+            if sum_c1 is not None:  # only c1 leaves this rank: c0 is its one-time pad
+                c1_only = Ciphertext(
+                    torch.stack((torch.zeros_like(own_c1), own_c1)), ct.depth, ct.scale, ids, "ntt"
+                )
+                c1 = sum_c1(c1_only)
+            else:
+                c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
             if record is not None:
                 record("c1_sum", c1)
+            self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
             if before_contribution is not None:
                 before_contribution()
-            contribution = party.decryption_contribution(ct, c1)
+            contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
             if record is not None:
                 record("decryption_share", contribution)
             total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
             if record is not None:
                 record("decryption_sum", total)
-            return decode_contributions(engine, total, ct.prime_ids, ct.scale)
+            self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
+            return decode_contributions(engine, total, ids, ct.scale)
         per = -(-rows // world)
         bounds = [(min(k * per, rows), min((k + 1) * per, rows)) for k in range(world)]
         parts: list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]] = []
@@ -444,55 +577,248 @@ class ThresholdSession:
                     ct = party.encrypt(values[start:stop], self.public)
                     record("ciphertext", ct.data)
                 moduli = engine.moduli_for(ct.prime_ids)
-                parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1], moduli)))
+                # a copy goes to the in-place sum: this rank's own c1 is needed for the check
+                parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1].clone(), moduli)))
         if record is None:
             flooded = [ct.data[0] for _, ct, _ in parts]
         else:
             flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
-
-        def c1_arrived(finish: Callable[[], torch.Tensor]) -> torch.Tensor:
+        sums = []
+        for _, _, finish in parts:
             c1 = finish()
             if record is not None:
                 record("c1_sum", c1)
-            return c1
-
-        sums: list[torch.Tensor] = []
-        if before_contribution is not None:  # every c1 sum first, then the hook, then the contributions
-            sums = [c1_arrived(finish) for _, _, finish in parts]
+            sums.append(c1)
+        ids = parts[0][1].prime_ids
+        self._check_sums("ciphertext-c1", round_number, [ct.data[1] for _, ct, _ in parts], sums, ids)
+        if before_contribution is not None:
             before_contribution()
         pending = []
-        for index, ((k, ct, c1_sum), contribution) in enumerate(zip(parts, flooded, strict=True)):
-            c1 = sums[index] if sums else c1_arrived(c1_sum)
+        own: list[torch.Tensor] = []
+        for (k, ct, _), c1, contribution in zip(parts, sums, flooded, strict=True):
             party.add_decryption_share_(contribution, c1, ct.prime_ids)
             if record is not None:
                 record("decryption_share", contribution)
+            own.append(contribution.clone())  # the reduction works in place; the check needs it
             moduli = engine.moduli_for(ct.prime_ids)
             pending.append(start_reduce("decryption-contributions", contribution, moduli, k))
-        mine = torch.zeros(per, engine.slot_count, dtype=torch.float64)
-        for (_, ct, _), finish in zip(parts, pending, strict=True):
+        mine: torch.Tensor | None = None
+        mine_index = -1
+        for index, finish in enumerate(pending):
             total = finish()
             if total is not None:
                 if record is not None:
                     record("decryption_sum", total)
-                mine[: total.size(0)] = decode_contributions(engine, total, ct.prime_ids, ct.scale)
-        pieces = gather("decoded-slots", mine)
+                mine, mine_index = total, index
+        self._check_sliced_sums(round_number, own, mine_index, mine, ids)
+        decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
+        if mine is not None:
+            ct = parts[mine_index][1]
+            decoded[: mine.size(0)] = decode_contributions(engine, mine, ct.prime_ids, ct.scale)
+        pieces = gather("decoded-slots", decoded)
         return torch.cat(pieces)[:rows]
 
-    def decrypt(
-        self, ct: Ciphertext, *, record: Callable[[str, torch.Tensor], None] | None = None
-    ) -> torch.Tensor:
-        """Publish h_i, all-reduce the shares, decode c0 + Σ h_i.
+    def _refuse(self, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()) -> SumCheckError:
+        label = SUM_LABELS.get(what, what)
+        action = (
+            "refuses to publish its decryption contribution"
+            if what == "ciphertext-c1"
+            else "refuses to decode it"
+        )
+        return SumCheckError(
+            f"aggregation round {round_number} of session {self.party.session!r}: the {label} the channel "
+            f"(the aggregator's fold) returned {detail}; rank {self.channel.rank} {action}. The aggregator "
+            "substituted, dropped, replayed, scaled or reordered inputs, or answered ranks differently "
+            "(docs/security.md, 'Threshold aggregation'); run the round again over an aggregator you "
+            "trust to be correct",
+            round_number,
+            ranks,
+        )
 
-        The result: complex128 slots ``[*batch, S]`` on every rank.
+    def _check_sums(
+        self,
+        what: str,
+        round_number: int,
+        own: Sequence[torch.Tensor],
+        sums: Sequence[torch.Tensor],
+        prime_ids: Sequence[int],
+    ) -> None:
+        """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
 
-        Every rank's share covers every row (each row needs every secret share), but the decoding
-        (c0 + Σ h_i, inverse NTT, CRT, slots) is split: on a channel with ``all_gather_tensor``
-        (the process group), rank r decodes the r-th 1/world of the batch rows and the decoded
-        slots, the function's output that every rank gets anyway, are all-gathered. Without it
-        (the relay channel) every rank decodes every row. ``record(name, tensor)`` sees this
-        rank's decryption share and the summed shares (the flagship's audit).
+        One record exchange: per part, the digest of the sum (session, round, exchange, part) and
+        the projection of this rank's own residues with that digest's challenge. Every rank checks
+        every digest against its own (different sums for different ranks are named) and the sum of
+        the projections against the projection of the sum.
         """
+        ids = tuple(prime_ids)
+        m = self.engine._mod(ids)
+        for part, (mine, summed) in enumerate(zip(own, sums, strict=True)):
+            if tuple(summed.shape) != tuple(mine.shape):
+                raise self._refuse(
+                    what,
+                    round_number,
+                    f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
+                )
+        for part, summed in enumerate(sums):
+            # residues at or above their prime would be congruent to a checked value yet feed the
+            # modular kernels out of their range
+            if out_of_range(summed, m.q):
+                raise self._refuse(what, round_number, f"has residues outside [0, q) in slice {part}")
+        digests = [sum_digest(self.party.session, round_number, what, part, s) for part, s in enumerate(sums)]
+        weights = [
+            projection_weights(d, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
+            for d, s in zip(digests, sums, strict=True)
+        ]
+        projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
+        record = b"".join(
+            d + p.contiguous().cpu().numpy().tobytes() for d, p in zip(digests, projections, strict=True)
+        )
+        records = self.channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
+        differing = [
+            rank
+            for rank, blob in enumerate(records)
+            if len(blob) != len(record)
+            or any(
+                blob[offset : offset + DIGEST_BYTES] != digest
+                for offset, digest in zip(_offsets(projections), digests, strict=True)
+            )
+        ]
+        if differing:
+            raise self._refuse(
+                what,
+                round_number,
+                f"differs between ranks: rank(s) {differing} were handed another one than rank "
+                f"{self.channel.rank} (each rank's digest of its sum, all-gathered)",
+                differing,
+            )
+        for part, (offset, summed, weight) in enumerate(
+            zip(_offsets(projections), sums, weights, strict=True)
+        ):
+            total = torch.zeros_like(projections[part])
+            size = projections[part].numel() * 8
+            for blob in records:
+                start = offset + DIGEST_BYTES
+                theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
+                mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
+            if not torch.equal(total, project(summed, weight, m.q, m.q_inverse)):
+                raise self._refuse(
+                    what,
+                    round_number,
+                    f"is not the sum of this round's {self.channel.world_size} inputs (slice {part}: the "
+                    "random projections of every rank's own input do not add up to the projection of the "
+                    "sum)",
+                )
+
+    def _check_sliced_sums(
+        self,
+        round_number: int,
+        own: Sequence[torch.Tensor],
+        mine_index: int,
+        mine: torch.Tensor | None,
+        prime_ids: Sequence[int],
+    ) -> None:
+        """The summed contributions of the sliced path: slice k's sum is on rank k only.
+
+        Rank k publishes the digest of its sum, every rank publishes the projection of its own
+        contribution to every slice with that slice's challenge, rank k checks its slice, and every
+        rank's verdict is all-gathered so that every rank refuses together, naming the round.
+        """
+        what = "decryption-contributions"
+        ids = tuple(prime_ids)
+        m = self.engine._mod(ids)
+        digest = b""
+        if mine is not None:
+            digest = sum_digest(self.party.session, round_number, what, mine_index, mine)
+        digests = self.channel.all_gather_bytes(
+            f"{what}-digest:{round_number}", digest, max_bytes=DIGEST_BYTES
+        )
+        # the ranks holding a slice are the first len(own) (slices are cut in rank order)
+        weights = []
+        for part, contribution in enumerate(own):
+            if len(digests[part]) != DIGEST_BYTES:
+                raise self._refuse(what, round_number, f"was never announced by rank {part}", [part])
+            rows = contribution.reshape(-1, len(ids), contribution.size(-1)).size(0)
+            weights.append(projection_weights(digests[part], m.q, rows))
+        projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
+        record = b"".join(p.contiguous().cpu().numpy().tobytes() for p in projections)
+        records = self.channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
+        verdict = b""
+        if mine is not None:
+            size = projections[mine_index].numel() * 8
+            total = torch.zeros_like(projections[mine_index])
+            for blob in records:
+                start = mine_index * size
+                theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
+                if theirs.numel() != total.numel():
+                    verdict = b"a rank sent a truncated projection"
+                    break
+                mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
+            else:
+                if (
+                    mine.shape != own[mine_index].shape
+                    or out_of_range(mine, m.q)
+                    or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
+                ):
+                    verdict = b"is not the sum of this round's contributions"
+        verdicts = self.channel.all_gather_bytes(f"{what}-verdict:{round_number}", verdict, max_bytes=256)
+        refused = [rank for rank, text in enumerate(verdicts) if text]
+        if refused:
+            raise self._refuse(
+                what,
+                round_number,
+                f"to rank(s) {refused} (the rank(s) decoding those slices) "
+                + verdicts[refused[0]].decode(errors="replace"),
+                refused,
+            )
+
+    def decrypt(
+        self,
+        ct: Ciphertext,
+        *,
+        assume_identical: bool = False,
+        record: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Publish h_i = s_i·c1 + e_i' for ``ct``, all-reduce the shares, decode c0 + Σ h_i.
+
+        NOT for aggregation: use ``aggregate``. A decryption share decrypts whatever ciphertext it
+        is made for, so publishing one for a ciphertext an aggregator handed over lets that
+        aggregator decrypt anything it likes (rank v's own ciphertext instead of the sum, for one).
+        ``decrypt`` therefore refuses unless the caller states ``assume_identical=True``: that
+        ``ct`` is a ciphertext every rank already holds identically *and whose contents every rank
+        may learn* (it did not come from a party the ranks do not trust). The ranks then
+        all-gather the ciphertext's digest and refuse, naming the ranks, unless all hold the same.
+
+        The result: complex128 slots ``[*batch, S]`` on every rank. Every rank's share covers every
+        row; the decoding is split on a channel with ``all_gather_tensor`` (the process group):
+        rank r decodes the r-th 1/world of the rows and the decoded slots are all-gathered.
+        ``record(name, tensor)`` sees this rank's decryption share and the summed shares. Spends
+        the ciphertext's rows of this key's flooding budget.
+        """
+        if not assume_identical:
+            raise MultipartyError(
+                "ThresholdSession.decrypt publishes a decryption share for the ciphertext it is given, which "
+                "decrypts that ciphertext for whoever collects the shares: never call it on a ciphertext an "
+                "aggregator returned (use ThresholdSession.aggregate, which checks the sums). Pass "
+                "assume_identical=True only for a ciphertext every rank holds identically and may see "
+                "decrypted"
+            )
         engine = self.engine
+        self.decryptions += 1
+        session = self.party.session
+        header = f"{len(session)}:{session}/{self.decryptions}/{ct.prime_ids}/{tuple(ct.data.shape)}"
+        digest = hashlib.sha256(
+            DECRYPT_AGREEMENT_DOMAIN + header.encode() + ct.data.contiguous().cpu().numpy().tobytes()
+        ).digest()
+        digests = self.channel.all_gather_bytes(
+            f"decryption-agreement:{self.decryptions}", digest, max_bytes=DIGEST_BYTES
+        )
+        differing = [rank for rank, other in enumerate(digests) if other != digest]
+        if differing:
+            raise MultipartyError(
+                f"decryption {self.decryptions} of session {session!r} was refused before any share "
+                f"moved: rank(s) {differing} hold another ciphertext than rank {self.channel.rank} (decrypt "
+                "needs the same ciphertext on every rank)"
+            )
         share = self.party.decryption_share(ct, digest=False)
         if record is not None:
             record("decryption_share", share.data)
@@ -519,11 +845,27 @@ class ThresholdSession:
         return decoded.view(*ct.batch_shape, engine.slot_count)
 
 
+def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
+    """Where each part's digest starts in a check record (digest, then its projection, per part)."""
+    offsets, at = [], 0
+    for projection in projections:
+        offsets.append(at)
+        at += DIGEST_BYTES + projection.numel() * 8
+    return offsets
+
+
+SUM_LABELS = {
+    "ciphertext-c1": "c1 sum",
+    "decryption-contributions": "sum of the decryption contributions",
+}
+
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "EXCHANGES",
     "ProcessGroupChannel",
     "ShareChannel",
+    "SumCheckError",
     "ThresholdSession",
     "key_fingerprint",
     "key_share_digest",

@@ -87,6 +87,10 @@ class ThresholdParameters:
     smudging_shift_bits: int = 37
     smudging_high_sigma: float = 2.0**20
     smudging_low_sigma: float = 2.0**40
+    # Decrypted ciphertext rows (decryption shares published) per key share before the party refuses:
+    # each row spends at most 2^-statistical_security of statistical distance, so 2^20 rows bound a
+    # key's total to 2^-20 (docs/fhelium-multiparty.md, "Flooding budget").
+    decryption_row_budget: int = 2**20
 
     @property
     def message_scale(self) -> float:

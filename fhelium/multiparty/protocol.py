@@ -59,6 +59,10 @@ class MissingSharesError(MultipartyError):
         self.missing = sorted(missing)
 
 
+class FloodingBudgetError(MultipartyError):
+    """A party has published as many decryption shares under its key share as its flooding budget allows."""
+
+
 def commitment_digest(party: int, parties: int, session: str, contribution: bytes) -> bytes:
     """SHA-256 over a domain label, the rank, the world size, the session and the contribution.
 
@@ -400,6 +404,24 @@ class ThresholdParty:
         self.engine = CkksEngine(parameters.ckks, rng_seed=rng_seed, device=device)
         self._contribution: bytes | None = None
         self.secret: SecretKeyShare | None = None
+        self.decrypted_rows = 0  # decryption shares (ciphertext rows) published under this key share
+
+    def spend_decryption_rows(self, rows: int) -> None:
+        """Count ``rows`` decryption shares against the flooding budget, or refuse before publishing any.
+
+        Each published row spends at most 2^-λ (λ = ``statistical_security``) of statistical distance
+        on the key share; past ``parameters.decryption_row_budget`` rows the party refuses.
+        """
+        budget = self.parameters.decryption_row_budget
+        if self.decrypted_rows + rows > budget:
+            raise FloodingBudgetError(
+                f"party {self.party}: decrypting {rows} more ciphertext row(s) would exceed this key share's "
+                f"flooding budget of {budget} rows ({self.decrypted_rows} spent; each row costs up to "
+                f"2^-{self.parameters.statistical_security} of statistical distance, "
+                "docs/fhelium-multiparty.md 'Flooding budget'). Rotate the keys: start a new session (or "
+                "call generate_public_key again) so that every rank draws a fresh key share"
+            )
+        self.decrypted_rows += rows
 
     # ------------------------------------------------------------------ common seed
     def commit_seed(self) -> SeedCommitment:
@@ -427,6 +449,7 @@ class ThresholdParty:
         secret = engine.generate_secret_key()
         ids = secret.prime_ids
         self.secret = SecretKeyShare(secret.data, ids, self.party, self.parties)
+        self.decrypted_rows = 0  # a fresh key share has its whole flooding budget
         m = engine._mod(ids)
         a = common_uniform(engine, seed)
         e = (
@@ -475,6 +498,7 @@ class ThresholdParty:
         engine = self.engine
         ct = engine._check_ciphertext(ct, "ciphertext")
         ct.assert_state(polynomial_domain="ntt", components=2, name="decryption_share input")
+        self.spend_decryption_rows(math.prod(ct.batch_shape))
         ids = ct.prime_ids
         q = engine._mod(ids)
         n = engine.ring_degree
@@ -552,6 +576,9 @@ class ThresholdParty:
         """
         ct = self.engine._check_ciphertext(ct, "ciphertext")
         ct.assert_state(polynomial_domain="ntt", components=2, name="decryption_contribution input")
+        if self.secret is None:
+            raise MultipartyError("a decryption share before key_share: this party holds no secret share")
+        self.spend_decryption_rows(math.prod(ct.batch_shape))
         flooded = self.flooded_c0(ct.data[0], ct.prime_ids)
         return self.add_decryption_share_(flooded, c1_sum, ct.prime_ids)
 
@@ -564,6 +591,7 @@ class ThresholdParty:
 __all__ = [
     "BLOCK_ROWS",
     "COMMITMENT_DOMAIN",
+    "FloodingBudgetError",
     "MissingSharesError",
     "MultipartyError",
     "SeedCommitmentError",

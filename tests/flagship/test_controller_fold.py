@@ -287,9 +287,8 @@ def test_the_controller_folds_exactly_the_modular_sum_of_ciphertexts_and_never_s
 
 
 def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_sum(tmp_path: Path) -> None:
-    from fhelium.core import Ciphertext
     from fhelium.engine import CkksEngine
-    from fhelium.multiparty import THRESHOLD_AGGREGATION, combine_decryption
+    from fhelium.multiparty import THRESHOLD_AGGREGATION, decode_contributions
 
     controller, forwarder, ok, output = asyncio.run(run_audited_world(tmp_path, ("--keys", "threshold")))
     assert ok, output
@@ -298,13 +297,17 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
     def dumped(name: str) -> list[torch.Tensor]:
         return [torch.load(tmp_path / f"rank{rank}-{name}.pt") for rank in range(2)]
 
-    key_shares, ciphertexts, sums = dumped("public_key_share"), dumped("ciphertext"), dumped("sum")
-    decryption_shares, secret_shares, updates = (
+    key_shares, c1_frames, sums = dumped("public_key_share"), dumped("c1_ciphertext"), dumped("sum")
+    contributions, secret_shares, updates = (
         dumped("decryption_share"),
         dumped("secret_share"),
         dumped("update"),
     )
     assert not (tmp_path / "rank0-secret_key.pt").exists()  # nobody holds the secret key
+    # the fused protocol: only c1 leaves a rank (c0, its one-time pad, is zeroed in what the Program sums)
+    assert all(bool((frame[0] == 0).all()) for frame in c1_frames)
+    ciphertexts = dumped("ciphertext")
+    assert all(torch.equal(frame[1], ct[1]) for frame, ct in zip(c1_frames, ciphertexts, strict=True))
 
     engine = CkksEngine(THRESHOLD_AGGREGATION.ckks)
     qp, q = list(engine.moduli), list(engine.moduli[:2])
@@ -317,19 +320,18 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
         (residues,) = decode_bundle(message.tensors, frame.tail)
         rounds.setdefault(message.round, []).append((message.contributors[0], residues))
         folds[message.round] = message.fold
-    # Three aggregation rounds, each with one frame per rank: key shares (QP), ciphertexts and decryption
-    # shares (Q).
+    # Three aggregation rounds, each with one frame per rank: key shares (QP), the c1-only ciphertexts
+    # and the decryption contributions c0_i + h_i (Q).
     assert len(rounds) == 3 and all(
         sorted(rank for rank, _ in frames) == [0, 1] for frames in rounds.values()
     )
     key_round, ct_round, share_round = sorted(rounds)
     assert folds[key_round] == "modular:" + ",".join(map(str, qp))
     assert folds[ct_round] == folds[share_round] == "modular:" + ",".join(map(str, q))
-    expected_by_round = {key_round: key_shares, ct_round: ciphertexts, share_round: decryption_shares}
+    expected_by_round = {key_round: key_shares, ct_round: c1_frames, share_round: contributions}
     for round_number, frames in rounds.items():
         for rank, residues in frames:
-            # exactly what the rank held (a key share, its ciphertext, its decryption share): residues,
-            # nothing else
+            # exactly what the rank held (a key share, its c1, its contribution): residues, nothing else
             assert residues.dtype == torch.int64
             assert torch.equal(residues, expected_by_round[round_number][rank])
     folded: dict[int, torch.Tensor] = {}
@@ -346,12 +348,11 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
     assert all(torch.equal(total, folded[ct_round]) for total in sums)
 
     # What the controller can compute from what it folded is the function's output, the sum, and no more:
-    summed = Ciphertext(folded[ct_round], 0, THRESHOLD_AGGREGATION.message_scale, (0, 1), "ntt")
-    output_sum = combine_decryption(engine, summed, folded[share_round]).real.reshape(-1)[:4096]
+    scale = THRESHOLD_AGGREGATION.message_scale
+    output_sum = decode_contributions(engine, folded[share_round], (0, 1), scale).reshape(-1)[:4096]
     assert float((output_sum - (updates[0].double() + updates[1].double())).abs().max()) < 1e-5
-    # ... while one rank's ciphertext with the shares it has is noise, not that rank's update.
-    alone = Ciphertext(ciphertexts[0], 0, THRESHOLD_AGGREGATION.message_scale, (0, 1), "ntt")
-    garbage = combine_decryption(engine, alone, folded[share_round]).real.reshape(-1)[:4096]
+    # ... while one rank's contribution alone is noise, not that rank's update.
+    garbage = decode_contributions(engine, contributions[0], (0, 1), scale).reshape(-1)[:4096]
     assert float((garbage - updates[0].double()).abs().mean()) > 100
 
     every_byte = b"".join(bytes(capture.up) + bytes(capture.down) for capture in forwarder.captures)

@@ -162,3 +162,42 @@ def test_a_rank_leaving_mid_run_fails_the_process_group_path_with_a_clear_error(
     assert re.search(
         r"rank 0: FAILED: WorldChangedError: the all-reduce failed, a rank probably left", run.output
     ), run.output
+
+
+@pytest.mark.parametrize("attack", ["substitute", "subset"])
+def test_a_malicious_controller_fold_is_refused_on_the_relay_road_before_any_share_is_published(
+    attack: str, tmp_path: Path
+) -> None:
+    # Issue 29: the controller answers the c1 sum with the victim's own frame (or the sum of the
+    # others'); before the fix every rank published a decryption share for it and printed the victim's
+    # update as "the mean". Now every rank refuses, naming the round, and publishes nothing.
+    run = Fdl(
+        "run",
+        "--ranks",
+        "3",
+        str(PROGRAM),
+        "--",
+        "--values",
+        VALUES,
+        "--keys",
+        "threshold",
+        "--malicious-fold",
+        attack,
+        "--fault-rank",
+        "1",
+        "--audit-dir",
+        str(tmp_path),
+    )
+    assert run.wait(240) != 0, run.output
+    assert len(re.findall(rf"the fold answers round \d+ with a {attack} sum", run.output)) == 3, run.output
+    refusals = re.findall(
+        r"rank (\d): FAILED: AggregationError: aggregation round 1 of session '[^']*': the c1 sum the "
+        r"channel \(the aggregator's fold\) returned is not the sum of this round's 3 inputs",
+        run.output,
+    )
+    assert sorted(int(rank) for rank in refusals) == [0, 1, 2], run.output
+    assert "encrypted mean PASS" not in run.output and "encrypted mean FAIL" not in run.output
+    assert "ThresholdSession.decrypt called" not in run.output
+    # nothing was published for the forged sum: no rank made a contribution (decryption share)
+    assert sorted(path.name for path in tmp_path.glob("rank*-decryption_share.pt")) == []
+    assert len(list(tmp_path.glob("rank*-c1_ciphertext.pt"))) == 3

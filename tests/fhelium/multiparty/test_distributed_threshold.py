@@ -135,13 +135,17 @@ def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() 
         assert result["seconds"] < 60  # bounded: the timeout, not gloo's or forever
 
 
-def test_a_rank_with_another_share_shape_is_named_before_any_payload_moves() -> None:
+def test_a_rank_decrypting_another_ciphertext_is_named_before_any_share_moves() -> None:
     results = run_world(3, "shape:1", timeout_s=20.0)
     for rank, result in enumerate(results):
         assert not result["ok"] and result["error"] == "MultipartyError", result
-        assert "'decryption-shares' exchange was refused before any payload moved" in result["message"]
+        # decrypt (opted in) all-gathers the ciphertext's digest first: no share moves for a ciphertext
+        # the ranks do not all hold
+        assert "decryption 1 of session 'test' was refused before any share moved" in result["message"]
         named = "[0, 2]" if rank == 1 else "[1]"
-        assert f"rank(s) {named} describe another payload" in result["message"], result["message"]
+        assert f"rank(s) {named} hold another ciphertext than rank {rank}" in result["message"], result[
+            "message"
+        ]
 
 
 def test_a_rank_summing_another_key_share_than_it_committed_to_is_refused_on_every_rank() -> None:
@@ -158,3 +162,75 @@ def test_a_rank_opening_another_key_share_than_it_committed_to_is_named() -> Non
     for result in run_world(3, "rogue-open:1"):
         assert not result["ok"] and result["error"] == "MultipartyError", result
         assert "rank(s) [1] opened a key share that does not match the commitment" in result["message"]
+
+
+# The aggregator as an attacker (issue 29): a fold that answers the c1 exchange with the victim's c1,
+# a subset sum, a scaled or negated sum, different sums to different ranks, an earlier round's sum,
+# or 0 (which would reveal every c0) and then the new sum plus the victim's old c1. Every honest rank
+# refuses, naming the round, before it publishes any contribution; on the sliced (process-group) path
+# and on the blocking path (the relay road's) alike.
+C1_ATTACKS = {  # the rounds the attack is played in (the others are honest)
+    "substitute": (1, 2),
+    "subset": (1, 2),
+    "scaled": (1, 2),
+    "negated": (1, 2),
+    "unreduced": (1, 2),
+    "split": (1, 2),
+    "replay": (2,),
+    "zero-replay": (1, 2),
+}
+GUESS_ERROR = 1e3  # the updates lie in [-1, 1]: guessing 0 is off by at most 1
+
+
+def _assert_victim_decodes_are_noise(result: dict[str, Any]) -> None:
+    decodes = result["decodes"]
+    for name in ("victim_alone", "victim_twice", "all_but_victim"):
+        assert decodes[name] > GUESS_ERROR, (name, decodes)
+
+
+@pytest.mark.parametrize("path", ["malicious", "malicious-blocking"])
+@pytest.mark.parametrize("attack", sorted(C1_ATTACKS))
+def test_a_malicious_fold_on_the_c1_sum_is_refused_before_any_contribution_is_published(
+    attack: str, path: str
+) -> None:
+    results = run_world(3, f"{path}:{attack}")
+    refused = C1_ATTACKS[attack]
+    for result in results:
+        assert result["ok"], result.get("trace")
+        for number, outcome in enumerate(result["rounds"], start=1):
+            if number not in refused:
+                assert outcome["ok"] and outcome["max_error"] < 1e-6, outcome
+                continue
+            assert not outcome["ok"] and outcome["error"] == "SumCheckError", outcome
+            assert f"aggregation round {number} of session 'test'" in outcome["message"], outcome
+            assert "c1 sum" in outcome["message"] and "refuses to publish" in outcome["message"]
+            if attack == "split":
+                assert "differs between ranks" in outcome["message"], outcome
+    # Nothing was published in a refused round: the aggregator collected the honest rounds' only, and
+    # nothing it can combine from them decodes to the victim's update.
+    honest_rounds = 2 - len(refused)
+    slices = 3 if path == "malicious" else 1
+    assert {result["published"] for result in results} == {honest_rounds * slices}
+    if honest_rounds:
+        _assert_victim_decodes_are_noise(results[0])
+
+
+@pytest.mark.parametrize("path", ["malicious", "malicious-blocking"])
+def test_a_fold_that_returns_another_sum_of_contributions_is_refused_and_learns_nothing(path: str) -> None:
+    results = run_world(3, f"{path}:tamper-sum")
+    for result in results:
+        assert result["ok"], result.get("trace")
+        for number, outcome in enumerate(result["rounds"], start=1):
+            assert not outcome["ok"] and outcome["error"] == "SumCheckError", outcome
+            assert f"aggregation round {number} of session 'test'" in outcome["message"], outcome
+            assert "sum of the decryption contributions" in outcome["message"], outcome
+    # every contribution was published (the c1 sums were honest); the victim's alone, or weighted
+    # differently from the others', is noise
+    _assert_victim_decodes_are_noise(results[0])
+
+
+def test_decrypt_refuses_without_the_explicit_opt_in() -> None:
+    for result in run_world(2, "decrypt-no-opt-in"):
+        assert not result["ok"] and result["error"] == "MultipartyError", result
+        assert "never call it on a ciphertext an aggregator returned" in result["message"]
+        assert "assume_identical=True" in result["message"]

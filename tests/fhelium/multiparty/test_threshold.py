@@ -389,3 +389,37 @@ def test_encrypt_flooded_is_flooded_c0_of_the_encryption_bit_for_bit(
     # and the noise is there: c0 differs from the plain encryption's by the flooding noise
     plain = ThresholdParty(0, 2, rng_seed=77).encrypt(values, public)
     assert not torch.equal(plain.data[0], flooded_c0) and torch.equal(plain.data[1], flooded_c1)
+
+
+def test_a_party_refuses_decryption_shares_past_its_flooding_budget_and_a_new_key_share_resets_it() -> None:
+    import dataclasses
+
+    from fhelium.multiparty import FloodingBudgetError
+
+    small = dataclasses.replace(THRESHOLD_AGGREGATION, decryption_row_budget=5)
+    members = [ThresholdParty(rank, 2, small, session="budget", rng_seed=70 + rank) for rank in range(2)]
+    commitments = [member.commit_seed() for member in members]
+    reveals = [member.reveal_seed() for member in members]
+    seed = members[0].combine_seed(commitments, reveals)
+    public = members[0].combine_public_key([member.key_share(seed) for member in members], seed)
+    member = members[0]
+    three = member.encrypt(torch.zeros(3, 4096, dtype=torch.float64), public)
+    member.decryption_share(three)  # 3 of 5 rows
+    two = member.encrypt(torch.zeros(2, 4096, dtype=torch.float64), public)
+    member.decryption_contribution(two, two.data[1])  # 5 of 5: exactly the budget
+    with pytest.raises(FloodingBudgetError) as refused:
+        member.decryption_share(member.encrypt(torch.zeros(1, 4096, dtype=torch.float64), public))
+    message = str(refused.value)
+    assert "flooding budget of 5 rows (5 spent" in message and "2^-40" in message
+    assert "Rotate the keys" in message and "generate_public_key again" in message
+    assert member.decrypted_rows == 5  # the refused share was not counted (nor published)
+    member.key_share(seed)  # a fresh key share has its whole budget
+    member.decryption_share(three)
+    assert member.decrypted_rows == 3
+
+
+def test_the_default_flooding_budget_holds_a_thousand_million_value_aggregations() -> None:
+    # 1M values are 256 rows of 4096 slots: 2^20 rows are 4096 such aggregations per key, and the
+    # statistical distance they spend is at most 2^20 · 2^-40 = 2^-20.
+    assert THRESHOLD_AGGREGATION.decryption_row_budget == 2**20
+    assert THRESHOLD_AGGREGATION.decryption_row_budget // 256 == 4096

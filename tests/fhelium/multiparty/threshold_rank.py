@@ -6,7 +6,9 @@ argv: scenario, timeout_s. Scenarios: "mean"; "aggregate" (the fused ThresholdSe
 share); "aggregate-hook" / "aggregate-hook:<rank>" (aggregate with a before_contribution hook, which
 records itself, or in which the rank leaves); "leave:<rank>" (leaves after encrypting); "shape:<rank>"
 (decrypts one row fewer); "rogue-sum:<rank>" (adds another key share to the sum than it committed to);
-"rogue-open:<rank>" (opens another key share than it committed to). Prints one JSON line with the outcome.
+"rogue-open:<rank>" (opens another key share than it committed to); "malicious:<attack>" /
+"malicious-blocking:<attack>" (the fused aggregate, sliced or blocking, over a MaliciousFold: see there).
+Prints one JSON line with the outcome.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,8 @@ def main() -> int:
         channel = ProcessGroupChannel(session="test", timeout_s=timeout_s)
         session = ThresholdSession(channel, session="test")
         kind, _, target = scenario.partition(":")
+        if kind in ("malicious", "malicious-blocking"):
+            return _malicious(scenario, rank, world, timeout_s, result)
         if kind.startswith("rogue") and rank == int(target):
             honest_reduce, honest_gather = channel.all_reduce_residues, channel.all_gather_bytes
 
@@ -79,7 +84,9 @@ def main() -> int:
             from fhelium.core import Ciphertext
 
             ct = Ciphertext(ct.data[:, :1].contiguous(), ct.depth, ct.scale, ct.prime_ids, "ntt")
-        mean = session.decrypt(ct).real.reshape(-1)[:count] / world
+        if kind == "decrypt-no-opt-in":
+            session.decrypt(ct)
+        mean = session.decrypt(ct, assume_identical=True).real.reshape(-1)[:count] / world
         truth = sum(update(r, count) for r in range(world)) / world
         result.update(ok=True, max_error=float((mean - truth).abs().max()))
     except Exception as error:  # report every failure as data
@@ -152,6 +159,138 @@ def _aggregate(
     result["seconds"] = time.monotonic() - started
     print(json.dumps(result), flush=True)
     _hold_the_store_until_every_live_rank_finished(rank, world - (leaver is not None))
+    os._exit(0)
+
+
+VICTIM = 1
+MALICIOUS_COUNT = 4 * 4096 + 100  # five rows: one slice per rank on the sliced path
+
+
+class MaliciousFold(ProcessGroupChannel):
+    """The aggregator as an attacker: it sees every rank's residues and answers each rank as it likes.
+
+    Underneath, every residue exchange all-gathers the ranks' inputs over the real process group
+    (what a fold sees); the answer each rank gets is chosen by ``attack`` (the victim is rank
+    ``VICTIM``): "substitute" (the victim's c1 for the sum), "subset" (every c1 but the victim's),
+    "scaled" (twice the sum), "negated" (minus the sum), "unreduced" (the sum plus q: congruent, out
+    of range), "split" (rank 0 the sum, the others the sum
+    plus the victim's c1), "replay" (round 1 honest, round 2 gets round 1's sum), "zero-replay"
+    (round 1 gets 0, which would open every c0; round 2 gets this round's sum plus the victim's c1 of
+    round 1), "tamper-sum" (honest c1 sums; each rank's summed contributions are the victim's alone).
+    ``published`` keeps every contribution the ranks published, as the aggregator collected them.
+    """
+
+    def __init__(self, attack: str, **kwargs: Any) -> None:  # noqa: ANN401
+        super().__init__(**kwargs)
+        self.attack = attack
+        self.round = 0
+        self.slice = 0
+        self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.published: list[list[torch.Tensor]] = []
+
+    def _answer(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
+        q = torch.tensor([int(m) for m in moduli], dtype=torch.int64).reshape(-1, 1)
+        inputs = [torch.empty_like(residues) for _ in range(self.world_size)]
+        fdist.all_gather(inputs, residues.contiguous())
+        honest = torch.remainder(sum(inputs, torch.zeros_like(residues)), q)
+        if tag == "decryption-contributions":
+            self.published.append(inputs)
+            return inputs[VICTIM].clone() if self.attack == "tamper-sum" else honest
+        if tag != "ciphertext-c1":
+            return honest
+        victim, key = inputs[VICTIM], (self.round, self.slice)
+        self.slice += 1
+        self.history[key] = (honest, victim)
+        attack = self.attack
+        if attack == "substitute":
+            return victim.clone()
+        if attack == "subset":
+            return torch.remainder(honest - victim, q)
+        if attack == "scaled":
+            return torch.remainder(2 * honest, q)
+        if attack == "negated":
+            return torch.remainder(-honest, q)
+        if attack == "unreduced":  # congruent to the sum, but every residue lifted by its prime
+            return honest + q
+        if attack == "split":
+            return honest if self.rank == 0 else torch.remainder(honest + victim, q)
+        if attack == "replay" and self.round == 2:
+            return self.history[(1, key[1])][0].clone()
+        if attack == "zero-replay":
+            if self.round == 1:
+                return torch.zeros_like(honest)
+            return torch.remainder(honest + self.history[(1, key[1])][1], q)
+        return honest
+
+    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
+        return self._answer(tag, residues, moduli)
+
+    def start_all_reduce_residues(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int]
+    ) -> Callable[[], torch.Tensor]:
+        answer = self._answer(tag, residues, moduli)
+        return lambda: answer
+
+    def start_reduce_residues(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int], dst: int
+    ) -> Callable[[], torch.Tensor | None]:
+        answer = self._answer(tag, residues, moduli)
+        return lambda: answer if self.rank == dst else None
+
+
+def _malicious(scenario: str, rank: int, world: int, timeout_s: float, result: dict[str, object]) -> int:
+    """Two aggregation rounds over a MaliciousFold; the aggregator then decodes what it collected.
+
+    Reports each round's outcome on this rank and (the same on every rank: every rank's fold saw the
+    same inputs) the aggregator's best decodes against the victim's update: the sum of every
+    contribution it collected, the victim's contribution alone, and every rank's contributions with
+    the victim's weighted twice; "published" counts the contributions it collected.
+    """
+    from fhelium.multiparty import THRESHOLD_AGGREGATION, decode_contributions
+
+    kind, _, attack = scenario.partition(":")
+    channel = MaliciousFold(attack, session="test", timeout_s=timeout_s)
+    session = ThresholdSession(channel, session="test")
+    session.generate_public_key()
+    if kind == "malicious-blocking":
+        session.channel = _BlockingChannel(channel)  # type: ignore[assignment]
+    rows = -(-MALICIOUS_COUNT // 4096)
+    rounds = []
+    for round_number in (1, 2):
+        channel.round, channel.slice = round_number, 0
+        padded = torch.zeros(rows * 4096, dtype=torch.float64)
+        padded[:MALICIOUS_COUNT] = update(rank + 10 * round_number, MALICIOUS_COUNT)
+        try:
+            total = session.aggregate(padded.view(rows, 4096))
+            truth = sum(update(r + 10 * round_number, MALICIOUS_COUNT) for r in range(world))
+            error = float((total.reshape(-1)[:MALICIOUS_COUNT] - truth).abs().max())
+            rounds.append({"ok": True, "max_error": error})
+        except Exception as error:  # report every failure as data
+            rounds.append({"ok": False, "error": type(error).__name__, "message": str(error)})
+    engine, scale = session.engine, THRESHOLD_AGGREGATION.message_scale
+    q = torch.tensor(engine.moduli_for((0, 1)), dtype=torch.int64).reshape(-1, 1)
+    decodes: dict[str, float] = {}
+    # the published contributions, one list per exchange (a round, or a slice of one): rows stacked
+    if channel.published:
+        by_rank = [torch.cat([inputs[r] for inputs in channel.published]) for r in range(world)]
+        victims = torch.cat(
+            [update(VICTIM + 10 * n, MALICIOUS_COUNT) for n in (1, 2)][: len(by_rank[0]) // rows]
+        )
+
+        def error_of(summed: torch.Tensor) -> float:
+            decoded = decode_contributions(engine, torch.remainder(summed, q), (0, 1), scale)
+            flat = decoded.reshape(-1, rows * 4096)[:, :MALICIOUS_COUNT].reshape(-1)
+            return float((flat - victims).abs().max())
+
+        decodes["all"] = error_of(sum(by_rank, torch.zeros_like(by_rank[0])))
+        decodes["victim_alone"] = error_of(by_rank[VICTIM])
+        decodes["victim_twice"] = error_of(sum(by_rank, torch.zeros_like(by_rank[0])) + by_rank[VICTIM])
+        decodes["all_but_victim"] = error_of(
+            sum((b for r, b in enumerate(by_rank) if r != VICTIM), torch.zeros_like(by_rank[0]))
+        )
+    result.update(ok=True, rounds=rounds, decodes=decodes, published=len(channel.published))
+    print(json.dumps(result), flush=True)
+    _hold_the_store_until_every_live_rank_finished(rank, world)
     os._exit(0)
 
 

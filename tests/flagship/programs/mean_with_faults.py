@@ -1,7 +1,7 @@
 """examples/encrypted_mean.py with one misbehaving rank, and an audit dump, for the flagship tests.
 
     mean_with_faults.py [example args] [--keys single|threshold] [--fault values|scale|foreign-key|leave
-                        --fault-rank R] [--audit-dir D]
+                        --fault-rank R] [--audit-dir D] [--malicious-fold substitute|subset]
 
 The faulty rank runs the real workload and only differs where the fault says: a different
 --values, a different CKKS scale, a public key of its own, or leaving (exit 0) right before the
@@ -9,6 +9,7 @@ all-reduce (single keys) or right after encrypting and summing, before its decry
 (threshold keys). --keys defaults to single here (the example's own default is threshold).
 --audit-dir writes each rank's secret key or secret share, update, ciphertext, sum and (threshold)
 decryption share as torch files so a test can compare them with the bytes that crossed the controller.
+--malicious-fold plays the controller's fold as an attacker against rank --fault-rank (relay road).
 """
 
 from __future__ import annotations
@@ -35,17 +36,75 @@ from fhelium.core import PublicKey  # noqa: E402
 from fhelium.engine import CkksEngine  # noqa: E402
 
 
+def play_malicious_fold(transport: aggregation.RelayTransport, attack: str, *, victim: int) -> None:
+    """The controller's fold as an attacker, played in every rank's relay client (every rank runs this).
+
+    The first aggregation round whose frames are ciphertexts (``[2, rows, limbs, N]``: the Program's
+    sum) is answered with the victim's own frame ("substitute") or with the sum minus the victim's
+    ("subset", the all-but-one sum whose difference with the true sum isolates the victim). The
+    victim's frame reaches the other ranks' copies of the attacker through the rendezvous store (the
+    real fold sees every frame). Every other round is folded honestly.
+    """
+    import io
+
+    client = transport.group.client
+    store = transport.store
+    deposit, wait_round = client.deposit, client.wait_round
+    attacked: dict[int, tuple[torch.Tensor, str]] = {}
+
+    def spying_deposit(tensors: object, **options: object) -> int:
+        number: int = deposit(tensors, **options)  # type: ignore[arg-type]
+        (tensor,) = tensors  # type: ignore[misc]
+        if tensor.ndim == 4 and not attacked and options.get("fold", "").startswith("modular:"):
+            attacked[number] = (tensor, str(options["fold"]))
+            if transport.rank == victim:
+                buffer = io.BytesIO()
+                torch.save(tensor.clone(), buffer)
+                store.set("malicious-fold/victim", buffer.getvalue())
+        return number
+
+    def lying_wait_round(number: int, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
+        honest = wait_round(number, timeout)
+        if number not in attacked:
+            return honest
+        store.wait(["malicious-fold/victim"])
+        victims = torch.load(io.BytesIO(store.get("malicious-fold/victim")))
+        moduli = torch.tensor([int(q) for q in attacked[number][1].removeprefix("modular:").split(",")])
+        print(f"rank {transport.rank}: the fold answers round {number} with a {attack} sum", flush=True)
+        if attack == "substitute":
+            return (victims,)
+        return (torch.remainder(honest[0] - victims, moduli.reshape(-1, 1)),)
+
+    client.deposit = spying_deposit  # type: ignore[method-assign]
+    client.wait_round = lying_wait_round  # type: ignore[method-assign]
+
+    from fhelium.multiparty.distributed import ThresholdSession
+
+    decrypt = ThresholdSession.decrypt
+
+    def watched_decrypt(self: ThresholdSession, *args: object, **options: object) -> torch.Tensor:
+        # the old relay road published a decryption share for whatever the fold returned: say so if
+        # anything still does
+        print(f"rank {transport.rank}: ThresholdSession.decrypt called", flush=True)
+        return decrypt(self, *args, **options)  # type: ignore[arg-type]
+
+    ThresholdSession.decrypt = watched_decrypt  # type: ignore[method-assign]
+
+
 def main() -> int:
     faults = argparse.ArgumentParser(add_help=False)
     faults.add_argument("--fault", choices=("values", "scale", "foreign-key", "leave"))
     faults.add_argument("--fault-rank", type=int, default=1)
     faults.add_argument("--audit-dir")
     faults.add_argument("--keys", choices=("single", "threshold"), default="single")
+    faults.add_argument("--malicious-fold", choices=("substitute", "subset"))
     fault_args, rest = faults.parse_known_args()
     args = encrypted_mean.parse_arguments(rest)
     torch.set_num_threads(1)
     transport = encrypted_mean.open_transport(encrypted_mean.choose_transport(args.transport))
     rank = transport.rank
+    if fault_args.malicious_fold:
+        play_malicious_fold(transport, fault_args.malicious_fold, victim=fault_args.fault_rank)
     faulty = fault_args.fault if rank == fault_args.fault_rank else None
     values = args.values + 1 if faulty == "values" else args.values
     parameters = aggregation.AGGREGATION_PARAMETERS
