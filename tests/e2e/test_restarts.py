@@ -6,8 +6,11 @@ with the same parameters as a fault-free run, under `fdl run` and under torchrun
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,15 +71,23 @@ def test_the_same_script_under_torchrun_max_restarts_gives_the_same_result(
     for trial in range(4):
         out = tmp_path / f"trial{trial}"
         out.mkdir()
+        process = subprocess.Popen(
+            [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+             SCRIPT, str(out), STEPS, EVERY, FAULT_STEP, FAULT_RANK],
+            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=2",
-                 SCRIPT, str(out), STEPS, EVERY, FAULT_STEP, FAULT_RANK],
-                env=child_env(), capture_output=True, text=True, timeout=75, start_new_session=True,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired as expired:
-            outputs.append(f"timed out: {expired.stdout!r} {expired.stderr!r}")
+            stdout, stderr = process.communicate(timeout=75)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its hung workers: nothing left behind
+            stdout, stderr = process.communicate()
+            outputs.append(f"timed out: {stdout} {stderr}")
             continue
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         if done.returncode == 0:
             break
         outputs.append(done.stdout + done.stderr)
