@@ -23,9 +23,9 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, get_args
 
 from flodld.net.peeruid import socket_owner_uid
 from flodld.net.stream import FramedStream, open_channel
@@ -217,71 +217,96 @@ class _Session:
             self.link.drop()
 
     async def _answer(self, request: ts.Request) -> bytes:
+        """One request's reply (b"" for the requests torch's client expects no answer to)."""
         waited, self.waited = self.waited, None
-        link = self.link
-        match request:
-            case ts.Validate():
-                return b""
-            case ts.Ping(nonce):
-                return ts.reply_ping(nonce)
-            case ts.Set(key, value):
-                await link.call(ws.StoreSet(key=key), ws.StoreOk, value)
-                return b""
-            case ts.CompareSet(key, expected, desired):
-                compare = ws.StoreCompareSet(key=key, expected_len=len(expected))
-                _, held = await link.call(compare, ws.StoreValue, expected + desired)
-                return ts.reply_value(held)
-            case ts.Get(key):
-                return ts.reply_value((await link.call(ws.StoreGet(key=key, timeout=0), ws.StoreValue))[1])
-            case ts.Add(key, amount):
-                added, _ = await link.call(ws.StoreAdd(key=key, amount=amount), ws.StoreInt)
-                return ts.reply_int(added.value)
-            case ts.Check(keys):
-                present, _ = await link.call(ws.StoreCheck(keys=list(keys)), ws.StoreBool)
-                return ts.reply_check(present.value)
-            case ts.Wait(keys):
-                reply = await self._wait(list(keys))
-                if reply == ts.reply_stop_waiting():
-                    self.waited = tuple(keys)
-                return reply
-            case ts.NumKeys():
-                return ts.reply_int((await link.call(ws.StoreNumKeys(), ws.StoreInt))[0].value)
-            case ts.DeleteKey(key):
-                return ts.reply_deleted((await link.call(ws.StoreDeleteKey(key=key), ws.StoreBool))[0].value)
-            case ts.Append(key, value):
-                await link.call(ws.StoreAppend(key=key), ws.StoreOk, value)
-                return b""
-            case ts.MultiGet(keys):
-                unique = list(dict.fromkeys(keys))
-                found, tail = await link.call(ws.StoreMultiGet(keys=unique, timeout=0), ws.StoreValues)
-                values = dict(zip(unique, split_tail(tail, list(found.lengths)), strict=True))
-                return ts.reply_values([values[key] for key in keys])
-            case ts.MultiSet(keys, values):
-                multi_set = ws.StoreMultiSet(keys=list(keys), lengths=[len(v) for v in values])
-                await link.call(multi_set, ws.StoreOk, b"".join(values))
-                return b""
-            case ts.CancelWait():
-                return ts.reply_wait_canceled()  # no wait pending (it answered already): just acknowledge
-            case ts.QueuePush(key, value):
-                await link.call(ws.StoreQueuePush(key=key), ws.StoreOk, value)
-                return b""
-            case ts.QueuePop(key) if waited == (key,):
-                return await self._blocking_pop(key)
-            case ts.QueuePop(key):
-                try:
-                    return ts.reply_queue_pop(
-                        (await link.call(ws.StoreQueuePop(key=key, timeout=0), ws.StoreValue))[1]
-                    )
-                except StoreRefused as error:
-                    if error.code == "queue_empty":
-                        return ts.reply_queue_pop(None)
-                    raise
-            case ts.QueueLen(key):
-                return ts.reply_int((await link.call(ws.StoreQueueLen(key=key), ws.StoreInt))[0].value)
-            case ts.ListKeys():
-                listed, tail = await link.call(ws.StoreListKeys(), ws.StoreValues)
-                return ts.reply_keys([piece.decode() for piece in split_tail(tail, list(listed.lengths))])
-        raise AssertionError(f"unhandled {request!r}")
+        if isinstance(request, ts.QueuePop) and waited == (request.key,):
+            return await self._blocking_pop(request.key)
+        handler = _HANDLERS.get(type(request))
+        if handler is None:
+            raise AssertionError(f"unhandled {request!r}")
+        return await handler(self, request)
+
+    # One handler per request type (the table `_HANDLERS` below dispatches on the decoded type).
+
+    async def _on_validate(self, request: ts.Validate) -> bytes:
+        return b""
+
+    async def _on_ping(self, request: ts.Ping) -> bytes:
+        return ts.reply_ping(request.nonce)
+
+    async def _on_set(self, request: ts.Set) -> bytes:
+        await self.link.call(ws.StoreSet(key=request.key), ws.StoreOk, request.value)
+        return b""
+
+    async def _on_compare_set(self, request: ts.CompareSet) -> bytes:
+        compare = ws.StoreCompareSet(key=request.key, expected_len=len(request.expected))
+        _, held = await self.link.call(compare, ws.StoreValue, request.expected + request.desired)
+        return ts.reply_value(held)
+
+    async def _on_get(self, request: ts.Get) -> bytes:
+        return ts.reply_value(
+            (await self.link.call(ws.StoreGet(key=request.key, timeout=0), ws.StoreValue))[1]
+        )
+
+    async def _on_add(self, request: ts.Add) -> bytes:
+        added, _ = await self.link.call(ws.StoreAdd(key=request.key, amount=request.amount), ws.StoreInt)
+        return ts.reply_int(added.value)
+
+    async def _on_check(self, request: ts.Check) -> bytes:
+        present, _ = await self.link.call(ws.StoreCheck(keys=list(request.keys)), ws.StoreBool)
+        return ts.reply_check(present.value)
+
+    async def _on_wait(self, request: ts.Wait) -> bytes:
+        reply = await self._wait(list(request.keys))
+        if reply == ts.reply_stop_waiting():
+            self.waited = tuple(request.keys)
+        return reply
+
+    async def _on_num_keys(self, request: ts.NumKeys) -> bytes:
+        return ts.reply_int((await self.link.call(ws.StoreNumKeys(), ws.StoreInt))[0].value)
+
+    async def _on_delete_key(self, request: ts.DeleteKey) -> bytes:
+        deleted = (await self.link.call(ws.StoreDeleteKey(key=request.key), ws.StoreBool))[0]
+        return ts.reply_deleted(deleted.value)
+
+    async def _on_append(self, request: ts.Append) -> bytes:
+        await self.link.call(ws.StoreAppend(key=request.key), ws.StoreOk, request.value)
+        return b""
+
+    async def _on_multi_get(self, request: ts.MultiGet) -> bytes:
+        unique = list(dict.fromkeys(request.keys))
+        found, tail = await self.link.call(ws.StoreMultiGet(keys=unique, timeout=0), ws.StoreValues)
+        values = dict(zip(unique, split_tail(tail, list(found.lengths)), strict=True))
+        return ts.reply_values([values[key] for key in request.keys])
+
+    async def _on_multi_set(self, request: ts.MultiSet) -> bytes:
+        multi_set = ws.StoreMultiSet(keys=list(request.keys), lengths=[len(v) for v in request.values])
+        await self.link.call(multi_set, ws.StoreOk, b"".join(request.values))
+        return b""
+
+    async def _on_cancel_wait(self, request: ts.CancelWait) -> bytes:
+        return ts.reply_wait_canceled()  # no wait pending (it answered already): just acknowledge
+
+    async def _on_queue_push(self, request: ts.QueuePush) -> bytes:
+        await self.link.call(ws.StoreQueuePush(key=request.key), ws.StoreOk, request.value)
+        return b""
+
+    async def _on_queue_pop(self, request: ts.QueuePop) -> bytes:
+        """A non-blocking pop (no WAIT before it): an empty queue answers "no item"."""
+        try:
+            popped = await self.link.call(ws.StoreQueuePop(key=request.key, timeout=0), ws.StoreValue)
+        except StoreRefused as error:
+            if error.code == "queue_empty":
+                return ts.reply_queue_pop(None)
+            raise
+        return ts.reply_queue_pop(popped[1])
+
+    async def _on_queue_len(self, request: ts.QueueLen) -> bytes:
+        return ts.reply_int((await self.link.call(ws.StoreQueueLen(key=request.key), ws.StoreInt))[0].value)
+
+    async def _on_list_keys(self, request: ts.ListKeys) -> bytes:
+        listed, tail = await self.link.call(ws.StoreListKeys(), ws.StoreValues)
+        return ts.reply_keys([piece.decode() for piece in split_tail(tail, list(listed.lengths))])
 
     async def _wait(self, keys: list[str]) -> bytes:
         """WAIT: ask the controller in slices until every key exists, or until the client sends CANCEL_WAIT.
@@ -365,6 +390,30 @@ class _Session:
                 return False
             raise
         return True
+
+
+# Request type -> the `_Session` method answering it (QUEUE_POP after a WAIT goes to `_blocking_pop`).
+_HANDLERS: dict[type[ts.Request], Callable[[_Session, Any], Awaitable[bytes]]] = {
+    ts.Validate: _Session._on_validate,
+    ts.Ping: _Session._on_ping,
+    ts.Set: _Session._on_set,
+    ts.CompareSet: _Session._on_compare_set,
+    ts.Get: _Session._on_get,
+    ts.Add: _Session._on_add,
+    ts.Check: _Session._on_check,
+    ts.Wait: _Session._on_wait,
+    ts.NumKeys: _Session._on_num_keys,
+    ts.DeleteKey: _Session._on_delete_key,
+    ts.Append: _Session._on_append,
+    ts.MultiGet: _Session._on_multi_get,
+    ts.MultiSet: _Session._on_multi_set,
+    ts.CancelWait: _Session._on_cancel_wait,
+    ts.QueuePush: _Session._on_queue_push,
+    ts.QueuePop: _Session._on_queue_pop,
+    ts.QueueLen: _Session._on_queue_len,
+    ts.ListKeys: _Session._on_list_keys,
+}
+assert set(_HANDLERS) == set(get_args(ts.Request)), "every TCPStore request type has its handler"
 
 
 # --- the endpoint ------------------------------------------------------------------------------

@@ -58,6 +58,19 @@ RECORDED = [
 ]
 
 
+# What torch's server answered in the recording to requests whose reply depends only on their type.
+_REPLY_BY_TYPE: dict[type, bytes] = {
+    ts.Get: ts.reply_value(b"v1"),
+    ts.Check: ts.reply_check(False),
+    ts.NumKeys: ts.reply_int(4),
+    ts.DeleteKey: ts.reply_deleted(True),
+    ts.QueueLen: ts.reply_int(1),
+    ts.QueuePop: ts.reply_queue_pop(b"qq"),
+    ts.ListKeys: ts.reply_keys(["/a", "/b", "/zz", "/k", "init/"]),
+    ts.CancelWait: ts.reply_wait_canceled(),
+}
+
+
 def _reply_for(request: ts.Request) -> bytes:
     """What torch's server answered in the recording, built with our encoders."""
     match request:
@@ -69,29 +82,13 @@ def _reply_for(request: ts.Request) -> bytes:
             return ts.reply_int(amount)
         case ts.Wait(("/k",)):
             return ts.reply_stop_waiting()
-        case ts.Get(_):
-            return ts.reply_value(b"v1")
         case ts.CompareSet("/k", _, desired):
             return ts.reply_value(desired)
         case ts.CompareSet(_, expected, _):
             return ts.reply_value(expected)  # absent key, non-empty expected: the expected value comes back
-        case ts.Check(_):
-            return ts.reply_check(False)
-        case ts.NumKeys():
-            return ts.reply_int(4)
-        case ts.DeleteKey(_):
-            return ts.reply_deleted(True)
         case ts.MultiGet(keys):
             return ts.reply_values([b"v2++" for _ in keys])
-        case ts.QueueLen(_):
-            return ts.reply_int(1)
-        case ts.QueuePop(_):
-            return ts.reply_queue_pop(b"qq")
-        case ts.ListKeys():
-            return ts.reply_keys(["/a", "/b", "/zz", "/k", "init/"])
-        case ts.CancelWait():
-            return ts.reply_wait_canceled()
-    return b""
+    return _REPLY_BY_TYPE.get(type(request), b"")
 
 
 def test_the_recorded_session_decodes_request_by_request_and_our_replies_match_torchs() -> None:
