@@ -10,8 +10,7 @@ import json
 import logging
 import re
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -19,6 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from flodld.controller.addresses import is_loopback_address
 from flodld.controller.page import PAGE_ENDPOINTS, add_routes, busy_answer, close_after_answer
 from flodld.controller.snapshot import BadMembersQuery, RenderRefused, parse_members
+from flodld.controller.source import StatusSource
 
 log = logging.getLogger("flodld.controller.http")
 
@@ -31,34 +31,6 @@ _POST_HEADERS = {"Cache-Control": "no-cache"}
 # without a CORS preflight, and every preflight is refused.
 START_HEADER = "X-Flodld-Start"
 _BROWSER_HEADERS = ("Origin", "Sec-Fetch-Site", "Sec-Fetch-Mode")
-
-
-@dataclass(frozen=True)
-class HttpAnswer:
-    status: int
-    body: dict[str, Any]
-
-
-class StatusSource(Protocol):
-    """What the HTTP app asks the controller."""
-
-    def state_json(self) -> dict[str, Any] | None:
-        """The snapshot as JSON-ready data, or None before the window has state (shared: do not change it).
-
-        A source may also offer `state_body(members, source) -> bytes | None`: the same as JSON text, for the
-        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader, work
-        past its cache charged to the reader's address `source` (`RenderRefused` past the render budget);
-        and `status_html(source) -> bytes`, the status page rendered once per build.
-        """
-
-    def metrics_text(self) -> str:
-        """Prometheus text exposition."""
-
-    def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:
-        """Decide a POST /start from a local caller (`local`: loopback, not a browser, START_HEADER sent and
-        no credential presented) or any other caller presenting `token` (the start credential), which is
-        checked whoever presents it.
-        """
 
 
 _CREDENTIAL = re.compile(r"(?i)(token=|bearer\s+)[^\s&'\"\\]+")

@@ -26,7 +26,7 @@ from flodld.controller.snapshot import RenderRefused
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from flodld.controller.http import StatusSource  # for types only: http.py imports this module
+    from flodld.controller.source import StatusSource
 
     Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

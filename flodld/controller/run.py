@@ -36,7 +36,7 @@ from aiohttp import web
 
 from flodld.config.models import ClusterConfig
 from flodld.controller.addresses import CleartextWarner, is_loopback_address
-from flodld.controller.http import NO_STATE, HttpAnswer, HttpRefusalLog, StatusSource, build_app
+from flodld.controller.http import NO_STATE, HttpRefusalLog, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink, JoinProtocol, JoinRun
 from flodld.controller.metrics import ControllerCounters, render_prometheus
@@ -52,6 +52,7 @@ from flodld.controller.snapshot import (
     StateCache,
     StormLog,
 )
+from flodld.controller.source import HttpAnswer, StatusSource
 from flodld.controller.store import StoreService
 from flodld.membership.ledger import Member, Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, Phase

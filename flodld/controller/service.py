@@ -28,12 +28,13 @@ from aiohttp import web
 
 from flodld.controller.addresses import CleartextWarner
 from flodld.controller.dataplane import attach_data_plane
-from flodld.controller.http import NO_STATE, HttpAnswer
+from flodld.controller.http import NO_STATE
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller, PhaseListener, RunResult, render_status, serve_http
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudget, StateCache
+from flodld.controller.source import HttpAnswer
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import RunRecord, ServiceState
 
