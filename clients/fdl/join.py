@@ -18,6 +18,10 @@ tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the 
 join.accept_env) lists; any other name refuses the run on this host (exit 2) naming the variables. Under
 open admission (no token) it applies no controller env at all.
 
+--log-dir DIR with -r/--redirects and -t/--tee (torchrun's, as under `fdl run`; default: the `logs:` block
+of fdl.yml) keeps each rank's output in DIR/RUN/attempt_N/HOST/rank_R/{stdout,stderr}.log on this box:
+the directory is this walk-in's own choice, never the controller's. `fdl logs` reads them.
+
 With --ssh [USER@]HOST[:PORT] [--identity KEY] every attempt brings up its own `ssh -N -L` forward
 (OpenSSH, BatchMode: never a password prompt) and dials through it; the address is then the
 controller as seen from that host (default 127.0.0.1:1337). A refused key exits 2.

@@ -40,7 +40,10 @@ torchrun's flags, so that a torchrun command line ports by renaming the command:
   --monitor-interval, --start-method spawn   accepted; they have nothing to set here (a line says so)
   --local-ranks-filter R[,R]  show only these ranks' output lines (the embedded default's one host: its
                           local ranks); the controller's and agents' lines still show
-  --log-dir, --redirects, --tee   refused for now (per-rank output files: the operability work)
+  --log-dir DIR, -r/--redirects N, -t/--tee N   as torchrun: per-rank stdout.log/stderr.log under
+                          DIR/RUN/attempt_N/HOST/rank_R/; --redirects keeps the streams it names off the
+                          terminal, --tee shows them too; N is 0-3 (none, stdout, stderr, both) or per local
+                          rank (0:3,1:2). Default from fdl.yml's logs: block. Read them with `fdl logs`.
 Any other torchrun flag is refused with the flodld equivalent.
 """
 
@@ -109,7 +112,7 @@ TORCHRUN_REFUSED: dict[str, str] = {
     "--role": "flodld has one role; name the host with FLODL_HOST_NAME (or `fdl join --host`)",
     "--event-log-handler": "the controller's events are in state.json and its log (flodld serve --state-dir)",
     "--local-addr": "the host's name in the roster comes from FLODL_HOST_NAME (or `fdl join --host NAME`)",
-    "--logs-specs": "rank output goes through fdl run's own output, prefixed per rank",
+    "--logs-specs": "rank output is prefixed per rank; keep it in files with --log-dir and --redirects/--tee",
     "--numa-binding": "bind ranks in PROGRAM itself (os.sched_setaffinity) or with numactl via --no-python",
     "--signals-to-handle": "fdl run aborts the run on SIGINT/SIGTERM and tears every rank down",
     "--shutdown-timeout": "ranks get SIGTERM, then SIGKILL after the agent's grace (5 s)",
