@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flodld.agent.envpolicy import parse_accept_env
+    from flodld.agent.ranklogs import LogDirError, RankLogSpec, attempt_dir, component, prepare_log_dir
     from flodld.agent.spawn import agent_command
     from flodld.agent.spec import (
         AGENT_ENV,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
         ConfigError,
         ConfigIssue,
         ConfigNotFoundError,
+        LogsConfig,
         ProjectConfig,
         WalkInConfig,
         available_envs,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     )
     from flodld.config.fields import LOOPBACK_HOSTS
     from flodld.config.loader import BASE_FILE, config_overlay_file, load_config_file
+    from flodld.config.logs import parse_std
     from flodld.config.yamlsource import read_yaml
     from flodld.controller.options import ControllerOptions
     from flodld.controller.service import assemble_controller
@@ -77,6 +80,7 @@ if TYPE_CHECKING:
 # Where each public name is defined, grouped by module (the import above is the same list).
 _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.agent.envpolicy": ("parse_accept_env",),
+    "flodld.agent.ranklogs": ("LogDirError", "RankLogSpec", "attempt_dir", "component", "prepare_log_dir"),
     "flodld.agent.spawn": ("agent_command",),
     "flodld.agent.spec": (
         "AGENT_ENV",
@@ -94,6 +98,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "ConfigError",
         "ConfigIssue",
         "ConfigNotFoundError",
+        "LogsConfig",
         "ProjectConfig",
         "WalkInConfig",
         "available_envs",
@@ -102,6 +107,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "parse_address",
     ),
     "flodld.config.fields": ("LOOPBACK_HOSTS",),
+    "flodld.config.logs": ("parse_std",),
     "flodld.config.loader": ("BASE_FILE", "config_overlay_file", "load_config_file"),
     "flodld.config.yamlsource": ("read_yaml",),
     "flodld.controller.options": ("ControllerOptions",),
@@ -156,8 +162,11 @@ __all__ = [
     "HostReport",
     "Interrupted",
     "JoinSshdRecipe",
+    "LogDirError",
+    "LogsConfig",
     "PolicyError",
     "ProjectConfig",
+    "RankLogSpec",
     "RecipeError",
     "RunSupervisor",
     "SaltError",
@@ -172,7 +181,9 @@ __all__ = [
     "agent_command",
     "aggregate",
     "assemble_controller",
+    "attempt_dir",
     "available_envs",
+    "component",
     "config_overlay_file",
     "derive_policy",
     "encode_spec",
@@ -183,6 +194,8 @@ __all__ = [
     "parse_accept_env",
     "parse_address",
     "parse_device_list",
+    "parse_std",
+    "prepare_log_dir",
     "probe_cluster",
     "probe_local",
     "read_yaml",

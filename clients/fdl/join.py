@@ -18,6 +18,10 @@ tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the 
 join.accept_env) lists; any other name refuses the run on this host (exit 2) naming the variables. Under
 open admission (no token) it applies no controller env at all.
 
+--log-dir DIR with -r/--redirects and -t/--tee (torchrun's, as under `fdl run`; default: the `logs:` block
+of fdl.yml) keeps each rank's output in DIR/RUN/attempt_N/HOST/rank_R/{stdout,stderr}.log on this box:
+the directory is this walk-in's own choice, never the controller's. `fdl logs` reads them.
+
 With --ssh [USER@]HOST[:PORT] [--identity KEY] every attempt brings up its own `ssh -N -L` forward
 (OpenSSH, BatchMode: never a password prompt) and dials through it; the address is then the
 controller as seen from that host (default 127.0.0.1:1337). A refused key exits 2.
@@ -38,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fdl.cli import Command
+from fdl.logs import add_log_options, resolve_logs
 from fdl.run import add_rest, program_command, reparse
 from flodld import api
 
@@ -86,6 +91,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="apply these variables of the controller's env too (besides thread counts and "
         "NCCL_/GLOO_ tuning); any other name the controller sets refuses the run",
     )
+    add_log_options(parser)
 
 
 def say(message: str) -> None:
@@ -108,8 +114,10 @@ class JoinPlan:
 def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> JoinPlan:
     """Merge flags over the fdl.yml `join:` block; UsageError names the problem and the fix."""
     env_name = getattr(args, "env", None) or os.environ.get("FDL_ENV") or None
+    logs_block: api.LogsConfig | None = None
     try:
-        block = api.load_config(args.project, env_name).join or api.WalkInConfig()
+        project = api.load_config(args.project, env_name)
+        block, logs_block = project.join or api.WalkInConfig(), project.logs
     except api.ConfigNotFoundError:
         block = api.WalkInConfig()
     except api.ConfigError as error:
@@ -155,6 +163,13 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
         accept_env = api.parse_accept_env([*block.accept_env, *(getattr(args, "accept_env", None) or ())])
     except ValueError as error:
         raise UsageError(str(error)) from None
+    try:  # this walk-in's own directory, never the controller's: the log dir is made and checked here
+        logs = resolve_logs(
+            log_dir=getattr(args, "log_dir", None), redirects=getattr(args, "redirects", None),
+            tee=getattr(args, "tee", None), block=logs_block, say=say,
+        )  # fmt: skip
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     spec = api.AgentSpec(
         host=name,
         controller_host=host,
@@ -163,6 +178,7 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
         devices=devices,
         accept_env=list(accept_env) or None,
         program=command,
+        logs=logs,
     )
     # The agent is flodld's own process; PROGRAM starts only as its ranks (a stock torchrun script works).
     return JoinPlan(

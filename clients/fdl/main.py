@@ -15,13 +15,14 @@ from pathlib import Path
 
 from fdl import config as config_command
 from fdl import join as join_command
-from fdl import join_sshd, probe, start, status
+from fdl import join_sshd, logs, probe, start, status
 from fdl import run as run_command
 from flodld import api
 
 # The subcommands, in `fdl --help` order: one `fdl.cli.Command` each, named COMMAND in its module.
 COMMANDS = tuple(
-    module.COMMAND for module in (status, start, probe, join_sshd, config_command, run_command, join_command)
+    module.COMMAND
+    for module in (status, start, probe, join_sshd, config_command, run_command, join_command, logs)
 )
 
 

@@ -40,7 +40,10 @@ torchrun's flags, so that a torchrun command line ports by renaming the command:
   --monitor-interval, --start-method spawn   accepted; they have nothing to set here (a line says so)
   --local-ranks-filter R[,R]  show only these ranks' output lines (the embedded default's one host: its
                           local ranks); the controller's and agents' lines still show
-  --log-dir, --redirects, --tee   refused for now (per-rank output files: the operability work)
+  --log-dir DIR, -r/--redirects N, -t/--tee N   as torchrun: per-rank stdout.log/stderr.log under
+                          DIR/RUN/attempt_N/HOST/rank_R/; --redirects keeps the streams it names off the
+                          terminal, --tee shows them too; N is 0-3 (none, stdout, stderr, both) or per local
+                          rank (0:3,1:2). Default from fdl.yml's logs: block. Read them with `fdl logs`.
 Any other torchrun flag is refused with the flodld equivalent.
 """
 
@@ -61,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.cli import Command
+from fdl.logs import add_log_options, config_logs, resolve_logs
 from flodld import api
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -71,6 +75,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     add_rank_options(parser)
     parser.add_argument("--port", type=int, default=None, help="controller port (default: a free one)")
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
+    add_log_options(parser)
     _add_torchrun_options(parser)
 
 
@@ -87,34 +92,27 @@ def _add_torchrun_options(parser: argparse.ArgumentParser) -> None:
         dest = name[2:].replace("-", "_")
         group.add_argument(*names, dest=dest, action="store_true", help=argparse.SUPPRESS)
     for name, kind in TORCHRUN_VALUED.items():
-        names = {"--redirects": ["-r"], "--tee": ["-t"]}.get(name, []) + _flag(name)
-        group.add_argument(*names, dest=name[2:].replace("-", "_"), type=kind, default=None,
+        group.add_argument(*_flag(name), dest=name[2:].replace("-", "_"), type=kind, default=None,
                            help=argparse.SUPPRESS)  # fmt: skip
 
 
 TORCHRUN_VALUED: dict[str, Callable[[str], object]] = {
     "--nnodes": str, "--max-restarts": int, "--node-rank": int, "--master-addr": str, "--master-port": int,
     "--rdzv-endpoint": str, "--rdzv-conf": str, "--rdzv-backend": str, "--rdzv-id": str,
-    "--monitor-interval": float, "--start-method": str, "--local-ranks-filter": str, "--log-dir": str,
-    "--redirects": str, "--tee": str, "--role": str, "--event-log-handler": str, "--local-addr": str,
-    "--logs-specs": str, "--numa-binding": str, "--signals-to-handle": str, "--shutdown-timeout": str,
+    "--monitor-interval": float, "--start-method": str, "--local-ranks-filter": str, "--role": str,
+    "--event-log-handler": str, "--local-addr": str, "--logs-specs": str, "--numa-binding": str,
+    "--signals-to-handle": str, "--shutdown-timeout": str,
     "--virtual-local-rank": str, "--duplicate-stdout-filters": str, "--duplicate-stderr-filters": str,
 }  # fmt: skip
 """torchrun's flags that take a value, with the type fdl run reads it as."""
 
 TORCHRUN_REFUSED: dict[str, str] = {
-    "--log-dir": "per-rank log files are the operability work's, not done yet; fdl run prints every rank's "
-    "lines with a [host:device:rN] prefix (redirect fdl run's output)",
-    "--redirects": "per-rank redirection is the operability work's, not done yet; fdl run prints every "
-    "rank's lines with a [host:device:rN] prefix",
-    "--tee": "per-rank tee files are the operability work's, not done yet; fdl run prints every rank's "
-    "lines with a [host:device:rN] prefix",
     "--duplicate-stdout-filters": "rank output is not filtered yet (the operability work)",
     "--duplicate-stderr-filters": "rank output is not filtered yet (the operability work)",
     "--role": "flodld has one role; name the host with FLODL_HOST_NAME (or `fdl join --host`)",
     "--event-log-handler": "the controller's events are in state.json and its log (flodld serve --state-dir)",
     "--local-addr": "the host's name in the roster comes from FLODL_HOST_NAME (or `fdl join --host NAME`)",
-    "--logs-specs": "rank output goes through fdl run's own output, prefixed per rank",
+    "--logs-specs": "rank output is prefixed per rank; keep it in files with --log-dir and --redirects/--tee",
     "--numa-binding": "bind ranks in PROGRAM itself (os.sched_setaffinity) or with numactl via --no-python",
     "--signals-to-handle": "fdl run aborts the run on SIGINT/SIGTERM and tears every rank down",
     "--shutdown-timeout": "ranks get SIGTERM, then SIGKILL after the agent's grace (5 s)",
@@ -302,7 +300,8 @@ def program_start(words: list[str]) -> int:
         word = words[index]
         if word == "--" or not word.startswith("-") or word == "-":
             return index
-        index += 1 if word in NO_VALUE_FLAGS or "=" in word else 2
+        attached = len(word) > 2 and word[1] != "-"  # a short flag with its value: -r3, -t0:3
+        index += 1 if word in NO_VALUE_FLAGS or "=" in word or attached else 2
     return len(words)
 
 
@@ -669,6 +668,7 @@ async def _start_attempt(
     restart_count: int,
     max_restarts: int,
     rank_filter: frozenset[int] | None,
+    logs: api.RankLogSpec | None = None,
 ) -> _Attempt:
     """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it."""
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
@@ -707,6 +707,9 @@ async def _start_attempt(
         f"{options.capacity} rank(s); starting {len(local)} local agent(s)"
     )
     pre_shared = controller.join_key != api.OPEN_ADMISSION_KEY
+    if logs is not None:
+        logs = logs.model_copy(update={"run": logs.run or controller.run_id})
+        say(f"rank logs under {api.attempt_dir(logs.dir, logs.run or '', restart_count)}")
     for worker, agent in zip(local, agents, strict=True):
         spec = api.AgentSpec(
             host=worker.host,
@@ -718,6 +721,7 @@ async def _start_attempt(
             cluster_env=True,
             host_env=worker.rank_env() or None,
             program=command,
+            logs=logs,
         )
         assert agent.stdin is not None
         agent.stdin.write(api.encode_spec(spec).encode() + b"\n")  # the salt never enters its environment
@@ -736,9 +740,11 @@ async def run_job(
     join_timeout: float | None = None,
     rank_filter: frozenset[int] | None = None,
     max_restarts: int | None = None,
+    logs: api.RankLogSpec | None = None,
 ) -> int:
     """Run `command` on the local workers of `cluster`, restarting a failed attempt up to `max_restarts`
-    times (default: `controller.join.max_restarts`); the rules are `api.RunSupervisor`'s.
+    times (default: `controller.join.max_restarts`); the rules are `api.RunSupervisor`'s. With `logs`
+    the local agents write per-rank log files, every attempt's under the first attempt's run id.
     """
     overrides: dict[str, Any] = {"preshared": True}  # local agents get the salt in their environment
     if port is not None:
@@ -770,8 +776,10 @@ async def run_job(
                     attempt = await _start_attempt(
                         command, cluster, local, overrides,
                         restart_count=action.restart_count, max_restarts=action.max_restarts,
-                        rank_filter=rank_filter,
+                        rank_filter=rank_filter, logs=logs,
                     )  # fmt: skip
+                    if logs is not None and logs.run is None:  # the run's directory: its first attempt's id
+                        logs = logs.model_copy(update={"run": attempt.controller.run_id})
                     attempt.watch(events)
                 elif isinstance(action, api.StopAttempt):
                     assert attempt is not None
@@ -841,6 +849,10 @@ def main(args: argparse.Namespace) -> int:
         if torchrun.walk_in is not None:
             return _walk_in(args, torchrun, command)
         cluster, plan = plan_run(args)
+        logs = resolve_logs(
+            log_dir=args.log_dir, redirects=args.redirects, tee=args.tee,
+            block=config_logs(args.project, getattr(args, "env", None)), say=say,
+        )  # fmt: skip
         if bounds is not None:
             join = cluster.controller.join.model_copy(
                 update={"min_rank_start": bounds[0], "target_ranks": bounds[1]}
@@ -862,6 +874,12 @@ def main(args: argparse.Namespace) -> int:
                 "starts PROGRAM by name and prints every rank)"
             )
             return EXIT_USAGE
+        if logs is not None:
+            say(
+                "--log-dir/--redirects/--tee (logs: in fdl.yml): not yet with remote workers (the fan-out "
+                "prints every rank); walk them in with `fdl join --log-dir DIR` instead, or drop the flags"
+            )
+            return EXIT_USAGE
         if torchrun.max_restarts or cluster.controller.join.max_restarts:
             say(
                 "--max-restarts / controller.join.max_restarts: not yet with remote workers (restarts "
@@ -877,6 +895,7 @@ def main(args: argparse.Namespace) -> int:
         join_timeout=torchrun.join_timeout,
         rank_filter=torchrun.rank_filter,
         max_restarts=torchrun.max_restarts,
+        logs=logs,
     )
     return asyncio.run(job)
 
@@ -927,6 +946,7 @@ def _walk_in(args: argparse.Namespace, torchrun: TorchrunPlan, command: list[str
         project=args.project, env=getattr(args, "env", None), controller=address, token=None,
         program=sys.executable,  # checked by fdl join; the ranks' command is `command`, set below
         program_args=[], devices=devices, host=None, persist=None, ssh=None, identity=None, accept_env=None,
+        log_dir=args.log_dir, redirects=args.redirects, tee=args.tee,
     )  # fmt: skip
     try:
         plan = join.resolve_plan(walk)

@@ -18,6 +18,7 @@ from typing import TypeVar, assert_never
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
+from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
 from flodld.agent.spawn import (
     bind_relay_listener,
     rank_command,
@@ -47,13 +48,28 @@ class Child:
     rank: int | None  # None for the relay
 
 
-async def _forward_output(child: Child, prefix: str) -> None:
-    """Copy the child's output line by line with a prefix naming host and role."""
+async def _forward_output(child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
+    """Copy the child's output line by line with a prefix naming host and role; a rank's `sink` (its log
+    files, --redirects/--tee) gets each line first and says whether the console shows it too.
+    """
     assert child.process.stdout is not None
+    streams = [("stdout", child.process.stdout)]
+    if child.process.stderr is not None:  # spawned with stderr apart (per-rank log files)
+        streams.append(("stderr", child.process.stderr))
+    await asyncio.gather(*(_forward_stream(stream, name, prefix, sink) for name, stream in streams))
+
+
+async def _forward_stream(
+    stream: asyncio.StreamReader, name: str, prefix: str, sink: RankLogSink | None
+) -> None:
     while True:
-        line = await child.process.stdout.readline()
+        line = await stream.readline()
         if not line:
             return
+        if sink is not None:
+            sink.write(name, line)
+            if not sink.shows(name):
+                continue
         sys.stdout.write(prefix + line.decode(errors="replace"))
         if not line.endswith(b"\n"):
             sys.stdout.write("\n")
@@ -76,6 +92,7 @@ class AgentShell:
         self.forwarders: list[asyncio.Future[None]] = []
         self.watchers: list[asyncio.Future[None]] = []
         self.store_endpoint: AgentStoreEndpoint | None = None
+        self.sinks: list[RankLogSink] = []
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -119,6 +136,8 @@ class AgentShell:
             say(f"spawn failed; terminating {len(self.children)} already-spawned child(ren): {error}")
             for child in self.children:
                 signal_group(child.process, signal.SIGKILL)
+            for sink in self.sinks:
+                sink.close()
             if self.store_endpoint is not None:
                 await self.store_endpoint.close()
             await joined.stream.aclose()
@@ -151,6 +170,7 @@ class AgentShell:
     async def _spawn_all(self, joined: Joined) -> None:
         formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host
         argv = rank_command(self.spec.program)
+        sinks = self._open_sinks(envelope.run_id, envelope.restart_count, envelope.ranks)  # before any child
         # torch's env:// rendezvous (a stock script) reaches the controller's store through this loopback
         # endpoint.
         self.store_endpoint = AgentStoreEndpoint(
@@ -196,8 +216,23 @@ class AgentShell:
                 store_port=store_port,
                 node=node,
             )
-            process = await spawn_child(argv, env)
-            self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
+            sink = sinks[local_rank]
+            process = await spawn_child(argv, env, split_stderr=sink.splits_streams)
+            self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ", sink)
+
+    def _open_sinks(self, run_id: str, attempt: int, ranks: list[int]) -> list[RankLogSink]:
+        """Each rank's log files under this host's own log directory (never one the controller names: the
+        run id is made one safe path component). An OSError (LogDirError) names the path.
+        """
+        logs = self.spec.logs
+        for local_rank, rank in enumerate(ranks):
+            self.sinks.append(RankLogSink.for_rank(
+                logs, run=run_id, attempt=attempt, host=self.spec.host, rank=rank, local_rank=local_rank
+            ))  # fmt: skip
+        if logs is not None and any(sink.fds for sink in self.sinks):
+            where = attempt_dir(logs.dir, logs.run or run_id, attempt) / component(self.spec.host)
+            say(f"rank logs in {where} (redirects {logs.redirects}, tee {logs.tee})")
+        return self.sinks
 
     async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
         """The GROUP_RANK/GROUP_WORLD_SIZE torchrun gives a host in a world of several.
@@ -238,9 +273,9 @@ class AgentShell:
             self.stopping.set()
         self.events.put_nowait(event)
 
-    def _adopt(self, child: Child, prefix: str) -> None:
+    def _adopt(self, child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
         self.children.append(child)
-        self.forwarders.append(asyncio.ensure_future(_forward_output(child, prefix)))
+        self.forwarders.append(asyncio.ensure_future(_forward_output(child, prefix, sink)))
         self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
 
     async def _watch_exit(self, child: Child) -> None:
@@ -305,6 +340,8 @@ class AgentShell:
                 grace.cancel()
             reader.cancel()
             await asyncio.gather(*self.forwarders, return_exceptions=True)
+            for sink in self.sinks:
+                sink.close()
             if self.store_endpoint is not None:
                 await self.store_endpoint.close()
 

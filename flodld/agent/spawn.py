@@ -234,15 +234,17 @@ def _die_with_parent() -> None:
 
 
 async def spawn_child(
-    argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = ()
+    argv: Sequence[str], env: Mapping[str, str], *, pass_fds: Sequence[int] = (), split_stderr: bool = False
 ) -> asyncio.subprocess.Process:
-    """Start a child in its own process group (so teardown reaches its whole tree), output piped."""
+    """Start a child in its own process group (so teardown reaches its whole tree), output piped: stderr
+    into the same pipe as stdout, or (`split_stderr`, for per-rank log files) a pipe of its own.
+    """
     return await asyncio.create_subprocess_exec(
         *argv,
         env=dict(env),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+        stderr=asyncio.subprocess.PIPE if split_stderr else asyncio.subprocess.STDOUT,
         start_new_session=True,
         pass_fds=tuple(pass_fds),
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,

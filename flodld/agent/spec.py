@@ -15,6 +15,7 @@ from typing import IO, Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flodld.agent.ranklogs import RankLogSpec
 from flodld.config.fields import AveragingMode
 from flodld.config.rolespec import SpecError, decode_hex_json, encode_spec
 
@@ -83,6 +84,9 @@ class AgentSpec(BaseModel):
     # A file the agent writes the run id to once its world has formed: `fdl join --persist` resets its
     # back-off after a run that formed, however it ended (the exit code alone cannot say so).
     formed_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    # Per-rank log files (--log-dir/--redirects/--tee, or fdl.yml `logs:`): this host's own setting, set
+    # by the launcher on this host (fdl run, fdl join), never by the controller (flodld.agent.ranklogs).
+    logs: RankLogSpec | None = None
 
 
 def decode_agent_spec(text: str) -> AgentSpec:

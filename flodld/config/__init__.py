@@ -9,6 +9,7 @@ from flodld.config.errors import ConfigError, ConfigIssue, ConfigNotFoundError, 
 from flodld.config.fields import AveragingMode, Backend, SshConfig
 from flodld.config.join import JoinConfig
 from flodld.config.loader import available_envs, load_config, load_text
+from flodld.config.logs import LogsConfig
 from flodld.config.models import (
     DEFAULT_CONTROLLER_PORT,
     ClusterConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "ControllerConfig",
     "DeviceSpec",
     "JoinConfig",
+    "LogsConfig",
     "ProjectConfig",
     "SshConfig",
     "WalkInConfig",

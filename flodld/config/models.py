@@ -32,6 +32,7 @@ from flodld.config.fields import (
     Text,
 )
 from flodld.config.join import JoinConfig
+from flodld.config.logs import LogsConfig
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
 DEFAULT_CONTROLLER_PORT = 1337
@@ -251,9 +252,10 @@ class WalkInConfig(BaseModel):
 
 
 class ProjectConfig(BaseModel):
-    """A whole fdl.yml (after overlays): both blocks are optional."""
+    """A whole fdl.yml (after overlays): every block is optional."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cluster: ClusterConfig | None = None
     join: WalkInConfig | None = None
+    logs: LogsConfig | None = None

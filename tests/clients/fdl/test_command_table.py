@@ -22,7 +22,7 @@ def test_every_command_module_is_in_the_table_once() -> None:
     assert len(listed) == len(set(listed))
     assert sorted(listed) == [f"fdl.{name}" for name in _command_modules()]
     assert [command.name for command in COMMANDS] == [
-        "status", "start", "probe", "join-sshd", "config", "run", "join"
+        "status", "start", "probe", "join-sshd", "config", "run", "join", "logs"
     ]  # fmt: skip
 
 
