@@ -30,6 +30,8 @@ from flodld.agent.spawn import (
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
+from flodld.agent.warmpool import WarmPool
+from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
@@ -64,9 +66,10 @@ T = TypeVar("T")
 
 
 class AgentShell:
-    def __init__(self, spec: AgentSpec, devices: list[str]) -> None:
+    def __init__(self, spec: AgentSpec, devices: list[str], warm: WarmPool | None = None) -> None:
         self.spec = spec
         self.devices = devices
+        self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
@@ -196,8 +199,11 @@ class AgentShell:
                 store_port=store_port,
                 node=node,
             )
-            process = await spawn_child(argv, env)
-            self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
+            warm = await self.warm.take(argv, env, say) if self.warm is not None else None
+            rank_process = warm if warm is not None else await spawn_child(argv, env)
+            self._adopt(Child(f"rank {rank}", rank_process, rank), f"[{host}:{device}:r{rank}] ")
+        if self.warm is not None:
+            await self.warm.close()  # the ones not needed go now
 
     async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
         """The GROUP_RANK/GROUP_WORLD_SIZE torchrun gives a host in a world of several.
@@ -317,11 +323,32 @@ class AgentShell:
 
 
 def run_agent(spec: AgentSpec | None = None) -> int:
-    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent)."""
+    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent).
+
+    Asked for warm ranks (`flodld.rank.warm.WARM_ENV`), it starts them before it reads its spec, so that
+    their `import torch` overlaps the wait for the spec (a standby agent of `fdl run --max-restarts`), the
+    join and the world's formation.
+    """
     try:
-        spec = spec or agent_spec_from_env()
-        devices = resolve_devices(spec.devices)
-    except (ValueError, DeviceError) as error:
+        warm = warm_count(os.environ)
+    except ValueError as error:
         say(str(error))
         return ExitClass.PERMANENT
-    return asyncio.run(AgentShell(spec, devices).run())
+    os.environ.pop(WARM_ENV, None)
+    return asyncio.run(_run_agent(spec, warm))
+
+
+async def _run_agent(spec: AgentSpec | None, warm: int) -> int:
+    pool = await WarmPool.start(warm, os.environ) if warm else None
+    try:
+        try:
+            if spec is None:  # the spec may come on stdin, later: read it off the event loop
+                spec = await asyncio.get_running_loop().run_in_executor(None, agent_spec_from_env)
+            devices = resolve_devices(spec.devices)
+        except (ValueError, DeviceError) as error:
+            say(str(error))
+            return ExitClass.PERMANENT
+        return await AgentShell(spec, devices, warm=pool).run()
+    finally:
+        if pool is not None:
+            await pool.close()
