@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from flodld.membership.switch import start_credential
     from flodld.net import scaled
     from flodld.probe import HostReport, aggregate, probe_local, render
+    from flodld.rank.warm import WARM_ENV
     from flodld.wire.salt import OPEN_ADMISSION_KEY, SaltError, salt_from_hex
 
 # Where each public name is defined, grouped by module (the import above is the same list).
@@ -134,6 +135,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
+    "flodld.rank.warm": ("WARM_ENV",),
     "flodld.wire.salt": ("OPEN_ADMISSION_KEY", "SaltError", "salt_from_hex"),
 }
 
@@ -146,6 +148,7 @@ __all__ = [
     "LOOPBACK_HOSTS",
     "OPEN_ADMISSION_KEY",
     "SPEC_ON_STDIN",
+    "WARM_ENV",
     "AgentExited",
     "AgentSpec",
     "ArmTimer",

@@ -659,6 +659,47 @@ class _Attempt:
             await asyncio.gather(*self.filters)  # the agents are gone: their pipes are at EOF
 
 
+def _warm_ranks(worker: Any, command: list[str]) -> int:  # noqa: ANN401  a ClusterConfig worker
+    """How many warm ranks (flodld.rank.warm) the agent of a local `worker` starts: one per rank when
+    its ranks are CPU ranks running a Python script, else none.
+    """
+    if worker.local_devices == "all" or len(command) < 2 or not command[1].endswith(".py"):
+        return 0
+    try:
+        devices = api.resolve_devices(list(worker.local_devices), cuda_count=0)
+    except (ValueError, api.DeviceError):
+        return 0
+    return len(devices) if all(device.startswith("cpu") for device in devices) else 0
+
+
+async def _spawn_agents(
+    command: list[str], local: list[Any], rank_filter: frozenset[int] | None
+) -> list[asyncio.subprocess.Process]:
+    """The local agents of one attempt, their spec to follow on stdin; each starts its warm ranks at once."""
+    return [
+        await asyncio.create_subprocess_exec(
+            *api.agent_command(),
+            env={
+                **os.environ,
+                **worker.env,
+                api.AGENT_ENV: api.SPEC_ON_STDIN,
+                api.WARM_ENV: str(_warm_ranks(worker, command)),
+            },
+            stdin=asyncio.subprocess.PIPE,
+            stdout=None if rank_filter is None else asyncio.subprocess.PIPE,
+            limit=OUTPUT_LINE_LIMIT,
+        )
+        for worker in local
+    ]
+
+
+async def _kill_agents(agents: Sequence[asyncio.subprocess.Process]) -> None:
+    for agent in agents:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+
+
 async def _start_attempt(
     command: list[str],
     cluster: api.ClusterConfig,
@@ -669,20 +710,17 @@ async def _start_attempt(
     max_restarts: int,
     rank_filter: frozenset[int] | None,
     logs: api.RankLogSpec | None = None,
+    standby: list[asyncio.subprocess.Process] | None = None,
+    on_training: Callable[[], None] | None = None,
 ) -> _Attempt:
-    """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it."""
+    """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it.
+
+    `standby`: agents started ahead for this attempt (their warm ranks have loaded torch already);
+    `on_training` is called once the world trains (when the next attempt's standby may start).
+    """
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
     # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
-    agents: list[asyncio.subprocess.Process] = [
-        await asyncio.create_subprocess_exec(
-            *api.agent_command(),
-            env={**os.environ, **worker.env, api.AGENT_ENV: api.SPEC_ON_STDIN},
-            stdin=asyncio.subprocess.PIPE,
-            stdout=None if rank_filter is None else asyncio.subprocess.PIPE,
-            limit=OUTPUT_LINE_LIMIT,
-        )
-        for worker in local
-    ]
+    agents = standby if standby is not None else await _spawn_agents(command, local, rank_filter)
     filters = [
         asyncio.ensure_future(_filter_rank_output(agent.stdout, rank_filter))
         for agent in agents
@@ -693,14 +731,16 @@ async def _start_attempt(
         options = api.ControllerOptions.from_cluster(
             cluster, probed=probed, restart_count=restart_count, max_restarts=max_restarts, **overrides
         )
-        controller = api.assemble_controller(
-            options, on_phase=lambda phase, reason: say(f"{phase.value}" + (f" — {reason}" if reason else ""))
-        )
+
+        def on_phase(phase: Any, reason: str | None) -> None:  # noqa: ANN401  an api phase
+            say(f"{phase.value}" + (f" — {reason}" if reason else ""))
+            if phase.value == "training" and on_training is not None:
+                on_training()
+
+        controller = api.assemble_controller(options, on_phase=on_phase)
         _, bound_port = await controller.start()
     except BaseException:
-        for agent in agents:  # never told what to join: they go without a word
-            agent.kill()
-            await agent.wait()
+        await _kill_agents(agents)  # never told what to join: they go without a word
         raise
     say(
         f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "
@@ -763,6 +803,15 @@ async def run_job(
     timers: dict[str, asyncio.TimerHandle] = {}
     attempt: _Attempt | None = None
     collecting: asyncio.Future[None] | None = None
+    # With restarts left, the next attempt's agents start once this one trains (not before: their warm
+    # ranks' imports would slow this attempt's start) and wait for their spec with torch loaded.
+    standby: asyncio.Future[list[asyncio.subprocess.Process]] | None = None
+
+    def arm_standby() -> None:
+        nonlocal standby
+        if standby is None:
+            standby = asyncio.ensure_future(_spawn_agents(command, local, rank_filter))
+
     actions = list(supervisor.start())
     try:
         while True:
@@ -773,10 +822,12 @@ async def run_job(
                     timers.clear()
                     if attempt is not None:
                         await attempt.close()
+                    ready, standby = (await standby if standby is not None else None), None
                     attempt = await _start_attempt(
                         command, cluster, local, overrides,
                         restart_count=action.restart_count, max_restarts=action.max_restarts,
-                        rank_filter=rank_filter, logs=logs,
+                        rank_filter=rank_filter, logs=logs, standby=ready,
+                        on_training=arm_standby if action.restart_count < action.max_restarts else None,
                     )  # fmt: skip
                     if logs is not None and logs.run is None:  # the run's directory: its first attempt's id
                         logs = logs.model_copy(update={"run": attempt.controller.run_id})
@@ -810,6 +861,8 @@ async def run_job(
             collecting.cancel()
         if attempt is not None:
             await attempt.close()
+        if standby is not None:  # never needed: they and their warm ranks go
+            await _kill_agents(await standby)
 
 
 OUTPUT_LINE_LIMIT = 1024 * 1024

@@ -31,6 +31,8 @@ from flodld.agent.spawn import (
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
+from flodld.agent.warmpool import WarmPool
+from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
@@ -80,9 +82,10 @@ T = TypeVar("T")
 
 
 class AgentShell:
-    def __init__(self, spec: AgentSpec, devices: list[str]) -> None:
+    def __init__(self, spec: AgentSpec, devices: list[str], warm: WarmPool | None = None) -> None:
         self.spec = spec
         self.devices = devices
+        self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
@@ -217,8 +220,15 @@ class AgentShell:
                 node=node,
             )
             sink = sinks[local_rank]
-            process = await spawn_child(argv, env, split_stderr=sink.splits_streams)
+            # A warm rank's stderr shares its stdout pipe: logs that keep the streams apart want a cold one.
+            warm = None
+            if self.warm is not None and not sink.splits_streams:
+                warm = await self.warm.take(argv, env, say)
+            split = sink.splits_streams
+            process = warm if warm is not None else await spawn_child(argv, env, split_stderr=split)
             self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ", sink)
+        if self.warm is not None:
+            await self.warm.close()  # the ones not needed go now
 
     def _open_sinks(self, run_id: str, attempt: int, ranks: list[int]) -> list[RankLogSink]:
         """Each rank's log files under this host's own log directory (never one the controller names: the
@@ -354,11 +364,32 @@ class AgentShell:
 
 
 def run_agent(spec: AgentSpec | None = None) -> int:
-    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent)."""
+    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent).
+
+    Asked for warm ranks (`flodld.rank.warm.WARM_ENV`), it starts them before it reads its spec, so that
+    their `import torch` overlaps the wait for the spec (a standby agent of `fdl run --max-restarts`), the
+    join and the world's formation.
+    """
     try:
-        spec = spec or agent_spec_from_env()
-        devices = resolve_devices(spec.devices)
-    except (ValueError, DeviceError) as error:
+        warm = warm_count(os.environ)
+    except ValueError as error:
         say(str(error))
         return ExitClass.PERMANENT
-    return asyncio.run(AgentShell(spec, devices).run())
+    os.environ.pop(WARM_ENV, None)
+    return asyncio.run(_run_agent(spec, warm))
+
+
+async def _run_agent(spec: AgentSpec | None, warm: int) -> int:
+    pool = await WarmPool.start(warm, os.environ) if warm else None
+    try:
+        try:
+            if spec is None:  # the spec may come on stdin, later: read it off the event loop
+                spec = await asyncio.get_running_loop().run_in_executor(None, agent_spec_from_env)
+            devices = resolve_devices(spec.devices)
+        except (ValueError, DeviceError) as error:
+            say(str(error))
+            return ExitClass.PERMANENT
+        return await AgentShell(spec, devices, warm=pool).run()
+    finally:
+        if pool is not None:
+            await pool.close()

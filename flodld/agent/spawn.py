@@ -20,10 +20,11 @@ from collections.abc import Mapping, Sequence
 
 from flodld.agent.spec import AGENT_ENV, encode_spec
 from flodld.rank import env as rank_env
+from flodld.rank.warm import WARM_ENV, WARM_FLAG
 from flodld.relay.spec import RELAY_ENV, RelayRoleSpec
 from flodld.wire.join import WorldEnvelope, WorldFormed
 
-ROLE_VARIABLES = (AGENT_ENV, RELAY_ENV)
+ROLE_VARIABLES = (AGENT_ENV, RELAY_ENV, WARM_ENV)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -55,6 +56,34 @@ def rank_command(program: Sequence[str] | None) -> list[str]:
     if len(program) >= 2 and program[1].endswith(".py"):
         return [program[0], "-m", "flodld.launcher.rank", *program[1:]]
     return list(program)
+
+
+def warm_rank_command() -> list[str]:
+    """A warm rank (flodld.rank.warm): the launcher `rank_command` uses for a script, minus the script."""
+    return [sys.executable, "-m", "flodld.launcher.rank", WARM_FLAG]
+
+
+def warm_handoff_argv(argv: Sequence[str]) -> list[str] | None:
+    """What a warm rank is handed for the rank command `argv` (the script and its arguments), or None
+    when `argv` is not this interpreter's `-m flodld.launcher.rank SCRIPT.py ...` (no warm rank fits).
+    """
+    head = [sys.executable, "-m", "flodld.launcher.rank"]
+    if len(argv) > len(head) and list(argv[: len(head)]) == head and argv[len(head)] != WARM_FLAG:
+        return list(argv[len(head) :])
+    return None
+
+
+def warm_environment(parent: Mapping[str, str], *, local_world_size: int) -> dict[str, str]:
+    """What a warm rank starts with: the environment a CPU rank of this host will have, minus what only
+    the formed world knows (identity, salt, store; handed over later). The start-up variables
+    (flodld.rank.warm.startup_variables) are those of such a rank, so the hand-off can keep it.
+    """
+    env = base_environment(parent)
+    for name in (*TORCHRUN_VARIABLES, rank_env.SALT, rank_env.RANK, rank_env.CONTROLLER):
+        env.pop(name, None)
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, local_world_size))))
+    return env
 
 
 AGENT_STORE_HOST = "127.0.0.1"
@@ -247,6 +276,19 @@ async def spawn_child(
         stderr=asyncio.subprocess.PIPE if split_stderr else asyncio.subprocess.STDOUT,
         start_new_session=True,
         pass_fds=tuple(pass_fds),
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+
+
+async def spawn_warm(env: Mapping[str, str]) -> asyncio.subprocess.Process:
+    """Start a warm rank like `spawn_child` starts a rank, with its stdin a pipe for the hand-off."""
+    return await asyncio.create_subprocess_exec(
+        *warm_rank_command(),
+        env=dict(env),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
 

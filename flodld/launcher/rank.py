@@ -9,6 +9,9 @@ legs (they open once per process). Then the script runs as `python SCRIPT.py ARG
 `__name__ == "__main__"`, `sys.argv[0]` the script, its directory first on `sys.path`. At exit, after the
 script's own `atexit` handlers, flodld closes a process group the script left open and lets gloo's worker
 threads go idle before the interpreter shuts down (see `flodld.rank.process_group.quiesce_gloo_workers`).
+
+`python -m flodld.launcher.rank --warm` is a warm rank (`flodld.rank.warm`): it loads torch first, then
+reads its script, arguments and environment from one line on stdin and goes on as above.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import runpy
 import sys
 
 from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment
+from flodld.rank.warm import MAX_HANDOFF_BYTES, WARM_FLAG, HandoffError, decode_handoff
 
 
 def main(argv: list[str]) -> None:
+    if argv == [WARM_FLAG]:
+        argv = _wait_warm()
     if not argv:
         sys.stderr.write("usage: python -m flodld.launcher.rank SCRIPT.py [ARGS]\n")
         sys.exit(2)
@@ -35,6 +41,32 @@ def main(argv: list[str]) -> None:
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     runpy.run_path(script, run_name="__main__")
+
+
+def _wait_warm() -> list[str]:
+    """A warm rank (flodld.rank.warm): load torch now, then take argv and environment from stdin.
+
+    EOF before a hand-off (the agent did not need this rank) ends the process quietly.
+    """
+    import torch  # the point of a warm rank: the import is paid before the world forms
+    import torch.distributed  # noqa: F401
+
+    import flodld.rank.relay_client  # noqa: F401  what a rank with a relay opens first
+
+    line = sys.stdin.buffer.readline(MAX_HANDOFF_BYTES + 1)
+    if not line.endswith(b"\n"):
+        sys.exit(0)
+    try:
+        argv, env = decode_handoff(line)
+    except HandoffError as error:
+        sys.stderr.write(f"flodld warm rank: {error}\n")
+        sys.exit(2)
+    os.environ.clear()  # exactly the rank's environment, as if it had been started with it
+    os.environ.update(env)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # a rank's stdin is /dev/null, as for a cold start
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return argv
 
 
 def _settle_torch_distributed() -> None:

@@ -5,8 +5,9 @@ average is a gloo all-reduce, so a run that resumes from a checkpoint ends with 
 bit for bit, as one that never failed. Arguments: OUT_DIR STEPS EVERY [FAULT_STEP FAULT_RANK]: rank
 0 saves {step, w} every EVERY steps to OUT_DIR/ckpt.pt (atomically); on the first attempt
 (TORCHELASTIC_RESTART_COUNT=0) rank FAULT_RANK SIGKILLs itself at step FAULT_STEP. Rank 0 writes the
-final parameters to OUT_DIR/final.pt; every rank appends `rank restart_count start_step` to
-OUT_DIR/attempts.txt when it starts.
+final parameters to OUT_DIR/final.pt; every rank appends `rank restart_count start_step warm` to
+OUT_DIR/attempts.txt when it starts (`warm` 1 when the process started as a warm rank of flodld,
+`python -m flodld.launcher.rank --warm`, that loaded torch before its world formed).
 """
 
 import os
@@ -37,7 +38,7 @@ def main() -> None:
         saved = torch.load(ckpt)
         w, start = saved["w"], saved["step"] + 1
     with open(out / "attempts.txt", "a") as log:
-        log.write(f"{rank} {restart} {start}\n")
+        log.write(f"{rank} {restart} {start} {int('--warm' in sys.orig_argv)}\n")
     for step in range(start, steps + 1):
         if restart == 0 and rank == fault_rank and step == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
