@@ -9,16 +9,18 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.harness import PROGRAMS, Fdl, child_env, pid_alive
+from tests.e2e.harness import PROGRAMS, REPO, Fdl, child_env, free_port, pid_alive, write_discovery_project
 
 pytestmark = pytest.mark.multiproc
 
@@ -141,3 +143,101 @@ def test_without_max_restarts_a_failure_still_ends_the_run(tmp_path: Path) -> No
     assert run.wait() == 1, run.output
     assert "restarting" not in run.output
     assert "run FAILED: 1 of 2 ranks failed (ranks [1])" in run.output
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_walk_in_host_is_replaced_by_a_new_walk_in_in_the_next_attempt_and_the_run_resumes(
+    tmp_path: Path, fault_free: torch.Tensor
+) -> None:
+    # fdl run serving walk-ins only (fdl.yml: discovery, a token, quorum = target = 2 ranks), max_restarts 1.
+    # Two persist walk-ins form attempt 1; host B is lost mid-run (its whole process tree SIGKILLed). The
+    # attempt fails, a fresh world opens on the same port; A's persist loop re-dials and C, a new walk-in,
+    # dials in the re-formation window: attempt 2 is A + C, resumes from the checkpoint, fault-free result.
+    port, token = free_port(), secrets.token_hex(16)
+    project = write_discovery_project(tmp_path, port, token, ranks=2, join_timeout=120)
+    out = tmp_path / "out"
+    out.mkdir()
+    controller = Fdl(
+        "run", "--project", str(project), "--max-restarts", "1", SCRIPT, str(out), STEPS, EVERY,
+    )  # fmt: skip
+    join_env = child_env(
+        FDL_JOIN_TOKEN=token, FLODL_NET_TIMEOUT_SCALE="0.1", CKPT_STEP_SECONDS="0.5", PYTHONPATH=str(REPO)
+    )
+    walk_ins = {host: persist_walk_in(port, host, out, join_env) for host in ("walk-a", "walk-b")}
+    try:
+        controller.wait_for(r"training — world formed")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(attempts_or_empty(out)) < 2:
+            time.sleep(0.1)
+        assert len(attempts_or_empty(out)) == 2, controller.output
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(walk_ins["walk-b"].process.pid, signal.SIGKILL)  # host B is gone, all of it
+        kill_everything_started_for_host("walk-b")
+        controller.wait_for(r"restarting: attempt 2 of at most 2 \(restart 1\)")
+        walk_ins["walk-c"] = persist_walk_in(port, "walk-c", out, join_env)
+        assert controller.wait(timeout=240) == 0, controller.output
+    finally:
+        for process in (controller, *walk_ins.values()):
+            process.kill()
+    assert re.search(r"attempt 1 failed: ", controller.output), controller.output
+    rows = attempts(out)
+    assert [row for row in rows if row[1] == 0] == [(0, 0, 1), (1, 0, 1)], rows
+    assert {row[0] for row in rows if row[1] == 1} == {0, 1}, rows  # attempt 2 had two ranks again
+    assert "walk-c" in walk_ins["walk-c"].output and "world formed" in walk_ins["walk-c"].output
+    assert torch.equal(torch.load(out / "final.pt"), fault_free)
+
+
+@pytest.mark.timeout(300)
+def test_a_reformation_window_below_quorum_fails_the_run_with_each_attempts_cause(tmp_path: Path) -> None:
+    # As above, but nobody replaces host B: attempt 2's window (join_timeout 5 s, hard cap 20 s) ends with
+    # A's rank alone, below the quorum of 2, and the run fails naming both attempts' causes.
+    port, token = free_port(), secrets.token_hex(16)
+    project = write_discovery_project(tmp_path, port, token, ranks=2, join_timeout=5)
+    config = project / "fdl.yml"
+    capped = config.read_text().replace("join_timeout: 5\n", "join_timeout: 5\n      max_join_timeout: 20\n")
+    config.write_text(capped)
+    out = tmp_path / "out"
+    out.mkdir()
+    controller = Fdl("run", "--project", str(project), "--max-restarts", "1", SCRIPT, str(out), STEPS, EVERY)
+    join_env = child_env(
+        FDL_JOIN_TOKEN=token, FLODL_NET_TIMEOUT_SCALE="0.1", CKPT_STEP_SECONDS="0.5", PYTHONPATH=str(REPO)
+    )
+    walk_ins = [persist_walk_in(port, host, out, join_env) for host in ("walk-a", "walk-b")]
+    try:
+        controller.wait_for(r"training — world formed")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(attempts_or_empty(out)) < 2:
+            time.sleep(0.1)
+        kill_everything_started_for_host("walk-b")
+        assert controller.wait(timeout=240) == 1, controller.output
+    finally:
+        for process in (controller, *walk_ins):
+            process.kill()
+    failed = [line for line in controller.output.splitlines() if "run FAILED" in line]
+    assert len(failed) == 1, controller.output
+    assert "attempt 1: " in failed[0] and "attempt 2: " in failed[0], failed
+    assert "attempt 2: quorum not met: 1 of 2 ranks joined after 20s hard cap" in failed[0], failed
+
+
+def persist_walk_in(port: int, host: str, out: Path, env: dict[str, str]) -> Fdl:
+    """`fdl join --persist` of the checkpointing script as host `host`, one CPU rank."""
+    return Fdl(
+        "join", f"127.0.0.1:{port}", "--persist", "--bin", SCRIPT, "--host", host, "--devices", "cpu",
+        "--", str(out), STEPS, EVERY, env=env,
+    )  # fmt: skip
+
+
+def attempts_or_empty(out: Path) -> list[str]:
+    path = out / "attempts.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def kill_everything_started_for_host(host: str) -> None:
+    """Every process of a walk-in host (its agent and ranks may sit in other process groups)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            # `fdl join --host H` names it in argv; its agent's spec and its ranks' environment name it too
+            if host.encode() in (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)

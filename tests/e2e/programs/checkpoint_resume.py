@@ -7,12 +7,14 @@ bit for bit, as one that never failed. Arguments: OUT_DIR STEPS EVERY [FAULT_STE
 (TORCHELASTIC_RESTART_COUNT=0) rank FAULT_RANK SIGKILLs itself at step FAULT_STEP. Rank 0 writes the
 final parameters to OUT_DIR/final.pt; every rank appends `rank restart_count start_step warm` to
 OUT_DIR/attempts.txt when it starts (`warm` 1 when the process started as a warm rank of flodld,
-`python -m flodld.launcher.rank --warm`, that loaded torch before its world formed).
+`python -m flodld.launcher.rank --warm`, that loaded torch before its world formed). With
+CKPT_STEP_SECONDS set, every step sleeps that long first (a run long enough to lose a host in).
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +41,10 @@ def main() -> None:
         w, start = saved["w"], saved["step"] + 1
     with open(out / "attempts.txt", "a") as log:
         log.write(f"{rank} {restart} {start} {int('--warm' in sys.orig_argv)}\n")
+    pause = float(os.environ.get("CKPT_STEP_SECONDS", "0"))
     for step in range(start, steps + 1):
+        if pause:
+            time.sleep(pause)
         if restart == 0 and rank == fault_rank and step == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
         g = gradient(w, rank, step)
