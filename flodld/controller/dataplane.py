@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flodld.controller.metrics import RunMetrics
 from flodld.fold import round_barrier
 from flodld.fold.liveness import Liveness
 from flodld.net.dispatch import serve_frames
@@ -90,6 +91,7 @@ class DataPlane:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_SECS,
         on_rank_dead: RankDeadCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: RunMetrics | None = None,
     ) -> None:
         if not host_ranks:
             raise ValueError("a data plane needs at least one host")
@@ -98,6 +100,9 @@ class DataPlane:
         # Refused relays and frames by reason; the controller passes its `dropped` counter (state.json,
         # /metrics).
         self.refusals: Counter[str] = refusals if refusals is not None else Counter()
+        # Rounds, round times, per-rank delays and reported rounds, tensor bytes (/metrics); the controller
+        # passes its run's tally.
+        self.metrics = metrics if metrics is not None else RunMetrics()
         self.host_ranks = {host: sorted(ranks) for host, ranks in host_ranks.items()}
         self.host_of = {rank: host for host, ranks in self.host_ranks.items() for rank in ranks}
         self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
@@ -303,6 +308,9 @@ class DataPlane:
             await self._send_quietly(relay.stream, DataPlaneError(reason=str(error)[:1024]))
             return True
         self._chunk_ranks.setdefault(message.offset, set()).update(message.contributors)
+        self.metrics.host_chunk(
+            message.round, message.offset, message.contributors, frame.tail_view.nbytes, self.clock()
+        )
         for result in results:
             await self._broadcast(result)
         return False
@@ -317,6 +325,8 @@ class DataPlane:
         self.live_ranks[host].discard(rank)
         self.liveness.forget(rank)
         (self.dead_ranks if dead else self.gone_ranks).append(rank)
+        if dead:
+            self.metrics.rank_dead()
         log.info("event=rank_left host=%s rank=%d dead=%s reason=%r", host, rank, dead, reason)
         if not self.live_ranks[host]:
             for result in self._barrier.leave(host) if self._barrier is not None else []:
@@ -336,16 +346,20 @@ class DataPlane:
         if result.last:
             self.rounds += 1
             self._chunk_ranks.clear()
+            self.metrics.round_finished(result.round, self.clock())
         tail = result.byte_views()
+        nbytes = sum(view.nbytes for view in tail)
         for host, stream in list(self.relays[Channel.DATA].items()):
             if host in self.live_hosts():
                 await self._send_quietly(stream, message, tail)
+                self.metrics.sent(nbytes)
 
     # --- control ---------------------------------------------------------------------------
 
     async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
             self.liveness.heard(message.rank, self.clock())
+            self.metrics.heartbeat(message.rank, message.step)
 
     async def _tick_forever(self) -> None:
         while True:
@@ -424,6 +438,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 startup_timeout=startup,
                 heartbeat_interval=interval,
                 on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
+                metrics=controller.run_metrics,
             )
             controller.register_channels(
                 {Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control}

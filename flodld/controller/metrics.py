@@ -2,18 +2,150 @@
 
 Counters are plain integers mutated from the event loop thread only, so no locking. The
 same numbers appear in state.json (under `controller`) and in /metrics.
+
+`RunMetrics` is the run's data-plane tally (sans-io: the data plane passes `now` in): rounds folded here
+and how long each took, each rank's deposit delay and reported rounds, tensor bytes in and out. /metrics
+renders it as it stands (O(ranks up to `RANK_SERIES_CAP`) per scrape, nothing recomputed from history).
+docs/operations.md lists every family.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from flodld.membership.phase import Phase
 
 PHASES = tuple(phase.value for phase in Phase)
 VERDICTS = (Phase.DONE.value, Phase.FAILED.value)
+
+RANK_SERIES_CAP: Final = 1024
+"""Per-rank series exist for ranks 0 to 1023 only (bounded label cardinality); the run-wide families
+still count every rank."""
+ROUND_SECONDS_BUCKETS: Final = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+"""Upper bounds of `flodld_round_duration_seconds` (a +Inf bucket follows)."""
+OPEN_ROUNDS_CAP: Final = 64
+"""Rounds whose opening time is remembered at once (older ones are forgotten: their duration goes
+unobserved)."""
+
+
+@dataclass
+class RankSeries:
+    """One rank's numbers in `RunMetrics`."""
+
+    rounds: int = 0  # rounds the rank reported completed (its heartbeat `step`)
+    delay_sum: float = 0.0  # seconds, over the rounds its deposit reached the controller's fold
+    delay_count: int = 0
+    last_delay: float = 0.0
+
+
+class RunMetrics:
+    """One run's data-plane numbers (sans-io: every call gets `now`; the data plane calls it).
+
+    A round opens at the controller when the first host's first chunk of it arrives; each rank's deposit
+    delay is the time from that opening to the arrival of the first chunk carrying the rank (its host's
+    partial fold), so the rank that arrives first waits 0 s and a straggler shows how long the others
+    waited for it. A round's duration runs from its opening to its last chunk's broadcast. In a world of
+    one host the relay folds every round itself: no round passes here and only the heartbeat-reported
+    rounds per rank move.
+    """
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.round_buckets = [0] * len(ROUND_SECONDS_BUCKETS)  # not cumulative: observations per bucket
+        self.round_seconds_sum = 0.0
+        self.round_seconds_count = 0
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.dead_ranks = 0
+        self.ranks: dict[int, RankSeries] = {}
+        self._opened: dict[int, float] = {}
+
+    def _rank(self, rank: int) -> RankSeries | None:
+        if not 0 <= rank < RANK_SERIES_CAP:
+            return None
+        series = self.ranks.get(rank)
+        if series is None:
+            series = self.ranks[rank] = RankSeries()
+        return series
+
+    def host_chunk(
+        self, round_number: int, offset: int, contributors: Iterable[int], nbytes: int, now: float
+    ) -> None:
+        """A host frame chunk arrived: `nbytes` tensor bytes; at offset 0 its contributors' deposits."""
+        self.bytes_received += nbytes
+        if offset != 0:
+            return
+        opened = self._opened.get(round_number)
+        if opened is None:
+            if len(self._opened) >= OPEN_ROUNDS_CAP:
+                del self._opened[min(self._opened)]
+            opened = self._opened[round_number] = now
+        delay = max(0.0, now - opened)
+        for rank in contributors:
+            series = self._rank(rank)
+            if series is not None:
+                series.delay_sum += delay
+                series.delay_count += 1
+                series.last_delay = delay
+
+    def round_finished(self, round_number: int, now: float) -> None:
+        """The round's last chunk was folded and goes down to every relay."""
+        self.rounds += 1
+        opened = self._opened.pop(round_number, None)
+        if opened is None:
+            return
+        seconds = max(0.0, now - opened)
+        self.round_seconds_sum += seconds
+        self.round_seconds_count += 1
+        for index, bound in enumerate(ROUND_SECONDS_BUCKETS):
+            if seconds <= bound:
+                self.round_buckets[index] += 1
+                break
+
+    def sent(self, nbytes: int) -> None:
+        """Tensor bytes of one Broadcast chunk written to one relay."""
+        self.bytes_sent += nbytes
+
+    def heartbeat(self, rank: int, step: int) -> None:
+        """A rank's heartbeat: `step` is its count of completed rounds (it never goes down)."""
+        series = self._rank(rank)
+        if series is not None and step > series.rounds:
+            series.rounds = step
+
+    def rank_dead(self) -> None:
+        self.dead_ranks += 1
+
+
+@dataclass(frozen=True)
+class RunSeries:
+    """What /metrics shows about one run (labelled with its id); `data` is its data-plane tally."""
+
+    run_id: str
+    restarts: int
+    max_restarts: int
+    admitted_hosts: int
+    admitted_ranks: int
+    lost_ranks: int
+    data: RunMetrics
 
 
 @dataclass
@@ -52,13 +184,136 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _number(value: float) -> str:
+    """A sample value: integers exactly (a byte counter past 1e6 must not lose digits), else repr."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
 def _family(
-    name: str, kind: str, help_text: str, samples: Iterable[tuple[Mapping[str, str], float]]
+    name: str,
+    kind: str,
+    help_text: str,
+    samples: Iterable[tuple[Mapping[str, str], float]],
+    *,
+    suffixed: Iterable[tuple[str, Mapping[str, str], float]] = (),
 ) -> list[str]:
+    """`samples` are named `name`; `suffixed` (suffix, labels, value) are a histogram's or summary's
+    `name_bucket`, `name_sum`, `name_count` samples.
+    """
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
+    rows = [("", labels, value) for labels, value in samples]
+    for suffix, labels, value in [*rows, *suffixed]:
         label_text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-        lines.append(f"{name}{{{label_text}}} {value:g}" if label_text else f"{name} {value:g}")
+        sample = f"{name}{suffix}"
+        lines.append(
+            f"{sample}{{{label_text}}} {_number(value)}" if label_text else f"{sample} {_number(value)}"
+        )
+    return lines
+
+
+def _run_families(run: RunSeries) -> list[str]:
+    """The per-run and per-rank families of `run` (docs/operations.md, "Metrics")."""
+    data, who = run.data, {"run_id": run.run_id}
+    lines: list[str] = []
+    lines += _family(
+        "flodld_run_restarts",
+        "gauge",
+        "Restarts made before this attempt (0 for the first attempt of fdl run --max-restarts).",
+        [(who, run.restarts)],
+    )
+    lines += _family(
+        "flodld_run_max_restarts",
+        "gauge",
+        "Restarts the run may still make in all (--max-restarts).",
+        [(who, run.max_restarts)],
+    )
+    lines += _family(
+        "flodld_join_admissions_total",
+        "counter",
+        "Hosts admitted by the run's join window.",
+        [(who, run.admitted_hosts)],
+    )
+    lines += _family(
+        "flodld_join_admitted_ranks_total",
+        "counter",
+        "Ranks handed out by the run's join window.",
+        [(who, run.admitted_ranks)],
+    )
+    lines += _family(
+        "flodld_lost_ranks",
+        "gauge",
+        "Ranks that exited non-zero or whose host was lost before reporting them.",
+        [(who, run.lost_ranks)],
+    )
+    lines += _family(
+        "flodld_ranks_declared_dead_total",
+        "counter",
+        "Ranks the data plane declared dead after a heartbeat timeout.",
+        [(who, data.dead_ranks)],
+    )
+    lines += _family(
+        "flodld_rounds_total",
+        "counter",
+        "Averaging rounds folded by the controller (0 in a one-host world: its relay folds).",
+        [(who, data.rounds)],
+    )
+    cumulative, buckets = 0, []
+    for bound, count in zip(ROUND_SECONDS_BUCKETS, data.round_buckets, strict=True):
+        cumulative += count
+        buckets.append(("_bucket", {**who, "le": _number(bound)}, cumulative))
+    buckets.append(("_bucket", {**who, "le": "+Inf"}, data.round_seconds_count))
+    lines += _family(
+        "flodld_round_duration_seconds",
+        "histogram",
+        "Seconds from a round's first deposit at the controller to its last broadcast chunk.",
+        [],
+        suffixed=[*buckets, ("_sum", who, data.round_seconds_sum), ("_count", who, data.round_seconds_count)],
+    )
+    lines += _family(
+        "flodld_dataplane_received_bytes_total",
+        "counter",
+        "Tensor bytes of host frames received.",
+        [(who, data.bytes_received)],
+    )
+    lines += _family(
+        "flodld_dataplane_sent_bytes_total",
+        "counter",
+        "Tensor bytes of broadcast chunks sent to relays.",
+        [(who, data.bytes_sent)],
+    )
+    ranks = sorted(data.ranks.items())
+    lines += _family(
+        "flodld_rank_rounds_total",
+        "counter",
+        "Rounds the rank reported completed (its heartbeat step); ranks below 1024 only.",
+        (({**who, "rank": str(rank)}, series.rounds) for rank, series in ranks),
+    )
+    delays: list[tuple[str, Mapping[str, str], float]] = []
+    for rank, series in ranks:
+        if series.delay_count:
+            labels = {**who, "rank": str(rank)}
+            delays += [("_sum", labels, series.delay_sum), ("_count", labels, series.delay_count)]
+    lines += _family(
+        "flodld_rank_deposit_delay_seconds",
+        "summary",
+        "Seconds from a round's first deposit at the controller to this rank's; ranks below 1024 only.",
+        [],
+        suffixed=delays,
+    )
+    lines += _family(
+        "flodld_rank_last_deposit_delay_seconds",
+        "gauge",
+        "The rank's deposit delay in the last round it deposited in; ranks below 1024 only.",
+        (({**who, "rank": str(rank)}, series.last_delay) for rank, series in ranks if series.delay_count),
+    )
     return lines
 
 
@@ -70,10 +325,12 @@ def render_prometheus(
     joined_hosts: int,
     run_id: str | None = None,
     runs: Mapping[str, int] | None = None,
+    run: RunSeries | None = None,
 ) -> str:
     """Prometheus text exposition (version 0.0.4) of the run's phase and the controller counters.
 
     `runs`: finished runs by verdict since the daemon started (`flodld serve`; absent for a single run).
+    `run`: the current (or last) run's own families, labelled with its id.
     """
     lines: list[str] = []
     lines += _family(
@@ -116,6 +373,8 @@ def render_prometheus(
     )
     labelled("flodld_frames_received_total", "Frames received, by channel.", "channel", counters.frames_in)
     labelled("flodld_frames_sent_total", "Frames sent, by channel.", "channel", counters.frames_out)
-    labelled("flodld_bytes_received_total", "Frame bytes received, by channel.", "channel", counters.bytes_in)
-    labelled("flodld_bytes_sent_total", "Frame bytes sent, by channel.", "channel", counters.bytes_out)
+    labelled("flodld_received_bytes_total", "Frame bytes received, by channel.", "channel", counters.bytes_in)
+    labelled("flodld_sent_bytes_total", "Frame bytes sent, by channel.", "channel", counters.bytes_out)
+    if run is not None:
+        lines += _run_families(run)
     return "\n".join(lines) + "\n"

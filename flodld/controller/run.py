@@ -39,7 +39,7 @@ from flodld.controller.addresses import CleartextWarner, is_loopback_address
 from flodld.controller.http import NO_STATE, HttpRefusalLog, build_app
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink, JoinProtocol, JoinRun
-from flodld.controller.metrics import ControllerCounters, render_prometheus
+from flodld.controller.metrics import ControllerCounters, RunMetrics, RunSeries, render_prometheus
 from flodld.controller.mux import ChannelHandler, ChannelProtocolFactory, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
 from flodld.controller.page import render_page
@@ -189,6 +189,7 @@ class Controller:
             link_keepalive=options.link_keepalive_secs * options.timeout_scale,
         )
         self.store = StoreService(self.run_id, self.salt, self.counters)
+        self.run_metrics = RunMetrics()  # the data plane's tally of this run (/metrics)
         self.window: JoinWindow | None = None
         self.address: tuple[str, int] | None = None
         self._links: dict[str, HostLink] = {}
@@ -904,13 +905,25 @@ class Controller:
         """`runs` (finished runs by verdict) and `past_refusals` (earlier runs' ledgers): from the Service."""
         refusals = self.counters.refusals.copy()
         refusals.update(past_refusals or {})
-        joined_ranks = joined_hosts = 0
+        joined_ranks = joined_hosts = admitted_hosts = admitted_ranks = lost_ranks = 0
         if self.window is not None:
-            refusals.update(self.window.ledger.refused_counts)
+            ledger = self.window.ledger
+            refusals.update(ledger.refused_counts)
             # The ledger's running totals (after formation it holds exactly the world): no O(members)
             # snapshot.
-            joined_ranks, joined_hosts = self.window.ledger.joined_ranks, self.window.ledger.member_count
+            joined_ranks, joined_hosts = ledger.joined_ranks, ledger.member_count
+            admitted_hosts, admitted_ranks = ledger.admitted_hosts, ledger.admitted_ranks
+            lost_ranks = len(self.window.failed_ranks())
         view = ControllerCounters(**{**vars(self.counters), "refusals": refusals})
+        run = RunSeries(
+            run_id=self.run_id,
+            restarts=self.options.restart_count,
+            max_restarts=self.options.max_restarts,
+            admitted_hosts=admitted_hosts,
+            admitted_ranks=admitted_ranks,
+            lost_ranks=lost_ranks,
+            data=self.run_metrics,
+        )
         return render_prometheus(
             view,
             phase=self.phase.value if self.phase else None,
@@ -918,6 +931,7 @@ class Controller:
             joined_hosts=joined_hosts,
             run_id=self.run_id,
             runs=runs,
+            run=run,
         )
 
     def request_start(self, *, local: bool, token: str | None) -> HttpAnswer:

@@ -126,6 +126,9 @@ class Ledger:
         self._joined_ranks = 0
         self._roster_set = frozenset(self.roster)
         self.refused_counts: Counter[str] = Counter()
+        # Admissions ever made (retracted members included): they only go up (/metrics).
+        self.admitted_hosts = 0
+        self.admitted_ranks = 0
         # Running summaries for state.json (`member_counts`), and a counter of every change it shows.
         self.variant_counts: Counter[str] = Counter()
         self.vendor_counts: Counter[str] = Counter()
@@ -199,6 +202,8 @@ class Ledger:
         self._members[member.host] = member
         self._first_rank[member.host] = self._joined_ranks
         self._joined_ranks += len(member.devices)
+        self.admitted_hosts += 1
+        self.admitted_ranks += len(member.devices)
         self._count(member, 1)
         return Admitted(member, self.ranks_of(member.host))
 

@@ -274,3 +274,15 @@ def test_refusals_are_counted_by_reason() -> None:
     refuse(ledger, hello("x"))
     ledger.refuse("bad_first_frame", "the first frame was not a Hello")
     assert ledger.refused_counts == {"duplicate_host": 2, "unknown_host": 1, "bad_first_frame": 1}
+
+
+def test_admission_totals_only_go_up_a_retraction_keeps_them() -> None:
+    """`admitted_hosts`/`admitted_ranks` feed the /metrics counters: never lowered by a retraction."""
+    ledger = Ledger(policy(capacity=6))
+    admit(ledger, hello("a", 1))
+    admit(ledger, hello("b", 2))
+    refuse(ledger, hello("a"))
+    ledger.retract("a")
+    admit(ledger, hello("c", 3))
+    assert (ledger.admitted_hosts, ledger.admitted_ranks) == (3, 6)
+    assert (ledger.member_count, ledger.joined_ranks) == (2, 5)
