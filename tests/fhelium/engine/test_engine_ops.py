@@ -209,12 +209,12 @@ def test_rotate_many_is_bit_identical_to_single_rotations(toy_engine: CkksEngine
 def test_batched_key_switching_in_groups_matches_one_pass(
     toy_engine: CkksEngine, toy_keys: KeySet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fhelium.engine.engine as engine_module
+    import fhelium.engine.keyswitch as keyswitch_module
 
     x = _slots(toy_engine, 17, (3,))
     product = toy_engine.multiply(*(toy_engine.encode_encrypt(x, toy_keys.public),) * 2)
     one_pass = toy_engine.relinearize(product, toy_keys.relin())
-    monkeypatch.setattr(engine_module, "KEY_SWITCH_BLOCK_RESIDUES", 1)  # one ciphertext per group
+    monkeypatch.setattr(keyswitch_module, "KEY_SWITCH_BLOCK_RESIDUES", 1)  # one ciphertext per group
     grouped = toy_engine.relinearize(product, toy_keys.relin())
     assert torch.equal(grouped.data, one_pass.data)
 

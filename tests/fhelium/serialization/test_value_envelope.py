@@ -17,7 +17,16 @@ from fhelium.core import (
     RotationKey,
     SecretKey,
 )
-from fhelium.serialization import VALUE_SCHEMA_VERSION, ValueEnvelope, validate_value_description
+from fhelium.serialization import (
+    VALUE_SCHEMA_VERSION,
+    VALUE_TYPES,
+    ValueCodec,
+    ValueEnvelope,
+    register_value_type,
+    validate_value_description,
+    value_codec,
+    value_type_extension,
+)
 
 
 def _values() -> list[Any]:
@@ -104,4 +113,37 @@ def test_description_errors_name_the_problem(
     description = _ct_description()
     change(description)
     with pytest.raises(FheliumValueError, match=message):
+        validate_value_description(**description)
+
+
+@pytest.mark.parametrize("value", _values(), ids=lambda v: type(v).__name__)
+def test_every_core_type_is_one_codec_in_the_registry(value: object) -> None:
+    name = type(value).__name__
+    codec = value_codec(name)
+    assert codec is not None and codec.name == name and codec.cls is type(value) is VALUE_TYPES[name]
+    assert codec.secret == isinstance(value, SecretKey)
+    assert value_type_extension(name) is None  # a core type, not an extension
+    metadata, tensors = codec.describe(value)
+    assert set(metadata) == set(codec.metadata_fields) and tuple(tensors) == codec.tensor_names(metadata)
+    codec.validate(metadata, None)
+    assert type(codec.build(metadata, tensors)) is type(value)
+
+
+def test_core_type_names_are_reserved() -> None:
+    codec = value_codec("Ciphertext")
+    assert codec is not None
+    with pytest.raises(FheliumValueError, match="'Ciphertext' is already registered"):
+        register_value_type(codec)
+    with pytest.raises(FheliumValueError, match="already registered"):
+        register_value_type(
+            ValueCodec(
+                "Ciphertext", dict, (), lambda m: (), lambda m, t: None, lambda v: ({}, {}), lambda m, t: {}
+            )
+        )
+
+
+def test_an_unhashable_value_type_is_refused_as_a_value_error() -> None:
+    description = _ct_description()
+    description["value_type"] = ["Ciphertext"]
+    with pytest.raises(FheliumValueError, match=r"Unsupported value envelope value_type: \['Ciphertext'\]"):
         validate_value_description(**description)
