@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fdl.cli import Command
-from fdl.run import add_rest, program_command, reparse
+from fdl.progargs import add_rest, program_command, reparse
 from flodld import api
 
 EXIT_DONE, EXIT_TRANSIENT, EXIT_PERMANENT = 0, 1, 2
