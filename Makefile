@@ -21,7 +21,7 @@ demo: venv
 	$(BIN)/fdl run examples/encrypted_mean.py
 
 lint: venv
-	$(BIN)/ruff check flodld fhelium clients tests bench examples
+	$(BIN)/ruff check flodld fhelium flodld_fhelium clients tests bench examples
 
 typecheck: venv
 	$(BIN)/mypy

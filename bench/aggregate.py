@@ -7,7 +7,7 @@ Every configuration runs as P gloo processes on this machine (one torch thread e
 - floor: gloo all_reduce of the raw float32 updates (the physical lower bound);
 - ours: rank 0 generates keys and broadcasts the public key (typed broadcast_key), every rank
   encrypts under the aggregation parameters (one 50-bit Q limb), the compiled Program
-  (examples/encrypted_mean.mlir, all_reduce_add_ciphertext) sums, rank 0 decrypts and divides;
+  (flodld_fhelium/encrypted_mean.mlir, all_reduce_add_ciphertext) sums, rank 0 decrypts and divides;
 - ours, threshold, Program: no key holder (fhelium.multiparty), as the flagship's relay road runs it
   (and its process-group road did before it ran the fused form).
   Committed common seed, collective public key from every rank's committed key share, every rank encrypts
@@ -43,29 +43,24 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from encrypted_aggregation import (
+from fhelium.core import Ciphertext, PublicKey, SecretKey
+from fhelium.engine import CkksEngine
+from fhelium.engine.parameters import CkksParameters
+from flodld_fhelium.aggregation import (
     AGGREGATION_PARAMETERS,
-    KEY_HOLDER,
-    ProcessGroupTransport,
     decrypt_mean,
     encrypt_update,
     expected_mean,
     link_program,
     make_update,
 )
-
-from fhelium.core import Ciphertext, PublicKey, SecretKey
-from fhelium.engine import CkksEngine
-from fhelium.engine.parameters import CkksParameters
+from flodld_fhelium.transport import KEY_HOLDER, ProcessGroupTransport
 
 # TenSEAL's tutorial context: poly_modulus_degree 8192, coeff_mod_bit_sizes [60, 40, 40, 60], scale 2^40.
 # Our kernels cap primes at 50 bits, so the 60-bit outer primes become 50-bit ones (same limb count).

@@ -25,14 +25,11 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -62,8 +62,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from flodld.net.stream import FramedStream, open_channel
 from flodld.wire.frames import Frame, FrameConnection, Role
 from flodld.wire.join import JOIN_PROTOCOL_VERSION, Accept, Hello, RankExited, WorldFormed

@@ -56,8 +56,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
 from flodld.net.stream import FramedStream, open_channel

@@ -19,12 +19,8 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions

@@ -1,389 +1,94 @@
-"""Encrypted mean with no key holder: threshold (N-out-of-N) CKKS on both roads of a flodld run.
+"""Federated averaging with no key holder: a model's gradients averaged encrypted, every rank decrypts.
 
-Every rank holds a share of the secret key (fhelium.multiparty): the public key is built jointly
-from a committed common seed, every rank encrypts its update under it, only the ciphertexts' c1
-components are summed, and every rank publishes c0_i + h_i (its own c0, a one-time pad, folded into
-its flooded decryption share of the c1 sum); the sum of those decrypts the sum on **every** rank.
-Both roads run this fused protocol (``ThresholdSession.aggregate``), and on both every rank checks the
-c1 sum it was handed (the same on every rank, and the sum of every rank's c1, by a random projection)
-before it publishes anything, and the summed contributions before it decodes: an aggregator that
-substitutes, drops, replays or scales ciphertexts, or answers ranks differently, is refused, naming
-the round (docs/security.md, "Threshold aggregation"). Key shares, c1 sums and contributions move as
-residues:
-- relay road: the compiled Program (examples/encrypted_mean.mlir) sums the c1 components (each rank
-  hands it its ciphertext with c0 zeroed), deposited at the host relay and folded by the relays and
-  the controller with the keyless modular fold (``modular:<q,...>``), then the contributions are
-  folded the same way; the seed commitments, reveals and sum checks ride the rendezvous store;
-- process-group road: slice k of the rows is summed and decoded on rank k and the decoded slots are
-  all-gathered (half the bytes of the unfused exchange, see docs/fhelium-multiparty.md). With
-  ``--lower`` the lowered Program sums the c1 components, as on the relay road.
+    fdl run examples/threshold_aggregation.py                         # 2 CPU ranks, relay road
+    fdl run --ranks 3 examples/threshold_aggregation.py -- --steps 5
+    fdl run examples/threshold_aggregation.py -- --transport process-group
 
-No party, and no coalition short of all other ranks, can decrypt an individual update; the
-controller and the relays see residues and the final sum only (docs/tutorial-encrypted-aggregation.md).
+Every rank trains the same small linear model on its own data. Each step the ranks average their
+gradients under threshold CKKS (fhelium.multiparty.ThresholdSession): the public key is built from
+every rank's key share, each rank encrypts its gradient, the ciphertexts are summed, and the sum is
+decrypted on every rank from every rank's decryption share. On the relay road the shares and
+ciphertext residues travel through flodld's relays and rendezvous store
+(`flodld_fhelium.relay.RelayShareChannel`: the relays and the controller add residues and never hold
+a key); on the process group through torch collectives. No rank, relay or controller sees another
+rank's gradient. As a demo's oracle, each rank recomputes the plaintext mean from every rank's
+(seeded) data and checks the decrypted one against it. Exit code 0 when every step is within the bound.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import Any
+import argparse
+import sys
 
-import torch
-from encrypted_aggregation import (
-    DEFAULT_ERROR_BOUND,
-    PROGRAM_PATH,
-    AggregationError,
-    Outcome,
-    RelayTransport,
-    Timings,
-    Transport,
-    WorldChangedError,
-    expected_mean,
-    link_program,
-    make_update,
-    refuse_differing_records,
-)
+from flodld.launcher import exit_if_worker_role
 
-from fhelium.core import Ciphertext
-from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError, ThresholdParameters
-from fhelium.multiparty.distributed import (
-    EXCHANGES,
-    MAX_KEY_SHARE_BYTES,
-    ProcessGroupChannel,
-    ShareChannel,
-    ThresholdSession,
-    key_fingerprint,
-    missing_error,
-)
+exit_if_worker_role()  # agent and relay roles run and exit here, before torch
 
-DESCRIPTOR_VERSION = 1
-DEFAULT_SHARE_TIMEOUT_S = 120.0
-Say = Callable[[str], None]
+import torch  # noqa: E402
+
+import flodld  # noqa: E402
+from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError  # noqa: E402
+from fhelium.multiparty.distributed import ThresholdSession  # noqa: E402
+from flodld_fhelium.cli import choose_transport, open_transport  # noqa: E402
+from flodld_fhelium.errors import AggregationError  # noqa: E402
+from flodld_fhelium.threshold import share_channel  # noqa: E402
+
+FEATURES = 64
+BOUND = 1e-5
 
 
-class MissingSharesAggregationError(AggregationError):
-    """A rank's key share or decryption share never arrived: N-out-of-N decryption is impossible."""
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s data at `step` (seeded, so every rank can recompute every rank's gradient)."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    inputs = torch.randn(32, FEATURES, generator=generator, dtype=torch.float64)
+    return inputs, inputs.sum(dim=1, keepdim=True) / FEATURES
 
 
-class RelayShareChannel:
-    """Share exchange over flodld: records through the rendezvous store, residues through the relays."""
-
-    def __init__(
-        self, transport: RelayTransport, *, session: str, timeout_s: float = DEFAULT_SHARE_TIMEOUT_S
-    ) -> None:
-        self.transport = transport
-        self.rank = transport.rank
-        self.world_size = transport.world_size
-        self.session = session
-        self.timeout_s = timeout_s
-        self.bytes_sent = 0
-
-    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_KEY_SHARE_BYTES) -> list[bytes]:
-        store = self.transport.store
-        prefix = f"fhelium-threshold/{self.session}/{tag}"
-        store.set(f"{prefix}/{self.rank}", data)
-        self.bytes_sent += len(data)
-        keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
-        try:
-            store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as error:  # bounded: name whoever never published
-            pending = [rank for rank, key in enumerate(keys) if not store.check([key])]
-            if not pending:
-                raise WorldChangedError(
-                    f"the rendezvous store failed during the {tag!r} exchange: {error}"
-                ) from error
-            raise missing_error(tag, self.world_size, pending, self.timeout_s) from error
-        records = [store.get(f"{prefix}/{rank}") for rank in range(self.world_size)]
-        for rank, record in enumerate(records):
-            if len(record) > max_bytes:
-                raise AggregationError(
-                    f"rank {rank} published a {len(record)}-byte {tag!r} record (cap {max_bytes})"
-                )
-        return records
-
-    def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
-        """The per-limb modular sum, folded by the relays and the controller (who see residues only)."""
-        from flodld.rank.relay_client import RelayClientError
-
-        group = self.transport.group
-        fold = "modular:" + ",".join(str(modulus) for modulus in moduli)
-        try:
-            round_number = group.client.deposit([residues.contiguous()], fold=fold)
-            self.bytes_sent += residues.numel() * residues.element_size()
-            (total,) = group.client.wait_round(round_number, self.timeout_s)
-        except TimeoutError as error:
-            raise missing_error(tag, self.world_size, [], self.timeout_s) from error
-        except (RelayClientError, OSError) as error:
-            raise WorldChangedError(
-                f"the relay data plane dropped this rank during {EXCHANGES.get(tag, tag)}: {error}"
-            ) from error
-        latest = group.client.latest
-        contributors = (
-            sorted(latest[0].contributors) if latest is not None and latest[0].round == round_number else []
-        )
-        if contributors != list(range(self.world_size)):
-            missing = sorted(set(range(self.world_size)) - set(contributors))
-            raise missing_error(tag, self.world_size, missing, None)
-        return total
+def gradient(model: torch.nn.Linear, rank: int, step: int) -> torch.Tensor:
+    """The flattened, clipped gradient of the squared error on this rank's batch."""
+    model.zero_grad()
+    inputs, targets = batch(rank, step)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    return flat.clamp(-1.0, 1.0)  # bounded: the sum over the world must stay inside the slots' headroom
 
 
-def share_channel(transport: Transport, *, session: str, timeout_s: float) -> ShareChannel:
-    if isinstance(transport, RelayTransport):
-        return RelayShareChannel(transport, session=session, timeout_s=timeout_s)
-    return ProcessGroupChannel(session=session, timeout_s=timeout_s)
-
-
-def threshold_descriptor(session: ThresholdSession, *, values: int, transport: str) -> dict[str, Any]:
-    engine = session.engine
-    parameters = session.party.parameters
-    return {
-        "version": DESCRIPTOR_VERSION,
-        "keys": "threshold",
-        "ring_degree": engine.ring_degree,
-        "moduli": list(engine.moduli),
-        "message_scale_bits": parameters.message_scale_bits,
-        "smudging_sigma_log2": round(float(torch.tensor(parameters.smudging_sigma).log2()), 6),
-        "values": values,
-        "transport": transport,
-        "program_sha256": hashlib.sha256(PROGRAM_PATH.read_text().encode()).hexdigest(),
-    }
-
-
-def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
-    """Refuse (identically on every rank) when any rank's descriptor differs from rank 0's.
-
-    There is no key holder here.
-    """
-    refuse_differing_records(
-        records,
-        reference_rank=0,
-        reference_label="rank 0",
-        what="threshold aggregation parameters",
-        arguments="--values, --keys",
-    )
-
-
-def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> list[dict[str, Any]]:
-    import json
-
-    blobs = channel.all_gather_bytes(tag, json.dumps(record, sort_keys=True).encode())
-    out = []
-    for rank, blob in enumerate(blobs):
-        value = json.loads(blob.decode())
-        if not isinstance(value, dict):
-            raise AggregationError(f"rank {rank} sent a {tag} record that is not a JSON object")
-        out.append(value)
-    return out
-
-
-def _fused_mean(
-    session: ThresholdSession,
-    rows: torch.Tensor,
-    world: int,
-    timings: Timings,
-    record: Callable[[str, torch.Tensor], None],
-    before_decrypt: Callable[[], None] | None,
-    say: Say,
-) -> tuple[torch.Tensor, int]:
-    """The process-group road's fused protocol (``ThresholdSession.aggregate``): encrypt, sum only the
-    c1 components, publish c0_i + h_i, decode one slice per rank, all-gather the decoded slots.
-    Returns the flat mean and this rank's ciphertext bytes.
-    """
-    nbytes = 0
-
-    def audit(name: str, tensor: torch.Tensor) -> None:
-        nonlocal nbytes
-        if name == "ciphertext":
-            nbytes += tensor.numel() * tensor.element_size()
-        record(name, tensor)
-
-    started = time.perf_counter()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    parser.add_argument("--transport", choices=("auto", "relay", "process-group"), default="auto")
+    parser.add_argument("--share-timeout", type=float, default=120.0, help="seconds to wait for a share")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    name = choose_transport(args.transport)
     try:
-        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
-    except RuntimeError as error:
-        raise WorldChangedError(
-            f"the threshold aggregation failed, a rank probably left mid-run: {error}"
-        ) from error
-    elapsed = timings.measure("aggregate", started)
-    say(
-        f"fused threshold aggregation over {world} rank(s) via process-group in {elapsed:.2f}s: "
-        f"{rows.size(0)} ciphertexts ({nbytes / 2**20:.1f} MiB) encrypted, c1 summed, "
-        f"collective decryption from {world} decryption shares"
-    )
-    return total.reshape(-1) / world, nbytes
+        transport = open_transport(name)
+        rank, world = transport.rank, transport.world_size
+        channel = share_channel(transport, session="threshold-example", timeout_s=args.share_timeout)
+        session = ThresholdSession(channel, THRESHOLD_AGGREGATION, session="threshold-example")
+        session.generate_public_key()  # every rank's key share; nobody holds the secret key
+        torch.manual_seed(0)
+        model = torch.nn.Linear(FEATURES, 1, dtype=torch.float64)  # the same start on every rank
+        worst = 0.0
+        for step in range(args.steps):
+            mine = gradient(model, rank, step)
+            total = session.aggregate(mine.reshape(1, -1))  # [1, slots] on every rank
+            mean = total.reshape(-1)[: mine.numel()] / world
+            truth = torch.stack([gradient(model, other, step) for other in range(world)]).mean(dim=0)
+            worst = max(worst, float((mean - truth).abs().max()))
+            with torch.no_grad():
+                offset = 0
+                for parameter in model.parameters():
+                    parameter -= 0.1 * mean[offset : offset + parameter.numel()].view_as(parameter)
+                    offset += parameter.numel()
+            print(f"rank {rank}/{world}: step {step}: encrypted mean of {mine.numel()} gradients", flush=True)
+    except (AggregationError, MultipartyError) as error:
+        print(f"threshold_aggregation: FAILED: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return 1
+    verdict = "PASS" if worst <= BOUND else "FAIL"
+    print(f"rank {rank}/{world}: threshold aggregation {verdict}: max error {worst:.2e} ({name})", flush=True)
+    return 0 if worst <= BOUND else 1
 
 
-def _program_mean(
-    session: ThresholdSession,
-    transport: Transport,
-    rows: torch.Tensor,
-    values: int,
-    lower: bool,
-    timings: Timings,
-    record: Callable[[str, torch.Tensor], None],
-    before_decrypt: Callable[[], None] | None,
-    say: Say,
-) -> tuple[torch.Tensor, int]:
-    """The relay road (and ``--lower``): the fused protocol with the compiled Program as the c1 sum.
-
-    ``ThresholdSession.aggregate`` hands the Program this rank's ciphertext with c0 zeroed (c0 is
-    the rank's one-time pad and never leaves it), the Program's all_reduce_add_ciphertext sums it
-    through the relays and the controller (or the process group), and the session checks the
-    returned c1 sum against every rank's c1 before any rank publishes c0_i + h_i; the summed
-    contributions are checked the same way before decoding. No decryption share is ever made for a
-    ciphertext the fold returned. Returns the flat mean and this rank's ciphertext bytes.
-    """
-    world = transport.world_size
-    nbytes = 0
-    executable: Any = None
-
-    def sum_c1(c1_only: Ciphertext) -> torch.Tensor:
-        nonlocal nbytes, executable
-        nbytes = c1_only.data.numel() * c1_only.data.element_size()
-        executable = link_program(transport, session.engine, lower=lower, reserve=nbytes)
-        audit("c1_ciphertext", c1_only.data)
-        started = time.perf_counter()
-        try:
-            (total,) = executable.run(c1_only)
-        except AggregationError:
-            raise
-        except RuntimeError as error:
-            raise WorldChangedError(
-                f"the all-reduce failed, a rank probably left mid-run: {error}"
-            ) from error
-        elapsed = timings.measure("all_reduce", started)
-        audit("sum", total.data)
-        say(
-            f"all_reduce_add_ciphertext over {world} rank(s) via {transport.name} in {elapsed:.2f}s "
-            "(c1 components only; c0 stays on each rank)"
-        )
-        summed: torch.Tensor = total.data[1]
-        return summed
-
-    started = time.perf_counter()
-
-    def audit(name: str, tensor: torch.Tensor) -> None:
-        nonlocal started
-        record(name, tensor)
-        if name == "ciphertext":  # aggregate has just encrypted this rank's rows
-            elapsed = timings.measure("encrypt", started)
-            say(
-                f"encrypted {values} values into {rows.size(0)} ciphertexts "
-                f"({tensor.numel() * tensor.element_size() / 2**20:.1f} MiB) in {elapsed:.2f}s"
-            )
-        elif name == "sum":
-            started = time.perf_counter()  # the decryption's time starts once the c1 sum is back
-
-    try:
-        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt, sum_c1=sum_c1)
-    except RuntimeError as error:
-        raise WorldChangedError(
-            f"the threshold aggregation failed, a rank probably left mid-run: {error}"
-        ) from error
-    elapsed = timings.measure("decrypt", started)
-    say(
-        f"collective decryption from {world} decryption shares in {elapsed:.2f}s (fused: c0_i + h_i for "
-        "the checked c1 sum; the summed contributions checked before decoding)"
-    )
-    return total.reshape(-1) / world, nbytes
-
-
-def aggregate_mean_threshold(
-    transport: Transport,
-    *,
-    values: int,
-    seed: int = 2026,
-    bound: float = DEFAULT_ERROR_BOUND,
-    lower: bool = False,
-    parameters: ThresholdParameters = THRESHOLD_AGGREGATION,
-    session_id: str = "encrypted-mean",
-    share_timeout_s: float = DEFAULT_SHARE_TIMEOUT_S,
-    say: Say = lambda message: None,
-    before_decrypt: Callable[[], None] | None = None,
-    audit: Callable[[str, torch.Tensor], None] | None = None,
-) -> Outcome:
-    """The threshold workload on this rank: every rank ends with the mean and checks it itself.
-
-    Raises AggregationError subclasses (MissingSharesAggregationError when a rank's share never came).
-    """
-
-    def record(name: str, tensor: torch.Tensor) -> None:
-        if audit is not None:
-            audit(name, tensor)
-
-    rank, world = transport.rank, transport.world_size
-    timings = Timings()
-    channel = share_channel(transport, session=session_id, timeout_s=share_timeout_s)
-    session = ThresholdSession(channel, parameters, session=session_id)
-    engine = session.engine
-    try:
-        started = time.perf_counter()
-        check_threshold_descriptors(
-            _gather_records(
-                channel, "descriptor", threshold_descriptor(session, values=values, transport=transport.name)
-            )
-        )
-        timings.measure("handshake", started)
-        say(
-            f"descriptor handshake ok: N={engine.ring_degree}, moduli {list(engine.moduli)}, {values} "
-            f"values, threshold keys (scale 2^{parameters.message_scale_bits}, flooding sigma 2^57)"
-        )
-
-        started = time.perf_counter()
-        public = session.generate_public_key()
-        assert session.party.secret is not None and session.key_share is not None
-        record("secret_share", session.party.secret.data)
-        record("public_key_share", session.key_share.data)
-        timings.measure("keys", started)
-        say(
-            f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by "
-            "every rank; no rank holds the secret key"
-        )
-
-        started = time.perf_counter()
-        update = make_update(rank, values, seed)
-        headroom = parameters.headroom(tuple(engine.moduli))
-        largest = float(update.abs().max()) if update.numel() else 0.0
-        if largest * world >= headroom:
-            raise AggregationError(
-                f"|update| reaches {largest:.3g}; summed over {world} ranks it may exceed the {headroom:.0f} "
-                "a slot holds: scale the updates down (e.g. clip them)"
-            )
-        slots = engine.slot_count
-        rows = max(1, -(-values // slots))
-        padded = torch.zeros(rows * slots, dtype=torch.float64)
-        padded[:values] = update.double()
-        record("update", update)
-        if not isinstance(transport, RelayTransport) and not lower:
-            mean, nbytes = _fused_mean(
-                session, padded.view(rows, slots), world, timings, record, before_decrypt, say
-            )
-            mean = mean[:values]
-        else:
-            mean, nbytes = _program_mean(
-                session, transport, padded.view(rows, slots), values, lower, timings, record, before_decrypt,
-                say,
-            )
-            mean = mean[:values]
-    except MultipartyError as error:
-        if getattr(error, "missing", None) is not None:
-            raise MissingSharesAggregationError(str(error)) from error
-        raise AggregationError(str(error)) from error
-
-    truth = expected_mean(world, values, seed)
-    max_error = float((mean - truth).abs().max())
-    ok = max_error <= bound
-    return Outcome(rank, world, values, max_error, bound, ok, timings, nbytes, True)
-
-
-__all__ = [
-    "DEFAULT_SHARE_TIMEOUT_S",
-    "MissingSharesAggregationError",
-    "RelayShareChannel",
-    "aggregate_mean_threshold",
-    "check_threshold_descriptors",
-    "share_channel",
-    "threshold_descriptor",
-]
+if __name__ == "__main__":
+    sys.exit(flodld.run(main, init_process_group=False))

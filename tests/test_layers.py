@@ -7,8 +7,11 @@ registry that loads `fhelium.multiparty.values` by name):
 1. **Sans-io cores stay pure.** The modules in `SANS_IO` import none of `FORBIDDEN_IN_SANS_IO`
    (sockets, event loops, threads, clocks, processes), neither themselves nor through any module of
    ours they import, at any depth. Time is an argument; bytes come in and go out as values.
-2. **flodld and fhelium stay apart.** No module of one imports the other; they meet in a rank (the
-   examples) and the bridge, which are outside both packages.
+2. **flodld and fhelium stay apart.** No module of one imports the other, and neither imports the
+   bridge (`flodld_fhelium`, the one package that imports both: the relay-backed group, the Backend
+   implementation that sums ciphertexts through the relays, the share channel). Outside the packages,
+   in `bench/` and `clients/`, a script that needs both takes one of them through the bridge; only
+   rank programs (`examples/`, a user's training script) import both directly, as any user may.
 3. **Imports point down.** Each area (a top-level subpackage such as `flodld.controller`) sits in one
    layer of `LAYERS`; it may import its own area and areas of lower layers only. The few edges that go
    sideways or up on purpose are in `ALLOWED_EDGES`, each with its reason, and a test checks that each
@@ -29,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("flodld", "fhelium")
+BRIDGE = "flodld_fhelium"  # the one package that imports both (rule 2)
+SCRIPTS = ("bench", "clients")  # outside the packages: they import both only through the bridge
 
 # Rule 1: modules (or packages: every module under them) that do no I/O and read no clock.
 SANS_IO = (
@@ -45,6 +50,7 @@ FORBIDDEN_IN_SANS_IO = ("asyncio", "socket", "selectors", "threading", "time", "
 # Rule 3: layers from the top down; an area may import areas of the layers below its own.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the public faces: the package roots re-export, `python -m flodld` starts the daemon
+    ("flodld_fhelium",),  # the bridge: above both packages, which never import it (rule 2)
     ("flodld", "flodld.__main__", "flodld.api", "fhelium", "fhelium.tools"),
     ("flodld.fanout",),  # SSH fan-out drives agents (and, for cluster_run, the controller)
     ("flodld.launcher",),  # dispatches the worker roles by environment
@@ -91,7 +97,9 @@ def module_name(path: Path) -> str:
 @cache
 def own_modules() -> dict[str, Path]:
     return {
-        module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+        module_name(path): path
+        for package in (*PACKAGES, BRIDGE)
+        for path in sorted((ROOT / package).rglob("*.py"))
     }
 
 
@@ -102,7 +110,7 @@ def resolve(module: str, name: str | None) -> str:
     return module
 
 
-MODULE_STRING = re.compile(r"(?:flodld|fhelium)(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+MODULE_STRING = re.compile(r"(?:flodld_fhelium|flodld|fhelium)(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
 def edges_of(path: Path, text: str | None = None) -> Iterator[Edge]:
@@ -216,11 +224,18 @@ def test_sans_io_cores_import_no_sockets_loops_threads_clocks_or_processes() -> 
 # --- rule 2 -------------------------------------------------------------------------------------
 
 
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
 def cross_package_imports(edges: tuple[Edge, ...]) -> list[str]:
+    """Each import of fhelium by flodld or of flodld by fhelium, and of the bridge by either."""
     return [
         describe(edge)
         for edge in edges
-        if edge.target.split(".")[0] in PACKAGES and edge.target.split(".")[0] != edge.source.split(".")[0]
+        if package_of(edge.source) in PACKAGES
+        and package_of(edge.target) in (*PACKAGES, BRIDGE)
+        and package_of(edge.target) != package_of(edge.source)
     ]
 
 
@@ -228,7 +243,38 @@ def test_flodld_and_fhelium_never_import_each_other() -> None:
     wrong = cross_package_imports(all_edges())
     assert not wrong, (
         "rule 2 (flodld and fhelium stay apart, docs/architecture.md): they meet only in a rank program "
-        "or the bridge outside both packages; move the code that needs both there:\n" + "\n".join(wrong)
+        f"or the bridge ({BRIDGE}/) outside both packages, and neither imports the bridge; move the code "
+        f"that needs both into {BRIDGE}:\n" + "\n".join(wrong)
+    )
+
+
+def script_edges() -> tuple[Edge, ...]:
+    """The imports of every file under SCRIPTS (their module names are paths, e.g. `bench.relay`)."""
+    return tuple(
+        edge for top in SCRIPTS for path in sorted((ROOT / top).rglob("*.py")) for edge in edges_of(path)
+    )
+
+
+def scripts_importing_both(edges: tuple[Edge, ...]) -> list[str]:
+    """Each file outside the packages that imports both flodld and fhelium directly."""
+    reached: dict[str, set[str]] = {}
+    for edge in edges:
+        if package_of(edge.source) not in (*PACKAGES, BRIDGE) and package_of(edge.target) in PACKAGES:
+            reached.setdefault(edge.file, set()).add(package_of(edge.target))
+    return sorted(file for file, packages in reached.items() if packages == set(PACKAGES))
+
+
+def test_only_the_bridge_imports_both_packages() -> None:
+    assert BRIDGE in {package_of(edge.source) for edge in all_edges()}
+    both_in_bridge = {
+        package_of(edge.target) for edge in all_edges() if package_of(edge.source) == BRIDGE
+    } & set(PACKAGES)
+    assert both_in_bridge == set(PACKAGES), both_in_bridge
+    wrong = scripts_importing_both(script_edges())
+    assert not wrong, (
+        f"rule 2: outside the packages, only the bridge ({BRIDGE}) imports both flodld and fhelium; "
+        f"these files in {', '.join(SCRIPTS)} import both directly: take what needs both from "
+        f"{BRIDGE} (or move it there):\n" + "\n".join(wrong)
     )
 
 
@@ -303,6 +349,28 @@ def test_import_fhelium_in_the_controller_breaks_rule_two() -> None:
     assert cross_package_imports(edges) == [
         "flodld/controller/probe_module.py:2: flodld.controller.probe_module imports fhelium"
     ]
+
+
+def test_import_the_bridge_in_fhelium_breaks_rule_two() -> None:
+    edges = probe_edges("fhelium/backend/probe_module.py", "from flodld_fhelium.relay import RelayGroup\n")
+    assert cross_package_imports(edges) == [
+        "fhelium/backend/probe_module.py:1: fhelium.backend.probe_module imports flodld_fhelium.relay"
+    ]
+
+
+def test_the_bridge_may_import_both_packages() -> None:
+    source = "import flodld.rank\nfrom fhelium.backend import BoundResource\n"
+    edges = probe_edges("flodld_fhelium/probe_module.py", source)
+    assert not [line for line in cross_package_imports(edges) if "probe_module" in line]
+    assert not [edge for edge in upward_edges(edges) if edge.source == "flodld_fhelium.probe_module"]
+
+
+def test_a_bench_script_importing_both_packages_breaks_rule_two() -> None:
+    both = tuple(edges_of(ROOT / "bench/probe.py", "import flodld\nfrom fhelium.engine import CkksEngine\n"))
+    through_bridge = tuple(
+        edges_of(ROOT / "bench/probe2.py", "import flodld\nfrom flodld_fhelium.cli import report\n")
+    )
+    assert scripts_importing_both(both + through_bridge) == ["bench/probe.py"]
 
 
 def test_a_module_named_for_importlib_counts_as_an_import() -> None:

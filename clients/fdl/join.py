@@ -43,7 +43,7 @@ from pathlib import Path
 
 from fdl.cli import Command
 from fdl.logs import add_log_options, resolve_logs
-from fdl.run import add_rest, program_command, reparse
+from fdl.progargs import add_rest, program_command, reparse
 from flodld import api
 
 EXIT_DONE, EXIT_TRANSIENT, EXIT_PERMANENT = 0, 1, 2

@@ -63,8 +63,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl import join
 from fdl.cli import Command
 from fdl.logs import add_log_options, config_logs, resolve_logs
+from fdl.progargs import add_rest, program_command
 from flodld import api
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -347,50 +349,9 @@ class Launch:
         return program_command(self.program, list(self.args))
 
 
-def add_rest(parser: argparse.ArgumentParser, *, metavar: str, help: str) -> None:
-    """The positional `rest`: everything after the options, which `reparse` finishes parsing."""
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar=metavar, help=help)
-
-
-def split_at_dashdash(rest: list[str]) -> tuple[list[str], list[str] | None]:
-    """(our words, PROGRAM's arguments) split at the first `--`; None when there was no `--`."""
-    if "--" in rest:
-        index = rest.index("--")
-        return rest[:index], rest[index + 1 :]
-    return rest, None
-
-
-def reparse(
-    args: argparse.Namespace,
-    add_options: Callable[[argparse.ArgumentParser], object],
-    positional: Callable[[argparse.ArgumentParser], object],
-) -> list[str] | None:
-    """Finish parsing what `add_rest`'s REMAINDER swallowed (options may follow it), into `args`."""
-    head, tail = split_at_dashdash(list(args.rest))
-    parser = argparse.ArgumentParser(add_help=False, prog="fdl")
-    add_options(parser)
-    positional(parser)
-    parser.parse_args(head, namespace=args)
-    return tail
-
-
 def say(message: str) -> None:
     sys.stderr.write(f"fdl run: {message}\n")  # one write: lines of concurrent processes never interleave
     sys.stderr.flush()
-
-
-def program_command(program: str, args: list[str]) -> list[str]:
-    """How to start PROGRAM: Python files with this interpreter, anything else as an executable."""
-    if program.endswith(".py"):
-        if not Path(program).is_file():
-            raise FileNotFoundError(f"program {program!r} not found (relative to {os.getcwd()})")
-        return [sys.executable, program, *args]
-    found = (
-        shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
-    )
-    if found is None:
-        raise FileNotFoundError(f"program {program!r} is neither a .py file nor an executable on PATH")
-    return [found, *args]
 
 
 @dataclass(frozen=True)
@@ -983,8 +944,6 @@ def _walk_in(args: argparse.Namespace, torchrun: TorchrunPlan, command: list[str
     """--rdzv-endpoint (or --master-addr with --node-rank >= 1): run as `fdl join HOST:PORT` would, the
     rank flags sizing this host and PROGRAM (as -m/--no-python/--run-path say) as the ranks' command.
     """
-    from fdl import join  # fdl.join imports this module: import it only when walking in
-
     assert torchrun.walk_in is not None
     host, port = torchrun.walk_in
     if args.port is not None or torchrun.join_timeout is not None:

@@ -3,7 +3,7 @@
 A channel moves two things: small records (seed commitments and reveals, key fingerprints) with
 ``all_gather_bytes``, and residues with ``all_reduce_residues`` (the per-limb modular sum of every
 rank's key share or decryption share). ``ProcessGroupChannel`` runs over torch.distributed
-(gloo/NCCL) with ``fhelium.distributed``'s collectives; examples/threshold_aggregation.py has the
+(gloo/NCCL) with ``fhelium.distributed``'s collectives; the bridge's flodld_fhelium.relay has the
 relay channel, where flodld's relays and controller fold the residues with the keyless modular fold.
 A channel may also offer ``start_all_reduce_residues``, ``start_reduce_residues`` (sum delivered to
 one rank) and ``all_gather_tensor`` (the process group does); ``ThresholdSession.aggregate`` then

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fhelium.engine import CkksEngine
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def load_aggregation() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "encrypted_aggregation", EXAMPLES / "encrypted_aggregation.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("encrypted_aggregation", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-aggregation = load_aggregation()
+from flodld_fhelium import aggregation, errors
+from flodld_fhelium.transport import Transport
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +23,7 @@ def test_descriptors_that_match_pass_and_a_differing_rank_is_named_with_both_val
     reference = aggregation.descriptor(engine, values=10, transport="relay", program="p")
     aggregation.check_descriptors([reference, dict(reference)])
     other = {**reference, "values": 11}
-    with pytest.raises(aggregation.ParameterMismatchError, match=r"rank 2: values=11 \(key holder: 10\)"):
+    with pytest.raises(errors.ParameterMismatchError, match=r"rank 2: values=11 \(key holder: 10\)"):
         aggregation.check_descriptors([reference, reference, other])
 
 
@@ -49,7 +32,7 @@ def test_a_rank_with_another_public_key_is_refused(engine: CkksEngine) -> None:
     mine = aggregation.key_fingerprint(engine.generate_public_key(secret))
     theirs = aggregation.key_fingerprint(engine.generate_public_key(engine.generate_secret_key()))
     aggregation.check_key_fingerprints([mine, mine])
-    with pytest.raises(aggregation.KeyMismatchError, match=r"rank\(s\) \[1\] would encrypt"):
+    with pytest.raises(errors.KeyMismatchError, match=r"rank\(s\) \[1\] would encrypt"):
         aggregation.check_key_fingerprints([mine, theirs, mine])
 
 
@@ -59,7 +42,7 @@ def test_updates_that_could_wrap_the_modulus_are_refused_before_encryption(engin
     assert 200 < limit < 300  # 2^49 / 2^41: the sum of the world's values per slot
     update = torch.full((8,), limit / 4)
     aggregation.encrypt_update(engine, update, public, world_size=3)
-    with pytest.raises(aggregation.AggregationError, match="clip them"):
+    with pytest.raises(errors.AggregationError, match="clip them"):
         aggregation.encrypt_update(engine, update, public, world_size=4)
 
 
@@ -78,5 +61,6 @@ def test_the_sum_of_encrypted_updates_decrypts_to_the_mean_within_the_bound(engi
 
 
 def test_the_lowered_form_is_refused_on_the_relay_path_with_the_reason(engine: CkksEngine) -> None:
-    with pytest.raises(aggregation.AggregationError, match="--lower needs the process-group transport"):
-        aggregation.link_program(SimpleNamespace(name="relay"), engine, lower=True)
+    with pytest.raises(errors.AggregationError, match="--lower needs the process-group transport"):
+        relay: Transport = SimpleNamespace(name="relay")  # type: ignore[assignment]
+        aggregation.link_program(relay, engine, lower=True)

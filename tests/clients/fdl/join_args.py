@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from fdl import join as join_command
-from fdl.run import reparse
+from fdl.progargs import reparse
 
 
 def parse(*words: str) -> argparse.Namespace:

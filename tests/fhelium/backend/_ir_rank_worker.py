@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # imported for real after sys.path is set, inside the functions
+if TYPE_CHECKING:  # imported for real inside the functions that use them
     from fhelium.backend import OperationInvocation, ResourceRequirement
     from fhelium.backend.implementation import Resources, Tensors
     from fhelium.core import Ciphertext
     from fhelium.ir import Program
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
 
 MODULI = (1_000_003, 998_244_353, 754_974_721)
 # 3 x the first prime wraps int64 but 2 x does not: the sum schedule is exact for 2 ranks, not for 3

@@ -20,13 +20,12 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
 
+# rank_scenarios sits next to this file, and `python rank_main.py` puts this directory first on sys.path
 import rank_scenarios  # noqa: E402
 
 import fhelium.distributed as fdist  # noqa: E402

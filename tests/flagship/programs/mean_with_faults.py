@@ -1,4 +1,5 @@
 """examples/encrypted_mean.py with one misbehaving rank, and an audit dump, for the flagship tests.
+The workload and its command line come from the bridge (flodld_fhelium), as the example's do.
 
     mean_with_faults.py [example args] [--keys single|threshold] [--fault values|scale|foreign-key|leave
                         --fault-rank R] [--audit-dir D] [--malicious-fold substitute|subset]
@@ -23,20 +24,17 @@ from flodld.launcher import exit_if_worker_role
 
 exit_if_worker_role()
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import encrypted_aggregation as aggregation  # noqa: E402
-import encrypted_mean  # noqa: E402
-import threshold_aggregation  # noqa: E402
 import torch  # noqa: E402
 
 import flodld  # noqa: E402
 from fhelium.core import PublicKey  # noqa: E402
 from fhelium.engine import CkksEngine  # noqa: E402
+from flodld_fhelium import aggregation, cli, threshold  # noqa: E402
+from flodld_fhelium.errors import AggregationError  # noqa: E402
+from flodld_fhelium.relay import RelayTransport  # noqa: E402
 
 
-def play_malicious_fold(transport: aggregation.RelayTransport, attack: str, *, victim: int) -> None:
+def play_malicious_fold(transport: RelayTransport, attack: str, *, victim: int) -> None:
     """The controller's fold as an attacker, played in every rank's relay client (every rank runs this).
 
     The first aggregation round whose frames are ciphertexts (``[2, rows, limbs, N]``: the Program's
@@ -99,9 +97,9 @@ def main() -> int:
     faults.add_argument("--keys", choices=("single", "threshold"), default="single")
     faults.add_argument("--malicious-fold", choices=("substitute", "subset"))
     fault_args, rest = faults.parse_known_args()
-    args = encrypted_mean.parse_arguments(rest)
+    args = cli.parse_arguments(rest)
     torch.set_num_threads(1)
-    transport = encrypted_mean.open_transport(encrypted_mean.choose_transport(args.transport))
+    transport = cli.open_transport(cli.choose_transport(args.transport))
     rank = transport.rank
     if fault_args.malicious_fold:
         play_malicious_fold(transport, fault_args.malicious_fold, victim=fault_args.fault_rank)
@@ -127,7 +125,7 @@ def main() -> int:
             os._exit(0)
 
         try:
-            outcome = threshold_aggregation.aggregate_mean_threshold(
+            outcome = threshold.aggregate_mean_threshold(
                 transport,
                 values=values,
                 seed=args.seed,
@@ -138,10 +136,10 @@ def main() -> int:
                 before_decrypt=leave_before_share if faulty == "leave" else None,
                 audit=audit if fault_args.audit_dir else None,
             )
-        except aggregation.AggregationError as error:
+        except AggregationError as error:
             print(f"rank {rank}: FAILED: {type(error).__name__}: {error}", flush=True)
             return 1
-        print(f"rank {rank}: {encrypted_mean.report(outcome, transport.name, 'threshold')}", flush=True)
+        print(f"rank {rank}: {cli.report(outcome, transport.name, 'threshold')}", flush=True)
         return 0 if outcome.ok else 1
 
     try:
@@ -157,10 +155,10 @@ def main() -> int:
             before_reduce=leave if faulty == "leave" else None,
             audit=audit if fault_args.audit_dir else None,
         )
-    except aggregation.AggregationError as error:
+    except AggregationError as error:
         print(f"rank {rank}: FAILED: {type(error).__name__}: {error}", flush=True)
         return 1
-    print(f"rank {rank}: {encrypted_mean.report(outcome, transport.name)}", flush=True)
+    print(f"rank {rank}: {cli.report(outcome, transport.name)}", flush=True)
     return 0 if outcome.ok else 1
 
 
