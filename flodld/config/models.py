@@ -19,101 +19,21 @@ from pydantic import (
     model_validator,
 )
 
-from flodld.config.devices import ALL_DEVICES, DeviceSpec, rank_labels, spec_rank_count
+from flodld.config.devices import ALL_DEVICES, DeviceSpec
 from flodld.config.errors import RuleViolation, RuleViolations
 from flodld.config.fields import (
-    LOOPBACK_HOSTS,
-    AveragingMode,
-    Backend,
     EnvMap,
     Flag,
     Host,
     SshConfig,
     Text,
 )
-from flodld.config.join import JoinConfig
 from flodld.config.logs import LogsConfig
+from flodld.config.rules import cluster_violations
+from flodld.config.sections import DEFAULT_CONTROLLER_PORT as DEFAULT_CONTROLLER_PORT  # re-exported
+from flodld.config.sections import ControllerConfig as ControllerConfig  # re-exported
+from flodld.config.sections import WorkerConfig as WorkerConfig  # re-exported
 from flodld.wire.salt import salt_from_hex, salt_to_hex
-
-DEFAULT_CONTROLLER_PORT = 1337
-
-ControllerPort = Annotated[int, Field(strict=True, ge=0, le=65535)]
-InterfaceName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")]
-
-
-class ControllerConfig(BaseModel):
-    """`cluster.controller`: where the controller listens and how the run averages."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    host: Host
-    port: ControllerPort = DEFAULT_CONTROLLER_PORT
-    path: Text | None = None
-    # Not implemented (a pre-flight build): kept in the schema so that the rules refuse them by name.
-    docker: Text | None = None
-    arch: Text | None = None
-    join: JoinConfig = Field(default_factory=JoinConfig)
-    averaging: AveragingMode = AveragingMode.CPU_SYNC
-    backend: Backend = Backend.GLOO
-    cadence: Annotated[int, Field(strict=True, ge=1, le=1_000_000)] | None = None
-    between_runs_secs: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 0.0
-    """`flodld serve`: pause between one run's verdict and the next run's window."""
-    history_runs: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 50
-    """`flodld serve`: finished runs kept in state.json `history`."""
-
-    @property
-    def effective_cadence(self) -> int:
-        """Steps between averaging rounds: the written `cadence`, else the mode's default."""
-        return self.cadence if self.cadence is not None else self.averaging.default_cadence
-
-
-class WorkerConfig(BaseModel):
-    """One entry of `cluster.workers`: a host that carries ranks."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    host: Host
-    local_devices: DeviceSpec
-    ssh: SshConfig | None = None
-    tunnel: Flag = False
-    nccl_socket_ifname: InterfaceName | None = None
-    path: Text | None = None
-    arch: Text | None = None
-    docker: Text | None = None
-    env: EnvMap = Field(default_factory=dict)
-
-    @property
-    def rank_count(self) -> int | None:
-        """Ranks this worker carries; None for `local_devices: all` (probed at dispatch)."""
-        return spec_rank_count(self.local_devices)
-
-    @property
-    def ssh_target(self) -> str:
-        """Where fan-out connects: `ssh.target`, else the worker's host."""
-        if self.ssh is not None and self.ssh.target is not None:
-            return self.ssh.target
-        return self.host
-
-    def device_labels(self) -> list[str] | None:
-        """Per-rank device labels as `Hello.devices` carries them; None for "all"."""
-        if self.local_devices == ALL_DEVICES:
-            return None
-        return rank_labels(self.local_devices)
-
-    def rank_env(self) -> dict[str, str]:
-        """What this worker's ranks get over the cluster-scope `env`: NCCL_SOCKET_IFNAME and
-        GLOO_SOCKET_IFNAME from `nccl_socket_ifname`, then the worker's own `env:` (which wins).
-        """
-        env: dict[str, str] = {}
-        if self.nccl_socket_ifname is not None:
-            env["NCCL_SOCKET_IFNAME"] = self.nccl_socket_ifname
-            env["GLOO_SOCKET_IFNAME"] = self.nccl_socket_ifname
-        env.update(self.env)
-        return env
-
-    def is_local(self, controller_host: str) -> bool:
-        """True when the worker runs on the controller's host (loopback name or the same host string)."""
-        return self.host in LOOPBACK_HOSTS or self.host == controller_host
 
 
 class ClusterConfig(BaseModel):
@@ -127,9 +47,7 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_rules(self) -> ClusterConfig:
-        from flodld.config.rules import cluster_violations  # cycle: rules.py imports these models
-
-        violations = cluster_violations(self)
+        violations = cluster_violations(self.controller, self.workers)
         if violations:
             raise RuleViolations(violations)
         return self

@@ -5,20 +5,31 @@ Each violation carries the key path (relative to `cluster:`) of the key the oper
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from flodld.config.devices import spec_has_cpu
 from flodld.config.errors import RuleViolation
 from flodld.config.fields import AveragingMode, Backend
-
-if TYPE_CHECKING:
-    from flodld.config.models import ClusterConfig
+from flodld.config.sections import ControllerConfig, WorkerConfig
 
 CPU_MODES_TEXT = AveragingMode.cpu_modes_text()
 
 
-def cluster_violations(cluster: ClusterConfig) -> list[RuleViolation]:
+@dataclass(frozen=True)
+class _Cluster:
+    """What the rules read of a `cluster:` block (`models.ClusterConfig` runs them from its validator)."""
+
+    controller: ControllerConfig
+    workers: Sequence[WorkerConfig]
+
+    @property
+    def spans_hosts(self) -> bool:
+        return len(self.workers) > 1
+
+
+def cluster_violations(controller: ControllerConfig, workers: Sequence[WorkerConfig]) -> list[RuleViolation]:
+    cluster = _Cluster(controller, workers)
     return [
         *_unimplemented_rules(cluster),
         *_roster_rules(cluster),
@@ -28,7 +39,7 @@ def cluster_violations(cluster: ClusterConfig) -> list[RuleViolation]:
     ]
 
 
-def _unimplemented_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
+def _unimplemented_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
     """Keys the schema keeps for compatibility but nothing carries out: refused rather than ignored."""
     controller = cluster.controller
     for key, value in (("docker", controller.docker), ("arch", controller.arch)):
@@ -45,7 +56,7 @@ def _unimplemented_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
             )
 
 
-def _roster_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
+def _roster_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
     if not cluster.workers and not cluster.controller.join.discovery:
         yield RuleViolation(
             ("workers",),
@@ -68,7 +79,7 @@ def _roster_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
             )
 
 
-def _averaging_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
+def _averaging_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
     controller = cluster.controller
     if not controller.averaging.is_cpu and controller.backend is not Backend.NCCL:
         yield RuleViolation(
@@ -92,7 +103,7 @@ def _averaging_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
                 )
 
 
-def _network_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
+def _network_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
     controller = cluster.controller
     if cluster.spans_hosts and controller.backend is Backend.NCCL:
         for index, worker in enumerate(cluster.workers):
@@ -113,7 +124,7 @@ def _network_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
             )
 
 
-def _tunnel_rules(cluster: ClusterConfig) -> Iterator[RuleViolation]:
+def _tunnel_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
     controller = cluster.controller
     for index, worker in enumerate(cluster.workers):
         if not worker.tunnel:
