@@ -74,6 +74,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        help="a failed run is re-formed at once as a fresh world up to N times, its ranks seeing "
+        "TORCHELASTIC_RESTART_COUNT (controller.join.max_restarts; default 0)",
+    )
+    parser.add_argument(
         "--once",
         action="store_true",
         help="host exactly one run; the exit code is its verdict "
@@ -92,6 +98,7 @@ _JOIN_FLAGS = {
     "open_admission": "open_admission",
     "discovery": "discovery",
     "tunnel_only": "tunnel_only",
+    "max_restarts": "max_restarts",
 }
 # Flags that override a top-level controller option (flag -> option).
 _OPTION_FLAGS = {

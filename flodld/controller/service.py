@@ -37,6 +37,7 @@ from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudge
 from flodld.controller.source import HttpAnswer
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import RunRecord, ServiceState
+from flodld.membership.supervisor import next_attempt
 
 log = logging.getLogger("flodld.controller")
 
@@ -141,8 +142,15 @@ class Service:
         address = await self.listen()
         result: RunResult | None = None
         try:
+            restart_count = 0  # this attempt's number within its job (flodld serve --max-restarts)
             while self._stopping is None:
-                options = self.options.model_copy(update={"run_id": self._run_id(self.options)})
+                options = self.options.model_copy(
+                    update={
+                        "run_id": self._run_id(self.options),
+                        "restart_count": restart_count,
+                        "max_restarts": self.options.join.max_restarts,
+                    }
+                )
                 controller = assemble_controller(
                     options, on_phase=self._on_phase, mux=self.mux, address=address
                 )
@@ -170,6 +178,19 @@ class Service:
                 result = await controller.wait()
                 await controller.close()
                 self._record(controller, result)
+                following = next_attempt(
+                    restart_count, options.max_restarts, ok=result.ok, stopping=self._stopping is not None
+                )
+                if following is not None:  # a fresh world at once: new run id, salt, store namespace
+                    log.warning(
+                        "event=restarting attempt=%d max_attempts=%d after=%r",
+                        following + 1,
+                        options.max_restarts + 1,
+                        result.reason,
+                    )
+                    restart_count = following
+                    continue
+                restart_count = 0
                 if self.once or self._stopping is not None:
                     break
                 await self._pause(options.between_runs_secs)

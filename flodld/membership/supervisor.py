@@ -49,6 +49,7 @@ __all__ = [
     "TimerExpired",
     "VerdictReached",
     "describe_code",
+    "next_attempt",
 ]
 
 AGENT_DIED_GRACE_S = 2.0  # an agent that died: the controller's moment to conclude from its link
@@ -63,6 +64,17 @@ class SupervisorState(Enum):
     RUNNING = "running"
     CONCLUDING = "concluding"
     FINISHED = "finished"
+
+
+def next_attempt(restart_count: int, max_restarts: int, *, ok: bool, stopping: bool = False) -> int | None:
+    """After an attempt's verdict: the next attempt's restart count (a failure with restarts left, not
+    stopping), else None (the job is over: done, stopped, or `max_restarts` used up).
+
+    `flodld serve`'s rule: its runs have no local agents to supervise, only verdicts.
+    """
+    if ok or stopping or restart_count >= max_restarts:
+        return None
+    return restart_count + 1
 
 
 def describe_code(code: int) -> str:

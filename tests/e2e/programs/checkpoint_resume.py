@@ -4,7 +4,8 @@ Deterministic: every rank's gradient is a function of the parameters, its rank a
 average is a gloo all-reduce, so a run that resumes from a checkpoint ends with the same parameters,
 bit for bit, as one that never failed. Arguments: OUT_DIR STEPS EVERY [FAULT_STEP FAULT_RANK]: rank
 0 saves {step, w} every EVERY steps to OUT_DIR/ckpt.pt (atomically); on the first attempt
-(TORCHELASTIC_RESTART_COUNT=0) rank FAULT_RANK SIGKILLs itself at step FAULT_STEP. Rank 0 writes the
+(TORCHELASTIC_RESTART_COUNT=0; on every attempt with a sixth argument `always`) rank FAULT_RANK
+SIGKILLs itself at step FAULT_STEP. Rank 0 writes the
 final parameters to OUT_DIR/final.pt; every rank appends `rank restart_count start_step warm` to
 OUT_DIR/attempts.txt when it starts (`warm` 1 when the process started as a warm rank of flodld,
 `python -m flodld.launcher.rank --warm`, that loaded torch before its world formed). With
@@ -29,6 +30,7 @@ def gradient(w: torch.Tensor, rank: int, step: int) -> torch.Tensor:
 def main() -> None:
     out, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     fault_step, fault_rank = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (-1, -1)
+    always = sys.argv[6:7] == ["always"]  # the fault on every attempt, not only the first
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +47,7 @@ def main() -> None:
     for step in range(start, steps + 1):
         if pause:
             time.sleep(pause)
-        if restart == 0 and rank == fault_rank and step == fault_step:
+        if (restart == 0 or always) and rank == fault_rank and step == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
         g = gradient(w, rank, step)
         dist.all_reduce(g)

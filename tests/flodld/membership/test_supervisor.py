@@ -21,6 +21,7 @@ from flodld.membership.supervisor import (
     SupervisorState,
     TimerExpired,
     VerdictReached,
+    next_attempt,
 )
 
 
@@ -201,3 +202,20 @@ def test_events_of_a_finished_run_change_nothing() -> None:
 def test_a_negative_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="max_restarts is -1"):
         RunSupervisor(["a"], max_restarts=-1)
+
+
+@pytest.mark.parametrize(
+    ("restart_count", "max_restarts", "ok", "stopping", "expected"),
+    [
+        (0, 0, False, False, None),  # no restarts configured: a failure ends the job
+        (0, 2, False, False, 1),
+        (1, 2, False, False, 2),
+        (2, 2, False, False, None),  # used up
+        (0, 2, True, False, None),  # done: the job is over, the next run starts at 0
+        (0, 2, False, True, None),  # the service is stopping: no restart
+    ],
+)
+def test_serve_restarts_a_failed_attempt_while_restarts_remain(
+    restart_count: int, max_restarts: int, ok: bool, stopping: bool, expected: int | None
+) -> None:
+    assert next_attempt(restart_count, max_restarts, ok=ok, stopping=stopping) == expected

@@ -1,0 +1,93 @@
+"""`flodld serve --max-restarts N`: a failed run is re-formed at once as a fresh world (its persist walk-ins
+re-dial), its ranks seeing TORCHELASTIC_RESTART_COUNT; used up, the job fails; then the service goes on.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import PROGRAMS, REPO, Fdl, child_env, free_port, write_discovery_project
+from tests.serve import listening_port, serve_argv
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = str(PROGRAMS / "checkpoint_resume.py")
+
+
+def _serve_once(project: Path, *flags: str) -> tuple[subprocess.Popen[str], int, list[str]]:
+    daemon = subprocess.Popen(
+        serve_argv("--once", *flags, config=project / "fdl.yml", port=None, run_id="job"),
+        cwd=REPO,
+        env=child_env(FLODL_NET_TIMEOUT_SCALE="0.1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert daemon.stderr is not None
+    log: list[str] = []
+    for line in daemon.stderr:
+        log.append(line)
+        if port := listening_port(line):
+            threading.Thread(target=lambda: log.extend(daemon.stderr or ()), daemon=True).start()
+            return daemon, port, log
+    raise AssertionError("flodld serve never listened:\n" + "".join(log))
+
+
+def _walk_in(port: int, token: str, out: Path, *args: str) -> Fdl:
+    return Fdl(
+        "join", f"127.0.0.1:{port}", "--persist", "--bin", SCRIPT, "--host", "walk-a", "--devices", "cpu",
+        "--", str(out), *args,
+        env=child_env(FDL_JOIN_TOKEN=token, FLODL_NET_TIMEOUT_SCALE="0.1", PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_run_is_restarted_once_and_the_script_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    project = write_discovery_project(tmp_path, free_port(), token, ranks=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    daemon, port, log = _serve_once(project, "--max-restarts", "2")
+    walk_in = _walk_in(port, token, out, "8", "2", "5", "0")  # rank 0 SIGKILLs itself at step 5, attempt 0
+    try:
+        assert daemon.wait(timeout=200) == 0, "".join(log)
+    finally:
+        walk_in.kill()
+        daemon.kill()
+    text = "".join(log)
+    assert text.count("event=restarting attempt=2 max_attempts=3") == 1, text
+    assert "event=restarting attempt=3" not in text
+    rows = sorted(
+        tuple(int(x) for x in line.split()[:3]) for line in (out / "attempts.txt").read_text().splitlines()
+    )
+    assert rows == [(0, 0, 1), (0, 1, 5)], rows  # attempt 2 saw TORCHELASTIC_RESTART_COUNT=1, resumed at 5
+    assert (out / "final.pt").exists()
+
+
+@pytest.mark.timeout(240)
+def test_used_up_restarts_fail_the_job_after_each_attempt(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    project = write_discovery_project(tmp_path, free_port(), token, ranks=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    daemon, port, log = _serve_once(project, "--max-restarts", "1")
+    # FAULT_STEP 1 with the rank's own restart count ignored: a script that fails on every attempt
+    walk_in = _walk_in(port, token, out, "8", "2", "1", "0", "always")
+    try:
+        assert daemon.wait(timeout=200) == 1, "".join(log)
+    finally:
+        walk_in.kill()
+        daemon.kill()
+    text = "".join(log)
+    assert text.count("event=restarting attempt=2 max_attempts=2") == 1, text
+    assert text.count("event=run_ended") == 2, text
+    rows = sorted(
+        tuple(int(x) for x in line.split()[:3]) for line in (out / "attempts.txt").read_text().splitlines()
+    )
+    assert rows == [(0, 0, 1), (0, 1, 1)], rows
