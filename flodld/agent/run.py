@@ -9,10 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar, assert_never
 
 from flodld.agent import envpolicy
@@ -29,10 +33,12 @@ from flodld.agent.spawn import (
     spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, read_error_file
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
+from flodld.wire.messages import MAX_REASON_CHARS
 
 
 def say(message: str) -> None:
@@ -40,11 +46,18 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
+TAIL_DRAIN_SECS = 1.0
+"""After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
+open would otherwise hold the report)."""
+
+
 @dataclass
 class Child:
     label: str
     process: asyncio.subprocess.Process
     rank: int | None  # None for the relay
+    tail: OutputTail | None = None  # a rank's last output lines, for its exit report
+    error_file: Path | None = None  # the rank's TORCHELASTIC_ERROR_FILE
 
 
 async def _forward_output(child: Child, prefix: str) -> None:
@@ -54,6 +67,8 @@ async def _forward_output(child: Child, prefix: str) -> None:
         line = await child.process.stdout.readline()
         if not line:
             return
+        if child.tail is not None:  # the root cause's tail: a separate small ring
+            child.tail.feed(line)
         sys.stdout.write(prefix + line.decode(errors="replace"))
         if not line.endswith(b"\n"):
             sys.stdout.write("\n")
@@ -76,6 +91,9 @@ class AgentShell:
         self.forwarders: list[asyncio.Future[None]] = []
         self.watchers: list[asyncio.Future[None]] = []
         self.store_endpoint: AgentStoreEndpoint | None = None
+        self.forwarder_of: dict[int, asyncio.Future[None]] = {}  # by child (id), to drain a tail
+        self.scrub = Scrubber()
+        self.error_dir: str | None = None  # the ranks' error files (removed when the agent is done)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -179,6 +197,8 @@ class AgentShell:
         node = None
         if envelope.local_world_size < envelope.world_size:
             node = await self._unless_stopping(self._node_rank(joined))
+        self.scrub = Scrubber(self._secrets(joined))
+        self.error_dir = tempfile.mkdtemp(prefix="flodld-errors-")
         fold = formed.relay.fold if formed.relay is not None else "mean"
         cadence = formed.relay.cadence if formed.relay is not None else 1
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
@@ -196,8 +216,23 @@ class AgentShell:
                 store_port=store_port,
                 node=node,
             )
+            error_file = Path(self.error_dir) / f"rank-{rank}.json"
+            env[ERROR_FILE_ENV] = str(error_file)  # torch's @record writes the rank's exception there
             process = await spawn_child(argv, env)
-            self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ")
+            child = Child(f"rank {rank}", process, rank, OutputTail(self.scrub), error_file)
+            self._adopt(child, f"[{host}:{device}:r{rank}] ")
+
+    def _secrets(self, joined: Joined) -> list[str]:
+        """What must never leave this host in a rank's tail: the run's salt (the join token) and its host
+        key, and the values of secret-looking variables the ranks see.
+        """
+        envelope = joined.formed.envelope
+        secrets = [joined.salt.hex(), self.spec.salt_hex or ""]
+        key = join_host_key(joined.salt, host=self.spec.host, run_id=envelope.run_id, conn=joined.stream.conn)
+        secrets.append(key.hex())
+        for env in (os.environ, envelope.env, self.spec.host_env or {}):
+            secrets += Scrubber.secrets_in_env(env)
+        return secrets
 
     async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
         """The GROUP_RANK/GROUP_WORLD_SIZE torchrun gives a host in a world of several.
@@ -240,15 +275,26 @@ class AgentShell:
 
     def _adopt(self, child: Child, prefix: str) -> None:
         self.children.append(child)
-        self.forwarders.append(asyncio.ensure_future(_forward_output(child, prefix)))
+        forwarder = asyncio.ensure_future(_forward_output(child, prefix))
+        self.forwarders.append(forwarder)
+        self.forwarder_of[id(child)] = forwarder
         self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
 
     async def _watch_exit(self, child: Child) -> None:
         code = await child.process.wait()
+        at, exited_at = asyncio.get_running_loop().time(), time.time()
         if child.rank is None:
             self._post(sv.RelayExit(code))
-        else:
-            self._post(sv.RankExit(child.rank, code))
+            return
+        detail = sv.ExitDetail(exited_at=exited_at)
+        if code != 0:
+            # The traceback is the last thing a failing rank prints: let the forwarder read it to the end.
+            forwarder = self.forwarder_of.get(id(child))
+            if forwarder is not None:
+                await asyncio.wait({forwarder}, timeout=TAIL_DRAIN_SECS)
+            tail = child.tail.render() if child.tail is not None else None
+            detail = sv.ExitDetail(exited_at, read_error_file(child.error_file, self.scrub), tail)
+        self._post(sv.RankExit(child.rank, code, at, detail))
 
     async def _read_link(self, joined: Joined) -> None:
         try:
@@ -272,12 +318,11 @@ class AgentShell:
             while True:
                 for action in actions:
                     match action:  # every Action kind, checked exhaustive by mypy (assert_never)
-                        case sv.ReportRankExit(rank, code):
-                            say(f"rank {rank} exited with {sv.describe_exit(code)}")
-                            with contextlib.suppress(OSError, WireError, TimeoutError):
-                                await joined.stream.send(
-                                    RankExited(rank=rank, code=max(-128, min(255, code)))
-                                )
+                        case sv.ReportRankExit(rank, code, torn_down, detail):
+                            after = " (torn down)" if torn_down and code else ""
+                            say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
+                            with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
+                                await joined.stream.send(_rank_exited(rank, code, torn_down, detail))
                         case sv.TerminateRelay():
                             self._signal(lambda child: child.rank is None, signal.SIGTERM)
                         case sv.TerminateAll(reason):
@@ -299,7 +344,8 @@ class AgentShell:
                             return exit_code
                         case _:
                             assert_never(action)
-                actions = supervisor.handle(await self.events.get())
+                event = await self.events.get()
+                actions = supervisor.handle(event, now=asyncio.get_running_loop().time())
         finally:
             if grace is not None:
                 grace.cancel()
@@ -307,6 +353,8 @@ class AgentShell:
             await asyncio.gather(*self.forwarders, return_exceptions=True)
             if self.store_endpoint is not None:
                 await self.store_endpoint.close()
+            if self.error_dir is not None:
+                shutil.rmtree(self.error_dir, ignore_errors=True)
 
     def _signal(self, which: Callable[[Child], bool], signum: int) -> None:
         # Ranks first, relay last: a relay that stops first would make live ranks see their
@@ -314,6 +362,18 @@ class AgentShell:
         for child in sorted(self.children, key=lambda child: child.rank is None):
             if which(child) and child.process.returncode is None:
                 signal_group(child.process, signum)
+
+
+def _rank_exited(rank: int, code: int, torn_down: bool, detail: sv.ExitDetail) -> RankExited:
+    """The report of one rank's exit, every field within its wire cap."""
+    return RankExited(
+        rank=rank,
+        code=max(-128, min(255, code)),
+        exited_at=detail.exited_at,
+        torn_down=torn_down,
+        error=detail.error[:MAX_REASON_CHARS] if detail.error else None,
+        tail=detail.tail,
+    )
 
 
 def run_agent(spec: AgentSpec | None = None) -> int:
