@@ -33,7 +33,7 @@ from flodld.agent.spawn import (
     spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
-from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, read_error_file
+from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, failure_time, read_error_file
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
@@ -68,7 +68,7 @@ async def _forward_output(child: Child, prefix: str) -> None:
         if not line:
             return
         if child.tail is not None:  # the root cause's tail: a separate small ring
-            child.tail.feed(line)
+            child.tail.feed(line, time.time())
         sys.stdout.write(prefix + line.decode(errors="replace"))
         if not line.endswith(b"\n"):
             sys.stdout.write("\n")
@@ -282,19 +282,30 @@ class AgentShell:
 
     async def _watch_exit(self, child: Child) -> None:
         code = await child.process.wait()
-        at, exited_at = asyncio.get_running_loop().time(), time.time()
+        loop_now, wall_now = asyncio.get_running_loop().time(), time.time()
         if child.rank is None:
             self._post(sv.RelayExit(code))
             return
-        detail = sv.ExitDetail(exited_at=exited_at)
-        if code != 0:
-            # The traceback is the last thing a failing rank prints: let the forwarder read it to the end.
-            forwarder = self.forwarder_of.get(id(child))
-            if forwarder is not None:
-                await asyncio.wait({forwarder}, timeout=TAIL_DRAIN_SECS)
-            tail = child.tail.render() if child.tail is not None else None
-            detail = sv.ExitDetail(exited_at, read_error_file(child.error_file, self.scrub), tail)
-        self._post(sv.RankExit(child.rank, code, at, detail))
+        if code == 0:
+            self._post(sv.RankExit(child.rank, code, loop_now, sv.ExitDetail(failed_at=wall_now)))
+            return
+        # The traceback is the last thing a failing rank prints: let the forwarder read it to the end.
+        forwarder = self.forwarder_of.get(id(child))
+        if forwarder is not None:
+            await asyncio.wait({forwarder}, timeout=TAIL_DRAIN_SECS)
+        error = read_error_file(child.error_file, self.scrub)
+        tail = child.tail
+        # A rank fails when it raises (error file written, traceback printed), not when its process is
+        # finally gone: torch closes its connections while the interpreter shuts down, so a peer can exit
+        # first, and our teardown can catch the culprit mid-shutdown (flodld/membership/rootcause.py).
+        failed_at = failure_time(
+            wall_now,
+            error.written_at if error is not None else None,
+            tail.traceback_at if tail is not None else None,
+        )
+        message = error.message if error is not None else None
+        detail = sv.ExitDetail(failed_at, message, tail.render() if tail is not None else None)
+        self._post(sv.RankExit(child.rank, code, loop_now - (wall_now - failed_at), detail))
 
     async def _read_link(self, joined: Joined) -> None:
         try:
@@ -369,7 +380,7 @@ def _rank_exited(rank: int, code: int, torn_down: bool, detail: sv.ExitDetail) -
     return RankExited(
         rank=rank,
         code=max(-128, min(255, code)),
-        exited_at=detail.exited_at,
+        failed_at=detail.failed_at,
         torn_down=torn_down,
         error=detail.error[:MAX_REASON_CHARS] if detail.error else None,
         tail=detail.tail,

@@ -38,15 +38,17 @@ class SupervisorState(Enum):
 class ExitDetail:
     """What the shell learned about a rank's exit beyond its code (carried to the controller as is)."""
 
-    exited_at: float | None = None  # unix seconds when the process ended (the root cause's clock)
+    failed_at: float | None = None  # unix seconds when the rank failed (its exception, else its exit)
     error: str | None = None  # the exception from the rank's error file
     tail: str | None = None  # its last output lines, scrubbed
 
 
 @dataclass(frozen=True)
 class RankExit:
-    """A rank's process exited with `code` (negative: killed by that signal) at `at` (the shell's monotonic
-    clock, the one `handle(now=...)` gets; None: unknown).
+    """A rank's process exited with `code` (negative: killed by that signal); `at`: when it failed, on the
+    shell's monotonic clock (the one `handle(now=...)` gets; its exception if it raised, else its exit; None:
+    unknown). A rank that raised before the teardown began is no victim of it, even if our TERM caught it
+    while its interpreter was still shutting down.
     """
 
     rank: int

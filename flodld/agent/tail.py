@@ -12,9 +12,11 @@ with `<redacted>` before a line leaves the host. `read_error_file` reads what to
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from flodld.wire.messages import MAX_REASON_CHARS, MAX_TAIL_CHARS, MAX_TAIL_LINES
@@ -50,18 +52,39 @@ class Scrubber:
         return [value for name, value in env.items() if _SECRET_NAME.search(name) and value]
 
 
+TRACEBACK_MARK = "Traceback (most recent call last):"
+
+
 class OutputTail:
-    """The last `MAX_TAIL_LINES` lines of a child's output."""
+    """The last `MAX_TAIL_LINES` lines of a child's output, and when its last traceback began."""
 
     def __init__(self, scrub: Scrubber | None = None, lines: int = MAX_TAIL_LINES) -> None:
         self._lines: deque[str] = deque(maxlen=lines)
         self._scrub = scrub or Scrubber()
+        self._fed = 0
+        self._traceback: tuple[int, float] | None = None  # (line number, when it was read)
 
-    def feed(self, line: bytes) -> None:
+    def feed(self, line: bytes, now: float | None = None) -> None:
+        """One line of output, read at `now` (unix seconds; None: not timed)."""
         text = line.decode(errors="replace").rstrip("\r\n")
         if len(text) > MAX_LINE_CHARS:  # scrubbed before the cut, so no half secret survives it
             text = "…" + self._scrub(text)[-MAX_LINE_CHARS:]
+        self._fed += 1
+        if now is not None and TRACEBACK_MARK in text:
+            self._traceback = (self._fed, now)
         self._lines.append(text)
+
+    @property
+    def traceback_at(self) -> float | None:
+        """When the last Python traceback in the tail began to print (None: none there).
+
+        An uncaught exception prints its traceback before the interpreter shuts down (and before torch
+        closes the process group's connections, which is what makes the peers fail): the rank failed then,
+        not when its process was finally gone.
+        """
+        if self._traceback is None or self._traceback[0] <= self._fed - (self._lines.maxlen or 0):
+            return None
+        return self._traceback[1]
 
     def render(self) -> str | None:
         """The tail as one text (fits `RankExited.tail`), scrubbed; None when the child printed nothing."""
@@ -76,12 +99,21 @@ class OutputTail:
         return "\n".join(lines)
 
 
-def read_error_file(path: Path | None, scrub: Scrubber | None = None) -> str | None:
+@dataclass(frozen=True)
+class ErrorFile:
+    """What `@record` left: the exception's line and when the file was written (unix seconds)."""
+
+    message: str
+    written_at: float
+
+
+def read_error_file(path: Path | None, scrub: Scrubber | None = None) -> ErrorFile | None:
     """The exception `@record` wrote ('RuntimeError: boom'), scrubbed and capped; None without one."""
     if path is None:
         return None
     try:
         with open(path, "rb") as handle:
+            written_at = os.fstat(handle.fileno()).st_mtime
             raw = handle.read(MAX_ERROR_FILE_BYTES + 1)
     except OSError:
         return None
@@ -96,4 +128,11 @@ def read_error_file(path: Path | None, scrub: Scrubber | None = None) -> str | N
         message = message.get("message")
     if not isinstance(message, str) or not message.strip():
         return None
-    return (scrub or Scrubber())(message.strip())[:MAX_REASON_CHARS]
+    return ErrorFile((scrub or Scrubber())(message.strip())[:MAX_REASON_CHARS], written_at)
+
+
+def failure_time(exited_at: float, *evidence: float | None) -> float:
+    """When the rank failed: the earliest sign of its exception (the error file's write, its traceback's
+    first line) that is not after its exit, else the exit itself.
+    """
+    return min([exited_at, *(at for at in evidence if at is not None and at <= exited_at)])

@@ -69,7 +69,7 @@ log = logging.getLogger("flodld.controller")
 
 SHIP_TIMEOUT_SECS = 30.0
 ABORT_TIMEOUT_SECS = 5.0
-REPORT_GRACE_SECS = 1.5  # after a failure's Abort: how long the hosts get to report their ranks' exits (scaled)
+REPORT_GRACE_SECS = 1.5  # after a failure's Abort: the hosts' time to report their ranks' exits (scaled)
 # How long a one-run controller keeps answering after its verdict when someone polled it over HTTP:
 # longer than `fdl status --watch`'s default 1 s interval, so the watcher's next poll shows the verdict.
 VERDICT_LINGER_SECS = 2.0
@@ -627,12 +627,12 @@ class Controller:
         if code:
             # The agent's clock at the exit orders failures across hosts; an older agent's report is
             # stamped at receipt.
-            at = report.exited_at if report is not None and report.exited_at is not None else time.time()
+            at = report.failed_at if report is not None and report.failed_at is not None else time.time()
             failure = Failure(
                 host=link.host,
                 rank=rank,
                 code=code,
-                exited_at=at,
+                failed_at=at,
                 torn_down=report.torn_down if report is not None else False,
                 error=report.error if report is not None else None,
                 tail=report.tail if report is not None else None,

@@ -8,12 +8,16 @@ rules (docs/operations.md, "When a run fails"):
    `torn_down` when it exited after its host's teardown began (the agent TERMed/KILLed it because a
    sibling rank failed, the controller sent Abort, the link to the controller was lost, or the agent was
    interrupted). A clean exit (code 0) is no failure at all.
-2. Among the real failures the one that *exited first* wins, by the agent's wall clock when the process
-   ended (`exited_at`; the controller's receipt time stands in for an agent that gave none). A peer that
-   dies because the culprit died (a collective that lost its partner) exits after it: on one host by
-   construction, across hosts as long as the hosts' clocks agree to better than the time the peer took to
-   notice (NTP keeps them within milliseconds; a victim notices in the collective's round trip or its
-   timeout).
+2. Among the real failures the one that *failed first* wins, by the agent's wall clock (`failed_at`):
+   when the rank raised (its `@record` error file was written, or its traceback began to print) if it
+   left such a sign, else when its process ended; the controller's receipt time stands in for an agent
+   that gave none. Exit times alone mislead: torch closes a process group's connections while the
+   culprit's interpreter shuts down, so a peer that fails on the closed connection can exit first, and
+   the culprit's own agent may then TERM it mid-shutdown. A victim raises after the culprit did: on one
+   host by construction, across hosts as long as the hosts' clocks agree to better than the time the
+   victim took to notice (NTP keeps them within milliseconds; a victim notices in the collective's round
+   trip or its timeout). The same time decides `torn_down` on the agent: a rank that raised before its
+   host's teardown began is no victim of it, even if the teardown's TERM ended its process.
 3. Exact ties (same timestamp) go to the failure whose rank left an error file (`@record`'s exception),
    then to the report that arrived first. There is no "close enough" window that prefers an error file
    over an earlier exit: the timestamps decide, so the rule stays predictable, and a culprit whose
@@ -37,7 +41,7 @@ class Failure:
     host: str
     rank: int
     code: int
-    exited_at: float  # unix seconds: the agent's clock at the exit, else the controller's at receipt
+    failed_at: float  # unix seconds, agent's clock: it raised (error file, traceback), else it exited
     torn_down: bool = False  # the exit followed its host's teardown: a consequence
     error: str | None = None  # the exception `@record` wrote to the rank's error file
     tail: str | None = None  # the rank's last output lines (bounded, secrets scrubbed by the agent)
@@ -50,8 +54,8 @@ def is_root_candidate(failure: Failure) -> bool:
 
 
 def sort_key(failure: Failure) -> tuple[float, int, int]:
-    """Earliest exit first; then one with an error file; then the first to arrive."""
-    return (failure.exited_at, 0 if failure.error else 1, failure.order)
+    """Earliest failure first; then one with an error file; then the first to arrive."""
+    return (failure.failed_at, 0 if failure.error else 1, failure.order)
 
 
 def first_failure(failures: list[Failure]) -> Failure | None:
@@ -108,7 +112,7 @@ class RootCauseTracker:
             "rank": failure.rank,
             "code": failure.code,
             "exit": describe_exit(failure.code),
-            "exited_at": failure.exited_at,
+            "failed_at": failure.failed_at,
             "error": failure.error,
             "tail": failure.tail.splitlines() if failure.tail else [],
             "summary": headline(failure),
@@ -125,10 +129,10 @@ def root_cause_lines(state: Mapping[str, Any], *, tail_lines: int = 40) -> list[
         f"rank {state.get('rank')} on host {state.get('host')!r} ({state.get('exit') or state.get('code')})"
     )
     lines = ["Root cause (first observed failure):", f"  {summary}"]
-    at = state.get("exited_at")
+    at = state.get("failed_at")
     if isinstance(at, int | float) and not isinstance(at, bool) and 0 < at < 10**11:
         when = datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        lines.append(f"  exited at {when} UTC (the agent's clock)")
+        lines.append(f"  failed at {when} UTC (the agent's clock)")
     error = state.get("error")
     if isinstance(error, str) and error:
         lines.append(f"  error: {error}")

@@ -84,7 +84,10 @@ class RootCause(_Model):
     rank: int
     code: int = Field(description="The exit code (negative: killed by that signal).")
     exit: str = Field(description="'exit code N' or 'signal N'.")
-    exited_at: float = Field(description="Unix seconds: the agent's clock when the rank's process ended.")
+    failed_at: float = Field(
+        description="Unix seconds, the agent's clock: when the rank raised (its error file was written or "
+        "its traceback began), else when its process ended."
+    )
     error: str | None = Field(
         default=None,
         description="The exception the rank's `@record` wrote to its TORCHELASTIC_ERROR_FILE "

@@ -192,16 +192,17 @@ class WorldFormed(Message):
 class RankExited(Message):
     """A rank child exited; a negative code is the signal that killed it.
 
-    The rest feeds the run's root cause (flodld/membership/rootcause.py): `exited_at` is the agent's wall
-    clock when the process ended; `torn_down` marks an exit that followed this host's teardown (the agent
-    TERMed the rank: a consequence, never a root cause); `error` is the exception the rank's `@record` wrote
-    to its TORCHELASTIC_ERROR_FILE; `tail` the rank's last output lines, secrets scrubbed by the agent.
+    The rest feeds the run's root cause (flodld/membership/rootcause.py): `failed_at` is the agent's wall
+    clock when the rank failed (its error file written or its traceback begun, else its process's end);
+    `torn_down` marks an exit that followed this host's teardown (the agent TERMed the rank: a consequence,
+    never a root cause); `error` is the exception the rank's `@record` wrote to its TORCHELASTIC_ERROR_FILE;
+    `tail` the rank's last output lines, secrets scrubbed by the agent.
     Older agents send none of them.
     """
 
     rank: Rank
     code: ExitCode
-    exited_at: UnixSeconds | None = None
+    failed_at: UnixSeconds | None = None
     torn_down: bool = False
     error: Reason | None = None
     tail: OutputTail | None = None

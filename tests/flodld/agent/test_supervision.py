@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from flodld.agent.supervision import (
     AbortReceived,
-    ExitDetail,
     CloseLink,
+    ExitDetail,
     Finish,
     GraceExpired,
     KillAll,
@@ -79,7 +79,7 @@ def test_a_relay_that_stops_cleanly_before_its_ranks_exit_is_not_a_failure() -> 
 
 def test_an_exit_after_the_teardown_began_is_marked_torn_down_and_the_culprit_is_not() -> None:
     supervisor = Supervisor("h", [0, 1, 2], has_relay=False)
-    detail = ExitDetail(exited_at=1000.0, error="RuntimeError: boom", tail="Traceback\nRuntimeError: boom")
+    detail = ExitDetail(failed_at=1000.0, error="RuntimeError: boom", tail="Traceback\nRuntimeError: boom")
     actions = supervisor.handle(RankExit(1, 1, at=10.0, detail=detail), now=10.1)
     assert actions[0] == ReportRankExit(1, 1, torn_down=False, detail=detail)
     assert supervisor.teardown_at == 10.1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flodld.agent.tail import REDACTED, OutputTail, Scrubber, read_error_file
+from flodld.agent.tail import REDACTED, OutputTail, Scrubber, failure_time, read_error_file
 from flodld.wire.join import RankExited
 from flodld.wire.messages import MAX_TAIL_CHARS, MAX_TAIL_LINES, decode_message, encode_message
 
@@ -56,6 +56,25 @@ def test_the_error_file_of_record(tmp_path: Path) -> None:
         "extraInfo": {"py_callstack": "...", "timestamp": "1"},
     }
     path.write_text(json.dumps({"message": message}))
-    assert read_error_file(path, Scrubber([SALT])) == f"RuntimeError: token {REDACTED}"
+    error = read_error_file(path, Scrubber([SALT]))
+    assert error is not None and error.message == f"RuntimeError: token {REDACTED}"
+    assert abs(error.written_at - path.stat().st_mtime) < 1e-6
     path.write_text("not json")
     assert read_error_file(path) is None
+
+
+def test_a_rank_failed_when_its_traceback_began_not_when_its_process_was_gone() -> None:
+    tail = OutputTail(lines=4)
+    tail.feed(b"step 1\n", 10.0)
+    assert tail.traceback_at is None
+    tail.feed(b"[rank1]: Traceback (most recent call last):\n", 11.0)
+    tail.feed(b'[rank1]:   File "x.py", line 1\n', 11.01)
+    tail.feed(b"[rank1]: RuntimeError: boom\n", 11.02)
+    assert tail.traceback_at == 11.0
+    # Evidence after the exit is ignored (clock noise); none at all: the exit time.
+    assert failure_time(12.5, 11.0, None) == 11.0
+    assert failure_time(12.5, 10.9, 11.0) == 10.9  # the error file was written before the traceback
+    assert failure_time(12.5, None, 13.0) == 12.5
+    for index in range(4):  # the traceback scrolled out of the tail: no longer evidence
+        tail.feed(f"later {index}\n".encode(), 20.0)
+    assert tail.traceback_at is None

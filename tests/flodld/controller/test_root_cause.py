@@ -20,18 +20,18 @@ async def test_a_culprit_reported_after_its_victims_is_the_root_cause_in_state_a
         await b.world()
         # Host b's rank 2 lost its collective partner and failed on its own 20 ms after rank 1 died; its
         # report reaches the controller first and decides the verdict.
-        await b.stream.send(RankExited(rank=2, code=1, exited_at=1000.020, error="RuntimeError: peer gone"))
+        await b.stream.send(RankExited(rank=2, code=1, failed_at=1000.020, error="RuntimeError: peer gone"))
         await b.abort()
-        await b.stream.send(RankExited(rank=3, code=-15, exited_at=1000.300, torn_down=True))
+        await b.stream.send(RankExited(rank=3, code=-15, failed_at=1000.300, torn_down=True))
         await b.stream.aclose()
         # Host a: rank 0 was torn down by its agent (earliest timestamp of all, but a consequence), rank 1 is
         # the culprit with its exception and traceback.
         await a.abort()
-        await a.stream.send(RankExited(rank=0, code=-15, exited_at=999.0, torn_down=True))
+        await a.stream.send(RankExited(rank=0, code=-15, failed_at=999.0, torn_down=True))
         tail = "Traceback (most recent call last):\nRuntimeError: rank 1 fails on purpose"
         await a.stream.send(
             RankExited(
-                rank=1, code=1, exited_at=1000.0, error="RuntimeError: rank 1 fails on purpose", tail=tail
+                rank=1, code=1, failed_at=1000.0, error="RuntimeError: rank 1 fails on purpose", tail=tail
             )
         )
         await a.stream.aclose()
@@ -57,7 +57,7 @@ async def test_a_run_that_fails_without_a_rank_failing_on_its_own_has_no_root_ca
         await a.world()
         stopping = asyncio.ensure_future(controller.stop("operator pressed ctrl-c"))
         await a.abort()
-        await a.stream.send(RankExited(rank=0, code=-15, exited_at=5.0, torn_down=True))
+        await a.stream.send(RankExited(rank=0, code=-15, failed_at=5.0, torn_down=True))
         await a.stream.aclose()
         result = await asyncio.wait_for(stopping, 5)
         assert result.verdict is Phase.FAILED and result.root_cause is None

@@ -9,7 +9,7 @@ from flodld.membership.rootcause import Failure, RootCauseTracker, first_failure
 
 def _failure(rank: int, code: int, at: float, *, host: str = "a", torn_down: bool = False,
              error: str | None = None) -> Failure:  # fmt: skip
-    return Failure(host=host, rank=rank, code=code, exited_at=at, torn_down=torn_down, error=error)
+    return Failure(host=host, rank=rank, code=code, failed_at=at, torn_down=torn_down, error=error)
 
 
 CULPRIT = _failure(1, 1, 100.000, host="a", error="RuntimeError: rank 1 fails on purpose")
