@@ -303,7 +303,8 @@ class AgentShell:
             error.written_at if error is not None else None,
             tail.traceback_at if tail is not None else None,
         )
-        message = error.message if error is not None else None
+        # Without @record's file, the exception is the last line of the traceback in the tail.
+        message = error.message if error is not None else tail.exception_line() if tail is not None else None
         detail = sv.ExitDetail(failed_at, message, tail.render() if tail is not None else None)
         self._post(sv.RankExit(child.rank, code, loop_now - (wall_now - failed_at), detail))
 

@@ -53,6 +53,7 @@ class Scrubber:
 
 
 TRACEBACK_MARK = "Traceback (most recent call last):"
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch's excepthook prefixes a rank's traceback lines
 
 
 class OutputTail:
@@ -85,6 +86,24 @@ class OutputTail:
         if self._traceback is None or self._traceback[0] <= self._fed - (self._lines.maxlen or 0):
             return None
         return self._traceback[1]
+
+    def exception_line(self) -> str | None:
+        """The last line of the last traceback in the tail ('RuntimeError: boom', without torch's '[rank1]: '
+        prefix), scrubbed: the exception of a rank that left no error file. None without a traceback.
+        """
+        if self.traceback_at is None:
+            return None
+        lines = list(self._lines)
+        start = max(index for index, line in enumerate(lines) if TRACEBACK_MARK in line)
+        block = [_RANK_PREFIX.sub("", line).strip() for line in lines[start + 1 :]]
+        # The traceback's frames are indented ('  File ...'); the exception is the first unindented line.
+        candidates = [
+            line for raw, line in zip(lines[start + 1 :], block, strict=True)
+            if line and not _RANK_PREFIX.sub("", raw).startswith((" ", "\t"))
+        ]  # fmt: skip
+        if not candidates:
+            return None
+        return self._scrub(candidates[0])[:MAX_REASON_CHARS]
 
     def render(self) -> str | None:
         """The tail as one text (fits `RankExited.tail`), scrubbed; None when the child printed nothing."""

@@ -28,14 +28,14 @@ def _members(port: int) -> list[str]:
         return [str(member["host"]) for member in json.loads(reply.read()).get("members", [])]
 
 
-def _one_run(tmp_path: Path, index: int) -> tuple[str, str]:
+def _one_run(tmp_path: Path, index: int, args: list[str]) -> tuple[str, str]:
     """`fdl run`'s output and the secret the ranks saw."""
     port, token, secret = free_port(), secrets.token_hex(16), secrets.token_hex(12)
     directory = tmp_path / f"run{index}"
     directory.mkdir()
     project = write_discovery_project(directory, port, token, ranks=4)
     program = str(PROGRAMS / "root_cause.py")
-    run = Fdl("run", "--project", str(project), program)
+    run = Fdl("run", "--project", str(project), program, *args)
     walk_ins: list[Fdl] = []
     try:
         run.wait_for(r"waiting — window open")
@@ -68,9 +68,11 @@ def _one_run(tmp_path: Path, index: int) -> tuple[str, str]:
     return run.output, secret
 
 
-def test_the_root_cause_names_the_rank_that_raised_first_across_two_hosts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("record", ["record", "no-record"])
+def test_root_cause_names_the_rank_that_raised_first_across_two_hosts(record: str, tmp_path: Path) -> None:
+    """With `@record` the error file dates the failure and names the exception; without, its traceback."""
     for index in range(REPEATS):
-        output, secret = _one_run(tmp_path, index)
+        output, secret = _one_run(tmp_path, index, [] if record == "record" else ["--no-record"])
         assert HEADER in output, output
         block = output[output.index(HEADER) :]
         # Exit code 1, or signal 15 when walk-a's teardown (after a victim's exit) caught rank 1 still

@@ -1,17 +1,18 @@
 """A stock torchrun script whose rank 1 raises while every other rank blocks in a collective.
 
 `@record` (torch.distributed.elastic) writes rank 1's exception to its TORCHELASTIC_ERROR_FILE, as under
-torchrun. Rank 1 prints a secret from its environment first: the root cause's tail must scrub it.
+torchrun; with `--no-record` the script is left undecorated (only the traceback tells). Rank 1 prints a
+secret from its environment first: the root cause's tail must scrub it.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
-@record
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -26,4 +27,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    (main if "--no-record" in sys.argv else record(main))()

@@ -71,6 +71,7 @@ def test_a_rank_failed_when_its_traceback_began_not_when_its_process_was_gone() 
     tail.feed(b'[rank1]:   File "x.py", line 1\n', 11.01)
     tail.feed(b"[rank1]: RuntimeError: boom\n", 11.02)
     assert tail.traceback_at == 11.0
+    assert tail.exception_line() == "RuntimeError: boom"
     # Evidence after the exit is ignored (clock noise); none at all: the exit time.
     assert failure_time(12.5, 11.0, None) == 11.0
     assert failure_time(12.5, 10.9, 11.0) == 10.9  # the error file was written before the traceback
@@ -78,3 +79,17 @@ def test_a_rank_failed_when_its_traceback_began_not_when_its_process_was_gone() 
     for index in range(4):  # the traceback scrolled out of the tail: no longer evidence
         tail.feed(f"later {index}\n".encode(), 20.0)
     assert tail.traceback_at is None
+
+
+def test_the_exception_line_of_a_stock_traceback_without_an_error_file() -> None:
+    tail = OutputTail(Scrubber([SALT]))
+    for line in (
+        "Traceback (most recent call last):",
+        '  File "train.py", line 9, in <module>',
+        "    raise ValueError(f'bad {x}')",
+        f"ValueError: bad {SALT}",
+        "some atexit chatter",
+    ):
+        tail.feed(line.encode() + b"\n", 1.0)
+    assert tail.exception_line() == f"ValueError: bad {REDACTED}"
+    assert OutputTail().exception_line() is None
