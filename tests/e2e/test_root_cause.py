@@ -83,3 +83,22 @@ def test_root_cause_names_the_rank_that_raised_first_across_two_hosts(record: st
         assert "token <redacted>" in block and secret not in output, block
         summary = [line for line in output.splitlines() if "run FAILED" in line]
         assert summary and "root cause: rank 1 on host 'walk-a'" in summary[-1], output
+
+
+def test_on_one_host_the_culprit_caught_mid_shutdown_by_the_teardown_is_still_the_root_cause() -> None:
+    """`fdl run --ranks 3`: a victim (rank 0 or 2) usually exits before rank 1's interpreter has shut down,
+    and the agent's SIGTERM then ends rank 1 (`signal 15`): rank 1 raised first, so it is still named.
+    """
+    for _ in range(3):
+        run = Fdl(
+            "run",
+            "--ranks",
+            "3",
+            str(PROGRAMS / "root_cause.py"),
+            env=child_env(ROOT_CAUSE_TEST_TOKEN="x" * 16),
+        )
+        assert run.wait(180) == 1, run.output
+        block = run.output[run.output.index(HEADER) :]
+        assert re.search(
+            r"rank 1 on host '[^']+' \((exit code 1|signal 15)\): RuntimeError: rank 1 fails", block
+        ), block
