@@ -35,6 +35,7 @@ from flodld.agent.spawn import (
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
 from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, failure_time, read_error_file
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
+from flodld.membership.switch import start_credential
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
@@ -223,11 +224,12 @@ class AgentShell:
             self._adopt(child, f"[{host}:{device}:r{rank}] ")
 
     def _secrets(self, joined: Joined) -> list[str]:
-        """What must never leave this host in a rank's tail: the run's salt (the join token) and its host
-        key, and the values of secret-looking variables the ranks see.
+        """What must never leave this host in a rank's tail: the run's salt (the join token), the start
+        credential and host key derived from it, and the values of secret-looking variables the ranks see.
         """
         envelope = joined.formed.envelope
         secrets = [joined.salt.hex(), self.spec.salt_hex or ""]
+        secrets.append(start_credential(joined.salt, envelope.run_id))
         key = join_host_key(joined.salt, host=self.spec.host, run_id=envelope.run_id, conn=joined.stream.conn)
         secrets.append(key.hex())
         for env in (os.environ, envelope.env, self.spec.host_env or {}):
@@ -377,15 +379,22 @@ class AgentShell:
 
 
 def _rank_exited(rank: int, code: int, torn_down: bool, detail: sv.ExitDetail) -> RankExited:
-    """The report of one rank's exit, every field within its wire cap."""
-    return RankExited(
-        rank=rank,
-        code=max(-128, min(255, code)),
-        failed_at=detail.failed_at,
-        torn_down=torn_down,
-        error=detail.error[:MAX_REASON_CHARS] if detail.error else None,
-        tail=detail.tail,
-    )
+    """The report of one rank's exit, every field within its wire cap. Should the detail not validate, the
+    exit is still reported (without it): an unreported rank would count as a lost host.
+    """
+    code = max(-128, min(255, code))
+    try:
+        return RankExited(
+            rank=rank,
+            code=code,
+            failed_at=detail.failed_at,
+            torn_down=torn_down,
+            error=detail.error[:MAX_REASON_CHARS] if detail.error else None,
+            tail=detail.tail,
+        )
+    except ValueError as error:
+        say(f"rank {rank}'s failure detail left out of its exit report ({error})")
+        return RankExited(rank=rank, code=code, torn_down=torn_down)
 
 
 def run_agent(spec: AgentSpec | None = None) -> int:
