@@ -5,7 +5,7 @@ sees the exits of every host, reported by their agents in whatever order the lin
 rules (docs/operations.md, "When a run fails"):
 
 1. An exit caused by our own teardown is a *consequence*, never a root cause: the agent marks a rank
-   `torn_down` when it exited after its host's teardown began (the agent TERMed/KILLed it because a
+   `torn_down` when it failed after its host's teardown began (the agent TERMed/KILLed it because a
    sibling rank failed, the controller sent Abort, the link to the controller was lost, or the agent was
    interrupted). A clean exit (code 0) is no failure at all.
 2. Among the real failures the one that *failed first* wins, by the agent's wall clock (`failed_at`):
