@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from flodld.fanout.ssh import SshConfigError, SshEndpoint
     from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
     from flodld.membership import PolicyError, derive_policy
+    from flodld.membership.rootcause import root_cause_lines
     from flodld.membership.supervisor import (
         AgentExited,
         ArmTimer,
@@ -132,6 +133,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "TimerExpired",
         "VerdictReached",
     ),
+    "flodld.membership.rootcause": ("root_cause_lines",),
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
@@ -204,6 +206,7 @@ __all__ = [
     "read_yaml",
     "render",
     "resolve_devices",
+    "root_cause_lines",
     "run_cluster_job",
     "salt_from_hex",
     "scaled",

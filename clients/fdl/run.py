@@ -588,7 +588,12 @@ class _Attempt:
 
         async def verdict() -> None:
             result = await self.controller.wait()
-            events.put_nowait(api.VerdictReached(result.ok, result.reason))
+            reason = result.reason
+            if result.root_cause is not None:  # the first observed failure, across hosts
+                for line in api.root_cause_lines(result.root_cause.model_dump()):
+                    say(line)
+                reason = f"{reason}; root cause: {result.root_cause.summary}"
+            events.put_nowait(api.VerdictReached(result.ok, reason))
 
         self.tasks = [asyncio.ensure_future(agent_exit(h, a)) for h, a in self.agents.items()]
         self.tasks.append(asyncio.ensure_future(verdict()))

@@ -156,6 +156,9 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
         lines.append(f"  missing: {', '.join(missing)}")
     if state.get("reason"):
         lines.append(f"  reason: {state['reason']}")
+    cause = state.get("root_cause")
+    if isinstance(cause, dict):  # the first observed failure, across hosts
+        lines += ["  " + line for line in _root_cause_lines(cause, tail_lines=ROOT_CAUSE_TAIL_LINES)]
     service = state.get("service") or {}
     if service.get("between_runs"):
         remaining = service.get("next_window_in_secs")
@@ -170,9 +173,21 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
             f"  previous run: {last.get('run_id')} {last.get('verdict')} {_ago(last.get('ended_at'))}"
             + (f" — {last['reason']}" if last.get("reason") else "")
         )
+        if isinstance(last.get("root_cause"), dict) and last["root_cause"].get("summary"):
+            lines.append(f"  previous run's root cause: {last['root_cause']['summary']}")
     if service.get("config_error"):
         lines.append(f"  config reload failed (previous config in force): {service['config_error']}")
     return "\n".join(lines)
+
+
+ROOT_CAUSE_TAIL_LINES = 20
+"""Output lines of the failed rank `fdl status` shows (state.json has up to 40; --json prints them all)."""
+
+
+def _root_cause_lines(cause: dict[str, Any], *, tail_lines: int) -> list[str]:
+    from flodld import api  # only when a run failed: `fdl status` stays light otherwise
+
+    return list(api.root_cause_lines(cause, tail_lines=tail_lines))
 
 
 def _ago(when: object) -> str:
@@ -228,7 +243,12 @@ def render_history(state: dict[str, Any]) -> str:
                 str(h.get("ranks", "-")),
                 _hosts_cell(h),
                 _exits(h),
-                str(h.get("reason", "")),
+                str(h.get("reason", ""))
+                + (
+                    f" — root cause: {h['root_cause'].get('summary')}"
+                    if isinstance(h.get("root_cause"), dict)
+                    else ""
+                ),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

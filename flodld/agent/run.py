@@ -9,10 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar, assert_never
 
 from flodld.agent import envpolicy
@@ -30,12 +34,15 @@ from flodld.agent.spawn import (
     spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, failure_time, read_error_file
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.agent.warmpool import WarmPool
+from flodld.membership.switch import start_credential
 from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, RankExited
+from flodld.wire.messages import MAX_REASON_CHARS
 
 
 def say(message: str) -> None:
@@ -43,11 +50,18 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
+TAIL_DRAIN_SECS = 1.0
+"""After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
+open would otherwise hold the report)."""
+
+
 @dataclass
 class Child:
     label: str
     process: asyncio.subprocess.Process
     rank: int | None  # None for the relay
+    tail: OutputTail | None = None  # a rank's last output lines, for its exit report
+    error_file: Path | None = None  # the rank's TORCHELASTIC_ERROR_FILE
 
 
 async def _forward_output(child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
@@ -58,16 +72,18 @@ async def _forward_output(child: Child, prefix: str, sink: RankLogSink | None = 
     streams = [("stdout", child.process.stdout)]
     if child.process.stderr is not None:  # spawned with stderr apart (per-rank log files)
         streams.append(("stderr", child.process.stderr))
-    await asyncio.gather(*(_forward_stream(stream, name, prefix, sink) for name, stream in streams))
+    await asyncio.gather(*(_forward_stream(stream, n, prefix, sink, child.tail) for n, stream in streams))
 
 
 async def _forward_stream(
-    stream: asyncio.StreamReader, name: str, prefix: str, sink: RankLogSink | None
+    stream: asyncio.StreamReader, name: str, prefix: str, sink: RankLogSink | None, tail: OutputTail | None
 ) -> None:
     while True:
         line = await stream.readline()
         if not line:
             return
+        if tail is not None:  # the root cause's tail: a separate small ring
+            tail.feed(line, time.time())
         if sink is not None:
             sink.write(name, line)
             if not sink.shows(name):
@@ -96,6 +112,9 @@ class AgentShell:
         self.watchers: list[asyncio.Future[None]] = []
         self.store_endpoint: AgentStoreEndpoint | None = None
         self.sinks: list[RankLogSink] = []
+        self.forwarder_of: dict[int, asyncio.Future[None]] = {}  # by child (id), to drain a tail
+        self.scrub = Scrubber()
+        self.error_dir: str | None = None  # the ranks' error files (removed when the agent is done)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -202,6 +221,8 @@ class AgentShell:
         node = None
         if envelope.local_world_size < envelope.world_size:
             node = await self._unless_stopping(self._node_rank(joined))
+        self.scrub = Scrubber(self._secrets(joined))
+        self.error_dir = tempfile.mkdtemp(prefix="flodld-errors-")
         fold = formed.relay.fold if formed.relay is not None else "mean"
         cadence = formed.relay.cadence if formed.relay is not None else 1
         for local_rank, (rank, device) in enumerate(zip(envelope.ranks, self.devices, strict=True)):
@@ -219,6 +240,8 @@ class AgentShell:
                 store_port=store_port,
                 node=node,
             )
+            error_file = Path(self.error_dir) / f"rank-{rank}.json"
+            env[ERROR_FILE_ENV] = str(error_file)  # torch's @record writes the rank's exception there
             sink = sinks[local_rank]
             # A warm rank's stderr shares its stdout pipe: logs that keep the streams apart want a cold one.
             warm = None
@@ -226,7 +249,8 @@ class AgentShell:
                 warm = await self.warm.take(argv, env, say)
             split = sink.splits_streams
             process = warm if warm is not None else await spawn_child(argv, env, split_stderr=split)
-            self._adopt(Child(f"rank {rank}", process, rank), f"[{host}:{device}:r{rank}] ", sink)
+            child = Child(f"rank {rank}", process, rank, OutputTail(self.scrub), error_file)
+            self._adopt(child, f"[{host}:{device}:r{rank}] ", sink)
         if self.warm is not None:
             await self.warm.close()  # the ones not needed go now
 
@@ -243,6 +267,19 @@ class AgentShell:
             where = attempt_dir(logs.dir, logs.run or run_id, attempt) / component(self.spec.host)
             say(f"rank logs in {where} (redirects {logs.redirects}, tee {logs.tee})")
         return self.sinks
+
+    def _secrets(self, joined: Joined) -> list[str]:
+        """What must never leave this host in a rank's tail: the run's salt (the join token), the start
+        credential and host key derived from it, and the values of secret-looking variables the ranks see.
+        """
+        envelope = joined.formed.envelope
+        secrets = [joined.salt.hex(), self.spec.salt_hex or ""]
+        secrets.append(start_credential(joined.salt, envelope.run_id))
+        key = join_host_key(joined.salt, host=self.spec.host, run_id=envelope.run_id, conn=joined.stream.conn)
+        secrets.append(key.hex())
+        for env in (os.environ, envelope.env, self.spec.host_env or {}):
+            secrets += Scrubber.secrets_in_env(env)
+        return secrets
 
     async def _node_rank(self, joined: Joined) -> tuple[int, int] | None:
         """The GROUP_RANK/GROUP_WORLD_SIZE torchrun gives a host in a world of several.
@@ -285,15 +322,38 @@ class AgentShell:
 
     def _adopt(self, child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
         self.children.append(child)
-        self.forwarders.append(asyncio.ensure_future(_forward_output(child, prefix, sink)))
+        forwarder = asyncio.ensure_future(_forward_output(child, prefix, sink))
+        self.forwarders.append(forwarder)
+        self.forwarder_of[id(child)] = forwarder
         self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
 
     async def _watch_exit(self, child: Child) -> None:
         code = await child.process.wait()
+        loop_now, wall_now = asyncio.get_running_loop().time(), time.time()
         if child.rank is None:
             self._post(sv.RelayExit(code))
-        else:
-            self._post(sv.RankExit(child.rank, code))
+            return
+        if code == 0:
+            self._post(sv.RankExit(child.rank, code, loop_now, sv.ExitDetail(failed_at=wall_now)))
+            return
+        # The traceback is the last thing a failing rank prints: let the forwarder read it to the end.
+        forwarder = self.forwarder_of.get(id(child))
+        if forwarder is not None:
+            await asyncio.wait({forwarder}, timeout=TAIL_DRAIN_SECS)
+        error = read_error_file(child.error_file, self.scrub)
+        tail = child.tail
+        # A rank fails when it raises (error file written, traceback printed), not when its process is
+        # finally gone: torch closes its connections while the interpreter shuts down, so a peer can exit
+        # first, and our teardown can catch the culprit mid-shutdown (flodld/membership/rootcause.py).
+        failed_at = failure_time(
+            wall_now,
+            error.written_at if error is not None else None,
+            tail.traceback_at if tail is not None else None,
+        )
+        # Without @record's file, the exception is the last line of the traceback in the tail.
+        message = error.message if error is not None else tail.exception_line() if tail is not None else None
+        detail = sv.ExitDetail(failed_at, message, tail.render() if tail is not None else None)
+        self._post(sv.RankExit(child.rank, code, loop_now - (wall_now - failed_at), detail))
 
     async def _read_link(self, joined: Joined) -> None:
         try:
@@ -317,12 +377,11 @@ class AgentShell:
             while True:
                 for action in actions:
                     match action:  # every Action kind, checked exhaustive by mypy (assert_never)
-                        case sv.ReportRankExit(rank, code):
-                            say(f"rank {rank} exited with {sv.describe_exit(code)}")
-                            with contextlib.suppress(OSError, WireError, TimeoutError):
-                                await joined.stream.send(
-                                    RankExited(rank=rank, code=max(-128, min(255, code)))
-                                )
+                        case sv.ReportRankExit(rank, code, torn_down, detail):
+                            after = " (torn down)" if torn_down and code else ""
+                            say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
+                            with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
+                                await joined.stream.send(_rank_exited(rank, code, torn_down, detail))
                         case sv.TerminateRelay():
                             self._signal(lambda child: child.rank is None, signal.SIGTERM)
                         case sv.TerminateAll(reason):
@@ -344,7 +403,8 @@ class AgentShell:
                             return exit_code
                         case _:
                             assert_never(action)
-                actions = supervisor.handle(await self.events.get())
+                event = await self.events.get()
+                actions = supervisor.handle(event, now=asyncio.get_running_loop().time())
         finally:
             if grace is not None:
                 grace.cancel()
@@ -354,6 +414,8 @@ class AgentShell:
                 sink.close()
             if self.store_endpoint is not None:
                 await self.store_endpoint.close()
+            if self.error_dir is not None:
+                shutil.rmtree(self.error_dir, ignore_errors=True)
 
     def _signal(self, which: Callable[[Child], bool], signum: int) -> None:
         # Ranks first, relay last: a relay that stops first would make live ranks see their
@@ -361,6 +423,25 @@ class AgentShell:
         for child in sorted(self.children, key=lambda child: child.rank is None):
             if which(child) and child.process.returncode is None:
                 signal_group(child.process, signum)
+
+
+def _rank_exited(rank: int, code: int, torn_down: bool, detail: sv.ExitDetail) -> RankExited:
+    """The report of one rank's exit, every field within its wire cap. Should the detail not validate, the
+    exit is still reported (without it): an unreported rank would count as a lost host.
+    """
+    code = max(-128, min(255, code))
+    try:
+        return RankExited(
+            rank=rank,
+            code=code,
+            failed_at=detail.failed_at,
+            torn_down=torn_down,
+            error=detail.error[:MAX_REASON_CHARS] if detail.error else None,
+            tail=detail.tail,
+        )
+    except ValueError as error:
+        say(f"rank {rank}'s failure detail left out of its exit report ({error})")
+        return RankExited(rank=rank, code=code, torn_down=torn_down)
 
 
 def run_agent(spec: AgentSpec | None = None) -> int:

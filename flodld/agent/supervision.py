@@ -4,7 +4,9 @@ States: RUNNING → TEARING_DOWN → DONE. Every event returns the actions the s
 (report, signal, close), so the shell owns processes and timers and this module owns meaning.
 
 Rules:
-- every rank exit is reported up the join link (RankExited), whatever else happens;
+- every rank exit is reported up the join link (RankExited), whatever else happens, marked `torn_down`
+  when the rank ended after this host's teardown began (its exit is then a consequence of our own
+  TERM/KILL, never the run's root cause: flodld/membership/rootcause.py);
 - a rank exiting non-zero tears the host down: its peers would otherwise hang in a collective
   waiting for it (the controller hears the exit and decides for the other hosts);
 - when every rank has exited cleanly, the relay's job is over and it is asked to stop;
@@ -16,7 +18,8 @@ Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from enum import Enum
 
 from flodld.wire.handlers import HandlerTable
@@ -32,13 +35,26 @@ class SupervisorState(Enum):
 
 
 @dataclass(frozen=True)
-class _RankOutcome:
+class ExitDetail:
+    """What the shell learned about a rank's exit beyond its code (carried to the controller as is)."""
+
+    failed_at: float | None = None  # unix seconds when the rank failed (its exception, else its exit)
+    error: str | None = None  # the exception from the rank's error file
+    tail: str | None = None  # its last output lines, scrubbed
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's process exited with `code` (negative: killed by that signal); `at`: when it failed, on the
+    shell's monotonic clock (the one `handle(now=...)` gets; its exception if it raised, else its exit; None:
+    unknown). A rank that raised before the teardown began is no victim of it, even if our TERM caught it
+    while its interpreter was still shutting down.
+    """
+
     rank: int
     code: int
-
-
-class RankExit(_RankOutcome):
-    """A rank's process exited with `code` (negative: killed by that signal)."""
+    at: float | None = None
+    detail: ExitDetail = field(default_factory=ExitDetail)
 
 
 @dataclass(frozen=True)
@@ -73,8 +89,14 @@ Event = RankExit | RelayExit | AbortReceived | LinkLost | Interrupted | GraceExp
 # Actions --------------------------------------------------------------------------------------
 
 
-class ReportRankExit(_RankOutcome):
-    """Report the rank's exit up the join link."""
+@dataclass(frozen=True)
+class ReportRankExit:
+    """Report the rank's exit up the join link; `torn_down`: it followed this host's teardown."""
+
+    rank: int
+    code: int
+    torn_down: bool = False
+    detail: ExitDetail = field(default_factory=ExitDetail)
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,8 @@ class Supervisor:
         self.relay_live = has_relay
         self.failed_ranks: dict[int, int] = {}
         self.teardown_reason: str | None = None
+        self.teardown_at: float | None = None  # when the teardown began (the `now` of its event)
+        self._now = -math.inf
         self._relay_stop_requested = False
         # Per state, the events that mean something there; any other event in that state changes nothing.
         running: HandlerTable[[], list[Action]] = HandlerTable("event while running")
@@ -137,8 +161,11 @@ class Supervisor:
         tearing_down.register(GraceExpired, lambda event: [KillAll()])
         self._table = {SupervisorState.RUNNING: running, SupervisorState.TEARING_DOWN: tearing_down}
 
-    def handle(self, event: Event) -> list[Action]:
-        """Actions for `event`; events that change nothing in this state yield none."""
+    def handle(self, event: Event, now: float | None = None) -> list[Action]:
+        """Actions for `event` handled at `now` (the shell's monotonic clock; None: unknown, every rank exit
+        during a teardown then counts as torn down); events that change nothing in this state yield none.
+        """
+        self._now = -math.inf if now is None else now
         table = self._table.get(self.state)
         if table is None or type(event) not in table:
             return []
@@ -156,7 +183,10 @@ class Supervisor:
         if event.rank not in self.live_ranks:
             return []
         self.live_ranks.discard(event.rank)
-        actions: list[Action] = [ReportRankExit(event.rank, event.code)]
+        # Torn down: the exit came after our teardown began. A rank that failed on its own just before (its
+        # `at` is earlier, even if the event reached us later) is a failure in its own right.
+        torn_down = self.teardown_at is not None and (event.at is None or event.at >= self.teardown_at)
+        actions: list[Action] = [ReportRankExit(event.rank, event.code, torn_down, event.detail)]
         if event.code != 0:
             self.failed_ranks[event.rank] = event.code
             if self.state is SupervisorState.RUNNING:
@@ -192,6 +222,7 @@ class Supervisor:
     def _begin_teardown(self, reason: str) -> list[Action]:
         self.state = SupervisorState.TEARING_DOWN
         self.teardown_reason = reason
+        self.teardown_at = self._now
         return [TerminateAll(reason)] if self.children_live else []
 
     def _finish_if_empty(self) -> list[Action]:

@@ -246,8 +246,8 @@ class JoinRun(Protocol):
     def admit(self, hello: Hello, link: HostLink) -> Accept | Reject:
         """Decide a hello; on admission the Accept is already queued on `link` (and its host key set)."""
 
-    def rank_exited(self, link: HostLink, rank: int, code: int) -> None:
-        """The host reported a rank's exit code."""
+    def rank_exited(self, link: HostLink, rank: int, code: int, report: RankExited | None = None) -> None:
+        """The host reported a rank's exit code (`report`: the whole message, for the root cause)."""
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
         """The link ended.
@@ -262,7 +262,7 @@ REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link repor
 
 @REPORTS.handles(RankExited)
 def _rank_exited(message: RankExited, controller: JoinRun, link: HostLink) -> None:
-    controller.rank_exited(link, message.rank, message.code)
+    controller.rank_exited(link, message.rank, message.code, message)
 
 
 class JoinPort(Protocol):

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 500  # hosts, missing names, rank exits rendered; the rest is a "N more" note (paging: issue 18)
 MAX_HISTORY = 50
+MAX_TAIL_LINES = 40  # the root cause's output lines shown (state.json carries at most 40)
 POLL_SECS = 1.0  # the fastest the page polls state.json (the issue's "at most once per second per tab")
 HIDDEN_POLL_SECS = 10.0
 NOSCRIPT_REFRESH_SECS = 5
@@ -293,6 +294,32 @@ def _exits(state: Mapping[str, Any]) -> str:
     )
 
 
+def _root_cause(state: Mapping[str, Any]) -> str:
+    """The first observed failure (state.json's `root_cause`): summary, time, error and output tail."""
+    cause = state.get("root_cause")
+    if not isinstance(cause, Mapping):
+        return ""
+    tail = [str(line) for line in cause.get("tail") or []][-MAX_TAIL_LINES:]
+    error = cause.get("error")
+    return (
+        '<section id="root-cause"><h2>root cause (first observed failure)</h2>'
+        f'<p id="root-cause-summary" class="bad">{_e(cause.get("summary") or "")}</p>'
+        f'<p class="meta">failed at {_e(fmt_time(cause.get("failed_at")))}</p>'
+        + (f'<p id="root-cause-error">{_e(error)}</p>' if isinstance(error, str) and error else "")
+        + (f'<pre id="root-cause-tail" class="tail">{_e(chr(10).join(tail))}</pre>' if tail else "")
+        + "</section>"
+    )
+
+
+def reason_with_cause(entry: Mapping[str, Any]) -> str:
+    """A history entry's reason, followed by its root cause's summary when it has one."""
+    reason = str(entry.get("reason") or "")
+    cause = entry.get("root_cause")
+    if isinstance(cause, Mapping) and cause.get("summary"):
+        return f"{reason} — root cause: {cause['summary']}" if reason else f"root cause: {cause['summary']}"
+    return reason
+
+
 def _first(entry: Mapping[str, Any], *keys: str) -> object:
     for key in keys:
         if entry.get(key) is not None:
@@ -365,7 +392,7 @@ def _history(state: Mapping[str, Any]) -> str:
             f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
             f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
             f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
-            f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(h.get('reason') or '')}</td></tr>"
+            f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(reason_with_cause(h))}</td></tr>"
         )
     more = (
         f'<p class="more">{len(history) - MAX_HISTORY} older runs not shown.</p>'
@@ -405,7 +432,8 @@ def render_state(state: Mapping[str, Any] | None) -> str:
         return (
             f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
         )
-    parts = [_head(state), _clock(state), _ranks(state), _start(state), _hosts(state), _missing(state)]
+    parts = [_head(state), _root_cause(state), _clock(state), _ranks(state), _start(state), _hosts(state)]
+    parts.append(_missing(state))
     parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _history(state)]
     return "".join(parts)
 
@@ -446,6 +474,7 @@ section{background:var(--card);border:1px solid var(--line);border-radius:8px;pa
 margin:0 0 12px}
 h1{font-size:20px;margin:0 0 6px}h1 span{font-family:ui-monospace,"DejaVu Sans Mono",monospace}
 h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--mute);margin:0 0 8px}
+pre.tail{overflow-x:auto;max-height:24em;font-size:12px;background:rgba(127,127,127,.1);padding:6px}
 p{margin:4px 0}.meta,.note,.more,.empty{color:var(--mute)}.reason{font-size:16px}
 .phase{display:inline-block;padding:2px 10px;border-radius:12px;font-weight:600;color:#fff;
 background:var(--mute)}
@@ -478,7 +507,7 @@ footer a{color:var(--accent)}#live.stale{color:var(--bad);font-weight:600}
 # The client: plain JavaScript, DOM built with textContent only (never innerHTML), GET /state.json only.
 _JS_TEMPLATE = """"use strict";
 (function () {
-  var MAX_ROWS = __MAX_ROWS__, MAX_HISTORY = __MAX_HISTORY__;
+  var MAX_ROWS = __MAX_ROWS__, MAX_HISTORY = __MAX_HISTORY__, MAX_TAIL_LINES = __MAX_TAIL_LINES__;
   var POLL_MS = __POLL_MS__, HIDDEN_POLL_MS = __HIDDEN_MS__, BACKOFF_MAX_MS = 10000;
   var NOTES = __NOTES__;
   var HELD_NOTE = __HELD_NOTE__;
@@ -586,6 +615,13 @@ _JS_TEMPLATE = """"use strict";
     return bad.slice(0, 8).join("; ") + (bad.length > 8 ? " \\u2026" : "");
   }
 
+  function reasonWithCause(e) {
+    var reason = String(e.reason || ""), rc = e.root_cause;
+    if (rc && typeof rc === "object" && rc.summary) {
+      return reason ? reason + " \\u2014 root cause: " + rc.summary : "root cause: " + rc.summary;
+    }
+    return reason;
+  }
   function formedAfter(e) {
     if (e.formed_at === null && Object.prototype.hasOwnProperty.call(e, "formed_at")) { return "never"; }
     return (isNum(e.started_at) && isNum(e.formed_at))
@@ -633,6 +669,15 @@ _JS_TEMPLATE = """"use strict";
           ? [document.createTextNode(" \\u00b7 "), h("span", {id: "service"}, serviceText(s))] : null),
       (s.service && s.service.config_error) ? h("p", {id: "config-error", "class": "bad"},
         "config reload failed (the previous config stays in force): " + s.service.config_error) : null));
+    var rc = s.root_cause;
+    if (rc && typeof rc === "object") {
+      var rcTail = (Array.isArray(rc.tail) ? rc.tail : []).map(String).slice(-MAX_TAIL_LINES);
+      out.push(h("section", {id: "root-cause"}, h("h2", {}, "root cause (first observed failure)"),
+        h("p", {id: "root-cause-summary", "class": "bad"}, String(rc.summary || "")),
+        h("p", {"class": "meta"}, "failed at " + fmtTime(rc.failed_at)),
+        (typeof rc.error === "string" && rc.error) ? h("p", {id: "root-cause-error"}, rc.error) : null,
+        rcTail.length ? h("pre", {id: "root-cause-tail", "class": "tail"}, rcTail.join("\\n")) : null));
+    }
     out.push(h("section", {id: "clock"},
       h("div", {"class": "clock"}, h("span", {"class": "label"}, "window"), " ",
         h("span", {id: "window"}, countdown("window_remaining_secs"))),
@@ -701,7 +746,7 @@ _JS_TEMPLATE = """"use strict";
               h("td", {}, fmtTime(first(e, ["ended_at", "end"]))), h("td", {}, formedAfter(e)),
               h("td", {}, d === null ? "\\u2014" : fmtSecs(d)), h("td", {}, count(e.ranks)),
               h("td", {}, hostsSummary(e.hosts)), h("td", {}, exitsSummary(e.rank_exits)),
-              h("td", {}, e.reason || ""));
+              h("td", {}, reasonWithCause(e)));
           })), hist.length > MAX_HISTORY
           ? h("p", {"class": "more"}, (hist.length - MAX_HISTORY) + " older runs not shown.") : null]));
     }
@@ -772,6 +817,7 @@ STATUS_JS = _fill(
     {
         "MAX_ROWS": MAX_ROWS,
         "MAX_HISTORY": MAX_HISTORY,
+        "MAX_TAIL_LINES": MAX_TAIL_LINES,
         "POLL_MS": int(POLL_SECS * 1000),
         "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000),
         "NO_STATE": NO_STATE_TEXT,

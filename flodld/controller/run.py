@@ -57,11 +57,12 @@ from flodld.controller.store import StoreService
 from flodld.membership.ledger import Member, Refused, World
 from flodld.membership.phase import TERMINAL_PHASES, Phase
 from flodld.membership.policy import PolicyError, TrustMode, WindowPolicy, derive_policy, is_loopback_literal
-from flodld.membership.snapshot import LinkState, RankExit, RunRecord
+from flodld.membership.rootcause import Failure
+from flodld.membership.snapshot import LinkState, RankExit, RootCause, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow, LinkOutcome, MemberView
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, Accept, Hello, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, RelaySpec, WorldEnvelope, WorldFormed
 from flodld.wire.magic import Channel
 from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt, salt_from_hex, salt_to_hex
 
@@ -69,6 +70,7 @@ log = logging.getLogger("flodld.controller")
 
 SHIP_TIMEOUT_SECS = 30.0
 ABORT_TIMEOUT_SECS = 5.0
+REPORT_GRACE_SECS = 1.5  # after a failure's Abort: the hosts' time to report their ranks' exits (scaled)
 # How long a one-run controller keeps answering after its verdict when someone polled it over HTTP:
 # longer than `fdl status --watch`'s default 1 s interval, so the watcher's next poll shows the verdict.
 VERDICT_LINGER_SECS = 2.0
@@ -126,6 +128,7 @@ class RunResult:
 
     verdict: Phase
     reason: str
+    root_cause: RootCause | None = None  # the first observed rank failure (flodld/membership/rootcause.py)
 
     @property
     def ok(self) -> bool:
@@ -598,7 +601,7 @@ class Controller:
         self._settle_this_turn()
         return accept
 
-    def rank_exited(self, link: HostLink, rank: int, code: int) -> None:
+    def rank_exited(self, link: HostLink, rank: int, code: int, report: RankExited | None = None) -> None:
         window = self.window
         if window is None or window.world is None or rank not in window.world.ranks.get(link.host, ()):
             log.warning(
@@ -622,7 +625,22 @@ class Controller:
                 detail=lambda: f"host={link.host} rank={rank}",
             )
         decided = window.phase in TERMINAL_PHASES
-        window.rank_exited(rank, code, self.clock())  # after the verdict: recorded for state.json only
+        failure = None
+        if code:
+            # The agent's clock at the exit orders failures across hosts; an older agent's report is
+            # stamped at receipt.
+            at = report.failed_at if report is not None and report.failed_at is not None else time.time()
+            failure = Failure(
+                host=link.host,
+                rank=rank,
+                code=code,
+                failed_at=at,
+                torn_down=report.torn_down if report is not None else False,
+                error=report.error if report is not None else None,
+                tail=report.tail if report is not None else None,
+            )
+        # After the verdict: recorded for state.json (and the root cause) only.
+        window.rank_exited(rank, code, self.clock(), failure=failure)
         if not decided:
             self._settle()
 
@@ -790,6 +808,9 @@ class Controller:
         if phase is Phase.FAILED:
             log.error("event=run_failed reason=%r hosts_aborted=%d", reason, len(links))
             await asyncio.gather(*(self._abort_link(link, reason) for link in links), return_exceptions=True)
+            # The hosts tear down and report how their ranks ended: the culprit's report may arrive after a
+            # victim's (which decided the verdict), so the root cause waits for them, bounded.
+            await self._await_reports(links)
         else:
             log.info("event=run_done reason=%r", reason)
         self._conclude(RunResult(phase, reason))
@@ -799,11 +820,28 @@ class Controller:
             link.stream.send_nowait(Abort(reason=reason[:1024]))
             self.counters.frame_out(JOIN_CHANNEL, 0)
             await asyncio.wait_for(link.stream.drain(), ABORT_TIMEOUT_SECS)
-        finally:
+        except BaseException:
+            link.stream.close()
+            raise
+
+    async def _await_reports(self, links: list[HostLink]) -> None:
+        """Until every aborted host closed its link (its ranks reported) or `REPORT_GRACE_SECS` passed; then
+        close what is left.
+        """
+        waits = [asyncio.ensure_future(link.closed.wait()) for link in links if not link.closed.is_set()]
+        if waits:
+            await asyncio.wait(waits, timeout=REPORT_GRACE_SECS * self.options.timeout_scale)
+            for wait in waits:
+                wait.cancel()
+        for link in links:
             link.stream.close()
 
     def _conclude(self, result: RunResult) -> None:
         if self._result is None:
+            cause = self.root_cause()
+            if cause is not None and result.root_cause is None:
+                result = RunResult(result.verdict, result.reason, cause)
+                log.error("event=root_cause %s", cause.summary)
             self.storm_log.flush()
             self._result = result
             self.ended_at = time.time()
@@ -874,6 +912,11 @@ class Controller:
             encoded.append(row)
         return encoded
 
+    def root_cause(self) -> RootCause | None:
+        """The run's first observed rank failure so far (None: no rank failed on its own)."""
+        state = self.window.root_cause.state() if self.window is not None else None
+        return RootCause.model_validate(state) if state is not None else None
+
     def run_record(self) -> RunRecord:
         """This run's entry in the service history (call once the run has its verdict)."""
         result = self._result
@@ -893,6 +936,7 @@ class Controller:
             hosts=list(world.hosts[: DEFAULT_MEMBERS[1]]) if world is not None else [],
             host_count=len(world.hosts) if world is not None else 0,
             rank_exits=[RankExit(rank=rank, code=code) for rank, code in exits],
+            root_cause=result.root_cause,
         )
 
     def window_refusals(self) -> Mapping[str, int]:

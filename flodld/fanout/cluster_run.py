@@ -22,6 +22,7 @@ from flodld.config.models import ClusterConfig
 from flodld.controller.options import ControllerOptions
 from flodld.controller.service import assemble_controller
 from flodld.fanout.launcher import AgentExit, FanOut, FanOutError, plan_agent, probe_device_count, workdir_for
+from flodld.membership.rootcause import root_cause_lines
 from flodld.wire.salt import OPEN_ADMISSION_KEY
 
 if TYPE_CHECKING:
@@ -199,7 +200,12 @@ async def _supervise(
     if result.ok:
         say(f"run done: {result.reason}")
         return EXIT_DONE
-    say(f"run FAILED: {result.reason}")
+    if result.root_cause is not None:  # the first observed failure, across hosts
+        for line in root_cause_lines(result.root_cause.model_dump()):
+            say(line)
+        say(f"run FAILED: {result.reason}; root cause: {result.root_cause.summary}")
+    else:
+        say(f"run FAILED: {result.reason}")
     return EXIT_FAILED
 
 

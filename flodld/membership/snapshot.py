@@ -74,6 +74,37 @@ class RankExit(_Model):
     code: int
 
 
+class RootCause(_Model):
+    """The run's first observed failure, across hosts (flodld/membership/rootcause.py has the rules): the
+    earliest non-zero rank exit that was not a consequence of our own teardown (a rank the agent TERMed
+    after a sibling failed, or after the controller's Abort, is never the root cause).
+    """
+
+    host: str
+    rank: int
+    code: int = Field(description="The exit code (negative: killed by that signal).")
+    exit: str = Field(description="'exit code N' or 'signal N'.")
+    failed_at: float = Field(
+        description="Unix seconds, the agent's clock: when the rank raised (its error file was written or "
+        "its traceback began), else when its process ended."
+    )
+    error: str | None = Field(
+        default=None,
+        description="The exception the rank's `@record` wrote to its TORCHELASTIC_ERROR_FILE "
+        "(null without one).",
+    )
+    tail: list[str] = Field(
+        default_factory=list,
+        description="The rank's last output lines (stdout and stderr as forwarded; at most 40 lines and "
+        "4 KiB, the run's secrets replaced by <redacted>).",
+    )
+    summary: str = Field(description="One line: rank, host, exit and the exception's first line.")
+    failed_ranks: int = Field(default=0, description="Non-zero rank exits reported so far.")
+    consequences: int = Field(
+        default=0, description="Of those, exits that followed a host's teardown (never a root cause)."
+    )
+
+
 class ConnectionCounts(_Model):
     """What the controller port has seen, below the join protocol: routed connections and dropped ones."""
 
@@ -107,6 +138,9 @@ class RunRecord(_Model):
         default=None, description="How many hosts the world had (null: count `hosts`)."
     )
     rank_exits: list[RankExit] = Field(description="Exit codes the agents reported.")
+    root_cause: RootCause | None = Field(
+        default=None, description="The first observed failure (null: no rank failed on its own)."
+    )
 
 
 class ServiceState(_Model):
@@ -165,6 +199,11 @@ class StateSnapshot(_Model):
     missing: list[str] = Field(description="Configured workers that have not joined.")
     refused: dict[str, int] = Field(description="Refused join attempts by reason code.")
     rank_exits: list[RankExit]
+    root_cause: RootCause | None = Field(
+        default=None,
+        description="The first observed rank failure across hosts, with its exception and output tail; null "
+        "while no rank failed on its own.",
+    )
     connections: ConnectionCounts = Field(
         default_factory=ConnectionCounts,
         description="Port-level connection counts; drops also appear in `refused` as `connection_<reason>` "

@@ -25,6 +25,7 @@ from flodld.membership.phase import (
     verdict,
 )
 from flodld.membership.policy import MAX_WORLD_RANKS, StartMode, WindowPolicy
+from flodld.membership.rootcause import Failure, RootCauseTracker
 from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnapshot
 from flodld.membership.switch import Armed, StartRefused, arm
 from flodld.wire.join import Hello
@@ -97,6 +98,7 @@ class JoinWindow:
         self.world: World | None = None
         self.links: dict[str, LinkState] = {}
         self.rank_exits: dict[int, int] = {}
+        self.root_cause = RootCauseTracker()  # the first observed failure across hosts
         # Running totals behind failed_ranks() and "every link closed", kept per event so that a world
         # of thousands of hosts reporting exits costs O(1) per report, not a scan of the world each.
         self._failed: set[int] = set()
@@ -246,15 +248,19 @@ class JoinWindow:
         self.host_closed(host, now, lost=lost)
         return LinkEnded(LinkOutcome.LOST if lost else LinkOutcome.CLOSED, unreported, why)
 
-    def rank_exited(self, rank: int, code: int, now: float) -> Phase:
+    def rank_exited(self, rank: int, code: int, now: float, *, failure: Failure | None = None) -> Phase:
         """A rank's exit code arrived; failures beyond the tolerance fail the run.
 
         After the verdict the code is still recorded (state.json then shows how every rank
         ended, e.g. the peers torn down after a failure), but the verdict no longer changes.
+        `failure` (host, exit time, teardown mark, error, tail) feeds the root cause, after the verdict too:
+        a culprit's report may arrive after a victim's (flodld/membership/rootcause.py).
         """
         if self.world is None or not 0 <= rank < self.world.world_size:
             raise ValueError(f"rank {rank} is not in the formed world (world size {self.world_size()})")
         self._changes += 1
+        if failure is not None and rank not in self.rank_exits:
+            self.root_cause.observe(failure)
         if self.phase in TERMINAL_PHASES:
             self.rank_exits.setdefault(rank, code)
             return self.phase
@@ -352,6 +358,7 @@ class JoinWindow:
             "missing": missing,
             "refused": dict(sorted(ledger.refused_counts.items())),
             "rank_exits": [{"rank": r, "code": c} for r, c in sorted(self.rank_exits.items())],
+            "root_cause": self.root_cause.state(),
         }
 
     def member_view(self) -> MemberView:

@@ -17,6 +17,8 @@ from pydantic import AfterValidator, Field, StringConstraints, field_validator, 
 
 from flodld.wire.messages import (
     MAX_LIST_ITEMS,
+    MAX_TAIL_CHARS,
+    MAX_TAIL_LINES,
     BoundedList,
     HexDigest,
     HostName,
@@ -63,6 +65,18 @@ SaltHex = Annotated[
 
 Seconds = Annotated[float, Field(ge=0, le=10**9)]
 ExitCode = Annotated[int, Field(ge=-128, le=255)]
+
+
+def _bounded_lines(value: str) -> str:
+    if value.count("\n") >= MAX_TAIL_LINES:
+        raise ValueError(f"an output tail holds at most {MAX_TAIL_LINES} lines")
+    return value
+
+
+OutputTail = Annotated[str, StringConstraints(max_length=MAX_TAIL_CHARS), AfterValidator(_bounded_lines)]
+"""A rank's last output lines, newline-separated: at most MAX_TAIL_LINES lines, MAX_TAIL_CHARS characters."""
+
+UnixSeconds = Annotated[float, Field(ge=0, le=10**11)]
 
 
 def _require_unique(values: list[str] | list[int], what: str) -> None:
@@ -176,10 +190,22 @@ class WorldFormed(Message):
 
 @register(0x0105)
 class RankExited(Message):
-    """A rank child exited; a negative code is the signal that killed it."""
+    """A rank child exited; a negative code is the signal that killed it.
+
+    The rest feeds the run's root cause (flodld/membership/rootcause.py): `failed_at` is the agent's wall
+    clock when the rank failed (its error file written or its traceback begun, else its process's end);
+    `torn_down` marks an exit that followed this host's teardown (the agent TERMed the rank: a consequence,
+    never a root cause); `error` is the exception the rank's `@record` wrote to its TORCHELASTIC_ERROR_FILE;
+    `tail` the rank's last output lines, secrets scrubbed by the agent.
+    Older agents send none of them.
+    """
 
     rank: Rank
     code: ExitCode
+    failed_at: UnixSeconds | None = None
+    torn_down: bool = False
+    error: Reason | None = None
+    tail: OutputTail | None = None
 
 
 @register(0x0106)

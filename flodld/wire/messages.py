@@ -32,6 +32,8 @@ MAX_LIST_ITEMS: Final = 4096
 MAX_REASON_CHARS: Final = 1024
 MAX_SHORT_TEXT_CHARS: Final = 256
 MAX_NAME_CHARS: Final = 128
+MAX_TAIL_CHARS: Final = 4096  # a rank's output tail in RankExited (flodld/wire/join.py)
+MAX_TAIL_LINES: Final = 40
 MAX_KIND: Final = 0xFFFF
 
 KIND_RANGES: Final[dict[str, range]] = {

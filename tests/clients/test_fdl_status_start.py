@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fdl.address import resolve_candidates
 from fdl.main import split_env
-from fdl.status import device_summary, render
+from fdl.status import device_summary, render, render_history
 
 from flodld.membership.snapshot import StateSnapshot
 from flodld.wire.salt import new_salt, salt_from_hex
@@ -198,6 +198,30 @@ def test_device_summary_and_render_shapes() -> None:
         colour=True,
     )
     assert "\033[31mfailed\033[0m" in text and "reason: quorum not met" in text
+
+
+def test_status_shows_the_root_cause_under_the_reason_and_in_the_history() -> None:
+    cause = {
+        "host": "walk-a", "rank": 1, "code": 1, "exit": "exit code 1", "failed_at": 1_765_000_000.5,
+        "error": "RuntimeError: boom", "tail": [f"line {i}" for i in range(40)],
+        "summary": "rank 1 on host 'walk-a' (exit code 1): RuntimeError: boom",
+        "failed_ranks": 3, "consequences": 1,
+    }  # fmt: skip
+    state = {
+        "phase": "failed", "run_id": "r", "joined_ranks": 4, "joined_hosts": 2, "quorum": 4, "target": 4,
+        "members": [], "reason": "1 of 4 ranks failed (ranks [2])", "root_cause": cause,
+        "history": [{"run_id": "r0", "verdict": "failed", "reason": "x", "root_cause": cause}],
+    }  # fmt: skip
+    text = render(state, "h:1", colour=False)
+    lines = text.splitlines()
+    at = lines.index("  Root cause (first observed failure):")
+    assert lines[at - 1] == "  reason: 1 of 4 ranks failed (ranks [2])"
+    assert lines[at + 1] == "    rank 1 on host 'walk-a' (exit code 1): RuntimeError: boom"
+    assert "    error: RuntimeError: boom" in lines
+    assert "    | line 39" in lines and "    | line 19" not in lines  # the last 20 lines
+    assert "(2 other failed rank exit(s) reported, 1 of them torn down by the teardown)" in text
+    assert "previous run's root cause: rank 1 on host 'walk-a'" in text
+    assert "x — root cause: rank 1 on host 'walk-a'" in render_history(state)
 
 
 def test_start_sends_the_token_in_the_authorization_header_never_the_url(

@@ -3,6 +3,7 @@ from __future__ import annotations
 from flodld.agent.supervision import (
     AbortReceived,
     CloseLink,
+    ExitDetail,
     Finish,
     GraceExpired,
     KillAll,
@@ -31,7 +32,7 @@ def test_a_failing_rank_is_reported_and_tears_the_host_down() -> None:
     actions = supervisor.handle(RankExit(5, 3))
     assert actions == [ReportRankExit(5, 3), TerminateAll("rank 5 exited with code 3")]
     assert supervisor.handle(GraceExpired()) == [KillAll()]
-    assert supervisor.handle(RankExit(4, -15)) == [ReportRankExit(4, -15)]
+    assert supervisor.handle(RankExit(4, -15)) == [ReportRankExit(4, -15, torn_down=True)]
     final = supervisor.handle(RelayExit(-15))
     assert final[0] == CloseLink()
     assert (
@@ -74,3 +75,24 @@ def test_a_relay_that_stops_cleanly_before_its_ranks_exit_is_not_a_failure() -> 
         CloseLink(),
         Finish(0, "host 'h' finished cleanly"),
     ]
+
+
+def test_an_exit_after_the_teardown_began_is_marked_torn_down_and_the_culprit_is_not() -> None:
+    supervisor = Supervisor("h", [0, 1, 2], has_relay=False)
+    detail = ExitDetail(failed_at=1000.0, error="RuntimeError: boom", tail="Traceback\nRuntimeError: boom")
+    actions = supervisor.handle(RankExit(1, 1, at=10.0, detail=detail), now=10.1)
+    assert actions[0] == ReportRankExit(1, 1, torn_down=False, detail=detail)
+    assert supervisor.teardown_at == 10.1
+    # Rank 0 died of our SIGTERM (its exit came after the teardown began): a consequence.
+    assert supervisor.handle(RankExit(0, -15, at=10.2), now=10.2)[0] == ReportRankExit(0, -15, torn_down=True)
+    # Rank 2 failed on its own before the teardown began, though its event reached us after: not torn down.
+    assert supervisor.handle(RankExit(2, 1, at=10.05), now=10.3)[0] == ReportRankExit(2, 1, torn_down=False)
+
+
+def test_a_rank_that_failed_before_an_abort_arrived_is_not_marked_as_its_victim() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=False)
+    # The controller's Abort (decided on a peer's report) is handled before this host's own failure, which
+    # happened first: the failing rank keeps its culprit status, its sibling is the teardown's victim.
+    supervisor.handle(AbortReceived("1 of 4 ranks failed"), now=5.0)
+    assert supervisor.handle(RankExit(1, 1, at=4.9), now=5.01)[0] == ReportRankExit(1, 1, torn_down=False)
+    assert supervisor.handle(RankExit(0, -15, at=5.02), now=5.02)[0] == ReportRankExit(0, -15, torn_down=True)

@@ -152,7 +152,7 @@ def test_accept_env_comes_from_the_flag_and_the_join_block(tmp_path: Path) -> No
     import argparse
 
     from fdl import join as join_command
-    from fdl.run import reparse
+    from fdl.progargs import reparse
 
     def plan(*words: str) -> AgentSpec:
         parser = argparse.ArgumentParser()

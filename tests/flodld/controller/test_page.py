@@ -417,3 +417,48 @@ async def test_page_routes_carry_the_security_headers_and_root_negotiates() -> N
         await agent.stream.aclose()
     finally:
         await controller.close()
+
+
+ROOT_CAUSE = {
+    "host": "walk-a",
+    "rank": 1,
+    "code": 1,
+    "exit": "exit code 1",
+    "failed_at": 1_765_000_000.25,
+    "error": "RuntimeError: boom " + HOSTILE,
+    "tail": ["[rank1]: Traceback (most recent call last):", "[rank1]: RuntimeError: boom " + HOSTILE],
+    "summary": "rank 1 on host 'walk-a' (exit code 1): RuntimeError: boom",
+    "failed_ranks": 4,
+    "consequences": 2,
+}
+
+
+def test_the_root_cause_heads_a_failed_run_and_follows_its_history_entry() -> None:
+    document = render_page(
+        _state(
+            phase="failed",
+            root_cause=ROOT_CAUSE,
+            history=[
+                {
+                    "run_id": "r0",
+                    "verdict": "failed",
+                    "reason": "1 of 4 ranks failed",
+                    "root_cause": ROOT_CAUSE,
+                }
+            ],
+        )
+    )
+    elements = _Elements(document)
+    text = "".join(elements.text)
+    assert elements.by_id("root-cause") is not None and elements.by_id("root-cause-tail") is not None
+    assert "root cause (first observed failure)" in text
+    assert "rank 1 on host 'walk-a' (exit code 1): RuntimeError: boom" in text
+    assert "[rank1]: Traceback (most recent call last):" in text and "2025-12-06 05:46:40Z" in text
+    assert "1 of 4 ranks failed — root cause: rank 1 on host 'walk-a'" in text  # the history row
+    assert "<script>alert" not in document and "<img src=x" not in document  # escaped
+    assert document.index('id="root-cause"') < document.index('id="clock"')  # at a glance: first
+
+
+def test_no_root_cause_no_section_and_the_script_renders_one() -> None:
+    assert 'id="root-cause"' not in render_page(_state())
+    assert 'h("section", {id: "root-cause"}' in STATUS_JS and "reasonWithCause(e)" in STATUS_JS
