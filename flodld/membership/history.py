@@ -7,7 +7,8 @@ valid record, is skipped and named, and the rest load. A file from a newer flodl
 refused as a whole (`HistoryVersionError`): its records may mean something this flodld cannot read.
 
 Records go through `RunRecord.model_dump`/`model_validate`, so a field added to `RunRecord` is written
-and read back with no change here (give it a default, so records written before it still load).
+and read back with no change here (give it a default, so records written before it still load; a field
+this flodld does not know, written by a newer one of the same format version, is left out on reading).
 
 The shell (flodld/controller/historyfile.py) reads and writes the bytes; nothing here does I/O.
 """
@@ -101,6 +102,13 @@ def _header_version(line: bytes) -> int | None:
     return version
 
 
+def _known_fields(value: object) -> object:
+    """A record's fields this flodld's RunRecord has: those a newer flodld added are left out."""
+    if isinstance(value, dict):
+        return {key: item for key, item in value.items() if key in RunRecord.model_fields}
+    return value
+
+
 def _why(error: Exception, *, last: bool) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
@@ -142,7 +150,7 @@ def decode_history(data: bytes, *, source: str, limit_runs: int) -> HistoryLoad:
             continue
         last = index == len(lines) - 1 and not ends_cleanly
         try:
-            record = RunRecord.model_validate(json.loads(line))
+            record = RunRecord.model_validate(_known_fields(json.loads(line)))
         except (ValueError, TypeError) as error:  # ValidationError is a ValueError
             if index == 0 and version is None:
                 continue  # already named as the missing header

@@ -19,6 +19,7 @@ import pytest
 from flodld.controller.historyfile import HISTORY_NAME, TEMP_NAME
 from tests.clients.fdl_proc import fdl
 from tests.flodld.controller.test_service_daemon import eventually_state, one_host_run
+from tests.reliability.daemon import http_raw, http_request, status_of
 from tests.reliability.process import DaemonProcess
 
 pytestmark = pytest.mark.multiproc
@@ -84,6 +85,8 @@ async def test_history_survives_sigterm_and_kill_9(tmp_path: Path) -> None:
         assert code == 0, err
         for run_id in [aborted, *earlier]:
             assert run_id in out
+        page = await http_raw(second.port, http_request("GET", "/status"))
+        assert status_of(page) == 200 and aborted.encode() in page and earlier[0].encode() in page
         later = await runs(second, 1)
         await loop.run_in_executor(None, lambda: wait_until(lambda: on_disk(state_dir)[:1] == later))
         second.proc.kill()  # kill -9: no goodbye, no last write

@@ -114,3 +114,11 @@ def test_fields_flow_through_the_model_generically() -> None:
     data = encode_history([record(1)], limit_runs=5)
     line = json.loads(data.split(b"\n")[1])
     assert set(line) == set(RunRecord.model_fields)
+
+
+def test_a_field_a_newer_flodld_added_is_left_out_and_the_record_loads() -> None:
+    data = encode_history([record(1)], limit_runs=5)
+    line = json.loads(data.split(b"\n")[1])
+    line["root_cause_from_the_future"] = {"rank": 3}
+    load = decode_history(header() + json.dumps(line).encode() + b"\n", source="h", limit_runs=5)
+    assert load.records == [record(1)] and load.damaged == []
