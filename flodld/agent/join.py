@@ -7,12 +7,16 @@ and systemd's RestartPreventExitStatus=2 know when to stop.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
+import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from flodld.agent.spawn import program_argv
 from flodld.agent.spec import AgentSpec, device_label
 from flodld.net.addresses import is_private_address
 from flodld.net.keepalive import keep_alive
@@ -84,9 +88,52 @@ def loaded_nccl_version() -> str | None:
     return ".".join(str(part) for part in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]  # torch stub
 
 
+MAX_PROGRAM_BYTES = 64 << 20
+"""A program file larger than this is not hashed (it is no training script; the hello carries no
+model signature then)."""
+
+
+def program_file(program: Sequence[str] | None) -> str | None:
+    """The Python file this host's ranks run: the rank command line's script (`python train.py ...`),
+    or, without a program in the spec, the script of the process that started the agent; None for
+    `python -m module`, a binary (`--no-python`) or anything else without a `.py` file.
+    """
+    argv = list(program) if program else program_argv()
+    if len(argv) >= 2 and argv[1].endswith(".py"):
+        return argv[1]
+    return None
+
+
+def program_signature(program: Sequence[str] | None) -> str | None:
+    """The model signature this host sends: SHA-256 (hex) of the bytes of the Python file its ranks run.
+
+    Two hosts with different versions of train.py (a stale copy, a wrong --bin) disagree on it and the
+    ledger refuses the later one (`model_mismatch`) before any rank starts, instead of the ranks failing
+    in the first collective or training silently different models. None (no check) when there is no
+    such file, it cannot be read, or it is over MAX_PROGRAM_BYTES. The arguments are left out: hosts
+    may pass their own (data paths).
+    """
+    path = program_file(program)
+    if path is None:
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_PROGRAM_BYTES:
+                return None
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
 def build_hello(spec: AgentSpec, devices: list[str]) -> Hello:
     """This host's hello. A GPU host also reports its NCCL version, which the ledger holds to the
-    cohort's major.minor (`nccl_skew`); CPU ranks never load NCCL, so theirs says nothing.
+    cohort's major.minor (`nccl_skew`); CPU ranks never load NCCL, so theirs says nothing. Every host
+    reports its model signature (`program_signature`), which the ledger holds to the cohort's
+    (`model_mismatch`).
     """
     try:
         torch_version = importlib.metadata.version("torch")
@@ -103,6 +150,7 @@ def build_hello(spec: AgentSpec, devices: list[str]) -> Hello:
         run_id=spec.run_id,
         averaging=spec.averaging,
         nccl_version=loaded_nccl_version() if gpu else None,
+        model_sig=program_signature(spec.program),
     )
 
 

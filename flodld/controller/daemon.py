@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from flodld.config.errors import ConfigError, RuleViolations
 from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.config.loader import load_config_file
+from flodld.controller.historyfile import HistoryFile, StateDirError, state_dir_from
 from flodld.controller.logsetup import configure_logging, flush_logging
 from flodld.controller.notify import SystemdNotifier
 from flodld.controller.options import ControllerOptions
@@ -85,6 +87,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="host exactly one run; the exit code is its verdict "
         "(default: a service hosting run after run until SIGTERM)",
     )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="directory that keeps the run history across restarts (history.jsonl; created 0700); "
+        "default: $STATE_DIRECTORY (systemd's StateDirectory=), else the history is kept in memory only; "
+        "not used with --once",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -140,6 +149,7 @@ async def serve(
     once: bool = True,
     load: Callable[[], ControllerOptions] | None = None,
     config_path: str | None = None,
+    history_file: HistoryFile | None = None,
 ) -> int:
     """Host runs (one with `once`) until a signal stops the service; returns the exit code."""
     notifier = notifier or SystemdNotifier()
@@ -148,6 +158,7 @@ async def serve(
         load=load,
         config_path=config_path,
         once=once,
+        history_file=history_file,
         on_phase=lambda phase, reason: notifier.status(f"{phase.value}: {reason}"[:200]),
     )
     host, port = await service.listen()
@@ -244,6 +255,15 @@ def run_serve(args: argparse.Namespace) -> int:
     warning = unjoinable_warning(options)
     if warning is not None:
         log.warning("event=unjoinable_window %s", warning)
+    history_file: HistoryFile | None = None
+    state_dir = None if args.once else state_dir_from(args.state_dir, os.environ)
+    if state_dir is not None:
+        history_file = HistoryFile(state_dir)
+        try:
+            history_file.open()
+        except StateDirError as error:
+            print(f"flodld: {error}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         import uvloop  # optional: a dependency on Linux only
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
@@ -253,12 +273,21 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config_path = str(args.config) if args.config is not None else None
         return runner(
-            serve(options, once=args.once, load=lambda: options_from_args(args), config_path=config_path)
+            serve(
+                options,
+                once=args.once,
+                load=lambda: options_from_args(args),
+                config_path=config_path,
+                history_file=history_file,
+            )
         )
     except (OSError, PolicyError) as error:  # PolicyError: the real bind contradicts the flags (tunnel_only)
         flush_logging()
         print(f"flodld: {error}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        if history_file is not None:
+            history_file.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

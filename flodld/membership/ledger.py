@@ -417,7 +417,9 @@ def _model(ledger: Ledger, hello: Hello) -> Refused | None:
         "model_sig",
         "model_mismatch",
         "model mismatch",
-        "parameter names, shapes or dtypes disagree; a stale source tree or a wrong bin: is the usual cause",
+        "the hosts run different versions of the program (the model signature is the SHA-256 of the "
+        "Python file the ranks run); put the same file on every host — `sha256sum PROGRAM` on each host "
+        "shows which copy differs — then join again",
     )
 
 

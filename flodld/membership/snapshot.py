@@ -163,6 +163,16 @@ class ServiceState(_Model):
     history_limit: int = Field(
         description="How many finished runs `history` keeps (controller.history_runs)."
     )
+    history_file: str | None = Field(
+        default=None,
+        description="Where the history is kept across restarts (`--state-dir` or systemd's "
+        "`StateDirectory=`); null: in memory only.",
+    )
+    history_error: str | None = Field(
+        default=None,
+        description="Why the history file was not (fully) read or written: damaged lines skipped, a "
+        "newer flodld's file, a failed write; null when all is well.",
+    )
 
 
 class StateSnapshot(_Model):
