@@ -2,6 +2,12 @@
 
     .venv/bin/python bench/aggregate.py                 # 2 and 4 ranks, 1M values (the issue's setting)
     .venv/bin/python bench/aggregate.py --ranks 2 --values 65536
+    .venv/bin/python bench/aggregate.py --defence-ratio --repeats 5   # what the sum checks cost
+
+``--defence-ratio`` runs only the threshold pipelines, each with the checks against a malicious fold
+(``ThresholdSession.aggregate``) and without them (the bench-only baseline
+``ThresholdSession._aggregate(check_sums=False)``, the same protocol trusting the fold), in
+alternating pairs, and prints checked / unchecked per pair: median [min-max].
 
 Every configuration runs as P gloo processes on this machine (one torch thread each), in one run:
 - floor: gloo all_reduce of the raw float32 updates (the physical lower bound);
@@ -135,7 +141,27 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
     }
 
 
-def threshold_program(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
+def aggregate(
+    session: Any,  # noqa: ANN401  a ThresholdSession (imported lazily, as the pipelines do)
+    values: torch.Tensor,
+    sum_c1: Callable[[Ciphertext], torch.Tensor] | None,
+    check_sums: bool,
+) -> torch.Tensor:
+    """``session.aggregate``, or with ``check_sums=False`` the same protocol trusting the fold: the
+    baseline of ``--defence-ratio`` (what the sum checks cost), never a way to run aggregations.
+    """
+    if check_sums:
+        summed: torch.Tensor = session.aggregate(values, sum_c1=sum_c1)
+    else:
+        summed = session._aggregate(
+            values, record=None, before_contribution=None, sum_c1=sum_c1, check_sums=False
+        )
+    return summed
+
+
+def threshold_program(
+    rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, check_sums: bool = True
+) -> dict[str, Any]:
     from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
 
     # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
@@ -169,10 +195,14 @@ def threshold_program(rank: int, world: int, update: torch.Tensor, truth: torch.
 
     # the flagship's relay road: the Program sums c1-only ciphertexts, the sums are checked, c0_i + h_i
     session.party.encrypt = timed_encrypt  # type: ignore[method-assign]
-    mean = session.aggregate(padded.view(rows, slots), sum_c1=sum_c1).reshape(-1)[: update.numel()] / world
+    aggregate_started, aggregate_cpu_started = time.perf_counter(), time.process_time()
+    summed = aggregate(session, padded.view(rows, slots), sum_c1, check_sums)
+    mean = summed.reshape(-1)[: update.numel()] / world
     dist.barrier()
     elapsed = time.perf_counter() - started
     cpu_seconds = time.process_time() - cpu_started
+    aggregate_seconds = time.perf_counter() - aggregate_started
+    aggregate_cpu_seconds = time.process_time() - aggregate_cpu_started
     # Three SUM all-reduces (key shares, the c1-only ciphertexts with their zeroed c0, the contributions),
     # each counted as a ring, plus six all_gathers: seed commitments, reveals, key share commitments and
     # key fingerprints (64 KiB records), the opened key shares (1 MiB records); the sum checks' records
@@ -187,13 +217,17 @@ def threshold_program(rank: int, world: int, update: torch.Tensor, truth: torch.
         "seconds": elapsed,
         "cpu_seconds": cpu_seconds,
         "encrypt_seconds": encrypt_seconds,
+        "aggregate_seconds": aggregate_seconds,
+        "aggregate_cpu_seconds": aggregate_cpu_seconds,
         "error": float((mean - truth).abs().max()),
         "bytes_sent": 2 * (world - 1) * residue_bytes // world + record_bytes + slot_bytes,
         "rounds": 3 * 2 * (world - 1) + 6 * (world - 1),
     }
 
 
-def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
+def threshold(
+    rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, check_sums: bool = True
+) -> dict[str, Any]:
     from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
 
     # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
@@ -224,10 +258,14 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
     # aggregate encrypts with encrypt_flooded (the flooding noise drawn with the encryption)
     session.party.encrypt = timed(session.party.encrypt)  # type: ignore[method-assign]
     session.party.encrypt_flooded = timed(session.party.encrypt_flooded)  # type: ignore[method-assign]
-    mean = session.aggregate(padded.view(rows, slots)).reshape(-1)[: update.numel()] / world
+    aggregate_started, aggregate_cpu_started = time.perf_counter(), time.process_time()
+    summed = aggregate(session, padded.view(rows, slots), None, check_sums)
+    mean = summed.reshape(-1)[: update.numel()] / world
     dist.barrier()
     elapsed = time.perf_counter() - started
     cpu_seconds = time.process_time() - cpu_started
+    aggregate_seconds = time.perf_counter() - aggregate_started
+    aggregate_cpu_seconds = time.process_time() - aggregate_cpu_started
     # Two SUM all-reduces counted as rings: the key shares (QP) and the ciphertexts' c1 (Q); the
     # c0_i + h_i contributions, each slice reduced to the rank that decodes it (counted as each rank
     # sending the other ranks' slices); six all_gathers: seed commitments, reveals, key share
@@ -247,6 +285,8 @@ def threshold(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) 
         "seconds": elapsed,
         "cpu_seconds": cpu_seconds,
         "encrypt_seconds": encrypt_seconds,
+        "aggregate_seconds": aggregate_seconds,
+        "aggregate_cpu_seconds": aggregate_cpu_seconds,
         "error": float((mean - truth).abs().max()),
         "bytes_sent": 2 * (world - 1) * ring_bytes // world + contribution_bytes + record_bytes + slot_bytes,
         "rounds": 2 * 2 * (world - 1) + world + 6 * (world - 1),
@@ -388,12 +428,24 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
 
 
 def worker(
-    rank: int, world: int, port: int, values: int, tenseal: bool, repeats: int, results: Queue[dict[str, Any]]
+    rank: int,
+    world: int,
+    port: int,
+    values: int,
+    tenseal: bool,
+    repeats: int,
+    results: Queue[dict[str, Any]],
+    defence: bool = False,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     update = make_update(rank, values, SEED)
     truth = expected_mean(world, values, SEED)
+    if defence:
+        results.put(defence_row(rank, world, update, truth, repeats))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     usual = usual_with_tenseal if tenseal else usual_on_our_engine
     row: dict[str, Any] = {"rank": rank, "floor": floor(update)}
     row.update({key: [] for key in ("ours", "threshold", "threshold_program", "usual")})
@@ -408,12 +460,77 @@ def worker(
     dist.destroy_process_group()
 
 
-def run(world: int, values: int, tenseal: bool, repeats: int) -> list[dict[str, Any]]:
+DEFENCE_ROADS = (
+    ("fused (process-group road)", "threshold", threshold),
+    ("Program (relay-road form)", "threshold_program", threshold_program),
+)
+
+
+def defence_row(
+    rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, repeats: int
+) -> dict[str, Any]:
+    """``repeats`` pairs per road: with the sum checks and without, the order alternating pair by pair
+    (checked first in even pairs), so that drifting load on the machine hits both alike.
+    """
+    row: dict[str, Any] = {"rank": rank}
+    for _, key, _ in DEFENCE_ROADS:
+        row[key] = {True: [], False: []}
+    for index in range(repeats):
+        order = (True, False) if index % 2 == 0 else (False, True)
+        for _, key, pipeline in DEFENCE_ROADS:
+            for checked in order:
+                row[key][checked].append(pipeline(rank, world, update, truth, checked))
+    return row
+
+
+def _spread(ratios: list[float]) -> str:
+    ordered = sorted(ratios)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return f"{median:.3f} [{ordered[0]:.3f}-{ordered[-1]:.3f}]"
+
+
+def summarize_defence(world: int, values: int, rows: list[dict[str, Any]]) -> None:
+    """Checked / unchecked per pair: median [min-max] over the pairs, per road and measure."""
+    print(f"\n{world} ranks, {values} values per rank: the malicious-fold defence, checked / unchecked")
+    print(
+        "  per alternating pair; median [min-max] over the pairs. 'aggregate' spans "
+        "ThresholdSession.aggregate alone (encrypt, sum, check, decrypt, decode); 'whole' adds "
+        "collective key generation (the threshold rows' span). CPU: process CPU seconds (the busiest "
+        "rank's; summed over the ranks)"
+    )
+    measures = (
+        ("aggregate CPU, busiest rank", "aggregate_cpu_seconds", max),
+        ("aggregate CPU, summed", "aggregate_cpu_seconds", sum),
+        ("aggregate wall", "aggregate_seconds", max),
+        ("whole CPU, busiest rank", "cpu_seconds", max),
+        ("whole wall", "seconds", max),
+    )
+    for name, key, _ in DEFENCE_ROADS:
+        pairs = len(rows[0][key][True])
+        errors = max(run["error"] for row in rows for checked in (True, False) for run in row[key][checked])
+        unchecked_cpu = sorted(
+            max(row[key][False][index]["aggregate_cpu_seconds"] for row in rows) for index in range(pairs)
+        )
+        print(
+            f"  {name}: {pairs} pairs, max error {errors:.2e}, unchecked aggregate CPU (busiest rank) "
+            f"median {unchecked_cpu[len(unchecked_cpu) // 2]:.3f} s"
+        )
+        for label, field, combine in measures:
+            ratios = [
+                combine(row[key][True][index][field] for row in rows)
+                / combine(row[key][False][index][field] for row in rows)
+                for index in range(pairs)
+            ]
+            print(f"    {label:<30}{_spread(ratios)}")
+
+
+def run(world: int, values: int, tenseal: bool, repeats: int, defence: bool = False) -> list[dict[str, Any]]:
     context = mp.get_context("spawn")
     results = context.Queue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     processes = [
-        context.Process(target=worker, args=(rank, world, port, values, tenseal, repeats, results))
+        context.Process(target=worker, args=(rank, world, port, values, tenseal, repeats, results, defence))
         for port in [free_port()]
         for rank in range(world)
     ]
@@ -519,7 +636,18 @@ def main() -> int:
     parser.add_argument(
         "--repeats", type=int, default=2, help="interleaved repeats per pipeline; the best counts"
     )
+    parser.add_argument(
+        "--defence-ratio",
+        action="store_true",
+        help="only the threshold pipelines, each with the sum checks and without them (the fold trusted) "
+        "in alternation, --repeats pairs (default 2; 5 or more for a spread); prints checked / unchecked",
+    )
     args = parser.parse_args()
+    if args.defence_ratio:
+        print(f"cpu threads per rank: 1; machine cores: {os.cpu_count()}; torch {torch.__version__}")
+        for world in args.ranks:
+            summarize_defence(world, args.values, run(world, args.values, False, max(1, args.repeats), True))
+        return 0
     tenseal = importlib.util.find_spec("tenseal") is not None
     usual_name = "usual: TenSEAL serialize/add" if tenseal else "usual: same shape, our engine"
     print(f"cpu threads per rank: 1; machine cores: {os.cpu_count()}; torch {torch.__version__}")

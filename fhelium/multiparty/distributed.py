@@ -99,25 +99,59 @@ class SumCheckError(MultipartyError):
         self.ranks = sorted(ranks)
 
 
+CHECK_BLOCK_BYTES = 1 << 19  # one block of a sum is range-checked and hashed while it is in cache
+
+
 def sum_digest(session: str, round_number: int, what: str, part: int, summed: torch.Tensor) -> bytes:
     """SHA-256 of a summed residue tensor bound to the session, the round, the exchange and the slice.
 
     Binding the round makes an earlier round's sum another digest (and another challenge) than this
     round's, even when its residues were replayed bit for bit.
     """
+    digest, _ = checked_sum_digest(session, round_number, what, part, summed, None)
+    return digest
+
+
+def checked_sum_digest(
+    session: str, round_number: int, what: str, part: int, summed: torch.Tensor, q: torch.Tensor | None
+) -> tuple[bytes, bool]:
+    """``sum_digest`` and, with ``q``, whether every residue lies in [0, q_limb) (else True).
+
+    One pass over the sum: each block of ``CHECK_BLOCK_BYTES`` is range-checked and hashed while it
+    is in cache (the same bytes, in the same order, as hashing the whole tensor at once).
+    """
     header = f"{len(session)}:{session}/{round_number}/{what}/{part}/{tuple(summed.shape)}".encode()
     digest = hashlib.sha256(SUM_CHECK_DOMAIN + len(header).to_bytes(4, "big") + header)
-    digest.update(summed.contiguous().cpu().numpy().data)  # the residues in place, no bytes copy
-    return digest.digest()
+    residues = summed.contiguous().cpu()
+    bad = False
+    if residues.ndim < 2 or residues.numel() == 0:
+        digest.update(residues.numpy().data)
+        return digest.digest(), q is not None and residues.numel() > 0 and out_of_range(residues, q)
+    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
+    step = max(1, CHECK_BLOCK_BYTES // (rows[0].numel() * rows.element_size()))
+    for start in range(0, rows.size(0), step):
+        block = rows[start : start + step]
+        if q is not None and not bad:
+            bad = out_of_range(block, q)
+        digest.update(block.numpy().data)  # the residues in place, no bytes copy
+    return digest.digest(), bad
 
 
 def out_of_range(residues: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether any residue of ``[..., limbs, N]`` lies outside [0, q_limb): one min/max pass per limb."""
-    for limb in range(residues.size(-2)):
-        low, high = torch.aminmax(residues[..., limb, :])
-        if int(low) < 0 or int(high) >= int(q.reshape(-1)[limb]):
-            return True
-    return False
+    """Whether any residue of ``[..., limbs, N]`` lies outside [0, q_limb).
+
+    One min/max pass over the whole tensor against the smallest prime settles almost every sum;
+    only when a residue lies between the smallest and its own limb's prime are the limbs checked
+    one by one.
+    """
+    moduli = q.reshape(-1)
+    low, high = (int(bound) for bound in torch.aminmax(residues))
+    if low < 0:
+        return True
+    if high < int(moduli.min()):
+        return False
+    _, highs = torch.aminmax(residues.reshape(-1, residues.size(-2), residues.size(-1)), dim=-1)
+    return bool((highs >= moduli.to(highs.device)).any())
 
 
 def projection_weights(digest: bytes, moduli: torch.Tensor, rows: int) -> torch.Tensor:
@@ -519,6 +553,25 @@ class ThresholdSession:
         Each aggregation spends ``rows`` of this key's flooding budget
         (``ThresholdParameters.decryption_row_budget``); past it ``FloodingBudgetError``.
         """
+        return self._aggregate(
+            values, record=record, before_contribution=before_contribution, sum_c1=sum_c1, check_sums=True
+        )
+
+    def _aggregate(
+        self,
+        values: torch.Tensor,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        before_contribution: Callable[[], None] | None,
+        sum_c1: Callable[[Ciphertext], torch.Tensor] | None,
+        check_sums: bool,
+    ) -> torch.Tensor:
+        """``aggregate``; ``check_sums=False`` trusts the fold (no sum check, no copy kept for one).
+
+        ``check_sums=False`` exists for bench/aggregate.py's baseline only (it measures what the
+        defence against a malicious fold costs); nothing else may call it so: an aggregator could
+        then decrypt any ciphertext or bias the result unnoticed (docs/security.md).
+        """
         if self.public is None:
             raise MultipartyError("aggregate before generate_public_key")
         party, engine, channel = self.party, self.engine, self.channel
@@ -555,7 +608,8 @@ class ThresholdSession:
                 c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
             if record is not None:
                 record("c1_sum", c1)
-            self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
+            if check_sums:
+                self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
             if before_contribution is not None:
                 before_contribution()
             contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
@@ -564,7 +618,8 @@ class ThresholdSession:
             total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
             if record is not None:
                 record("decryption_sum", total)
-            self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
+            if check_sums:
+                self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
             return decode_contributions(engine, total, ids, ct.scale)
         per = -(-rows // world)
         bounds = [(min(k * per, rows), min((k + 1) * per, rows)) for k in range(world)]
@@ -578,19 +633,26 @@ class ThresholdSession:
                     record("ciphertext", ct.data)
                 moduli = engine.moduli_for(ct.prime_ids)
                 # a copy goes to the in-place sum: this rank's own c1 is needed for the check
-                parts.append((k, ct, start_sum("ciphertext-c1", ct.data[1].clone(), moduli)))
+                sent = ct.data[1].clone() if check_sums else ct.data[1]
+                parts.append((k, ct, start_sum("ciphertext-c1", sent, moduli)))
         if record is None:
             flooded = [ct.data[0] for _, ct, _ in parts]
         else:
             flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
         sums = []
-        for _, _, finish in parts:
+        ids = parts[0][1].prime_ids
+        digests: list[tuple[bytes, bool]] = []
+        for part, (_, _, finish) in enumerate(parts):
             c1 = finish()
             if record is not None:
                 record("c1_sum", c1)
             sums.append(c1)
-        ids = parts[0][1].prime_ids
-        self._check_sums("ciphertext-c1", round_number, [ct.data[1] for _, ct, _ in parts], sums, ids)
+            if check_sums:  # while the next slice's sum is still in flight
+                q = engine._mod(ids).q
+                digests.append(checked_sum_digest(party.session, round_number, "ciphertext-c1", part, c1, q))
+        if check_sums:
+            own_parts = [ct.data[1] for _, ct, _ in parts]
+            self._check_sums("ciphertext-c1", round_number, own_parts, sums, ids, digests)
         if before_contribution is not None:
             before_contribution()
         pending = []
@@ -599,7 +661,11 @@ class ThresholdSession:
             party.add_decryption_share_(contribution, c1, ct.prime_ids)
             if record is not None:
                 record("decryption_share", contribution)
-            own.append(contribution.clone())  # the reduction works in place; the check needs it
+            if check_sums and record is None:  # the reduction works in place; the check needs
+                # this rank's own: its c1 has served its check, so its buffer takes the copy
+                own.append(ct.data[1].copy_(contribution))
+            elif check_sums:  # the audit was shown the ciphertext and may keep it: a fresh copy
+                own.append(contribution.clone())
             moduli = engine.moduli_for(ct.prime_ids)
             pending.append(start_reduce("decryption-contributions", contribution, moduli, k))
         mine: torch.Tensor | None = None
@@ -610,7 +676,8 @@ class ThresholdSession:
                 if record is not None:
                     record("decryption_sum", total)
                 mine, mine_index = total, index
-        self._check_sliced_sums(round_number, own, mine_index, mine, ids)
+        if check_sums:
+            self._check_sliced_sums(round_number, own, mine_index, mine, ids)
         decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
         if mine is not None:
             ct = parts[mine_index][1]
@@ -642,13 +709,15 @@ class ThresholdSession:
         own: Sequence[torch.Tensor],
         sums: Sequence[torch.Tensor],
         prime_ids: Sequence[int],
+        checked: Sequence[tuple[bytes, bool]] | None = None,
     ) -> None:
         """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
 
         One record exchange: per part, the digest of the sum (session, round, exchange, part) and
         the projection of this rank's own residues with that digest's challenge. Every rank checks
         every digest against its own (different sums for different ranks are named) and the sum of
-        the projections against the projection of the sum.
+        the projections against the projection of the sum. ``checked``: each sum's
+        ``checked_sum_digest`` when the caller took it already (as each sum arrived).
         """
         ids = tuple(prime_ids)
         m = self.engine._mod(ids)
@@ -659,12 +728,17 @@ class ThresholdSession:
                     round_number,
                     f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
                 )
-        for part, summed in enumerate(sums):
+        if checked is None:  # digest and range check in one pass per sum
+            session = self.party.session
+            checked = [
+                checked_sum_digest(session, round_number, what, part, s, m.q) for part, s in enumerate(sums)
+            ]
+        for part, (_, bad) in enumerate(checked):
             # residues at or above their prime would be congruent to a checked value yet feed the
             # modular kernels out of their range
-            if out_of_range(summed, m.q):
+            if bad:
                 raise self._refuse(what, round_number, f"has residues outside [0, q) in slice {part}")
-        digests = [sum_digest(self.party.session, round_number, what, part, s) for part, s in enumerate(sums)]
+        digests = [digest for digest, _ in checked]
         weights = [
             projection_weights(d, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
             for d, s in zip(digests, sums, strict=True)
@@ -726,9 +800,11 @@ class ThresholdSession:
         what = "decryption-contributions"
         ids = tuple(prime_ids)
         m = self.engine._mod(ids)
-        digest = b""
-        if mine is not None:
-            digest = sum_digest(self.party.session, round_number, what, mine_index, mine)
+        digest, mine_bad = b"", False
+        if mine is not None:  # digest and range check in one pass
+            digest, mine_bad = checked_sum_digest(
+                self.party.session, round_number, what, mine_index, mine, m.q
+            )
         digests = self.channel.all_gather_bytes(
             f"{what}-digest:{round_number}", digest, max_bytes=DIGEST_BYTES
         )
@@ -756,7 +832,7 @@ class ThresholdSession:
             else:
                 if (
                     mine.shape != own[mine_index].shape
-                    or out_of_range(mine, m.q)
+                    or mine_bad
                     or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
                 ):
                     verdict = b"is not the sum of this round's contributions"

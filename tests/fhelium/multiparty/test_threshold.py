@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import subprocess
 import sys
@@ -27,6 +28,12 @@ from fhelium.multiparty import (
     expected_max_mean_error,
     required_smudging_sigma,
     smudging_noise,
+)
+from fhelium.multiparty.distributed import (
+    SUM_CHECK_DOMAIN,
+    checked_sum_digest,
+    out_of_range,
+    sum_digest,
 )
 from fhelium.serialization import inspect_bytes, validate_value_description, value_from_bytes, value_to_bytes
 
@@ -423,3 +430,41 @@ def test_the_default_flooding_budget_holds_a_thousand_million_value_aggregations
     # statistical distance they spend is at most 2^20 · 2^-40 = 2^-20.
     assert THRESHOLD_AGGREGATION.decryption_row_budget == 2**20
     assert THRESHOLD_AGGREGATION.decryption_row_budget // 256 == 4096
+
+
+def _reference_digest(session: str, round_number: int, what: str, part: int, summed: torch.Tensor) -> bytes:
+    header = f"{len(session)}:{session}/{round_number}/{what}/{part}/{tuple(summed.shape)}".encode()
+    body = summed.contiguous().numpy().tobytes()
+    return hashlib.sha256(SUM_CHECK_DOMAIN + len(header).to_bytes(4, "big") + header + body).digest()
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 8192), (2, 8192), (70, 2, 1024), (37, 2, 16)])
+def test_checked_sum_digest_hashes_the_whole_sum_and_range_checks_every_limb(
+    shape: tuple[int, ...],
+) -> None:
+    """The one-pass digest is SHA-256 of the whole sum (blocks hashed in order), and the range check
+    refuses a residue at or above its own limb's prime, or negative, in any block, while a residue
+    between the smaller prime and the larger one in the larger prime's limb passes.
+    """
+    q = torch.tensor([[1125899905744897], [1125899906629633]], dtype=torch.int64)
+    summed = torch.randint(0, 1 << 49, shape, dtype=torch.int64)
+    reference = _reference_digest("s", 3, "ciphertext-c1", 1, summed)
+    assert checked_sum_digest("s", 3, "ciphertext-c1", 1, summed, q) == (reference, False)
+    assert sum_digest("s", 3, "ciphertext-c1", 1, summed) == reference
+    small, large = int(q[0]), int(q[1])
+    for value, limb, bad in [
+        (-1, 0, True),
+        (small, 0, True),
+        (small - 1, 0, False),
+        (small, 1, False),
+        (large - 1, 1, False),
+        (large, 1, True),
+        (large - 1, 0, True),
+    ]:
+        for row in (0, -1):
+            changed = summed.clone()
+            changed.view(-1, *shape[-2:])[row, limb, 5] = value
+            assert out_of_range(changed, q) is bad
+            digest, refused = checked_sum_digest("s", 3, "ciphertext-c1", 1, changed, q)
+            assert refused is bad
+            assert digest == _reference_digest("s", 3, "ciphertext-c1", 1, changed)
