@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
     from flodld.membership import PolicyError, derive_policy
     from flodld.membership.rootcause import root_cause_lines
+    from flodld.membership.snapshot import EarlierAttempt
     from flodld.membership.supervisor import (
         AgentExited,
         ArmTimer,
@@ -134,6 +135,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "VerdictReached",
     ),
     "flodld.membership.rootcause": ("root_cause_lines",),
+    "flodld.membership.snapshot": ("EarlierAttempt",),
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
@@ -162,6 +164,7 @@ __all__ = [
     "ConfigNotFoundError",
     "ControllerOptions",
     "DeviceError",
+    "EarlierAttempt",
     "Finish",
     "ForwardError",
     "HostReport",

@@ -772,6 +772,7 @@ async def run_job(
     # With restarts left, the next attempt's agents start once this one trains (not before: their warm
     # ranks' imports would slow this attempt's start) and wait for their spec with torch loaded.
     standby: asyncio.Future[list[asyncio.subprocess.Process]] | None = None
+    earlier: list[Any] = []  # api.EarlierAttempt of each failed attempt, for the next ones' state.json
 
     def arm_standby() -> None:
         nonlocal standby
@@ -787,6 +788,10 @@ async def run_job(
                         timer.cancel()
                     timers.clear()
                     if attempt is not None:
+                        if attempt.controller.result is not None:  # state.json's attempt.earlier
+                            record = attempt.controller.run_record()
+                            earlier.append(api.EarlierAttempt.of(record, action.restart_count))
+                            overrides["earlier_attempts"] = tuple(earlier)
                         await attempt.close()
                     ready, standby = (await standby if standby is not None else None), None
                     attempt = await _start_attempt(

@@ -156,6 +156,7 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
         lines.append(f"  missing: {', '.join(missing)}")
     if state.get("reason"):
         lines.append(f"  reason: {state['reason']}")
+    lines += attempt_lines(state.get("attempt"))
     cause = state.get("root_cause")
     if isinstance(cause, dict):  # the first observed failure, across hosts
         lines += ["  " + line for line in _root_cause_lines(cause, tail_lines=ROOT_CAUSE_TAIL_LINES)]
@@ -178,6 +179,21 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
     if service.get("config_error"):
         lines.append(f"  config reload failed (previous config in force): {service['config_error']}")
     return "\n".join(lines)
+
+
+def attempt_lines(attempt: object) -> list[str]:
+    """`attempt N of at most M` and one line per earlier attempt with its cause (restarts configured)."""
+    if not isinstance(attempt, dict):
+        return []
+    lines = [f"  attempt {attempt.get('number')} of at most {attempt.get('max_attempts')}"]
+    for earlier in attempt.get("earlier") or []:
+        if isinstance(earlier, dict):
+            hosts = ", ".join(str(h) for h in earlier.get("hosts") or []) or "-"
+            lines.append(
+                f"    attempt {earlier.get('number')} (run {earlier.get('run_id')}, hosts {hosts}) failed: "
+                f"{earlier.get('cause')}"
+            )
+    return lines
 
 
 ROOT_CAUSE_TAIL_LINES = 20
@@ -243,7 +259,12 @@ def render_history(state: dict[str, Any]) -> str:
                 str(h.get("ranks", "-")),
                 _hosts_cell(h),
                 _exits(h),
-                str(h.get("reason", ""))
+                (
+                    f"[attempt {h['attempt'].get('number')}/{h['attempt'].get('max_attempts')}] "
+                    if isinstance(h.get("attempt"), dict)
+                    else ""
+                )
+                + str(h.get("reason", ""))
                 + (
                     f" — root cause: {h['root_cause'].get('summary')}"
                     if isinstance(h.get("root_cause"), dict)

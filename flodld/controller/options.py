@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.config.models import ClusterConfig
+from flodld.membership.snapshot import AttemptState, EarlierAttempt
 from flodld.net.timeouts import MIN_TIMEOUT_SCALE, TIMEOUT_SCALE_ENV, TimeoutScaleError, timeout_scale
 
 DEFAULT_PORT = 1337
@@ -62,6 +63,9 @@ class ControllerOptions(BaseModel):
     )
     max_restarts: Annotated[int, Field(ge=0)] = Field(
         0, description="The run's restart bound (TORCHELASTIC_MAX_RESTARTS for its ranks)."
+    )
+    earlier_attempts: tuple[EarlierAttempt, ...] = Field(
+        (), description="The run's failed attempts before this one (state.json `attempt.earlier`)."
     )
     tolerance: Annotated[int, Field(ge=0)] = Field(0, description="Rank failures the run survives.")
     start_switch: bool = Field(True, description="Offer POST /start (manual/hybrid windows).")
@@ -124,6 +128,16 @@ class ControllerOptions(BaseModel):
     @property
     def cpu_averaging(self) -> bool:
         return self.averaging.is_cpu
+
+    def attempt_state(self) -> AttemptState | None:
+        """This attempt among the run's restarts, for state.json and the history; None without restarts."""
+        if not self.max_restarts and not self.restart_count:
+            return None
+        return AttemptState(
+            number=self.restart_count + 1,
+            max_attempts=max(self.max_restarts, self.restart_count) + 1,
+            earlier=list(self.earlier_attempts),
+        )
 
     @classmethod
     def from_cluster(

@@ -311,6 +311,34 @@ def _root_cause(state: Mapping[str, Any]) -> str:
     )
 
 
+def attempt_texts(attempt: object) -> list[str]:
+    """`attempt N of at most M`, then one line per earlier attempt with its cause (JS twin: attemptTexts)."""
+    if not isinstance(attempt, Mapping):
+        return []
+    texts = [f"attempt {attempt.get('number')} of at most {attempt.get('max_attempts')}"]
+    for earlier in attempt.get("earlier") or []:
+        if isinstance(earlier, Mapping):
+            hosts = ", ".join(str(h) for h in earlier.get("hosts") or []) or "-"
+            texts.append(
+                f"attempt {earlier.get('number')} (run {earlier.get('run_id')}, hosts {hosts}) failed: "
+                f"{earlier.get('cause')}"
+            )
+    return texts
+
+
+def _attempt(state: Mapping[str, Any]) -> str:
+    """The run among its restarts: this attempt and each earlier one's cause."""
+    texts = attempt_texts(state.get("attempt"))
+    if not texts:
+        return ""
+    earlier = "".join(f'<li class="bad">{_e(text)}</li>' for text in texts[1:])
+    return (
+        f'<section id="attempt"><h2>restarts</h2><p id="attempt-number">{_e(texts[0])}</p>'
+        + (f'<ul id="attempt-earlier">{earlier}</ul>' if earlier else "")
+        + "</section>"
+    )
+
+
 def reason_with_cause(entry: Mapping[str, Any]) -> str:
     """A history entry's reason, followed by its root cause's summary when it has one."""
     reason = str(entry.get("reason") or "")
@@ -432,7 +460,8 @@ def render_state(state: Mapping[str, Any] | None) -> str:
         return (
             f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
         )
-    parts = [_head(state), _root_cause(state), _clock(state), _ranks(state), _start(state), _hosts(state)]
+    parts = [_head(state), _attempt(state), _root_cause(state), _clock(state), _ranks(state), _start(state)]
+    parts.append(_hosts(state))
     parts.append(_missing(state))
     parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _history(state)]
     return "".join(parts)
@@ -615,6 +644,16 @@ _JS_TEMPLATE = """"use strict";
     return bad.slice(0, 8).join("; ") + (bad.length > 8 ? " \\u2026" : "");
   }
 
+  function attemptTexts(a) {
+    if (!a || typeof a !== "object") { return []; }
+    var texts = ["attempt " + a.number + " of at most " + a.max_attempts];
+    (Array.isArray(a.earlier) ? a.earlier : []).forEach(function (x) {
+      if (!x || typeof x !== "object") { return; }
+      var hosts = (Array.isArray(x.hosts) ? x.hosts : []).map(String).join(", ") || "-";
+      texts.push("attempt " + x.number + " (run " + x.run_id + ", hosts " + hosts + ") failed: " + x.cause);
+    });
+    return texts;
+  }
   function reasonWithCause(e) {
     var reason = String(e.reason || ""), rc = e.root_cause;
     if (rc && typeof rc === "object" && rc.summary) {
@@ -669,6 +708,12 @@ _JS_TEMPLATE = """"use strict";
           ? [document.createTextNode(" \\u00b7 "), h("span", {id: "service"}, serviceText(s))] : null),
       (s.service && s.service.config_error) ? h("p", {id: "config-error", "class": "bad"},
         "config reload failed (the previous config stays in force): " + s.service.config_error) : null));
+    var at = attemptTexts(s.attempt);
+    if (at.length) {
+      out.push(h("section", {id: "attempt"}, h("h2", {}, "restarts"), h("p", {id: "attempt-number"}, at[0]),
+        at.length > 1 ? h("ul", {id: "attempt-earlier"}, at.slice(1).map(function (t) {
+          return h("li", {"class": "bad"}, t); })) : null));
+    }
     var rc = s.root_cause;
     if (rc && typeof rc === "object") {
       var rcTail = (Array.isArray(rc.tail) ? rc.tail : []).map(String).slice(-MAX_TAIL_LINES);

@@ -888,6 +888,9 @@ class Controller:
             "dropped": dict(sorted(self.counters.dropped.items())),
         }
         state["connections"] = connections
+        attempt = self.options.attempt_state()
+        if attempt is not None:
+            state["attempt"] = attempt.model_dump(mode="json")
         # Drops are also listed among the refusals with a prefix, as before `connections` existed.
         for reason, count in connections["dropped"].items():
             state["refused"][f"connection_{reason}"] = count
@@ -937,6 +940,7 @@ class Controller:
             host_count=len(world.hosts) if world is not None else 0,
             rank_exits=[RankExit(rank=rank, code=code) for rank, code in exits],
             root_cause=result.root_cause,
+            attempt=self.options.attempt_state(),
         )
 
     def window_refusals(self) -> Mapping[str, int]:

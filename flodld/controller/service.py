@@ -38,7 +38,7 @@ from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudge
 from flodld.controller.source import HttpAnswer
 from flodld.membership.history import HistoryVersionError
 from flodld.membership.phase import Phase
-from flodld.membership.snapshot import RunRecord, ServiceState
+from flodld.membership.snapshot import EarlierAttempt, RunRecord, ServiceState
 from flodld.membership.supervisor import next_attempt
 
 log = logging.getLogger("flodld.controller")
@@ -152,12 +152,14 @@ class Service:
         result: RunResult | None = None
         try:
             restart_count = 0  # this attempt's number within its job (flodld serve --max-restarts)
+            earlier: list[EarlierAttempt] = []  # the job's failed attempts so far, with their causes
             while self._stopping is None:
                 options = self.options.model_copy(
                     update={
                         "run_id": self._run_id(self.options),
                         "restart_count": restart_count,
                         "max_restarts": self.options.join.max_restarts,
+                        "earlier_attempts": tuple(earlier),
                     }
                 )
                 controller = assemble_controller(
@@ -197,9 +199,10 @@ class Service:
                         options.max_restarts + 1,
                         result.reason,
                     )
+                    earlier.append(EarlierAttempt.of(controller.run_record(), restart_count + 1))
                     restart_count = following
                     continue
-                restart_count = 0
+                restart_count, earlier = 0, []
                 if self.once or self._stopping is not None:
                     break
                 await self._pause(options.between_runs_secs)

@@ -120,6 +120,30 @@ class ConnectionCounts(_Model):
     )
 
 
+class EarlierAttempt(_Model):
+    """A failed attempt of the same run (a restart followed it)."""
+
+    number: int = Field(description="Its attempt number, 1 first.")
+    run_id: str = Field(description="Its run id (each attempt is a fresh world with its own).")
+    cause: str = Field(description="Why it failed (its verdict's sentence).")
+    hosts: list[str] = Field(description="Its world's hosts, in rank order (the first 500).")
+
+    @classmethod
+    def of(cls, record: RunRecord, number: int) -> EarlierAttempt:
+        """Attempt `number` (1 first) as its finished run's record describes it."""
+        return cls(number=number, run_id=record.run_id, cause=record.reason, hosts=record.hosts)
+
+
+class AttemptState(_Model):
+    """Where this run stands among its restarts (`--max-restarts`, controller.join.max_restarts)."""
+
+    number: int = Field(description="This attempt's number, 1 first (TORCHELASTIC_RESTART_COUNT + 1).")
+    max_attempts: int = Field(description="The most attempts the run may make (1 + max_restarts).")
+    earlier: list[EarlierAttempt] = Field(
+        default_factory=list, description="The attempts before this one, oldest first, each with its cause."
+    )
+
+
 class RunRecord(_Model):
     """One finished run in the `flodld serve` history. Times are unix seconds."""
 
@@ -140,6 +164,9 @@ class RunRecord(_Model):
     rank_exits: list[RankExit] = Field(description="Exit codes the agents reported.")
     root_cause: RootCause | None = Field(
         default=None, description="The first observed failure (null: no rank failed on its own)."
+    )
+    attempt: AttemptState | None = Field(
+        default=None, description="The run's attempt and the earlier ones (null: no restarts configured)."
     )
 
 
@@ -213,6 +240,11 @@ class StateSnapshot(_Model):
         default=None,
         description="The first observed rank failure across hosts, with its exception and output tail; null "
         "while no rank failed on its own.",
+    )
+    attempt: AttemptState | None = Field(
+        default=None,
+        description="With restarts configured: this attempt (n of at most N) and each earlier attempt's "
+        "cause and hosts; absent or null without restarts.",
     )
     connections: ConnectionCounts = Field(
         default_factory=ConnectionCounts,

@@ -11,7 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from flodld.controller.http import HttpAnswer, build_app
+from flodld.controller.http import build_app
+from flodld.controller.source import HttpAnswer
 from tests.conftest import require_binary
 
 from .cdp import headless_page

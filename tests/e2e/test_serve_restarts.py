@@ -4,9 +4,13 @@ re-dial), its ranks seeing TORCHELASTIC_RESTART_COUNT; used up, the job fails; t
 
 from __future__ import annotations
 
+import json
 import secrets
 import subprocess
 import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -91,3 +95,59 @@ def test_used_up_restarts_fail_the_job_after_each_attempt(tmp_path: Path) -> Non
         tuple(int(x) for x in line.split()[:3]) for line in (out / "attempts.txt").read_text().splitlines()
     )
     assert rows == [(0, 0, 1), (0, 1, 1)], rows
+
+
+@pytest.mark.timeout(240)
+def test_state_json_history_and_fdl_status_show_the_attempt_and_the_earlier_ones_cause(
+    tmp_path: Path,
+) -> None:
+    token = secrets.token_hex(16)
+    project = write_discovery_project(tmp_path, free_port(), token, ranks=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    daemon = subprocess.Popen(
+        serve_argv("--max-restarts", "2", config=project / "fdl.yml", port=None, run_id="job"),
+        cwd=REPO, env=child_env(FLODL_NET_TIMEOUT_SCALE="0.1"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    port = int(yaml_port(project))
+    walk_in = _walk_in(port, token, out, "8", "2", "5", "0")
+    try:
+        deadline = time.monotonic() + 180
+        history: list[dict[str, object]] = []
+        while time.monotonic() < deadline:
+            history = list((_state(port) or {}).get("history") or [])
+            if history and history[0].get("verdict") == "done":
+                break
+            time.sleep(0.5)
+        assert history and history[0]["verdict"] == "done", history
+        status = Fdl("status", "--addr", f"127.0.0.1:{port}", "--history")
+        assert status.wait() == 0, status.output
+    finally:
+        walk_in.kill()
+        daemon.kill()
+        daemon.wait()
+    second, first = history[0], history[1]
+    assert first["attempt"] == {"number": 1, "max_attempts": 3, "earlier": []}, first
+    attempt = second["attempt"]
+    assert isinstance(attempt, dict) and attempt["number"] == 2 and attempt["max_attempts"] == 3, attempt
+    [earlier] = attempt["earlier"]
+    assert earlier["number"] == 1 and earlier["run_id"] == first["run_id"] and earlier["hosts"] == ["walk-a"]
+    assert earlier["cause"] == first["reason"] and "ranks failed" in str(earlier["cause"]), earlier
+    assert "[attempt 2/3]" in status.output and "[attempt 1/3]" in status.output, status.output
+
+
+def yaml_port(project: Path) -> str:
+    return next(
+        line.split(":")[1].strip()
+        for line in (project / "fdl.yml").read_text().splitlines()
+        if "port:" in line
+    )
+
+
+def _state(port: int) -> dict[str, object] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=10) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+    except (urllib.error.URLError, ConnectionError):
+        return None
