@@ -219,6 +219,42 @@ def test_a_reformation_window_below_quorum_fails_the_run_with_each_attempts_caus
     assert "attempt 2: quorum not met: 1 of 2 ranks joined after 20s hard cap" in failed[0], failed
 
 
+@pytest.mark.timeout(300)
+def test_the_surviving_host_re_forms_without_the_lost_one_when_the_quorum_permits(tmp_path: Path) -> None:
+    # Quorum 1, target 2 ranks: host B is lost mid-run; attempt 2's window closes with A alone once its
+    # join_timeout passes (quorum met), and the one-rank world resumes from the checkpoint and finishes.
+    port, token = free_port(), secrets.token_hex(16)
+    project = write_discovery_project(tmp_path, port, token, ranks=2, join_timeout=4)
+    config = project / "fdl.yml"
+    config.write_text(config.read_text().replace("min_rank_start: 2\n", "min_rank_start: 1\n"))
+    out = tmp_path / "out"
+    out.mkdir()
+    controller = Fdl("run", "--project", str(project), "--max-restarts", "1", SCRIPT, str(out), STEPS, EVERY)
+    join_env = child_env(
+        FDL_JOIN_TOKEN=token, FLODL_NET_TIMEOUT_SCALE="0.1", CKPT_STEP_SECONDS="0.5", PYTHONPATH=str(REPO)
+    )
+    walk_ins = [persist_walk_in(port, host, out, join_env) for host in ("walk-a", "walk-b")]
+    try:
+        controller.wait_for(r"training — world formed")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(attempts_or_empty(out)) < 2:
+            time.sleep(0.1)
+        assert len(attempts_or_empty(out)) == 2, controller.output
+        while time.monotonic() < deadline and not (out / "ckpt.pt").exists():
+            time.sleep(0.1)  # a checkpoint to resume from
+        kill_everything_started_for_host("walk-b")
+        assert controller.wait(timeout=240) == 0, controller.output
+    finally:
+        for process in (controller, *walk_ins):
+            process.kill()
+    assert "restarting: attempt 2 of at most 2 (restart 1)" in controller.output
+    assert "join window closed with quorum (1 of quorum 1 ranks)" in controller.output, controller.output
+    rows = attempts(out)
+    [(rank, restart, start)] = [row for row in rows if row[1] == 1]  # attempt 2: one rank, resumed
+    assert rank == 0 and restart == 1 and start > 1, rows
+    assert (out / "final.pt").exists()
+
+
 def persist_walk_in(port: int, host: str, out: Path, env: dict[str, str]) -> Fdl:
     """`fdl join --persist` of the checkpointing script as host `host`, one CPU rank."""
     return Fdl(
