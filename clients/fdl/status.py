@@ -160,6 +160,13 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
     cause = state.get("root_cause")
     if isinstance(cause, dict):  # the first observed failure, across hosts
         lines += ["  " + line for line in _root_cause_lines(cause, tail_lines=ROOT_CAUSE_TAIL_LINES)]
+    lines += _service_lines(state)
+    return "\n".join(lines)
+
+
+def _service_lines(state: dict[str, Any]) -> list[str]:
+    """`flodld serve`: between runs, the previous run (and its root cause), a failed config reload."""
+    lines: list[str] = []
     service = state.get("service") or {}
     if service.get("between_runs"):
         remaining = service.get("next_window_in_secs")
@@ -178,7 +185,7 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
             lines.append(f"  previous run's root cause: {last['root_cause']['summary']}")
     if service.get("config_error"):
         lines.append(f"  config reload failed (previous config in force): {service['config_error']}")
-    return "\n".join(lines)
+    return lines
 
 
 def attempt_lines(attempt: object) -> list[str]:
