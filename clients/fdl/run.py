@@ -58,7 +58,7 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -738,6 +738,113 @@ async def _start_attempt(
     return _Attempt(controller, hosts, filters)
 
 
+class _RunShell:
+    """What `api.RunSupervisor` decides, carried out for `fdl run`: the attempt's processes (controller,
+    local agents, the next attempt's standby), the supervisor's timers, and the events it is fed.
+    One method per action kind (`RUN_ACTIONS`); the rules are all the supervisor's.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        cluster: api.ClusterConfig,
+        local: list[Any],
+        overrides: dict[str, Any],
+        *,
+        rank_filter: frozenset[int] | None,
+        logs: api.RankLogSpec | None,
+    ) -> None:
+        self.command, self.cluster, self.local, self.overrides = command, cluster, local, overrides
+        self.rank_filter, self.logs = rank_filter, logs
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.attempt: _Attempt | None = None
+        self.collecting: asyncio.Future[None] | None = None
+        # With restarts left, the next attempt's agents start once this one trains (not before: their warm
+        # ranks' imports would slow this attempt's start) and wait for their spec with torch loaded.
+        self.standby: asyncio.Future[list[asyncio.subprocess.Process]] | None = None
+        self.earlier: list[Any] = []  # api.EarlierAttempt of each failed attempt (the next ones' state.json)
+        self.exit_code: int | None = None
+
+    async def carry_out(self, action: object) -> None:
+        handler = RUN_ACTIONS.get(type(action).__name__)
+        if handler is None:
+            raise AssertionError(f"fdl run has no handler for the supervisor's {action!r}")
+        await handler(self, action)
+
+    def _arm_standby(self) -> None:
+        if self.standby is None:
+            self.standby = asyncio.ensure_future(_spawn_agents(self.command, self.local, self.rank_filter))
+
+    async def _start(self, action: Any) -> None:  # noqa: ANN401  api.StartAttempt
+        for timer in self.timers.values():
+            timer.cancel()
+        self.timers.clear()
+        if self.attempt is not None:
+            if self.attempt.controller.result is not None:  # state.json's attempt.earlier
+                record = self.attempt.controller.run_record()
+                self.earlier.append(api.EarlierAttempt.of(record, action.restart_count))
+                self.overrides["earlier_attempts"] = tuple(self.earlier)
+            await self.attempt.close()
+        ready, self.standby = (await self.standby if self.standby is not None else None), None
+        self.attempt = await _start_attempt(
+            self.command, self.cluster, self.local, self.overrides,
+            restart_count=action.restart_count, max_restarts=action.max_restarts,
+            rank_filter=self.rank_filter, logs=self.logs, standby=ready,
+            on_training=self._arm_standby if action.restart_count < action.max_restarts else None,
+        )  # fmt: skip
+        if self.logs is not None and self.logs.run is None:  # the run's directory: its first attempt's id
+            self.logs = self.logs.model_copy(update={"run": self.attempt.controller.run_id})
+        self.attempt.watch(self.events)
+
+    async def _stop(self, action: Any) -> None:  # noqa: ANN401  api.StopAttempt
+        assert self.attempt is not None
+        await self.attempt.controller.stop(action.reason)
+
+    async def _arm_timer(self, action: Any) -> None:  # noqa: ANN401  api.ArmTimer
+        if action.name in self.timers:
+            self.timers[action.name].cancel()
+        expired = api.TimerExpired(action.name)
+        loop = asyncio.get_running_loop()
+        self.timers[action.name] = loop.call_later(action.seconds, self.events.put_nowait, expired)
+
+    async def _collect(self, action: Any) -> None:  # noqa: ANN401  api.CollectAgents
+        assert self.attempt is not None
+        self.collecting = asyncio.ensure_future(self.attempt.collect(action.timeout_s))
+
+    async def _say(self, action: Any) -> None:  # noqa: ANN401  api.Say
+        say(action.message)
+
+    async def _finish(self, action: Any) -> None:  # noqa: ANN401  api.Finish
+        if self.attempt is not None:
+            await self.attempt.close(linger=True)
+            self.attempt = None
+        say(action.summary)
+        self.exit_code = int(action.exit_code)
+
+    async def close(self) -> None:
+        """Nothing of the run is left: timers, the attempt's processes, an unused standby."""
+        for timer in self.timers.values():
+            timer.cancel()
+        if self.collecting is not None:
+            self.collecting.cancel()
+        if self.attempt is not None:
+            await self.attempt.close()
+        if self.standby is not None:  # never needed: they and their warm ranks go
+            await _kill_agents(await self.standby)
+
+
+RUN_ACTIONS: dict[str, Callable[[_RunShell, Any], Awaitable[None]]] = {
+    "StartAttempt": _RunShell._start,
+    "StopAttempt": _RunShell._stop,
+    "ArmTimer": _RunShell._arm_timer,
+    "CollectAgents": _RunShell._collect,
+    "Say": _RunShell._say,
+    "Finish": _RunShell._finish,
+}
+"""The supervisor's action kinds (by class name: `api` loads them lazily) -> the shell's handler."""
+
+
 async def run_job(
     command: list[str],
     cluster: api.ClusterConfig,
@@ -762,78 +869,23 @@ async def run_job(
     local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
     bound = cluster.controller.join.max_restarts if max_restarts is None else max_restarts
     supervisor = api.RunSupervisor([worker.host for worker in local], max_restarts=bound)
-    events: asyncio.Queue[Any] = asyncio.Queue()
+    shell = _RunShell(command, cluster, local, overrides, rank_filter=rank_filter, logs=logs)
     loop = asyncio.get_running_loop()
+    interrupted = api.Interrupted("interrupted by the operator")
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, events.put_nowait, api.Interrupted("interrupted by the operator"))
-    timers: dict[str, asyncio.TimerHandle] = {}
-    attempt: _Attempt | None = None
-    collecting: asyncio.Future[None] | None = None
-    # With restarts left, the next attempt's agents start once this one trains (not before: their warm
-    # ranks' imports would slow this attempt's start) and wait for their spec with torch loaded.
-    standby: asyncio.Future[list[asyncio.subprocess.Process]] | None = None
-    earlier: list[Any] = []  # api.EarlierAttempt of each failed attempt, for the next ones' state.json
-
-    def arm_standby() -> None:
-        nonlocal standby
-        if standby is None:
-            standby = asyncio.ensure_future(_spawn_agents(command, local, rank_filter))
-
-    actions = list(supervisor.start())
+        loop.add_signal_handler(signum, shell.events.put_nowait, interrupted)
     try:
+        actions = list(supervisor.start())
         while True:
             for action in actions:
-                if isinstance(action, api.StartAttempt):
-                    for timer in timers.values():
-                        timer.cancel()
-                    timers.clear()
-                    if attempt is not None:
-                        if attempt.controller.result is not None:  # state.json's attempt.earlier
-                            record = attempt.controller.run_record()
-                            earlier.append(api.EarlierAttempt.of(record, action.restart_count))
-                            overrides["earlier_attempts"] = tuple(earlier)
-                        await attempt.close()
-                    ready, standby = (await standby if standby is not None else None), None
-                    attempt = await _start_attempt(
-                        command, cluster, local, overrides,
-                        restart_count=action.restart_count, max_restarts=action.max_restarts,
-                        rank_filter=rank_filter, logs=logs, standby=ready,
-                        on_training=arm_standby if action.restart_count < action.max_restarts else None,
-                    )  # fmt: skip
-                    if logs is not None and logs.run is None:  # the run's directory: its first attempt's id
-                        logs = logs.model_copy(update={"run": attempt.controller.run_id})
-                    attempt.watch(events)
-                elif isinstance(action, api.StopAttempt):
-                    assert attempt is not None
-                    await attempt.controller.stop(action.reason)
-                elif isinstance(action, api.ArmTimer):
-                    if action.name in timers:
-                        timers[action.name].cancel()
-                    expired = api.TimerExpired(action.name)
-                    timers[action.name] = loop.call_later(action.seconds, events.put_nowait, expired)
-                elif isinstance(action, api.CollectAgents):
-                    assert attempt is not None
-                    collecting = asyncio.ensure_future(attempt.collect(action.timeout_s))
-                elif isinstance(action, api.Say):
-                    say(action.message)
-                elif isinstance(action, api.Finish):
-                    if attempt is not None:
-                        await attempt.close(linger=True)
-                        attempt = None
-                    say(action.summary)
-                    return int(action.exit_code)
-            actions = supervisor.handle(await events.get())
+                await shell.carry_out(action)
+                if shell.exit_code is not None:
+                    return shell.exit_code
+            actions = supervisor.handle(await shell.events.get())
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-        for timer in timers.values():
-            timer.cancel()
-        if collecting is not None:
-            collecting.cancel()
-        if attempt is not None:
-            await attempt.close()
-        if standby is not None:  # never needed: they and their warm ranks go
-            await _kill_agents(await standby)
+        await shell.close()
 
 
 OUTPUT_LINE_LIMIT = 1024 * 1024

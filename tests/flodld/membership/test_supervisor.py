@@ -219,3 +219,13 @@ def test_serve_restarts_a_failed_attempt_while_restarts_remain(
     restart_count: int, max_restarts: int, ok: bool, stopping: bool, expected: int | None
 ) -> None:
     assert next_attempt(restart_count, max_restarts, ok=ok, stopping=stopping) == expected
+
+
+def test_fdl_runs_shell_has_a_handler_for_every_action_the_supervisor_can_decide() -> None:
+    from typing import get_args
+
+    from fdl.run import RUN_ACTIONS
+
+    from flodld.membership.supervisor import Action
+
+    assert set(RUN_ACTIONS) == {kind.__name__ for kind in get_args(Action)}
