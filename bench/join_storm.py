@@ -36,7 +36,7 @@ number of request/reply round trips over as many connections. `--store-peers` (d
 peers each rank reads; `all` is gloo's full mesh, O(world²) ops in all.
 
 `--profile-controller DIR` runs each controller under cProfile (stats in DIR; slower, for where the time
-goes). This process runs without cyclic garbage collection during a storm (`_quiet_collector`). A storm that
+goes). This process runs without cyclic garbage collection during a storm (`quiet_collector`). A storm that
 needs more descriptors than the hard limit allows (one socket per agent in the controller and here) is
 skipped with the reason.
 
@@ -79,11 +79,11 @@ from flodld.wire.store import (
     StoreWait,
 )
 
-_PORT = re.compile(rb"event=listening bind=\S+ port=(\d+)")
+LISTENING_LINE = re.compile(rb"event=listening bind=\S+ port=(\d+)")
 _CHILDREN: list[asyncio.subprocess.Process] = []
 
 
-def _raise_fd_limit(wanted: int) -> None:
+def raise_fd_limit(wanted: int) -> None:
     """Raise this process's descriptor limit (inherited by the controller) to `wanted`: the hard limit too
     where the process may (root, CAP_SYS_RESOURCE: a 20,000-agent storm needs more than a common 20,000),
     else as far as the hard limit goes; says so when that is short of `wanted`.
@@ -107,13 +107,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-async def _spawn(*args: str, **kwargs: object) -> asyncio.subprocess.Process:
+async def spawn_process(*args: str, **kwargs: object) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(*args, preexec_fn=_die_with_parent, **kwargs)  # type: ignore[arg-type]
     _CHILDREN.append(proc)
     return proc
 
 
-async def _end(proc: asyncio.subprocess.Process, grace: float = 10.0) -> int | None:
+async def end_process(proc: asyncio.subprocess.Process, grace: float = 10.0) -> int | None:
     """SIGTERM, then SIGKILL after `grace` seconds; the exit code."""
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
@@ -144,7 +144,7 @@ async def _controller(*flags: str) -> tuple[asyncio.subprocess.Process, int, asy
     if _PROFILE:
         target = Path(_PROFILE[0]) / f"controller-{len(_CHILDREN)}-{'-'.join(flags[:2])}.pstats"
         profiler = ["-m", "cProfile", "-o", str(target)]
-    proc = await _spawn(
+    proc = await spawn_process(
         sys.executable, *profiler, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1",
         *flags,
         stderr=asyncio.subprocess.PIPE,
@@ -154,7 +154,7 @@ async def _controller(*flags: str) -> tuple[asyncio.subprocess.Process, int, asy
         line = await asyncio.wait_for(proc.stderr.readline(), 60)
         if not line:
             raise SystemExit("flodld serve exited before listening")
-        found = _PORT.search(line)
+        found = LISTENING_LINE.search(line)
         if found:
             # keep the log pipe flowing
             return proc, int(found.group(1)), asyncio.create_task(proc.stderr.read())
@@ -211,7 +211,7 @@ async def echo_main() -> None:
 
 async def _baseline_apart(count: int, in_flight: int) -> float:
     """`_baseline_connects` against an echo server in its own process."""
-    echo = await _spawn(
+    echo = await spawn_process(
         sys.executable,
         __file__,
         "--echo-server",
@@ -225,7 +225,7 @@ async def _baseline_apart(count: int, in_flight: int) -> float:
     finally:
         with contextlib.suppress(Exception):
             await echo.communicate(b"")
-        await _end(echo)
+        await end_process(echo)
 
 
 async def _baseline_round_trips(clients: int, per_client: int) -> float:
@@ -316,7 +316,7 @@ class LeanAgent(asyncio.Protocol):
 
 
 
-def _quiet_collector() -> None:
+def quiet_collector() -> None:
     """No cyclic garbage collection in this process during a storm (re-enabled after it).
 
     Thousands of simulated agents live in this one process; their objects are freed by reference
@@ -505,7 +505,7 @@ class TooFewDescriptors(Exception):
 
 
 async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
-    _raise_fd_limit(2 * agents + 1024)
+    raise_fd_limit(2 * agents + 1024)
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < agents + 512:
         raise TooFewDescriptors(
@@ -527,7 +527,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
         )
         baseline_apart_rate = await _baseline_apart(agents, in_flight)
         idle_rss = _rss_mib(proc.pid)
-        poller = await _spawn(
+        poller = await spawn_process(
             sys.executable,
             __file__,
             "--poller-for",
@@ -570,7 +570,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             # Nobody renumbers in a storm without departures: Accept's ranks are final.
             lean.leave([RankExited(rank=rank, code=0) for rank in reply.ranks])
 
-        _quiet_collector()
+        quiet_collector()
         time_wait = _time_wait()
         kernel_begun, machine_begun = _kernel_counters(), MachineCpu.now()
         poller_cpu_begun = _cpu_secs(poller.pid)
@@ -626,8 +626,8 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
         for lean in agents_live:
             lean.close()
         if poller is not None:
-            await _end(poller)
-        await _end(proc)
+            await end_process(poller)
+        await end_process(proc)
         drain.cancel()
 
 
@@ -654,7 +654,7 @@ class StoreStormResult:
 
 async def store_storm(ranks: int, peers: int) -> StoreStormResult:
     """N simulated ranks doing gloo init's store pattern against `flodld serve`, and the echo baseline."""
-    _raise_fd_limit(2 * ranks + 1024)
+    raise_fd_limit(2 * ranks + 1024)
     token, run_id = new_salt(), f"storm-{secrets.token_hex(4)}"
     proc, port, drain = await _controller(
         "--ranks", "1", "--token", token.hex(), "--run-id", run_id, "--window", "600"
@@ -696,7 +696,7 @@ async def store_storm(ranks: int, peers: int) -> StoreStormResult:
     finally:
         for stream in streams:
             stream.close()
-        code = await _end(proc)  # no join: SIGTERM aborts the window (a failed verdict is expected)
+        code = await end_process(proc)  # no join: SIGTERM aborts the window (a failed verdict is expected)
         drain.cancel()
     baseline = await _baseline_round_trips(ranks, max(1, ops // ranks))
     return StoreStormResult(ops, ops / elapsed, baseline, cpu, code)
@@ -804,7 +804,7 @@ async def main(options: argparse.Namespace) -> int:
             )
     finally:
         for proc in _CHILDREN:
-            await _end(proc, grace=5.0)
+            await end_process(proc, grace=5.0)
     return status
 
 

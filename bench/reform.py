@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from join_storm import _PORT, LeanAgent, _end, _quiet_collector, _raise_fd_limit, _spawn
+from join_storm import LISTENING_LINE, LeanAgent, end_process, quiet_collector, raise_fd_limit, spawn_process
 
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
@@ -106,7 +106,7 @@ async def _redial(
 
 async def _service(*flags: str) -> tuple[asyncio.subprocess.Process, int, asyncio.Task[bytes]]:
     """`flodld serve` as a service (run after run on one port), its port, and its log drained."""
-    proc = await _spawn(
+    proc = await spawn_process(
         sys.executable, "-m", "flodld", "serve", "--port", "0", "--bind", "127.0.0.1", *flags,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -115,18 +115,18 @@ async def _service(*flags: str) -> tuple[asyncio.subprocess.Process, int, asynci
         line = await asyncio.wait_for(proc.stderr.readline(), 60)
         if not line:
             raise SystemExit("flodld serve exited before listening")
-        found = _PORT.search(line)
+        found = LISTENING_LINE.search(line)
         if found:
             return proc, int(found.group(1)), asyncio.create_task(proc.stderr.read())
 
 
 async def reform(hosts: int, rounds: int) -> list[tuple[float, float, float]]:
-    _raise_fd_limit(2 * hosts + 1024)
+    raise_fd_limit(2 * hosts + 1024)
     token = new_salt()
     proc, port, drain = await _service("--ranks", str(hosts), "--token", token.hex(), "--window", "600")
     results: list[tuple[float, float, float]] = []
     try:
-        _quiet_collector()
+        quiet_collector()
         names = [f"bench-{index:05d}" for index in range(hosts)]
         formed = await asyncio.gather(*(_formed_agent(token, name, port) for name in names))
         for round_number in range(rounds):
@@ -154,7 +154,7 @@ async def reform(hosts: int, rounds: int) -> list[tuple[float, float, float]]:
         for agent, _, _ in formed:
             agent.close()
     finally:
-        await _end(proc)
+        await end_process(proc)
         drain.cancel()
     return results
 
