@@ -40,7 +40,13 @@ def main(argv: list[str]) -> None:
     script = os.path.abspath(argv[0])  # `__file__` is absolute, as for `python SCRIPT.py` since Python 3.9
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as error:
+        _record_failure(error)
+        raise
 
 
 def _wait_warm() -> list[str]:
@@ -67,6 +73,32 @@ def _wait_warm() -> list[str]:
     os.dup2(devnull, 0)
     os.close(devnull)
     return argv
+
+
+def _record_failure(error: BaseException) -> None:
+    """As torch's `@record` does, write the exception that ends the script to TORCHELASTIC_ERROR_FILE (the
+    agent's private directory), unless the script's own `@record` already did: the agent then dates the
+    failure by the file, not by when its output or exit reached it (flodld/agent/tail.py). Best effort.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import json
+    import time
+    import traceback
+
+    message = "".join(traceback.format_exception_only(type(error), error)).strip()
+    record = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "x", encoding="utf-8") as handle:  # never over a file @record wrote meanwhile
+            json.dump(record, handle)
+    except OSError:
+        pass
 
 
 def _settle_torch_distributed() -> None:
