@@ -80,8 +80,21 @@ def run(command: list[str], out: Path, timeout: float) -> None:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _kill_naming(out)  # a hung launcher's workers may sit in other process groups
     if code != 0:
         raise RuntimeError(f"{command[0]} exited {code}")
+
+
+def _kill_naming(out: Path) -> None:
+    """SIGKILL every process whose command line names `out` (each trial's scratch directory)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if str(out).encode() in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def main() -> int:
