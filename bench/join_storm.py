@@ -139,14 +139,19 @@ _PROFILE: list[str] = []
 """`--profile-controller DIR`: run each controller under cProfile, its stats written to DIR on exit."""
 
 
-async def _controller(*flags: str) -> tuple[asyncio.subprocess.Process, int, asyncio.Task[bytes]]:
+async def start_controller(
+    *flags: str, once: bool = True
+) -> tuple[asyncio.subprocess.Process, int, asyncio.Task[bytes]]:
+    """`flodld serve` (one run, or with `once=False` a service running run after run on one port) on a
+    free loopback port: the process, its port, and the task that keeps its log pipe drained.
+    """
     profiler: list[str] = []
     if _PROFILE:
         target = Path(_PROFILE[0]) / f"controller-{len(_CHILDREN)}-{'-'.join(flags[:2])}.pstats"
         profiler = ["-m", "cProfile", "-o", str(target)]
     proc = await spawn_process(
-        sys.executable, *profiler, "-m", "flodld", "serve", "--once", "--port", "0", "--bind", "127.0.0.1",
-        *flags,
+        sys.executable, *profiler, "-m", "flodld", "serve", *(["--once"] if once else []), "--port", "0",
+        "--bind", "127.0.0.1", *flags,
         stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stderr is not None
@@ -514,7 +519,8 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
             "a process with CAP_SYS_RESOURCE may raise): not run"
         )
     token = new_salt()
-    proc, port, drain = await _controller("--ranks", str(agents), "--token", token.hex(), "--window", "600")
+    flags = ("--ranks", str(agents), "--token", token.hex(), "--window", "600")
+    proc, port, drain = await start_controller(*flags)
     poller: asyncio.subprocess.Process | None = None
     agents_live: list[LeanAgent] = []
     loop = asyncio.get_running_loop()
@@ -656,7 +662,7 @@ async def store_storm(ranks: int, peers: int) -> StoreStormResult:
     """N simulated ranks doing gloo init's store pattern against `flodld serve`, and the echo baseline."""
     raise_fd_limit(2 * ranks + 1024)
     token, run_id = new_salt(), f"storm-{secrets.token_hex(4)}"
-    proc, port, drain = await _controller(
+    proc, port, drain = await start_controller(
         "--ranks", "1", "--token", token.hex(), "--run-id", run_id, "--window", "600"
     )
     streams: list[FramedStream] = []

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from join_storm import LISTENING_LINE, LeanAgent, end_process, quiet_collector, raise_fd_limit, spawn_process
+from join_storm import LeanAgent, end_process, quiet_collector, raise_fd_limit, start_controller
 
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
@@ -104,26 +104,11 @@ async def _redial(
     return await _formed_agent(key, host, port)
 
 
-async def _service(*flags: str) -> tuple[asyncio.subprocess.Process, int, asyncio.Task[bytes]]:
-    """`flodld serve` as a service (run after run on one port), its port, and its log drained."""
-    proc = await spawn_process(
-        sys.executable, "-m", "flodld", "serve", "--port", "0", "--bind", "127.0.0.1", *flags,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    while True:
-        line = await asyncio.wait_for(proc.stderr.readline(), 60)
-        if not line:
-            raise SystemExit("flodld serve exited before listening")
-        found = LISTENING_LINE.search(line)
-        if found:
-            return proc, int(found.group(1)), asyncio.create_task(proc.stderr.read())
-
-
 async def reform(hosts: int, rounds: int) -> list[tuple[float, float, float]]:
     raise_fd_limit(2 * hosts + 1024)
     token = new_salt()
-    proc, port, drain = await _service("--ranks", str(hosts), "--token", token.hex(), "--window", "600")
+    flags = ("--ranks", str(hosts), "--token", token.hex(), "--window", "600")
+    proc, port, drain = await start_controller(*flags, once=False)
     results: list[tuple[float, float, float]] = []
     try:
         quiet_collector()
