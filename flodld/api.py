@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
     from flodld.membership import PolicyError, derive_policy
     from flodld.membership.rootcause import root_cause_lines
-    from flodld.membership.snapshot import EarlierAttempt
+    from flodld.membership.snapshot import EarlierAttempt, attempt_texts
     from flodld.membership.supervisor import (
         AgentExited,
         ArmTimer,
@@ -135,7 +135,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "VerdictReached",
     ),
     "flodld.membership.rootcause": ("root_cause_lines",),
-    "flodld.membership.snapshot": ("EarlierAttempt",),
+    "flodld.membership.snapshot": ("EarlierAttempt", "attempt_texts"),
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
@@ -190,6 +190,7 @@ __all__ = [
     "aggregate",
     "assemble_controller",
     "attempt_dir",
+    "attempt_texts",
     "available_envs",
     "component",
     "config_overlay_file",

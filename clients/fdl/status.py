@@ -190,17 +190,12 @@ def _service_lines(state: dict[str, Any]) -> list[str]:
 
 def attempt_lines(attempt: object) -> list[str]:
     """`attempt N of at most M` and one line per earlier attempt with its cause (restarts configured)."""
-    if not isinstance(attempt, dict):
+    if attempt is None:
         return []
-    lines = [f"  attempt {attempt.get('number')} of at most {attempt.get('max_attempts')}"]
-    for earlier in attempt.get("earlier") or []:
-        if isinstance(earlier, dict):
-            hosts = ", ".join(str(h) for h in earlier.get("hosts") or []) or "-"
-            lines.append(
-                f"    attempt {earlier.get('number')} (run {earlier.get('run_id')}, hosts {hosts}) failed: "
-                f"{earlier.get('cause')}"
-            )
-    return lines
+    from flodld import api  # only with restarts configured: `fdl status` stays light otherwise
+
+    texts = api.attempt_texts(attempt)
+    return [f"  {line}" for line in texts[:1]] + [f"    {line}" for line in texts[1:]]
 
 
 ROOT_CAUSE_TAIL_LINES = 20

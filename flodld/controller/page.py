@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from flodld.controller.snapshot import RenderRefused
+from flodld.membership.snapshot import attempt_texts
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -310,21 +311,6 @@ def _root_cause(state: Mapping[str, Any]) -> str:
         + (f'<pre id="root-cause-tail" class="tail">{_e(chr(10).join(tail))}</pre>' if tail else "")
         + "</section>"
     )
-
-
-def attempt_texts(attempt: object) -> list[str]:
-    """`attempt N of at most M`, then one line per earlier attempt with its cause (JS twin: attemptTexts)."""
-    if not isinstance(attempt, Mapping):
-        return []
-    texts = [f"attempt {attempt.get('number')} of at most {attempt.get('max_attempts')}"]
-    for earlier in attempt.get("earlier") or []:
-        if isinstance(earlier, Mapping):
-            hosts = ", ".join(str(h) for h in earlier.get("hosts") or []) or "-"
-            texts.append(
-                f"attempt {earlier.get('number')} (run {earlier.get('run_id')}, hosts {hosts}) failed: "
-                f"{earlier.get('cause')}"
-            )
-    return texts
 
 
 def _attempt(state: Mapping[str, Any]) -> str:

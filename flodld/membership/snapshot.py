@@ -11,6 +11,7 @@ carries the salt or the token. `docs/state-schema.json` is `state_schema()`; reg
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -142,6 +143,24 @@ class AttemptState(_Model):
     earlier: list[EarlierAttempt] = Field(
         default_factory=list, description="The attempts before this one, oldest first, each with its cause."
     )
+
+
+def attempt_texts(attempt: object) -> list[str]:
+    """state.json's `attempt` as lines: `attempt N of at most M`, then each earlier attempt with its run,
+    hosts and cause ([] without one). What `fdl status` prints and the status page shows (its JS twin:
+    attemptTexts in flodld/controller/static/status.js.in).
+    """
+    if not isinstance(attempt, Mapping):
+        return []
+    texts = [f"attempt {attempt.get('number')} of at most {attempt.get('max_attempts')}"]
+    for earlier in attempt.get("earlier") or []:
+        if isinstance(earlier, Mapping):
+            hosts = ", ".join(str(h) for h in earlier.get("hosts") or []) or "-"
+            texts.append(
+                f"attempt {earlier.get('number')} (run {earlier.get('run_id')}, hosts {hosts}) failed: "
+                f"{earlier.get('cause')}"
+            )
+    return texts
 
 
 class RunRecord(_Model):
