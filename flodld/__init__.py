@@ -25,6 +25,10 @@ def run(main: Callable[[], T], *, init_process_group: bool = True) -> T:
     from flodld.launcher import Role, current_role, exit_if_worker_role
 
     exit_if_worker_role()
+    if current_role() is Role.RANK:
+        from flodld.rank.env import register_stack_dump
+
+        register_stack_dump()  # where it was, when its agent asks (a rank declared dead)
     if current_role() is not Role.RANK and not init_process_group:
         return main()  # plain and told not to: torch is not even imported
     if init_process_group:

@@ -38,10 +38,11 @@ from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, failure_time
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.agent.warmpool import WarmPool
 from flodld.membership.switch import start_credential
+from flodld.rank.env import STACK_DUMP_SIGNAL
 from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, RankExited
+from flodld.wire.join import Abort, KillRank, RankExited
 from flodld.wire.messages import MAX_REASON_CHARS
 
 
@@ -49,6 +50,9 @@ def say(message: str) -> None:
     sys.stderr.write(f"flodld agent: {message}\n")  # one write, so lines never interleave
     sys.stderr.flush()
 
+
+STACK_GRACE_SECS = 1.0
+"""How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
 
 TAIL_DRAIN_SECS = 1.0
 """After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
@@ -361,17 +365,24 @@ class AgentShell:
                 message = (await joined.stream.recv()).message()
                 if isinstance(message, Abort):
                     self._post(sv.AbortReceived(message.reason))
+                elif isinstance(message, KillRank):
+                    self._post(sv.RankDeclaredDead(message.rank, message.reason))
         except EOFError:
             self._post(sv.LinkLost("controller closed the join connection"))
         except (WireError, OSError) as error:
             self._post(sv.LinkLost(f"join connection error: {error}"))
 
     async def _supervise(self, joined: Joined) -> int:
+        relay = joined.formed.relay
         supervisor = sv.Supervisor(
-            self.spec.host, list(joined.formed.envelope.ranks), has_relay=joined.formed.relay is not None
+            self.spec.host,
+            list(joined.formed.envelope.ranks),
+            has_relay=relay is not None,
+            tolerance=relay.tolerance if relay is not None else 0,
         )
         reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
         grace: asyncio.TimerHandle | None = None
+        stacks: list[asyncio.TimerHandle] = []
         actions = supervisor.start()
         try:
             while True:
@@ -396,6 +407,15 @@ class AgentShell:
                         case sv.KillAll():
                             say(f"grace period of {self.spec.grace_secs:g}s over; killing what is left")
                             self._signal(lambda child: True, signal.SIGKILL)
+                        case sv.DumpStack(rank, reason):
+                            say(f"rank {rank} declared dead by the controller ({reason}); its Python stack:")
+                            self._dump_stack(rank)
+                            stacks.append(asyncio.get_running_loop().call_later(
+                                STACK_GRACE_SECS, self.events.put_nowait, sv.StackGraceExpired(rank)
+                            ))  # fmt: skip
+                        case sv.KillOne(rank):
+                            say(f"killing rank {rank} (declared dead)")
+                            self._signal(lambda child: child.rank == rank, signal.SIGKILL)
                         case sv.CloseLink():
                             await joined.stream.aclose()
                         case sv.Finish(exit_code, summary):
@@ -408,6 +428,8 @@ class AgentShell:
         finally:
             if grace is not None:
                 grace.cancel()
+            for timer in stacks:
+                timer.cancel()
             reader.cancel()
             await asyncio.gather(*self.forwarders, return_exceptions=True)
             for sink in self.sinks:
@@ -416,6 +438,16 @@ class AgentShell:
                 await self.store_endpoint.close()
             if self.error_dir is not None:
                 shutil.rmtree(self.error_dir, ignore_errors=True)
+
+    def _dump_stack(self, rank: int) -> None:
+        """The stack-dump signal to the rank's own process (its faulthandler writes to its stderr, which the
+        agent forwards and keeps in its tail), then CONT to its group: a stopped rank runs the handler.
+        """
+        for child in self.children:
+            if child.rank == rank and child.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child.process.pid, STACK_DUMP_SIGNAL)
+                signal_group(child.process, signal.SIGCONT)
 
     def _signal(self, which: Callable[[Child], bool], signum: int) -> None:
         # Ranks first, relay last: a relay that stops first would make live ranks see their

@@ -8,7 +8,13 @@ Rules:
   when the rank ended after this host's teardown began (its exit is then a consequence of our own
   TERM/KILL, never the run's root cause: flodld/membership/rootcause.py);
 - a rank exiting non-zero tears the host down: its peers would otherwise hang in a collective
-  waiting for it (the controller hears the exit and decides for the other hosts);
+  waiting for it (the controller hears the exit and decides for the other hosts) — unless the run
+  averages through the relay and tolerates losses (`tolerance` > 0, docs/elastic-averaging.md): the
+  relay folds the rank out of its rounds, its host-mates keep training, and the controller, which counts
+  failures across hosts, sends Abort once they exceed the tolerance;
+- a rank the controller declared dead (KillRank: silent past the heartbeat timeout) is asked for its
+  Python stack (DumpStack: the stack signal, then CONT so a stopped rank runs its handler) and killed
+  `stack_grace` seconds later (KillOne); its exit is then reported as any other;
 - when every rank has exited cleanly, the relay's job is over and it is asked to stop;
 - the relay failing (non-zero exit) while ranks run, Abort from the controller, losing the controller link,
   or a signal to the agent tear the host down: TERM to every child, KILL after the grace period;
@@ -84,7 +90,31 @@ class GraceExpired:
     pass
 
 
-Event = RankExit | RelayExit | AbortReceived | LinkLost | Interrupted | GraceExpired
+@dataclass(frozen=True)
+class RankDeclaredDead:
+    """The controller declared `rank` dead (KillRank) in a run that survives its loss."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StackGraceExpired:
+    """The time a declared-dead rank had to dump its stack is over."""
+
+    rank: int
+
+
+Event = (
+    RankExit
+    | RelayExit
+    | AbortReceived
+    | LinkLost
+    | Interrupted
+    | GraceExpired
+    | RankDeclaredDead
+    | StackGraceExpired
+)
 
 # Actions --------------------------------------------------------------------------------------
 
@@ -117,6 +147,23 @@ class KillAll:
 
 
 @dataclass(frozen=True)
+class DumpStack:
+    """Send the rank the stack-dump signal, then CONT (a stopped rank runs its handler), and arm the stack
+    grace timer (StackGraceExpired).
+    """
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class KillOne:
+    """KILL one rank's process group (a declared-dead rank whose stack grace is over)."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class CloseLink:
     """Close the join link; the controller reads it as this host being done."""
 
@@ -127,7 +174,7 @@ class Finish:
     summary: str
 
 
-Action = ReportRankExit | TerminateRelay | TerminateAll | KillAll | CloseLink | Finish
+Action = ReportRankExit | TerminateRelay | TerminateAll | KillAll | DumpStack | KillOne | CloseLink | Finish
 
 
 def describe_exit(code: int) -> str:
@@ -138,8 +185,12 @@ def describe_exit(code: int) -> str:
 class Supervisor:
     """Decides, event by event, what the agent's shell must do with its children and link."""
 
-    def __init__(self, host: str, ranks: list[int], *, has_relay: bool) -> None:
+    def __init__(self, host: str, ranks: list[int], *, has_relay: bool, tolerance: int = 0) -> None:
         self.host = host
+        # The relay folds a lost rank out of the rounds and the run survives `tolerance` losses: a failed
+        # rank's host-mates keep running (a process group could not lose a member: torn down as before).
+        self.keeps_survivors = has_relay and tolerance > 0
+        self.declared_dead: dict[int, str] = {}  # ranks asked for their stack, by the controller's reason
         self.state = SupervisorState.RUNNING
         self.live_ranks = set(ranks)
         self.relay_live = has_relay
@@ -155,6 +206,8 @@ class Supervisor:
         running.register(AbortReceived, self._teardown_event)
         running.register(LinkLost, self._teardown_event)
         running.register(Interrupted, self._teardown_event)
+        running.register(RankDeclaredDead, self._declared_dead)
+        running.register(StackGraceExpired, self._stack_grace_expired)
         tearing_down: HandlerTable[[], list[Action]] = HandlerTable("event while tearing down")
         tearing_down.register(RankExit, self._rank_exit)
         tearing_down.register(RelayExit, self._relay_exit)
@@ -189,7 +242,7 @@ class Supervisor:
         actions: list[Action] = [ReportRankExit(event.rank, event.code, torn_down, event.detail)]
         if event.code != 0:
             self.failed_ranks[event.rank] = event.code
-            if self.state is SupervisorState.RUNNING:
+            if self.state is SupervisorState.RUNNING and not self.keeps_survivors:
                 actions += self._begin_teardown(f"rank {event.rank} exited with {describe_exit(event.code)}")
         relay_idle = not self.live_ranks and self.relay_live and not self._relay_stop_requested
         if relay_idle and self.state is SupervisorState.RUNNING:
@@ -211,6 +264,15 @@ class Supervisor:
             )
         return actions + self._finish_if_empty()
 
+    def _declared_dead(self, event: RankDeclaredDead) -> list[Action]:
+        if event.rank not in self.live_ranks or event.rank in self.declared_dead:
+            return []
+        self.declared_dead[event.rank] = event.reason
+        return [DumpStack(event.rank, event.reason)]
+
+    def _stack_grace_expired(self, event: StackGraceExpired) -> list[Action]:
+        return [KillOne(event.rank)] if event.rank in self.live_ranks else []
+
     def _teardown_event(self, event: _TeardownCause) -> list[Action]:
         prefix = {
             AbortReceived: "abort from the controller",
@@ -231,4 +293,12 @@ class Supervisor:
         self.state = SupervisorState.DONE
         if self.teardown_reason is not None:
             return [CloseLink(), Finish(1, f"host {self.host!r} torn down: {self.teardown_reason}")]
+        if self.failed_ranks:
+            lost = ", ".join(
+                f"rank {rank} ({describe_exit(code)})" for rank, code in sorted(self.failed_ranks.items())
+            )
+            return [
+                CloseLink(),
+                Finish(1, f"host {self.host!r} finished without {lost}: its other ranks ran on"),
+            ]
         return [CloseLink(), Finish(0, f"host {self.host!r} finished cleanly")]

@@ -49,6 +49,9 @@ log = logging.getLogger("flodld.controller.dataplane")
 
 HANDSHAKE_TIMEOUT_SECS = 10.0
 DEFAULT_LIVENESS_TIMEOUT_SECS = 30.0
+# A run that survives a rank's loss (a tolerance, CPU averaging) declares a silent rank dead sooner: the
+# survivors' round waits for it until then, and a false declaration costs one rank, not the run.
+DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS = 5.0
 DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
 # A rank's first heartbeat waits for its process to start, import the program and torch, and reach its
 # relay: on a loaded box that can take far longer than the steady-state timeout, so it gets its own bound.
@@ -121,6 +124,8 @@ class DataPlane:
         self._chunk_ranks: dict[int, set[int]] = {}  # ranks in the open chunks of this round, by offset
         self.dead_ranks: list[int] = []
         self.gone_ranks: list[int] = []
+        self._last_step: dict[int, int] = {}  # each rank's step (rounds it has taken) at its last heartbeat
+        self._last_round: dict[int, int] = {}  # the last round a host frame counted each rank in
         self._ticker: asyncio.Task[None] | None = None
         self._data: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable("host data frame")
         self._data.register(HostFrame, self._on_host_frame)
@@ -166,6 +171,19 @@ class DataPlane:
             # weight drops between chunks when one of its ranks leaves in the middle of its deposit.
             self._barrier = round_barrier(self.live_hosts(), accumulators=2, weights_may_drop=True)
         return self._barrier
+
+    def round_in_progress(self, rank: int) -> int | None:
+        """The averaging round `rank` was lost in: the one after the last round its host's frames counted it
+        in (a loss is often reported after the survivors finished that round without it); a rank never
+        counted, the world's round being folded here; a sole host's rank (its relay folds), its own count of
+        rounds taken at its last heartbeat. None before any of these.
+        """
+        last = self._last_round.get(rank)
+        if last is not None:
+            return last + 1
+        if self._barrier is not None:
+            return self._barrier.round
+        return self._last_step.get(rank)
 
     def stats(self) -> DataPlaneStats:
         return DataPlaneStats(
@@ -308,6 +326,8 @@ class DataPlane:
             await self._send_quietly(relay.stream, DataPlaneError(reason=str(error)[:1024]))
             return True
         self._chunk_ranks.setdefault(message.offset, set()).update(message.contributors)
+        for rank in message.contributors:
+            self._last_round[rank] = message.round
         self.metrics.host_chunk(
             message.round, message.offset, message.contributors, frame.tail_view.nbytes, self.clock()
         )
@@ -359,6 +379,7 @@ class DataPlane:
     async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
             self.liveness.heard(message.rank, self.clock())
+            self._last_step[message.rank] = message.step
             self.metrics.heartbeat(message.rank, message.step)
 
     async def _tick_forever(self) -> None:
@@ -372,7 +393,9 @@ class DataPlane:
             await self._send_quietly(stream, CoordinatorHeartbeat())
         for rank, silence in self.liveness.expire_with_limits(self.clock()):
             host = self.host_of[rank]
-            reason = f"rank {rank} on {host!r} sent no heartbeat for {silence:g}s"
+            in_round = self.round_in_progress(rank)
+            during = f" (round {in_round} in progress)" if in_round is not None else ""
+            reason = f"rank {rank} on {host!r} sent no heartbeat for {silence:g}s{during}"
             log.warning("event=rank_declared_dead host=%s rank=%d", host, rank)
             control = self.relays[Channel.CONTROL].get(host)
             if control is not None:
@@ -399,7 +422,8 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
     (the same values the ranks read), else the environment, scaled by FLODL_NET_TIMEOUT_SCALE; a rank
     never heard from gets FLODL_LIVENESS_STARTUP_SECS (120 s, scaled, at least the timeout) to start.
     A rank declared dead goes to `controller.rank_lost`: its host is lost and the run fails beyond
-    the tolerance, the reason naming rank and silence.
+    the tolerance, the reason naming rank and silence. A run that survives a rank's loss
+    (`controller.survives_rank_loss`) declares a silent rank dead after 5 s by default instead of 30 s.
     """
     import os
 
@@ -416,7 +440,9 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
         return value if name == "FLODL_HEARTBEAT_INTERVAL_SECS" else scaled(value)
 
-    liveness = seconds("FLODL_LIVENESS_TIMEOUT_SECS", DEFAULT_LIVENESS_TIMEOUT_SECS)
+    elastic = controller.survives_rank_loss
+    default_timeout = DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS if elastic else DEFAULT_LIVENESS_TIMEOUT_SECS
+    liveness = seconds("FLODL_LIVENESS_TIMEOUT_SECS", default_timeout)
     startup = max(liveness, seconds("FLODL_LIVENESS_STARTUP_SECS", DEFAULT_LIVENESS_STARTUP_SECS))
     interval = seconds("FLODL_HEARTBEAT_INTERVAL_SECS", DEFAULT_HEARTBEAT_INTERVAL_SECS)
     planes: list[DataPlane] = []
@@ -445,6 +471,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             )
             plane.start()
             planes.append(plane)
+            controller.round_in_progress = plane.round_in_progress
         if planes and phase in TERMINAL_PHASES:
             task = asyncio.get_running_loop().create_task(planes[0].close())
             _closing.add(task)

@@ -61,8 +61,19 @@ from flodld.membership.rootcause import Failure
 from flodld.membership.snapshot import LinkState, RankExit, RootCause, RunRecord
 from flodld.membership.switch import Armed, forbidden, start_credential, token_matches
 from flodld.membership.window import JoinWindow, LinkOutcome, MemberView
+from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.join import (
+    Abort,
+    Accept,
+    Hello,
+    KillRank,
+    RankExited,
+    Reject,
+    RelaySpec,
+    WorldEnvelope,
+    WorldFormed,
+)
 from flodld.wire.magic import Channel
 from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt, salt_from_hex, salt_to_hex
 
@@ -193,6 +204,8 @@ class Controller:
         )
         self.store = StoreService(self.run_id, self.salt, self.counters)
         self.run_metrics = RunMetrics()  # the data plane's tally of this run (/metrics)
+        # The averaging round in progress (the data plane sets it when it is built): named with each loss.
+        self.round_in_progress: Callable[[int], int | None] = lambda rank: None
         self.window: JoinWindow | None = None
         self.address: tuple[str, int] | None = None
         self._links: dict[str, HostLink] = {}
@@ -640,13 +653,22 @@ class Controller:
                 tail=report.tail if report is not None else None,
             )
         # After the verdict: recorded for state.json (and the root cause) only.
-        window.rank_exited(rank, code, self.clock(), failure=failure)
+        window.rank_exited(rank, code, self.clock(), failure=failure, in_round=self.round_in_progress(rank))
         if not decided:
             self._settle()
 
+    @property
+    def survives_rank_loss(self) -> bool:
+        """The run averages through the relays and tolerates losses: a rank can be lost without its host
+        (the relays fold it out of the rounds; docs/elastic-averaging.md).
+        """
+        return self.options.cpu_averaging and self.options.tolerance > 0
+
     def rank_lost(self, rank: int, why: str) -> None:
-        """A subsystem (the data plane's liveness) declared `rank` dead: its host counts as lost, so its
-        unreported ranks fail the run beyond the tolerance, and the reason names the host.
+        """A subsystem (the data plane's liveness) declared `rank` dead. In a run that survives a rank's loss
+        only the rank is lost: it counts as failed, and its agent is told to dump its stack and kill it
+        (KillRank). Otherwise its host counts as lost, so its unreported ranks fail the run beyond the
+        tolerance, and the reason names the host.
         """
         window = self.window
         if window is None or window.world is None or window.phase in TERMINAL_PHASES:
@@ -658,7 +680,17 @@ class Controller:
         if rank in window.rank_exits:
             return  # it already reported its exit; the silence is the exit
         log.warning("event=rank_lost host=%s rank=%d why=%r", host, rank, why)
-        window.host_closed(host, self.clock(), lost=True, why=why)
+        if self.survives_rank_loss:
+            window.rank_declared_dead(rank, self.clock(), why=why, in_round=self.round_in_progress(rank))
+            link = self._links.get(host)
+            if link is not None and not link.closed.is_set() and window.phase not in TERMINAL_PHASES:
+                try:
+                    link.stream.send_nowait(KillRank(rank=rank, reason=why[:1024]))
+                    self.counters.frame_out(JOIN_CHANNEL, 0)
+                except (OSError, WireError) as error:
+                    log.warning("event=kill_rank_unsent host=%s rank=%d error=%r", host, rank, str(error))
+        else:
+            window.host_closed(host, self.clock(), lost=True, why=why)
         self._settle()
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
@@ -745,7 +777,11 @@ class Controller:
         assert self.address is not None
         port = self.address[1]
         return RelaySpec(
-            data_port=port, control_port=port, fold=self.options.fold, cadence=self.options.cadence
+            data_port=port,
+            control_port=port,
+            fold=self.options.fold,
+            cadence=self.options.cadence,
+            tolerance=self.options.tolerance,
         )
 
     async def _ship(self, world: World) -> None:

@@ -21,7 +21,7 @@ import os
 import runpy
 import sys
 
-from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment
+from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment, register_stack_dump
 from flodld.rank.warm import MAX_HANDOFF_BYTES, WARM_FLAG, HandoffError, decode_handoff
 
 
@@ -32,6 +32,7 @@ def main(argv: list[str]) -> None:
         sys.stderr.write("usage: python -m flodld.launcher.rank SCRIPT.py [ARGS]\n")
         sys.exit(2)
     claim_salt()
+    register_stack_dump()  # where it was, when the agent asks (a rank declared dead)
     if in_flodld_rank() and os.environ.get("FLODL_RELAY_PORT"):
         from flodld.rank.relay_client import connect_relay  # loads torch: only in a rank that has a relay
 

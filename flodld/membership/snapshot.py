@@ -75,6 +75,18 @@ class RankExit(_Model):
     code: int
 
 
+class RankLossState(_Model):
+    """A rank the run lost and survived (docs/elastic-averaging.md), or one of those that failed it."""
+
+    rank: int
+    host: str
+    cause: str = Field(description="How it was lost: its exit, a heartbeat silence, its host's loss.")
+    round: int | None = Field(
+        default=None, description="The averaging round in progress when it was lost (null: none, or unknown)."
+    )
+    at_secs: float = Field(description="When, in seconds since the window opened.")
+
+
 class RootCause(_Model):
     """The run's first observed failure, across hosts (flodld/membership/rootcause.py has the rules): the
     earliest non-zero rank exit that was not a consequence of our own teardown (a rank the agent TERMed
@@ -259,6 +271,11 @@ class StateSnapshot(_Model):
         default=None,
         description="The first observed rank failure across hosts, with its exception and output tail; null "
         "while no rank failed on its own.",
+    )
+    losses: list[RankLossState] = Field(
+        default_factory=list,
+        description="Every rank lost, in rank order: host, cause and round (a run with a tolerance goes on "
+        "without them and ends `done (degraded: …)`).",
     )
     attempt: AttemptState | None = Field(
         default=None,

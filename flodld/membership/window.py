@@ -52,6 +52,27 @@ class LinkEnded:
 
 
 @dataclass(frozen=True)
+class RankLoss:
+    """One lost rank (state.json `losses`): who, where, why, and the averaging round in progress (None when
+    the run does not average through the relays, or none had started).
+    """
+
+    rank: int
+    host: str
+    cause: str
+    at_secs: float  # since the window opened
+    round: int | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "cause": self.cause, "round": self.round,
+                "at_secs": round(self.at_secs, 3)}  # fmt: skip
+
+    def sentence(self) -> str:
+        where = f" in round {self.round}" if self.round is not None else ""
+        return f"rank {self.rank} on {self.host!r} {self.cause}{where}"
+
+
+@dataclass(frozen=True)
 class MemberView:
     """Every member as it stood at one instant (`JoinWindow.member_view`): rows encoded from it later, page by
     page, agree with each other and with the counts built at that instant.
@@ -110,6 +131,8 @@ class JoinWindow:
         # in `final_reason`, after whatever verdict the run got.
         self.loss_reasons: dict[str, str] = {}
         self._link_losses: set[str] = set()
+        # rank -> how it was lost (first cause only): state.json `losses`, and the degraded verdict's names.
+        self.losses: dict[int, RankLoss] = {}
 
     # --- the window --------------------------------------------------------------------------------
 
@@ -223,6 +246,31 @@ class JoinWindow:
         self._set_link(host, LinkState.LOST if lost else LinkState.CLOSED)
         if lost and why:
             self.loss_reasons.setdefault(host, why)
+        if lost:
+            cause = f"lost with its host: {self.loss_reasons.get(host) or why or 'the host link broke'}"
+            for rank in self._unreported(host):
+                self.record_loss(rank, cause, now)
+        return self._settle_training(now)
+
+    def record_loss(self, rank: int, cause: str, now: float, *, in_round: int | None = None) -> None:
+        """Note how `rank` was lost (the first cause stays): state.json `losses` and the verdict name it."""
+        if self.world is None or rank in self.losses:
+            return
+        host = next((h for h, ranks in self.world.ranks.items() if rank in ranks), "?")
+        self.losses[rank] = RankLoss(rank, host, cause, self.elapsed(now), in_round)
+        self._changes += 1
+
+    def rank_declared_dead(self, rank: int, now: float, *, why: str, in_round: int | None = None) -> Phase:
+        """A rank silent past the heartbeat timeout, in a run that can lose a rank without its host (the
+        averaging folds it out): the rank counts as failed, its host stays; beyond the tolerance the run
+        fails. Its exit report, when the agent has killed it, changes nothing more.
+        """
+        if self.world is None or not 0 <= rank < self.world.world_size:
+            raise ValueError(f"rank {rank} is not in the formed world (world size {self.world_size()})")
+        if self.phase in TERMINAL_PHASES or rank in self.rank_exits:
+            return self.phase
+        self.record_loss(rank, f"declared dead: {why}", now, in_round=in_round)
+        self._failed.add(rank)
         return self._settle_training(now)
 
     def link_ended(self, host: str, now: float, *, clean: bool, why: str) -> LinkEnded:
@@ -248,7 +296,9 @@ class JoinWindow:
         self.host_closed(host, now, lost=lost)
         return LinkEnded(LinkOutcome.LOST if lost else LinkOutcome.CLOSED, unreported, why)
 
-    def rank_exited(self, rank: int, code: int, now: float, *, failure: Failure | None = None) -> Phase:
+    def rank_exited(
+        self, rank: int, code: int, now: float, *, failure: Failure | None = None, in_round: int | None = None
+    ) -> Phase:
         """A rank's exit code arrived; failures beyond the tolerance fail the run.
 
         After the verdict the code is still recorded (state.json then shows how every rank
@@ -267,6 +317,7 @@ class JoinWindow:
         self.rank_exits[rank] = code
         if code != 0:
             self._failed.add(rank)
+            self.record_loss(rank, f"exited with {_describe_exit(code)}", now, in_round=in_round)
         else:  # a clean exit counts as success, even from a host whose link was since lost
             self._failed.discard(rank)
         return self._settle_training(now)
@@ -359,6 +410,7 @@ class JoinWindow:
             "refused": dict(sorted(ledger.refused_counts.items())),
             "rank_exits": [{"rank": r, "code": c} for r, c in sorted(self.rank_exits.items())],
             "root_cause": self.root_cause.state(),
+            "losses": [loss.state() for _, loss in sorted(self.losses.items())],
         }
 
     def member_view(self) -> MemberView:
@@ -433,9 +485,15 @@ class JoinWindow:
             )
         elif self._open_links == 0:
             failed = self.failed_ranks()
-            degraded = f" (degraded: ranks {failed} lost)" if failed else ""
+            named = "; ".join(self.losses[rank].sentence() for rank in failed if rank in self.losses)
+            degraded = f" (degraded: ranks {failed} lost{': ' + named if named else ''})" if failed else ""
             self._apply(Event.LINKS_CLOSED, f"every host link closed{degraded}")
         return self.phase
+
+
+def _describe_exit(code: int) -> str:
+    """'code 3' or 'signal 9' (negative codes are signals, as subprocess reports them)."""
+    return f"signal {-code}" if code < 0 else f"code {code}"
 
 
 def _remaining(limit: float, elapsed: float) -> float | None:

@@ -22,6 +22,12 @@ their collectives). Before depositing, each call waits until the rank's previous
 round started by one stream (an async step still in flight) never overlaps the next one (the relay
 takes round r + 1 from a rank only once round r is complete).
 
+Losses (docs/elastic-averaging.md): in a run with a tolerance, a rank that dies or is declared dead is
+folded out of the round in progress and every later one; the survivors' result is the mean over those
+who deposited (the weights renormalize), the same bytes on every survivor. `membership()` says who
+averaged in the last completed round, this rank's index among them and an epoch that changes with them,
+so a loop can reshard its data.
+
 Outside a flodld run (a plain `python train.py`) every mode returns the tensors unchanged: the
 average of a world of one.
 """
@@ -37,7 +43,16 @@ import torch
 from flodld.config.fields import AveragingMode
 from flodld.fold.base import Bundle
 from flodld.rank.env import in_flodld_rank, read_rank_environment
-from flodld.rank.relay_client import RelayClient, relay_client
+from flodld.rank.relay_client import Membership, RelayClient, relay_client
+
+__all__ = [
+    "AVERAGING_MODES",
+    "Averager",
+    "Membership",
+    "all_average",
+    "elastic_update",
+    "membership",
+]
 
 AVERAGING_MODES: Final = tuple(mode.value for mode in AveragingMode.cpu_modes())
 DEFAULT_ASYNC_ALPHA: Final = 0.5
@@ -142,6 +157,11 @@ class Averager:
             self._client = relay_client()
 
     @property
+    def membership(self) -> Membership:
+        """Who averaged in the last completed round (see `membership()`)."""
+        return membership(self._client)
+
+    @property
     def pending_round(self) -> int | None:
         """cpu_async: the round deposited and not yet applied, or None."""
         return self._pending[0] if self._pending is not None else None
@@ -200,3 +220,18 @@ def all_average(
             return tuple(tensors)
         client = relay_client()
     return client.wait_round(_deposit_in_turn(client, tensors, weight=weight, fold=fold))
+
+
+def membership(client: RelayClient | None = None) -> Membership:
+    """Who averages, as of the last completed round: `members` (global ranks), this rank's `index` among
+    them, their `size`, and an `epoch` that grows by one whenever the set changes. Before the first round:
+    every rank of the formed world, epoch 0. Outside a flodld run: a world of one.
+
+    A loop that shards its data by member checks `epoch` after each averaging call and reshards on a
+    change (docs/elastic-averaging.md has the pattern).
+    """
+    if client is None:
+        if not in_flodld_rank():
+            return Membership(0, (0,), 0)
+        client = relay_client()
+    return client.membership

@@ -11,6 +11,7 @@ the run's master key. From then on it lives only in this module.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, TypeVar
@@ -34,6 +35,23 @@ HEARTBEAT_INTERVAL: Final = "FLODL_HEARTBEAT_INTERVAL_SECS"
 
 DEFAULT_LIVENESS_TIMEOUT_SECS: Final = 30.0
 DEFAULT_HEARTBEAT_INTERVAL_SECS: Final = 1.0
+
+STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
+"""A rank started by `python -m flodld.launcher.rank` dumps every thread's Python stack to its stderr on this
+signal (`faulthandler.register`): the agent sends it, then CONT, to a rank the controller declared dead, so
+a hung or stopped rank's log says where it was (docs/elastic-averaging.md)."""
+
+
+def register_stack_dump() -> None:
+    """Dump every thread's stack to stderr on STACK_DUMP_SIGNAL, from faulthandler's C handler, so a rank
+    stuck in a C call or stopped (then continued) still answers. Not chained: the signal's default action
+    would end the rank; a program that installs its own handler for it replaces this one.
+    """
+    import faulthandler
+    import sys
+
+    if sys.stderr is not None:
+        faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 # The salt once claimed from os.environ (hex, as the agent wrote it); None until then.

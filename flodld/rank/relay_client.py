@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +61,29 @@ Result = Broadcast | ShmResult
 
 class RelayClientError(RuntimeError):
     """The data plane refused a deposit or went away; the message says why."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who averages, as of the last completed round (docs/elastic-averaging.md): the ranks whose deposits
+    the round's result holds, this rank's index among them, and an epoch that grows by one whenever that
+    set changes (a rank lost, or, later, one admitted). A training loop that shards its data by member
+    reshards when `epoch` changes; `index` and `size` are what it shards by (not RANK and WORLD_SIZE,
+    which stay the formed world's).
+    """
+
+    epoch: int
+    members: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def index(self) -> int:
+        """This rank's position among the members (its shard); -1 if it is not among them."""
+        return self.members.index(self.rank) if self.rank in self.members else -1
 
 
 def _open_leg(env: RankEnvironment, channel: Channel) -> BlockingChannel:
@@ -103,6 +127,7 @@ class RelayClient:
         # The newest result of any round, for diagnostics (which round, who contributed): never a call's
         # value, which `wait_round` takes by its round number.
         self.latest: tuple[Result, Bundle] | None = None
+        self._membership = Membership(0, tuple(range(env.world_size)), env.rank)
         self._error: str | None = None
         self.refused = 0
         self.chunk_bytes = chunk_bytes_from_env()
@@ -115,6 +140,9 @@ class RelayClient:
         self._shm_reply: ShmAccepted | ShmRefused | None = None
         self._spare = Prefaulted()  # result memory made ready by `reserve`
         self._closing = False
+        # A first sign of life now, not one interval later: the controller's liveness holds a rank never
+        # heard from to the long startup grace, and a rank that stops early must be declared dead in time.
+        self.control.send(Heartbeat(rank=env.rank, step=self.step))
         for target, name in (
             (self._read_data, "data"),
             (self._watch_control, "control"),
@@ -285,6 +313,12 @@ class RelayClient:
             if not ok:
                 raise TimeoutError(f"no broadcast for round {round_number} within {timeout}s")
 
+    @property
+    def membership(self) -> Membership:
+        """Who averaged in the last completed round (every rank of the world before the first)."""
+        with self._changed:
+            return self._membership
+
     def latest_completed_round(self) -> int:
         """The newest round whose result is in (every earlier one is in too); -1 before the first."""
         with self._changed:
@@ -316,6 +350,10 @@ class RelayClient:
                         self._results[message.round] = (message, tensors)
                         self._arrived = max(self._arrived, message.round)
                         self.latest = (message, tensors)
+                        members = tuple(sorted(message.contributors))
+                        if members and members != self._membership.members:
+                            epoch = self._membership.epoch + 1
+                            self._membership = Membership(epoch, members, self.env.rank)
                         # A deposited round's result waits for its caller; one this client did not
                         # deposit (a hand-made frame) is kept a while for a raw `wait_round`.
                         for stale in [

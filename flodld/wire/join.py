@@ -180,6 +180,9 @@ class RelaySpec(WireModel):
     control_port: Port
     fold: Name
     cadence: Annotated[int, Field(ge=1, le=2**31)]
+    # Rank failures the run survives (docs/elastic-averaging.md): above 0 the agent keeps a failed rank's
+    # host-mates running (the averaging folds the loss out) and the controller decides when too many failed.
+    tolerance: Annotated[int, Field(ge=0, le=2**31)] = 0
 
 
 @register(0x0104)
@@ -210,4 +213,15 @@ class RankExited(Message):
 
 @register(0x0106)
 class Abort(Message):
+    reason: Reason
+
+
+@register(0x0107)
+class KillRank(Message):
+    """The controller declared one of this host's ranks dead (silent past the heartbeat timeout) in a run
+    that survives it: the agent has the rank dump its Python stack (faulthandler) and kills it. The rank's
+    exit is reported as any other (RankExited), its output tail carrying the dump.
+    """
+
+    rank: Rank
     reason: Reason

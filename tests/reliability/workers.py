@@ -103,9 +103,12 @@ class Run:
         *,
         wrapper: tuple[str, ...] = (),
         controller_host: str = "127.0.0.1",
+        program: Path = PROGRAM,
         **env: str,
     ) -> AgentProcess:
-        """Start the fault program in agent role; `wrapper` prefixes the command (e.g. `ip netns exec NS`)."""
+        """Start `program` (default: the fault program) in agent role; `wrapper` prefixes the command (e.g.
+        `ip netns exec NS`).
+        """
         spec = AgentSpec(
             host=host,
             controller_host=controller_host,
@@ -116,7 +119,7 @@ class Run:
             grace_secs=2.0,
         )
         environ = {**os.environ, **FAST_ENV, **env, MARK: self.mark}
-        process = await start_agent(PROGRAM, spec, environ, *wrapper)
+        process = await start_agent(program, spec, environ, *wrapper)
         agent = AgentProcess(host, process)
         agent.reader = asyncio.get_running_loop().create_task(agent.collect())
         self.agents.append(agent)

@@ -3,14 +3,18 @@ from __future__ import annotations
 from flodld.agent.supervision import (
     AbortReceived,
     CloseLink,
+    DumpStack,
     ExitDetail,
     Finish,
     GraceExpired,
     KillAll,
+    KillOne,
     LinkLost,
+    RankDeclaredDead,
     RankExit,
     RelayExit,
     ReportRankExit,
+    StackGraceExpired,
     Supervisor,
     SupervisorState,
     TerminateAll,
@@ -96,3 +100,45 @@ def test_a_rank_that_failed_before_an_abort_arrived_is_not_marked_as_its_victim(
     supervisor.handle(AbortReceived("1 of 4 ranks failed"), now=5.0)
     assert supervisor.handle(RankExit(1, 1, at=4.9), now=5.01)[0] == ReportRankExit(1, 1, torn_down=False)
     assert supervisor.handle(RankExit(0, -15, at=5.02), now=5.02)[0] == ReportRankExit(0, -15, torn_down=True)
+
+
+def test_a_run_that_tolerates_losses_keeps_a_failed_ranks_host_mates_running() -> None:
+    supervisor = Supervisor("h", [0, 1, 2], has_relay=True, tolerance=1)
+    assert supervisor.handle(RankExit(1, -9)) == [ReportRankExit(1, -9)]
+    assert supervisor.state is SupervisorState.RUNNING
+    assert supervisor.handle(RankExit(0, 0)) == [ReportRankExit(0, 0)]
+    assert supervisor.handle(RankExit(2, 0)) == [ReportRankExit(2, 0), TerminateRelay()]
+    final = supervisor.handle(RelayExit(0))
+    assert final == [
+        CloseLink(),
+        Finish(1, "host 'h' finished without rank 1 (signal 9): its other ranks ran on"),
+    ]
+
+
+def test_the_controllers_abort_still_tears_a_tolerant_host_down() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=True, tolerance=1)
+    assert supervisor.handle(RankExit(0, 3)) == [ReportRankExit(0, 3)]
+    assert supervisor.handle(AbortReceived("2 of 3 ranks failed")) == [
+        TerminateAll("abort from the controller: 2 of 3 ranks failed")
+    ]
+
+
+def test_without_a_relay_a_tolerance_cannot_keep_host_mates() -> None:
+    """A process group cannot lose a member: its survivors would hang in their next collective."""
+    supervisor = Supervisor("h", [0, 1], has_relay=False, tolerance=1)
+    assert supervisor.handle(RankExit(0, 3)) == [
+        ReportRankExit(0, 3),
+        TerminateAll("rank 0 exited with code 3"),
+    ]
+
+
+def test_a_rank_declared_dead_dumps_its_stack_once_then_is_killed_after_the_grace() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=True, tolerance=1)
+    assert supervisor.handle(RankDeclaredDead(1, "silent for 5s")) == [DumpStack(1, "silent for 5s")]
+    assert supervisor.handle(RankDeclaredDead(1, "silent for 5s")) == []  # asked once
+    assert supervisor.handle(StackGraceExpired(1)) == [KillOne(1)]
+    assert supervisor.handle(RankExit(1, -9)) == [ReportRankExit(1, -9)]
+    assert supervisor.handle(StackGraceExpired(1)) == []  # gone: nothing to kill
+    assert supervisor.handle(RankDeclaredDead(0, "x")) == [DumpStack(0, "x")]
+    assert supervisor.handle(RankExit(0, -9)) == [ReportRankExit(0, -9), TerminateRelay()]
+    assert supervisor.handle(StackGraceExpired(0)) == []

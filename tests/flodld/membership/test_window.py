@@ -163,6 +163,48 @@ def test_rank_failure_within_tolerance_finishes_degraded() -> None:
     assert "degraded" in w.reason
 
 
+def test_a_degraded_run_names_each_lost_rank_its_host_cause_and_round() -> None:
+    w = window(["a", "b"], capacity=3, tolerance=1)
+    join(w, "a", devices=2)
+    join(w, "b")
+    run_to_training(w)
+    assert w.rank_exited(1, -9, T0 + 5, in_round=7) is Phase.TRAINING
+    w.rank_exited(0, 0, T0 + 6)
+    w.rank_exited(2, 0, T0 + 6)
+    w.host_closed("a", T0 + 6)
+    assert w.host_closed("b", T0 + 6) is Phase.DONE
+    assert w.reason == (
+        "every host link closed (degraded: ranks [1] lost: rank 1 on 'a' exited with signal 9 in round 7)"
+    )
+    assert w.state(T0 + 7)["losses"] == [
+        {"rank": 1, "host": "a", "cause": "exited with signal 9", "round": 7, "at_secs": 5.0}
+    ]
+    assert [loss.rank for loss in w.snapshot(T0 + 7).losses] == [1]
+
+
+def test_a_rank_declared_dead_fails_alone_and_beyond_the_tolerance_fails_the_run() -> None:
+    w = window(["a", "b"], capacity=3, tolerance=1)
+    join(w, "a", devices=2)
+    join(w, "b")
+    run_to_training(w)
+    assert w.rank_declared_dead(0, T0 + 5, why="silent for 5s", in_round=3) is Phase.TRAINING
+    assert w.links["a"] is LinkState.OPEN  # its host stays
+    w.rank_exited(0, -9, T0 + 6)  # the agent killed it: nothing more
+    assert w.losses[0].cause == "declared dead: silent for 5s"
+    assert w.rank_exited(2, 1, T0 + 7) is Phase.FAILED
+    assert "2 of 3 ranks failed (ranks [0, 2]), over the tolerance of 1" in w.reason
+
+
+def test_a_lost_hosts_unreported_ranks_are_named_with_its_cause() -> None:
+    w = window(["a", "b"], tolerance=1)
+    join(w, "a")
+    join(w, "b")
+    run_to_training(w)
+    w.link_ended("b", T0 + 5, clean=False, why="connection reset")
+    assert w.phase is Phase.TRAINING
+    assert w.losses[1].sentence() == "rank 1 on 'b' lost with its host: connection reset"
+
+
 def test_a_link_lost_before_its_ranks_reported_counts_them_failed() -> None:
     w = training_window()
     assert w.disconnect("b", T0 + 5) == (1,)

@@ -12,7 +12,17 @@ from pydantic import ValidationError
 
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
-from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.join import (
+    Abort,
+    Accept,
+    Hello,
+    KillRank,
+    RankExited,
+    Reject,
+    RelaySpec,
+    WorldEnvelope,
+    WorldFormed,
+)
 from flodld.wire.messages import Message, decode_message, encode_message
 from tests.flodld.wire.conftest import connected_pair
 
@@ -85,10 +95,11 @@ def test_every_join_message_round_trips_through_a_frame(message: Message) -> Non
 
 
 def test_join_kinds_are_pinned() -> None:
-    kinds = {cls.__name__: cls.KIND for cls in (Hello, Accept, Reject, WorldFormed, RankExited, Abort)}
+    classes = (Hello, Accept, Reject, WorldFormed, RankExited, Abort, KillRank)
+    kinds = {cls.__name__: cls.KIND for cls in classes}
     assert kinds == {
         "Hello": 0x0101, "Accept": 0x0102, "Reject": 0x0103,
-        "WorldFormed": 0x0104, "RankExited": 0x0105, "Abort": 0x0106,
+        "WorldFormed": 0x0104, "RankExited": 0x0105, "Abort": 0x0106, "KillRank": 0x0107,
     }  # fmt: skip
 
 

@@ -1,0 +1,58 @@
+"""The elastic averaging program: every rank averages a known bundle through the relays, round after round.
+
+Agent and relay roles exit inside `flodld.run` before torch is imported; ranks use no process group (a
+process group cannot lose a member). Round r's bundle of rank k is `arange(4) + 1000 k + r` in float64, so
+every mean over any set of members is exact up to one correctly rounded division, and the test recomputes
+it. Each rank prints one line per round: the members of that round, the membership epoch, its index, the
+mean, and the mean's SHA-256. ELASTIC_STALL_RANK stops before depositing round ELASTIC_STALL_ROUND (in
+`stall_here`, which a stack dump names), so a test can kill or stop it while the others wait in that round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import flodld
+
+
+def stall_here() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+def main() -> int:
+    import torch
+
+    from flodld.rank.averaging import all_average, membership
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    rounds = int(os.environ.get("ELASTIC_ROUNDS", "10"))
+    stall = (int(os.environ.get("ELASTIC_STALL_RANK", "-1")), int(os.environ.get("ELASTIC_STALL_ROUND", "3")))
+    for number in range(rounds):
+        if (rank, number) == stall:
+            print(f"elastic-rank {rank} stalls before round {number}", flush=True)
+            stall_here()
+        bundle = torch.arange(4, dtype=torch.float64) + 1000 * rank + number
+        (mean,) = all_average([bundle])
+        seen = membership()
+        line = {
+            "rank": rank,
+            "round": number,
+            "members": list(seen.members),
+            "epoch": seen.epoch,
+            "index": seen.index,
+            "mean": mean.tolist(),
+            "sha256": hashlib.sha256(mean.numpy().tobytes()).hexdigest(),
+        }
+        print(f"elastic-round {json.dumps(line)}", flush=True)
+        time.sleep(0.05)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(flodld.run(main, init_process_group=False))

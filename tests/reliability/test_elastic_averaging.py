@@ -1,0 +1,153 @@
+"""Losses under `cpu_sync` averaging with a tolerance: real agents, relays and ranks against an in-process
+controller (docs/elastic-averaging.md).
+
+The world is host `a` with ranks 0 and 1 and host `b` with rank 2, tolerance 1. Rank 1 (or host `b`) is
+taken out while the others wait in round STALL_ROUND for it. Every test checks, from the ranks' own
+lines, that each round's result is the mean over exactly the ranks that round lists (recomputed here),
+that every survivor holds the same bytes after each round, that the lost rank is in no later round, and
+that the membership epoch and index followed; then the verdict and state.json's `losses`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flodld.config.join import JoinConfig
+from flodld.membership.phase import Phase
+
+from .workers import AgentProcess, Run, fault_options, fault_run
+
+pytestmark = pytest.mark.multiproc
+
+PROGRAM = Path(__file__).with_name("elastic_program.py")
+ROUNDS = 8
+STALL_ROUND = 3
+FORMATION_BOUND_SECS = 90.0  # three torch imports on a loaded 2-core machine
+RUN_BOUND_SECS = 60.0
+# Scaled by FLODL_NET_TIMEOUT_SCALE=0.2 (the ranks' environment, and this process's: the controller's): a
+# silent rank is declared dead after 3 s, and a rank gives up on a silent controller after 3 s.
+LIVENESS_ENV = {"FLODL_LIVENESS_TIMEOUT_SECS": "15"}
+
+
+@pytest.fixture(autouse=True)
+def _scaled_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.2")
+
+
+def _options(tolerance: int = 1) -> Any:  # noqa: ANN401  ControllerOptions
+    base = fault_options()
+    return fault_options(
+        capacity=3,
+        tolerance=tolerance,
+        join=JoinConfig(join_timeout=60, target_ranks=3, min_rank_start=3),
+        env={**base.env, **LIVENESS_ENV},
+    )
+
+
+async def _start(run: Run, **env: str) -> tuple[AgentProcess, AgentProcess]:
+    stall = {"ELASTIC_ROUNDS": str(ROUNDS), "ELASTIC_STALL_ROUND": str(STALL_ROUND), **env}
+    a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)
+    b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **stall)
+    return a, b
+
+
+def _rounds(*agents: AgentProcess) -> dict[int, dict[int, dict[str, Any]]]:
+    """The ranks' round lines, by rank and round."""
+    found: dict[int, dict[int, dict[str, Any]]] = {}
+    for agent in agents:
+        for match in re.finditer(r"elastic-round (\{.*\})$", agent.output, re.MULTILINE):
+            line = json.loads(match[1])
+            found.setdefault(line["rank"], {})[line["round"]] = line
+    return found
+
+
+def _check_rounds(
+    rounds: dict[int, dict[int, dict[str, Any]]], survivors: list[int], lost: list[int]
+) -> None:
+    everyone = sorted(survivors + lost)
+    for rank in survivors:
+        assert sorted(rounds[rank]) == list(range(ROUNDS)), (rank, sorted(rounds[rank]))
+    for number in range(ROUNDS):
+        lines = [rounds[rank][number] for rank in survivors]
+        members = lines[0]["members"]
+        # Every survivor holds the same bytes, and the round lists the same members for each.
+        assert {line["sha256"] for line in lines} == {lines[0]["sha256"]}, (number, lines)
+        assert all(line["members"] == members for line in lines), (number, lines)
+        if number < STALL_ROUND:
+            assert members == everyone, (number, members)
+        else:  # the round the loss happened in, and every later one, is the survivors'
+            assert members == survivors, (number, members)
+        # The weights renormalized: the mean over exactly these members, recomputed.
+        reference = sum(torch.arange(4, dtype=torch.float64) + 1000 * m + number for m in members) / len(
+            members
+        )
+        assert torch.equal(torch.tensor(lines[0]["mean"], dtype=torch.float64), reference), (number, lines)
+        for line in lines:
+            assert line["epoch"] == (0 if number < STALL_ROUND else 1), line
+            assert line["index"] == members.index(line["rank"]), line
+    for rank in lost:
+        assert max(rounds.get(rank, {0: None}), default=-1) < STALL_ROUND
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+async def test_a_rank_lost_mid_round_is_folded_out_and_its_host_mate_trains_on(fault: str) -> None:
+    async with fault_run(_options()) as run:
+        a, b = await _start(run, ELASTIC_STALL_RANK="1")
+        await a.wait_for("elastic-rank 1 stalls before round", FORMATION_BOUND_SECS)
+        victim = run.find(RANK="1")
+        os.kill(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        faulted = time.monotonic()
+        try:
+            result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        except TimeoutError:
+            raise AssertionError(f"no verdict:\n{a.output[-4000:]}\n{b.output[-2000:]}") from None
+        print(f"{fault}: run ended {time.monotonic() - faulted:.2f}s after the fault: {result.reason}")
+        assert result.verdict is Phase.DONE, (result, a.output[-3000:])
+        assert "degraded: ranks [1] lost: rank 1 on 'a'" in result.reason, result.reason
+        _check_rounds(_rounds(a, b), survivors=[0, 2], lost=[1])
+        body = run.state()
+        (loss,) = body["losses"]
+        assert (loss["rank"], loss["host"], loss["round"]) == (1, "a", STALL_ROUND), loss
+        if fault == "kill":
+            assert loss["cause"] == "exited with signal 9", loss
+        else:
+            # Declared dead by its silence, its stack dumped by the agent (the frame it stalled in), killed.
+            assert loss["cause"].startswith("declared dead: rank 1 on 'a' sent no heartbeat for 3s"), loss
+            assert "rank 1 declared dead by the controller" in a.output, a.output[-3000:]
+            stack = r'File ".*elastic_program\.py", line \d+ in stall_here'
+            assert re.search(stack, a.output), a.output[-3000:]
+        await run.until_no_processes(10)
+
+
+async def test_a_host_killed_mid_round_leaves_the_others_averaging() -> None:
+    async with fault_run(_options()) as run:
+        a, b = await _start(run, ELASTIC_STALL_RANK="2")
+        await b.wait_for("elastic-rank 2 stalls before round", FORMATION_BOUND_SECS)
+        b.process.send_signal(signal.SIGKILL)  # the agent; its relay and rank die with it (PDEATHSIG)
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, a.output[-3000:])
+        assert "degraded: ranks [2] lost: rank 2 on 'b' lost with its host" in result.reason, result.reason
+        _check_rounds(_rounds(a), survivors=[0, 1], lost=[2])
+        assert run.state()["losses"][0]["host"] == "b"
+        await run.until_no_processes(10)
+
+
+async def test_losses_beyond_the_tolerance_fail_the_run() -> None:
+    async with fault_run(_options()) as run:
+        a, _ = await _start(run, ELASTIC_STALL_RANK="1")
+        await a.wait_for("elastic-rank 1 stalls before round", FORMATION_BOUND_SECS)
+        a.process.send_signal(signal.SIGKILL)  # two ranks with a tolerance of one
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.FAILED, result
+        assert "2 of 3 ranks failed (ranks [0, 1]), over the tolerance of 1" in result.reason, result.reason
+        await run.until_no_processes(10)
