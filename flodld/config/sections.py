@@ -32,6 +32,8 @@ DEFAULT_CONTROLLER_PORT = 1337
 
 ControllerPort = Annotated[int, Field(strict=True, ge=0, le=65535)]
 InterfaceName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")]
+TolerancePercent = Annotated[str, StringConstraints(pattern=r"^(100|[0-9]{1,2})(\.[0-9]{1,3})?%$")]
+"""A share of the formed world, as floDl's `max_failure`: "25%" of 8 ranks survives 2 failures."""
 
 
 class ControllerConfig(BaseModel):
@@ -53,6 +55,18 @@ class ControllerConfig(BaseModel):
     """`flodld serve`: pause between one run's verdict and the next run's window."""
     history_runs: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 50
     """`flodld serve`: finished runs kept in state.json `history`."""
+    tolerance: Annotated[int, Field(strict=True, ge=0, le=2**31)] | TolerancePercent = 0
+    """Rank failures the run survives: a count, or "N%" of the formed world (rounded down)."""
+
+    @property
+    def tolerance_count(self) -> int | None:
+        """The tolerance as a count of ranks; None when it is a share of the world."""
+        return self.tolerance if isinstance(self.tolerance, int) else None
+
+    @property
+    def tolerance_percent(self) -> float | None:
+        """The tolerance as a percentage of the formed world; None when it is a count."""
+        return float(self.tolerance[:-1]) if isinstance(self.tolerance, str) else None
 
     @property
     def effective_cadence(self) -> int:

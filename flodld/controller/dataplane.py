@@ -440,10 +440,16 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
         return value if name == "FLODL_HEARTBEAT_INTERVAL_SECS" else scaled(value)
 
-    elastic = controller.survives_rank_loss
-    default_timeout = DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS if elastic else DEFAULT_LIVENESS_TIMEOUT_SECS
-    liveness = seconds("FLODL_LIVENESS_TIMEOUT_SECS", default_timeout)
-    startup = max(liveness, seconds("FLODL_LIVENESS_STARTUP_SECS", DEFAULT_LIVENESS_STARTUP_SECS))
+    # Read (and refused if malformed) now; which default applies is known once the world formed (a
+    # tolerance given as a share of the world is a count only then).
+    timeouts = {
+        elastic: seconds("FLODL_LIVENESS_TIMEOUT_SECS", default)
+        for elastic, default in (
+            (False, DEFAULT_LIVENESS_TIMEOUT_SECS),
+            (True, DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS),
+        )
+    }
+    startup_secs = seconds("FLODL_LIVENESS_STARTUP_SECS", DEFAULT_LIVENESS_STARTUP_SECS)
     interval = seconds("FLODL_HEARTBEAT_INTERVAL_SECS", DEFAULT_HEARTBEAT_INTERVAL_SECS)
     planes: list[DataPlane] = []
 
@@ -455,6 +461,8 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             and window.world is not None
             and controller.options.cpu_averaging
         ):
+            liveness = timeouts[controller.survives_rank_loss]
+            startup = max(liveness, startup_secs)
             plane = DataPlane(
                 controller.salt,
                 dict(window.world.ranks),

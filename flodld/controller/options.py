@@ -68,6 +68,11 @@ class ControllerOptions(BaseModel):
         (), description="The run's failed attempts before this one (state.json `attempt.earlier`)."
     )
     tolerance: Annotated[int, Field(ge=0)] = Field(0, description="Rank failures the run survives.")
+    tolerance_percent: Annotated[float, Field(ge=0, le=100)] | None = Field(
+        None,
+        description="Rank failures the run survives as a share of the formed world (rounded down); "
+        "overrides `tolerance` once the world forms.",
+    )
     start_switch: bool = Field(True, description="Offer POST /start (manual/hybrid windows).")
     magic_deadline: Annotated[float, Field(gt=0)] = 5.0
     handshake_timeout: Annotated[float, Field(gt=0)] = 10.0
@@ -166,6 +171,8 @@ class ControllerOptions(BaseModel):
             "env": dict(cluster.env),
             "between_runs_secs": controller.between_runs_secs,
             "history_runs": controller.history_runs,
+            "tolerance": controller.tolerance_count or 0,
+            "tolerance_percent": controller.tolerance_percent,
         }
         values.update(overrides)
         return cls.model_validate(values)

@@ -445,6 +445,7 @@ class Controller:
             run_id=self.run_id,
             controller=controller,
             tolerance=self.options.tolerance,
+            tolerance_percent=self.options.tolerance_percent,
             declared=self.options.declared_ranks,
         )
         self.started_at = time.time()
@@ -662,7 +663,13 @@ class Controller:
         """The run averages through the relays and tolerates losses: a rank can be lost without its host
         (the relays fold it out of the rounds; docs/elastic-averaging.md).
         """
-        return self.options.cpu_averaging and self.options.tolerance > 0
+        return self.options.cpu_averaging and self.tolerance > 0
+
+    @property
+    def tolerance(self) -> int:
+        """Rank failures the run survives: the configured count, or once the world formed, its share of it."""
+        window = self.window
+        return window.tolerance if window is not None and window.world is not None else self.options.tolerance
 
     def rank_lost(self, rank: int, why: str) -> None:
         """A subsystem (the data plane's liveness) declared `rank` dead. In a run that survives a rank's loss
@@ -781,7 +788,7 @@ class Controller:
             control_port=port,
             fold=self.options.fold,
             cadence=self.options.cadence,
-            tolerance=self.options.tolerance,
+            tolerance=self.tolerance,
         )
 
     async def _ship(self, world: World) -> None:

@@ -95,6 +95,7 @@ class JoinWindow:
         run_id: str = "",
         controller: str = "",
         tolerance: int = 0,
+        tolerance_percent: float | None = None,
         dataset_sig: str | None = None,
         model_sig: str | None = None,
         expected_run_id: str | None = None,
@@ -109,6 +110,8 @@ class JoinWindow:
         self.run_id = run_id
         self.controller = controller
         self.tolerance = tolerance
+        # A share of the world (floDl's max_failure): the count is fixed when the world forms.
+        self.tolerance_percent = tolerance_percent
         self.ledger = Ledger(
             policy, self.roster, dataset_sig=dataset_sig, model_sig=model_sig, run_id=expected_run_id,
             max_world_ranks=max_world_ranks, declared=declared,
@@ -210,6 +213,10 @@ class JoinWindow:
                 f"cannot form the world in phase {self.phase.value!r} (the verdict has not formed)"
             )
         self.world = self.ledger.freeze()
+        if self.tolerance_percent is not None:
+            # Rounded down, in integer arithmetic on the thousandths the config allows (no float edge).
+            thousandths = round(self.tolerance_percent * 1000)
+            self.tolerance = self.world.world_size * thousandths // 100_000
         self.links = {host: LinkState.OPEN for host in self.world.hosts}
         self._open_links = len(self.links)
         self._link_counts = Counter({LinkState.OPEN.value: len(self.links)})

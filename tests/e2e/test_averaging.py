@@ -129,3 +129,41 @@ def test_averaging_modes_keep_each_calls_result_and_async_converges_near_sync(tm
     for rank in (0, 1):
         weight = torch.tensor(parts["async"][rank]["weight"], dtype=torch.float64)
         assert float(torch.linalg.vector_norm(weight - sync)) <= bound, (rank, weight, sync, bound)
+
+
+def test_fdl_run_with_a_tolerance_ends_degraded_when_a_rank_dies_mid_round(tmp_path: Path) -> None:
+    """`controller.tolerance: 1` in fdl.yml: rank 1 of three on one host SIGKILLs itself before round 3; its
+    host-mates average on without it and `fdl run` reports the run done, degraded, naming the rank.
+    """
+    (tmp_path / "fdl.yml").write_text(
+        "cluster:\n"
+        "  controller:\n"
+        "    host: 127.0.0.1\n"
+        f"    port: {free_port()}\n"
+        "    averaging: cpu_sync\n"
+        "    tolerance: 1\n"
+        "  env:\n"
+        "    ELASTIC_ROUNDS: '6'\n"
+        "    ELASTIC_STALL_RANK: '1'\n"
+        "    ELASTIC_STALL_ROUND: '3'\n"
+        "    ELASTIC_CRASH: '1'\n"
+        "  workers:\n"
+        "    - host: 127.0.0.1\n"
+        '      local_devices: ["cpu:3"]\n'
+    )
+    program = Path(__file__).resolve().parents[1] / "reliability" / "elastic_program.py"
+    run = Fdl("run", "--project", str(tmp_path), str(program))
+    code = run.wait(240)
+    assert code == 0, run.output[-6000:]
+    assert "degraded: ranks [1] lost: rank 1 on '127.0.0.1' exited with signal 9 in round 3" in run.output, (
+        run.output[-6000:]
+    )
+    rounds = [json.loads(m[1]) for m in re.finditer(r"elastic-round (\{.*\})$", run.output, re.MULTILINE)]
+    assert sorted((line["rank"], line["round"]) for line in rounds) == sorted(
+        [(rank, number) for rank in (0, 2) for number in range(6)] + [(1, number) for number in range(3)]
+    )
+    for line in rounds:
+        members = [0, 1, 2] if line["round"] < 3 else [0, 2]
+        assert (line["members"], line["epoch"]) == (members, 0 if line["round"] < 3 else 1), line
+        mean = 1000 * sum(members) / len(members) + line["round"]  # exact: the sums are small integers
+        assert line["mean"] == [mean + i for i in range(4)], line

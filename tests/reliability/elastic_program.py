@@ -5,7 +5,12 @@ process group cannot lose a member). Round r's bundle of rank k is `arange(4) + 
 every mean over any set of members is exact up to one correctly rounded division, and the test recomputes
 it. Each rank prints one line per round: the members of that round, the membership epoch, its index, the
 mean, and the mean's SHA-256. ELASTIC_STALL_RANK stops before depositing round ELASTIC_STALL_ROUND (in
-`stall_here`, which a stack dump names), so a test can kill or stop it while the others wait in that round.
+`stall_here`, which a stack dump names), so a test can kill or stop it while the others wait in that
+round (with ELASTIC_CRASH set, it SIGKILLs itself there instead).
+
+With ELASTIC_MODE (cpu_cadence or cpu_async, cadence ELASTIC_CADENCE) the rank calls `Averager.step` once
+per step instead, ELASTIC_ROUNDS averaging calls in all; "round" is then the index of the averaging call
+(the rank stalls before its ELASTIC_STALL_ROUND-th), and each step line says whether it averaged.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -27,18 +33,29 @@ def stall_here() -> None:
 def main() -> int:
     import torch
 
-    from flodld.rank.averaging import all_average, membership
+    from flodld.rank.averaging import Averager, all_average, membership
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     rounds = int(os.environ.get("ELASTIC_ROUNDS", "10"))
     stall = (int(os.environ.get("ELASTIC_STALL_RANK", "-1")), int(os.environ.get("ELASTIC_STALL_ROUND", "3")))
+    mode = os.environ.get("ELASTIC_MODE")
+    averager = Averager(mode, cadence=int(os.environ.get("ELASTIC_CADENCE", "1"))) if mode else None
+    cadence = averager.cadence if averager is not None and mode == "cpu_cadence" else 1
     for number in range(rounds):
         if (rank, number) == stall:
+            if os.environ.get("ELASTIC_CRASH"):  # a crash of its own, for runs the test cannot reach into
+                print(f"elastic-rank {rank} crashes before round {number}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             print(f"elastic-rank {rank} stalls before round {number}", flush=True)
             stall_here()
         bundle = torch.arange(4, dtype=torch.float64) + 1000 * rank + number
-        (mean,) = all_average([bundle])
+        if averager is None:
+            (mean,) = all_average([bundle])
+        else:  # the local steps between averaging calls, then the call that averages
+            for _ in range(cadence - 1):
+                averager.step([bundle])
+            (mean,) = averager.step([bundle])
         seen = membership()
         line = {
             "rank": rank,
@@ -51,6 +68,9 @@ def main() -> int:
         }
         print(f"elastic-round {json.dumps(line)}", flush=True)
         time.sleep(0.05)
+    if averager is not None:
+        (final,) = averager.finish([bundle])
+        print(f"elastic-final {json.dumps({'rank': rank, 'value': final.tolist()})}", flush=True)
     return 0
 
 

@@ -72,29 +72,42 @@ def _rounds(*agents: AgentProcess) -> dict[int, dict[int, dict[str, Any]]]:
 
 
 def _check_rounds(
-    rounds: dict[int, dict[int, dict[str, Any]]], survivors: list[int], lost: list[int]
+    rounds: dict[int, dict[int, dict[str, Any]]],
+    survivors: list[int],
+    lost: list[int],
+    *,
+    lagging: bool = False,
 ) -> None:
+    """Every survivor's rounds: the same bytes, the mean over the members, the membership that followed.
+
+    `lagging` (cpu_async): a call returns the elastic update of an earlier round, each rank its own, and the
+    membership it reads after the call is that of the newest round complete by then: the loss's round
+    may or may not be in at that call, and only the membership is checked.
+    """
     everyone = sorted(survivors + lost)
     for rank in survivors:
         assert sorted(rounds[rank]) == list(range(ROUNDS)), (rank, sorted(rounds[rank]))
     for number in range(ROUNDS):
         lines = [rounds[rank][number] for rank in survivors]
         members = lines[0]["members"]
-        # Every survivor holds the same bytes, and the round lists the same members for each.
-        assert {line["sha256"] for line in lines} == {lines[0]["sha256"]}, (number, lines)
+        if lagging and number == STALL_ROUND:
+            continue
         assert all(line["members"] == members for line in lines), (number, lines)
         if number < STALL_ROUND:
             assert members == everyone, (number, members)
         else:  # the round the loss happened in, and every later one, is the survivors'
             assert members == survivors, (number, members)
-        # The weights renormalized: the mean over exactly these members, recomputed.
+        for line in lines:
+            assert line["epoch"] == (0 if number < STALL_ROUND else 1), line
+            assert line["index"] == members.index(line["rank"]), line
+        if lagging:
+            continue
+        # Every survivor holds the same bytes: the mean over exactly these members (the weights renormalized).
+        assert {line["sha256"] for line in lines} == {lines[0]["sha256"]}, (number, lines)
         reference = sum(torch.arange(4, dtype=torch.float64) + 1000 * m + number for m in members) / len(
             members
         )
         assert torch.equal(torch.tensor(lines[0]["mean"], dtype=torch.float64), reference), (number, lines)
-        for line in lines:
-            assert line["epoch"] == (0 if number < STALL_ROUND else 1), line
-            assert line["index"] == members.index(line["rank"]), line
     for rank in lost:
         assert max(rounds.get(rank, {0: None}), default=-1) < STALL_ROUND
 
@@ -150,4 +163,21 @@ async def test_losses_beyond_the_tolerance_fail_the_run() -> None:
         result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
         assert result.verdict is Phase.FAILED, result
         assert "2 of 3 ranks failed (ranks [0, 1]), over the tolerance of 1" in result.reason, result.reason
+        await run.until_no_processes(10)
+
+
+@pytest.mark.parametrize(("mode", "cadence"), [("cpu_cadence", 2), ("cpu_async", 1)])
+async def test_cadence_and_async_fold_a_lost_rank_out_at_their_round_boundaries(
+    mode: str, cadence: int
+) -> None:
+    async with fault_run(_options()) as run:
+        a, b = await _start(run, ELASTIC_STALL_RANK="1", ELASTIC_MODE=mode, ELASTIC_CADENCE=str(cadence))
+        await a.wait_for("elastic-rank 1 stalls before round", FORMATION_BOUND_SECS)
+        os.kill(run.find(RANK="1").pid, signal.SIGKILL)
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, a.output[-3000:])
+        assert "degraded: ranks [1] lost: rank 1 on 'a' exited with signal 9" in result.reason, result.reason
+        _check_rounds(_rounds(a, b), survivors=[0, 2], lost=[1], lagging=mode == "cpu_async")
+        finals = re.findall(r"elastic-final (\{.*\})$", a.output + b.output, re.MULTILINE)
+        assert sorted(json.loads(final)["rank"] for final in finals) == [0, 2]
         await run.until_no_processes(10)

@@ -119,3 +119,20 @@ def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(
             loopback_bind=True,
             averaging=AveragingMode.NCCL_SYNC,
         )
+
+
+@pytest.mark.parametrize(
+    ("written", "count", "percent"), [(2, 2, None), ("25%", 0, 25.0), ("12.5%", 0, 12.5)]
+)
+def test_the_tolerance_is_a_count_or_a_share_of_the_world(
+    written: int | str, count: int, percent: float | None
+) -> None:
+    cluster = ClusterBuilder().controller("10.0.0.1", tolerance=written).worker("localhost", ["cpu"]).build()
+    options = ControllerOptions.from_cluster(cluster)
+    assert (options.tolerance, options.tolerance_percent) == (count, percent)
+
+
+@pytest.mark.parametrize("written", ["150%", "-1", "a%", -1, "5"])
+def test_a_tolerance_that_is_neither_a_count_nor_a_percentage_is_refused(written: int | str) -> None:
+    with pytest.raises(ValueError, match="tolerance"):
+        ClusterBuilder().controller("10.0.0.1", tolerance=written).worker("localhost", ["cpu"]).build()

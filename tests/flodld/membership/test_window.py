@@ -195,6 +195,18 @@ def test_a_rank_declared_dead_fails_alone_and_beyond_the_tolerance_fails_the_run
     assert "2 of 3 ranks failed (ranks [0, 2]), over the tolerance of 1" in w.reason
 
 
+@pytest.mark.parametrize(
+    ("percent", "world", "tolerated"), [(50.0, 3, 1), (25.0, 8, 2), (33.333, 3, 0), (100.0, 2, 2)]
+)
+def test_a_tolerance_as_a_share_of_the_world_is_a_count_once_it_forms(
+    percent: float, world: int, tolerated: int
+) -> None:
+    w = JoinWindow(policy(capacity=world), [], T0, tolerance_percent=percent)
+    join(w, "a", devices=world)
+    run_to_training(w)
+    assert w.tolerance == tolerated
+
+
 def test_a_lost_hosts_unreported_ranks_are_named_with_its_cause() -> None:
     w = window(["a", "b"], tolerance=1)
     join(w, "a")
