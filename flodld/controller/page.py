@@ -313,6 +313,24 @@ def _root_cause(state: Mapping[str, Any]) -> str:
     )
 
 
+def _losses(state: Mapping[str, Any]) -> str:
+    """Ranks the run lost (state.json's `losses`): rank, host, cause and the round it was in."""
+    losses = [x for x in (state.get("losses") or []) if isinstance(x, Mapping)]
+    if not losses:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
+        f'<td class="bad">{_e(x.get("cause") or "")}</td>'
+        f"<td>{_e('' if x.get('round') is None else str(_int(x.get('round'))))}</td></tr>"
+        for x in losses[:MAX_ROWS]
+    )
+    more = _more(len(losses) - MAX_ROWS, "losses") if len(losses) > MAX_ROWS else ""
+    return (
+        f'<section id="losses"><h2>lost ranks ({len(losses)})</h2><table><thead><tr><th>rank</th>'
+        f"<th>host</th><th>cause</th><th>round</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
+    )
+
+
 def _attempt(state: Mapping[str, Any]) -> str:
     """The run among its restarts: this attempt and each earlier one's cause."""
     texts = attempt_texts(state.get("attempt"))
@@ -447,7 +465,8 @@ def render_state(state: Mapping[str, Any] | None) -> str:
         return (
             f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
         )
-    parts = [_head(state), _attempt(state), _root_cause(state), _clock(state), _ranks(state), _start(state)]
+    parts = [_head(state), _attempt(state), _root_cause(state), _losses(state), _clock(state), _ranks(state)]
+    parts.append(_start(state))
     parts.append(_hosts(state))
     parts.append(_missing(state))
     parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _history(state)]

@@ -462,3 +462,18 @@ def test_the_root_cause_heads_a_failed_run_and_follows_its_history_entry() -> No
 def test_no_root_cause_no_section_and_the_script_renders_one() -> None:
     assert 'id="root-cause"' not in render_page(_state())
     assert 'h("section", {id: "root-cause"}' in STATUS_JS and "reasonWithCause(e)" in STATUS_JS
+
+
+def test_lost_ranks_are_listed_with_host_cause_and_round_and_the_script_renders_them() -> None:
+    assert 'id="losses"' not in render_page(_state())
+    losses = [
+        {"rank": 1, "host": "node-a", "cause": "exited with signal 9", "round": 3, "at_secs": 5.0},
+        {"rank": 4, "host": "<script>", "cause": "lost with its host: reset", "round": None, "at_secs": 6.0},
+    ]
+    html = render_page(_state(losses=losses))
+    page = _Elements(html)
+    assert page.by_id("losses") is not None
+    text = "".join(page.text)
+    assert "lost ranks (2)" in text and "exited with signal 9" in text and "<script>" in text
+    assert "<td>&lt;script&gt;</td>" in html  # escaped: never markup
+    assert 'h("section", {id: "losses"}' in STATUS_JS
