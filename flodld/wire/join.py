@@ -6,7 +6,9 @@ per rank child; the agent closing its side means the host is done. See docs/prot
 `JOIN_PROTOCOL_VERSION` is what `Hello.protocol_version` carries: the version of these messages, independent
 of the frame format's version (flodld/wire/frames.py). Version 2: `WorldEnvelope` no longer lists every host
 of the world (O(world) bytes per host, O(world²) per formation, and capped at MAX_LIST_ITEMS hosts); the
-roster is in state.json (`members`, paged).
+roster is in state.json (`members`, paged). Version 3: `RelaySpec.tolerance` and `KillRank` (elastic
+averaging, docs/elastic-averaging.md): a version 2 agent would refuse the first and drop its link on the
+second, so it is refused at its Hello instead.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from flodld.wire.messages import (
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
-JOIN_PROTOCOL_VERSION: Final = 2
+JOIN_PROTOCOL_VERSION: Final = 3
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[

@@ -21,7 +21,18 @@ from flodld.wire.data import (
     ShmResult,
 )
 from flodld.wire.data import TensorSpec as Spec
-from flodld.wire.join import Abort, Accept, Hello, RankExited, Reject, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.join import (
+    JOIN_PROTOCOL_VERSION,
+    Abort,
+    Accept,
+    Hello,
+    KillRank,
+    RankExited,
+    Reject,
+    RelaySpec,
+    WorldEnvelope,
+    WorldFormed,
+)
 from flodld.wire.messages import Message
 
 DIGEST = "ab" * 32
@@ -38,7 +49,7 @@ EXEMPLARS: list[Message] = [
         device_labels=["cpu", "cpu"],
         variant="cpu",
         torch_version="2.13",
-        protocol_version=2,
+        protocol_version=JOIN_PROTOCOL_VERSION,
         dataset_sig=DIGEST,
         run_id="r1",
         nccl_version="2.27",
@@ -48,10 +59,13 @@ EXEMPLARS: list[Message] = [
     Accept(ranks=[0, 1], salt_hex="00" * 16, formation_wait_secs=1.5, run_id="r1"),
     Reject(code="window_closed", reason="the window closed"),
     WorldFormed(
-        envelope=ENVELOPE, relay=RelaySpec(data_port=1337, control_port=1337, fold="mean", cadence=1)
+        envelope=ENVELOPE, relay=RelaySpec(
+            data_port=1337, control_port=1337, fold="mean", cadence=1, tolerance=1
+        ),
     ),
     RankExited(rank=3, code=-9),
     Abort(reason="host b lost"),
+    KillRank(rank=3, reason="rank 3 on 'node-a' sent no heartbeat for 5s"),
     ws.StoreHello(run_id="r1", rank=0, client_id="0f" * 16),
     ws.StoreSet(key="/default_pg/0//cpu//0"),
     ws.StoreGet(key="k", timeout=2.0),
