@@ -134,6 +134,22 @@ class RunMetrics:
     def rank_dead(self) -> None:
         self.dead_ranks += 1
 
+    def slowest(self, count: int) -> list[dict[str, float | int]]:
+        """The `count` ranks whose deposits reached the fold latest on average (state.json `stragglers`):
+        rank, mean and last delay after their round opened, rounds timed; the slowest first.
+        """
+        timed = [(rank, series) for rank, series in self.ranks.items() if series.delay_count]
+        timed.sort(key=lambda item: (-item[1].delay_sum / item[1].delay_count, item[0]))
+        return [
+            {
+                "rank": rank,
+                "mean_delay_secs": round(series.delay_sum / series.delay_count, 4),
+                "last_delay_secs": round(series.last_delay, 4),
+                "rounds": series.delay_count,
+            }
+            for rank, series in timed[:count]
+        ]
+
 
 @dataclass(frozen=True)
 class RunSeries:

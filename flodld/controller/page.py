@@ -331,6 +331,29 @@ def _losses(state: Mapping[str, Any]) -> str:
     )
 
 
+def _delay(value: object) -> str:
+    """A deposit delay to the millisecond: '0.051 s'."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        return "—"
+    return f"{float(value):.3f} s"
+
+
+def _stragglers(state: Mapping[str, Any]) -> str:
+    """The slowest ranks (state.json's `stragglers`): how late their deposits reach the fold."""
+    slow = [x for x in (state.get("stragglers") or []) if isinstance(x, Mapping)]
+    if not slow:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(_delay(x.get('mean_delay_secs')))}</td>"
+        f"<td>{_e(_delay(x.get('last_delay_secs')))}</td><td>{_int(x.get('rounds'))}</td></tr>"
+        for x in slow[:MAX_ROWS]
+    )
+    return (
+        '<section id="stragglers"><h2>slowest ranks</h2><table><thead><tr><th>rank</th><th>mean delay</th>'
+        f"<th>last delay</th><th>rounds</th></tr></thead><tbody>{rows}</tbody></table></section>"
+    )
+
+
 def _attempt(state: Mapping[str, Any]) -> str:
     """The run among its restarts: this attempt and each earlier one's cause."""
     texts = attempt_texts(state.get("attempt"))
@@ -469,7 +492,8 @@ def render_state(state: Mapping[str, Any] | None) -> str:
     parts.append(_start(state))
     parts.append(_hosts(state))
     parts.append(_missing(state))
-    parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _history(state)]
+    parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _stragglers(state)]
+    parts.append(_history(state))
     return "".join(parts)
 
 

@@ -161,6 +161,10 @@ async def serve_http(source: StatusSource, mux: PortMux, counters: ControllerCou
     return runner
 
 
+STRAGGLERS_SHOWN: Final = 5
+"""The slowest ranks state.json `stragglers` lists."""
+
+
 class Controller:
     """Programmatic API: `await start()`, then `await wait()`; `await stop(reason)` aborts."""
 
@@ -931,6 +935,9 @@ class Controller:
             "dropped": dict(sorted(self.counters.dropped.items())),
         }
         state["connections"] = connections
+        stragglers = self.run_metrics.slowest(STRAGGLERS_SHOWN)
+        if stragglers:  # only runs that fold across hosts time their ranks
+            state["stragglers"] = stragglers
         attempt = self.options.attempt_state()
         if attempt is not None:
             state["attempt"] = attempt.model_dump(mode="json")

@@ -87,6 +87,17 @@ class RankLossState(_Model):
     at_secs: float = Field(description="When, in seconds since the window opened.")
 
 
+class StragglerState(_Model):
+    """A rank whose deposits reach the controller's fold late (`RunMetrics`)."""
+
+    rank: int
+    mean_delay_secs: float = Field(
+        description="Mean seconds after its round opened that its deposit arrived."
+    )
+    last_delay_secs: float = Field(description="The same, in the last round it was timed in.")
+    rounds: int = Field(description="Rounds timed.")
+
+
 class RootCause(_Model):
     """The run's first observed failure, across hosts (flodld/membership/rootcause.py has the rules): the
     earliest non-zero rank exit that was not a consequence of our own teardown (a rank the agent TERMed
@@ -276,6 +287,12 @@ class StateSnapshot(_Model):
         default_factory=list,
         description="Every rank lost, in rank order: host, cause and round (a run with a tolerance goes on "
         "without them and ends `done (degraded: …)`).",
+    )
+    stragglers: list[StragglerState] = Field(
+        default_factory=list,
+        description="CPU averaging across hosts: the 5 ranks whose deposits reach the controller's fold "
+        "latest on average, the slowest first (absent before any round was folded across hosts; a world of "
+        "one host folds its rounds at its relay).",
     )
     attempt: AttemptState | None = Field(
         default=None,

@@ -218,3 +218,15 @@ async def test_a_two_host_world_shows_rounds_bytes_heartbeats_admissions_and_a_l
         assert families["flodld_run_restarts"].value(**who) == 0
         assert families["flodld_phase"].value(phase="failed") == 1
         assert controller.salt_hex not in str(families)
+
+
+def test_the_slowest_ranks_are_those_whose_deposits_reach_the_fold_latest_on_average() -> None:
+    metrics = RunMetrics()
+    assert metrics.slowest(5) == []
+    for number, late in enumerate((0.5, 1.5)):
+        metrics.host_chunk(number, 0, [0, 1], 8, 100.0 + number)  # host a opens the round
+        metrics.host_chunk(number, 0, [2], 8, 100.0 + number + late)  # host b's rank 2, late
+    assert metrics.slowest(2) == [
+        {"rank": 2, "mean_delay_secs": 1.0, "last_delay_secs": 1.5, "rounds": 2},
+        {"rank": 0, "mean_delay_secs": 0.0, "last_delay_secs": 0.0, "rounds": 2},
+    ]

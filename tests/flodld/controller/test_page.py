@@ -477,3 +477,13 @@ def test_lost_ranks_are_listed_with_host_cause_and_round_and_the_script_renders_
     assert "lost ranks (2)" in text and "exited with signal 9" in text and "<script>" in text
     assert "<td>&lt;script&gt;</td>" in html  # escaped: never markup
     assert 'h("section", {id: "losses"}' in STATUS_JS
+
+
+def test_the_slowest_ranks_are_shown_to_the_millisecond_and_the_script_renders_them() -> None:
+    assert 'id="stragglers"' not in render_page(_state())
+    slow = [{"rank": 5, "mean_delay_secs": 0.8125, "last_delay_secs": 1.5, "rounds": 12}]
+    page = _Elements(render_page(_state(stragglers=slow)))
+    assert page.by_id("stragglers") is not None
+    text = "".join(page.text)
+    assert "slowest ranks" in text and "0.812 s" in text and "1.500 s" in text
+    assert 'h("section", {id: "stragglers"}' in STATUS_JS
