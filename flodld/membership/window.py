@@ -30,6 +30,9 @@ from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnap
 from flodld.membership.switch import Armed, StartRefused, arm
 from flodld.wire.join import Hello
 
+NAMED_LOSSES = 5
+"""Lost ranks a degraded verdict names one by one (state.json `losses` lists every one)."""
+
 
 class LinkOutcome(Enum):
     """What the end of a host's join link meant (`JoinWindow.link_ended`)."""
@@ -492,7 +495,10 @@ class JoinWindow:
             )
         elif self._open_links == 0:
             failed = self.failed_ranks()
-            named = "; ".join(self.losses[rank].sentence() for rank in failed if rank in self.losses)
+            known = [self.losses[rank].sentence() for rank in failed[:NAMED_LOSSES] if rank in self.losses]
+            extra = len(failed) - NAMED_LOSSES
+            more = f"; and {extra} more (state.json losses)" if extra > 0 else ""
+            named = "; ".join(known) + more
             degraded = f" (degraded: ranks {failed} lost{': ' + named if named else ''})" if failed else ""
             self._apply(Event.LINKS_CLOSED, f"every host link closed{degraded}")
         return self.phase

@@ -365,3 +365,16 @@ def test_a_loss_reason_is_kept_once_named_by_its_first_cause() -> None:
     assert w.loss_reasons == {"a": "no heartbeat for 6s"}
     w.abort("stopped by the operator", T0 + 5)
     assert w.final_reason == "stopped by the operator"  # no join link was the cause
+
+
+def test_a_degraded_verdict_names_the_first_losses_and_counts_the_rest() -> None:
+    w = window(["a"], capacity=8, tolerance=7)
+    join(w, "a", devices=8)
+    run_to_training(w)
+    for rank in range(7):
+        w.rank_exited(rank, 1, T0 + 5)
+    w.rank_exited(7, 0, T0 + 5)
+    assert w.host_closed("a", T0 + 6) is Phase.DONE
+    assert w.reason.count("exited with code 1") == 5
+    assert w.reason.endswith("; and 2 more (state.json losses))"), w.reason
+    assert len(w.state(T0 + 7)["losses"]) == 7
