@@ -126,6 +126,9 @@ class DataPlane:
         self.gone_ranks: list[int] = []
         self._last_step: dict[int, int] = {}  # each rank's step (rounds it has taken) at its last heartbeat
         self._last_round: dict[int, int] = {}  # the last round a host frame counted each rank in
+        self._left_round: dict[int, int] = {}  # the round its relay was in when each rank left (RankGone)
+        # Told the round a rank left in, once its relay says (a loss recorded earlier is corrected with it).
+        self.on_rank_round: Callable[[int, int], None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._data: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable("host data frame")
         self._data.register(HostFrame, self._on_host_frame)
@@ -173,11 +176,15 @@ class DataPlane:
         return self._barrier
 
     def round_in_progress(self, rank: int) -> int | None:
-        """The averaging round `rank` was lost in: the one after the last round its host's frames counted it
-        in (a loss is often reported after the survivors finished that round without it); a rank never
-        counted, the world's round being folded here; a sole host's rank (its relay folds), its own count of
-        rounds taken at its last heartbeat. None before any of these.
+        """The averaging round `rank` was lost in: the round its relay was in when it left (RankGone); else
+        the one after the last round its host's frames counted it in (a silent rank's survivors may have
+        finished that round without it by now); a rank never counted, the world's round being folded here;
+        a sole host's silent rank (its relay folds), its own count of rounds taken at its last heartbeat.
+        None before any of these.
         """
+        left = self._left_round.get(rank)
+        if left is not None:
+            return left
         last = self._last_round.get(rank)
         if last is not None:
             return last + 1
@@ -337,6 +344,10 @@ class DataPlane:
 
     async def _on_rank_gone(self, message: RankGone, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
+            if message.round is not None and message.rank not in self._left_round:
+                self._left_round[message.rank] = message.round
+                if self.on_rank_round is not None:
+                    self.on_rank_round(message.rank, message.round)
             await self._rank_left(relay.host, message.rank, message.reason or "its leg to the relay closed")
 
     async def _rank_left(self, host: str, rank: int, reason: str, *, dead: bool = False) -> None:
@@ -480,6 +491,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             plane.start()
             planes.append(plane)
             controller.round_in_progress = plane.round_in_progress
+            plane.on_rank_round = controller.rank_round
         if planes and phase in TERMINAL_PHASES:
             task = asyncio.get_running_loop().create_task(planes[0].close())
             _closing.add(task)

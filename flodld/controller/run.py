@@ -662,6 +662,14 @@ class Controller:
         if not decided:
             self._settle()
 
+    def rank_round(self, rank: int, in_round: int) -> None:
+        """The data plane learned the round `rank` left in from its relay: a loss recorded with an estimate
+        is corrected (state.json `losses`, the degraded verdict).
+        """
+        window = self.window
+        if window is not None:
+            window.correct_loss_round(rank, in_round)
+
     @property
     def survives_rank_loss(self) -> bool:
         """The run averages through the relays and tolerates losses: a rank can be lost without its host

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -139,6 +139,7 @@ class JoinWindow:
         self._link_losses: set[str] = set()
         # rank -> how it was lost (first cause only): state.json `losses`, and the degraded verdict's names.
         self.losses: dict[int, RankLoss] = {}
+        self._loss_rounds: dict[int, int] = {}  # rank -> the round its relay saw it leave in
 
     # --- the window --------------------------------------------------------------------------------
 
@@ -267,8 +268,19 @@ class JoinWindow:
         if self.world is None or rank in self.losses:
             return
         host = next((h for h, ranks in self.world.ranks.items() if rank in ranks), "?")
+        in_round = self._loss_rounds.get(rank, in_round)
         self.losses[rank] = RankLoss(rank, host, cause, self.elapsed(now), in_round)
         self._changes += 1
+
+    def correct_loss_round(self, rank: int, in_round: int) -> None:
+        """The round `rank` was lost in, as its relay saw it: replaces the estimate a loss was recorded with
+        (its exit report can arrive first), and is kept for a loss recorded later.
+        """
+        self._loss_rounds[rank] = in_round
+        loss = self.losses.get(rank)
+        if loss is not None and loss.round != in_round:
+            self.losses[rank] = replace(loss, round=in_round)
+            self._changes += 1
 
     def rank_declared_dead(self, rank: int, now: float, *, why: str, in_round: int | None = None) -> Phase:
         """A rank silent past the heartbeat timeout, in a run that can lose a rank without its host (the

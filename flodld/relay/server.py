@@ -502,12 +502,14 @@ class Relay:
         self._shm_round.pop(rank, None)
         if region is not None:
             region.retire()  # unmapped now, or once the fold gave back the chunks it still holds
+        in_round = self._barrier.round if self._barrier is not None else None  # before the leave completes it
         results = self._barrier.leave(rank) if self._barrier is not None else []
         try:
             for result in results:
                 await self._ship(result)
             if notify_upstream:
-                await self.upstream[Channel.DATA].send(RankGone(rank=rank, reason=reason[:1024]))
+                gone = RankGone(rank=rank, reason=reason[:1024], round=in_round)
+                await self.upstream[Channel.DATA].send(gone)
         except (OSError, WireError) as error:
             self._stop(f"controller data channel failed: {error}", 1)
             return

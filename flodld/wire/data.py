@@ -134,10 +134,13 @@ class Broadcast(_FoldedChunk):
 
 @register(0x0307)
 class RankGone(Message):
-    """Relay → controller: a local rank closed its leg; fold it out of every later round."""
+    """Relay → controller: a local rank closed its leg; fold it out of every later round. `round`: the relay's
+    round in progress when it left (the round it was lost in; None before the relay folded any).
+    """
 
     rank: Rank
     reason: Reason = ""
+    round: Annotated[int, Field(ge=0)] | None = None
 
 
 @register(0x0308)

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from flodld.config.join import JoinConfig
 from flodld.membership.phase import Phase
+from tests.hosts import netns
 
 from .workers import AgentProcess, Run, fault_options, fault_run
 
@@ -181,3 +183,52 @@ async def test_cadence_and_async_fold_a_lost_rank_out_at_their_round_boundaries(
         finals = re.findall(r"elastic-final (\{.*\})$", a.output + b.output, re.MULTILINE)
         assert sorted(json.loads(final)["rank"] for final in finals) == [0, 2]
         await run.until_no_processes(10)
+
+
+@pytest.fixture
+def far_namespace() -> Iterator[tuple[str, str, str]]:
+    """(namespace, host-side veth, host-side address) with the far end at .2 inside the namespace."""
+    with netns.far_namespace("flela", 233) as lab:
+        yield lab
+
+
+@pytest.mark.netns
+async def test_a_partitioned_host_is_folded_out_by_its_silence(far_namespace: tuple[str, str, str]) -> None:
+    """Host `b` behind a veth pair whose link goes down while the others wait for it in a round: no FIN, no
+    RST; its rank's heartbeats stop and it is declared dead after the heartbeat timeout (3 s here), before
+    TCP keepalive gives up on the join link, which then marks the host lost.
+    """
+    namespace, near, near_address = far_namespace
+    options = _options().model_copy(update={"bind_host": "0.0.0.0", "advertised_host": near_address})
+    async with fault_run(options) as run:
+        stall = {
+            "ELASTIC_ROUNDS": str(ROUNDS),
+            "ELASTIC_STALL_ROUND": str(STALL_ROUND),
+            "ELASTIC_STALL_RANK": "2",
+        }
+        a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)
+        b = await run.spawn_agent(
+            "b",
+            ranks=1,
+            program=PROGRAM,
+            wrapper=("ip", "netns", "exec", namespace),
+            controller_host=near_address,
+            **stall,
+        )
+        await b.wait_for("elastic-rank 2 stalls before round", FORMATION_BOUND_SECS)
+        netns.ip("link", "set", near, "down")
+        cut_at = time.monotonic()
+        try:
+            result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        finally:
+            netns.ip("link", "set", near, "up")
+        print(
+            f"partition: verdict {time.monotonic() - cut_at:.2f}s after the link went down: {result.reason}"
+        )
+        assert result.verdict is Phase.DONE, (result, a.output[-3000:])
+        assert (
+            "degraded: ranks [2] lost: rank 2 on 'b' declared dead: rank 2 on 'b' sent no heartbeat for 3s"
+            in (result.reason)
+        )
+        _check_rounds(_rounds(a), survivors=[0, 1], lost=[2])
+        assert {m["host"]: m["link"] for m in run.state()["members"]}["b"] == "lost"

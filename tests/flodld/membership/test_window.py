@@ -378,3 +378,14 @@ def test_a_degraded_verdict_names_the_first_losses_and_counts_the_rest() -> None
     assert w.reason.count("exited with code 1") == 5
     assert w.reason.endswith("; and 2 more (state.json losses))"), w.reason
     assert len(w.state(T0 + 7)["losses"]) == 7
+
+
+def test_the_relays_round_corrects_a_loss_recorded_with_an_estimate_and_holds_for_a_later_one() -> None:
+    w = window(["a"], capacity=3, tolerance=2)
+    join(w, "a", devices=3)
+    run_to_training(w)
+    w.rank_exited(1, -9, T0 + 5, in_round=0)  # the exit report came first, with a stale estimate
+    w.correct_loss_round(1, 3)
+    w.correct_loss_round(2, 4)  # the relay's word came first
+    w.rank_exited(2, -9, T0 + 6, in_round=1)
+    assert [(x["rank"], x["round"]) for x in w.state(T0 + 7)["losses"]] == [(1, 3), (2, 4)]
