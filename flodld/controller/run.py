@@ -709,8 +709,22 @@ class Controller:
                 except (OSError, WireError) as error:
                     log.warning("event=kill_rank_unsent host=%s rank=%d error=%r", host, rank, str(error))
         else:
+            self._estimate_loss_rounds(window, host)
             window.host_closed(host, self.clock(), lost=True, why=why)
         self._settle()
+
+    def _estimate_loss_rounds(self, window: JoinWindow, host: str) -> None:
+        """Before a host may be lost: the round each of its unreported ranks was in, as the data plane
+        estimates it (its relay, gone with it, cannot say), for the losses the window then records.
+        """
+        world = window.world
+        if world is None or window.phase in TERMINAL_PHASES:
+            return
+        for rank in world.ranks.get(host, ()):
+            if rank not in window.rank_exits and rank not in window.losses:
+                in_round = self.round_in_progress(rank)
+                if in_round is not None:
+                    window.correct_loss_round(rank, in_round)
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
         """The host's join link ended (`lost`: it broke rather than closed cleanly). The window decides what
@@ -724,6 +738,7 @@ class Controller:
         window = self.window
         if window is None:
             return
+        self._estimate_loss_rounds(window, link.host)
         ended = window.link_ended(link.host, self.clock(), clean=not lost, why=why)
         if ended.outcome is LinkOutcome.IGNORED:
             if window.phase not in TERMINAL_PHASES:

@@ -153,7 +153,8 @@ async def test_a_host_killed_mid_round_leaves_the_others_averaging() -> None:
         assert result.verdict is Phase.DONE, (result, a.output[-3000:])
         assert "degraded: ranks [2] lost: rank 2 on 'b' lost with its host" in result.reason, result.reason
         _check_rounds(_rounds(a), survivors=[0, 1], lost=[2])
-        assert run.state()["losses"][0]["host"] == "b"
+        (loss,) = run.state()["losses"]
+        assert (loss["rank"], loss["host"], loss["round"]) == (2, "b", STALL_ROUND), loss
         await run.until_no_processes(10)
 
 
