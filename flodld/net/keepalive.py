@@ -89,6 +89,13 @@ def listen_with(listeners: list[socket.socket], keepalive: float | None) -> Inhe
         return Inherited(nodelay=nodelay)
     options = keepalive_options(keepalive)
     alive = all([set_options(sock, options) for sock in tcp])
+    # Inherited too: a link the controller writes to when its network goes (a KillRank, an Abort) would
+    # otherwise retransmit for many minutes, and keepalive never probes a socket with data in flight.
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if alive and user_timeout is not None:
+        bound = int(dead_link_bound_secs(max(1, round(keepalive))) * 1000)
+        for sock in tcp:
+            set_options(sock, ((socket.IPPROTO_TCP, user_timeout, bound),))
     return Inherited(nodelay=nodelay, keepalive=float(max(1, round(keepalive))) if alive else None)
 
 

@@ -59,8 +59,16 @@ def _options(tolerance: int = 1) -> Any:  # noqa: ANN401  ControllerOptions
 async def _start(run: Run, **env: str) -> tuple[AgentProcess, AgentProcess]:
     stall = {"ELASTIC_ROUNDS": str(ROUNDS), "ELASTIC_STALL_ROUND": str(STALL_ROUND), **env}
     a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)
+    await _admitted(run, 2)  # ranks follow admission order: a's are 0 and 1
     b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **stall)
     return a, b
+
+
+async def _admitted(run: Run, ranks: int) -> None:
+    deadline = time.monotonic() + FORMATION_BOUND_SECS
+    while run.state()["joined_ranks"] < ranks:
+        assert time.monotonic() < deadline, f"fewer than {ranks} ranks joined within {FORMATION_BOUND_SECS}s"
+        await asyncio.sleep(0.05)
 
 
 def _rounds(*agents: AgentProcess) -> dict[int, dict[int, dict[str, Any]]]:
@@ -208,6 +216,7 @@ async def test_a_partitioned_host_is_folded_out_by_its_silence(far_namespace: tu
             "ELASTIC_STALL_RANK": "2",
         }
         a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)
+        await _admitted(run, 2)
         b = await run.spawn_agent(
             "b",
             ranks=1,
