@@ -169,3 +169,31 @@ def test_fdl_run_with_a_tolerance_ends_degraded_when_a_rank_dies_mid_round(tmp_p
         assert (line["members"], line["epoch"]) == (members, 0 if line["round"] < 3 else 1), line
         mean = 1000 * sum(members) / len(members) + line["round"]  # exact: the sums are small integers
         assert line["mean"] == [mean + i for i in range(4)], line
+
+
+def test_the_elastic_training_example_reshards_over_the_survivors(tmp_path: Path) -> None:
+    """examples/elastic_training.py as its docstring runs it: rank 1 of three crashes, the other two see a
+    new membership epoch, split the data between them and end with the same model.
+    """
+    (tmp_path / "fdl.yml").write_text(
+        "cluster:\n"
+        "  controller:\n"
+        "    host: 127.0.0.1\n"
+        f"    port: {free_port()}\n"
+        "    averaging: cpu_sync\n"
+        "    tolerance: 1\n"
+        "  workers:\n"
+        "    - host: 127.0.0.1\n"
+        '      local_devices: ["cpu:3"]\n'
+    )
+    example = Path(__file__).resolve().parents[2] / "examples" / "elastic_training.py"
+    args = ("--crash-rank", "1", "--crash-step", "20")
+    run = Fdl("run", "--project", str(tmp_path), str(example), *args)
+    code = run.wait(240)
+    assert code == 0, run.output[-6000:]
+    assert "degraded: ranks [1] lost" in run.output, run.output[-6000:]
+    for rank, index in ((0, 1), (2, 2)):
+        assert f"rank {rank}: step 20: members [0, 2] (epoch 1), my shard {index} of 2" in run.output
+    losses = dict(re.findall(r"rank (\d): done after 60 steps, members \[0, 2\], loss (\S+)", run.output))
+    assert sorted(losses) == ["0", "2"] and losses["0"] == losses["2"], run.output[-6000:]
+    assert float(losses["0"]) < 1.0  # from 204 at the start: it trained
