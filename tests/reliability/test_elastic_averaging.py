@@ -159,9 +159,8 @@ async def test_a_host_killed_mid_round_leaves_the_others_averaging() -> None:
         b.process.send_signal(signal.SIGKILL)  # the agent; its relay and rank die with it (PDEATHSIG)
         killed = time.monotonic()
         result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
-        print(
-            f"host kill: run ended {time.monotonic() - killed:.2f}s after the agent's SIGKILL: {result.reason}"
-        )
+        took = time.monotonic() - killed
+        print(f"host kill: run ended {took:.2f}s after the agent's SIGKILL: {result.reason}")
         assert result.verdict is Phase.DONE, (result, a.output[-3000:])
         assert "degraded: ranks [2] lost: rank 2 on 'b' lost with its host" in result.reason, result.reason
         _check_rounds(_rounds(a), survivors=[0, 1], lost=[2])
