@@ -228,7 +228,9 @@ def open_point(
     point = torch.frombuffer(bytearray(plain), dtype=torch.int64).view(len(moduli), ring_degree)
     q = torch.tensor(list(moduli), dtype=torch.int64).unsqueeze(-1)
     if bool(((point < 0) | (point >= q)).any()):
-        raise DealingError(f"rank {dealer}'s Shamir point for rank {receiver} has residues out of range", [dealer])
+        raise DealingError(
+            f"rank {dealer}'s Shamir point for rank {receiver} has residues out of range", [dealer]
+        )
     return point
 
 

@@ -430,7 +430,7 @@ class ProcessGroupChannel:
         )
 
     def _members_group(self, members: Sequence[int]) -> dist.ProcessGroup:
-        """A gloo group of exactly ``members`` (made once per set, by them alone), bounded by ``timeout_s``."""
+        """A gloo group of exactly ``members`` (made once per set, by them alone), bounded by the timeout."""
         key = tuple(sorted(members))
         groups: dict[tuple[int, ...], dist.ProcessGroup] = self.__dict__.setdefault("_member_groups", {})
         if key not in groups:
@@ -467,7 +467,8 @@ class ProcessGroupChannel:
         missing = [rank for rank in members if rank not in arrived]
         if missing:
             raise MemberLostError(
-                f"rank(s) {missing} did not arrive at the {tag!r} exchange within {self.timeout_s:g}s", missing
+                f"rank(s) {missing} did not arrive at the {tag!r} exchange within {self.timeout_s:g}s",
+                missing,
             )
         differing = [rank for rank, other in arrived.items() if other != descriptor]
         if differing:
@@ -506,7 +507,7 @@ def gather_from_store(
         store.set(keys[rank], data)
         try:
             store.wait(list(keys.values()), timedelta(seconds=timeout_s))
-        except Exception:  # noqa: BLE001  a timeout (its type differs between stores): read who is there
+        except Exception:
             pass
         records = {member: bytes(store.get(key)) for member, key in keys.items() if store.check([key])}
     except (RuntimeError, OSError, TimeoutError) as error:
@@ -658,11 +659,14 @@ class ThresholdSession:
         assert self.threshold is not None
         party, channel, t = self.party, self.channel, self.threshold
         identity = self.dealing_identity = self.dealing_identity or dealing.DealingIdentity.generate()
-        keys = channel.all_gather_bytes("dealing-keys", identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES)
+        keys = channel.all_gather_bytes(
+            "dealing-keys", identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES
+        )
         dealing.check_public_keys(keys, self.dealing_pins)
         if keys[channel.rank] != identity.public_bytes:
             raise dealing.DealingError(
-                f"the transport returned another dealing key for rank {channel.rank} than its own", [channel.rank]
+                f"the transport returned another dealing key for rank {channel.rank} than its own",
+                [channel.rank],
             )
         points = shamir.deal(party, t)
         record = dealing.seal_points(
@@ -754,7 +758,9 @@ class ThresholdSession:
         """
         if self.threshold is not None:
             if sum_c1 is not None:
-                raise MultipartyError("t-out-of-N aggregate sums through the channel: sum_c1 is not supported")
+                raise MultipartyError(
+                    "t-out-of-N aggregate sums through the channel: sum_c1 is not supported"
+                )
             from fhelium.multiparty.dropout import aggregate_surviving
 
             total, self.contributors = aggregate_surviving(

@@ -1,4 +1,4 @@
-"""One t-out-of-N aggregation round that survives ranks leaving (``ThresholdSession.aggregate`` with a threshold).
+"""A t-out-of-N aggregation round that survives ranks leaving (``ThresholdSession.aggregate``, threshold t).
 
 The channel must offer ``gather_members`` (records of whichever members published within the
 timeout, through the rendezvous store) and ``sum_members`` (the modular sum among a set of members;
@@ -56,7 +56,9 @@ class BelowThresholdError(MissingSharesError):
     """Fewer than t ranks are left to decrypt (or to contribute); ``missing`` names the others."""
 
 
-def _below(session: ThresholdSession, round_number: int, step: str, present: Sequence[int]) -> BelowThresholdError:
+def _below(
+    session: ThresholdSession, round_number: int, step: str, present: Sequence[int]
+) -> BelowThresholdError:
     world, t = session.channel.world_size, session.threshold
     missing = sorted(set(range(world)) - set(present))
     timeout = getattr(session.channel, "timeout_s", None)
@@ -70,7 +72,9 @@ def _below(session: ThresholdSession, round_number: int, step: str, present: Seq
     )
 
 
-def _refuse(session: ThresholdSession, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()) -> SumCheckError:
+def _refuse(
+    session: ThresholdSession, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()
+) -> SumCheckError:
     label = {"ciphertext": "ciphertext sum", "decryption-shares": "sum of the decryption shares"}[what]
     action = "refuses to publish its decryption share" if what == "ciphertext" else "refuses to decode it"
     return SumCheckError(
@@ -116,12 +120,14 @@ def check_member_sum(
     missing = [rank for rank in members if rank not in got]
     if missing:
         return missing
-    differing = [rank for rank, blob in got.items() if len(blob) != len(record) or blob[:DIGEST_BYTES] != digest]
+    differing = [
+        rank for rank, blob in got.items() if len(blob) != len(record) or blob[:DIGEST_BYTES] != digest
+    ]
     if differing:
         raise _refuse(
             session, what, round_number,
-            f"differs between ranks: rank(s) {differing} were handed another one (or another member set) than "
-            f"rank {channel.rank}",
+            f"differs between ranks: rank(s) {differing} were handed another one (or another member set) "
+            f"than rank {channel.rank}",
             differing,
         )
     total = torch.zeros_like(mine)
@@ -131,8 +137,8 @@ def check_member_sum(
     if not torch.equal(total, project(summed, weights, m.q, m.q_inverse)):
         raise _refuse(
             session, what, round_number,
-            f"is not the sum of this round's inputs of ranks {list(members)} (the random projections of every "
-            "rank's own input do not add up to the projection of the sum)",
+            f"is not the sum of this round's inputs of ranks {list(members)} (the random projections of "
+            "every rank's own input do not add up to the projection of the sum)",
         )
     return []
 
@@ -214,7 +220,7 @@ def aggregate_surviving(
     record: Record | None = None,
     before_decrypt: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
-    """One round: the real slots (float64 ``[rows, S]``) of the sum over the contributors, and who they are."""
+    """One round: the real slots (float64 ``[rows, S]``) of the contributors' sum, and who they are."""
     channel = session.channel
     if session.public is None or session.shamir_share is None:
         raise MultipartyError("t-out-of-N aggregate before generate_public_key (no Shamir share dealt)")

@@ -1,5 +1,6 @@
 """t-out-of-N keys across a real gloo world of 3-5 rank processes: dealing, dropouts at each phase, a fold
-that lies. The store is hosted here, so any rank (rank 0 included) can be SIGKILLed."""
+that lies. The store is hosted here, so any rank (rank 0 included) can be SIGKILLed.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +98,9 @@ def test_a_rank_sigkilled_at_each_phase_leaves_the_survivors_with_the_sum_of_the
         assert all(results[rank]["decrypted_rows"] == 4 for rank in survivors)
 
 
-@pytest.mark.parametrize(("world", "threshold", "killed", "phase"), [(3, 2, [1, 2], "after"), (4, 3, [0, 3], "before")])
+@pytest.mark.parametrize(
+    ("world", "threshold", "killed", "phase"), [(3, 2, [1, 2], "after"), (4, 3, [0, 3], "before")]
+)
 def test_fewer_than_t_survivors_fail_on_every_survivor_naming_the_missing_ranks(
     world: int, threshold: int, killed: list[int], phase: str
 ) -> None:

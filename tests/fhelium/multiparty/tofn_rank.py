@@ -179,8 +179,10 @@ def main() -> int:
     return _finish(result, started, store)
 
 
-def _observe(session: ThresholdSession, channel: ObservedChannel, dealt: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """What an observer of the transport could do with the dealing: find this rank's points? open them?"""
+def _observe(
+    session: ThresholdSession, channel: ObservedChannel, dealt: dict[int, torch.Tensor]
+) -> dict[str, Any]:
+    """What an observer of the transport could do with the dealing: find this rank's points, open them."""
     from fhelium.multiparty import dealing
 
     wire = b"".join(b"".join(records) for records in channel.wire.values())
