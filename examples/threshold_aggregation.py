@@ -17,7 +17,8 @@ rank's gradient. With `--threshold t` the keys are t-out-of-N (each rank's Shami
 to the others sealed to their X25519 dealing keys) and any t ranks still there decrypt: a rank that
 vanishes before contributing is left out of the mean, one that vanishes after contributing still counts,
 and every rank prints whose inputs the mean covers. As a demo's oracle, each rank recomputes the
-plaintext mean from the covered ranks' (seeded) data and checks the decrypted one against it. Exit code 0 when every step is within the bound.
+plaintext mean from the covered ranks' (seeded) data and checks the decrypted one against it. Exit
+code 0 when every step is within the bound.
 """
 
 from __future__ import annotations
