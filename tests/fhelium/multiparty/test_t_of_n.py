@@ -153,3 +153,20 @@ def test_a_malicious_fold_gets_no_decryption_share_for_anything_but_the_checked_
             assert "refuses to publish its decryption share" in outcome["message"]
         # shares only for the honest rounds: nothing the fold could decode for the attacked ones
         assert result["decrypted_rows"] == 2 * (2 - len(refused)), result
+
+
+def test_the_documented_dropout_demo_survives_a_rank_sigkilled_after_encrypting() -> None:
+    demo = REPO / "examples" / "threshold_dropout_demo.py"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'clients'}"}
+    done = subprocess.run(
+        [sys.executable, str(demo)], env=env, capture_output=True, text=True, timeout=400, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "[r2] rank 2/3: encrypted and contributed; killed (SIGKILL) now" in output
+    for rank in (0, 1):  # step 0 still covers rank 2's input; step 1 is over the survivors
+        said = f"[r{rank}] rank {rank}/3: step"
+        assert f"{said} 0: encrypted mean of 65 gradients over the inputs of rank(s) [0, 1, 2]" in output
+        assert f"{said} 1: encrypted mean of 65 gradients over the inputs of rank(s) [0, 1]" in output
+        assert f"[r{rank}] rank {rank}/3: threshold aggregation PASS" in output
+    assert "threshold_dropout_demo: rank 2 was SIGKILLed; survivors PASS (exit codes [0, 0, -9])" in output
