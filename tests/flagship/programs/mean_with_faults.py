@@ -135,6 +135,7 @@ def main() -> int:
                 say=lambda message: print(f"rank {rank}: {message}", flush=True),
                 before_decrypt=leave_before_share if faulty == "leave" else None,
                 audit=audit if fault_args.audit_dir else None,
+                threshold=args.threshold,
             )
         except AggregationError as error:
             print(f"rank {rank}: FAILED: {type(error).__name__}: {error}", flush=True)
