@@ -281,6 +281,8 @@ def aggregate_mean_threshold(
     timings = Timings()
     channel = share_channel(transport, session=session_id, timeout_s=share_timeout_s)
     session = ThresholdSession(channel, parameters, session=session_id, threshold=threshold)
+    if audit is not None:
+        session.dealing_audit = lambda receiver, point: record(f"shamir_point_for_{receiver}", point)
     engine = session.engine
     try:
         started = time.perf_counter()

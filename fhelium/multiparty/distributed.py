@@ -566,6 +566,8 @@ class ThresholdSession:
         self.dealing_identity = dealing_identity
         self.dealing_pins = dict(dealing_pins or {})
         self.dealing_fingerprint: str | None = None  # hex of the agreed dealing transcript
+        # an audit (the flagship's tests) may see each point this rank deals, as (receiver, point)
+        self.dealing_audit: Callable[[int, torch.Tensor], None] | None = None
         self.shamir_share: torch.Tensor | None = None  # sk_j = F(x_j), t-out-of-N only
         self.alive: list[int] = list(range(channel.world_size))  # ranks not yet seen leaving
         self.contributors: list[int] = []  # whose inputs the last aggregate's sum covers
@@ -669,6 +671,9 @@ class ThresholdSession:
                 [channel.rank],
             )
         points = shamir.deal(party, t)
+        if self.dealing_audit is not None:
+            for receiver, point in points.items():
+                self.dealing_audit(receiver, point)
         record = dealing.seal_points(
             identity, points, keys, dealer=channel.rank, session=party.session, seed=seed, threshold=t
         )
