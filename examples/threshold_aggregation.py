@@ -24,6 +24,7 @@ code 0 when every step is within the bound.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 
 import flodld  # noqa: E402
 from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError  # noqa: E402
+from fhelium.multiparty.dealing import DealingIdentity  # noqa: E402
 from fhelium.multiparty.distributed import ThresholdSession  # noqa: E402
 from flodld_fhelium.cli import choose_transport, open_transport  # noqa: E402
 from flodld_fhelium.errors import AggregationError  # noqa: E402
@@ -61,6 +63,17 @@ def gradient(model: torch.nn.Linear, rank: int, step: int) -> torch.Tensor:
     return flat.clamp(-1.0, 1.0)  # bounded: the sum over the world must stay inside the slots' headroom
 
 
+def load_pins(path: str) -> dict[int, str]:
+    """The operator's pin file: a JSON object mapping each rank to the SHA-256 hex of its dealing key."""
+    with open(path, encoding="utf-8") as file:
+        raw = json.loads(file.read(64 * 1024))
+    if not isinstance(raw, dict) or not all(
+        isinstance(v, str) and len(v) == 64 and str(k).isdigit() for k, v in raw.items()
+    ):
+        raise MultipartyError(f"{path}: expected a JSON object {{\"rank\": \"64 hex characters\"}}")
+    return {int(k): v for k, v in raw.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
@@ -74,6 +87,15 @@ def main() -> int:
         help="t-out-of-N keys: any T ranks decrypt (default: N-out-of-N, every rank needed)",
     )
     parser.add_argument(
+        "--dealing-key", metavar="FILE",
+        help="t-out-of-N: this rank's long-term X25519 dealing key "
+        "(made by: python -m fhelium.multiparty.dealing new FILE)",
+    )
+    parser.add_argument(
+        "--dealing-pins", metavar="FILE",
+        help='t-out-of-N: JSON {"rank": "sha256 hex of its dealing key"}; any other key is refused',
+    )
+    parser.add_argument(
         "--kill-after-encrypting", type=int, default=None, metavar="R",
         help="demo: rank R SIGKILLs itself in the first step once its input is in the checked sum",
     )
@@ -85,7 +107,9 @@ def main() -> int:
         rank, world = transport.rank, transport.world_size
         channel = share_channel(transport, session="threshold-example", timeout_s=args.share_timeout)
         session = ThresholdSession(
-            channel, THRESHOLD_AGGREGATION, session="threshold-example", threshold=args.threshold
+            channel, THRESHOLD_AGGREGATION, session="threshold-example", threshold=args.threshold,
+            dealing_identity=DealingIdentity.load(args.dealing_key) if args.dealing_key else None,
+            dealing_pins=load_pins(args.dealing_pins) if args.dealing_pins else None,
         )
         session.generate_public_key()  # every rank's key share; nobody holds the secret key
         if args.threshold is not None:

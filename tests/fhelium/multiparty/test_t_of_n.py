@@ -28,16 +28,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_world(world: int, scenario: str, threshold: int, timeout_s: float = 6.0) -> list[dict[str, Any]]:
+def run_world(
+    world: int, scenario: str, threshold: int, timeout_s: float = 6.0, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     processes = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
-               "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        environment = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         processes.append(subprocess.Popen(
-            [sys.executable, str(RANK), scenario, str(threshold), str(timeout_s)], env=env,
+            [sys.executable, str(RANK), scenario, str(threshold), str(timeout_s)], env=environment,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         ))
     results = []
@@ -170,3 +172,23 @@ def test_the_documented_dropout_demo_survives_a_rank_sigkilled_after_encrypting(
         assert f"{said} 1: encrypted mean of 65 gradients over the inputs of rank(s) [0, 1]" in output
         assert f"[r{rank}] rank {rank}/3: threshold aggregation PASS" in output
     assert "threshold_dropout_demo: rank 2 was SIGKILLed; survivors PASS (exit codes [0, 0, -9])" in output
+
+
+def test_pinned_dealing_keys_refuse_a_rank_presenting_another_key_before_any_point_is_sealed(
+    tmp_path: Path,
+) -> None:
+    pins = {}
+    for rank in range(3):
+        made = subprocess.run(
+            [sys.executable, "-m", "fhelium.multiparty.dealing", "new", str(tmp_path / f"key{rank}")],
+            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, check=True,
+        )
+        pins[str(rank)] = made.stdout.strip()
+    (tmp_path / "pins.json").write_text(json.dumps(pins))
+    good = run_world(3, "pinned:9", 2, env={"TOFN_PINS_DIR": str(tmp_path)})  # nobody substitutes
+    for result in good:
+        assert result["ok"] and result["rounds"][0]["ok"], result
+    results = run_world(3, "pinned:1", 2, env={"TOFN_PINS_DIR": str(tmp_path)})
+    for result in results:  # as if the transport had substituted rank 1's key
+        assert not result["ok"] and result["error"] == "DealingError", result
+        assert "rank(s) [1] published a dealing key whose SHA-256 is not the pinned one" in result["message"]

@@ -9,6 +9,7 @@ rank 0 included, can be killed). Scenarios:
   "kill:<a>,<b>:<phase>" kills several;
 - "observe": keys, recording every record of the dealing as the transport carried it, then checks the
   wire against this rank's points (reports what it found);
+- "pinned:<rank>": long-term dealing keys from $TOFN_PINS_DIR, all pinned; <rank> presents another key;
 - "malicious:<attack>": two rounds over a fold that answers the ciphertext sum with an attack
   ("substitute": the victim's ciphertext, "subset": all but the victim's, "scaled", "negated", "split":
   rank 0 the sum, the others the sum plus the victim's, "replay": round 2 gets round 1's sum).
@@ -122,7 +123,18 @@ def main() -> int:
             channel = MaliciousMembers(rest, session="tofn", timeout_s=timeout_s, store=store)
         else:
             channel = ProcessGroupChannel(session="tofn", timeout_s=timeout_s, store=store)
-        session = ThresholdSession(channel, session="tofn", threshold=threshold)
+        identity, pins = None, None
+        if kind == "pinned":  # every rank's long-term key is pinned; rank <rest> presents another key
+            from fhelium.multiparty.dealing import DealingIdentity
+
+            folder = os.environ["TOFN_PINS_DIR"]
+            with open(os.path.join(folder, "pins.json"), encoding="utf-8") as file:
+                pins = {int(k): v for k, v in json.load(file).items()}
+            own = DealingIdentity.load(os.path.join(folder, f"key{rank}"))
+            identity = DealingIdentity.generate() if rank == int(rest) else own
+        session = ThresholdSession(
+            channel, session="tofn", threshold=threshold, dealing_identity=identity, dealing_pins=pins
+        )
         if rank in victims and phase == "keys":
             honest_gather = channel.all_gather_bytes
 
