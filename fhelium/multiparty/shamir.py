@@ -9,9 +9,10 @@ prime), so Σ_{j∈T} s'_j = s, and decrypt with the usual flooded decryption sh
 shares give noise. As in Lattigo's t-out-of-N (Mouchet et al., PETS 2021, section 5), all arithmetic
 is pointwise on the NTT-domain residues.
 
-What is not here: the transport. The point f_i(x_j) is a secret for party j alone, so dealing needs
-confidential pairwise channels (on the relay road the relays and the controller would otherwise see
-every point); ``fhelium.multiparty.distributed`` and the flagship stay N-out-of-N.
+What is not here: the transport. The point f_i(x_j) is a secret for party j alone: across processes
+``ThresholdSession(threshold=t)`` seals each point to its receiver's X25519 dealing key
+(``fhelium.multiparty.dealing``) and ``fhelium.multiparty.dropout`` runs rounds that survive ranks
+leaving.
 """
 
 from __future__ import annotations
