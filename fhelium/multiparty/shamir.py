@@ -42,14 +42,23 @@ def deal(party: ThresholdParty, threshold: int) -> dict[int, torch.Tensor]:
     coefficients = engine.random.stream("share").uniform_below(
         m.q.cpu(), (threshold - 1, len(ids), engine.ring_degree)
     ).to(engine.device)
+    secret = party.secret.data
+    moduli = engine.moduli_for(ids)
     points: dict[int, torch.Tensor] = {}
     for receiver in range(party.parties):
+        if threshold == 1:
+            points[receiver] = secret.clone()
+            continue
         x = evaluation_point(receiver)
-        value = party.secret.data.clone()
-        for k in range(threshold - 1):
-            power = torch.tensor([pow(x, k + 1, q) for q in engine.moduli_for(ids)], dtype=torch.int64,
-                                 device=engine.device).unsqueeze(-1).expand_as(value).contiguous()
-            mod.add_mod_(value, mod.mul_mod(coefficients[k], power, m.q, m.q_inverse), m.q)
+        point = torch.tensor([x % q for q in moduli], dtype=torch.int64, device=engine.device)
+        point = point.unsqueeze(-1).expand_as(secret).contiguous()
+        # Horner: f(x) = s + x·(r_1 + x·(r_2 + … + x·r_{t-1}))
+        value = coefficients[threshold - 2].clone()
+        for k in range(threshold - 3, -1, -1):
+            value = mod.mul_mod(value, point, m.q, m.q_inverse)
+            mod.add_mod_(value, coefficients[k], m.q)
+        value = mod.mul_mod(value, point, m.q, m.q_inverse)
+        mod.add_mod_(value, secret, m.q)
         points[receiver] = value
     return points
 
