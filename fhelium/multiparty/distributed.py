@@ -492,6 +492,30 @@ class ProcessGroupChannel:
         return summed
 
 
+    def all_gather_members(
+        self, tag: str, tensor: torch.Tensor, members: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (same shape and dtype on each), over the group of ``members``.
+
+        ``MemberLostError`` when a member never arrives or the collective breaks.
+        """
+        members = sorted(members)
+        descriptor = json.dumps({"shape": list(tensor.shape), "dtype": str(tensor.dtype)}).encode()
+        arrived = self.gather_members(f"{tag}/arrive", descriptor, members)
+        missing = [rank for rank in members if rank not in arrived]
+        if missing or any(other != descriptor for other in arrived.values()):
+            raise MemberLostError(
+                f"the {tag!r} exchange lacks rank(s) {missing} or their shapes differ", missing
+            )
+        gathered = [torch.empty_like(tensor) for _ in members]
+        try:
+            fdist.all_gather(gathered, tensor.contiguous(), group=self._members_group(members))
+        except RuntimeError as error:
+            raise MemberLostError(f"the {tag!r} exchange among ranks {members} broke ({error})") from error
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return gathered
+
+
 def gather_from_store(
     store: Any,  # noqa: ANN401  a torch.distributed Store (or flodld's ControllerStore)
     prefix: str,

@@ -246,7 +246,31 @@ def aggregate_surviving(
     session.alive = active
     q = session.engine._mod(ct.prime_ids).q
     phase = mod.add_mod(summed[0], shares, q)
-    return decode_contributions(session.engine, phase, ct.prime_ids, ct.scale), contributors
+    return _decode(session, round_number, phase, ct, active), contributors
+
+
+def _decode(
+    session: ThresholdSession, round_number: int, phase: torch.Tensor, ct: Ciphertext, active: list[int]
+) -> torch.Tensor:
+    """C0 + Σ h_j decoded: one slice of rows per active rank, all-gathered, on a channel with
+    ``all_gather_members`` (the process group); every row here otherwise, or when a rank leaves now.
+    """
+    engine, channel = session.engine, session.channel
+    rows = phase.size(0)
+    gather = getattr(channel, "all_gather_members", None)
+    if gather is not None and 1 < len(active) <= rows:
+        per = -(-rows // len(active))
+        start = min(active.index(channel.rank) * per, rows)
+        stop = min(start + per, rows)
+        decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
+        if stop > start:
+            decoded[: stop - start] = decode_contributions(engine, phase[start:stop], ct.prime_ids, ct.scale)
+        try:
+            pieces = gather(f"decoded:{round_number}", decoded, active)
+            return torch.cat(pieces)[:rows]
+        except MemberLostError:
+            pass  # a decoder left: this rank holds every row's phase and decodes them itself
+    return decode_contributions(engine, phase, ct.prime_ids, ct.scale)
 
 
 __all__ = ["BelowThresholdError", "aggregate_surviving", "check_member_sum"]
