@@ -99,6 +99,62 @@ class MaliciousMembers(ProcessGroupChannel):
         return honest
 
 
+def _session(
+    kind: str, rest: str, rank: int, threshold: int, timeout_s: float, store: Any  # noqa: ANN401
+) -> tuple[ProcessGroupChannel, ThresholdSession]:
+    channel: ProcessGroupChannel
+    if kind == "observe":
+        channel = ObservedChannel(session="tofn", timeout_s=timeout_s, store=store)
+    elif kind == "malicious":
+        channel = MaliciousMembers(rest, session="tofn", timeout_s=timeout_s, store=store)
+    else:
+        channel = ProcessGroupChannel(session="tofn", timeout_s=timeout_s, store=store)
+    identity, pins = None, None
+    if kind == "pinned":  # every rank's long-term key is pinned; rank <rest> presents another key
+        from fhelium.multiparty.dealing import DealingIdentity
+
+        folder = os.environ["TOFN_PINS_DIR"]
+        with open(os.path.join(folder, "pins.json"), encoding="utf-8") as file:
+            pins = {int(k): v for k, v in json.load(file).items()}
+        own = DealingIdentity.load(os.path.join(folder, f"key{rank}"))
+        identity = DealingIdentity.generate() if rank == int(rest) else own
+    session = ThresholdSession(
+        channel, session="tofn", threshold=threshold, dealing_identity=identity, dealing_pins=pins
+    )
+    return channel, session
+
+
+def _rounds(
+    session: ThresholdSession, count: int, rank: int, victim: bool, phase: str
+) -> list[dict[str, Any]]:
+    """``count`` aggregation rounds; a victim SIGKILLs itself at ``phase`` of the first."""
+    rounds: list[dict[str, Any]] = []
+    for round_number in range(1, count + 1):
+        if victim and phase == "before":
+            die(rank, phase)
+
+        def hook() -> None:
+            if victim and phase == "after":
+                die(rank, phase)
+
+        def audit(name: str, _: torch.Tensor) -> None:
+            if victim and phase == "mid" and name == "decryption_share":
+                die(rank, phase)
+
+        try:
+            total = session.aggregate(padded(rank, round_number), before_contribution=hook, record=audit)
+            covered = session.contributors
+            truth = sum(update(r, round_number) for r in covered)
+            error = float((total.reshape(-1)[:COUNT] - truth).abs().max())
+            rounds.append({"ok": True, "contributors": covered, "max_error": error})
+        except Exception as error:  # report every failure as data
+            rounds.append({
+                "ok": False, "error": type(error).__name__, "message": str(error),
+                "missing": getattr(error, "missing", None), "trace": traceback.format_exc(),
+            })
+    return rounds
+
+
 def main() -> int:
     scenario, threshold, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     torch.set_num_threads(1)
@@ -116,25 +172,7 @@ def main() -> int:
     result: dict[str, Any] = {"rank": rank}
     started = time.monotonic()
     try:
-        channel: ProcessGroupChannel
-        if kind == "observe":
-            channel = ObservedChannel(session="tofn", timeout_s=timeout_s, store=store)
-        elif kind == "malicious":
-            channel = MaliciousMembers(rest, session="tofn", timeout_s=timeout_s, store=store)
-        else:
-            channel = ProcessGroupChannel(session="tofn", timeout_s=timeout_s, store=store)
-        identity, pins = None, None
-        if kind == "pinned":  # every rank's long-term key is pinned; rank <rest> presents another key
-            from fhelium.multiparty.dealing import DealingIdentity
-
-            folder = os.environ["TOFN_PINS_DIR"]
-            with open(os.path.join(folder, "pins.json"), encoding="utf-8") as file:
-                pins = {int(k): v for k, v in json.load(file).items()}
-            own = DealingIdentity.load(os.path.join(folder, f"key{rank}"))
-            identity = DealingIdentity.generate() if rank == int(rest) else own
-        session = ThresholdSession(
-            channel, session="tofn", threshold=threshold, dealing_identity=identity, dealing_pins=pins
-        )
+        channel, session = _session(kind, rest, rank, threshold, timeout_s, store)
         if rank in victims and phase == "keys":
             honest_gather = channel.all_gather_bytes
 
@@ -161,30 +199,7 @@ def main() -> int:
         if kind == "observe":
             result.update(_observe(session, channel, dealt))  # type: ignore[arg-type]
             return _finish(result, started, store)
-        rounds = []
-        for round_number in (1, 2) if kind in ("mean", "malicious") else (1,):
-            if rank in victims and phase == "before":
-                die(rank, phase)
-
-            def hook() -> None:
-                if rank in victims and phase == "after":
-                    die(rank, phase)
-
-            def audit(name: str, _: torch.Tensor) -> None:
-                if rank in victims and phase == "mid" and name == "decryption_share":
-                    die(rank, phase)
-
-            try:
-                total = session.aggregate(padded(rank, round_number), before_contribution=hook, record=audit)
-                covered = session.contributors
-                truth = sum(update(r, round_number) for r in covered)
-                error = float((total.reshape(-1)[:COUNT] - truth).abs().max())
-                rounds.append({"ok": True, "contributors": covered, "max_error": error})
-            except Exception as error:  # report every failure as data
-                rounds.append({
-                    "ok": False, "error": type(error).__name__, "message": str(error),
-                    "missing": getattr(error, "missing", None), "trace": traceback.format_exc(),
-                })
+        rounds = _rounds(session, 2 if kind in ("mean", "malicious") else 1, rank, rank in victims, phase)
         result.update(ok=True, rounds=rounds, decrypted_rows=session.party.decrypted_rows)
     except Exception as error:  # report every failure as data
         result.update(ok=False, error=type(error).__name__, message=str(error), trace=traceback.format_exc())
