@@ -818,7 +818,7 @@ class ThresholdSession:
         """
         if self.public is None:
             raise MultipartyError("aggregate before generate_public_key")
-        party, engine, channel = self.party, self.engine, self.channel
+        party, channel = self.party, self.channel
         values = torch.as_tensor(values)
         if values.ndim == 1:
             values = values.unsqueeze(0)
@@ -826,46 +826,105 @@ class ThresholdSession:
         self.round += 1
         round_number = self.round
         party.spend_decryption_rows(rows)  # before anything moves: every rank refuses at the same round
-        start_sum = getattr(channel, "start_all_reduce_residues", None)
-        start_reduce = getattr(channel, "start_reduce_residues", None)
-        gather = getattr(channel, "all_gather_tensor", None)
-        if (
-            sum_c1 is not None
-            or start_sum is None
-            or start_reduce is None
-            or gather is None
-            or world == 1
-            or rows < world
-        ):
-            ct = party.encrypt(values, self.public)
-            ids = ct.prime_ids
-            moduli = engine.moduli_for(ids)
-            if record is not None:
-                record("ciphertext", ct.data)
-            own_c1 = ct.data[1]
-            if sum_c1 is not None:  # only c1 leaves this rank: c0 is its one-time pad
-                c1_only = Ciphertext(
-                    torch.stack((torch.zeros_like(own_c1), own_c1)), ct.depth, ct.scale, ids, "ntt"
-                )
-                c1 = sum_c1(c1_only)
-            else:
-                c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
-            if record is not None:
-                record("c1_sum", c1)
-            if check_sums:
-                self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
-            if before_contribution is not None:
-                before_contribution()
-            contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
-            if record is not None:
-                record("decryption_share", contribution)
-            total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
-            if record is not None:
-                record("decryption_sum", total)
-            if check_sums:
-                self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
-            return decode_contributions(engine, total, ids, ct.scale)
+        sliced = all(
+            hasattr(channel, name)
+            for name in ("start_all_reduce_residues", "start_reduce_residues", "all_gather_tensor")
+        )
+        if sum_c1 is not None or not sliced or world == 1 or rows < world:
+            return self._aggregate_blocking(
+                values, round_number, record=record, before_contribution=before_contribution,
+                sum_c1=sum_c1, check_sums=check_sums,
+            )
+        return self._aggregate_sliced(
+            values, round_number, record=record, before_contribution=before_contribution,
+            check_sums=check_sums,
+        )
+
+    def _aggregate_blocking(
+        self,
+        values: torch.Tensor,
+        round_number: int,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        before_contribution: Callable[[], None] | None,
+        sum_c1: Callable[[Ciphertext], torch.Tensor] | None,
+        check_sums: bool,
+    ) -> torch.Tensor:
+        """The fused protocol with one sum of each (the relay road, ``sum_c1``, small batches)."""
+        assert self.public is not None
+        party, engine, channel = self.party, self.engine, self.channel
+        ct = party.encrypt(values, self.public)
+        ids = ct.prime_ids
+        moduli = engine.moduli_for(ids)
+        if record is not None:
+            record("ciphertext", ct.data)
+        own_c1 = ct.data[1]
+        if sum_c1 is not None:  # only c1 leaves this rank: c0 is its one-time pad
+            c1_only = Ciphertext(
+                torch.stack((torch.zeros_like(own_c1), own_c1)), ct.depth, ct.scale, ids, "ntt"
+            )
+            c1 = sum_c1(c1_only)
+        else:
+            c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
+        if record is not None:
+            record("c1_sum", c1)
+        if check_sums:
+            self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
+        if before_contribution is not None:
+            before_contribution()
+        contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
+        if record is not None:
+            record("decryption_share", contribution)
+        total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
+        if record is not None:
+            record("decryption_sum", total)
+        if check_sums:
+            self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
+        return decode_contributions(engine, total, ids, ct.scale)
+
+    def _aggregate_sliced(
+        self,
+        values: torch.Tensor,
+        round_number: int,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        before_contribution: Callable[[], None] | None,
+        check_sums: bool,
+    ) -> torch.Tensor:
+        """The fused protocol pipelined per slice of rows (the process group; see ``aggregate``)."""
+        engine = self.engine
+        rows, world = values.size(0), self.channel.world_size
         per = -(-rows // world)
+        parts, flooded = self._encrypt_slices(values, per, record=record, check_sums=check_sums)
+        ids = parts[0][1].prime_ids
+        sums = self._sum_c1_slices(parts, round_number, ids, record=record, check_sums=check_sums)
+        if before_contribution is not None:
+            before_contribution()
+        own, mine_index, mine = self._reduce_contributions(
+            parts, sums, flooded, record=record, check_sums=check_sums
+        )
+        if check_sums:
+            self._check_sliced_sums(round_number, own, mine_index, mine, ids)
+        decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
+        if mine is not None:
+            ct = parts[mine_index][1]
+            decoded[: mine.size(0)] = decode_contributions(engine, mine, ct.prime_ids, ct.scale)
+        pieces = self.channel.all_gather_tensor("decoded-slots", decoded)  # type: ignore[attr-defined]
+        return torch.cat(pieces)[:rows]
+
+    def _encrypt_slices(
+        self,
+        values: torch.Tensor,
+        per: int,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        check_sums: bool,
+    ) -> tuple[list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]], list[torch.Tensor]]:
+        """Encrypt slice k and start its c1 sum while the next is encrypted; the flooded c0 of each slice."""
+        assert self.public is not None
+        party, engine = self.party, self.engine
+        start_sum = self.channel.start_all_reduce_residues  # type: ignore[attr-defined]
+        rows, world = values.size(0), self.channel.world_size
         bounds = [(min(k * per, rows), min((k + 1) * per, rows)) for k in range(world)]
         parts: list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]] = []
         for k, (start, stop) in enumerate(bounds):
@@ -883,8 +942,20 @@ class ThresholdSession:
             flooded = [ct.data[0] for _, ct, _ in parts]
         else:
             flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
+        return parts, flooded
+
+    def _sum_c1_slices(
+        self,
+        parts: Sequence[tuple[int, Ciphertext, Callable[[], torch.Tensor]]],
+        round_number: int,
+        ids: Sequence[int],
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        check_sums: bool,
+    ) -> list[torch.Tensor]:
+        """Each slice's c1 sum as it arrives (digested while the next is in flight), then checked."""
+        party, engine = self.party, self.engine
         sums = []
-        ids = parts[0][1].prime_ids
         digests: list[tuple[bytes, bool]] = []
         for part, (_, _, finish) in enumerate(parts):
             c1 = finish()
@@ -897,8 +968,22 @@ class ThresholdSession:
         if check_sums:
             own_parts = [ct.data[1] for _, ct, _ in parts]
             self._check_sums("ciphertext-c1", round_number, own_parts, sums, ids, digests)
-        if before_contribution is not None:
-            before_contribution()
+        return sums
+
+    def _reduce_contributions(
+        self,
+        parts: Sequence[tuple[int, Ciphertext, Callable[[], torch.Tensor]]],
+        sums: Sequence[torch.Tensor],
+        flooded: Sequence[torch.Tensor],
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        check_sums: bool,
+    ) -> tuple[list[torch.Tensor], int, torch.Tensor | None]:
+        """c0_i + h_i per slice, slice k reduced to rank k; (own contributions kept for the check,
+        the index of this rank's slice, its summed contributions or None).
+        """
+        party, engine = self.party, self.engine
+        start_reduce = self.channel.start_reduce_residues  # type: ignore[attr-defined]
         pending = []
         own: list[torch.Tensor] = []
         for (k, ct, _), c1, contribution in zip(parts, sums, flooded, strict=True):
@@ -920,14 +1005,7 @@ class ThresholdSession:
                 if record is not None:
                     record("decryption_sum", total)
                 mine, mine_index = total, index
-        if check_sums:
-            self._check_sliced_sums(round_number, own, mine_index, mine, ids)
-        decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
-        if mine is not None:
-            ct = parts[mine_index][1]
-            decoded[: mine.size(0)] = decode_contributions(engine, mine, ct.prime_ids, ct.scale)
-        pieces = gather("decoded-slots", decoded)
-        return torch.cat(pieces)[:rows]
+        return own, mine_index, mine
 
     def _refuse(self, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()) -> SumCheckError:
         label = SUM_LABELS.get(what, what)

@@ -16,8 +16,9 @@ timeout, through the rendezvous store) and ``sum_members`` (the modular sum amon
    ``BelowThresholdError`` naming the missing ranks, on every survivor, after the timeout); each
    publishes h_j = λ_j^A·sk_j·C1 + e_j (its Shamir share scaled by its Lagrange coefficient for A,
    then flooded as in N-out-of-N), the shares are summed among A and checked the same way, and
-   C0 + Σ h_j is decoded (one slice per active rank, all-gathered, where the channel can). A member of A that leaves mid-way: the survivors re-choose A and
-   publish fresh shares (one more exchange; each spends its rows of the flooding budget).
+   C0 + Σ h_j is decoded (one slice per active rank, all-gathered, where the channel can). A member
+   of A that leaves mid-way: the survivors re-choose A and publish fresh shares (one more exchange;
+   each spends its rows of the flooding budget).
 
 What a malicious fold can do: the checks refuse a substituted, subset, scaled, negated, replayed or
 per-rank different sum, with ``SumCheckError`` naming the round, before any decryption share is
