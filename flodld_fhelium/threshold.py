@@ -69,6 +69,7 @@ def threshold_descriptor(session: ThresholdSession, *, values: int, transport: s
     return {
         "version": DESCRIPTOR_VERSION,
         "keys": "threshold",
+        "threshold": session.threshold,
         "ring_degree": engine.ring_degree,
         "moduli": list(engine.moduli),
         "message_scale_bits": parameters.message_scale_bits,
@@ -89,7 +90,7 @@ def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
         reference_rank=0,
         reference_label="rank 0",
         what="threshold aggregation parameters",
-        arguments="--values, --keys",
+        arguments="--values, --keys, --threshold",
     )
 
 
