@@ -209,24 +209,34 @@ def test_a_malicious_controller_fold_is_refused_on_the_relay_road_before_any_sha
     assert len(list(tmp_path.glob("rank*-c1_ciphertext.pt"))) == 3
 
 
+# (fault, what rank 2 says as it leaves, whose inputs the mean covers): before contributing, after (its
+# input is in the checked sum), and mid-decryption (its share made, not summed: the others re-choose)
+T_OF_N_LEAVERS = [
+    ("leave-early", "rank 2: leaving at 'update' (leave-early)", "[0, 1] (2 of 3)"),
+    ("leave", "rank 2: leaving after encrypting, before its decryption share", "[0, 1, 2] (3 of 3)"),
+    ("leave-mid", "rank 2: leaving at 'decryption_share' (leave-mid)", "[0, 1, 2] (3 of 3)"),
+]
+
+
 @pytest.mark.parametrize("transport", ["relay", "process-group"])
-def test_t_of_n_keys_let_the_survivors_decrypt_the_mean_of_every_input_when_a_rank_leaves_after_encrypting(
-    transport: str,
+@pytest.mark.parametrize(("fault", "left", "covered"), T_OF_N_LEAVERS, ids=[f[0] for f in T_OF_N_LEAVERS])
+def test_t_of_n_keys_let_the_survivors_decrypt_the_mean_when_a_rank_leaves_at_each_phase(
+    transport: str, fault: str, left: str, covered: str
 ) -> None:
-    # 3 ranks, threshold 2: rank 2 leaves once its input is in the checked sum (exit 0: on one host a rank
-    # dying by a signal tears the host down), the other two decrypt the mean of all three inputs
+    # 3 ranks, threshold 2: rank 2 leaves (exit 0: on one host a rank dying by a signal tears the host
+    # down), the other two decrypt the mean of the inputs the sum covers, and say whose
     run = Fdl(
         "run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--keys", "threshold",
-        "--threshold", "2", "--transport", transport, "--fault", "leave", "--fault-rank", "2",
+        "--threshold", "2", "--transport", transport, "--fault", fault, "--fault-rank", "2",
         "--share-timeout", "5",
     )
     assert run.wait(240) == 0, run.output
     said = ranks_said(run.output)
-    assert "rank 2: leaving after encrypting, before its decryption share" in said
+    assert left in said
     for rank in (0, 1):
         assert re.search(
             rf"rank {rank}: t-out-of-N aggregation \(threshold 2\) in [0-9.]+s: the mean covers the inputs "
-            r"of rank\(s\) \[0, 1, 2\] \(3 of 3\); decrypted by rank\(s\) \[0, 1\]",
+            rf"of rank\(s\) {re.escape(covered)}; decrypted by rank\(s\) \[0, 1\]",
             said,
         ), said
         passed = rf"rank {rank}: encrypted mean PASS: .* transport {transport} keys threshold"
