@@ -711,6 +711,9 @@ class ThresholdSession:
                     seed=seed, threshold=t, moduli=self.engine.moduli_for(ids),
                     ring_degree=self.engine.ring_degree,
                 ).to(self.engine.device)
+        prepare = getattr(channel, "prepare_members", None)
+        if prepare is not None:  # before the last exchange: no rank leaves key generation while another
+            prepare(self.alive)  # is still connecting the group to it
         fingerprint = dealing.transcript_fingerprint(party.session, seed, t, keys)
         prints = channel.all_gather_bytes("dealing-transcript", fingerprint, max_bytes=len(fingerprint))
         differing = [rank for rank, other in enumerate(prints) if other != fingerprint]
@@ -724,9 +727,6 @@ class ThresholdSession:
         self.shamir_share = shamir.receive(party, received)
         party.secret = None  # the additive share is spent: decryption goes through the Shamir share
         self.dealing_fingerprint = fingerprint.hex()
-        prepare = getattr(channel, "prepare_members", None)
-        if prepare is not None:
-            prepare(self.alive)
 
     def encrypt(self, values: torch.Tensor) -> Ciphertext:
         if self.public is None:
