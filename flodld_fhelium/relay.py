@@ -288,7 +288,9 @@ class RelayShareChannel:
     ) -> torch.Tensor:
         """The per-limb modular sum among ``members``: the relays' fold while the whole world is there
         and no relay round has failed, else each member's residues through the rendezvous store (every
-        member adds them up itself; the controller sees the same residues as with the fold).
+        member adds them up itself; the controller sees the same residues as with the fold), deleted
+        once every member has read them (the store's byte budget, 256 MiB by default, bounds one
+        exchange: members × residue bytes).
         """
         members = sorted(members)
         descriptor = f"{list(residues.shape)}/{[str(q) for q in moduli]}".encode()
@@ -315,5 +317,10 @@ class RelayShareChannel:
         total = torch.zeros(residues.shape, dtype=torch.int64)
         for rank in members:
             total += torch.frombuffer(bytearray(records[rank]), dtype=torch.int64).view(residues.shape)
+        del records
+        # once every member has read them, this rank's residues leave the controller's store (its
+        # byte budget would otherwise fill with every round's ciphertexts)
+        self.gather_members(f"{tag}/read", b"", members)
+        self.transport.store.delete_key(f"fhelium-threshold/{self.session}/members/{tag}/residues/{self.rank}")
         q = torch.tensor(list(moduli), dtype=torch.int64).reshape(-1, 1)
         return reduce_sum_(total, q, len(members)).to(residues.device)
