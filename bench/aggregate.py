@@ -3,6 +3,16 @@
     .venv/bin/python bench/aggregate.py                 # 2 and 4 ranks, 1M values (the issue's setting)
     .venv/bin/python bench/aggregate.py --ranks 2 --values 65536
     .venv/bin/python bench/aggregate.py --defence-ratio --repeats 5   # what the sum checks cost
+    .venv/bin/python bench/aggregate.py --t-of-n --repeats 3          # t-out-of-N vs N-out-of-N, no dropout
+    .venv/bin/python bench/aggregate.py --dealing 64                  # in-process key dealing, 64 parties
+
+``--t-of-n`` runs the fused N-out-of-N aggregate and the t-out-of-N one (t = world - 1, or 1 with one
+rank; ``fhelium.multiparty.dropout``: whole ciphertexts summed among the ranks present, checked, then
+one Lagrange-scaled decryption share per rank) in alternating pairs, and prints t-of-N / N-of-N per
+pair, for the aggregate alone and with key generation (which deals the Shamir points for t-of-N).
+``--dealing P`` measures, in one process, key dealing for P simulated parties at threshold P // 2 + 1:
+the Shamir polynomial evaluations, sealing every point (X25519 + ChaCha20-Poly1305) and opening and
+summing the received ones.
 
 ``--defence-ratio`` runs only the threshold pipelines, each with the checks against a malicious fold
 (``ThresholdSession.aggregate``) and without them (the bench-only baseline
@@ -226,14 +236,19 @@ def threshold_program(
 
 
 def threshold(
-    rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, check_sums: bool = True
+    rank: int,
+    world: int,
+    update: torch.Tensor,
+    truth: torch.Tensor,
+    check_sums: bool = True,
+    t_of_n: int | None = None,
 ) -> dict[str, Any]:
     from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
 
     # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
     name = f"bench-{next(_THRESHOLD_RUNS)}"
     channel = ProcessGroupChannel(session=name, timeout_s=600)
-    session = ThresholdSession(channel, session=name)
+    session = ThresholdSession(channel, session=name, threshold=t_of_n)
     engine = session.engine
     slots = engine.slot_count
     rows = max(1, -(-update.numel() // slots))
@@ -436,11 +451,17 @@ def worker(
     repeats: int,
     results: Queue[dict[str, Any]],
     defence: bool = False,
+    t_of_n: bool = False,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     update = make_update(rank, values, SEED)
     truth = expected_mean(world, values, SEED)
+    if t_of_n:
+        results.put(t_of_n_row(rank, world, update, truth, repeats))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if defence:
         results.put(defence_row(rank, world, update, truth, repeats))
         dist.barrier()
@@ -481,6 +502,89 @@ def defence_row(
             for checked in order:
                 row[key][checked].append(pipeline(rank, world, update, truth, checked))
     return row
+
+
+def t_of_n_row(
+    rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, repeats: int
+) -> dict[str, Any]:
+    """``repeats`` pairs: the fused N-out-of-N aggregate and the t-out-of-N one, alternating the order."""
+    t = max(1, world - 1)
+    row: dict[str, Any] = {"rank": rank, "t": t, "n_of_n": [], "t_of_n": []}
+    for index in range(repeats):
+        order = ("n_of_n", "t_of_n") if index % 2 == 0 else ("t_of_n", "n_of_n")
+        for key in order:
+            row[key].append(threshold(rank, world, update, truth, True, t if key == "t_of_n" else None))
+    return row
+
+
+def summarize_t_of_n(world: int, values: int, rows: list[dict[str, Any]]) -> None:
+    pairs = len(rows[0]["t_of_n"])
+    t = rows[0]["t"]
+    errors = {key: max(run["error"] for row in rows for run in row[key]) for key in ("n_of_n", "t_of_n")}
+    print(
+        f"\n{world} ranks, {values} values per rank: t-out-of-N (t = {t}) / N-out-of-N (fused), no dropout; "
+        f"{pairs} alternating pairs, median [min-max]; max error of the mean N-of-N {errors['n_of_n']:.2e}, "
+        f"t-of-N {errors['t_of_n']:.2e}"
+    )
+    for label, field, combine in (
+        ("aggregate wall", "aggregate_seconds", max),
+        ("aggregate CPU, busiest rank", "aggregate_cpu_seconds", max),
+        ("whole wall (keys + dealing + aggregate)", "seconds", max),
+    ):
+        ratios = [
+            combine(row["t_of_n"][index][field] for row in rows)
+            / combine(row["n_of_n"][index][field] for row in rows)
+            for index in range(pairs)
+        ]
+        n_of_n = sorted(combine(row["n_of_n"][index][field] for row in rows) for index in range(pairs))
+        print(f"  {label:<42}{_spread(ratios)}   (N-of-N median {n_of_n[len(n_of_n) // 2]:.3f} s)")
+
+
+def dealing_bench(parties: int) -> None:
+    """Key dealing for ``parties`` simulated parties in this process (threshold parties // 2 + 1)."""
+    from fhelium.multiparty import ThresholdParty, dealing, shamir
+
+    torch.set_num_threads(1)
+    t = parties // 2 + 1
+    members = [
+        ThresholdParty(rank, parties, session="dealing-bench", rng_seed=rank) for rank in range(parties)
+    ]
+    seed = bytes(32)
+    for member in members:
+        member.key_share(seed)
+    identities = [dealing.DealingIdentity.generate() for _ in members]
+    keys = [identity.public_bytes for identity in identities]
+    engine = members[0].engine
+    started = time.perf_counter()
+    points = [shamir.deal(member, t) for member in members]
+    evaluated = time.perf_counter()
+    records = [
+        dealing.seal_points(
+            identities[i], points[i], keys, dealer=i, session="dealing-bench", seed=seed, threshold=t
+        )
+        for i in range(parties)
+    ]
+    sealed = time.perf_counter()
+    for j, member in enumerate(members):
+        received = {j: points[j][j]}
+        for i in range(parties):
+            if i != j:
+                received[i] = dealing.open_point(
+                    identities[j], records[i], keys, dealer=i, receiver=j, session="dealing-bench", seed=seed,
+                    threshold=t, moduli=engine.moduli, ring_degree=engine.ring_degree,
+                )
+        shamir.receive(member, received)
+    opened = time.perf_counter()
+    total = opened - started
+    print(
+        f"\nkey dealing in process, {parties} parties, threshold {t} (one thread): {total:.2f} s for all "
+        f"parties ({total / parties * 1e3:.0f} ms per party): Shamir evaluations "
+        f"{evaluated - started:.2f} s, "
+        "sealing "
+        f"{sealed - evaluated:.2f} s, opening and summing {opened - sealed:.2f} s; each party sends "
+        f"{len(records[0]) / 2**20:.1f} MiB ({parties - 1} sealed points of "
+        f"{dealing.sealed_bytes(len(engine.moduli), engine.ring_degree) / 1024:.0f} KiB)"
+    )
 
 
 def _spread(ratios: list[float]) -> str:
@@ -525,12 +629,16 @@ def summarize_defence(world: int, values: int, rows: list[dict[str, Any]]) -> No
             print(f"    {label:<30}{_spread(ratios)}")
 
 
-def run(world: int, values: int, tenseal: bool, repeats: int, defence: bool = False) -> list[dict[str, Any]]:
+def run(
+    world: int, values: int, tenseal: bool, repeats: int, defence: bool = False, t_of_n: bool = False
+) -> list[dict[str, Any]]:
     context = mp.get_context("spawn")
     results = context.Queue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     processes = [
-        context.Process(target=worker, args=(rank, world, port, values, tenseal, repeats, results, defence))
+        context.Process(
+            target=worker, args=(rank, world, port, values, tenseal, repeats, results, defence, t_of_n)
+        )
         for port in [free_port()]
         for rank in range(world)
     ]
@@ -642,7 +750,20 @@ def main() -> int:
         help="only the threshold pipelines, each with the sum checks and without them (the fold trusted) "
         "in alternation, --repeats pairs (default 2; 5 or more for a spread); prints checked / unchecked",
     )
+    parser.add_argument(
+        "--t-of-n", action="store_true", help="only N-of-N vs t-out-of-N aggregation, --repeats pairs"
+    )
+    parser.add_argument("--dealing", type=int, metavar="P", help="only in-process key dealing for P parties")
     args = parser.parse_args()
+    if args.dealing:
+        dealing_bench(args.dealing)
+        return 0
+    if args.t_of_n:
+        print(f"cpu threads per rank: 1; machine cores: {os.cpu_count()}; torch {torch.__version__}")
+        for world in args.ranks:
+            rows = run(world, args.values, False, max(1, args.repeats), t_of_n=True)
+            summarize_t_of_n(world, args.values, rows)
+        return 0
     if args.defence_ratio:
         print(f"cpu threads per rank: 1; machine cores: {os.cpu_count()}; torch {torch.__version__}")
         for world in args.ranks:

@@ -4,6 +4,7 @@
     fdl run --ranks 3 examples/encrypted_mean.py -- --values 65536
     fdl run examples/encrypted_mean.py -- --transport process-group [--lower]
     fdl run examples/encrypted_mean.py -- --keys single          # rank 0 holds the key (the older mode)
+    fdl run --ranks 3 examples/encrypted_mean.py -- --threshold 2  # t-out-of-N: any 2 ranks decrypt
 
 Every rank holds a local update (default 1M float values). With `--keys threshold` (the default)
 nobody holds the secret key: the ranks build a collective public key from key shares
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 lower=args.lower,
                 share_timeout_s=args.share_timeout,
                 say=say,
+                threshold=args.threshold,
             )
         else:
             say(f"transport {name}, {args.values} values, key holder rank 0")

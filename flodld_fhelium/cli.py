@@ -38,6 +38,14 @@ def parse_arguments(
         "single: rank 0 holds the secret key",
     )
     parser.add_argument(
+        "--threshold",
+        type=int,
+        default=None,
+        metavar="T",
+        help="threshold keys: t-out-of-N (any T ranks decrypt; up to N-T may leave mid-round) instead of "
+        "N-out-of-N",
+    )
+    parser.add_argument(
         "--share-timeout",
         type=float,
         default=DEFAULT_SHARE_TIMEOUT_S,
@@ -53,6 +61,8 @@ def parse_arguments(
     args = parser.parse_args(argv)
     if args.values < 1:
         parser.error(f"--values must be at least 1, got {args.values}")
+    if args.threshold is not None and (args.threshold < 1 or args.keys != "threshold"):
+        parser.error(f"--threshold needs --keys threshold and a value of at least 1, got {args.threshold}")
     return args
 
 

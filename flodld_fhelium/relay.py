@@ -18,7 +18,14 @@ import torch
 
 from fhelium.core import PublicKey
 from fhelium.engine import CkksEngine
-from fhelium.multiparty.distributed import EXCHANGES, MAX_KEY_SHARE_BYTES, missing_error
+from fhelium.multiparty.distributed import (
+    EXCHANGES,
+    MAX_KEY_SHARE_BYTES,
+    MemberLostError,
+    gather_from_store,
+    missing_error,
+)
+from fhelium.multiparty.protocol import MissingSharesError, reduce_sum_
 from flodld_fhelium.errors import AggregationError, KeyMismatchError, WorldChangedError
 from flodld_fhelium.transport import KEY_HOLDER, decode_record, encode_record
 
@@ -209,6 +216,8 @@ class RelayShareChannel:
         self.session = session
         self.timeout_s = timeout_s
         self.bytes_sent = 0
+        # t-out-of-N: once a relay round failed (a rank left), sums among members go through the store
+        self.relay_failed = False
 
     def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_KEY_SHARE_BYTES) -> list[bytes]:
         store = self.transport.store
@@ -257,3 +266,61 @@ class RelayShareChannel:
             missing = sorted(set(range(self.world_size)) - set(contributors))
             raise missing_error(tag, self.world_size, missing, None)
         return total
+
+    # ------------------------------------------------------------------ members (t-out-of-N)
+    def gather_members(
+        self, tag: str, data: bytes, members: Sequence[int], max_bytes: int = MAX_KEY_SHARE_BYTES
+    ) -> dict[int, bytes]:
+        """The records of the ``members`` that published one within ``timeout_s``, through the store."""
+        if len(data) > max_bytes:
+            raise AggregationError(f"a {tag!r} record of {len(data)} bytes exceeds the {max_bytes}-byte cap")
+        self.bytes_sent += len(data)
+        return gather_from_store(
+            self.transport.store, f"fhelium-threshold/{self.session}/members/{tag}", self.rank, data, members,
+            self.timeout_s, max_bytes,
+        )
+
+    def prepare_members(self, members: Sequence[int]) -> None:
+        """Nothing to form: the relays fold the whole world, the store serves any subset."""
+
+    def sum_members(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
+    ) -> torch.Tensor:
+        """The per-limb modular sum among ``members``: the relays' fold while the whole world is there
+        and no relay round has failed, else each member's residues through the rendezvous store (every
+        member adds them up itself; the controller sees the same residues as with the fold), deleted
+        once every member has read them (the store's byte budget, 256 MiB by default, bounds one
+        exchange: members × residue bytes).
+        """
+        members = sorted(members)
+        descriptor = f"{list(residues.shape)}/{[str(q) for q in moduli]}".encode()
+        arrived = self.gather_members(f"{tag}/arrive", descriptor, members)
+        missing = [rank for rank in members if rank not in arrived]
+        if missing:
+            raise MemberLostError(
+                f"rank(s) {missing} did not arrive at the {tag!r} exchange within {self.timeout_s:g}s",
+                missing,
+            )
+        if any(other != descriptor for other in arrived.values()):
+            raise AggregationError(f"the {tag!r} exchange was refused: ranks describe different payloads")
+        if members == list(range(self.world_size)) and not self.relay_failed:
+            try:
+                return self.all_reduce_residues(tag, residues, moduli)
+            except (MissingSharesError, WorldChangedError) as error:
+                self.relay_failed = True
+                raise MemberLostError(f"the relay round of {tag!r} failed: {error}") from error
+        blob = residues.contiguous().cpu().numpy().tobytes()
+        records = self.gather_members(f"{tag}/residues", blob, members, max_bytes=len(blob))
+        missing = [rank for rank in members if rank not in records or len(records[rank]) != len(blob)]
+        if missing:
+            raise MemberLostError(f"rank(s) {missing} published no residues for {tag!r}", missing)
+        total = torch.zeros(residues.shape, dtype=torch.int64)
+        for rank in members:
+            total += torch.frombuffer(bytearray(records[rank]), dtype=torch.int64).view(residues.shape)
+        del records
+        # once every member has read them, this rank's residues leave the controller's store (its
+        # byte budget would otherwise fill with every round's ciphertexts)
+        self.gather_members(f"{tag}/read", b"", members)
+        self.transport.store.delete_key(f"fhelium-threshold/{self.session}/members/{tag}/residues/{self.rank}")
+        q = torch.tensor(list(moduli), dtype=torch.int64).reshape(-1, 1)
+        return reduce_sum_(total, q, len(members)).to(residues.device)

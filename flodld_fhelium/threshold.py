@@ -69,6 +69,7 @@ def threshold_descriptor(session: ThresholdSession, *, values: int, transport: s
     return {
         "version": DESCRIPTOR_VERSION,
         "keys": "threshold",
+        "threshold": session.threshold,
         "ring_degree": engine.ring_degree,
         "moduli": list(engine.moduli),
         "message_scale_bits": parameters.message_scale_bits,
@@ -89,7 +90,7 @@ def check_threshold_descriptors(records: Sequence[dict[str, Any]]) -> None:
         reference_rank=0,
         reference_label="rank 0",
         what="threshold aggregation parameters",
-        arguments="--values, --keys",
+        arguments="--values, --keys, --threshold",
     )
 
 
@@ -218,6 +219,38 @@ def _program_mean(
     return total.reshape(-1) / world, nbytes
 
 
+def _surviving_mean(
+    session: ThresholdSession,
+    rows: torch.Tensor,
+    timings: Timings,
+    record: Callable[[str, torch.Tensor], None],
+    before_decrypt: Callable[[], None] | None,
+    say: Say,
+) -> tuple[torch.Tensor, int]:
+    """t-out-of-N keys, either road: ``ThresholdSession.aggregate`` sums whole ciphertexts among the ranks
+    still there and any t of them decrypt (fhelium.multiparty.dropout). Returns the flat mean over the
+    contributors (``session.contributors``) and this rank's ciphertext bytes.
+    """
+    nbytes = 0
+
+    def audit(name: str, tensor: torch.Tensor) -> None:
+        nonlocal nbytes
+        if name == "ciphertext":
+            nbytes += tensor.numel() * tensor.element_size()
+        record(name, tensor)
+
+    started = time.perf_counter()
+    total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
+    elapsed = timings.measure("aggregate", started)
+    covered = session.contributors
+    say(
+        f"t-out-of-N aggregation (threshold {session.threshold}) in {elapsed:.2f}s: the mean covers the "
+        f"inputs of rank(s) {covered} ({len(covered)} of {session.channel.world_size}); decrypted by rank(s) "
+        f"{session.alive}"
+    )
+    return total.reshape(-1) / len(covered), nbytes
+
+
 def aggregate_mean_threshold(
     transport: Transport,
     *,
@@ -231,8 +264,12 @@ def aggregate_mean_threshold(
     say: Say = lambda message: None,
     before_decrypt: Callable[[], None] | None = None,
     audit: Callable[[str, torch.Tensor], None] | None = None,
+    threshold: int | None = None,
 ) -> Outcome:
     """The threshold workload on this rank: every rank ends with the mean and checks it itself.
+
+    ``threshold`` t: t-out-of-N keys (dealt over the transport); the mean is over the ranks whose inputs
+    the sum covers (said, and checked against those ranks' updates), and up to N − t ranks may leave.
 
     Raises AggregationError subclasses (MissingSharesAggregationError when a rank's share never came).
     """
@@ -244,7 +281,9 @@ def aggregate_mean_threshold(
     rank, world = transport.rank, transport.world_size
     timings = Timings()
     channel = share_channel(transport, session=session_id, timeout_s=share_timeout_s)
-    session = ThresholdSession(channel, parameters, session=session_id)
+    session = ThresholdSession(channel, parameters, session=session_id, threshold=threshold)
+    if audit is not None:
+        session.dealing_audit = lambda receiver, point: record(f"shamir_point_for_{receiver}", point)
     engine = session.engine
     try:
         started = time.perf_counter()
@@ -261,14 +300,22 @@ def aggregate_mean_threshold(
 
         started = time.perf_counter()
         public = session.generate_public_key()
-        assert session.party.secret is not None and session.key_share is not None
-        record("secret_share", session.party.secret.data)
+        secret = session.shamir_share if threshold is not None else session.party.secret
+        secret = secret.data if secret is not None and not isinstance(secret, torch.Tensor) else secret
+        assert secret is not None and session.key_share is not None
+        record("secret_share", secret)
         record("public_key_share", session.key_share.data)
         timings.measure("keys", started)
         say(
             f"collective public key ({key_fingerprint(public)[:16]}) from {world} key shares, agreed by "
             "every rank; no rank holds the secret key"
         )
+        if threshold is not None:
+            say(
+                f"t-out-of-N keys: threshold {threshold} of {world}, Shamir points dealt sealed to each "
+                f"rank's dealing key (transcript {str(session.dealing_fingerprint)[:16]}, agreed by every "
+                "rank)"
+            )
 
         started = time.perf_counter()
         update = make_update(rank, values, seed)
@@ -284,7 +331,12 @@ def aggregate_mean_threshold(
         padded = torch.zeros(rows * slots, dtype=torch.float64)
         padded[:values] = update.double()
         record("update", update)
-        if not isinstance(transport, RelayTransport) and not lower:
+        if threshold is not None:
+            mean, nbytes = _surviving_mean(
+                session, padded.view(rows, slots), timings, record, before_decrypt, say
+            )
+            mean = mean[:values]
+        elif not isinstance(transport, RelayTransport) and not lower:
             mean, nbytes = _fused_mean(
                 session, padded.view(rows, slots), world, timings, record, before_decrypt, say
             )
@@ -300,7 +352,10 @@ def aggregate_mean_threshold(
             raise MissingSharesAggregationError(str(error)) from error
         raise AggregationError(str(error)) from error
 
-    truth = expected_mean(world, values, seed)
+    if threshold is not None:
+        truth = torch.stack([make_update(r, values, seed).double() for r in session.contributors]).mean(dim=0)
+    else:
+        truth = expected_mean(world, values, seed)
     max_error = float((mean - truth).abs().max())
     ok = max_error <= bound
     return Outcome(rank, world, values, max_error, bound, ok, timings, nbytes, True)

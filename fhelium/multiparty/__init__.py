@@ -1,7 +1,8 @@
-"""fhelium.multiparty: threshold (N-out-of-N) CKKS — collective keys and collective decryption.
+"""fhelium.multiparty: threshold CKKS — collective keys and collective decryption.
 
 No party holds the secret key: each holds a share s_i, the public key is built jointly from a
-common seed no single party chooses, and decryption needs every party's decryption share.
+common seed no single party chooses, and decryption needs every party's decryption share
+(N-out-of-N), or any t of them with t-out-of-N keys (``shamir``, ``dealing``, ``dropout``).
 See docs/fhelium-multiparty.md.
 """
 

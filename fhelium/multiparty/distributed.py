@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ import fhelium.distributed as fdist
 from fhelium.core import Ciphertext, PublicKey
 from fhelium.engine import modular as mod
 from fhelium.engine.sampling import RandomSource
+from fhelium.multiparty.dealing import DealingIdentity
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
 from fhelium.multiparty.protocol import (
     MissingSharesError,
@@ -97,6 +98,18 @@ class SumCheckError(MultipartyError):
         super().__init__(message)
         self.round = round_number
         self.ranks = sorted(ranks)
+
+
+class MemberLostError(MultipartyError):
+    """An exchange among a set of members (t-out-of-N) lacks some of them: they left or stalled.
+
+    ``missing`` names them when the arrival marks told (empty when a collective broke mid-way: the
+    next arrival tells who is gone).
+    """
+
+    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = sorted(missing)
 
 
 CHECK_BLOCK_BYTES = 1 << 19  # one block of a sum is range-checked and hashed while it is in cache
@@ -400,6 +413,138 @@ class ProcessGroupChannel:
         return gathered
 
 
+    # ------------------------------------------------------------------ members (t-out-of-N)
+    def gather_members(
+        self, tag: str, data: bytes, members: Sequence[int], max_bytes: int = MAX_RECORD_BYTES
+    ) -> dict[int, bytes]:
+        """The records of the ``members`` that published one within ``timeout_s`` (this rank's included).
+
+        Through the rendezvous store, never a collective: a member that left is simply absent from
+        the answer (after the timeout), so the caller can go on without it.
+        """
+        if len(data) > max_bytes:
+            raise MultipartyError(f"a {tag!r} record of {len(data)} bytes exceeds the {max_bytes}-byte cap")
+        return gather_from_store(
+            self.store, f"fhelium-multiparty/{self.session}/members/{tag}", self.rank, data, members,
+            self.timeout_s, max_bytes,
+        )
+
+    def _members_group(self, members: Sequence[int]) -> dist.ProcessGroup:
+        """A gloo group of exactly ``members`` (made once per set, by them alone), bounded by the timeout."""
+        key = tuple(sorted(members))
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = self.__dict__.setdefault("_member_groups", {})
+        if key not in groups:
+            ranks = list(key) if self.group is None else [dist.get_global_rank(self.group, r) for r in key]
+            try:
+                group = dist.new_group(
+                    ranks, timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=True
+                )
+            except RuntimeError as error:
+                raise MemberLostError(f"a group of ranks {list(key)} could not be formed: {error}") from error
+            if group is None:
+                raise MultipartyError(f"rank {self.rank} is not among the members {list(key)}")
+            groups[key] = group
+        return groups[key]
+
+    def prepare_members(self, members: Sequence[int]) -> None:
+        """Form the group of ``members`` now (outside any timed phase)."""
+        self._members_group(members)
+
+    def sum_members(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
+    ) -> torch.Tensor:
+        """The per-limb modular sum of the ``members``' residues, on each of them.
+
+        Every member marks its arrival with the payload's descriptor first (bounded by ``timeout_s``):
+        one that never arrives raises ``MemberLostError`` naming it, before any payload moves; a
+        collective that breaks (a member killed mid-way) raises it too, within the group's timeout.
+        """
+        members = sorted(members)
+        descriptor = json.dumps(
+            {"shape": list(residues.shape), "moduli": [str(q) for q in moduli]}, sort_keys=True
+        ).encode()
+        arrived = self.gather_members(f"{tag}/arrive", descriptor, members)
+        missing = [rank for rank in members if rank not in arrived]
+        if missing:
+            raise MemberLostError(
+                f"rank(s) {missing} did not arrive at the {tag!r} exchange within {self.timeout_s:g}s",
+                missing,
+            )
+        differing = [rank for rank, other in arrived.items() if other != descriptor]
+        if differing:
+            raise MultipartyError(
+                f"the {tag!r} exchange was refused before any payload moved: rank(s) {differing} describe "
+                "another payload"
+            )
+        summed = residues.contiguous().clone()
+        if len(members) > 1:
+            if len(members) * max(moduli) >= 2**63:
+                raise MultipartyError(f"{tag}: a SUM of {len(members)} residues could wrap int64")
+            try:
+                fdist.all_reduce(summed, op=fdist.ReduceOp.SUM, group=self._members_group(members))
+            except RuntimeError as error:
+                raise MemberLostError(
+                    f"the {tag!r} exchange among ranks {members} broke: a member left mid-way ({error})"
+                ) from error
+            q = torch.tensor(list(moduli), dtype=summed.dtype).reshape(-1, 1)
+            reduce_sum_(summed, q, len(members))
+        self.bytes_sent += residues.numel() * residues.element_size()
+        return summed
+
+
+    def all_gather_members(
+        self, tag: str, tensor: torch.Tensor, members: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (same shape and dtype on each), over the group of ``members``.
+
+        ``MemberLostError`` when a member never arrives or the collective breaks.
+        """
+        members = sorted(members)
+        descriptor = json.dumps({"shape": list(tensor.shape), "dtype": str(tensor.dtype)}).encode()
+        arrived = self.gather_members(f"{tag}/arrive", descriptor, members)
+        missing = [rank for rank in members if rank not in arrived]
+        if missing or any(other != descriptor for other in arrived.values()):
+            raise MemberLostError(
+                f"the {tag!r} exchange lacks rank(s) {missing} or their shapes differ", missing
+            )
+        gathered = [torch.empty_like(tensor) for _ in members]
+        try:
+            fdist.all_gather(gathered, tensor.contiguous(), group=self._members_group(members))
+        except RuntimeError as error:
+            raise MemberLostError(f"the {tag!r} exchange among ranks {members} broke ({error})") from error
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return gathered
+
+
+def gather_from_store(
+    store: Any,  # noqa: ANN401  a torch.distributed Store (or flodld's ControllerStore)
+    prefix: str,
+    rank: int,
+    data: bytes,
+    members: Sequence[int],
+    timeout_s: float,
+    max_bytes: int,
+) -> dict[int, bytes]:
+    """Publish ``data`` under ``prefix/rank`` and read every member's record present within ``timeout_s``."""
+    keys = {member: f"{prefix}/{member}" for member in sorted(members)}
+    try:
+        store.set(keys[rank], data)
+        try:
+            store.wait(list(keys.values()), timedelta(seconds=timeout_s))
+        except Exception:
+            pass
+        records = {member: bytes(store.get(key)) for member, key in keys.items() if store.check([key])}
+    except (RuntimeError, OSError, TimeoutError) as error:
+        raise MultipartyError(
+            f"the rendezvous store failed during the {prefix!r} exchange ({error}); the rank or the process "
+            "hosting it probably left"
+        ) from error
+    for member, record in records.items():
+        if len(record) > max_bytes:
+            raise MultipartyError(f"rank {member} published a {len(record)}-byte record (cap {max_bytes})")
+    return records
+
+
 def key_share_digest(party: int, parties: int, session: str, serialized_share: bytes) -> bytes:
     """SHA-256 commitment to a serialized PublicKeyShare, bound to the rank, world size and session."""
     header = f"{party}/{parties}/{len(session)}:{session}".encode()
@@ -423,13 +568,36 @@ class ThresholdSession:
         session: str = "",
         rng_seed: bytes | int | None = None,
         device: torch.device | str = "cpu",
+        threshold: int | None = None,
+        dealing_identity: DealingIdentity | None = None,
+        dealing_pins: Mapping[int, str] | None = None,
     ) -> None:
+        """``threshold`` t (1 ≤ t ≤ world): t-out-of-N keys, dealt at ``generate_public_key``; any t
+        surviving ranks then decrypt (``aggregate`` tolerates up to N − t ranks leaving, see
+        ``fhelium.multiparty.dropout``). ``None``: N-out-of-N. ``dealing_identity``: this rank's
+        X25519 dealing key (default: a fresh one); ``dealing_pins``: rank → SHA-256 hex of its
+        dealing public key, refusing any other (``fhelium.multiparty.dealing``).
+        """
         self.channel = channel
         self.party = ThresholdParty(
             channel.rank, channel.world_size, parameters, session=session, rng_seed=rng_seed, device=device
         )
+        if threshold is not None and not 1 <= threshold <= channel.world_size:
+            raise MultipartyError(
+                f"threshold must be in [1, {channel.world_size}] (the world size); got {threshold}"
+            )
+        self.threshold = threshold
+        self.dealing_identity = dealing_identity
+        self.dealing_pins = dict(dealing_pins or {})
+        self.dealing_fingerprint: str | None = None  # hex of the agreed dealing transcript
+        # an audit (the flagship's tests) may see each point this rank deals, as (receiver, point)
+        self.dealing_audit: Callable[[int, torch.Tensor], None] | None = None
+        self.shamir_share: torch.Tensor | None = None  # sk_j = F(x_j), t-out-of-N only
+        self.alive: list[int] = list(range(channel.world_size))  # ranks not yet seen leaving
+        self.contributors: list[int] = []  # whose inputs the last aggregate's sum covers
         self.engine = self.party.engine
         self.public: PublicKey | None = None
+        self.common_seed = b""  # this key generation's common seed (public)
         self.key_share: PublicKeyShare | None = None
         self.round = 0  # aggregation rounds of this session (bound into every sum check)
         self.decryptions = 0  # explicit decrypt() calls of this session
@@ -498,8 +666,67 @@ class ThresholdSession:
             raise MultipartyError(
                 f"rank(s) {wrong} computed another collective public key; the residue exchange is corrupt"
             )
+        self.common_seed = seed
+        if self.threshold is not None:
+            self._deal(seed)
         self.public = public
         return public
+
+    def _deal(self, seed: bytes) -> None:
+        """t-out-of-N: deal this rank's Shamir points, sealed to each receiver's dealing key.
+
+        Three record exchanges: the dealing public keys (checked against the pins), the sealed points
+        (every dealer's record holds one sealed point per other rank; each rank opens its own), and
+        the transcript fingerprint (every rank must have seen the same keys). Afterwards this rank
+        holds sk_j = Σ_i f_i(x_j) and no longer its additive share.
+        """
+        from fhelium.multiparty import dealing, shamir
+
+        assert self.threshold is not None
+        party, channel, t = self.party, self.channel, self.threshold
+        identity = self.dealing_identity = self.dealing_identity or dealing.DealingIdentity.generate()
+        keys = channel.all_gather_bytes(
+            "dealing-keys", identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES
+        )
+        dealing.check_public_keys(keys, self.dealing_pins)
+        if keys[channel.rank] != identity.public_bytes:
+            raise dealing.DealingError(
+                f"the transport returned another dealing key for rank {channel.rank} than its own",
+                [channel.rank],
+            )
+        points = shamir.deal(party, t)
+        if self.dealing_audit is not None:
+            for receiver, point in points.items():
+                self.dealing_audit(receiver, point)
+        record = dealing.seal_points(
+            identity, points, keys, dealer=channel.rank, session=party.session, seed=seed, threshold=t
+        )
+        records = channel.all_gather_bytes("shamir-points", record, max_bytes=max(len(record), 1))
+        ids = tuple(range(len(self.engine.moduli)))
+        received = {channel.rank: points[channel.rank]}
+        for dealer, blob in enumerate(records):
+            if dealer != channel.rank:
+                received[dealer] = dealing.open_point(
+                    identity, blob, keys, dealer=dealer, receiver=channel.rank, session=party.session,
+                    seed=seed, threshold=t, moduli=self.engine.moduli_for(ids),
+                    ring_degree=self.engine.ring_degree,
+                ).to(self.engine.device)
+        prepare = getattr(channel, "prepare_members", None)
+        if prepare is not None:  # before the last exchange: no rank leaves key generation while another
+            prepare(self.alive)  # is still connecting the group to it
+        fingerprint = dealing.transcript_fingerprint(party.session, seed, t, keys)
+        prints = channel.all_gather_bytes("dealing-transcript", fingerprint, max_bytes=len(fingerprint))
+        differing = [rank for rank, other in enumerate(prints) if other != fingerprint]
+        if differing:
+            raise dealing.DealingError(
+                f"rank(s) {differing} saw other dealing keys than rank {channel.rank}: the transport showed "
+                "ranks different keys (a substituted key would let it read the points sealed to it); the "
+                "t-out-of-N keys are refused. Pin the dealing keys (docs/security.md, 't-out-of-N keys')",
+                differing,
+            )
+        self.shamir_share = shamir.receive(party, received)
+        party.secret = None  # the additive share is spent: decryption goes through the Shamir share
+        self.dealing_fingerprint = fingerprint.hex()
 
     def encrypt(self, values: torch.Tensor) -> Ciphertext:
         if self.public is None:
@@ -552,7 +779,24 @@ class ThresholdSession:
 
         Each aggregation spends ``rows`` of this key's flooding budget
         (``ThresholdParameters.decryption_row_budget``); past it ``FloodingBudgetError``.
+
+        With t-out-of-N keys (``threshold``) the round tolerates ranks leaving instead
+        (``fhelium.multiparty.dropout``): the sum covers the ranks in ``self.contributors``;
+        ``before_contribution`` then runs once this rank's input is in the checked sum, before it
+        publishes its decryption share; ``sum_c1`` is not supported.
         """
+        if self.threshold is not None:
+            if sum_c1 is not None:
+                raise MultipartyError(
+                    "t-out-of-N aggregate sums through the channel: sum_c1 is not supported"
+                )
+            from fhelium.multiparty.dropout import aggregate_surviving
+
+            total, self.contributors = aggregate_surviving(
+                self, values, record=record, before_decrypt=before_contribution
+            )
+            return total
+        self.contributors = list(range(self.channel.world_size))
         return self._aggregate(
             values, record=record, before_contribution=before_contribution, sum_c1=sum_c1, check_sums=True
         )
@@ -574,7 +818,7 @@ class ThresholdSession:
         """
         if self.public is None:
             raise MultipartyError("aggregate before generate_public_key")
-        party, engine, channel = self.party, self.engine, self.channel
+        party, channel = self.party, self.channel
         values = torch.as_tensor(values)
         if values.ndim == 1:
             values = values.unsqueeze(0)
@@ -582,46 +826,105 @@ class ThresholdSession:
         self.round += 1
         round_number = self.round
         party.spend_decryption_rows(rows)  # before anything moves: every rank refuses at the same round
-        start_sum = getattr(channel, "start_all_reduce_residues", None)
-        start_reduce = getattr(channel, "start_reduce_residues", None)
-        gather = getattr(channel, "all_gather_tensor", None)
-        if (
-            sum_c1 is not None
-            or start_sum is None
-            or start_reduce is None
-            or gather is None
-            or world == 1
-            or rows < world
-        ):
-            ct = party.encrypt(values, self.public)
-            ids = ct.prime_ids
-            moduli = engine.moduli_for(ids)
-            if record is not None:
-                record("ciphertext", ct.data)
-            own_c1 = ct.data[1]
-            if sum_c1 is not None:  # only c1 leaves this rank: c0 is its one-time pad
-                c1_only = Ciphertext(
-                    torch.stack((torch.zeros_like(own_c1), own_c1)), ct.depth, ct.scale, ids, "ntt"
-                )
-                c1 = sum_c1(c1_only)
-            else:
-                c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
-            if record is not None:
-                record("c1_sum", c1)
-            if check_sums:
-                self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
-            if before_contribution is not None:
-                before_contribution()
-            contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
-            if record is not None:
-                record("decryption_share", contribution)
-            total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
-            if record is not None:
-                record("decryption_sum", total)
-            if check_sums:
-                self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
-            return decode_contributions(engine, total, ids, ct.scale)
+        sliced = all(
+            hasattr(channel, name)
+            for name in ("start_all_reduce_residues", "start_reduce_residues", "all_gather_tensor")
+        )
+        if sum_c1 is not None or not sliced or world == 1 or rows < world:
+            return self._aggregate_blocking(
+                values, round_number, record=record, before_contribution=before_contribution,
+                sum_c1=sum_c1, check_sums=check_sums,
+            )
+        return self._aggregate_sliced(
+            values, round_number, record=record, before_contribution=before_contribution,
+            check_sums=check_sums,
+        )
+
+    def _aggregate_blocking(
+        self,
+        values: torch.Tensor,
+        round_number: int,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        before_contribution: Callable[[], None] | None,
+        sum_c1: Callable[[Ciphertext], torch.Tensor] | None,
+        check_sums: bool,
+    ) -> torch.Tensor:
+        """The fused protocol with one sum of each (the relay road, ``sum_c1``, small batches)."""
+        assert self.public is not None
+        party, engine, channel = self.party, self.engine, self.channel
+        ct = party.encrypt(values, self.public)
+        ids = ct.prime_ids
+        moduli = engine.moduli_for(ids)
+        if record is not None:
+            record("ciphertext", ct.data)
+        own_c1 = ct.data[1]
+        if sum_c1 is not None:  # only c1 leaves this rank: c0 is its one-time pad
+            c1_only = Ciphertext(
+                torch.stack((torch.zeros_like(own_c1), own_c1)), ct.depth, ct.scale, ids, "ntt"
+            )
+            c1 = sum_c1(c1_only)
+        else:
+            c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
+        if record is not None:
+            record("c1_sum", c1)
+        if check_sums:
+            self._check_sums("ciphertext-c1", round_number, [own_c1], [c1], ids)
+        if before_contribution is not None:
+            before_contribution()
+        contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
+        if record is not None:
+            record("decryption_share", contribution)
+        total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
+        if record is not None:
+            record("decryption_sum", total)
+        if check_sums:
+            self._check_sums("decryption-contributions", round_number, [contribution], [total], ids)
+        return decode_contributions(engine, total, ids, ct.scale)
+
+    def _aggregate_sliced(
+        self,
+        values: torch.Tensor,
+        round_number: int,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        before_contribution: Callable[[], None] | None,
+        check_sums: bool,
+    ) -> torch.Tensor:
+        """The fused protocol pipelined per slice of rows (the process group; see ``aggregate``)."""
+        engine = self.engine
+        rows, world = values.size(0), self.channel.world_size
         per = -(-rows // world)
+        parts, flooded = self._encrypt_slices(values, per, record=record, check_sums=check_sums)
+        ids = parts[0][1].prime_ids
+        sums = self._sum_c1_slices(parts, round_number, ids, record=record, check_sums=check_sums)
+        if before_contribution is not None:
+            before_contribution()
+        own, mine_index, mine = self._reduce_contributions(
+            parts, sums, flooded, record=record, check_sums=check_sums
+        )
+        if check_sums:
+            self._check_sliced_sums(round_number, own, mine_index, mine, ids)
+        decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
+        if mine is not None:
+            ct = parts[mine_index][1]
+            decoded[: mine.size(0)] = decode_contributions(engine, mine, ct.prime_ids, ct.scale)
+        pieces = self.channel.all_gather_tensor("decoded-slots", decoded)  # type: ignore[attr-defined]
+        return torch.cat(pieces)[:rows]
+
+    def _encrypt_slices(
+        self,
+        values: torch.Tensor,
+        per: int,
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        check_sums: bool,
+    ) -> tuple[list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]], list[torch.Tensor]]:
+        """Encrypt slice k and start its c1 sum while the next is encrypted; the flooded c0 of each slice."""
+        assert self.public is not None
+        party, engine = self.party, self.engine
+        start_sum = self.channel.start_all_reduce_residues  # type: ignore[attr-defined]
+        rows, world = values.size(0), self.channel.world_size
         bounds = [(min(k * per, rows), min((k + 1) * per, rows)) for k in range(world)]
         parts: list[tuple[int, Ciphertext, Callable[[], torch.Tensor]]] = []
         for k, (start, stop) in enumerate(bounds):
@@ -639,8 +942,20 @@ class ThresholdSession:
             flooded = [ct.data[0] for _, ct, _ in parts]
         else:
             flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
+        return parts, flooded
+
+    def _sum_c1_slices(
+        self,
+        parts: Sequence[tuple[int, Ciphertext, Callable[[], torch.Tensor]]],
+        round_number: int,
+        ids: Sequence[int],
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        check_sums: bool,
+    ) -> list[torch.Tensor]:
+        """Each slice's c1 sum as it arrives (digested while the next is in flight), then checked."""
+        party, engine = self.party, self.engine
         sums = []
-        ids = parts[0][1].prime_ids
         digests: list[tuple[bytes, bool]] = []
         for part, (_, _, finish) in enumerate(parts):
             c1 = finish()
@@ -653,8 +968,22 @@ class ThresholdSession:
         if check_sums:
             own_parts = [ct.data[1] for _, ct, _ in parts]
             self._check_sums("ciphertext-c1", round_number, own_parts, sums, ids, digests)
-        if before_contribution is not None:
-            before_contribution()
+        return sums
+
+    def _reduce_contributions(
+        self,
+        parts: Sequence[tuple[int, Ciphertext, Callable[[], torch.Tensor]]],
+        sums: Sequence[torch.Tensor],
+        flooded: Sequence[torch.Tensor],
+        *,
+        record: Callable[[str, torch.Tensor], None] | None,
+        check_sums: bool,
+    ) -> tuple[list[torch.Tensor], int, torch.Tensor | None]:
+        """c0_i + h_i per slice, slice k reduced to rank k; (own contributions kept for the check,
+        the index of this rank's slice, its summed contributions or None).
+        """
+        party, engine = self.party, self.engine
+        start_reduce = self.channel.start_reduce_residues  # type: ignore[attr-defined]
         pending = []
         own: list[torch.Tensor] = []
         for (k, ct, _), c1, contribution in zip(parts, sums, flooded, strict=True):
@@ -676,14 +1005,7 @@ class ThresholdSession:
                 if record is not None:
                     record("decryption_sum", total)
                 mine, mine_index = total, index
-        if check_sums:
-            self._check_sliced_sums(round_number, own, mine_index, mine, ids)
-        decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
-        if mine is not None:
-            ct = parts[mine_index][1]
-            decoded[: mine.size(0)] = decode_contributions(engine, mine, ct.prime_ids, ct.scale)
-        pieces = gather("decoded-slots", decoded)
-        return torch.cat(pieces)[:rows]
+        return own, mine_index, mine
 
     def _refuse(self, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()) -> SumCheckError:
         label = SUM_LABELS.get(what, what)
@@ -939,10 +1261,12 @@ SUM_LABELS = {
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "EXCHANGES",
+    "MemberLostError",
     "ProcessGroupChannel",
     "ShareChannel",
     "SumCheckError",
     "ThresholdSession",
+    "gather_from_store",
     "key_fingerprint",
     "key_share_digest",
     "missing_error",

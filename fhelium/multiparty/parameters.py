@@ -55,15 +55,20 @@ def required_smudging_sigma(ring_degree: int, parties: int, statistical_security
 
 
 def expected_max_mean_error(
-    ring_degree: int, parties: int, sigma: float, scale: float, values: int
+    ring_degree: int, parties: int, sigma: float, scale: float, values: int, *, decryptors: int | None = None
 ) -> float:
     """Expected largest |error| of the decrypted mean over ``values`` real slots.
 
-    Σ of ``parties`` shares' flooding noise has per-coefficient std √parties·σ; a slot is a sum of
-    N coefficients times unit roots, so its real part has std √(N/2)·√parties·σ/Δ, and the mean
-    divides by ``parties``. The largest of ``values`` Gaussians is about √(2 ln(2·values)) std.
+    Σ of ``decryptors`` shares' flooding noise (default: ``parties``, N-out-of-N) has per-coefficient
+    std √decryptors·σ; a slot is a sum of N coefficients times unit roots, so its real part has std
+    √(N/2)·√decryptors·σ/Δ, and the mean divides by ``parties`` (the contributors). The largest of
+    ``values`` Gaussians is about √(2 ln(2·values)) std. t-out-of-N: the active set A decrypts the
+    contributors' sum; each share is λ_j·sk_j·c1 + e_j with the flooding noise drawn *after* the
+    Lagrange scaling, so the coefficients multiply the (exact) Shamir share, not the noise, and only
+    |A| floods reach the result.
     """
-    slot_std = math.sqrt(ring_degree / 2.0) * math.sqrt(parties) * sigma / scale / parties
+    floods = parties if decryptors is None else decryptors
+    slot_std = math.sqrt(ring_degree / 2.0) * math.sqrt(floods) * sigma / scale / parties
     return math.sqrt(2.0 * math.log(2.0 * max(values, 1))) * slot_std
 
 

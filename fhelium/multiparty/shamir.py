@@ -9,9 +9,10 @@ prime), so Σ_{j∈T} s'_j = s, and decrypt with the usual flooded decryption sh
 shares give noise. As in Lattigo's t-out-of-N (Mouchet et al., PETS 2021, section 5), all arithmetic
 is pointwise on the NTT-domain residues.
 
-What is not here: the transport. The point f_i(x_j) is a secret for party j alone, so dealing needs
-confidential pairwise channels (on the relay road the relays and the controller would otherwise see
-every point); ``fhelium.multiparty.distributed`` and the flagship stay N-out-of-N.
+What is not here: the transport. The point f_i(x_j) is a secret for party j alone: across processes
+``ThresholdSession(threshold=t)`` seals each point to its receiver's X25519 dealing key
+(``fhelium.multiparty.dealing``) and ``fhelium.multiparty.dropout`` runs rounds that survive ranks
+leaving.
 """
 
 from __future__ import annotations
@@ -41,14 +42,23 @@ def deal(party: ThresholdParty, threshold: int) -> dict[int, torch.Tensor]:
     coefficients = engine.random.stream("share").uniform_below(
         m.q.cpu(), (threshold - 1, len(ids), engine.ring_degree)
     ).to(engine.device)
+    secret = party.secret.data
+    moduli = engine.moduli_for(ids)
     points: dict[int, torch.Tensor] = {}
     for receiver in range(party.parties):
+        if threshold == 1:
+            points[receiver] = secret.clone()
+            continue
         x = evaluation_point(receiver)
-        value = party.secret.data.clone()
-        for k in range(threshold - 1):
-            power = torch.tensor([pow(x, k + 1, q) for q in engine.moduli_for(ids)], dtype=torch.int64,
-                                 device=engine.device).unsqueeze(-1).expand_as(value).contiguous()
-            mod.add_mod_(value, mod.mul_mod(coefficients[k], power, m.q, m.q_inverse), m.q)
+        point = torch.tensor([x % q for q in moduli], dtype=torch.int64, device=engine.device)
+        point = point.unsqueeze(-1).expand_as(secret).contiguous()
+        # Horner: f(x) = s + x·(r_1 + x·(r_2 + … + x·r_{t-1}))
+        value = coefficients[threshold - 2].clone()
+        for k in range(threshold - 3, -1, -1):
+            value = mod.mul_mod(value, point, m.q, m.q_inverse)
+            mod.add_mod_(value, coefficients[k], m.q)
+        value = mod.mul_mod(value, point, m.q, m.q_inverse)
+        mod.add_mod_(value, secret, m.q)
         points[receiver] = value
     return points
 

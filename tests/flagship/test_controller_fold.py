@@ -362,3 +362,26 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
     for update in updates:
         assert update[:32].numpy().tobytes() not in every_byte
         assert update[:32].double().numpy().tobytes() not in every_byte
+
+
+def test_t_of_n_dealing_shows_the_controller_only_sealed_points(tmp_path: Path) -> None:
+    from fhelium.multiparty.dealing import sealed_bytes
+
+    extra = ("--keys", "threshold", "--threshold", "2")
+    controller, forwarder, ok, output = asyncio.run(run_audited_world(tmp_path, extra))
+    assert ok, output
+    assert output.count("encrypted mean PASS") == 2, output
+    assert output.count("t-out-of-N keys: threshold 2 of 2") == 2, output
+    # what the controller's rendezvous store held (store values in the clear) and every byte on the wire
+    values = dict(controller.store.state._data)
+    dealt = {key: value for key, value in values.items() if "/shamir-points/" in key}
+    assert len(dealt) == 2, sorted(values)
+    assert all(len(value) == sealed_bytes(3, 8192) for value in dealt.values())  # one sealed point each
+    every_byte = b"".join(bytes(capture.up) + bytes(capture.down) for capture in forwarder.captures)
+    store_bytes = b"".join(values.values())
+    for dealer, receiver in ((0, 1), (1, 0)):
+        point = torch.load(tmp_path / f"rank{dealer}-shamir_point_for_{receiver}.pt")
+        point = point.contiguous().numpy().tobytes()
+        for offset in range(0, len(point) - 32, 4096):
+            chunk = point[offset : offset + 32]
+            assert chunk not in store_bytes and chunk not in every_byte, (dealer, receiver, offset)

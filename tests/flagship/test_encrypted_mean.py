@@ -207,3 +207,53 @@ def test_a_malicious_controller_fold_is_refused_on_the_relay_road_before_any_sha
     # nothing was published for the forged sum: no rank made a contribution (decryption share)
     assert sorted(path.name for path in tmp_path.glob("rank*-decryption_share.pt")) == []
     assert len(list(tmp_path.glob("rank*-c1_ciphertext.pt"))) == 3
+
+
+# (fault, what rank 2 says as it leaves, whose inputs the mean covers): before contributing, after (its
+# input is in the checked sum), and mid-decryption (its share made, not summed: the others re-choose)
+T_OF_N_LEAVERS = [
+    ("leave-early", "rank 2: leaving at 'update' (leave-early)", "[0, 1] (2 of 3)"),
+    ("leave", "rank 2: leaving after encrypting, before its decryption share", "[0, 1, 2] (3 of 3)"),
+    ("leave-mid", "rank 2: leaving at 'decryption_share' (leave-mid)", "[0, 1, 2] (3 of 3)"),
+]
+
+
+@pytest.mark.parametrize("transport", ["relay", "process-group"])
+@pytest.mark.parametrize(("fault", "left", "covered"), T_OF_N_LEAVERS, ids=[f[0] for f in T_OF_N_LEAVERS])
+def test_t_of_n_keys_let_the_survivors_decrypt_the_mean_when_a_rank_leaves_at_each_phase(
+    transport: str, fault: str, left: str, covered: str
+) -> None:
+    # 3 ranks, threshold 2: rank 2 leaves (exit 0: on one host a rank dying by a signal tears the host
+    # down), the other two decrypt the mean of the inputs the sum covers, and say whose
+    run = Fdl(
+        "run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--keys", "threshold",
+        "--threshold", "2", "--transport", transport, "--fault", fault, "--fault-rank", "2",
+        "--share-timeout", "5",
+    )
+    assert run.wait(240) == 0, run.output
+    said = ranks_said(run.output)
+    assert left in said
+    for rank in (0, 1):
+        assert re.search(
+            rf"rank {rank}: t-out-of-N aggregation \(threshold 2\) in [0-9.]+s: the mean covers the inputs "
+            rf"of rank\(s\) {re.escape(covered)}; decrypted by rank\(s\) \[0, 1\]",
+            said,
+        ), said
+        passed = rf"rank {rank}: encrypted mean PASS: .* transport {transport} keys threshold"
+        assert re.search(passed, said), said
+
+
+def test_t_of_n_with_fewer_than_t_survivors_fails_every_survivor_naming_the_missing_rank_relay_road() -> None:
+    run = Fdl(
+        "run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--keys", "threshold",
+        "--threshold", "3", "--transport", "relay", "--fault", "leave", "--fault-rank", "1",
+        "--share-timeout", "5",
+    )
+    assert run.wait(240) == 1, run.output
+    failed = re.findall(
+        r"rank ([02]): FAILED: MissingSharesAggregationError: aggregation round 1 of session "
+        r"'encrypted-mean': t-out-of-N decryption needs 3 of 3 ranks; only rank\(s\) \[0, 2\] arrived within "
+        r"5s \(rank\(s\) \[1\] left or stalled\)",
+        ranks_said(run.output),
+    )
+    assert sorted(failed) == ["0", "2"], run.output

@@ -2,7 +2,8 @@
 The workload and its command line come from the bridge (flodld_fhelium), as the example's do.
 
     mean_with_faults.py [example args] [--keys single|threshold] [--fault values|scale|foreign-key|leave
-                        --fault-rank R] [--audit-dir D] [--malicious-fold substitute|subset]
+                        --fault-rank R] [--audit-dir D]
+                        (t-out-of-N also: --fault leave-early|leave-mid) [--malicious-fold substitute|subset]
 
 The faulty rank runs the real workload and only differs where the fault says: a different
 --values, a different CKKS scale, a public key of its own, or leaving (exit 0) right before the
@@ -89,9 +90,16 @@ def play_malicious_fold(transport: RelayTransport, attack: str, *, victim: int) 
     ThresholdSession.decrypt = watched_decrypt  # type: ignore[method-assign]
 
 
+# t-out-of-N faults: the rank leaves when the workload records this (before contributing: its update is
+# made, nothing sent; mid-decryption: its decryption share is made, not yet summed)
+LEAVING = {"leave-early": "update", "leave-mid": "decryption_share"}
+
+
 def main() -> int:
     faults = argparse.ArgumentParser(add_help=False)
-    faults.add_argument("--fault", choices=("values", "scale", "foreign-key", "leave"))
+    faults.add_argument(
+        "--fault", choices=("values", "scale", "foreign-key", "leave", "leave-early", "leave-mid")
+    )
     faults.add_argument("--fault-rank", type=int, default=1)
     faults.add_argument("--audit-dir")
     faults.add_argument("--keys", choices=("single", "threshold"), default="single")
@@ -119,6 +127,13 @@ def main() -> int:
     def audit(name: str, tensor: torch.Tensor) -> None:
         torch.save(tensor.clone(), Path(fault_args.audit_dir) / f"rank{rank}-{name}.pt")
 
+    def threshold_audit(name: str, tensor: torch.Tensor) -> None:
+        if fault_args.audit_dir:
+            audit(name, tensor)
+        if (faulty, name) in LEAVING.items():
+            print(f"rank {rank}: leaving at {name!r} ({faulty})", flush=True)
+            os._exit(0)
+
     if fault_args.keys == "threshold":
         def leave_before_share() -> None:
             print(f"rank {rank}: leaving after encrypting, before its decryption share", flush=True)
@@ -134,7 +149,8 @@ def main() -> int:
                 share_timeout_s=args.share_timeout,
                 say=lambda message: print(f"rank {rank}: {message}", flush=True),
                 before_decrypt=leave_before_share if faulty == "leave" else None,
-                audit=audit if fault_args.audit_dir else None,
+                audit=threshold_audit if fault_args.audit_dir or faulty in LEAVING else None,
+                threshold=args.threshold,
             )
         except AggregationError as error:
             print(f"rank {rank}: FAILED: {type(error).__name__}: {error}", flush=True)
