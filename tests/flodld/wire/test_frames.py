@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flodld.wire.aead import choose_suite, direction_key, direction_keys, hkdf_sha256
 from flodld.wire.errors import WireError
 from flodld.wire.frames import (
     CLOSED,
@@ -27,10 +28,6 @@ from flodld.wire.frames import (
     FrameConnection,
     Role,
     Suite,
-    choose_suite,
-    direction_key,
-    direction_keys,
-    hkdf_sha256,
 )
 from flodld.wire.join import Abort, RankExited
 from flodld.wire.magic import CHANNEL_MAGICS, Channel, magic_prefix
