@@ -14,8 +14,9 @@ import time
 
 import uvloop
 
+from flodld.controller.accept import ACCEPT_PER_READY, ADOPT_PER_TURN
 from flodld.controller.metrics import ControllerCounters
-from flodld.controller.mux import ACCEPT_PER_READY, ADOPT_PER_TURN, PortMux
+from flodld.controller.mux import PortMux
 from flodld.wire.magic import Channel, magic_prefix
 
 QUEUED = 300
