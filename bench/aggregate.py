@@ -121,6 +121,7 @@ def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> di
     public = fdist.broadcast_key(
         engine.generate_public_key(secret) if secret is not None else None, src=KEY_HOLDER
     )
+    assert isinstance(public, PublicKey), f"the key holder broadcast a {type(public).__name__}"
     encrypt_started = time.perf_counter()
     ciphertext = encrypt_update(engine, update, public, world_size=world)
     encrypt_seconds = time.perf_counter() - encrypt_started

@@ -155,20 +155,20 @@ def loopback_ceiling(total: int = 512 * MIB) -> float:
 
 def cipher_rates(size: int) -> tuple[str, float, float]:
     """(suite, seal GiB/s, open GiB/s) of this build's negotiated AEAD on `size` bytes, in place."""
-    from flodld.wire.frames import Suite, _aead, _open_in_place, _seal_in_place, cpu_has_aes
+    from flodld.wire.aead import Suite, aead_for, cpu_has_aes, open_in_place, seal_in_place
 
     suite = Suite.AES_256_GCM if cpu_has_aes() else Suite.CHACHA20_POLY1305
-    aead = _aead(suite, bytes(32))
+    aead = aead_for(suite, bytes(32))
     buffer = bytearray(os.urandom(size) + bytes(16))
     view = memoryview(buffer)
     seal, open_ = [], []
     for index in range(5):
         nonce = index.to_bytes(12, "little")
         begun = time.perf_counter()
-        _seal_in_place(aead, nonce, view, size, b"h" * 24)
+        seal_in_place(aead, nonce, view, size, b"h" * 24)
         seal.append(time.perf_counter() - begun)
         begun = time.perf_counter()
-        _open_in_place(aead, nonce, view, size, b"h" * 24)
+        open_in_place(aead, nonce, view, size, b"h" * 24)
         open_.append(time.perf_counter() - begun)
     return suite.name, size / min(seal) / 2**30, size / min(open_) / 2**30
 

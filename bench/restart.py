@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         script = Path(scratch) / "restart_program.py"
         script.write_text(SCRIPT)
-        launchers = {
+        launchers: dict[str, Callable[[Path], list[str]]] = {
             "fdl run": lambda out: [sys.executable, "-m", "fdl.main", "run", "--nproc-per-node",
                                     str(args.ranks), "--max-restarts", "3", str(script), str(out)],
             "torchrun": lambda out: [torchrun, "--standalone", f"--nproc-per-node={args.ranks}",

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -427,6 +428,16 @@ async def service_state(port: int) -> dict[str, Any] | None:
     return loaded
 
 
+def _waiting(run_id: str, state: dict[str, Any]) -> bool:
+    """The window of run `run_id` is open."""
+    return bool(state.get("run_id") == run_id and state.get("phase") == "waiting")
+
+
+def _in_history(run_id: str, state: dict[str, Any]) -> bool:
+    """Run `run_id` has ended (it is in the history)."""
+    return any(entry.get("run_id") == run_id for entry in state.get("history") or [])
+
+
 async def until_state(port: int, predicate: Callable[[dict[str, Any]], bool], bound: float) -> dict[str, Any]:
     deadline = time.monotonic() + bound
     while True:
@@ -483,13 +494,13 @@ async def drive_daemon(args: argparse.Namespace) -> int:
         for index in range(1, args.runs + 1):
             await until_state(
                 port,
-                lambda s, i=index: s.get("run_id") == f"soak-{i}" and s.get("phase") == "waiting",
+                functools.partial(_waiting, f"soak-{index}"),
                 RUN_BOUND_SECS,
             )
             expected = await asyncio.wait_for(one_run(port, key, args, rng, figures, index), RUN_BOUND_SECS)
             state = await until_state(
                 port,
-                lambda s, i=index: any(h.get("run_id") == f"soak-{i}" for h in s.get("history") or []),
+                functools.partial(_in_history, f"soak-{index}"),
                 RUN_BOUND_SECS,
             )
             entry = next(h for h in state["history"] if h["run_id"] == f"soak-{index}")

@@ -22,6 +22,7 @@ import statistics
 import time
 from typing import Any
 
+from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
 from flodld.controller.page import render_page
@@ -37,7 +38,9 @@ def _controller(hosts: int, label_bytes: int) -> Controller:
     capacity = 8 * hosts + 8
     options = ControllerOptions.model_validate({"bind_host": "127.0.0.1", "port": 0, "capacity": capacity})
     controller = Controller(options, clock=lambda: NOW)
-    policy = derive_policy(JoinConfig(), capacity=capacity, loopback_bind=True, averaging="cpu_sync")
+    policy = derive_policy(
+        JoinConfig(), capacity=capacity, loopback_bind=True, averaging=AveragingMode.CPU_SYNC
+    )
     window = JoinWindow(policy, [], 0.0, run_id="bench", controller="127.0.0.1:1")
     for i in range(hosts):
         labels = [(f"GPU {d} of host {i} " + "L" * label_bytes)[:256] for d in range(8)]

@@ -58,7 +58,7 @@ def gradient(model: torch.nn.Linear, rank: int, step: int) -> torch.Tensor:
     """The flattened, clipped gradient of the squared error on this rank's batch."""
     model.zero_grad()
     inputs, targets = batch(rank, step)
-    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    torch.autograd.backward(torch.nn.functional.mse_loss(model(inputs), targets))
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     return flat.clamp(-1.0, 1.0)  # bounded: the sum over the world must stay inside the slots' headroom
 
@@ -137,7 +137,7 @@ def main() -> int:
             with torch.no_grad():
                 offset = 0
                 for parameter in model.parameters():
-                    parameter -= 0.1 * mean[offset : offset + parameter.numel()].view_as(parameter)
+                    parameter.sub_(0.1 * mean[offset : offset + parameter.numel()].view_as(parameter))
                     offset += parameter.numel()
             print(
                 f"rank {rank}/{world}: step {step}: encrypted mean of {mine.numel()} gradients over the "

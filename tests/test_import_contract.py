@@ -30,13 +30,6 @@ OWN_PACKAGES = ("flodld", "fhelium", "flodld_fhelium", "fdl")
 
 # (importing file, imported module, imported name or None) -> why it may cross the line.
 ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str, str | None], str] = {
-    **{
-        ("bench/relay.py", "flodld.wire.frames", name): (
-            "the relay benchmark times the frame codec's sealing primitives themselves, which are "
-            "private to flodld.wire on purpose (callers go through FrameConnection)"
-        )
-        for name in ("_aead", "_open_in_place", "_seal_in_place")
-    },
     ("fhelium/engine/compiled.py", "torch.fx.experimental._config", None): (
         "the opt-in torch.compile path sets backed_size_oblivious/use_duck_shape, which torch offers "
         "only in this private config module; nothing else in fhelium needs it"

@@ -34,21 +34,23 @@ import torch.distributed as dist
 from fhelium.core import Ciphertext
 from fhelium.distributed._collective_common import (
     GroupInfo,
-    PointToPointBatch,
     agree,
-    broadcast_tensor,
     check_identical_layouts,
-    check_writable_destination,
     collective_phase,
     describe_or_error,
     exchange_control,
     group_info,
     rank_body,
-    receive_slot,
     root_error,
     type_error,
 )
 from fhelium.distributed._schedule import StepKind, binomial_reduce_rounds, reduce_steps
+from fhelium.distributed._staging import (
+    PointToPointBatch,
+    broadcast_tensor,
+    check_writable_destination,
+    receive_slot,
+)
 
 
 class CiphertextAdder(Protocol):

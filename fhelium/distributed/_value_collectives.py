@@ -16,9 +16,6 @@ from fhelium.core import KEY_TYPES, Ciphertext, CompressedPlaintext, DenseKey, P
 from fhelium.distributed._collective_common import (
     ControlExchange,
     GroupInfo,
-    PointToPointBatch,
-    PreparedAllGather,
-    PreparedBroadcast,
     agree,
     agree_on_allocation,
     allocation_error,
@@ -30,6 +27,7 @@ from fhelium.distributed._collective_common import (
     root_error,
     type_error,
 )
+from fhelium.distributed._staging import PointToPointBatch, PreparedAllGather, PreparedBroadcast
 from fhelium.distributed._state import local_device
 from fhelium.distributed._transfer import (
     Descriptor,

@@ -155,7 +155,7 @@ def answer_head(direct: Direct, length: int, date: bytes) -> bytes:
 
 def busy_answer(direct: Direct, retry_after: int, detail: str, date: bytes) -> bytes:
     """The whole 429 to a direct request past the render budget (`flodld.controller.snapshot.RenderBudget`):
-    the status and body aiohttp's handler gives (`flodld.controller.page.busy_answer`), closing.
+    the status and body aiohttp's handler gives (`flodld.controller.page_routes.busy_answer`), closing.
     """
     body = json.dumps({"error": detail, "code": "render_budget"}, separators=(",", ":")).encode()
     return (

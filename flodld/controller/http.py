@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
-from flodld.controller.page import PAGE_ENDPOINTS, add_routes, busy_answer, close_after_answer
+from flodld.controller.page_routes import PAGE_ENDPOINTS, add_routes, busy_answer, close_after_answer
 from flodld.controller.snapshot import BadMembersQuery, RenderRefused, parse_members
 from flodld.controller.source import StatusSource
 

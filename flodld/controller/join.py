@@ -4,29 +4,29 @@ Per connection: nonce exchange and the first frame under the handshake deadline.
 failures (wrong salt, garbage, silence) get no reply, only a log line and a counted refusal;
 a well-formed but unacceptable hello gets a Reject. Once admitted, the same connection carries
 WorldFormed/Abort down and RankExited up, and its EOF is the host's exit event.
+
+Where a connection stands is a `JoinState`, changed only through a row of `TRANSITIONS`: the
+handshake never goes back, and an ended connection stays ended. The transport half (pre-authentication
+accounting, the handshake deadline, write backpressure) is `flodld.net.gated.GatedProtocol`; the turn
+budget the CPU-bound steps wait on is `flodld.net.turns`; the collector's storm policy is
+`flodld.controller.linkheap`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import socket
-import typing
-import weakref
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
+from flodld.controller.linkheap import link_ended, link_opened
 from flodld.controller.metrics import ControllerCounters
-from flodld.net.deadlines import Deadline, DeadlineQueue
-from flodld.net.keepalive import Inherited, keep_alive, tcp_socket
-from flodld.net.preauth import PreAuthBudget
-from flodld.net.preauth import charge as preauth_charge
-from flodld.net.stream import WRITE_STALL_SECS
-from flodld.net.timeouts import scaled
+from flodld.net.gated import GatedProtocol, ShellPort
+from flodld.net.keepalive import keep_alive, tcp_socket
+from flodld.net.turns import join_turns
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Closed, Frame, FrameConnection, NeedData, Role
 from flodld.wire.handlers import HandlerTable
@@ -38,142 +38,6 @@ log = logging.getLogger("flodld.controller.join")
 
 CHANNEL = "join"
 MAX_JOIN_PAYLOAD = 1024 * 1024
-# Join handshakes that may run their CPU-bound steps (key derivation and the dialer's nonce; the hello's
-# decoding and admission) in one event-loop turn. A storm of thousands of dialers otherwise makes every
-# turn run one step of each of them, and an HTTP request (several turns from accept to answer) waits
-# behind each such turn: a poll took seconds. Waiting here holds nothing (a place in line for a later
-# turn, not a slot kept while the peer is slow), so a silent or slow peer cannot hold up the others.
-# The knob trades storm throughput for the other requests' latency. 24 since state.json is answered without
-# aiohttp and deadlines share a timer (10,000-agent storms, 2026-12-03, alternating runs: admissions/s
-# 0.61-0.73 of the baseline at 16, 0.65-0.78 at 24, 0.68-0.75 at 32; state.json p99 27-33 ms at 16, 28-44 ms
-# at 24, 30-90 ms at 32). Before that: 16 (p99 43-48 ms at 16, 63-95 ms at 32, 38-39 ms at 8).
-JOIN_STEPS_PER_TURN = 24
-
-
-class TurnBudget:
-    """At most `per_turn` steps given to `call()` run per event-loop turn; the others wait, in order, for
-    later turns. Sans-io apart from the loop's `call_soon`.
-    """
-
-    def __init__(self, per_turn: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        if per_turn < 1:
-            raise ValueError(f"a turn budget lets >= 1 step through, got {per_turn}")
-        self.per_turn = per_turn
-        self._loop = loop  # None: the running loop, asked when a turn is scheduled
-        self._used = 0
-        self._waiters: deque[Callable[[], None]] = deque()
-        self._refill_scheduled = False
-        self.deferred = 0
-        """How many steps waited for a later turn (for tests and diagnostics)."""
-
-    def call(self, step: Callable[[], None]) -> None:
-        """Run `step` now if this turn's budget allows (and nobody waits), else in a later turn, in order.
-
-        A step that raises is logged; the turn goes on. A step whose connection ended meanwhile still takes
-        its place in line (it returns at once: the join protocol's steps check their state first).
-        """
-        if self._used < self.per_turn and not self._waiters:
-            self._used += 1
-            self._schedule_refill()
-            step()
-            return
-        self._waiters.append(step)
-        self.deferred += 1
-        self._schedule_refill()
-
-    def _schedule_refill(self) -> None:
-        if not self._refill_scheduled:
-            self._refill_scheduled = True
-            (self._loop or asyncio.get_running_loop()).call_soon(self._refill)
-
-    def _refill(self) -> None:
-        """Runs once per turn while anything is counted or waiting: a new turn's budget, first to waiters."""
-        self._refill_scheduled = False
-        self._used = 0
-        while self._waiters and self._used < self.per_turn:
-            step = self._waiters.popleft()
-            self._used += 1
-            try:
-                step()
-            except Exception:
-                log.exception("event=join_step_failed")
-        if self._used or self._waiters:
-            self._schedule_refill()
-
-
-_BUDGETS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnBudget] = weakref.WeakKeyDictionary()
-# The last loop asked about and its budget: a controller has one loop, and a WeakKeyDictionary lookup
-# (a new weak reference per call) cost ~30 us per join under a storm.
-_LAST: tuple[weakref.ref[asyncio.AbstractEventLoop], TurnBudget] | None = None
-
-
-# Thousands of linked hosts are thousands of long-lived objects (stream, connection, task, buffers per
-# link); the collector's full collections rescan all of them each time the heap grows by a quarter: at
-# 10,000 joining hosts eight full collections took ~3.9 s of the controller's time, the longest 1.6 s
-# (a stall every poller and joiner waited behind). Every FREEZE_EVERY admissions, what the process holds is
-# moved out of the collector's generations (`gc.freeze`, O(1)); when the last link of the process closes,
-# it is all handed back (`gc.unfreeze`) and the next full collection reclaims whatever cycles the run left.
-# A process that never links that many hosts at once never freezes anything here.
-FREEZE_EVERY = 1024
-# What the full collections of a storm still scan is mostly the dials in flight (~40 tracked objects each:
-# ~100,000 objects with 2,500 connections in their handshake, 30-70 ms of CPU per collection, collecting
-# nothing). While STORM_LINKS hosts or more are linked, the oldest generation is collected
-# FULL_COLLECTION_SPACING times less often (its threshold multiplied); restored when the last link ends.
-STORM_LINKS = 256
-FULL_COLLECTION_SPACING = 10
-
-
-class _LinkedHeap:
-    linked = 0
-    admitted_since_freeze = 0
-    froze = False
-    thresholds: tuple[int, ...] | None = None
-    """The collector's thresholds before a storm spaced its full collections; None outside one."""
-
-
-def _link_opened() -> None:
-    _LinkedHeap.linked += 1
-    _LinkedHeap.admitted_since_freeze += 1
-    if _LinkedHeap.linked >= STORM_LINKS and _LinkedHeap.thresholds is None:
-        _LinkedHeap.thresholds = thresholds = gc.get_threshold()
-        if len(thresholds) == 3:
-            gc.set_threshold(thresholds[0], thresholds[1], thresholds[2] * FULL_COLLECTION_SPACING)
-    if _LinkedHeap.admitted_since_freeze >= FREEZE_EVERY:
-        _LinkedHeap.admitted_since_freeze = 0
-        _LinkedHeap.froze = True
-        gc.freeze()
-
-
-def _link_ended() -> None:
-    _LinkedHeap.linked -= 1
-    if _LinkedHeap.linked <= 0:
-        _LinkedHeap.linked = 0
-        _LinkedHeap.admitted_since_freeze = 0
-        if _LinkedHeap.thresholds is not None:
-            gc.set_threshold(*_LinkedHeap.thresholds)
-            _LinkedHeap.thresholds = None
-        if _LinkedHeap.froze:
-            _LinkedHeap.froze = False
-            gc.unfreeze()
-
-
-def join_turns(loop: asyncio.AbstractEventLoop | None = None) -> TurnBudget:
-    """`loop`'s join-step budget (one per loop: every run on a controller port shares it); by default the
-    running loop's (under Python 3.11 asking for it is a getpid() system call: callers that know it pass it).
-    """
-    global _LAST
-    if loop is None:
-        loop = asyncio.get_running_loop()
-    last = _LAST
-    if last is not None and last[0]() is loop:
-        return last[1]
-    budget = _BUDGETS.get(loop)
-    if budget is None:
-        budget = _BUDGETS[loop] = TurnBudget(JOIN_STEPS_PER_TURN, loop)
-    _LAST = (weakref.ref(loop), budget)
-    return budget
-
-
 class LinkStream(Protocol):
     """What the run uses of an admitted host's join connection (a `JoinProtocol`)."""
 
@@ -265,40 +129,41 @@ def _rank_exited(message: RankExited, controller: JoinRun, link: HostLink) -> No
     controller.rank_exited(link, message.rank, message.code, message)
 
 
-class JoinPort(Protocol):
-    """What a `JoinProtocol` asks of the port that routed it to the join channel (the `PortMux`)."""
-
-    @property
-    def budget(self) -> PreAuthBudget:
-        """The global pre-authentication budget."""
-
-    @property
-    def inherited(self) -> Inherited:
-        """The TCP options every connection of the port starts with (set once on its listening socket)."""
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The loop serving the port (None: the running one)."""
-
-    def deadlines(self, timeout: float) -> DeadlineQueue:
-        """The port's queue of `timeout`-s deadlines."""
-
-    def drop(self, transport: asyncio.BaseTransport, peer: str, reason: str, detail: str) -> None:
-        """Count, log and abort a connection the port refuses (pre-authentication overrun)."""
-
-    def served(self, transport: asyncio.BaseTransport, ended: bool) -> None:
-        """A connection this protocol serves began or ended (the port aborts the live ones at close)."""
+JoinPort = ShellPort
+"""What a `JoinProtocol` asks of the port that routed it to the join channel (the `PortMux`)."""
 
 
-# Where a join connection stands (`JoinProtocol._state`).
-_STARTING = 0  # routed, waiting for its turn to write its nonce
-_HANDSHAKE = 1  # nonce written; reading the dialer's nonce and its first frame under the deadline
-_DECIDING = 2  # first frame verified; waiting for its turn to be decoded and decided (reading paused)
-_LINKED = 3  # admitted: WorldFormed/Abort down, RankExited up, until either side closes
-_ENDED = 4
+class JoinState(Enum):
+    """Where a join connection stands."""
+
+    STARTING = "starting"  # routed, waiting for its turn to write its nonce
+    HANDSHAKE = "handshake"  # nonce written; reading the dialer's nonce and first frame under the deadline
+    DECIDING = "deciding"  # first frame verified; waiting for its turn to be decided (reading paused)
+    LINKED = "linked"  # admitted: WorldFormed/Abort down, RankExited up, until either side closes
+    ENDED = "ended"
 
 
-class JoinProtocol(asyncio.Protocol):
+class JoinStep(Enum):
+    """What moves a join connection on."""
+
+    TURN = "turn"  # this side's turn came: its nonce is written
+    VERIFIED = "verified"  # the dialer's first frame verified
+    ADMITTED = "admitted"  # the run admitted the hello
+    END = "end"  # refused, rejected, overrun, timed out, closed or lost
+
+
+TRANSITIONS: dict[tuple[JoinState, JoinStep], JoinState] = {
+    (JoinState.STARTING, JoinStep.TURN): JoinState.HANDSHAKE,
+    (JoinState.HANDSHAKE, JoinStep.VERIFIED): JoinState.DECIDING,
+    (JoinState.DECIDING, JoinStep.ADMITTED): JoinState.LINKED,
+    **{(state, JoinStep.END): JoinState.ENDED for state in JoinState},  # ENDED -> ENDED: an ending is final
+}
+"""Every move a join connection may make; any other is a bug (`JoinProtocol._move` asserts it)."""
+
+HANDSHAKING = frozenset({JoinState.STARTING, JoinState.HANDSHAKE, JoinState.DECIDING})
+
+
+class JoinProtocol(GatedProtocol):
     """One join connection served without a stream, task or coroutine: bytes go straight into the sans-io
     `FrameConnection` and each verified frame into the run (`JoinRun`).
 
@@ -318,42 +183,25 @@ class JoinProtocol(asyncio.Protocol):
     (`LinkStream`): it writes WorldFormed/Abort, hands RankExited to the run, and reports the link's end.
     """
 
-    __slots__ = (
-        "_conn",
-        "_drained",
-        "_early",
-        "_eof",
-        "_gate_held",
-        "_held",
-        "_link",
-        "_loop",
-        "_paused",
-        "_peer",
-        "_port",
-        "_run",
-        "_state",
-        "_timer",
-        "_transport",
-        "local_address",
-    )
+    __slots__ = ("_conn", "_early", "_eof", "_gate_held", "_link", "_run", "_state", "local_address")
 
     def __init__(self, run: JoinRun, port: JoinPort, peer: str) -> None:
+        super().__init__(port, peer)
         self._run = run
-        self._port = port
-        self._peer = peer
-        self._transport: asyncio.Transport | None = None
-        self._state = _STARTING
+        self._state = JoinState.STARTING
         self._conn: FrameConnection | None = None
         self._early = b""  # bytes that came before this side's turn to start
         self._eof = False
-        self._held = 0  # pre-authentication bytes counted against the budget (0 once settled)
-        self._timer: Deadline | None = None
         self._gate_held = True
         self._link: HostLink | None = None
-        self._paused = False  # the transport's write buffer is over its high-water mark
-        self._drained: asyncio.Future[None] | None = None
-        self._loop = port.loop or asyncio.get_running_loop()
         self.local_address = run.advertised_host
+
+    def _move(self, step: JoinStep) -> JoinState:
+        """Take `step` through `TRANSITIONS` (the only place the state changes)."""
+        moved = TRANSITIONS.get((self._state, step))
+        assert moved is not None, f"join connection: no move {step.name} from {self._state.name}"
+        self._state = moved
+        return moved
 
     # --- LinkStream ------------------------------------------------------------------------------
 
@@ -362,105 +210,73 @@ class JoinProtocol(asyncio.Protocol):
         assert self._conn is not None
         return self._conn
 
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        return self._transport
-
     def send_nowait(self, msg: Message) -> None:
         assert self._conn is not None and self._transport is not None
         self._transport.write(self._conn.send_message(msg))
 
     async def drain(self) -> None:
-        if self._transport is None or self._state == _ENDED:
+        if self._transport is None or self._state is JoinState.ENDED:
             raise ConnectionResetError("the join link is closed")
-        if not self._paused:
-            return
-        if self._drained is None or self._drained.done():
-            self._drained = self._loop.create_future()
-        async with asyncio.timeout(scaled(WRITE_STALL_SECS)):
-            await asyncio.shield(self._drained)
+        await super().drain()
 
     def rekey(self, salt: bytes) -> None:
         self.conn.rekey(salt)
 
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    def write_buffered(self) -> bool:
-        """Whether bytes written still wait in the transport."""
-        transport = self._transport
-        return transport is None or transport.is_closing() or transport.get_write_buffer_size() > 0
-
     # --- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's do not subclass Transport
-        self._port.served(transport, False)
+        self.attach(transport)
         sockname = transport.get_extra_info("sockname")
         if sockname:
             self.local_address = str(sockname[0])
-        self._timer = self._port.deadlines(self._run.handshake_timeout).call(self._deadline_passed)
+        self.start_deadline(self._run.handshake_timeout, self._deadline_passed)
         join_turns(self._loop).call(self._start)
 
     def data_received(self, data: bytes) -> None:
         state = self._state
-        if state == _LINKED:
+        if state is JoinState.LINKED:
             assert self._conn is not None
             self._conn.receive_data(data)
             self._pump_link()
             return
-        if state == _ENDED:
+        if state is JoinState.ENDED:
             return
-        if self._held >= 0 and data:  # pre-authentication: count before holding anything
-            refusal = preauth_charge(self._port.budget, self._held, len(data))
-            if refusal is not None:
-                self._overrun(*refusal)
-                return
-            self._held += len(data)
+        refusal = self.charge(data)  # pre-authentication: count before holding anything
+        if refusal is not None:
+            self._overrun(*refusal)
+            return
         if self._conn is None:
             self._early += data
             return
         self._conn.receive_data(data)
-        if state == _HANDSHAKE:
+        if state is JoinState.HANDSHAKE:
             self._pump_handshake()
 
     def eof_received(self) -> bool:
-        if self._state in (_STARTING, _HANDSHAKE, _DECIDING):
+        if self._state in HANDSHAKING:
             self._eof = True
-            if self._state == _HANDSHAKE:
+            if self._state is JoinState.HANDSHAKE:
                 assert self._conn is not None
                 self._conn.receive_data(b"")
                 self._pump_handshake()
-            return True  # _DECIDING / _STARTING: looked at in their turn; the transport stays open
-        if self._state == _LINKED:
+            return True  # DECIDING / STARTING: looked at in their turn; the transport stays open
+        if self._state is JoinState.LINKED:
             assert self._conn is not None
             self._conn.receive_data(b"")
             self._pump_link()
         return False
 
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
-
     def connection_lost(self, exc: Exception | None) -> None:
         state = self._state
-        self._state = _ENDED
-        self._port.served(self._transport or _NO_TRANSPORT, True)
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(ConnectionResetError("the join link closed"))
-            self._drained.exception()  # retrieved: nobody may be waiting
-        if state == _LINKED:
+        self._move(JoinStep.END)
+        self.detach()
+        if state is JoinState.LINKED:
             if exc is None:  # closed on this side (the run ended it): reported as an EOF
                 self._end_link("host closed its join link", lost=False)
             else:
                 self._end_link(f"join link broke: {exc!r}", lost=True)
             return
-        if state != _ENDED:  # an ending on this side (refusal, Reject, overrun) was counted where it happened
+        if state is not JoinState.ENDED:  # an ending here (refusal, Reject, overrun) was counted then
             self._run.refuse(self._peer, "eof_before_hello", "the dialer closed before sending its hello")
         self._end_handshake()
 
@@ -468,7 +284,7 @@ class JoinProtocol(asyncio.Protocol):
 
     def _start(self) -> None:
         """This side's turn: its nonce and keys, then whatever the dialer sent meanwhile."""
-        if self._state != _STARTING:
+        if self._state is not JoinState.STARTING:
             return
         transport = self._transport
         assert transport is not None
@@ -485,7 +301,7 @@ class JoinProtocol(asyncio.Protocol):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.write(conn.initial_bytes())
-        self._state = _HANDSHAKE
+        self._move(JoinStep.TURN)
         early, self._early = self._early, b""
         if early:
             conn.receive_data(early)
@@ -508,11 +324,9 @@ class JoinProtocol(asyncio.Protocol):
             return
         # The first frame verified: the peer holds the key. Its bytes go back to the budget, and nothing
         # more is read until its hello is decided.
-        self._settle()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._state = _DECIDING
+        self.settle()
+        self.cancel_deadline()
+        self._move(JoinStep.VERIFIED)
         assert self._transport is not None
         with contextlib.suppress(RuntimeError, AttributeError):
             self._transport.pause_reading()
@@ -520,7 +334,7 @@ class JoinProtocol(asyncio.Protocol):
 
     def _decide(self, frame: Frame) -> None:
         """The hello's turn: decode it and let the run decide."""
-        if self._state != _DECIDING:
+        if self._state is not JoinState.DECIDING:
             return
         run = self._run
         run.counters.frame_in(CHANNEL, len(frame.payload))
@@ -543,13 +357,13 @@ class JoinProtocol(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
-            self._state = _ENDED
+            self._move(JoinStep.END)
             self._release_gate()
             run.link_closed(link, "accept write failed (the connection closed)", lost=True)
             return
         self._release_gate()
         self._link = link
-        self._state = _LINKED
+        self._move(JoinStep.ADMITTED)
         # TCP keepalive on an admitted link: the join protocol is silent during training, so a host whose
         # network vanished (no FIN, no RST) would otherwise hold the run open for ever. Probes every idle/3 s
         # after `idle` s of silence; three unanswered ones end the read with an error, i.e. a lost link.
@@ -557,7 +371,7 @@ class JoinProtocol(asyncio.Protocol):
         idle = run.link_keepalive_secs
         if not self._port.inherited.keeps_alive(idle):
             keep_alive(transport, idle, user_timeout=False)
-        _link_opened()
+        link_opened()
         with contextlib.suppress(RuntimeError, AttributeError):
             transport.resume_reading()
         if self._eof:
@@ -566,21 +380,20 @@ class JoinProtocol(asyncio.Protocol):
         self._pump_link()
 
     def _deadline_passed(self) -> None:
-        self._timer = None
-        if self._state in (_STARTING, _HANDSHAKE):
+        self.deadline_fired()
+        if self._state in (JoinState.STARTING, JoinState.HANDSHAKE):
             timeout = self._run.handshake_timeout
             self._refuse_quietly("handshake_timeout", f"no hello within {timeout:g}s")
 
     def _overrun(self, code: str, detail: str) -> None:
         """Over the allowance or the budget: the port drops it (counted there, not as a join refusal)."""
-        self._state = _ENDED
-        assert self._transport is not None
+        self._move(JoinStep.END)
         self._end_handshake()
-        self._port.drop(self._transport, self._peer, code, detail)
+        self.drop(code, detail)
 
     def _refuse_quietly(self, code: str, detail: str) -> None:
         """A frame-level failure (wrong key, garbage, silence): counted and logged, no reply."""
-        self._state = _ENDED
+        self._move(JoinStep.END)
         self._run.refuse(self._peer, code, detail)
         self._end_handshake()
         assert self._transport is not None
@@ -591,7 +404,7 @@ class JoinProtocol(asyncio.Protocol):
         self._send_and_close(Reject(code=code, reason=reason[:1024]))
 
     def _send_and_close(self, message: Message) -> None:
-        self._state = _ENDED
+        self._move(JoinStep.END)
         with contextlib.suppress(ConnectionError, OSError, WireError):
             self.send_nowait(message)
             self._run.counters.frame_out(CHANNEL, 0)
@@ -599,30 +412,23 @@ class JoinProtocol(asyncio.Protocol):
         assert self._transport is not None
         self._transport.close()
 
-    def _settle(self) -> None:
-        if self._held >= 0:
-            self._port.budget.give(self._held)
-            self._held = -1  # settled: no more counting
-
     def _release_gate(self) -> None:
         if self._gate_held:
             self._gate_held = False
             self._run.release_gate(self._peer)
 
     def _end_handshake(self) -> None:
-        self._settle()
+        self.settle()
         self._release_gate()
         self._early = b""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.cancel_deadline()
 
     # --- the link --------------------------------------------------------------------------------
 
     def _pump_link(self) -> None:
         conn, link = self._conn, self._link
         assert conn is not None and link is not None
-        while self._state == _LINKED:
+        while self._state is JoinState.LINKED:
             try:
                 event = conn.next_event()
             except WireError as error:
@@ -651,17 +457,10 @@ class JoinProtocol(asyncio.Protocol):
         if link is None:
             return
         self._link = None
-        self._state = _ENDED
-        _link_ended()
+        self._move(JoinStep.END)
+        link_ended()
         try:
             self._run.link_closed(link, why, lost=lost)
         finally:
             if self._transport is not None and not self._transport.is_closing():
                 self._transport.close()
-
-
-class _NoTransport:
-    """Stands for a transport a protocol never got (connection_lost without connection_made)."""
-
-
-_NO_TRANSPORT = typing.cast(asyncio.BaseTransport, _NoTransport())

@@ -17,7 +17,9 @@ HTTP is unauthenticated end to end, so the bytes an HTTP answer leaves queued in
 that reads slowly or not at all) count against one global budget too (`http_budget`, with a per-address
 share of a quarter of it): an answer that would queue past either is cut at once and counted
 (`http_budget`), not queued. Every HTTP connection, whichever path answers it, is aborted at
-`http_lifetime`, even one already closing with bytes unsent.
+`http_lifetime`, even one already closing with bytes unsent. One HTTP connection's protocol and its
+share of the budget are `flodld.controller.httpconn`; accepting in batches under uvloop is
+`flodld.controller.accept`.
 """
 
 from __future__ import annotations
@@ -27,21 +29,26 @@ import contextlib
 import functools
 import gc
 import logging
-import os
-import socket
 import typing
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from flodld.controller.accept import AcceptDrain
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
-from flodld.controller.fastget import Direct, HeadReader, HttpDate, Verdict, answer_head, busy_answer
+from flodld.controller.fastget import Direct, HttpDate, answer_head, busy_answer
+from flodld.controller.httpconn import (
+    HTTP_WRITE_BUDGET_BYTES,
+    HttpProtocolFactory,
+    HttpQueued,
+    LimitedLifetime,
+)
 from flodld.controller.metrics import ControllerCounters
 from flodld.controller.snapshot import MemberRange, RenderRefused
 from flodld.net.deadlines import Deadline, DeadlineQueue
 from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
-from flodld.wire.magic import HTTP_PREFIXES, MAGIC_BYTES, Channel, channel_for_prefix, magic_prefix
+from flodld.wire.magic import HTTP_PREFIXES, Channel, channel_for_prefix
 
 log = logging.getLogger("flodld.controller.mux")
 
@@ -49,7 +56,6 @@ ChannelHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 """A handler owns the connection after routing; the magic has been consumed. The mux closes
 the writer when the handler returns or raises."""
 
-HttpProtocolFactory = Callable[[], asyncio.Protocol]
 StateBody = Callable[[MemberRange, str], bytes | None]
 """The status source's `state_body(members, source)`: state.json's bytes for a member page, None before there
 is state; work past its cache is charged to the reader's address (`RenderRefused` past the budget)."""
@@ -71,21 +77,6 @@ MAGIC_DEADLINE_SECS = 5.0
 HTTP_CONNECTION_SECS = 5.0
 MAX_PENDING_PER_PEER = 64
 STREAM_LIMIT = 1 << 20
-# Connections taken off the kernel's accept queue per readiness of the listening socket, and handed to the
-# loop per turn (see `_Drain`).
-ACCEPT_BATCH = 1024
-# Accepted per readiness of the listening socket (the rest stay in the kernel's queue for the next turn):
-# each accept is a few system calls and a socket object, and a storm's first burst of 1,024 in one turn
-# was a 40-80 ms stall every state.json poll in flight waited behind (its p99).
-ACCEPT_PER_READY = 128
-ADOPT_PER_TURN = 64
-ACCEPT_PAUSE_SECS = 0.1
-HTTP_WRITE_BUDGET_BYTES = 64 * 1024 * 1024
-"""Answer bytes queued for HTTP readers, all connections together (`PortMux.http_budget`): 64 MiB holds a
-dozen 5 MB `?members=all` pages in flight; past it an answer is cut, not queued."""
-HTTP_PEER_SHARE = 4
-"""One address may hold at most 1/HTTP_PEER_SHARE of the HTTP write budget: slow readers from one source
-cannot take all of it from everyone else."""
 
 
 # Every connection's peer is judged twice (loopback for the gate, private for the cleartext warning); a
@@ -93,144 +84,6 @@ cannot take all of it from everyone else."""
 # only cycles the cache).
 _is_loopback = functools.lru_cache(maxsize=4096)(is_loopback_address)
 _is_private = functools.lru_cache(maxsize=4096)(is_private_address)
-_JOIN_MAGIC = magic_prefix(Channel.JOIN)
-
-
-class _Drain:
-    """Takes queued connections off a listening socket in batches, for a loop that accepts one per turn, and
-    hands them to the loop a bounded number per turn, what is not a join dial first.
-
-    uvloop (libuv) accepts one connection per event-loop turn. In a join storm the kernel's accept queue
-    then holds every dial in flight (`ss -ltn` showed ~2,000 at 5,000 agents), and a state.json poll
-    waits behind all of them, one loop turn each, before the controller even sees it. This reader, on a
-    duplicate of the listening descriptor, accepts up to `ACCEPT_PER_READY` at each readiness (accepting a
-    storm's first 1,024 at once was a 40-80 ms turn, the p99 of every poll in flight), so the kernel's
-    queue empties within a few turns; the server's own accept then finds it empty (EAGAIN) or takes what
-    arrived since. The routing is unchanged: each connection still gets a `_MuxProtocol`.
-
-    Handing a connection to the loop (`connect_accepted_socket`: a transport, a task, the protocol's
-    deadline) costs tens of microseconds, and a burst of 1,000 handed over at once made one long turn
-    that every other request waited behind. So at most `ADOPT_PER_TURN` join dials are handed over per
-    turn. A connection whose first bytes are already in and are not the join magic (an HTTP request, a
-    store or data channel) goes first: up to half a turn's share is handed over in the turn it is accepted,
-    any more before the join dials of the next turns (at most half of their share while dials wait, so
-    neither side starves). A state.json poll in a join storm waits for the accepts ahead of it, not for a
-    thousand adoptions. A connection that has sent nothing yet waits with the dials. While `ACCEPT_BATCH`
-    connections wait, this reader stops accepting (the kernel queue holds the rest).
-    """
-
-    def __init__(self, mux: PortMux, listening: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
-        self._mux = mux
-        self._loop = loop
-        self._sock = socket.socket(fileno=os.dup(listening.fileno()))
-        self._sock.setblocking(False)
-        self._closed = self._paused = self._full = self._adopting = False
-        self._first: deque[socket.socket] = deque()  # first bytes in, not the join magic
-        self._later: deque[socket.socket] = deque()  # join dials, and connections with nothing sent yet
-        loop.add_reader(self._sock.fileno(), self._ready)
-
-    @property
-    def waiting(self) -> int:
-        """Connections accepted and not yet handed to the loop."""
-        return len(self._first) + len(self._later)
-
-    def _ready(self) -> None:
-        handed = 0  # requests handed to the loop right here (see below)
-        for _ in range(min(ACCEPT_PER_READY, ACCEPT_BATCH - self.waiting)):
-            try:
-                conn, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as error:
-                # EMFILE and friends: the server's own accept meets (and handles) them too; this reader
-                # steps aside for a moment instead of firing every turn while the queue cannot shrink.
-                log.debug("event=accept_failed detail=%r", error)
-                self._pause()
-                break
-            conn.setblocking(False)
-            try:
-                head = conn.recv(MAGIC_BYTES, socket.MSG_PEEK)
-            except OSError:  # nothing sent yet (EAGAIN), or already reset: the routing sees to it
-                head = b""
-            if not head or head == _JOIN_MAGIC:
-                self._later.append(conn)
-            elif handed < ADOPT_PER_TURN // 2 and not self._first:
-                # A request whose first bytes are in (state.json, the store, a relay) is handed to the loop
-                # in this turn, not the next one's share: one turn less behind a storm's long turns.
-                handed += 1
-                self._hand_over(conn)
-            else:
-                self._first.append(conn)
-        else:
-            self._stop_reading()
-        if self.waiting and not self._adopting:
-            self._adopting = True
-            self._loop.call_soon(self._adopt_some)
-
-    def _adopt_some(self) -> None:
-        """This turn's share of the waiting connections, handed to the loop."""
-        self._adopting = False
-        if self._closed:
-            return
-        first = 0
-        for _ in range(ADOPT_PER_TURN):
-            if self._first and (first < ADOPT_PER_TURN // 2 or not self._later):
-                conn = self._first.popleft()
-                first += 1
-            elif self._later:
-                conn = self._later.popleft()
-            else:
-                break
-            self._hand_over(conn)
-        if self.waiting:
-            self._adopting = True
-            self._loop.call_soon(self._adopt_some)
-        if self._full and self.waiting < ACCEPT_BATCH:
-            self._full = False
-            if not self._paused:
-                self._loop.add_reader(self._sock.fileno(), self._ready)
-
-    def _stop_reading(self) -> None:
-        """`ACCEPT_BATCH` wait: leave the rest in the kernel's queue until adoption catches up."""
-        if self.waiting >= ACCEPT_BATCH and not self._full:
-            self._full = True
-            if not self._paused:
-                self._loop.remove_reader(self._sock.fileno())
-
-    def _pause(self) -> None:
-        if self._closed or self._paused:
-            return
-        self._paused = True
-        if not self._full:
-            self._loop.remove_reader(self._sock.fileno())
-        self._loop.call_later(ACCEPT_PAUSE_SECS, self._resume)
-
-    def _resume(self) -> None:
-        self._paused = False
-        if not self._closed and not self._full:
-            self._loop.add_reader(self._sock.fileno(), self._ready)
-
-    def _hand_over(self, conn: socket.socket) -> None:
-        task = self._loop.create_task(self._adopt(conn))
-        self._mux._tasks.add(task)
-        task.add_done_callback(self._mux._tasks.discard)
-
-    async def _adopt(self, conn: socket.socket) -> None:
-        try:
-            await self._loop.connect_accepted_socket(lambda: _MuxProtocol(self._mux), conn)
-        except OSError:
-            conn.close()
-
-    def close(self) -> None:
-        reading = not (self._closed or self._paused or self._full)
-        self._closed = True
-        if reading:
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sock.fileno())
-        self._sock.close()
-        for queue in (self._first, self._later):
-            while queue:
-                queue.popleft().close()
 
 
 class PreAdmissionGate:
@@ -281,7 +134,7 @@ class PortMux:
         """`link_keepalive`: the keepalive idle time (s) set on the listening socket, so every connection
         starts with it (see `Inherited`); a channel that wants another sets its own per connection.
         `http_budget`: the bytes HTTP answers may leave queued for their readers, all together
-        (`HTTP_WRITE_BUDGET_BYTES` by default; see `_HttpQueued`).
+        (`HTTP_WRITE_BUDGET_BYTES` by default; see `HttpQueued`).
         """
         self.counters = counters
         self.link_keepalive = link_keepalive
@@ -302,7 +155,7 @@ class PortMux:
         self._state_body: StateBody | None = None
         self._http_date = HttpDate()
         self._server: asyncio.Server | None = None
-        self._drains: list[_Drain] = []
+        self._drains: list[AcceptDrain] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._served: set[asyncio.BaseTransport] = set()  # connections served by a channel protocol
@@ -366,7 +219,7 @@ class PortMux:
         if type(loop).__module__.startswith("uvloop"):  # asyncio's own loop accepts in batches already
             for listening in self._server.sockets:
                 with contextlib.suppress(OSError, ValueError):
-                    self._drains.append(_Drain(self, listening, loop))
+                    self._drains.append(AcceptDrain(listening, loop, lambda: _MuxProtocol(self), self._tasks))
         sockname = self._server.sockets[0].getsockname()
         return str(sockname[0]), int(sockname[1])
 
@@ -416,8 +269,9 @@ class PortMux:
             end = functools.partial(self._end_http, transport, peer)
             timer = self.deadlines(self.http_lifetime).call(end)
             direct = self._direct_state if self._state_body is not None and prefix == b"GET " else None
-            queued = _HttpQueued(self, transport, peer)
-            proto = _LimitedLifetime(self._http_factory, timer, direct, queued, peer)
+            loop = self.loop or asyncio.get_running_loop()
+            queued = HttpQueued(self.http_budget, self._http_queued, transport, peer, self._drop, loop)
+            proto = LimitedLifetime(self._http_factory, timer, direct, queued, peer)
             transport.set_protocol(proto)
             proto.connection_made(transport)
             proto.data_received(buffered)
@@ -542,164 +396,6 @@ class _GateSlot:
         if not self._released:
             self._released = True
             self._gate.release(self._peer)
-
-
-class _HttpQueued:
-    """One HTTP connection's answer bytes waiting in its transport, counted against the port's `http_budget`
-    and its peer's share of it.
-
-    Once watched (`watch`: a connection handed to aiohttp, or a direct answer that left bytes queued), the
-    transport's write-buffer limits are zero, so it reports (`pause_writing`) as soon as a write leaves
-    anything queued and again (`resume_writing`) once all of it is sent: `recount` at those points, after
-    a direct answer is written, and at the end (`release`) keeps the count equal to what is queued (a
-    direct answer the socket took whole costs one look at the buffer). Bytes that would go past the budget
-    or the peer's share cut the connection (counted `http_budget`); the abort frees them in the same turn.
-    """
-
-    def __init__(self, mux: PortMux, transport: asyncio.Transport, peer: str) -> None:
-        self._mux = mux
-        self._transport = transport
-        self._peer = peer
-        self.held = 0
-        self._cut = False
-
-    def watch(self) -> None:
-        """Be told of every byte left queued, and of the queue emptying."""
-        with contextlib.suppress(Exception):  # a transport without limits (none of ours) is recounted less
-            self._transport.set_write_buffer_limits(high=0, low=0)
-
-    def recount(self) -> None:
-        if self._cut:
-            return
-        size = self._transport.get_write_buffer_size()
-        if size == self.held:
-            return
-        more = size - self.held
-        mux = self._mux
-        if more > 0:
-            share = mux.http_budget.limit // HTTP_PEER_SHARE
-            if mux._http_queued[self._peer] + more > share:
-                self._refuse(f"answers queued for this address would exceed its share ({share} bytes)")
-                return
-            if not mux.http_budget.take(more):
-                self._refuse(f"the HTTP write budget of {mux.http_budget.limit} bytes is spent")
-                return
-        else:
-            mux.http_budget.give(-more)
-        mux._http_queued[self._peer] += more
-        self.held = size
-
-    def recount_soon(self) -> None:
-        """`recount` at the end of this turn (from inside a transport's write, where an abort does not go)."""
-        loop = self._mux.loop or asyncio.get_running_loop()
-        loop.call_soon(self.recount)
-
-    def release(self) -> None:
-        """The connection ended: give back everything it held."""
-        self._cut = True
-        if self.held:
-            self._mux.http_budget.give(self.held)
-            self._mux._http_queued[self._peer] -= self.held
-            self.held = 0
-        if self._mux._http_queued[self._peer] <= 0:
-            self._mux._http_queued.pop(self._peer, None)
-
-    def _refuse(self, detail: str) -> None:
-        self._cut = True
-        self._mux._drop(self._transport, self._peer, "http_budget", detail)
-
-
-class _LimitedLifetime(asyncio.Protocol):
-    """An HTTP connection: aiohttp's protocol, its lifetime timer cancelled as soon as the connection ends.
-
-    Left pending, each timer would keep its closed connection (transport, handler, buffers) alive
-    for the whole lifetime: under a busy poller that is thousands of dead connections held at once,
-    and a process high-water mark that malloc never gives back (measured: +3 MiB RSS per 2000
-    requests that never came down).
-
-    With `direct` (a GET, on a port with a state.json source), the request head is read here first
-    (`HeadReader`): a plain `GET /state.json` gets `direct`'s answer and the connection closes, without
-    aiohttp; anything else gets aiohttp's protocol, fed every byte read so far, as if it had read them
-    itself. The timer bounds the connection either way (a head trickling in is cut like any slow request,
-    an answer its reader does not take is cut with it), and `queued` counts what its answers leave queued.
-    """
-
-    def __init__(
-        self,
-        factory: HttpProtocolFactory,
-        timer: Deadline,
-        direct: Callable[[Direct, str], tuple[bytes, bytes] | None] | None = None,
-        queued: _HttpQueued | None = None,
-        peer: str = "?",
-    ) -> None:
-        self.timer = timer
-        self._peer = peer
-        self._queued = queued
-        self._factory = factory
-        self._direct = direct
-        self._head = HeadReader() if direct is not None else None
-        self._transport: asyncio.Transport | None = None
-        self.inner: asyncio.Protocol | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = typing.cast(asyncio.Transport, transport)
-        if self._head is None:
-            self._hand_over(b"")
-
-    def data_received(self, data: bytes) -> None:
-        if self.inner is not None:
-            self.inner.data_received(data)
-            return
-        if self._head is None:  # answered directly: the connection is closing
-            return
-        assert self._direct is not None and self._transport is not None
-        verdict = self._head.feed(data)
-        if verdict is Verdict.MORE:
-            return
-        if isinstance(verdict, Direct) and (answer := self._direct(verdict, self._peer)) is not None:
-            self._head = None
-            self._transport.writelines(answer)
-            if self._queued is not None and self._transport.get_write_buffer_size():
-                self._queued.recount()
-                self._queued.watch()
-            self._transport.close()
-            return
-        self._hand_over(bytes(self._head.head))
-
-    def _hand_over(self, buffered: bytes) -> None:
-        assert self._transport is not None
-        self._head = None
-        if self._queued is not None:
-            self._queued.watch()
-        self.inner = self._factory()
-        self.inner.connection_made(self._transport)
-        if buffered:
-            self.inner.data_received(buffered)
-
-    def eof_received(self) -> bool | None:
-        if self.inner is None and self._head is not None:  # a head cut short: aiohttp's, as before
-            self._hand_over(bytes(self._head.head))
-        return self.inner.eof_received() if self.inner is not None else None
-
-    def pause_writing(self) -> None:
-        # Called from inside the transport's write: the count (and a cut) waits for the turn's end.
-        if self._queued is not None:
-            self._queued.recount_soon()
-        if self.inner is not None:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._queued is not None:
-            self._queued.recount()
-        if self.inner is not None:
-            self.inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.timer.cancel()
-        if self._queued is not None:
-            self._queued.release()
-        if self.inner is not None:
-            self.inner.connection_lost(exc)
 
 
 class _MuxProtocol(asyncio.Protocol):

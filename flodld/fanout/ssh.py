@@ -149,7 +149,8 @@ async def _connect_one(
     if endpoint.user:
         options["username"] = endpoint.user
     if endpoint.identity_file:
-        options["client_keys"] = [str(Path(endpoint.identity_file).expanduser())]
+        # expanduser reads $HOME (or the password database once): no file I/O to move off the loop
+        options["client_keys"] = [str(Path(endpoint.identity_file).expanduser())]  # noqa: ASYNC240
     if tunnel is not None:
         options["tunnel"] = tunnel
     if first_contact:

@@ -6,12 +6,9 @@ Theory of operation (wire protocol version 2: every frame is encrypted and authe
   nonce's first byte is that side's cipher flag (1: its CPU has AES instructions); the other 127 bits
   are random. Both sides pick the same AEAD from the two flags: AES-256-GCM when both set theirs,
   ChaCha20-Poly1305 otherwise (`choose_suite`).
-- Both sides then derive one 32-byte key per direction with HKDF-SHA256: input key the run salt (or,
-  after `rekey`, a host key or the run salt of an open admission), HKDF salt the two nonces, info a
-  label, the channel's magic, the chosen suite and the direction byte (`direction_key`). Every
-  connection has keys of its own: nothing captured on one connection decrypts on another, a
-  connection keyed for one channel never decrypts on another, and the flags that chose the cipher are
-  bound into the keys (flipping one on the path only makes every frame fail).
+- Both sides then derive one 32-byte key per direction from the run salt (or, after `rekey`, a host key
+  or an open admission's run salt), the two nonces, the channel's magic, the suite and the direction
+  (`flodld.wire.aead`, the cipher and key schedule this module runs on).
 - Each frame is a 24-byte cleartext header, the ciphertext of payload ‖ tail, and the 16-byte AEAD tag.
   The AEAD nonce is the direction byte, three zero bytes and the frame's 64-bit sequence number; the
   header is the associated data. So no header bit can be altered, a frame cannot be reflected back to
@@ -35,33 +32,55 @@ Theory of operation (wire protocol version 2: every frame is encrypted and authe
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
 import mmap
-import secrets
-import struct
 import typing
-from collections.abc import Sequence
-from enum import Enum, IntEnum
 from typing import Final
 
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
+from flodld.wire.aead import (
+    DIRECTION,
+    FRAME_NONCE,
+    NONCE_BYTES,
+    PEER,
+    STREAM_SEAL_MIN,
+    TAG_BYTES,
+    Role,
+    Suite,
+    aead_for,
+    check_key,
+    choose_suite,
+    direction_keys,
+    new_nonce,
+    open_in_place,
+    open_into,
+    seal_in_place,
+    seal_parts,
+)
 from flodld.wire.errors import WireError, WireErrorCode
-from flodld.wire.magic import Channel, magic_prefix
-from flodld.wire.messages import Message, decode_message, encode_message
-from flodld.wire.salt import SALT_BYTES
+from flodld.wire.events import CLOSED, NEED_DATA, BytesLike, Closed, Frame, NeedData, Tail
+from flodld.wire.header import (
+    DEFAULT_MAX_TAIL,
+    FRAME_MAGIC,
+    HEADER,
+    HEADER_BYTES,
+    MAX_PAYLOAD,
+    PREAUTH_MAX_PAYLOAD,
+    PREAUTH_MAX_TAIL,
+    PROTOCOL_VERSION,
+    FrameHeader,
+    parse_header,
+)
+from flodld.wire.magic import Channel
+from flodld.wire.messages import Message, encode_message
 
-FRAME_MAGIC: Final = 0xF10D17C4
-PROTOCOL_VERSION: Final = 2
-NONCE_BYTES: Final = 16
-TAG_BYTES: Final = 16
-KEY_BYTES: Final = 32
-AEAD_NONCE_BYTES: Final = 12
-MAX_PAYLOAD: Final = 16 * 1024 * 1024
-DEFAULT_MAX_TAIL: Final = 1024 * 1024 * 1024
+# Importable from here as before the cipher, the header and the events had modules of their own.
+__all__ = [
+    "CLOSED", "DEFAULT_MAX_TAIL", "FRAME_MAGIC", "HEADER", "HEADER_BYTES", "MAX_PAYLOAD", "NEED_DATA",
+    "NONCE_BYTES", "PREAUTH_MAX_PAYLOAD", "PREAUTH_MAX_TAIL", "PROTOCOL_VERSION", "TAG_BYTES", "BytesLike",
+    "Closed", "Frame", "NeedData", "Role", "Suite", "Tail",
+]  # fmt: skip
+
 MAX_SEQ: Final = 2**64 - 1
 # AES-GCM with a counter nonce is safe far beyond this; the bound keeps a single key's use well inside
 # the usual 2^48-message guidance. ChaCha20-Poly1305 runs to the end of the 64-bit counter.
@@ -69,17 +88,7 @@ AES_GCM_MAX_FRAMES: Final = 2**48
 # `cryptography` encrypts at most 2^31 - 1 bytes per call: payload + tail must fit in one call.
 MAX_PLAINTEXT: Final = 2**31 - 1
 
-HEADER: Final = struct.Struct("<IHHQII")
-HEADER_BYTES: Final = HEADER.size  # 24
-KEY_LABEL: Final = b"flodld/aead/v2"
-# The first frame a side receives, before anything has proven the peer holds the key: small, no tail.
-PREAUTH_MAX_PAYLOAD: Final = 16 * 1024
-PREAUTH_MAX_TAIL: Final = 0
-# Bound into the keys of a connection made without a channel (in-memory tests); every socket adapter
-# in flodld.net passes its channel, whose 4-byte magic goes here instead.
-_NO_CHANNEL: Final = b"\x00\x00\x00\x00"
 _U32_MAX: Final = 2**32 - 1
-_AES_FLAG: Final = 0x01
 
 # How far ahead of the bytes that arrived a frame body's buffer may grow for `receive_buffer`.
 RECEIVE_WINDOW: Final = 4 * 1024 * 1024
@@ -96,255 +105,6 @@ RECYCLE_KEEP: Final = 2
 def _large_buffer(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))
 
-BytesLike = bytes | bytearray | memoryview
-Tail = BytesLike | Sequence[BytesLike]
-"""A frame's tail: one contiguous buffer, or a list of them (scatter parts, sealed into the frame in turn)."""
-
-
-class Role(Enum):
-    DIALER = "dialer"
-    LISTENER = "listener"
-
-
-class Suite(IntEnum):
-    """The AEAD of a connection; its value is bound into the keys."""
-
-    AES_256_GCM = 1
-    CHACHA20_POLY1305 = 2
-
-
-# The byte that marks each direction: in the key derivation and in every AEAD nonce.
-_DIRECTION: Final[dict[Role, bytes]] = {Role.DIALER: b"D", Role.LISTENER: b"L"}
-_PEER: Final[dict[Role, Role]] = {Role.DIALER: Role.LISTENER, Role.LISTENER: Role.DIALER}
-
-
-@functools.cache
-def cpu_has_aes() -> bool:
-    """True when /proc/cpuinfo lists the `aes` flag (x86 AES-NI) or the arm `aes` feature."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                name, _, value = line.partition(":")
-                if name.strip() in ("flags", "Features") and "aes" in value.split():
-                    return True
-    except OSError:
-        pass
-    return False
-
-
-def choose_suite(dialer_nonce: bytes, listener_nonce: bytes) -> Suite:
-    """AES-256-GCM when both sides flagged AES instructions in their nonces, else ChaCha20-Poly1305."""
-    if dialer_nonce[0] & listener_nonce[0] & _AES_FLAG:
-        return Suite.AES_256_GCM
-    return Suite.CHACHA20_POLY1305
-
-
-def new_nonce(*, aes: bool | None = None) -> bytes:
-    """16 random bytes whose first byte's low bit is this side's cipher flag (default: `cpu_has_aes()`)."""
-    nonce = bytearray(secrets.token_bytes(NONCE_BYTES))
-    flag = cpu_has_aes() if aes is None else aes
-    nonce[0] = (nonce[0] & 0xFE) | (_AES_FLAG if flag else 0)
-    return bytes(nonce)
-
-
-def channel_binding(channel: Channel | None) -> bytes:
-    """The 4 bytes a channel contributes to its keys: its magic (zeros for no channel)."""
-    return _NO_CHANNEL if channel is None else magic_prefix(channel)
-
-
-def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
-    """RFC 5869 HKDF-SHA256 (extract, then expand) of at most 255 blocks."""
-    if not 0 < length <= 255 * 32:
-        raise ValueError(f"HKDF-SHA256 yields 1..{255 * 32} bytes, got a request for {length}")
-    prk = hmac.digest(salt, ikm, hashlib.sha256)
-    out, block, counter = b"", b"", 1
-    while len(out) < length:
-        block = hmac.digest(prk, block + info + bytes((counter,)), hashlib.sha256)
-        out += block
-        counter += 1
-    return out[:length]
-
-
-def direction_key(
-    key: bytes,
-    dialer_nonce: bytes,
-    listener_nonce: bytes,
-    channel: Channel | None,
-    suite: Suite,
-    sender: Role,
-) -> bytes:
-    """The 32-byte AEAD key of the frames `sender` writes on this connection.
-
-    HKDF-SHA256(ikm = key, salt = dialer nonce ‖ listener nonce,
-                info = "flodld/aead/v2" ‖ channel magic ‖ suite (1 byte) ‖ direction byte).
-    """
-    info = KEY_LABEL + channel_binding(channel) + bytes((int(suite),)) + _DIRECTION[sender]
-    return hkdf_sha256(key, salt=dialer_nonce + listener_nonce, info=info)
-
-
-def direction_keys(
-    key: bytes,
-    dialer_nonce: bytes,
-    listener_nonce: bytes,
-    channel: Channel | None,
-    suite: Suite,
-    sender: Role,
-) -> tuple[bytes, bytes]:
-    """`direction_key` of `sender`'s frames and of its peer's, with one HKDF extract for both (they share
-    the input key and salt; only the info differs). A 32-byte output is one expand block.
-    """
-    prk = hmac.digest(dialer_nonce + listener_nonce, key, hashlib.sha256)
-    info = KEY_LABEL + channel_binding(channel) + bytes((int(suite),))
-    return (
-        hmac.digest(prk, info + _DIRECTION[sender] + b"\x01", hashlib.sha256),
-        hmac.digest(prk, info + _DIRECTION[_PEER[sender]] + b"\x01", hashlib.sha256),
-    )
-
-
-def _aead(suite: Suite, key: bytes) -> AESGCM | ChaCha20Poly1305:
-    return AESGCM(key) if suite is Suite.AES_256_GCM else ChaCha20Poly1305(key)
-
-
-# cryptography >= 45 encrypts and decrypts into a given buffer (no intermediate object); checked once.
-_INTO: Final = all(
-    hasattr(cls, name) for cls in (AESGCM, ChaCha20Poly1305) for name in ("encrypt_into", "decrypt_into")
-)
-
-
-def _seal_in_place(
-    aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
-) -> None:
-    """Encrypt view[:size] in place and write the tag after it (view is size + TAG_BYTES long)."""
-    if _INTO:
-        aead.encrypt_into(nonce, view[:size], aad, view)
-    else:  # pragma: no cover - older cryptography
-        view[:] = aead.encrypt(nonce, view[:size], aad)
-
-
-# A tail at least this large is sealed from where its parts lie (`_seal_parts`) instead of being gathered
-# into the frame first: one pass over the bytes instead of a copy and a pass.
-STREAM_SEAL_MIN: Final = 64 * 1024
-
-
-def _seal_parts(
-    key: bytes, nonce: bytes, aad: bytes, pieces: Sequence[memoryview], out: memoryview
-) -> None:
-    """AES-256-GCM of the concatenated `pieces` into `out` (ciphertext, then the tag), reading each piece
-    where it lies: byte for byte what `_seal_in_place` makes of the gathered plaintext (GCM is a stream).
-    """
-    encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
-    encryptor.authenticate_additional_data(aad)
-    offset = 0
-    for piece in pieces:
-        count = piece.nbytes
-        if count:
-            # update_into asks for block_size - 1 bytes of room past the input; GCM writes exactly `count`,
-            # and the room lies over the next piece's place or the tag, both written after.
-            encryptor.update_into(piece, out[offset : offset + count + 15])
-            offset += count
-    encryptor.finalize()
-    out[offset : offset + TAG_BYTES] = encryptor.tag
-
-
-def _open_in_place(
-    aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
-) -> None:
-    """Check the tag at view[size:] and decrypt view[:size] in place (InvalidTag on failure)."""
-    if _INTO:
-        aead.decrypt_into(nonce, view, aad, view[:size])
-    else:  # pragma: no cover - older cryptography
-        view[:size] = aead.decrypt(nonce, view, aad)
-
-
-def _open_into(
-    aead: AESGCM | ChaCha20Poly1305, nonce: bytes, sealed: memoryview, out: memoryview, size: int, aad: bytes
-) -> None:
-    """Check the tag of `sealed` and decrypt it into out[:size] (InvalidTag on failure)."""
-    if _INTO:
-        aead.decrypt_into(nonce, sealed, aad, out[:size])
-    else:  # pragma: no cover - older cryptography
-        out[:size] = aead.decrypt(nonce, sealed, aad)
-
-
-def _check_key(key: bytes) -> bytes:
-    if len(key) != SALT_BYTES:
-        raise ValueError(f"a frame key is a {SALT_BYTES}-byte session salt, got {len(key)} bytes")
-    return bytes(key)
-
-
-# The AEAD nonce of a frame: its sender's direction byte, three zero bytes, the 64-bit sequence number.
-_NONCE: Final = struct.Struct("<c3xQ")
-
-
-class Frame:
-    """One decrypted, authenticated frame, in order.
-
-    `tail_view` is the tail without a copy (a view into the buffer the frame was decrypted in, which
-    nothing else uses); `tail` is the same bytes as a `bytes` object (copied once, on first use).
-    """
-
-    __slots__ = ("_tail_bytes", "body", "kind", "payload", "seq", "tail_view")
-
-    def __init__(self, kind: int, seq: int, payload: bytes, tail: BytesLike = b"") -> None:
-        self.kind = kind
-        self.seq = seq
-        self.payload = payload
-        self.tail_view = memoryview(tail).cast("B") if not isinstance(tail, bytes) else memoryview(tail)
-        self._tail_bytes: bytes | None = tail if isinstance(tail, bytes) else None
-        self.body: memoryview | None = None  # the large buffer the frame was decrypted in, for `recycle`
-
-    @property
-    def tail(self) -> bytes:
-        if self._tail_bytes is None:
-            self._tail_bytes = bytes(self.tail_view)
-        return self._tail_bytes
-
-    def message(self) -> Message:
-        """The payload decoded as the message registered for `kind` (WireError on failure)."""
-        return decode_message(self.kind, self.payload)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Frame):
-            return NotImplemented
-        return (self.kind, self.seq, self.payload) == (other.kind, other.seq, other.payload) and (
-            self.tail_view == other.tail_view
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # mutable-looking value object, like a dataclass with eq
-
-    def __repr__(self) -> str:
-        sizes = f"payload={len(self.payload)}B, tail={self.tail_view.nbytes}B"
-        return f"Frame(kind={self.kind:#06x}, seq={self.seq}, {sizes})"
-
-
-class NeedData:
-    """Sentinel type: feed more bytes with `receive_data` (see `bytes_wanted`)."""
-
-    def __repr__(self) -> str:
-        return "NEED_DATA"
-
-
-class Closed:
-    """Sentinel type: the peer closed the connection cleanly, on a frame boundary."""
-
-    def __repr__(self) -> str:
-        return "CLOSED"
-
-
-NEED_DATA: Final = NeedData()
-CLOSED: Final = Closed()
-
-
-class _Header(typing.NamedTuple):
-    kind: int
-    seq: int
-    payload_len: int
-    tail_len: int
-    raw: bytes
-
-    @property
-    def body_bytes(self) -> int:
-        return self.payload_len + self.tail_len + TAG_BYTES
 
 
 class FrameConnection:
@@ -372,8 +132,8 @@ class FrameConnection:
                 f"caps must be in 0..{_U32_MAX} bytes, got payload {max_payload}, tail {max_tail}"
             )
         self.role = role
-        self._send_direction = _DIRECTION[role]
-        self._recv_direction = _DIRECTION[_PEER[role]]
+        self._send_direction = DIRECTION[role]
+        self._recv_direction = DIRECTION[PEER[role]]
         self.channel = channel
         self.max_payload = min(max_payload, MAX_PLAINTEXT)
         # One AEAD call seals payload and tail together: their sum stays within what the cipher takes.
@@ -382,18 +142,18 @@ class FrameConnection:
         self.preauth_max_payload = min(preauth_max_payload, self.max_payload)
         self.preauth_max_tail = min(preauth_max_tail, self.max_tail)
         self.on_authenticated = on_authenticated
-        self._salt = _check_key(key)
+        self._salt = check_key(key)
         self._nonce = nonce if nonce is not None else new_nonce(aes=aes)
         self._peer_nonce: bytes | None = None
         self.suite: Suite | None = None
         self._send_aead: AESGCM | ChaCha20Poly1305 | None = None
-        self._send_key: bytes | None = None  # the AES-256-GCM send key, for `_seal_parts`
+        self._send_key: bytes | None = None  # the AES-256-GCM send key, for `seal_parts`
         self._recv_aead: AESGCM | ChaCha20Poly1305 | None = None
         self._send_limit = MAX_SEQ + 1
         self._send_seq = 0
         self._recv_seq = 0
         self._buffer = bytearray()  # the nonce, a header, or bytes fed past the unit being read
-        self._header: _Header | None = None
+        self._header: FrameHeader | None = None
         self._body: bytearray | memoryview | None = None  # ciphertext and tag of the frame being read
         self._body_total = 0  # the body's length, from its header
         self._sealed: memoryview | None = None  # the whole body when it came as one bytes object
@@ -564,49 +324,22 @@ class FrameConnection:
         held = len(self._buffer) + self._filled + (HEADER_BYTES if self._header is not None else 0)
         self._fail("truncated", f"peer closed with {held} bytes of an unfinished frame")
 
-    def _parse_header(self) -> _Header:
-        raw = bytes(self._buffer[:HEADER_BYTES])
-        magic, version, kind, seq, payload_len, tail_len = HEADER.unpack(raw)
-        if (
-            magic == FRAME_MAGIC
-            and version == PROTOCOL_VERSION
-            and self._recv_seq  # authenticated: the connection's own caps, checked here
-            and payload_len <= self.max_payload
-            and tail_len <= self.max_tail
-        ):
-            return _Header(kind, seq, payload_len, tail_len, raw)
-        if magic != FRAME_MAGIC:
-            self._fail("bad_magic", f"frame magic {magic:#010x} != {FRAME_MAGIC:#010x}")
-        if version != PROTOCOL_VERSION:
-            self._fail(
-                "bad_version",
-                f"the peer speaks flodld wire protocol version {version}, this build speaks version "
-                f"{PROTOCOL_VERSION}; run the same flodld release on both ends"
-                + (
-                    " (version 1 frames are cleartext; version 2 encrypts every frame)"
-                    if version == 1
-                    else ""
-                ),
+    def _parse_header(self) -> FrameHeader:
+        first = self._recv_seq == 0  # before the peer's first frame verifies: the pre-authentication caps
+        try:
+            return parse_header(
+                bytes(self._buffer[:HEADER_BYTES]),
+                max_payload=self.preauth_max_payload if first else self.max_payload,
+                max_tail=self.preauth_max_tail if first else self.max_tail,
+                preauth=first,
             )
-        first = self._recv_seq == 0
-        max_payload = self.preauth_max_payload if first else self.max_payload
-        max_tail = self.preauth_max_tail if first else self.max_tail
-        what = "first frame's (pre-authentication) " if first else ""
-        if payload_len > max_payload:
-            self._fail(
-                "too_large",
-                f"{what}payload of {payload_len} bytes exceeds the cap of {max_payload}; refused unread",
-            )
-        if tail_len > max_tail:
-            self._fail(
-                "too_large", f"{what}tail of {tail_len} bytes exceeds the cap of {max_tail}; refused unread"
-            )
-        return _Header(kind, seq, payload_len, tail_len, raw)
+        except WireError as error:
+            self._fail(error.code, error.detail)
 
-    def _verify(self, header: _Header, body: bytearray | memoryview, sealed: memoryview | None) -> Frame:
+    def _verify(self, header: FrameHeader, body: bytearray | memoryview, sealed: memoryview | None) -> Frame:
         assert self._recv_aead is not None
         plain_bytes = header.payload_len + header.tail_len
-        nonce = _NONCE.pack(self._recv_direction, header.seq)
+        nonce = FRAME_NONCE.pack(self._recv_direction, header.seq)
         if sealed is not None:
             # A body that came in one read-only piece is decrypted into a fresh buffer (one pass, no
             # copy of the ciphertext first).
@@ -615,10 +348,10 @@ class FrameConnection:
         with memoryview(body) as view:
             try:
                 if sealed is not None:
-                    _open_into(self._recv_aead, nonce, sealed, view, plain_bytes, header.raw)
+                    open_into(self._recv_aead, nonce, sealed, view, plain_bytes, header.raw)
                 else:
                     # In place: the plaintext overwrites the ciphertext it came from (the tag stays behind).
-                    _open_in_place(self._recv_aead, nonce, view, plain_bytes, header.raw)
+                    open_in_place(self._recv_aead, nonce, view, plain_bytes, header.raw)
             except Exception:  # InvalidTag: forged, altered, replayed under another key, or cut
                 self._fail(
                     "bad_tag", f"frame authentication failed (kind {header.kind:#06x}, seq {header.seq})"
@@ -710,11 +443,11 @@ class FrameConnection:
         else:
             out = _large_buffer(size) if plain_end >= LARGE_FRAME else bytearray(size)
         out[:HEADER_BYTES] = header
-        nonce = _NONCE.pack(self._send_direction, seq)
+        nonce = FRAME_NONCE.pack(self._send_direction, seq)
         if self._send_key is not None and tail_len >= STREAM_SEAL_MIN:
             with memoryview(out) as view:
                 pieces = [memoryview(payload), *(memoryview(part) for part in parts)]
-                _seal_parts(self._send_key, nonce, header, pieces, view[HEADER_BYTES:])
+                seal_parts(self._send_key, nonce, header, pieces, view[HEADER_BYTES:])
         else:
             offset = HEADER_BYTES + len(payload)
             out[HEADER_BYTES:offset] = payload
@@ -722,7 +455,7 @@ class FrameConnection:
                 out[offset : offset + len(part)] = part
                 offset += len(part)
             with memoryview(out) as view:
-                _seal_in_place(self._send_aead, nonce, view[HEADER_BYTES:], plain_end - HEADER_BYTES, header)
+                seal_in_place(self._send_aead, nonce, view[HEADER_BYTES:], plain_end - HEADER_BYTES, header)
         self._send_seq += 1
         return out
 
@@ -737,7 +470,7 @@ class FrameConnection:
         self._ensure_alive()
         if self._send_aead is None:
             raise WireError("handshake", "cannot rekey before the nonce exchange completed")
-        self._salt = _check_key(salt)
+        self._salt = check_key(salt)
         self._derive_keys(self._salt)
 
     # --- internals -------------------------------------------------------------------------------
@@ -751,9 +484,9 @@ class FrameConnection:
         self.suite = suite
         self._send_limit = AES_GCM_MAX_FRAMES if suite is Suite.AES_256_GCM else MAX_SEQ + 1
         send_key, recv_key = direction_keys(key, dialer, listener, self.channel, suite, self.role)
-        self._send_aead = _aead(suite, send_key)
+        self._send_aead = aead_for(suite, send_key)
         self._send_key = send_key if suite is Suite.AES_256_GCM else None
-        self._recv_aead = _aead(suite, recv_key)
+        self._recv_aead = aead_for(suite, recv_key)
 
     def _ensure_alive(self) -> None:
         if self._dead:

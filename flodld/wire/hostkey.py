@@ -27,7 +27,8 @@ import hmac
 import struct
 from typing import Final
 
-from flodld.wire.frames import NONCE_BYTES, FrameConnection, Role, channel_binding
+from flodld.wire.aead import NONCE_BYTES, Role, channel_binding
+from flodld.wire.frames import FrameConnection
 from flodld.wire.magic import Channel
 from flodld.wire.salt import SALT_BYTES
 

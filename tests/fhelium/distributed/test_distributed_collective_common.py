@@ -7,11 +7,8 @@ import torch
 
 from fhelium.distributed._collective_common import (
     ControlRecord,
-    check_writable_destination,
-    may_overlap,
-    receive_slot,
-    send_buffer,
 )
+from fhelium.distributed._staging import check_writable_destination, may_overlap, receive_slot, send_buffer
 
 CPU = torch.device("cpu")
 

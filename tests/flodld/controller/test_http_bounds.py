@@ -25,7 +25,7 @@ from flodld.net.preauth import PreAuthBudget
 from tests.flodld.controller.agents import join, options, started
 
 BODY = b'{"members":[' + b'"x",' * (2 << 20) + b'"x"]}'  # ~8 MiB: far more than the sockets buffer
-HTTP_PEER_SHARE = 4  # flodld.controller.mux.HTTP_PEER_SHARE: one address may hold a quarter of the budget
+HTTP_PEER_SHARE = 4  # flodld.controller.httpconn.HTTP_PEER_SHARE: an address holds a quarter of the budget
 POLL = b"GET /state.json HTTP/1.1\r\nHost: t\r\n\r\n"
 VIA_AIOHTTP = b"GET /big HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"  # the same body, via aiohttp
 

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from flodld.controller.join import JOIN_STEPS_PER_TURN, TurnBudget, join_turns
+from flodld.net.turns import JOIN_STEPS_PER_TURN, TurnBudget, join_turns
 from tests.flodld.controller.agents import TurnCounter
 
 
@@ -101,20 +101,20 @@ def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_e
 ) -> None:
     import gc
 
-    from flodld.controller import join
+    from flodld.controller import linkheap
 
-    monkeypatch.setattr(join, "FREEZE_EVERY", 3)
+    monkeypatch.setattr(linkheap, "FREEZE_EVERY", 3)
     gc.unfreeze()
     for _ in range(2):
-        join._link_opened()
+        linkheap.link_opened()
     assert gc.get_freeze_count() == 0  # a few links: the collector is left alone
-    join._link_opened()
+    linkheap.link_opened()
     frozen = gc.get_freeze_count()
     assert frozen > 0
     for _ in range(2):
-        join._link_ended()
+        linkheap.link_ended()
     assert gc.get_freeze_count() >= frozen  # links still open: still frozen
-    join._link_ended()
+    linkheap.link_ended()
     assert gc.get_freeze_count() == 0  # the last link ended: everything back to the collector
 
 
@@ -123,25 +123,25 @@ def test_a_storm_of_linked_hosts_spaces_the_full_collections_until_the_last_link
 ) -> None:
     import gc
 
-    from flodld.controller import join
+    from flodld.controller import linkheap
 
-    monkeypatch.setattr(join, "STORM_LINKS", 3)
-    monkeypatch.setattr(join, "FREEZE_EVERY", 1000)
+    monkeypatch.setattr(linkheap, "STORM_LINKS", 3)
+    monkeypatch.setattr(linkheap, "FREEZE_EVERY", 1000)
     before = gc.get_threshold()
     try:
         for _ in range(2):
-            join._link_opened()
+            linkheap.link_opened()
         assert gc.get_threshold() == before  # a few links: the collector's own pace
-        join._link_opened()
+        linkheap.link_opened()
         spaced = gc.get_threshold()
-        assert spaced[:2] == before[:2] and spaced[2] == before[2] * join.FULL_COLLECTION_SPACING
-        join._link_opened()
+        assert spaced[:2] == before[:2] and spaced[2] == before[2] * linkheap.FULL_COLLECTION_SPACING
+        linkheap.link_opened()
         assert gc.get_threshold() == spaced  # spaced once, not again per link
         for _ in range(3):
-            join._link_ended()
+            linkheap.link_ended()
         assert gc.get_threshold() == spaced  # links still open: still spaced
-        join._link_ended()
+        linkheap.link_ended()
         assert gc.get_threshold() == before  # the last link ended: the collector's pace is back
     finally:
         gc.set_threshold(*before)
-        join._LinkedHeap.thresholds = None
+        linkheap.LinkedHeap.thresholds = None

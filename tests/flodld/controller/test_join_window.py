@@ -163,7 +163,10 @@ async def test_window_expiry_with_quorum_forms_below_target() -> None:
         assert controller.phase is Phase.WAITING
         world = await agent.world(timeout=3)
         assert world.envelope.world_size == 1
-        assert "window closed with quorum" in controller.window.reason or controller.phase is Phase.TRAINING  # type: ignore[union-attr]
+        phase: Phase = controller.phase  # read again: the run moved on while this test awaited
+        window = controller.window
+        closed = window is not None and "window closed with quorum" in window.reason
+        assert closed or phase is Phase.TRAINING
         await agent.leave()
 
 

@@ -40,12 +40,12 @@ async def _echo_mux(
 
 
 @asynccontextmanager
-async def _http_mux(**mux_options: float) -> AsyncIterator[tuple[PortMux, int]]:
+async def _http_mux(*, http_lifetime: float) -> AsyncIterator[tuple[PortMux, int]]:
     """A started mux whose HTTP goes to an empty aiohttp app (every path answers 404)."""
     runner = web.AppRunner(web.Application())
     await runner.setup()
     assert runner.server is not None
-    mux = PortMux(ControllerCounters(), **mux_options)
+    mux = PortMux(ControllerCounters(), http_lifetime=http_lifetime)
     mux.set_http(runner.server)
     port = await _started(mux)
     try:

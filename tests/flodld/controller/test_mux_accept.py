@@ -14,8 +14,9 @@ import time
 
 import uvloop
 
+from flodld.controller.accept import ACCEPT_PER_READY, ADOPT_PER_TURN
 from flodld.controller.metrics import ControllerCounters
-from flodld.controller.mux import ACCEPT_PER_READY, ADOPT_PER_TURN, PortMux
+from flodld.controller.mux import PortMux
 from flodld.wire.magic import Channel, magic_prefix
 
 QUEUED = 300
@@ -160,7 +161,9 @@ async def _one_readiness(dials: int, polls: int) -> tuple[int, int, int, int]:
             dialer = socket.create_connection(("127.0.0.1", port))
             dialer.sendall(magic_prefix(Channel.JOIN) if index < dials else POLL)
             sockets.append(dialer)
-        time.sleep(0.05)  # the bytes are in the accepted sockets' queues when the drain peeks
+        # Blocks the loop on purpose: nobody accepts while the bytes reach the accepted sockets' queues,
+        # so they are there when the drain peeks.
+        time.sleep(0.05)  # noqa: ASYNC251
         (drain,) = mux._drains
         drain._ready()
         handed = len(mux._tasks)

@@ -98,7 +98,7 @@ def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(
     add_serve_arguments(parser)
     given = options_from_args(parser.parse_args(["--averaging", "nccl_sync"]))
     assert given.averaging is AveragingMode.NCCL_SYNC and not given.cpu_averaging
-    assert ControllerOptions(averaging="cpu_cadence").averaging is AveragingMode.CPU_CADENCE  # type: ignore[arg-type]
+    assert ControllerOptions(averaging="cpu_cadence").averaging is AveragingMode.CPU_CADENCE
     cluster = (
         ClusterBuilder().controller("10.0.0.1", averaging="cpu_async").worker("localhost", ["cpu"]).build()
     )

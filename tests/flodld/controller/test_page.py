@@ -13,9 +13,7 @@ from typing import Any
 
 from flodld.config.join import JoinConfig
 from flodld.controller.page import (
-    CONTENT_SECURITY_POLICY,
     MAX_ROWS,
-    STATUS_JS,
     duration_secs,
     exits_summary,
     fmt_ranks,
@@ -23,6 +21,7 @@ from flodld.controller.page import (
     render_page,
     start_text,
 )
+from flodld.controller.page_routes import CONTENT_SECURITY_POLICY, STATUS_JS
 
 from .agents import join, options, started
 

@@ -59,7 +59,11 @@ async def test_run_channels_and_registered_ones_are_served_until_the_run_closes(
         )
         for count, channel in enumerate((Channel.DATA, Channel.CONTROL), start=1):
             _, writer = await _dial(port, channel)
-            await eventually(lambda count=count: len(reached) == count)
+
+            def arrived(count: int = count) -> bool:
+                return len(reached) == count
+
+            await eventually(arrived)
             assert reached[-1] is channel
             writer.close()
         no_handler = mux.counters.dropped["no_handler"]

@@ -5,6 +5,7 @@ paged on request, and summarized by default; a storm of log lines is coalesced.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -35,11 +36,15 @@ class Clock:
         return self.now
 
 
+def _build(builds: list[object], members: object) -> dict[str, int]:
+    builds.append(members)
+    return {"n": len(builds)}
+
+
 def test_many_readers_share_one_build_and_one_encoding() -> None:
-    clock, version, builds = Clock(), [0], []
-    cache = StateCache(
-        lambda members: builds.append(members) or {"n": len(builds)}, lambda: version[0], clock=clock
-    )
+    clock, version = Clock(), [0]
+    builds: list[object] = []
+    cache = StateCache(lambda members: _build(builds, members), lambda: version[0], clock=clock)
     bodies = [cache.get().body for _ in range(100)]
     assert (
         builds == [DEFAULT_MEMBERS] and all(body is bodies[0] for body in bodies) and bodies[0] == b'{"n":1}'
@@ -98,9 +103,8 @@ def test_a_storm_of_lines_is_coalesced_into_a_count() -> None:
     try:
         storm = StormLog(logger, burst=5, period=1.0, clock=clock)
         for i in range(1000):
-            storm.event(
-                "joined", logging.INFO, "event=joined host=%s", f"h{i}", detail=lambda i=i: f"host=h{i}"
-            )
+            detail = functools.partial(str.format, "host=h{}", i)
+            storm.event("joined", logging.INFO, "event=joined host=%s", f"h{i}", detail=detail)
         assert len(records) == 5
         clock.now += 1.0
         storm.tick()

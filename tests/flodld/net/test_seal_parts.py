@@ -9,7 +9,8 @@ import os
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from flodld.wire.frames import STREAM_SEAL_MIN, FrameConnection, Role, Suite, _seal_parts
+from flodld.wire.aead import STREAM_SEAL_MIN, Role, Suite, seal_parts
+from flodld.wire.frames import FrameConnection
 from flodld.wire.join import RankExited
 
 SALT = bytes(range(16))
@@ -21,7 +22,7 @@ def test_sealing_parts_equals_sealing_the_gathered_plaintext() -> None:
     pieces = [os.urandom(size) for size in SIZES]
     total = sum(SIZES)
     out = bytearray(total + 16)
-    _seal_parts(key, nonce, aad, [memoryview(piece) for piece in pieces], memoryview(out))
+    seal_parts(key, nonce, aad, [memoryview(piece) for piece in pieces], memoryview(out))
     assert bytes(out) == AESGCM(key).encrypt(nonce, b"".join(pieces), aad)
 
 

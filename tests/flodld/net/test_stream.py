@@ -164,7 +164,7 @@ async def test_connect_with_retry_says_once_that_it_keeps_trying_after_the_first
             "127.0.0.1", port, Channel.JOIN, SALT, what="agent join", attempts=4, backoff=0.01,
             on_first_failure=lambda error, left: heard.append((type(error).__name__, left)),
         )  # fmt: skip
-    assert heard == [("ConnectionRefusedError", pytest.approx(0.03))]
+    assert [name for name, _ in heard] == ["ConnectionRefusedError"] and heard[0][1] == pytest.approx(0.03)
 
 
 async def test_connect_with_retry_reaches_a_server_that_starts_late() -> None:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from flodld.wire.frames import DEFAULT_MAX_TAIL, MAX_PAYLOAD, FrameConnection, Role
+from flodld.wire.frames import (
+    DEFAULT_MAX_TAIL,
+    MAX_PAYLOAD,
+    PREAUTH_MAX_PAYLOAD,
+    PREAUTH_MAX_TAIL,
+    FrameConnection,
+    Role,
+)
 
 SALT = bytes(range(16))
 OTHER_SALT = bytes(range(16, 32))
@@ -21,12 +28,17 @@ def connected_pair(
     With `first_frame_caps=False` the first received frame gets the normal caps instead of the small
     pre-authentication ones (for tests of framing mechanics that put a tail on frame 0).
     """
-    caps: dict[str, int] = {"max_payload": max_payload, "max_tail": max_tail}
-    if not first_frame_caps:
-        caps |= {"preauth_max_payload": max_payload, "preauth_max_tail": max_tail}
-    dialer = FrameConnection(Role.DIALER, salt, **caps)
-    listener_key = listener_salt if listener_salt is not None else salt
-    listener = FrameConnection(Role.LISTENER, listener_key, **caps)
+    first_payload = PREAUTH_MAX_PAYLOAD if first_frame_caps else max_payload
+    first_tail = PREAUTH_MAX_TAIL if first_frame_caps else max_tail
+
+    def side(role: Role, key: bytes) -> FrameConnection:
+        return FrameConnection(
+            role, key, max_payload=max_payload, max_tail=max_tail,
+            preauth_max_payload=first_payload, preauth_max_tail=first_tail,
+        )  # fmt: skip
+
+    dialer = side(Role.DIALER, salt)
+    listener = side(Role.LISTENER, listener_salt if listener_salt is not None else salt)
     listener.receive_data(dialer.initial_bytes())
     dialer.receive_data(listener.initial_bytes())
     assert dialer.ready and listener.ready

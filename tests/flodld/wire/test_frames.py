@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flodld.wire.aead import choose_suite, direction_key, direction_keys, hkdf_sha256
 from flodld.wire.errors import WireError
 from flodld.wire.frames import (
     CLOSED,
@@ -23,14 +24,11 @@ from flodld.wire.frames import (
     PREAUTH_MAX_TAIL,
     PROTOCOL_VERSION,
     TAG_BYTES,
+    BytesLike,
     Frame,
     FrameConnection,
     Role,
     Suite,
-    choose_suite,
-    direction_key,
-    direction_keys,
-    hkdf_sha256,
 )
 from flodld.wire.join import Abort, RankExited
 from flodld.wire.magic import CHANNEL_MAGICS, Channel, magic_prefix
@@ -39,14 +37,14 @@ from tests.flodld.wire.conftest import OTHER_SALT, SALT, connected_pair
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def deliver(receiver: FrameConnection, data: bytes) -> Frame:
+def deliver(receiver: FrameConnection, data: BytesLike) -> Frame:
     receiver.receive_data(data)
     event = receiver.next_event()
     assert isinstance(event, Frame), event
     return event
 
 
-def expect_error(receiver: FrameConnection, data: bytes, code: str) -> WireError:
+def expect_error(receiver: FrameConnection, data: BytesLike, code: str) -> WireError:
     receiver.receive_data(data)
     with pytest.raises(WireError) as caught:
         receiver.next_event()
@@ -268,7 +266,7 @@ def test_message_with_tail_round_trips_both_ways() -> None:
 
 def test_byte_at_a_time_delivery_reassembles_frames_and_wants_exact_sizes() -> None:
     dialer, listener = connected_pair(first_frame_caps=False)
-    wire = dialer.send_frame(7, b"payload", b"tail") + dialer.send_frame(8, b"p2")
+    wire = bytes(dialer.send_frame(7, b"payload", b"tail")) + dialer.send_frame(8, b"p2")
     events: list[Frame] = []
     for index in range(len(wire)):
         listener.receive_data(wire[index : index + 1])
@@ -327,7 +325,7 @@ def test_rekey_switches_both_directions_and_sequence_continues() -> None:
     accept = listener.send_frame(2, b"accept")
     listener.rekey(OTHER_SALT)
     formed = listener.send_frame(3, b"formed")
-    dialer.receive_data(accept + formed)  # both frames arrive together; the second uses the new key
+    dialer.receive_data(bytes(accept) + formed)  # both frames arrive together; the second uses the new key
     assert isinstance(first := dialer.next_event(), Frame) and first.payload == b"accept"
     dialer.rekey(OTHER_SALT)
     assert isinstance(second := dialer.next_event(), Frame) and (second.payload, second.seq) == (b"formed", 1)
@@ -522,7 +520,7 @@ def test_no_plaintext_of_payload_or_tail_reaches_the_wire() -> None:
 
 def test_scatter_tail_parts_are_gathered_into_one_frame() -> None:
     dialer, listener = connected_pair(first_frame_caps=False)
-    parts = [b"ab", memoryview(array.array("f", [1.0])), bytearray(b"cd"), b""]
+    parts: list[BytesLike] = [b"ab", memoryview(array.array("f", [1.0])), bytearray(b"cd"), b""]
     frame = deliver(listener, dialer.send_frame(1, b"p", parts))
     assert frame.tail == b"ab" + array.array("f", [1.0]).tobytes() + b"cd"
 

@@ -13,6 +13,7 @@ import pydantic
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
+from flodld.wire import aead as wire_aead
 from flodld.wire import frames as wf
 from flodld.wire import store as ws
 from flodld.wire.magic import Channel
@@ -38,9 +39,9 @@ def test_each_frame_is_the_header_then_the_aead_of_payload_and_tail_under_the_di
 ) -> None:
     dialer, listener, key = _pair(aes)
     sender = dialer if role is wf.Role.DIALER else listener
-    suite = wf.choose_suite(dialer.nonce, listener.nonce)
+    suite = wire_aead.choose_suite(dialer.nonce, listener.nonce)
     assert suite is (wf.Suite.AES_256_GCM if aes else wf.Suite.CHACHA20_POLY1305)
-    sender_key = wf.direction_key(key, dialer.nonce, listener.nonce, Channel.RENDEZVOUS, suite, role)
+    sender_key = wire_aead.direction_key(key, dialer.nonce, listener.nonce, Channel.RENDEZVOUS, suite, role)
     aead = AESGCM(sender_key) if aes else ChaCha20Poly1305(sender_key)
     direction = b"D" if role is wf.Role.DIALER else b"L"
     tails: list[bytes | bytearray | memoryview] = [

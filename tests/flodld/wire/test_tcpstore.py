@@ -12,7 +12,7 @@ import pytest
 from flodld.wire import tcpstore as ts
 
 # (client bytes, request, server reply bytes), in the recorded order (one connection).
-RECORDED = [
+RECORDED: list[tuple[str, ts.Request, str]] = [
     ("00cef7853c", ts.Validate(0x3C85F7CE), ""),
     ("0d5d3f0000", ts.Ping(0x3F5D), "5d3f0000"),
     ("040500000000000000696e69742f0100000000000000", ts.Add("init/", 1), "0100000000000000"),
