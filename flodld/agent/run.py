@@ -381,54 +381,18 @@ class AgentShell:
             tolerance=relay.tolerance if relay is not None else 0,
         )
         reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
-        grace: asyncio.TimerHandle | None = None
-        stacks: list[asyncio.TimerHandle] = []
+        timers: list[asyncio.TimerHandle] = []  # the grace period, the stack dumps' graces
         actions = supervisor.start()
         try:
             while True:
                 for action in actions:
-                    match action:  # every Action kind, checked exhaustive by mypy (assert_never)
-                        case sv.ReportRankExit(rank, code, torn_down, detail):
-                            after = " (torn down)" if torn_down and code else ""
-                            say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
-                            with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
-                                await joined.stream.send(_rank_exited(rank, code, torn_down, detail))
-                        case sv.TerminateRelay():
-                            self._signal(lambda child: child.rank is None, signal.SIGTERM)
-                        case sv.TerminateAll(reason):
-                            say(
-                                f"tearing down host {self.spec.host!r} ({reason}); "
-                                f"terminating {supervisor.children_live} child(ren)"
-                            )
-                            self._signal(lambda child: True, signal.SIGTERM)
-                            grace = asyncio.get_running_loop().call_later(
-                                self.spec.grace_secs, self.events.put_nowait, sv.GraceExpired()
-                            )
-                        case sv.KillAll():
-                            say(f"grace period of {self.spec.grace_secs:g}s over; killing what is left")
-                            self._signal(lambda child: True, signal.SIGKILL)
-                        case sv.DumpStack(rank, reason):
-                            say(f"rank {rank} declared dead by the controller ({reason}); its Python stack:")
-                            self._dump_stack(rank)
-                            stacks.append(asyncio.get_running_loop().call_later(
-                                STACK_GRACE_SECS, self.events.put_nowait, sv.StackGraceExpired(rank)
-                            ))  # fmt: skip
-                        case sv.KillOne(rank):
-                            say(f"killing rank {rank} (declared dead)")
-                            self._signal(lambda child: child.rank == rank, signal.SIGKILL)
-                        case sv.CloseLink():
-                            await joined.stream.aclose()
-                        case sv.Finish(exit_code, summary):
-                            say(summary)
-                            return exit_code
-                        case _:
-                            assert_never(action)
+                    exit_code = await self._carry_out(action, joined, supervisor, timers)
+                    if exit_code is not None:
+                        return exit_code
                 event = await self.events.get()
                 actions = supervisor.handle(event, now=asyncio.get_running_loop().time())
         finally:
-            if grace is not None:
-                grace.cancel()
-            for timer in stacks:
+            for timer in timers:
                 timer.cancel()
             reader.cancel()
             await asyncio.gather(*self.forwarders, return_exceptions=True)
@@ -438,6 +402,48 @@ class AgentShell:
                 await self.store_endpoint.close()
             if self.error_dir is not None:
                 shutil.rmtree(self.error_dir, ignore_errors=True)
+
+    async def _carry_out(
+        self, action: sv.Action, joined: Joined, supervisor: sv.Supervisor, timers: list[asyncio.TimerHandle]
+    ) -> int | None:
+        """One action of the supervision table; the exit code once it says to finish, else None."""
+        loop = asyncio.get_running_loop()
+        match action:  # every Action kind, checked exhaustive by mypy (assert_never)
+            case sv.ReportRankExit(rank, code, torn_down, detail):
+                after = " (torn down)" if torn_down and code else ""
+                say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
+                with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
+                    await joined.stream.send(_rank_exited(rank, code, torn_down, detail))
+            case sv.TerminateRelay():
+                self._signal(lambda child: child.rank is None, signal.SIGTERM)
+            case sv.TerminateAll(reason):
+                say(
+                    f"tearing down host {self.spec.host!r} ({reason}); "
+                    f"terminating {supervisor.children_live} child(ren)"
+                )
+                self._signal(lambda child: True, signal.SIGTERM)
+                grace = loop.call_later(self.spec.grace_secs, self.events.put_nowait, sv.GraceExpired())
+                timers.append(grace)
+            case sv.KillAll():
+                say(f"grace period of {self.spec.grace_secs:g}s over; killing what is left")
+                self._signal(lambda child: True, signal.SIGKILL)
+            case sv.DumpStack(rank, reason):
+                say(f"rank {rank} declared dead by the controller ({reason}); its Python stack:")
+                self._dump_stack(rank)
+                timers.append(
+                    loop.call_later(STACK_GRACE_SECS, self.events.put_nowait, sv.StackGraceExpired(rank))
+                )
+            case sv.KillOne(rank):
+                say(f"killing rank {rank} (declared dead)")
+                self._signal(lambda child: child.rank == rank, signal.SIGKILL)
+            case sv.CloseLink():
+                await joined.stream.aclose()
+            case sv.Finish(exit_code, summary):
+                say(summary)
+                return exit_code
+            case _:
+                assert_never(action)
+        return None
 
     def _dump_stack(self, rank: int) -> None:
         """The stack-dump signal to the rank's own process (its faulthandler writes to its stderr, which the
