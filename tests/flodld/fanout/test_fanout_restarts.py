@@ -48,17 +48,18 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
-async def _run(tmp_path: Path, mode: str, max_restarts: int, **watch: object) -> tuple[int, list[str], list[str]]:
+async def _run(tmp_path: Path, mode: str, max_restarts: int) -> tuple[int, list[str], list[str]]:
     server = await start_local_ssh_server(tmp_path)
     program = tmp_path / f"restarts_{mode}.py"  # a unique path to find leftovers by
     program.write_text(PROGRAM)
     said: list[str] = []
     lines: list[str] = []
     try:
-        job = asyncio.ensure_future(
-            run_cluster_job(str(program), [mode], _cluster(server), max_restarts=max_restarts, say=said.append,
-                            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2)  # fmt: skip
-        )
+        run = run_cluster_job(
+            str(program), [mode], _cluster(server), max_restarts=max_restarts, say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
+        )  # fmt: skip
+        job = asyncio.ensure_future(run)
         if mode == "hang-first":  # kill attempt 1's agent (the ranks' parent) once both ranks are up
             end = time.monotonic() + 120
             while sum("attempt 0 of max" in line for line in lines) < 2 and time.monotonic() < end:
@@ -81,7 +82,7 @@ async def test_a_failed_attempt_is_relaunched_over_ssh_and_the_next_attempt_fini
     assert "restarting: attempt 2 of at most 2 (restart 1)" in said
     assert sum("attempt 1 of max 1 up" in line for line in lines) == 2  # both ranks, in a fresh world
     done = said[-1]
-    assert done.startswith("run done: ") and "(after 1 restart(s): attempt 1: 1 of 2 ranks failed" in done, said
+    assert done.startswith("run done: ") and "(after 1 restart(s): attempt 1: 1 of 2 ranks failed" in done
     bound = [line for line in said if line.startswith("controller bound to ")]
     assert len(bound) == 2 and bound[0].split(" (run ")[0] == bound[1].split(" (run ")[0]  # same port
     assert bound[0].split(" (run ")[1] != bound[1].split(" (run ")[1]  # a new run id
