@@ -194,9 +194,9 @@ class _FanOutShell:
         return feed
 
     async def _start(self, action: StartAttempt) -> None:
-        await self._end_attempt()
-        self.generation += 1
+        self.generation += 1  # first: whatever the previous attempt's teardown reports is not this one's
         feed = self._feed(self.generation)
+        await self._end_attempt()
         overrides = {**self.overrides, "earlier_attempts": tuple(self.earlier)}
         options = ControllerOptions.from_cluster(
             self.cluster, probed=self.probed, restart_count=action.restart_count,
