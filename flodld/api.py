@@ -73,6 +73,8 @@ if TYPE_CHECKING:
         StopAttempt,
         TimerExpired,
         VerdictReached,
+        WorldFormed,
+        verdict_event,
     )
     from flodld.membership.switch import start_credential
     from flodld.net import scaled
@@ -133,6 +135,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "StopAttempt",
         "TimerExpired",
         "VerdictReached",
+        "WorldFormed",
+        "verdict_event",
     ),
     "flodld.membership.rootcause": ("root_cause_lines",),
     "flodld.membership.snapshot": ("EarlierAttempt", "attempt_texts"),
@@ -186,6 +190,7 @@ __all__ = [
     "TimerExpired",
     "VerdictReached",
     "WalkInConfig",
+    "WorldFormed",
     "agent_command",
     "aggregate",
     "assemble_controller",
@@ -215,6 +220,7 @@ __all__ = [
     "salt_from_hex",
     "scaled",
     "start_credential",
+    "verdict_event",
 ]
 
 

@@ -407,12 +407,8 @@ class _Attempt:
 
         async def verdict() -> None:
             result = await self.controller.wait()
-            reason = result.reason
-            if result.root_cause is not None:  # the first observed failure, across hosts
-                for line in api.root_cause_lines(result.root_cause.model_dump()):
-                    say(line)
-                reason = f"{reason}; root cause: {result.root_cause.summary}"
-            events.put_nowait(api.VerdictReached(result.ok, reason))
+            cause = result.root_cause.model_dump() if result.root_cause is not None else None
+            events.put_nowait(api.verdict_event(result.ok, result.reason, cause))
 
         self.tasks = [asyncio.ensure_future(agent_exit(h, a)) for h, a in self.agents.items()]
         self.tasks.append(asyncio.ensure_future(verdict()))
@@ -497,11 +493,13 @@ async def _start_attempt(
     logs: api.RankLogSpec | None = None,
     standby: list[asyncio.subprocess.Process] | None = None,
     on_training: Callable[[], None] | None = None,
+    on_formed: Callable[[], None] | None = None,
 ) -> _Attempt:
     """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it.
 
     `standby`: agents started ahead for this attempt (their warm ranks have loaded torch already);
-    `on_training` is called once the world trains (when the next attempt's standby may start).
+    `on_training` is called once the world trains (when the next attempt's standby may start), `on_formed`
+    as it forms.
     """
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
     # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
@@ -519,6 +517,8 @@ async def _start_attempt(
 
         def on_phase(phase: Any, reason: str | None) -> None:  # noqa: ANN401  an api phase
             say(f"{phase.value}" + (f" — {reason}" if reason else ""))
+            if phase.value in ("forming", "training") and on_formed is not None:
+                on_formed()
             if phase.value == "training" and on_training is not None:
                 on_training()
 
@@ -611,6 +611,7 @@ class _RunShell:
             restart_count=action.restart_count, max_restarts=action.max_restarts,
             rank_filter=self.rank_filter, logs=self.logs, standby=ready,
             on_training=self._arm_standby if action.restart_count < action.max_restarts else None,
+            on_formed=lambda: self.events.put_nowait(api.WorldFormed()),
         )  # fmt: skip
         if self.logs is not None and self.logs.run is None:  # the run's directory: its first attempt's id
             self.logs = self.logs.model_copy(update={"run": self.attempt.controller.run_id})
@@ -775,14 +776,11 @@ def main(args: argparse.Namespace) -> int:
                 "prints every rank); walk them in with `fdl join --log-dir DIR` instead, or drop the flags"
             )
             return EXIT_USAGE
-        if torchrun.max_restarts or cluster.controller.join.max_restarts:
-            say(
-                "--max-restarts / controller.join.max_restarts: not yet with remote workers (restarts "
-                "re-form the local agents' world; the SSH fan-out runs one attempt): drop it, or set it to 0"
-            )
-            return EXIT_USAGE
         # cluster_run loads asyncssh: only when there is a remote worker.
-        return asyncio.run(api.run_cluster_job(program, program_args, cluster, port=args.port))
+        fanout = api.run_cluster_job(
+            program, program_args, cluster, port=args.port, max_restarts=torchrun.max_restarts
+        )
+        return asyncio.run(fanout)
     job = run_job(
         command,
         cluster,

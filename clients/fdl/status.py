@@ -234,6 +234,17 @@ def _hosts_cell(entry: dict[str, Any], limit: int = 8) -> str:
     return listed if total <= limit and len(hosts) == total else f"{listed},… ({total} hosts)"
 
 
+def _earlier_cell(h: dict[str, Any]) -> str:
+    """A restarted run's earlier attempts and their causes (the history keeps one entry per run)."""
+    attempt = h.get("attempt")
+    earlier = attempt.get("earlier") if isinstance(attempt, dict) else None
+    if not isinstance(earlier, list) or not earlier:
+        return ""
+    return " — after " + "; ".join(
+        f"attempt {e.get('number')} failed: {e.get('cause')}" for e in earlier if isinstance(e, dict)
+    )
+
+
 def render_history(state: dict[str, Any]) -> str:
     """The finished runs as a table, newest first."""
     if "history" not in state:
@@ -271,7 +282,8 @@ def render_history(state: dict[str, Any]) -> str:
                     f" — root cause: {h['root_cause'].get('summary')}"
                     if isinstance(h.get("root_cause"), dict)
                     else ""
-                ),
+                )
+                + _earlier_cell(h),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

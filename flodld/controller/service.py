@@ -36,7 +36,7 @@ from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller, PhaseListener, RunResult, render_status, serve_http
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudget, StateCache
 from flodld.controller.source import HttpAnswer
-from flodld.membership.history import HistoryVersionError
+from flodld.membership.history import HistoryVersionError, record_run
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt, RunRecord, ServiceState
 from flodld.membership.supervisor import next_attempt
@@ -228,7 +228,7 @@ class Service:
 
     def _record(self, controller: Controller, result: RunResult) -> None:
         record = controller.run_record()
-        self.history.appendleft(record)
+        record_run(self.history, record)  # one entry per run: a restart's attempt replaces the one before
         self._changed()
         self._save_history()
         self.runs[result.verdict.value] += 1

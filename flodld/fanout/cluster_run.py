@@ -1,9 +1,14 @@
 """`fdl @cluster run` with remote workers: controller embedded, local agents, fan-out agents.
 
-Order: probe `local_devices: all` hosts (capacity must be known before the window opens),
-start the controller, start local agents as subprocesses and remote agents over SSH, then
-supervise. An agent that exits before the world forms aborts the window naming its host; on
-any exit (done, failure, Ctrl-C, SIGTERM) every agent is stopped before this returns.
+Order: probe `local_devices: all` hosts (capacity must be known before the window opens), then
+attempt by attempt: start the controller, start local agents as subprocesses and remote agents
+over SSH, and feed what happens to the run supervisor (`flodld.membership.supervisor`), whose rules
+are the same as `fdl run`'s: an agent that exits before the world forms, a lost SSH session, an
+interrupt. With `max_restarts`, a failed attempt is torn down on every host (each SSH session
+closed, so its remote supervisor TERMs then KILLs the agent's process group, ranks included) and
+the next one is launched afresh: a new controller run on the same port (run id, salt, keys) and a
+new SSH session per host. On any exit (done, failure, Ctrl-C, SIGTERM, cancellation) every agent
+is stopped before this returns.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flodld.agent.spawn import agent_command
@@ -22,7 +27,25 @@ from flodld.config.models import ClusterConfig
 from flodld.controller.options import ControllerOptions
 from flodld.controller.service import assemble_controller
 from flodld.fanout.launcher import AgentExit, FanOut, FanOutError, plan_agent, probe_device_count, workdir_for
-from flodld.membership.rootcause import root_cause_lines
+from flodld.membership.phase import Phase
+from flodld.membership.snapshot import EarlierAttempt
+from flodld.membership.supervisor import (
+    Action,
+    AgentExited,
+    ArmTimer,
+    CollectAgents,
+    Event,
+    Finish,
+    HostLost,
+    Interrupted,
+    RunSupervisor,
+    Say,
+    StartAttempt,
+    StopAttempt,
+    TimerExpired,
+    WorldFormed,
+    verdict_event,
+)
 from flodld.wire.salt import OPEN_ADMISSION_KEY
 
 if TYPE_CHECKING:
@@ -71,12 +94,15 @@ async def run_cluster_job(
     cluster: ClusterConfig,
     *,
     port: int | None = None,
+    max_restarts: int | None = None,
     say: Callable[[str], None] = lambda message: print(f"fdl run: {message}", file=sys.stderr, flush=True),
     on_output: Callable[[str, str], None] = _print_line,
     environ: Mapping[str, str] | None = None,
     grace_s: int = 10,
 ) -> int:
-    """Run `program args` on every worker of `cluster`; returns 0 when the run is done, else 1."""
+    """Run `program args` on every worker of `cluster`, restarting a failed attempt up to `max_restarts`
+    times (default `controller.join.max_restarts`); returns 0 when the run is done, else 1.
+    """
     env = dict(os.environ if environ is None else environ)
     local_cwd = os.getcwd()
     try:
@@ -88,128 +114,242 @@ async def run_cluster_job(
     # environment of a local child), so a loopback bind (all workers tunneled) never opens admission:
     # a local user on a worker host cannot join through the -R forward without the salt.
     overrides: dict[str, Any] = {"preshared": True} if port is None else {"preshared": True, "port": port}
-    options = ControllerOptions.from_cluster(cluster, probed=probed, **overrides)
-    controller = assemble_controller(
-        options, on_phase=lambda phase, reason: say(phase.value + (f" — {reason}" if reason else ""))
-    )
+    bound = cluster.controller.join.max_restarts if max_restarts is None else max_restarts
+    supervisor = RunSupervisor([worker.host for worker in cluster.workers], max_restarts=bound)
+    shell = _FanOutShell(
+        program, args, cluster, probed, overrides, say=say, on_output=on_output, env=env, grace_s=grace_s,
+        local_cwd=local_cwd,
+    )  # fmt: skip
+    loop = asyncio.get_running_loop()
+    interrupted = Interrupted("interrupted by the operator")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, shell.events.put_nowait, interrupted)
     try:
-        bind, bound_port = await controller.start()
-    except OSError as error:
-        await controller.close()
-        say(
-            f"run FAILED: the controller cannot listen on {options.effective_bind_host}:{options.port} "
-            f"({error}); free the port or set cluster.controller.port"
-        )
-        return EXIT_FAILED
-    # Always the salt, unless the operator set open_admission explicitly (then the join key is public,
-    # the controller warns, and agents receive the salt in Accept like any joiner).
-    salt_hex = controller.salt_hex if controller.join_key != OPEN_ADMISSION_KEY else None
-    local = [w for w in cluster.workers if w.is_local(cluster.controller.host)]
-    remote = [w for w in cluster.workers if not w.is_local(cluster.controller.host)]
-    say(f"controller bound to {bind}:{bound_port} (run {controller.run_id}); window for {options.capacity} "
-        f"rank(s); {len(local)} local agent(s), {len(remote)} fan-out agent(s) "
-        f"({sum(w.tunnel for w in remote)} tunneled)")  # fmt: skip
-    passed = {name: env[name] for name in PASSED_VARIABLES if name in env}
-    plans = [plan_agent(w, cluster, program=program, args=args, controller_port=bound_port, salt_hex=salt_hex,
-                        extra_env=passed, local_cwd=local_cwd) for w in remote]  # fmt: skip
-    fanout = FanOut(plans, on_output=on_output, grace_s=grace_s)
-    local_agents: dict[str, asyncio.subprocess.Process] = {}
-    try:
+        actions = supervisor.start()
+        while True:
+            for action in actions:
+                await shell.carry_out(action)
+                if shell.exit_code is not None:
+                    return shell.exit_code
+            actions = supervisor.handle(await shell.events.get())
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await shell.close()
+
+
+def supervisor_code(code: int) -> int:
+    """A remote agent's exit status as the supervisor reads codes: the bash supervisor reports an agent
+    killed by signal N as 128+N, which is -N here (as subprocess reports a local one); others as they are.
+    """
+    return -(code - 128) if 128 < code < 160 else code
+
+
+class _FanOutShell:
+    """What the run supervisor decides, carried out for the fan-out: per attempt a controller, the local
+    agents and one SSH session per remote worker; the timers; the events fed back. One method per action
+    kind (`FANOUT_ACTIONS`); the rules are all the supervisor's.
+    """
+
+    def __init__(
+        self,
+        program: str,
+        args: Sequence[str],
+        cluster: ClusterConfig,
+        probed: Mapping[str, int],
+        overrides: dict[str, Any],
+        *,
+        say: Callable[[str], None],
+        on_output: Callable[[str, str], None],
+        env: dict[str, str],
+        grace_s: int,
+        local_cwd: str,
+    ) -> None:
+        self.program, self.args, self.cluster, self.probed = program, list(args), cluster, probed
+        self.overrides = overrides
+        self.say, self.on_output, self.env = say, on_output, env
+        self.grace_s, self.local_cwd = grace_s, local_cwd
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.generation = 0  # events of an earlier attempt are dropped
+        self.controller: Controller | None = None
+        self.fanout: FanOut | None = None
+        self.local_agents: dict[str, asyncio.subprocess.Process] = {}
+        self.watchers: list[asyncio.Task[None]] = []
+        self.collecting: asyncio.Task[None] | None = None
+        self.earlier: list[EarlierAttempt] = []
+        self.exit_code: int | None = None
+
+    async def carry_out(self, action: Action) -> None:
+        handler = FANOUT_ACTIONS.get(type(action))
+        if handler is None:
+            raise AssertionError(f"the fan-out has no handler for the supervisor's {action!r}")
+        await handler(self, action)
+
+    def _feed(self, generation: int) -> Callable[[Event], None]:
+        def feed(event: Event) -> None:
+            if generation == self.generation:
+                self.events.put_nowait(event)
+
+        return feed
+
+    async def _start(self, action: StartAttempt) -> None:
+        self.generation += 1  # first: whatever the previous attempt's teardown reports is not this one's
+        feed = self._feed(self.generation)
+        await self._end_attempt()
+        overrides = {**self.overrides, "earlier_attempts": tuple(self.earlier)}
+        options = ControllerOptions.from_cluster(
+            self.cluster, probed=self.probed, restart_count=action.restart_count,
+            max_restarts=action.max_restarts, **overrides,
+        )  # fmt: skip
+
+        def on_phase(phase: Phase, reason: str | None) -> None:
+            self.say(phase.value + (f" — {reason}" if reason else ""))
+            if phase in (Phase.FORMING, Phase.TRAINING):
+                feed(WorldFormed())
+
+        controller = assemble_controller(options, on_phase=on_phase)
+        try:
+            bind, bound_port = await controller.start()
+        except OSError as error:
+            await controller.close()
+            self.say(
+                f"run FAILED: the controller cannot listen on {options.effective_bind_host}:{options.port} "
+                f"({error}); free the port or set cluster.controller.port"
+            )
+            self.exit_code = EXIT_FAILED
+            return
+        self.controller = controller
+        self.overrides["port"] = bound_port  # every attempt on this port (status readers, tunnels' target)
+        # Always the salt, unless the operator set open_admission explicitly (then the join key is public,
+        # the controller warns, and agents receive the salt in Accept like any joiner).
+        salt_hex = controller.salt_hex if controller.join_key != OPEN_ADMISSION_KEY else None
+        here = self.cluster.controller.host
+        local = [w for w in self.cluster.workers if w.is_local(here)]
+        remote = [w for w in self.cluster.workers if not w.is_local(here)]
+        self.say(f"controller bound to {bind}:{bound_port} (run {controller.run_id}); window for "
+                 f"{options.capacity} rank(s); {len(local)} local agent(s), {len(remote)} fan-out agent(s) "
+                 f"({sum(w.tunnel for w in remote)} tunneled)")  # fmt: skip
+        self.watchers.append(asyncio.ensure_future(self._verdict(controller, feed)))
+        passed = {name: self.env[name] for name in PASSED_VARIABLES if name in self.env}
+        plans = [
+            plan_agent(w, self.cluster, program=self.program, args=self.args, controller_port=bound_port,
+                       salt_hex=salt_hex, extra_env=passed, local_cwd=self.local_cwd)
+            for w in remote
+        ]  # fmt: skip
         for worker in local:
             spec = AgentSpec(
                 host=worker.host, controller_host="127.0.0.1", controller_port=bound_port, salt_hex=salt_hex,
                 devices=list(worker.local_devices) if worker.local_devices != "all" else ["all"],
                 averaging=options.averaging, cluster_env=True, host_env=worker.rank_env() or None,
-                program=[sys.executable, program, *args],
+                program=[sys.executable, self.program, *self.args],
             )  # fmt: skip
-            local_agents[worker.host] = await asyncio.create_subprocess_exec(
-                *agent_command(), env={**env, **worker.env, AGENT_ENV: encode_spec(spec)},
+            process = await asyncio.create_subprocess_exec(
+                *agent_command(), env={**self.env, **worker.env, AGENT_ENV: encode_spec(spec)},
                 stdin=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
+            self.local_agents[worker.host] = process
+            self.watchers.append(asyncio.ensure_future(_local_exit(worker.host, process, feed)))
+
+        def on_exit(gone: AgentExit) -> None:
+            if gone.lost:
+                feed(HostLost(gone.host, f"SSH session to host {gone.host!r} lost (keepalives unanswered)"))
+            else:
+                feed(AgentExited(gone.host, supervisor_code(gone.code)))
+
+        self.fanout = FanOut(plans, on_output=self.on_output, grace_s=self.grace_s, on_exit=on_exit)
         try:
-            await fanout.start()
-        except FanOutError as error:
-            say(str(error))
-            await controller.stop(f"{error} — aborting before formation")
-        return await _supervise(controller, fanout, local_agents, say)
-    finally:
-        await fanout.stop()
-        for process in local_agents.values():
+            await self.fanout.start()
+        except FanOutError:
+            for host, failure in self.fanout.failed.items():
+                feed(HostLost(host, str(failure)))
+
+    async def _verdict(self, controller: Controller, feed: Callable[[Event], None]) -> None:
+        result = await controller.wait()
+        cause = result.root_cause.model_dump() if result.root_cause is not None else None
+        feed(verdict_event(result.ok, result.reason, cause))
+
+    async def _stop(self, action: StopAttempt) -> None:
+        if self.controller is not None:
+            await self.controller.stop(action.reason)
+
+    async def _arm_timer(self, action: ArmTimer) -> None:
+        if action.name in self.timers:
+            self.timers[action.name].cancel()
+        self.timers[action.name] = asyncio.get_running_loop().call_later(
+            action.seconds, self.events.put_nowait, TimerExpired(action.name)
+        )
+
+    async def _collect(self, action: CollectAgents) -> None:
+        self.collecting = asyncio.ensure_future(self._collect_within(action.timeout_s))
+
+    async def _collect_within(self, timeout_s: float) -> None:
+        """The agents get `timeout_s` to exit after the verdict; then every SSH session is closed (the remote
+        supervisor TERMs, then KILLs, the agent's group) and the local ones are killed. Exits are fed.
+        """
+        waits: list[Awaitable[Any]] = [p.wait() for p in self.local_agents.values()]
+        if self.fanout is not None:
+            waits += [agent.process.wait_closed() for agent in self.fanout.agents.values()]
+        if waits:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout_s)
+        await self._stop_agents()
+
+    async def _say(self, action: Say) -> None:
+        self.say(action.message)
+
+    async def _finish(self, action: Finish) -> None:
+        await self._end_attempt()
+        self.say(action.summary)
+        self.exit_code = action.exit_code
+
+    async def _stop_agents(self) -> None:
+        if self.fanout is not None:
+            await self.fanout.stop()
+        for process in self.local_agents.values():
             if process.returncode is None:
                 process.terminate()
                 try:
-                    await asyncio.wait_for(process.wait(), grace_s + 5)
+                    await asyncio.wait_for(process.wait(), self.grace_s + 5)
                 except TimeoutError:
                     process.kill()
                     await process.wait()
-        await controller.close()
 
-
-async def _supervise(
-    controller: Controller,
-    fanout: FanOut,
-    local_agents: dict[str, asyncio.subprocess.Process],
-    say: Callable[[str], None],
-) -> int:
-    loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, interrupted.set)
-    exits: asyncio.Queue[AgentExit] = fanout.exits
-    watchers = [asyncio.ensure_future(_relay_exit(host, p, exits)) for host, p in local_agents.items()]
-    result_task = asyncio.ensure_future(controller.wait())
-    interrupt_task = asyncio.ensure_future(interrupted.wait())
-    total = len(local_agents) + len(fanout.agents)
-    exited = 0
-    try:
-        while not result_task.done():
-            exit_task = asyncio.ensure_future(exits.get())
-            done, _ = await asyncio.wait({result_task, interrupt_task, exit_task},
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            if exit_task not in done:
-                exit_task.cancel()
-            if interrupt_task in done:
-                say("interrupted; aborting the run and stopping every agent")
-                await controller.stop("interrupted by the operator (fdl run)")
-                break
-            if exit_task in done:
-                gone = exit_task.result()
-                exited += 1
-                window = controller.window
-                if gone.lost and not result_task.done():
-                    say(f"SSH session to host {gone.host!r} lost (keepalives unanswered); aborting the run")
-                    await controller.stop(f"SSH session to host {gone.host!r} was lost")
-                elif window is not None and window.world is None and not result_task.done():
-                    say(f"agent on host {gone.host!r} exited with code {gone.code} before the world formed")
-                    await controller.stop(f"agent on host {gone.host!r} exited with code {gone.code} "
-                                          "before the world formed")  # fmt: skip
-                elif exited >= total and not result_task.done():
-                    try:
-                        await asyncio.wait_for(asyncio.shield(result_task), 10.0)
-                    except TimeoutError:
-                        await controller.stop("every agent exited but the run did not conclude")
-        result = await result_task
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        interrupt_task.cancel()
-        for watcher in watchers:
-            watcher.cancel()
+    async def _end_attempt(self) -> None:
+        """Nothing of the current attempt is left: timers, agents on every host, its controller."""
+        for timer in self.timers.values():
+            timer.cancel()
+        self.timers.clear()
+        if self.collecting is not None:
+            self.collecting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-    if result.ok:
-        say(f"run done: {result.reason}")
-        return EXIT_DONE
-    if result.root_cause is not None:  # the first observed failure, across hosts
-        for line in root_cause_lines(result.root_cause.model_dump()):
-            say(line)
-        say(f"run FAILED: {result.reason}; root cause: {result.root_cause.summary}")
-    else:
-        say(f"run FAILED: {result.reason}")
-    return EXIT_FAILED
+                await self.collecting
+            self.collecting = None
+        await self._stop_agents()
+        for watcher in self.watchers:
+            watcher.cancel()
+        await asyncio.gather(*self.watchers, return_exceptions=True)
+        self.watchers = []
+        controller, self.controller, self.fanout, self.local_agents = self.controller, None, None, {}
+        if controller is not None:
+            if controller.result is not None:  # state.json's attempt.earlier, for the next attempt
+                self.earlier.append(EarlierAttempt.of(controller.run_record(), len(self.earlier) + 1))
+            await controller.close()
+
+    async def close(self) -> None:
+        await self._end_attempt()
 
 
-async def _relay_exit(
-    host: str, process: asyncio.subprocess.Process, exits: asyncio.Queue[AgentExit]
-) -> None:
-    exits.put_nowait(AgentExit(host, await process.wait()))
+FANOUT_ACTIONS: dict[type, Callable[[_FanOutShell, Any], Awaitable[None]]] = {
+    StartAttempt: _FanOutShell._start,
+    StopAttempt: _FanOutShell._stop,
+    ArmTimer: _FanOutShell._arm_timer,
+    CollectAgents: _FanOutShell._collect,
+    Say: _FanOutShell._say,
+    Finish: _FanOutShell._finish,
+}
+"""The supervisor's action kinds -> the fan-out shell's handler."""
+
+
+async def _local_exit(host: str, process: asyncio.subprocess.Process, feed: Callable[[Event], None]) -> None:
+    feed(AgentExited(host, await process.wait()))

@@ -170,27 +170,44 @@ class AgentExit:
 
 
 class FanOut:
-    """The remote agents of one run: start them together, learn of exits, stop them all."""
+    """The remote agents of one attempt: start them together, learn of exits, stop them all.
+
+    Each agent's end is reported once, to `on_exit` (else the `exits` queue), whether it ended by
+    itself, its session was lost, or `stop()` closed it.
+    """
 
     def __init__(
-        self, plans: Sequence[AgentPlan], *, on_output: OutputSink | None = None, grace_s: int = 10
+        self,
+        plans: Sequence[AgentPlan],
+        *,
+        on_output: OutputSink | None = None,
+        grace_s: int = 10,
+        on_exit: Callable[[AgentExit], None] | None = None,
     ) -> None:
         self.plans = list(plans)
         self.on_output = on_output
         self.grace_s = grace_s
         self.agents: dict[str, RemoteAgent] = {}
+        self.failed: dict[str, FanOutError] = {}  # the hosts whose agent could not be started, and why
         self.exits: asyncio.Queue[AgentExit] = asyncio.Queue()
+        self.on_exit = on_exit if on_exit is not None else self.exits.put_nowait
         self._watchers: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Start every agent; if any fails, stop those already started and raise FanOutError."""
+        """Start every agent; if any fails, stop those already started and raise the first FanOutError
+        (`failed` names every host that could not be started).
+        """
         results = await asyncio.gather(
             *(self._start_one(plan) for plan in self.plans), return_exceptions=True
         )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
+        for plan, result in zip(self.plans, results, strict=True):
+            if isinstance(result, FanOutError):
+                self.failed[plan.host] = result
+            elif isinstance(result, BaseException):
+                raise result
+        if self.failed:
             await self.stop()
-            raise failures[0]
+            raise next(iter(self.failed.values()))
 
     async def _start_one(self, plan: AgentPlan) -> None:
         forward = (0, plan.controller_port) if plan.tunnel else None
@@ -212,15 +229,19 @@ class FanOut:
 
     async def _watch(self, host: str, agent: RemoteAgent) -> None:
         code = await agent.wait()
-        self.exits.put_nowait(AgentExit(host, code, lost=agent.lost))
+        self.on_exit(AgentExit(host, code, lost=agent.lost))
 
     @property
     def running(self) -> int:
         return sum(1 for agent in self.agents.values() if agent.process.exit_status is None)
 
     async def stop(self) -> None:
-        """Close every session: the remote supervisors TERM, then KILL, their agents' groups."""
+        """Close every session: the remote supervisors TERM, then KILL, their agents' groups; each end is
+        reported (a watcher still waiting after the sessions closed is cancelled).
+        """
         await asyncio.gather(*(agent.stop(timeout=self.grace_s + 5.0) for agent in self.agents.values()))
+        if self._watchers:
+            await asyncio.wait(self._watchers, timeout=5.0)
         for watcher in self._watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -10,12 +10,17 @@ Records go through `RunRecord.model_dump`/`model_validate`, so a field added to 
 and read back with no change here (give it a default, so records written before it still load; a field
 this flodld does not know, written by a newer one of the same format version, is left out on reading).
 
+One record per *run*, not per attempt: with restarts (`--max-restarts`), an attempt that follows a failed
+one takes that one's place (`record_run`), so the run's entry is its latest attempt, whose `attempt.earlier`
+names every attempt before it (number, run id, cause, hosts).
+
 The shell (flodld/controller/historyfile.py) reads and writes the bytes; nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -61,6 +66,22 @@ class HistoryLoad:
             f"line{'s' if self.skipped != 1 else ''} ({named}{more}); kept the {len(self.records)} "
             f"intact run{'s' if len(self.records) != 1 else ''}"
         )
+
+
+def continues(previous: RunRecord, record: RunRecord) -> bool:
+    """Whether RECORD is the next attempt of the run PREVIOUS is the latest attempt of."""
+    earlier = record.attempt.earlier if record.attempt is not None else []
+    return bool(earlier) and earlier[-1].run_id == previous.run_id
+
+
+def record_run(history: deque[RunRecord], record: RunRecord) -> None:
+    """Put RECORD first in HISTORY (newest first): in place of its run's previous attempt, if that is the
+    newest entry, else as a new run.
+    """
+    if history and continues(history[0], record):
+        history[0] = record
+    else:
+        history.appendleft(record)
 
 
 def header() -> bytes:

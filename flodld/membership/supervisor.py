@@ -1,24 +1,32 @@
-"""One run's attempts, decided event by event: the run supervisor behind `fdl run` (sans-io).
+"""One run's attempts, decided event by event: the run supervisor behind `fdl run`, `fdl @cluster run`'s
+SSH fan-out and `flodld serve` (sans-io).
 
 A *run* is one or more *attempts*; an attempt is one formed world (a controller run with its own run
-id, salt, rendezvous namespace and data-plane keys) and the local agents that serve it. The shell
-(`fdl run`) owns the controller, the agent processes, the signals and the timers; this module owns
+id, salt, rendezvous namespace and data-plane keys) and the agents that serve it: local subprocesses
+(`fdl run`), agents started over SSH on the roster's hosts (the fan-out, `flodld.fanout.cluster_run`),
+or none that it starts (`flodld serve`: walk-ins only, so verdicts are its only events). The shells own
+the controller, the agent processes, the SSH sessions, the signals and the timers; this module owns
 what they mean. States per attempt: RUNNING → CONCLUDING (the controller's verdict is in; the
 agents are being collected) → the next attempt, or FINISHED.
 
 Rules:
+- an agent that exits before its attempt's world formed (`WorldFormed` not yet fed) stops the attempt
+  at once, naming its host: nothing of it can join any more, and the window would wait in vain;
 - an agent that exits 0 has finished its host; nothing to do;
 - an agent that exits non-zero reports its ranks and closes its link first, so the controller
   concludes from that; the shell waits `AGENT_DIED_GRACE_S` for the verdict, then stops the attempt
   naming the agent (it died unannounced: its ranks are lost);
+- a host lost (its SSH session died: keepalives unanswered, or it could not be reached to start its
+  agent) stops the attempt at once with the shell's reason; its agent counts as gone;
 - every agent gone and no verdict: wait `AGENTS_GONE_GRACE_S`, then stop the attempt;
 - an interrupt (SIGINT/SIGTERM to `fdl run`) stops the attempt and the run: never restarted;
 - the verdict in, the shell collects the agents (TERM/KILL after `COLLECT_TIMEOUT_S`); then:
   done when the verdict is ok and no agent was killed, else the attempt failed with its *cause*
   (the verdict's reason, or the killed agent);
 - a failed attempt is followed by the next (`restart_count` + 1, a fresh world) while fewer than
-  `max_restarts` restarts have been made and nobody interrupted; otherwise the run fails with a
-  reason that lists every attempt's cause.
+  `max_restarts` restarts have been made and nobody interrupted (`next_attempt`, the one rule that
+  `flodld serve` applies to its verdicts too); otherwise the run fails with a reason that lists every
+  attempt's cause.
 
 As in torchrun, a restart re-forms the whole world: every rank of the next attempt starts anew with
 `TORCHELASTIC_RESTART_COUNT` set to the attempt's number, and a script that checkpoints resumes.
@@ -26,20 +34,26 @@ As in torchrun, a restart re-forms the whole world: every rank of the next attem
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
+from flodld.membership.rootcause import root_cause_lines
 from flodld.wire.handlers import HandlerTable
 
 __all__ = [
     "AGENTS_GONE_GRACE_S",
     "AGENT_DIED_GRACE_S",
     "COLLECT_TIMEOUT_S",
+    "Action",
     "AgentExited",
     "ArmTimer",
     "Attempt",
     "CollectAgents",
+    "Event",
     "Finish",
+    "HostLost",
     "Interrupted",
     "RunSupervisor",
     "Say",
@@ -48,8 +62,10 @@ __all__ = [
     "SupervisorState",
     "TimerExpired",
     "VerdictReached",
+    "WorldFormed",
     "describe_code",
     "next_attempt",
+    "verdict_event",
 ]
 
 AGENT_DIED_GRACE_S = 2.0  # an agent that died: the controller's moment to conclude from its link
@@ -58,6 +74,7 @@ COLLECT_TIMEOUT_S = 15.0  # after the verdict, how long agents get to exit befor
 
 EXIT_DONE = 0
 EXIT_FAILED = 1
+LOST_CODE = 255  # a lost host's agent: no exit status came back (as ssh reports it)
 
 
 class SupervisorState(Enum):
@@ -94,11 +111,35 @@ class AgentExited:
 
 
 @dataclass(frozen=True)
+class HostLost:
+    """The host's agent is out of reach: its SSH session died, or it could not be started there."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorldFormed:
+    """The attempt's world formed (the join window closed with its ranks)."""
+
+
+@dataclass(frozen=True)
 class VerdictReached:
-    """The controller concluded the attempt."""
+    """The controller concluded the attempt; `report` is printed as it comes in (the root-cause block)."""
 
     ok: bool
     reason: str
+    report: tuple[str, ...] = ()
+
+
+def verdict_event(ok: bool, reason: str, root_cause: Mapping[str, Any] | None) -> VerdictReached:
+    """The event for a controller's verdict: with a root cause (the first observed failure across hosts),
+    its summary joins the reason and its block (the failed rank's tail) is the report.
+    """
+    if root_cause is None:
+        return VerdictReached(ok, reason)
+    summary = root_cause.get("summary")
+    return VerdictReached(ok, f"{reason}; root cause: {summary}", tuple(root_cause_lines(root_cause)))
 
 
 @dataclass(frozen=True)
@@ -115,7 +156,7 @@ class TimerExpired:
     name: str
 
 
-Event = AgentExited | VerdictReached | Interrupted | TimerExpired
+Event = AgentExited | HostLost | WorldFormed | VerdictReached | Interrupted | TimerExpired
 
 # Actions --------------------------------------------------------------------------------------
 
@@ -177,7 +218,10 @@ class Attempt:
 
 
 class RunSupervisor:
-    """Decides, event by event, what `fdl run`'s shell does with its controller, agents and timers."""
+    """Decides, event by event, what a launcher's shell does with its controller, agents and timers.
+
+    `hosts`: the hosts whose agents the shell starts for each attempt (none for `flodld serve`).
+    """
 
     def __init__(self, hosts: list[str], *, max_restarts: int = 0) -> None:
         if max_restarts < 0:
@@ -190,13 +234,17 @@ class RunSupervisor:
         self._verdict: VerdictReached | None = None
         self._interrupted = False
         self._stopping = False
+        self._formed = False
         running: HandlerTable[[], list[Action]] = HandlerTable("event while running")
         running.register(AgentExited, self._agent_exited_running)
+        running.register(HostLost, self._host_lost_running)
+        running.register(WorldFormed, self._world_formed)
         running.register(VerdictReached, self._verdict_reached)
         running.register(Interrupted, self._interrupted_event)
         running.register(TimerExpired, self._timer_expired)
         concluding: HandlerTable[[], list[Action]] = HandlerTable("event while concluding")
         concluding.register(AgentExited, self._agent_exited_concluding)
+        concluding.register(HostLost, self._host_lost_concluding)
         concluding.register(Interrupted, self._interrupted_event)
         self._table = {SupervisorState.RUNNING: running, SupervisorState.CONCLUDING: concluding}
 
@@ -224,6 +272,7 @@ class RunSupervisor:
         self._live = set(self.hosts)
         self._verdict = None
         self._stopping = False
+        self._formed = False
         actions: list[Action] = []
         if number:
             actions.append(
@@ -236,12 +285,30 @@ class RunSupervisor:
             return []
         self._live.discard(event.host)
         self.attempt.agent_codes[event.host] = event.code
+        if not self._formed:
+            if self._stopping:
+                return []
+            code = describe_code(event.code)
+            return self._stop(f"the agent of host {event.host!r} exited ({code}) before the world formed")
         actions: list[Action] = []
         if event.code != 0:
             actions.append(ArmTimer(f"agent-died:{event.host}", AGENT_DIED_GRACE_S))
         if not self._live:
             actions.append(ArmTimer("agents-gone", AGENTS_GONE_GRACE_S))
         return actions
+
+    def _world_formed(self, event: WorldFormed) -> list[Action]:
+        self._formed = True
+        return []
+
+    def _host_lost_running(self, event: HostLost) -> list[Action]:
+        if event.host not in self._live:
+            return []
+        self._live.discard(event.host)
+        self.attempt.agent_codes[event.host] = LOST_CODE
+        if self._stopping:
+            return []
+        return [Say(f"{event.reason}; stopping the attempt"), *self._stop(event.reason)]
 
     def _timer_expired(self, event: TimerExpired) -> list[Action]:
         if self._stopping:
@@ -253,7 +320,7 @@ class RunSupervisor:
                 f"the agent of host {host!r} died ({describe_code(code)}) without reporting its ranks"
             )
         if event.name == "agents-gone":
-            return self._stop("every local agent exited but the run did not conclude")
+            return self._stop("every agent exited but the run did not conclude")
         return []
 
     def _interrupted_event(self, event: Interrupted) -> list[Action]:
@@ -269,9 +336,10 @@ class RunSupervisor:
     def _verdict_reached(self, event: VerdictReached) -> list[Action]:
         self._verdict = event
         self.state = SupervisorState.CONCLUDING
+        report: list[Action] = [Say(line) for line in event.report]
         if self._live:
-            return [CollectAgents(COLLECT_TIMEOUT_S)]
-        return self._conclude()
+            return [*report, CollectAgents(COLLECT_TIMEOUT_S)]
+        return [*report, *self._conclude()]
 
     # --- concluding -------------------------------------------------------------------------
 
@@ -281,6 +349,9 @@ class RunSupervisor:
         self._live.discard(event.host)
         self.attempt.agent_codes[event.host] = event.code
         return [] if self._live else self._conclude()
+
+    def _host_lost_concluding(self, event: HostLost) -> list[Action]:
+        return self._agent_exited_concluding(AgentExited(event.host, LOST_CODE))
 
     def _cause(self) -> str | None:
         verdict = self._verdict
@@ -305,7 +376,7 @@ class RunSupervisor:
             assert self._verdict is not None
             return [Finish(EXIT_DONE, f"run done: {self._verdict.reason}{self._attempts_note()}")]
         attempt.cause = cause
-        if not self._interrupted and attempt.number < self.max_restarts:
+        if next_attempt(attempt.number, self.max_restarts, ok=False, stopping=self._interrupted) is not None:
             return [Say(f"attempt {attempt.number + 1} failed: {cause}"), *self._start_attempt()]
         self.state = SupervisorState.FINISHED
         return [Finish(EXIT_FAILED, self._failure_summary())]

@@ -82,7 +82,7 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         kill_leftovers(str(tmp_path))
 
 
-def _cluster(lab: Lab, *, tunnel: bool) -> dict[str, object]:
+def _cluster(lab: Lab, *, tunnel: bool, max_restarts: int = 0) -> dict[str, object]:
     def worker(index: int) -> dict[str, object]:
         return {
             "host": f"node-{index}",
@@ -100,7 +100,11 @@ def _cluster(lab: Lab, *, tunnel: bool) -> dict[str, object]:
         }
 
     return {
-        "controller": {"host": controller_address(1), "port": CONTROLLER_PORT, "join": {"join_timeout": 120}},
+        "controller": {
+            "host": controller_address(1),
+            "port": CONTROLLER_PORT,
+            "join": {"join_timeout": 120, "max_restarts": max_restarts},
+        },
         "workers": [worker(1), worker(2)],
     }
 
@@ -293,3 +297,66 @@ def test_encrypted_mean_over_tunnels_with_a_loopback_controller(lab: Lab) -> Non
     errors = assert_encrypted_mean_passed(log, world_size=4)
     assert max(errors) < 1e-6
     _assert_no_process_left(str(ENCRYPTED_MEAN))
+
+
+def _pids_in(lab: Lab, index: int) -> set[int]:
+    listed = subprocess.run(["ip", "netns", "pids", lab.worker_ns(index)], capture_output=True, text=True)
+    return {int(pid) for pid in listed.stdout.split()}
+
+
+def _rank_lines(log: str, text: str) -> int:
+    """How many of the ranks' own lines (`[node-N] ...`, not the root-cause block quoting one) hold `text`."""
+    return sum(text in line for line in log.splitlines() if line.startswith("[node-"))
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_agent_is_relaunched_over_ssh_and_the_restarted_world_finishes(lab: Lab) -> None:
+    from tests.flodld.fanout.test_fanout_restarts import PROGRAM
+
+    program = lab.root / "restart_hang.py"
+    program.write_text(PROGRAM)
+    launcher = _fanout(lab, _cluster(lab, tunnel=False, max_restarts=1), program, "hang-first")
+    log_path = lab.root / "launcher.log"
+    end = time.monotonic() + 180
+    while log_path.read_text(errors="replace").count("attempt 0 of max 1 up") < 4 and time.monotonic() < end:
+        assert launcher.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        time.sleep(0.2)
+    ranks_1 = set(processes_mentioning(str(program))) & _pids_in(lab, 1)
+    agents = {_parent(pid) for pid in ranks_1}
+    assert len(ranks_1) == 2 and len(agents) == 1, (ranks_1, agents)
+    os.kill(agents.pop(), signal.SIGKILL)  # node-1's agent dies mid-run; node-2's is fine
+    log = _wait(launcher, log_path, 240)
+    assert launcher.returncode == 0, log[-6000:]
+    assert "restarting: attempt 2 of at most 2 (restart 1)" in log
+    assert _rank_lines(log, "attempt 1 of max 1 up") == 4, log[-6000:]  # both hosts relaunched, re-formed
+    assert "run done: every host link closed (after 1 restart(s): attempt 1: " in log
+    assert not ranks_1 & set(processes_mentioning(str(program)))  # the killed agent's ranks went with it
+    _assert_no_process_left(str(program))
+    end = time.monotonic() + 20
+    while lab.worker_processes() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert lab.worker_processes() == [], "agents, relays or ranks left behind on a worker host"
+
+
+@pytest.mark.timeout(400)
+def test_exhausted_restarts_over_ssh_fail_naming_every_cause_and_leave_no_process(lab: Lab) -> None:
+    from tests.flodld.fanout.test_fanout_restarts import PROGRAM
+
+    program = lab.root / "restart_fail.py"
+    program.write_text(PROGRAM)
+    launcher = _fanout(lab, _cluster(lab, tunnel=True, max_restarts=1), program, "fail-always")
+    log = _wait(launcher, lab.root / "launcher.log", 300)
+    assert launcher.returncode == 1, log[-6000:]
+    summary = next(line for line in log.splitlines() if "run FAILED" in line)
+    assert "run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: " in summary, summary
+    assert summary.count("ranks failed") == 2 and "attempt 2: " in summary, summary
+    assert _rank_lines(log, "attempt 1 of max 1 up") == 4  # the second attempt ran on both hosts, tunneled
+    _assert_no_process_left(str(program))
+    end = time.monotonic() + 20
+    while lab.worker_processes() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert lab.worker_processes() == [], "agents, relays or ranks left behind on a worker host"

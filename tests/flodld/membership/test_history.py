@@ -12,9 +12,10 @@ from flodld.membership.history import (
     decode_history,
     encode_history,
     header,
+    record_run,
 )
 from flodld.membership.phase import Phase
-from flodld.membership.snapshot import RankExit, RunRecord
+from flodld.membership.snapshot import AttemptState, EarlierAttempt, RankExit, RunRecord
 
 
 def record(n: int, hosts: int = 2) -> RunRecord:
@@ -122,3 +123,25 @@ def test_a_field_a_newer_flodld_added_is_left_out_and_the_record_loads() -> None
     line["root_cause_from_the_future"] = {"rank": 3}
     load = decode_history(header() + json.dumps(line).encode() + b"\n", source="h", limit_runs=5)
     assert load.records == [record(1)] and load.damaged == []
+
+
+def test_the_history_keeps_one_entry_per_run_its_latest_attempt_naming_the_earlier_ones() -> None:
+    from collections import deque
+
+    def attempt(n: int, number: int, earlier: list[RunRecord]) -> RunRecord:
+        causes = [EarlierAttempt.of(r, i + 1) for i, r in enumerate(earlier)]
+        state = AttemptState(number=number, max_attempts=3, earlier=causes)
+        return record(n).model_copy(update={"attempt": state})
+
+    history: deque[RunRecord] = deque([record(0)], maxlen=10)
+    first = attempt(1, 1, [])
+    record_run(history, first)
+    second = attempt(2, 2, [first])
+    record_run(history, second)
+    third = attempt(3, 3, [first, second])
+    record_run(history, third)
+    assert list(history) == [third, record(0)]  # one run, its attempts in attempt.earlier
+    assert third.attempt is not None and [a.run_id for a in third.attempt.earlier] == ["run-1", "run-2"]
+    fresh = attempt(4, 1, [])
+    record_run(history, fresh)  # the next run starts at attempt 1: a new entry
+    assert list(history) == [fresh, third, record(0)]

@@ -1,18 +1,24 @@
-"""The run supervisor's rules, one row per story: events in, actions out (no processes, no clocks)."""
+"""The run supervisor's rules, one row per story: events in, actions out (no processes, no clocks).
+
+One table for every launcher: `fdl run`'s local agents, `fdl @cluster run`'s SSH fan-out and `flodld serve`
+(whose only events are verdicts, decided by the same `next_attempt`).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
 
 from flodld.membership.supervisor import (
     AGENT_DIED_GRACE_S,
-    AGENTS_GONE_GRACE_S,
     COLLECT_TIMEOUT_S,
     AgentExited,
     ArmTimer,
     CollectAgents,
     Event,
     Finish,
+    HostLost,
     Interrupted,
     RunSupervisor,
     Say,
@@ -21,7 +27,9 @@ from flodld.membership.supervisor import (
     SupervisorState,
     TimerExpired,
     VerdictReached,
+    WorldFormed,
     next_attempt,
+    verdict_event,
 )
 
 
@@ -43,91 +51,113 @@ def starts(actions: list[object]) -> list[int]:
 
 
 DONE = VerdictReached(True, "every host link closed")
+FORMED = WorldFormed()
+LOST = "SSH session to host 'a' lost (keepalives unanswered)"
+SHELLS = ("fdl run", "fan-out", "serve")
+LAUNCHERS = ("fdl run", "fan-out")  # the shells that start agents (serve's only events are verdicts)
+
+
+@dataclass(frozen=True)
+class Row:
+    story: str
+    max_restarts: int
+    events: list[Event]
+    exit_code: int
+    summary: str
+    attempts: list[int]
+    stops: list[str] = field(default_factory=list)  # the StopAttempt reasons, in order
+    shells: tuple[str, ...] = SHELLS  # the launchers whose shells feed these events
+
+
+ROWS = [
+    Row("clean run", 0, [FORMED, DONE, AgentExited("a", 0)], 0, "run done: every host link closed", [0]),
+    Row("agents exit before the verdict", 0, [FORMED, AgentExited("a", 0), DONE], 0,
+        "run done: every host link closed", [0]),
+    Row("a failure without restarts fails the run with its cause", 0,
+        [FORMED, VerdictReached(False, "1 of 2 ranks failed"), AgentExited("a", 1)], 1,
+        "run FAILED: 1 of 2 ranks failed", [0]),
+    Row("a failure with a restart left starts attempt 2, which succeeds", 2,
+        [FORMED, VerdictReached(False, "rank 1 exited with signal 9"), AgentExited("a", 1),
+         FORMED, DONE, AgentExited("a", 0)], 0,
+        "run done: every host link closed (after 1 restart(s): attempt 1: rank 1 exited with signal 9)",
+        [0, 1]),
+    Row("exhausted restarts list every attempt's cause", 1,
+        [FORMED, VerdictReached(False, "rank 0 exited with exit code 3"), AgentExited("a", 1),
+         FORMED, VerdictReached(False, "rank 1 exited with signal 9"), AgentExited("a", 1)], 1,
+        "run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: rank 0 exited with exit "
+        "code 3; attempt 2: rank 1 exited with signal 9", [0, 1]),
+    Row("an interrupt stops the attempt and is never restarted", 5,
+        [FORMED, Interrupted("interrupted"), VerdictReached(False, "interrupted (fdl run)"),
+         AgentExited("a", 1)], 1, "run FAILED: interrupted (fdl run)", [0], stops=["interrupted (fdl run)"]),
+    Row("an ok verdict with a killed agent is a failure (its ranks were never reported)", 0,
+        [FORMED, DONE, AgentExited("a", -9)], 1,
+        "run FAILED: the agent of host 'a' died (signal 9); the controller saw its host link close "
+        "(every host link closed)", [0], shells=LAUNCHERS),
+    Row("a killed agent is restarted like a failed rank", 1,
+        [FORMED, AgentExited("a", -9), TimerExpired("agent-died:a"), VerdictReached(False, "stopped"),
+         FORMED, DONE, AgentExited("a", 0)], 0,
+        "run done: every host link closed (after 1 restart(s): attempt 1: stopped)", [0, 1],
+        stops=["the agent of host 'a' died (signal 9) without reporting its ranks"], shells=LAUNCHERS),
+    Row("an agent that exits before the world formed stops the attempt at once, naming it", 0,
+        [AgentExited("a", 3), VerdictReached(False, "aborted")], 1, "run FAILED: aborted", [0],
+        stops=["the agent of host 'a' exited (exit code 3) before the world formed"], shells=LAUNCHERS),
+    Row("every agent gone without a verdict stops the attempt after a grace", 0,
+        [FORMED, AgentExited("a", 0), TimerExpired("agents-gone"), VerdictReached(False, "aborted")], 1,
+        "run FAILED: aborted", [0], stops=["every agent exited but the run did not conclude"],
+        shells=LAUNCHERS),
+    Row("a lost SSH session stops the attempt at once; a restart re-launches the host", 1,
+        [FORMED, HostLost("a", LOST), VerdictReached(False, f"aborted: {LOST}"),
+         FORMED, DONE, AgentExited("a", 0)],
+        0, f"run done: every host link closed (after 1 restart(s): attempt 1: aborted: {LOST})", [0, 1],
+        stops=[LOST], shells=("fan-out",)),
+    Row("a host that cannot be reached fails its attempt; exhausted, every cause is named", 1,
+        [HostLost("a", "fan-out to host 'a': refused"), VerdictReached(False, "aborted: refused"),
+         HostLost("a", "fan-out to host 'a': refused"), VerdictReached(False, "aborted: refused")], 1,
+        "run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: aborted: refused; attempt 2: "
+        "aborted: refused", [0, 1], stops=["fan-out to host 'a': refused"] * 2, shells=("fan-out",)),
+    Row("a root cause is reported as the verdict comes in and named in the cause", 0,
+        [FORMED, verdict_event(False, "1 of 2 ranks failed", {"summary": "rank 1 on host 'a' (exit code 1)"}),
+         AgentExited("a", 1)], 1,
+        "run FAILED: 1 of 2 ranks failed; root cause: rank 1 on host 'a' (exit code 1)", [0]),
+]  # fmt: skip
+
+
+def serve(row: Row) -> tuple[int, list[int]]:
+    """`flodld serve`'s loop over the row's verdicts (its runs have no agents it starts): the exit code and
+    the attempts, by `next_attempt`.
+    """
+    attempts, stopping = [0], False
+    for event in row.events:
+        stopping = stopping or isinstance(event, Interrupted)
+        if isinstance(event, VerdictReached):
+            following = next_attempt(attempts[-1], row.max_restarts, ok=event.ok, stopping=stopping)
+            if following is None:
+                return (0 if event.ok else 1), attempts
+            attempts.append(following)
+    raise AssertionError(f"{row.story}: the job never ended")
 
 
 @pytest.mark.parametrize(
-    ("story", "max_restarts", "events", "exit_code", "summary", "attempts"),
-    [
-        (
-            "clean run",
-            0,
-            [DONE, AgentExited("a", 0)],
-            0,
-            "run done: every host link closed",
-            [0],
-        ),
-        (
-            "agents exit before the verdict",
-            0,
-            [AgentExited("a", 0), DONE],
-            0,
-            "run done: every host link closed",
-            [0],
-        ),
-        (
-            "a failure without restarts fails the run with its cause",
-            0,
-            [VerdictReached(False, "1 of 2 ranks failed"), AgentExited("a", 1)],
-            1,
-            "run FAILED: 1 of 2 ranks failed",
-            [0],
-        ),
-        (
-            "a failure with a restart left starts attempt 2, which succeeds",
-            2,
-            [
-                VerdictReached(False, "rank 1 exited with signal 9"),
-                AgentExited("a", 1),
-                DONE,
-                AgentExited("a", 0),
-            ],
-            0,
-            "run done: every host link closed (after 1 restart(s): attempt 1: rank 1 exited with signal 9)",
-            [0, 1],
-        ),
-        (
-            "exhausted restarts list every attempt's cause",
-            1,
-            [
-                VerdictReached(False, "rank 0 exited with exit code 3"),
-                AgentExited("a", 1),
-                VerdictReached(False, "rank 1 exited with signal 9"),
-                AgentExited("a", 1),
-            ],
-            1,
-            "run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: rank 0 exited with exit "
-            "code 3; attempt 2: rank 1 exited with signal 9",
-            [0, 1],
-        ),
-        (
-            "an ok verdict with a killed agent is a failure (its ranks were never reported)",
-            0,
-            [DONE, AgentExited("a", -9)],
-            1,
-            "run FAILED: the agent of host 'a' died (signal 9); the controller saw its host link close "
-            "(every host link closed)",
-            [0],
-        ),
-        (
-            "a killed agent is restarted like a failed rank",
-            1,
-            [AgentExited("a", -9), TimerExpired("agent-died:a"), VerdictReached(False, "stopped"),
-             DONE, AgentExited("a", 0)],
-            0,
-            "run done: every host link closed (after 1 restart(s): attempt 1: stopped)",
-            [0, 1],
-        ),
-    ],
-)
-def test_the_run_supervisors_rules(
-    story: str, max_restarts: int, events: list[Event], exit_code: int, summary: str, attempts: list[int]
-) -> None:
-    supervisor = RunSupervisor(["a"], max_restarts=max_restarts)
-    actions = drive(supervisor, events)
+    ("row", "shell"), [(row, shell) for row in ROWS for shell in row.shells],
+    ids=[f"{shell}: {row.story}" for row in ROWS for shell in row.shells],
+)  # fmt: skip
+def test_the_run_rules_one_table_for_local_agents_fan_out_and_serve(row: Row, shell: str) -> None:
+    if shell == "serve":
+        assert serve(row) == (row.exit_code, row.attempts), row.story
+        return
+    supervisor = RunSupervisor(["a"], max_restarts=row.max_restarts)
+    actions = drive(supervisor, row.events)
     done = finish(actions)
-    assert (done.exit_code, done.summary) == (exit_code, summary), story
-    assert starts(actions) == attempts, story
+    assert (done.exit_code, done.summary) == (row.exit_code, row.summary), row.story
+    assert starts(actions) == row.attempts, row.story
+    assert [a.reason for a in actions if isinstance(a, StopAttempt)] == row.stops, row.story
     assert supervisor.state is SupervisorState.FINISHED
+
+
+def test_a_remote_agents_exit_status_reads_as_a_local_ones() -> None:
+    from flodld.fanout.cluster_run import supervisor_code
+
+    assert [supervisor_code(code) for code in (0, 1, 137, 143, 255)] == [0, 1, -9, -15, 255]
 
 
 def test_each_attempt_starts_with_its_restart_count_and_the_bound() -> None:
@@ -148,6 +178,7 @@ def test_each_attempt_starts_with_its_restart_count_and_the_bound() -> None:
 def test_an_agent_that_dies_gets_a_grace_for_the_verdict_then_stops_the_attempt_by_name() -> None:
     supervisor = RunSupervisor(["a", "b"])
     supervisor.start()
+    assert supervisor.handle(FORMED) == []
     assert supervisor.handle(AgentExited("a", -9)) == [ArmTimer("agent-died:a", AGENT_DIED_GRACE_S)]
     assert supervisor.handle(TimerExpired("agent-died:a")) == [
         StopAttempt("the agent of host 'a' died (signal 9) without reporting its ranks")
@@ -158,29 +189,22 @@ def test_an_agent_that_dies_gets_a_grace_for_the_verdict_then_stops_the_attempt_
 def test_a_verdict_within_the_grace_needs_no_stop() -> None:
     supervisor = RunSupervisor(["a", "b"])
     supervisor.start()
+    supervisor.handle(FORMED)
     supervisor.handle(AgentExited("a", 1))
     assert supervisor.handle(VerdictReached(False, "rank 0 failed")) == [CollectAgents(COLLECT_TIMEOUT_S)]
     assert supervisor.handle(TimerExpired("agent-died:a")) == []  # the verdict came first
 
 
-def test_every_agent_gone_without_a_verdict_stops_the_attempt() -> None:
-    supervisor = RunSupervisor(["a"])
-    supervisor.start()
-    assert supervisor.handle(AgentExited("a", 0)) == [ArmTimer("agents-gone", AGENTS_GONE_GRACE_S)]
-    assert supervisor.handle(TimerExpired("agents-gone")) == [
-        StopAttempt("every local agent exited but the run did not conclude")
-    ]
+def test_a_lost_host_counts_as_gone_while_its_attempt_is_concluded() -> None:
+    supervisor = RunSupervisor(["a", "b"])
+    drive(supervisor, [FORMED, VerdictReached(False, "rank 0 failed"), AgentExited("a", 1)])
+    assert supervisor.handle(HostLost("b", LOST)) == [Finish(1, "run FAILED: rank 0 failed")]
 
 
-def test_an_interrupt_stops_the_attempt_and_is_never_restarted() -> None:
-    supervisor = RunSupervisor(["a"], max_restarts=5)
-    actions = drive(
-        supervisor,
-        [Interrupted("interrupted"), VerdictReached(False, "interrupted (fdl run)"), AgentExited("a", 1)],
-    )
-    assert StopAttempt("interrupted (fdl run)") in actions
-    assert starts(actions) == [0]
-    assert finish(actions).summary == "run FAILED: interrupted (fdl run)"
+def test_a_second_loss_while_stopping_stops_nothing_more() -> None:
+    supervisor = RunSupervisor(["a", "b"])
+    actions = drive(supervisor, [FORMED, HostLost("a", LOST), HostLost("b", "SSH session to host 'b' lost")])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [StopAttempt(LOST)]
 
 
 def test_an_interrupt_while_agents_are_collected_still_forbids_a_restart() -> None:
@@ -221,11 +245,13 @@ def test_serve_restarts_a_failed_attempt_while_restarts_remain(
     assert next_attempt(restart_count, max_restarts, ok=ok, stopping=stopping) == expected
 
 
-def test_fdl_runs_shell_has_a_handler_for_every_action_the_supervisor_can_decide() -> None:
+def test_every_shell_has_a_handler_for_every_action_the_supervisor_can_decide() -> None:
     from typing import get_args
 
     from fdl.run import RUN_ACTIONS
 
+    from flodld.fanout.cluster_run import FANOUT_ACTIONS
     from flodld.membership.supervisor import Action
 
     assert set(RUN_ACTIONS) == {kind.__name__ for kind in get_args(Action)}
+    assert set(FANOUT_ACTIONS) == set(get_args(Action))

@@ -1,0 +1,106 @@
+"""Restarts of a fan-out run (`fdl @cluster run --max-restarts N` with remote roster workers), over SSH.
+
+The "remote" host is this machine behind an in-process asyncssh server (as in test_launcher.py), so the
+agents, relays and ranks are real processes: a failed attempt is torn down over its SSH session and the
+next one is launched afresh. tests/hosts/test_multi_host.py does the same across network namespaces with
+real sshd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from flodld.fanout.cluster_run import run_cluster_job
+from tests.flodld.fanout.sshserver import start_local_ssh_server
+from tests.flodld.fanout.test_launcher import _cluster, _wait_no_process
+from tests.hosts.netns import processes_mentioning
+
+pytestmark = [pytest.mark.multiproc]
+
+# argv[1]: fail-first (rank 1 exits 3 in attempt 1), fail-always (in every attempt), hang-first (attempt 1's
+# ranks wait to be killed with their agent). Each rank prints its attempt, as torchrun's variable says.
+PROGRAM = """\
+import os, sys, time
+import flodld
+
+
+def main():
+    mode, count, rank = sys.argv[1], int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    print(f"rank {rank} attempt {count} of max {os.environ['TORCHELASTIC_MAX_RESTARTS']} up", flush=True)
+    if rank == 1 and (mode == "fail-always" or (mode == "fail-first" and count == 0)):
+        return 3
+    if mode == "hang-first" and count == 0:
+        time.sleep(600)
+    return 0
+
+
+sys.exit(flodld.run(main, init_process_group=False))
+"""
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+async def _run(tmp_path: Path, mode: str, max_restarts: int) -> tuple[int, list[str], list[str]]:
+    server = await start_local_ssh_server(tmp_path)
+    program = tmp_path / f"restarts_{mode}.py"  # a unique path to find leftovers by
+    program.write_text(PROGRAM)
+    said: list[str] = []
+    lines: list[str] = []
+    try:
+        run = run_cluster_job(
+            str(program), [mode], _cluster(server), max_restarts=max_restarts, say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
+        )  # fmt: skip
+        job = asyncio.ensure_future(run)
+        if mode == "hang-first":  # kill attempt 1's agent (the ranks' parent) once both ranks are up
+            end = time.monotonic() + 120
+            while sum("attempt 0 of max" in line for line in lines) < 2 and time.monotonic() < end:
+                await asyncio.sleep(0.1)
+            ranks = processes_mentioning(str(program))
+            agents = {_parent(pid) for pid in ranks}
+            assert len(agents) == 1, (ranks, agents)
+            os.kill(agents.pop(), signal.SIGKILL)
+        code = await asyncio.wait_for(job, 150)
+    finally:
+        server.close()
+    await _wait_no_process(str(program))
+    return code, said, lines
+
+
+@pytest.mark.timeout(240)
+async def test_a_failed_attempt_is_relaunched_over_ssh_and_the_next_attempt_finishes(tmp_path: Path) -> None:
+    code, said, lines = await _run(tmp_path, "fail-first", max_restarts=1)
+    assert code == 0, "\n".join(said + lines)
+    assert "restarting: attempt 2 of at most 2 (restart 1)" in said
+    assert sum("attempt 1 of max 1 up" in line for line in lines) == 2  # both ranks, in a fresh world
+    done = said[-1]
+    assert done.startswith("run done: ") and "(after 1 restart(s): attempt 1: 1 of 2 ranks failed" in done
+    bound = [line for line in said if line.startswith("controller bound to ")]
+    assert len(bound) == 2 and bound[0].split(" (run ")[0] == bound[1].split(" (run ")[0]  # same port
+    assert bound[0].split(" (run ")[1] != bound[1].split(" (run ")[1]  # a new run id
+
+
+@pytest.mark.timeout(240)
+async def test_exhausted_restarts_fail_the_run_naming_every_attempts_cause(tmp_path: Path) -> None:
+    code, said, lines = await _run(tmp_path, "fail-always", max_restarts=1)
+    assert code == 1, "\n".join(said + lines)
+    summary = said[-1]
+    assert summary.startswith("run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: "), said
+    assert summary.count("1 of 2 ranks failed") == 2 and "attempt 2: " in summary, summary
+    assert sum("Root cause (first observed failure):" in line for line in said) == 2  # as each verdict came
+
+
+@pytest.mark.timeout(240)
+async def test_a_killed_remote_agent_is_relaunched_and_its_ranks_do_not_outlive_it(tmp_path: Path) -> None:
+    code, said, lines = await _run(tmp_path, "hang-first", max_restarts=1)
+    assert code == 0, "\n".join(said + lines)
+    assert "restarting: attempt 2 of at most 2 (restart 1)" in said
+    assert sum("attempt 1 of max 1 up" in line for line in lines) == 2
