@@ -49,8 +49,9 @@ def main() -> int:
     import torch.distributed as dist
 
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, args.ranks, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, args.ranks, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
     ranks = []
     for rank in range(args.ranks):
         env = {

@@ -58,9 +58,9 @@ def _options(tolerance: int = 1) -> Any:  # noqa: ANN401  ControllerOptions
 
 async def _start(run: Run, **env: str) -> tuple[AgentProcess, AgentProcess]:
     stall = {"ELASTIC_ROUNDS": str(ROUNDS), "ELASTIC_STALL_ROUND": str(STALL_ROUND), **env}
-    a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)
+    a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)  # type: ignore[arg-type]  # env names only
     await _admitted(run, 2)  # ranks follow admission order: a's are 0 and 1
-    b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **stall)
+    b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **stall)  # type: ignore[arg-type]  # env names only
     return a, b
 
 
@@ -218,7 +218,7 @@ async def test_a_partitioned_host_is_folded_out_by_its_silence(far_namespace: tu
             "ELASTIC_STALL_ROUND": str(STALL_ROUND),
             "ELASTIC_STALL_RANK": "2",
         }
-        a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)
+        a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **stall)  # type: ignore[arg-type]  # env names only
         await _admitted(run, 2)
         b = await run.spawn_agent(
             "b",

@@ -47,7 +47,7 @@ def test_only_the_receiver_opens_its_point_and_any_change_of_binding_is_refused(
     opened = open_point(identities[1], record, keys, dealer=0, receiver=1, **common)  # type: ignore[arg-type]
     assert torch.equal(opened, points[1].cpu())
     assert points[1].contiguous().numpy().tobytes()[:64] not in record
-    refusals = {
+    refusals: dict[str, tuple[DealingIdentity, dict[str, object]]] = {
         "another rank": (identities[2], {"receiver": 1}),
         "a key the transport made": (DealingIdentity.generate(), {}),
         "another session": (identities[1], {"session": "other"}),

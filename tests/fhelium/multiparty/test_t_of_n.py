@@ -32,8 +32,9 @@ def run_world(
     world: int, scenario: str, threshold: int, timeout_s: float = 6.0, env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     processes = []
     for rank in range(world):
         environment = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),

@@ -159,7 +159,7 @@ def main() -> int:
     scenario, threshold, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timedelta(seconds=60)
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
