@@ -125,6 +125,27 @@ def test_extreme_residues_and_small_rings(level: str) -> None:
 
 
 @pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("log_n", [4, 5, 12, 14])
+def test_every_prime_size_with_extreme_inputs(level: str, log_n: int) -> None:
+    """The AVX2 level leaves sums unreduced for as many stages as each prime's bounds allow (every
+    stage's sums reduced at 50 bits, every few at 45-49, none at 40): one row of each size, with
+    inputs that push the lazy values hardest (all q - 1, alternating q - 1 and 0, q - 1 and 1).
+    """
+    n = 1 << log_n
+    moduli = [ntt_primes(bits, n, 1)[0] for bits in (50, 49, 48, 47, 46, 45, 44, 40, 35, 30, 20)]
+    (q, tables), reference = _native_and_reference(n, moduli)
+    ids = tuple(range(len(moduli)))
+    column = q.view(-1, 1)
+    top = (column - 1).expand(len(moduli), n)
+    index = torch.arange(n)
+    for x in (top.clone(), torch.where(index % 2 == 0, top, 0), torch.where(index < n // 2, top, 1)):
+        expected = reference.forward(x, ids)
+        assert torch.equal(native.ntt_forward(x, q, tables, level), expected)
+        assert torch.equal(native.ntt_inverse(expected, q, tables, level), x)
+        assert torch.equal(native.ntt_inverse(x, q, tables, level), reference.inverse(x, ids))
+
+
+@pytest.mark.parametrize("level", _levels())
 def test_entry_t_is_the_evaluation_at_an_odd_power_of_psi(level: str) -> None:
     n = 16
     prime = ntt_primes(50, n, 1)[0]
