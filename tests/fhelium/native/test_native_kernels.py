@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fhelium import native
+from fhelium.native import build as native_build
 from fhelium.engine.modular import mul_mod
 from fhelium.engine.ntt import NegacyclicNtt
 from fhelium.engine.primes import ntt_primes, primitive_root_of_unity
@@ -256,7 +257,7 @@ def test_the_cache_key_covers_the_included_sources(tmp_path: Path, monkeypatch: 
     assert before.parent == native.cache_root() and all(path.exists() for path in native.INCLUDES)
     edited = tmp_path / native.INCLUDES[0].name
     edited.write_bytes(native.INCLUDES[0].read_bytes() + b"// edited\n")
-    monkeypatch.setattr(native, "INCLUDES", (edited,))
+    monkeypatch.setattr(native_build, "INCLUDES", (edited,))  # where build_directory() reads it
     assert native.build_directory() != before and native.build_directory().parent == before.parent
 
 
