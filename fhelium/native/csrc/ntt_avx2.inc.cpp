@@ -167,6 +167,75 @@ FHELIUM_VECTOR inline void stage_planned(double* a, const RowTables& t, int64_t 
 
 inline int stage_index(int64_t m) { return __builtin_ctzll(static_cast<unsigned long long>(m)); }
 
+template <bool Forward>
+FHELIUM_VECTOR inline void butterfly_planned(__m256d& x, __m256d& y, __m256d w, __m256d wq, const Constants& c,
+                                             bool reduce) {
+  if (reduce) butterfly<Forward, true>(x, y, w, wq, c);
+  else butterfly<Forward, false>(x, y, w, wq, c);
+}
+
+// The three stages at distances 4, 2 and 1 in one pass over 16 residues at a time, in registers
+// (the forward's last three, the inverse's first three, in the same order as stage by stage: the same
+// bits). v0..v3 = a[b..b+16); at distance 2 the lanes hold [x x | x x] of groups g, g+1 against their
+// [y y | y y]; at distance 1, after one more unpack, [x0 x1 x2 x3] of four consecutive groups, so that
+// stage's twiddles load in order.
+template <bool Forward>
+FHELIUM_VECTOR inline void last_three_stages(double* a, const RowTables& t, int64_t n, int64_t begin, int64_t end,
+                                             const Constants& c, const Plan& plan, int logn) {
+  const u64* twiddles = Forward ? t.forward : t.inverse;
+  const int64_t m4 = n >> 3, m2 = n >> 2, m1 = n >> 1;
+  const bool reduce4 = plan.reduce[logn - 3], reduce2 = plan.reduce[logn - 2], reduce1 = plan.reduce[logn - 1];
+  const double q_inverse = 1.0 / static_cast<double>(t.q);
+  for (int64_t b = begin; b < end; b += 16) {
+    __m256d v0 = _mm256_loadu_pd(a + b), v1 = _mm256_loadu_pd(a + b + 4);
+    __m256d v2 = _mm256_loadu_pd(a + b + 8), v3 = _mm256_loadu_pd(a + b + 12);
+    const __m256d w1 = to_double(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(twiddles + m1 + b / 2)));
+    const __m256d w1b = to_double(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(twiddles + m1 + b / 2 + 4)));
+    const __m256d four = to_double(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(twiddles + m2 + b / 4)));
+    const __m256d w2 = _mm256_permute4x64_pd(four, 0x50), w2b = _mm256_permute4x64_pd(four, 0xfa);  // [w0 w0 w1 w1], [w2 w2 w3 w3]
+    const double w4_scalar = static_cast<double>(twiddles[m4 + b / 8]);
+    const double w4b_scalar = static_cast<double>(twiddles[m4 + b / 8 + 1]);
+    const __m256d w4 = _mm256_set1_pd(w4_scalar), w4q = _mm256_set1_pd(w4_scalar * q_inverse);
+    const __m256d w4b = _mm256_set1_pd(w4b_scalar), w4bq = _mm256_set1_pd(w4b_scalar * q_inverse);
+    if constexpr (Forward) {
+      butterfly_planned<true>(v0, v1, w4, w4q, c, reduce4);
+      butterfly_planned<true>(v2, v3, w4b, w4bq, c, reduce4);
+    }
+    // distance 2: X = [e0 e1 e4 e5], Y = [e2 e3 e6 e7] of each half
+    __m256d x0 = _mm256_permute2f128_pd(v0, v1, 0x20), y0 = _mm256_permute2f128_pd(v0, v1, 0x31);
+    __m256d x1 = _mm256_permute2f128_pd(v2, v3, 0x20), y1 = _mm256_permute2f128_pd(v2, v3, 0x31);
+    if constexpr (Forward) {
+      butterfly_planned<true>(x0, y0, w2, _mm256_mul_pd(w2, c.q_inverse), c, reduce2);
+      butterfly_planned<true>(x1, y1, w2b, _mm256_mul_pd(w2b, c.q_inverse), c, reduce2);
+    }
+    // distance 1: x = [e0 e2 e4 e6], y = [e1 e3 e5 e7]
+    __m256d p0 = _mm256_unpacklo_pd(x0, y0), q0 = _mm256_unpackhi_pd(x0, y0);
+    __m256d p1 = _mm256_unpacklo_pd(x1, y1), q1 = _mm256_unpackhi_pd(x1, y1);
+    butterfly_planned<Forward>(p0, q0, w1, _mm256_mul_pd(w1, c.q_inverse), c, reduce1);
+    butterfly_planned<Forward>(p1, q1, w1b, _mm256_mul_pd(w1b, c.q_inverse), c, reduce1);
+    x0 = _mm256_unpacklo_pd(p0, q0);
+    y0 = _mm256_unpackhi_pd(p0, q0);
+    x1 = _mm256_unpacklo_pd(p1, q1);
+    y1 = _mm256_unpackhi_pd(p1, q1);
+    if constexpr (!Forward) {
+      butterfly_planned<false>(x0, y0, w2, _mm256_mul_pd(w2, c.q_inverse), c, reduce2);
+      butterfly_planned<false>(x1, y1, w2b, _mm256_mul_pd(w2b, c.q_inverse), c, reduce2);
+    }
+    v0 = _mm256_permute2f128_pd(x0, y0, 0x20);
+    v1 = _mm256_permute2f128_pd(x0, y0, 0x31);
+    v2 = _mm256_permute2f128_pd(x1, y1, 0x20);
+    v3 = _mm256_permute2f128_pd(x1, y1, 0x31);
+    if constexpr (!Forward) {
+      butterfly_planned<false>(v0, v1, w4, w4q, c, reduce4);
+      butterfly_planned<false>(v2, v3, w4b, w4bq, c, reduce4);
+    }
+    _mm256_storeu_pd(a + b, v0);
+    _mm256_storeu_pd(a + b + 4, v1);
+    _mm256_storeu_pd(a + b + 8, v2);
+    _mm256_storeu_pd(a + b + 12, v3);
+  }
+}
+
 // [v0 v1 v2 v3] (rows) -> its transpose
 FHELIUM_VECTOR inline void transpose(__m256d& v0, __m256d& v1, __m256d& v2, __m256d& v3) {
   const __m256d t0 = _mm256_unpacklo_pd(v0, v1), t1 = _mm256_unpackhi_pd(v0, v1);
@@ -225,9 +294,10 @@ FHELIUM_VECTOR void forward(u64* a_integers, u64* out, const RowTables& t, int l
   int64_t m = 2, half = n >> 2;
   for (; 2 * half > block; m <<= 1, half >>= 1) stage_planned<true>(a, t, m, half, 0, n, c, plan.reduce[stage_index(m)]);
   for (int64_t begin = 0; begin < n; begin += block) {
-    for (int64_t mm = m, hh = half; mm < n; mm <<= 1, hh >>= 1) {
+    for (int64_t mm = m, hh = half; hh >= 8; mm <<= 1, hh >>= 1) {
       stage_planned<true>(a, t, mm, hh, begin, begin + block, c, plan.reduce[stage_index(mm)]);
     }
+    last_three_stages<true>(a, t, n, begin, begin + block, c, plan, logn);
   }
   bit_reverse_out(a, out, logn, c);
 }
@@ -242,7 +312,8 @@ FHELIUM_VECTOR void inverse(const u64* in, u64* a_integers, u64* out, const RowT
   bit_reverse_in(in, a, logn);
   const int64_t block = n < kIfmaBlock ? n : kIfmaBlock;
   for (int64_t begin = 0; begin < n; begin += block) {
-    for (int64_t mm = n >> 1, hh = 1; mm > 1 && 2 * hh <= block; mm >>= 1, hh <<= 1) {
+    last_three_stages<false>(a, t, n, begin, begin + block, c, plan, logn);
+    for (int64_t mm = n >> 4, hh = 8; mm > 1 && 2 * hh <= block; mm >>= 1, hh <<= 1) {
       stage_planned<false>(a, t, mm, hh, begin, begin + block, c, plan.reduce[stage_index(mm)]);
     }
   }
