@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from fhelium import native
-from fhelium.native import build as native_build
 from fhelium.engine.modular import mul_mod
 from fhelium.engine.ntt import NegacyclicNtt
 from fhelium.engine.primes import ntt_primes, primitive_root_of_unity
+from fhelium.native import build as native_build
 
 ROOT = Path(__file__).resolve().parents[3]
 
