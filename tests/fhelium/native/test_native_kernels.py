@@ -19,6 +19,7 @@ from fhelium import native
 from fhelium.engine.modular import mul_mod
 from fhelium.engine.ntt import NegacyclicNtt
 from fhelium.engine.primes import ntt_primes, primitive_root_of_unity
+from fhelium.native import build as native_build
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -122,6 +123,27 @@ def test_extreme_residues_and_small_rings(level: str) -> None:
             expected = reference.forward(x, (0, 1, 2))
             assert torch.equal(native.ntt_forward(x, q, tables, level), expected)
             assert torch.equal(native.ntt_inverse(expected, q, tables, level), x)
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("log_n", [4, 5, 12, 14])
+def test_every_prime_size_with_extreme_inputs(level: str, log_n: int) -> None:
+    """The AVX2 level leaves sums unreduced for as many stages as each prime's bounds allow (every
+    stage's sums reduced at 50 bits, every few at 45-49, none at 40): one row of each size, with
+    inputs that push the lazy values hardest (all q - 1, alternating q - 1 and 0, q - 1 and 1).
+    """
+    n = 1 << log_n
+    moduli = [ntt_primes(bits, n, 1)[0] for bits in (50, 49, 48, 47, 46, 45, 44, 40, 35, 30, 20)]
+    (q, tables), reference = _native_and_reference(n, moduli)
+    ids = tuple(range(len(moduli)))
+    column = q.view(-1, 1)
+    top = (column - 1).expand(len(moduli), n)
+    index = torch.arange(n)
+    for x in (top.clone(), torch.where(index % 2 == 0, top, 0), torch.where(index < n // 2, top, 1)):
+        expected = reference.forward(x, ids)
+        assert torch.equal(native.ntt_forward(x, q, tables, level), expected)
+        assert torch.equal(native.ntt_inverse(expected, q, tables, level), x)
+        assert torch.equal(native.ntt_inverse(x, q, tables, level), reference.inverse(x, ids))
 
 
 @pytest.mark.parametrize("level", _levels())
@@ -235,7 +257,7 @@ def test_the_cache_key_covers_the_included_sources(tmp_path: Path, monkeypatch: 
     assert before.parent == native.cache_root() and all(path.exists() for path in native.INCLUDES)
     edited = tmp_path / native.INCLUDES[0].name
     edited.write_bytes(native.INCLUDES[0].read_bytes() + b"// edited\n")
-    monkeypatch.setattr(native, "INCLUDES", (edited,))
+    monkeypatch.setattr(native_build, "INCLUDES", (edited,))  # where build_directory() reads it
     assert native.build_directory() != before and native.build_directory().parent == before.parent
 
 
