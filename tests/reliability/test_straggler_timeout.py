@@ -1,0 +1,106 @@
+"""`straggler_timeout` under `cpu_cadence`: a rank that is late (asleep, heartbeating) is skipped for the
+rounds that close without it, and is in the rounds after (docs/elastic-averaging.md). Real agents, relays
+and ranks against an in-process controller, as in test_elastic_averaging.
+
+Host `a` has ranks 0 and 1, host `b` rank 2. Rank 1 sleeps LATE_SECS before depositing round LATE_ROUND.
+Rank k's bundle in round r is `arange(4) + 1000 * 4**k + r` (elastic_program's ELASTIC_SCALE=4), so each
+result tells which ranks and which round it holds: the test finds, for every line of every rank, the one
+set of members whose mean (recomputed here) it equals bit for bit, in that line's own round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+import torch
+
+from flodld.config.join import JoinConfig
+from flodld.membership.phase import Phase
+
+from .test_elastic_averaging import FORMATION_BOUND_SECS, _rounds, _start
+from .workers import fault_options, fault_run
+
+pytestmark = pytest.mark.multiproc
+
+ROUNDS = 14
+LATE_ROUND = 3
+LATE_SECS = 6.0
+TIMEOUT_SECS = 1.5
+RUN_BOUND_SECS = 90.0
+
+
+@pytest.fixture(autouse=True)
+def _scaled_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.2")
+
+
+def _mean(members: tuple[int, ...], number: int) -> torch.Tensor:
+    deposits = [torch.arange(4, dtype=torch.float64) + 1000 * 4**m + number for m in members]
+    total = deposits[0]
+    for deposit in deposits[1:]:
+        total = total + deposit
+    return total / len(members)
+
+
+def _members_of(mean: list[float], number: int) -> tuple[int, ...]:
+    """The one set of ranks whose round-`number` mean is `mean`, bit for bit (AssertionError if none)."""
+    got = torch.tensor(mean, dtype=torch.float64)
+    for size in (1, 2, 3):
+        for members in itertools.combinations(range(3), size):
+            if torch.equal(got, _mean(members, number)):
+                return members
+    raise AssertionError(f"round {number}'s result {mean} is no mean over any ranks of that round")
+
+
+async def test_a_late_rank_is_skipped_for_the_rounds_that_close_without_it_and_is_in_later_ones() -> None:
+    base = fault_options()
+    options = fault_options(
+        capacity=3,
+        averaging="cpu_cadence",
+        cadence=1,
+        straggler_timeout=TIMEOUT_SECS,
+        join=JoinConfig(join_timeout=60, target_ranks=3, min_rank_start=3),
+        env=dict(base.env),
+    )
+    async with fault_run(options) as run:
+        late = {
+            "ELASTIC_LATE_RANK": "1",
+            "ELASTIC_LATE_ROUND": str(LATE_ROUND),
+            "ELASTIC_LATE_SECS": str(LATE_SECS),
+            "ELASTIC_SCALE": "4",
+            "ELASTIC_MODE": "cpu_cadence",
+            "ELASTIC_CADENCE": "1",
+            "ELASTIC_ROUNDS": str(ROUNDS),
+        }
+        started = time.monotonic()
+        a, b = await _start(run, **late)
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS + FORMATION_BOUND_SECS)
+        print(f"straggler run took {time.monotonic() - started:.1f}s")
+        assert result.verdict is Phase.DONE, (result, a.output[-3000:], b.output[-3000:])
+        assert "degraded" not in result.reason, result.reason  # late is not lost
+        rounds = _rounds(a, b)
+        assert sorted(rounds) == [0, 1, 2]
+        members: dict[int, tuple[int, ...]] = {}
+        for number in range(ROUNDS):
+            lines = [rounds[rank][number] for rank in range(3)]
+            # Every rank's call for this round got this round's result (never another round's tensors),
+            # the same bytes on every rank, the late one included.
+            assert {line["sha256"] for line in lines} == {lines[0]["sha256"]}, (number, lines)
+            members[number] = _members_of(lines[0]["mean"], number)
+        assert all(members[number] == (0, 1, 2) for number in range(LATE_ROUND)), members
+        # The round rank 1 slept through closed over ranks 0 and 2, with their mean.
+        assert members[LATE_ROUND] == (0, 2), members
+        # Ranks 0 and 2 were never skipped; rank 1 was skipped while it slept and is back in later rounds.
+        assert all(0 in held and 2 in held for held in members.values()), members
+        assert any(1 in members[number] for number in range(LATE_ROUND + 1, ROUNDS)), members
+        skipped = [number for number, held in members.items() if 1 not in held]
+        state = run.state()
+        counts = {row["rank"]: row.get("skipped", 0) for row in state.get("stragglers", [])}
+        assert counts.get(1) == len(skipped), (counts, skipped)
+        assert counts.get(0, 0) == counts.get(2, 0) == 0, counts
+        assert not state.get("losses"), state.get("losses")
+        print(f"rounds closed without rank 1: {skipped}")
+        await run.until_no_processes(10)
