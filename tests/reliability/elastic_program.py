@@ -42,8 +42,9 @@ def main() -> int:
     rounds = int(os.environ.get("ELASTIC_ROUNDS", "10"))
     stall = (int(os.environ.get("ELASTIC_STALL_RANK", "-1")), int(os.environ.get("ELASTIC_STALL_ROUND", "3")))
     late = (int(os.environ.get("ELASTIC_LATE_RANK", "-1")), int(os.environ.get("ELASTIC_LATE_ROUND", "3")))
-    # ELASTIC_SCALE 4: rank k's bundle is offset by 1000 * 4**k, so every set of members has its own mean.
-    scale = int(os.environ.get("ELASTIC_SCALE", "1"))
+    # ELASTIC_SCALE 4: rank k's bundle is offset by 1000 * 4**k, so every set of members has its own mean
+    # (unset: 1000 * k).
+    scale = int(os.environ.get("ELASTIC_SCALE", "0"))
     mode = os.environ.get("ELASTIC_MODE")
     averager = Averager(mode, cadence=int(os.environ.get("ELASTIC_CADENCE", "1"))) if mode else None
     cadence = averager.cadence if averager is not None and mode == "cpu_cadence" else 1
@@ -57,7 +58,8 @@ def main() -> int:
         if (rank, number) == late:  # alive and heartbeating, but late for this round (straggler_timeout)
             print(f"elastic-rank {rank} sleeps before round {number}", flush=True)
             time.sleep(float(os.environ.get("ELASTIC_LATE_SECS", "5")))
-        bundle = torch.arange(4, dtype=torch.float64) + 1000 * scale**rank + number
+        offset = 1000 * scale**rank if scale > 1 else 1000 * rank
+        bundle = torch.arange(4, dtype=torch.float64) + offset + number
         if averager is None:
             (mean,) = all_average([bundle])
         else:  # the local steps between averaging calls, then the call that averages

@@ -42,7 +42,8 @@ def _mean(members: tuple[int, ...], number: int) -> torch.Tensor:
     total = deposits[0]
     for deposit in deposits[1:]:
         total = total + deposit
-    return total / len(members)
+    mean: torch.Tensor = total / len(members)
+    return mean
 
 
 def _members_of(mean: list[float], number: int) -> tuple[int, ...]:
