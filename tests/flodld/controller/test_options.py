@@ -136,3 +136,19 @@ def test_the_tolerance_is_a_count_or_a_share_of_the_world(
 def test_a_tolerance_that_is_neither_a_count_nor_a_percentage_is_refused(written: int | str) -> None:
     with pytest.raises(ValueError, match="tolerance"):
         ClusterBuilder().controller("10.0.0.1", tolerance=written).worker("localhost", ["cpu"]).build()
+
+
+def test_a_straggler_timeout_is_for_cadence_and_async_rounds_and_reaches_the_options() -> None:
+    cluster = (
+        ClusterBuilder()
+        .controller("10.0.0.1", averaging="cpu_cadence", straggler_timeout=2.5)
+        .worker("localhost", ["cpu"])
+        .build()
+    )
+    assert ControllerOptions.from_cluster(cluster).straggler_timeout == 2.5
+    with pytest.raises(ValueError, match="applies to cpu_cadence and cpu_async, not cpu_sync"):
+        ClusterBuilder().controller("10.0.0.1", straggler_timeout=2.5).worker("localhost", ["cpu"]).build()
+    with pytest.raises(ValueError, match="straggler_timeout"):
+        ControllerOptions.model_validate({"averaging": "cpu_sync", "straggler_timeout": 1.0})
+    asynchronous = ControllerOptions.model_validate({"averaging": "cpu_async", "straggler_timeout": 1.0})
+    assert asynchronous.straggler_timeout == 1.0
