@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import re
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ import torch
 from flodld.config.join import JoinConfig
 from flodld.membership.phase import Phase
 
-from .test_elastic_averaging import FORMATION_BOUND_SECS, _rounds, _start
+from .test_elastic_averaging import FORMATION_BOUND_SECS, PROGRAM, _rounds, _start
 from .workers import fault_options, fault_run
 
 pytestmark = pytest.mark.multiproc
@@ -56,28 +59,37 @@ def _members_of(mean: list[float], number: int) -> tuple[int, ...]:
     raise AssertionError(f"round {number}'s result {mean} is no mean over any ranks of that round")
 
 
-async def test_a_late_rank_is_skipped_for_the_rounds_that_close_without_it_and_is_in_later_ones() -> None:
-    base = fault_options()
-    options = fault_options(
-        capacity=3,
-        averaging="cpu_cadence",
+def _options(mode: str, ranks: int) -> Any:  # noqa: ANN401  ControllerOptions
+    return fault_options(
+        capacity=ranks,
+        averaging=mode,
         cadence=1,
         straggler_timeout=TIMEOUT_SECS,
-        join=JoinConfig(join_timeout=60, target_ranks=3, min_rank_start=3),
-        env=dict(base.env),
+        join=JoinConfig(join_timeout=60, target_ranks=ranks, min_rank_start=ranks),
+        env=dict(fault_options().env),
     )
-    async with fault_run(options) as run:
-        late = {
-            "ELASTIC_LATE_RANK": "1",
-            "ELASTIC_LATE_ROUND": str(LATE_ROUND),
-            "ELASTIC_LATE_SECS": str(LATE_SECS),
-            "ELASTIC_SCALE": "4",
-            "ELASTIC_MODE": "cpu_cadence",
-            "ELASTIC_CADENCE": "1",
-            "ELASTIC_ROUNDS": str(ROUNDS),
-        }
+
+
+def _late(mode: str) -> dict[str, str]:
+    return {
+        "ELASTIC_LATE_RANK": "1",
+        "ELASTIC_LATE_ROUND": str(LATE_ROUND),
+        "ELASTIC_LATE_SECS": str(LATE_SECS),
+        "ELASTIC_SCALE": "4",
+        "ELASTIC_MODE": mode,
+        "ELASTIC_CADENCE": "1",
+        "ELASTIC_ROUNDS": str(ROUNDS),
+    }
+
+
+def _skipped(state: dict[str, Any]) -> dict[int, int]:
+    return {row["rank"]: row.get("skipped", 0) for row in state.get("stragglers", [])}
+
+
+async def test_a_late_rank_is_skipped_for_the_rounds_that_close_without_it_and_is_in_later_ones() -> None:
+    async with fault_run(_options("cpu_cadence", 3)) as run:
         started = time.monotonic()
-        a, b = await _start(run, **late)
+        a, b = await _start(run, **_late("cpu_cadence"))
         result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS + FORMATION_BOUND_SECS)
         print(f"straggler run took {time.monotonic() - started:.1f}s")
         assert result.verdict is Phase.DONE, (result, a.output[-3000:], b.output[-3000:])
@@ -99,9 +111,43 @@ async def test_a_late_rank_is_skipped_for_the_rounds_that_close_without_it_and_i
         assert any(1 in members[number] for number in range(LATE_ROUND + 1, ROUNDS)), members
         skipped = [number for number, held in members.items() if 1 not in held]
         state = run.state()
-        counts = {row["rank"]: row.get("skipped", 0) for row in state.get("stragglers", [])}
+        counts = _skipped(state)
         assert counts.get(1) == len(skipped), (counts, skipped)
         assert counts.get(0, 0) == counts.get(2, 0) == 0, counts
         assert not state.get("losses"), state.get("losses")
         print(f"rounds closed without rank 1: {skipped}")
+        await run.until_no_processes(10)
+
+
+async def test_a_world_of_one_host_skips_its_late_rank_at_the_relay() -> None:
+    """The relay's fold is the world's (sole host): its own timer closes the round over rank 0 alone."""
+    async with fault_run(_options("cpu_cadence", 2)) as run:
+        a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **_late("cpu_cadence"))  # type: ignore[arg-type]  # env names only
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS + FORMATION_BOUND_SECS)
+        assert result.verdict is Phase.DONE and "degraded" not in result.reason, (result, a.output[-3000:])
+        rounds = _rounds(a)
+        members = {}
+        for number in range(ROUNDS):
+            lines = [rounds[rank][number] for rank in range(2)]
+            assert {line["sha256"] for line in lines} == {lines[0]["sha256"]}, (number, lines)
+            members[number] = _members_of(lines[0]["mean"], number)
+        assert members[LATE_ROUND] == (0,), members
+        assert all(0 in held for held in members.values()), members
+        assert any(members[number] == (0, 1) for number in range(LATE_ROUND + 1, ROUNDS)), members
+        assert "closes without rank(s) [1]" in a.output
+        await run.until_no_processes(10)
+
+
+async def test_cpu_async_rounds_close_without_a_late_rank_and_every_rank_finishes() -> None:
+    """cpu_async: a call returns an elastic update, not the mean, so the rounds are checked through the
+    controller's skipped counts; every rank applies its last round (`finish`) and the run is not degraded.
+    """
+    async with fault_run(_options("cpu_async", 3)) as run:
+        a, b = await _start(run, **_late("cpu_async"))
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS + FORMATION_BOUND_SECS)
+        assert result.verdict is Phase.DONE and "degraded" not in result.reason, (result, a.output[-3000:])
+        finals = re.findall(r"elastic-final (\{.*\})$", a.output + b.output, re.MULTILINE)
+        assert sorted(json.loads(final)["rank"] for final in finals) == [0, 1, 2]
+        counts = _skipped(run.state())
+        assert counts.get(1, 0) >= 1 and counts.get(0, 0) == counts.get(2, 0) == 0, counts
         await run.until_no_processes(10)
