@@ -151,6 +151,7 @@ class Relay:
         self._stragglers = StragglerClock(spec.straggler_timeout)
         self._straggler_timer: asyncio.TimerHandle | None = None
         self._straggler_tasks: set[asyncio.Task[None]] = set()
+        self._late_logged = 0  # late chunks dropped, as last logged
         self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.gone: set[int] = set()
         self.upstream: dict[Channel, FramedStream] = {}
@@ -421,7 +422,7 @@ class Relay:
             results = barrier.contribute_message(leg.rank, message, frame.tail_view, release)
         except Exception as error:
             return await self._refuse_deposit(leg, error)
-        self._watch_stragglers(barrier, before)
+        self._watch_stragglers(barrier, before, leg.rank)
         await self._outbox.send(results, self._ship)
         return False
 
@@ -490,14 +491,21 @@ class Relay:
             return await self._refuse_deposit(leg, error)
         if message.round >= before:  # a late chunk's round was delivered framed already
             self._shm_round[leg.rank] = message.round
-        self._watch_stragglers(barrier, before)
+        self._watch_stragglers(barrier, before, leg.rank)
         await self._outbox.send(results, self._ship)
         return False
 
     # --- stragglers (flodld.fold.straggler) ---------------------------------------------------
 
-    def _watch_stragglers(self, barrier: RoundBarrier[int], before: int) -> None:
-        """After a chunk was taken: the round still open at `before` starts its straggler clock."""
+    def _watch_stragglers(self, barrier: RoundBarrier[int], before: int, rank: int) -> None:
+        """After `rank`'s chunk was taken: the round still open at `before` starts its straggler clock."""
+        if barrier.late_chunks != self._late_logged:
+            self._late_logged = barrier.late_chunks
+            log.info(
+                "relay: dropped rank %d's late deposit chunk (its round closed without it; %d so far)",
+                rank,
+                barrier.late_chunks,
+            )
         if self._stragglers.timeout is None or barrier.round != before or not barrier.started:
             return
         loop = asyncio.get_running_loop()
