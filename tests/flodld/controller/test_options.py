@@ -85,6 +85,11 @@ def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> 
     assert (given.join.target_ranks, given.join.join_timeout) == (6, 30.0)
     defaults = options_from_args(parser.parse_args([]))
     assert defaults.tolerance == 0 and defaults.join.target_ranks is None and defaults.run_id != "r1"
+    assert defaults.straggler_timeout is None
+    late = ["--averaging", "cpu_cadence", "--straggler-timeout", "2.5"]
+    assert options_from_args(parser.parse_args(late)).straggler_timeout == 2.5
+    with pytest.raises(ValueError, match="straggler_timeout applies to cpu_cadence and cpu_async"):
+        options_from_args(parser.parse_args(["--straggler-timeout", "2.5"]))
 
 
 def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(
