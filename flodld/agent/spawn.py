@@ -250,6 +250,7 @@ def relay_spec_for(
         host_key_hex=host_key.hex(),
         ranks=list(envelope.ranks),
         listen_fd=listen_fd,
+        straggler_timeout=formed.relay.straggler_timeout,
     )
 
 

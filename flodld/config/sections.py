@@ -13,6 +13,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    model_validator,
 )
 
 from flodld.config.devices import ALL_DEVICES, DeviceSpec, rank_labels, spec_rank_count
@@ -57,6 +58,22 @@ class ControllerConfig(BaseModel):
     """`flodld serve`: finished runs kept in state.json `history`."""
     tolerance: Annotated[int, Field(strict=True, ge=0, le=2**31)] | TolerancePercent = 0
     """Rank failures the run survives: a count, or "N%" of the formed world (rounded down)."""
+    straggler_timeout: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] | None = None
+    """cpu_cadence/cpu_async: seconds after a round's first deposit before it closes without the members
+    that have not deposited (skipped for that round only; docs/elastic-averaging.md). None: wait."""
+
+    @model_validator(mode="after")
+    def _straggler_timeout_needs_a_round_that_may_close_early(self) -> ControllerConfig:
+        if self.straggler_timeout is not None and self.averaging not in (
+            AveragingMode.CPU_CADENCE,
+            AveragingMode.CPU_ASYNC,
+        ):
+            raise ValueError(
+                f"straggler_timeout applies to cpu_cadence and cpu_async, not {self.averaging.value}: "
+                "a cpu_sync round waits for every live rank (remove straggler_timeout, or choose "
+                "averaging: cpu_cadence)"
+            )
+        return self
 
     @property
     def tolerance_count(self) -> int | None:

@@ -76,6 +76,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
     parser.add_argument(
+        "--straggler-timeout",
+        type=float,
+        help="cpu_cadence/cpu_async: seconds after a round's first deposit before it closes without the "
+        "ranks still owing theirs (default: wait)",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=int,
         help="a failed run is re-formed at once as a fresh world up to N times, its ranks seeing "
@@ -118,6 +124,7 @@ _OPTION_FLAGS = {
     "averaging": "averaging",
     "run_id": "run_id",
     "tolerance": "tolerance",
+    "straggler_timeout": "straggler_timeout",
 }
 
 

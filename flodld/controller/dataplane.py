@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING
 from flodld.controller.metrics import RunMetrics
 from flodld.fold import round_barrier
 from flodld.fold.liveness import Liveness
+from flodld.fold.straggler import StragglerClock
 from flodld.net.dispatch import serve_frames
+from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
 from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
@@ -95,6 +97,7 @@ class DataPlane:
         on_rank_dead: RankDeadCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: RunMetrics | None = None,
+        straggler_timeout: float | None = None,
     ) -> None:
         if not host_ranks:
             raise ValueError("a data plane needs at least one host")
@@ -122,6 +125,14 @@ class DataPlane:
         self.relays: dict[Channel, dict[str, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.rounds = 0
         self._chunk_ranks: dict[int, set[int]] = {}  # ranks in the open chunks of this round, by offset
+        self._round_ranks: set[int] = set()  # ranks in the chunks of this round broadcast so far
+        # cpu_cadence/cpu_async with a straggler_timeout: a round stops waiting for late hosts after twice
+        # the timeout, so that a host whose relay is waiting out its own late rank (the timeout, from its
+        # own first deposit) is not skipped with it: the relays skip late ranks, the controller late hosts.
+        self.stragglers = StragglerClock(2 * straggler_timeout if straggler_timeout is not None else None)
+        self._straggler_timer: asyncio.TimerHandle | None = None
+        self._straggler_tasks: set[asyncio.Task[None]] = set()
+        self._outbox = InOrder()  # broadcast chunks leave in the order the fold made them
         self.dead_ranks: list[int] = []
         self.gone_ranks: list[int] = []
         self._last_step: dict[int, int] = {}  # each rank's step (rounds it has taken) at its last heartbeat
@@ -321,6 +332,7 @@ class DataPlane:
                     "(HelloAck sole_host) and sends no host frames"
                 )
             barrier = self._ensure_barrier()
+            before, late = barrier.round, barrier.late_chunks
             # Folded into the accumulator, the frame's buffer is free again.
             results = barrier.contribute_message(
                 relay.host, message, frame.tail_view, lambda: conn.recycle(frame)
@@ -332,15 +344,54 @@ class DataPlane:
             )
             await self._send_quietly(relay.stream, DataPlaneError(reason=str(error)[:1024]))
             return True
+        if barrier.late_chunks != late:  # its round closed without this host (straggler_timeout): dropped
+            log.info("event=late_host_frame host=%s round=%d dropped", relay.host, message.round)
+            return False
         self._chunk_ranks.setdefault(message.offset, set()).update(message.contributors)
         for rank in message.contributors:
             self._last_round[rank] = message.round
         self.metrics.host_chunk(
             message.round, message.offset, message.contributors, frame.tail_view.nbytes, self.clock()
         )
-        for result in results:
-            await self._broadcast(result)
+        self._watch_stragglers(barrier, before)
+        await self._outbox.send(results, self._broadcast)
         return False
+
+    def _watch_stragglers(self, barrier: RoundBarrier[str], before: int) -> None:
+        """After a host's chunk was taken: the round still open at `before` starts its straggler clock."""
+        if self.stragglers.timeout is None or barrier.round != before or not barrier.started:
+            return
+        if self.stragglers.wake_at(before) is None:
+            self.stragglers.opened(before, self.clock())
+            wake = self.stragglers.wake_at(before)
+            assert wake is not None
+            if self._straggler_timer is not None:
+                self._straggler_timer.cancel()
+            self._straggler_timer = asyncio.get_running_loop().call_later(
+                max(0.0, wake - self.clock()), self._stragglers_due, before
+            )
+
+    def _stragglers_due(self, round_number: int) -> None:
+        """The timer: skip the hosts that still owe `round_number`, if it is still open."""
+        self._straggler_timer = None
+        barrier = self._barrier
+        if (
+            barrier is None
+            or barrier.round != round_number
+            or not self.stragglers.due(round_number, self.clock())
+        ):
+            return
+        late = sorted(barrier.waiting_for)
+        log.warning(
+            "event=round_skipped_hosts round=%d hosts=%s timeout=%g",
+            round_number,
+            late,
+            self.stragglers.timeout,
+        )
+        sending = self._outbox.send(barrier.skip(late), self._broadcast)
+        task = asyncio.get_running_loop().create_task(sending)
+        self._straggler_tasks.add(task)
+        task.add_done_callback(self._straggler_tasks.discard)
 
     async def _on_rank_gone(self, message: RankGone, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
@@ -360,17 +411,19 @@ class DataPlane:
             self.metrics.rank_dead()
         log.info("event=rank_left host=%s rank=%d dead=%s reason=%r", host, rank, dead, reason)
         if not self.live_ranks[host]:
-            for result in self._barrier.leave(host) if self._barrier is not None else []:
-                await self._broadcast(result)
+            results = self._barrier.leave(host) if self._barrier is not None else []
+            await self._outbox.send(results, self._broadcast)
 
     async def _broadcast(self, result: ChunkResult[str]) -> None:
         """Finish one completed chunk in place; send it to every live relay, sealed from the accumulator."""
         result.finish()
+        contributors = self._chunk_ranks.pop(result.offset, set())
+        self._round_ranks |= contributors
         message = Broadcast(
             round=result.round,
             fold=result.fold_spec,
             weight=result.weight,
-            contributors=sorted(self._chunk_ranks.pop(result.offset, set())),
+            contributors=sorted(contributors),
             tensors=list(result.specs),
             offset=result.offset,
         )
@@ -378,6 +431,13 @@ class DataPlane:
             self.rounds += 1
             self._chunk_ranks.clear()
             self.metrics.round_finished(result.round, self.clock())
+            if self.stragglers.timeout is not None:
+                # Live ranks whose deposit the round went without: skipped here (their host) or at their
+                # relay (the host's frame left them out), by the straggler timeout.
+                live = set().union(*self.live_ranks.values())
+                for rank in sorted(live - self._round_ranks):
+                    self.metrics.skipped(rank)
+            self._round_ranks = set()
         tail = result.byte_views()
         nbytes = sum(view.nbytes for view in tail)
         for host, stream in list(self.relays[Channel.DATA].items()):
@@ -484,6 +544,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 heartbeat_interval=interval,
                 on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
                 metrics=controller.run_metrics,
+                straggler_timeout=controller.options.straggler_timeout,
             )
             controller.register_channels(
                 {Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control}

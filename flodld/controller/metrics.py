@@ -55,6 +55,7 @@ class RankSeries:
     delay_sum: float = 0.0  # seconds, over the rounds its deposit reached the controller's fold
     delay_count: int = 0
     last_delay: float = 0.0
+    skipped: int = 0  # rounds that closed without its deposit (straggler_timeout)
 
 
 class RunMetrics:
@@ -131,24 +132,38 @@ class RunMetrics:
         if series is not None and step > series.rounds:
             series.rounds = step
 
+    def skipped(self, rank: int) -> None:
+        """A round closed without `rank`'s deposit (late past the straggler timeout; it stays a member)."""
+        series = self._rank(rank)
+        if series is not None:
+            series.skipped += 1
+
     def rank_dead(self) -> None:
         self.dead_ranks += 1
 
     def slowest(self, count: int) -> list[dict[str, float | int]]:
         """The `count` ranks whose deposits reached the fold latest on average (state.json `stragglers`):
-        rank, mean and last delay after their round opened, rounds timed; the slowest first.
+        rank, mean and last delay after their round opened, rounds timed, and rounds that closed without
+        it (`skipped`, straggler_timeout); the most skipped first, then the slowest.
         """
-        timed = [(rank, series) for rank, series in self.ranks.items() if series.delay_count]
-        timed.sort(key=lambda item: (-item[1].delay_sum / item[1].delay_count, item[0]))
+        timed = [
+            (rank, series) for rank, series in self.ranks.items() if series.delay_count or series.skipped
+        ]
+        timed.sort(key=lambda item: (-item[1].skipped, -_mean_delay(item[1]), item[0]))
         return [
             {
                 "rank": rank,
-                "mean_delay_secs": round(series.delay_sum / series.delay_count, 4),
+                "mean_delay_secs": round(_mean_delay(series), 4),
                 "last_delay_secs": round(series.last_delay, 4),
                 "rounds": series.delay_count,
+                "skipped": series.skipped,
             }
             for rank, series in timed[:count]
         ]
+
+
+def _mean_delay(series: RankSeries) -> float:
+    return series.delay_sum / series.delay_count if series.delay_count else 0.0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
@@ -73,6 +73,11 @@ class ControllerOptions(BaseModel):
         description="Rank failures the run survives as a share of the formed world (rounded down); "
         "overrides `tolerance` once the world forms.",
     )
+    straggler_timeout: Annotated[float, Field(gt=0, le=86_400)] | None = Field(
+        None,
+        description="cpu_cadence/cpu_async: seconds after a round's first deposit before it closes without "
+        "the members that have not deposited (skipped for that round only); None: every round waits.",
+    )
     start_switch: bool = Field(True, description="Offer POST /start (manual/hybrid windows).")
     magic_deadline: Annotated[float, Field(gt=0)] = 5.0
     handshake_timeout: Annotated[float, Field(gt=0)] = 10.0
@@ -130,6 +135,19 @@ class ControllerOptions(BaseModel):
             )
         return value
 
+    @model_validator(mode="after")
+    def _straggler_timeout_needs_a_round_that_may_close_early(self) -> ControllerOptions:
+        if self.straggler_timeout is not None and self.averaging not in (
+            AveragingMode.CPU_CADENCE,
+            AveragingMode.CPU_ASYNC,
+        ):
+            raise ValueError(
+                f"straggler_timeout applies to cpu_cadence and cpu_async, not {self.averaging.value}: a "
+                "round of any other mode waits for every live rank (drop --straggler-timeout, or choose "
+                "--averaging cpu_cadence)"
+            )
+        return self
+
     @property
     def cpu_averaging(self) -> bool:
         return self.averaging.is_cpu
@@ -173,6 +191,7 @@ class ControllerOptions(BaseModel):
             "history_runs": controller.history_runs,
             "tolerance": controller.tolerance_count or 0,
             "tolerance_percent": controller.tolerance_percent,
+            "straggler_timeout": controller.straggler_timeout,
         }
         values.update(overrides)
         return cls.model_validate(values)

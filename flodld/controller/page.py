@@ -316,12 +316,14 @@ def _stragglers(state: Mapping[str, Any]) -> str:
         return ""
     rows = "".join(
         f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(_delay(x.get('mean_delay_secs')))}</td>"
-        f"<td>{_e(_delay(x.get('last_delay_secs')))}</td><td>{_int(x.get('rounds'))}</td></tr>"
+        f"<td>{_e(_delay(x.get('last_delay_secs')))}</td><td>{_int(x.get('rounds'))}</td>"
+        f"<td>{_int(x.get('skipped', 0))}</td></tr>"
         for x in slow[:MAX_ROWS]
     )
     return (
         '<section id="stragglers"><h2>slowest ranks</h2><table><thead><tr><th>rank</th><th>mean delay</th>'
-        f"<th>last delay</th><th>rounds</th></tr></thead><tbody>{rows}</tbody></table></section>"
+        f"<th>last delay</th><th>rounds</th><th>skipped</th></tr></thead><tbody>{rows}</tbody></table>"
+        "</section>"
     )
 
 

@@ -816,6 +816,7 @@ class Controller:
             fold=self.options.fold,
             cadence=self.options.cadence,
             tolerance=self.tolerance,
+            straggler_timeout=self.options.straggler_timeout,
         )
 
     async def _ship(self, world: World) -> None:

@@ -20,7 +20,13 @@ large bundle is pipelined through the hops instead of stored and forwarded whole
   is an error (the caller's peer is broken, and the message says so). With `weights_may_drop` (the
   controller, whose members are hosts) a member's weight may fall from one chunk to the next, never
   rise: a host's chunk is a partial fold, and a rank that left its relay mid-deposit is in the host's
-  early chunks and out of the later ones.
+  early chunks and out of the later ones;
+- a live member may be skipped for the round in progress only (`skip`: a straggler past the run's
+  `straggler_timeout`, flodld.fold.straggler decides when): the round is folded out of it as if it had
+  left, but it stays a member, and the round closes even when a chunk then has no contributor at all
+  (that chunk is never handed on; the hop above skips this member for it in turn). Its chunks of a
+  round it was skipped in, arriving after, are late: dropped (released at once, counted in
+  `late_chunks`), never folded into another round.
 
 The accumulator is allocated once per schema and fold, and reused round after round.
 """
@@ -39,6 +45,8 @@ from flodld.fold.codec import encode_bundle
 from flodld.wire.data import TensorSpec
 
 Member = TypeVar("Member", bound=Hashable)
+MAX_LATE_ROUNDS = 4096
+"""Rounds remembered per member as skipped (its late chunks of older ones are refused as out of turn)."""
 Release = Callable[[], None]
 
 
@@ -142,6 +150,11 @@ class RoundBarrier(Generic[Member]):
         if accumulators not in (1, 2):
             raise ValueError(f"a round barrier keeps 1 or 2 accumulators, not {accumulators}")
         self._gone: set[Member] = set()
+        # Rounds each live member was skipped in and has not deposited past yet: its chunks of those
+        # rounds are late (dropped). At most MAX_LATE_ROUNDS are remembered per member.
+        self._skipped_rounds: dict[Member, set[int]] = {}
+        self.late_chunks = 0  # chunks dropped as late (their round closed without their member)
+        self.skips = 0  # deposits skipped (member-rounds)
         self._weights_may_drop = weights_may_drop
         self.round = first_round
         # The reused accumulators, by round parity: (fold spec, schema, tensors) or None.
@@ -157,6 +170,7 @@ class RoundBarrier(Generic[Member]):
         self._next: dict[Member, int] = {}  # each member's next chunk offset
         self._weights: dict[Member, float] = {}
         self._paid: set[Member] = set()  # every chunk sent
+        self._skipped: set[Member] = set()  # skipped for this round only (`skip`)
         self._chunks: dict[int, _Chunk[Member]] = {}
         self._emitted = 0  # bytes handed on
         self._touched = False
@@ -167,8 +181,13 @@ class RoundBarrier(Generic[Member]):
 
     @property
     def waiting_for(self) -> frozenset[Member]:
-        """Live members that still owe (some of) this round."""
-        return frozenset(self._live - self._paid)
+        """Live members that still owe (some of) this round (and were not skipped in it)."""
+        return frozenset(self._live - self._paid - self._skipped)
+
+    @property
+    def started(self) -> bool:
+        """Whether a chunk of the round in progress has been taken."""
+        return self._fold is not None
 
     # --- chunks -----------------------------------------------------------------------------
 
@@ -204,8 +223,14 @@ class RoundBarrier(Generic[Member]):
 
         `data` must stay untouched until `release` is called (at once when the chunk folds now, later
         when it waits for a member before it in the fold order); a writable view is used in place.
-        On an error nothing of this chunk is kept and `release` is not called.
+        On an error nothing of this chunk is kept and `release` is not called. A late chunk (of a round
+        `member` was skipped in) is dropped: `release` is called at once, nothing is returned.
         """
+        if self._is_late(member, round_number):
+            self.late_chunks += 1
+            if release is not None:
+                release()
+            return []
         self._check_member(member, round_number, weight)
         data = memoryview(data).cast("B")
         if self._fold is None or self._layout is None:
@@ -248,6 +273,9 @@ class RoundBarrier(Generic[Member]):
         for piece, tensor in zip(chunk.pieces, incoming, strict=True):
             fold.check_slice(tensor, piece.span)
         # Accepted: from here on the chunk is the round's.
+        skipped = self._skipped_rounds.get(member)
+        if skipped:  # deposits again: the rounds it missed before this one can no longer come
+            skipped.difference_update([number for number in skipped if number < round_number])
         if self._fold is None:
             self._start(fold, layout, accumulator)
         assert self._layout is not None
@@ -266,11 +294,60 @@ class RoundBarrier(Generic[Member]):
             return []
         self._live.discard(member)
         self._gone.add(member)
-        if self._fold is None:
+        self._skipped_rounds.pop(member, None)
+        round_number = self.round
+        results: list[ChunkResult[Member]] = []
+        if self._fold is not None:
+            for chunk in self._chunks.values():
+                self._drain(chunk)
+            results = self._emit()
+        if self.round == round_number and self._skipped and not self.waiting_for:
+            self._close_without_value()  # the rest of the round was skipped
+        return results
+
+    def skip(self, members: Iterable[Member]) -> list[ChunkResult[Member]]:
+        """Fold live `members` out of the round in progress only (stragglers); they stay members.
+
+        Returns the chunks that complete without them. The round then closes as soon as no member it still
+        waits for owes a chunk, even if some chunk got no contributor (never handed on; a round nobody
+        deposited in closes with no result at all). Their later chunks of this round are late (dropped).
+        """
+        chosen = [member for member in members if member in self._live and member not in self._paid]
+        chosen = [member for member in chosen if member not in self._skipped]
+        if not chosen:
             return []
+        round_number = self.round
+        for member in chosen:
+            self._skipped.add(member)
+            rounds = self._skipped_rounds.setdefault(member, set())
+            rounds.add(round_number)
+            if len(rounds) > MAX_LATE_ROUNDS:
+                rounds.discard(min(rounds))
+            self.skips += 1
+        results: list[ChunkResult[Member]] = []
+        if self._fold is not None:
+            for chunk in self._chunks.values():
+                self._drain(chunk)
+            results = self._emit()
+        if self.round == round_number and not self.waiting_for:
+            self._close_without_value()
+        return results
+
+    def _close_without_value(self) -> None:
+        """End the round in progress whose remaining chunks nobody can fold (every owing member skipped)."""
         for chunk in self._chunks.values():
-            self._drain(chunk)
-        return self._emit()
+            for _, _, release in chunk.parked.values():  # pragma: no cover - parked only behind a live member
+                if release is not None:
+                    release()
+        self.round += 1
+        self._reset()
+
+    def _is_late(self, member: Member, round_number: int) -> bool:
+        if round_number > self.round or member not in self._live:
+            return False
+        if round_number == self.round:
+            return member in self._skipped
+        return round_number in self._skipped_rounds.get(member, ())
 
     def _check_member(self, member: Member, round_number: int, weight: float) -> None:
         if member in self._gone:
@@ -333,9 +410,9 @@ class RoundBarrier(Generic[Member]):
             member = self._order[chunk.position]
             parked = chunk.parked.pop(member, None)
             if parked is None:
-                if member in self._live:
+                if member in self._live and member not in self._skipped:
                     return  # its chunk is still to come
-                chunk.position += 1  # left before sending this chunk
+                chunk.position += 1  # left (or was skipped) before sending this chunk
                 continue
             incoming, weight, release = parked
             # The accumulator is reused (and a new one uninitialised): the chunk's first member starts it,

@@ -96,6 +96,11 @@ class StragglerState(_Model):
     )
     last_delay_secs: float = Field(description="The same, in the last round it was timed in.")
     rounds: int = Field(description="Rounds timed.")
+    skipped: int = Field(
+        0,
+        description="Rounds that closed without its deposit: late past the run's straggler_timeout "
+        "(cpu_cadence/cpu_async); it stayed a member, and its late deposit was dropped.",
+    )
 
 
 class RootCause(_Model):
@@ -291,7 +296,9 @@ class StateSnapshot(_Model):
     stragglers: list[StragglerState] = Field(
         default_factory=list,
         description="CPU averaging across hosts: the 5 ranks whose deposits reach the controller's fold "
-        "latest on average, the slowest first (absent before any round was folded across hosts; a world of "
+        "latest on average, the slowest first, with the rounds that closed without each (`skipped`, "
+        "straggler_timeout; the most skipped first) (absent before any round was folded across hosts; a "
+        "world of "
         "one host folds its rounds at its relay).",
     )
     attempt: AttemptState | None = Field(

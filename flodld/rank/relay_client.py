@@ -354,12 +354,16 @@ class RelayClient:
                         if members and members != self._membership.members:
                             epoch = self._membership.epoch + 1
                             self._membership = Membership(epoch, members, self.env.rank)
-                        # A deposited round's result waits for its caller; one this client did not
-                        # deposit (a hand-made frame) is kept a while for a raw `wait_round`.
+                        # A deposited round's result waits for its caller, and so does one of a round
+                        # this rank has not deposited yet (it was late: the round closed without it, by
+                        # the straggler timeout, and its deposit will be dropped); one it skipped past
+                        # (a hand-made frame) is kept a while for a raw `wait_round`.
                         for stale in [
                             number
                             for number in self._results
-                            if number < message.round - 64 and number not in self._deposited
+                            if number < message.round - 64
+                            and number < self.next_round
+                            and number not in self._deposited
                         ]:
                             del self._results[stale]
                         self._changed.notify_all()

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from flodld.fold import round_barrier
+from flodld.fold.straggler import StragglerClock
 from flodld.net.addresses import is_private_address
 from flodld.net.dispatch import serve_frames
+from flodld.net.inorder import InOrder
 from flodld.net.keepalive import keep_alive
 from flodld.net.peeruid import peer_uid_known_here, socket_owner_uid
 from flodld.net.preauth import PREAUTH_CONNECTION_BYTES, GatedReader, PreAuthBudget
@@ -143,6 +145,13 @@ class Relay:
         # The world's only host (the controller says so in its DATA HelloAck): fold and broadcast here.
         self.sole_host = False
         self._failed_round: str | None = None  # why the sole host's fold could not finish a round
+        # Completed chunks leave in the order the fold made them, whichever task made them.
+        self._outbox = InOrder()
+        # cpu_cadence/cpu_async with a straggler_timeout: when a round stops waiting for its late ranks.
+        self._stragglers = StragglerClock(spec.straggler_timeout)
+        self._straggler_timer: asyncio.TimerHandle | None = None
+        self._straggler_tasks: set[asyncio.Task[None]] = set()
+        self._late_logged = 0  # late chunks dropped, as last logged
         self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.gone: set[int] = set()
         self.upstream: dict[Channel, FramedStream] = {}
@@ -409,11 +418,12 @@ class Relay:
         try:
             # Folded into the accumulator, the frame's buffer is free again.
             release = functools.partial(conn.recycle, frame)
+            before = barrier.round
             results = barrier.contribute_message(leg.rank, message, frame.tail_view, release)
         except Exception as error:
             return await self._refuse_deposit(leg, error)
-        for result in results:
-            await self._ship(result)
+        self._watch_stragglers(barrier, before, leg.rank)
+        await self._outbox.send(results, self._ship)
         return False
 
     async def _refuse_deposit(self, leg: _Leg, error: Exception) -> bool:
@@ -473,15 +483,91 @@ class Relay:
             data = region.data(message.offset, message.length)
             region.lend()
             lent = True
+            before = barrier.round
             results = barrier.contribute_message(leg.rank, message, data, region.give_back)
         except Exception as error:
             if lent and region is not None:
                 region.give_back()
             return await self._refuse_deposit(leg, error)
-        self._shm_round[leg.rank] = message.round
-        for result in results:
-            await self._ship(result)
+        if message.round >= before:  # a late chunk's round was delivered framed already
+            self._shm_round[leg.rank] = message.round
+        self._watch_stragglers(barrier, before, leg.rank)
+        await self._outbox.send(results, self._ship)
         return False
+
+    # --- stragglers (flodld.fold.straggler) ---------------------------------------------------
+
+    def _watch_stragglers(self, barrier: RoundBarrier[int], before: int, rank: int) -> None:
+        """After `rank`'s chunk was taken: the round still open at `before` starts its straggler clock."""
+        if barrier.late_chunks != self._late_logged:
+            self._late_logged = barrier.late_chunks
+            log.info(
+                "relay: dropped rank %d's late deposit chunk (its round closed without it; %d so far)",
+                rank,
+                barrier.late_chunks,
+            )
+        if self._stragglers.timeout is None or barrier.round != before or not barrier.started:
+            return
+        loop = asyncio.get_running_loop()
+        if self._stragglers.wake_at(before) is None:
+            self._stragglers.opened(before, loop.time())
+            wake = self._stragglers.wake_at(before)
+            assert wake is not None
+            if self._straggler_timer is not None:
+                self._straggler_timer.cancel()
+            self._straggler_timer = loop.call_at(wake, self._stragglers_due, before)
+
+    def _stragglers_due(self, round_number: int) -> None:
+        """The timer: skip the ranks that still owe `round_number`, if it is still open."""
+        self._straggler_timer = None
+        barrier = self._barrier
+        loop = asyncio.get_running_loop()
+        if (
+            barrier is None
+            or barrier.round != round_number
+            or not self._stragglers.due(round_number, loop.time())
+        ):
+            return
+        late = sorted(barrier.waiting_for)
+        log.warning(
+            "relay: round %d closes without rank(s) %s: no deposit %gs after its first (straggler_timeout)",
+            round_number,
+            late,
+            self._stragglers.timeout,
+        )
+        sending = self._outbox.send(barrier.skip(late), self._ship)
+
+        async def ship() -> None:
+            try:
+                await sending
+            except (OSError, WireError) as error:
+                self._stop(f"controller data channel failed: {error}", 1)
+
+        task = loop.create_task(ship())
+        self._straggler_tasks.add(task)
+        task.add_done_callback(self._straggler_tasks.discard)
+
+    def _closed_above(self, message: Broadcast, nbytes: int) -> None:
+        """The controller finished `message.round` (its last chunk is here): a round this relay still
+        folds is over without the local ranks still owing it (the controller skipped this host). Their
+        partial fold is dropped, and the ranks' next deposits find the next round open.
+        """
+        barrier = self._barrier
+        if self._stragglers.timeout is None or barrier is None or barrier.round > message.round:
+            return
+        if message.offset + nbytes != sum(spec.nbytes() for spec in message.tensors):
+            return
+        while barrier.round <= message.round:
+            late = sorted(barrier.waiting_for)
+            log.warning(
+                "relay: round %d closed at the controller without rank(s) %s (straggler_timeout)",
+                barrier.round,
+                late,
+            )
+            open_round = barrier.round
+            barrier.skip(late)  # chunks it completes are not shipped: the controller has the round
+            if barrier.round == open_round:  # pragma: no cover - skip closes a round nobody owes
+                break
 
     async def _unexpected_on_data_leg(self, message: Message, leg: _Leg) -> bool:
         raise WireError("bad_payload", f"rank {leg.rank} sent {type(message).__name__} on its data leg")
@@ -505,8 +591,7 @@ class Relay:
         in_round = self._barrier.round if self._barrier is not None else None  # before the leave completes it
         results = self._barrier.leave(rank) if self._barrier is not None else []
         try:
-            for result in results:
-                await self._ship(result)
+            await self._outbox.send(results, self._ship)
             if notify_upstream:
                 gone = RankGone(rank=rank, reason=reason[:1024], round=in_round)
                 await self.upstream[Channel.DATA].send(gone)
@@ -583,6 +668,7 @@ class Relay:
     async def _on_broadcast(self, message: Broadcast, stream: FramedStream, frame: Frame) -> None:
         if message.offset == 0:
             self.rounds += 1
+        self._closed_above(message, frame.tail_view.nbytes)
         await self._deliver(message, [frame.tail_view])
         stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
 

@@ -31,6 +31,7 @@ class RelayRoleSpec(BaseModel):
     ranks: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=4096)]
     listen_fd: Annotated[int, Field(ge=0)]
     connect_attempts: Annotated[int, Field(ge=1)] | None = None
+    straggler_timeout: Annotated[float, Field(gt=0)] | None = None
 
 
 def relay_spec_from_env() -> RelayRoleSpec:

@@ -36,7 +36,7 @@ from flodld.wire.messages import (
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
-JOIN_PROTOCOL_VERSION: Final = 3
+JOIN_PROTOCOL_VERSION: Final = 4
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[
@@ -185,6 +185,9 @@ class RelaySpec(WireModel):
     # Rank failures the run survives (docs/elastic-averaging.md): above 0 the agent keeps a failed rank's
     # host-mates running (the averaging folds the loss out) and the controller decides when too many failed.
     tolerance: Annotated[int, Field(ge=0, le=2**31)] = 0
+    # cpu_cadence/cpu_async (docs/elastic-averaging.md): seconds after a round's first deposit before the
+    # relay closes it without the local ranks still owing theirs (skipped for that round only); None: wait.
+    straggler_timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None
 
 
 @register(0x0104)

@@ -6,7 +6,9 @@ every mean over any set of members is exact up to one correctly rounded division
 it. Each rank prints one line per round: the members of that round, the membership epoch, its index, the
 mean, and the mean's SHA-256. ELASTIC_STALL_RANK stops before depositing round ELASTIC_STALL_ROUND (in
 `stall_here`, which a stack dump names), so a test can kill or stop it while the others wait in that
-round (with ELASTIC_CRASH set, it SIGKILLs itself there instead).
+round (with ELASTIC_CRASH set, it SIGKILLs itself there instead). ELASTIC_LATE_RANK sleeps
+ELASTIC_LATE_SECS before depositing round ELASTIC_LATE_ROUND and goes on (a straggler, not a loss); with
+ELASTIC_SCALE=4 rank k's bundle is `arange(4) + 1000 * 4**k + r`, so the mean tells which ranks it holds.
 
 With ELASTIC_MODE (cpu_cadence or cpu_async, cadence ELASTIC_CADENCE) the rank calls `Averager.step` once
 per step instead, ELASTIC_ROUNDS averaging calls in all; "round" is then the index of the averaging call
@@ -39,6 +41,10 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     rounds = int(os.environ.get("ELASTIC_ROUNDS", "10"))
     stall = (int(os.environ.get("ELASTIC_STALL_RANK", "-1")), int(os.environ.get("ELASTIC_STALL_ROUND", "3")))
+    late = (int(os.environ.get("ELASTIC_LATE_RANK", "-1")), int(os.environ.get("ELASTIC_LATE_ROUND", "3")))
+    # ELASTIC_SCALE 4: rank k's bundle is offset by 1000 * 4**k, so every set of members has its own mean
+    # (unset: 1000 * k).
+    scale = int(os.environ.get("ELASTIC_SCALE", "0"))
     mode = os.environ.get("ELASTIC_MODE")
     averager = Averager(mode, cadence=int(os.environ.get("ELASTIC_CADENCE", "1"))) if mode else None
     cadence = averager.cadence if averager is not None and mode == "cpu_cadence" else 1
@@ -49,7 +55,11 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             print(f"elastic-rank {rank} stalls before round {number}", flush=True)
             stall_here()
-        bundle = torch.arange(4, dtype=torch.float64) + 1000 * rank + number
+        if (rank, number) == late:  # alive and heartbeating, but late for this round (straggler_timeout)
+            print(f"elastic-rank {rank} sleeps before round {number}", flush=True)
+            time.sleep(float(os.environ.get("ELASTIC_LATE_SECS", "5")))
+        offset = 1000 * scale**rank if scale > 1 else 1000 * rank
+        bundle = torch.arange(4, dtype=torch.float64) + offset + number
         if averager is None:
             (mean,) = all_average([bundle])
         else:  # the local steps between averaging calls, then the call that averages

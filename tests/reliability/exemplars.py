@@ -60,7 +60,7 @@ EXEMPLARS: list[Message] = [
     Reject(code="window_closed", reason="the window closed"),
     WorldFormed(
         envelope=ENVELOPE, relay=RelaySpec(
-            data_port=1337, control_port=1337, fold="mean", cadence=1, tolerance=1
+            data_port=1337, control_port=1337, fold="mean", cadence=1, tolerance=1, straggler_timeout=2.5
         ),
     ),
     RankExited(rank=3, code=-9),

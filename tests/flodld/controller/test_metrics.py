@@ -227,6 +227,10 @@ def test_the_slowest_ranks_are_those_whose_deposits_reach_the_fold_latest_on_ave
         metrics.host_chunk(number, 0, [0, 1], 8, 100.0 + number)  # host a opens the round
         metrics.host_chunk(number, 0, [2], 8, 100.0 + number + late)  # host b's rank 2, late
     assert metrics.slowest(2) == [
-        {"rank": 2, "mean_delay_secs": 1.0, "last_delay_secs": 1.5, "rounds": 2},
-        {"rank": 0, "mean_delay_secs": 0.0, "last_delay_secs": 0.0, "rounds": 2},
+        {"rank": 2, "mean_delay_secs": 1.0, "last_delay_secs": 1.5, "rounds": 2, "skipped": 0},
+        {"rank": 0, "mean_delay_secs": 0.0, "last_delay_secs": 0.0, "rounds": 2, "skipped": 0},
     ]
+    # A rank rounds closed without (straggler_timeout) comes first, whatever its delays.
+    metrics.skipped(1)
+    metrics.skipped(3)
+    assert [(row["rank"], row["skipped"]) for row in metrics.slowest(3)] == [(1, 1), (3, 1), (2, 0)]

@@ -85,6 +85,11 @@ def test_serve_flags_override_their_options_and_unset_flags_leave_defaults() -> 
     assert (given.join.target_ranks, given.join.join_timeout) == (6, 30.0)
     defaults = options_from_args(parser.parse_args([]))
     assert defaults.tolerance == 0 and defaults.join.target_ranks is None and defaults.run_id != "r1"
+    assert defaults.straggler_timeout is None
+    late = ["--averaging", "cpu_cadence", "--straggler-timeout", "2.5"]
+    assert options_from_args(parser.parse_args(late)).straggler_timeout == 2.5
+    with pytest.raises(ValueError, match="straggler_timeout applies to cpu_cadence and cpu_async"):
+        options_from_args(parser.parse_args(["--straggler-timeout", "2.5"]))
 
 
 def test_averaging_is_the_config_enum_from_the_cli_choices_to_the_policy(
@@ -136,3 +141,19 @@ def test_the_tolerance_is_a_count_or_a_share_of_the_world(
 def test_a_tolerance_that_is_neither_a_count_nor_a_percentage_is_refused(written: int | str) -> None:
     with pytest.raises(ValueError, match="tolerance"):
         ClusterBuilder().controller("10.0.0.1", tolerance=written).worker("localhost", ["cpu"]).build()
+
+
+def test_a_straggler_timeout_is_for_cadence_and_async_rounds_and_reaches_the_options() -> None:
+    cluster = (
+        ClusterBuilder()
+        .controller("10.0.0.1", averaging="cpu_cadence", straggler_timeout=2.5)
+        .worker("localhost", ["cpu"])
+        .build()
+    )
+    assert ControllerOptions.from_cluster(cluster).straggler_timeout == 2.5
+    with pytest.raises(ValueError, match="applies to cpu_cadence and cpu_async, not cpu_sync"):
+        ClusterBuilder().controller("10.0.0.1", straggler_timeout=2.5).worker("localhost", ["cpu"]).build()
+    with pytest.raises(ValueError, match="straggler_timeout"):
+        ControllerOptions.model_validate({"averaging": "cpu_sync", "straggler_timeout": 1.0})
+    asynchronous = ControllerOptions.model_validate({"averaging": "cpu_async", "straggler_timeout": 1.0})
+    assert asynchronous.straggler_timeout == 1.0

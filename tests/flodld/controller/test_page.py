@@ -486,3 +486,8 @@ def test_the_slowest_ranks_are_shown_to_the_millisecond_and_the_script_renders_t
     text = "".join(page.text)
     assert "slowest ranks" in text and "0.812 s" in text and "1.500 s" in text
     assert 'h("section", {id: "stragglers"}' in STATUS_JS
+    # The rounds that closed without a rank (straggler_timeout) are a column of their own.
+    skipped = [{**slow[0], "skipped": 3}]
+    html = render_page(_state(stragglers=skipped))
+    assert "<th>skipped</th>" in html and "<td>12</td><td>3</td>" in html
+    assert 'h("th", {}, "skipped")' in STATUS_JS and "int(x.skipped)" in STATUS_JS
