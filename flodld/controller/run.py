@@ -12,12 +12,14 @@ phase change is announced to the log and the listeners. Its jobs each have a col
 - `Admissions` (admission.py): the join channel's refusals and admissions (hellos settle once per turn);
 - `RankLosses` (losses.py): rank exits, ranks declared dead, link ends, and the tolerance they count against;
 - `WorldShipper` (shipper.py): WorldFormed to every host at formation, Abort down every link at a failure;
+- `RunPort` (runport.py): its channels (`RUN_CHANNELS`), its HTTP app, binding, trust from the address;
 - `RunStatus` (runstatus.py): state.json, the page, /metrics, the run record and `POST /start`.
 
 The join channel sees the Controller as `JoinRun`, the HTTP app as a `StatusSource`: it hands each of
 those calls on to its collaborator. Join and refusal log lines go through a `StormLog` (coalesced past a
 burst).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -303,6 +305,7 @@ class Controller:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
         await self.port.close()
+
     # --- the window ----------------------------------------------------------------------------
 
     def _open_window(self) -> None:
@@ -417,7 +420,6 @@ class Controller:
             self._result = result
             self.ended_at = time.time()
             self._done.set()
-
 
 
 def _host_port(host: str, port: int) -> str:
