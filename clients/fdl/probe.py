@@ -18,7 +18,7 @@ import os
 import sys
 
 from fdl.cli import Command, usage_error
-from fdl.run import add_rank_options, plan_run
+from fdl.runplan import add_rank_options, plan_run
 from flodld import api
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2

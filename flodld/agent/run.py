@@ -11,16 +11,15 @@ import contextlib
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, assert_never
 
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
+from flodld.agent.children import Child, exit_report, forward_output, say
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
 from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
 from flodld.agent.spawn import (
@@ -42,14 +41,7 @@ from flodld.rank.env import STACK_DUMP_SIGNAL
 from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, KillRank, RankExited
-from flodld.wire.messages import MAX_REASON_CHARS
-
-
-def say(message: str) -> None:
-    sys.stderr.write(f"flodld agent: {message}\n")  # one write, so lines never interleave
-    sys.stderr.flush()
-
+from flodld.wire.join import Abort, KillRank
 
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
@@ -57,45 +49,6 @@ STACK_GRACE_SECS = 1.0
 TAIL_DRAIN_SECS = 1.0
 """After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
 open would otherwise hold the report)."""
-
-
-@dataclass
-class Child:
-    label: str
-    process: asyncio.subprocess.Process
-    rank: int | None  # None for the relay
-    tail: OutputTail | None = None  # a rank's last output lines, for its exit report
-    error_file: Path | None = None  # the rank's TORCHELASTIC_ERROR_FILE
-
-
-async def _forward_output(child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
-    """Copy the child's output line by line with a prefix naming host and role; a rank's `sink` (its log
-    files, --redirects/--tee) gets each line first and says whether the console shows it too.
-    """
-    assert child.process.stdout is not None
-    streams = [("stdout", child.process.stdout)]
-    if child.process.stderr is not None:  # spawned with stderr apart (per-rank log files)
-        streams.append(("stderr", child.process.stderr))
-    await asyncio.gather(*(_forward_stream(stream, n, prefix, sink, child.tail) for n, stream in streams))
-
-
-async def _forward_stream(
-    stream: asyncio.StreamReader, name: str, prefix: str, sink: RankLogSink | None, tail: OutputTail | None
-) -> None:
-    while True:
-        line = await stream.readline()
-        if not line:
-            return
-        if tail is not None:  # the root cause's tail: a separate small ring
-            tail.feed(line, time.time())
-        if sink is not None:
-            sink.write(name, line)
-            if not sink.shows(name):
-                continue
-        sys.stdout.write(prefix + line.decode(errors="replace"))
-        if not line.endswith(b"\n"):
-            sys.stdout.write("\n")
-        sys.stdout.flush()
 
 
 T = TypeVar("T")
@@ -326,7 +279,7 @@ class AgentShell:
 
     def _adopt(self, child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
         self.children.append(child)
-        forwarder = asyncio.ensure_future(_forward_output(child, prefix, sink))
+        forwarder = asyncio.ensure_future(forward_output(child, prefix, sink))
         self.forwarders.append(forwarder)
         self.forwarder_of[id(child)] = forwarder
         self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
@@ -413,7 +366,7 @@ class AgentShell:
                 after = " (torn down)" if torn_down and code else ""
                 say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
                 with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
-                    await joined.stream.send(_rank_exited(rank, code, torn_down, detail))
+                    await joined.stream.send(exit_report(rank, code, torn_down, detail))
             case sv.TerminateRelay():
                 self._signal(lambda child: child.rank is None, signal.SIGTERM)
             case sv.TerminateAll(reason):
@@ -461,25 +414,6 @@ class AgentShell:
         for child in sorted(self.children, key=lambda child: child.rank is None):
             if which(child) and child.process.returncode is None:
                 signal_group(child.process, signum)
-
-
-def _rank_exited(rank: int, code: int, torn_down: bool, detail: sv.ExitDetail) -> RankExited:
-    """The report of one rank's exit, every field within its wire cap. Should the detail not validate, the
-    exit is still reported (without it): an unreported rank would count as a lost host.
-    """
-    code = max(-128, min(255, code))
-    try:
-        return RankExited(
-            rank=rank,
-            code=code,
-            failed_at=detail.failed_at,
-            torn_down=torn_down,
-            error=detail.error[:MAX_REASON_CHARS] if detail.error else None,
-            tail=detail.tail,
-        )
-    except ValueError as error:
-        say(f"rank {rank}'s failure detail left out of its exit report ({error})")
-        return RankExited(rank=rank, code=code, torn_down=torn_down)
 
 
 def run_agent(spec: AgentSpec | None = None) -> int:

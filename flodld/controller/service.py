@@ -26,17 +26,19 @@ from typing import Any
 
 from aiohttp import web
 
-from flodld.controller.addresses import CleartextWarner
 from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.historyfile import HistoryFile
 from flodld.controller.http import NO_STATE
 from flodld.controller.metrics import ControllerCounters, render_prometheus
-from flodld.controller.mux import PortMux, PreAdmissionGate
+from flodld.controller.mux import PortMux
 from flodld.controller.options import ControllerOptions
-from flodld.controller.run import Controller, PhaseListener, RunResult, render_status, serve_http
+from flodld.controller.run import Controller, PhaseListener, RunResult, serve_http
+from flodld.controller.runport import own_mux
+from flodld.controller.runstatus import render_status
+from flodld.controller.servicehistory import ServiceHistory
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudget, StateCache
 from flodld.controller.source import HttpAnswer
-from flodld.membership.history import HistoryVersionError, record_run
+from flodld.membership.history import record_run
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt, RunRecord, ServiceState
 from flodld.membership.supervisor import next_attempt
@@ -88,17 +90,9 @@ class Service:
         self._on_phase = on_phase
         self.once = once
         self.counters = ControllerCounters()
-        self.mux = PortMux(
-            self.counters,
-            magic_deadline=options.magic_deadline,
-            http_lifetime=options.http_lifetime,
-            gate=PreAdmissionGate(options.max_pending_per_peer, exempt_loopback=not options.limit_loopback),
-            warner=CleartextWarner("controller"),
-            link_keepalive=options.link_keepalive_secs * options.timeout_scale,
-        )
+        self.mux = own_mux(options, self.counters)
         self.address: tuple[str, int] | None = None
         self.controller: Controller | None = None  # the run state.json shows: the current run, or the last
-        self.history: deque[RunRecord] = deque(maxlen=options.history_runs)
         self.runs: Counter[str] = Counter()
         self.runs_started = 0
         self.config_loaded_at = time.time()
@@ -110,15 +104,17 @@ class Service:
         self._next_window_at: float | None = None
         self._changes = 0  # bumped when the service part of state.json changes (with the run's own version)
         self._history_json: list[dict[str, Any]] | None = None
-        self.history_file = history_file  # None: the history lives in memory only (no state directory)
-        self.history_error: str | None = None
-        self._history_writable = history_file is not None
-        self._save_pending = False
-        self._saver: asyncio.Task[None] | None = None
+        # history_file None: the history lives in memory only (no state directory)
+        self.past = ServiceHistory(history_file, options.history_runs, on_change=self._changed)
         self.render_budget = RenderBudget(on_refused=self._count_busy)
         self.state_cache = StateCache(
             self._build_state, self._state_version, depends_on=self._run_clears, budget=self.render_budget
         )
+
+    @property
+    def history(self) -> deque[RunRecord]:
+        """The finished runs, newest first (`ServiceHistory`)."""
+        return self.past.records
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -126,7 +122,7 @@ class Service:
         """Bind the port and serve HTTP (state.json answers 503 until the first window opens)."""
         if self.address is not None:
             return self.address
-        await self._load_history()
+        await self.past.load()
         self._runner = await serve_http(self, self.mux, self.counters)
         try:
             self.address = await self.mux.start(self.options.effective_bind_host, self.options.port)
@@ -230,7 +226,7 @@ class Service:
         record = controller.run_record()
         record_run(self.history, record)  # one entry per run: a restart's attempt replaces the one before
         self._changed()
-        self._save_history()
+        self.past.save()
         self.runs[result.verdict.value] += 1
         log.log(
             logging.INFO if result.ok else logging.WARNING,
@@ -241,59 +237,6 @@ class Service:
             len(record.hosts),
             result.reason,
         )
-
-    # --- the history file (--state-dir) -------------------------------------------------------
-
-    async def _load_history(self) -> None:
-        """The runs an earlier daemon recorded in the state directory, read off the event loop."""
-        file = self.history_file
-        if file is None:
-            return
-        limit = self.history.maxlen or 1
-        try:
-            load = await asyncio.get_running_loop().run_in_executor(None, file.load, limit)
-        except HistoryVersionError as error:
-            self._history_writable = False  # a newer flodld's file is never overwritten
-            self.history_error = str(error)
-            log.error("event=history_refused file=%s reason=%r", file.path, self.history_error)
-            return
-        except (OSError, ValueError) as error:  # unreadable: start empty, and say so
-            self.history_error = f"cannot read history file {file.path}: {error}"
-            log.error("event=history_unreadable file=%s error=%r", file.path, str(error))
-            return
-        self.history.extend(load.records)  # newest first, as the deque keeps them
-        self.history_error = load.warning(str(file.path))
-        log.info(
-            "event=history_loaded file=%s runs=%d skipped=%d", file.path, len(load.records), load.skipped
-        )
-
-    def _save_history(self) -> None:
-        """Write the history to the state directory (one write in flight; the latest history wins)."""
-        if not self._history_writable:
-            return
-        self._save_pending = True
-        if self._saver is None or self._saver.done():
-            self._saver = asyncio.get_running_loop().create_task(self._save_loop())
-
-    async def _save_loop(self) -> None:
-        file = self.history_file
-        assert file is not None
-        loop = asyncio.get_running_loop()
-        while self._save_pending:
-            self._save_pending = False
-            records = list(self.history)
-            before = self.history_error
-            try:
-                size = await loop.run_in_executor(None, file.save, records, self.history.maxlen or 1)
-            except OSError as error:  # disk full, read-only: the daemon goes on, the history in memory
-                self.history_error = f"cannot write history file {file.path}: {error}"
-                log.error("event=history_write_failed file=%s error=%r", file.path, str(error))
-            else:
-                if self.history_error is not None and self.history_error.startswith("cannot write"):
-                    self.history_error = None
-                log.debug("event=history_saved file=%s runs=%d bytes=%d", file.path, len(records), size)
-            if self.history_error != before:
-                self._changed()
 
     def stop(self, reason: str) -> None:
         """Abort the current run (Abort down every link) and end the service once it is recorded."""
@@ -344,8 +287,7 @@ class Service:
         self._changed()
         self.config_error = None
         self.config_loaded_at = time.time()
-        if self.history.maxlen != options.history_runs:
-            self.history = deque(self.history, maxlen=options.history_runs)
+        self.past.resize(options.history_runs)
         log.info("event=reloaded config=%s applies=next_window", self._config_path)
         return True
 
@@ -357,8 +299,7 @@ class Service:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._saver is not None:  # the last run's record reaches the disk before the daemon exits
-            await self._saver
+        await self.past.flush()  # the last run's record reaches the disk before the daemon exits
 
     # --- StatusSource (the HTTP app) ----------------------------------------------------------
 
@@ -413,8 +354,8 @@ class Service:
             config_loaded_at=self.config_loaded_at,
             config_error=self.config_error,
             history_limit=self.history.maxlen or 0,
-            history_file=str(self.history_file.path) if self.history_file is not None else None,
-            history_error=self.history_error,
+            history_file=str(self.past.file.path) if self.past.file is not None else None,
+            history_error=self.past.error,
         )
         if (
             self._history_json is None

@@ -9,11 +9,12 @@ lifecycle follows `TRANSITIONS` and never goes backwards.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
+from flodld.membership import windowstate
 from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
 from flodld.membership.phase import (
     TERMINAL_PHASES,
@@ -24,10 +25,11 @@ from flodld.membership.phase import (
     advance,
     verdict,
 )
-from flodld.membership.policy import MAX_WORLD_RANKS, StartMode, WindowPolicy
+from flodld.membership.policy import MAX_WORLD_RANKS, WindowPolicy
 from flodld.membership.rootcause import Failure, RootCauseTracker
 from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnapshot
 from flodld.membership.switch import Armed, StartRefused, arm
+from flodld.membership.windowstate import MemberView as MemberView
 from flodld.wire.join import Hello
 
 NAMED_LOSSES = 5
@@ -73,17 +75,6 @@ class RankLoss:
     def sentence(self) -> str:
         where = f" in round {self.round}" if self.round is not None else ""
         return f"rank {self.rank} on {self.host!r} {self.cause}{where}"
-
-
-@dataclass(frozen=True)
-class MemberView:
-    """Every member as it stood at one instant (`JoinWindow.member_view`): rows encoded from it later, page by
-    page, agree with each other and with the counts built at that instant.
-    """
-
-    members: Sequence[Member]
-    ranks: Callable[[Member], tuple[int, ...]]
-    links: Mapping[str, LinkState]
 
 
 class JoinWindow:
@@ -377,88 +368,28 @@ class JoinWindow:
         """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
         return sorted(self._failed)
 
+    # --- state.json (flodld/membership/windowstate.py) ---------------------------------------------
+
     def snapshot(self, now: float, members: tuple[int, int] | None = None) -> StateSnapshot:
-        """state.json at `now` as the model (countdowns computed live, never frozen); every member unless
-        `members` = (start, stop) asks for a page. The controller serves `state()` (no model per member).
-        """
-        return StateSnapshot.model_validate(self.state(now, members or (0, MAX_WORLD_RANKS)))
+        """state.json at `now` as the model (`windowstate.snapshot`)."""
+        return windowstate.snapshot(self, now, members)
 
     def state(self, now: float, members: tuple[int, int] = (0, DEFAULT_MEMBER_PAGE)) -> dict[str, Any]:
-        """state.json at `now` as JSON-ready data: the page `members` = (start, stop) of hosts in admission
-        order, and every member counted. O(page + roster + exits), never O(members).
-        """
-        elapsed = self.elapsed(now)
-        window_open = self.phase in WINDOW_PHASES
-        ledger = self.ledger
-        joined = ledger.joined_ranks
-        total = ledger.member_count
-        start, stop = min(members[0], total), min(max(members[1], members[0]), total)
-        if self.world is not None:
-            page: list[Member] = list(self.world.members[start:stop])
-            ranks_of = self.world.ranks.__getitem__
-        else:
-            page = ledger.members_slice(start, stop)
-            ranks_of = ledger.ranks_of
-        missing = [host for host in self.roster if ledger.member(host) is None] if self.roster else []
-        by_link = (
-            dict(self._link_counts)
-            if self.world is not None
-            else ({LinkState.OPEN.value: total} if total else {})
-        )
-        return {
-            "phase": self.phase.value,
-            "reason": self.reason,
-            "run_id": self.run_id,
-            "controller": self.controller,
-            "joined_ranks": joined,
-            "joined_hosts": total,
-            "quorum": self.policy.quorum,
-            "target": self.policy.target,
-            "window_remaining_secs": _remaining(self.policy.window_secs, elapsed) if window_open else None,
-            "cap_remaining_secs": _remaining(self.policy.cap_secs, elapsed) if window_open else None,
-            "start_mode": self.policy.start.value,
-            "start_armed": self.start_armed,
-            "startable": window_open
-            and self.policy.start is not StartMode.AUTO
-            and joined >= self.policy.quorum,
-            "members": [self._member_state(m, ranks_of(m.host)) for m in page],
-            "members_page": {"start": start, "stop": stop, "total": total},
-            "member_counts": {
-                "by_link": dict(sorted(by_link.items())),
-                "by_variant": dict(sorted(ledger.variant_counts.items())),
-                "by_vendor": dict(sorted(ledger.vendor_counts.items())),
-            },
-            "missing": missing,
-            "refused": dict(sorted(ledger.refused_counts.items())),
-            "rank_exits": [{"rank": r, "code": c} for r, c in sorted(self.rank_exits.items())],
-            "root_cause": self.root_cause.state(),
-            "losses": [loss.state() for _, loss in sorted(self.losses.items())],
-        }
+        """state.json at `now` as JSON-ready data, the page `members` of hosts (`windowstate.state`)."""
+        return windowstate.state(self, now, members)
 
     def member_view(self) -> MemberView:
-        """The members, their ranks and link states as they stand now, for rows made later (`member_row`).
-
-        O(members) references copied at C speed (the member tuple, the first-rank and link maps), never a
-        row: the controller encodes rows from it on demand, once per row content.
-        """
-        if self.world is not None:
-            return MemberView(self.world.members, _ranks_in(self.world.ranks), dict(self.links))
-        return MemberView(self.ledger.members, _ranks_from(self.ledger.first_ranks()), dict(self.links))
+        """The members, their ranks and link states as they stand now (`windowstate.member_view`)."""
+        return windowstate.member_view(self)
 
     def member_row(self, m: Member, ranks: Sequence[int], link: LinkState) -> dict[str, Any]:
-        """One `members` entry of state.json (what `state()` lists for `m`)."""
-        return {
-            "host": m.host,
-            "ranks": list(ranks),
-            "devices": list(m.devices),
-            "device_labels": list(m.device_labels),
-            "variant": m.variant,
-            "joined_at_secs": round(m.joined_at - self.opened_at, 3),
-            "link": link.value,
-        }
+        """One `members` entry of state.json (`windowstate.member_row`)."""
+        return windowstate.member_row(self, m, ranks, link)
 
-    def _member_state(self, m: Member, ranks: Sequence[int]) -> dict[str, Any]:
-        return self.member_row(m, ranks, self.links.get(m.host, LinkState.OPEN))
+    @property
+    def link_counts(self) -> Mapping[str, int]:
+        """Formed hosts by link state (`LinkState` value -> count)."""
+        return self._link_counts
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -520,17 +451,3 @@ def _describe_exit(code: int) -> str:
     """'code 3' or 'signal 9' (negative codes are signals, as subprocess reports them)."""
     return f"signal {-code}" if code < 0 else f"code {code}"
 
-
-def _remaining(limit: float, elapsed: float) -> float | None:
-    """Seconds left before `limit`; 0 exactly at the limit, None after it."""
-    return None if elapsed > limit else round(limit - elapsed, 3)
-
-
-def _ranks_in(ranks: Mapping[str, tuple[int, ...]]) -> Callable[[Member], tuple[int, ...]]:
-    """A formed world's ranks (frozen with it) by member."""
-    return lambda m: ranks[m.host]
-
-
-def _ranks_from(first: Mapping[str, int]) -> Callable[[Member], tuple[int, ...]]:
-    """Ranks by member from a copy of the ledger's first ranks (`Ledger.ranks_of`, as of the copy)."""
-    return lambda m: tuple(range(first[m.host], first[m.host] + len(m.devices)))

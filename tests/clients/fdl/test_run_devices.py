@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from fdl import join as join_command
 from fdl import run as run_command
+from fdl import runplan
 from fdl.main import main as fdl_main
-from fdl.run import LocalRanks, choose_local_ranks, embedded_cluster
+from fdl.runplan import LocalRanks, choose_local_ranks, embedded_cluster
 
 from flodld.agent.spec import DeviceError
 from flodld.config import load_text
@@ -244,8 +245,8 @@ def test_probe_reports_what_fdl_run_would_start(program: Path, capsys: pytest.Ca
     host = json.loads(capsys.readouterr().out)["hosts"][0]
     assert (
         host["facts"]["fdl_run"]
-        == run_command.plan_run(
-            run_command.argparse.Namespace(ranks=3, devices=None, nproc_per_node=None, project=".")
+        == runplan.plan_run(
+            runplan.argparse.Namespace(ranks=3, devices=None, nproc_per_node=None, project=".")
         )[1]
     )
     assert host["facts"]["fdl_run"].startswith(
@@ -283,7 +284,7 @@ LOCAL_ALL_BLOCK = (
 def test_local_devices_all_here_is_counted_here_for_the_window() -> None:
     cluster = load_text(LOCAL_ALL_BLOCK, name="fdl.yml").cluster
     assert cluster is not None
-    probed = run_command.local_devices_counts(cluster, cuda_count=3)
+    probed = runplan.local_devices_counts(cluster, cuda_count=3)
     assert probed == {"localhost": 3}
     assert ControllerOptions.from_cluster(cluster, probed=probed).capacity == 3
 
@@ -291,7 +292,7 @@ def test_local_devices_all_here_is_counted_here_for_the_window() -> None:
 def test_local_devices_all_without_a_gpu_is_bad_usage_not_a_traceback(
     program: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(run_command, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(runplan, "cuda_device_count", lambda: 0)
     (program.parent / "fdl.yml").write_text(LOCAL_ALL_BLOCK)
     assert fdl_main(["run", str(program)]) == 2
     assert (

@@ -96,11 +96,11 @@ def test_the_exception_line_of_a_stock_traceback_without_an_error_file() -> None
 
 
 def test_a_detail_over_the_caps_never_costs_the_exit_report() -> None:
-    from flodld.agent.run import _rank_exited
+    from flodld.agent.children import exit_report
     from flodld.agent.supervision import ExitDetail
 
-    report = _rank_exited(1, 300, False, ExitDetail(5.0, "E: " + "x" * 5000, "a\nb"))
+    report = exit_report(1, 300, False, ExitDetail(5.0, "E: " + "x" * 5000, "a\nb"))
     assert (report.code, report.failed_at, report.tail) == (255, 5.0, "a\nb")
     assert len(report.error or "") == 1024
-    bad = _rank_exited(1, 1, True, ExitDetail(5.0, None, "\n" * 100))  # not from OutputTail: over 40 lines
+    bad = exit_report(1, 1, True, ExitDetail(5.0, None, "\n" * 100))  # not from OutputTail: over 40 lines
     assert (bad.rank, bad.code, bad.torn_down, bad.tail) == (1, 1, True, None)

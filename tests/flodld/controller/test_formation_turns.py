@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from flodld.config.join import JoinConfig
-from flodld.controller import run
+from flodld.controller import shipper
 from flodld.controller.join import JoinProtocol
 from flodld.membership.phase import Phase
 from flodld.wire.join import WorldFormed
@@ -31,7 +31,7 @@ async def _join_in_order(port: int, key: bytes, count: int) -> list[Agent]:
 async def test_world_formed_goes_to_every_host_in_admission_order_a_chunk_per_turn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(run, "SHIP_CHUNK_HOSTS", CHUNK)
+    monkeypatch.setattr(shipper, "SHIP_CHUNK_HOSTS", CHUNK)
     sent: list[tuple[int, list[int]]] = []  # (turn, the envelope's ranks) per WorldFormed queued
     turns: list[TurnCounter] = []
     plain_send = JoinProtocol.send_nowait
@@ -68,13 +68,13 @@ async def test_state_json_answers_while_formation_waits_for_a_slow_host(
     slow_host = "h02"
     released = asyncio.Event()
     drains: list[str] = []
-    monkeypatch.setattr(run, "SHIP_CHUNK_HOSTS", CHUNK)
+    monkeypatch.setattr(shipper, "SHIP_CHUNK_HOSTS", CHUNK)
     # One host's WorldFormed stays in its transport until the test lets it go (a host that reads slowly)
-    monkeypatch.setattr(run, "_write_buffered", lambda link: link.host == slow_host)
+    monkeypatch.setattr(shipper, "_write_buffered", lambda link: link.host == slow_host)
     controller, port = await started(options(capacity=5, join=JoinConfig(join_timeout=30)))
     try:
         agents = await _join_in_order(port, controller.salt, 4)
-        link = controller._links[slow_host]
+        link = controller.links[slow_host]
         plain_drain = JoinProtocol.drain
 
         async def held_drain(self: JoinProtocol) -> None:

@@ -118,11 +118,11 @@ async def test_a_linked_host_is_served_by_its_protocol_object_without_a_task() -
     async with controller_on_loopback() as (controller, port):
         agent = await join(port, controller.salt, "a")
         assert agent.accepted.ranks == [0]
-        link = controller._links["a"]
+        link = controller.links["a"]
         assert isinstance(link.stream, JoinProtocol) and not controller.mux._tasks
         await eventually(lambda: _settled(controller))
         await agent.stream.aclose()
-        await eventually(lambda: "a" not in controller._links and not controller.mux._served)
+        await eventually(lambda: "a" not in controller.links and not controller.mux._served)
 
 
 async def test_silence_after_the_nonce_is_refused_at_the_handshake_deadline_without_a_reply() -> None:
@@ -145,7 +145,7 @@ async def test_a_wrong_key_and_a_replayed_first_frame_get_no_reply_and_a_counted
         assert await _reply(sock, conn) is None
         sock.close()
         await eventually(lambda: _refused(controller) == {"bad_tag": 1, "replay": 1} and _settled(controller))
-        assert not controller._links
+        assert not controller.links
 
 
 @pytest.mark.parametrize(("payload", "tail"), [(PREAUTH_MAX_PAYLOAD + 1, 0), (10, 1), (16 * 1024 * 1024, 0)])

@@ -323,7 +323,7 @@ async def test_admitted_links_probe_with_tcp_keepalive_scaled_by_the_run_env() -
     opts = options(capacity=2, link_keepalive_secs=15, env={"FLODL_NET_TIMEOUT_SCALE": "0.2"})
     async with running(opts) as (controller, port):
         agent = await join(port, controller.salt, "a")
-        link = controller._links["a"].stream
+        link = controller.links["a"].stream
         assert isinstance(link, JoinProtocol) and link.transport is not None
         sock = link.transport.get_extra_info("socket")
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
@@ -362,7 +362,7 @@ async def test_a_run_whose_keepalive_differs_from_the_ports_listener_sets_its_ow
     await controller.start()
     try:
         agent = await join(address[1], controller.salt, "a")
-        link = controller._links["a"].stream
+        link = controller.links["a"].stream
         assert isinstance(link, JoinProtocol) and link.transport is not None
         sock = link.transport.get_extra_info("socket")
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1

@@ -91,7 +91,7 @@ def test_distinct_member_ranges_cost_one_build_one_encoding_and_each_row_once() 
     assert controller.state_body(ALL_MEMBERS) == _reference(controller, ALL_MEMBERS)
     assert controller.state_cache.builds == 1
     assert controller.state_cache.get().encodes == 1
-    assert controller.row_encodes == HOSTS
+    assert controller.status.row_encodes == HOSTS
     # A new version: one more build and encoding; only the new member's row is encoded again.
     window = controller.window
     assert window is not None
@@ -99,7 +99,7 @@ def test_distinct_member_ranges_cost_one_build_one_encoding_and_each_row_once() 
     controller.state_cache.clear()
     assert controller.state_body(ALL_MEMBERS) == _reference(controller, ALL_MEMBERS)
     assert controller.state_cache.builds == 2 and controller.state_cache.get().encodes == 1
-    assert controller.row_encodes == HOSTS + 1
+    assert controller.status.row_encodes == HOSTS + 1
 
 
 class Clock:
@@ -166,7 +166,7 @@ async def test_over_http_a_flood_of_distinct_ranges_gets_429_with_retry_after(ta
     try:
         controller.state_cache.interval = 3600.0
         controller.render_budget = controller.state_cache.budget = RenderBudget(
-            rate=1.0, burst=1.0, source_rate=1e-6, source_burst=1e-6, on_refused=controller._count_busy
+            rate=1.0, burst=1.0, source_rate=1e-6, source_burst=1e-6, on_refused=controller.status.count_busy
         )
         answers = [await _get(port, target % (i, i + 1)) for i in range(6)]
         assert answers[0][0] == 200
@@ -184,7 +184,7 @@ async def test_over_http_a_flood_of_distinct_ranges_gets_429_with_retry_after(ta
 
 async def test_the_status_page_is_rendered_once_per_build(monkeypatch: pytest.MonkeyPatch) -> None:
     import flodld.controller.page as page
-    import flodld.controller.run as run
+    import flodld.controller.runstatus as runstatus
 
     renders = 0
     original = page.render_page
@@ -195,7 +195,7 @@ async def test_the_status_page_is_rendered_once_per_build(monkeypatch: pytest.Mo
         return original(state)
 
     monkeypatch.setattr(page, "render_page", counted)
-    monkeypatch.setattr(run, "render_page", counted, raising=False)
+    monkeypatch.setattr(runstatus, "render_page", counted)
     controller, port = await started(options(capacity=4, join=JoinConfig(join_timeout=30)))
     try:
         controller.state_cache.interval = controller.state_cache.max_age = 3600.0
