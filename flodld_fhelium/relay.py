@@ -18,13 +18,13 @@ import torch
 
 from fhelium.core import PublicKey
 from fhelium.engine import CkksEngine
-from fhelium.multiparty.distributed import (
+from fhelium.multiparty.channel import (
     EXCHANGES,
-    MAX_KEY_SHARE_BYTES,
     MemberLostError,
     gather_from_store,
     missing_error,
 )
+from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
 from fhelium.multiparty.protocol import MissingSharesError, reduce_sum_
 from flodld_fhelium.errors import AggregationError, KeyMismatchError, WorldChangedError
 from flodld_fhelium.transport import KEY_HOLDER, decode_record, encode_record
