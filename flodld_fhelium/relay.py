@@ -24,8 +24,9 @@ from fhelium.multiparty.channel import (
     gather_from_store,
     missing_error,
 )
+from fhelium.multiparty.encoding import reduce_sum_
+from fhelium.multiparty.errors import MissingSharesError
 from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
-from fhelium.multiparty.protocol import MissingSharesError, reduce_sum_
 from flodld_fhelium.errors import AggregationError, KeyMismatchError, WorldChangedError
 from flodld_fhelium.transport import KEY_HOLDER, decode_record, encode_record
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 import fhelium.distributed as fdist
-from fhelium.multiparty.protocol import MissingSharesError, MultipartyError, reduce_sum_
+from fhelium.multiparty.encoding import reduce_sum_
+from fhelium.multiparty.errors import MissingSharesError, MultipartyError
 
 MAX_RECORD_BYTES = 64 * 1024
 DEFAULT_TIMEOUT_S = 60.0

@@ -38,7 +38,8 @@ from fhelium.core import Ciphertext
 from fhelium.engine import modular as mod
 from fhelium.multiparty import shamir
 from fhelium.multiparty.channel import MemberLostError
-from fhelium.multiparty.protocol import MissingSharesError, MultipartyError, decode_contributions
+from fhelium.multiparty.encoding import decode_contributions
+from fhelium.multiparty.errors import MissingSharesError, MultipartyError
 from fhelium.multiparty.sumcheck import (
     DIGEST_BYTES,
     SumCheckError,

@@ -17,7 +17,7 @@ import torch
 
 from fhelium.core import Ciphertext
 from fhelium.multiparty import sumcheck
-from fhelium.multiparty.protocol import decode_contributions
+from fhelium.multiparty.encoding import decode_contributions
 from fhelium.multiparty.sumcheck import checked_sum_digest
 
 if TYPE_CHECKING:

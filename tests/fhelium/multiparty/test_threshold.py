@@ -303,7 +303,7 @@ def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path: Pat
 
 
 def test_the_fast_reductions_give_the_exact_residues() -> None:
-    from fhelium.multiparty.protocol import reduce_signed, reduce_sum_
+    from fhelium.multiparty.encoding import reduce_signed, reduce_sum_
 
     engine = ThresholdParty(0, 2).engine
     q = torch.tensor(engine.moduli[:2], dtype=torch.int64).reshape(-1, 1)
@@ -484,3 +484,12 @@ def test_the_names_split_off_distributed_stay_importable_from_it_as_the_same_obj
         for name in names:
             assert name in distributed.__all__, name
             assert getattr(distributed, name) is getattr(module, name), name
+
+
+def test_the_names_split_off_protocol_stay_importable_from_it_as_the_same_objects() -> None:
+    from fhelium.multiparty import encoding, errors, protocol
+
+    for module in (encoding, errors):
+        for name in module.__all__:
+            assert name in protocol.__all__, name
+            assert getattr(protocol, name) is getattr(module, name), name
