@@ -173,7 +173,8 @@ def aggregate(
 def threshold_program(
     rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, check_sums: bool = True
 ) -> dict[str, Any]:
-    from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
+    from fhelium.multiparty.channel import ProcessGroupChannel
+    from fhelium.multiparty.distributed import ThresholdSession
 
     # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
     name = f"bench-program-{next(_THRESHOLD_RUNS)}"
@@ -218,7 +219,8 @@ def threshold_program(
     # each counted as a ring, plus six all_gathers: seed commitments, reveals, key share commitments and
     # key fingerprints (64 KiB records), the opened key shares (1 MiB records); the sum checks' records
     # (a digest and one [limbs, N] projection per rank and sum) are not counted.
-    from fhelium.multiparty.distributed import MAX_KEY_SHARE_BYTES, MAX_RECORD_BYTES
+    from fhelium.multiparty.channel import MAX_RECORD_BYTES
+    from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
 
     residue_bytes = 3 * rows * engine.q_count * engine.ring_degree * 8
     residue_bytes += engine.ring_degree * len(engine.moduli) * 8
@@ -244,7 +246,8 @@ def threshold(
     check_sums: bool = True,
     t_of_n: int | None = None,
 ) -> dict[str, Any]:
-    from fhelium.multiparty.distributed import ProcessGroupChannel, ThresholdSession
+    from fhelium.multiparty.channel import ProcessGroupChannel
+    from fhelium.multiparty.distributed import ThresholdSession
 
     # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
     name = f"bench-{next(_THRESHOLD_RUNS)}"
@@ -287,7 +290,8 @@ def threshold(
     # sending the other ranks' slices); six all_gathers: seed commitments, reveals, key share
     # commitments and key fingerprints (64 KiB records), the opened key shares (1 MiB records) and
     # each rank's slice of the decoded real slots (float64).
-    from fhelium.multiparty.distributed import MAX_KEY_SHARE_BYTES, MAX_RECORD_BYTES
+    from fhelium.multiparty.channel import MAX_RECORD_BYTES
+    from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
 
     limbs = engine.q_count
     per = -(-rows // world)

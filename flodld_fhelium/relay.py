@@ -18,14 +18,15 @@ import torch
 
 from fhelium.core import PublicKey
 from fhelium.engine import CkksEngine
-from fhelium.multiparty.distributed import (
+from fhelium.multiparty.channel import (
     EXCHANGES,
-    MAX_KEY_SHARE_BYTES,
     MemberLostError,
     gather_from_store,
     missing_error,
 )
-from fhelium.multiparty.protocol import MissingSharesError, reduce_sum_
+from fhelium.multiparty.encoding import reduce_sum_
+from fhelium.multiparty.errors import MissingSharesError
+from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
 from flodld_fhelium.errors import AggregationError, KeyMismatchError, WorldChangedError
 from flodld_fhelium.transport import KEY_HOLDER, decode_record, encode_record
 

@@ -33,12 +33,9 @@ import torch
 
 from fhelium.core import Ciphertext
 from fhelium.multiparty import THRESHOLD_AGGREGATION, MultipartyError, ThresholdParameters
-from fhelium.multiparty.distributed import (
-    ProcessGroupChannel,
-    ShareChannel,
-    ThresholdSession,
-    key_fingerprint,
-)
+from fhelium.multiparty.channel import ProcessGroupChannel, ShareChannel
+from fhelium.multiparty.distributed import ThresholdSession
+from fhelium.multiparty.keygen import key_fingerprint
 from flodld_fhelium.aggregation import (
     DEFAULT_ERROR_BOUND,
     PROGRAM_PATH,

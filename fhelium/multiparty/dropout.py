@@ -37,15 +37,16 @@ import torch
 from fhelium.core import Ciphertext
 from fhelium.engine import modular as mod
 from fhelium.multiparty import shamir
-from fhelium.multiparty.distributed import (
+from fhelium.multiparty.channel import MemberLostError
+from fhelium.multiparty.encoding import decode_contributions
+from fhelium.multiparty.errors import MissingSharesError, MultipartyError
+from fhelium.multiparty.sumcheck import (
     DIGEST_BYTES,
-    MemberLostError,
     SumCheckError,
     checked_sum_digest,
     project,
     projection_weights,
 )
-from fhelium.multiparty.protocol import MissingSharesError, MultipartyError, decode_contributions
 
 if TYPE_CHECKING:
     from fhelium.multiparty.distributed import ThresholdSession

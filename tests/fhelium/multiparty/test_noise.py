@@ -156,7 +156,8 @@ def test_malformed_words_are_refused() -> None:
 def test_native_signed_ntt_equals_reduce_signed_then_the_ntt(monkeypatch: pytest.MonkeyPatch) -> None:
     from fhelium.engine.ntt import NegacyclicNtt
     from fhelium.multiparty import ThresholdParty
-    from fhelium.multiparty.protocol import noise_to_ntt, reduce_signed
+    from fhelium.multiparty.encoding import reduce_signed
+    from fhelium.multiparty.protocol import noise_to_ntt
 
     levels = _native_levels()
     monkeypatch.delenv(native.LEVEL_ENVIRONMENT_VARIABLE, raising=False)

@@ -29,7 +29,7 @@ from fhelium.multiparty import (
     required_smudging_sigma,
     smudging_noise,
 )
-from fhelium.multiparty.distributed import (
+from fhelium.multiparty.sumcheck import (
     SUM_CHECK_DOMAIN,
     checked_sum_digest,
     out_of_range,
@@ -303,7 +303,7 @@ def test_a_share_loads_in_a_process_that_never_imported_multiparty(tmp_path: Pat
 
 
 def test_the_fast_reductions_give_the_exact_residues() -> None:
-    from fhelium.multiparty.protocol import reduce_signed, reduce_sum_
+    from fhelium.multiparty.encoding import reduce_signed, reduce_sum_
 
     engine = ThresholdParty(0, 2).engine
     q = torch.tensor(engine.moduli[:2], dtype=torch.int64).reshape(-1, 1)
@@ -468,3 +468,28 @@ def test_checked_sum_digest_hashes_the_whole_sum_and_range_checks_every_limb(
             digest, refused = checked_sum_digest("s", 3, "ciphertext-c1", 1, changed, q)
             assert refused is bad
             assert digest == _reference_digest("s", 3, "ciphertext-c1", 1, changed)
+
+
+def test_the_names_split_off_distributed_stay_importable_from_it_as_the_same_objects() -> None:
+    from fhelium.multiparty import channel, distributed, keygen, sumcheck
+
+    homes = {
+        channel: ["DEFAULT_TIMEOUT_S", "EXCHANGES", "MAX_RECORD_BYTES", "MemberLostError",
+                  "ProcessGroupChannel", "ShareChannel", "gather_from_store", "missing_error"],
+        keygen: ["MAX_KEY_SHARE_BYTES", "key_fingerprint", "key_share_digest"],
+        sumcheck: ["DIGEST_BYTES", "SUM_CHECK_DOMAIN", "SumCheckError", "checked_sum_digest", "out_of_range",
+                   "project", "projection_weights", "sum_digest"],
+    }
+    for module, names in homes.items():
+        for name in names:
+            assert name in distributed.__all__, name
+            assert getattr(distributed, name) is getattr(module, name), name
+
+
+def test_the_names_split_off_protocol_stay_importable_from_it_as_the_same_objects() -> None:
+    from fhelium.multiparty import encoding, errors, protocol
+
+    for module in (encoding, errors):
+        for name in module.__all__:
+            assert name in protocol.__all__, name
+            assert getattr(protocol, name) is getattr(module, name), name

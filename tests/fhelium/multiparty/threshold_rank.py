@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 import fhelium.distributed as fdist
-from fhelium.multiparty.distributed import MAX_RECORD_BYTES, ProcessGroupChannel, ThresholdSession
+from fhelium.multiparty.channel import MAX_RECORD_BYTES, ProcessGroupChannel
+from fhelium.multiparty.distributed import ThresholdSession
 
 
 def update(rank: int, count: int) -> torch.Tensor:

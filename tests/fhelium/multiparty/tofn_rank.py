@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fhelium.multiparty.distributed import MAX_RECORD_BYTES, ProcessGroupChannel, ThresholdSession
+from fhelium.multiparty.channel import MAX_RECORD_BYTES, ProcessGroupChannel
+from fhelium.multiparty.distributed import ThresholdSession
 
 COUNT = 4096 + 100  # two ciphertext rows
 

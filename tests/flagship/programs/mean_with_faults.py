@@ -3,7 +3,8 @@ The workload and its command line come from the bridge (flodld_fhelium), as the 
 
     mean_with_faults.py [example args] [--keys single|threshold] [--fault values|scale|foreign-key|leave
                         --fault-rank R] [--audit-dir D]
-                        (t-out-of-N also: --fault leave-early|leave-mid) [--malicious-fold substitute|subset]
+                        (t-out-of-N also: --fault leave-early|leave-mid [--leave-by exit|kill])
+                        [--malicious-fold substitute|subset]
 
 The faulty rank runs the real workload and only differs where the fault says: a different
 --values, a different CKKS scale, a public key of its own, or leaving (exit 0) right before the
@@ -11,6 +12,8 @@ all-reduce (single keys) or right after encrypting and summing, before its decry
 (threshold keys). --keys defaults to single here (the example's own default is threshold).
 --audit-dir writes each rank's secret key or secret share, update, ciphertext, sum and (threshold)
 decryption share as torch files so a test can compare them with the bytes that crossed the controller.
+With threshold keys, --leave-by kill makes the leaving rank SIGKILL itself instead of exiting 0 (run it
+with a tolerance, docs/elastic-averaging.md, so that its host-mates keep running).
 --malicious-fold plays the controller's fold as an attacker against rank --fault-rank (relay road).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -104,6 +108,7 @@ def main() -> int:
     faults.add_argument("--audit-dir")
     faults.add_argument("--keys", choices=("single", "threshold"), default="single")
     faults.add_argument("--malicious-fold", choices=("substitute", "subset"))
+    faults.add_argument("--leave-by", choices=("exit", "kill"), default="exit")
     fault_args, rest = faults.parse_known_args()
     args = cli.parse_arguments(rest)
     torch.set_num_threads(1)
@@ -127,17 +132,22 @@ def main() -> int:
     def audit(name: str, tensor: torch.Tensor) -> None:
         torch.save(tensor.clone(), Path(fault_args.audit_dir) / f"rank{rank}-{name}.pt")
 
+    def leave_now() -> None:  # a t-out-of-N leaver: a clean exit, or killed as by the OOM killer
+        if fault_args.leave_by == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(0)
+
     def threshold_audit(name: str, tensor: torch.Tensor) -> None:
         if fault_args.audit_dir:
             audit(name, tensor)
         if (faulty, name) in LEAVING.items():
             print(f"rank {rank}: leaving at {name!r} ({faulty})", flush=True)
-            os._exit(0)
+            leave_now()
 
     if fault_args.keys == "threshold":
         def leave_before_share() -> None:
             print(f"rank {rank}: leaving after encrypting, before its decryption share", flush=True)
-            os._exit(0)
+            leave_now()
 
         try:
             outcome = threshold.aggregate_mean_threshold(

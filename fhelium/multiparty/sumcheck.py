@@ -1,0 +1,340 @@
+"""Verified sums: the checks that a sum the channel's fold returned is the sum of this round's inputs.
+
+The channel's fold is not trusted (docs/security.md, "Threshold aggregation"). Every rank digests
+the sum it was handed (bound to the session, the round, the exchange and the slice), the ranks
+all-gather the digests (different sums for different ranks are named), and the Fiat–Shamir
+challenge of the digest gives one uniform multiplier per row and limb: the projections of every
+rank's own input must add up to the projection of the sum, exactly, modulo each prime.
+``ThresholdSession`` (fhelium.multiparty.distributed) and ``fhelium.multiparty.dropout`` run them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from fhelium.engine import CkksEngine
+from fhelium.engine import modular as mod
+from fhelium.engine.sampling import RandomSource
+from fhelium.multiparty.channel import ShareChannel
+from fhelium.multiparty.protocol import MultipartyError
+
+SUM_CHECK_DOMAIN = b"fhelium.multiparty.sum-check.v1"
+DIGEST_BYTES = 32
+
+
+class SumCheckError(MultipartyError):
+    """A sum the channel (the fold) returned is not the sum of this round's inputs: refused.
+
+    ``round`` is the session's aggregation round; ``ranks`` the ranks that were handed another sum
+    than this one (empty when every rank got the same wrong sum).
+    """
+
+    def __init__(self, message: str, round_number: int, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.round = round_number
+        self.ranks = sorted(ranks)
+
+
+CHECK_BLOCK_BYTES = 1 << 19  # one block of a sum is range-checked and hashed while it is in cache
+
+
+def sum_digest(session: str, round_number: int, what: str, part: int, summed: torch.Tensor) -> bytes:
+    """SHA-256 of a summed residue tensor bound to the session, the round, the exchange and the slice.
+
+    Binding the round makes an earlier round's sum another digest (and another challenge) than this
+    round's, even when its residues were replayed bit for bit.
+    """
+    digest, _ = checked_sum_digest(session, round_number, what, part, summed, None)
+    return digest
+
+
+def checked_sum_digest(
+    session: str, round_number: int, what: str, part: int, summed: torch.Tensor, q: torch.Tensor | None
+) -> tuple[bytes, bool]:
+    """``sum_digest`` and, with ``q``, whether every residue lies in [0, q_limb) (else True).
+
+    One pass over the sum: each block of ``CHECK_BLOCK_BYTES`` is range-checked and hashed while it
+    is in cache (the same bytes, in the same order, as hashing the whole tensor at once).
+    """
+    header = f"{len(session)}:{session}/{round_number}/{what}/{part}/{tuple(summed.shape)}".encode()
+    digest = hashlib.sha256(SUM_CHECK_DOMAIN + len(header).to_bytes(4, "big") + header)
+    residues = summed.contiguous().cpu()
+    bad = False
+    if residues.ndim < 2 or residues.numel() == 0:
+        digest.update(residues.numpy().data)
+        return digest.digest(), q is not None and residues.numel() > 0 and out_of_range(residues, q)
+    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
+    step = max(1, CHECK_BLOCK_BYTES // (rows[0].numel() * rows.element_size()))
+    for start in range(0, rows.size(0), step):
+        block = rows[start : start + step]
+        if q is not None and not bad:
+            bad = out_of_range(block, q)
+        digest.update(block.numpy().data)  # the residues in place, no bytes copy
+    return digest.digest(), bad
+
+
+def out_of_range(residues: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether any residue of ``[..., limbs, N]`` lies outside [0, q_limb).
+
+    One min/max pass over the whole tensor against the smallest prime settles almost every sum;
+    only when a residue lies between the smallest and its own limb's prime are the limbs checked
+    one by one.
+    """
+    moduli = q.reshape(-1)
+    low, high = (int(bound) for bound in torch.aminmax(residues))
+    if low < 0:
+        return True
+    if high < int(moduli.min()):
+        return False
+    _, highs = torch.aminmax(residues.reshape(-1, residues.size(-2), residues.size(-1)), dim=-1)
+    return bool((highs >= moduli.to(highs.device)).any())
+
+
+def projection_weights(digest: bytes, moduli: torch.Tensor, rows: int) -> torch.Tensor:
+    """The Fiat–Shamir challenge of ``digest``: one uniform multiplier per row and limb, ``[rows, limbs, 1]``.
+
+    Expanded with the engine's ChaCha20 ``RandomSource`` from the digest of the sum being checked, so
+    the fold cannot know the multipliers before it has committed to the sum (every rank derives the
+    same ones from the same sum).
+    """
+    q = moduli.reshape(-1, 1).cpu()
+    weights = RandomSource(digest, purpose="general").uniform_below(q, (q.size(0), rows))
+    return weights.t().contiguous().unsqueeze(-1).to(moduli.device)
+
+
+def project(
+    residues: torch.Tensor, weights: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor
+) -> torch.Tensor:
+    """Σ_r weights[r]·residues[r] mod q: ``[limbs, N]`` from ``[rows, limbs, N]`` residues, exact.
+
+    One pass over the rows (the native fused multiply-add-mod where it serves, else mul_mod and
+    add_mod): the cost of one modular product per residue.
+    """
+    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
+    total = torch.zeros(rows.shape[1:], dtype=torch.int64, device=rows.device)
+    if mod._native_elementwise(rows, weights, q):
+        from fhelium import native
+
+        for row, weight in zip(rows, weights, strict=True):
+            total = native.mul_add_mod(row, weight, total, q)
+        return total
+    for row, weight in zip(rows, weights, strict=True):
+        mod.add_mod_(total, mod.mul_mod(row, weight, q, q_inverse), q)
+    return total
+
+
+SUM_LABELS = {
+    "ciphertext-c1": "c1 sum",
+    "decryption-contributions": "sum of the decryption contributions",
+}
+
+
+def refuse(
+    session: str, rank: int, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()
+) -> SumCheckError:
+    """The ``SumCheckError`` of rank ``rank`` refusing the ``what`` sum of round ``round_number``."""
+    label = SUM_LABELS.get(what, what)
+    action = (
+        "refuses to publish its decryption contribution"
+        if what == "ciphertext-c1"
+        else "refuses to decode it"
+    )
+    return SumCheckError(
+        f"aggregation round {round_number} of session {session!r}: the {label} the channel "
+        f"(the aggregator's fold) returned {detail}; rank {rank} {action}. The aggregator "
+        "substituted, dropped, replayed, scaled or reordered inputs, or answered ranks differently "
+        "(docs/security.md, 'Threshold aggregation'); run the round again over an aggregator you "
+        "trust to be correct",
+        round_number,
+        ranks,
+    )
+
+
+def check_sums(
+    channel: ShareChannel,
+    engine: CkksEngine,
+    session: str,
+    what: str,
+    round_number: int,
+    own: Sequence[torch.Tensor],
+    sums: Sequence[torch.Tensor],
+    prime_ids: Sequence[int],
+    checked: Sequence[tuple[bytes, bool]] | None = None,
+) -> None:
+    """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
+
+    One record exchange: per part, the digest of the sum (session, round, exchange, part) and
+    the projection of this rank's own residues with that digest's challenge. Every rank checks
+    every digest against its own (different sums for different ranks are named) and the sum of
+    the projections against the projection of the sum. ``checked``: each sum's
+    ``checked_sum_digest`` when the caller took it already (as each sum arrived).
+    """
+    ids = tuple(prime_ids)
+    m = engine._mod(ids)
+    for part, (mine, summed) in enumerate(zip(own, sums, strict=True)):
+        if tuple(summed.shape) != tuple(mine.shape):
+            raise refuse(
+                session,
+                channel.rank,
+                what,
+                round_number,
+                f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
+            )
+    if checked is None:  # digest and range check in one pass per sum
+        checked = [
+            checked_sum_digest(session, round_number, what, part, s, m.q) for part, s in enumerate(sums)
+        ]
+    for part, (_, bad) in enumerate(checked):
+        # residues at or above their prime would be congruent to a checked value yet feed the
+        # modular kernels out of their range
+        if bad:
+            raise refuse(
+                session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
+            )
+    digests = [digest for digest, _ in checked]
+    weights = [
+        projection_weights(d, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
+        for d, s in zip(digests, sums, strict=True)
+    ]
+    projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
+    record = b"".join(
+        d + p.contiguous().cpu().numpy().tobytes() for d, p in zip(digests, projections, strict=True)
+    )
+    records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
+    differing = [
+        rank
+        for rank, blob in enumerate(records)
+        if len(blob) != len(record)
+        or any(
+            blob[offset : offset + DIGEST_BYTES] != digest
+            for offset, digest in zip(_offsets(projections), digests, strict=True)
+        )
+    ]
+    if differing:
+        raise refuse(
+            session,
+            channel.rank,
+            what,
+            round_number,
+            f"differs between ranks: rank(s) {differing} were handed another one than rank "
+            f"{channel.rank} (each rank's digest of its sum, all-gathered)",
+            differing,
+        )
+    for part, (offset, summed, weight) in enumerate(
+        zip(_offsets(projections), sums, weights, strict=True)
+    ):
+        total = torch.zeros_like(projections[part])
+        size = projections[part].numel() * 8
+        for blob in records:
+            start = offset + DIGEST_BYTES
+            theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
+            mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
+        if not torch.equal(total, project(summed, weight, m.q, m.q_inverse)):
+            raise refuse(
+                session,
+                channel.rank,
+                what,
+                round_number,
+                f"is not the sum of this round's {channel.world_size} inputs (slice {part}: the "
+                "random projections of every rank's own input do not add up to the projection of the "
+                "sum)",
+            )
+
+def check_sliced_sums(
+    channel: ShareChannel,
+    engine: CkksEngine,
+    session: str,
+    round_number: int,
+    own: Sequence[torch.Tensor],
+    mine_index: int,
+    mine: torch.Tensor | None,
+    prime_ids: Sequence[int],
+) -> None:
+    """The summed contributions of the sliced path: slice k's sum is on rank k only.
+
+    Rank k publishes the digest of its sum, every rank publishes the projection of its own
+    contribution to every slice with that slice's challenge, rank k checks its slice, and every
+    rank's verdict is all-gathered so that every rank refuses together, naming the round.
+    """
+    what = "decryption-contributions"
+    ids = tuple(prime_ids)
+    m = engine._mod(ids)
+    digest, mine_bad = b"", False
+    if mine is not None:  # digest and range check in one pass
+        digest, mine_bad = checked_sum_digest(
+            session, round_number, what, mine_index, mine, m.q
+        )
+    digests = channel.all_gather_bytes(
+        f"{what}-digest:{round_number}", digest, max_bytes=DIGEST_BYTES
+    )
+    # the ranks holding a slice are the first len(own) (slices are cut in rank order)
+    weights = []
+    for part, contribution in enumerate(own):
+        if len(digests[part]) != DIGEST_BYTES:
+            raise refuse(
+                session, channel.rank, what, round_number, f"was never announced by rank {part}", [part]
+            )
+        rows = contribution.reshape(-1, len(ids), contribution.size(-1)).size(0)
+        weights.append(projection_weights(digests[part], m.q, rows))
+    projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
+    record = b"".join(p.contiguous().cpu().numpy().tobytes() for p in projections)
+    records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
+    verdict = b""
+    if mine is not None:
+        size = projections[mine_index].numel() * 8
+        total = torch.zeros_like(projections[mine_index])
+        for blob in records:
+            start = mine_index * size
+            theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
+            if theirs.numel() != total.numel():
+                verdict = b"a rank sent a truncated projection"
+                break
+            mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
+        else:
+            if (
+                mine.shape != own[mine_index].shape
+                or mine_bad
+                or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
+            ):
+                verdict = b"is not the sum of this round's contributions"
+    verdicts = channel.all_gather_bytes(f"{what}-verdict:{round_number}", verdict, max_bytes=256)
+    refused = [rank for rank, text in enumerate(verdicts) if text]
+    if refused:
+        raise refuse(
+            session,
+            channel.rank,
+            what,
+            round_number,
+            f"to rank(s) {refused} (the rank(s) decoding those slices) "
+            + verdicts[refused[0]].decode(errors="replace"),
+            refused,
+        )
+
+
+def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
+    """Where each part's digest starts in a check record (digest, then its projection, per part)."""
+    offsets, at = [], 0
+    for projection in projections:
+        offsets.append(at)
+        at += DIGEST_BYTES + projection.numel() * 8
+    return offsets
+
+
+__all__ = [
+    "CHECK_BLOCK_BYTES",
+    "DIGEST_BYTES",
+    "SUM_CHECK_DOMAIN",
+    "SUM_LABELS",
+    "SumCheckError",
+    "check_sliced_sums",
+    "check_sums",
+    "checked_sum_digest",
+    "out_of_range",
+    "project",
+    "projection_weights",
+    "refuse",
+    "sum_digest",
+]
