@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from flodld.controller.options import ControllerOptions
     from flodld.controller.service import assemble_controller
     from flodld.fanout.cluster_run import run_cluster_job
+    from flodld.fanout.drive import drive_run
     from flodld.fanout.forward import ForwardError, open_forward
     from flodld.fanout.remote_probe import probe_cluster
     from flodld.fanout.ssh import SshConfigError, SshEndpoint
@@ -118,6 +119,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.controller.options": ("ControllerOptions",),
     "flodld.controller.service": ("assemble_controller",),
     "flodld.fanout.cluster_run": ("run_cluster_job",),
+    "flodld.fanout.drive": ("drive_run",),
     "flodld.fanout.forward": ("ForwardError", "open_forward"),
     "flodld.fanout.remote_probe": ("probe_cluster",),
     "flodld.fanout.ssh": ("SshConfigError", "SshEndpoint"),
@@ -200,6 +202,7 @@ __all__ = [
     "component",
     "config_overlay_file",
     "derive_policy",
+    "drive_run",
     "encode_spec",
     "load_config",
     "load_config_file",

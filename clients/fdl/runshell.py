@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import re
-import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -327,22 +326,7 @@ async def run_job(
     bound = cluster.controller.join.max_restarts if max_restarts is None else max_restarts
     supervisor = api.RunSupervisor([worker.host for worker in local], max_restarts=bound)
     shell = _RunShell(command, cluster, local, overrides, rank_filter=rank_filter, logs=logs)
-    loop = asyncio.get_running_loop()
-    interrupted = api.Interrupted("interrupted by the operator")
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, shell.events.put_nowait, interrupted)
-    try:
-        actions = list(supervisor.start())
-        while True:
-            for action in actions:
-                await shell.carry_out(action)
-                if shell.exit_code is not None:
-                    return shell.exit_code
-            actions = supervisor.handle(await shell.events.get())
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        await shell.close()
+    return await api.drive_run(supervisor, shell)
 
 
 OUTPUT_LINE_LIMIT = 1024 * 1024

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
 from flodld.config.models import ClusterConfig
 from flodld.controller.options import ControllerOptions
 from flodld.controller.service import assemble_controller
+from flodld.fanout.drive import drive_run
 from flodld.fanout.launcher import AgentExit, FanOut, FanOutError, plan_agent, probe_device_count, workdir_for
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt
@@ -37,7 +37,6 @@ from flodld.membership.supervisor import (
     Event,
     Finish,
     HostLost,
-    Interrupted,
     RunSupervisor,
     Say,
     StartAttempt,
@@ -120,22 +119,7 @@ async def run_cluster_job(
         program, args, cluster, probed, overrides, say=say, on_output=on_output, env=env, grace_s=grace_s,
         local_cwd=local_cwd,
     )  # fmt: skip
-    loop = asyncio.get_running_loop()
-    interrupted = Interrupted("interrupted by the operator")
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, shell.events.put_nowait, interrupted)
-    try:
-        actions = supervisor.start()
-        while True:
-            for action in actions:
-                await shell.carry_out(action)
-                if shell.exit_code is not None:
-                    return shell.exit_code
-            actions = supervisor.handle(await shell.events.get())
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        await shell.close()
+    return await drive_run(supervisor, shell)
 
 
 def supervisor_code(code: int) -> int:
