@@ -118,8 +118,12 @@ def test_the_same_script_under_torchrun_max_restarts_gives_the_same_result(
         pytest.xfail("torchrun's own restart never completed in 3 trials:\n" + "\n----\n".join(outputs))
     rows = attempts(out)
     assert [row for row in rows if row[1] == 0] == [(0, 0, 1), (1, 0, 1)]
-    resumed = {row[1] for row in rows if row[1] > 0 and row[2] == 5}
-    assert len(resumed) == 1 and [row[0] for row in rows if row[1] in resumed] == [0, 1], rows
+    # torchrun may spend a restart on its own rendezvous after some of its ranks started (a rank's row
+    # written, its peer's gloo mesh refused: seen as rows (0, 1, 5), (0, 2, 5), (1, 2, 5)); every rank that
+    # started in any restart resumed after the checkpoint, and the restart that completed ran both ranks
+    assert all(row[2] == 5 for row in rows if row[1] > 0), rows
+    last = max(row[1] for row in rows)
+    assert last > 0 and [row[0] for row in rows if row[1] == last] == [0, 1], rows
     assert torch.equal(torch.load(out / "final.pt"), fault_free)
 
 
