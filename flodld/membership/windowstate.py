@@ -28,34 +28,22 @@ class StateRow(Protocol):
 class WindowView(Protocol):
     """What state.json reads of a `JoinWindow`: its fields and two queries, never a change."""
 
+    policy: WindowPolicy
+    roster: tuple[str, ...]
+    opened_at: float
+    run_id: str
+    controller: str
+    ledger: Ledger
+    phase: Phase
+    reason: str
+    start_armed: bool
+    world: World | None
+    links: dict[str, LinkState]
+    rank_exits: dict[int, int]
+    root_cause: RootCauseTracker
+
     @property
-    def policy(self) -> WindowPolicy: ...
-    @property
-    def roster(self) -> Sequence[str]: ...
-    @property
-    def opened_at(self) -> float: ...
-    @property
-    def run_id(self) -> str: ...
-    @property
-    def controller(self) -> str: ...
-    @property
-    def ledger(self) -> Ledger: ...
-    @property
-    def phase(self) -> Phase: ...
-    @property
-    def reason(self) -> str: ...
-    @property
-    def start_armed(self) -> bool: ...
-    @property
-    def world(self) -> World | None: ...
-    @property
-    def links(self) -> Mapping[str, LinkState]: ...
-    @property
-    def rank_exits(self) -> Mapping[int, int]: ...
-    @property
-    def root_cause(self) -> RootCauseTracker: ...
-    @property
-    def losses(self) -> Mapping[int, StateRow]: ...
+    def losses(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankLoss`
     @property
     def link_counts(self) -> Mapping[str, int]: ...
 
