@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from flodld.membership.snapshot import attempt_texts
@@ -198,10 +198,26 @@ def _member_total(state: Mapping[str, Any], listed: int) -> int:
     return listed
 
 
+def _empty_section(section_id: str, title: str, message: str) -> str:
+    """A section with nothing to list: its heading and `message` (constant text, not escaped)."""
+    return f'<section id="{section_id}"><h2>{title}</h2><p class="empty">{message}</p></section>'
+
+
+def _table_section(section_id: str, title: str, headers: Sequence[str], rows: str, more: str = "") -> str:
+    """A section holding one table: `headers` and `title` are constant text (not escaped), `rows` its
+    already escaped <tr> elements, `more` what follows the table (a "not shown" line, or nothing).
+    """
+    head = "".join(f"<th>{name}</th>" for name in headers)
+    return (
+        f'<section id="{section_id}"><h2>{title}</h2><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{rows}</tbody></table>{more}</section>"
+    )
+
+
 def _hosts(state: Mapping[str, Any]) -> str:
     members = [m for m in (state.get("members") or []) if isinstance(m, Mapping)]
     if not members:
-        return '<section id="hosts"><h2>hosts</h2><p class="empty">none joined yet</p></section>'
+        return _empty_section("hosts", "hosts", "none joined yet")
     rows = []
     for m in members[:MAX_ROWS]:
         link = str(m.get("link") or "open")
@@ -215,20 +231,14 @@ def _hosts(state: Mapping[str, Any]) -> str:
     total = _member_total(state, len(members))
     shown = min(len(members), MAX_ROWS)
     more = _more(total - shown, "hosts") if total > shown else ""
-    return (
-        f'<section id="hosts"><h2>hosts ({total})</h2><table><thead><tr><th>host</th><th>ranks</th>'
-        f"<th>devices</th><th>variant</th><th>joined</th><th>link</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table>{more}</section>"
-    )
+    headers = ("host", "ranks", "devices", "variant", "joined", "link")
+    return _table_section("hosts", f"hosts ({total})", headers, "".join(rows), more)
 
 
 def _missing(state: Mapping[str, Any]) -> str:
     missing = [str(name) for name in (state.get("missing") or [])]
     if not missing:
-        return (
-            '<section id="missing"><h2>missing</h2>'
-            '<p class="empty">nobody on the roster is missing</p></section>'
-        )
+        return _empty_section("missing", "missing", "nobody on the roster is missing")
     more = _more(len(missing) - MAX_ROWS, "names") if len(missing) > MAX_ROWS else ""
     items = "".join(f"<li>{_e(name)}</li>" for name in missing[:MAX_ROWS])
     return (
@@ -241,18 +251,15 @@ def _refused(state: Mapping[str, Any]) -> str:
     refused = state.get("refused") or {}
     counts = sorted(((str(k), _int(v)) for k, v in refused.items()), key=lambda kv: (-kv[1], kv[0]))
     if not counts:
-        return '<section id="refused"><h2>refusals</h2><p class="empty">none</p></section>'
+        return _empty_section("refused", "refusals", "none")
     rows = "".join(f"<tr><td>{_e(code)}</td><td>{n}</td></tr>" for code, n in counts[:MAX_ROWS])
-    return (
-        '<section id="refused"><h2>refusals</h2><table><thead><tr><th>reason</th><th>count</th></tr></thead>'
-        f"<tbody>{rows}</tbody></table></section>"
-    )
+    return _table_section("refused", "refusals", ("reason", "count"), rows)
 
 
 def _exits(state: Mapping[str, Any]) -> str:
     exits = [x for x in (state.get("rank_exits") or []) if isinstance(x, Mapping)]
     if not exits:
-        return '<section id="exits"><h2>rank exits</h2><p class="empty">none reported</p></section>'
+        return _empty_section("exits", "rank exits", "none reported")
     bad = sum(1 for x in exits if _int(x.get("code")) != 0)
     rows = "".join(
         f'<tr><td>{_int(x.get("rank"))}</td><td class="{"bad" if _int(x.get("code")) else "ok"}">'
@@ -260,11 +267,7 @@ def _exits(state: Mapping[str, Any]) -> str:
         for x in exits[:MAX_ROWS]
     )
     more = _more(len(exits) - MAX_ROWS, "exits") if len(exits) > MAX_ROWS else ""
-    return (
-        f'<section id="exits"><h2>rank exits ({len(exits)}, {bad} '
-        "non-zero)</h2><table><thead><tr><th>rank</th>"
-        f"<th>code</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
-    )
+    return _table_section("exits", f"rank exits ({len(exits)}, {bad} non-zero)", ("rank", "code"), rows, more)
 
 
 def _root_cause(state: Mapping[str, Any]) -> str:
@@ -296,10 +299,8 @@ def _losses(state: Mapping[str, Any]) -> str:
         for x in losses[:MAX_ROWS]
     )
     more = _more(len(losses) - MAX_ROWS, "losses") if len(losses) > MAX_ROWS else ""
-    return (
-        f'<section id="losses"><h2>lost ranks ({len(losses)})</h2><table><thead><tr><th>rank</th>'
-        f"<th>host</th><th>cause</th><th>round</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
-    )
+    headers = ("rank", "host", "cause", "round")
+    return _table_section("losses", f"lost ranks ({len(losses)})", headers, rows, more)
 
 
 def _delay(value: object) -> str:
@@ -320,11 +321,8 @@ def _stragglers(state: Mapping[str, Any]) -> str:
         f"<td>{_int(x.get('skipped', 0))}</td></tr>"
         for x in slow[:MAX_ROWS]
     )
-    return (
-        '<section id="stragglers"><h2>slowest ranks</h2><table><thead><tr><th>rank</th><th>mean delay</th>'
-        f"<th>last delay</th><th>rounds</th><th>skipped</th></tr></thead><tbody>{rows}</tbody></table>"
-        "</section>"
-    )
+    headers = ("rank", "mean delay", "last delay", "rounds", "skipped")
+    return _table_section("stragglers", "slowest ranks", headers, rows)
 
 
 def _attempt(state: Mapping[str, Any]) -> str:
@@ -410,7 +408,7 @@ def _history(state: Mapping[str, Any]) -> str:
         return ""
     history = [h for h in (state.get("history") or []) if isinstance(h, Mapping)]
     if not history:
-        return '<section id="history"><h2>history</h2><p class="empty">no finished runs yet</p></section>'
+        return _empty_section("history", "history", "no finished runs yet")
     rows = []
     for h in history[:MAX_HISTORY]:
         verdict = str(_first(h, "verdict", "phase") or "?")
@@ -428,12 +426,8 @@ def _history(state: Mapping[str, Any]) -> str:
         if len(history) > MAX_HISTORY
         else ""
     )
-    return (
-        '<section id="history"><h2>history '
-        f"({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>"
-        "<th>ended</th><th>formed</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th>"
-        f"<th>reason</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}</section>"
-    )
+    headers = ("run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason")
+    return _table_section("history", f"history ({len(history)})", headers, "".join(rows), more)
 
 
 def service_text(state: Mapping[str, Any]) -> str:
