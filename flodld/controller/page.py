@@ -96,6 +96,16 @@ def _more(count: int, noun: str) -> str:
     return f'<p class="more">{count} more {_e(noun)} not shown (the page lists the first {MAX_ROWS}).</p>'
 
 
+def _not_shown(total: int, noun: str, shown: int = MAX_ROWS) -> str:
+    """The "more not shown" line under a list of `total` entries of which `shown` are listed, or ''."""
+    return _more(total - shown, noun) if total > shown else ""
+
+
+def _entries(state: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    """The objects listed under `key` (anything else there is skipped: the page never fails on them)."""
+    return [entry for entry in (state.get(key) or []) if isinstance(entry, Mapping)]
+
+
 def phase_note(state: Mapping[str, Any]) -> str:
     """The phase's gloss; a staging window whose clock has run out is held, not open."""
     phase = str(state.get("phase") or "?")
@@ -215,7 +225,7 @@ def _table_section(section_id: str, title: str, headers: Sequence[str], rows: st
 
 
 def _hosts(state: Mapping[str, Any]) -> str:
-    members = [m for m in (state.get("members") or []) if isinstance(m, Mapping)]
+    members = _entries(state, "members")
     if not members:
         return _empty_section("hosts", "hosts", "none joined yet")
     rows = []
@@ -230,7 +240,7 @@ def _hosts(state: Mapping[str, Any]) -> str:
         )
     total = _member_total(state, len(members))
     shown = min(len(members), MAX_ROWS)
-    more = _more(total - shown, "hosts") if total > shown else ""
+    more = _not_shown(total, "hosts", shown)
     headers = ("host", "ranks", "devices", "variant", "joined", "link")
     return _table_section("hosts", f"hosts ({total})", headers, "".join(rows), more)
 
@@ -239,7 +249,7 @@ def _missing(state: Mapping[str, Any]) -> str:
     missing = [str(name) for name in (state.get("missing") or [])]
     if not missing:
         return _empty_section("missing", "missing", "nobody on the roster is missing")
-    more = _more(len(missing) - MAX_ROWS, "names") if len(missing) > MAX_ROWS else ""
+    more = _not_shown(len(missing), "names")
     items = "".join(f"<li>{_e(name)}</li>" for name in missing[:MAX_ROWS])
     return (
         f'<section id="missing"><h2>missing ({len(missing)})</h2>'
@@ -257,7 +267,7 @@ def _refused(state: Mapping[str, Any]) -> str:
 
 
 def _exits(state: Mapping[str, Any]) -> str:
-    exits = [x for x in (state.get("rank_exits") or []) if isinstance(x, Mapping)]
+    exits = _entries(state, "rank_exits")
     if not exits:
         return _empty_section("exits", "rank exits", "none reported")
     bad = sum(1 for x in exits if _int(x.get("code")) != 0)
@@ -266,7 +276,7 @@ def _exits(state: Mapping[str, Any]) -> str:
         f"{_int(x.get('code'))}</td></tr>"
         for x in exits[:MAX_ROWS]
     )
-    more = _more(len(exits) - MAX_ROWS, "exits") if len(exits) > MAX_ROWS else ""
+    more = _not_shown(len(exits), "exits")
     return _table_section("exits", f"rank exits ({len(exits)}, {bad} non-zero)", ("rank", "code"), rows, more)
 
 
@@ -289,7 +299,7 @@ def _root_cause(state: Mapping[str, Any]) -> str:
 
 def _losses(state: Mapping[str, Any]) -> str:
     """Ranks the run lost (state.json's `losses`): rank, host, cause and the round it was in."""
-    losses = [x for x in (state.get("losses") or []) if isinstance(x, Mapping)]
+    losses = _entries(state, "losses")
     if not losses:
         return ""
     rows = "".join(
@@ -298,7 +308,7 @@ def _losses(state: Mapping[str, Any]) -> str:
         f"<td>{_e('' if x.get('round') is None else str(_int(x.get('round'))))}</td></tr>"
         for x in losses[:MAX_ROWS]
     )
-    more = _more(len(losses) - MAX_ROWS, "losses") if len(losses) > MAX_ROWS else ""
+    more = _not_shown(len(losses), "losses")
     headers = ("rank", "host", "cause", "round")
     return _table_section("losses", f"lost ranks ({len(losses)})", headers, rows, more)
 
@@ -312,7 +322,7 @@ def _delay(value: object) -> str:
 
 def _stragglers(state: Mapping[str, Any]) -> str:
     """The slowest ranks (state.json's `stragglers`): how late their deposits reach the fold."""
-    slow = [x for x in (state.get("stragglers") or []) if isinstance(x, Mapping)]
+    slow = _entries(state, "stragglers")
     if not slow:
         return ""
     rows = "".join(
@@ -406,7 +416,7 @@ def hosts_summary(value: object, limit: int = 6) -> str:
 def _history(state: Mapping[str, Any]) -> str:
     if "history" not in state or state.get("history") is None:
         return ""
-    history = [h for h in (state.get("history") or []) if isinstance(h, Mapping)]
+    history = _entries(state, "history")
     if not history:
         return _empty_section("history", "history", "no finished runs yet")
     rows = []
