@@ -61,8 +61,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The harness (controller and child processes, `LeanAgent`) and the figures (what is read of the machine,
-# the row, the table) are modules of their own beside this one; bench/reform.py shares the harness.
+# The baselines (bare asyncio echo servers), the harness (controller and child processes, `LeanAgent`) and
+# the figures (what is read of the machine, the row, the table) are modules of their own beside this one;
+# bench/reform.py shares the harness.
+from storm_baselines import baseline_connects, baseline_round_trips, echo_main
 from storm_figures import (
     MachineCpu,
     StormRow,
@@ -106,54 +108,8 @@ from flodld.wire.store import (
 # --- baselines ---------------------------------------------------------------------------------------
 
 
-async def _echo_server() -> tuple[asyncio.Server, int]:
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while True:
-                writer.write(await reader.readexactly(24))
-                await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(echo, "127.0.0.1", 0, backlog=4096)
-    return server, server.sockets[0].getsockname()[1]
-
-
-async def _baseline_connects(count: int, in_flight: int, port: int | None = None) -> float:
-    """Connections/s for connect + one 24-byte echo round trip on a bare asyncio server: in this process,
-    or the one listening on `port` (`echo_main`, a process of its own as the controller is).
-    """
-    server: asyncio.Server | None = None
-    if port is None:
-        server, port = await _echo_server()
-    gate = asyncio.Semaphore(in_flight)
-
-    async def one() -> None:
-        async with gate:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"x" * 24)
-            await reader.readexactly(24)
-            writer.close()
-
-    begun = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(count)))
-    elapsed = time.perf_counter() - begun
-    if server is not None:
-        server.close()
-    return count / elapsed
-
-
-async def echo_main() -> None:
-    """Child process: the connect+echo baseline's server, in a process of its own (as the controller is),
-    until stdin closes; prints its port first.
-    """
-    server, port = await _echo_server()
-    print(port, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    server.close()
-
-
 async def _baseline_apart(count: int, in_flight: int) -> float:
-    """`_baseline_connects` against an echo server in its own process."""
+    """`baseline_connects` against an echo server in its own process."""
     echo = await spawn_process(
         sys.executable,
         __file__,
@@ -164,34 +120,14 @@ async def _baseline_apart(count: int, in_flight: int) -> float:
     try:
         assert echo.stdout is not None
         port = int(await asyncio.wait_for(echo.stdout.readline(), 60))
-        return await _baseline_connects(count, in_flight, port)
+        return await baseline_connects(count, in_flight, port)
     finally:
         with contextlib.suppress(Exception):
             await echo.communicate(b"")
         await end_process(echo)
 
 
-async def _baseline_round_trips(clients: int, per_client: int) -> float:
-    """Round trips/s: `clients` connections each doing `per_client` 24-byte echoes, all at once."""
-    server, port = await _echo_server()
-    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
-
-    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for _ in range(per_client):
-            writer.write(b"y" * 24)
-            await reader.readexactly(24)
-
-    begun = time.perf_counter()
-    await asyncio.gather(*(one(r, w) for r, w in connections))
-    elapsed = time.perf_counter() - begun
-    for _, writer in connections:
-        writer.close()
-    server.close()
-    return clients * per_client / elapsed
-
-
 # --- the join storm ---------------------------------------------------------------------------------
-
 
 
 async def _http_latency(port: int, path: str) -> float:
@@ -230,7 +166,6 @@ async def poller_main(port: int, pollers: int) -> None:
     print(json.dumps({"state": state, "baseline": baseline}))
 
 
-
 class TooFewDescriptors(Exception):
     """The storm cannot run here: the controller (and this process) need a socket per agent."""
 
@@ -253,7 +188,7 @@ async def join_storm(agents: int, pollers: int, in_flight: int) -> StormRow:
     try:
         machine, own = MachineCpu.now(), time.process_time()
         baseline_begun = time.perf_counter()
-        baseline_rate = await _baseline_connects(agents, in_flight)
+        baseline_rate = await baseline_connects(agents, in_flight)
         others_baseline, _ = others_share(
             machine, MachineCpu.now(), time.process_time() - own, time.perf_counter() - baseline_begun
         )
@@ -430,12 +365,11 @@ async def store_storm(ranks: int, peers: int) -> StoreStormResult:
             stream.close()
         code = await end_process(proc)  # no join: SIGTERM aborts the window (a failed verdict is expected)
         drain.cancel()
-    baseline = await _baseline_round_trips(ranks, max(1, ops // ranks))
+    baseline = await baseline_round_trips(ranks, max(1, ops // ranks))
     return StoreStormResult(ops, ops / elapsed, baseline, cpu, code)
 
 
 # --- main ------------------------------------------------------------------------------------------
-
 
 
 async def main(options: argparse.Namespace) -> int:
