@@ -3,7 +3,7 @@
 Pure, as the window is: it reads a `JoinWindow` (flodld/membership/window.py, whose `state`, `snapshot`,
 `member_view` and `member_row` call these) and returns JSON-ready data; O(page + roster + exits), never
 O(members), except `member_view`'s reference copies. It knows the window only as `WindowView`, the
-read-only face declared here, so this module imports nothing of window.py.
+face declared here (what it reads, never a change), so this module imports nothing of window.py.
 """
 
 from __future__ import annotations
