@@ -4,7 +4,7 @@
 
 One `flodld serve` (a service: after a run's verdict it opens the next run's window on the same port,
 which is what a restart of `fdl run --max-restarts` does with its walk-ins) and N simulated agents
-(`join_storm.LeanAgent`: the real join protocol and crypto, one asyncio protocol each). Per round:
+(`storm_harness.LeanAgent`: the real join protocol and crypto, one asyncio protocol each). Per round:
 every agent joins and gets WorldFormed; then host 0 reports its rank exited with code 1 (the failure),
 which fails the run. From the moment that report is sent, every agent behaves as a persist loop whose
 back-off was reset: it leaves at the Abort (or its link's end) and dials again at once, until admitted;
@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from join_storm import LeanAgent, end_process, quiet_collector, raise_fd_limit, start_controller
+from storm_harness import LeanAgent, end_process, quiet_collector, raise_fd_limit, start_controller
 
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame

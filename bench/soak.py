@@ -45,27 +45,29 @@ import json
 import os
 import random
 import signal
-import socket
-import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+# The simulated agents and state.json probes, and the figures and their report, are modules of their own
+# beside this one.
+from soak_agents import (
+    RUN_BOUND_SECS,
+    fresh_endpoint,
+    get_state,
+    in_history,
+    one_run,
+    poll,
+    until_state,
+    window_open,
+)
+from soak_figures import Figures, report, sample
 
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
-from flodld.net.stream import FramedStream, open_channel
-from flodld.wire.join import JOIN_PROTOCOL_VERSION as PROTOCOL_VERSION
-from flodld.wire.join import Accept, Hello, RankExited, WorldFormed
-from flodld.wire.magic import Channel
-from flodld.wire.salt import new_salt, salt_from_hex, salt_to_hex
 
-RUN_BOUND_SECS = 30.0
 REAL_RUN_BOUND_SECS = 120.0
 REAL_HOSTS = 2
 ORPHAN_BOUND_SECS = 10.0
@@ -133,99 +135,6 @@ async def controller_loop(port: int, runs: int, real_runs: int, hosts: int, salt
 
 
 # --- the driver ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Figures:
-    state_latency: list[float] = field(default_factory=list)
-    join_latency: list[float] = field(default_factory=list)
-    run_latency: list[float] = field(default_factory=list)
-    real_run_latency: list[float] = field(default_factory=list)
-    kill_to_verdict: list[float] = field(default_factory=list)
-    orphans: list[str] = field(default_factory=list)
-    rss: list[int] = field(default_factory=list)
-    fds: list[int] = field(default_factory=list)
-    verdicts_right: int = 0
-    verdicts_wrong: list[str] = field(default_factory=list)
-
-
-def hello(host: str) -> Hello:
-    return Hello(
-        host=host,
-        devices=["cpu:0"],
-        device_labels=[],
-        variant="cpu",
-        torch_version="2.13",
-        protocol_version=PROTOCOL_VERSION,
-    )
-
-
-async def get_state(port: int) -> float:
-    begun = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /state.json HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
-    response = await reader.read(-1)
-    writer.close()
-    if not response.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"state.json answered {response[:60]!r}")
-    return time.perf_counter() - begun
-
-
-async def poll(port: int, figures: Figures, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            figures.state_latency.append(await get_state(port))
-        except (OSError, RuntimeError):
-            await asyncio.sleep(0.01)  # between runs the port is briefly closed
-        await asyncio.sleep(0.005)
-
-
-async def join(port: int, key: bytes, host: str, figures: Figures) -> FramedStream:
-    begun = time.perf_counter()
-    stream = await open_channel("127.0.0.1", port, Channel.JOIN, key, timeout=10)
-    await stream.send(hello(host))
-    reply = (await stream.recv(10)).message()
-    if not isinstance(reply, Accept):
-        raise RuntimeError(f"{host} was refused: {reply!r}")
-    figures.join_latency.append(time.perf_counter() - begun)
-    return stream
-
-
-def reset(stream: FramedStream) -> None:
-    """Close with a TCP reset, as the kernel does for a killed process with unread data."""
-    sock = stream.writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    stream.writer.transport.abort()
-
-
-async def one_run(
-    port: int, key: bytes, args: argparse.Namespace, rng: random.Random, figures: Figures, index: int
-) -> str:
-    """Drive one run; returns the expected verdict."""
-    begun = time.perf_counter()
-    leavers = [await join(port, key, f"leaver-{index}-{i}", figures) for i in range(args.leavers)]
-    for stream in leavers:
-        await stream.aclose()
-    await asyncio.sleep(0.05)  # let the retractions land before the members fill the target
-    members = await asyncio.gather(
-        *(join(port, key, f"host-{index}-{i}", figures) for i in range(args.hosts))
-    )
-    formed = [(await stream.recv(RUN_BOUND_SECS)).message() for stream in members]
-    if not all(isinstance(message, WorldFormed) for message in formed):
-        raise RuntimeError(f"run {index}: expected WorldFormed everywhere, got {formed!r}")
-    kill = rng.random() < args.kill_rate
-    victim = rng.randrange(args.hosts) if kill else -1
-    for position, (stream, message) in enumerate(zip(members, formed, strict=True)):
-        assert isinstance(message, WorldFormed)
-        if position == victim:
-            reset(stream)
-            continue
-        for rank in message.envelope.ranks:
-            await stream.send(RankExited(rank=rank, code=0))
-        await stream.aclose()
-    figures.run_latency.append(time.perf_counter() - begun)
-    return "failed" if kill else "done"
 
 
 def marked_pids(mark: str) -> list[int]:
@@ -314,18 +223,6 @@ async def real_run(
     return ("failed" if kill else "done"), result
 
 
-def sample(pid: int, figures: Figures) -> None:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            figures.rss.append(int(line.split()[1]) * 1024)
-    figures.fds.append(len(os.listdir(f"/proc/{pid}/fd")))
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
-
-
 async def expect(child: subprocess.Popen[str], prefix: str) -> list[str]:
     assert child.stdout is not None
     line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
@@ -338,15 +235,6 @@ def advance(child: subprocess.Popen[str]) -> None:
     assert child.stdin is not None
     child.stdin.write("next\n")
     child.stdin.flush()
-
-
-def fresh_endpoint() -> tuple[int, str, bytes]:
-    """A free loopback port and a new join token for one soak: (port, token hex, token)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    salt_hex = salt_to_hex(new_salt())
-    return port, salt_hex, salt_from_hex(salt_hex)
 
 
 async def drive(args: argparse.Namespace) -> int:
@@ -412,42 +300,8 @@ async def drive(args: argparse.Namespace) -> int:
         child.wait()
         scratch.cleanup()
     elapsed = time.perf_counter() - started
-    report(args, figures, quiet, elapsed)
+    report(args, figures, quiet, elapsed, REAL_HOSTS)
     return 0 if not figures.verdicts_wrong and not figures.orphans else 1
-
-
-async def service_state(port: int) -> dict[str, Any] | None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /state.json HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
-    response = await reader.read(-1)
-    writer.close()
-    head, _, body = response.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        return None
-    loaded: dict[str, Any] = json.loads(body)
-    return loaded
-
-
-def _waiting(run_id: str, state: dict[str, Any]) -> bool:
-    """The window of run `run_id` is open."""
-    return bool(state.get("run_id") == run_id and state.get("phase") == "waiting")
-
-
-def _in_history(run_id: str, state: dict[str, Any]) -> bool:
-    """Run `run_id` has ended (it is in the history)."""
-    return any(entry.get("run_id") == run_id for entry in state.get("history") or [])
-
-
-async def until_state(port: int, predicate: Callable[[dict[str, Any]], bool], bound: float) -> dict[str, Any]:
-    deadline = time.monotonic() + bound
-    while True:
-        with contextlib.suppress(OSError):
-            state = await service_state(port)
-            if state is not None and predicate(state):
-                return state
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"state.json never showed the expected state within {bound:g}s")
-        await asyncio.sleep(0.01)
 
 
 async def drive_daemon(args: argparse.Namespace) -> int:
@@ -494,13 +348,13 @@ async def drive_daemon(args: argparse.Namespace) -> int:
         for index in range(1, args.runs + 1):
             await until_state(
                 port,
-                functools.partial(_waiting, f"soak-{index}"),
+                functools.partial(window_open, f"soak-{index}"),
                 RUN_BOUND_SECS,
             )
             expected = await asyncio.wait_for(one_run(port, key, args, rng, figures, index), RUN_BOUND_SECS)
             state = await until_state(
                 port,
-                functools.partial(_in_history, f"soak-{index}"),
+                functools.partial(in_history, f"soak-{index}"),
                 RUN_BOUND_SECS,
             )
             entry = next(h for h in state["history"] if h["run_id"] == f"soak-{index}")
@@ -523,68 +377,9 @@ async def drive_daemon(args: argparse.Namespace) -> int:
         scratch.cleanup()
     elapsed = time.perf_counter() - started
     args.real_runs = 0
-    report(args, figures, quiet, elapsed)
+    report(args, figures, quiet, elapsed, REAL_HOSTS)
     print(f"flodld serve: one process for all {args.runs} runs; SIGTERM at the end exited {code}")
     return 0 if not figures.verdicts_wrong and code == 0 else 1
-
-
-def report(args: argparse.Namespace, figures: Figures, quiet: list[float], elapsed: float) -> None:
-    ms = 1e3
-    runs = figures.verdicts_right + len(figures.verdicts_wrong)
-    print(
-        f"soak: {runs} runs completed in {elapsed:.1f}s ({args.runs} protocol runs of {args.hosts} hosts + "
-        f"{args.leavers} leavers, {args.real_runs} real runs of {REAL_HOSTS} agents; {args.pollers} pollers, "
-        f"kill rate {args.kill_rate})"
-    )
-    print(f"verdicts: {figures.verdicts_right}/{runs} correct")
-    for wrong in figures.verdicts_wrong[:10]:
-        print(f"  WRONG {wrong}")
-    rss_mib = [value / 2**20 for value in figures.rss]
-    print(
-        f"controller RSS MiB: baseline {rss_mib[0]:.1f}, first run {rss_mib[1]:.1f}, max {max(rss_mib):.1f}, "
-        f"last {rss_mib[-1]:.1f}"
-    )
-    print(
-        f"controller fds: baseline {figures.fds[0]}, first run {figures.fds[1]}, max {max(figures.fds)}, "
-        f"last {figures.fds[-1]}"
-    )
-    protocol = figures.rss[1 : args.runs + 1]  # sample 0 is the baseline; real runs come last
-    head, tail = protocol[:5], protocol[-5:]
-    growth = (statistics.mean(tail) - statistics.mean(head)) / 2**20
-    print(
-        f"RSS growth over the protocol runs, mean of the last 5 minus the first 5: {growth:+.1f} MiB; "
-        f"fd growth over all runs {figures.fds[-1] - figures.fds[1]:+d}"
-    )
-    marks = sorted({1, *(max(1, round(args.runs * f)) for f in (0.1, 0.25, 0.5, 0.75, 1.0))})
-    print(
-        "RSS MiB after protocol run "
-        + ", ".join(f"{m}: {figures.rss[m] / 2**20:.1f}" for m in marks if m < len(figures.rss))
-    )
-    if args.real_runs >= 2:
-        real = [value / 2**20 for value in figures.rss[args.runs + 1 :]]
-        print(f"RSS after each real run (data plane included), MiB: {', '.join(f'{v:.1f}' for v in real)}")
-    print(
-        f"orphan processes after real runs: {len(figures.orphans)}"
-        + "".join(f"\n  ORPHANS {line}" for line in figures.orphans)
-    )
-    for name, values in (
-        ("state.json", figures.state_latency),
-        ("join", figures.join_latency),
-        ("run", figures.run_latency),
-        ("real run", figures.real_run_latency),
-        ("kill->verdict", figures.kill_to_verdict),
-    ):
-        if not values:
-            continue
-        print(
-            f"{name:>13}: n={len(values):5d} p50 {percentile(values, 0.5) * ms:8.2f} ms  "
-            f"p99 {percentile(values, 0.99) * ms:8.2f} ms  max {max(values) * ms:8.2f} ms"
-        )
-    quiet_p99 = percentile(quiet, 0.99)
-    print(
-        f"state.json p99 under soak / quiet baseline p99 ({quiet_p99 * ms:.2f} ms): "
-        f"{percentile(figures.state_latency, 0.99) / quiet_p99:.2f}x"
-    )
 
 
 def main() -> int:

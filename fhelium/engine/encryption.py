@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,18 +22,16 @@ from fhelium.core import (
     SeededCiphertext,
     ValueStateError,
 )
+from fhelium.engine.operations import EngineOperations
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
 from fhelium.engine.sampling import RandomSource
-
-if TYPE_CHECKING:
-    from fhelium.engine.engine import CkksEngine
 
 # Coefficients of an encoded message must stay well inside int64.
 _MAX_ENCODED_MAGNITUDE = 2.0**62
 
 
 def encode(
-    engine: CkksEngine,
+    engine: EngineOperations,
     values: torch.Tensor | Sequence[complex] | float,
     *,
     depth: int = 0,
@@ -68,7 +65,7 @@ def encode(
     return Plaintext(None, depth, scale, residues, "rns", domain, "Q", "standard", ids)
 
 
-def decode(engine: CkksEngine, plaintext: Plaintext) -> torch.Tensor:
+def decode(engine: EngineOperations, plaintext: Plaintext) -> torch.Tensor:
     """An rns or approximate-coefficient Plaintext → complex128 slots ``[*batch, S]`` on CPU."""
     if not isinstance(plaintext, Plaintext) or plaintext.data is None:
         raise FheliumValueError("decode needs a Plaintext with coefficient data (rns or approximate)")
@@ -84,7 +81,7 @@ def decode(engine: CkksEngine, plaintext: Plaintext) -> torch.Tensor:
     return engine.encoder.coefficients_to_slots(coefficients.cpu() / plaintext.scale)
 
 
-def encrypt(engine: CkksEngine, plaintext: Plaintext, public_key: PublicKey) -> Ciphertext:
+def encrypt(engine: EngineOperations, plaintext: Plaintext, public_key: PublicKey) -> Ciphertext:
     """Public-key encryption of an rns Plaintext (either domain) → 2-component NTT ciphertext."""
     if not isinstance(plaintext, Plaintext) or plaintext.representation != "rns" or plaintext.data is None:
         raise FheliumValueError("encrypt needs an rns Plaintext from CkksEngine.encode")
@@ -101,7 +98,7 @@ def encrypt(engine: CkksEngine, plaintext: Plaintext, public_key: PublicKey) -> 
 
 
 def encrypt_integers(
-    engine: CkksEngine,
+    engine: EngineOperations,
     integers: torch.Tensor,
     public_key: PublicKey,
     *,
@@ -143,7 +140,7 @@ def encrypt_integers(
 
 
 def public_encrypt(
-    engine: CkksEngine,
+    engine: EngineOperations,
     message: torch.Tensor,
     domain: PolynomialDomain,
     factors: torch.Tensor | None,
@@ -220,7 +217,7 @@ def public_encrypt(
 
 
 def encode_encrypt(
-    engine: CkksEngine,
+    engine: EngineOperations,
     values: torch.Tensor | Sequence[complex] | float,
     public_key: PublicKey,
     *,
@@ -232,7 +229,7 @@ def encode_encrypt(
 
 
 def encrypt_symmetric(
-    engine: CkksEngine, plaintext: Plaintext, secret: SecretKey, *, seed: bytes | None = None
+    engine: EngineOperations, plaintext: Plaintext, secret: SecretKey, *, seed: bytes | None = None
 ) -> Ciphertext:
     """Secret-key encryption with c1 = a expanded from ``seed`` (see ``uniform_from_seed``)."""
     engine._check_secret(secret)
@@ -250,14 +247,14 @@ def encrypt_symmetric(
     return Ciphertext(torch.stack((c0, a)), plaintext.depth, plaintext.scale, ids, "ntt")
 
 
-def encrypt_seeded(engine: CkksEngine, plaintext: Plaintext, secret: SecretKey) -> SeededCiphertext:
+def encrypt_seeded(engine: EngineOperations, plaintext: Plaintext, secret: SecretKey) -> SeededCiphertext:
     """Secret-key encryption stored as (c0, seed): about half the bytes of a Ciphertext."""
     seed = RandomSource().seed
     ct = engine.encrypt_symmetric(plaintext, secret, seed=seed)
     return SeededCiphertext(ct.data[0].clone(), seed, ct.depth, ct.scale, ct.prime_ids, "ntt")
 
 
-def expand_seeded(engine: CkksEngine, value: SeededCiphertext) -> Ciphertext:
+def expand_seeded(engine: EngineOperations, value: SeededCiphertext) -> Ciphertext:
     """Re-create c1 from the seed; the result is the full fresh Ciphertext."""
     if not isinstance(value, SeededCiphertext):
         raise FheliumValueError(f"expand_seeded needs a SeededCiphertext; got {type(value).__name__}")
@@ -271,7 +268,7 @@ def expand_seeded(engine: CkksEngine, value: SeededCiphertext) -> Ciphertext:
 
 
 def uniform_from_seed(
-    engine: CkksEngine, seed: bytes, prime_ids: Sequence[int], batch_shape: Sequence[int]
+    engine: EngineOperations, seed: bytes, prime_ids: Sequence[int], batch_shape: Sequence[int]
 ) -> torch.Tensor:
     """The NTT-domain uniform polynomial(s) a seed expands to (deterministic)."""
     return (
@@ -281,7 +278,7 @@ def uniform_from_seed(
     )
 
 
-def decrypt(engine: CkksEngine, ciphertext: Ciphertext, secret: SecretKey) -> Plaintext:
+def decrypt(engine: EngineOperations, ciphertext: Ciphertext, secret: SecretKey) -> Plaintext:
     """→ ``approximate_coefficients`` Plaintext (float64 ``[*batch, N]``, not divided by the scale)."""
     ct = engine._check_ciphertext(ciphertext, "ciphertext")
     engine._check_secret(secret)
@@ -306,5 +303,5 @@ def decrypt(engine: CkksEngine, ciphertext: Ciphertext, secret: SecretKey) -> Pl
     return Plaintext(None, ct.depth, ct.scale, coefficients.cpu(), "approximate_coefficients")
 
 
-def decrypt_decode(engine: CkksEngine, ciphertext: Ciphertext, secret: SecretKey) -> torch.Tensor:
+def decrypt_decode(engine: EngineOperations, ciphertext: Ciphertext, secret: SecretKey) -> torch.Tensor:
     return engine.decode(engine.decrypt(ciphertext, secret))

@@ -15,6 +15,10 @@ capability, bound here as a method under its public name:
 - ``evaluation.py``: add/sub/negate/sum, plaintext operations, multiply, rescale, mod switch, domains;
 - ``kernels.py``: the RNS kernels they share (small-integer NTT, ModDown, CRT reconstruction).
 
+Those modules type their engine parameter as ``EngineOperations`` (operations.py: ``EngineBase`` and
+the signatures of the operations they call through it), never as ``CkksEngine``, so none of them
+imports this module.
+
 The functions call each other through the engine (``engine.encrypt(...)``), so a subclass that
 overrides a method is seen by every operation that uses it, as when they were methods.
 """
@@ -22,10 +26,10 @@ overrides a method is seen by every operation that uses it, as when they were me
 from __future__ import annotations
 
 from fhelium.engine import encryption, evaluation, kernels, keygen, keyswitch
-from fhelium.engine.base import EngineBase
+from fhelium.engine.operations import EngineOperations
 
 
-class CkksEngine(EngineBase):
+class CkksEngine(EngineOperations):
     """Keys, encoding, encryption and homomorphic operations for one parameter set."""
 
     # ------------------------------------------------------------ keys (keygen.py)

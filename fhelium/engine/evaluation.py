@@ -5,7 +5,6 @@ rescale and mod switch, domain changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,46 +12,44 @@ import torch
 import fhelium.engine.modular as mod
 from fhelium import native as _native
 from fhelium.core import Ciphertext, FheliumValueError, MaximumDepthError, Plaintext
-
-if TYPE_CHECKING:
-    from fhelium.engine.engine import CkksEngine
+from fhelium.engine.operations import EngineOperations
 
 
-def add(engine: CkksEngine, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
+def add(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
     engine._check_pair(lhs, rhs, "add")
     return lhs.with_data(mod.add_mod(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q))
 
 
-def add_(engine: CkksEngine, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
+def add_(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
     """In place: ``lhs += rhs`` in lhs's storage (also through a ``slice_limbs`` view); returns lhs."""
     engine._check_pair(lhs, rhs, "add_")
     mod.add_mod_(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q)
     return lhs
 
 
-def sub(engine: CkksEngine, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
+def sub(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
     engine._check_pair(lhs, rhs, "sub")
     return lhs.with_data(mod.sub_mod(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q))
 
 
-def sub_(engine: CkksEngine, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
+def sub_(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
     engine._check_pair(lhs, rhs, "sub_")
     mod.sub_mod_(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q)
     return lhs
 
 
-def negate(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def negate(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     engine._check_ciphertext(value, "value")
     return value.with_data(mod.neg_mod(value.data, engine._mod(value.prime_ids).q))
 
 
-def negate_(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def negate_(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     engine._check_ciphertext(value, "value")
     value.data.copy_(mod.neg_mod(value.data, engine._mod(value.prime_ids).q))
     return value
 
 
-def sum(engine: CkksEngine, values: Sequence[Ciphertext]) -> Ciphertext:
+def sum(engine: EngineOperations, values: Sequence[Ciphertext]) -> Ciphertext:
     if not values:
         raise FheliumValueError("sum needs at least one ciphertext")
     total = values[0].clone()
@@ -61,7 +58,7 @@ def sum(engine: CkksEngine, values: Sequence[Ciphertext]) -> Ciphertext:
     return total
 
 
-def sum_batch(engine: CkksEngine, value: Ciphertext, dim: int = 0) -> Ciphertext:
+def sum_batch(engine: EngineOperations, value: Ciphertext, dim: int = 0) -> Ciphertext:
     """Modular sum over batch axis ``dim``; the result drops that axis."""
     engine._check_ciphertext(value, "value")
     if not 0 <= dim < len(value.batch_shape):
@@ -76,16 +73,20 @@ def sum_batch(engine: CkksEngine, value: Ciphertext, dim: int = 0) -> Ciphertext
     return value.with_data(total)
 
 
-def add_plain(engine: CkksEngine, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
+def add_plain(engine: EngineOperations, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
     return engine._with_plain_in_c0(ct, pt, "add_plain", mod.add_mod_)
 
 
-def sub_plain(engine: CkksEngine, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
+def sub_plain(engine: EngineOperations, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
     return engine._with_plain_in_c0(ct, pt, "sub_plain", mod.sub_mod_)
 
 
 def with_plain_in_c0(
-    engine: CkksEngine, ct: Ciphertext, pt: Plaintext, operation: str, combine_: Callable[..., torch.Tensor]
+    engine: EngineOperations,
+    ct: Ciphertext,
+    pt: Plaintext,
+    operation: str,
+    combine_: Callable[..., torch.Tensor],
 ) -> Ciphertext:
     """A copy of ``ct`` whose c0 is combined (in place, modularly) with the plaintext."""
     engine._check_ciphertext(ct, "ciphertext")
@@ -96,7 +97,7 @@ def with_plain_in_c0(
     return ct.with_data(data)
 
 
-def multiply_plain(engine: CkksEngine, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
+def multiply_plain(engine: EngineOperations, ct: Ciphertext, pt: Plaintext) -> Ciphertext:
     """Pointwise product with an NTT plaintext; scales multiply (rescale afterwards)."""
     engine._check_ciphertext(ct, "ciphertext")
     ct.assert_state(polynomial_domain="ntt", name="multiply_plain ciphertext")
@@ -114,7 +115,7 @@ def multiply_plain(engine: CkksEngine, ct: Ciphertext, pt: Plaintext) -> Ciphert
     return Ciphertext(data, ct.depth, ct.scale * pt.scale, ct.prime_ids, "ntt", ct.modulus_basis)
 
 
-def multiply(engine: CkksEngine, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
+def multiply(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
     """(a0, a1)·(b0, b1) → (a0b0, a0b1 + a1b0, a1b1), NTT domain, scale lhs.scale·rhs.scale."""
     engine._check_pair(lhs, rhs, "multiply", same_scale=False)
     for value, name in ((lhs, "lhs"), (rhs, "rhs")):
@@ -140,11 +141,11 @@ def multiply(engine: CkksEngine, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext
     return Ciphertext(torch.stack((d0, d1, d2)), lhs.depth, lhs.scale * rhs.scale, lhs.prime_ids, "ntt")
 
 
-def square(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def square(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     return engine.multiply(value, value)
 
 
-def rescale(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def rescale(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     """Divide by the leading prime with rounding: depth + 1, scale / q_dropped."""
     ct = engine._check_ciphertext(value, "ciphertext")
     ids = engine._check_full_layout(ct, "ciphertext", "rescale")
@@ -180,7 +181,7 @@ def rescale(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
     return Ciphertext(data, ct.depth + 1, ct.scale / q_drop, rest, ct.polynomial_domain)
 
 
-def mod_switch(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def mod_switch(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     """Drop the leading prime without dividing: depth + 1, same scale (to align depths)."""
     ct = engine._check_ciphertext(value, "ciphertext")
     ids = engine._check_full_layout(ct, "ciphertext", "mod_switch")
@@ -189,7 +190,7 @@ def mod_switch(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
     return Ciphertext(ct.data[..., 1:, :].contiguous(), ct.depth + 1, ct.scale, ids[1:], ct.polynomial_domain)
 
 
-def mod_switch_plain(engine: CkksEngine, pt: Plaintext) -> Plaintext:
+def mod_switch_plain(engine: EngineOperations, pt: Plaintext) -> Plaintext:
     if pt.representation != "rns" or pt.data is None:
         raise FheliumValueError("mod_switch_plain needs an rns Plaintext")
     return Plaintext(
@@ -205,14 +206,14 @@ def mod_switch_plain(engine: CkksEngine, pt: Plaintext) -> Plaintext:
     )
 
 
-def to_ntt(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def to_ntt(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     ct = engine._check_ciphertext(value, "ciphertext")
     ct.assert_state(polynomial_domain="coefficient", name="to_ntt input")
     data = engine.ntt.forward(ct.data, ct.prime_ids)
     return Ciphertext(data, ct.depth, ct.scale, ct.prime_ids, "ntt", ct.modulus_basis)
 
 
-def to_coefficient(engine: CkksEngine, value: Ciphertext) -> Ciphertext:
+def to_coefficient(engine: EngineOperations, value: Ciphertext) -> Ciphertext:
     ct = engine._check_ciphertext(value, "ciphertext")
     ct.assert_state(polynomial_domain="ntt", name="to_coefficient input")
     data = engine.ntt.inverse(ct.data, ct.prime_ids)

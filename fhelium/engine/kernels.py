@@ -7,26 +7,23 @@ former private names (``_small_ntt``, ``_mod_down``, ``_inverse_constants``, ``_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 # The module itself: `from fhelium.engine import modular` would go through the package.
 import fhelium.engine.modular as mod
 from fhelium import native as _native
-
-if TYPE_CHECKING:
-    from fhelium.engine.engine import CkksEngine
+from fhelium.engine.operations import EngineOperations
 
 
-def small_ntt(engine: CkksEngine, values: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
+def small_ntt(engine: EngineOperations, values: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
     """Small signed integers ``[..., N]`` → NTT residues ``[..., rows, N]`` (one native call on CPU)."""
     if engine.ntt.native_level != "torch":
         return _native.small_ntt(values, *engine.ntt._native_tables(prime_ids), engine.ntt.native_level)
     return engine.ntt.forward(engine._small_to_rns(values, prime_ids), prime_ids)
 
 
-def reconstruct(engine: CkksEngine, residues: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
+def reconstruct(engine: EngineOperations, residues: torch.Tensor, prime_ids: Sequence[int]) -> torch.Tensor:
     """Centered float64 value from the trailing one or two coefficient-domain rows."""
     if len(prime_ids) == 1:
         q = engine._mod(prime_ids).q
@@ -43,7 +40,7 @@ def reconstruct(engine: CkksEngine, residues: torch.Tensor, prime_ids: Sequence[
 
 
 def mod_down(
-    engine: CkksEngine,
+    engine: EngineOperations,
     values: torch.Tensor,
     ids: tuple[int, ...],
     addend: torch.Tensor | None = None,
@@ -89,7 +86,7 @@ def mod_down(
 
 
 def inverse_constants(
-    engine: CkksEngine, value: int, ids: tuple[int, ...]
+    engine: EngineOperations, value: int, ids: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     key = (value, ids)
     cached = engine._inverse_cache.get(key)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,13 +18,11 @@ from fhelium.core import (
     canonical_rotation_step,
 )
 from fhelium.engine.keyset import KeySet
+from fhelium.engine.operations import EngineOperations
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
 
-if TYPE_CHECKING:
-    from fhelium.engine.engine import CkksEngine
 
-
-def check_secret(engine: CkksEngine, secret: object) -> SecretKey:
+def check_secret(engine: EngineOperations, secret: object) -> SecretKey:
     if not isinstance(secret, SecretKey) or secret.prime_ids != tuple(range(len(engine.moduli))):
         raise ParameterMismatchError(
             "expected a SecretKey from this engine's generate_secret_key (all QP primes)"
@@ -33,18 +30,18 @@ def check_secret(engine: CkksEngine, secret: object) -> SecretKey:
     return secret
 
 
-def error_ntt(engine: CkksEngine, shape: Sequence[int], prime_ids: Sequence[int]) -> torch.Tensor:
+def error_ntt(engine: EngineOperations, shape: Sequence[int], prime_ids: Sequence[int]) -> torch.Tensor:
     e = engine.random.stream("error").gaussian((*shape, engine.ring_degree), ERROR_STANDARD_DEVIATION)
     return engine._small_ntt(e.to(engine.device), prime_ids)
 
 
-def generate_secret_key(engine: CkksEngine) -> SecretKey:
+def generate_secret_key(engine: EngineOperations) -> SecretKey:
     ids = tuple(range(len(engine.moduli)))
     s = engine.random.stream("secret").ternary((engine.ring_degree,)).to(engine.device)
     return SecretKey(engine._small_ntt(s, ids), ids)
 
 
-def generate_public_key(engine: CkksEngine, secret: SecretKey) -> PublicKey:
+def generate_public_key(engine: EngineOperations, secret: SecretKey) -> PublicKey:
     """(−a·s + e, a) over Q and P: encrypting in QP and dividing by P (as SEAL does) shrinks the
     fresh-encryption noise from ‖e·u + e1·s‖ to the rounding error of that division.
     """
@@ -58,7 +55,7 @@ def generate_public_key(engine: CkksEngine, secret: SecretKey) -> PublicKey:
     return PublicKey(torch.stack((k0, a)), ids, modulus_basis="QP")
 
 
-def key_switch_key_data(engine: CkksEngine, secret: SecretKey, source: torch.Tensor) -> torch.Tensor:
+def key_switch_key_data(engine: EngineOperations, secret: SecretKey, source: torch.Tensor) -> torch.Tensor:
     """Digits j < q_count: (−a_j·s + e_j + [row j]·P·source, a_j) over all QP primes, NTT."""
     ids = tuple(range(len(engine.moduli)))
     m = engine._mod(ids)
@@ -76,14 +73,14 @@ def key_switch_key_data(engine: CkksEngine, secret: SecretKey, source: torch.Ten
     return torch.stack((k0, a), dim=1)
 
 
-def generate_relinearization_key(engine: CkksEngine, secret: SecretKey) -> RelinearizationKey:
+def generate_relinearization_key(engine: EngineOperations, secret: SecretKey) -> RelinearizationKey:
     engine._check_secret(secret)
     m = engine._mod(secret.prime_ids)
     square = mod.mul_mod(secret.data, secret.data, m.q, m.q_inverse)
     return RelinearizationKey(engine._key_switch_key_data(secret, square), secret.prime_ids)
 
 
-def generate_rotation_key(engine: CkksEngine, secret: SecretKey, step: int) -> RotationKey:
+def generate_rotation_key(engine: EngineOperations, secret: SecretKey, step: int) -> RotationKey:
     engine._check_secret(secret)
     step = canonical_rotation_step(step, engine.slot_count)
     element = engine.encoder.rotation_galois_element(step)
@@ -91,14 +88,14 @@ def generate_rotation_key(engine: CkksEngine, secret: SecretKey, step: int) -> R
     return RotationKey(engine._key_switch_key_data(secret, rotated), secret.prime_ids, rotation_step=step)
 
 
-def generate_conjugation_key(engine: CkksEngine, secret: SecretKey) -> ConjugationKey:
+def generate_conjugation_key(engine: EngineOperations, secret: SecretKey) -> ConjugationKey:
     engine._check_secret(secret)
     conjugated = engine._apply_galois(secret.data, engine.encoder.conjugation_galois_element, "ntt")
     return ConjugationKey(engine._key_switch_key_data(secret, conjugated), secret.prime_ids)
 
 
 def generate_keys(
-    engine: CkksEngine,
+    engine: EngineOperations,
     *,
     relinearization: bool = True,
     rotation_steps: Iterable[int] = (),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +23,7 @@ from fhelium.core import (
 )
 from fhelium.engine.compiled import compile_kernel
 from fhelium.engine.keyset import KeySet
-
-if TYPE_CHECKING:
-    from fhelium.engine.engine import CkksEngine
+from fhelium.engine.operations import EngineOperations
 
 # Ciphertext rows switched per group in batched key switching (see key_switch).
 KEY_SWITCH_BLOCK_RESIDUES = 1 << 17
@@ -44,7 +41,7 @@ def _compiled_inner_product() -> Callable[..., torch.Tensor]:
     return compile_kernel(mod.digit_inner_product)
 
 
-def check_switch_key(engine: CkksEngine, key: KeySwitchKey) -> None:
+def check_switch_key(engine: EngineOperations, key: KeySwitchKey) -> None:
     if key.prime_ids != tuple(range(len(engine.moduli))) or key.digit_count != engine.q_count:
         raise ParameterMismatchError(
             f"{type(key).__name__} does not match this engine: expected {engine.q_count} digits over prime "
@@ -52,7 +49,7 @@ def check_switch_key(engine: CkksEngine, key: KeySwitchKey) -> None:
         )
 
 
-def decompose(engine: CkksEngine, poly_ntt: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
+def decompose(engine: EngineOperations, poly_ntt: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
     """One digit per active Q prime (its centered residue), lifted to every QP prime, NTT.
 
     ``[*batch, L, N]`` → ``[L, *batch, L+1, N]``. Galois maps commute with this step, which is
@@ -67,7 +64,7 @@ def decompose(engine: CkksEngine, poly_ntt: torch.Tensor, ids: tuple[int, ...]) 
 
 
 def inner_product(
-    engine: CkksEngine, lifted: torch.Tensor, ids: tuple[int, ...], key: KeySwitchKey
+    engine: EngineOperations, lifted: torch.Tensor, ids: tuple[int, ...], key: KeySwitchKey
 ) -> torch.Tensor:
     """Σ_j digit_j · key_j over QP, then ModDown: ``[2, *batch, L, N]`` in the NTT domain."""
     engine._check_switch_key(key)
@@ -91,7 +88,7 @@ def inner_product(
 
 
 def key_switch(
-    engine: CkksEngine, poly_ntt: torch.Tensor, ids: tuple[int, ...], key: KeySwitchKey
+    engine: EngineOperations, poly_ntt: torch.Tensor, ids: tuple[int, ...], key: KeySwitchKey
 ) -> torch.Tensor:
     """Switch ``poly·s_src`` to (b0 + b1·s): returns ``[2, *batch, rows, N]`` in the NTT domain.
 
@@ -121,7 +118,7 @@ def key_switch(
     return torch.cat(parts, dim=1).view(2, *batch_shape, len(ids), engine.ring_degree)
 
 
-def relinearize(engine: CkksEngine, value: Ciphertext, key: RelinearizationKey) -> Ciphertext:
+def relinearize(engine: EngineOperations, value: Ciphertext, key: RelinearizationKey) -> Ciphertext:
     """3-component NTT ciphertext → 2 components, via key switching of the s² term."""
     ct = engine._check_ciphertext(value, "ciphertext")
     ct.assert_state(polynomial_domain="ntt", components=3, name="relinearize input")
@@ -138,7 +135,7 @@ def relinearize(engine: CkksEngine, value: Ciphertext, key: RelinearizationKey) 
 
 
 def galois_switch(
-    engine: CkksEngine, value: Ciphertext, element: int, key: KeySwitchKey, operation: str
+    engine: EngineOperations, value: Ciphertext, element: int, key: KeySwitchKey, operation: str
 ) -> Ciphertext:
     ct = engine._check_ciphertext(value, "ciphertext")
     ct.assert_state(polynomial_domain="ntt", components=2, name=f"{operation} input")
@@ -156,7 +153,7 @@ def galois_switch(
     return ct.with_data(switched)
 
 
-def rotate(engine: CkksEngine, value: Ciphertext, key: RotationKey) -> Ciphertext:
+def rotate(engine: EngineOperations, value: Ciphertext, key: RotationKey) -> Ciphertext:
     """Slots m → ``torch.roll(m, key.rotation_step)``."""
     if not isinstance(key, RotationKey):
         raise FheliumValueError(f"rotate needs a RotationKey; got {type(key).__name__}")
@@ -164,7 +161,7 @@ def rotate(engine: CkksEngine, value: Ciphertext, key: RotationKey) -> Ciphertex
     return engine._galois_switch(value, element, key, "rotate")
 
 
-def rotate_many(engine: CkksEngine, value: Ciphertext, keys: Sequence[RotationKey]) -> list[Ciphertext]:
+def rotate_many(engine: EngineOperations, value: Ciphertext, keys: Sequence[RotationKey]) -> list[Ciphertext]:
     """Several rotations of one ciphertext sharing one digit decomposition (hoisting).
 
     Bit-identical to calling ``rotate`` per key; saves the decomposition's L·(L+1) row NTTs
@@ -188,7 +185,7 @@ def rotate_many(engine: CkksEngine, value: Ciphertext, keys: Sequence[RotationKe
 
 
 def rotate_by_step(
-    engine: CkksEngine, value: Ciphertext, step: int, keys: KeySet | Mapping[int, RotationKey]
+    engine: EngineOperations, value: Ciphertext, step: int, keys: KeySet | Mapping[int, RotationKey]
 ) -> Ciphertext:
     """Rotate by ``step`` slots using the matching key from a KeySet or a step → key mapping."""
     if isinstance(keys, KeySet):
@@ -200,7 +197,7 @@ def rotate_by_step(
     raise MissingKeyError(f"no rotation key for step {step} (canonical {canonical}) among {sorted(keys)}")
 
 
-def conjugate(engine: CkksEngine, value: Ciphertext, key: ConjugationKey) -> Ciphertext:
+def conjugate(engine: EngineOperations, value: Ciphertext, key: ConjugationKey) -> Ciphertext:
     """Complex-conjugate every slot."""
     if not isinstance(key, ConjugationKey):
         raise FheliumValueError(f"conjugate needs a ConjugationKey; got {type(key).__name__}")

@@ -46,6 +46,7 @@ MAX_CONNECTIONS = 1024
 READ_CHUNK = 256 * 1024
 
 M = TypeVar("M", bound=Message)
+_Found = TypeVar("_Found")  # what one slice of a long wait found (`_Session._in_slices`)
 
 
 # --- the controller side -----------------------------------------------------------------------
@@ -314,27 +315,22 @@ class _Session:
         A cancel answers WAIT_CANCELED at once and drops the controller link (its slice is left to time out
         there); the link is re-dialed for the next request.
         """
-        next_request = asyncio.ensure_future(self.requests.get())
-        acted = False  # whether the request that interrupted the wait was answered here
-        try:
-            while True:
-                slice_call = asyncio.ensure_future(self._wait_slice(keys))
-                await asyncio.wait({slice_call, next_request}, return_when=asyncio.FIRST_COMPLETED)
-                if slice_call.done():
-                    if slice_call.result():
-                        return ts.reply_stop_waiting()
-                    continue
-                slice_call.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StoreRefused, ConnectionError, OSError):
-                    await slice_call
-                self.link.drop()
-                acted, following = True, next_request.result()
-                if isinstance(following, ts.CancelWait):
-                    return ts.reply_wait_canceled()
-                # Only CANCEL_WAIT may follow a WAIT (torch's client holds its op lock while waiting).
-                raise StoreRefused("protocol", f"{type(following).__name__} sent while a WAIT was pending")
-        finally:
-            self._hold_unanswered(next_request, acted)
+
+        async def drop_slice(slice_call: asyncio.Future[bool | None]) -> None:
+            slice_call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StoreRefused, ConnectionError, OSError):
+                await slice_call
+            self.link.drop()
+
+        def canceled(following: ts.Request | None) -> bytes:
+            if isinstance(following, ts.CancelWait):
+                return ts.reply_wait_canceled()
+            # Only CANCEL_WAIT may follow a WAIT (torch's client holds its op lock while waiting).
+            raise StoreRefused("protocol", f"{type(following).__name__} sent while a WAIT was pending")
+
+        return await self._in_slices(
+            lambda: self._wait_slice(keys), lambda _: ts.reply_stop_waiting(), drop_slice, canceled
+        )
 
     async def _blocking_pop(self, key: str) -> bytes:
         """A blocking QUEUE_POP (after its WAIT): pop from the controller in slices until an item comes.
@@ -344,22 +340,43 @@ class _Session:
         while it waits; at its EOF the slice in flight is let finish, and an item it took is pushed back
         so that it is not lost.
         """
+
+        async def finish_slice(slice_call: asyncio.Future[bytes | None]) -> None:
+            value = await slice_call  # the client spoke or left: finish the slice, keep its item
+            if value is not None:
+                await self.link.call(ws.StoreQueuePush(key=key), ws.StoreOk, value)
+
+        def refused(following: ts.Request | None) -> bytes:
+            what = "EOF" if following is None else type(following).__name__
+            raise StoreRefused("protocol", f"{what} while a blocking QUEUE_POP was pending")
+
+        return await self._in_slices(lambda: self._pop_slice(key), ts.reply_queue_pop, finish_slice, refused)
+
+    async def _in_slices(
+        self,
+        one_slice: Callable[[], Awaitable[_Found | None]],
+        answer: Callable[[_Found], bytes],
+        settle: Callable[[asyncio.Future[_Found | None]], Awaitable[None]],
+        interrupted: Callable[[ts.Request | None], bytes],
+    ) -> bytes:
+        """Run `one_slice` again and again (None: nothing yet) until it finds something, which `answer`
+        encodes, or until the client sends its next request (or leaves): then `settle` deals with the slice
+        in flight and `interrupted` answers that request, or raises. `_wait` and `_blocking_pop`.
+        """
         next_request = asyncio.ensure_future(self.requests.get())
         acted = False  # whether the request that interrupted the wait was answered here
         try:
             while True:
-                slice_call = asyncio.ensure_future(self._pop_slice(key))
+                slice_call = asyncio.ensure_future(one_slice())
                 await asyncio.wait({slice_call, next_request}, return_when=asyncio.FIRST_COMPLETED)
-                if not slice_call.done():
-                    value = await slice_call  # the client spoke or left: finish the slice, keep its item
-                    if value is not None:
-                        await self.link.call(ws.StoreQueuePush(key=key), ws.StoreOk, value)
-                    acted, following = True, next_request.result()
-                    what = "EOF" if following is None else type(following).__name__
-                    raise StoreRefused("protocol", f"{what} while a blocking QUEUE_POP was pending")
-                value = slice_call.result()
-                if value is not None:
-                    return ts.reply_queue_pop(value)
+                if slice_call.done():
+                    found = slice_call.result()
+                    if found is not None:
+                        return answer(found)
+                    continue
+                await settle(slice_call)
+                acted = True
+                return interrupted(next_request.result())
         finally:
             self._hold_unanswered(next_request, acted)
 
@@ -382,12 +399,13 @@ class _Session:
             raise
         return value
 
-    async def _wait_slice(self, keys: list[str]) -> bool:
+    async def _wait_slice(self, keys: list[str]) -> bool | None:
+        """True once every key exists; None when the slice timed out first."""
         try:
             await self.link.call(ws.StoreWait(keys=keys, timeout=WAIT_SLICE_SECS), ws.StoreOk)
         except StoreRefused as error:
             if error.code == "timeout":
-                return False
+                return None
             raise
         return True
 

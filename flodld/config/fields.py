@@ -90,6 +90,17 @@ class AveragingMode(StrEnum):
         """Steps between averaging rounds when `cadence:` is not written."""
         return 1 if self.is_sync else 10
 
+    def straggler_timeout_error(self, remove: str, choose: str) -> str | None:
+        """Why a straggler timeout cannot apply to this mode, naming the fix as the caller spells it (`remove`
+        the timeout, or `choose` a mode whose rounds may close early); None for cpu_cadence and cpu_async.
+        """
+        if self in (AveragingMode.CPU_CADENCE, AveragingMode.CPU_ASYNC):
+            return None
+        return (
+            f"straggler_timeout applies to cpu_cadence and cpu_async, not {self.value}: a round of any other "
+            f"mode waits for every live rank ({remove}, or choose {choose})"
+        )
+
     @classmethod
     def cpu_modes(cls) -> tuple[AveragingMode, ...]:
         """The modes whose traffic all goes through the per-host relay (so a controller tunnel carries it)."""

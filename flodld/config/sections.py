@@ -64,15 +64,9 @@ class ControllerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _straggler_timeout_needs_a_round_that_may_close_early(self) -> ControllerConfig:
-        if self.straggler_timeout is not None and self.averaging not in (
-            AveragingMode.CPU_CADENCE,
-            AveragingMode.CPU_ASYNC,
-        ):
-            raise ValueError(
-                f"straggler_timeout applies to cpu_cadence and cpu_async, not {self.averaging.value}: "
-                "a cpu_sync round waits for every live rank (remove straggler_timeout, or choose "
-                "averaging: cpu_cadence)"
-            )
+        error = self.averaging.straggler_timeout_error("remove straggler_timeout", "averaging: cpu_cadence")
+        if self.straggler_timeout is not None and error is not None:
+            raise ValueError(error)
         return self
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -250,52 +250,81 @@ def _family(
     return lines
 
 
-def _run_families(run: RunSeries) -> list[str]:
-    """The per-run and per-rank families of `run` (docs/operations.md, "Metrics")."""
-    data, who = run.data, {"run_id": run.run_id}
-    lines: list[str] = []
-    lines += _family(
+# The run's one-sample families, labelled with its id, in exposition order: (name, type, help, value).
+_RunScalar = tuple[str, str, str, Callable[[RunSeries], float]]
+_RUN_SCALARS: tuple[_RunScalar, ...] = (
+    (
         "flodld_run_restarts",
         "gauge",
         "Restarts made before this attempt (0 for the first attempt of fdl run --max-restarts).",
-        [(who, run.restarts)],
-    )
-    lines += _family(
+        lambda run: run.restarts,
+    ),
+    (
         "flodld_run_max_restarts",
         "gauge",
         "Restarts the run may still make in all (--max-restarts).",
-        [(who, run.max_restarts)],
-    )
-    lines += _family(
+        lambda run: run.max_restarts,
+    ),
+    (
         "flodld_join_admissions_total",
         "counter",
         "Hosts admitted by the run's join window.",
-        [(who, run.admitted_hosts)],
-    )
-    lines += _family(
+        lambda run: run.admitted_hosts,
+    ),
+    (
         "flodld_join_admitted_ranks_total",
         "counter",
         "Ranks handed out by the run's join window.",
-        [(who, run.admitted_ranks)],
-    )
-    lines += _family(
+        lambda run: run.admitted_ranks,
+    ),
+    (
         "flodld_lost_ranks",
         "gauge",
         "Ranks that exited non-zero or whose host was lost before reporting them.",
-        [(who, run.lost_ranks)],
-    )
-    lines += _family(
+        lambda run: run.lost_ranks,
+    ),
+    (
         "flodld_ranks_declared_dead_total",
         "counter",
         "Ranks the data plane declared dead after a heartbeat timeout.",
-        [(who, data.dead_ranks)],
-    )
-    lines += _family(
+        lambda run: run.data.dead_ranks,
+    ),
+    (
         "flodld_rounds_total",
         "counter",
         "Averaging rounds folded by the controller (0 in a one-host world: its relay folds).",
-        [(who, data.rounds)],
-    )
+        lambda run: run.data.rounds,
+    ),
+)
+# The same after the round-duration histogram.
+_DATAPLANE_SCALARS: tuple[_RunScalar, ...] = (
+    (
+        "flodld_dataplane_received_bytes_total",
+        "counter",
+        "Tensor bytes of host frames received.",
+        lambda run: run.data.bytes_received,
+    ),
+    (
+        "flodld_dataplane_sent_bytes_total",
+        "counter",
+        "Tensor bytes of broadcast chunks sent to relays.",
+        lambda run: run.data.bytes_sent,
+    ),
+)
+
+
+def _scalar_families(run: RunSeries, scalars: Iterable[_RunScalar]) -> list[str]:
+    who = {"run_id": run.run_id}
+    lines: list[str] = []
+    for name, kind, help_text, value in scalars:
+        lines += _family(name, kind, help_text, [(who, value(run))])
+    return lines
+
+
+def _run_families(run: RunSeries) -> list[str]:
+    """The per-run and per-rank families of `run` (docs/operations.md, "Metrics")."""
+    data, who = run.data, {"run_id": run.run_id}
+    lines = _scalar_families(run, _RUN_SCALARS)
     cumulative, buckets = 0, []
     for bound, count in zip(ROUND_SECONDS_BUCKETS, data.round_buckets, strict=True):
         cumulative += count
@@ -308,18 +337,7 @@ def _run_families(run: RunSeries) -> list[str]:
         [],
         suffixed=[*buckets, ("_sum", who, data.round_seconds_sum), ("_count", who, data.round_seconds_count)],
     )
-    lines += _family(
-        "flodld_dataplane_received_bytes_total",
-        "counter",
-        "Tensor bytes of host frames received.",
-        [(who, data.bytes_received)],
-    )
-    lines += _family(
-        "flodld_dataplane_sent_bytes_total",
-        "counter",
-        "Tensor bytes of broadcast chunks sent to relays.",
-        [(who, data.bytes_sent)],
-    )
+    lines += _scalar_families(run, _DATAPLANE_SCALARS)
     ranks = sorted(data.ranks.items())
     lines += _family(
         "flodld_rank_rounds_total",

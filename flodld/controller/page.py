@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from flodld.membership.snapshot import attempt_texts
@@ -94,6 +94,16 @@ def _int(value: object, default: int = 0) -> int:
 
 def _more(count: int, noun: str) -> str:
     return f'<p class="more">{count} more {_e(noun)} not shown (the page lists the first {MAX_ROWS}).</p>'
+
+
+def _not_shown(total: int, noun: str, shown: int = MAX_ROWS) -> str:
+    """The "more not shown" line under a list of `total` entries of which `shown` are listed, or ''."""
+    return _more(total - shown, noun) if total > shown else ""
+
+
+def _entries(state: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    """The objects listed under `key` (anything else there is skipped: the page never fails on them)."""
+    return [entry for entry in (state.get(key) or []) if isinstance(entry, Mapping)]
 
 
 def phase_note(state: Mapping[str, Any]) -> str:
@@ -198,10 +208,26 @@ def _member_total(state: Mapping[str, Any], listed: int) -> int:
     return listed
 
 
+def _empty_section(section_id: str, title: str, message: str) -> str:
+    """A section with nothing to list: its heading and `message` (constant text, not escaped)."""
+    return f'<section id="{section_id}"><h2>{title}</h2><p class="empty">{message}</p></section>'
+
+
+def _table_section(section_id: str, title: str, headers: Sequence[str], rows: str, more: str = "") -> str:
+    """A section holding one table: `headers` and `title` are constant text (not escaped), `rows` its
+    already escaped <tr> elements, `more` what follows the table (a "not shown" line, or nothing).
+    """
+    head = "".join(f"<th>{name}</th>" for name in headers)
+    return (
+        f'<section id="{section_id}"><h2>{title}</h2><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{rows}</tbody></table>{more}</section>"
+    )
+
+
 def _hosts(state: Mapping[str, Any]) -> str:
-    members = [m for m in (state.get("members") or []) if isinstance(m, Mapping)]
+    members = _entries(state, "members")
     if not members:
-        return '<section id="hosts"><h2>hosts</h2><p class="empty">none joined yet</p></section>'
+        return _empty_section("hosts", "hosts", "none joined yet")
     rows = []
     for m in members[:MAX_ROWS]:
         link = str(m.get("link") or "open")
@@ -214,22 +240,16 @@ def _hosts(state: Mapping[str, Any]) -> str:
         )
     total = _member_total(state, len(members))
     shown = min(len(members), MAX_ROWS)
-    more = _more(total - shown, "hosts") if total > shown else ""
-    return (
-        f'<section id="hosts"><h2>hosts ({total})</h2><table><thead><tr><th>host</th><th>ranks</th>'
-        f"<th>devices</th><th>variant</th><th>joined</th><th>link</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table>{more}</section>"
-    )
+    more = _not_shown(total, "hosts", shown)
+    headers = ("host", "ranks", "devices", "variant", "joined", "link")
+    return _table_section("hosts", f"hosts ({total})", headers, "".join(rows), more)
 
 
 def _missing(state: Mapping[str, Any]) -> str:
     missing = [str(name) for name in (state.get("missing") or [])]
     if not missing:
-        return (
-            '<section id="missing"><h2>missing</h2>'
-            '<p class="empty">nobody on the roster is missing</p></section>'
-        )
-    more = _more(len(missing) - MAX_ROWS, "names") if len(missing) > MAX_ROWS else ""
+        return _empty_section("missing", "missing", "nobody on the roster is missing")
+    more = _not_shown(len(missing), "names")
     items = "".join(f"<li>{_e(name)}</li>" for name in missing[:MAX_ROWS])
     return (
         f'<section id="missing"><h2>missing ({len(missing)})</h2>'
@@ -241,30 +261,23 @@ def _refused(state: Mapping[str, Any]) -> str:
     refused = state.get("refused") or {}
     counts = sorted(((str(k), _int(v)) for k, v in refused.items()), key=lambda kv: (-kv[1], kv[0]))
     if not counts:
-        return '<section id="refused"><h2>refusals</h2><p class="empty">none</p></section>'
+        return _empty_section("refused", "refusals", "none")
     rows = "".join(f"<tr><td>{_e(code)}</td><td>{n}</td></tr>" for code, n in counts[:MAX_ROWS])
-    return (
-        '<section id="refused"><h2>refusals</h2><table><thead><tr><th>reason</th><th>count</th></tr></thead>'
-        f"<tbody>{rows}</tbody></table></section>"
-    )
+    return _table_section("refused", "refusals", ("reason", "count"), rows)
 
 
 def _exits(state: Mapping[str, Any]) -> str:
-    exits = [x for x in (state.get("rank_exits") or []) if isinstance(x, Mapping)]
+    exits = _entries(state, "rank_exits")
     if not exits:
-        return '<section id="exits"><h2>rank exits</h2><p class="empty">none reported</p></section>'
+        return _empty_section("exits", "rank exits", "none reported")
     bad = sum(1 for x in exits if _int(x.get("code")) != 0)
     rows = "".join(
         f'<tr><td>{_int(x.get("rank"))}</td><td class="{"bad" if _int(x.get("code")) else "ok"}">'
         f"{_int(x.get('code'))}</td></tr>"
         for x in exits[:MAX_ROWS]
     )
-    more = _more(len(exits) - MAX_ROWS, "exits") if len(exits) > MAX_ROWS else ""
-    return (
-        f'<section id="exits"><h2>rank exits ({len(exits)}, {bad} '
-        "non-zero)</h2><table><thead><tr><th>rank</th>"
-        f"<th>code</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
-    )
+    more = _not_shown(len(exits), "exits")
+    return _table_section("exits", f"rank exits ({len(exits)}, {bad} non-zero)", ("rank", "code"), rows, more)
 
 
 def _root_cause(state: Mapping[str, Any]) -> str:
@@ -286,7 +299,7 @@ def _root_cause(state: Mapping[str, Any]) -> str:
 
 def _losses(state: Mapping[str, Any]) -> str:
     """Ranks the run lost (state.json's `losses`): rank, host, cause and the round it was in."""
-    losses = [x for x in (state.get("losses") or []) if isinstance(x, Mapping)]
+    losses = _entries(state, "losses")
     if not losses:
         return ""
     rows = "".join(
@@ -295,11 +308,9 @@ def _losses(state: Mapping[str, Any]) -> str:
         f"<td>{_e('' if x.get('round') is None else str(_int(x.get('round'))))}</td></tr>"
         for x in losses[:MAX_ROWS]
     )
-    more = _more(len(losses) - MAX_ROWS, "losses") if len(losses) > MAX_ROWS else ""
-    return (
-        f'<section id="losses"><h2>lost ranks ({len(losses)})</h2><table><thead><tr><th>rank</th>'
-        f"<th>host</th><th>cause</th><th>round</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
-    )
+    more = _not_shown(len(losses), "losses")
+    headers = ("rank", "host", "cause", "round")
+    return _table_section("losses", f"lost ranks ({len(losses)})", headers, rows, more)
 
 
 def _delay(value: object) -> str:
@@ -311,7 +322,7 @@ def _delay(value: object) -> str:
 
 def _stragglers(state: Mapping[str, Any]) -> str:
     """The slowest ranks (state.json's `stragglers`): how late their deposits reach the fold."""
-    slow = [x for x in (state.get("stragglers") or []) if isinstance(x, Mapping)]
+    slow = _entries(state, "stragglers")
     if not slow:
         return ""
     rows = "".join(
@@ -320,11 +331,8 @@ def _stragglers(state: Mapping[str, Any]) -> str:
         f"<td>{_int(x.get('skipped', 0))}</td></tr>"
         for x in slow[:MAX_ROWS]
     )
-    return (
-        '<section id="stragglers"><h2>slowest ranks</h2><table><thead><tr><th>rank</th><th>mean delay</th>'
-        f"<th>last delay</th><th>rounds</th><th>skipped</th></tr></thead><tbody>{rows}</tbody></table>"
-        "</section>"
-    )
+    headers = ("rank", "mean delay", "last delay", "rounds", "skipped")
+    return _table_section("stragglers", "slowest ranks", headers, rows)
 
 
 def _attempt(state: Mapping[str, Any]) -> str:
@@ -408,9 +416,9 @@ def hosts_summary(value: object, limit: int = 6) -> str:
 def _history(state: Mapping[str, Any]) -> str:
     if "history" not in state or state.get("history") is None:
         return ""
-    history = [h for h in (state.get("history") or []) if isinstance(h, Mapping)]
+    history = _entries(state, "history")
     if not history:
-        return '<section id="history"><h2>history</h2><p class="empty">no finished runs yet</p></section>'
+        return _empty_section("history", "history", "no finished runs yet")
     rows = []
     for h in history[:MAX_HISTORY]:
         verdict = str(_first(h, "verdict", "phase") or "?")
@@ -428,12 +436,8 @@ def _history(state: Mapping[str, Any]) -> str:
         if len(history) > MAX_HISTORY
         else ""
     )
-    return (
-        '<section id="history"><h2>history '
-        f"({len(history)})</h2><table><thead><tr><th>run</th><th>verdict</th>"
-        "<th>ended</th><th>formed</th><th>duration</th><th>ranks</th><th>hosts</th><th>rank exits</th>"
-        f"<th>reason</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}</section>"
-    )
+    headers = ("run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason")
+    return _table_section("history", f"history ({len(history)})", headers, "".join(rows), more)
 
 
 def service_text(state: Mapping[str, Any]) -> str:

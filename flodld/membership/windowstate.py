@@ -2,22 +2,52 @@
 
 Pure, as the window is: it reads a `JoinWindow` (flodld/membership/window.py, whose `state`, `snapshot`,
 `member_view` and `member_row` call these) and returns JSON-ready data; O(page + roster + exits), never
-O(members), except `member_view`'s reference copies.
+O(members), except `member_view`'s reference copies. It knows the window only as `WindowView`, the
+face declared here (what it reads, never a change), so this module imports nothing of window.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from flodld.membership.ledger import Member
-from flodld.membership.phase import WINDOW_PHASES
-from flodld.membership.policy import MAX_WORLD_RANKS, StartMode
+from flodld.membership.ledger import Ledger, Member, World
+from flodld.membership.phase import WINDOW_PHASES, Phase
+from flodld.membership.policy import MAX_WORLD_RANKS, StartMode, WindowPolicy
+from flodld.membership.rootcause import RootCauseTracker
 from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnapshot
 
-if TYPE_CHECKING:
-    from flodld.membership.window import JoinWindow
+
+class StateRow(Protocol):
+    """An entry that renders itself as one JSON-ready row (the window's `RankLoss`)."""
+
+    def state(self) -> dict[str, Any]: ...
+
+
+class WindowView(Protocol):
+    """What state.json reads of a `JoinWindow`: its fields and two queries, never a change."""
+
+    policy: WindowPolicy
+    roster: tuple[str, ...]
+    opened_at: float
+    run_id: str
+    controller: str
+    ledger: Ledger
+    phase: Phase
+    reason: str
+    start_armed: bool
+    world: World | None
+    links: dict[str, LinkState]
+    rank_exits: dict[int, int]
+    root_cause: RootCauseTracker
+
+    @property
+    def losses(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankLoss`
+    @property
+    def link_counts(self) -> Mapping[str, int]: ...
+
+    def elapsed(self, now: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -31,7 +61,7 @@ class MemberView:
     links: Mapping[str, LinkState]
 
 
-def snapshot(window: JoinWindow, now: float, members: tuple[int, int] | None = None) -> StateSnapshot:
+def snapshot(window: WindowView, now: float, members: tuple[int, int] | None = None) -> StateSnapshot:
     """state.json at `now` as the model (countdowns computed live, never frozen); every member unless
     `members` = (start, stop) asks for a page. The controller serves `state` (no model per member).
     """
@@ -39,7 +69,7 @@ def snapshot(window: JoinWindow, now: float, members: tuple[int, int] | None = N
 
 
 def state(
-    window: JoinWindow, now: float, members: tuple[int, int] = (0, DEFAULT_MEMBER_PAGE)
+    window: WindowView, now: float, members: tuple[int, int] = (0, DEFAULT_MEMBER_PAGE)
 ) -> dict[str, Any]:
     """state.json at `now` as JSON-ready data: the page `members` = (start, stop) of hosts in admission
     order, and every member counted. O(page + roster + exits), never O(members).
@@ -93,7 +123,7 @@ def state(
     }
 
 
-def member_view(window: JoinWindow) -> MemberView:
+def member_view(window: WindowView) -> MemberView:
     """The members, their ranks and link states as they stand now, for rows made later (`member_row`).
 
     O(members) references copied at C speed (the member tuple, the first-rank and link maps), never a
@@ -104,7 +134,7 @@ def member_view(window: JoinWindow) -> MemberView:
     return MemberView(window.ledger.members, _ranks_from(window.ledger.first_ranks()), dict(window.links))
 
 
-def member_row(window: JoinWindow, m: Member, ranks: Sequence[int], link: LinkState) -> dict[str, Any]:
+def member_row(window: WindowView, m: Member, ranks: Sequence[int], link: LinkState) -> dict[str, Any]:
     """One `members` entry of state.json (what `state` lists for `m`)."""
     return {
         "host": m.host,

@@ -558,20 +558,40 @@ FHELIUM_DQ inline __m512i mul_mod_vector(__m512i a, __m512i b, __m512i q) {
   return add_q_if_negative(_mm512_sub_epi64(r, q), q);
 }
 
+// one chunk's operands for the vector loops: out, a, b, c (MulAdd only: inputs == 4) and q (last), with
+// their byte strides; `suited` is false where a stride does not suit them (8-byte steps, or 0 for a
+// broadcast input)
+struct VectorLanes {
+  char* out;
+  const char* a;
+  const char* b;
+  const char* c;
+  const char* pq;
+  int64_t sa, sb, sc, sq;
+};
+
+struct VectorOperands {
+  bool suited;
+  VectorLanes lanes;
+};
+
+inline VectorOperands vector_operands(char** data, const int64_t* strides, int inputs) {
+  for (int t = 0; t <= inputs; ++t) {
+    if (strides[t] != 8 && (t == 0 || strides[t] != 0)) return {false, {}};
+  }
+  return {true,
+          {data[0], data[1], data[2], inputs == 4 ? data[3] : nullptr, data[inputs], strides[1], strides[2],
+           inputs == 4 ? strides[3] : 0, strides[inputs]}};
+}
+
 // count elements with byte strides; returns how many it handled (a multiple of 8), 0 if the strides
 // do not suit the vector loop
 template <Elementwise op>
 FHELIUM_DQ int64_t elementwise_vector(char** data, const int64_t* strides, int64_t count, int inputs) {
-  for (int t = 0; t <= inputs; ++t) {
-    if (strides[t] != 8 && (t == 0 || strides[t] != 0)) return 0;
-  }
+  const VectorOperands o = vector_operands(data, strides, inputs);
+  if (!o.suited) return 0;
+  const auto [out, a, b, c, pq, sa, sb, sc, sq] = o.lanes;
   const int64_t vectors = count / 8 * 8;
-  char* out = data[0];
-  const char* a = data[1];
-  const char* b = data[2];
-  const char* c = inputs == 4 ? data[3] : nullptr;
-  const char* pq = data[inputs];
-  const int64_t sa = strides[1], sb = strides[2], sc = inputs == 4 ? strides[3] : 0, sq = strides[inputs];  // q last
   for (int64_t k = 0; k < vectors; k += 8) {
     const __m512i q = load_or_broadcast(pq + k * sq, sq);
     const __m512i va = load_or_broadcast(a + k * sa, sa);
@@ -617,16 +637,10 @@ FHELIUM_AVX2 inline __m256i add_q_if_negative_avx2(__m256i r, __m256i q) {
 // which its result is the unique residue), else those 4 elements take the scalar formula
 template <Elementwise op>
 FHELIUM_AVX2 int64_t elementwise_avx2(char** data, const int64_t* strides, int64_t count, int inputs) {
-  for (int t = 0; t <= inputs; ++t) {
-    if (strides[t] != 8 && (t == 0 || strides[t] != 0)) return 0;
-  }
+  const VectorOperands o = vector_operands(data, strides, inputs);
+  if (!o.suited) return 0;
+  const auto [out, a, b, c, pq, sa, sb, sc, sq] = o.lanes;
   const int64_t vectors = count / 4 * 4;
-  char* out = data[0];
-  const char* a = data[1];
-  const char* b = data[2];
-  const char* c = inputs == 4 ? data[3] : nullptr;
-  const char* pq = data[inputs];
-  const int64_t sa = strides[1], sb = strides[2], sc = inputs == 4 ? strides[3] : 0, sq = strides[inputs];  // q last
   constexpr bool product = op == Elementwise::Mul || op == Elementwise::MulAdd;
   const __m256i outside = _mm256_set1_epi64x(~static_cast<long long>(kAvx2ModulusBound - 1));
   __m256d q_double = _mm256_setzero_pd(), q_inverse = _mm256_setzero_pd();

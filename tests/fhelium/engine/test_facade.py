@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+from pathlib import Path
 
 import torch
 
 from fhelium.core import Ciphertext
 from fhelium.engine import CkksEngine, Preset
 from fhelium.engine.base import EngineBase
+from fhelium.engine.operations import EngineOperations
 
 PUBLIC_OPERATIONS = {
     "fhelium.engine.keygen": (
@@ -53,3 +57,33 @@ def test_operations_reach_each_other_through_the_engine_so_overrides_apply() -> 
     keys = engine.generate_keys(relinearization=False)
     value = engine.encode_encrypt(torch.zeros(4), keys.public)
     assert isinstance(value, Ciphertext) and calls == ["encode"]
+
+
+def test_operation_modules_reach_the_engine_through_engine_operations_not_the_facade() -> None:
+    # EngineOperations is a declaration for the type checker: at run time it adds nothing to EngineBase
+    assert not {name for name in vars(EngineOperations) if not name.startswith("__")}
+    assert CkksEngine.__mro__[1:3] == (EngineOperations, EngineBase)
+    for module in [*PUBLIC_OPERATIONS, "fhelium.engine.kernels"]:
+        tree = ast.parse(Path(importlib.import_module(module).__file__ or "").read_text())
+        imported = {
+            (node.module, alias.name)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
+        assert ("fhelium.engine.operations", "EngineOperations") in imported, module
+        assert not {(source, name) for source, name in imported if "fhelium.engine.engine" in (source, name)}
+        assert "CkksEngine" not in {name for _, name in imported}, module
+
+
+def test_every_declared_operation_is_bound_with_the_declared_parameters() -> None:
+    tree = ast.parse(Path(inspect.getfile(EngineOperations)).read_text())
+    declared = {
+        node.name: [arg.arg for arg in (*node.args.args, *node.args.kwonlyargs)]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+    }
+    assert declared
+    for name, parameters in declared.items():
+        function = vars(CkksEngine)[name]
+        assert list(inspect.signature(function).parameters) == ["engine", *parameters[1:]], name

@@ -321,3 +321,14 @@ def test_keys_from_other_tools_get_specific_hints(tmp_path: Path) -> None:
     messages = [issue.message for issue in load_issues(tmp_path)]
     assert any("did you mean 'local_devices'?" in message for message in messages)
     assert any("ranks are assigned at admission" in message for message in messages)
+
+
+def test_a_straggler_timeout_under_cpu_sync_is_refused_naming_the_yaml_fix(tmp_path: Path) -> None:
+    timeout = "\n    straggler_timeout: 5\n"
+    write(tmp_path, "fdl.yml", BASE.replace("averaging: cpu_sync\n", "averaging: cpu_sync" + timeout))
+    issue = only_issue(tmp_path)
+    assert "straggler_timeout applies to cpu_cadence and cpu_async, not cpu_sync" in issue.message
+    assert "remove straggler_timeout, or choose averaging: cpu_cadence" in issue.message
+    write(tmp_path, "fdl.yml", BASE.replace("averaging: cpu_sync\n", "averaging: cpu_cadence" + timeout))
+    cluster = load_config(tmp_path).cluster
+    assert cluster is not None and cluster.controller.straggler_timeout == 5
