@@ -37,8 +37,8 @@ STALL_ROUND = 3
 FORMATION_BOUND_SECS = 90.0  # three torch imports on a loaded 2-core machine
 RUN_BOUND_SECS = 60.0
 # Scaled by FLODL_NET_TIMEOUT_SCALE=0.2 (the ranks' environment, and this process's: the controller's): a
-# silent rank is declared dead after 5 s, and a rank gives up on a silent controller after 5 s (3 s let a
-# loaded 2-core machine starve a waiting rank's heartbeat thread: a false loss, seen once in 3 runs at load 6).
+# silent rank is declared dead after 5 s, and a rank gives up on a silent controller after 5 s (3 s let
+# a loaded 2-core machine starve a waiting rank's heartbeat thread: a false loss, once in 3 runs at load 6).
 LIVENESS_ENV = {"FLODL_LIVENESS_TIMEOUT_SECS": "25"}
 
 
