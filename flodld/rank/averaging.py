@@ -52,6 +52,7 @@ __all__ = [
     "all_average",
     "elastic_update",
     "membership",
+    "walk_in_state",
 ]
 
 AVERAGING_MODES: Final = tuple(mode.value for mode in AveragingMode.cpu_modes())
@@ -235,3 +236,16 @@ def membership(client: RelayClient | None = None) -> Membership:
             return Membership(0, (0,), 0)
         client = relay_client()
     return client.membership
+
+
+def walk_in_state(client: RelayClient | None = None, timeout: float | None = None) -> Bundle | None:
+    """On a rank that walked into a training run (docs/elastic-averaging.md, "Growth and healing"): the run's
+    last averaged result, bit for bit what every member received for that round, to load before the first
+    step; taken once. Blocks until the rank has entered the averaging (its relay reached a round boundary).
+    None on a rank of the formed world, when no round had completed before it entered, or outside a run.
+    """
+    if client is None:
+        if not in_flodld_rank():
+            return None
+        client = relay_client()
+    return client.entry_state(timeout)
