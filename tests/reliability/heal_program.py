@@ -49,7 +49,7 @@ def main() -> int:
         print(f"heal-result {json.dumps(line)}", flush=True)
         return (result,)
 
-    client.wait_round = wait_round  # type: ignore[method-assign]
+    client.wait_round = wait_round  # type: ignore[method-assign,assignment]
     state = walk_in_state()
     entry = client.entry
     first = entry.round if entry is not None else 0
