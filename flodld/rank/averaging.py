@@ -51,6 +51,7 @@ __all__ = [
     "Membership",
     "all_average",
     "elastic_update",
+    "entry_round",
     "membership",
     "walk_in_state",
 ]
@@ -249,3 +250,17 @@ def walk_in_state(client: RelayClient | None = None, timeout: float | None = Non
             return None
         client = relay_client()
     return client.entry_state(timeout)
+
+
+def entry_round(client: RelayClient | None = None) -> int:
+    """The averaging round a walk-in entered at (its first deposit's round; docs/elastic-averaging.md,
+    "Growth and healing"), blocking until it has entered; 0 on a rank of the formed world and outside a
+    run. A loop that counts its steps from the world's start begins at `entry_round() * cadence`.
+    """
+    if client is None:
+        if not in_flodld_rank():
+            return 0
+        client = relay_client()
+    client.membership  # noqa: B018  blocks a walk-in until it has entered
+    entry = client.entry
+    return entry.round if entry is not None else 0
