@@ -226,6 +226,10 @@ class RunRecord(_Model):
     attempt: AttemptState | None = Field(
         default=None, description="The run's attempt and the earlier ones (null: no restarts configured)."
     )
+    joins: list[RankJoinState] = Field(
+        default_factory=list,
+        description="Ranks that walked in during training (state.json `joins`; empty without growth).",
+    )
 
 
 class ServiceState(_Model):
