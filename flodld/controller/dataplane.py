@@ -466,7 +466,7 @@ class DataPlane:
         recipients = [
             (host, stream) for host, stream in self.relays[Channel.DATA].items() if host in self.live_hosts()
         ]
-        entered: list[str] = []
+        entered: list[FramedStream] = []
         if result.last:
             self.rounds += 1
             self._chunk_ranks.clear()
@@ -475,7 +475,12 @@ class DataPlane:
             if members and members != self._members_seen:  # the ranks' own epoch count, replayed here
                 self._epoch += 1
                 self._members_seen = members
-            entered = self._enter_now(result.round + 1)
+            # The walk-ins' state is this round: sealed now, before any await below.
+            entered = [
+                stream
+                for host in self._enter_now(result.round + 1)
+                if (stream := self._seal_entry(host, result.round + 1)) is not None
+            ]
             self.metrics.round_finished(result.round, self.clock())
             if self.stragglers.timeout is not None:
                 # Live ranks whose deposit the round went without: skipped here (their host) or at their
@@ -489,8 +494,7 @@ class DataPlane:
         for _, stream in recipients:
             await self._send_quietly(stream, message, tail)
             self.metrics.sent(nbytes)
-        for host in entered:
-            await self._send_entry(host, result.round + 1)
+        await self._drain_entries(entered)
 
     # --- growth: walk-ins enter at a round boundary ------------------------------------------
 
@@ -530,44 +534,54 @@ class DataPlane:
             last = self._last_result
             if next_round > 0 and (last is None or last.round != next_round - 1):
                 return  # the round before closed without a value: no state to hand over yet
-        for host in self._enter_now(next_round):
-            await self._send_entry(host, next_round)
+        sealed = [self._seal_entry(host, next_round) for host in self._enter_now(next_round)]
+        await self._drain_entries([stream for stream in sealed if stream is not None])
 
-    async def _send_entry(self, host: str, round_number: int) -> None:
+    async def _drain_entries(self, streams: list[FramedStream]) -> None:
+        for stream in streams:
+            try:
+                await stream.drain()
+            except (OSError, WireError, TimeoutError) as error:
+                log.warning("event=walk_in_state_unsent error=%r", str(error))
+
+    def _seal_entry(self, host: str, round_number: int) -> FramedStream | None:
         """Entry to a walk-in's relay, then (when a round was completed before) that round's result: the
-        finished accumulator in chunks of the run's chunk size, the bytes every member received.
+        finished accumulator in chunks of the run's chunk size, the bytes every member received. Sealed
+        here, without an await: no broadcast can come between them, and the accumulator may be reused as
+        soon as this returns (by a round the walk-in is skipped in, under a straggler timeout). Returns the
+        stream to drain.
         """
         stream = self.relays[Channel.DATA].get(host)
         if stream is None:
-            return
+            return None
         members = tuple(sorted(set().union(*self.live_ranks.values())))
         epoch = self._epoch + (members != self._members_seen)
         last = self._last_result if round_number > 0 else None
         state = last is not None and last.round == round_number - 1
         try:
-            await stream.send(Entry(round=round_number, epoch=epoch, members=list(members), state=state))
-            if not state:
-                return
-            assert last is not None
-            from flodld.fold.chunks import Layout, byte_views, chunk_bytes_from_env  # torch: loaded by now
+            stream.send_nowait(Entry(round=round_number, epoch=epoch, members=list(members), state=state))
+            if state:
+                assert last is not None
+                from flodld.fold.chunks import Layout, byte_views, chunk_bytes_from_env  # torch: in by now
 
-            layout = Layout(last.specs)
-            chunk_bytes = max(chunk_bytes_from_env(self.chunk_env), max(layout.itemsizes, default=1))
-            contributors = sorted(self._members_seen)
-            for offset, length in layout.ranges(chunk_bytes):
-                views = byte_views(last.tensors, layout.pieces(offset, length))
-                chunk = Broadcast(
-                    round=last.round,
-                    fold=last.fold_spec,
-                    weight=last.weight,
-                    contributors=contributors,
-                    tensors=list(last.specs),
-                    offset=offset,
-                )
-                await stream.send(chunk, views)
-                self.metrics.sent(length)
-        except (OSError, WireError, TimeoutError) as error:
+                layout = Layout(last.specs)
+                chunk_bytes = max(chunk_bytes_from_env(self.chunk_env), max(layout.itemsizes, default=1))
+                contributors = sorted(self._members_seen)
+                for offset, length in layout.ranges(chunk_bytes):
+                    chunk = Broadcast(
+                        round=last.round,
+                        fold=last.fold_spec,
+                        weight=last.weight,
+                        contributors=contributors,
+                        tensors=list(last.specs),
+                        offset=offset,
+                    )
+                    stream.send_nowait(chunk, byte_views(last.tensors, layout.pieces(offset, length)))
+                    self.metrics.sent(length)
+        except (OSError, WireError) as error:
             log.warning("event=walk_in_state_unsent host=%s error=%r", host, str(error))
+            return None
+        return stream
 
     # --- control ---------------------------------------------------------------------------
 
