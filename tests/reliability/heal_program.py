@@ -8,6 +8,8 @@ averaging call prints `heal-round` with the membership after it. The ranks of th
 round HEAL_GATE_ROUND (`heal-stall`) until the file HEAL_GATE exists, so a test can let a walk-in enter at
 exactly that round. A walk-in prints `heal-entry`: the round it entered at, its membership, and the state it
 received (`walk_in_state()`), then runs from its entry round. Everyone stops after HEAL_ROUNDS rounds.
+HEAL_GATE_RANKS (a comma list) stops only those ranks at the gate: the others deposit the round and wait
+in it, so a walk-in arriving then finds a round in progress.
 With HEAL_MODE (cpu_cadence or cpu_async, cadence HEAL_CADENCE) the rank calls `Averager.step` instead.
 """
 
@@ -39,6 +41,9 @@ def main() -> int:
     rounds = int(os.environ.get("HEAL_ROUNDS", "8"))
     gate_round = int(os.environ.get("HEAL_GATE_ROUND", "3"))
     gate = Path(os.environ["HEAL_GATE"]) if os.environ.get("HEAL_GATE") else None
+    gated = os.environ.get("HEAL_GATE_RANKS")  # the ranks that stop at the gate (default: every one)
+    if gated and rank not in {int(r) for r in gated.split(",")}:
+        gate = None
     mode = os.environ.get("HEAL_MODE")
     client = relay_client()
     taken = client.wait_round

@@ -96,10 +96,16 @@ def _reference(members: list[int], number: int) -> torch.Tensor:
 
 
 def _check(
-    agents: tuple[AgentProcess, ...], *, before: list[int], after: list[int], walk_in: int, exact: bool
+    agents: tuple[AgentProcess, ...],
+    *,
+    before: list[int],
+    after: list[int],
+    walk_in: int,
+    exact: bool,
+    entered: int = GATE,
 ) -> None:
-    """The walk-in's state is round GATE - 1's result bit for bit; from round GATE on every rank gets the same
-    bytes (the mean over `after`, when `exact`), and the membership reflects `after`.
+    """The walk-in's state is round `entered` - 1's result bit for bit; from round `entered` on every rank
+    gets the same bytes (the mean over `after`, when `exact`), and the membership reflects `after`.
     """
     results: dict[int, dict[int, str]] = {}
     means: dict[int, list[float]] = {}
@@ -107,14 +113,15 @@ def _check(
         results.setdefault(line["round"], {})[line["rank"]] = line["sha256"]
         means[line["round"]] = line["mean"]
     (entry,) = _lines("heal-entry", *agents)
-    assert (entry["rank"], entry["round"]) == (walk_in, GATE), entry
+    assert (entry["rank"], entry["round"]) == (walk_in, entered), entry
     assert entry["members"] == after and entry["index"] == after.index(walk_in), entry
-    state_round = results[GATE - 1]
+    state_round = results[entered - 1]
     assert sorted(state_round) == before, state_round
     assert {entry["state_sha256"]} == set(state_round.values()), (entry, state_round)
     if exact:
-        assert torch.equal(torch.tensor(entry["state"], dtype=torch.float64), _reference(before, GATE - 1))
-    for number in range(GATE, ROUNDS):
+        reference = _reference(before, entered - 1)
+        assert torch.equal(torch.tensor(entry["state"], dtype=torch.float64), reference)
+    for number in range(entered, ROUNDS):
         got = results[number]
         assert sorted(got) == after, (number, got)
         assert len(set(got.values())) == 1, (number, got)  # one fold, the same bytes on every rank
@@ -128,7 +135,9 @@ def _check(
         if line["round"] == ROUNDS - 1:
             assert line["members"] == after and line["size"] == len(after), line
             assert line["index"] == after.index(line["rank"]), line
-    formed_epochs = {line["epoch"] for line in rounds if line["round"] == GATE - 1 and line["rank"] in before}
+    formed_epochs = {
+        line["epoch"] for line in rounds if line["round"] == entered - 1 and line["rank"] in before
+    }
     assert all(epoch < epochs[walk_in] for epoch in formed_epochs), (formed_epochs, epochs)
 
 
@@ -147,6 +156,29 @@ async def test_a_walk_in_enters_at_a_round_boundary_with_the_averaged_state(
         body = run.state()
         assert [(j["rank"], j["host"], j["round"]) for j in body["joins"]] == [(3, "c", GATE)], body["joins"]
         assert body["losses"] == [], body["losses"]
+        await run.until_no_processes(10)
+
+
+async def test_a_walk_in_arriving_in_a_round_in_progress_enters_after_it(tmp_path: Path) -> None:
+    """Ranks 0 and 1 deposit round GATE, rank 2 stops before it: the walk-in's relay comes up in a round in
+    progress, waits for its end, and enters at GATE + 1 with round GATE's result as its state.
+    """
+    gate = tmp_path / "gate"
+    async with fault_run(_options()) as run:
+        program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate),
+                   "HEAL_GATE_RANKS": "2"}  # fmt: skip
+        a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
+        await _until("admission of a", lambda: run.state()["joined_ranks"] >= 2)
+        b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
+        await b.wait_for(f"heal-stall rank 2 before round {GATE}", FORMATION_BOUND_SECS)
+        c = await run.spawn_agent("c", ranks=1, program=PROGRAM, HEAL_ROUNDS=str(ROUNDS))
+        await c.wait_for("relay: host 'c' ranks [3] -> controller", FORMATION_BOUND_SECS)  # its DATA is up
+        assert [j["round"] for j in run.state()["joins"]] == [None]  # round GATE is in progress: it waits
+        gate.touch()
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, c.output[-3000:])
+        _check((a, b, c), before=[0, 1, 2], after=[0, 1, 2, 3], walk_in=3, exact=True, entered=GATE + 1)
+        assert [(j["rank"], j["round"]) for j in run.state()["joins"]] == [(3, GATE + 1)]
         await run.until_no_processes(10)
 
 
