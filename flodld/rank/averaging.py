@@ -26,7 +26,9 @@ Losses (docs/elastic-averaging.md): in a run with a tolerance, a rank that dies 
 folded out of the round in progress and every later one; the survivors' result is the mean over those
 who deposited (the weights renormalize), the same bytes on every survivor. `membership()` says who
 averaged in the last completed round, this rank's index among them and an epoch that changes with them,
-so a loop can reshard its data.
+so a loop can reshard its data. Growth (the same page, "Growth and healing"): a rank that walked into a
+training run starts from `walk_in_state()`, the last averaged result, at `entry_round()`, and every
+member's membership then counts it.
 
 Outside a flodld run (a plain `python train.py`) every mode returns the tensors unchanged: the
 average of a world of one.
