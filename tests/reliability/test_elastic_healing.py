@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
@@ -22,10 +23,12 @@ from typing import Any
 import pytest
 import torch
 
+from flodld.agent.spec import AgentSpec
 from flodld.config.join import JoinConfig
 from flodld.membership.phase import Phase
+from tests.agent_proc import start_agent
 
-from .workers import AgentProcess, Run, fault_options, fault_run
+from .workers import FAST_ENV, MARK, AgentProcess, Run, fault_options, fault_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -221,4 +224,50 @@ async def test_a_walk_in_beyond_the_bound_is_refused_with_the_reason(tmp_path: P
         assert result.verdict is Phase.DONE, result
         assert run.state()["joins"] == []
         assert len(_lines("heal-result", a, b)) == 3 * ROUNDS
+        await run.until_no_processes(10)
+
+
+async def _spawn_with_args(
+    run: Run, host: str, ranks: int, program: Path, args: tuple[str, ...]
+) -> AgentProcess:
+    """`Run.spawn_agent` with program arguments (the ranks get them too)."""
+    spec = AgentSpec(
+        host=host,
+        controller_host="127.0.0.1",
+        controller_port=run.port,
+        salt_hex=run.controller.salt_hex,
+        devices=[f"cpu:{ranks}" if ranks > 1 else "cpu"],
+        averaging=run.controller.options.averaging,
+        grace_secs=2.0,
+    )
+    environ = {**os.environ, **FAST_ENV, MARK: run.mark}
+    agent = AgentProcess(host, await start_agent(program, spec, environ, args=args))
+    agent.reader = asyncio.get_running_loop().create_task(agent.collect())
+    run.agents.append(agent)
+    return agent
+
+
+async def test_the_example_starts_a_walk_in_from_the_averaged_weights_and_reshards() -> None:
+    """examples/elastic_training.py as its docstring runs it: host c walks in while a and b train, loads the
+    averaged weights at the others' step, and all three reshard over three members and finish.
+    """
+    example = Path(__file__).resolve().parents[2] / "examples" / "elastic_training.py"
+    args = ("--steps", "1000", "--pause", "0.02")
+    two = JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2, elastic_max_ranks=3)
+    async with fault_run(_options(bound=3).model_copy(update={"capacity": 2, "join": two})) as run:
+        a = await _spawn_with_args(run, "a", 2, example, args)
+        await _until("three rounds", lambda: run.controller.run_metrics.rounds >= 3)
+        c = await _spawn_with_args(run, "c", 1, example, args)
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, c.output[-3000:])
+        walked = re.search(r"rank 2: walked in at step (\d+), shard 3 of 3", c.output)
+        assert walked is not None and int(walked[1]) >= 3, c.output[-3000:]
+        (join,) = run.state()["joins"]
+        assert (join["rank"], join["host"], join["round"]) == (2, "c", int(walked[1]))
+        for rank in (0, 1):
+            assert re.search(rf"rank {rank}: step \d+: members \[0, 1, 2\] \(epoch 1\), my shard", a.output)
+        done = r"rank (\d): done after 1000 steps, members \[0, 1, 2\], loss (\S+)"
+        finals = re.findall(done, a.output + c.output)
+        assert sorted(int(rank) for rank, _ in finals) == [0, 1, 2], (a.output[-2000:], c.output[-2000:])
+        assert all(float(loss) < 0.01 for _, loss in finals), finals
         await run.until_no_processes(10)
