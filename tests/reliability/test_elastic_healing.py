@@ -252,7 +252,7 @@ async def test_the_example_starts_a_walk_in_from_the_averaged_weights_and_reshar
     averaged weights at the others' step, and all three reshard over three members and finish.
     """
     example = Path(__file__).resolve().parents[2] / "examples" / "elastic_training.py"
-    args = ("--steps", "1000", "--pause", "0.02")
+    args = ("--steps", "800", "--pause", "0.05")  # 40 s at least: time for a walk-in to start, loaded
     two = JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2, elastic_max_ranks=3)
     async with fault_run(_options(bound=3).model_copy(update={"capacity": 2, "join": two})) as run:
         a = await _spawn_with_args(run, "a", 2, example, args)
@@ -266,7 +266,7 @@ async def test_the_example_starts_a_walk_in_from_the_averaged_weights_and_reshar
         assert (join["rank"], join["host"], join["round"]) == (2, "c", int(walked[1]))
         for rank in (0, 1):
             assert re.search(rf"rank {rank}: step \d+: members \[0, 1, 2\] \(epoch 1\), my shard", a.output)
-        done = r"rank (\d): done after 1000 steps, members \[0, 1, 2\], loss (\S+)"
+        done = r"rank (\d): done after 800 steps, members \[0, 1, 2\], loss (\S+)"
         finals = re.findall(done, a.output + c.output)
         assert sorted(int(rank) for rank, _ in finals) == [0, 1, 2], (a.output[-2000:], c.output[-2000:])
         assert all(float(loss) < 0.01 for _, loss in finals), finals
