@@ -13,6 +13,15 @@ Run it with a tolerance, so the run survives a lost rank (docs/elastic-averaging
 `--crash-rank R --crash-step S` makes rank R kill itself before step S, to see it happen; the others
 print the new membership and finish. Outside flodld (`python examples/elastic_training.py`) it trains
 alone: a world of one.
+
+Growth (docs/elastic-averaging.md, "Growth and healing"): with `controller.join.elastic_max_ranks` (or
+`fdl @cluster run --nnodes MIN:MAX`), a host that joins while the run trains enters at a round boundary:
+
+    fdl @cluster run examples/elastic_training.py --steps 600 --pause 0.05
+    fdl join HOST:PORT --bin examples/elastic_training.py     # on the new host, mid-run
+
+Its ranks start from the averaged weights every member holds (`walk_in_state()`), count their steps from
+the round they entered at (`entry_round()`), and everyone reshards over the grown membership.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from flodld.launcher import exit_if_worker_role
 
@@ -29,7 +39,7 @@ exit_if_worker_role()  # agent and relay roles run and exit here, before the tor
 import torch  # noqa: E402
 
 import flodld  # noqa: E402
-from flodld.rank.averaging import Averager, Membership, membership  # noqa: E402
+from flodld.rank.averaging import Averager, Membership, entry_round, membership, walk_in_state  # noqa: E402
 
 SAMPLES, FEATURES = 4096, 8
 
@@ -61,6 +71,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--crash-rank", type=int, default=-1, help="this rank kills itself (a demo)")
     parser.add_argument("--crash-step", type=int, default=20)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between steps (time to walk in)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
@@ -68,17 +79,24 @@ def main() -> int:
     features, targets = dataset()
     weights = torch.zeros(FEATURES, dtype=torch.float64)
     averager = Averager()
+    state = walk_in_state()  # a walk-in: the weights every member averaged last; None otherwise
+    if state is not None:
+        (weights,) = state
+    first = entry_round() * averager.cadence  # a walk-in joins the others' step count
     seen = membership()
     mine = shard(seen, features, targets)
-    for step in range(args.steps):
+    if first:
+        print(f"rank {rank}: walked in at step {first}, shard {seen.index + 1} of {seen.size}", flush=True)
+    for step in range(first, args.steps):
         if rank == args.crash_rank and step == args.crash_step:
             print(f"rank {rank}: crashing before step {step} (--crash-rank)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = mine
         gradient = x.T @ (x @ weights - y) / len(y)
         (weights,) = averager.step([weights - args.lr * gradient])
+        time.sleep(args.pause)
         now = membership()
-        if now.epoch != seen.epoch:  # a rank was lost: split the whole dataset among the survivors again
+        if now.epoch != seen.epoch:  # a rank lost or walked in: split the data among the members again
             print(f"rank {rank}: step {step}: members {list(now.members)} (epoch {now.epoch}), "
                   f"my shard {now.index + 1} of {now.size}", flush=True)  # fmt: skip
             seen, mine = now, shard(now, features, targets)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
@@ -16,10 +16,13 @@ async def start_agent(
     env: Mapping[str, str],
     *wrapper: str,
     new_session: bool = False,
+    args: Sequence[str] = (),
 ) -> asyncio.subprocess.Process:
-    """`WRAPPER python PROGRAM` with SPEC in AGENT_ENV over ENV; stdout and stderr together on `.stdout`."""
+    """`WRAPPER python PROGRAM ARGS` with SPEC in AGENT_ENV over ENV; stdout and stderr together on `.stdout`
+    (the ranks run PROGRAM with the same ARGS).
+    """
     return await asyncio.create_subprocess_exec(
-        *wrapper, sys.executable, str(program), env={**env, AGENT_ENV: encode_spec(spec)},
+        *wrapper, sys.executable, str(program), *args, env={**env, AGENT_ENV: encode_spec(spec)},
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         start_new_session=new_session,
     )  # fmt: skip

@@ -176,7 +176,8 @@ class AgentShell:
         # After the relay started (it does not need it): a few store round trips in a world of several hosts,
         # given up as soon as the host is being torn down (its ranks then start only to be terminated).
         node = None
-        if envelope.local_world_size < envelope.world_size:
+        walk_in = formed.relay is not None and formed.relay.walk_in
+        if envelope.local_world_size < envelope.world_size and not walk_in:
             node = await self._unless_stopping(self._node_rank(joined))
         self.scrub = Scrubber(self._secrets(joined))
         self.error_dir = tempfile.mkdtemp(prefix="flodld-errors-")
@@ -196,6 +197,7 @@ class AgentShell:
                 host_env=self.spec.host_env,
                 store_port=store_port,
                 node=node,
+                walk_in=walk_in,
             )
             error_file = Path(self.error_dir) / f"rank-{rank}.json"
             env[ERROR_FILE_ENV] = str(error_file)  # torch's @record writes the rank's exception there

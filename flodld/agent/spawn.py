@@ -152,6 +152,7 @@ def rank_environment(
     host_env: Mapping[str, str] | None = None,
     store_port: int | None = None,
     node: tuple[int, int] | None = None,
+    walk_in: bool = False,
 ) -> dict[str, str]:
     """What a rank sees: torchrun-style identity, the controller's address, the salt, its device.
 
@@ -188,6 +189,10 @@ def rank_environment(
         env[rank_env.RELAY_PORT] = str(relay_port)
     else:
         env.pop(rank_env.RELAY_PORT, None)
+    if walk_in:  # it entered a training run: its first deposit waits for the averaged state
+        env[rank_env.WALK_IN] = "1"
+    else:
+        env.pop(rank_env.WALK_IN, None)
     if device.startswith("cuda:"):
         # The agent's torch numbered its devices in the order (and within the visible set) it inherited.
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -251,6 +256,7 @@ def relay_spec_for(
         ranks=list(envelope.ranks),
         listen_fd=listen_fd,
         straggler_timeout=formed.relay.straggler_timeout,
+        walk_in=formed.relay.walk_in,
     )
 
 

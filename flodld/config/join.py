@@ -33,6 +33,13 @@ class JoinConfig(BaseModel):
         le=1000,
         description="Failed attempts re-formed as a fresh world before the run fails (--max-restarts).",
     )
+    elastic_max_ranks: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**20,
+        description="Growth bound of an elastic run (docs/elastic-averaging.md, 'Growth and healing'): "
+        "walk-ins are admitted during training while the live ranks stay at or below it. None: no growth.",
+    )
 
     @field_validator("token")
     @classmethod

@@ -69,6 +69,16 @@ class ControllerConfig(BaseModel):
             raise ValueError(error)
         return self
 
+    @model_validator(mode="after")
+    def _growth_needs_cpu_averaging(self) -> ControllerConfig:
+        if self.join.elastic_max_ranks is not None and not self.averaging.is_cpu:
+            raise ValueError(
+                f"join.elastic_max_ranks (growth during training) needs a CPU averaging mode, not "
+                f"{self.averaging.value}: a process group cannot take a new member mid-run (set averaging: "
+                "cpu_sync, cpu_cadence or cpu_async, or remove elastic_max_ranks)"
+            )
+        return self
+
     @property
     def tolerance_count(self) -> int | None:
         """The tolerance as a count of ranks; None when it is a share of the world."""

@@ -102,6 +102,8 @@ class Admissions:
             self.run.policy.quorum,
             detail=lambda: f"host={hello.host} joined_ranks={joined}",
         )
+        if window.world is not None:  # a walk-in during training (docs/elastic-averaging.md, growth)
+            self.run.walk_in(hello.host, outcome.ranks)
         self._settle_this_turn()
         return accept
 

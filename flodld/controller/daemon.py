@@ -76,6 +76,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", help="run identity (default: random)")
     parser.add_argument("--tolerance", type=int, help="rank failures the run survives (default 0)")
     parser.add_argument(
+        "--elastic-max-ranks",
+        type=int,
+        help="CPU averaging: admit walk-ins during training while the live ranks stay at or below N; they "
+        "receive the last averaged state before their first round (controller.join.elastic_max_ranks)",
+    )
+    parser.add_argument(
         "--straggler-timeout",
         type=float,
         help="cpu_cadence/cpu_async: seconds after a round's first deposit before it closes without the "
@@ -114,6 +120,7 @@ _JOIN_FLAGS = {
     "discovery": "discovery",
     "tunnel_only": "tunnel_only",
     "max_restarts": "max_restarts",
+    "elastic_max_ranks": "elastic_max_ranks",
 }
 # Flags that override a top-level controller option (flag -> option).
 _OPTION_FLAGS = {

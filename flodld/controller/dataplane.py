@@ -35,7 +35,7 @@ from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
-from flodld.wire.data import Broadcast, DataPlaneError, HelloAck, HostFrame, RankGone, RelayHello
+from flodld.wire.data import Broadcast, DataPlaneError, Entry, HelloAck, HostFrame, RankGone, RelayHello
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
 from flodld.wire.handlers import HandlerTable
@@ -98,6 +98,8 @@ class DataPlane:
         clock: Callable[[], float] = time.monotonic,
         metrics: RunMetrics | None = None,
         straggler_timeout: float | None = None,
+        growable: bool = False,
+        chunk_env: Mapping[str, str] | None = None,
     ) -> None:
         if not host_ranks:
             raise ValueError("a data plane needs at least one host")
@@ -114,7 +116,18 @@ class DataPlane:
         self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
         # A world of one host: its relay's fold is the world's, so it broadcasts rounds itself (told so in
         # its DATA HelloAck) and no data frame comes here; liveness and RankGone work as for any world.
-        self.sole_host = len(self.host_ranks) == 1
+        # A run that grows (walk-ins during training) folds here even with one host: a walk-in may join it.
+        self.sole_host = len(self.host_ranks) == 1 and not growable
+        # Growth (docs/elastic-averaging.md, "Growth and healing"): hosts admitted during training whose ranks
+        # have not entered the averaging yet (host -> ranks still expected); they enter at a round boundary
+        # once their relay's DATA channel is up, and get the last round's result (`_last_result`: its
+        # accumulator holds it until the round after next starts, which waits for the walk-in's deposit).
+        self.entering: dict[str, set[int]] = {}
+        self.on_ranks_entered: Callable[[tuple[int, ...], int], None] | None = None
+        self._last_result: ChunkResult[str] | None = None
+        self._members_seen: tuple[int, ...] = tuple(sorted(self.host_of))  # as the ranks count epochs
+        self._epoch = 0
+        self.chunk_env = dict(chunk_env or {})  # FLODL_CHUNK_BYTES as the ranks read it (a walk-in's state)
         # The fold machinery (torch) loads with the first host frame: a run that never averages
         # through the relays never pays for it, and formation is not delayed by the import.
         self._barrier: RoundBarrier[str] | None = None
@@ -174,6 +187,19 @@ class DataPlane:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
             self._ticker = None
+
+    def expect(self, host: str, ranks: Sequence[int]) -> None:
+        """A host walked into the training run: its relay may connect, its ranks are watched (with the
+        startup grace), and they enter the averaging at a round boundary once its DATA channel is up.
+        """
+        ranks = sorted(ranks)
+        self.host_ranks[host] = ranks
+        for rank in ranks:
+            self.host_of[rank] = host
+        self.live_ranks.setdefault(host, set())
+        self.liveness.track(ranks, self.clock())
+        self.entering[host] = set(ranks)
+        log.info("event=walk_in_expected host=%s ranks=%s", host, ranks)
 
     def live_hosts(self) -> set[str]:
         return {host for host, ranks in self.live_ranks.items() if ranks}
@@ -278,6 +304,8 @@ class DataPlane:
         log.info(
             "event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks)
         )
+        if channel is Channel.DATA and hello.host in self.entering:
+            await self._enter_at_boundary()
         return hello.host
 
     async def _refuse(self, channel: Channel, stream: FramedStream, refusal: str) -> None:
@@ -402,6 +430,13 @@ class DataPlane:
             await self._rank_left(relay.host, message.rank, message.reason or "its leg to the relay closed")
 
     async def _rank_left(self, host: str, rank: int, reason: str, *, dead: bool = False) -> None:
+        pending = self.entering.get(host)
+        if pending is not None and rank in pending:  # a walk-in's rank gone before it entered
+            pending.discard(rank)
+            if not pending:
+                del self.entering[host]
+            log.info("event=rank_left host=%s rank=%d before_entry=True reason=%r", host, rank, reason)
+            return
         if rank not in self.live_ranks[host]:
             return
         self.live_ranks[host].discard(rank)
@@ -427,9 +462,25 @@ class DataPlane:
             tensors=list(result.specs),
             offset=result.offset,
         )
+        # Fixed before any await: a walk-in entering meanwhile gets this round as its state, not a chunk.
+        recipients = [
+            (host, stream) for host, stream in self.relays[Channel.DATA].items() if host in self.live_hosts()
+        ]
+        entered: list[FramedStream] = []
         if result.last:
             self.rounds += 1
             self._chunk_ranks.clear()
+            self._last_result = result
+            members = tuple(sorted(contributors))
+            if members and members != self._members_seen:  # the ranks' own epoch count, replayed here
+                self._epoch += 1
+                self._members_seen = members
+            # The walk-ins' state is this round: sealed now, before any await below.
+            entered = [
+                stream
+                for host in self._enter_now(result.round + 1)
+                if (stream := self._seal_entry(host, result.round + 1)) is not None
+            ]
             self.metrics.round_finished(result.round, self.clock())
             if self.stragglers.timeout is not None:
                 # Live ranks whose deposit the round went without: skipped here (their host) or at their
@@ -440,10 +491,97 @@ class DataPlane:
             self._round_ranks = set()
         tail = result.byte_views()
         nbytes = sum(view.nbytes for view in tail)
-        for host, stream in list(self.relays[Channel.DATA].items()):
-            if host in self.live_hosts():
-                await self._send_quietly(stream, message, tail)
-                self.metrics.sent(nbytes)
+        for _, stream in recipients:
+            await self._send_quietly(stream, message, tail)
+            self.metrics.sent(nbytes)
+        await self._drain_entries(entered)
+
+    # --- growth: walk-ins enter at a round boundary ------------------------------------------
+
+    def _enter_now(self, round_number: int) -> list[str]:
+        """Let every walk-in whose relay's DATA channel is up into the averaging from `round_number`, the
+        round that has not started (the caller is at its boundary). Returns the hosts that entered.
+        """
+        ready = [host for host in sorted(self.entering) if host in self.relays[Channel.DATA]]
+        if not ready:
+            return []
+        barrier = self._barrier
+        if barrier is not None and (barrier.started or barrier.round != round_number):
+            return []  # past the boundary already: the next one
+        entered = []
+        for host in ready:
+            ranks = self.entering.pop(host)
+            if barrier is not None:
+                barrier.admit(host)
+            self.live_ranks[host] = set(ranks)
+            entered.append(host)
+            log.info("event=walk_in_entered host=%s ranks=%s round=%d", host, sorted(ranks), round_number)
+            if self.on_ranks_entered is not None:
+                self.on_ranks_entered(tuple(sorted(ranks)), round_number)
+        return entered
+
+    async def _enter_at_boundary(self) -> None:
+        """A walk-in's relay is up: it enters now if the world is at a round boundary whose state is at hand
+        (no round started; the last round's result still held), else at the end of the round in progress.
+        """
+        barrier = self._barrier
+        if barrier is None:
+            next_round = 0  # nothing folded here yet: it enters the first round, with no state
+        elif barrier.started:
+            return
+        else:
+            next_round = barrier.round
+            last = self._last_result
+            if next_round > 0 and (last is None or last.round != next_round - 1):
+                return  # the round before closed without a value: no state to hand over yet
+        sealed = [self._seal_entry(host, next_round) for host in self._enter_now(next_round)]
+        await self._drain_entries([stream for stream in sealed if stream is not None])
+
+    async def _drain_entries(self, streams: list[FramedStream]) -> None:
+        for stream in streams:
+            try:
+                await stream.drain()
+            except (OSError, WireError, TimeoutError) as error:
+                log.warning("event=walk_in_state_unsent error=%r", str(error))
+
+    def _seal_entry(self, host: str, round_number: int) -> FramedStream | None:
+        """Entry to a walk-in's relay, then (when a round was completed before) that round's result: the
+        finished accumulator in chunks of the run's chunk size, the bytes every member received. Sealed
+        here, without an await: no broadcast can come between them, and the accumulator may be reused as
+        soon as this returns (by a round the walk-in is skipped in, under a straggler timeout). Returns the
+        stream to drain.
+        """
+        stream = self.relays[Channel.DATA].get(host)
+        if stream is None:
+            return None
+        members = tuple(sorted(set().union(*self.live_ranks.values())))
+        epoch = self._epoch + (members != self._members_seen)
+        last = self._last_result if round_number > 0 else None
+        state = last is not None and last.round == round_number - 1
+        try:
+            stream.send_nowait(Entry(round=round_number, epoch=epoch, members=list(members), state=state))
+            if state:
+                assert last is not None
+                from flodld.fold.chunks import Layout, byte_views, chunk_bytes_from_env  # torch: in by now
+
+                layout = Layout(last.specs)
+                chunk_bytes = max(chunk_bytes_from_env(self.chunk_env), max(layout.itemsizes, default=1))
+                contributors = sorted(self._members_seen)
+                for offset, length in layout.ranges(chunk_bytes):
+                    chunk = Broadcast(
+                        round=last.round,
+                        fold=last.fold_spec,
+                        weight=last.weight,
+                        contributors=contributors,
+                        tensors=list(last.specs),
+                        offset=offset,
+                    )
+                    stream.send_nowait(chunk, byte_views(last.tensors, layout.pieces(offset, length)))
+                    self.metrics.sent(length)
+        except (OSError, WireError) as error:
+            log.warning("event=walk_in_state_unsent host=%s error=%r", host, str(error))
+            return None
+        return stream
 
     # --- control ---------------------------------------------------------------------------
 
@@ -545,6 +683,8 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
                 on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
                 metrics=controller.run_metrics,
                 straggler_timeout=controller.options.straggler_timeout,
+                growable=controller.options.growable,
+                chunk_env={key: source[key] for key in ("FLODL_CHUNK_BYTES",) if key in source},
             )
             controller.register_channels(
                 {Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control}
@@ -553,6 +693,8 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             planes.append(plane)
             controller.round_in_progress = plane.round_in_progress
             plane.on_rank_round = controller.rank_round
+            controller.expect_walk_in = plane.expect
+            plane.on_ranks_entered = controller.ranks_entered
         if planes and phase in TERMINAL_PHASES:
             task = asyncio.get_running_loop().create_task(planes[0].close())
             _closing.add(task)

@@ -142,6 +142,21 @@ class ControllerOptions(BaseModel):
             raise ValueError(error)
         return self
 
+    @model_validator(mode="after")
+    def _growth_needs_cpu_averaging(self) -> ControllerOptions:
+        if self.join.elastic_max_ranks is not None and not self.averaging.is_cpu:
+            raise ValueError(
+                f"elastic_max_ranks (growth during training) needs a CPU averaging mode, not "
+                f"{self.averaging.value}: a process group cannot take a new member mid-run (choose "
+                "--averaging cpu_sync, cpu_cadence or cpu_async, or drop --elastic-max-ranks)"
+            )
+        return self
+
+    @property
+    def growable(self) -> bool:
+        """Walk-ins may enter during training (docs/elastic-averaging.md, "Growth and healing")."""
+        return self.join.elastic_max_ranks is not None and self.averaging.is_cpu
+
     @property
     def cpu_averaging(self) -> bool:
         return self.averaging.is_cpu

@@ -313,6 +313,23 @@ def _losses(state: Mapping[str, Any]) -> str:
     return _table_section("losses", f"lost ranks ({len(losses)})", headers, rows, more)
 
 
+def _joins(state: Mapping[str, Any]) -> str:
+    """Ranks that walked in during training (state.json's `joins`): rank, host and the round it entered."""
+    joins = [x for x in (state.get("joins") or []) if isinstance(x, Mapping)]
+    if not joins:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
+        f"<td>{_e('waiting' if x.get('round') is None else str(_int(x.get('round'))))}</td></tr>"
+        for x in joins[:MAX_ROWS]
+    )
+    more = _more(len(joins) - MAX_ROWS, "joins") if len(joins) > MAX_ROWS else ""
+    return (
+        f'<section id="joins"><h2>walked-in ranks ({len(joins)})</h2><table><thead><tr><th>rank</th>'
+        f"<th>host</th><th>entered at round</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
+    )
+
+
 def _delay(value: object) -> str:
     """A deposit delay to the millisecond: '0.051 s'."""
     if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
@@ -465,7 +482,8 @@ def render_state(state: Mapping[str, Any] | None) -> str:
         return (
             f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
         )
-    parts = [_head(state), _attempt(state), _root_cause(state), _losses(state), _clock(state), _ranks(state)]
+    parts = [_head(state), _attempt(state), _root_cause(state), _losses(state), _joins(state), _clock(state)]
+    parts.append(_ranks(state))
     parts.append(_start(state))
     parts.append(_hosts(state))
     parts.append(_missing(state))

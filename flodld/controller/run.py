@@ -112,6 +112,8 @@ class Controller:
         self.run_metrics = RunMetrics()  # the data plane's tally of this run (/metrics)
         # The averaging round in progress (the data plane sets it when it is built): named with each loss.
         self.round_in_progress: Callable[[int], int | None] = lambda rank: None
+        # Growth (docs/elastic-averaging.md): the data plane expects a walk-in's relay (set when it is built).
+        self.expect_walk_in: Callable[[str, tuple[int, ...]], None] = lambda host, ranks: None
         self.window: JoinWindow | None = None
         self.address: tuple[str, int] | None = None
         self.links: dict[str, HostLink] = {}
@@ -195,6 +197,20 @@ class Controller:
 
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
         self.losses.link_closed(link, why, lost=lost)
+
+    def walk_in(self, host: str, ranks: tuple[int, ...]) -> None:
+        """A host walked into the training run (its Accept is on the link): the data plane expects its relay,
+        and its WorldFormed goes out now.
+        """
+        log.info("event=walk_in host=%s ranks=%s", host, list(ranks))
+        self.expect_walk_in(host, ranks)
+        self._spawn(self.shipper.ship_walk_in(host))
+
+    def ranks_entered(self, ranks: tuple[int, ...], in_round: int) -> None:
+        """The data plane let a walk-in's ranks into the averaging at `in_round` (state.json `joins`)."""
+        log.info("event=ranks_entered ranks=%s round=%d", list(ranks), in_round)
+        if self.window is not None:
+            self.window.entered(ranks, in_round)
 
     # --- the data plane's calls (RankLosses) ----------------------------------------------------
 
@@ -320,6 +336,7 @@ class Controller:
             tolerance=self.options.tolerance,
             tolerance_percent=self.options.tolerance_percent,
             declared=self.options.declared_ranks,
+            elastic_max_ranks=self.options.join.elastic_max_ranks if self.options.growable else None,
         )
         self.started_at = time.time()
         p = self.policy

@@ -153,6 +153,7 @@ class RunStatus:
             rank_exits=[RankExit(rank=rank, code=code) for rank, code in exits],
             root_cause=result.root_cause,
             attempt=self.run.options.attempt_state(),
+            joins=[join.state() for _, join in sorted(window.joins.items())] if window is not None else [],
         )
 
     def window_refusals(self) -> Mapping[str, int]:

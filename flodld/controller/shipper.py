@@ -74,6 +74,36 @@ class WorldShipper:
             }
         )
 
+    async def ship_walk_in(self, host: str) -> None:
+        """WorldFormed to a host that walked into the training run: its ranks (fresh ids), the world's id
+        space as `world_size`, and a relay spec marked `walk_in` (its relay enters at a round boundary).
+        A failed write is that host's loss, as at formation.
+        """
+        window = self.run.window
+        link = self.run.links.get(host)
+        if window is None or window.world is None or link is None or link.closed.is_set():
+            return
+        world = window.world
+        relay = self._relay_spec()
+        ranks = list(window.ledger.ranks_of(host))  # this incarnation's (a returning host's earlier are lost)
+        envelope = self._envelope_template(world).model_copy(
+            update={
+                "ranks": ranks,
+                "local_world_size": len(ranks),
+                "controller_host": self._controller_host_for(link),
+            }
+        )
+        walk_in = relay.model_copy(update={"walk_in": True}) if relay is not None else None
+        message = WorldFormed(envelope=envelope, relay=walk_in)
+        try:
+            link.stream.send_nowait(message)
+            self.run.counters.frame_out(JOIN_CHANNEL, 0)
+            await asyncio.wait_for(link.stream.drain(), SHIP_TIMEOUT_SECS)
+        except (ConnectionError, OSError, TimeoutError) as error:
+            self.run.link_closed(link, f"WorldFormed write failed ({error!r})", lost=True)
+            return
+        log.info("event=world_formed_walk_in host=%s ranks=%s", host, envelope.ranks)
+
     def _relay_spec(self) -> RelaySpec | None:
         if not self.run.options.cpu_averaging:
             return None

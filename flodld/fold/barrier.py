@@ -189,6 +189,33 @@ class RoundBarrier(Generic[Member]):
         """Whether a chunk of the round in progress has been taken."""
         return self._fold is not None
 
+    # --- growth (docs/elastic-averaging.md, "Growth and healing") ------------------------------
+
+    def admit(self, member: Member) -> None:
+        """A member that enters at this round boundary: the round in progress must not have started (its
+        fold order is fixed when its first chunk is taken). A member that left may enter again (a host
+        that walked in under its old name); a live one is an error.
+        """
+        if self.started:
+            raise RoundError(
+                f"{member!r} cannot enter round {self.round}: it has started (members enter at a boundary)"
+            )
+        if member in self._live:
+            raise RoundError(f"{member!r} is a member already")
+        self._gone.discard(member)
+        self._live.add(member)
+
+    def begin_at(self, round_number: int) -> None:
+        """Number the next round `round_number` (a walk-in's relay: its first round is the one it entered
+        at); only before any chunk of the round in progress was taken, and never backwards.
+        """
+        if self.started or round_number < self.round:
+            raise RoundError(
+                f"cannot move the barrier from round {self.round} to {round_number}"
+                + (" (it has started)" if self.started else "")
+            )
+        self.round = round_number
+
     # --- chunks -----------------------------------------------------------------------------
 
     def contribute_message(

@@ -34,6 +34,13 @@ class Liveness:
             self._last_heard[rank] = max(self._last_heard[rank], now)
             self._silent_since_start.discard(rank)
 
+    def track(self, ranks: Iterable[int], now: float) -> None:
+        """Start tracking `ranks` (walk-ins during training): their clock starts now, startup grace first."""
+        for rank in ranks:
+            if rank not in self._last_heard:
+                self._last_heard[rank] = now
+                self._silent_since_start.add(rank)
+
     def forget(self, rank: int) -> None:
         self._last_heard.pop(rank, None)
         self._silent_since_start.discard(rank)

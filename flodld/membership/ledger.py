@@ -181,7 +181,24 @@ class Ledger:
 
     def admit(self, hello: Hello, now: float) -> Admitted | Refused:
         """Run every check in order; on success append the host and hand out the next ranks."""
-        for check in ADMISSION_CHECKS:
+        return self._admit(hello, now, ADMISSION_CHECKS)
+
+    def admit_walk_in(self, hello: Hello, now: float) -> Admitted | Refused:
+        """After formation, in a run that grows (flodld.membership.growth decided it may): every check but
+        the window's and the duplicate name's, then the next ranks (fresh ids: never a retracted or lost
+        one's). A host of the formed world walking in again keeps its place in the member order, its new
+        ranks are the fresh ones (`ranks_of`).
+        """
+        previous = self._members.get(hello.host)
+        outcome = self._admit(hello, now, WALK_IN_CHECKS)
+        if previous is not None and isinstance(outcome, Admitted):
+            self._count(previous, -1)
+        return outcome
+
+    def _admit(
+        self, hello: Hello, now: float, checks: tuple[AdmissionCheck, ...]
+    ) -> Admitted | Refused:
+        for check in checks:
             refusal = check(self, hello)
             if refusal is not None:
                 self.refused_counts[refusal.code] += 1
@@ -455,3 +472,9 @@ ADMISSION_CHECKS: tuple[AdmissionCheck, ...] = (
     _nccl,
     _model,
 )
+
+WALK_IN_CHECKS: tuple[AdmissionCheck, ...] = tuple(
+    check for check in ADMISSION_CHECKS if check not in (_window_open, _duplicate_host)
+)
+"""A walk-in during training (flodld.membership.growth): the window is closed and a returning host's name is
+taken, both decided there."""

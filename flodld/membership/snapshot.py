@@ -87,6 +87,17 @@ class RankLossState(_Model):
     at_secs: float = Field(description="When, in seconds since the window opened.")
 
 
+class RankJoinState(_Model):
+    """A rank that walked in during training (docs/elastic-averaging.md, "Growth and healing")."""
+
+    rank: int = Field(description="Its fresh rank id (a lost rank's id is never reused).")
+    host: str
+    round: int | None = Field(
+        default=None, description="The averaging round it entered in (null: its relay has not entered yet)."
+    )
+    at_secs: float = Field(description="When it was admitted, in seconds since the window opened.")
+
+
 class StragglerState(_Model):
     """A rank whose deposits reach the controller's fold late (`RunMetrics`)."""
 
@@ -215,6 +226,10 @@ class RunRecord(_Model):
     attempt: AttemptState | None = Field(
         default=None, description="The run's attempt and the earlier ones (null: no restarts configured)."
     )
+    joins: list[RankJoinState] = Field(
+        default_factory=list,
+        description="Ranks that walked in during training (state.json `joins`; empty without growth).",
+    )
 
 
 class ServiceState(_Model):
@@ -292,6 +307,11 @@ class StateSnapshot(_Model):
         default_factory=list,
         description="Every rank lost, in rank order: host, cause and round (a run with a tolerance goes on "
         "without them and ends `done (degraded: …)`).",
+    )
+    joins: list[RankJoinState] = Field(
+        default_factory=list,
+        description="Every rank that walked in during training (controller.join.elastic_max_ranks), in rank "
+        "order: host, the round it entered in, and when it was admitted.",
     )
     stragglers: list[StragglerState] = Field(
         default_factory=list,

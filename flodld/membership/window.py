@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 from flodld.membership import windowstate
+from flodld.membership.growth import RankJoin, growth_refusal
 from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
 from flodld.membership.phase import (
     TERMINAL_PHASES,
@@ -95,6 +96,7 @@ class JoinWindow:
         expected_run_id: str | None = None,
         max_world_ranks: int = MAX_WORLD_RANKS,
         declared: Mapping[str, int] | None = None,
+        elastic_max_ranks: int | None = None,
     ) -> None:
         if tolerance < 0:
             raise ValueError(f"tolerance must be >= 0 (rank failures the run survives), got {tolerance}")
@@ -131,6 +133,12 @@ class JoinWindow:
         # rank -> how it was lost (first cause only): state.json `losses`, and the degraded verdict's names.
         self.losses: dict[int, RankLoss] = {}
         self._loss_rounds: dict[int, int] = {}  # rank -> the round its relay saw it leave in
+        # Growth (flodld.membership.growth): the bound on live ranks a walk-in may take the run to (None: no
+        # walk-ins after formation), the ranks that walked in (state.json `joins`), and the ranks of a host's
+        # earlier incarnation once it walked in again (lost with it, never its new link's).
+        self.elastic_max_ranks = elastic_max_ranks
+        self.joins: dict[int, RankJoin] = {}
+        self._retired: set[int] = set()
 
     # --- the window --------------------------------------------------------------------------------
 
@@ -142,6 +150,8 @@ class JoinWindow:
         reached the window's end; after it, when the target is reached (so the very next hello of the
         same turn is already refused, and the world never overshoots the target).
         """
+        if self.world is not None and self.elastic_max_ranks is not None:
+            return self.walk_in(hello, now)
         if evaluate or self.elapsed(now) >= self.policy.window_secs:
             self.tick(now)
         if self.phase not in WINDOW_PHASES:
@@ -152,6 +162,59 @@ class JoinWindow:
             if evaluate or (target is not None and self.ledger.joined_ranks >= target):
                 self.tick(now)
         return outcome
+
+    def walk_in(self, hello: Hello, now: float) -> Admitted | Refused:
+        """A hello after formation in a run that grows: admitted with fresh ranks while the run trains and
+        its live ranks stay within `elastic_max_ranks` (`growth_refusal` says why not). The shell ships the
+        walk-in its WorldFormed; its ranks enter the averaging at the next round boundary (`entered`).
+        """
+        world = self.world
+        assert world is not None
+        refusal = growth_refusal(
+            host=hello.host,
+            phase=self.phase,
+            bound=self.elastic_max_ranks,
+            live_ranks=self.live_ranks(),
+            offered=len(hello.devices),
+            link=self.links.get(hello.host),
+        )
+        if refusal is not None:
+            return self.ledger.refuse(refusal.code, refusal.reason)
+        outcome = self.ledger.admit_walk_in(hello, now)
+        if not isinstance(outcome, Admitted):
+            return outcome
+        ranks = dict(world.ranks)
+        members = world.members
+        if hello.host in ranks:  # a host of the formed world again: its earlier ranks stay lost
+            self._retired.update(ranks[hello.host])
+            ranks[hello.host] = ranks[hello.host] + outcome.ranks
+            members = tuple(outcome.member if m.host == hello.host else m for m in members)
+            self.world = World(members, ranks)
+            self._set_link(hello.host, LinkState.OPEN)
+        else:
+            ranks[hello.host] = outcome.ranks
+            self.world = World((*members, outcome.member), ranks)
+            self.links[hello.host] = LinkState.OPEN
+            self._open_links += 1
+            self._link_counts[LinkState.OPEN.value] += 1
+        for rank in outcome.ranks:
+            self.joins[rank] = RankJoin(rank, hello.host, self.elapsed(now))
+        self._changes += 1
+        return outcome
+
+    def entered(self, ranks: Sequence[int], in_round: int) -> None:
+        """Walked-in `ranks` entered the averaging at `in_round` (their relay reached a round boundary)."""
+        for rank in ranks:
+            join = self.joins.get(rank)
+            if join is not None and join.round is None:
+                self.joins[rank] = replace(join, round=in_round)
+                self._changes += 1
+
+    def live_ranks(self) -> int:
+        """Ranks of the formed world (walk-ins included) not lost and not exited."""
+        if self.world is None:
+            return self.ledger.joined_ranks
+        return self.world.world_size - len(set(self.rank_exits) | self._failed | self._retired)
 
     @property
     def generation(self) -> int:
@@ -412,7 +475,9 @@ class JoinWindow:
     def _unreported(self, host: str) -> tuple[int, ...]:
         """`host`'s ranks in the formed world that have not reported their exit."""
         assert self.world is not None
-        return tuple(r for r in self.world.ranks[host] if r not in self.rank_exits)
+        return tuple(
+            r for r in self.world.ranks[host] if r not in self.rank_exits and r not in self._retired
+        )
 
     def _apply(self, event: Event, reason: str) -> None:
         self._changes += 1

@@ -120,6 +120,7 @@ def state(
         "rank_exits": [{"rank": r, "code": c} for r, c in sorted(window.rank_exits.items())],
         "root_cause": window.root_cause.state(),
         "losses": [loss.state() for _, loss in sorted(window.losses.items())],
+        "joins": [join.state() for _, join in sorted(window.joins.items())],
     }
 
 

@@ -26,7 +26,9 @@ Losses (docs/elastic-averaging.md): in a run with a tolerance, a rank that dies 
 folded out of the round in progress and every later one; the survivors' result is the mean over those
 who deposited (the weights renormalize), the same bytes on every survivor. `membership()` says who
 averaged in the last completed round, this rank's index among them and an epoch that changes with them,
-so a loop can reshard its data.
+so a loop can reshard its data. Growth (the same page, "Growth and healing"): a rank that walked into a
+training run starts from `walk_in_state()`, the last averaged result, at `entry_round()`, and every
+member's membership then counts it.
 
 Outside a flodld run (a plain `python train.py`) every mode returns the tensors unchanged: the
 average of a world of one.
@@ -51,7 +53,9 @@ __all__ = [
     "Membership",
     "all_average",
     "elastic_update",
+    "entry_round",
     "membership",
+    "walk_in_state",
 ]
 
 AVERAGING_MODES: Final = tuple(mode.value for mode in AveragingMode.cpu_modes())
@@ -235,3 +239,30 @@ def membership(client: RelayClient | None = None) -> Membership:
             return Membership(0, (0,), 0)
         client = relay_client()
     return client.membership
+
+
+def walk_in_state(client: RelayClient | None = None, timeout: float | None = None) -> Bundle | None:
+    """On a rank that walked into a training run (docs/elastic-averaging.md, "Growth and healing"): the run's
+    last averaged result, bit for bit what every member received for that round, to load before the first
+    step; taken once. Blocks until the rank has entered the averaging (its relay reached a round boundary).
+    None on a rank of the formed world, when no round had completed before it entered, or outside a run.
+    """
+    if client is None:
+        if not in_flodld_rank():
+            return None
+        client = relay_client()
+    return client.entry_state(timeout)
+
+
+def entry_round(client: RelayClient | None = None) -> int:
+    """The averaging round a walk-in entered at (its first deposit's round; docs/elastic-averaging.md,
+    "Growth and healing"), blocking until it has entered; 0 on a rank of the formed world and outside a
+    run. A loop that counts its steps from the world's start begins at `entry_round() * cadence`.
+    """
+    if client is None:
+        if not in_flodld_rank():
+            return 0
+        client = relay_client()
+    client.membership  # noqa: B018  blocks a walk-in until it has entered
+    entry = client.entry
+    return entry.round if entry is not None else 0

@@ -32,6 +32,9 @@ CADENCE: Final = "FLODL_CADENCE"
 HOST_NAME: Final = "FLODL_HOST_NAME"
 LIVENESS_TIMEOUT: Final = "FLODL_LIVENESS_TIMEOUT_SECS"
 HEARTBEAT_INTERVAL: Final = "FLODL_HEARTBEAT_INTERVAL_SECS"
+WALK_IN: Final = "FLODL_WALK_IN"
+"""Set to 1 for a rank that walked into a training run (docs/elastic-averaging.md, "Growth and healing"):
+its first deposit waits for the averaged state its relay hands over."""
 
 DEFAULT_LIVENESS_TIMEOUT_SECS: Final = 30.0
 DEFAULT_HEARTBEAT_INTERVAL_SECS: Final = 1.0
@@ -93,6 +96,7 @@ class RankEnvironment:
     host: str
     liveness_timeout: float
     heartbeat_interval: float
+    walk_in: bool = False
 
 
 def in_flodld_rank(environ: Mapping[str, str] | None = None) -> bool:
@@ -181,4 +185,5 @@ def read_rank_environment(environ: Mapping[str, str] | None = None) -> RankEnvir
         host=env.get(HOST_NAME, ""),
         liveness_timeout=_float(env, LIVENESS_TIMEOUT, DEFAULT_LIVENESS_TIMEOUT_SECS),
         heartbeat_interval=_float(env, HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_INTERVAL_SECS),
+        walk_in=env.get(WALK_IN) == "1",
     )

@@ -39,6 +39,7 @@ from flodld.wire.data import (
     Broadcast,
     DataPlaneError,
     Deposit,
+    Entry,
     HelloAck,
     RankHello,
     ShmAccepted,
@@ -140,6 +141,11 @@ class RelayClient:
         self._shm_reply: ShmAccepted | ShmRefused | None = None
         self._spare = Prefaulted()  # result memory made ready by `reserve`
         self._closing = False
+        # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its relay's Entry names its first
+        # round and its membership, and the last averaged result follows; its first deposit waits for both.
+        self._entry: Entry | None = None
+        self._entered = not env.walk_in
+        self._entry_state: Bundle | None = None
         # A first sign of life now, not one interval later: the controller's liveness holds a rank never
         # heard from to the long startup grace, and a rank that stops early must be declared dead in time.
         self.control.send(Heartbeat(rank=env.rank, step=self.step))
@@ -160,6 +166,7 @@ class RelayClient:
         round r is complete, so a caller that may have a round out first waits for it (`wait_arrived`, as
         `flodld.rank.averaging` does).
         """
+        self._await_entry(None)
         spec = fold or self.env.fold
         scaled = (
             [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
@@ -315,9 +322,39 @@ class RelayClient:
 
     @property
     def membership(self) -> Membership:
-        """Who averaged in the last completed round (every rank of the world before the first)."""
+        """Who averaged in the last completed round (every rank of the world before the first; a walk-in,
+        before its first round: the members expected in it, itself included, once it has entered).
+        """
+        self._await_entry(None)
         with self._changed:
             return self._membership
+
+    def _await_entry(self, timeout: float | None) -> None:
+        """A walk-in: block until its relay handed over the Entry and the state (at once for the others)."""
+        if self._entered:
+            return
+        with self._changed:
+            ok = self._changed.wait_for(lambda: self._entered or self._error is not None, timeout)
+            if self._error is not None:
+                raise RelayClientError(self._error)
+            if not ok:
+                raise TimeoutError(f"rank {self.env.rank} did not enter the averaging within {timeout}s")
+
+    def entry_state(self, timeout: float | None = None) -> Bundle | None:
+        """A walk-in's starting point: the last averaged result of the run it entered (the same bytes every
+        member received for that round), taken once; None on a rank of the formed world, when no round
+        had completed before it entered, or once taken. Blocks until the walk-in has entered.
+        """
+        self._await_entry(timeout)
+        with self._changed:
+            state, self._entry_state = self._entry_state, None
+            return state
+
+    @property
+    def entry(self) -> Entry | None:
+        """The Entry a walk-in's relay handed over (its first round, membership); None on other ranks."""
+        with self._changed:
+            return self._entry
 
     def latest_completed_round(self) -> int:
         """The newest round whose result is in (every earlier one is in too); -1 before the first."""
@@ -341,7 +378,11 @@ class RelayClient:
             while True:
                 frame = self.data.recv()
                 message = frame.message()
-                if isinstance(message, Broadcast | ShmResult):
+                if isinstance(message, Entry):
+                    self._enter(message)
+                elif not self._entered and isinstance(message, Broadcast):
+                    self._take_state(message, frame)
+                elif isinstance(message, Broadcast | ShmResult):
                     done = self._assemble(message, frame)
                     if done is None:
                         continue
@@ -382,6 +423,32 @@ class RelayClient:
             self.data.close()
         finally:
             self._fail(reason)
+
+    def _enter(self, entry: Entry) -> None:
+        """The relay let this walk-in in: its rounds start at `entry.round` (the state, if any, follows)."""
+        if not self.env.walk_in or self._entry is not None:
+            raise ValueError("an Entry to a rank that did not walk in, or a second one")
+        with self._changed:
+            self._entry = entry
+            self.next_round = entry.round
+            self._arrived = entry.round - 1
+            self._membership = Membership(entry.epoch, tuple(entry.members), self.env.rank)
+            if not entry.state:
+                self._entered = True
+            self._changed.notify_all()
+
+    def _take_state(self, message: Broadcast, frame: Frame) -> None:
+        """A chunk of the walk-in's state (round `entry.round - 1`); whole, the walk-in has entered."""
+        entry = self._entry
+        if entry is None or not entry.state or message.round != entry.round - 1:
+            raise ValueError(f"a broadcast of round {message.round} before this walk-in entered")
+        done = self._assemble(message, frame)
+        if done is None:
+            return
+        with self._changed:
+            self._entry_state = done[1]
+            self._entered = True
+            self._changed.notify_all()
 
     def _assemble(self, message: Result, frame: Frame) -> tuple[Result, Bundle] | None:
         """The round's value once its last chunk is in (an unchunked broadcast: at once, without a copy;

@@ -46,6 +46,7 @@ from flodld.wire.data import (
     Broadcast,
     DataPlaneError,
     Deposit,
+    Entry,
     HelloAck,
     HostFrame,
     RankGone,
@@ -190,6 +191,16 @@ class Relay:
         self._from_controller.register(Shutdown, self._on_coordinator_word)
         self._from_controller.register(DeclareDead, self._on_declare_dead)
         self._from_controller.register(DataPlaneError, self._on_refused)
+        self._from_controller.register(Entry, self._on_entry)
+        # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its ranks enter at the round the
+        # controller's Entry names, and get the state that follows it (the last averaged result) before
+        # their first deposit. Kept here until every local rank has it (ranks connect at their own pace).
+        self.walk_in = spec.walk_in
+        self._entry: Entry | None = None
+        self._entry_chunks: list[tuple[Broadcast, bytes]] = []
+        self._entry_bytes = 0
+        self._entry_complete = False
+        self._handed: set[int] = set()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -282,6 +293,8 @@ class Relay:
             # that has all of a round may deposit the next while a send to a slower rank still reads it).
             live = set(self.ranks) - self.gone
             self._barrier = round_barrier(live, accumulators=2 if self.sole_host else 1)
+            if self._entry is not None:
+                self._barrier.begin_at(self._entry.round)
         return self._barrier
 
     # --- ranks -----------------------------------------------------------------------------
@@ -382,6 +395,8 @@ class Relay:
         self.legs[channel][rank] = stream
         try:
             await stream.send(HelloAck())
+            if channel is Channel.DATA and self._entry_complete and rank not in self._handed:
+                await self._hand_entry({rank: stream})
             if channel is Channel.DATA:
                 stream.read_directly()  # deposits go from the socket straight into their frame buffers
             leg = _Leg(rank, stream)
@@ -665,12 +680,83 @@ class Relay:
             if not self.finished.is_set():  # an unexpected error must end the relay, not leave it hanging
                 self._stop(f"controller {channel} reader ended unexpectedly", 1)
 
-    async def _on_broadcast(self, message: Broadcast, stream: FramedStream, frame: Frame) -> None:
+    # --- growth: a walk-in's entry (docs/elastic-averaging.md, "Growth and healing") -----------------
+
+    async def _on_entry(self, message: Entry, stream: FramedStream, frame: Frame) -> bool:
+        """The controller lets this walk-in's ranks in at `message.round`; the state chunks follow."""
+        if not self.walk_in or self._entry is not None:
+            why = "an Entry to a relay that did not walk in" if not self.walk_in else "a second Entry"
+            self._stop(f"controller sent {why}", 1)
+            return True
+        self._entry = message
+        if self._barrier is not None:
+            try:
+                self._barrier.begin_at(message.round)
+            except ValueError as error:  # a rank deposited before its entry: the relay is out of step
+                self._stop(f"cannot enter at round {message.round}: {error}", 1)
+                return True
+        log.info("relay: host %r enters the averaging at round %d", self.spec.host, message.round)
+        if not message.state:
+            self._entry_complete = True
+            await self._hand_entry(dict(self.legs[Channel.DATA]))
+        return False
+
+    async def _take_state(self, message: Broadcast, stream: FramedStream, frame: Frame) -> bool:
+        """A chunk of the walk-in's state (round `entry.round - 1`): kept, in order, until it is whole."""
+        entry = self._entry
+        view = frame.tail_view
+        total = sum(spec.nbytes() for spec in message.tensors)
+        if (
+            entry is None
+            or message.round != entry.round - 1
+            or message.offset != self._entry_bytes
+            or message.offset + view.nbytes > total
+        ):
+            self._stop(f"controller sent a state chunk out of turn (round {message.round}, "
+                       f"offset {message.offset})", 1)  # fmt: skip
+            return True
+        self._entry_chunks.append((message, bytes(view)))
+        self._entry_bytes += view.nbytes
+        stream.conn.recycle(frame)
+        if self._entry_bytes == total:
+            self._entry_complete = True
+            log.info("relay: host %r has the state of round %d (%d bytes)", self.spec.host, message.round,
+                     total)  # fmt: skip
+            await self._hand_entry(dict(self.legs[Channel.DATA]))
+        return False
+
+    async def _hand_entry(self, legs: dict[int, FramedStream]) -> None:
+        """Entry and the state to each of `legs` not handed them yet; the kept copy goes once every local
+        rank has it (or is gone).
+        """
+        entry = self._entry
+        if entry is None:
+            return
+        todo = {rank: leg for rank, leg in legs.items() if rank not in self._handed}
+        self._handed.update(todo)
+
+        async def one(rank: int, leg: FramedStream) -> None:
+            try:
+                await leg.send(entry)
+                for chunk, data in self._entry_chunks:
+                    await leg.send(chunk, data)
+            except (OSError, WireError):
+                await self._rank_gone(rank, f"rank {rank} stopped reading its data leg", notify_upstream=True)
+
+        chunks = self._entry_chunks
+        await asyncio.gather(*(one(rank, leg) for rank, leg in todo.items()))
+        if self._handed | self.gone >= set(self.ranks) and self._entry_chunks is chunks:
+            self._entry_chunks = []  # every rank has it: the copy is not needed any more
+
+    async def _on_broadcast(self, message: Broadcast, stream: FramedStream, frame: Frame) -> bool | None:
+        if self.walk_in and not self._entry_complete:
+            return await self._take_state(message, stream, frame)
         if message.offset == 0:
             self.rounds += 1
         self._closed_above(message, frame.tail_view.nbytes)
         await self._deliver(message, [frame.tail_view])
         stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
+        return None
 
     async def _on_coordinator_word(
         self, message: CoordinatorHeartbeat | Shutdown, stream: FramedStream, frame: Frame

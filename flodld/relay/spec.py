@@ -32,6 +32,7 @@ class RelayRoleSpec(BaseModel):
     listen_fd: Annotated[int, Field(ge=0)]
     connect_attempts: Annotated[int, Field(ge=1)] | None = None
     straggler_timeout: Annotated[float, Field(gt=0)] | None = None
+    walk_in: bool = False  # entered a training run: waits for the controller's Entry (RelaySpec.walk_in)
 
 
 def relay_spec_from_env() -> RelayRoleSpec:

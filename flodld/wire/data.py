@@ -150,6 +150,21 @@ class DataPlaneError(Message):
     reason: Reason
 
 
+@register(0x030E)
+class Entry(Message):
+    """Controller → a walk-in's relay → its ranks (docs/elastic-averaging.md, "Growth and healing"): the
+    host's ranks enter the averaging at `round` (their first deposit's round). With `state`, the Broadcast
+    chunks of round `round - 1` follow at once: the last averaged result, the bytes every member holds,
+    for the ranks to start from. `members` and `epoch`: the membership the ranks start with (the members
+    expected in `round`, the walk-ins among them).
+    """
+
+    round: Count
+    epoch: Count
+    members: BoundedList[Rank]
+    state: bool = False
+
+
 # --- shared memory between a rank and its relay (same host; docs/protocol.md, "Shared memory") ---------
 
 MAX_REGION_BYTES: Final = 1 << 38  # 256 GiB: refused before anything is opened or mapped

@@ -8,7 +8,8 @@ of the frame format's version (flodld/wire/frames.py). Version 2: `WorldEnvelope
 of the world (O(world) bytes per host, O(world²) per formation, and capped at MAX_LIST_ITEMS hosts); the
 roster is in state.json (`members`, paged). Version 3: `RelaySpec.tolerance` and `KillRank` (elastic
 averaging, docs/elastic-averaging.md): a version 2 agent would refuse the first and drop its link on the
-second, so it is refused at its Hello instead.
+second, so it is refused at its Hello instead. Version 5: `RelaySpec.walk_in` (growth during training,
+docs/elastic-averaging.md "Growth and healing"), which a version 4 agent would refuse.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from flodld.wire.messages import (
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
-JOIN_PROTOCOL_VERSION: Final = 4
+JOIN_PROTOCOL_VERSION: Final = 5
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[
@@ -188,6 +189,10 @@ class RelaySpec(WireModel):
     # cpu_cadence/cpu_async (docs/elastic-averaging.md): seconds after a round's first deposit before the
     # relay closes it without the local ranks still owing theirs (skipped for that round only); None: wait.
     straggler_timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None
+    # Growth (docs/elastic-averaging.md, "Growth and healing"): this host walked in while the run trained.
+    # Its relay enters the averaging at a round boundary (the controller's Entry) and hands its ranks the
+    # last averaged state before their first deposit.
+    walk_in: bool = False
 
 
 @register(0x0104)

@@ -111,7 +111,22 @@ def test_nnodes_min_max_with_a_cluster_block_sets_the_windows_quorum_and_target(
     (call,) = started
     join = call["cluster"].controller.join
     assert (join.min_rank_start, join.target_ranks) == (4, 8)  # hosts x ranks per host
+    assert join.elastic_max_ranks is None  # no tolerance: not an elastic run, no growth
     assert call["command"] == [sys.executable, str(program), "--nnodes", "9"]
+
+
+def test_nnodes_max_bounds_growth_in_an_elastic_cpu_averaging_run(
+    program: Path, started: list[dict[str, Any]]
+) -> None:
+    """With a tolerance and a CPU averaging mode, MAX also bounds walk-ins during training
+    (elastic_max_ranks); without a tolerance it sizes the window only (the test above: it stays unset).
+    """
+    elastic = DISCOVERY_BLOCK.replace("    join:", "    averaging: cpu_sync\n    tolerance: 1\n    join:")
+    (program.parent / "fdl.yml").write_text(elastic)
+    assert fdl_main(["run", "--nnodes", "2:4", "--nproc-per-node", "2", str(program)]) == 0
+    (call,) = started
+    join = call["cluster"].controller.join
+    assert (join.min_rank_start, join.target_ranks, join.elastic_max_ranks) == (4, 8, 8)
 
 
 def test_nnodes_over_one_host_with_a_cluster_block_needs_the_ranks_per_host(

@@ -478,6 +478,21 @@ def test_lost_ranks_are_listed_with_host_cause_and_round_and_the_script_renders_
     assert 'h("section", {id: "losses"}' in STATUS_JS
 
 
+def test_walked_in_ranks_are_listed_with_the_round_they_entered_and_the_script_renders_them() -> None:
+    assert 'id="joins"' not in render_page(_state())
+    joins = [
+        {"rank": 3, "host": "node-c", "round": 12, "at_secs": 40.0},
+        {"rank": 4, "host": "<b>", "round": None, "at_secs": 41.0},
+    ]
+    html = render_page(_state(joins=joins))
+    page = _Elements(html)
+    assert page.by_id("joins") is not None
+    text = "".join(page.text)
+    assert "walked-in ranks (2)" in text and "node-c" in text and "waiting" in text
+    assert "<td>&lt;b&gt;</td>" in html  # escaped: never markup
+    assert 'h("section", {id: "joins"}' in STATUS_JS
+
+
 def test_the_slowest_ranks_are_shown_to_the_millisecond_and_the_script_renders_them() -> None:
     assert 'id="stragglers"' not in render_page(_state())
     slow = [{"rank": 5, "mean_delay_secs": 0.8125, "last_delay_secs": 1.5, "rounds": 12}]

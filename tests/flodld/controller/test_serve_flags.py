@@ -132,3 +132,15 @@ async def test_a_bare_serve_names_ranks_and_exits_2() -> None:
     code, err = await serve_exit("--bind", "127.0.0.1")
     assert code == 2, err
     assert "pass --ranks N (the ranks to wait for), --config FILE" in err and "workers: is empty" not in err
+
+
+def test_elastic_max_ranks_sets_growth_and_is_refused_with_a_process_group_mode(tmp_path: Path) -> None:
+    options = options_from_args(parse("--elastic-max-ranks", "4", "--tolerance", "1"))
+    assert options.join.elastic_max_ranks == 4 and options.growable
+    with pytest.raises(ValueError, match=r"elastic_max_ranks .* needs a CPU averaging mode, not nccl_sync"):
+        options_from_args(parse("--elastic-max-ranks", "4", "--averaging", "nccl_sync"))
+    (tmp_path / "fdl.yml").write_text(cluster(1111, "{elastic_max_ranks: 2}").replace(
+        "  controller:\n", "  controller:\n    averaging: nccl_sync\n"
+    ))
+    with pytest.raises(ConfigError, match=r"join\.elastic_max_ranks .* needs a CPU averaging mode"):
+        options_from_args(parse("--config", str(tmp_path / "fdl.yml")))
