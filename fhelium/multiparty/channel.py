@@ -38,9 +38,13 @@ DECRYPTION_EXCHANGES = frozenset(
         "decryption-agreement",
         "ciphertext-c1",
         "ciphertext-c1-check",
+        "ciphertext-c1-commit",
+        "ciphertext-c1-reveal",
         "decryption-contributions",
         "decryption-contributions-check",
-        "decryption-contributions-digest",
+        "decryption-contributions-commit",
+        "decryption-contributions-reveal",
+        "decryption-contributions-seed",
         "decryption-contributions-verdict",
     }
 )
@@ -56,8 +60,14 @@ EXCHANGES = {
     "decryption-shares": "a decryption share",
     "decryption-agreement": "the digest of the ciphertext it is asked to decrypt",
     "ciphertext-c1-check": "its check of the c1 sum",
+    "ciphertext-c1-commit": "its commitment to its challenge seed for the check of the c1 sum",
+    "ciphertext-c1-reveal": "its challenge seed for the check of the c1 sum",
+    "decryption-contributions-commit": "its commitment to its challenge seed for the check of the "
+    "summed decryption contributions",
+    "decryption-contributions-reveal": "its challenge seed for the check of the summed decryption "
+    "contributions",
+    "decryption-contributions-seed": "the challenge seed for its slice's summed decryption contributions",
     "decryption-contributions-check": "its check of the summed decryption contributions",
-    "decryption-contributions-digest": "the digest of its slice's summed decryption contributions",
     "decryption-contributions-verdict": "its verdict on its slice's summed decryption contributions",
     "ciphertext-c1": "its ciphertext's c1 component",
     "decryption-contributions": "its decryption share (c0_i + h_i)",

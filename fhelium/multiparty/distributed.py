@@ -145,11 +145,12 @@ class ThresholdSession:
 
         Verified sums (docs/security.md, "Threshold aggregation"): the channel's fold is not
         trusted. Before publishing its contribution every rank checks that the c1 sum it was handed
-        is the same on every rank (a digest bound to the session, the round and the exchange,
-        all-gathered) and is the sum of this round's c1 components (a random projection: the
-        Fiat–Shamir challenge of that digest gives one uniform multiplier per row and limb, every
-        rank all-gathers the projection of its own c1, and their sum must equal the projection of
-        the sum, exactly, modulo each prime). A substituted ciphertext, a subset sum, an earlier
+        is the same on every rank and is the sum of this round's c1 components (a random
+        projection: once every rank holds its sum the ranks draw a challenge by commit-reveal,
+        giving one uniform multiplier per row and limb; every rank all-gathers the projection of its
+        own c1 and a fingerprint of its projection of the sum, and the projections of the c1
+        components must add up to that of the sum, exactly, modulo each prime; a seed that does not
+        match its commitment is refused naming the rank). A substituted ciphertext, a subset sum, an earlier
         round's sum, a scaled or negated sum, or different sums for different ranks are refused
         with ``SumCheckError`` naming the round, before any contribution is published. The summed
         contributions are checked the same way before they are decoded (the fold cannot bias the

@@ -1,16 +1,21 @@
 """Verified sums: the checks that a sum the channel's fold returned is the sum of this round's inputs.
 
-The channel's fold is not trusted (docs/security.md, "Threshold aggregation"). Every rank digests
-the sum it was handed (bound to the session, the round, the exchange and the slice), the ranks
-all-gather the digests (different sums for different ranks are named), and the Fiat–Shamir
-challenge of the digest gives one uniform multiplier per row and limb: the projections of every
-rank's own input must add up to the projection of the sum, exactly, modulo each prime.
-``ThresholdSession`` (fhelium.multiparty.distributed) and ``fhelium.multiparty.dropout`` run them.
+The channel's fold is not trusted (docs/security.md, "Threshold aggregation"). Once every rank holds
+the sum it was handed, the ranks draw a random challenge the fold could not know when it fixed the
+sums: every rank commits (SHA-256, bound to the session, the round, the exchange and the rank) to a
+fresh 32-byte seed, then reveals it; a reveal that does not match its commitment is refused, naming
+the rank and the round. The challenge (every seed hashed in rank order) gives one uniform multiplier
+per row and limb: every rank all-gathers the projection of its own input and a fingerprint of the
+projection of the sum it holds (different sums for different ranks are named), and the projections
+of the inputs must add up to the projection of the sum, exactly, modulo each prime. No pass hashes
+a whole sum. ``ThresholdSession`` (fhelium.multiparty.distributed) runs them; the t-out-of-N round
+(``fhelium.multiparty.dropout``) still takes its challenge from ``checked_sum_digest``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +27,10 @@ from fhelium.multiparty.channel import ShareChannel
 from fhelium.multiparty.protocol import MultipartyError
 
 SUM_CHECK_DOMAIN = b"fhelium.multiparty.sum-check.v1"
+CHALLENGE_COMMIT_DOMAIN = b"fhelium.multiparty.sum-check-commit.v1"
+CHALLENGE_DOMAIN = b"fhelium.multiparty.sum-check-challenge.v1"
 DIGEST_BYTES = 32
+SEED_BYTES = 32
 
 
 class SumCheckError(MultipartyError):
@@ -153,6 +161,61 @@ def refuse(
     )
 
 
+def seed_commitment(
+    session: str, round_number: int, what: str, rank: int, world: int, seed: bytes
+) -> bytes:
+    """SHA-256 commitment of rank ``rank`` to its challenge ``seed`` for one check of one round.
+
+    Bound to the session, the round, the exchange and the rank: an earlier round's commitment (or
+    its reveal) replayed into this round, or one rank's moved to another, no longer matches.
+    """
+    header = f"{len(session)}:{session}/{round_number}/{what}/{rank}/{world}".encode()
+    return hashlib.sha256(CHALLENGE_COMMIT_DOMAIN + len(header).to_bytes(4, "big") + header + seed).digest()
+
+
+def draw_challenge(channel: ShareChannel, session: str, what: str, round_number: int) -> bytes:
+    """The check's random challenge, drawn jointly once every rank holds the sum it was handed.
+
+    Two record exchanges: every rank all-gathers the commitment to a fresh 32-byte seed
+    (``seed_commitment``), then the seed itself; a reveal that does not match its rank's commitment
+    is refused, naming the rank and the round. Returns SHA-256 of every seed in rank order (bound
+    to the session, the round and the exchange): uniform as long as one rank's seed is, and unknown
+    to the fold until every rank has revealed, which an honest rank does only after it holds its sum.
+    """
+    rank, world = channel.rank, channel.world_size
+    seed = secrets.token_bytes(SEED_BYTES)
+    mine = seed_commitment(session, round_number, what, rank, world, seed)
+    commitments = channel.all_gather_bytes(f"{what}-commit:{round_number}", mine, max_bytes=DIGEST_BYTES)
+    seeds = channel.all_gather_bytes(f"{what}-reveal:{round_number}", seed, max_bytes=SEED_BYTES)
+    forged = [
+        other
+        for other, (commitment, revealed) in enumerate(zip(commitments, seeds, strict=True))
+        if len(revealed) != SEED_BYTES
+        or len(commitment) != DIGEST_BYTES
+        or seed_commitment(session, round_number, what, other, world, revealed) != commitment
+    ]
+    if forged:
+        label = SUM_LABELS.get(what, what)
+        raise SumCheckError(
+            f"aggregation round {round_number} of session {session!r}: rank(s) {forged} revealed a "
+            f"challenge seed for the check of the {label} that does not match the commitment it "
+            f"published for round {round_number}; rank {rank} refuses to go on with the round. A "
+            "rank (or whoever rewrote its records) changed its seed after seeing the others', or "
+            "replayed an earlier round's commitment or seed (docs/security.md, 'Threshold "
+            "aggregation'); run the round again without that rank",
+            round_number,
+            forged,
+        )
+    header = f"{len(session)}:{session}/{round_number}/{what}/{world}".encode()
+    joined = b"".join(seeds)
+    return hashlib.sha256(CHALLENGE_DOMAIN + len(header).to_bytes(4, "big") + header + joined).digest()
+
+
+def challenge_weights(challenge: bytes, part: int, moduli: torch.Tensor, rows: int) -> torch.Tensor:
+    """The multipliers ``[rows, limbs, 1]`` of slice ``part`` under a drawn ``challenge``."""
+    return projection_weights(hashlib.sha256(challenge + part.to_bytes(4, "big")).digest(), moduli, rows)
+
+
 def check_sums(
     channel: ShareChannel,
     engine: CkksEngine,
@@ -162,15 +225,16 @@ def check_sums(
     own: Sequence[torch.Tensor],
     sums: Sequence[torch.Tensor],
     prime_ids: Sequence[int],
-    checked: Sequence[tuple[bytes, bool]] | None = None,
+    out_of_range_checked: Sequence[bool] | None = None,
 ) -> None:
     """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
 
-    One record exchange: per part, the digest of the sum (session, round, exchange, part) and
-    the projection of this rank's own residues with that digest's challenge. Every rank checks
-    every digest against its own (different sums for different ranks are named) and the sum of
-    the projections against the projection of the sum. ``checked``: each sum's
-    ``checked_sum_digest`` when the caller took it already (as each sum arrived).
+    Every sum is range-checked, the ranks draw a challenge (``draw_challenge``: commit, reveal),
+    and one record exchange carries, per part, a fingerprint (SHA-256) of the projection of the
+    sum this rank holds and the projection of this rank's own residues. Every rank checks every
+    fingerprint against its own (different sums for different ranks are named) and the sum of the
+    projections against the projection of the sum. ``out_of_range_checked``: each sum's
+    ``out_of_range`` when the caller took it already (as each sum arrived).
     """
     ids = tuple(prime_ids)
     m = engine._mod(ids)
@@ -183,25 +247,25 @@ def check_sums(
                 round_number,
                 f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
             )
-    if checked is None:  # digest and range check in one pass per sum
-        checked = [
-            checked_sum_digest(session, round_number, what, part, s, m.q) for part, s in enumerate(sums)
-        ]
-    for part, (_, bad) in enumerate(checked):
+    if out_of_range_checked is None:
+        out_of_range_checked = [s.numel() > 0 and out_of_range(s, m.q) for s in sums]
+    for part, bad in enumerate(out_of_range_checked):
         # residues at or above their prime would be congruent to a checked value yet feed the
         # modular kernels out of their range
         if bad:
             raise refuse(
                 session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
             )
-    digests = [digest for digest, _ in checked]
+    challenge = draw_challenge(channel, session, what, round_number)
     weights = [
-        projection_weights(d, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
-        for d, s in zip(digests, sums, strict=True)
+        challenge_weights(challenge, part, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
+        for part, s in enumerate(sums)
     ]
     projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
+    expected = [project(s, w, m.q, m.q_inverse) for s, w in zip(sums, weights, strict=True)]
+    fingerprints = [hashlib.sha256(p.contiguous().cpu().numpy().data).digest() for p in expected]
     record = b"".join(
-        d + p.contiguous().cpu().numpy().tobytes() for d, p in zip(digests, projections, strict=True)
+        f + p.contiguous().cpu().numpy().tobytes() for f, p in zip(fingerprints, projections, strict=True)
     )
     records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
     differing = [
@@ -209,8 +273,8 @@ def check_sums(
         for rank, blob in enumerate(records)
         if len(blob) != len(record)
         or any(
-            blob[offset : offset + DIGEST_BYTES] != digest
-            for offset, digest in zip(_offsets(projections), digests, strict=True)
+            blob[offset : offset + DIGEST_BYTES] != fingerprint
+            for offset, fingerprint in zip(_offsets(projections), fingerprints, strict=True)
         )
     ]
     if differing:
@@ -220,19 +284,17 @@ def check_sums(
             what,
             round_number,
             f"differs between ranks: rank(s) {differing} were handed another one than rank "
-            f"{channel.rank} (each rank's digest of its sum, all-gathered)",
+            f"{channel.rank} (each rank's fingerprint of the projection of its sum, all-gathered)",
             differing,
         )
-    for part, (offset, summed, weight) in enumerate(
-        zip(_offsets(projections), sums, weights, strict=True)
-    ):
+    for part, offset in enumerate(_offsets(projections)):
         total = torch.zeros_like(projections[part])
         size = projections[part].numel() * 8
         for blob in records:
             start = offset + DIGEST_BYTES
             theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
             mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
-        if not torch.equal(total, project(summed, weight, m.q, m.q_inverse)):
+        if not torch.equal(total, expected[part]):
             raise refuse(
                 session,
                 channel.rank,
@@ -242,6 +304,7 @@ def check_sums(
                 "random projections of every rank's own input do not add up to the projection of the "
                 "sum)",
             )
+
 
 def check_sliced_sums(
     channel: ShareChannel,
@@ -255,30 +318,33 @@ def check_sliced_sums(
 ) -> None:
     """The summed contributions of the sliced path: slice k's sum is on rank k only.
 
-    Rank k publishes the digest of its sum, every rank publishes the projection of its own
-    contribution to every slice with that slice's challenge, rank k checks its slice, and every
-    rank's verdict is all-gathered so that every rank refuses together, naming the round.
+    Rank k, once it holds its sum, publishes a fresh 32-byte seed (slice k's challenge: rank k is
+    the only one that checks slice k, so its own seed, drawn after the sum arrived, is all the
+    randomness the check needs, and no commitment is needed), every rank publishes the projection of
+    its own contribution to every slice with that slice's challenge, rank k checks its slice, and
+    every rank's verdict is all-gathered so that every rank refuses together, naming the round.
     """
     what = "decryption-contributions"
     ids = tuple(prime_ids)
     m = engine._mod(ids)
-    digest, mine_bad = b"", False
-    if mine is not None:  # digest and range check in one pass
-        digest, mine_bad = checked_sum_digest(
-            session, round_number, what, mine_index, mine, m.q
-        )
-    digests = channel.all_gather_bytes(
-        f"{what}-digest:{round_number}", digest, max_bytes=DIGEST_BYTES
-    )
+    seed, mine_bad = b"", False
+    if mine is not None:
+        seed = secrets.token_bytes(SEED_BYTES)
+        mine_bad = mine.numel() > 0 and out_of_range(mine, m.q)
+    seeds = channel.all_gather_bytes(f"{what}-seed:{round_number}", seed, max_bytes=SEED_BYTES)
     # the ranks holding a slice are the first len(own) (slices are cut in rank order)
     weights = []
+    header = f"{len(session)}:{session}/{round_number}/{what}".encode()
     for part, contribution in enumerate(own):
-        if len(digests[part]) != DIGEST_BYTES:
+        if len(seeds[part]) != SEED_BYTES:
             raise refuse(
                 session, channel.rank, what, round_number, f"was never announced by rank {part}", [part]
             )
         rows = contribution.reshape(-1, len(ids), contribution.size(-1)).size(0)
-        weights.append(projection_weights(digests[part], m.q, rows))
+        challenge = hashlib.sha256(
+            CHALLENGE_DOMAIN + len(header).to_bytes(4, "big") + header + seeds[part]
+        ).digest()
+        weights.append(challenge_weights(challenge, part, m.q, rows))
     projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
     record = b"".join(p.contiguous().cpu().numpy().tobytes() for p in projections)
     records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
@@ -315,7 +381,7 @@ def check_sliced_sums(
 
 
 def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
-    """Where each part's digest starts in a check record (digest, then its projection, per part)."""
+    """Where each part's fingerprint starts in a check record (fingerprint, then its projection)."""
     offsets, at = [], 0
     for projection in projections:
         offsets.append(at)
@@ -324,17 +390,23 @@ def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
 
 
 __all__ = [
+    "CHALLENGE_COMMIT_DOMAIN",
+    "CHALLENGE_DOMAIN",
     "CHECK_BLOCK_BYTES",
     "DIGEST_BYTES",
+    "SEED_BYTES",
     "SUM_CHECK_DOMAIN",
     "SUM_LABELS",
     "SumCheckError",
+    "challenge_weights",
     "check_sliced_sums",
     "check_sums",
     "checked_sum_digest",
+    "draw_challenge",
     "out_of_range",
     "project",
     "projection_weights",
     "refuse",
+    "seed_commitment",
     "sum_digest",
 ]

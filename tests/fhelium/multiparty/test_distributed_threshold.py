@@ -229,6 +229,38 @@ def test_a_fold_that_returns_another_sum_of_contributions_is_refused_and_learns_
     _assert_victim_decodes_are_noise(results[0])
 
 
+# The check's challenge is drawn after every rank holds its sum: each rank commits to a fresh seed, then
+# reveals it. A reveal that does not match its commitment (forged, or replayed from round 1 with or
+# without round 1's commitment) stops every rank in that round, naming the rank and the round, before
+# any contribution of the round is published (the c1 check) or anything is decoded (the contributions').
+CHALLENGE_ATTACKS = [
+    ("malicious", "reveal-forged"),
+    ("malicious", "reveal-replayed"),
+    ("malicious", "commitment-replayed"),
+    ("malicious-blocking", "reveal-forged@decryption-contributions"),
+]
+
+
+@pytest.mark.parametrize(("path", "attack"), CHALLENGE_ATTACKS)
+def test_a_challenge_seed_that_does_not_match_its_commitment_is_refused_naming_the_rank_and_round(
+    path: str, attack: str
+) -> None:
+    results = run_world(3, f"{path}:{attack}")
+    c1 = "@" not in attack
+    for result in results:
+        assert result["ok"], result.get("trace")
+        first, second = result["rounds"]
+        assert first["ok"] and first["max_error"] < 1e-6, first
+        assert not second["ok"] and second["error"] == "SumCheckError", second
+        head = "aggregation round 2 of session 'test': rank(s) [1] revealed a challenge seed"
+        assert head in second["message"], second
+        assert "does not match the commitment it published for round 2" in second["message"], second
+        assert ("c1 sum" if c1 else "sum of the decryption contributions") in second["message"], second
+    # a refused c1 check: round 2 published nothing (3 slices of round 1 on the sliced path); the
+    # contributions' check runs after they are published (one sum per round on the blocking path)
+    assert {result["published"] for result in results} == {3 if c1 else 2}
+
+
 def test_decrypt_refuses_without_the_explicit_opt_in() -> None:
     for result in run_world(2, "decrypt-no-opt-in"):
         assert not result["ok"] and result["error"] == "MultipartyError", result

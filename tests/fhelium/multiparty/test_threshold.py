@@ -31,8 +31,10 @@ from fhelium.multiparty import (
 )
 from fhelium.multiparty.sumcheck import (
     SUM_CHECK_DOMAIN,
+    challenge_weights,
     checked_sum_digest,
     out_of_range,
+    seed_commitment,
     sum_digest,
 )
 from fhelium.serialization import inspect_bytes, validate_value_description, value_from_bytes, value_to_bytes
@@ -468,6 +470,30 @@ def test_checked_sum_digest_hashes_the_whole_sum_and_range_checks_every_limb(
             digest, refused = checked_sum_digest("s", 3, "ciphertext-c1", 1, changed, q)
             assert refused is bad
             assert digest == _reference_digest("s", 3, "ciphertext-c1", 1, changed)
+
+
+def test_a_challenge_seed_commitment_binds_the_session_round_exchange_rank_and_world() -> None:
+    """A seed revealed for another round, exchange, rank, world or session than the one it was
+    committed for does not match (what refuses a replayed commitment or reveal); the multipliers a
+    challenge expands to are uniform below each limb's prime and differ per slice.
+    """
+    seed = bytes(range(32))
+    reference = seed_commitment("s", 2, "ciphertext-c1", 1, 3, seed)
+    assert reference == seed_commitment("s", 2, "ciphertext-c1", 1, 3, seed)
+    for other in [
+        seed_commitment("s", 1, "ciphertext-c1", 1, 3, seed),
+        seed_commitment("s", 2, "decryption-contributions", 1, 3, seed),
+        seed_commitment("s", 2, "ciphertext-c1", 0, 3, seed),
+        seed_commitment("s", 2, "ciphertext-c1", 1, 4, seed),
+        seed_commitment("t", 2, "ciphertext-c1", 1, 3, seed),
+        seed_commitment("s", 2, "ciphertext-c1", 1, 3, bytes(32)),
+    ]:
+        assert other != reference
+    q = torch.tensor([[1125899905744897], [1125899906629633]], dtype=torch.int64)
+    weights = challenge_weights(reference, 0, q, 64)
+    assert weights.shape == (64, 2, 1)
+    assert bool((weights >= 0).all()) and bool((weights < q.reshape(1, 2, 1)).all())
+    assert not torch.equal(weights, challenge_weights(reference, 1, q, 64))
 
 
 def test_the_names_split_off_distributed_stay_importable_from_it_as_the_same_objects() -> None:

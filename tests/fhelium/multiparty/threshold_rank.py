@@ -178,6 +178,10 @@ class MaliciousFold(ProcessGroupChannel):
     plus the victim's c1), "replay" (round 1 honest, round 2 gets round 1's sum), "zero-replay"
     (round 1 gets 0, which would open every c0; round 2 gets this round's sum plus the victim's c1 of
     round 1), "tamper-sum" (honest c1 sums; each rank's summed contributions are the victim's alone).
+    Record attacks (honest sums; what a store that rewrites records could do to rank ``VICTIM``'s
+    challenge records in round 2 of the check of ``<exchange>``, default the c1 sum):
+    "reveal-forged[@<exchange>]" (another seed than it committed to), "reveal-replayed[@<exchange>]"
+    (its round-1 seed), "commitment-replayed[@<exchange>]" (its round-1 commitment and seed).
     ``published`` keeps every contribution the ranks published, as the aggregator collected them.
     """
 
@@ -188,6 +192,7 @@ class MaliciousFold(ProcessGroupChannel):
         self.slice = 0
         self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.published: list[list[torch.Tensor]] = []
+        self.records: dict[str, list[bytes]] = {}  # every record exchange's records, by tag
 
     def _answer(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         q = torch.tensor([int(m) for m in moduli], dtype=torch.int64).reshape(-1, 1)
@@ -225,6 +230,21 @@ class MaliciousFold(ProcessGroupChannel):
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         return self._answer(tag, residues, moduli)
+
+    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
+        records = super().all_gather_bytes(tag, data, max_bytes)
+        self.records[tag] = list(records)
+        forgery, _, exchange = self.attack.partition("@")
+        kind, _, number = tag.partition(":")
+        steps = {f"{exchange or 'ciphertext-c1'}-{step}": step for step in ("commit", "reveal")}
+        if number != "2" or kind not in steps:
+            return records
+        earlier = self.records[f"{kind}:1"][VICTIM]
+        if forgery == "reveal-forged" and steps[kind] == "reveal":
+            records[VICTIM] = bytes(b ^ 1 for b in records[VICTIM])
+        elif forgery == "commitment-replayed" or (forgery, steps[kind]) == ("reveal-replayed", "reveal"):
+            records[VICTIM] = earlier
+        return records
 
     def start_all_reduce_residues(
         self, tag: str, residues: torch.Tensor, moduli: Sequence[int]
