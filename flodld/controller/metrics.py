@@ -190,6 +190,7 @@ class ControllerCounters:
     frames_out: Counter[str] = field(default_factory=Counter)
     bytes_in: Counter[str] = field(default_factory=Counter)
     bytes_out: Counter[str] = field(default_factory=Counter)
+    last_http_at: float | None = None  # the event loop's time of the last HTTP connection routed
 
     def frame_in(self, channel: str, size: int) -> None:
         self.frames_in[channel] += 1

@@ -270,6 +270,7 @@ class PortMux:
             timer = self.deadlines(self.http_lifetime).call(end)
             direct = self._direct_state if self._state_body is not None and prefix == b"GET " else None
             loop = self.loop or asyncio.get_running_loop()
+            self.counters.last_http_at = loop.time()
             queued = HttpQueued(self.http_budget, self._http_queued, transport, peer, self._drop, loop)
             proto = LimitedLifetime(self._http_factory, timer, direct, queued, peer)
             transport.set_protocol(proto)

@@ -182,12 +182,16 @@ class RunPort:
         return address
 
     async def linger_for_readers(self, seconds: float = VERDICT_LINGER_SECS) -> None:
-        """Before `close()` of a one-run controller: if anyone read the state over HTTP during the run
-        (`fdl status --watch`, the status page), keep answering `seconds` more so its next poll sees the
-        verdict instead of a closed port. Nobody polled: returns at once.
+        """Before `close()` of a one-run controller: if someone read the state over HTTP in the last
+        `seconds` (`fdl status --watch`, the status page), keep answering until `seconds` after that read,
+        so a poller's next poll sees the verdict instead of a closed port. Nobody polled, or the last read
+        was longer ago than a poller's interval: returns at once (no run pays the linger for one early look).
         """
-        if self.run.counters.connections[Channel.HTTP.value]:
-            await asyncio.sleep(seconds)
+        last = self.run.counters.last_http_at
+        if last is not None:
+            remaining = last + seconds - asyncio.get_running_loop().time()
+            if remaining > 0:
+                await asyncio.sleep(remaining)
 
     async def close(self) -> None:
         """Stop listening and end every connection (HTTP included). On a borrowed port: take this run's

@@ -46,6 +46,8 @@ class WindowView(Protocol):
     def losses(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankLoss`
     @property
     def link_counts(self) -> Mapping[str, int]: ...
+    @property
+    def joins(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankJoin`
 
     def elapsed(self, now: float) -> float: ...
 
