@@ -229,9 +229,15 @@ class Bench:
     # --- faults ----------------------------------------------------------------------------------
 
     def live_ranks(self, run_id: str) -> dict[str, list[tuple[int, int]]]:
-        """Host -> [(rank, pid)] of the run's ranks still running and not stopped by the bench."""
+        """Host -> [(rank, pid)] of the run's ranks still training: running, not stopped, not on a host whose
+        link is down, and not among the run's losses.
+        """
         found: dict[str, list[tuple[int, int]]] = {}
+        lost = {loss["rank"] for loss in self.states.get(run_id, {}).get("losses") or []}
         for log in read_logs(self.out / run_id):
+            stale = not log.rounds or time.time() - float(log.rounds[-1]["t"]) > 10.0
+            if int(log.host[1:]) in self.down or (log.rank in lost and stale):
+                continue
             if alive(log.pid) and log.pid not in self.stopped:
                 found.setdefault(log.host, []).append((log.rank, log.pid))
         return found
