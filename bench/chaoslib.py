@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -185,7 +186,7 @@ def run_figures(logs: list[RankLog], window: float) -> RunFigures:
     counted = [line for lines in by_round.values() for line in lines if line["t"] > first]
     buckets: dict[int, int] = defaultdict(int)
     for line in counted:
-        buckets[int((line["t"] - first) // window)] += line["samples"]
+        buckets[math.ceil((line["t"] - first) / window) - 1] += line["samples"]  # the window it ends
     full = int((last - first) // window)  # whole windows only; the tail is too short to rate
     inconsistent = sorted(n for n, lines in by_round.items() if len({line["sha"] for line in lines}) > 1)
     return RunFigures(
