@@ -360,6 +360,10 @@ class Bench:
         return not base.inconsistent and not chaos.inconsistent
 
 
+def interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -384,7 +388,7 @@ def main() -> int:
     if args.netns and (os.geteuid() != 0 or shutil.which("ip") is None):
         parser.error("network-namespace hosts need root and iproute2; pass --no-netns for local agents")
     bench = Bench(args)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, interrupted)  # cleaned up as for Ctrl-C
     consistent = False
     try:
         bench.start()
