@@ -27,13 +27,13 @@ def ip(*args: str) -> None:
 @dataclass
 class NetnsHosts:
     """One network namespace per host behind its own veth pair; the controller is reached at `address`
-    (a dummy interface in this namespace, so it stays reachable while any one host's link is down).
+    (an address on this namespace's loopback, so it stays reachable while any one host's link is down).
     A partition is the host-side end of a pair taken down: no FIN, no RST.
     """
 
     hosts: int
     tag: str = field(default_factory=lambda: f"{os.getpid() % 10000:04d}")
-    made: list[tuple[str, str]] = field(default_factory=list)  # ("netns"|"link", name), in order
+    made: list[tuple[str, str]] = field(default_factory=list)  # ("netns"|"link"|"addr", name), in order
 
     @property
     def subnet(self) -> int:
@@ -50,11 +50,8 @@ class NetnsHosts:
         return f"fch{self.tag}n{index}"
 
     def build(self) -> None:
-        dummy = f"fch{self.tag}d"
-        ip("link", "add", dummy, "type", "dummy")
-        self.made.append(("link", dummy))
-        ip("addr", "add", f"{self.address}/32", "dev", dummy)
-        ip("link", "set", dummy, "up")
+        ip("addr", "add", f"{self.address}/32", "dev", "lo")  # (no dummy interfaces in every kernel)
+        self.made.append(("addr", f"{self.address}/32"))
         for index in range(self.hosts):
             ns, near, far = self.namespace(index), self.near(index), f"fch{self.tag}f{index}"
             ip("netns", "add", ns)
@@ -84,6 +81,8 @@ class NetnsHosts:
                     with contextlib.suppress(ProcessLookupError, ValueError):
                         os.kill(int(pid), signal.SIGKILL)
                 subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            elif kind == "addr":
+                subprocess.run(["ip", "addr", "del", name, "dev", "lo"], capture_output=True, timeout=10)
             else:
                 subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)
         self.made.clear()
