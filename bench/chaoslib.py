@@ -1,0 +1,256 @@
+"""Helpers of bench/chaos.py: network-namespace hosts, process lookup, and the figures from the logs.
+
+The figures are pure functions of what the run left behind: the ranks' round logs (bench/chaos_rank.py
+writes one JSON line per round), the faults the driver injected (wall times), and the last state.json
+the driver saw of the run (`losses`, and `joins` where the build has them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+
+@dataclass
+class NetnsHosts:
+    """One network namespace per host behind its own veth pair; the controller is reached at `address`
+    (an address on this namespace's loopback, so it stays reachable while any one host's link is down).
+    A partition is the host-side end of a pair taken down: no FIN, no RST.
+    """
+
+    hosts: int
+    tag: str = field(default_factory=lambda: f"{os.getpid() % 10000:04d}")
+    made: list[tuple[str, str]] = field(default_factory=list)  # ("netns"|"link"|"addr", name), in order
+
+    @property
+    def subnet(self) -> int:
+        return 150 + os.getpid() % 50
+
+    @property
+    def address(self) -> str:
+        return f"10.{self.subnet}.255.1"
+
+    def namespace(self, index: int) -> str:
+        return f"fch{self.tag}h{index}"
+
+    def near(self, index: int) -> str:
+        return f"fch{self.tag}n{index}"
+
+    def build(self) -> None:
+        ip("addr", "add", f"{self.address}/32", "dev", "lo")  # (no dummy interfaces in every kernel)
+        self.made.append(("addr", f"{self.address}/32"))
+        for index in range(self.hosts):
+            ns, near, far = self.namespace(index), self.near(index), f"fch{self.tag}f{index}"
+            ip("netns", "add", ns)
+            self.made.append(("netns", ns))
+            ip("link", "add", near, "type", "veth", "peer", "name", far)
+            self.made.append(("link", near))
+            ip("link", "set", far, "netns", ns)
+            ip("addr", "add", f"10.{self.subnet}.{index}.1/24", "dev", near)
+            ip("link", "set", near, "up")
+            ip("-n", ns, "addr", "add", f"10.{self.subnet}.{index}.2/24", "dev", far)
+            ip("-n", ns, "link", "set", far, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "route", "add", "default", "via", f"10.{self.subnet}.{index}.1")
+
+    def wrap(self, index: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(index), *argv]
+
+    def link(self, index: int, up: bool) -> None:
+        ip("link", "set", self.near(index), "up" if up else "down")
+
+    def close(self) -> None:
+        """Kill whatever still runs in the namespaces, then remove every namespace and link made."""
+        for kind, name in reversed(self.made):
+            if kind == "netns":
+                listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+                for pid in listed.stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            elif kind == "addr":
+                subprocess.run(["ip", "addr", "del", name, "dev", "lo"], capture_output=True, timeout=10)
+            else:
+                subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)
+        self.made.clear()
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment carries CHAOS_MARK=mark."""
+    needle = f"CHAOS_MARK={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if (
+                needle in Path(f"/proc/{entry}/environ").read_bytes()
+                and "\nState:\tZ" not in Path(f"/proc/{entry}/status").read_text()
+            ):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (every thread's list)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+# --- the figures ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RankLog:
+    rank: int
+    host: str
+    pid: int
+    rounds: list[dict[str, Any]]
+
+
+def read_logs(directory: Path) -> list[RankLog]:
+    """Every rank log of one run (a rank killed mid-line leaves a torn last line: skipped)."""
+    logs = []
+    for path in sorted(directory.glob("r*.jsonl")):
+        header: dict[str, Any] | None = None
+        rounds = []
+        for text in path.read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if line.get("header"):
+                header = line
+            else:
+                rounds.append(line)
+        if header is not None:
+            logs.append(RankLog(header["rank"], header["host"], header["pid"], rounds))
+    return logs
+
+
+@dataclass
+class RunFigures:
+    samples: int
+    seconds: float
+    window_rates: list[float]  # samples/s per window of the run
+    rounds: int
+    inconsistent: list[int]  # round numbers whose survivors hold different bytes
+    smallest_world: int
+    round_times: dict[int, float]  # round -> earliest arrival
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_figures(logs: list[RankLog], window: float) -> RunFigures:
+    """Samples/s from the first round's arrival to the last one's, per `window` seconds too, and the
+    rounds in which the survivors' averaged bytes differ. The first round's samples are not counted:
+    they were trained before the clock starts (the ranks' start-up is not the run's throughput).
+    """
+    by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for log in logs:
+        for line in log.rounds:
+            by_round[line["round"]].append(line)
+    if not by_round:
+        return RunFigures(0, 0.0, [], 0, [], 0, {})
+    times = {number: min(line["t"] for line in lines) for number, lines in by_round.items()}
+    first, last = min(times.values()), max(line["t"] for lines in by_round.values() for line in lines)
+    counted = [line for lines in by_round.values() for line in lines if line["t"] > first]
+    buckets: dict[int, int] = defaultdict(int)
+    for line in counted:
+        buckets[math.ceil((line["t"] - first) / window) - 1] += line["samples"]  # the window it ends
+    full = int((last - first) // window)  # whole windows only; the tail is too short to rate
+    inconsistent = sorted(n for n, lines in by_round.items() if len({line["sha"] for line in lines}) > 1)
+    return RunFigures(
+        samples=sum(line["samples"] for line in counted),
+        seconds=last - first,
+        window_rates=[buckets[index] / window for index in range(full)],
+        rounds=len(by_round),
+        inconsistent=inconsistent,
+        smallest_world=min(len(lines) for lines in by_round.values()),
+        round_times=times,
+    )
+
+
+@dataclass
+class Fault:
+    kind: str  # "agent SIGKILL", "rank SIGSTOP", "partition"
+    host: str
+    ranks: list[int]  # the ranks it takes out
+    at: float  # wall time injected
+    detected: float | None = None  # seconds to the first loss of one of `ranks` in state.json
+    rejoined: float | None = None  # seconds to the host's first join after the fault (when joins exist)
+
+
+def match_losses(faults: list[Fault], losses: list[dict[str, Any]], started_at: float) -> None:
+    """Detection time of each fault: its injection to the first loss naming one of its ranks (state.json
+    `losses`, whose `at_secs` count from the window's opening, `started_at` in unix seconds).
+    """
+    for fault in faults:
+        times = [
+            started_at + loss["at_secs"] - fault.at
+            for loss in losses
+            if loss["rank"] in fault.ranks and started_at + loss["at_secs"] >= fault.at - 1.0
+        ]
+        fault.detected = min(times) if times else None
+
+
+def match_joins(
+    faults: list[Fault], joins: list[dict[str, Any]], started_at: float, round_times: dict[int, float]
+) -> None:
+    """Rejoin time of each fault: its injection to the first later join of its host (state.json `joins`:
+    the join's own time when it has one, else the arrival of the round it entered).
+    """
+    for fault in faults:
+        times = []
+        for join in joins:
+            if join.get("host") != fault.host:
+                continue
+            if isinstance(join.get("at_secs"), int | float):
+                when = started_at + float(join["at_secs"])
+            elif join.get("round") in round_times:
+                when = round_times[join["round"]]
+            else:
+                continue
+            if when > fault.at:
+                times.append(when - fault.at)
+        fault.rejoined = min(times) if times else None
+
+
+def p50_max(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} / {max(values):.2f}"
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.0f}..{max(values):.0f}"

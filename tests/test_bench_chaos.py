@@ -1,0 +1,62 @@
+"""bench/chaos.py's figures from its logs: the consistency check, throughput, detection and rejoin times.
+
+The bench itself (processes, namespaces, faults) takes minutes and is run by hand (docs/operations.md);
+these are the pure functions that turn what a run left behind into its table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from chaoslib import Fault, RankLog, match_joins, match_losses, read_logs, run_figures
+
+
+def _log(rank: int, host: str, rounds: list[tuple[int, float, str]], samples: int = 64) -> RankLog:
+    lines = [{"round": n, "t": t, "samples": samples, "members": [], "sha": sha} for n, t, sha in rounds]
+    return RankLog(rank, host, 1000 + rank, lines)
+
+
+def test_a_round_whose_survivors_hold_different_bytes_is_counted_inconsistent() -> None:
+    a = _log(0, "h0", [(0, 10.0, "x0"), (1, 11.0, "x1"), (2, 12.0, "x2"), (3, 13.0, "x3")])
+    b = _log(1, "h1", [(0, 10.0, "x0"), (1, 11.0, "x1"), (2, 12.0, "DIFFERENT")])  # lost after round 2
+    figures = run_figures([a, b], window=1.0)
+    assert figures.inconsistent == [2]
+    assert figures.rounds == 4 and figures.smallest_world == 1
+    # The first round's samples were trained before the clock started: 5 lines after it, over 3 s.
+    assert figures.samples == 5 * 64 and figures.seconds == 3.0
+    assert figures.window_rates == [128.0, 128.0, 64.0]
+    assert run_figures([a, a], window=1.0).inconsistent == []
+
+
+def test_detection_is_the_first_loss_of_a_faulted_rank_and_rejoin_the_hosts_first_join() -> None:
+    started = 1000.0
+    kill = Fault("agent SIGKILL", "h1", [2, 3], at=1020.0)
+    stop = Fault("rank SIGSTOP", "h2", [4], at=1035.0)
+    losses = [
+        {"rank": 3, "host": "h1", "at_secs": 20.4},
+        {"rank": 2, "host": "h1", "at_secs": 20.2},
+        {"rank": 4, "host": "h2", "at_secs": 40.5},
+        {"rank": 5, "host": "h2", "at_secs": 10.0},  # an earlier loss of no fault here
+    ]
+    match_losses([kill, stop], losses, started)
+    assert kill.detected is not None and abs(kill.detected - 0.2) < 1e-9
+    assert stop.detected is not None and abs(stop.detected - 5.5) < 1e-9
+    joins = [{"rank": 2, "host": "h1", "round": 70}, {"rank": 4, "host": "h2", "at_secs": 48.0}]
+    match_joins([kill, stop], joins, started, {70: 1031.0})
+    assert kill.rejoined == 11.0 and stop.rejoined == 13.0
+    missing = Fault("partition", "h3", [6, 7], at=1050.0)
+    match_losses([missing], losses, started)
+    match_joins([missing], joins, started, {})
+    assert missing.detected is None and missing.rejoined is None
+
+
+def test_logs_are_read_per_rank_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    header = {"header": True, "rank": 3, "host": "h1", "pid": 77}
+    line = {"round": 0, "t": 1.0, "samples": 64, "members": [3], "sha": "ab"}
+    (tmp_path / "r3-77.jsonl").write_text(f'{json.dumps(header)}\n{json.dumps(line)}\n{{"round": 1, "t')
+    (log,) = read_logs(tmp_path)
+    assert (log.rank, log.host, log.pid, log.rounds) == (3, "h1", 77, [line])
