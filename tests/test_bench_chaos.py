@@ -7,10 +7,7 @@ these are the pure functions that turn what a run left behind into its table.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from chaoslib import Fault, RankLog, match_joins, match_losses, read_logs, run_figures
 
