@@ -15,10 +15,11 @@ timeout, through the rendezvous store) and ``sum_members`` (the modular sum amon
 2. **Decrypt.** The contributors that arrive form the active set A (|A| ≥ t, else
    ``BelowThresholdError`` naming the missing ranks, on every survivor, after the timeout); each
    publishes h_j = λ_j^A·sk_j·C1 + e_j (its Shamir share scaled by its Lagrange coefficient for A,
-   then flooded as in N-out-of-N), the shares are summed among A and checked the same way, and
-   C0 + Σ h_j is decoded (one slice per active rank, all-gathered, where the channel can). A member
-   of A that leaves mid-way: the survivors re-choose A and publish fresh shares (one more exchange;
-   each spends its rows of the flooding budget).
+   then flooded as in N-out-of-N; on a channel with ``start_sum_members`` the first share's noise is
+   drawn while the ciphertext sum is in flight, and serves that share alone), the shares are summed
+   among A and checked the same way, and C0 + Σ h_j is decoded (one slice per active rank,
+   all-gathered, where the channel can). A member of A that leaves mid-way: the survivors re-choose
+   A and publish fresh shares (one more exchange; each spends its rows of the flooding budget).
 
 What a malicious fold can do: the checks refuse a substituted, subset, scaled, negated, replayed or
 per-rank different sum, with ``SumCheckError`` naming the round, before any decryption share is
@@ -30,7 +31,6 @@ input, so no two sums of one round are ever decrypted and no single input is iso
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +40,7 @@ from fhelium.multiparty import shamir
 from fhelium.multiparty.channel import MemberLostError
 from fhelium.multiparty.encoding import decode_contributions
 from fhelium.multiparty.errors import MissingSharesError, MultipartyError
+from fhelium.multiparty.state import SessionState
 from fhelium.multiparty.sumcheck import (
     DIGEST_BYTES,
     SumCheckError,
@@ -47,9 +48,6 @@ from fhelium.multiparty.sumcheck import (
     project,
     projection_weights,
 )
-
-if TYPE_CHECKING:
-    from fhelium.multiparty.distributed import ThresholdSession
 
 Record = Callable[[str, torch.Tensor], None]
 
@@ -59,7 +57,7 @@ class BelowThresholdError(MissingSharesError):
 
 
 def _below(
-    session: ThresholdSession, round_number: int, step: str, present: Sequence[int]
+    session: SessionState, round_number: int, step: str, present: Sequence[int]
 ) -> BelowThresholdError:
     world, t = session.channel.world_size, session.threshold
     missing = sorted(set(range(world)) - set(present))
@@ -75,7 +73,7 @@ def _below(
 
 
 def _refuse(
-    session: ThresholdSession, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()
+    session: SessionState, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()
 ) -> SumCheckError:
     label = {"ciphertext": "ciphertext sum", "decryption-shares": "sum of the decryption shares"}[what]
     action = "refuses to publish its decryption share" if what == "ciphertext" else "refuses to decode it"
@@ -90,7 +88,7 @@ def _refuse(
 
 
 def check_member_sum(
-    session: ThresholdSession,
+    session: SessionState,
     what: str,
     round_number: int,
     attempt: str,
@@ -146,20 +144,39 @@ def check_member_sum(
 
 
 def _contribute(
-    session: ThresholdSession, round_number: int, ct: Ciphertext, record: Record | None
+    session: SessionState,
+    round_number: int,
+    ct: Ciphertext,
+    record: Record | None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[list[int], torch.Tensor, int]:
-    """Sum the ciphertexts among whoever is left and check the sum; returns (C, sum, attempts used)."""
+    """Sum the ciphertexts among whoever is left and check the sum; returns (C, sum, attempts used).
+
+    ``meanwhile()`` runs once, while the first sum is in flight on a channel with
+    ``start_sum_members`` (the process group), else before it.
+    """
     channel, t = session.channel, session.threshold
     assert t is not None
     moduli = session.engine.moduli_for(ct.prime_ids)
     members = list(session.alive)
+    start = getattr(channel, "start_sum_members", None)
     for attempt in range(1, channel.world_size + 2):
         tag = f"{round_number}.{attempt}"
         contributors = sorted(channel.gather_members(f"contribute:{tag}", b"", members))  # type: ignore[attr-defined]
         if len(contributors) < t:
             raise _below(session, round_number, "aggregation", contributors)
         try:
-            summed = channel.sum_members(f"ciphertext:{tag}", ct.data, moduli, contributors)  # type: ignore[attr-defined]
+            if start is not None:
+                finish = start(f"ciphertext:{tag}", ct.data, moduli, contributors)
+                if meanwhile is not None:
+                    meanwhile()
+                    meanwhile = None
+                summed = finish()
+            else:
+                if meanwhile is not None:
+                    meanwhile()
+                    meanwhile = None
+                summed = channel.sum_members(f"ciphertext:{tag}", ct.data, moduli, contributors)  # type: ignore[attr-defined]
         except MemberLostError as error:
             members = [rank for rank in contributors if rank not in error.missing]
             continue
@@ -175,14 +192,19 @@ def _contribute(
 
 
 def _decrypt(
-    session: ThresholdSession,
+    session: SessionState,
     round_number: int,
     summed: Ciphertext,
     contributors: list[int],
     first_attempt: int,
     record: Record | None,
+    noise: list[torch.Tensor],
 ) -> tuple[list[int], torch.Tensor]:
-    """Decryption shares of the active contributors, re-choosing the active set when one leaves."""
+    """Decryption shares of the active contributors, re-choosing the active set when one leaves.
+
+    ``noise`` holds at most one NTT(e') drawn ahead (``ThresholdParty.flooding_noise``): the first
+    share takes it out; every later attempt draws fresh noise (a share's noise serves it alone).
+    """
     channel, party, t = session.channel, session.party, session.threshold
     assert t is not None and session.shamir_share is not None
     moduli = session.engine.moduli_for(summed.prime_ids)
@@ -194,7 +216,8 @@ def _decrypt(
             raise _below(session, round_number, "decryption", active)
         shamir.activate(party, session.shamir_share, active, t)
         try:
-            share = party.decryption_share(summed, digest=False).data
+            drawn = noise.pop() if noise else None
+            share = party.decryption_share(summed, digest=False, noise=drawn).data
         finally:
             party.secret = None  # the Lagrange-scaled share serves this active set only
         if record is not None:
@@ -216,7 +239,7 @@ def _decrypt(
 
 
 def aggregate_surviving(
-    session: ThresholdSession,
+    session: SessionState,
     values: torch.Tensor,
     *,
     record: Record | None = None,
@@ -239,40 +262,51 @@ def aggregate_surviving(
     ct = session.party.encrypt(values, session.public)
     if record is not None:
         record("ciphertext", ct.data)
-    contributors, summed, attempts = _contribute(session, round_number, ct, record)
+    noise: list[torch.Tensor] = []
+
+    def draw_noise() -> None:  # independent of the sum: drawn while it is in flight
+        noise.append(session.party.flooding_noise(ct.data[1].size(0), ct.prime_ids))
+
+    contributors, summed, attempts = _contribute(session, round_number, ct, record, draw_noise)
     session.alive = contributors
     if before_decrypt is not None:
         before_decrypt()
     total_ct = Ciphertext(summed, ct.depth, ct.scale, ct.prime_ids, "ntt")
-    active, shares = _decrypt(session, round_number, total_ct, contributors, attempts, record)
+    active, shares = _decrypt(session, round_number, total_ct, contributors, attempts, record, noise)
+    noise.clear()
     session.alive = active
-    q = session.engine._mod(ct.prime_ids).q
-    phase = mod.add_mod(summed[0], shares, q)
-    return _decode(session, round_number, phase, ct, active), contributors
+    return _decode(session, round_number, summed[0], shares, ct, active), contributors
 
 
 def _decode(
-    session: ThresholdSession, round_number: int, phase: torch.Tensor, ct: Ciphertext, active: list[int]
+    session: SessionState,
+    round_number: int,
+    c0: torch.Tensor,
+    shares: torch.Tensor,
+    ct: Ciphertext,
+    active: list[int],
 ) -> torch.Tensor:
     """C0 + Σ h_j decoded: one slice of rows per active rank, all-gathered, on a channel with
     ``all_gather_members`` (the process group); every row here otherwise, or when a rank leaves now.
     """
     engine, channel = session.engine, session.channel
-    rows = phase.size(0)
+    q = engine._mod(ct.prime_ids).q
+    rows = c0.size(0)
     gather = getattr(channel, "all_gather_members", None)
     if gather is not None and 1 < len(active) <= rows:
         per = -(-rows // len(active))
         start = min(active.index(channel.rank) * per, rows)
         stop = min(start + per, rows)
         decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
-        if stop > start:
-            decoded[: stop - start] = decode_contributions(engine, phase[start:stop], ct.prime_ids, ct.scale)
+        if stop > start:  # the phase of this rank's slice only
+            phase = mod.add_mod(c0[start:stop], shares[start:stop], q)
+            decoded[: stop - start] = decode_contributions(engine, phase, ct.prime_ids, ct.scale)
         try:
             pieces = gather(f"decoded:{round_number}", decoded, active)
             return torch.cat(pieces)[:rows]
         except MemberLostError:
-            pass  # a decoder left: this rank holds every row's phase and decodes them itself
-    return decode_contributions(engine, phase, ct.prime_ids, ct.scale)
+            pass  # a decoder left: this rank holds every row's C0 and Σ h_j and decodes them itself
+    return decode_contributions(engine, mod.add_mod(c0, shares, q), ct.prime_ids, ct.scale)
 
 
 __all__ = ["BelowThresholdError", "aggregate_surviving", "check_member_sum"]
