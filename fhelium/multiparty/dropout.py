@@ -7,11 +7,12 @@ timeout, through the rendezvous store) and ``sum_members`` (the modular sum amon
 1. **Contribute.** Every rank encrypts its whole ciphertext (c0, c1: unlike the N-out-of-N fused
    protocol, an input must survive its owner leaving). The members that arrive within the timeout
    are the contributors C; the ciphertexts are summed among C, and every contributor checks the sum
-   as ``ThresholdSession.aggregate`` does (a digest bound to the session, the round, the attempt and
-   C, all-gathered, and the random projections of every contributor's own ciphertext, which must
-   add up to the projection of the sum). A rank's input counts once its check record is in: a rank
-   that leaves before is excluded and the others sum again without it (the ciphertexts are reused;
-   the unchecked sum is never decrypted).
+   (``check_member_sum``: once it holds the sum, C draws a challenge by commit-reveal, bound to the
+   session, the round, the attempt and C; the fingerprints of every contributor's projection of the
+   sum must agree, and the random projections of every contributor's own ciphertext must add up to
+   the projection of the sum; no pass hashes the whole sum). A rank's input counts once its check
+   record is in: a rank that leaves before is excluded and the others sum again without it (the
+   ciphertexts are reused; the unchecked sum is never decrypted).
 2. **Decrypt.** The contributors that arrive form the active set A (|A| ≥ t, else
    ``BelowThresholdError`` naming the missing ranks, on every survivor, after the timeout); each
    publishes h_j = λ_j^A·sk_j·C1 + e_j (its Shamir share scaled by its Lagrange coefficient for A,
@@ -30,6 +31,8 @@ input, so no two sums of one round are ever decrypted and no single input is iso
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,7 +47,7 @@ from fhelium.multiparty.state import SessionState
 from fhelium.multiparty.sumcheck import (
     DIGEST_BYTES,
     SumCheckError,
-    checked_sum_digest,
+    out_of_range,
     project,
     projection_weights,
 )
@@ -87,6 +90,58 @@ def _refuse(
     )
 
 
+CHALLENGE_COMMIT_DOMAIN = b"fhelium.multiparty.t-of-n-check-commit.v1"
+CHALLENGE_DOMAIN = b"fhelium.multiparty.t-of-n-check-challenge.v1"
+SEED_BYTES = 32
+
+
+def _seed_commitment(session: str, round_number: int, binding: str, rank: int, seed: bytes) -> bytes:
+    """SHA-256 commitment of ``rank`` to its challenge seed, bound to the session, round and check."""
+    header = f"{len(session)}:{session}/{round_number}/{binding}/{rank}".encode()
+    return hashlib.sha256(CHALLENGE_COMMIT_DOMAIN + len(header).to_bytes(4, "big") + header + seed).digest()
+
+
+def draw_member_challenge(
+    session: SessionState, what: str, round_number: int, attempt: str, members: Sequence[int]
+) -> tuple[bytes, list[int]]:
+    """The check's random challenge among ``members``, drawn once this rank holds the sum (commit, reveal).
+
+    Every member commits to a fresh 32-byte seed, then reveals it; the challenge is SHA-256 of the
+    seeds in rank order, bound to the session, the round, the check, the attempt and the members.
+    The fold fixed every honest member's sum before that member revealed, so the challenge is
+    uniform to it. Returns (challenge, members whose commitment or seed never came: they left); a
+    seed that does not match its commitment raises ``SumCheckError`` naming the member.
+    """
+    channel, name = session.channel, session.party.session
+    binding = f"{what}:{attempt}:{list(members)}"
+    seed = secrets.token_bytes(SEED_BYTES)
+    mine = _seed_commitment(name, round_number, binding, channel.rank, seed)
+    gather = channel.gather_members  # type: ignore[attr-defined]
+    commitments = gather(f"{what}-commit:{attempt}", mine, members, max_bytes=DIGEST_BYTES)
+    missing = [rank for rank in members if rank not in commitments]
+    if missing:
+        return b"", missing
+    seeds = gather(f"{what}-reveal:{attempt}", seed, members, max_bytes=SEED_BYTES)
+    missing = [rank for rank in members if rank not in seeds]
+    if missing:
+        return b"", missing
+    forged = [
+        rank for rank in members
+        if len(seeds[rank]) != SEED_BYTES
+        or _seed_commitment(name, round_number, binding, rank, seeds[rank]) != commitments[rank]
+    ]
+    if forged:
+        raise _refuse(
+            session, what, round_number,
+            f"came with challenge seeds of rank(s) {forged} that do not match their commitments (a rank, or "
+            "whoever carries the records, changed its seed after seeing the others', or replayed one)",
+            forged,
+        )
+    header = f"{len(name)}:{name}/{round_number}/{binding}".encode()
+    joined = b"".join(seeds[rank] for rank in sorted(members))
+    return hashlib.sha256(CHALLENGE_DOMAIN + len(header).to_bytes(4, "big") + header + joined).digest(), []
+
+
 def check_member_sum(
     session: SessionState,
     what: str,
@@ -99,29 +154,36 @@ def check_member_sum(
 ) -> list[int]:
     """Refuse unless ``summed`` is the same on every member and the sum of the members' ``own``.
 
-    Returns the members whose check record never came (they left: the caller goes on without them);
-    raises ``SumCheckError`` for a wrong sum.
+    The sum is range-checked, the members draw a challenge (``draw_member_challenge``), and one
+    record exchange carries the fingerprint (SHA-256) of this rank's projection of the sum and the
+    projection of its own input: the fingerprints must agree (else the ranks were handed different
+    sums, or drew different challenges) and the projections of the inputs must add up to the
+    projection of the sum. No pass hashes the whole sum. Returns the members whose records never
+    came (they left: the caller goes on without them); raises ``SumCheckError`` for a wrong sum.
     """
     channel = session.channel
     ids = tuple(prime_ids)
     m = session.engine._mod(ids)
     if tuple(summed.shape) != tuple(own.shape):
         raise _refuse(session, what, round_number, f"has shape {tuple(summed.shape)}, not {tuple(own.shape)}")
-    binding = f"{what}:{attempt}:{list(members)}"
-    digest, bad = checked_sum_digest(session.party.session, round_number, binding, 0, summed, m.q)
-    if bad:
+    if summed.numel() and out_of_range(summed.reshape(-1, len(ids), summed.size(-1)), m.q):
         raise _refuse(session, what, round_number, "has residues outside [0, q)")
+    challenge, left = draw_member_challenge(session, what, round_number, attempt, members)
+    if left:
+        return left
     n = own.size(-1)
     rows = own.reshape(-1, len(ids), n).size(0)
-    weights = projection_weights(digest, m.q, rows)
+    weights = projection_weights(challenge, m.q, rows)
+    expected = project(summed, weights, m.q, m.q_inverse)
+    fingerprint = hashlib.sha256(challenge + expected.contiguous().cpu().numpy().tobytes()).digest()
     mine = project(own, weights, m.q, m.q_inverse)
-    record = digest + mine.contiguous().cpu().numpy().tobytes()
+    record = fingerprint + mine.contiguous().cpu().numpy().tobytes()
     got = channel.gather_members(f"{what}-check:{attempt}", record, members, max_bytes=len(record))  # type: ignore[attr-defined]
     missing = [rank for rank in members if rank not in got]
     if missing:
         return missing
     differing = [
-        rank for rank, blob in got.items() if len(blob) != len(record) or blob[:DIGEST_BYTES] != digest
+        rank for rank, blob in got.items() if len(blob) != len(record) or blob[:DIGEST_BYTES] != fingerprint
     ]
     if differing:
         raise _refuse(
@@ -134,7 +196,7 @@ def check_member_sum(
     for blob in got.values():
         theirs = torch.frombuffer(bytearray(blob[DIGEST_BYTES:]), dtype=torch.int64).view_as(total)
         mod.add_mod_(total, theirs.to(total.device), m.q)
-    if not torch.equal(total, project(summed, weights, m.q, m.q_inverse)):
+    if not torch.equal(total, expected):
         raise _refuse(
             session, what, round_number,
             f"is not the sum of this round's inputs of ranks {list(members)} (the random projections of "
@@ -309,4 +371,4 @@ def _decode(
     return decode_contributions(engine, mod.add_mod(c0, shares, q), ct.prime_ids, ct.scale)
 
 
-__all__ = ["BelowThresholdError", "aggregate_surviving", "check_member_sum"]
+__all__ = ["BelowThresholdError", "aggregate_surviving", "check_member_sum", "draw_member_challenge"]

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -75,12 +75,17 @@ class MaliciousMembers(ProcessGroupChannel):
         self.attack = attack
         self.previous: torch.Tensor | None = None
 
-    def sum_members(
+    def start_sum_members(
         self, tag: str, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
-    ) -> torch.Tensor:
-        honest = super().sum_members(tag, residues, moduli, members)
+    ) -> Callable[[], torch.Tensor]:  # sum_members goes through here too
+        finish = super().start_sum_members(tag, residues, moduli, members)
         if not tag.startswith("ciphertext:"):
-            return honest
+            return finish
+        return lambda: self._answer(finish(), residues, moduli, members)
+
+    def _answer(
+        self, honest: torch.Tensor, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
+    ) -> torch.Tensor:
         q = torch.tensor([int(m) for m in moduli], dtype=torch.int64).reshape(-1, 1)
         inputs = [torch.empty_like(residues) for _ in range(self.world_size)]
         dist.all_gather(inputs, residues.contiguous(), group=self._members_group(members))
