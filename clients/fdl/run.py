@@ -73,7 +73,6 @@ from fdl.runshell import RUN_ACTIONS as RUN_ACTIONS
 from fdl.runshell import run_job, say
 from fdl.torchrun import TorchrunPlan, add_torchrun_options, torchrun_plan
 from flodld import api
-from flodld.config.sections import ControllerConfig
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -180,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
         if bounds is not None:
             update: dict[str, object] = {"min_rank_start": bounds[0], "target_ranks": bounds[1]}
             plan += f"; --nnodes: quorum {bounds[0]}, target {bounds[1]} rank(s)"
-            if grows(cluster.controller):  # an elastic CPU-averaging run: walk-ins heal it up to MAX
+            if grows(cluster):  # an elastic CPU-averaging run: walk-ins heal it up to MAX
                 update["elastic_max_ranks"] = bounds[1]
                 plan += f", walk-ins during training up to {bounds[1]}"
             join = cluster.controller.join.model_copy(update=update)
@@ -223,11 +222,12 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(job)
 
 
-def grows(controller: ControllerConfig) -> bool:
+def grows(cluster: api.ClusterConfig) -> bool:
     """Whether `--nnodes MIN:MAX` also bounds growth during training (controller.join.elastic_max_ranks):
     an elastic run, i.e. a CPU averaging mode with a tolerance (docs/elastic-averaging.md, "Growth and
     healing"). A run of process groups cannot take a member mid-run: its MAX only sizes the window.
     """
+    controller = cluster.controller
     elastic = controller.tolerance_percent is not None or (controller.tolerance_count or 0) > 0
     return controller.averaging.is_cpu and elastic and controller.join.elastic_max_ranks is None
 

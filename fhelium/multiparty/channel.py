@@ -346,6 +346,17 @@ class ProcessGroupChannel:
         one that never arrives raises ``MemberLostError`` naming it, before any payload moves; a
         collective that breaks (a member killed mid-way) raises it too, within the group's timeout.
         """
+        return self.start_sum_members(tag, residues, moduli, members)()
+
+    def start_sum_members(
+        self, tag: str, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
+    ) -> Callable[[], torch.Tensor]:
+        """``sum_members`` that returns once every member arrived; call the result for the sum.
+
+        The arrival (and ``MemberLostError`` for a member that never came) happens here; the
+        collective runs in the background on a copy (``residues`` stays the caller's), and a
+        collective that breaks raises ``MemberLostError`` from the result.
+        """
         members = sorted(members)
         descriptor = json.dumps(
             {"shape": list(residues.shape), "moduli": [str(q) for q in moduli]}, sort_keys=True
@@ -364,19 +375,35 @@ class ProcessGroupChannel:
                 "another payload"
             )
         summed = residues.contiguous().clone()
+        work = None
         if len(members) > 1:
             if len(members) * max(moduli) >= 2**63:
                 raise MultipartyError(f"{tag}: a SUM of {len(members)} residues could wrap int64")
             try:
-                fdist.all_reduce(summed, op=fdist.ReduceOp.SUM, group=self._members_group(members))
+                work = fdist.all_reduce(
+                    summed, op=fdist.ReduceOp.SUM, group=self._members_group(members), async_op=True
+                )
             except RuntimeError as error:
-                raise MemberLostError(
-                    f"the {tag!r} exchange among ranks {members} broke: a member left mid-way ({error})"
-                ) from error
-            q = torch.tensor(list(moduli), dtype=summed.dtype).reshape(-1, 1)
-            reduce_sum_(summed, q, len(members))
-        self.bytes_sent += residues.numel() * residues.element_size()
-        return summed
+                raise self._member_lost(tag, members, error) from error
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                try:
+                    work.wait()
+                except RuntimeError as error:
+                    raise self._member_lost(tag, members, error) from error
+                q = torch.tensor(list(moduli), dtype=summed.dtype).reshape(-1, 1)
+                reduce_sum_(summed, q, len(members))
+            self.bytes_sent += residues.numel() * residues.element_size()
+            return summed
+
+        return finish
+
+    @staticmethod
+    def _member_lost(tag: str, members: Sequence[int], error: Exception) -> MemberLostError:
+        return MemberLostError(
+            f"the {tag!r} exchange among ranks {list(members)} broke: a member left mid-way ({error})"
+        )
 
 
     def all_gather_members(

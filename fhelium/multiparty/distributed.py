@@ -49,16 +49,13 @@ from fhelium.multiparty.protocol import (
 )
 from fhelium.multiparty.sliced import aggregate_sliced
 from fhelium.multiparty.sumcheck import (
-    CHECK_BLOCK_BYTES,
     DIGEST_BYTES,
     SUM_CHECK_DOMAIN,
     SUM_LABELS,
     SumCheckError,
-    checked_sum_digest,
     out_of_range,
     project,
     projection_weights,
-    sum_digest,
 )
 from fhelium.multiparty.values import PublicKeyShare
 
@@ -302,7 +299,19 @@ class ThresholdSession:
         rank r decodes the r-th 1/world of the rows and the decoded slots are all-gathered.
         ``record(name, tensor)`` sees this rank's decryption share and the summed shares. Spends
         the ciphertext's rows of this key's flooding budget.
+
+        With t-out-of-N keys (``threshold``) ``decrypt`` refuses: a rank holds only its Shamir share,
+        and a Lagrange-scaled share of it is published only for a sum that ``aggregate`` checked
+        contains this rank's own input (so no other ciphertext is ever decrypted with it).
         """
+        if self.threshold is not None:
+            raise MultipartyError(
+                f"ThresholdSession.decrypt with t-out-of-N keys (threshold {self.threshold}) is refused: "
+                "this rank publishes a Lagrange-scaled decryption share only for a ciphertext sum that "
+                "ThresholdSession.aggregate checked contains its own input; a share for any other ciphertext "
+                "would let whoever collects t of them decrypt it. Use aggregate, or N-out-of-N keys "
+                "(threshold=None) for decrypt(ct, assume_identical=True)"
+            )
         if not assume_identical:
             raise MultipartyError(
                 "ThresholdSession.decrypt publishes a decryption share for the ciphertext it is given, which "
@@ -355,7 +364,6 @@ class ThresholdSession:
 
 
 __all__ = [
-    "CHECK_BLOCK_BYTES",
     "DECRYPTION_EXCHANGES",
     "DEFAULT_TIMEOUT_S",
     "DIGEST_BYTES",
@@ -370,7 +378,6 @@ __all__ = [
     "ShareChannel",
     "SumCheckError",
     "ThresholdSession",
-    "checked_sum_digest",
     "gather_from_store",
     "key_fingerprint",
     "key_share_digest",
@@ -378,5 +385,4 @@ __all__ = [
     "out_of_range",
     "project",
     "projection_weights",
-    "sum_digest",
 ]

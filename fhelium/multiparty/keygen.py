@@ -9,7 +9,7 @@ sealed to each receiver's dealing key (fhelium.multiparty.dealing).
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,11 +17,9 @@ from fhelium.core import PublicKey
 from fhelium.multiparty import dealing, shamir
 from fhelium.multiparty.channel import ShareChannel
 from fhelium.multiparty.protocol import MultipartyError
+from fhelium.multiparty.state import SessionState
 from fhelium.multiparty.values import PublicKeyShare, SeedCommitment, SeedReveal
 from fhelium.serialization import value_from_bytes, value_to_bytes
-
-if TYPE_CHECKING:
-    from fhelium.multiparty.distributed import ThresholdSession
 
 MAX_KEY_SHARE_BYTES = 1 << 20  # a serialized PublicKeyShare (3 primes x 8192 x 8 bytes + header) fits
 KEY_SHARE_COMMITMENT_DOMAIN = b"fhelium.multiparty.key-share-commitment.v1"
@@ -51,7 +49,7 @@ def _gather_values(channel: ShareChannel, tag: str, value: SeedCommitment | Seed
         values.append(received)
     return values
 
-def generate_public_key(session: ThresholdSession) -> PublicKey:
+def generate_public_key(session: SessionState) -> PublicKey:
     """Seed (commit, reveal, XOR); key shares (commit, sum as residues, open and check); (Σ p_i, a).
 
     Every rank commits to its key share (SHA-256) before any share moves, the shares are summed
@@ -109,7 +107,7 @@ def generate_public_key(session: ThresholdSession) -> PublicKey:
     session.public = public
     return public
 
-def deal(session: ThresholdSession, seed: bytes) -> None:
+def deal(session: SessionState, seed: bytes) -> None:
     """t-out-of-N: deal this rank's Shamir points, sealed to each receiver's dealing key.
 
     Three record exchanges: the dealing public keys (checked against the pins), the sealed points

@@ -302,12 +302,35 @@ class ThresholdParty:
 
         return encrypt_values(self.engine, values, public, self.parameters, c0_noise=noise)
 
-    def decryption_share(self, ct: Ciphertext, *, digest: bool = True) -> DecryptionShare:
+    def flooding_noise(self, rows: int, prime_ids: Sequence[int]) -> torch.Tensor:
+        """NTT(e_i') ``[rows, limbs, N]``: fresh flooding noise for exactly one decryption share.
+
+        Drawn ahead of the share (t-out-of-N aggregation draws it while the ciphertext sum is in
+        flight) from the ``smudging`` stream, ``BLOCK_ROWS`` rows at a time as ``decryption_share``
+        does. The caller hands it to one ``decryption_share(noise=...)`` and drops it: two shares
+        with the same noise would reveal the difference of their products.
+        """
+        engine = self.engine
+        ids = tuple(prime_ids)
+        n = engine.ring_degree
+        out = torch.empty((rows, len(ids), n), dtype=torch.int64, device=engine.device)
+        source = engine.random.stream("smudging")
+        for start in range(0, rows, BLOCK_ROWS):
+            count = min(BLOCK_ROWS, rows - start)
+            noise = smudging_noise(source, count * n, self.parameters).view(-1, n).to(engine.device)
+            out[start : start + count] = noise_to_ntt(engine, noise, ids)
+        return out
+
+    def decryption_share(
+        self, ct: Ciphertext, *, digest: bool = True, noise: torch.Tensor | None = None
+    ) -> DecryptionShare:
         """h_i = s_i·c1 + e_i' in the NTT domain over the ciphertext's primes.
 
         Computed ``BLOCK_ROWS`` batch rows at a time (product, flooding noise, its residues and NTT,
         sum), so the temporaries stay in cache; the noise is drawn from the fixed sampler's
         ``smudging`` stream block by block (same distribution, one keystream nonce per block).
+        ``noise``, when given, is NTT(e_i') drawn ahead by ``flooding_noise`` for this share alone
+        (it is consumed: the share is written into it).
         """
         if self.secret is None:
             raise MultipartyError("decryption_share before key_share: this party holds no secret share")
@@ -321,14 +344,25 @@ class ThresholdParty:
         s = self.secret.data[list(ids)]
         batch = ct.batch_shape
         c1 = ct.data[1].reshape(-1, len(ids), n)
-        share = torch.empty(c1.shape, dtype=torch.int64, device=c1.device)
-        source = engine.random.stream("smudging")
-        for start in range(0, c1.size(0), BLOCK_ROWS):
-            rows = c1[start : start + BLOCK_ROWS]
-            product = mod.mul_mod(rows, s, q.q, q.q_inverse)
-            noise = smudging_noise(source, rows.size(0) * n, self.parameters).view(-1, n).to(c1.device)
-            noise_ntt = noise_to_ntt(engine, noise, ids)
-            share[start : start + rows.size(0)] = mod.add_mod(product, noise_ntt, q.q)
+        if noise is not None:
+            if tuple(noise.shape) != tuple(c1.shape) or noise.dtype != torch.int64:
+                raise ParameterMismatchError(
+                    f"flooding noise of shape {tuple(noise.shape)} does not match the ciphertext's c1 "
+                    f"{tuple(c1.shape)}"
+                )
+            share = noise
+            for start in range(0, c1.size(0), BLOCK_ROWS):
+                stop = start + BLOCK_ROWS
+                mod.add_mod_(share[start:stop], mod.mul_mod(c1[start:stop], s, q.q, q.q_inverse), q.q)
+        else:
+            share = torch.empty(c1.shape, dtype=torch.int64, device=c1.device)
+            source = engine.random.stream("smudging")
+            for start in range(0, c1.size(0), BLOCK_ROWS):
+                rows = c1[start : start + BLOCK_ROWS]
+                product = mod.mul_mod(rows, s, q.q, q.q_inverse)
+                drawn = smudging_noise(source, rows.size(0) * n, self.parameters).view(-1, n).to(c1.device)
+                noise_ntt = noise_to_ntt(engine, drawn, ids)
+                share[start : start + rows.size(0)] = mod.add_mod(product, noise_ntt, q.q)
         marker = ciphertext_digest(ct) if digest else bytes(32)
         return DecryptionShare(
             share.view(*batch, len(ids), n), ids, ct.depth, ct.scale, self.party, self.parties, marker

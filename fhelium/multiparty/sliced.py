@@ -11,21 +11,18 @@ fhelium.multiparty.sumcheck.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from fhelium.core import Ciphertext
 from fhelium.multiparty import sumcheck
 from fhelium.multiparty.encoding import decode_contributions
+from fhelium.multiparty.state import SessionState
 from fhelium.multiparty.sumcheck import out_of_range
-
-if TYPE_CHECKING:
-    from fhelium.multiparty.distributed import ThresholdSession
 
 
 def aggregate_sliced(
-    session: ThresholdSession,
+    session: SessionState,
     values: torch.Tensor,
     round_number: int,
     *,
@@ -56,7 +53,7 @@ def aggregate_sliced(
     return torch.cat(pieces)[:rows]
 
 def _encrypt_slices(
-    session: ThresholdSession,
+    session: SessionState,
     values: torch.Tensor,
     per: int,
     *,
@@ -88,7 +85,7 @@ def _encrypt_slices(
     return parts, flooded
 
 def _sum_c1_slices(
-    session: ThresholdSession,
+    session: SessionState,
     parts: Sequence[tuple[int, Ciphertext, Callable[[], torch.Tensor]]],
     round_number: int,
     ids: Sequence[int],
@@ -116,7 +113,7 @@ def _sum_c1_slices(
     return sums
 
 def _reduce_contributions(
-    session: ThresholdSession,
+    session: SessionState,
     parts: Sequence[tuple[int, Ciphertext, Callable[[], torch.Tensor]]],
     sums: Sequence[torch.Tensor],
     flooded: Sequence[torch.Tensor],

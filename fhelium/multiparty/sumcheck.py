@@ -9,7 +9,8 @@ per row and limb: every rank all-gathers the projection of its own input and a f
 projection of the sum it holds (different sums for different ranks are named), and the projections
 of the inputs must add up to the projection of the sum, exactly, modulo each prime. No pass hashes
 a whole sum. ``ThresholdSession`` (fhelium.multiparty.distributed) runs them; the t-out-of-N round
-(``fhelium.multiparty.dropout``) still takes its challenge from ``checked_sum_digest``.
+(``fhelium.multiparty.dropout``) draws its own members-only challenge the same way
+(``draw_member_challenge``) and expands it with ``projection_weights``.
 """
 
 from __future__ import annotations
@@ -44,44 +45,6 @@ class SumCheckError(MultipartyError):
         super().__init__(message)
         self.round = round_number
         self.ranks = sorted(ranks)
-
-
-CHECK_BLOCK_BYTES = 1 << 19  # one block of a sum is range-checked and hashed while it is in cache
-
-
-def sum_digest(session: str, round_number: int, what: str, part: int, summed: torch.Tensor) -> bytes:
-    """SHA-256 of a summed residue tensor bound to the session, the round, the exchange and the slice.
-
-    Binding the round makes an earlier round's sum another digest (and another challenge) than this
-    round's, even when its residues were replayed bit for bit.
-    """
-    digest, _ = checked_sum_digest(session, round_number, what, part, summed, None)
-    return digest
-
-
-def checked_sum_digest(
-    session: str, round_number: int, what: str, part: int, summed: torch.Tensor, q: torch.Tensor | None
-) -> tuple[bytes, bool]:
-    """``sum_digest`` and, with ``q``, whether every residue lies in [0, q_limb) (else True).
-
-    One pass over the sum: each block of ``CHECK_BLOCK_BYTES`` is range-checked and hashed while it
-    is in cache (the same bytes, in the same order, as hashing the whole tensor at once).
-    """
-    header = f"{len(session)}:{session}/{round_number}/{what}/{part}/{tuple(summed.shape)}".encode()
-    digest = hashlib.sha256(SUM_CHECK_DOMAIN + len(header).to_bytes(4, "big") + header)
-    residues = summed.contiguous().cpu()
-    bad = False
-    if residues.ndim < 2 or residues.numel() == 0:
-        digest.update(residues.numpy().data)
-        return digest.digest(), q is not None and residues.numel() > 0 and out_of_range(residues, q)
-    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
-    step = max(1, CHECK_BLOCK_BYTES // (rows[0].numel() * rows.element_size()))
-    for start in range(0, rows.size(0), step):
-        block = rows[start : start + step]
-        if q is not None and not bad:
-            bad = out_of_range(block, q)
-        digest.update(block.numpy().data)  # the residues in place, no bytes copy
-    return digest.digest(), bad
 
 
 def out_of_range(residues: torch.Tensor, q: torch.Tensor) -> bool:
@@ -392,7 +355,6 @@ def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
 __all__ = [
     "CHALLENGE_COMMIT_DOMAIN",
     "CHALLENGE_DOMAIN",
-    "CHECK_BLOCK_BYTES",
     "DIGEST_BYTES",
     "SEED_BYTES",
     "SUM_CHECK_DOMAIN",
@@ -401,12 +363,10 @@ __all__ = [
     "challenge_weights",
     "check_sliced_sums",
     "check_sums",
-    "checked_sum_digest",
     "draw_challenge",
     "out_of_range",
     "project",
     "projection_weights",
     "refuse",
     "seed_commitment",
-    "sum_digest",
 ]

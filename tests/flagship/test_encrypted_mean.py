@@ -209,6 +209,36 @@ def test_a_malicious_controller_fold_is_refused_on_the_relay_road_before_any_sha
     assert len(list(tmp_path.glob("rank*-c1_ciphertext.pt"))) == 3
 
 
+@pytest.mark.parametrize("attack", ["substitute", "subset", "scaled", "negated", "split"])
+def test_t_of_n_keys_refuse_a_malicious_controller_fold_on_the_relay_road_before_any_share_is_published(
+    attack: str, tmp_path: Path
+) -> None:
+    # The controller answers the whole ciphertexts' sum of the t-out-of-N round (every rank present,
+    # so the relays fold it) with a forged one: every rank refuses, naming the round, and no rank makes
+    # a (Lagrange-scaled) decryption share, so nothing the fold could decode was ever published.
+    run = Fdl(
+        "run", "--ranks", "3", str(PROGRAM), "--", "--values", VALUES, "--keys", "threshold",
+        "--threshold", "2", "--transport", "relay", "--malicious-fold", attack, "--fault-rank", "1",
+        "--share-timeout", "20", "--audit-dir", str(tmp_path),
+    )
+    assert run.wait(240) != 0, run.output
+    said = ranks_said(run.output)
+    assert len(re.findall(rf"the fold answers round \d+ with a {attack} sum", said)) == 3, run.output
+    refusals = re.findall(
+        r"rank (\d): FAILED: AggregationError: aggregation round 1 of session 'encrypted-mean': the "
+        r"ciphertext sum the channel \(the aggregator's fold\) returned (is not the sum of this round's "
+        r"inputs of ranks \[0, 1, 2\]|differs between ranks).*; rank \1 refuses to publish its decryption "
+        r"share",
+        said,
+    )
+    assert sorted(int(rank) for rank, _ in refusals) == [0, 1, 2], run.output
+    if attack == "split":  # each rank names the ranks that were handed another sum than its own
+        assert {why for _, why in refusals} == {"differs between ranks"}, run.output
+    assert "encrypted mean PASS" not in run.output and "encrypted mean FAIL" not in run.output
+    assert sorted(path.name for path in tmp_path.glob("rank*-decryption_share.pt")) == []
+    assert len(list(tmp_path.glob("rank*-ciphertext.pt"))) == 3
+
+
 # (fault, what rank 2 says as it leaves, whose inputs the mean covers): before contributing, after (its
 # input is in the checked sum), and mid-decryption (its share made, not summed: the others re-choose)
 T_OF_N_LEAVERS = [

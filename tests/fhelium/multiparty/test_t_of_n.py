@@ -158,6 +158,16 @@ def test_a_malicious_fold_gets_no_decryption_share_for_anything_but_the_checked_
         assert result["decrypted_rows"] == 2 * (2 - len(refused)), result
 
 
+def test_decrypt_with_t_of_n_keys_is_refused_naming_aggregate_and_publishes_no_share() -> None:
+    for result in run_world(3, "decrypt", 2):
+        assert result["ok"], result.get("trace")
+        assert result["decrypt"] == "MultipartyError", result
+        assert "t-out-of-N keys (threshold 2) is refused" in result["decrypt_message"]
+        assert "Use aggregate" in result["decrypt_message"]
+        assert result["rounds"][0]["ok"] and result["rounds"][0]["max_error"] < 3e-6, result
+        assert result["decrypted_rows"] == 2, result  # the aggregate's two rows, nothing for decrypt
+
+
 def test_the_documented_dropout_demo_survives_a_rank_sigkilled_after_encrypting() -> None:
     demo = REPO / "examples" / "threshold_dropout_demo.py"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'clients'}"}

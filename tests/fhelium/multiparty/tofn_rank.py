@@ -9,6 +9,7 @@ rank 0 included, can be killed). Scenarios:
   "kill:<a>,<b>:<phase>" kills several;
 - "observe": keys, recording every record of the dealing as the transport carried it, then checks the
   wire against this rank's points (reports what it found);
+- "decrypt": keys, ``decrypt(assume_identical=True)`` (refused), then one aggregation round;
 - "pinned:<rank>": long-term dealing keys from $TOFN_PINS_DIR, all pinned; <rank> presents another key;
 - "malicious:<attack>": two rounds over a fold that answers the ciphertext sum with an attack
   ("substitute": the victim's ciphertext, "subset": all but the victim's, "scaled", "negated", "split":
@@ -24,7 +25,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -74,12 +75,17 @@ class MaliciousMembers(ProcessGroupChannel):
         self.attack = attack
         self.previous: torch.Tensor | None = None
 
-    def sum_members(
+    def start_sum_members(
         self, tag: str, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
-    ) -> torch.Tensor:
-        honest = super().sum_members(tag, residues, moduli, members)
+    ) -> Callable[[], torch.Tensor]:  # sum_members goes through here too
+        finish = super().start_sum_members(tag, residues, moduli, members)
         if not tag.startswith("ciphertext:"):
-            return honest
+            return finish
+        return lambda: self._answer(finish(), residues, moduli, members)
+
+    def _answer(
+        self, honest: torch.Tensor, residues: torch.Tensor, moduli: Sequence[int], members: Sequence[int]
+    ) -> torch.Tensor:
         q = torch.tensor([int(m) for m in moduli], dtype=torch.int64).reshape(-1, 1)
         inputs = [torch.empty_like(residues) for _ in range(self.world_size)]
         dist.all_gather(inputs, residues.contiguous(), group=self._members_group(members))
@@ -200,6 +206,12 @@ def main() -> int:
         if kind == "observe":
             result.update(_observe(session, channel, dealt))  # type: ignore[arg-type]
             return _finish(result, started, store)
+        if kind == "decrypt":  # t-out-of-N keys refuse decrypt, even with the opt-in
+            try:
+                session.decrypt(session.encrypt(padded(0, 1)), assume_identical=True)
+                result.update(decrypt="returned")
+            except Exception as error:
+                result.update(decrypt=type(error).__name__, decrypt_message=str(error))
         rounds = _rounds(session, 2 if kind in ("mean", "malicious") else 1, rank, rank in victims, phase)
         result.update(ok=True, rounds=rounds, decrypted_rows=session.party.decrypted_rows)
     except Exception as error:  # report every failure as data

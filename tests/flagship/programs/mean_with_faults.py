@@ -4,7 +4,7 @@ The workload and its command line come from the bridge (flodld_fhelium), as the 
     mean_with_faults.py [example args] [--keys single|threshold] [--fault values|scale|foreign-key|leave
                         --fault-rank R] [--audit-dir D]
                         (t-out-of-N also: --fault leave-early|leave-mid [--leave-by exit|kill])
-                        [--malicious-fold substitute|subset]
+                        [--malicious-fold substitute|subset|scaled|negated|split]
 
 The faulty rank runs the real workload and only differs where the fault says: a different
 --values, a different CKKS scale, a public key of its own, or leaving (exit 0) right before the
@@ -43,8 +43,10 @@ def play_malicious_fold(transport: RelayTransport, attack: str, *, victim: int) 
     """The controller's fold as an attacker, played in every rank's relay client (every rank runs this).
 
     The first aggregation round whose frames are ciphertexts (``[2, rows, limbs, N]``: the Program's
-    sum) is answered with the victim's own frame ("substitute") or with the sum minus the victim's
-    ("subset", the all-but-one sum whose difference with the true sum isolates the victim). The
+    sum; with t-out-of-N keys the whole ciphertexts' sum) is answered with the victim's own frame
+    ("substitute"), with the sum minus the victim's ("subset", the all-but-one sum whose difference with
+    the true sum isolates the victim), twice the sum ("scaled"), its negation ("negated"), or the true
+    sum to rank 0 and the sum plus the victim's frame to the others ("split"). The
     victim's frame reaches the other ranks' copies of the attacker through the rendezvous store (the
     real fold sees every frame). Every other round is folded honestly.
     """
@@ -74,9 +76,16 @@ def play_malicious_fold(transport: RelayTransport, attack: str, *, victim: int) 
         victims = torch.load(io.BytesIO(store.get("malicious-fold/victim")))
         moduli = torch.tensor([int(q) for q in attacked[number][1].removeprefix("modular:").split(",")])
         print(f"rank {transport.rank}: the fold answers round {number} with a {attack} sum", flush=True)
+        q = moduli.reshape(-1, 1)
         if attack == "substitute":
             return (victims,)
-        return (torch.remainder(honest[0] - victims, moduli.reshape(-1, 1)),)
+        if attack == "scaled":
+            return (torch.remainder(2 * honest[0], q),)
+        if attack == "negated":
+            return (torch.remainder(-honest[0], q),)
+        if attack == "split":  # rank 0 the true sum, every other rank the sum plus the victim's frame
+            return honest if transport.rank == 0 else (torch.remainder(honest[0] + victims, q),)
+        return (torch.remainder(honest[0] - victims, q),)
 
     client.deposit = spying_deposit  # type: ignore[method-assign]
     client.wait_round = lying_wait_round  # type: ignore[method-assign]
@@ -107,7 +116,9 @@ def main() -> int:
     faults.add_argument("--fault-rank", type=int, default=1)
     faults.add_argument("--audit-dir")
     faults.add_argument("--keys", choices=("single", "threshold"), default="single")
-    faults.add_argument("--malicious-fold", choices=("substitute", "subset"))
+    faults.add_argument(
+        "--malicious-fold", choices=("substitute", "subset", "scaled", "negated", "split")
+    )
     faults.add_argument("--leave-by", choices=("exit", "kill"), default="exit")
     fault_args, rest = faults.parse_known_args()
     args = cli.parse_arguments(rest)
