@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink
+from flodld.controller.runparts import AdmissionRun
 from flodld.membership.ledger import Refused
 from flodld.membership.policy import TrustMode
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Accept, Hello, Reject
-
-if TYPE_CHECKING:
-    from flodld.controller.run import Controller
 
 log = logging.getLogger("flodld.controller")
 
@@ -28,7 +25,7 @@ log = logging.getLogger("flodld.controller")
 class Admissions:
     """`run`'s join decisions (the Controller hands the join channel's `refuse` and `admit` on to it)."""
 
-    def __init__(self, run: Controller) -> None:
+    def __init__(self, run: AdmissionRun) -> None:
         self.run = run
         self._settle_pending = False
 

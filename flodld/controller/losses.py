@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink
+from flodld.controller.runparts import LossRun
 from flodld.membership.phase import TERMINAL_PHASES
 from flodld.membership.rootcause import Failure
 from flodld.membership.window import JoinWindow, LinkOutcome
 from flodld.wire.errors import WireError
 from flodld.wire.join import KillRank, RankExited
-
-if TYPE_CHECKING:
-    from flodld.controller.run import Controller
 
 log = logging.getLogger("flodld.controller")
 
@@ -30,7 +27,7 @@ class RankLosses:
     calls on to it).
     """
 
-    def __init__(self, run: Controller) -> None:
+    def __init__(self, run: LossRun) -> None:
         self.run = run
 
     def rank_exited(self, link: HostLink, rank: int, code: int, report: RankExited | None = None) -> None:

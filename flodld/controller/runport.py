@@ -13,7 +13,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from aiohttp import web
 
@@ -23,12 +23,10 @@ from flodld.controller.join import JoinProtocol, JoinRun
 from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import ChannelHandler, ChannelProtocolFactory, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
+from flodld.controller.runparts import PortRun
 from flodld.controller.source import StatusSource
 from flodld.membership.policy import PolicyError, WindowPolicy, derive_policy, is_loopback_literal
 from flodld.wire.magic import Channel
-
-if TYPE_CHECKING:
-    from flodld.controller.run import Controller
 
 log = logging.getLogger("flodld.controller")
 
@@ -41,15 +39,15 @@ VERDICT_LINGER_SECS = 2.0
 class RunChannel:
     """How a run serves one channel of the controller port: its handler, bound to the run."""
 
-    handler: Callable[[Controller], ChannelHandler] | None = None
+    handler: Callable[[PortRun], ChannelHandler] | None = None
     hold_gate: bool = False
     """The handler releases the peer's pre-admission slot itself (`PortMux.register`)."""
-    protocol: Callable[[Controller], ChannelProtocolFactory] | None = None
+    protocol: Callable[[PortRun], ChannelProtocolFactory] | None = None
     """Served by a protocol per connection instead of a handler (`PortMux.register_protocol`: the protocol
     holds and releases the slot)."""
 
 
-def _join_protocol(run: Controller) -> ChannelProtocolFactory:
+def _join_protocol(run: PortRun) -> ChannelProtocolFactory:
     join_run: JoinRun = run  # the join channel knows the run only through this protocol
 
     def factory(mux: PortMux, peer: str) -> JoinProtocol:
@@ -58,7 +56,7 @@ def _join_protocol(run: Controller) -> ChannelProtocolFactory:
     return factory
 
 
-def _store_handler(run: Controller) -> ChannelHandler:
+def _store_handler(run: PortRun) -> ChannelHandler:
     return run.store.handle
 
 
@@ -90,7 +88,7 @@ async def serve_http(source: StatusSource, mux: PortMux, counters: ControllerCou
 class RunPort:
     """Where `run` listens: bound here (`borrowed` False) or lent at `bound` by the Service."""
 
-    def __init__(self, run: Controller, *, borrowed: bool, bound: tuple[str, int] | None) -> None:
+    def __init__(self, run: PortRun, *, borrowed: bool, bound: tuple[str, int] | None) -> None:
         self.run = run
         self._borrowed = borrowed
         self._bound = bound

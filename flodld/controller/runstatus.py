@@ -12,11 +12,12 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from flodld.controller.http import NO_STATE
 from flodld.controller.metrics import ControllerCounters, RunSeries, render_prometheus
 from flodld.controller.page import render_page
+from flodld.controller.runparts import StatusRun
 from flodld.controller.snapshot import (
     DEFAULT_MEMBERS,
     CachedState,
@@ -30,9 +31,6 @@ from flodld.membership.ledger import Member
 from flodld.membership.snapshot import LinkState, RankExit, RootCause, RunRecord
 from flodld.membership.switch import Armed, forbidden, token_matches
 from flodld.membership.window import JoinWindow, MemberView
-
-if TYPE_CHECKING:
-    from flodld.controller.run import Controller
 
 log = logging.getLogger("flodld.controller")
 
@@ -50,7 +48,7 @@ def render_status(build: CachedState) -> bytes:
 class RunStatus:
     """`run`'s status: the `StatusSource` of its HTTP app (the Controller hands each call on to it)."""
 
-    def __init__(self, run: Controller) -> None:
+    def __init__(self, run: StatusRun) -> None:
         self.run = run
         self.render_budget = RenderBudget(on_refused=self.count_busy)
         self.state_cache = StateCache(self._build_state, self.state_version, budget=self.render_budget)

@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import TYPE_CHECKING
 
 from flodld.controller.addresses import is_loopback_address
 from flodld.controller.join import CHANNEL as JOIN_CHANNEL
 from flodld.controller.join import HostLink
+from flodld.controller.runparts import ShipperRun
 from flodld.membership.ledger import World
 from flodld.membership.phase import Phase
 from flodld.wire.join import Abort, RelaySpec, WorldEnvelope, WorldFormed
-
-if TYPE_CHECKING:
-    from flodld.controller.run import Controller
 
 log = logging.getLogger("flodld.controller")
 
@@ -34,7 +31,7 @@ SHIP_CHUNK_HOSTS = 256  # WorldFormed writes per event-loop turn: HTTP and links
 class WorldShipper:
     """Builds and sends each host's WorldFormed for `run`, and its Aborts at a failed end."""
 
-    def __init__(self, run: Controller) -> None:
+    def __init__(self, run: ShipperRun) -> None:
         self.run = run
 
     def _controller_host_for(self, link: HostLink) -> str:
