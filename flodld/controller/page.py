@@ -12,10 +12,23 @@ countdowns between polls. Serving it (routes, security headers, the assets) is
 from __future__ import annotations
 
 import html
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flodld.controller.wording import (
+    as_int,
+    count_text,
+    duration_secs,
+    exits_summary,
+    first_of,
+    fmt_devices,
+    fmt_ranks,
+    fmt_secs,
+    fmt_time,
+    formed_after,
+    hosts_summary,
+    reason_with_cause,
+)
 from flodld.membership.snapshot import attempt_texts
 
 MAX_ROWS = 500  # hosts, missing names, rank exits rendered; the rest is a "N more" note (paging: issue 18)
@@ -42,54 +55,8 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def fmt_secs(value: object) -> str:
-    """A countdown as a person reads it: 42s, 3m 05s, 2h 07m."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return "—"
-    secs = max(0, int(value))
-    if secs < 60:
-        return f"{secs}s"
-    if secs < 3600:
-        return f"{secs // 60}m {secs % 60:02d}s"
-    return f"{secs // 3600}h {secs % 3600 // 60:02d}m"
-
-
-def fmt_ranks(ranks: Iterable[object]) -> str:
-    """[0, 1, 2, 3, 7] -> '0–3, 7' (contiguous runs collapsed)."""
-    values = sorted(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
-        i = j + 1
-    return ", ".join(parts) or "—"
-
-
-def fmt_devices(member: Mapping[str, Any]) -> str:
-    labels = [str(d) for d in (member.get("device_labels") or member.get("devices") or [])]
-    if not labels:
-        return "no devices listed"
-    if len(set(labels)) == 1:
-        return f"{len(labels)}× {labels[0]}"
-    return ", ".join(labels)
-
-
-def fmt_time(value: object) -> str:
-    """History times: epoch seconds become UTC 'YYYY-MM-DD HH:MM:SSZ'; anything else is shown as given."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 1e8:
-        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(value))
-    return "—" if value is None or value == "" else str(value)
-
-
 def _pct(part: float, whole: float) -> int:
     return max(0, min(100, round(100 * part / whole))) if whole > 0 else 0
-
-
-def _int(value: object, default: int = 0) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _more(count: int, noun: str) -> str:
@@ -154,9 +121,9 @@ def _clock(state: Mapping[str, Any]) -> str:
 
 
 def _ranks(state: Mapping[str, Any]) -> str:
-    joined, quorum = _int(state.get("joined_ranks")), _int(state.get("quorum"))
+    joined, quorum = as_int(state.get("joined_ranks")), as_int(state.get("quorum"))
     target = state.get("target")
-    target_n = _int(target, 0)
+    target_n = as_int(target, 0)
     scale = max(target_n, quorum, joined, 1)
     fill = _pct(joined, scale)
     mark = _pct(quorum, scale)
@@ -164,7 +131,7 @@ def _ranks(state: Mapping[str, Any]) -> str:
     target_text = f"target {target_n}" if target_n else "no target"
     return (
         '<section id="ranks"><h2>ranks</h2>'
-        f'<p id="rank-count"><b>{joined}</b> joined across {_int(state.get("joined_hosts"))} host(s) — '
+        f'<p id="rank-count"><b>{joined}</b> joined across {as_int(state.get("joined_hosts"))} host(s) — '
         f"quorum {quorum}, {_e(target_text)}</p>"
         f'<div class="bar {met}" role="img" aria-label="{joined} of {scale} ranks">'
         f'<div class="fill w{fill}"></div><div class="mark l{mark}" title="quorum"></div></div></section>'
@@ -182,7 +149,8 @@ def start_text(state: Mapping[str, Any]) -> str:
     elif state.get("startable"):
         what = "startable — fire with `fdl start`"
     elif phase in ("waiting", "staging"):
-        what = f"waiting for quorum ({_int(state.get('joined_ranks'))} of {_int(state.get('quorum'))} ranks)"
+        joined, quorum = as_int(state.get("joined_ranks")), as_int(state.get("quorum"))
+        what = f"waiting for quorum ({joined} of {quorum} ranks)"
     else:
         what = "window closed"
     return f"{mode} — {what}"
@@ -259,7 +227,7 @@ def _missing(state: Mapping[str, Any]) -> str:
 
 def _refused(state: Mapping[str, Any]) -> str:
     refused = state.get("refused") or {}
-    counts = sorted(((str(k), _int(v)) for k, v in refused.items()), key=lambda kv: (-kv[1], kv[0]))
+    counts = sorted(((str(k), as_int(v)) for k, v in refused.items()), key=lambda kv: (-kv[1], kv[0]))
     if not counts:
         return _empty_section("refused", "refusals", "none")
     rows = "".join(f"<tr><td>{_e(code)}</td><td>{n}</td></tr>" for code, n in counts[:MAX_ROWS])
@@ -270,10 +238,10 @@ def _exits(state: Mapping[str, Any]) -> str:
     exits = _entries(state, "rank_exits")
     if not exits:
         return _empty_section("exits", "rank exits", "none reported")
-    bad = sum(1 for x in exits if _int(x.get("code")) != 0)
+    bad = sum(1 for x in exits if as_int(x.get("code")) != 0)
     rows = "".join(
-        f'<tr><td>{_int(x.get("rank"))}</td><td class="{"bad" if _int(x.get("code")) else "ok"}">'
-        f"{_int(x.get('code'))}</td></tr>"
+        f'<tr><td>{as_int(x.get("rank"))}</td><td class="{"bad" if as_int(x.get("code")) else "ok"}">'
+        f"{as_int(x.get('code'))}</td></tr>"
         for x in exits[:MAX_ROWS]
     )
     more = _not_shown(len(exits), "exits")
@@ -303,9 +271,9 @@ def _losses(state: Mapping[str, Any]) -> str:
     if not losses:
         return ""
     rows = "".join(
-        f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
+        f"<tr><td>{as_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
         f'<td class="bad">{_e(x.get("cause") or "")}</td>'
-        f"<td>{_e('' if x.get('round') is None else str(_int(x.get('round'))))}</td></tr>"
+        f"<td>{_e('' if x.get('round') is None else str(as_int(x.get('round'))))}</td></tr>"
         for x in losses[:MAX_ROWS]
     )
     more = _not_shown(len(losses), "losses")
@@ -319,8 +287,8 @@ def _joins(state: Mapping[str, Any]) -> str:
     if not joins:
         return ""
     rows = "".join(
-        f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
-        f"<td>{_e('waiting' if x.get('round') is None else str(_int(x.get('round'))))}</td></tr>"
+        f"<tr><td>{as_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
+        f"<td>{_e('waiting' if x.get('round') is None else str(as_int(x.get('round'))))}</td></tr>"
         for x in joins[:MAX_ROWS]
     )
     more = _more(len(joins) - MAX_ROWS, "joins") if len(joins) > MAX_ROWS else ""
@@ -343,9 +311,9 @@ def _stragglers(state: Mapping[str, Any]) -> str:
     if not slow:
         return ""
     rows = "".join(
-        f"<tr><td>{_int(x.get('rank'))}</td><td>{_e(_delay(x.get('mean_delay_secs')))}</td>"
-        f"<td>{_e(_delay(x.get('last_delay_secs')))}</td><td>{_int(x.get('rounds'))}</td>"
-        f"<td>{_int(x.get('skipped', 0))}</td></tr>"
+        f"<tr><td>{as_int(x.get('rank'))}</td><td>{_e(_delay(x.get('mean_delay_secs')))}</td>"
+        f"<td>{_e(_delay(x.get('last_delay_secs')))}</td><td>{as_int(x.get('rounds'))}</td>"
+        f"<td>{as_int(x.get('skipped', 0))}</td></tr>"
         for x in slow[:MAX_ROWS]
     )
     headers = ("rank", "mean delay", "last delay", "rounds", "skipped")
@@ -365,71 +333,6 @@ def _attempt(state: Mapping[str, Any]) -> str:
     )
 
 
-def reason_with_cause(entry: Mapping[str, Any]) -> str:
-    """A history entry's reason, followed by its root cause's summary when it has one."""
-    reason = str(entry.get("reason") or "")
-    cause = entry.get("root_cause")
-    if isinstance(cause, Mapping) and cause.get("summary"):
-        return f"{reason} — root cause: {cause['summary']}" if reason else f"root cause: {cause['summary']}"
-    return reason
-
-
-def _first(entry: Mapping[str, Any], *keys: str) -> object:
-    for key in keys:
-        if entry.get(key) is not None:
-            return entry[key]
-    return None
-
-
-def _count(value: object) -> str:
-    if isinstance(value, list):
-        return str(len(value))
-    return "—" if value is None else str(value)
-
-
-def duration_secs(entry: Mapping[str, Any]) -> float | None:
-    given = entry.get("duration_secs")
-    if isinstance(given, int | float) and not isinstance(given, bool):
-        return float(given)
-    start, end = _first(entry, "started_at", "opened_at", "start"), _first(entry, "ended_at", "end")
-    if isinstance(start, int | float) and isinstance(end, int | float):
-        return float(end) - float(start)
-    return None
-
-
-def exits_summary(value: object) -> str:
-    """Rank exit codes of a finished run: 'all 0' or the non-zero ones."""
-    pairs: list[tuple[object, int]] = []
-    if isinstance(value, Mapping):
-        pairs = [(k, _int(v)) for k, v in value.items()]
-    elif isinstance(value, list):
-        pairs = [(x.get("rank"), _int(x.get("code"))) for x in value if isinstance(x, Mapping)]
-    if not pairs:
-        return "—"
-    bad = [f"rank {r}: {c}" for r, c in pairs if c != 0]
-    return f"all {len(pairs)} exited 0" if not bad else "; ".join(bad[:8]) + (" …" if len(bad) > 8 else "")
-
-
-def formed_after(entry: Mapping[str, Any]) -> str:
-    """How long the run's window took to form the world: '+12s', or 'never'."""
-    start, formed = entry.get("started_at"), entry.get("formed_at")
-    if formed is None and "formed_at" in entry:
-        return "never"
-    if isinstance(start, int | float) and isinstance(formed, int | float):
-        return "+" + fmt_secs(float(formed) - float(start))
-    return "—"
-
-
-def hosts_summary(value: object, limit: int = 6) -> str:
-    """A finished run's hosts: 'node-a, node-b' (a count past `limit` names)."""
-    if not isinstance(value, list):
-        return _count(value)
-    names = [str(v) for v in value]
-    if not names:
-        return "—"
-    return ", ".join(names[:limit]) + (f" +{len(names) - limit} more" if len(names) > limit else "")
-
-
 def _history(state: Mapping[str, Any]) -> str:
     if "history" not in state or state.get("history") is None:
         return ""
@@ -438,14 +341,14 @@ def _history(state: Mapping[str, Any]) -> str:
         return _empty_section("history", "history", "no finished runs yet")
     rows = []
     for h in history[:MAX_HISTORY]:
-        verdict = str(_first(h, "verdict", "phase") or "?")
+        verdict = str(first_of(h, "verdict", "phase") or "?")
         duration = duration_secs(h)
         rows.append(
             f'<tr><td>{_e(h.get("run_id") or "?")}</td><td class="phase '
             f'phase-{_e(verdict)}">{_e(verdict)}</td>'
-            f"<td>{_e(fmt_time(_first(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
+            f"<td>{_e(fmt_time(first_of(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
             f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
-            f"<td>{_e(_count(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
+            f"<td>{_e(count_text(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
             f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(reason_with_cause(h))}</td></tr>"
         )
     more = (
@@ -465,8 +368,8 @@ def service_text(state: Mapping[str, Any]) -> str:
     given = service.get("runs")
     runs: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
     parts = [
-        f"service: run {_int(service.get('runs_started'))}",
-        f"{_int(runs.get('done'))} done, {_int(runs.get('failed'))} failed",
+        f"service: run {as_int(service.get('runs_started'))}",
+        f"{as_int(runs.get('done'))} done, {as_int(runs.get('failed'))} failed",
     ]
     if service.get("between_runs"):
         wait = service.get("next_window_in_secs")
@@ -511,5 +414,3 @@ def render_page(state: Mapping[str, Any] | None) -> str:
         '<a href="/state.json">state.json</a> · <a href="/metrics">metrics</a></footer>'
         "</body></html>\n"
     )
-
-
