@@ -20,7 +20,7 @@ from typing import TypeVar, assert_never
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
 from flodld.agent.children import Child, exit_report, forward_output, say
-from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
+from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world, rejoin
 from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
 from flodld.agent.spawn import (
     bind_relay_listener,
@@ -41,7 +41,7 @@ from flodld.rank.env import STACK_DUMP_SIGNAL
 from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, KillRank
+from flodld.wire.join import Abort, KillRank, Reform, Stopped
 
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
@@ -72,6 +72,7 @@ class AgentShell:
         self.forwarder_of: dict[int, asyncio.Future[None]] = {}  # by child (id), to drain a tail
         self.scrub = Scrubber()
         self.error_dir: str | None = None  # the ranks' error files (removed when the agent is done)
+        self.reform: str | None = None  # a Reform's reason: this attempt ends, the link stays for the next
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -84,15 +85,48 @@ class AgentShell:
             f"{'pre-shared salt' if self.spec.salt_hex else 'open'})"
         )
         try:
-            joined = await self._unless_stopping(
-                join_world(self.spec, build_hello(self.spec, self.devices), warn=say)
-            )
+            hello = build_hello(self.spec, self.devices)
+            joined = await self._unless_stopping(join_world(self.spec, hello, warn=say))
         except JoinFailed as failure:
             say(str(failure))
             return failure.exit_class
         if joined is None:  # before formation only a signal stops the host; its event is the queue's first
             say(f"interrupted before the world formed ({self.events.get_nowait()})")
             return ExitClass.TRANSIENT
+        while True:
+            code = await self._serve_attempt(joined)
+            if self.reform is None:
+                return code
+            # The attempt failed and the run restarts keeping this link (docs/restarts.md): this host's ranks
+            # and relay are gone and reported, Stopped is sent; the next attempt re-admits it here.
+            say(f"attempt stopped ({self.reform}); staying linked for the next attempt")
+            self._reset()
+            link = joined.stream
+            try:
+                rejoined = await self._unless_stopping(rejoin(link, self.spec, hello))
+            except JoinFailed as failure:
+                say(str(failure))
+                return failure.exit_class
+            if rejoined is None:
+                link.close()
+                say(f"interrupted while waiting for the next attempt ({self.events.get_nowait()})")
+                return ExitClass.TRANSIENT
+            joined = rejoined
+
+    def _reset(self) -> None:
+        """A fresh slate for the next attempt on the same link: no children, events or teardown left over."""
+        self.events = asyncio.Queue()
+        self.stopping = asyncio.Event()
+        self.reader = None
+        self.reform = None
+        self.children, self.forwarders, self.watchers, self.sinks = [], [], [], []
+        self.forwarder_of = {}
+        self.store_endpoint = None
+        self.error_dir = None
+        self.scrub = Scrubber()
+
+    async def _serve_attempt(self, joined: Joined) -> int:
+        """One formed world: spawn this host's relay and ranks, supervise them, report; the exit code."""
         envelope = joined.formed.envelope
         say(
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
@@ -210,6 +244,7 @@ class AgentShell:
             self._adopt(child, f"[{host}:{device}:r{rank}] ", sink)
         if self.warm is not None:
             await self.warm.close()  # the ones not needed go now
+            self.warm = None  # a later attempt on this link starts its ranks cold
 
     def _open_sinks(self, run_id: str, attempt: int, ranks: list[int]) -> list[RankLogSink]:
         """Each rank's log files under this host's own log directory (never one the controller names: the
@@ -318,6 +353,10 @@ class AgentShell:
                 message = (await joined.stream.recv()).message()
                 if isinstance(message, Abort):
                     self._post(sv.AbortReceived(message.reason))
+                elif isinstance(message, Reform):  # torn down as at an Abort, then Stopped instead of a close
+                    self.reform = message.reason
+                    self._post(sv.AbortReceived(message.reason))
+                    return  # nothing more comes before our Stopped: the next attempt's Accept is rejoin()'s
                 elif isinstance(message, KillRank):
                     self._post(sv.RankDeclaredDead(message.rank, message.reason))
         except EOFError:
@@ -334,6 +373,7 @@ class AgentShell:
             tolerance=relay.tolerance if relay is not None else 0,
         )
         reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
+        self.reader = reader
         timers: list[asyncio.TimerHandle] = []  # the grace period, the stack dumps' graces
         actions = supervisor.start()
         try:
@@ -389,6 +429,9 @@ class AgentShell:
             case sv.KillOne(rank):
                 say(f"killing rank {rank} (declared dead)")
                 self._signal(lambda child: child.rank == rank, signal.SIGKILL)
+            case sv.CloseLink() if self.reform is not None:
+                with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
+                    await joined.stream.send(Stopped())
             case sv.CloseLink():
                 await joined.stream.aclose()
             case sv.Finish(exit_code, summary):

@@ -8,7 +8,9 @@ of the frame format's version (flodld/wire/frames.py). Version 2: `WorldEnvelope
 of the world (O(world) bytes per host, O(world²) per formation, and capped at MAX_LIST_ITEMS hosts); the
 roster is in state.json (`members`, paged). Version 3: `RelaySpec.tolerance` and `KillRank` (elastic
 averaging, docs/elastic-averaging.md): a version 2 agent would refuse the first and drop its link on the
-second, so it is refused at its Hello instead.
+second, so it is refused at its Hello instead. Version 5: `Reform` and `Stopped` (a restart keeps the join
+links, docs/restarts.md): a version 4 agent would drop its link on the first, so it is refused at its Hello
+instead.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from flodld.wire.messages import (
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
-JOIN_PROTOCOL_VERSION: Final = 4
+JOIN_PROTOCOL_VERSION: Final = 5
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[
@@ -230,3 +232,21 @@ class KillRank(Message):
 
     rank: Rank
     reason: Reason
+
+
+@register(0x0108)
+class Reform(Message):
+    """The attempt failed and the run restarts (docs/restarts.md): the agent stops this attempt's ranks and
+    relay as at an Abort, reports their exits, answers `Stopped` and stays linked. The next attempt re-admits
+    it on this same link with an `Accept` (its `salt_hex` the next attempt's salt, sent under this one's keys:
+    both sides rekey after it) and then its `WorldFormed`; a link closed or an `Abort` instead ends the host.
+    """
+
+    reason: Reason
+
+
+@register(0x0109)
+class Stopped(Message):
+    """Agent → controller after a `Reform`: every rank and the relay of the attempt are gone (their exits
+    reported first); the host waits on this link for the next attempt.
+    """
