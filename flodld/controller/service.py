@@ -42,7 +42,7 @@ from flodld.controller.source import HttpAnswer
 from flodld.membership.history import record_run
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt, RunRecord, ServiceState
-from flodld.membership.supervisor import next_attempt
+from flodld.membership.supervisor import keeps_links, next_attempt
 
 log = logging.getLogger("flodld.controller")
 
@@ -164,7 +164,7 @@ class Service:
                     options, on_phase=self._on_phase, mux=self.mux, address=address
                 )
                 # A failure with restarts left keeps its links: Reform instead of Abort (not when stopping).
-                controller.keep_links = restart_count < options.max_restarts
+                controller.keep_links = keeps_links(restart_count, options.max_restarts)
                 self.runs_started += 1
                 try:
                     await controller.start()

@@ -64,6 +64,7 @@ __all__ = [
     "VerdictReached",
     "WorldFormed",
     "describe_code",
+    "keeps_links",
     "next_attempt",
     "verdict_event",
 ]
@@ -92,6 +93,14 @@ def next_attempt(restart_count: int, max_restarts: int, *, ok: bool, stopping: b
     if ok or stopping or restart_count >= max_restarts:
         return None
     return restart_count + 1
+
+
+def keeps_links(restart_count: int, max_restarts: int, *, stopping: bool = False) -> bool:
+    """Whether this attempt, should it fail, ends with `Reform` rather than `Abort`: a failure is followed by
+    the next attempt (`next_attempt`), so its hosts stay linked, stop their ranks and wait to be re-admitted
+    into the next attempt's re-formation window (docs/restarts.md). `flodld serve`'s rule.
+    """
+    return next_attempt(restart_count, max_restarts, ok=False, stopping=stopping) is not None
 
 
 def describe_code(code: int) -> str:

@@ -28,6 +28,7 @@ from flodld.membership.supervisor import (
     TimerExpired,
     VerdictReached,
     WorldFormed,
+    keeps_links,
     next_attempt,
     verdict_event,
 )
@@ -243,6 +244,24 @@ def test_serve_restarts_a_failed_attempt_while_restarts_remain(
     restart_count: int, max_restarts: int, ok: bool, stopping: bool, expected: int | None
 ) -> None:
     assert next_attempt(restart_count, max_restarts, ok=ok, stopping=stopping) == expected
+
+
+@pytest.mark.parametrize(
+    ("restart_count", "max_restarts", "stopping", "expected"),
+    [
+        (0, 0, False, False),  # no restarts configured: a failure aborts the hosts (Abort)
+        (0, 2, False, True),  # a failure is followed by attempt 2: Reform, the hosts stay linked
+        (1, 2, False, True),
+        (2, 2, False, False),  # the last allowed attempt: its failure ends the job, Abort
+        (0, 2, True, False),  # the service is stopping: Abort, never Reform
+    ],
+)
+def test_serve_keeps_the_links_exactly_when_a_failure_would_be_restarted(
+    restart_count: int, max_restarts: int, stopping: bool, expected: bool
+) -> None:
+    assert keeps_links(restart_count, max_restarts, stopping=stopping) is expected
+    following = next_attempt(restart_count, max_restarts, ok=False, stopping=stopping)
+    assert (following is not None) is expected
 
 
 def test_every_shell_has_a_handler_for_every_action_the_supervisor_can_decide() -> None:
