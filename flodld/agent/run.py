@@ -41,7 +41,7 @@ from flodld.rank.env import STACK_DUMP_SIGNAL
 from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, KillRank, Reform, Stopped
+from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
@@ -59,6 +59,7 @@ class AgentShell:
         self.spec = spec
         self.devices = devices
         self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
+        self.warm_count = len(warm) if warm is not None else 0  # re-armed for each attempt on a kept link
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
@@ -93,6 +94,14 @@ class AgentShell:
         if joined is None:  # before formation only a signal stops the host; its event is the queue's first
             say(f"interrupted before the world formed ({self.events.get_nowait()})")
             return ExitClass.TRANSIENT
+        try:
+            return await self._serve_attempts(joined, hello)
+        finally:
+            if self.warm is not None:
+                await self.warm.close()
+
+    async def _serve_attempts(self, joined: Joined, hello: Hello) -> int:
+        """Serve the formed world, and each next attempt this link is re-admitted to; the exit code."""
         while True:
             code = await self._serve_attempt(joined)
             if self.reform is None:
@@ -101,6 +110,9 @@ class AgentShell:
             # and relay are gone and reported, Stopped is sent; the next attempt re-admits it here.
             say(f"attempt stopped ({self.reform}); staying linked for the next attempt")
             self._reset()
+            if self.warm_count:  # the next attempt's ranks load torch while the run re-forms, as a standby's
+                with contextlib.suppress(OSError):
+                    self.warm = await WarmPool.start(self.warm_count, os.environ)
             link = joined.stream
             try:
                 rejoined = await self._unless_stopping(rejoin(link, self.spec, hello))

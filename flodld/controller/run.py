@@ -357,6 +357,26 @@ class Controller:
                 await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
         await self.port.close()
 
+    async def release_port(self) -> tuple[PortMux, tuple[str, int]]:
+        """Close this run but keep its port listening, the kept links on it, for the next attempt's
+        Controller (`Controller(options, mux=..., address=...)`, then `take_over_port()`); returns the mux
+        and the address.
+        """
+        assert self.address is not None, "release_port() after start()"
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+        for task in list(self._background):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
+        await self.port.release()
+        return self.mux, self.address
+
+    async def take_over_port(self) -> None:
+        """This run owns the port `release_port()` lent it: it serves HTTP, and closes the port at close()."""
+        await self.port.take_over()
+
     # --- the window ----------------------------------------------------------------------------
 
     def _open_window(self) -> None:

@@ -139,16 +139,21 @@ class VerdictReached:
     ok: bool
     reason: str
     report: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    """The hosts that answered the failed attempt's `Reform`: their agents stay, linked, for the next one."""
 
 
-def verdict_event(ok: bool, reason: str, root_cause: Mapping[str, Any] | None) -> VerdictReached:
+def verdict_event(
+    ok: bool, reason: str, root_cause: Mapping[str, Any] | None, kept: tuple[str, ...] = ()
+) -> VerdictReached:
     """The event for a controller's verdict: with a root cause (the first observed failure across hosts),
     its summary joins the reason and its block (the failed rank's tail) is the report.
     """
     if root_cause is None:
-        return VerdictReached(ok, reason)
+        return VerdictReached(ok, reason, kept=kept)
     summary = root_cause.get("summary")
-    return VerdictReached(ok, f"{reason}; root cause: {summary}", tuple(root_cause_lines(root_cause)))
+    lines = tuple(root_cause_lines(root_cause))
+    return VerdictReached(ok, f"{reason}; root cause: {summary}", lines, kept)
 
 
 @dataclass(frozen=True)
@@ -172,17 +177,26 @@ Event = AgentExited | HostLost | WorldFormed | VerdictReached | Interrupted | Ti
 
 @dataclass(frozen=True)
 class StartAttempt:
-    """Form a fresh world (new run id, salt, keys) and start its agents; ranks see `restart_count`."""
+    """Form a fresh world (new run id, salt, keys) and start its agents; ranks see `restart_count`.
+
+    `kept`: hosts whose agents are still linked from the attempt before (re-admitted into the new window at
+    once, not started again); the shell starts agents for the others.
+    """
 
     restart_count: int
     max_restarts: int
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class StopAttempt:
-    """Ask the controller to end the attempt with `reason` (it aborts the hosts and gives a verdict)."""
+    """Ask the controller to end the attempt with `reason` (it aborts the hosts and gives a verdict).
+
+    `keep_links` False: Abort the hosts even if a restart could follow (an interrupt ends the run).
+    """
 
     reason: str
+    keep_links: bool = True
 
 
 @dataclass(frozen=True)
@@ -244,6 +258,7 @@ class RunSupervisor:
         self._interrupted = False
         self._stopping = False
         self._formed = False
+        self._kept: frozenset[str] = frozenset()
         running: HandlerTable[[], list[Action]] = HandlerTable("event while running")
         running.register(AgentExited, self._agent_exited_running)
         running.register(HostLost, self._host_lost_running)
@@ -263,7 +278,7 @@ class RunSupervisor:
 
     def start(self) -> list[Action]:
         """The first attempt."""
-        return self._start_attempt()
+        return self._start_attempt(frozenset())
 
     def handle(self, event: Event) -> list[Action]:
         """Actions for `event`; an event that means nothing in this state yields none."""
@@ -274,7 +289,7 @@ class RunSupervisor:
 
     # --- running ----------------------------------------------------------------------------
 
-    def _start_attempt(self) -> list[Action]:
+    def _start_attempt(self, kept: frozenset[str]) -> list[Action]:
         number = len(self.attempts)
         self.attempts.append(Attempt(number, self.hosts))
         self.state = SupervisorState.RUNNING
@@ -287,7 +302,7 @@ class RunSupervisor:
             actions.append(
                 Say(f"restarting: attempt {number + 1} of at most {self.max_restarts + 1} (restart {number})")
             )
-        return [*actions, StartAttempt(number, self.max_restarts)]
+        return [*actions, StartAttempt(number, self.max_restarts, tuple(sorted(kept)))]
 
     def _agent_exited_running(self, event: AgentExited) -> list[Action]:
         if event.host not in self._live:
@@ -336,16 +351,22 @@ class RunSupervisor:
         self._interrupted = True
         if self.state is SupervisorState.CONCLUDING or self._stopping:
             return []
-        return [Say(f"{event.reason}; aborting the run"), *self._stop(f"{event.reason} (fdl run)")]
+        return [
+            Say(f"{event.reason}; aborting the run"),
+            *self._stop(f"{event.reason} (fdl run)", keep_links=False),
+        ]
 
-    def _stop(self, reason: str) -> list[Action]:
+    def _stop(self, reason: str, *, keep_links: bool = True) -> list[Action]:
         self._stopping = True
-        return [StopAttempt(reason)]
+        return [StopAttempt(reason, keep_links)]
 
     def _verdict_reached(self, event: VerdictReached) -> list[Action]:
         self._verdict = event
         self.state = SupervisorState.CONCLUDING
         report: list[Action] = [Say(line) for line in event.report]
+        # Hosts kept linked (they answered Reform) are not collected: their agents serve the next attempt.
+        self._kept = frozenset() if self._interrupted else frozenset(event.kept) & self._live
+        self._live -= self._kept
         if self._live:
             return [*report, CollectAgents(COLLECT_TIMEOUT_S)]
         return [*report, *self._conclude()]
@@ -386,7 +407,7 @@ class RunSupervisor:
             return [Finish(EXIT_DONE, f"run done: {self._verdict.reason}{self._attempts_note()}")]
         attempt.cause = cause
         if next_attempt(attempt.number, self.max_restarts, ok=False, stopping=self._interrupted) is not None:
-            return [Say(f"attempt {attempt.number + 1} failed: {cause}"), *self._start_attempt()]
+            return [Say(f"attempt {attempt.number + 1} failed: {cause}"), *self._start_attempt(self._kept)]
         self.state = SupervisorState.FINISHED
         return [Finish(EXIT_FAILED, self._failure_summary())]
 

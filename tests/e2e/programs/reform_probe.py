@@ -1,9 +1,9 @@
-"""A stock torchrun-style script for the kept-link restarts (tests/e2e/test_serve_restarts.py; no flodld
-import). Arguments: OUT_DIR HOST. Every rank appends `restart rank world agent_pid host` to
-OUT_DIR/attempts.txt once its process group formed (`agent_pid`: its parent, the agent that started it,
-so a host kept linked across a restart shows the same one twice). On the first attempt
-(TORCHELASTIC_RESTART_COUNT=0) the ranks all-reduce every 0.2 s for two minutes, a run long enough to
-lose a host in; on a later attempt they all-reduce three times and end.
+"""A stock torchrun-style script for the kept-link restarts (tests/e2e/test_serve_restarts.py and
+test_restarts.py; no flodld import). Arguments: OUT_DIR HOST (PROBE_HOST in the environment wins). Every
+rank appends `restart rank world agent_pid host` to OUT_DIR/attempts.txt once its process group formed
+(`agent_pid`: its parent, the agent that started it, so a host kept linked across a restart shows the same
+one twice). On the first attempt (TORCHELASTIC_RESTART_COUNT=0) the ranks all-reduce every 0.2 s for two
+minutes, a run long enough to lose a host in; on a later attempt they all-reduce three times and end.
 """
 
 import os
@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    out, host = Path(sys.argv[1]), sys.argv[2]
+    out = Path(sys.argv[1])
+    host = os.environ.get("PROBE_HOST") or sys.argv[2]  # fdl run's workers name theirs in their env
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
