@@ -17,7 +17,9 @@ Rules:
   concludes from that; the shell waits `AGENT_DIED_GRACE_S` for the verdict, then stops the attempt
   naming the agent (it died unannounced: its ranks are lost);
 - a host lost (its SSH session died: keepalives unanswered, or it could not be reached to start its
-  agent) stops the attempt at once with the shell's reason; its agent counts as gone;
+  agent) stops the attempt at once with the shell's reason; its agent counts as gone. At a restart, before
+  the world formed and with other hosts still there, it is left out instead (`Attempt.left_out`, named in
+  the attempt's cause should it fail): the window forms without it when the quorum allows;
 - every agent gone and no verdict: wait `AGENTS_GONE_GRACE_S`, then stop the attempt;
 - an interrupt (SIGINT/SIGTERM to `fdl run`) stops the attempt and the run: never restarted;
 - the verdict in, the shell collects the agents (TERM/KILL after `COLLECT_TIMEOUT_S`); then:
@@ -27,6 +29,12 @@ Rules:
   `max_restarts` restarts have been made and nobody interrupted (`next_attempt`, the one rule that
   `flodld serve` applies to its verdicts too); otherwise the run fails with a reason that lists every
   attempt's cause.
+
+- a restart keeps the links of the hosts still there (docs/restarts.md): the controller of a failed attempt
+  that a restart follows sends `Reform` instead of `Abort` (`keeps_links`; an interrupt's `StopAttempt`
+  asks for Abort), the hosts that answer `Stopped` come with the verdict (`VerdictReached.kept`), are not
+  collected, and the next `StartAttempt` names them (`kept`): the shell re-admits them into the new
+  window and starts agents only for the others.
 
 As in torchrun, a restart re-forms the whole world: every rank of the next attempt starts anew with
 `TORCHELASTIC_RESTART_COUNT` set to the attempt's number, and a script that checkpoints resumes.
@@ -238,6 +246,8 @@ class Attempt:
     hosts: tuple[str, ...]
     cause: str | None = None
     agent_codes: dict[str, int] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Hosts lost before this restart's world formed and left to the window (host -> why)."""
 
 
 class RunSupervisor:
@@ -332,6 +342,14 @@ class RunSupervisor:
         self.attempt.agent_codes[event.host] = LOST_CODE
         if self._stopping:
             return []
+        if self.attempt.number and not self._formed and self._live:
+            # At a restart, a host that cannot be reached is left out: the window forms without it when the
+            # quorum allows (its join_timeout), and fails below quorum at its hard cap.
+            self.attempt.left_out[event.host] = event.reason
+            return [Say(
+                f"{event.reason}; host {event.host!r} left out of attempt {self.attempt.number + 1} "
+                "(the world forms without it if the quorum allows)"
+            )]  # fmt: skip
         return [Say(f"{event.reason}; stopping the attempt"), *self._stop(event.reason)]
 
     def _timer_expired(self, event: TimerExpired) -> list[Action]:
@@ -387,6 +405,10 @@ class RunSupervisor:
         verdict = self._verdict
         assert verdict is not None
         if not verdict.ok:
+            left_out = self.attempt.left_out
+            if left_out:
+                named = "; ".join(f"host {host!r}: {why}" for host, why in sorted(left_out.items()))
+                return f"{verdict.reason} (left out: {named})"
             return verdict.reason
         killed = [(host, code) for host, code in self.attempt.agent_codes.items() if code < 0]
         if killed:

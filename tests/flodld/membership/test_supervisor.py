@@ -116,6 +116,10 @@ ROWS = [
          HostLost("a", "fan-out to host 'a': refused"), VerdictReached(False, "aborted: refused")], 1,
         "run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: aborted: refused; attempt 2: "
         "aborted: refused", [0, 1], stops=["fan-out to host 'a': refused"] * 2, shells=("fan-out",)),
+    Row("a host kept linked (it answered Reform) is not collected; the next attempt starts at once", 1,
+        [FORMED, VerdictReached(False, "rank 0 failed", kept=("a",)), FORMED, DONE, AgentExited("a", 0)], 0,
+        "run done: every host link closed (after 1 restart(s): attempt 1: rank 0 failed)", [0, 1],
+        shells=LAUNCHERS),
     Row("a root cause is reported as the verdict comes in and named in the cause", 0,
         [FORMED, verdict_event(False, "1 of 2 ranks failed", {"summary": "rank 1 on host 'a' (exit code 1)"}),
          AgentExited("a", 1)], 1,
@@ -215,6 +219,83 @@ def test_an_interrupt_while_agents_are_collected_still_forbids_a_restart() -> No
     )
     assert starts(actions) == [0]
     assert finish(actions).summary == "run FAILED: rank failed"
+
+
+def test_a_restart_keeps_the_hosts_that_answered_reform_and_starts_only_the_others() -> None:
+    supervisor = RunSupervisor(["a", "b", "c"], max_restarts=1)
+    supervisor.start()
+    supervisor.handle(FORMED)
+    assert supervisor.handle(AgentExited("c", -9)) == [ArmTimer("agent-died:c", AGENT_DIED_GRACE_S)]
+    # a and b answered Reform and stay linked: only what is neither kept nor gone would be collected
+    actions = supervisor.handle(VerdictReached(False, "host 'c' lost", kept=("a", "b")))
+    assert [a for a in actions if isinstance(a, StartAttempt)] == [StartAttempt(1, 1, kept=("a", "b"))]
+    assert not [a for a in actions if isinstance(a, CollectAgents)]
+    # the kept agents are the next attempt's: their exits count there
+    supervisor.handle(FORMED)
+    assert supervisor.handle(AgentExited("a", -9)) == [ArmTimer("agent-died:a", AGENT_DIED_GRACE_S)]
+
+
+def test_a_kept_host_that_was_not_live_is_not_kept_and_others_are_collected() -> None:
+    supervisor = RunSupervisor(["a", "b"], max_restarts=1)
+    actions = drive(supervisor, [FORMED, AgentExited("b", 1), VerdictReached(False, "x", kept=("a", "b"))])
+    assert [a for a in actions if isinstance(a, StartAttempt)][-1] == StartAttempt(1, 1, kept=("a",))
+
+
+def test_an_interrupt_asks_for_abort_and_keeps_no_host() -> None:
+    supervisor = RunSupervisor(["a", "b"], max_restarts=3)
+    actions = drive(supervisor, [FORMED, Interrupted("interrupted")])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [
+        StopAttempt("interrupted (fdl run)", keep_links=False)
+    ]
+    actions = supervisor.handle(VerdictReached(False, "interrupted (fdl run)", kept=("a",)))
+    assert actions == [CollectAgents(COLLECT_TIMEOUT_S)]  # both collected: no attempt follows an interrupt
+
+
+def test_a_failure_stop_lets_the_controller_keep_the_links() -> None:
+    supervisor = RunSupervisor(["a"], max_restarts=1)
+    actions = drive(supervisor, [FORMED, HostLost("a", LOST)])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [StopAttempt(LOST, keep_links=True)]
+
+
+def test_a_host_unreachable_at_a_restart_is_left_out_and_named_when_the_attempt_fails() -> None:
+    refused = "fan-out to host 'b': connection refused"
+    supervisor = RunSupervisor(["a", "b"], max_restarts=2)
+    actions = drive(supervisor, [FORMED, VerdictReached(False, "rank 1 failed"), AgentExited("a", 1),
+                                 AgentExited("b", 1)])  # fmt: skip
+    assert starts(actions) == [0, 1]
+    actions = supervisor.handle(HostLost("b", refused))
+    assert not [a for a in actions if isinstance(a, StopAttempt)], actions  # the window decides, not the loss
+    assert [a.message for a in actions if isinstance(a, Say)] == [
+        f"{refused}; host 'b' left out of attempt 2 (the world forms without it if the quorum allows)"
+    ]
+    assert supervisor.attempt.left_out == {"b": refused}
+    # below quorum at the window's cap: the attempt fails, the left-out host named in its cause
+    capped = "quorum not met: 1 of 2 ranks joined after 20s hard cap"
+    actions = supervisor.handle(VerdictReached(False, capped))
+    assert actions[-1] == CollectAgents(COLLECT_TIMEOUT_S)
+    supervisor.handle(AgentExited("a", 1))
+    assert supervisor.attempts[1].cause == (
+        f"quorum not met: 1 of 2 ranks joined after 20s hard cap (left out: host 'b': {refused})"
+    )
+
+
+def test_a_host_unreachable_at_a_restart_with_quorum_lets_the_world_form_without_it() -> None:
+    supervisor = RunSupervisor(["a", "b"], max_restarts=1)
+    drive(supervisor, [FORMED, VerdictReached(False, "x"), AgentExited("a", 1), AgentExited("b", 1)])
+    supervisor.handle(HostLost("b", "fan-out to host 'b': refused"))
+    actions = [*supervisor.handle(FORMED), *supervisor.handle(DONE), *supervisor.handle(AgentExited("a", 0))]
+    assert finish(actions).exit_code == 0
+
+
+def test_on_the_first_attempt_or_with_no_host_left_an_unreachable_host_still_stops_the_attempt() -> None:
+    first = RunSupervisor(["a", "b"], max_restarts=1)
+    actions = drive(first, [HostLost("b", "refused")])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [StopAttempt("refused")]
+    alone = RunSupervisor(["a"], max_restarts=1)
+    drive(alone, [FORMED, VerdictReached(False, "x"), AgentExited("a", 1)])
+    assert [a for a in alone.handle(HostLost("a", "refused")) if isinstance(a, StopAttempt)] == [
+        StopAttempt("refused")
+    ]
 
 
 def test_events_of_a_finished_run_change_nothing() -> None:
