@@ -121,7 +121,7 @@ class Controller:
         self.keep_links = False
         self.kept: dict[str, HostLink] = {}
         self._reforming: set[str] = set()
-        self._all_stopped = asyncio.Event()
+        self._reform_progress = asyncio.Event()  # set at each Stopped: the Reform wait looks again
         self._driver: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._result: RunResult | None = None
@@ -211,8 +211,7 @@ class Controller:
         del self.links[link.host]
         self.kept[link.host] = link
         log.info("event=host_kept host=%s peer=%s", link.host, link.peer)
-        if not self._reforming:
-            self._all_stopped.set()
+        self._reform_progress.set()
 
     # --- restarts that keep the links ------------------------------------------------------------
 
@@ -477,9 +476,7 @@ class Controller:
         if phase is Phase.FAILED and self.keep_links:
             log.error("event=run_failed reason=%r hosts_reformed=%d", reason, len(links))
             self._reforming = {link.host for link in links}
-            if not self._reforming:
-                self._all_stopped.set()
-            await self.shipper.reform(links, reason, self._all_stopped)
+            await self.shipper.reform(links, reason, self._reform_progress)
             self._reforming.clear()
         elif phase is Phase.FAILED:
             log.error("event=run_failed reason=%r hosts_aborted=%d", reason, len(links))

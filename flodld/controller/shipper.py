@@ -151,10 +151,11 @@ class WorldShipper:
         # victim's (which decided the verdict), so the root cause waits for them, bounded.
         await self._await_reports(links)
 
-    async def reform(self, links: list[HostLink], reason: str, all_stopped: asyncio.Event) -> None:
+    async def reform(self, links: list[HostLink], reason: str, progress: asyncio.Event) -> None:
         """Reform down each of `links` (a restart that keeps them, docs/restarts.md), then wait until each
-        host answered Stopped (its ranks reported) or its link ended, at most `REFORM_STOP_SECS` (scaled:
-        an agent's teardown gives its ranks a grace period before the KILL); a host still silent is closed.
+        host answered Stopped (its ranks reported; `progress` is set at each) or its link ended, at most
+        `REFORM_STOP_SECS` (scaled: an agent's teardown gives its ranks a grace period before the KILL); a
+        host still silent is closed.
         """
         async def send(link: HostLink) -> None:
             try:
@@ -165,26 +166,25 @@ class WorldShipper:
                 link.stream.close()
                 raise
 
+        def settled() -> bool:
+            return all(link.closed.is_set() or self.run.kept.get(link.host) is link for link in links)
+
         await asyncio.gather(*(send(link) for link in links), return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REFORM_STOP_SECS * self.run.options.timeout_scale
         waits = [asyncio.ensure_future(link.closed.wait()) for link in links if not link.closed.is_set()]
-        stopped = asyncio.ensure_future(all_stopped.wait())
-        pending = set(waits)
-        deadline = asyncio.get_running_loop().time() + REFORM_STOP_SECS * self.run.options.timeout_scale
-        while pending and not stopped.done():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                break
-            done, _ = await asyncio.wait(
-                {*pending, stopped}, timeout=left, return_when=asyncio.FIRST_COMPLETED
-            )
-            pending -= done
-            if all(link.closed.is_set() or link.host in self.run.kept for link in links):
-                break
-        stopped.cancel()
-        for wait in waits:
-            wait.cancel()
+        try:
+            while not settled() and (left := deadline - loop.time()) > 0:
+                progress.clear()
+                woken = asyncio.ensure_future(progress.wait())
+                pending = [wait for wait in waits if not wait.done()]
+                await asyncio.wait([woken, *pending], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+        finally:
+            for wait in waits:
+                wait.cancel()
         for link in links:
-            if link.host not in self.run.kept or self.run.kept[link.host] is not link:
+            if self.run.kept.get(link.host) is not link:
                 link.stream.close()
 
     async def _abort_link(self, link: HostLink, reason: str) -> None:
