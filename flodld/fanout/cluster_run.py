@@ -242,11 +242,12 @@ class _FanOutShell:
                 feed(AgentExited(gone.host, supervisor_code(gone.code)))
 
         self.fanout = FanOut(plans, on_output=self.on_output, grace_s=self.grace_s, on_exit=on_exit)
-        try:
-            await self.fanout.start()
-        except FanOutError:
-            for host, failure in self.fanout.failed.items():
-                feed(HostLost(host, str(failure)))
+        with contextlib.suppress(FanOutError):  # each host that could not be started is reported below
+            # At a restart the hosts that were started keep running: the supervisor leaves an unreachable
+            # one out when others are there (the window forms without it if the quorum allows).
+            await self.fanout.start(keep_started=action.restart_count > 0)
+        for host, failure in self.fanout.failed.items():
+            feed(HostLost(host, str(failure)))
 
     async def _verdict(self, controller: Controller, feed: Callable[[Event], None]) -> None:
         result = await controller.wait()

@@ -193,9 +193,10 @@ class FanOut:
         self.on_exit = on_exit if on_exit is not None else self.exits.put_nowait
         self._watchers: list[asyncio.Task[None]] = []
 
-    async def start(self) -> None:
+    async def start(self, *, keep_started: bool = False) -> None:
         """Start every agent; if any fails, stop those already started and raise the first FanOutError
-        (`failed` names every host that could not be started).
+        (`failed` names every host that could not be started). With `keep_started` (a restart, where a host
+        that cannot be reached is left out: docs/restarts.md) the others keep running and nothing is raised.
         """
         results = await asyncio.gather(
             *(self._start_one(plan) for plan in self.plans), return_exceptions=True
@@ -205,7 +206,7 @@ class FanOut:
                 self.failed[plan.host] = result
             elif isinstance(result, BaseException):
                 raise result
-        if self.failed:
+        if self.failed and not keep_started:
             await self.stop()
             raise next(iter(self.failed.values()))
 
