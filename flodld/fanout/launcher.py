@@ -28,7 +28,7 @@ import contextlib
 import os
 import posixpath
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flodld.agent.spawn import agent_command
@@ -235,6 +235,16 @@ class FanOut:
     @property
     def running(self) -> int:
         return sum(1 for agent in self.agents.values() if agent.process.exit_status is None)
+
+    def hand_over(self, hosts: Collection[str], to: FanOut) -> None:
+        """The sessions of `hosts` (agents kept linked across a restart, docs/restarts.md) go on as `to`'s:
+        their ends are reported to its `on_exit` and its `stop()` closes them; this fan-out forgets them.
+        """
+        for host in hosts:
+            agent = self.agents.pop(host, None)
+            if agent is not None:
+                to.agents[host] = agent
+                to._watchers.append(asyncio.create_task(to._watch(host, agent)))
 
     async def stop(self) -> None:
         """Close every session: the remote supervisors TERM, then KILL, their agents' groups; each end is

@@ -163,3 +163,63 @@ async def test_a_roster_host_unreachable_at_a_restart_is_left_out_when_the_quoru
     [second] = [line for line in lines if "attempt 1 world" in line]  # one rank, on remote-a, world of 1
     assert second.startswith("remote-a ") and second.endswith("rank 0 attempt 1 world 1 up"), lines
     await _wait_no_process(str(program))
+
+
+# Each rank prints its attempt and its agent (parent) PID; attempt 1's ranks wait to be killed with theirs.
+PARENT_PROGRAM = """\
+import os, sys, time
+import flodld
+
+
+def main():
+    count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"attempt {count} rank {os.environ['RANK']} agent {os.getppid()} up", flush=True)
+    if count == 0:
+        time.sleep(600)
+    return 0
+
+
+sys.exit(flodld.run(main, init_process_group=False))
+"""
+
+
+@pytest.mark.timeout(240)
+async def test_a_restart_keeps_the_linked_hosts_ssh_session_and_relaunches_only_the_lost_one(
+    tmp_path: Path,
+) -> None:
+    server = await start_local_ssh_server(tmp_path)
+    program = tmp_path / "kept_links.py"
+    program.write_text(PARENT_PROGRAM)
+    builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(join_timeout=60)
+    for host in ("remote-a", "remote-b"):
+        builder.worker(host, ["cpu"], ssh=_ssh(server), path=str(REPO), env={"OMP_NUM_THREADS": "1"})
+    said: list[str] = []
+    lines: list[str] = []
+
+    def agents(attempt: int) -> dict[str, int]:
+        found = {}
+        for line in list(lines):
+            host, _, text = line.partition(" ")
+            if f"attempt {attempt} rank " in text and text.endswith(" up"):
+                found[host] = int(text.split(" agent ")[1].split()[0])
+        return found
+
+    try:
+        job = asyncio.ensure_future(run_cluster_job(
+            str(program), [], builder.build(), max_restarts=1, say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
+        ))  # fmt: skip
+        end = time.monotonic() + 120
+        while len(agents(0)) < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        first = agents(0)
+        os.kill(first["remote-b"], signal.SIGKILL)  # remote-b's agent dies mid-run; remote-a's answers Reform
+        code = await asyncio.wait_for(job, 150)
+    finally:
+        server.close()
+    assert code == 0, "\n".join(said + lines)
+    second = agents(1)
+    assert second["remote-a"] == first["remote-a"], (first, second)  # the same agent, its link and session kept
+    assert second["remote-b"] != first["remote-b"], (first, second)  # relaunched over SSH
+    assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
+    await _wait_no_process(str(program))
