@@ -129,29 +129,20 @@ async def _start_attempt(
     max_restarts: int,
     rank_filter: frozenset[int] | None,
     logs: api.RankLogSpec | None = None,
-    standby: list[asyncio.subprocess.Process] | None = None,
-    on_training: Callable[[], None] | None = None,
     on_formed: Callable[[], None] | None = None,
     kept: _Kept | None = None,
 ) -> _Attempt:
     """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it.
 
-    `standby`: agents started ahead for this attempt (their warm ranks have loaded torch already);
-    `on_training` is called once the world trains (when the next attempt's standby may start), `on_formed`
-    as it forms.
+    `kept`: what the attempt before left linked (a restart that keeps the links): its port, its kept hosts'
+    links and agents; agents are started only for the other hosts. `on_formed` is called as the world forms.
     """
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
     # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
     # Hosts kept linked from the attempt before need none: their agents serve this attempt too.
     kept_agents = kept.agents if kept is not None else {}
     launch = [worker for worker in local if worker.host not in kept_agents]
-    if standby is not None:
-        for worker, agent in zip(local, standby, strict=True):
-            if worker.host in kept_agents:
-                agent.kill()  # its host's agent stayed: this standby (and its warm ranks) is not needed
-                await agent.wait()
-        standby = [agent for w, agent in zip(local, standby, strict=True) if w.host not in kept_agents]
-    agents = standby if standby is not None else await _spawn_agents(command, launch, rank_filter)
+    agents = await _spawn_agents(command, launch, rank_filter)
     filters: list[asyncio.Future[None]] = [
         asyncio.ensure_future(_filter_rank_output(agent.stdout, rank_filter))
         for agent in agents
@@ -167,8 +158,6 @@ async def _start_attempt(
             say(f"{phase.value}" + (f" — {reason}" if reason else ""))
             if phase.value in ("forming", "training") and on_formed is not None:
                 on_formed()
-            if phase.value == "training" and on_training is not None:
-                on_training()
 
         if kept is None:
             controller = api.assemble_controller(options, on_phase=on_phase)
@@ -234,7 +223,7 @@ class _Kept:
 
 class _RunShell:
     """What `api.RunSupervisor` decides, carried out for `fdl run`: the attempt's processes (controller,
-    local agents, the next attempt's standby), the supervisor's timers, and the events it is fed.
+    local agents), the supervisor's timers, and the events it is fed.
     One method per action kind (`RUN_ACTIONS`); the rules are all the supervisor's.
     """
 
@@ -254,9 +243,6 @@ class _RunShell:
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.attempt: _Attempt | None = None
         self.collecting: asyncio.Future[None] | None = None
-        # With restarts left, the next attempt's agents start once this one trains (not before: their warm
-        # ranks' imports would slow this attempt's start) and wait for their spec with torch loaded.
-        self.standby: asyncio.Future[list[asyncio.subprocess.Process]] | None = None
         self.earlier: list[Any] = []  # api.EarlierAttempt of each failed attempt (the next ones' state.json)
         self.exit_code: int | None = None
 
@@ -265,10 +251,6 @@ class _RunShell:
         if handler is None:
             raise AssertionError(f"fdl run has no handler for the supervisor's {action!r}")
         await handler(self, action)
-
-    def _arm_standby(self) -> None:
-        if self.standby is None:
-            self.standby = asyncio.ensure_future(_spawn_agents(self.command, self.local, self.rank_filter))
 
     async def _start(self, action: Any) -> None:  # noqa: ANN401  api.StartAttempt
         for timer in self.timers.values():
@@ -290,12 +272,10 @@ class _RunShell:
                 await old.close(keep=hosts)
             else:
                 await old.close()
-        ready, self.standby = (await self.standby if self.standby is not None else None), None
         self.attempt = await _start_attempt(
             self.command, self.cluster, self.local, self.overrides,
             restart_count=action.restart_count, max_restarts=action.max_restarts,
-            rank_filter=self.rank_filter, logs=self.logs, standby=ready,
-            on_training=self._arm_standby if action.restart_count < action.max_restarts else None,
+            rank_filter=self.rank_filter, logs=self.logs,
             on_formed=lambda: self.events.put_nowait(api.WorldFormed()), kept=kept,
         )  # fmt: skip
         if self.logs is not None and self.logs.run is None:  # the run's directory: its first attempt's id
@@ -334,15 +314,13 @@ class _RunShell:
         self.exit_code = int(action.exit_code)
 
     async def close(self) -> None:
-        """Nothing of the run is left: timers, the attempt's processes, an unused standby."""
+        """Nothing of the run is left: timers, the attempt's processes."""
         for timer in self.timers.values():
             timer.cancel()
         if self.collecting is not None:
             self.collecting.cancel()
         if self.attempt is not None:
             await self.attempt.close()
-        if self.standby is not None:  # never needed: they and their warm ranks go
-            await _kill_agents(await self.standby)
 
 
 RUN_ACTIONS: dict[str, Callable[[_RunShell, Any], Awaitable[None]]] = {

@@ -46,6 +46,10 @@ from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
 
+NEXT_WARM_DELAY_SECS = 3.0
+"""With restarts left, how long after its ranks started a kept-link agent starts the next attempt's warm
+ranks (not at once: their imports would slow this attempt's start)."""
+
 TAIL_DRAIN_SECS = 1.0
 """After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
 open would otherwise hold the report)."""
@@ -60,6 +64,8 @@ class AgentShell:
         self.devices = devices
         self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
         self.warm_count = len(warm) if warm is not None else 0  # re-armed for each attempt on a kept link
+        self.next_warm: asyncio.Task[WarmPool] | None = None  # the next attempt's, while this one trains
+        self.next_warm_now = asyncio.Event()  # a Reform came: start them now, not after the delay
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
@@ -99,6 +105,10 @@ class AgentShell:
         finally:
             if self.warm is not None:
                 await self.warm.close()
+            if self.next_warm is not None:
+                self.next_warm.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await (await self.next_warm).close()
 
     async def _serve_attempts(self, joined: Joined, hello: Hello) -> int:
         """Serve the formed world, and each next attempt this link is re-admitted to; the exit code."""
@@ -110,9 +120,11 @@ class AgentShell:
             # and relay are gone and reported, Stopped is sent; the next attempt re-admits it here.
             say(f"attempt stopped ({self.reform}); staying linked for the next attempt")
             self._reset()
-            if self.warm_count:  # the next attempt's ranks load torch while the run re-forms, as a standby's
+            if self.next_warm is not None:  # started while the attempt trained: torch is loaded (or loading)
+                self.next_warm_now.set()
                 with contextlib.suppress(OSError):
-                    self.warm = await WarmPool.start(self.warm_count, os.environ)
+                    self.warm = await self.next_warm
+                self.next_warm = None
             link = joined.stream
             try:
                 rejoined = await self._unless_stopping(rejoin(link, self.spec, hello))
@@ -167,7 +179,18 @@ class AgentShell:
                 await self.store_endpoint.close()
             await joined.stream.aclose()
             return ExitClass.TRANSIENT
+        if self.warm_count and envelope.restart_count < envelope.max_restarts:
+            self.next_warm_now = asyncio.Event()
+            self.next_warm = asyncio.ensure_future(self._warm_later())
         return await self._supervise(joined)
+
+    async def _warm_later(self) -> WarmPool:
+        """The next attempt's warm ranks, once this attempt's ranks had `NEXT_WARM_DELAY_SECS` to start (or at
+        once when a Reform comes first): a kept agent's next ranks then start with torch loaded.
+        """
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.next_warm_now.wait(), NEXT_WARM_DELAY_SECS)
+        return await WarmPool.start(self.warm_count, os.environ)
 
     def _mark_formed(self, run_id: str) -> None:
         """Tell the process that started this agent (`fdl join`) that a world formed, when it asked."""
@@ -475,8 +498,7 @@ def run_agent(spec: AgentSpec | None = None) -> int:
     """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent).
 
     Asked for warm ranks (`flodld.rank.warm.WARM_ENV`), it starts them before it reads its spec, so that
-    their `import torch` overlaps the wait for the spec (a standby agent of `fdl run --max-restarts`), the
-    join and the world's formation.
+    their `import torch` overlaps the wait for the spec, the join and the world's formation.
     """
     try:
         warm = warm_count(os.environ)

@@ -219,7 +219,7 @@ async def test_a_restart_keeps_the_linked_hosts_ssh_session_and_relaunches_only_
         server.close()
     assert code == 0, "\n".join(said + lines)
     second = agents(1)
-    assert second["remote-a"] == first["remote-a"], (first, second)  # the same agent, its link and session kept
+    assert second["remote-a"] == first["remote-a"], (first, second)  # the same agent: link and session kept
     assert second["remote-b"] != first["remote-b"], (first, second)  # relaunched over SSH
     assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
     await _wait_no_process(str(program))
