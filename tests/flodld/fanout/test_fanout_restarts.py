@@ -107,21 +107,18 @@ async def test_a_killed_remote_agent_is_relaunched_and_its_ranks_do_not_outlive_
     assert sum("attempt 1 of max 1 up" in line for line in lines) == 2
 
 
-# Rank 1 fails attempt 1 once the test says so (the file `go` exists); a later attempt ends at once.
+# Each rank prints its attempt, world size and agent (parent) PID; attempt 1's wait to be torn down.
 WAITING_PROGRAM = """\
 import os, sys, time
-from pathlib import Path
 import flodld
 
 
 def main():
     count, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     world = os.environ["WORLD_SIZE"]
-    print(f"rank {rank} attempt {count} world {world} up", flush=True)
+    print(f"rank {rank} attempt {count} world {world} agent {os.getppid()} up", flush=True)
     if count == 0:
-        while not Path(sys.argv[1]).exists():
-            time.sleep(0.05)
-        return 3 if rank == 1 else 0
+        time.sleep(600)
     return 0
 
 
@@ -136,7 +133,6 @@ async def test_a_roster_host_unreachable_at_a_restart_is_left_out_when_the_quoru
     servers = [await start_local_ssh_server(tmp_path, name) for name in ("srv-a", "srv-b")]
     program = tmp_path / "left_out.py"
     program.write_text(WAITING_PROGRAM)
-    go = tmp_path / "go"
     builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(
         join_timeout=3, min_rank_start=1, target_ranks=2
     )
@@ -146,14 +142,18 @@ async def test_a_roster_host_unreachable_at_a_restart_is_left_out_when_the_quoru
     lines: list[str] = []
     try:
         job = asyncio.ensure_future(run_cluster_job(
-            str(program), [str(go)], builder.build(), max_restarts=1, say=said.append,
+            str(program), [], builder.build(), max_restarts=1, say=said.append,
             on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
         ))  # fmt: skip
         end = time.monotonic() + 120
-        while sum("attempt 0 world 2 up" in line for line in lines) < 2 and time.monotonic() < end:
+        while sum("attempt 0 world 2 agent" in line for line in lines) < 2 and time.monotonic() < end:
             await asyncio.sleep(0.1)
-        servers[1].close()  # remote-b cannot be reached any more: the restart must go on without it
-        go.touch()
+        agent_b = next(
+            int(line.split(" agent ")[1].split()[0]) for line in lines
+            if line.startswith("remote-b ") and "attempt 0 world 2" in line
+        )
+        os.kill(agent_b, signal.SIGKILL)  # its agent dies: the attempt fails and remote-b must be relaunched,
+        servers[1].close()  # but it cannot be reached any more: the restart must go on without it
         code = await asyncio.wait_for(job, 150)
     finally:
         for server in servers:
@@ -161,7 +161,7 @@ async def test_a_roster_host_unreachable_at_a_restart_is_left_out_when_the_quoru
     assert code == 0, "\n".join(said + lines)
     assert any("host 'remote-b' left out of attempt 2" in line for line in said), said
     [second] = [line for line in lines if "attempt 1 world" in line]  # one rank, on remote-a, world of 1
-    assert second.startswith("remote-a ") and second.endswith("rank 0 attempt 1 world 1 up"), lines
+    assert second.startswith("remote-a ") and " rank 0 attempt 1 world 1 agent " in second, lines
     await _wait_no_process(str(program))
 
 
