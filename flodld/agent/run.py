@@ -46,10 +46,6 @@ from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
 
-NEXT_WARM_DELAY_SECS = 3.0
-"""With restarts left, how long after its ranks started a kept-link agent starts the next attempt's warm
-ranks (not at once: their imports would slow this attempt's start)."""
-
 TAIL_DRAIN_SECS = 1.0
 """After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
 open would otherwise hold the report)."""
@@ -65,7 +61,6 @@ class AgentShell:
         self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
         self.warm_count = len(warm) if warm is not None else 0  # re-armed for each attempt on a kept link
         self.next_warm: asyncio.Task[WarmPool] | None = None  # the next attempt's, while this one trains
-        self.next_warm_now = asyncio.Event()  # a Reform came: start them now, not after the delay
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
@@ -121,7 +116,6 @@ class AgentShell:
             say(f"attempt stopped ({self.reform}); staying linked for the next attempt")
             self._reset()
             if self.next_warm is not None:  # started while the attempt trained: torch is loaded (or loading)
-                self.next_warm_now.set()
                 with contextlib.suppress(OSError):
                     self.warm = await self.next_warm
                 self.next_warm = None
@@ -180,17 +174,11 @@ class AgentShell:
             await joined.stream.aclose()
             return ExitClass.TRANSIENT
         if self.warm_count and envelope.restart_count < envelope.max_restarts:
-            self.next_warm_now = asyncio.Event()
-            self.next_warm = asyncio.ensure_future(self._warm_later())
+            # The next attempt's warm ranks load torch while this one trains (its ranks are started: a warm
+            # rank's own import no longer competes with theirs), so a restart that keeps this link hands its
+            # ranks to processes that have torch loaded.
+            self.next_warm = asyncio.ensure_future(WarmPool.start(self.warm_count, os.environ))
         return await self._supervise(joined)
-
-    async def _warm_later(self) -> WarmPool:
-        """The next attempt's warm ranks, once this attempt's ranks had `NEXT_WARM_DELAY_SECS` to start (or at
-        once when a Reform comes first): a kept agent's next ranks then start with torch loaded.
-        """
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.next_warm_now.wait(), NEXT_WARM_DELAY_SECS)
-        return await WarmPool.start(self.warm_count, os.environ)
 
     def _mark_formed(self, run_id: str) -> None:
         """Tell the process that started this agent (`fdl join`) that a world formed, when it asked."""
