@@ -84,9 +84,9 @@ class KeptAgent(LeanAgent):
         for waiter in (self.told, self.reformed):
             if not waiter.done():
                 waiter.set_exception(ConnectionError(f"the controller closed a kept link ({exc!r})"))
-        for waiter in (self.accepted, self.formed, self.told, self.reformed):
-            if not waiter.cancelled():
-                waiter.exception()  # retrieved: a refused dial is retried, the links' end is the bench's own
+        for future in (self.accepted, self.formed, self.told, self.reformed):
+            if not future.cancelled():
+                future.exception()  # retrieved: a refused dial is retried, the links' end is the bench's own
 
 
 async def _formed_agent(key: bytes, host: str, port: int) -> tuple[KeptAgent, list[int], float]:

@@ -247,8 +247,9 @@ def test_an_interrupt_asks_for_abort_and_keeps_no_host() -> None:
     assert [a for a in actions if isinstance(a, StopAttempt)] == [
         StopAttempt("interrupted (fdl run)", keep_links=False)
     ]
-    actions = supervisor.handle(VerdictReached(False, "interrupted (fdl run)", kept=("a",)))
-    assert actions == [CollectAgents(COLLECT_TIMEOUT_S)]  # both collected: no attempt follows an interrupt
+    assert supervisor.handle(VerdictReached(False, "interrupted (fdl run)", kept=("a",))) == [
+        CollectAgents(COLLECT_TIMEOUT_S)
+    ]  # both collected: no attempt follows an interrupt
 
 
 def test_a_failure_stop_lets_the_controller_keep_the_links() -> None:
@@ -263,16 +264,15 @@ def test_a_host_unreachable_at_a_restart_is_left_out_and_named_when_the_attempt_
     actions = drive(supervisor, [FORMED, VerdictReached(False, "rank 1 failed"), AgentExited("a", 1),
                                  AgentExited("b", 1)])  # fmt: skip
     assert starts(actions) == [0, 1]
-    actions = supervisor.handle(HostLost("b", refused))
-    assert not [a for a in actions if isinstance(a, StopAttempt)], actions  # the window decides, not the loss
-    assert [a.message for a in actions if isinstance(a, Say)] == [
+    lost = supervisor.handle(HostLost("b", refused))
+    assert not [a for a in lost if isinstance(a, StopAttempt)], lost  # the window decides, not the loss
+    assert [a.message for a in lost if isinstance(a, Say)] == [
         f"{refused}; host 'b' left out of attempt 2 (the world forms without it if the quorum allows)"
     ]
     assert supervisor.attempt.left_out == {"b": refused}
     # below quorum at the window's cap: the attempt fails, the left-out host named in its cause
     capped = "quorum not met: 1 of 2 ranks joined after 20s hard cap"
-    actions = supervisor.handle(VerdictReached(False, capped))
-    assert actions[-1] == CollectAgents(COLLECT_TIMEOUT_S)
+    assert supervisor.handle(VerdictReached(False, capped))[-1] == CollectAgents(COLLECT_TIMEOUT_S)
     supervisor.handle(AgentExited("a", 1))
     assert supervisor.attempts[1].cause == (
         f"quorum not met: 1 of 2 ranks joined after 20s hard cap (left out: host 'b': {refused})"
@@ -283,7 +283,8 @@ def test_a_host_unreachable_at_a_restart_with_quorum_lets_the_world_form_without
     supervisor = RunSupervisor(["a", "b"], max_restarts=1)
     drive(supervisor, [FORMED, VerdictReached(False, "x"), AgentExited("a", 1), AgentExited("b", 1)])
     supervisor.handle(HostLost("b", "fan-out to host 'b': refused"))
-    actions = [*supervisor.handle(FORMED), *supervisor.handle(DONE), *supervisor.handle(AgentExited("a", 0))]
+    actions: list[object] = [*supervisor.handle(FORMED), *supervisor.handle(DONE)]
+    actions += supervisor.handle(AgentExited("a", 0))
     assert finish(actions).exit_code == 0
 
 
