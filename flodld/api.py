@@ -75,6 +75,7 @@ if TYPE_CHECKING:
         TimerExpired,
         VerdictReached,
         WorldFormed,
+        keeps_links,
         verdict_event,
     )
     from flodld.membership.switch import start_credential
@@ -138,6 +139,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "TimerExpired",
         "VerdictReached",
         "WorldFormed",
+        "keeps_links",
         "verdict_event",
     ),
     "flodld.membership.rootcause": ("root_cause_lines",),
@@ -204,6 +206,7 @@ __all__ = [
     "derive_policy",
     "drive_run",
     "encode_spec",
+    "keeps_links",
     "load_config",
     "load_config_file",
     "load_text",

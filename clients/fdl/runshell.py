@@ -44,7 +44,8 @@ class _Attempt:
         async def verdict() -> None:
             result = await self.controller.wait()
             cause = result.root_cause.model_dump() if result.root_cause is not None else None
-            events.put_nowait(api.verdict_event(result.ok, result.reason, cause))
+            kept = tuple(self.controller.kept)  # hosts that answered Reform: linked, for the next attempt
+            events.put_nowait(api.verdict_event(result.ok, result.reason, cause, kept))
 
         self.tasks = [asyncio.ensure_future(agent_exit(h, a)) for h, a in self.agents.items()]
         self.tasks.append(asyncio.ensure_future(verdict()))
@@ -58,12 +59,13 @@ class _Attempt:
                 except TimeoutError:
                     agent.kill()
 
-    async def close(self, *, linger: bool = False) -> None:
+    async def close(self, *, linger: bool = False, keep: frozenset[str] = frozenset()) -> None:
         """Nothing of this attempt is left: agents killed if still there, controller closed (after a
-        moment for a `fdl status --watch` that polled it to see the verdict, with `linger`).
+        moment for a `fdl status --watch` that polled it to see the verdict, with `linger`). `keep`: hosts
+        whose agents stay linked for the next attempt (a restart that keeps the links), left running.
         """
-        for agent in self.agents.values():
-            if agent.returncode is None:
+        for host, agent in self.agents.items():
+            if agent.returncode is None and host not in keep:
                 agent.kill()
                 await agent.wait()
         for task in self.tasks:
@@ -72,7 +74,7 @@ class _Attempt:
         if linger:
             await self.controller.linger_for_readers()
         await self.controller.close()
-        if self.filters:
+        if self.filters and not keep:
             await asyncio.gather(*self.filters)  # the agents are gone: their pipes are at EOF
 
 
@@ -127,20 +129,21 @@ async def _start_attempt(
     max_restarts: int,
     rank_filter: frozenset[int] | None,
     logs: api.RankLogSpec | None = None,
-    standby: list[asyncio.subprocess.Process] | None = None,
-    on_training: Callable[[], None] | None = None,
     on_formed: Callable[[], None] | None = None,
+    kept: _Kept | None = None,
 ) -> _Attempt:
     """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it.
 
-    `standby`: agents started ahead for this attempt (their warm ranks have loaded torch already);
-    `on_training` is called once the world trains (when the next attempt's standby may start), `on_formed`
-    as it forms.
+    `kept`: what the attempt before left linked (a restart that keeps the links): its port, its kept hosts'
+    links and agents; agents are started only for the other hosts. `on_formed` is called as the world forms.
     """
     # The agents start first, their spec to follow on stdin: their imports overlap the controller's start.
     # The agent is flodld's own process; the program starts only as its ranks (a stock torchrun script works).
-    agents = standby if standby is not None else await _spawn_agents(command, local, rank_filter)
-    filters = [
+    # Hosts kept linked from the attempt before need none: their agents serve this attempt too.
+    kept_agents = kept.agents if kept is not None else {}
+    launch = [worker for worker in local if worker.host not in kept_agents]
+    agents = await _spawn_agents(command, launch, rank_filter)
+    filters: list[asyncio.Future[None]] = [
         asyncio.ensure_future(_filter_rank_output(agent.stdout, rank_filter))
         for agent in agents
         if rank_filter is not None and agent.stdout is not None
@@ -155,23 +158,30 @@ async def _start_attempt(
             say(f"{phase.value}" + (f" — {reason}" if reason else ""))
             if phase.value in ("forming", "training") and on_formed is not None:
                 on_formed()
-            if phase.value == "training" and on_training is not None:
-                on_training()
 
-        controller = api.assemble_controller(options, on_phase=on_phase)
-        _, bound_port = await controller.start()
+        if kept is None:
+            controller = api.assemble_controller(options, on_phase=on_phase)
+            _, bound_port = await controller.start()
+        else:  # the port the attempt before released, its kept links still on it
+            controller = api.assemble_controller(
+                options, on_phase=on_phase, mux=kept.mux, address=kept.address
+            )
+            _, bound_port = await controller.start()
+            await controller.take_over_port()
+            controller.adopt(kept.links)  # the re-formation window: the kept hosts are re-admitted at once
+        controller.keep_links = api.keeps_links(restart_count, max_restarts)
     except BaseException:
         await _kill_agents(agents)  # never told what to join: they go without a word
         raise
     say(
         f"controller on 127.0.0.1:{bound_port} (run {controller.run_id}); join window open for "
-        f"{options.capacity} rank(s); starting {len(local)} local agent(s)"
+        f"{options.capacity} rank(s); starting {len(launch)} local agent(s)"
     )
     pre_shared = controller.join_key != api.OPEN_ADMISSION_KEY
     if logs is not None:
         logs = logs.model_copy(update={"run": logs.run or controller.run_id})
         say(f"rank logs under {api.attempt_dir(logs.dir, logs.run or '', restart_count)}")
-    for worker, agent in zip(local, agents, strict=True):
+    for worker, agent in zip(launch, agents, strict=True):
         spec = api.AgentSpec(
             host=worker.host,
             controller_host="127.0.0.1",
@@ -189,13 +199,31 @@ async def _start_attempt(
         with contextlib.suppress(ConnectionError):  # an agent that already died is reported below
             await agent.stdin.drain()
         agent.stdin.close()
-    hosts = {worker.host: agent for worker, agent in zip(local, agents, strict=True)}
+    hosts = {**kept_agents, **{worker.host: agent for worker, agent in zip(launch, agents, strict=True)}}
+    if kept is not None:
+        filters = [*kept.filters, *filters]  # the kept agents' output copies go on
     return _Attempt(controller, hosts, filters)
+
+
+class _Kept:
+    """What a restart that keeps the links carries to the next attempt: the released port (mux and address),
+    the links of the hosts that answered Reform, their agents and their output copies.
+    """
+
+    def __init__(
+        self,
+        mux: Any,  # noqa: ANN401  the controller's PortMux
+        address: tuple[str, int],
+        links: list[Any],
+        agents: dict[str, asyncio.subprocess.Process],
+        filters: Sequence[asyncio.Future[None]],
+    ) -> None:
+        self.mux, self.address, self.links, self.agents, self.filters = mux, address, links, agents, filters
 
 
 class _RunShell:
     """What `api.RunSupervisor` decides, carried out for `fdl run`: the attempt's processes (controller,
-    local agents, the next attempt's standby), the supervisor's timers, and the events it is fed.
+    local agents), the supervisor's timers, and the events it is fed.
     One method per action kind (`RUN_ACTIONS`); the rules are all the supervisor's.
     """
 
@@ -215,9 +243,6 @@ class _RunShell:
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.attempt: _Attempt | None = None
         self.collecting: asyncio.Future[None] | None = None
-        # With restarts left, the next attempt's agents start once this one trains (not before: their warm
-        # ranks' imports would slow this attempt's start) and wait for their spec with torch loaded.
-        self.standby: asyncio.Future[list[asyncio.subprocess.Process]] | None = None
         self.earlier: list[Any] = []  # api.EarlierAttempt of each failed attempt (the next ones' state.json)
         self.exit_code: int | None = None
 
@@ -227,27 +252,31 @@ class _RunShell:
             raise AssertionError(f"fdl run has no handler for the supervisor's {action!r}")
         await handler(self, action)
 
-    def _arm_standby(self) -> None:
-        if self.standby is None:
-            self.standby = asyncio.ensure_future(_spawn_agents(self.command, self.local, self.rank_filter))
-
     async def _start(self, action: Any) -> None:  # noqa: ANN401  api.StartAttempt
         for timer in self.timers.values():
             timer.cancel()
         self.timers.clear()
+        kept: _Kept | None = None
         if self.attempt is not None:
             if self.attempt.controller.result is not None:  # state.json's attempt.earlier
                 record = self.attempt.controller.run_record()
                 self.earlier.append(api.EarlierAttempt.of(record, action.restart_count))
                 self.overrides["earlier_attempts"] = tuple(self.earlier)
-            await self.attempt.close()
-        ready, self.standby = (await self.standby if self.standby is not None else None), None
+            old = self.attempt
+            links = [link for link in old.controller.take_kept_links() if link.host in action.kept]
+            if links:  # the hosts stay linked: the port stays up for the next attempt's window
+                mux, address = await old.controller.release_port()
+                hosts = frozenset(link.host for link in links)
+                agents = {host: agent for host, agent in old.agents.items() if host in hosts}
+                kept = _Kept(mux, address, links, agents, old.filters)
+                await old.close(keep=hosts)
+            else:
+                await old.close()
         self.attempt = await _start_attempt(
             self.command, self.cluster, self.local, self.overrides,
             restart_count=action.restart_count, max_restarts=action.max_restarts,
-            rank_filter=self.rank_filter, logs=self.logs, standby=ready,
-            on_training=self._arm_standby if action.restart_count < action.max_restarts else None,
-            on_formed=lambda: self.events.put_nowait(api.WorldFormed()),
+            rank_filter=self.rank_filter, logs=self.logs,
+            on_formed=lambda: self.events.put_nowait(api.WorldFormed()), kept=kept,
         )  # fmt: skip
         if self.logs is not None and self.logs.run is None:  # the run's directory: its first attempt's id
             self.logs = self.logs.model_copy(update={"run": self.attempt.controller.run_id})
@@ -255,7 +284,13 @@ class _RunShell:
 
     async def _stop(self, action: Any) -> None:  # noqa: ANN401  api.StopAttempt
         assert self.attempt is not None
-        await self.attempt.controller.stop(action.reason)
+        controller = self.attempt.controller
+        if not action.keep_links:  # an interrupt: Abort the hosts, never Reform
+            controller.keep_links = False
+        if controller.keep_links:  # the verdict comes through watch(); the port must outlive this attempt
+            controller.abort(action.reason)
+            return
+        await controller.stop(action.reason)
 
     async def _arm_timer(self, action: Any) -> None:  # noqa: ANN401  api.ArmTimer
         if action.name in self.timers:
@@ -279,15 +314,13 @@ class _RunShell:
         self.exit_code = int(action.exit_code)
 
     async def close(self) -> None:
-        """Nothing of the run is left: timers, the attempt's processes, an unused standby."""
+        """Nothing of the run is left: timers, the attempt's processes."""
         for timer in self.timers.values():
             timer.cancel()
         if self.collecting is not None:
             self.collecting.cancel()
         if self.attempt is not None:
             await self.attempt.close()
-        if self.standby is not None:  # never needed: they and their warm ranks go
-            await _kill_agents(await self.standby)
 
 
 RUN_ACTIONS: dict[str, Callable[[_RunShell, Any], Awaitable[None]]] = {

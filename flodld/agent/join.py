@@ -28,8 +28,10 @@ from flodld.wire.join import (
     Abort,
     Accept,
     Hello,
+    Reform,
     Reject,
     RelaySpec,
+    Stopped,
     WorldEnvelope,
     WorldFormed,
 )
@@ -39,6 +41,7 @@ from flodld.wire.salt import OPEN_ADMISSION_KEY, salt_from_hex
 PROTOCOL_VERSION = JOIN_PROTOCOL_VERSION  # the join messages' version (flodld.wire.join), not the frames'
 REPLY_TIMEOUT_SECS = 30.0
 FORMATION_WAIT_MARGIN_SECS = 30.0
+REFORMATION_WAIT_SECS = 7 * 86400.0  # a kept host waits for the next attempt while its link lives
 
 # Reject codes that no amount of re-dialing fixes: this box's build or config is incompatible.
 PERMANENT_REJECT_CODES = frozenset({
@@ -246,6 +249,9 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
             stream.rekey(salt)
         wait = reply.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
         formed = await _receive(stream, wait, where, pre_shared, before_reply=False)
+        if isinstance(formed, Reform):  # it failed before it formed and the run restarts: stay linked
+            await stream.send(Stopped())
+            return await rejoin(stream, spec, hello)
         if isinstance(formed, Abort):
             raise JoinFailed(
                 f"controller {where} aborted the run before it formed: {formed.reason}", ExitClass.TRANSIENT
@@ -297,3 +303,53 @@ async def _receive(
         raise JoinFailed(f"controller {where}: {what} within {timeout:g}s", ExitClass.TRANSIENT) from None
     except (WireError, OSError) as error:
         raise JoinFailed(f"join link to {where} failed: {error}", ExitClass.TRANSIENT) from None
+
+
+async def rejoin(stream: FramedStream, spec: AgentSpec, hello: Hello) -> Joined:
+    """After a `Reform` (answered with `Stopped`): wait on the same link for the next attempt's `Accept`
+    (its salt, under this attempt's keys; both sides rekey to it) and `WorldFormed` (docs/restarts.md).
+    Raises JoinFailed when the controller ends the host instead (Abort, Reject, the link closed).
+    """
+    where = f"{spec.controller_host}:{spec.controller_port}"
+    try:
+        while True:
+            reply = await _receive(stream, REFORMATION_WAIT_SECS, where, True, before_reply=False)
+            if isinstance(reply, Abort):
+                raise JoinFailed(f"controller {where} ended the run: {reply.reason}", ExitClass.TRANSIENT)
+            if isinstance(reply, Reject):
+                permanent = reply.code in PERMANENT_REJECT_CODES
+                raise JoinFailed(
+                    f"controller {where} did not re-admit host {spec.host!r} [{reply.code}]: {reply.reason}",
+                    ExitClass.PERMANENT if permanent else ExitClass.TRANSIENT,
+                )
+            if not isinstance(reply, Accept) or reply.salt_hex is None:
+                raise JoinFailed(
+                    f"controller {where} answered Stopped with {type(reply).__name__}, not an Accept "
+                    "carrying the next attempt's salt — protocol violation",
+                    ExitClass.PERMANENT,
+                )
+            salt = salt_from_hex(reply.salt_hex)
+            stream.rekey(salt)
+            wait = reply.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
+            formed = await _receive(stream, wait, where, True, before_reply=False)
+            if isinstance(formed, Reform):  # that attempt failed before it formed, and another follows
+                await stream.send(Stopped())
+                continue
+            if isinstance(formed, Abort):
+                raise JoinFailed(
+                    f"controller {where} aborted the run before it formed: {formed.reason}",
+                    ExitClass.TRANSIENT,
+                )
+            if not isinstance(formed, WorldFormed) or len(formed.envelope.ranks) != len(hello.devices):
+                raise JoinFailed(
+                    f"expected a WorldFormed for {len(hello.devices)} rank(s), got {type(formed).__name__} — "
+                    "protocol violation",
+                    ExitClass.PERMANENT,
+                )
+            break
+    except BaseException:
+        stream.close()
+        raise
+    return Joined(
+        stream, reply, rewrite_controller_address(formed, spec.controller_host, spec.controller_port), salt
+    )

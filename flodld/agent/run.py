@@ -20,7 +20,7 @@ from typing import TypeVar, assert_never
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
 from flodld.agent.children import Child, exit_report, forward_output, say
-from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world
+from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world, rejoin
 from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
 from flodld.agent.spawn import (
     bind_relay_listener,
@@ -41,7 +41,7 @@ from flodld.rank.env import STACK_DUMP_SIGNAL
 from flodld.rank.warm import WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
-from flodld.wire.join import Abort, KillRank
+from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
@@ -59,6 +59,8 @@ class AgentShell:
         self.spec = spec
         self.devices = devices
         self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
+        self.warm_count = len(warm) if warm is not None else 0  # re-armed for each attempt on a kept link
+        self.next_warm: asyncio.Task[WarmPool] | None = None  # the next attempt's, while this one trains
         self.events: asyncio.Queue[sv.Event] = asyncio.Queue()
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
@@ -72,6 +74,7 @@ class AgentShell:
         self.forwarder_of: dict[int, asyncio.Future[None]] = {}  # by child (id), to drain a tail
         self.scrub = Scrubber()
         self.error_dir: str | None = None  # the ranks' error files (removed when the agent is done)
+        self.reform: str | None = None  # a Reform's reason: this attempt ends, the link stays for the next
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -84,15 +87,64 @@ class AgentShell:
             f"{'pre-shared salt' if self.spec.salt_hex else 'open'})"
         )
         try:
-            joined = await self._unless_stopping(
-                join_world(self.spec, build_hello(self.spec, self.devices), warn=say)
-            )
+            hello = build_hello(self.spec, self.devices)
+            joined = await self._unless_stopping(join_world(self.spec, hello, warn=say))
         except JoinFailed as failure:
             say(str(failure))
             return failure.exit_class
         if joined is None:  # before formation only a signal stops the host; its event is the queue's first
             say(f"interrupted before the world formed ({self.events.get_nowait()})")
             return ExitClass.TRANSIENT
+        try:
+            return await self._serve_attempts(joined, hello)
+        finally:
+            if self.warm is not None:
+                await self.warm.close()
+            if self.next_warm is not None:
+                self.next_warm.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await (await self.next_warm).close()
+
+    async def _serve_attempts(self, joined: Joined, hello: Hello) -> int:
+        """Serve the formed world, and each next attempt this link is re-admitted to; the exit code."""
+        while True:
+            code = await self._serve_attempt(joined)
+            if self.reform is None:
+                return code
+            # The attempt failed and the run restarts keeping this link (docs/restarts.md): this host's ranks
+            # and relay are gone and reported, Stopped is sent; the next attempt re-admits it here.
+            say(f"attempt stopped ({self.reform}); staying linked for the next attempt")
+            self._reset()
+            if self.next_warm is not None:  # started while the attempt trained: torch is loaded (or loading)
+                with contextlib.suppress(OSError):
+                    self.warm = await self.next_warm
+                self.next_warm = None
+            link = joined.stream
+            try:
+                rejoined = await self._unless_stopping(rejoin(link, self.spec, hello))
+            except JoinFailed as failure:
+                say(str(failure))
+                return failure.exit_class
+            if rejoined is None:
+                link.close()
+                say(f"interrupted while waiting for the next attempt ({self.events.get_nowait()})")
+                return ExitClass.TRANSIENT
+            joined = rejoined
+
+    def _reset(self) -> None:
+        """A fresh slate for the next attempt on the same link: no children, events or teardown left over."""
+        self.events = asyncio.Queue()
+        self.stopping = asyncio.Event()
+        self.reader = None
+        self.reform = None
+        self.children, self.forwarders, self.watchers, self.sinks = [], [], [], []
+        self.forwarder_of = {}
+        self.store_endpoint = None
+        self.error_dir = None
+        self.scrub = Scrubber()
+
+    async def _serve_attempt(self, joined: Joined) -> int:
+        """One formed world: spawn this host's relay and ranks, supervise them, report; the exit code."""
         envelope = joined.formed.envelope
         say(
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
@@ -121,6 +173,11 @@ class AgentShell:
                 await self.store_endpoint.close()
             await joined.stream.aclose()
             return ExitClass.TRANSIENT
+        if self.warm_count and envelope.restart_count < envelope.max_restarts:
+            # The next attempt's warm ranks load torch while this one trains (its ranks are started: a warm
+            # rank's own import no longer competes with theirs), so a restart that keeps this link hands its
+            # ranks to processes that have torch loaded.
+            self.next_warm = asyncio.ensure_future(WarmPool.start(self.warm_count, os.environ))
         return await self._supervise(joined)
 
     def _mark_formed(self, run_id: str) -> None:
@@ -212,6 +269,7 @@ class AgentShell:
             self._adopt(child, f"[{host}:{device}:r{rank}] ", sink)
         if self.warm is not None:
             await self.warm.close()  # the ones not needed go now
+            self.warm = None  # a later attempt on this link starts its ranks cold
 
     def _open_sinks(self, run_id: str, attempt: int, ranks: list[int]) -> list[RankLogSink]:
         """Each rank's log files under this host's own log directory (never one the controller names: the
@@ -320,6 +378,10 @@ class AgentShell:
                 message = (await joined.stream.recv()).message()
                 if isinstance(message, Abort):
                     self._post(sv.AbortReceived(message.reason))
+                elif isinstance(message, Reform):  # torn down as at an Abort, then Stopped instead of a close
+                    self.reform = message.reason
+                    self._post(sv.AbortReceived(message.reason))
+                    return  # nothing more comes before our Stopped: the next attempt's Accept is rejoin()'s
                 elif isinstance(message, KillRank):
                     self._post(sv.RankDeclaredDead(message.rank, message.reason))
         except EOFError:
@@ -336,6 +398,7 @@ class AgentShell:
             tolerance=relay.tolerance if relay is not None else 0,
         )
         reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
+        self.reader = reader
         timers: list[asyncio.TimerHandle] = []  # the grace period, the stack dumps' graces
         actions = supervisor.start()
         try:
@@ -391,6 +454,9 @@ class AgentShell:
             case sv.KillOne(rank):
                 say(f"killing rank {rank} (declared dead)")
                 self._signal(lambda child: child.rank == rank, signal.SIGKILL)
+            case sv.CloseLink() if self.reform is not None:
+                with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
+                    await joined.stream.send(Stopped())
             case sv.CloseLink():
                 await joined.stream.aclose()
             case sv.Finish(exit_code, summary):
@@ -422,8 +488,7 @@ def run_agent(spec: AgentSpec | None = None) -> int:
     """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent).
 
     Asked for warm ranks (`flodld.rank.warm.WARM_ENV`), it starts them before it reads its spec, so that
-    their `import torch` overlaps the wait for the spec (a standby agent of `fdl run --max-restarts`), the
-    join and the world's formation.
+    their `import torch` overlaps the wait for the spec, the join and the world's formation.
     """
     try:
         warm = warm_count(os.environ)

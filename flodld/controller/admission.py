@@ -45,8 +45,13 @@ class Admissions:
             detail=lambda: f"peer={peer} code={code}",
         )
 
-    def admit(self, hello: Hello, link: HostLink) -> Accept | Reject:
-        """Decide a hello and, on admission, queue the Accept on the link in the same step."""
+    def admit(self, hello: Hello, link: HostLink, *, kept: bool = False) -> Accept | Reject:
+        """Decide a hello and, on admission, queue the Accept on the link in the same step.
+
+        `kept`: a host linked since an earlier attempt (docs/restarts.md), re-admitted with the hello it
+        first sent: its Accept carries this attempt's salt (under the earlier attempt's keys, which it holds)
+        and the link is rekeyed to it, under either trust mode.
+        """
         window = self.run.window
         if window is None:
             self.refuse(link.peer, "window_not_open", "the join window is not open yet")
@@ -72,7 +77,7 @@ class Admissions:
         open_admission = self.run.policy.trust is TrustMode.OPEN
         accept = Accept(
             ranks=list(outcome.ranks),
-            salt_hex=self.run.salt_hex if open_admission else None,
+            salt_hex=self.run.salt_hex if open_admission or kept else None,
             formation_wait_secs=window.formation_wait_secs(now),
             run_id=self.run.run_id,
         )
@@ -81,7 +86,7 @@ class Admissions:
         )
         link.stream.send_nowait(accept)
         self.run.counters.frame_out(JOIN_CHANNEL, 0)
-        if open_admission:
+        if open_admission or kept:
             link.stream.rekey(self.run.salt)
         self.run.links[hello.host] = link
         joined = window.ledger.joined_ranks

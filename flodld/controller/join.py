@@ -30,7 +30,7 @@ from flodld.net.turns import join_turns
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Closed, Frame, FrameConnection, NeedData, Role
 from flodld.wire.handlers import HandlerTable
-from flodld.wire.join import Accept, Hello, RankExited, Reject
+from flodld.wire.join import Accept, Hello, RankExited, Reject, Stopped
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
@@ -72,6 +72,8 @@ class HostLink:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     host_key: bytes = b""
     """Derived at admission (`flodld.wire.hostkey`): what the host's relay must prove on DATA/CONTROL."""
+    hello: Hello | None = None
+    """The hello it was admitted with: what re-admits it, unchanged, into the next attempt (`Reform`)."""
 
 
 class JoinRun(Protocol):
@@ -119,6 +121,9 @@ class JoinRun(Protocol):
         Cleanly (`lost=False`: the host closed it) or not (reset, bad frame, failed write).
         """
 
+    def host_stopped(self, link: HostLink) -> None:
+        """After a `Reform`: the host's ranks are gone and it waits on the link for the next attempt."""
+
 
 REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link report")
 """What an admitted host may send up its join link; any other kind is logged and ignored."""
@@ -127,6 +132,11 @@ REPORTS: HandlerTable[[JoinRun, HostLink], None] = HandlerTable("join-link repor
 @REPORTS.handles(RankExited)
 def _rank_exited(message: RankExited, controller: JoinRun, link: HostLink) -> None:
     controller.rank_exited(link, message.rank, message.code, message)
+
+
+@REPORTS.handles(Stopped)
+def _stopped(message: Stopped, controller: JoinRun, link: HostLink) -> None:
+    controller.host_stopped(link)
 
 
 JoinPort = ShellPort
@@ -349,7 +359,7 @@ class JoinProtocol(GatedProtocol):
                 f"the first join-channel message must be Hello, got {type(hello).__name__}",
             )
             return
-        link = HostLink(hello.host, self, self._peer, self.local_address)
+        link = HostLink(hello.host, self, self._peer, self.local_address, hello=hello)
         accepted = run.admit(hello, link)
         if isinstance(accepted, Reject):
             self._send_and_close(accepted)
@@ -424,6 +434,17 @@ class JoinProtocol(GatedProtocol):
         self.cancel_deadline()
 
     # --- the link --------------------------------------------------------------------------------
+
+    def hand_over(self, run: JoinRun) -> HostLink | None:
+        """A linked host kept across a restart goes to the next attempt's run: its reports and its end are
+        that run's from now on, on a fresh `HostLink` (same host, hello and peer); None if the link ended.
+        """
+        old = self._link
+        if old is None or self._state is not JoinState.LINKED or old.hello is None:
+            return None
+        self._run = run
+        self._link = HostLink(old.host, self, old.peer, old.local_address, hello=old.hello)
+        return self._link
 
     def _pump_link(self) -> None:
         conn, link = self._conn, self._link

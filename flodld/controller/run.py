@@ -34,7 +34,7 @@ from typing import Any
 
 from flodld.config.models import ClusterConfig
 from flodld.controller.admission import Admissions
-from flodld.controller.join import HostLink
+from flodld.controller.join import HostLink, JoinProtocol
 from flodld.controller.losses import RankLosses
 from flodld.controller.metrics import ControllerCounters, RunMetrics
 from flodld.controller.mux import ChannelHandler, PortMux
@@ -117,6 +117,13 @@ class Controller:
         self.window: JoinWindow | None = None
         self.address: tuple[str, int] | None = None
         self.links: dict[str, HostLink] = {}
+        # Restarts that keep the join links (docs/restarts.md): with `keep_links` a failure sends Reform
+        # instead of Abort, and the hosts that answer Stopped wait in `kept` for the next attempt
+        # (`take_kept_links`).
+        self.keep_links = False
+        self.kept: dict[str, HostLink] = {}
+        self._reforming: set[str] = set()
+        self._reform_progress = asyncio.Event()  # set at each Stopped: the Reform wait looks again
         self._driver: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._result: RunResult | None = None
@@ -211,6 +218,49 @@ class Controller:
         log.info("event=ranks_entered ranks=%s round=%d", list(ranks), in_round)
         if self.window is not None:
             self.window.entered(ranks, in_round)
+
+    def host_stopped(self, link: HostLink) -> None:
+        """A host answered this attempt's Reform: off this run's links, kept for the next attempt."""
+        if link.host not in self._reforming or self.links.get(link.host) is not link:
+            return
+        self._reforming.discard(link.host)
+        del self.links[link.host]
+        self.kept[link.host] = link
+        log.info("event=host_kept host=%s peer=%s", link.host, link.peer)
+        self._reform_progress.set()
+
+    # --- restarts that keep the links ------------------------------------------------------------
+
+    def take_kept_links(self) -> list[HostLink]:
+        """The hosts still linked after this failed attempt's Reform (theirs to hand to the next attempt's
+        `adopt`, or to close); this run forgets them.
+        """
+        kept = [link for link in self.kept.values() if not link.closed.is_set()]
+        self.kept.clear()
+        return kept
+
+    def adopt(self, links: list[HostLink]) -> list[str]:
+        """Re-admit hosts kept linked from the attempt before into this attempt's window, at once, with the
+        hellos they first sent; the hosts re-admitted (a link that ended meanwhile, or a host the window
+        refuses now, is closed and left out).
+        """
+        assert self.window is not None, "adopt() after start(): the window must be open"
+        admitted: list[str] = []
+        for old in links:
+            stream = old.stream
+            link = stream.hand_over(self) if isinstance(stream, JoinProtocol) else None
+            if link is None or link.hello is None:
+                old.stream.close()
+                continue
+            outcome = self.admissions.admit(link.hello, link, kept=True)
+            if isinstance(outcome, Reject):
+                with contextlib.suppress(ConnectionError, OSError):
+                    stream.send_nowait(outcome)
+                stream.close()
+                continue
+            admitted.append(link.host)
+        log.info("event=hosts_readmitted hosts=%d of=%d", len(admitted), len(links))
+        return admitted
 
     # --- the data plane's calls (RankLosses) ----------------------------------------------------
 
@@ -322,6 +372,26 @@ class Controller:
                 await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
         await self.port.close()
 
+    async def release_port(self) -> tuple[PortMux, tuple[str, int]]:
+        """Close this run but keep its port listening, the kept links on it, for the next attempt's
+        Controller (`Controller(options, mux=..., address=...)`, then `take_over_port()`); returns the mux
+        and the address.
+        """
+        assert self.address is not None, "release_port() after start()"
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+        for task in list(self._background):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
+        await self.port.release()
+        return self.mux, self.address
+
+    async def take_over_port(self) -> None:
+        """This run owns the port `release_port()` lent it: it serves HTTP, and closes the port at close()."""
+        await self.port.take_over()
+
     # --- the window ----------------------------------------------------------------------------
 
     def _open_window(self) -> None:
@@ -420,7 +490,12 @@ class Controller:
 
     async def _finish(self, phase: Phase, reason: str) -> None:
         links = [link for link in self.links.values() if not link.closed.is_set()]
-        if phase is Phase.FAILED:
+        if phase is Phase.FAILED and self.keep_links:
+            log.error("event=run_failed reason=%r hosts_reformed=%d", reason, len(links))
+            self._reforming = {link.host for link in links}
+            await self.shipper.reform(links, reason, self._reform_progress)
+            self._reforming.clear()
+        elif phase is Phase.FAILED:
             log.error("event=run_failed reason=%r hosts_aborted=%d", reason, len(links))
             await self.shipper.abort(links, reason)
         else:

@@ -115,6 +115,9 @@ class ShipperRun(RunCore, Protocol):
     @property
     def tolerance(self) -> int: ...
 
+    @property
+    def kept(self) -> dict[str, HostLink]: ...  # hosts that answered this attempt's Reform (restarts)
+
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None: ...
 
     def abort(self, reason: str) -> None: ...

@@ -94,6 +94,7 @@ class RunPort:
         self._bound = bound
         self._channels: set[Channel] = set()  # on the mux for this run; taken off at close()
         self._runner: web.AppRunner | None = None
+        self._owns = not borrowed  # closes the mux at close(): bound here, or taken over (`take_over`)
 
     def policy_for(self, bound_address: str | None) -> WindowPolicy:
         options = self.run.options
@@ -191,11 +192,35 @@ class RunPort:
             if remaining > 0:
                 await asyncio.sleep(remaining)
 
+    async def release(self) -> None:
+        """Hand the port on (a restart that keeps the links, docs/restarts.md): this run's handlers and HTTP
+        app come off the mux and its remaining join links are closed, but the port keeps listening; the next
+        run borrows the mux and `take_over`s it.
+        """
+        for channel in sorted(self._channels):
+            self.run.mux.unregister(channel)
+        self._channels.clear()
+        for link in list(self.run.links.values()):
+            link.stream.close()
+        if self._runner is not None:
+            self.run.mux.set_http(None)
+            await self._runner.cleanup()
+            self._runner = None
+        self._owns = False
+
+    async def take_over(self) -> None:
+        """A run on a port released by the run before it: serve HTTP from this run and close the port at
+        `close()`, as if bound here.
+        """
+        if self._runner is None:
+            self._runner = await serve_http(self.run, self.run.mux, self.run.counters)
+        self._owns = True
+
     async def close(self) -> None:
         """Stop listening and end every connection (HTTP included). On a borrowed port: take this run's
         handlers off the mux and close its remaining join links; the port and the mux stay up.
         """
-        if self._borrowed:
+        if not self._owns:
             for channel in sorted(self._channels):
                 self.run.mux.unregister(channel)
             self._channels.clear()

@@ -29,6 +29,7 @@ from aiohttp import web
 from flodld.controller.dataplane import attach_data_plane
 from flodld.controller.historyfile import HistoryFile
 from flodld.controller.http import NO_STATE
+from flodld.controller.join import HostLink
 from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux
 from flodld.controller.options import ControllerOptions
@@ -41,7 +42,7 @@ from flodld.controller.source import HttpAnswer
 from flodld.membership.history import record_run
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt, RunRecord, ServiceState
-from flodld.membership.supervisor import next_attempt
+from flodld.membership.supervisor import keeps_links, next_attempt
 
 log = logging.getLogger("flodld.controller")
 
@@ -149,6 +150,7 @@ class Service:
         try:
             restart_count = 0  # this attempt's number within its job (flodld serve --max-restarts)
             earlier: list[EarlierAttempt] = []  # the job's failed attempts so far, with their causes
+            kept: list[HostLink] = []  # still linked after the failed attempt's Reform (docs/restarts.md)
             while self._stopping is None:
                 options = self.options.model_copy(
                     update={
@@ -161,12 +163,19 @@ class Service:
                 controller = assemble_controller(
                     options, on_phase=self._on_phase, mux=self.mux, address=address
                 )
+                # A failure with restarts left keeps its links: Reform instead of Abort (not when stopping).
+                controller.keep_links = keeps_links(restart_count, options.max_restarts)
                 self.runs_started += 1
                 try:
                     await controller.start()
                 except BaseException:
+                    _close_links(kept)
                     await controller.close()
                     raise
+                if kept:  # the re-formation window: the hosts still linked are re-admitted at once
+                    readmitted = controller.adopt(kept)
+                    log.info("event=reformation_window kept=%d readmitted=%d", len(kept), len(readmitted))
+                    kept = []
                 if self.controller is not None:  # its ledger's refusals stay counted in /metrics
                     self._past_refusals.update(self.controller.window_refusals())
                 self.controller = controller
@@ -181,8 +190,10 @@ class Service:
                     controller.policy.trust.value,
                 )
                 if self._stopping is not None:  # a signal raced the window open
+                    controller.keep_links = False
                     controller.abort(self._stopping)
                 result = await controller.wait()
+                kept = controller.take_kept_links()
                 await controller.close()
                 self._record(controller, result)
                 following = next_attempt(
@@ -198,7 +209,8 @@ class Service:
                     earlier.append(EarlierAttempt.of(controller.run_record(), restart_count + 1))
                     restart_count = following
                     continue
-                restart_count, earlier = 0, []
+                _close_links(kept)  # no attempt follows: the hosts kept for one end with it
+                restart_count, earlier, kept = 0, [], []
                 if self.once or self._stopping is not None:
                     break
                 await self._pause(options.between_runs_secs)
@@ -245,6 +257,7 @@ class Service:
         self._stopping = reason
         self._wake.set()
         if self.controller is not None and self.controller.result is None:
+            self.controller.keep_links = False  # a stop ends the hosts too: Abort, never Reform
             self.controller.abort(reason)
 
     def reload(self) -> bool:
@@ -385,6 +398,11 @@ class Service:
                 },
             )
         return controller.request_start(local=local, token=token)
+
+
+def _close_links(links: list[HostLink]) -> None:
+    for link in links:
+        link.stream.close()
 
 
 def history_record(entry: Mapping[str, Any]) -> RunRecord:

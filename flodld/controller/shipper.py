@@ -18,12 +18,13 @@ from flodld.controller.join import HostLink
 from flodld.controller.runparts import ShipperRun
 from flodld.membership.ledger import World
 from flodld.membership.phase import Phase
-from flodld.wire.join import Abort, RelaySpec, WorldEnvelope, WorldFormed
+from flodld.wire.join import Abort, Reform, RelaySpec, WorldEnvelope, WorldFormed
 
 log = logging.getLogger("flodld.controller")
 
 SHIP_TIMEOUT_SECS = 30.0
 ABORT_TIMEOUT_SECS = 5.0
+REFORM_STOP_SECS = 20.0  # after a Reform: the hosts' time to stop their ranks (TERM, KILL) and answer Stopped
 REPORT_GRACE_SECS = 1.5  # after a failure's Abort: the hosts' time to report their ranks' exits (scaled)
 SHIP_CHUNK_HOSTS = 256  # WorldFormed writes per event-loop turn: HTTP and links are served in between
 
@@ -176,6 +177,42 @@ class WorldShipper:
         # The hosts tear down and report how their ranks ended: the culprit's report may arrive after a
         # victim's (which decided the verdict), so the root cause waits for them, bounded.
         await self._await_reports(links)
+
+    async def reform(self, links: list[HostLink], reason: str, progress: asyncio.Event) -> None:
+        """Reform down each of `links` (a restart that keeps them, docs/restarts.md), then wait until each
+        host answered Stopped (its ranks reported; `progress` is set at each) or its link ended, at most
+        `REFORM_STOP_SECS` (scaled: an agent's teardown gives its ranks a grace period before the KILL); a
+        host still silent is closed.
+        """
+        async def send(link: HostLink) -> None:
+            try:
+                link.stream.send_nowait(Reform(reason=reason[:1024]))
+                self.run.counters.frame_out(JOIN_CHANNEL, 0)
+                await asyncio.wait_for(link.stream.drain(), ABORT_TIMEOUT_SECS)
+            except BaseException:
+                link.stream.close()
+                raise
+
+        def settled() -> bool:
+            return all(link.closed.is_set() or self.run.kept.get(link.host) is link for link in links)
+
+        await asyncio.gather(*(send(link) for link in links), return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REFORM_STOP_SECS * self.run.options.timeout_scale
+        waits = [asyncio.ensure_future(link.closed.wait()) for link in links if not link.closed.is_set()]
+        try:
+            while not settled() and (left := deadline - loop.time()) > 0:
+                progress.clear()
+                woken = asyncio.ensure_future(progress.wait())
+                pending = [wait for wait in waits if not wait.done()]
+                await asyncio.wait([woken, *pending], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+        finally:
+            for wait in waits:
+                wait.cancel()
+        for link in links:
+            if self.run.kept.get(link.host) is not link:
+                link.stream.close()
 
     async def _abort_link(self, link: HostLink, reason: str) -> None:
         try:

@@ -43,6 +43,7 @@ from flodld.membership.supervisor import (
     StopAttempt,
     TimerExpired,
     WorldFormed,
+    keeps_links,
     verdict_event,
 )
 from flodld.wire.salt import OPEN_ADMISSION_KEY
@@ -163,6 +164,7 @@ class _FanOutShell:
         self.collecting: asyncio.Task[None] | None = None
         self.earlier: list[EarlierAttempt] = []
         self.exit_code: int | None = None
+        self.kept: frozenset[str] = frozenset()  # hosts that answered Reform: their agents are not collected
 
     async def carry_out(self, action: Action) -> None:
         handler = FANOUT_ACTIONS.get(type(action))
@@ -180,7 +182,15 @@ class _FanOutShell:
     async def _start(self, action: StartAttempt) -> None:
         self.generation += 1  # first: whatever the previous attempt's teardown reports is not this one's
         feed = self._feed(self.generation)
-        await self._end_attempt()
+        # A restart that keeps the links (docs/restarts.md): the kept hosts' SSH sessions and local agents
+        # go on, the port is handed to the next controller with their links on it.
+        kept_hosts = frozenset(action.kept)
+        kept_links = self.controller.take_kept_links() if self.controller is not None and kept_hosts else []
+        kept_links = [link for link in kept_links if link.host in kept_hosts]
+        kept_hosts = frozenset(link.host for link in kept_links)
+        old_fanout = self.fanout
+        kept_local = {host: p for host, p in self.local_agents.items() if host in kept_hosts}
+        lent = await self._end_attempt(keep=kept_hosts)
         overrides = {**self.overrides, "earlier_attempts": tuple(self.earlier)}
         options = ControllerOptions.from_cluster(
             self.cluster, probed=self.probed, restart_count=action.restart_count,
@@ -192,9 +202,14 @@ class _FanOutShell:
             if phase in (Phase.FORMING, Phase.TRAINING):
                 feed(WorldFormed())
 
-        controller = assemble_controller(options, on_phase=on_phase)
+        mux, address = lent if lent is not None else (None, None)
+        controller = assemble_controller(options, on_phase=on_phase, mux=mux, address=address)
         try:
             bind, bound_port = await controller.start()
+            if lent is not None:
+                await controller.take_over_port()
+                controller.adopt(kept_links)  # the re-formation window: kept hosts are re-admitted at once
+            controller.keep_links = keeps_links(action.restart_count, action.max_restarts)
         except OSError as error:
             await controller.close()
             self.say(
@@ -219,9 +234,14 @@ class _FanOutShell:
         plans = [
             plan_agent(w, self.cluster, program=self.program, args=self.args, controller_port=bound_port,
                        salt_hex=salt_hex, extra_env=passed, local_cwd=self.local_cwd)
-            for w in remote
+            for w in remote if w.host not in kept_hosts
         ]  # fmt: skip
+        for host, process in kept_local.items():  # kept linked: the same agent serves this attempt
+            self.local_agents[host] = process
+            self.watchers.append(asyncio.ensure_future(_local_exit(host, process, feed)))
         for worker in local:
+            if worker.host in kept_hosts:
+                continue
             spec = AgentSpec(
                 host=worker.host, controller_host="127.0.0.1", controller_port=bound_port, salt_hex=salt_hex,
                 devices=list(worker.local_devices) if worker.local_devices != "all" else ["all"],
@@ -242,20 +262,31 @@ class _FanOutShell:
                 feed(AgentExited(gone.host, supervisor_code(gone.code)))
 
         self.fanout = FanOut(plans, on_output=self.on_output, grace_s=self.grace_s, on_exit=on_exit)
-        try:
-            await self.fanout.start()
-        except FanOutError:
-            for host, failure in self.fanout.failed.items():
-                feed(HostLost(host, str(failure)))
+        if old_fanout is not None and kept_hosts:
+            old_fanout.hand_over(kept_hosts, self.fanout)  # their SSH sessions go on, as this attempt's
+        with contextlib.suppress(FanOutError):  # each host that could not be started is reported below
+            # At a restart the hosts that were started keep running: the supervisor leaves an unreachable
+            # one out when others are there (the window forms without it if the quorum allows).
+            await self.fanout.start(keep_started=action.restart_count > 0)
+        for host, failure in self.fanout.failed.items():
+            feed(HostLost(host, str(failure)))
 
     async def _verdict(self, controller: Controller, feed: Callable[[Event], None]) -> None:
         result = await controller.wait()
         cause = result.root_cause.model_dump() if result.root_cause is not None else None
-        feed(verdict_event(result.ok, result.reason, cause))
+        self.kept = frozenset(controller.kept)  # answered Reform: linked, for the next attempt
+        feed(verdict_event(result.ok, result.reason, cause, tuple(self.kept)))
 
     async def _stop(self, action: StopAttempt) -> None:
-        if self.controller is not None:
-            await self.controller.stop(action.reason)
+        controller = self.controller
+        if controller is None:
+            return
+        if not action.keep_links:  # an interrupt: Abort the hosts, never Reform
+            controller.keep_links = False
+        if controller.keep_links:  # the verdict comes through _verdict; the port outlives this attempt
+            controller.abort(action.reason)
+            return
+        await controller.stop(action.reason)
 
     async def _arm_timer(self, action: ArmTimer) -> None:
         if action.name in self.timers:
@@ -271,13 +302,14 @@ class _FanOutShell:
         """The agents get `timeout_s` to exit after the verdict; then every SSH session is closed (the remote
         supervisor TERMs, then KILLs, the agent's group) and the local ones are killed. Exits are fed.
         """
-        waits: list[Awaitable[Any]] = [p.wait() for p in self.local_agents.values()]
+        kept = self.kept
+        waits: list[Awaitable[Any]] = [p.wait() for h, p in self.local_agents.items() if h not in kept]
         if self.fanout is not None:
-            waits += [agent.process.wait_closed() for agent in self.fanout.agents.values()]
+            waits += [a.process.wait_closed() for h, a in self.fanout.agents.items() if h not in kept]
         if waits:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout_s)
-        await self._stop_agents()
+        await self._stop_agents(keep=kept)
 
     async def _say(self, action: Say) -> None:
         self.say(action.message)
@@ -287,10 +319,19 @@ class _FanOutShell:
         self.say(action.summary)
         self.exit_code = action.exit_code
 
-    async def _stop_agents(self) -> None:
+    async def _stop_agents(self, keep: frozenset[str] = frozenset()) -> None:
+        """Stop the attempt's agents, all but those of `keep` (kept linked for the next attempt)."""
         if self.fanout is not None:
-            await self.fanout.stop()
-        for process in self.local_agents.values():
+            if keep:
+                parked = FanOut([], grace_s=self.grace_s, on_exit=lambda gone: None)
+                self.fanout.hand_over(keep, parked)  # out of the stop; `_start` hands them on again
+                await self.fanout.stop()
+                parked.hand_over(keep, self.fanout)
+            else:
+                await self.fanout.stop()
+        for host, process in self.local_agents.items():
+            if host in keep:
+                continue
             if process.returncode is None:
                 process.terminate()
                 try:
@@ -299,8 +340,11 @@ class _FanOutShell:
                     process.kill()
                     await process.wait()
 
-    async def _end_attempt(self) -> None:
-        """Nothing of the current attempt is left: timers, agents on every host, its controller."""
+    async def _end_attempt(self, keep: frozenset[str] = frozenset()) -> tuple[Any, tuple[str, int]] | None:
+        """Nothing of the current attempt is left: timers, agents on every host, its controller. With `keep`
+        (hosts kept linked for the next attempt) their agents stay and the port is released, not closed:
+        returns its mux and address for the next controller.
+        """
         for timer in self.timers.values():
             timer.cancel()
         self.timers.clear()
@@ -309,16 +353,21 @@ class _FanOutShell:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.collecting
             self.collecting = None
-        await self._stop_agents()
+        await self._stop_agents(keep)
         for watcher in self.watchers:
             watcher.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
         self.watchers = []
         controller, self.controller, self.fanout, self.local_agents = self.controller, None, None, {}
+        self.kept = frozenset()
+        lent = None
         if controller is not None:
             if controller.result is not None:  # state.json's attempt.earlier, for the next attempt
                 self.earlier.append(EarlierAttempt.of(controller.run_record(), len(self.earlier) + 1))
+            if keep:
+                lent = await controller.release_port()
             await controller.close()
+        return lent
 
     async def close(self) -> None:
         await self._end_attempt()

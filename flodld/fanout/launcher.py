@@ -28,7 +28,7 @@ import contextlib
 import os
 import posixpath
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flodld.agent.spawn import agent_command
@@ -193,9 +193,10 @@ class FanOut:
         self.on_exit = on_exit if on_exit is not None else self.exits.put_nowait
         self._watchers: list[asyncio.Task[None]] = []
 
-    async def start(self) -> None:
+    async def start(self, *, keep_started: bool = False) -> None:
         """Start every agent; if any fails, stop those already started and raise the first FanOutError
-        (`failed` names every host that could not be started).
+        (`failed` names every host that could not be started). With `keep_started` (a restart, where a host
+        that cannot be reached is left out: docs/restarts.md) the others keep running and nothing is raised.
         """
         results = await asyncio.gather(
             *(self._start_one(plan) for plan in self.plans), return_exceptions=True
@@ -205,7 +206,7 @@ class FanOut:
                 self.failed[plan.host] = result
             elif isinstance(result, BaseException):
                 raise result
-        if self.failed:
+        if self.failed and not keep_started:
             await self.stop()
             raise next(iter(self.failed.values()))
 
@@ -234,6 +235,16 @@ class FanOut:
     @property
     def running(self) -> int:
         return sum(1 for agent in self.agents.values() if agent.process.exit_status is None)
+
+    def hand_over(self, hosts: Collection[str], to: FanOut) -> None:
+        """The sessions of `hosts` (agents kept linked across a restart, docs/restarts.md) go on as `to`'s:
+        their ends are reported to its `on_exit` and its `stop()` closes them; this fan-out forgets them.
+        """
+        for host in hosts:
+            agent = self.agents.pop(host, None)
+            if agent is not None:
+                to.agents[host] = agent
+                to._watchers.append(asyncio.create_task(to._watch(host, agent)))
 
     async def stop(self) -> None:
         """Close every session: the remote supervisors TERM, then KILL, their agents' groups; each end is

@@ -17,7 +17,9 @@ Rules:
   concludes from that; the shell waits `AGENT_DIED_GRACE_S` for the verdict, then stops the attempt
   naming the agent (it died unannounced: its ranks are lost);
 - a host lost (its SSH session died: keepalives unanswered, or it could not be reached to start its
-  agent) stops the attempt at once with the shell's reason; its agent counts as gone;
+  agent) stops the attempt at once with the shell's reason; its agent counts as gone. At a restart, before
+  the world formed and with other hosts still there, it is left out instead (`Attempt.left_out`, named in
+  the attempt's cause should it fail): the window forms without it when the quorum allows;
 - every agent gone and no verdict: wait `AGENTS_GONE_GRACE_S`, then stop the attempt;
 - an interrupt (SIGINT/SIGTERM to `fdl run`) stops the attempt and the run: never restarted;
 - the verdict in, the shell collects the agents (TERM/KILL after `COLLECT_TIMEOUT_S`); then:
@@ -27,6 +29,12 @@ Rules:
   `max_restarts` restarts have been made and nobody interrupted (`next_attempt`, the one rule that
   `flodld serve` applies to its verdicts too); otherwise the run fails with a reason that lists every
   attempt's cause.
+
+- a restart keeps the links of the hosts still there (docs/restarts.md): the controller of a failed attempt
+  that a restart follows sends `Reform` instead of `Abort` (`keeps_links`; an interrupt's `StopAttempt`
+  asks for Abort), the hosts that answer `Stopped` come with the verdict (`VerdictReached.kept`), are not
+  collected, and the next `StartAttempt` names them (`kept`): the shell re-admits them into the new
+  window and starts agents only for the others.
 
 As in torchrun, a restart re-forms the whole world: every rank of the next attempt starts anew with
 `TORCHELASTIC_RESTART_COUNT` set to the attempt's number, and a script that checkpoints resumes.
@@ -64,6 +72,7 @@ __all__ = [
     "VerdictReached",
     "WorldFormed",
     "describe_code",
+    "keeps_links",
     "next_attempt",
     "verdict_event",
 ]
@@ -92,6 +101,14 @@ def next_attempt(restart_count: int, max_restarts: int, *, ok: bool, stopping: b
     if ok or stopping or restart_count >= max_restarts:
         return None
     return restart_count + 1
+
+
+def keeps_links(restart_count: int, max_restarts: int, *, stopping: bool = False) -> bool:
+    """Whether this attempt, should it fail, ends with `Reform` rather than `Abort`: a failure is followed by
+    the next attempt (`next_attempt`), so its hosts stay linked, stop their ranks and wait to be re-admitted
+    into the next attempt's re-formation window (docs/restarts.md). `flodld serve`'s rule.
+    """
+    return next_attempt(restart_count, max_restarts, ok=False, stopping=stopping) is not None
 
 
 def describe_code(code: int) -> str:
@@ -130,16 +147,21 @@ class VerdictReached:
     ok: bool
     reason: str
     report: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    """The hosts that answered the failed attempt's `Reform`: their agents stay, linked, for the next one."""
 
 
-def verdict_event(ok: bool, reason: str, root_cause: Mapping[str, Any] | None) -> VerdictReached:
+def verdict_event(
+    ok: bool, reason: str, root_cause: Mapping[str, Any] | None, kept: tuple[str, ...] = ()
+) -> VerdictReached:
     """The event for a controller's verdict: with a root cause (the first observed failure across hosts),
     its summary joins the reason and its block (the failed rank's tail) is the report.
     """
     if root_cause is None:
-        return VerdictReached(ok, reason)
+        return VerdictReached(ok, reason, kept=kept)
     summary = root_cause.get("summary")
-    return VerdictReached(ok, f"{reason}; root cause: {summary}", tuple(root_cause_lines(root_cause)))
+    lines = tuple(root_cause_lines(root_cause))
+    return VerdictReached(ok, f"{reason}; root cause: {summary}", lines, kept)
 
 
 @dataclass(frozen=True)
@@ -163,17 +185,26 @@ Event = AgentExited | HostLost | WorldFormed | VerdictReached | Interrupted | Ti
 
 @dataclass(frozen=True)
 class StartAttempt:
-    """Form a fresh world (new run id, salt, keys) and start its agents; ranks see `restart_count`."""
+    """Form a fresh world (new run id, salt, keys) and start its agents; ranks see `restart_count`.
+
+    `kept`: hosts whose agents are still linked from the attempt before (re-admitted into the new window at
+    once, not started again); the shell starts agents for the others.
+    """
 
     restart_count: int
     max_restarts: int
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class StopAttempt:
-    """Ask the controller to end the attempt with `reason` (it aborts the hosts and gives a verdict)."""
+    """Ask the controller to end the attempt with `reason` (it aborts the hosts and gives a verdict).
+
+    `keep_links` False: Abort the hosts even if a restart could follow (an interrupt ends the run).
+    """
 
     reason: str
+    keep_links: bool = True
 
 
 @dataclass(frozen=True)
@@ -215,6 +246,8 @@ class Attempt:
     hosts: tuple[str, ...]
     cause: str | None = None
     agent_codes: dict[str, int] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Hosts lost before this restart's world formed and left to the window (host -> why)."""
 
 
 class RunSupervisor:
@@ -235,6 +268,7 @@ class RunSupervisor:
         self._interrupted = False
         self._stopping = False
         self._formed = False
+        self._kept: frozenset[str] = frozenset()
         running: HandlerTable[[], list[Action]] = HandlerTable("event while running")
         running.register(AgentExited, self._agent_exited_running)
         running.register(HostLost, self._host_lost_running)
@@ -254,7 +288,7 @@ class RunSupervisor:
 
     def start(self) -> list[Action]:
         """The first attempt."""
-        return self._start_attempt()
+        return self._start_attempt(frozenset())
 
     def handle(self, event: Event) -> list[Action]:
         """Actions for `event`; an event that means nothing in this state yields none."""
@@ -265,7 +299,7 @@ class RunSupervisor:
 
     # --- running ----------------------------------------------------------------------------
 
-    def _start_attempt(self) -> list[Action]:
+    def _start_attempt(self, kept: frozenset[str]) -> list[Action]:
         number = len(self.attempts)
         self.attempts.append(Attempt(number, self.hosts))
         self.state = SupervisorState.RUNNING
@@ -278,7 +312,7 @@ class RunSupervisor:
             actions.append(
                 Say(f"restarting: attempt {number + 1} of at most {self.max_restarts + 1} (restart {number})")
             )
-        return [*actions, StartAttempt(number, self.max_restarts)]
+        return [*actions, StartAttempt(number, self.max_restarts, tuple(sorted(kept)))]
 
     def _agent_exited_running(self, event: AgentExited) -> list[Action]:
         if event.host not in self._live:
@@ -308,6 +342,14 @@ class RunSupervisor:
         self.attempt.agent_codes[event.host] = LOST_CODE
         if self._stopping:
             return []
+        if self.attempt.number and not self._formed and self._live:
+            # At a restart, a host that cannot be reached is left out: the window forms without it when the
+            # quorum allows (its join_timeout), and fails below quorum at its hard cap.
+            self.attempt.left_out[event.host] = event.reason
+            return [Say(
+                f"{event.reason}; host {event.host!r} left out of attempt {self.attempt.number + 1} "
+                "(the world forms without it if the quorum allows)"
+            )]  # fmt: skip
         return [Say(f"{event.reason}; stopping the attempt"), *self._stop(event.reason)]
 
     def _timer_expired(self, event: TimerExpired) -> list[Action]:
@@ -327,16 +369,22 @@ class RunSupervisor:
         self._interrupted = True
         if self.state is SupervisorState.CONCLUDING or self._stopping:
             return []
-        return [Say(f"{event.reason}; aborting the run"), *self._stop(f"{event.reason} (fdl run)")]
+        return [
+            Say(f"{event.reason}; aborting the run"),
+            *self._stop(f"{event.reason} (fdl run)", keep_links=False),
+        ]
 
-    def _stop(self, reason: str) -> list[Action]:
+    def _stop(self, reason: str, *, keep_links: bool = True) -> list[Action]:
         self._stopping = True
-        return [StopAttempt(reason)]
+        return [StopAttempt(reason, keep_links)]
 
     def _verdict_reached(self, event: VerdictReached) -> list[Action]:
         self._verdict = event
         self.state = SupervisorState.CONCLUDING
         report: list[Action] = [Say(line) for line in event.report]
+        # Hosts kept linked (they answered Reform) are not collected: their agents serve the next attempt.
+        self._kept = frozenset() if self._interrupted else frozenset(event.kept) & self._live
+        self._live -= self._kept
         if self._live:
             return [*report, CollectAgents(COLLECT_TIMEOUT_S)]
         return [*report, *self._conclude()]
@@ -357,6 +405,10 @@ class RunSupervisor:
         verdict = self._verdict
         assert verdict is not None
         if not verdict.ok:
+            left_out = self.attempt.left_out
+            if left_out:
+                named = "; ".join(f"host {host!r}: {why}" for host, why in sorted(left_out.items()))
+                return f"{verdict.reason} (left out: {named})"
             return verdict.reason
         killed = [(host, code) for host, code in self.attempt.agent_codes.items() if code < 0]
         if killed:
@@ -377,7 +429,7 @@ class RunSupervisor:
             return [Finish(EXIT_DONE, f"run done: {self._verdict.reason}{self._attempts_note()}")]
         attempt.cause = cause
         if next_attempt(attempt.number, self.max_restarts, ok=False, stopping=self._interrupted) is not None:
-            return [Say(f"attempt {attempt.number + 1} failed: {cause}"), *self._start_attempt()]
+            return [Say(f"attempt {attempt.number + 1} failed: {cause}"), *self._start_attempt(self._kept)]
         self.state = SupervisorState.FINISHED
         return [Finish(EXIT_FAILED, self._failure_summary())]
 

@@ -3,9 +3,10 @@
 Starting a rank costs an interpreter and `import torch` (one to several seconds), which is most of a
 restart. An agent asked for warm ranks (`WARM_ENV` in its environment, set by `fdl run`) starts them
 as `python -m flodld.launcher.rank --warm` as soon as it starts itself, so the imports overlap its join
-and the world's formation (and, for `fdl run --max-restarts`, a standby agent holds the next attempt's
-ranks ready). When the world forms, the agent hands each one its command line and environment as one
-line on its stdin (`encode_handoff`): the salt rides the pipe, never argv. The warm process replaces its
+and the world's formation (and, for `fdl run --max-restarts`, the agent starts the next attempt's while
+an attempt trains, so a restart that keeps its link finds them ready). When the world forms, the agent
+hands each one its command line and environment as one line on its stdin (`encode_handoff`): the salt
+rides the pipe, never argv. The warm process replaces its
 environment with the one handed over and runs the script exactly as a cold `python -m
 flodld.launcher.rank SCRIPT.py ARGS` would.
 

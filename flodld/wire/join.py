@@ -9,7 +9,9 @@ of the world (O(world) bytes per host, O(world²) per formation, and capped at M
 roster is in state.json (`members`, paged). Version 3: `RelaySpec.tolerance` and `KillRank` (elastic
 averaging, docs/elastic-averaging.md): a version 2 agent would refuse the first and drop its link on the
 second, so it is refused at its Hello instead. Version 5: `RelaySpec.walk_in` (growth during training,
-docs/elastic-averaging.md "Growth and healing"), which a version 4 agent would refuse.
+docs/elastic-averaging.md "Growth and healing"), which a version 4 agent would refuse, and `Reform` and
+`Stopped` (a restart keeps the join links, docs/restarts.md), on the first of which a version 4 agent would
+drop its link: either way it is refused at its Hello instead.
 """
 
 from __future__ import annotations
@@ -235,3 +237,21 @@ class KillRank(Message):
 
     rank: Rank
     reason: Reason
+
+
+@register(0x0108)
+class Reform(Message):
+    """The attempt failed and the run restarts (docs/restarts.md): the agent stops this attempt's ranks and
+    relay as at an Abort, reports their exits, answers `Stopped` and stays linked. The next attempt re-admits
+    it on this same link with an `Accept` (its `salt_hex` the next attempt's salt, sent under this one's keys:
+    both sides rekey after it) and then its `WorldFormed`; a link closed or an `Abort` instead ends the host.
+    """
+
+    reason: Reason
+
+
+@register(0x0109)
+class Stopped(Message):
+    """Agent → controller after a `Reform`: every rank and the relay of the attempt are gone (their exits
+    reported first); the host waits on this link for the next attempt.
+    """

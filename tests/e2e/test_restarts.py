@@ -74,7 +74,7 @@ def test_a_killed_rank_is_restarted_once_and_the_script_resumes_to_the_fault_fre
     assert re.search(r"run done: .*\(after 1 restart\(s\): attempt 1: ", run.output), run.output
     # attempt 1 started both ranks at step 1; attempt 2 (TORCHELASTIC_RESTART_COUNT=1) resumed after step 4
     assert attempts(tmp_path) == [(0, 0, 1), (0, 1, 5), (1, 0, 1), (1, 1, 5)]
-    # every rank of both attempts was a warm rank (attempt 2's from the standby agents started in attempt 1)
+    # every rank of both attempts was warm (attempt 2's started by the kept agent while attempt 1 trained)
     assert warm_flags(tmp_path) == [1, 1, 1, 1], (tmp_path / "attempts.txt").read_text()
     assert "warm rank not used" not in run.output
     assert torch.equal(torch.load(tmp_path / "final.pt"), fault_free)
@@ -276,3 +276,52 @@ def kill_everything_started_for_host(host: str) -> None:
             # `fdl join --host H` names it in argv; its agent's spec and its ranks' environment name it too
             if host.encode() in (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes():
                 os.kill(int(entry.name), signal.SIGKILL)
+
+
+def test_fdl_run_keeps_the_surviving_hosts_agent_across_a_restart_and_relaunches_only_the_killed_one(
+    tmp_path: Path,
+) -> None:
+    """Two local hosts; one's agent SIGKILLed mid-run: the other answers Reform and stays linked (its agent,
+    the ranks' parent, is the same in attempt 2), the killed host's agent is started anew, ranks contiguous.
+    """
+    (tmp_path / "fdl.yml").write_text(
+        "cluster:\n"
+        "  controller:\n"
+        "    host: 127.0.0.1\n"
+        "    backend: gloo\n"
+        "  workers:\n"
+        "    - host: 127.0.0.1\n"
+        '      local_devices: ["cpu"]\n'
+        "      env: {PROBE_HOST: keep}\n"
+        "    - host: localhost\n"
+        '      local_devices: ["cpu"]\n'
+        "      env: {PROBE_HOST: lose}\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = str(PROGRAMS / "reform_probe.py")
+    run = Fdl("run", "--project", str(tmp_path), "--max-restarts", "1", probe, "--", str(out), "-")
+    try:
+        deadline = time.monotonic() + 120
+        while len(_probe_rows(out)) < 2:
+            assert time.monotonic() < deadline and run.process.poll() is None, run.output
+            time.sleep(0.2)
+        lost_agent = next(row[3] for row in _probe_rows(out) if row[4] == "lose")
+        os.kill(lost_agent, signal.SIGKILL)
+        assert run.wait() == 0, run.output
+    finally:
+        kill_everything_started_for(out, run.process)  # type: ignore[arg-type]
+    rows = _probe_rows(out)
+    by_attempt = {n: {row[4]: row for row in rows if row[0] == n} for n in (0, 1)}
+    assert sorted(by_attempt[1]) == ["keep", "lose"], rows
+    assert sorted(row[1] for row in by_attempt[1].values()) == [0, 1] and by_attempt[1]["keep"][2] == 2, rows
+    assert by_attempt[1]["keep"][3] == by_attempt[0]["keep"][3], rows  # the same agent: its link was kept
+    assert by_attempt[1]["lose"][3] != lost_agent, rows  # the killed host's agent was started anew
+    assert "staying linked for the next attempt" in run.output, run.output
+    assert "starting 1 local agent(s)" in run.output, run.output
+
+
+def _probe_rows(out: Path) -> list[tuple[int, int, int, int, str]]:
+    path = out / "attempts.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sorted((int(a), int(b), int(c), int(d), e) for a, b, c, d, e in (line.split() for line in lines))

@@ -315,6 +315,7 @@ def _parent(pid: int) -> int:
 
 @pytest.mark.timeout(400)
 def test_a_killed_agent_is_relaunched_over_ssh_and_the_restarted_world_finishes(lab: Lab) -> None:
+    """node-1's agent SIGKILLed mid-run: it is relaunched over SSH; node-2's agent stays linked (Reform)."""
     from tests.flodld.fanout.test_fanout_restarts import PROGRAM
 
     program = lab.root / "restart_hang.py"
@@ -332,8 +333,12 @@ def test_a_killed_agent_is_relaunched_over_ssh_and_the_restarted_world_finishes(
     log = _wait(launcher, log_path, 240)
     assert launcher.returncode == 0, log[-6000:]
     assert "restarting: attempt 2 of at most 2 (restart 1)" in log
-    assert _rank_lines(log, "attempt 1 of max 1 up") == 4, log[-6000:]  # both hosts relaunched, re-formed
+    assert _rank_lines(log, "attempt 1 of max 1 up") == 4, log[-6000:]  # both hosts in the re-formed world
     assert "run done: every host link closed (after 1 restart(s): attempt 1: " in log
+    # node-2 stayed linked (its agent answered Reform and served attempt 2); only node-1 was relaunched
+    dialed = {node: _rank_lines(log, f"host '{node}' dialing controller") for node in ("node-1", "node-2")}
+    assert dialed == {"node-1": 2, "node-2": 1}, log[-6000:]
+    assert _rank_lines(log, "staying linked for the next attempt") == 1, log[-6000:]
     assert not ranks_1 & set(processes_mentioning(str(program)))  # the killed agent's ranks went with it
     _assert_no_process_left(str(program))
     end = time.monotonic() + 20

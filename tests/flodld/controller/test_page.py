@@ -13,8 +13,8 @@ from typing import Any
 
 from flodld.config.join import JoinConfig
 from flodld.controller.page import MAX_ROWS, render_page, start_text
-from flodld.controller.wording import duration_secs, exits_summary, fmt_ranks, fmt_secs
 from flodld.controller.page_routes import CONTENT_SECURITY_POLICY, STATUS_JS
+from flodld.controller.wording import duration_secs, exits_summary, fmt_ranks, fmt_secs
 
 from .agents import join, options, started
 

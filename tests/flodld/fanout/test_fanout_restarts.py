@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from flodld.config.builder import ClusterBuilder
 from flodld.fanout.cluster_run import run_cluster_job
 from tests.flodld.fanout.sshserver import start_local_ssh_server
-from tests.flodld.fanout.test_launcher import _cluster, _wait_no_process
+from tests.flodld.fanout.test_launcher import REPO, _cluster, _free_port, _ssh, _wait_no_process
 from tests.hosts.netns import processes_mentioning
 
 pytestmark = [pytest.mark.multiproc]
@@ -104,3 +105,121 @@ async def test_a_killed_remote_agent_is_relaunched_and_its_ranks_do_not_outlive_
     assert code == 0, "\n".join(said + lines)
     assert "restarting: attempt 2 of at most 2 (restart 1)" in said
     assert sum("attempt 1 of max 1 up" in line for line in lines) == 2
+
+
+# Each rank prints its attempt, world size and agent (parent) PID; attempt 1's wait to be torn down.
+WAITING_PROGRAM = """\
+import os, sys, time
+import flodld
+
+
+def main():
+    count, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    world = os.environ["WORLD_SIZE"]
+    print(f"rank {rank} attempt {count} world {world} agent {os.getppid()} up", flush=True)
+    if count == 0:
+        time.sleep(600)
+    return 0
+
+
+sys.exit(flodld.run(main, init_process_group=False))
+"""
+
+
+@pytest.mark.timeout(240)
+async def test_a_roster_host_unreachable_at_a_restart_is_left_out_when_the_quorum_allows(
+    tmp_path: Path,
+) -> None:
+    servers = [await start_local_ssh_server(tmp_path, name) for name in ("srv-a", "srv-b")]
+    program = tmp_path / "left_out.py"
+    program.write_text(WAITING_PROGRAM)
+    builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(
+        join_timeout=3, min_rank_start=1, target_ranks=2
+    )
+    for host, server in zip(("remote-a", "remote-b"), servers, strict=True):
+        builder.worker(host, ["cpu"], ssh=_ssh(server), path=str(REPO), env={"OMP_NUM_THREADS": "1"})
+    said: list[str] = []
+    lines: list[str] = []
+    try:
+        job = asyncio.ensure_future(run_cluster_job(
+            str(program), [], builder.build(), max_restarts=1, say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
+        ))  # fmt: skip
+        end = time.monotonic() + 120
+        while sum("attempt 0 world 2 agent" in line for line in lines) < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        agent_b = next(
+            int(line.split(" agent ")[1].split()[0]) for line in lines
+            if line.startswith("remote-b ") and "attempt 0 world 2" in line
+        )
+        os.kill(agent_b, signal.SIGKILL)  # its agent dies: the attempt fails and remote-b must be relaunched,
+        servers[1].close()  # but it cannot be reached any more: the restart must go on without it
+        code = await asyncio.wait_for(job, 150)
+    finally:
+        for server in servers:
+            server.close()
+    assert code == 0, "\n".join(said + lines)
+    assert any("host 'remote-b' left out of attempt 2" in line for line in said), said
+    [second] = [line for line in lines if "attempt 1 world" in line]  # one rank, on remote-a, world of 1
+    assert second.startswith("remote-a ") and " rank 0 attempt 1 world 1 agent " in second, lines
+    await _wait_no_process(str(program))
+
+
+# Each rank prints its attempt and its agent (parent) PID; attempt 1's ranks wait to be killed with theirs.
+PARENT_PROGRAM = """\
+import os, sys, time
+import flodld
+
+
+def main():
+    count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"attempt {count} rank {os.environ['RANK']} agent {os.getppid()} up", flush=True)
+    if count == 0:
+        time.sleep(600)
+    return 0
+
+
+sys.exit(flodld.run(main, init_process_group=False))
+"""
+
+
+@pytest.mark.timeout(240)
+async def test_a_restart_keeps_the_linked_hosts_ssh_session_and_relaunches_only_the_lost_one(
+    tmp_path: Path,
+) -> None:
+    server = await start_local_ssh_server(tmp_path)
+    program = tmp_path / "kept_links.py"
+    program.write_text(PARENT_PROGRAM)
+    builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(join_timeout=60)
+    for host in ("remote-a", "remote-b"):
+        builder.worker(host, ["cpu"], ssh=_ssh(server), path=str(REPO), env={"OMP_NUM_THREADS": "1"})
+    said: list[str] = []
+    lines: list[str] = []
+
+    def agents(attempt: int) -> dict[str, int]:
+        found = {}
+        for line in list(lines):
+            host, _, text = line.partition(" ")
+            if f"attempt {attempt} rank " in text and text.endswith(" up"):
+                found[host] = int(text.split(" agent ")[1].split()[0])
+        return found
+
+    try:
+        job = asyncio.ensure_future(run_cluster_job(
+            str(program), [], builder.build(), max_restarts=1, say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
+        ))  # fmt: skip
+        end = time.monotonic() + 120
+        while len(agents(0)) < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        first = agents(0)
+        os.kill(first["remote-b"], signal.SIGKILL)  # remote-b's agent dies mid-run; remote-a's answers Reform
+        code = await asyncio.wait_for(job, 150)
+    finally:
+        server.close()
+    assert code == 0, "\n".join(said + lines)
+    second = agents(1)
+    assert second["remote-a"] == first["remote-a"], (first, second)  # the same agent: link and session kept
+    assert second["remote-b"] != first["remote-b"], (first, second)  # relaunched over SSH
+    assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
+    await _wait_no_process(str(program))

@@ -28,6 +28,7 @@ from flodld.membership.supervisor import (
     TimerExpired,
     VerdictReached,
     WorldFormed,
+    keeps_links,
     next_attempt,
     verdict_event,
 )
@@ -115,6 +116,10 @@ ROWS = [
          HostLost("a", "fan-out to host 'a': refused"), VerdictReached(False, "aborted: refused")], 1,
         "run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: aborted: refused; attempt 2: "
         "aborted: refused", [0, 1], stops=["fan-out to host 'a': refused"] * 2, shells=("fan-out",)),
+    Row("a host kept linked (it answered Reform) is not collected; the next attempt starts at once", 1,
+        [FORMED, VerdictReached(False, "rank 0 failed", kept=("a",)), FORMED, DONE, AgentExited("a", 0)], 0,
+        "run done: every host link closed (after 1 restart(s): attempt 1: rank 0 failed)", [0, 1],
+        shells=LAUNCHERS),
     Row("a root cause is reported as the verdict comes in and named in the cause", 0,
         [FORMED, verdict_event(False, "1 of 2 ranks failed", {"summary": "rank 1 on host 'a' (exit code 1)"}),
          AgentExited("a", 1)], 1,
@@ -216,6 +221,84 @@ def test_an_interrupt_while_agents_are_collected_still_forbids_a_restart() -> No
     assert finish(actions).summary == "run FAILED: rank failed"
 
 
+def test_a_restart_keeps_the_hosts_that_answered_reform_and_starts_only_the_others() -> None:
+    supervisor = RunSupervisor(["a", "b", "c"], max_restarts=1)
+    supervisor.start()
+    supervisor.handle(FORMED)
+    assert supervisor.handle(AgentExited("c", -9)) == [ArmTimer("agent-died:c", AGENT_DIED_GRACE_S)]
+    # a and b answered Reform and stay linked: only what is neither kept nor gone would be collected
+    actions = supervisor.handle(VerdictReached(False, "host 'c' lost", kept=("a", "b")))
+    assert [a for a in actions if isinstance(a, StartAttempt)] == [StartAttempt(1, 1, kept=("a", "b"))]
+    assert not [a for a in actions if isinstance(a, CollectAgents)]
+    # the kept agents are the next attempt's: their exits count there
+    supervisor.handle(FORMED)
+    assert supervisor.handle(AgentExited("a", -9)) == [ArmTimer("agent-died:a", AGENT_DIED_GRACE_S)]
+
+
+def test_a_kept_host_that_was_not_live_is_not_kept_and_others_are_collected() -> None:
+    supervisor = RunSupervisor(["a", "b"], max_restarts=1)
+    actions = drive(supervisor, [FORMED, AgentExited("b", 1), VerdictReached(False, "x", kept=("a", "b"))])
+    assert [a for a in actions if isinstance(a, StartAttempt)][-1] == StartAttempt(1, 1, kept=("a",))
+
+
+def test_an_interrupt_asks_for_abort_and_keeps_no_host() -> None:
+    supervisor = RunSupervisor(["a", "b"], max_restarts=3)
+    actions = drive(supervisor, [FORMED, Interrupted("interrupted")])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [
+        StopAttempt("interrupted (fdl run)", keep_links=False)
+    ]
+    assert supervisor.handle(VerdictReached(False, "interrupted (fdl run)", kept=("a",))) == [
+        CollectAgents(COLLECT_TIMEOUT_S)
+    ]  # both collected: no attempt follows an interrupt
+
+
+def test_a_failure_stop_lets_the_controller_keep_the_links() -> None:
+    supervisor = RunSupervisor(["a"], max_restarts=1)
+    actions = drive(supervisor, [FORMED, HostLost("a", LOST)])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [StopAttempt(LOST, keep_links=True)]
+
+
+def test_a_host_unreachable_at_a_restart_is_left_out_and_named_when_the_attempt_fails() -> None:
+    refused = "fan-out to host 'b': connection refused"
+    supervisor = RunSupervisor(["a", "b"], max_restarts=2)
+    actions = drive(supervisor, [FORMED, VerdictReached(False, "rank 1 failed"), AgentExited("a", 1),
+                                 AgentExited("b", 1)])  # fmt: skip
+    assert starts(actions) == [0, 1]
+    lost = supervisor.handle(HostLost("b", refused))
+    assert not [a for a in lost if isinstance(a, StopAttempt)], lost  # the window decides, not the loss
+    assert [a.message for a in lost if isinstance(a, Say)] == [
+        f"{refused}; host 'b' left out of attempt 2 (the world forms without it if the quorum allows)"
+    ]
+    assert supervisor.attempt.left_out == {"b": refused}
+    # below quorum at the window's cap: the attempt fails, the left-out host named in its cause
+    capped = "quorum not met: 1 of 2 ranks joined after 20s hard cap"
+    assert supervisor.handle(VerdictReached(False, capped))[-1] == CollectAgents(COLLECT_TIMEOUT_S)
+    supervisor.handle(AgentExited("a", 1))
+    assert supervisor.attempts[1].cause == (
+        f"quorum not met: 1 of 2 ranks joined after 20s hard cap (left out: host 'b': {refused})"
+    )
+
+
+def test_a_host_unreachable_at_a_restart_with_quorum_lets_the_world_form_without_it() -> None:
+    supervisor = RunSupervisor(["a", "b"], max_restarts=1)
+    drive(supervisor, [FORMED, VerdictReached(False, "x"), AgentExited("a", 1), AgentExited("b", 1)])
+    supervisor.handle(HostLost("b", "fan-out to host 'b': refused"))
+    actions: list[object] = [*supervisor.handle(FORMED), *supervisor.handle(DONE)]
+    actions += supervisor.handle(AgentExited("a", 0))
+    assert finish(actions).exit_code == 0
+
+
+def test_on_the_first_attempt_or_with_no_host_left_an_unreachable_host_still_stops_the_attempt() -> None:
+    first = RunSupervisor(["a", "b"], max_restarts=1)
+    actions = drive(first, [HostLost("b", "refused")])
+    assert [a for a in actions if isinstance(a, StopAttempt)] == [StopAttempt("refused")]
+    alone = RunSupervisor(["a"], max_restarts=1)
+    drive(alone, [FORMED, VerdictReached(False, "x"), AgentExited("a", 1)])
+    assert [a for a in alone.handle(HostLost("a", "refused")) if isinstance(a, StopAttempt)] == [
+        StopAttempt("refused")
+    ]
+
+
 def test_events_of_a_finished_run_change_nothing() -> None:
     supervisor = RunSupervisor(["a"])
     drive(supervisor, [DONE, AgentExited("a", 0)])
@@ -243,6 +326,24 @@ def test_serve_restarts_a_failed_attempt_while_restarts_remain(
     restart_count: int, max_restarts: int, ok: bool, stopping: bool, expected: int | None
 ) -> None:
     assert next_attempt(restart_count, max_restarts, ok=ok, stopping=stopping) == expected
+
+
+@pytest.mark.parametrize(
+    ("restart_count", "max_restarts", "stopping", "expected"),
+    [
+        (0, 0, False, False),  # no restarts configured: a failure aborts the hosts (Abort)
+        (0, 2, False, True),  # a failure is followed by attempt 2: Reform, the hosts stay linked
+        (1, 2, False, True),
+        (2, 2, False, False),  # the last allowed attempt: its failure ends the job, Abort
+        (0, 2, True, False),  # the service is stopping: Abort, never Reform
+    ],
+)
+def test_serve_keeps_the_links_exactly_when_a_failure_would_be_restarted(
+    restart_count: int, max_restarts: int, stopping: bool, expected: bool
+) -> None:
+    assert keeps_links(restart_count, max_restarts, stopping=stopping) is expected
+    following = next_attempt(restart_count, max_restarts, ok=False, stopping=stopping)
+    assert (following is not None) is expected
 
 
 def test_every_shell_has_a_handler_for_every_action_the_supervisor_can_decide() -> None:

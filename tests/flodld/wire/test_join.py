@@ -18,8 +18,10 @@ from flodld.wire.join import (
     Hello,
     KillRank,
     RankExited,
+    Reform,
     Reject,
     RelaySpec,
+    Stopped,
     WorldEnvelope,
     WorldFormed,
 )
@@ -95,11 +97,12 @@ def test_every_join_message_round_trips_through_a_frame(message: Message) -> Non
 
 
 def test_join_kinds_are_pinned() -> None:
-    classes = (Hello, Accept, Reject, WorldFormed, RankExited, Abort, KillRank)
+    classes = (Hello, Accept, Reject, WorldFormed, RankExited, Abort, KillRank, Reform, Stopped)
     kinds = {cls.__name__: cls.KIND for cls in classes}
     assert kinds == {
         "Hello": 0x0101, "Accept": 0x0102, "Reject": 0x0103,
         "WorldFormed": 0x0104, "RankExited": 0x0105, "Abort": 0x0106, "KillRank": 0x0107,
+        "Reform": 0x0108, "Stopped": 0x0109,
     }  # fmt: skip
 
 
