@@ -205,6 +205,40 @@ async def test_a_replacement_heals_the_world_after_a_host_is_lost(tmp_path: Path
         await run.until_no_processes(10)
 
 
+async def test_with_growth_the_tolerance_bounds_the_ranks_missing_not_every_loss(tmp_path: Path) -> None:
+    """Tolerance 1 and growth: host b is killed and heals back in (rank 3), then killed again and heals back
+    again (rank 4). Two losses over the run, never more than one rank missing at a time: the run finishes
+    degraded, its verdict naming both losses and both joins.
+    """
+    gate, gate2 = tmp_path / "gate", tmp_path / "gate2"
+    second = GATE + 2
+    gates = {"HEAL_GATE2_ROUND": str(second), "HEAL_GATE2": str(gate2)}
+    async with fault_run(_options(bound=3)) as run:
+        a, b = await _form(run, gate, **gates)
+        b.process.send_signal(signal.SIGKILL)
+        await _until("b's loss", lambda: [loss["rank"] for loss in run.state()["losses"]] == [2])
+        b2 = await _walk_in(run, "b", gate, **gates)  # rank 3, enters at GATE; the gate opens
+        for agent, rank in ((a, 0), (a, 1), (b2, 3)):
+            await agent.wait_for(f"heal-stall2 rank {rank} before round {second}", FORMATION_BOUND_SECS)
+        b2.process.send_signal(signal.SIGKILL)
+        await _until("b's second loss", lambda: [loss["rank"] for loss in run.state()["losses"]] == [2, 3])
+        assert run.state()["phase"] == "training", run.state()["reason"]  # one rank missing: within 1
+        b3 = await run.spawn_agent("b", ranks=1, program=PROGRAM, HEAL_ROUNDS=str(ROUNDS))
+        await _until("b's second entry", lambda: [j["round"] for j in run.state()["joins"]] == [GATE, second])
+        gate2.touch()
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, b3.output[-3000:])
+        assert "degraded: ranks [2, 3] lost: rank 2 on 'b'" in result.reason, result.reason
+        assert "ranks [3, 4] healed in: rank 3 on 'b' in round 3; rank 4 on 'b' in round 5" in result.reason
+        joins = [(j["rank"], j["host"], j["round"]) for j in run.state()["joins"]]
+        assert joins == [(3, "b", GATE), (4, "b", second)], joins
+        results: dict[int, list[int]] = {}
+        for line in _lines("heal-result", a, b, b2, b3):
+            results.setdefault(line["round"], []).append(line["rank"])
+        assert sorted(results[second - 1]) == [0, 1, 3] and sorted(results[ROUNDS - 1]) == [0, 1, 4], results
+        await run.until_no_processes(10)
+
+
 async def test_a_walk_in_beyond_the_bound_is_refused_with_the_reason(tmp_path: Path) -> None:
     """Three live ranks of at most three: the walk-in is refused (elastic_full, transient: a persistent joiner
     dials again and gets in once a rank is lost) and starts no rank; the run finishes undisturbed.
