@@ -10,6 +10,8 @@ exactly that round. A walk-in prints `heal-entry`: the round it entered at, its 
 received (`walk_in_state()`), then runs from its entry round. Everyone stops after HEAL_ROUNDS rounds.
 HEAL_GATE_RANKS (a comma list) stops only those ranks at the gate: the others deposit the round and wait
 in it, so a walk-in arriving then finds a round in progress.
+HEAL_START_GATE holds a rank before it starts (before `flodld.run`, so before it connects to its relay)
+until that file exists: a walk-in slow to start.
 HEAL_GATE2_ROUND and HEAL_GATE2 are a second gate that stops every rank, walk-ins included (`heal-stall2`).
 With HEAL_MODE (cpu_cadence or cpu_async, cadence HEAL_CADENCE) the rank calls `Averager.step` instead.
 """
@@ -102,4 +104,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("HEAL_START_GATE") and "RANK" in os.environ:  # a rank (the agent runs this file too)
+        print(f"heal-sleep rank {os.environ['RANK']}", flush=True)
+        while not Path(os.environ["HEAL_START_GATE"]).exists():
+            time.sleep(0.05)
     sys.exit(flodld.run(main, init_process_group=False))

@@ -144,8 +144,8 @@ def test_the_verdicts_name_the_deficit_the_losses_and_the_joins() -> None:
     w = training(bound=4, tolerance=1)
     _replay(w, ["lose b", "walk b", "enter 3", "exit 0", "exit 1"])
     assert w.reason.startswith(
-        "2 ranks missing of the 3 formed (3 lost: ranks [0, 1, 2], 1 healed in: ranks [3]), over the tolerance "
-        "of 1"
+        "2 ranks missing of the 3 formed (3 lost: ranks [0, 1, 2], 1 healed in: ranks [3]), over the "
+        "tolerance of 1"
     ), w.reason
     healed = training(bound=4, tolerance=1)
     _replay(healed, ["lose b", "walk b", "enter 3", "lose b", "walk b", "enter 4"])
