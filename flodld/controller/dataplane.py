@@ -35,7 +35,16 @@ from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
-from flodld.wire.data import Broadcast, DataPlaneError, Entry, HelloAck, HostFrame, RankGone, RelayHello
+from flodld.wire.data import (
+    Broadcast,
+    DataPlaneError,
+    Entry,
+    HelloAck,
+    HostFrame,
+    RankConnected,
+    RankGone,
+    RelayHello,
+)
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
 from flodld.wire.handlers import HandlerTable
@@ -120,9 +129,12 @@ class DataPlane:
         self.sole_host = len(self.host_ranks) == 1 and not growable
         # Growth (docs/elastic-averaging.md, "Growth and healing"): hosts admitted during training whose ranks
         # have not entered the averaging yet (host -> ranks still expected); they enter at a round boundary
-        # once their relay's DATA channel is up, and get the last round's result (`_last_result`: its
-        # accumulator holds it until the round after next starts, which waits for the walk-in's deposit).
+        # once every one of those ranks has connected to its relay (`_connected`, told by RankConnected:
+        # the members never wait in a round for a walk-in's start-up), and get the last round's result
+        # (`_last_result`: its accumulator holds it until the round after next starts, which waits for the
+        # walk-in's deposit).
         self.entering: dict[str, set[int]] = {}
+        self._connected: dict[str, set[int]] = {}
         self.on_ranks_entered: Callable[[tuple[int, ...], int], None] | None = None
         self._last_result: ChunkResult[str] | None = None
         self._members_seen: tuple[int, ...] = tuple(sorted(self.host_of))  # as the ranks count epochs
@@ -157,6 +169,7 @@ class DataPlane:
         self._data: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable("host data frame")
         self._data.register(HostFrame, self._on_host_frame)
         self._data.register(RankGone, self._on_rank_gone)
+        self._data.register(RankConnected, self._on_rank_connected)
         self._control: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable(
             "host control frame"
         )
@@ -199,6 +212,7 @@ class DataPlane:
         self.live_ranks.setdefault(host, set())
         self.liveness.track(ranks, self.clock())
         self.entering[host] = set(ranks)
+        self._connected[host] = set()
         log.info("event=walk_in_expected host=%s ranks=%s", host, ranks)
 
     def live_hosts(self) -> set[str]:
@@ -304,8 +318,6 @@ class DataPlane:
         log.info(
             "event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks)
         )
-        if channel is Channel.DATA and hello.host in self.entering:
-            await self._enter_at_boundary()
         return hello.host
 
     async def _refuse(self, channel: Channel, stream: FramedStream, refusal: str) -> None:
@@ -435,7 +447,10 @@ class DataPlane:
             pending.discard(rank)
             if not pending:
                 del self.entering[host]
+                self._connected.pop(host, None)
             log.info("event=rank_left host=%s rank=%d before_entry=True reason=%r", host, rank, reason)
+            if pending:
+                await self._enter_at_boundary()  # the ranks left may all be connected now
             return
         if rank not in self.live_ranks[host]:
             return
@@ -502,7 +517,11 @@ class DataPlane:
         """Let every walk-in whose relay's DATA channel is up into the averaging from `round_number`, the
         round that has not started (the caller is at its boundary). Returns the hosts that entered.
         """
-        ready = [host for host in sorted(self.entering) if host in self.relays[Channel.DATA]]
+        ready = [
+            host
+            for host in sorted(self.entering)
+            if host in self.relays[Channel.DATA] and self.entering[host] <= self._connected.get(host, set())
+        ]
         if not ready:
             return []
         barrier = self._barrier
@@ -511,6 +530,7 @@ class DataPlane:
         entered = []
         for host in ready:
             ranks = self.entering.pop(host)
+            self._connected.pop(host, None)
             if barrier is not None:
                 barrier.admit(host)
             self.live_ranks[host] = set(ranks)
@@ -520,9 +540,20 @@ class DataPlane:
                 self.on_ranks_entered(tuple(sorted(ranks)), round_number)
         return entered
 
+    async def _on_rank_connected(self, message: RankConnected, relay: _Relay, frame: Frame) -> None:
+        """A walk-in's rank connected to its relay: once every one of its host's has, the host enters."""
+        pending = self.entering.get(relay.host)
+        if pending is None or message.rank not in pending:
+            return  # not a walk-in's rank waiting to enter (one gone already, or a late word)
+        self._connected.setdefault(relay.host, set()).add(message.rank)
+        if pending <= self._connected[relay.host]:
+            log.info("event=walk_in_ready host=%s ranks=%s", relay.host, sorted(pending))
+            await self._enter_at_boundary()
+
     async def _enter_at_boundary(self) -> None:
-        """A walk-in's relay is up: it enters now if the world is at a round boundary whose state is at hand
-        (no round started; the last round's result still held), else at the end of the round in progress.
+        """A walk-in's ranks are connected to its relay: it enters now if the world is at a round boundary
+        whose state is at hand (no round started; the last round's result still held), else at the end of
+        the round in progress.
         """
         barrier = self._barrier
         if barrier is None:

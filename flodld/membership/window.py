@@ -139,6 +139,8 @@ class JoinWindow:
         self.elastic_max_ranks = elastic_max_ranks
         self.joins: dict[int, RankJoin] = {}
         self._retired: set[int] = set()
+        self.formed_size = 0  # the world's rank count at formation: the deficit is counted against it
+        self._healed = 0  # walked-in ranks that entered the averaging (len(healed_in()), kept per event)
 
     # --- the window --------------------------------------------------------------------------------
 
@@ -209,6 +211,22 @@ class JoinWindow:
             if join is not None and join.round is None:
                 self.joins[rank] = replace(join, round=in_round)
                 self._changes += 1
+                self._healed += 1
+
+    def healed_in(self) -> list[int]:
+        """Walked-in ranks that entered the averaging (a walk-in counts once its ranks have entered)."""
+        return sorted(rank for rank, join in self.joins.items() if join.round is not None)
+
+    def missing_ranks(self) -> int:
+        """The deficit the tolerance bounds: ranks lost and not made good by walk-ins that entered.
+
+        Without growth (no `elastic_max_ranks`) nothing heals in: every loss of the run counts, as before.
+        With it, live members below the formed world size: lost ranks (a walk-in's included) minus the
+        walked-in ranks that entered, never below 0 (walk-ins beyond the losses grow the world).
+        """
+        if self.elastic_max_ranks is None:
+            return len(self._failed)
+        return max(0, len(self._failed) - self._healed)
 
     def live_ranks(self) -> int:
         """Ranks of the formed world (walk-ins included) not lost and not exited."""
@@ -271,6 +289,7 @@ class JoinWindow:
                 f"cannot form the world in phase {self.phase.value!r} (the verdict has not formed)"
             )
         self.world = self.ledger.freeze()
+        self.formed_size = self.world.world_size
         if self.tolerance_percent is not None:
             # Rounded down, in integer arithmetic on the thousandths the config allows (no float edge).
             thousandths = round(self.tolerance_percent * 1000)
@@ -489,26 +508,39 @@ class JoinWindow:
         del now
         if self.phase is not Phase.TRAINING:
             return self.phase
-        if len(self._failed) > self.tolerance:
+        if self.missing_ranks() > self.tolerance:
             failed = self.failed_ranks()
             causes = "".join(
                 f"; host {host!r} lost: {why}"
                 for host, why in self.loss_reasons.items()
                 if host not in self._link_losses
             )
-            self._apply(
-                Event.RANKS_FAILED,
-                f"{len(failed)} of {self.world_size()} ranks failed (ranks {failed}), over the tolerance of "
-                f"{self.tolerance}{causes}",
-            )
+            if self.elastic_max_ranks is None:
+                count = f"{len(failed)} of {self.world_size()} ranks failed (ranks {failed})"
+            else:
+                healed = self.healed_in()
+                which = f": ranks {healed}" if healed else ""
+                count = (
+                    f"{self.missing_ranks()} ranks missing of the {self.formed_size} formed ({len(failed)} "
+                    f"lost: ranks {failed}, {len(healed)} healed in{which})"
+                )
+            self._apply(Event.RANKS_FAILED, f"{count}, over the tolerance of {self.tolerance}{causes}")
         elif self._open_links == 0:
             failed = self.failed_ranks()
             known = [self.losses[rank].sentence() for rank in failed[:NAMED_LOSSES] if rank in self.losses]
             extra = len(failed) - NAMED_LOSSES
             more = f"; and {extra} more (state.json losses)" if extra > 0 else ""
             named = "; ".join(known) + more
-            degraded = f" (degraded: ranks {failed} lost{': ' + named if named else ''})" if failed else ""
-            self._apply(Event.LINKS_CLOSED, f"every host link closed{degraded}")
+            degraded = f"ranks {failed} lost{': ' + named if named else ''}" if failed else ""
+            healed = self.healed_in()
+            if failed and healed:
+                joins = [self.joins[rank] for rank in healed[:NAMED_LOSSES]]
+                extra = len(healed) - NAMED_LOSSES
+                named = "; ".join(f"rank {j.rank} on {j.host!r} in round {j.round}" for j in joins)
+                more = f"; and {extra} more (state.json joins)" if extra > 0 else ""
+                degraded += f"; ranks {healed} healed in: {named}{more}"
+            closed = "every host link closed"
+            self._apply(Event.LINKS_CLOSED, f"{closed} (degraded: {degraded})" if degraded else closed)
         return self.phase
 
 

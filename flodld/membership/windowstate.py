@@ -45,6 +45,8 @@ class WindowView(Protocol):
     @property
     def losses(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankLoss`
     @property
+    def joins(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankJoin`
+    @property
     def link_counts(self) -> Mapping[str, int]: ...
     @property
     def joins(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankJoin`

@@ -49,6 +49,7 @@ from flodld.wire.data import (
     Entry,
     HelloAck,
     HostFrame,
+    RankConnected,
     RankGone,
     RankHello,
     RelayHello,
@@ -395,6 +396,13 @@ class Relay:
         self.legs[channel][rank] = stream
         try:
             await stream.send(HelloAck())
+            if channel is Channel.DATA and self.walk_in and self._entry is None:
+                # The controller lets a walk-in in once every rank of it is here to take the state.
+                try:
+                    await self.upstream[Channel.DATA].send(RankConnected(rank=rank))
+                except (OSError, WireError) as error:
+                    self._stop(f"controller data channel failed: {error}", 1)
+                    raise
             if channel is Channel.DATA and self._entry_complete and rank not in self._handed:
                 await self._hand_entry({rank: stream})
             if channel is Channel.DATA:

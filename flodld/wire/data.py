@@ -165,6 +165,16 @@ class Entry(Message):
     state: bool = False
 
 
+@register(0x030F)
+class RankConnected(Message):
+    """A walk-in's relay → controller, before its Entry (docs/elastic-averaging.md, "Growth and healing"):
+    `rank` of this host connected its data leg. The controller lets the host in at a round boundary only
+    once every rank of it has (or has gone), so the members never wait in a round for a walk-in's start-up.
+    """
+
+    rank: Rank
+
+
 # --- shared memory between a rank and its relay (same host; docs/protocol.md, "Shared memory") ---------
 
 MAX_REGION_BYTES: Final = 1 << 38  # 256 GiB: refused before anything is opened or mapped

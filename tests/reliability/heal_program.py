@@ -10,6 +10,9 @@ exactly that round. A walk-in prints `heal-entry`: the round it entered at, its 
 received (`walk_in_state()`), then runs from its entry round. Everyone stops after HEAL_ROUNDS rounds.
 HEAL_GATE_RANKS (a comma list) stops only those ranks at the gate: the others deposit the round and wait
 in it, so a walk-in arriving then finds a round in progress.
+HEAL_START_GATE holds a rank before it starts (before `flodld.run`, so before it connects to its relay)
+until that file exists: a walk-in slow to start.
+HEAL_GATE2_ROUND and HEAL_GATE2 are a second gate that stops every rank, walk-ins included (`heal-stall2`).
 With HEAL_MODE (cpu_cadence or cpu_async, cadence HEAL_CADENCE) the rank calls `Averager.step` instead.
 """
 
@@ -44,6 +47,8 @@ def main() -> int:
     gated = os.environ.get("HEAL_GATE_RANKS")  # the ranks that stop at the gate (default: every one)
     if gated and rank not in {int(r) for r in gated.split(",")}:
         gate = None
+    gate2_round = int(os.environ.get("HEAL_GATE2_ROUND", "-1"))
+    gate2 = Path(os.environ["HEAL_GATE2"]) if os.environ.get("HEAL_GATE2") else None
     mode = os.environ.get("HEAL_MODE")
     client = relay_client()
     taken = client.wait_round
@@ -78,6 +83,10 @@ def main() -> int:
             print(f"heal-stall rank {rank} before round {number}", flush=True)
             while not gate.exists():
                 time.sleep(0.05)
+        if number == gate2_round and gate2 is not None:
+            print(f"heal-stall2 rank {rank} before round {number}", flush=True)
+            while not gate2.exists():
+                time.sleep(0.05)
         bundle = torch.arange(4, dtype=torch.float64) + 1000 * rank + number
         if averager is None:
             all_average([bundle])
@@ -95,4 +104,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("HEAL_START_GATE") and "RANK" in os.environ:  # a rank (the agent runs this file too)
+        print(f"heal-sleep rank {os.environ['RANK']}", flush=True)
+        while not Path(os.environ["HEAL_START_GATE"]).exists():
+            time.sleep(0.05)
     sys.exit(flodld.run(main, init_process_group=False))

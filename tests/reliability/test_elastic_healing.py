@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -162,10 +163,13 @@ async def test_a_walk_in_enters_at_a_round_boundary_with_the_averaged_state(
         await run.until_no_processes(10)
 
 
-async def test_a_walk_in_arriving_in_a_round_in_progress_enters_after_it(tmp_path: Path) -> None:
-    """Ranks 0 and 1 deposit round GATE, rank 2 stops before it: the walk-in's relay comes up in a round in
+async def test_a_walk_in_arriving_in_a_round_in_progress_enters_after_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ranks 0 and 1 deposit round GATE, rank 2 stops before it: the walk-in's rank is ready in a round in
     progress, waits for its end, and enters at GATE + 1 with round GATE's result as its state.
     """
+    caplog.set_level(logging.INFO, logger="flodld.controller.dataplane")
     gate = tmp_path / "gate"
     async with fault_run(_options()) as run:
         program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate),
@@ -175,13 +179,49 @@ async def test_a_walk_in_arriving_in_a_round_in_progress_enters_after_it(tmp_pat
         b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
         await b.wait_for(f"heal-stall rank 2 before round {GATE}", FORMATION_BOUND_SECS)
         c = await run.spawn_agent("c", ranks=1, program=PROGRAM, HEAL_ROUNDS=str(ROUNDS))
-        await c.wait_for("relay: host 'c' ranks [3] -> controller", FORMATION_BOUND_SECS)  # its DATA is up
+        await _until("c's rank connected", lambda: "event=walk_in_ready host=c" in caplog.text)
         assert [j["round"] for j in run.state()["joins"]] == [None]  # round GATE is in progress: it waits
         gate.touch()
         result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
         assert result.verdict is Phase.DONE, (result, c.output[-3000:])
         _check((a, b, c), before=[0, 1, 2], after=[0, 1, 2, 3], walk_in=3, exact=True, entered=GATE + 1)
         assert [(j["rank"], j["round"]) for j in run.state()["joins"]] == [(3, GATE + 1)]
+        await run.until_no_processes(10)
+
+
+async def test_a_walk_in_enters_once_its_ranks_are_ready_and_never_holds_the_members(tmp_path: Path) -> None:
+    """The walk-in's relay comes up while the members wait before round GATE, but its rank is slow to start
+    (it waits for a file before it even connects): the members go on through rounds GATE..later - 1 while
+    it sleeps (had it entered at GATE, they would wait in GATE for its deposit and never get there), and it
+    enters at the first round not started once its rank has connected, with the bytes of the round before.
+    """
+    gate, gate2, awake = tmp_path / "gate", tmp_path / "gate2", tmp_path / "awake"
+    later, rounds = GATE + 10, GATE + 13
+    gates = {"HEAL_ROUNDS": str(rounds), "HEAL_GATE2_ROUND": str(later), "HEAL_GATE2": str(gate2)}
+    async with fault_run(_options()) as run:
+        a, b = await _form(run, gate, **gates)
+        c = await run.spawn_agent("c", ranks=1, program=PROGRAM, HEAL_START_GATE=str(awake), **gates)  # type: ignore[arg-type]
+        await c.wait_for("relay: host 'c' ranks [3] -> controller", FORMATION_BOUND_SECS)  # its DATA is up
+        await c.wait_for("heal-sleep rank 3", FORMATION_BOUND_SECS)
+        gate.touch()  # the members go on while the walk-in's rank sleeps
+        for agent, rank in ((a, 0), (a, 1), (b, 2)):
+            await agent.wait_for(f"heal-stall2 rank {rank} before round {later}", FORMATION_BOUND_SECS)
+        assert [j["round"] for j in run.state()["joins"]] == [None]  # its rank is not connected: not in
+        awake.touch()
+        await _until("c's entry", lambda: [j["round"] for j in run.state()["joins"]] == [later])
+        gate2.touch()
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, c.output[-3000:])
+        results: dict[int, dict[int, str]] = {}
+        for line in _lines("heal-result", a, b, c):
+            results.setdefault(line["round"], {})[line["rank"]] = line["sha256"]
+        for number in range(GATE, later):  # completed by the members while the walk-in slept
+            assert sorted(results[number]) == [0, 1, 2], (number, results[number])
+        (entry,) = _lines("heal-entry", c)
+        assert (entry["rank"], entry["round"], entry["members"]) == (3, later, [0, 1, 2, 3]), entry
+        assert {entry["state_sha256"]} == set(results[later - 1].values()), (entry, results[later - 1])
+        for number in range(later, rounds):
+            assert sorted(results[number]) == [0, 1, 2, 3] and len(set(results[number].values())) == 1
         await run.until_no_processes(10)
 
 
@@ -202,6 +242,40 @@ async def test_a_replacement_heals_the_world_after_a_host_is_lost(tmp_path: Path
         body = run.state()
         assert [(j["rank"], j["host"], j["round"]) for j in body["joins"]] == [(3, "b", GATE)], body["joins"]
         assert {m["host"]: m["link"] for m in body["members"]}["b"] == "closed", body["members"]
+        await run.until_no_processes(10)
+
+
+async def test_with_growth_the_tolerance_bounds_the_ranks_missing_not_every_loss(tmp_path: Path) -> None:
+    """Tolerance 1 and growth: host b is killed and heals back in (rank 3), then killed again and heals back
+    again (rank 4). Two losses over the run, never more than one rank missing at a time: the run finishes
+    degraded, its verdict naming both losses and both joins.
+    """
+    gate, gate2 = tmp_path / "gate", tmp_path / "gate2"
+    second = GATE + 2
+    gates = {"HEAL_GATE2_ROUND": str(second), "HEAL_GATE2": str(gate2)}
+    async with fault_run(_options(bound=3)) as run:
+        a, b = await _form(run, gate, **gates)
+        b.process.send_signal(signal.SIGKILL)
+        await _until("b's loss", lambda: [loss["rank"] for loss in run.state()["losses"]] == [2])
+        b2 = await _walk_in(run, "b", gate, **gates)  # rank 3, enters at GATE; the gate opens
+        for agent, rank in ((a, 0), (a, 1), (b2, 3)):
+            await agent.wait_for(f"heal-stall2 rank {rank} before round {second}", FORMATION_BOUND_SECS)
+        b2.process.send_signal(signal.SIGKILL)
+        await _until("b's second loss", lambda: [loss["rank"] for loss in run.state()["losses"]] == [2, 3])
+        assert run.state()["phase"] == "training", run.state()["reason"]  # one rank missing: within 1
+        b3 = await run.spawn_agent("b", ranks=1, program=PROGRAM, HEAL_ROUNDS=str(ROUNDS))
+        await _until("b's second entry", lambda: [j["round"] for j in run.state()["joins"]] == [GATE, second])
+        gate2.touch()
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, b3.output[-3000:])
+        assert "degraded: ranks [2, 3] lost: rank 2 on 'b'" in result.reason, result.reason
+        assert "ranks [3, 4] healed in: rank 3 on 'b' in round 3; rank 4 on 'b' in round 5" in result.reason
+        joins = [(j["rank"], j["host"], j["round"]) for j in run.state()["joins"]]
+        assert joins == [(3, "b", GATE), (4, "b", second)], joins
+        results: dict[int, list[int]] = {}
+        for line in _lines("heal-result", a, b, b2, b3):
+            results.setdefault(line["round"], []).append(line["rank"])
+        assert sorted(results[second - 1]) == [0, 1, 3] and sorted(results[ROUNDS - 1]) == [0, 1, 4], results
         await run.until_no_processes(10)
 
 

@@ -85,3 +85,85 @@ def test_no_bound_keeps_the_window_closed_after_formation() -> None:
     refused = w.hello(hello("c", 1), T0 + 5)
     assert isinstance(refused, Refused) and refused.code == "window_closed"
     assert w.world is not None and w.world.world_size == 3
+
+
+# The tolerance bounds the current deficit once the world can heal: (events, phase after, deficit). Events on
+# `training(tolerance=1)` (a: ranks 0, 1; b: rank 2): "lose X" loses host X's link, "walk X" walks X in with
+# one rank (admitted), "enter R" has rank R enter the averaging, "exit R" is rank R exiting 1.
+HEALING = [
+    (["lose b"], Phase.TRAINING, 1),
+    (["lose b", "walk b"], Phase.TRAINING, 1),  # admitted but not entered: still missing
+    (["lose b", "walk b", "enter 3"], Phase.TRAINING, 0),
+    (["lose b", "walk b", "enter 3", "lose b"], Phase.TRAINING, 1),  # the walk-in lost in turn
+    (["lose b", "walk b", "enter 3", "lose b", "walk b", "enter 4"], Phase.TRAINING, 0),
+    (["lose b", "walk b", "exit 0"], Phase.FAILED, 2),  # a loss before the walk-in entered
+    (["lose b", "walk b", "enter 3", "exit 0"], Phase.TRAINING, 1),
+    (["lose b", "walk b", "enter 3", "exit 0", "exit 1"], Phase.FAILED, 2),
+    (["walk c", "enter 3", "exit 0"], Phase.TRAINING, 0),  # growth beyond the formed world is a cushion
+]
+
+
+def _replay(w: JoinWindow, events: list[str]) -> None:
+    now = T0 + 3
+    for event in events:
+        verb, what = event.split()
+        now += 1
+        if verb == "lose":
+            w.host_closed(what, now, lost=True, why="agent killed")
+        elif verb == "walk":
+            assert isinstance(w.hello(hello(what, 1), now), Admitted)
+        elif verb == "enter":
+            w.entered((int(what),), int(what) + 10)
+        else:
+            w.rank_exited(int(what), 1, now)
+
+
+def test_with_growth_the_tolerance_bounds_the_ranks_missing_now() -> None:
+    for events, phase, missing in HEALING:
+        w = training(bound=4, tolerance=1)
+        _replay(w, events)
+        assert (w.phase, w.missing_ranks()) == (phase, missing), events
+
+
+def test_without_growth_every_loss_of_the_run_counts() -> None:
+    w = JoinWindow(policy(capacity=3), [], T0, tolerance=1)
+    for host, devices in (("a", 2), ("b", 1)):
+        assert isinstance(w.hello(hello(host, devices), T0 + 1), Admitted)
+    w.tick(T0 + 2)
+    w.form(T0 + 2)
+    w.artifacts_shipped(T0 + 2)
+    w.host_closed("b", T0 + 3, lost=True)
+    assert w.missing_ranks() == 1 and w.phase is Phase.TRAINING
+    refused = w.hello(hello("b", 1), T0 + 4)  # no growth: nothing heals the deficit
+    assert isinstance(refused, Refused) and refused.code == "window_closed"
+    assert w.rank_exited(0, 1, T0 + 5) is Phase.FAILED
+    assert "2 of 3 ranks failed (ranks [0, 2]), over the tolerance of 1" in w.reason
+
+
+def test_the_verdicts_name_the_deficit_the_losses_and_the_joins() -> None:
+    w = training(bound=4, tolerance=1)
+    _replay(w, ["lose b", "walk b", "enter 3", "exit 0", "exit 1"])
+    assert w.reason.startswith(
+        "2 ranks missing of the 3 formed (3 lost: ranks [0, 1, 2], 1 healed in: ranks [3]), over the "
+        "tolerance of 1"
+    ), w.reason
+    healed = training(bound=4, tolerance=1)
+    _replay(healed, ["lose b", "walk b", "enter 3", "lose b", "walk b", "enter 4"])
+    healed.rank_exited(4, 0, T0 + 20)
+    for host in ("a", "b"):
+        healed.host_closed(host, T0 + 21)
+    assert healed.phase is Phase.DONE, healed.reason
+    assert "degraded: ranks [2, 3] lost: rank 2 on 'b' lost with its host" in healed.reason, healed.reason
+    assert "ranks [3, 4] healed in: rank 3 on 'b' in round 13; rank 4 on 'b' in round 14" in healed.reason
+
+
+def test_a_percentage_tolerance_is_fixed_at_formation_under_growth() -> None:
+    w = JoinWindow(policy(capacity=3), [], T0, tolerance_percent=34.0, elastic_max_ranks=6)
+    for host, devices in (("a", 2), ("b", 1)):
+        assert isinstance(w.hello(hello(host, devices), T0 + 1), Admitted)
+    w.tick(T0 + 2)
+    w.form(T0 + 2)
+    w.artifacts_shipped(T0 + 2)
+    assert w.tolerance == 1
+    _replay(w, ["walk c", "walk d", "enter 3", "enter 4"])
+    assert w.tolerance == 1  # the world grew to five; the tolerance stays the formed world's share
