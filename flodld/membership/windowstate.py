@@ -48,8 +48,6 @@ class WindowView(Protocol):
     def joins(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankJoin`
     @property
     def link_counts(self) -> Mapping[str, int]: ...
-    @property
-    def joins(self) -> Mapping[int, StateRow]: ...  # read-only: the window's rows are its own `RankJoin`
 
     def elapsed(self, now: float) -> float: ...
 
