@@ -46,12 +46,14 @@ class WorldShipper:
         in the world's size: no host list.
         """
         assert self.run.address is not None
-        first = world.hosts[0]
+        # ranks: a placeholder every envelope swaps for its host's own (`_envelope`, `ship_walk_in`); never a
+        # host's rank list here, which in a grown world need not be contiguous (a host that walked in again
+        # holds its lost ranks and its fresh ones)
         return WorldEnvelope(
             run_id=self.run.run_id,
             world_size=world.world_size,
-            ranks=list(world.ranks[first]),
-            local_world_size=len(world.ranks[first]),
+            ranks=[0],
+            local_world_size=1,
             controller_host=self.run.options.advertised_host,
             controller_port=self.run.address[1],
             averaging=self.run.options.averaging,

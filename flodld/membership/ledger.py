@@ -58,7 +58,9 @@ class Refused:
 
 @dataclass(frozen=True)
 class World:
-    """The frozen world: hosts in admission order, each with contiguous global ranks."""
+    """The world: hosts in admission order, each with contiguous global ranks at formation (a host of a
+    grown world that was lost and walked in again holds its lost ranks and its fresh ones, two ranges).
+    """
 
     members: tuple[Member, ...]
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -247,7 +247,10 @@ class JoinWindow:
             ranks = self.ledger.retract(host)
             self.tick(now)
             return ranks
-        ranks = self.world.ranks[host] if self.world is not None else self.ledger.ranks_of(host)
+        if self.world is None:
+            ranks = self.ledger.ranks_of(host)
+        else:  # a host that walked in again: its earlier ranks were lost before, only its current ones now
+            ranks = tuple(r for r in self.world.ranks[host] if r not in self._retired)
         self.host_closed(host, now, lost=True)
         return ranks
 

@@ -80,6 +80,23 @@ def test_a_lost_host_walks_in_again_under_its_name_with_fresh_ranks() -> None:
     assert w.phase is Phase.DONE and "degraded: ranks [2] lost" in w.reason
 
 
+def test_the_first_host_walking_in_again_after_another_walk_in_holds_two_rank_ranges() -> None:
+    """Host a (ranks 0, 1, the formed world's first host) is lost; c walks in (rank 3); a walks in again
+    (ranks 4, 5): a's ranks in the world are (0, 1, 4, 5), not one contiguous range, so nothing may build an
+    envelope from a host's whole list (`WorldShipper._envelope_template` took the first host's: the chaos
+    bench's "ranks [0, 1, 10, 11] are not contiguous" verdict). When a's link breaks again, only its current
+    ranks are lost with it.
+    """
+    w = training(bound=4, tolerance=2)
+    w.host_closed("a", T0 + 3, lost=True, why="partitioned")
+    assert isinstance(w.hello(hello("c", 1), T0 + 4), Admitted)
+    outcome = w.hello(hello("a", 2), T0 + 5)
+    assert isinstance(outcome, Admitted) and outcome.ranks == (4, 5)
+    assert w.world is not None and w.world.ranks["a"] == (0, 1, 4, 5)
+    assert w.disconnect("a", T0 + 6) == (4, 5)
+    assert w.failed_ranks() == [0, 1, 4, 5]
+
+
 def test_no_bound_keeps_the_window_closed_after_formation() -> None:
     w = training(bound=None)
     refused = w.hello(hello("c", 1), T0 + 5)
