@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ from flodld.wire.magic import Channel
 # The relay may still be starting when a rank dials; its listener already queues the connection.
 CONNECT_TIMEOUT_SECS = 30.0
 LOST_CONTROLLER_EXIT_CODE = 1
+STACK_DUMP_GRACE_SECS = 0.5  # what a lost-controller exit waits for a stack dump in flight (see `_lost`)
 log = logging.getLogger("flodld.rank")
 Result = Broadcast | ShmResult
 
@@ -501,6 +503,11 @@ class RelayClient:
     def _lost(self, why: str) -> None:
         if self._closing:
             return
+        # A rank declared dead was stopped: its agent sends the stack-dump signal, then CONT, and the relay
+        # has closed its legs. On CONT this thread sees the closed leg at once while faulthandler's C handler
+        # writes every thread's stack; exiting now would cut that dump short (seen in CI under load). The
+        # dump takes well under this; a rank that really lost its controller leaves this much later.
+        time.sleep(STACK_DUMP_GRACE_SECS)
         _exit_now(
             f"flodld rank {self.env.rank}: lost the controller ({why}); exiting instead of hanging",
             LOST_CONTROLLER_EXIT_CODE,
