@@ -363,6 +363,11 @@ class Controller:
         """Stop listening and end every connection (HTTP included). On a borrowed port: take this run's
         handlers off the mux and close its remaining join links; the port and the mux stay up.
         """
+        await self._stop_driving()
+        await self.port.close()
+
+    async def _stop_driving(self) -> None:
+        """Cancel the window's driver and let the background sends finish (each within the abort timeout)."""
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -370,7 +375,6 @@ class Controller:
         for task in list(self._background):
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
-        await self.port.close()
 
     async def release_port(self) -> tuple[PortMux, tuple[str, int]]:
         """Close this run but keep its port listening, the kept links on it, for the next attempt's
@@ -378,13 +382,7 @@ class Controller:
         and the address.
         """
         assert self.address is not None, "release_port() after start()"
-        if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-        for task in list(self._background):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
+        await self._stop_driving()
         await self.port.release()
         return self.mux, self.address
 

@@ -186,19 +186,11 @@ class WorldShipper:
         `REFORM_STOP_SECS` (scaled: an agent's teardown gives its ranks a grace period before the KILL); a
         host still silent is closed.
         """
-        async def send(link: HostLink) -> None:
-            try:
-                link.stream.send_nowait(Reform(reason=reason[:1024]))
-                self.run.counters.frame_out(JOIN_CHANNEL, 0)
-                await asyncio.wait_for(link.stream.drain(), ABORT_TIMEOUT_SECS)
-            except BaseException:
-                link.stream.close()
-                raise
-
         def settled() -> bool:
             return all(link.closed.is_set() or self.run.kept.get(link.host) is link for link in links)
 
-        await asyncio.gather(*(send(link) for link in links), return_exceptions=True)
+        reform = Reform(reason=reason[:1024])
+        await asyncio.gather(*(self._send_ending(link, reform) for link in links), return_exceptions=True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REFORM_STOP_SECS * self.run.options.timeout_scale
         waits = [asyncio.ensure_future(link.closed.wait()) for link in links if not link.closed.is_set()]
@@ -217,8 +209,14 @@ class WorldShipper:
                 link.stream.close()
 
     async def _abort_link(self, link: HostLink, reason: str) -> None:
+        await self._send_ending(link, Abort(reason=reason[:1024]))
+
+    async def _send_ending(self, link: HostLink, message: Abort | Reform) -> None:
+        """Send the attempt's end (Abort, or Reform when a restart keeps the link) and drain it; a link that
+        cannot take it within the abort timeout is closed.
+        """
         try:
-            link.stream.send_nowait(Abort(reason=reason[:1024]))
+            link.stream.send_nowait(message)
             self.run.counters.frame_out(JOIN_CHANNEL, 0)
             await asyncio.wait_for(link.stream.drain(), ABORT_TIMEOUT_SECS)
         except BaseException:
