@@ -22,7 +22,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,6 +142,7 @@ class RelayClient:
         self._shm_reply: ShmAccepted | ShmRefused | None = None
         self._spare = Prefaulted()  # result memory made ready by `reserve`
         self._closing = False
+        self._closed = threading.Event()  # set by close(): a lost-controller exit in its grace stands down
         # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its relay's Entry names its first
         # round and its membership, and the last averaged result follows; its first deposit waits for both.
         self._entry: Entry | None = None
@@ -365,6 +365,7 @@ class RelayClient:
 
     def close(self) -> None:
         self._closing = True
+        self._closed.set()
         self.data.close()
         self.control.close()
         if self.region is not None:
@@ -507,7 +508,9 @@ class RelayClient:
         # has closed its legs. On CONT this thread sees the closed leg at once while faulthandler's C handler
         # writes every thread's stack; exiting now would cut that dump short (seen in CI under load). The
         # dump takes well under this; a rank that really lost its controller leaves this much later.
-        time.sleep(STACK_DUMP_GRACE_SECS)
+        # A client closed meanwhile is being shut down by its owner: no exit then.
+        if self._closed.wait(STACK_DUMP_GRACE_SECS):
+            return
         _exit_now(
             f"flodld rank {self.env.rank}: lost the controller ({why}); exiting instead of hanging",
             LOST_CONTROLLER_EXIT_CODE,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -110,3 +111,30 @@ def test_a_result_with_other_tensors_than_the_rounds_deposit_is_refused_not_hand
     finally:
         client.close()
         relay.close()
+
+
+def test_a_client_closed_while_its_lost_controller_exit_waits_does_not_exit(
+    relay: FakeRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client closed during its lost-controller grace does not exit the process.
+
+    A closed control leg makes the client exit after a short grace (a stack dump may be in flight); a
+    client closed meanwhile is being shut down by its owner. CI lost a whole pytest run this way: a test
+    closed its client inside the grace and the exit that followed took the test process with it.
+    """
+    from flodld.rank import relay_client as module
+
+    exits: list[tuple[str, int]] = []
+    monkeypatch.setattr(module, "_exit_now", lambda message, code: exits.append((message, code)))
+    monkeypatch.setattr(module, "STACK_DUMP_GRACE_SECS", 1.0)
+    env = RankEnvironment(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, controller_host="127.0.0.1",
+        controller_port=1, run_id="r", salt=SALT, device="cpu", backend="gloo", averaging="cpu_sync",
+        relay_port=relay.port, fold="mean", cadence=1, host="h", liveness_timeout=60, heartbeat_interval=5,
+    )
+    client = RelayClient(env)
+    relay.close()  # the relay closes both legs: the client's control reader starts its grace
+    time.sleep(0.3)
+    client.close()
+    time.sleep(1.5)  # past the grace
+    assert exits == []
