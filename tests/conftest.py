@@ -12,9 +12,18 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
+
+# A test run started in the background by a non-interactive shell (`./.ci/run &`, `nohup make test &`)
+# inherits SIGINT ignored, and exec keeps an ignored signal ignored: every `fdl` a test starts would then
+# ignore the SIGINT a test sends it (Ctrl-C), and `fdl logs --follow` never stops. Tests are about the
+# programs' own Ctrl-C handling, so the test process takes Python's default back, and its children get
+# the default disposition at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def require_capability(name: str, available: bool, why: str) -> None:
