@@ -246,33 +246,50 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
                     ExitClass.PERMANENT,
                 )
             salt = salt_from_hex(reply.salt_hex)
-            stream.rekey(salt)
-        wait = reply.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
-        formed = await _receive(stream, wait, where, pre_shared, before_reply=False)
-        if isinstance(formed, Reform):  # it failed before it formed and the run restarts: stay linked
-            await stream.send(Stopped())
+        rekey = None if pre_shared else salt
+        formed = await _await_formation(stream, reply, where, hello, pre_shared=pre_shared, rekey=rekey)
+        if formed is None:  # it failed before it formed and the run restarts: stay linked
             return await rejoin(stream, spec, hello)
-        if isinstance(formed, Abort):
-            raise JoinFailed(
-                f"controller {where} aborted the run before it formed: {formed.reason}", ExitClass.TRANSIENT
-            )
-        if not isinstance(formed, WorldFormed):
-            raise JoinFailed(
-                f"expected WorldFormed or Abort, got {type(formed).__name__} — protocol violation",
-                ExitClass.PERMANENT,
-            )
-        if len(formed.envelope.ranks) != len(hello.devices):
-            raise JoinFailed(
-                f"controller assigned {len(formed.envelope.ranks)} rank(s) for {len(hello.devices)} "
-                "device(s) — protocol violation",
-                ExitClass.PERMANENT,
-            )
     except BaseException:
         stream.close()
         raise
     return Joined(
         stream, reply, rewrite_controller_address(formed, spec.controller_host, spec.controller_port), salt
     )
+
+
+async def _await_formation(
+    stream: FramedStream, accept: Accept, where: str, hello: Hello, *, pre_shared: bool, rekey: bytes | None
+) -> WorldFormed | None:
+    """After `accept`: the world it formed for `hello`'s devices, or None when the controller sent `Reform`
+    instead (answered here with `Stopped`: the run restarts and this link stays for the next attempt).
+    Raises JoinFailed on Abort, on any other message, or on a rank count other than the devices offered.
+    `rekey`: the salt the Accept carried (open admission, or the next attempt's), which the link's keys
+    change to first.
+    """
+    if rekey is not None:
+        stream.rekey(rekey)
+    wait = accept.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
+    formed = await _receive(stream, wait, where, pre_shared, before_reply=False)
+    if isinstance(formed, Reform):
+        await stream.send(Stopped())
+        return None
+    if isinstance(formed, Abort):
+        raise JoinFailed(
+            f"controller {where} aborted the run before it formed: {formed.reason}", ExitClass.TRANSIENT
+        )
+    if not isinstance(formed, WorldFormed):
+        raise JoinFailed(
+            f"expected WorldFormed or Abort, got {type(formed).__name__} — protocol violation",
+            ExitClass.PERMANENT,
+        )
+    if len(formed.envelope.ranks) != len(hello.devices):
+        raise JoinFailed(
+            f"controller assigned {len(formed.envelope.ranks)} rank(s) for {len(hello.devices)} "
+            "device(s) — protocol violation",
+            ExitClass.PERMANENT,
+        )
+    return formed
 
 
 async def _receive(
@@ -329,24 +346,10 @@ async def rejoin(stream: FramedStream, spec: AgentSpec, hello: Hello) -> Joined:
                     ExitClass.PERMANENT,
                 )
             salt = salt_from_hex(reply.salt_hex)
-            stream.rekey(salt)
-            wait = reply.formation_wait_secs + FORMATION_WAIT_MARGIN_SECS
-            formed = await _receive(stream, wait, where, True, before_reply=False)
-            if isinstance(formed, Reform):  # that attempt failed before it formed, and another follows
-                await stream.send(Stopped())
-                continue
-            if isinstance(formed, Abort):
-                raise JoinFailed(
-                    f"controller {where} aborted the run before it formed: {formed.reason}",
-                    ExitClass.TRANSIENT,
-                )
-            if not isinstance(formed, WorldFormed) or len(formed.envelope.ranks) != len(hello.devices):
-                raise JoinFailed(
-                    f"expected a WorldFormed for {len(hello.devices)} rank(s), got {type(formed).__name__} — "
-                    "protocol violation",
-                    ExitClass.PERMANENT,
-                )
-            break
+            formed = await _await_formation(stream, reply, where, hello, pre_shared=True, rekey=salt)
+            if formed is not None:
+                break
+            # That attempt failed before it formed, and another follows.
     except BaseException:
         stream.close()
         raise

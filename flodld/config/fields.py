@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
@@ -64,6 +65,16 @@ EnvMap = Annotated[dict[EnvKey, EnvValue], Field(max_length=4096)]
 """Environment variables for rank children; values are strings (quote numbers in YAML: "1")."""
 
 
+@dataclass(frozen=True)
+class KnobSpelling:
+    """How one surface (the cluster config, `flodld serve`'s flags) writes the averaging knobs' fixes."""
+
+    remove_straggler_timeout: str  # "remove straggler_timeout"
+    cadence_mode: str  # "averaging: cpu_cadence"
+    growth: str  # "join.elastic_max_ranks"
+    growth_fix: str  # "set averaging: cpu_sync, cpu_cadence or cpu_async, or remove elastic_max_ranks"
+
+
 class AveragingMode(StrEnum):
     """How ranks average parameters.
 
@@ -90,16 +101,24 @@ class AveragingMode(StrEnum):
         """Steps between averaging rounds when `cadence:` is not written."""
         return 1 if self.is_sync else 10
 
-    def straggler_timeout_error(self, remove: str, choose: str) -> str | None:
-        """Why a straggler timeout cannot apply to this mode, naming the fix as the caller spells it (`remove`
-        the timeout, or `choose` a mode whose rounds may close early); None for cpu_cadence and cpu_async.
+    def check_elastic_knobs(
+        self, straggler_timeout: float | None, elastic_max_ranks: int | None, spelling: KnobSpelling
+    ) -> None:
+        """Refuse (ValueError) the elastic-averaging knobs this mode cannot honour, naming the fix as the
+        caller's surface spells it: a straggler timeout outside cpu_cadence and cpu_async (a round of any
+        other mode waits for every live rank), growth during training outside the CPU modes.
         """
-        if self in (AveragingMode.CPU_CADENCE, AveragingMode.CPU_ASYNC):
-            return None
-        return (
-            f"straggler_timeout applies to cpu_cadence and cpu_async, not {self.value}: a round of any other "
-            f"mode waits for every live rank ({remove}, or choose {choose})"
-        )
+        if straggler_timeout is not None and self not in (AveragingMode.CPU_CADENCE, AveragingMode.CPU_ASYNC):
+            raise ValueError(
+                f"straggler_timeout applies to cpu_cadence and cpu_async, not {self.value}: a round of any "
+                f"other mode waits for every live rank ({spelling.remove_straggler_timeout}, or choose "
+                f"{spelling.cadence_mode})"
+            )
+        if elastic_max_ranks is not None and not self.is_cpu:
+            raise ValueError(
+                f"{spelling.growth} (growth during training) needs a CPU averaging mode, not {self.value}: a "
+                f"process group cannot take a new member mid-run ({spelling.growth_fix})"
+            )
 
     @classmethod
     def cpu_modes(cls) -> tuple[AveragingMode, ...]:

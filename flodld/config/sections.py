@@ -24,12 +24,19 @@ from flodld.config.fields import (
     EnvMap,
     Flag,
     Host,
+    KnobSpelling,
     SshConfig,
     Text,
 )
 from flodld.config.join import JoinConfig
 
 DEFAULT_CONTROLLER_PORT = 1337
+CONFIG_SPELLING = KnobSpelling(
+    remove_straggler_timeout="remove straggler_timeout",
+    cadence_mode="averaging: cpu_cadence",
+    growth="join.elastic_max_ranks",
+    growth_fix="set averaging: cpu_sync, cpu_cadence or cpu_async, or remove elastic_max_ranks",
+)
 
 ControllerPort = Annotated[int, Field(strict=True, ge=0, le=65535)]
 InterfaceName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")]
@@ -63,20 +70,10 @@ class ControllerConfig(BaseModel):
     that have not deposited (skipped for that round only; docs/elastic-averaging.md). None: wait."""
 
     @model_validator(mode="after")
-    def _straggler_timeout_needs_a_round_that_may_close_early(self) -> ControllerConfig:
-        error = self.averaging.straggler_timeout_error("remove straggler_timeout", "averaging: cpu_cadence")
-        if self.straggler_timeout is not None and error is not None:
-            raise ValueError(error)
-        return self
-
-    @model_validator(mode="after")
-    def _growth_needs_cpu_averaging(self) -> ControllerConfig:
-        if self.join.elastic_max_ranks is not None and not self.averaging.is_cpu:
-            raise ValueError(
-                f"join.elastic_max_ranks (growth during training) needs a CPU averaging mode, not "
-                f"{self.averaging.value}: a process group cannot take a new member mid-run (set averaging: "
-                "cpu_sync, cpu_cadence or cpu_async, or remove elastic_max_ranks)"
-            )
+    def _elastic_knobs_need_their_modes(self) -> ControllerConfig:
+        self.averaging.check_elastic_knobs(
+            self.straggler_timeout, self.join.elastic_max_ranks, CONFIG_SPELLING
+        )
         return self
 
     @property

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flodld.config.fields import AveragingMode
+from flodld.config.fields import AveragingMode, KnobSpelling
 from flodld.config.join import JoinConfig
 from flodld.config.models import ClusterConfig
 from flodld.membership.snapshot import AttemptState, EarlierAttempt
@@ -21,6 +21,12 @@ from flodld.net.timeouts import MIN_TIMEOUT_SCALE, TIMEOUT_SCALE_ENV, TimeoutSca
 DEFAULT_PORT = 1337
 LOOPBACK_BIND = "127.0.0.1"
 NETWORK_BIND = "0.0.0.0"
+FLAG_SPELLING = KnobSpelling(
+    remove_straggler_timeout="drop --straggler-timeout",
+    cadence_mode="--averaging cpu_cadence",
+    growth="elastic_max_ranks",
+    growth_fix="choose --averaging cpu_sync, cpu_cadence or cpu_async, or drop --elastic-max-ranks",
+)
 
 
 class ControllerOptions(BaseModel):
@@ -136,20 +142,8 @@ class ControllerOptions(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _straggler_timeout_needs_a_round_that_may_close_early(self) -> ControllerOptions:
-        error = self.averaging.straggler_timeout_error("drop --straggler-timeout", "--averaging cpu_cadence")
-        if self.straggler_timeout is not None and error is not None:
-            raise ValueError(error)
-        return self
-
-    @model_validator(mode="after")
-    def _growth_needs_cpu_averaging(self) -> ControllerOptions:
-        if self.join.elastic_max_ranks is not None and not self.averaging.is_cpu:
-            raise ValueError(
-                f"elastic_max_ranks (growth during training) needs a CPU averaging mode, not "
-                f"{self.averaging.value}: a process group cannot take a new member mid-run (choose "
-                "--averaging cpu_sync, cpu_cadence or cpu_async, or drop --elastic-max-ranks)"
-            )
+    def _elastic_knobs_need_their_modes(self) -> ControllerOptions:
+        self.averaging.check_elastic_knobs(self.straggler_timeout, self.join.elastic_max_ranks, FLAG_SPELLING)
         return self
 
     @property

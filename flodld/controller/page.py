@@ -12,7 +12,7 @@ countdowns between polls. Serving it (routes, security headers, the assets) is
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flodld.controller.wording import (
@@ -265,37 +265,52 @@ def _root_cause(state: Mapping[str, Any]) -> str:
     )
 
 
+def _listed_section(
+    state: Mapping[str, Any],
+    key: str,
+    title: str,
+    headers: Sequence[str],
+    row: Callable[[Mapping[str, Any]], str],
+    more_noun: str | None = None,
+) -> str:
+    """A table of the objects state.json lists under `key` (also the section's id), one `row` each, at most
+    `MAX_ROWS` (with the "not shown" line naming `more_noun`, if any); `title` formats with their count.
+    Nothing when there are none.
+    """
+    entries = _entries(state, key)
+    if not entries:
+        return ""
+    rows = "".join(row(entry) for entry in entries[:MAX_ROWS])
+    more = _not_shown(len(entries), more_noun) if more_noun is not None else ""
+    return _table_section(key, title.format(len(entries)), headers, rows, more)
+
+
+def _rank_and_host(x: Mapping[str, Any]) -> str:
+    return f"<td>{as_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
+
+
+def _round(x: Mapping[str, Any], unknown: str = "") -> str:
+    return _e(unknown if x.get("round") is None else str(as_int(x.get("round"))))
+
+
+def _loss_row(x: Mapping[str, Any]) -> str:
+    return f'<tr>{_rank_and_host(x)}<td class="bad">{_e(x.get("cause") or "")}</td><td>{_round(x)}</td></tr>'
+
+
 def _losses(state: Mapping[str, Any]) -> str:
     """Ranks the run lost (state.json's `losses`): rank, host, cause and the round it was in."""
-    losses = _entries(state, "losses")
-    if not losses:
-        return ""
-    rows = "".join(
-        f"<tr><td>{as_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
-        f'<td class="bad">{_e(x.get("cause") or "")}</td>'
-        f"<td>{_e('' if x.get('round') is None else str(as_int(x.get('round'))))}</td></tr>"
-        for x in losses[:MAX_ROWS]
-    )
-    more = _not_shown(len(losses), "losses")
     headers = ("rank", "host", "cause", "round")
-    return _table_section("losses", f"lost ranks ({len(losses)})", headers, rows, more)
+    return _listed_section(state, "losses", "lost ranks ({})", headers, _loss_row, "losses")
+
+
+def _join_row(x: Mapping[str, Any]) -> str:
+    return f"<tr>{_rank_and_host(x)}<td>{_round(x, 'waiting')}</td></tr>"
 
 
 def _joins(state: Mapping[str, Any]) -> str:
     """Ranks that walked in during training (state.json's `joins`): rank, host and the round it entered."""
-    joins = [x for x in (state.get("joins") or []) if isinstance(x, Mapping)]
-    if not joins:
-        return ""
-    rows = "".join(
-        f"<tr><td>{as_int(x.get('rank'))}</td><td>{_e(x.get('host') or '')}</td>"
-        f"<td>{_e('waiting' if x.get('round') is None else str(as_int(x.get('round'))))}</td></tr>"
-        for x in joins[:MAX_ROWS]
-    )
-    more = _more(len(joins) - MAX_ROWS, "joins") if len(joins) > MAX_ROWS else ""
-    return (
-        f'<section id="joins"><h2>walked-in ranks ({len(joins)})</h2><table><thead><tr><th>rank</th>'
-        f"<th>host</th><th>entered at round</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>"
-    )
+    headers = ("rank", "host", "entered at round")
+    return _listed_section(state, "joins", "walked-in ranks ({})", headers, _join_row, "joins")
 
 
 def _delay(value: object) -> str:
@@ -305,19 +320,18 @@ def _delay(value: object) -> str:
     return f"{float(value):.3f} s"
 
 
-def _stragglers(state: Mapping[str, Any]) -> str:
-    """The slowest ranks (state.json's `stragglers`): how late their deposits reach the fold."""
-    slow = _entries(state, "stragglers")
-    if not slow:
-        return ""
-    rows = "".join(
+def _straggler_row(x: Mapping[str, Any]) -> str:
+    return (
         f"<tr><td>{as_int(x.get('rank'))}</td><td>{_e(_delay(x.get('mean_delay_secs')))}</td>"
         f"<td>{_e(_delay(x.get('last_delay_secs')))}</td><td>{as_int(x.get('rounds'))}</td>"
         f"<td>{as_int(x.get('skipped', 0))}</td></tr>"
-        for x in slow[:MAX_ROWS]
     )
+
+
+def _stragglers(state: Mapping[str, Any]) -> str:
+    """The slowest ranks (state.json's `stragglers`): how late their deposits reach the fold."""
     headers = ("rank", "mean delay", "last delay", "rounds", "skipped")
-    return _table_section("stragglers", "slowest ranks", headers, rows)
+    return _listed_section(state, "stragglers", "slowest ranks", headers, _straggler_row)
 
 
 def _attempt(state: Mapping[str, Any]) -> str:

@@ -27,6 +27,7 @@ from flodld.controller.options import ControllerOptions
 from flodld.controller.service import assemble_controller
 from flodld.fanout.drive import drive_run
 from flodld.fanout.launcher import AgentExit, FanOut, FanOutError, plan_agent, probe_device_count, workdir_for
+from flodld.fanout.localagent import stop_local_agent
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt
 from flodld.membership.supervisor import (
@@ -330,15 +331,8 @@ class _FanOutShell:
             else:
                 await self.fanout.stop()
         for host, process in self.local_agents.items():
-            if host in keep:
-                continue
-            if process.returncode is None:
-                process.terminate()
-                try:
-                    await asyncio.wait_for(process.wait(), self.grace_s + 5)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+            if host not in keep:
+                await stop_local_agent(process, self.grace_s)
 
     async def _end_attempt(self, keep: frozenset[str] = frozenset()) -> tuple[Any, tuple[str, int]] | None:
         """Nothing of the current attempt is left: timers, agents on every host, its controller. With `keep`

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
+from flodld.fanout.localagent import stop_local_agent
 from flodld.fanout.ssh import SshEndpoint
 
 FORWARD_READY_TIMEOUT_S = 30.0
@@ -288,10 +289,4 @@ async def run_agent_through_forward(
         try:
             return await process.wait()
         finally:
-            if process.returncode is None:
-                process.terminate()
-                try:
-                    await asyncio.wait_for(process.wait(), spec.grace_secs + 5)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+            await stop_local_agent(process, spec.grace_secs)

@@ -209,13 +209,7 @@ class ModularFold:
 
     def identity(self, like: Bundle) -> Bundle:
         for index, tensor in enumerate(like):
-            if tensor.dtype != torch.int64:
-                raise FoldError(f"tensor {index} has dtype {tensor.dtype}; the modular fold needs int64")
-            if tensor.dim() < 2 or tensor.shape[-2] != len(self.moduli):
-                raise FoldError(
-                    f"tensor {index} has shape {tuple(tensor.shape)}; the modular fold needs [..., limb, N] "
-                    f"with {len(self.moduli)} limb(s), one per modulus"
-                )
+            self._check_layout(index, tensor)
         return tuple(torch.zeros_like(tensor) for tensor in like)
 
     def add(self, accumulator: Bundle, value: Bundle) -> Bundle:
@@ -233,17 +227,24 @@ class ModularFold:
         """Refuse values outside [0, q) per limb: out-of-range input would wrap int64 or skew the sum."""
         if tensor.numel() == 0:
             return
-        if tensor.dtype != torch.int64:
-            raise FoldError(f"tensor {index} has dtype {tensor.dtype}; the modular fold needs int64")
-        if tensor.dim() < 2 or tensor.shape[-2] != len(self.moduli):
-            raise FoldError(
-                f"tensor {index} has shape {tuple(tensor.shape)}; the modular fold needs [..., limb, N] "
-                f"with {len(self.moduli)} limb(s), one per modulus"
-            )
+        self._check_layout(index, tensor)
         if bool((tensor < 0).any()) or bool((tensor >= self._column).any()):
             raise FoldError(
                 f"tensor {index} holds residues outside [0, q) for its limb's modulus q {list(self.moduli)}; "
                 "reduce every residue modulo its limb's prime before depositing"
+            )
+
+    def _check_layout(self, index: int, tensor: torch.Tensor) -> None:
+        """Refuse a tensor that is not int64 `[..., limb, N]` with one limb per modulus."""
+        if tensor.dtype != torch.int64:
+            raise FoldError(f"tensor {index} has dtype {tensor.dtype}; the modular fold needs int64")
+        self._check_limbs(index, tuple(tensor.shape))
+
+    def _check_limbs(self, index: int, shape: tuple[int, ...]) -> None:
+        if len(shape) < 2 or shape[-2] != len(self.moduli):
+            raise FoldError(
+                f"tensor {index} has shape {shape}; the modular fold needs [..., limb, N] "
+                f"with {len(self.moduli)} limb(s), one per modulus"
             )
 
     def finish(self, accumulator: Bundle, weight: float) -> Bundle:
@@ -253,11 +254,7 @@ class ModularFold:
 
     def _slice_moduli(self, span: Span, count: int) -> list[tuple[int, int, torch.Tensor]]:
         """(begin, end, modulus column) per run of the slice: whole rows of N share a column of moduli."""
-        if len(span.shape) < 2 or span.shape[-2] != len(self.moduli):
-            raise FoldError(
-                f"tensor {span.index} has shape {span.shape}; the modular fold needs [..., limb, N] "
-                f"with {len(self.moduli)} limb(s), one per modulus"
-            )
+        self._check_limbs(span.index, span.shape)
         width, limbs = span.shape[-1], len(self.moduli)
         runs: list[tuple[int, int, torch.Tensor]] = []
         position, end = span.start, span.start + count

@@ -314,11 +314,17 @@ class RunSupervisor:
             )
         return [*actions, StartAttempt(number, self.max_restarts, tuple(sorted(kept)))]
 
+    def _gone(self, host: str, code: int) -> bool:
+        """Record that `host`'s agent is gone with `code`; False if it was not live (nothing to do)."""
+        if host not in self._live:
+            return False
+        self._live.discard(host)
+        self.attempt.agent_codes[host] = code
+        return True
+
     def _agent_exited_running(self, event: AgentExited) -> list[Action]:
-        if event.host not in self._live:
+        if not self._gone(event.host, event.code):
             return []
-        self._live.discard(event.host)
-        self.attempt.agent_codes[event.host] = event.code
         if not self._formed:
             if self._stopping:
                 return []
@@ -336,11 +342,7 @@ class RunSupervisor:
         return []
 
     def _host_lost_running(self, event: HostLost) -> list[Action]:
-        if event.host not in self._live:
-            return []
-        self._live.discard(event.host)
-        self.attempt.agent_codes[event.host] = LOST_CODE
-        if self._stopping:
+        if not self._gone(event.host, LOST_CODE) or self._stopping:
             return []
         if self.attempt.number and not self._formed and self._live:
             # At a restart, a host that cannot be reached is left out: the window forms without it when the
@@ -392,10 +394,8 @@ class RunSupervisor:
     # --- concluding -------------------------------------------------------------------------
 
     def _agent_exited_concluding(self, event: AgentExited) -> list[Action]:
-        if event.host not in self._live:
+        if not self._gone(event.host, event.code):
             return []
-        self._live.discard(event.host)
-        self.attempt.agent_codes[event.host] = event.code
         return [] if self._live else self._conclude()
 
     def _host_lost_concluding(self, event: HostLost) -> list[Action]:
