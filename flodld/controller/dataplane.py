@@ -421,7 +421,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
     never heard from gets FLODL_LIVENESS_STARTUP_SECS (120 s, scaled, at least the timeout) to start.
     A rank declared dead goes to `controller.rank_lost`: its host is lost and the run fails beyond
     the tolerance, the reason naming rank and silence. A run that survives a rank's loss
-    (`controller.survives_rank_loss`) declares a silent rank dead after 5 s by default instead of 30 s.
+    (`controller.losses.survives_rank_loss`) declares a silent rank dead after 5 s by default instead of 30 s.
     """
     import os
 
@@ -459,7 +459,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             and window.world is not None
             and controller.options.cpu_averaging
         ):
-            liveness = timeouts[controller.survives_rank_loss]
+            liveness = timeouts[controller.losses.survives_rank_loss]
             startup = max(liveness, startup_secs)
             plane = DataPlane(
                 controller.salt,
@@ -481,7 +481,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             plane.start()
             planes.append(plane)
             controller.round_in_progress = plane.round_in_progress
-            plane.on_rank_round = controller.rank_round
+            plane.on_rank_round = controller.losses.rank_round
             controller.expect_walk_in = plane.expect
             plane.walk_ins.on_entered = controller.ranks_entered
         if planes and phase in TERMINAL_PHASES:
