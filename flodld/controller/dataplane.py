@@ -13,7 +13,8 @@ of a `RankWatch` (rankwatch.py): a coordinator heartbeat goes down every interva
 past the timeout is declared dead: its relay folds it out, and `on_rank_dead` tells the rest of the
 controller.
 
-A rank that leaves (RankGone, its relay gone, declared dead) leaves all of them through `_rank_left`.
+A rank that leaves (RankGone, its relay's DATA channel closed, declared dead) leaves the barrier, the
+liveness table and the walk-ins' waiting list in one place: `_rank_left`.
 
 Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
 `mux.register(Channel.CONTROL, plane.handle_control)`, then `plane.start()`.
