@@ -51,400 +51,36 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
-import math
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from fhelium.core import Ciphertext, PublicKey, SecretKey
-from fhelium.engine import CkksEngine
-from fhelium.engine.parameters import CkksParameters
-from flodld_fhelium.aggregation import (
-    AGGREGATION_PARAMETERS,
-    decrypt_mean,
-    encrypt_update,
-    expected_mean,
-    link_program,
-    make_update,
+from aggregate_pipelines import (
+    floor,
+    ours,
+    threshold,
+    threshold_program,
+    usual_on_our_engine,
+    usual_with_tenseal,
 )
-from flodld_fhelium.transport import KEY_HOLDER, ProcessGroupTransport
+from aggregate_tables import DEFENCE_ROADS, summarize, summarize_defence, summarize_t_of_n
 
-# TenSEAL's tutorial context: poly_modulus_degree 8192, coeff_mod_bit_sizes [60, 40, 40, 60], scale 2^40.
-# Our kernels cap primes at 50 bits, so the 60-bit outer primes become 50-bit ones (same limb count).
-TENSEAL_STYLE_PARAMETERS = CkksParameters(
-    log_ring_degree=13, scale_bits=40, scale_prime_bits=(40, 40), base_prime_bits=50, special_prime_bits=50
-)
+from flodld_fhelium.aggregation import expected_mean, make_update
+
 SEED = 7
-_THRESHOLD_RUNS = itertools.count()
+DEFENCE_PIPELINES = {"threshold": threshold, "threshold_program": threshold_program}
 
 
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def timed_barrier() -> float:
-    dist.barrier()
-    return time.perf_counter()
-
-
-def floor(update: torch.Tensor) -> float:
-    best = math.inf
-    for _ in range(3):
-        buffer = update.clone()
-        started = timed_barrier()
-        dist.all_reduce(buffer)
-        dist.barrier()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def ours(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
-    import fhelium.distributed as fdist
-
-    engine = CkksEngine(AGGREGATION_PARAMETERS)
-    transport = ProcessGroupTransport()
-    executable = link_program(transport, engine, lower=False)
-    started = timed_barrier()
-    cpu_started = time.process_time()
-    secret = engine.generate_secret_key() if rank == KEY_HOLDER else None
-    public = fdist.broadcast_key(
-        engine.generate_public_key(secret) if secret is not None else None, src=KEY_HOLDER
-    )
-    assert isinstance(public, PublicKey), f"the key holder broadcast a {type(public).__name__}"
-    encrypt_started = time.perf_counter()
-    ciphertext = encrypt_update(engine, update, public, world_size=world)
-    encrypt_seconds = time.perf_counter() - encrypt_started
-    (total,) = executable.run(ciphertext)
-    mean = decrypt_mean(engine, total, secret, update.numel(), world) if secret is not None else None
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    trace = fdist.ReductionTrace()
-    fdist.all_reduce_ciphertext(ciphertext.clone(), engine=engine, trace=trace)
-    nbytes = ciphertext.data.numel() * ciphertext.data.element_size()
-    if trace.algorithm == "sum":
-        # One gloo all-reduce, counted as a ring: 2(P-1)/P of the payload per rank in 2(P-1) steps.
-        bytes_sent, rounds = 2 * (world - 1) * nbytes // world, 2 * (world - 1)
-    else:
-        # Tree messages, plus the final broadcast counted as the root sending one copy to every peer.
-        bytes_sent = (
-            trace.messages_sent + (world - 1) * (rank == KEY_HOLDER) * trace.final_broadcasts
-        ) * nbytes
-        rounds = trace.schedule_rounds + 1
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "encrypt_seconds": encrypt_seconds,
-        "error": float((mean - truth).abs().max()) if mean is not None else None,
-        "bytes_sent": bytes_sent,
-        "rounds": rounds,
-    }
-
-
-def aggregate(
-    session: Any,  # noqa: ANN401  a ThresholdSession (imported lazily, as the pipelines do)
-    values: torch.Tensor,
-    sum_c1: Callable[[Ciphertext], torch.Tensor] | None,
-    check_sums: bool,
-) -> torch.Tensor:
-    """``session.aggregate``, or with ``check_sums=False`` the same protocol trusting the fold: the
-    baseline of ``--defence-ratio`` (what the sum checks cost), never a way to run aggregations.
-    """
-    if check_sums:
-        summed: torch.Tensor = session.aggregate(values, sum_c1=sum_c1)
-    else:
-        summed = session._aggregate(
-            values, record=None, before_contribution=None, sum_c1=sum_c1, check_sums=False
-        )
-    return summed
-
-
-def threshold_program(
-    rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, check_sums: bool = True
-) -> dict[str, Any]:
-    from fhelium.multiparty.channel import ProcessGroupChannel
-    from fhelium.multiparty.distributed import ThresholdSession
-
-    # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
-    name = f"bench-program-{next(_THRESHOLD_RUNS)}"
-    channel = ProcessGroupChannel(session=name, timeout_s=600)
-    session = ThresholdSession(channel, session=name)
-    engine = session.engine
-    executable = link_program(ProcessGroupTransport(), engine, lower=False)
-    slots = engine.slot_count
-    rows = max(1, -(-update.numel() // slots))
-    padded = torch.zeros(rows * slots, dtype=torch.float64)
-    padded[: update.numel()] = update.double()
-    started = timed_barrier()
-    cpu_started = time.process_time()
-    session.generate_public_key()
-    encrypt_seconds = 0.0
-    encrypt = session.party.encrypt
-
-    def timed_encrypt(values: torch.Tensor, public: PublicKey) -> Ciphertext:
-        nonlocal encrypt_seconds
-        encrypt_started = time.perf_counter()
-        try:
-            return encrypt(values, public)
-        finally:
-            encrypt_seconds += time.perf_counter() - encrypt_started
-
-    def sum_c1(c1_only: Ciphertext) -> torch.Tensor:
-        (total,) = executable.run(c1_only)
-        summed: torch.Tensor = total.data[1]
-        return summed
-
-    # the flagship's relay road: the Program sums c1-only ciphertexts, the sums are checked, c0_i + h_i
-    session.party.encrypt = timed_encrypt  # type: ignore[method-assign]
-    aggregate_started, aggregate_cpu_started = time.perf_counter(), time.process_time()
-    summed = aggregate(session, padded.view(rows, slots), sum_c1, check_sums)
-    mean = summed.reshape(-1)[: update.numel()] / world
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    aggregate_seconds = time.perf_counter() - aggregate_started
-    aggregate_cpu_seconds = time.process_time() - aggregate_cpu_started
-    # Three SUM all-reduces (key shares, the c1-only ciphertexts with their zeroed c0, the contributions),
-    # each counted as a ring, plus six all_gathers: seed commitments, reveals, key share commitments and
-    # key fingerprints (64 KiB records), the opened key shares (1 MiB records); the sum checks' records
-    # (a digest and one [limbs, N] projection per rank and sum) are not counted.
-    from fhelium.multiparty.channel import MAX_RECORD_BYTES
-    from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
-
-    residue_bytes = 3 * rows * engine.q_count * engine.ring_degree * 8
-    residue_bytes += engine.ring_degree * len(engine.moduli) * 8
-    record_bytes = (world - 1) * (4 * (MAX_RECORD_BYTES + 8) + MAX_KEY_SHARE_BYTES + 8)
-    slot_bytes = 0  # every rank decodes every row (the blocking path, as on the relay road)
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "encrypt_seconds": encrypt_seconds,
-        "aggregate_seconds": aggregate_seconds,
-        "aggregate_cpu_seconds": aggregate_cpu_seconds,
-        "error": float((mean - truth).abs().max()),
-        "bytes_sent": 2 * (world - 1) * residue_bytes // world + record_bytes + slot_bytes,
-        "rounds": 3 * 2 * (world - 1) + 6 * (world - 1),
-    }
-
-
-def threshold(
-    rank: int,
-    world: int,
-    update: torch.Tensor,
-    truth: torch.Tensor,
-    check_sums: bool = True,
-    t_of_n: int | None = None,
-) -> dict[str, Any]:
-    from fhelium.multiparty.channel import ProcessGroupChannel
-    from fhelium.multiparty.distributed import ThresholdSession
-
-    # a fresh session name per repeat: the arrival marks of one repeat must not satisfy the next's waits
-    name = f"bench-{next(_THRESHOLD_RUNS)}"
-    channel = ProcessGroupChannel(session=name, timeout_s=600)
-    session = ThresholdSession(channel, session=name, threshold=t_of_n)
-    engine = session.engine
-    slots = engine.slot_count
-    rows = max(1, -(-update.numel() // slots))
-    padded = torch.zeros(rows * slots, dtype=torch.float64)
-    padded[: update.numel()] = update.double()
-    started = timed_barrier()
-    cpu_started = time.process_time()
-    session.generate_public_key()
-    encrypt_seconds = 0.0
-
-    def timed(encrypt: Callable[[torch.Tensor, PublicKey], Ciphertext]) -> Callable[..., Ciphertext]:
-        def timed_encrypt(values: torch.Tensor, public: PublicKey) -> Ciphertext:
-            nonlocal encrypt_seconds
-            encrypt_started = time.perf_counter()
-            try:
-                return encrypt(values, public)
-            finally:
-                encrypt_seconds += time.perf_counter() - encrypt_started
-
-        return timed_encrypt
-
-    # aggregate encrypts with encrypt_flooded (the flooding noise drawn with the encryption)
-    session.party.encrypt = timed(session.party.encrypt)  # type: ignore[method-assign]
-    session.party.encrypt_flooded = timed(session.party.encrypt_flooded)  # type: ignore[method-assign]
-    aggregate_started, aggregate_cpu_started = time.perf_counter(), time.process_time()
-    summed = aggregate(session, padded.view(rows, slots), None, check_sums)
-    mean = summed.reshape(-1)[: update.numel()] / world
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    aggregate_seconds = time.perf_counter() - aggregate_started
-    aggregate_cpu_seconds = time.process_time() - aggregate_cpu_started
-    # Two SUM all-reduces counted as rings: the key shares (QP) and the ciphertexts' c1 (Q); the
-    # c0_i + h_i contributions, each slice reduced to the rank that decodes it (counted as each rank
-    # sending the other ranks' slices); six all_gathers: seed commitments, reveals, key share
-    # commitments and key fingerprints (64 KiB records), the opened key shares (1 MiB records) and
-    # each rank's slice of the decoded real slots (float64).
-    from fhelium.multiparty.channel import MAX_RECORD_BYTES
-    from fhelium.multiparty.keygen import MAX_KEY_SHARE_BYTES
-
-    limbs = engine.q_count
-    per = -(-rows // world)
-    c1_bytes = rows * limbs * engine.ring_degree * 8
-    ring_bytes = c1_bytes + engine.ring_degree * len(engine.moduli) * 8
-    own_rows = min((rank + 1) * per, rows) - min(rank * per, rows)
-    contribution_bytes = (rows - own_rows) * limbs * engine.ring_degree * 8
-    record_bytes = (world - 1) * (4 * (MAX_RECORD_BYTES + 8) + MAX_KEY_SHARE_BYTES + 8)
-    slot_bytes = (world - 1) * per * slots * 8  # float64 slices, ring all_gather
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "encrypt_seconds": encrypt_seconds,
-        "aggregate_seconds": aggregate_seconds,
-        "aggregate_cpu_seconds": aggregate_cpu_seconds,
-        "error": float((mean - truth).abs().max()),
-        "bytes_sent": 2 * (world - 1) * ring_bytes // world + contribution_bytes + record_bytes + slot_bytes,
-        "rounds": 2 * 2 * (world - 1) + world + 6 * (world - 1),
-    }
-
-
-def _send_blob(blob: bytes, dst: int) -> None:
-    dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst)
-    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst)
-
-
-def _recv_blob(src: int) -> bytes:
-    length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src)
-    data = torch.empty(int(length), dtype=torch.uint8)
-    dist.recv(data, src)
-    return data.numpy().tobytes()
-
-
-def _pack(blobs: list[bytes]) -> bytes:
-    """Length-prefixed concatenation (count, then size + bytes per blob)."""
-    return len(blobs).to_bytes(8, "little") + b"".join(len(b).to_bytes(8, "little") + b for b in blobs)
-
-
-def _through_server(
-    rank: int, world: int, blob: bytes, server_sum: Callable[[Iterator[bytes]], bytes]
-) -> tuple[bytes, int]:
-    """The usual star: every client sends its blob to the server (co-located with client 0), which
-    sums them as they arrive and sends the serialized sum back. Returns the sum and the bytes sent.
-    """
-    if rank != KEY_HOLDER:
-        _send_blob(blob, KEY_HOLDER)
-        return _recv_blob(KEY_HOLDER), len(blob)
-    result = server_sum(itertools.chain([blob], (_recv_blob(peer) for peer in range(1, world))))
-    for peer in range(1, world):
-        _send_blob(result, peer)
-    return result, len(blob) + (world - 1) * len(result)
-
-
-def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
-    from fhelium.serialization import value_from_bytes, value_to_bytes
-
-    engine = CkksEngine(TENSEAL_STYLE_PARAMETERS)
-    started = timed_barrier()
-    cpu_started = time.process_time()
-    # TenSEAL clients share one context, secret key included; the server only gets the public part.
-    if rank == KEY_HOLDER:
-        secret = engine.generate_secret_key()
-        context = [
-            value_to_bytes(secret, engine=engine, allow_secret=True),
-            value_to_bytes(engine.generate_public_key(secret), engine=engine),
-        ]
-        for peer in range(1, world):
-            for blob in context:
-                _send_blob(blob, peer)
-    else:
-        context = [_recv_blob(KEY_HOLDER) for _ in range(2)]
-        received_secret = value_from_bytes(context[0], engine=engine)
-        assert isinstance(received_secret, SecretKey)
-        secret = received_secret
-    public = value_from_bytes(context[1], engine=engine)
-    assert isinstance(public, PublicKey)
-    blob = value_to_bytes(encrypt_update(engine, update, public), engine=engine)
-
-    def server_sum(blobs: Iterator[bytes]) -> bytes:
-        total: Ciphertext | None = None
-        for data in blobs:
-            incoming = value_from_bytes(data, engine=engine)
-            assert isinstance(incoming, Ciphertext)
-            total = incoming if total is None else engine.add(total, incoming)
-        assert total is not None
-        return value_to_bytes(total, engine=engine)
-
-    result, sent = _through_server(rank, world, blob, server_sum)
-    summed = value_from_bytes(result, engine=engine)
-    assert isinstance(summed, Ciphertext)
-    mean = decrypt_mean(engine, summed, secret, update.numel(), world)
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "error": float((mean - truth).abs().max()),
-        "bytes_sent": sent,
-        "rounds": 2,
-    }
-
-
-def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
-    import tenseal as ts
-
-    started = timed_barrier()
-    cpu_started = time.process_time()
-    if rank == KEY_HOLDER:
-        context = ts.context(
-            ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
-        )
-        context.global_scale = 2**40
-        shared = context.serialize(save_secret_key=True)
-        for peer in range(1, world):
-            _send_blob(shared, peer)
-    else:
-        context = ts.context_from(_recv_blob(KEY_HOLDER))
-    chunks = torch.split(update.double(), 4096)
-    blobs = [ts.ckks_vector(context, chunk.tolist()).serialize() for chunk in chunks]
-    blob = _pack(blobs)
-
-    def parse(data: bytes) -> list[Any]:
-        count, offset, vectors = int.from_bytes(data[:8], "little"), 8, []
-        for _ in range(count):
-            size = int.from_bytes(data[offset : offset + 8], "little")
-            vectors.append(ts.ckks_vector_from(context, data[offset + 8 : offset + 8 + size]))
-            offset += 8 + size
-        return vectors
-
-    def server_sum(blobs: Iterator[bytes]) -> bytes:
-        total: list[Any] | None = None
-        for data in blobs:
-            vectors = parse(data)
-            total = vectors if total is None else [a + b for a, b in zip(total, vectors, strict=True)]
-        assert total is not None
-        return _pack([vector.serialize() for vector in total])
-
-    result, sent = _through_server(rank, world, blob, server_sum)
-    mean = (
-        torch.tensor([x for vector in parse(result) for x in vector.decrypt()], dtype=torch.float64) / world
-    )
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "error": float((mean - truth).abs().max()),
-        "bytes_sent": sent,
-        "rounds": 2,
-    }
 
 
 def worker(
@@ -486,12 +122,6 @@ def worker(
     dist.destroy_process_group()
 
 
-DEFENCE_ROADS = (
-    ("fused (process-group road)", "threshold", threshold),
-    ("Program (relay-road form)", "threshold_program", threshold_program),
-)
-
-
 def defence_row(
     rank: int, world: int, update: torch.Tensor, truth: torch.Tensor, repeats: int
 ) -> dict[str, Any]:
@@ -499,13 +129,13 @@ def defence_row(
     (checked first in even pairs), so that drifting load on the machine hits both alike.
     """
     row: dict[str, Any] = {"rank": rank}
-    for _, key, _ in DEFENCE_ROADS:
+    for _, key in DEFENCE_ROADS:
         row[key] = {True: [], False: []}
     for index in range(repeats):
         order = (True, False) if index % 2 == 0 else (False, True)
-        for _, key, pipeline in DEFENCE_ROADS:
+        for _, key in DEFENCE_ROADS:
             for checked in order:
-                row[key][checked].append(pipeline(rank, world, update, truth, checked))
+                row[key][checked].append(DEFENCE_PIPELINES[key](rank, world, update, truth, checked))
     return row
 
 
@@ -520,29 +150,6 @@ def t_of_n_row(
         for key in order:
             row[key].append(threshold(rank, world, update, truth, True, t if key == "t_of_n" else None))
     return row
-
-
-def summarize_t_of_n(world: int, values: int, rows: list[dict[str, Any]]) -> None:
-    pairs = len(rows[0]["t_of_n"])
-    t = rows[0]["t"]
-    errors = {key: max(run["error"] for row in rows for run in row[key]) for key in ("n_of_n", "t_of_n")}
-    print(
-        f"\n{world} ranks, {values} values per rank: t-out-of-N (t = {t}) / N-out-of-N (fused), no dropout; "
-        f"{pairs} alternating pairs, median [min-max]; max error of the mean N-of-N {errors['n_of_n']:.2e}, "
-        f"t-of-N {errors['t_of_n']:.2e}"
-    )
-    for label, field, combine in (
-        ("aggregate wall", "aggregate_seconds", max),
-        ("aggregate CPU, busiest rank", "aggregate_cpu_seconds", max),
-        ("whole wall (keys + dealing + aggregate)", "seconds", max),
-    ):
-        ratios = [
-            combine(row["t_of_n"][index][field] for row in rows)
-            / combine(row["n_of_n"][index][field] for row in rows)
-            for index in range(pairs)
-        ]
-        n_of_n = sorted(combine(row["n_of_n"][index][field] for row in rows) for index in range(pairs))
-        print(f"  {label:<42}{_spread(ratios)}   (N-of-N median {n_of_n[len(n_of_n) // 2]:.3f} s)")
 
 
 def dealing_bench(parties: int) -> None:
@@ -592,48 +199,6 @@ def dealing_bench(parties: int) -> None:
     )
 
 
-def _spread(ratios: list[float]) -> str:
-    ordered = sorted(ratios)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return f"{median:.3f} [{ordered[0]:.3f}-{ordered[-1]:.3f}]"
-
-
-def summarize_defence(world: int, values: int, rows: list[dict[str, Any]]) -> None:
-    """Checked / unchecked per pair: median [min-max] over the pairs, per road and measure."""
-    print(f"\n{world} ranks, {values} values per rank: the malicious-fold defence, checked / unchecked")
-    print(
-        "  per alternating pair; median [min-max] over the pairs. 'aggregate' spans "
-        "ThresholdSession.aggregate alone (encrypt, sum, check, decrypt, decode); 'whole' adds "
-        "collective key generation (the threshold rows' span). CPU: process CPU seconds (the busiest "
-        "rank's; summed over the ranks)"
-    )
-    measures = (
-        ("aggregate CPU, busiest rank", "aggregate_cpu_seconds", max),
-        ("aggregate CPU, summed", "aggregate_cpu_seconds", sum),
-        ("aggregate wall", "aggregate_seconds", max),
-        ("whole CPU, busiest rank", "cpu_seconds", max),
-        ("whole wall", "seconds", max),
-    )
-    for name, key, _ in DEFENCE_ROADS:
-        pairs = len(rows[0][key][True])
-        errors = max(run["error"] for row in rows for checked in (True, False) for run in row[key][checked])
-        unchecked_cpu = sorted(
-            max(row[key][False][index]["aggregate_cpu_seconds"] for row in rows) for index in range(pairs)
-        )
-        print(
-            f"  {name}: {pairs} pairs, max error {errors:.2e}, unchecked aggregate CPU (busiest rank) "
-            f"median {unchecked_cpu[len(unchecked_cpu) // 2]:.3f} s"
-        )
-        for label, field, combine in measures:
-            ratios = [
-                combine(row[key][True][index][field] for row in rows)
-                / combine(row[key][False][index][field] for row in rows)
-                for index in range(pairs)
-            ]
-            print(f"    {label:<30}{_spread(ratios)}")
-
-
 def run(
     world: int, values: int, tenseal: bool, repeats: int, defence: bool = False, t_of_n: bool = False
 ) -> list[dict[str, Any]]:
@@ -655,91 +220,6 @@ def run(
         if process.exitcode != 0:
             raise SystemExit(f"a bench rank exited with code {process.exitcode}")
     return sorted(rows, key=lambda row: row["rank"])
-
-
-def best(rows: list[dict[str, Any]], key: str) -> tuple[float, int]:
-    """The fastest repeat (slowest rank of it) and its index."""
-    per_repeat = [max(row[key][index]["seconds"] for row in rows) for index in range(len(rows[0][key]))]
-    fastest = min(range(len(per_repeat)), key=per_repeat.__getitem__)
-    return per_repeat[fastest], fastest
-
-
-def summarize(world: int, values: int, rows: list[dict[str, Any]], usual_name: str) -> None:
-    floor_s = max(row["floor"] for row in rows)
-    ours_s, ours_at = best(rows, "ours")
-    usual_s, usual_at = best(rows, "usual")
-    threshold_s, threshold_at = best(rows, "threshold")
-    program_s, program_at = best(rows, "threshold_program")
-    program_error = max(row["threshold_program"][program_at]["error"] for row in rows)
-    ours_error = rows[KEY_HOLDER]["ours"][ours_at]["error"]
-    threshold_error = max(row["threshold"][threshold_at]["error"] for row in rows)
-    usual_error = rows[KEY_HOLDER]["usual"][usual_at]["error"]
-    encrypt_s = max(row["ours"][ours_at]["encrypt_seconds"] for row in rows)
-    mib = 2**20
-    print(f"\n{world} ranks, {values} values per rank")
-    print(
-        f"  {'pipeline':<34}{'time':>9}{'vs floor':>10}{'max error':>11}"
-        f"{'MiB sent/rank (max)':>21}{'rounds':>8}"
-    )
-    print(
-        f"  {'floor: gloo all_reduce float32':<34}{floor_s:>8.3f}s{1.0:>9.1f}x{'exact':>11}"
-        f"{values * 4 * 2 * (world - 1) / world / mib:>20.1f}~{2 * (world - 1):>7}~"
-    )
-    for name, key, seconds, error in (
-        ("ours: compiled all_reduce", "ours", ours_s, ours_error),
-        ("ours, threshold, Program", "threshold_program", program_s, program_error),
-        ("ours, threshold, fused", "threshold", threshold_s, threshold_error),
-        (usual_name, "usual", usual_s, usual_error),
-    ):
-        sent = max(row[key][0]["bytes_sent"] for row in rows) / mib
-        rounds = max(row[key][0]["rounds"] for row in rows)
-        print(f"  {name:<34}{seconds:>8.3f}s{seconds / floor_s:>9.1f}x{error:>11.2e}{sent:>21.1f}{rounds:>8}")
-    verdict = "meets" if ours_s <= usual_s / 2 and ours_error <= usual_error else "misses"
-    print(
-        f"  ours / usual time: {ours_s / usual_s:.2f}  (goal <= 0.50 with equal or better error: {verdict}); "
-        f"encryption is {encrypt_s / ours_s:.0%} of ours"
-    )
-    threshold_encrypt = max(row["threshold"][threshold_at]["encrypt_seconds"] for row in rows)
-    met = threshold_s <= 1.3 * ours_s and threshold_s <= usual_s / 2 and threshold_error <= 1e-6
-    print(
-        f"  threshold (fused) / single-key time: {threshold_s / ours_s:.2f} (goal <= 1.3), threshold / usual:"
-        " "
-        f"{threshold_s / usual_s:.2f} (goal <= 0.50), max error {threshold_error:.2e} on any rank (goal <= "
-        f"1e-6): {'meets' if met else 'misses'}; encryption is {threshold_encrypt / threshold_s:.0%} of "
-        "threshold; threshold with the compiled Program (the flagship's relay-road form) / single-key: "
-        f"{program_s / ours_s:.2f}"
-    )
-    cpu = {
-        key: max(row[key][at]["cpu_seconds"] for row in rows)
-        for key, at in (
-            ("ours", ours_at),
-            ("threshold", threshold_at),
-            ("threshold_program", program_at),
-            ("usual", usual_at),
-        )
-    }
-    print(
-        f"  CPU seconds of the busiest rank (same repeats; less sensitive to other load on the machine): "
-        f"single-key {cpu['ours']:.3f}, threshold fused {cpu['threshold']:.3f} "
-        f"({cpu['threshold'] / cpu['ours']:.2f}x), threshold Program {cpu['threshold_program']:.3f} "
-        f"({cpu['threshold_program'] / cpu['ours']:.2f}x), "
-        f"usual {cpu['usual']:.3f} (threshold / usual {cpu['threshold'] / cpu['usual']:.2f})"
-    )
-    total = {
-        key: sum(row[key][at]["cpu_seconds"] for row in rows)
-        for key, at in (("ours", ours_at), ("threshold", threshold_at), ("threshold_program", program_at))
-    }
-    print(
-        f"  CPU seconds summed over the ranks (what a machine shared by the ranks pays): single-key "
-        f"{total['ours']:.3f}, threshold fused {total['threshold']:.3f} "
-        f"({total['threshold'] / total['ours']:.2f}x), threshold Program {total['threshold_program']:.3f} "
-        f"({total['threshold_program'] / total['ours']:.2f}x)"
-    )
-    print(
-        "  (~ = gloo ring all_reduce estimate; ours: the 'sum' schedule's one gloo all_reduce counted as a "
-        "ring, or under 'tree' the tree messages plus the root sending one broadcast copy per peer; MiB "
-        "sent is the busiest rank's)"
-    )
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TypeVar, assert_never
@@ -20,6 +19,7 @@ from typing import TypeVar, assert_never
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
 from flodld.agent.children import Child, exit_report, forward_output, say
+from flodld.agent.exits import exit_event
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world, rejoin
 from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
 from flodld.agent.spawn import (
@@ -33,7 +33,7 @@ from flodld.agent.spawn import (
     spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
-from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber, failure_time, read_error_file
+from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.agent.warmpool import WarmPool
 from flodld.membership.switch import start_credential
@@ -45,10 +45,6 @@ from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
-
-TAIL_DRAIN_SECS = 1.0
-"""After a rank exits, how long its last output may take to reach the tail (a grandchild holding the pipe
-open would otherwise hold the report)."""
 
 
 T = TypeVar("T")
@@ -345,32 +341,7 @@ class AgentShell:
         self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
 
     async def _watch_exit(self, child: Child) -> None:
-        code = await child.process.wait()
-        loop_now, wall_now = asyncio.get_running_loop().time(), time.time()
-        if child.rank is None:
-            self._post(sv.RelayExit(code))
-            return
-        if code == 0:
-            self._post(sv.RankExit(child.rank, code, loop_now, sv.ExitDetail(failed_at=wall_now)))
-            return
-        # The traceback is the last thing a failing rank prints: let the forwarder read it to the end.
-        forwarder = self.forwarder_of.get(id(child))
-        if forwarder is not None:
-            await asyncio.wait({forwarder}, timeout=TAIL_DRAIN_SECS)
-        error = read_error_file(child.error_file, self.scrub)
-        tail = child.tail
-        # A rank fails when it raises (error file written, traceback printed), not when its process is
-        # finally gone: torch closes its connections while the interpreter shuts down, so a peer can exit
-        # first, and our teardown can catch the culprit mid-shutdown (flodld/membership/rootcause.py).
-        failed_at = failure_time(
-            wall_now,
-            error.written_at if error is not None else None,
-            tail.traceback_at if tail is not None else None,
-        )
-        # Without @record's file, the exception is the last line of the traceback in the tail.
-        message = error.message if error is not None else tail.exception_line() if tail is not None else None
-        detail = sv.ExitDetail(failed_at, message, tail.render() if tail is not None else None)
-        self._post(sv.RankExit(child.rank, code, loop_now - (wall_now - failed_at), detail))
+        self._post(await exit_event(child, self.forwarder_of.get(id(child)), self.scrub))
 
     async def _read_link(self, joined: Joined) -> None:
         try:

@@ -1,16 +1,20 @@
 """The controller's end of the CPU-reduce data plane and of rank liveness (DATA and CONTROL channels).
 
-One relay per host dials each channel and introduces itself with RelayHello, whose `proof` must verify
-under the key derived at that host's admission (`host_key(host)`): a host can speak only as itself.
-After HelloAck the connection is rekeyed to that host key. On DATA, host frames
+One relay per host dials each channel and is seated by `RelayAdmission` (relayadmission.py: its hello
+proves its host's admission key; the connection is then rekeyed to that key). On DATA, host frames
 are folded across hosts chunk by chunk (a RoundBarrier over hosts with live ranks); each chunk, finished
 as soon as every live host's chunk at that offset is in, goes down as a Broadcast chunk to every relay,
-so a large round is pipelined rather than stored and forwarded whole. A world of one host skips these two
-hops: the HelloAck on its DATA channel says `sole_host`, its relay broadcasts its own fold to its ranks,
-and a host frame arriving here anyway is refused (`rounds` counts only rounds folded here). On CONTROL,
-rank heartbeats feed a Liveness table; a coordinator heartbeat goes down every interval, and a rank
-silent past the timeout is declared dead: its relay folds it out, and `on_rank_dead` tells the rest of
-the controller.
+so a large round is pipelined rather than stored and forwarded whole; a `RoundLedger` (roundledger.py)
+notes which ranks each round counted. A world of one host skips these two hops: the HelloAck on its
+DATA channel says `sole_host`, its relay broadcasts its own fold to its ranks, and a host frame arriving
+here anyway is refused (`rounds` counts only rounds folded here). A host admitted during training enters
+at a round boundary through `WalkIns` (walkins.py). On CONTROL, rank heartbeats feed the Liveness table
+of a `RankWatch` (rankwatch.py): a coordinator heartbeat goes down every interval, and a rank silent
+past the timeout is declared dead: its relay folds it out, and `on_rank_dead` tells the rest of the
+controller.
+
+A rank that leaves (RankGone, its relay's DATA channel closed, declared dead) leaves the barrier, the
+liveness table and the walk-ins' waiting list in one place: `_rank_left`.
 
 Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
 `mux.register(Channel.CONTROL, plane.handle_control)`, then `plane.start()`.
@@ -19,7 +23,6 @@ Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -28,27 +31,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flodld.controller.metrics import RunMetrics
+from flodld.controller.rankwatch import (
+    DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS,
+    DEFAULT_HEARTBEAT_INTERVAL_SECS,
+    DEFAULT_LIVENESS_STARTUP_SECS,
+    DEFAULT_LIVENESS_TIMEOUT_SECS,
+    RankWatch,
+)
+from flodld.controller.relayadmission import RelayAdmission
+from flodld.controller.roundledger import RoundLedger
+from flodld.controller.walkins import WalkIns
 from flodld.fold import round_barrier
-from flodld.fold.liveness import Liveness
 from flodld.fold.straggler import StragglerClock
 from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
-from flodld.net.stream import FramedStream, accept_channel
-from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
-from flodld.wire.data import (
-    Broadcast,
-    DataPlaneError,
-    Entry,
-    HelloAck,
-    HostFrame,
-    RankConnected,
-    RankGone,
-    RelayHello,
-)
+from flodld.net.stream import FramedStream
+from flodld.wire.control import Heartbeat
+from flodld.wire.data import Broadcast, DataPlaneError, HostFrame, RankConnected, RankGone
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
 from flodld.wire.handlers import HandlerTable
-from flodld.wire.hostkey import verify_relay_proof
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
@@ -57,16 +59,6 @@ if TYPE_CHECKING:
     from flodld.fold.barrier import ChunkResult, RoundBarrier
 
 log = logging.getLogger("flodld.controller.dataplane")
-
-HANDSHAKE_TIMEOUT_SECS = 10.0
-DEFAULT_LIVENESS_TIMEOUT_SECS = 30.0
-# A run that survives a rank's loss (a tolerance, CPU averaging) declares a silent rank dead sooner: the
-# survivors' round waits for it until then, and a false declaration costs one rank, not the run.
-DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS = 5.0
-DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
-# A rank's first heartbeat waits for its process to start, import the program and torch, and reach its
-# relay: on a loaded box that can take far longer than the steady-state timeout, so it gets its own bound.
-DEFAULT_LIVENESS_STARTUP_SECS = 120.0
 
 RankDeadCallback = Callable[[int, str], None]
 HostKeyLookup = Callable[[str], bytes | None]
@@ -112,8 +104,6 @@ class DataPlane:
     ) -> None:
         if not host_ranks:
             raise ValueError("a data plane needs at least one host")
-        self.salt = salt
-        self.host_key = host_key
         # Refused relays and frames by reason; the controller passes its `dropped` counter (state.json,
         # /metrics).
         self.refusals: Counter[str] = refusals if refusals is not None else Counter()
@@ -127,30 +117,31 @@ class DataPlane:
         # its DATA HelloAck) and no data frame comes here; liveness and RankGone work as for any world.
         # A run that grows (walk-ins during training) folds here even with one host: a walk-in may join it.
         self.sole_host = len(self.host_ranks) == 1 and not growable
-        # Growth (docs/elastic-averaging.md, "Growth and healing"): hosts admitted during training whose ranks
-        # have not entered the averaging yet (host -> ranks still expected); they enter at a round boundary
-        # once every one of those ranks has connected to its relay (`_connected`, told by RankConnected:
-        # the members never wait in a round for a walk-in's start-up), and get the last round's result
-        # (`_last_result`: its accumulator holds it until the round after next starts, which waits for the
-        # walk-in's deposit).
-        self.entering: dict[str, set[int]] = {}
-        self._connected: dict[str, set[int]] = {}
-        self.on_ranks_entered: Callable[[tuple[int, ...], int], None] | None = None
-        self._last_result: ChunkResult[str] | None = None
-        self._members_seen: tuple[int, ...] = tuple(sorted(self.host_of))  # as the ranks count epochs
-        self._epoch = 0
-        self.chunk_env = dict(chunk_env or {})  # FLODL_CHUNK_BYTES as the ranks read it (a walk-in's state)
+        self.admission = RelayAdmission(
+            salt, self.host_ranks, host_key=host_key, refusals=self.refusals, sole_host=self.sole_host
+        )
+        self.relays = self.admission.relays
+        self.walk_ins = WalkIns(
+            self.relays[Channel.DATA], self.live_ranks, metrics=self.metrics, chunk_env=chunk_env
+        )
         # The fold machinery (torch) loads with the first host frame: a run that never averages
         # through the relays never pays for it, and formation is not delayed by the import.
         self._barrier: RoundBarrier[str] | None = None
         self.clock = clock
-        self.liveness = Liveness(self.host_of, timeout=liveness_timeout, now=clock(), startup=startup_timeout)
-        self.heartbeat_interval = heartbeat_interval
-        self.on_rank_dead = on_rank_dead
-        self.relays: dict[Channel, dict[str, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
+        self.watch = RankWatch(
+            self.host_of,
+            self.relays[Channel.CONTROL],
+            timeout=liveness_timeout,
+            startup=startup_timeout,
+            interval=heartbeat_interval,
+            clock=clock,
+            send=self._send_quietly,
+            rank_left=lambda host, rank, reason: self._rank_left(host, rank, reason, dead=True),
+            round_in_progress=self.round_in_progress,
+            on_rank_dead=on_rank_dead,
+        )
         self.rounds = 0
-        self._chunk_ranks: dict[int, set[int]] = {}  # ranks in the open chunks of this round, by offset
-        self._round_ranks: set[int] = set()  # ranks in the chunks of this round broadcast so far
+        self.ledger = RoundLedger()
         # cpu_cadence/cpu_async with a straggler_timeout: a round stops waiting for late hosts after twice
         # the timeout, so that a host whose relay is waiting out its own late rank (the timeout, from its
         # own first deposit) is not skipped with it: the relays skip late ranks, the controller late hosts.
@@ -160,12 +151,8 @@ class DataPlane:
         self._outbox = InOrder()  # broadcast chunks leave in the order the fold made them
         self.dead_ranks: list[int] = []
         self.gone_ranks: list[int] = []
-        self._last_step: dict[int, int] = {}  # each rank's step (rounds it has taken) at its last heartbeat
-        self._last_round: dict[int, int] = {}  # the last round a host frame counted each rank in
-        self._left_round: dict[int, int] = {}  # the round its relay was in when each rank left (RankGone)
         # Told the round a rank left in, once its relay says (a loss recorded earlier is corrected with it).
         self.on_rank_round: Callable[[int, int], None] | None = None
-        self._ticker: asyncio.Task[None] | None = None
         self._data: HandlerTable[[_Relay, Frame], Awaitable[bool | None]] = HandlerTable("host data frame")
         self._data.register(HostFrame, self._on_host_frame)
         self._data.register(RankGone, self._on_rank_gone)
@@ -179,27 +166,14 @@ class DataPlane:
 
     def start(self) -> None:
         """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
-        if self._ticker is None:
-            self.liveness = Liveness(
-                self.liveness.tracked,
-                timeout=self.liveness.timeout,
-                now=self.clock(),
-                startup=self.liveness.startup,
-            )
-            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+        self.watch.start()
 
     async def shutdown(self, reason: str) -> None:
         """Tell every rank the run is over (they exit), then stop the ticker."""
-        for stream in list(self.relays[Channel.CONTROL].values()):
-            await self._send_quietly(stream, Shutdown(reason=reason[:1024]))
-        await self.close()
+        await self.watch.shutdown(reason)
 
     async def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-            self._ticker = None
+        await self.watch.close()
 
     def expect(self, host: str, ranks: Sequence[int]) -> None:
         """A host walked into the training run: its relay may connect, its ranks are watched (with the
@@ -210,9 +184,8 @@ class DataPlane:
         for rank in ranks:
             self.host_of[rank] = host
         self.live_ranks.setdefault(host, set())
-        self.liveness.track(ranks, self.clock())
-        self.entering[host] = set(ranks)
-        self._connected[host] = set()
+        self.watch.track(ranks)
+        self.walk_ins.expect(host, ranks)
         log.info("event=walk_in_expected host=%s ranks=%s", host, ranks)
 
     def live_hosts(self) -> set[str]:
@@ -227,21 +200,8 @@ class DataPlane:
         return self._barrier
 
     def round_in_progress(self, rank: int) -> int | None:
-        """The averaging round `rank` was lost in: the round its relay was in when it left (RankGone); else
-        the one after the last round its host's frames counted it in (a silent rank's survivors may have
-        finished that round without it by now); a rank never counted, the world's round being folded here;
-        a sole host's silent rank (its relay folds), its own count of rounds taken at its last heartbeat.
-        None before any of these.
-        """
-        left = self._left_round.get(rank)
-        if left is not None:
-            return left
-        last = self._last_round.get(rank)
-        if last is not None:
-            return last + 1
-        if self._barrier is not None:
-            return self._barrier.round
-        return self._last_step.get(rank)
+        """The averaging round `rank` was lost in (`RoundLedger.round_in_progress`); None before any."""
+        return self.ledger.round_in_progress(rank, self._barrier.round if self._barrier is not None else None)
 
     def stats(self) -> DataPlaneStats:
         return DataPlaneStats(
@@ -263,18 +223,13 @@ class DataPlane:
     async def _serve(
         self, channel: Channel, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        try:
-            stream = await accept_channel(
-                reader, writer, self.salt, channel=channel, timeout=HANDSHAKE_TIMEOUT_SECS
-            )
-            hello = (await stream.recv(HANDSHAKE_TIMEOUT_SECS)).message()
-        except (TimeoutError, EOFError, OSError, WireError) as error:
-            self.refusals[f"{channel.value}_handshake"] += 1
-            log.info("event=relay_dropped channel=%s reason=%r", channel.value, str(error))
+        greeted = await self.admission.handshake(channel, reader, writer)
+        if greeted is None:
             return
+        stream, hello = greeted
         host: str | None = None
         try:
-            host = await self._admit_relay(channel, stream, hello)
+            host = await self.admission.admit(channel, stream, hello)
             if host is None:
                 return
             if channel is Channel.DATA:
@@ -291,69 +246,11 @@ class DataPlane:
             # Whatever ended the loop (an unexpected error included), the host's seat and ranks are
             # released here, so the barrier never waits for a host whose handler is gone.
             if host is not None:
-                if self.relays[channel].get(host) is stream:
-                    del self.relays[channel][host]
+                self.admission.release(channel, host, stream)
                 if channel is Channel.DATA:
                     for rank in sorted(self.live_ranks[host]):
                         await self._rank_left(host, rank, "its relay's data channel closed")
             stream.close()
-
-    async def _admit_relay(self, channel: Channel, stream: FramedStream, hello: Message) -> str | None:
-        if not isinstance(hello, RelayHello):
-            await self._refuse(channel, stream, f"expected RelayHello first, got {type(hello).__name__}")
-            return None
-        refusal = self._refusal(channel, stream, hello)
-        if refusal is not None:
-            await self._refuse(channel, stream, refusal)
-            return None
-        key = self.host_key(hello.host)
-        assert key is not None  # checked by _proves_host_key
-        self.relays[channel][hello.host] = stream
-        try:
-            await stream.send(HelloAck(sole_host=channel is Channel.DATA and self.sole_host))
-        except BaseException:
-            del self.relays[channel][hello.host]
-            raise
-        stream.rekey(key)  # every later frame in both directions is authenticated as this host's
-        log.info(
-            "event=relay_joined channel=%s host=%s ranks=%s", channel.value, hello.host, sorted(hello.ranks)
-        )
-        return hello.host
-
-    async def _refuse(self, channel: Channel, stream: FramedStream, refusal: str) -> None:
-        self.refusals[f"{channel.value}_hello"] += 1
-        log.warning("event=relay_refused channel=%s reason=%r", channel.value, refusal)
-        await self._send_quietly(stream, DataPlaneError(reason=refusal))
-
-    def _refusal(self, channel: Channel, stream: FramedStream, hello: RelayHello) -> str | None:
-        """Why this relay's hello is refused, or None (the decision; `_admit_relay` acts on it)."""
-        if hello.host not in self.host_ranks:
-            return f"host {hello.host!r} is not in this world (hosts: {sorted(self.host_ranks)})"
-        if not self._proves_host_key(channel, stream, hello):
-            return (
-                f"the relay's hello for host {hello.host!r} does not verify under that host's admission key: "
-                "a relay speaks only for the host whose agent started it"
-            )
-        if sorted(hello.ranks) != self.host_ranks[hello.host]:
-            owned = self.host_ranks[hello.host]
-            return f"host {hello.host!r} claims ranks {sorted(hello.ranks)} but owns {owned}"
-        if hello.host in self.relays[channel]:
-            return f"host {hello.host!r} already has a relay on the {channel} channel"
-        return None
-
-    def _proves_host_key(self, channel: Channel, stream: FramedStream, hello: RelayHello) -> bool:
-        key = self.host_key(hello.host)
-        listener_nonce, dialer_nonce = stream.conn.nonce, stream.conn.peer_nonce
-        if key is None or dialer_nonce is None:
-            return False
-        return verify_relay_proof(
-            key,
-            hello.proof,
-            host=hello.host,
-            channel=channel,
-            dialer_nonce=dialer_nonce,
-            listener_nonce=listener_nonce,
-        )
 
     # --- data ------------------------------------------------------------------------------
 
@@ -387,9 +284,7 @@ class DataPlane:
         if barrier.late_chunks != late:  # its round closed without this host (straggler_timeout): dropped
             log.info("event=late_host_frame host=%s round=%d dropped", relay.host, message.round)
             return False
-        self._chunk_ranks.setdefault(message.offset, set()).update(message.contributors)
-        for rank in message.contributors:
-            self._last_round[rank] = message.round
+        self.ledger.host_chunk(message.round, message.offset, message.contributors)
         self.metrics.host_chunk(
             message.round, message.offset, message.contributors, frame.tail_view.nbytes, self.clock()
         )
@@ -435,27 +330,21 @@ class DataPlane:
 
     async def _on_rank_gone(self, message: RankGone, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
-            if message.round is not None and message.rank not in self._left_round:
-                self._left_round[message.rank] = message.round
-                if self.on_rank_round is not None:
-                    self.on_rank_round(message.rank, message.round)
+            in_round = self.ledger.left(message.rank, message.round)
+            if in_round is not None and self.on_rank_round is not None:
+                self.on_rank_round(message.rank, in_round)
             await self._rank_left(relay.host, message.rank, message.reason or "its leg to the relay closed")
 
     async def _rank_left(self, host: str, rank: int, reason: str, *, dead: bool = False) -> None:
-        pending = self.entering.get(host)
-        if pending is not None and rank in pending:  # a walk-in's rank gone before it entered
-            pending.discard(rank)
-            if not pending:
-                del self.entering[host]
-                self._connected.pop(host, None)
+        if self.walk_ins.left_before_entry(host, rank):  # a walk-in's rank gone before it entered
             log.info("event=rank_left host=%s rank=%d before_entry=True reason=%r", host, rank, reason)
-            if pending:
+            if host in self.walk_ins.entering:
                 await self._enter_at_boundary()  # the ranks left may all be connected now
             return
         if rank not in self.live_ranks[host]:
             return
         self.live_ranks[host].discard(rank)
-        self.liveness.forget(rank)
+        self.watch.liveness.forget(rank)
         (self.dead_ranks if dead else self.gone_ranks).append(rank)
         if dead:
             self.metrics.rank_dead()
@@ -467,8 +356,7 @@ class DataPlane:
     async def _broadcast(self, result: ChunkResult[str]) -> None:
         """Finish one completed chunk in place; send it to every live relay, sealed from the accumulator."""
         result.finish()
-        contributors = self._chunk_ranks.pop(result.offset, set())
-        self._round_ranks |= contributors
+        contributors = self.ledger.chunk_done(result.offset)
         message = Broadcast(
             round=result.round,
             fold=result.fold_spec,
@@ -484,168 +372,39 @@ class DataPlane:
         entered: list[FramedStream] = []
         if result.last:
             self.rounds += 1
-            self._chunk_ranks.clear()
-            self._last_result = result
-            members = tuple(sorted(contributors))
-            if members and members != self._members_seen:  # the ranks' own epoch count, replayed here
-                self._epoch += 1
-                self._members_seen = members
             # The walk-ins' state is this round: sealed now, before any await below.
-            entered = [
-                stream
-                for host in self._enter_now(result.round + 1)
-                if (stream := self._seal_entry(host, result.round + 1)) is not None
-            ]
+            entered = self.walk_ins.round_closed(result, contributors, self._barrier)
             self.metrics.round_finished(result.round, self.clock())
+            # Live ranks whose deposit the round went without: skipped here (their host) or at their
+            # relay (the host's frame left them out), by the straggler timeout.
+            skipped = self.ledger.round_done(set().union(*self.live_ranks.values()))
             if self.stragglers.timeout is not None:
-                # Live ranks whose deposit the round went without: skipped here (their host) or at their
-                # relay (the host's frame left them out), by the straggler timeout.
-                live = set().union(*self.live_ranks.values())
-                for rank in sorted(live - self._round_ranks):
+                for rank in skipped:
                     self.metrics.skipped(rank)
-            self._round_ranks = set()
         tail = result.byte_views()
         nbytes = sum(view.nbytes for view in tail)
         for _, stream in recipients:
             await self._send_quietly(stream, message, tail)
             self.metrics.sent(nbytes)
-        await self._drain_entries(entered)
+        await self.walk_ins.drain(entered)
 
-    # --- growth: walk-ins enter at a round boundary ------------------------------------------
-
-    def _enter_now(self, round_number: int) -> list[str]:
-        """Let every walk-in whose relay's DATA channel is up into the averaging from `round_number`, the
-        round that has not started (the caller is at its boundary). Returns the hosts that entered.
-        """
-        ready = [
-            host
-            for host in sorted(self.entering)
-            if host in self.relays[Channel.DATA] and self.entering[host] <= self._connected.get(host, set())
-        ]
-        if not ready:
-            return []
-        barrier = self._barrier
-        if barrier is not None and (barrier.started or barrier.round != round_number):
-            return []  # past the boundary already: the next one
-        entered = []
-        for host in ready:
-            ranks = self.entering.pop(host)
-            self._connected.pop(host, None)
-            if barrier is not None:
-                barrier.admit(host)
-            self.live_ranks[host] = set(ranks)
-            entered.append(host)
-            log.info("event=walk_in_entered host=%s ranks=%s round=%d", host, sorted(ranks), round_number)
-            if self.on_ranks_entered is not None:
-                self.on_ranks_entered(tuple(sorted(ranks)), round_number)
-        return entered
+    # --- growth: walk-ins enter at a round boundary (WalkIns) ---------------------------------
 
     async def _on_rank_connected(self, message: RankConnected, relay: _Relay, frame: Frame) -> None:
         """A walk-in's rank connected to its relay: once every one of its host's has, the host enters."""
-        pending = self.entering.get(relay.host)
-        if pending is None or message.rank not in pending:
-            return  # not a walk-in's rank waiting to enter (one gone already, or a late word)
-        self._connected.setdefault(relay.host, set()).add(message.rank)
-        if pending <= self._connected[relay.host]:
-            log.info("event=walk_in_ready host=%s ranks=%s", relay.host, sorted(pending))
+        if self.walk_ins.rank_connected(relay.host, message.rank):
             await self._enter_at_boundary()
 
     async def _enter_at_boundary(self) -> None:
-        """A walk-in's ranks are connected to its relay: it enters now if the world is at a round boundary
-        whose state is at hand (no round started; the last round's result still held), else at the end of
-        the round in progress.
-        """
-        barrier = self._barrier
-        if barrier is None:
-            next_round = 0  # nothing folded here yet: it enters the first round, with no state
-        elif barrier.started:
-            return
-        else:
-            next_round = barrier.round
-            last = self._last_result
-            if next_round > 0 and (last is None or last.round != next_round - 1):
-                return  # the round before closed without a value: no state to hand over yet
-        sealed = [self._seal_entry(host, next_round) for host in self._enter_now(next_round)]
-        await self._drain_entries([stream for stream in sealed if stream is not None])
-
-    async def _drain_entries(self, streams: list[FramedStream]) -> None:
-        for stream in streams:
-            try:
-                await stream.drain()
-            except (OSError, WireError, TimeoutError) as error:
-                log.warning("event=walk_in_state_unsent error=%r", str(error))
-
-    def _seal_entry(self, host: str, round_number: int) -> FramedStream | None:
-        """Entry to a walk-in's relay, then (when a round was completed before) that round's result: the
-        finished accumulator in chunks of the run's chunk size, the bytes every member received. Sealed
-        here, without an await: no broadcast can come between them, and the accumulator may be reused as
-        soon as this returns (by a round the walk-in is skipped in, under a straggler timeout). Returns the
-        stream to drain.
-        """
-        stream = self.relays[Channel.DATA].get(host)
-        if stream is None:
-            return None
-        members = tuple(sorted(set().union(*self.live_ranks.values())))
-        epoch = self._epoch + (members != self._members_seen)
-        last = self._last_result if round_number > 0 else None
-        state = last is not None and last.round == round_number - 1
-        try:
-            stream.send_nowait(Entry(round=round_number, epoch=epoch, members=list(members), state=state))
-            if state:
-                assert last is not None
-                from flodld.fold.chunks import Layout, byte_views, chunk_bytes_from_env  # torch: in by now
-
-                layout = Layout(last.specs)
-                chunk_bytes = max(chunk_bytes_from_env(self.chunk_env), max(layout.itemsizes, default=1))
-                contributors = sorted(self._members_seen)
-                for offset, length in layout.ranges(chunk_bytes):
-                    chunk = Broadcast(
-                        round=last.round,
-                        fold=last.fold_spec,
-                        weight=last.weight,
-                        contributors=contributors,
-                        tensors=list(last.specs),
-                        offset=offset,
-                    )
-                    stream.send_nowait(chunk, byte_views(last.tensors, layout.pieces(offset, length)))
-                    self.metrics.sent(length)
-        except (OSError, WireError) as error:
-            log.warning("event=walk_in_state_unsent host=%s error=%r", host, str(error))
-            return None
-        return stream
+        await self.walk_ins.drain(self.walk_ins.at_boundary(self._barrier))
 
     # --- control ---------------------------------------------------------------------------
 
     async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
-            self.liveness.heard(message.rank, self.clock())
-            self._last_step[message.rank] = message.step
+            self.watch.liveness.heard(message.rank, self.clock())
+            self.ledger.heard(message.rank, message.step)
             self.metrics.heartbeat(message.rank, message.step)
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            await self.tick()
-
-    async def tick(self) -> None:
-        """One coordinator beat: heartbeat every relay, declare silent ranks dead."""
-        for stream in list(self.relays[Channel.CONTROL].values()):
-            await self._send_quietly(stream, CoordinatorHeartbeat())
-        for rank, silence in self.liveness.expire_with_limits(self.clock()):
-            host = self.host_of[rank]
-            in_round = self.round_in_progress(rank)
-            during = f" (round {in_round} in progress)" if in_round is not None else ""
-            reason = f"rank {rank} on {host!r} sent no heartbeat for {silence:g}s{during}"
-            log.warning("event=rank_declared_dead host=%s rank=%d", host, rank)
-            control = self.relays[Channel.CONTROL].get(host)
-            if control is not None:
-                await self._send_quietly(control, DeclareDead(rank=rank, reason=reason))
-            await self._rank_left(host, rank, reason, dead=True)
-            if self.on_rank_dead is not None:
-                try:
-                    self.on_rank_dead(rank, reason)
-                except Exception:  # a failing listener must not stop the heartbeat ticker
-                    log.exception("event=rank_dead_listener_failed rank=%d", rank)
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message, tail: Tail = b"") -> None:
@@ -663,7 +422,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
     never heard from gets FLODL_LIVENESS_STARTUP_SECS (120 s, scaled, at least the timeout) to start.
     A rank declared dead goes to `controller.rank_lost`: its host is lost and the run fails beyond
     the tolerance, the reason naming rank and silence. A run that survives a rank's loss
-    (`controller.survives_rank_loss`) declares a silent rank dead after 5 s by default instead of 30 s.
+    (`controller.losses.survives_rank_loss`) declares a silent rank dead after 5 s by default instead of 30 s.
     """
     import os
 
@@ -701,7 +460,7 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             and window.world is not None
             and controller.options.cpu_averaging
         ):
-            liveness = timeouts[controller.survives_rank_loss]
+            liveness = timeouts[controller.losses.survives_rank_loss]
             startup = max(liveness, startup_secs)
             plane = DataPlane(
                 controller.salt,
@@ -723,9 +482,9 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             plane.start()
             planes.append(plane)
             controller.round_in_progress = plane.round_in_progress
-            plane.on_rank_round = controller.rank_round
+            plane.on_rank_round = controller.losses.rank_round
             controller.expect_walk_in = plane.expect
-            plane.on_ranks_entered = controller.ranks_entered
+            plane.walk_ins.on_entered = controller.ranks_entered
         if planes and phase in TERMINAL_PHASES:
             task = asyncio.get_running_loop().create_task(planes[0].close())
             _closing.add(task)

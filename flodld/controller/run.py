@@ -5,10 +5,12 @@ Standalone (`fdl run`, `flodld serve --once`) it binds the port itself; under `f
 life and hands each run's Controller the mux: the Controller then only registers its join and
 rendezvous handlers on it for the run, and `close()` takes them off again.
 
-The Controller is the run's lifecycle (listen, start, wait, abort, close) and the window's driver: a
-timer task re-evaluates the verdict every `tick_interval`, events settle at once (`settle`), and a
-phase change is announced to the log and the listeners. Its jobs each have a collaborator:
+The Controller is the run's lifecycle (listen, start, wait, abort, close), the keeper of its join links
+(restarts that keep them: Reform, `take_kept_links`, `adopt`) and the face its parts and the Service see.
+Its jobs each have a collaborator:
 
+- `WindowDriver` (driver.py): opens the window, re-evaluates it every `tick_interval`, settles events at
+  once (`settle`), announces each phase change, and writes the verdict (`RunResult`);
 - `Admissions` (admission.py): the join channel's refusals and admissions (hellos settle once per turn);
 - `RankLosses` (losses.py): rank exits, ranks declared dead, link ends, and the tolerance they count against;
 - `WorldShipper` (shipper.py): WorldFormed to every host at formation, Abort down every link at a failure;
@@ -28,12 +30,12 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flodld.config.models import ClusterConfig
 from flodld.controller.admission import Admissions
+from flodld.controller.driver import PhaseListener, RunResult, WindowDriver
 from flodld.controller.join import HostLink, JoinProtocol
 from flodld.controller.losses import RankLosses
 from flodld.controller.metrics import ControllerCounters, RunMetrics
@@ -44,11 +46,11 @@ from flodld.controller.runport import VERDICT_LINGER_SECS, RunPort, is_ip_litera
 from flodld.controller.runport import RunChannel as RunChannel
 from flodld.controller.runport import serve_http as serve_http
 from flodld.controller.runstatus import RunStatus
-from flodld.controller.shipper import ABORT_TIMEOUT_SECS, WorldShipper
+from flodld.controller.shipper import WorldShipper
 from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StormLog
 from flodld.controller.source import HttpAnswer
 from flodld.controller.store import StoreService
-from flodld.membership.phase import TERMINAL_PHASES, Phase
+from flodld.membership.phase import Phase
 from flodld.membership.policy import TrustMode
 from flodld.membership.snapshot import RootCause, RunRecord
 from flodld.membership.switch import start_credential
@@ -58,21 +60,6 @@ from flodld.wire.magic import Channel
 from flodld.wire.salt import OPEN_ADMISSION_KEY, new_salt, salt_from_hex, salt_to_hex
 
 log = logging.getLogger("flodld.controller")
-
-PhaseListener = Callable[[Phase, str], object]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """How the run ended: `verdict` is done or failed; `reason` is the window's sentence."""
-
-    verdict: Phase
-    reason: str
-    root_cause: RootCause | None = None  # the first observed rank failure (flodld/membership/rootcause.py)
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict is Phase.DONE
 
 
 class Controller:
@@ -124,13 +111,6 @@ class Controller:
         self.kept: dict[str, HostLink] = {}
         self._reforming: set[str] = set()
         self._reform_progress = asyncio.Event()  # set at each Stopped: the Reform wait looks again
-        self._driver: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
-        self._result: RunResult | None = None
-        self._done = asyncio.Event()
-        self._finishing = False
-        self._last_phase: Phase | None = None
-        self._phase_listeners: list[PhaseListener] = []
         self.storm_log = StormLog(log)
         self.admissions = Admissions(self)
         self.losses = RankLosses(self)
@@ -138,6 +118,7 @@ class Controller:
         self.status = RunStatus(self)
         self.state_cache = self.status.state_cache
         self.render_budget = self.status.render_budget
+        self.driver = WindowDriver(self, shipper=self.shipper, state_cache=self.state_cache)
         # Wall-clock (unix seconds) milestones for the run's history record.
         self.started_at: float | None = None
         self.formed_at: float | None = None
@@ -168,7 +149,7 @@ class Controller:
 
     @property
     def result(self) -> RunResult | None:
-        return self._result
+        return self.driver.result
 
     def host_key(self, host: str) -> bytes | None:
         """The key derived at `host`'s admission (flodld.wire.hostkey); None without a live join link."""
@@ -211,7 +192,7 @@ class Controller:
         """
         log.info("event=walk_in host=%s ranks=%s", host, list(ranks))
         self.expect_walk_in(host, ranks)
-        self._spawn(self.shipper.ship_walk_in(host))
+        self.driver.spawn(self.shipper.ship_walk_in(host))
 
     def ranks_entered(self, ranks: tuple[int, ...], in_round: int) -> None:
         """The data plane let a walk-in's ranks into the averaging at `in_round` (state.json `joins`)."""
@@ -262,17 +243,10 @@ class Controller:
         log.info("event=hosts_readmitted hosts=%d of=%d", len(admitted), len(links))
         return admitted
 
-    # --- the data plane's calls (RankLosses) ----------------------------------------------------
+    # --- RankLosses: a subsystem's lost rank, the shipper's tolerance ----------------------------
 
     def rank_lost(self, rank: int, why: str) -> None:
         self.losses.rank_lost(rank, why)
-
-    def rank_round(self, rank: int, in_round: int) -> None:
-        self.losses.rank_round(rank, in_round)
-
-    @property
-    def survives_rank_loss(self) -> bool:
-        return self.losses.survives_rank_loss
 
     @property
     def tolerance(self) -> int:
@@ -313,7 +287,7 @@ class Controller:
 
     def on_phase(self, listener: PhaseListener) -> None:
         """Call `listener(phase, reason)` on every phase change (the daemon feeds systemd STATUS=)."""
-        self._phase_listeners.append(listener)
+        self.driver.on_phase(listener)
 
     async def listen(self) -> tuple[str, int]:
         """Bind the port (or take the Service's) and serve; the window is not open yet (state.json: 503)."""
@@ -327,15 +301,12 @@ class Controller:
         """Listen, open the join window and start the timer; returns the bound (host, port)."""
         address = await self.listen()
         if self.window is None:
-            self._open_window()
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
+            self.driver.open()
         return address
 
     async def wait(self) -> RunResult:
         """Until the run is done or failed. The port stays up; call `close()` (or `stop`) after."""
-        await self._done.wait()
-        assert self._result is not None
-        return self._result
+        return await self.driver.wait()
 
     async def linger_for_readers(self, seconds: float = VERDICT_LINGER_SECS) -> None:
         """Before `close()` of a one-run controller: see `RunPort.linger_for_readers`."""
@@ -343,10 +314,10 @@ class Controller:
 
     def abort(self, reason: str) -> None:
         """Fail the run now (Abort goes down every link); `wait()` returns once they are sent."""
-        if self._result is not None:
+        if self.driver.result is not None:
             return
         if self.window is None:
-            self._conclude(RunResult(Phase.FAILED, reason))
+            self.driver.conclude(RunResult(Phase.FAILED, reason))
         else:
             self.window.abort(reason, self.clock())
             self.settle()
@@ -354,27 +325,16 @@ class Controller:
     async def stop(self, reason: str) -> RunResult:
         """Abort the run unless it already ended, wait for the Aborts to go out, then close the port."""
         self.abort(reason)
-        await self._done.wait()
+        result = await self.driver.wait()
         await self.close()
-        assert self._result is not None
-        return self._result
+        return result
 
     async def close(self) -> None:
         """Stop listening and end every connection (HTTP included). On a borrowed port: take this run's
         handlers off the mux and close its remaining join links; the port and the mux stay up.
         """
-        await self._stop_driving()
+        await self.driver.stop()
         await self.port.close()
-
-    async def _stop_driving(self) -> None:
-        """Cancel the window's driver and let the background sends finish (each within the abort timeout)."""
-        if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-        for task in list(self._background):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(task, ABORT_TIMEOUT_SECS)
 
     async def release_port(self) -> tuple[PortMux, tuple[str, int]]:
         """Close this run but keep its port listening, the kept links on it, for the next attempt's
@@ -382,7 +342,7 @@ class Controller:
         and the address.
         """
         assert self.address is not None, "release_port() after start()"
-        await self._stop_driving()
+        await self.driver.stop()
         await self.port.release()
         return self.mux, self.address
 
@@ -390,103 +350,20 @@ class Controller:
         """This run owns the port `release_port()` lent it: it serves HTTP, and closes the port at close()."""
         await self.port.take_over()
 
-    # --- the window ----------------------------------------------------------------------------
-
-    def _open_window(self) -> None:
-        assert self.address is not None
-        controller = _host_port(self.options.advertised_host, self.address[1])
-        self.window = JoinWindow(
-            self.policy,
-            self.options.roster,
-            self.clock(),
-            run_id=self.run_id,
-            controller=controller,
-            tolerance=self.options.tolerance,
-            tolerance_percent=self.options.tolerance_percent,
-            declared=self.options.declared_ranks,
-            elastic_max_ranks=self.options.join.elastic_max_ranks if self.options.growable else None,
-        )
-        self.started_at = time.time()
-        p = self.policy
-        log.info(
-            "event=window_open quorum=%d target=%s window_secs=%g cap_secs=%g start=%s admission=%s",
-            p.quorum,
-            p.target,
-            p.window_secs,
-            p.cap_secs,
-            p.start.value,
-            "pre-shared" if p.trust is TrustMode.PRESHARED else "open",
-        )
-        self.announce()
-
-    async def _drive(self) -> None:
-        # Events settle the window when they happen (hellos: once per loop turn); this loop moves the clock.
-        while self._result is None:
-            assert self.window is not None
-            self.window.tick(self.clock())
-            self.settle()
-            self.storm_log.tick()
-            await asyncio.sleep(self.options.tick_interval)
+    # --- the window (WindowDriver) ----------------------------------------------------------------
 
     def settle(self) -> None:
         """Act on the window's phase: form and ship, or conclude. Call after every window call."""
-        window = self.window
-        assert window is not None
-        if window.phase is Phase.FORMING and window.world is None:
-            world = window.form(self.clock())
-            self.formed_at = time.time()
-            self.storm_log.flush()
-            log.info(
-                "event=world_formed world_size=%d hosts=%d reason=%r",
-                world.world_size,
-                len(world.hosts),
-                window.reason,
-            )
-            self._spawn(self.shipper.ship(world))
-        self.announce()
-        if window.phase in TERMINAL_PHASES and not self._finishing:
-            self._finishing = True
-            self._spawn(self._finish(window.phase, window.final_reason))
+        self.driver.settle()
 
     def announce(self, passed: Phase | None = None, why: str = "") -> None:
         """Tell the log and listeners about a new phase (`passed`: one the window went through)."""
-        phase = passed or self.phase
-        if phase is None or phase is self._last_phase:
-            return
-        self._last_phase = phase
-        self.state_cache.clear()  # a phase change shows at once; member churn at most once per interval
-        reason = why or (self.window.reason if self.window is not None else "")
-        log.info("event=phase phase=%s reason=%r", phase.value, reason)
-        for listener in self._phase_listeners:
-            try:
-                listener(phase, reason)
-            except Exception:  # a broken observer must not break admission or formation
-                log.exception("event=phase_listener_failed phase=%s", phase.value)
+        self.driver.announce(passed, why)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(self._background_ended)
-
-    def _background_ended(self, task: asyncio.Task[None]) -> None:
-        """A formation or finishing task that crashed fails the run with the reason: never a silent stall."""
-        if task.cancelled() or task.exception() is None:
-            return
-        error = task.exception()
-        log.error(
-            "event=internal_error task=%s error=%r",
-            task.get_coro().__qualname__,  # type: ignore[union-attr]
-            error,
-            exc_info=error,
-        )
-        if self._result is None:
-            if self._finishing:  # _finish itself died: conclude without it
-                self._conclude(RunResult(Phase.FAILED, f"internal error while finishing the run: {error!r}"))
-            else:
-                self.abort(f"internal error: {type(error).__name__}: {error}")
-
-    async def _finish(self, phase: Phase, reason: str) -> None:
+    async def end_links(self, phase: Phase, reason: str) -> None:
+        """The run ended (WindowDriver, before the verdict): a failure sends Abort down every live link, or
+        Reform where a restart keeps the links (the hosts that answer wait in `kept`).
+        """
         links = [link for link in self.links.values() if not link.closed.is_set()]
         if phase is Phase.FAILED and self.keep_links:
             log.error("event=run_failed reason=%r hosts_reformed=%d", reason, len(links))
@@ -498,19 +375,3 @@ class Controller:
             await self.shipper.abort(links, reason)
         else:
             log.info("event=run_done reason=%r", reason)
-        self._conclude(RunResult(phase, reason))
-
-    def _conclude(self, result: RunResult) -> None:
-        if self._result is None:
-            cause = self.root_cause()
-            if cause is not None and result.root_cause is None:
-                result = RunResult(result.verdict, result.reason, cause)
-                log.error("event=root_cause %s", cause.summary)
-            self.storm_log.flush()
-            self._result = result
-            self.ended_at = time.time()
-            self._done.set()
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

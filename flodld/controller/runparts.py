@@ -1,8 +1,8 @@
 """What each of the run's parts asks of the run it serves (the Controller, flodld/controller/run.py, is one).
 
-`Admissions` (admission.py), `RankLosses` (losses.py), `WorldShipper` (shipper.py), `RunPort` (runport.py)
-and `RunStatus` (runstatus.py) each hold the run they work for and read or call on it: each sees it only
-through its own protocol here, so none of them imports run.py (which imports them all). The Controller
+`Admissions` (admission.py), `RankLosses` (losses.py), `WorldShipper` (shipper.py), `RunPort` (runport.py),
+`RunStatus` (runstatus.py) and `WindowDriver` (driver.py) each hold the run they work for and call on it,
+through its own protocol here only, so none of them imports run.py (which imports them all). The Controller
 satisfies every one structurally; mypy checks that where run.py builds each part with `self`.
 """
 
@@ -187,3 +187,37 @@ class StatusRun(RunCore, Protocol):
 
     @property
     def ended_at(self) -> float | None: ...
+
+
+class DriverRun(Protocol):
+    """What `WindowDriver` (driver.py) asks of the run: it opens the window and stamps the milestones."""
+
+    window: JoinWindow | None
+    started_at: float | None
+    formed_at: float | None
+    ended_at: float | None
+
+    @property
+    def options(self) -> ControllerOptions: ...
+
+    @property
+    def policy(self) -> WindowPolicy: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def address(self) -> tuple[str, int] | None: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def storm_log(self) -> StormLog: ...
+
+    def root_cause(self) -> RootCause | None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    async def end_links(self, phase: Phase, reason: str) -> None:
+        """A terminal phase: Abort (or, for a restart that keeps the links, Reform) down every live link."""
