@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
@@ -96,8 +97,32 @@ def test_the_budget_is_one_per_loop_and_refuses_zero() -> None:
         TurnBudget(0)
 
 
+@pytest.fixture
+def fresh_heap() -> Iterator[None]:
+    """A count of linked hosts of this test's own.
+
+    The count is per process: links other tests of this process left open (or a storm they left spaced)
+    must not count here, nor this test's links there.
+    """
+    import gc
+
+    from flodld.controller.linkheap import LinkedHeap
+
+    saved = (LinkedHeap.linked, LinkedHeap.admitted_since_freeze, LinkedHeap.froze, LinkedHeap.thresholds)
+    threshold = gc.get_threshold()
+    if LinkedHeap.thresholds is not None:
+        gc.set_threshold(*LinkedHeap.thresholds)  # the collector's own pace, as outside a storm
+    LinkedHeap.linked = LinkedHeap.admitted_since_freeze = 0
+    LinkedHeap.froze, LinkedHeap.thresholds = False, None
+    try:
+        yield
+    finally:
+        LinkedHeap.linked, LinkedHeap.admitted_since_freeze, LinkedHeap.froze, LinkedHeap.thresholds = saved
+        gc.set_threshold(*threshold)
+
+
 def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_ends(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fresh_heap: None
 ) -> None:
     import gc
 
@@ -119,7 +144,7 @@ def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_e
 
 
 def test_a_storm_of_linked_hosts_spaces_the_full_collections_until_the_last_link_ends(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fresh_heap: None
 ) -> None:
     import gc
 
