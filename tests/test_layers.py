@@ -42,6 +42,7 @@ SANS_IO = (
     "flodld.fold",
     "flodld.config",
     "flodld.agent.supervision",
+    "flodld.controller.roundledger",
     "flodld.fanout.sshd_recipe",
     "fhelium.distributed._schedule",
 )
