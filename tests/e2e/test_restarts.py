@@ -188,12 +188,12 @@ def test_a_lost_walk_in_host_is_replaced_by_a_new_walk_in_in_the_next_attempt_an
 
 @pytest.mark.timeout(300)
 def test_a_reformation_window_below_quorum_fails_the_run_with_each_attempts_cause(tmp_path: Path) -> None:
-    # As above, but nobody replaces host B: attempt 2's window (join_timeout 5 s, hard cap 20 s) ends with
+    # As above, but nobody replaces host B: attempt 2's window (join_timeout 5 s, hard cap 10 s) ends with
     # A's rank alone, below the quorum of 2, and the run fails naming both attempts' causes.
     port, token = free_port(), secrets.token_hex(16)
     project = write_discovery_project(tmp_path, port, token, ranks=2, join_timeout=5)
     config = project / "fdl.yml"
-    capped = config.read_text().replace("join_timeout: 5\n", "join_timeout: 5\n      max_join_timeout: 20\n")
+    capped = config.read_text().replace("join_timeout: 5\n", "join_timeout: 5\n      max_join_timeout: 10\n")
     config.write_text(capped)
     out = tmp_path / "out"
     out.mkdir()
@@ -215,7 +215,7 @@ def test_a_reformation_window_below_quorum_fails_the_run_with_each_attempts_caus
     failed = [line for line in controller.output.splitlines() if "run FAILED" in line]
     assert len(failed) == 1, controller.output
     assert "attempt 1: " in failed[0] and "attempt 2: " in failed[0], failed
-    assert "attempt 2: quorum not met: 1 of 2 ranks joined after 20s hard cap" in failed[0], failed
+    assert "attempt 2: quorum not met: 1 of 2 ranks joined after 10s hard cap" in failed[0], failed
 
 
 @pytest.mark.timeout(300)

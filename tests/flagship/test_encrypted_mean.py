@@ -90,7 +90,7 @@ def test_a_rank_leaving_after_encrypting_fails_every_other_rank_naming_its_missi
         "--fault-rank",
         "2",
         "--share-timeout",
-        "10",
+        "5",
     )
     assert run.wait(240) == 1, run.output
     assert "rank 2: leaving after encrypting, before its decryption share" in run.output

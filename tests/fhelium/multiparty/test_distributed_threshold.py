@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import subprocess
-import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.rank_zygote import Zygote
 
 pytestmark = pytest.mark.multiproc
 
@@ -24,32 +28,53 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_world(world: int, scenario: str, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+# what threshold_rank.py imports, loaded once in the zygote its ranks are forked from (tests/rank_zygote.py)
+PRELOAD = [
+    "torch.distributed", "fhelium.distributed", "fhelium.multiparty", "fhelium.multiparty.distributed",
+    "fhelium.native.build:load",
+]  # fmt: skip
+WorldRunner = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def run_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorldRunner]:
+    """`run_world(world, scenario, timeout_s=20.0)`: each rank's JSON result, ranks forked from one zygote."""
+    zygote = Zygote(PRELOAD, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        yield functools.partial(_run_world, zygote, tmp_path_factory.mktemp("threshold-ranks"))
+    finally:
+        zygote.close()
+
+
+def _run_world(
+    zygote: Zygote, logs: Path, world: int, scenario: str, timeout_s: float = 20.0
+) -> list[dict[str, Any]]:
     port = _free_port()
+    folder = Path(tempfile.mkdtemp(dir=logs))
     processes = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen(
-            [sys.executable, str(RANK), scenario, str(timeout_s)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))
+        processes.append(zygote.spawn(RANK, [scenario, str(timeout_s)], env, folder / f"rank{rank}.log"))
     results = []
-    for rank, process in enumerate(processes):
-        try:
-            output, _ = process.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
-        lines = [line for line in output.splitlines() if line.startswith("{")]
-        assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
-        results.append(json.loads(lines[-1]))
+    try:
+        for rank, process in enumerate(processes):
+            try:
+                process.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
+            output = process.output
+            lines = [line for line in output.splitlines() if line.startswith("{")]
+            assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
+            results.append(json.loads(lines[-1]))
+    finally:
+        for process in processes:
+            process.kill()
     return results
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
-def test_every_rank_decrypts_the_mean(world: int) -> None:
+def test_every_rank_decrypts_the_mean(world: int, run_world: WorldRunner) -> None:
     results = run_world(world, "mean")
     for result in results:
         assert result["ok"], result.get("trace")
@@ -57,7 +82,7 @@ def test_every_rank_decrypts_the_mean(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])  # 1: the blocking fallback (one sum of each, one decoder)
-def test_every_rank_gets_the_mean_from_the_fused_aggregate(world: int) -> None:
+def test_every_rank_gets_the_mean_from_the_fused_aggregate(world: int, run_world: WorldRunner) -> None:
     results = run_world(world, "aggregate")
     for result in results:
         assert result["ok"], result.get("trace")
@@ -69,7 +94,9 @@ def test_every_rank_gets_the_mean_from_the_fused_aggregate(world: int) -> None:
         assert records.count("decryption_sum") == 1, records
 
 
-def test_the_fused_aggregate_over_a_channel_without_async_sums_has_every_rank_decode_every_row() -> None:
+def test_the_fused_aggregate_over_a_channel_without_async_sums_has_every_rank_decode_every_row(
+    run_world: WorldRunner,
+) -> None:
     for result in run_world(3, "aggregate-blocking"):
         assert result["ok"], result.get("trace")
         assert result["max_error"] < 1e-6, result
@@ -91,7 +118,9 @@ def _assert_the_others_name_the_missing_share(results: list[dict[str, Any]], lea
         assert result["seconds"] < 60
 
 
-def test_a_rank_that_leaves_before_its_fused_share_fails_every_other_rank_naming_it() -> None:
+def test_a_rank_that_leaves_before_its_fused_share_fails_every_other_rank_naming_it(
+    run_world: WorldRunner,
+) -> None:
     world, leaver, timeout_s = 3, 1, 5.0
     results = run_world(world, f"aggregate-leave:{leaver}", timeout_s=timeout_s)
     assert results[leaver].get("left") is True
@@ -101,6 +130,7 @@ def test_a_rank_that_leaves_before_its_fused_share_fails_every_other_rank_naming
 @pytest.mark.parametrize("world", [1, 3])  # 1: the blocking fallback
 def test_the_before_contribution_hook_runs_once_after_every_c1_sum_and_before_any_contribution(
     world: int,
+    run_world: WorldRunner,
 ) -> None:
     for result in run_world(world, "aggregate-hook"):
         assert result["ok"], result.get("trace")
@@ -112,7 +142,9 @@ def test_the_before_contribution_hook_runs_once_after_every_c1_sum_and_before_an
         assert "decryption_share" not in records[:hook], records
 
 
-def test_a_rank_leaving_in_the_before_contribution_hook_fails_every_other_rank_naming_it() -> None:
+def test_a_rank_leaving_in_the_before_contribution_hook_fails_every_other_rank_naming_it(
+    run_world: WorldRunner,
+) -> None:
     world, leaver, timeout_s = 3, 2, 5.0
     results = run_world(world, f"aggregate-hook:{leaver}", timeout_s=timeout_s)
     assert results[leaver].get("left") is True
@@ -121,7 +153,7 @@ def test_a_rank_leaving_in_the_before_contribution_hook_fails_every_other_rank_n
     _assert_the_others_name_the_missing_share(results, leaver)
 
 
-def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() -> None:
+def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it(run_world: WorldRunner) -> None:
     world, leaver, timeout_s = 3, 2, 5.0
     results = run_world(world, f"leave:{leaver}", timeout_s=timeout_s)
     assert results[leaver].get("left") is True
@@ -135,7 +167,7 @@ def test_a_rank_that_leaves_after_encrypting_fails_every_other_rank_naming_it() 
         assert result["seconds"] < 60  # bounded: the timeout, not gloo's or forever
 
 
-def test_a_rank_decrypting_another_ciphertext_is_named_before_any_share_moves() -> None:
+def test_a_rank_decrypting_another_ciphertext_is_named_before_any_share_moves(run_world: WorldRunner) -> None:
     results = run_world(3, "shape:1", timeout_s=20.0)
     for rank, result in enumerate(results):
         assert not result["ok"] and result["error"] == "MultipartyError", result
@@ -148,7 +180,9 @@ def test_a_rank_decrypting_another_ciphertext_is_named_before_any_share_moves() 
         ]
 
 
-def test_a_rank_summing_another_key_share_than_it_committed_to_is_refused_on_every_rank() -> None:
+def test_a_rank_summing_another_key_share_than_it_committed_to_is_refused_on_every_rank(
+    run_world: WorldRunner,
+) -> None:
     # The rogue-key attack: the last hop of a ring all-reduce sees the others' partial sum and could
     # steer the collective key; the committed shares, opened after the sum, no longer add up to it.
     for result in run_world(3, "rogue-sum:2"):
@@ -158,7 +192,7 @@ def test_a_rank_summing_another_key_share_than_it_committed_to_is_refused_on_eve
         )
 
 
-def test_a_rank_opening_another_key_share_than_it_committed_to_is_named() -> None:
+def test_a_rank_opening_another_key_share_than_it_committed_to_is_named(run_world: WorldRunner) -> None:
     for result in run_world(3, "rogue-open:1"):
         assert not result["ok"] and result["error"] == "MultipartyError", result
         assert "rank(s) [1] opened a key share that does not match the commitment" in result["message"]
@@ -191,7 +225,7 @@ def _assert_victim_decodes_are_noise(result: dict[str, Any]) -> None:
 @pytest.mark.parametrize("path", ["malicious", "malicious-blocking"])
 @pytest.mark.parametrize("attack", sorted(C1_ATTACKS))
 def test_a_malicious_fold_on_the_c1_sum_is_refused_before_any_contribution_is_published(
-    attack: str, path: str
+    attack: str, path: str, run_world: WorldRunner
 ) -> None:
     results = run_world(3, f"{path}:{attack}")
     refused = C1_ATTACKS[attack]
@@ -216,7 +250,9 @@ def test_a_malicious_fold_on_the_c1_sum_is_refused_before_any_contribution_is_pu
 
 
 @pytest.mark.parametrize("path", ["malicious", "malicious-blocking"])
-def test_a_fold_that_returns_another_sum_of_contributions_is_refused_and_learns_nothing(path: str) -> None:
+def test_a_fold_that_returns_another_sum_of_contributions_is_refused_and_learns_nothing(
+    path: str, run_world: WorldRunner
+) -> None:
     results = run_world(3, f"{path}:tamper-sum")
     for result in results:
         assert result["ok"], result.get("trace")
@@ -243,7 +279,7 @@ CHALLENGE_ATTACKS = [
 
 @pytest.mark.parametrize(("path", "attack"), CHALLENGE_ATTACKS)
 def test_a_challenge_seed_that_does_not_match_its_commitment_is_refused_naming_the_rank_and_round(
-    path: str, attack: str
+    path: str, attack: str, run_world: WorldRunner
 ) -> None:
     results = run_world(3, f"{path}:{attack}")
     c1 = "@" not in attack
@@ -261,7 +297,7 @@ def test_a_challenge_seed_that_does_not_match_its_commitment_is_refused_naming_t
     assert {result["published"] for result in results} == {3 if c1 else 2}
 
 
-def test_decrypt_refuses_without_the_explicit_opt_in() -> None:
+def test_decrypt_refuses_without_the_explicit_opt_in(run_world: WorldRunner) -> None:
     for result in run_world(2, "decrypt-no-opt-in"):
         assert not result["ok"] and result["error"] == "MultipartyError", result
         assert "never call it on a ciphertext an aggregator returned" in result["message"]

@@ -4,17 +4,22 @@ that lies. The store is hosted here, so any rank (rank 0 included) can be SIGKIL
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+
+from tests.rank_zygote import Zygote
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,34 +33,60 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_world(
-    world: int, scenario: str, threshold: int, timeout_s: float = 6.0, env: dict[str, str] | None = None
+# what tofn_rank.py imports, loaded once in the zygote its ranks are forked from (tests/rank_zygote.py)
+PRELOAD = [
+    "torch.distributed", "fhelium.multiparty", "fhelium.multiparty.dealing", "fhelium.multiparty.distributed",
+    "fhelium.native.build:load",
+]  # fmt: skip
+WorldRunner = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def run_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorldRunner]:
+    """`run_world(world, scenario, threshold, timeout_s=6.0, env=None)`: each rank's JSON result, its ranks
+    forked from one zygote.
+    """
+    zygote = Zygote(PRELOAD, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        yield functools.partial(_run_world, zygote, tmp_path_factory.mktemp("tofn-ranks"))
+    finally:
+        zygote.close()
+
+
+def _run_world(
+    zygote: Zygote,
+    logs: Path,
+    world: int,
+    scenario: str,
+    threshold: int,
+    timeout_s: float = 6.0,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     port = _free_port()
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
+    folder = Path(tempfile.mkdtemp(dir=logs))
     processes = []
     for rank in range(world):
         environment = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen(
-            [sys.executable, str(RANK), scenario, str(threshold), str(timeout_s)], env=environment,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))
+        argv = [scenario, str(threshold), str(timeout_s)]
+        processes.append(zygote.spawn(RANK, argv, environment, folder / f"rank{rank}.log"))
     results = []
     try:
         for rank, process in enumerate(processes):
             try:
-                output, _ = process.communicate(timeout=240)
+                process.wait(timeout=240)
             except subprocess.TimeoutExpired:
-                for other in processes:
-                    other.kill()
                 raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
+            output = process.output
             lines = [line for line in output.splitlines() if line.startswith("{")]
             assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
             results.append(json.loads(lines[-1]))
     finally:
+        for process in processes:
+            process.kill()
         del store
     return results
 
@@ -72,7 +103,9 @@ def _assert_rounds_ok(results: list[dict[str, Any]], survivors: list[int], contr
 
 
 @pytest.mark.parametrize(("world", "threshold"), [(3, 2), (4, 3), (5, 3)])
-def test_t_of_n_keys_are_dealt_across_ranks_and_every_rank_gets_the_sum(world: int, threshold: int) -> None:
+def test_t_of_n_keys_are_dealt_across_ranks_and_every_rank_gets_the_sum(
+    world: int, threshold: int, run_world: WorldRunner
+) -> None:
     results = run_world(world, "mean", threshold)
     _assert_rounds_ok(results, list(range(world)), list(range(world)))
     assert len({result["fingerprint"] for result in results}) == 1  # one dealing transcript, agreed
@@ -90,7 +123,7 @@ DROPOUTS = [
 
 @pytest.mark.parametrize(("world", "threshold", "killed", "phase", "covered"), DROPOUTS)
 def test_a_rank_sigkilled_at_each_phase_leaves_the_survivors_with_the_sum_of_the_inputs_it_covers(
-    world: int, threshold: int, killed: list[int], phase: str, covered: list[int]
+    world: int, threshold: int, killed: list[int], phase: str, covered: list[int], run_world: WorldRunner
 ) -> None:
     results = run_world(world, f"kill:{','.join(map(str, killed))}:{phase}", threshold)
     for rank in killed:
@@ -105,12 +138,13 @@ def test_a_rank_sigkilled_at_each_phase_leaves_the_survivors_with_the_sum_of_the
     ("world", "threshold", "killed", "phase"), [(3, 2, [1, 2], "after"), (4, 3, [0, 3], "before")]
 )
 def test_fewer_than_t_survivors_fail_on_every_survivor_naming_the_missing_ranks(
-    world: int, threshold: int, killed: list[int], phase: str
+    world: int, threshold: int, killed: list[int], phase: str, run_world: WorldRunner
 ) -> None:
     results = run_world(world, f"kill:{','.join(map(str, killed))}:{phase}", threshold)
     for rank in range(world):
         if rank in killed:
             continue
+        assert results[rank]["ok"], results[rank]  # the failure is the round's, not the keys'
         (outcome,) = results[rank]["rounds"]
         assert not outcome["ok"] and outcome["error"] == "BelowThresholdError", outcome
         assert outcome["missing"] == killed
@@ -120,7 +154,9 @@ def test_fewer_than_t_survivors_fail_on_every_survivor_naming_the_missing_ranks(
         assert results[rank]["seconds"] < 120  # bounded by the share timeout, never a hang
 
 
-def test_a_rank_killed_during_dealing_fails_key_generation_on_every_other_rank_naming_it() -> None:
+def test_a_rank_killed_during_dealing_fails_key_generation_on_every_other_rank_naming_it(
+    run_world: WorldRunner,
+) -> None:
     results = run_world(3, "kill:1:keys", 2)
     assert results[1] == {"rank": 1, "killed": "keys"}
     for rank in (0, 2):
@@ -128,7 +164,7 @@ def test_a_rank_killed_during_dealing_fails_key_generation_on_every_other_rank_n
         assert "rank(s) [1] published none" in results[rank]["message"]
 
 
-def test_an_observer_of_the_transport_cannot_read_a_dealt_shamir_point() -> None:
+def test_an_observer_of_the_transport_cannot_read_a_dealt_shamir_point(run_world: WorldRunner) -> None:
     results = run_world(3, "observe", 2)
     for result in results:
         assert result["ok"], result.get("trace")
@@ -142,7 +178,9 @@ def test_an_observer_of_the_transport_cannot_read_a_dealt_shamir_point() -> None
 
 
 @pytest.mark.parametrize("attack", ["substitute", "subset", "scaled", "negated", "split", "replay"])
-def test_a_malicious_fold_gets_no_decryption_share_for_anything_but_the_checked_sum(attack: str) -> None:
+def test_a_malicious_fold_gets_no_decryption_share_for_anything_but_the_checked_sum(
+    attack: str, run_world: WorldRunner
+) -> None:
     results = run_world(3, f"malicious:{attack}", 2)
     refused = (2,) if attack == "replay" else (1, 2)
     for result in results:
@@ -158,7 +196,9 @@ def test_a_malicious_fold_gets_no_decryption_share_for_anything_but_the_checked_
         assert result["decrypted_rows"] == 2 * (2 - len(refused)), result
 
 
-def test_decrypt_with_t_of_n_keys_is_refused_naming_aggregate_and_publishes_no_share() -> None:
+def test_decrypt_with_t_of_n_keys_is_refused_naming_aggregate_and_publishes_no_share(
+    run_world: WorldRunner,
+) -> None:
     for result in run_world(3, "decrypt", 2):
         assert result["ok"], result.get("trace")
         assert result["decrypt"] == "MultipartyError", result
@@ -187,6 +227,7 @@ def test_the_documented_dropout_demo_survives_a_rank_sigkilled_after_encrypting(
 
 def test_pinned_dealing_keys_refuse_a_rank_presenting_another_key_before_any_point_is_sealed(
     tmp_path: Path,
+    run_world: WorldRunner,
 ) -> None:
     pins = {}
     for rank in range(3):

@@ -7,6 +7,7 @@ level under test with the same parameters, then runs the engine's own steps on r
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ import torch
 
 from fhelium import native
 from fhelium.core import Ciphertext, FheliumValueError
-from fhelium.engine import CkksEngine, CkksParameters
+from fhelium.engine import CkksEngine, CkksParameters, KeySet
 from fhelium.engine.primes import primitive_root_of_unity
 
 
@@ -143,24 +144,40 @@ def test_rescale_is_bit_identical_in_both_domains(
             assert torch.equal(result.data, expected.data)
 
 
+class _Rotations(NamedTuple):
+    keys: KeySet
+    x: torch.Tensor
+    ct: Ciphertext
+    expected: list[torch.Tensor]  # multiply-relinearize-rescale, rotate by 1, conjugate, rotate_many(1, -3)
+
+
+@functools.cache
+def _torch_rotations(case: str) -> _Rotations:
+    """The torch reference's keys, input, ciphertext and results over CASES[CASE] (seed 5, as `engines`
+    seeds it): the same at every level, so made once per case. Call it on the torch path.
+    """
+    reference = CkksEngine(CASES[case], rng_seed=5)
+    assert reference.ntt.native_level == "torch"
+    keys = reference.generate_keys(rotation_steps=(1, -3), conjugation=True)
+    x = torch.rand(3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ct = reference.encode_encrypt(x, keys.public)
+    expected = [
+        reference.rescale(reference.relinearize(reference.multiply(ct, ct), keys.relin())).data,
+        reference.rotate(ct, keys.rotation(1)).data,
+        reference.conjugate(ct, keys.conjugation).data,
+        *(c.data for c in reference.rotate_many(ct, [keys.rotation(1), keys.rotation(-3)])),
+    ]
+    return _Rotations(keys, x, ct, expected)
+
+
 @pytest.mark.parametrize("case", ["n2048-50bit", "n16384"])
 def test_rotate_multiply_and_rotate_many_match_the_torch_engine(
-    engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
+    case: str, engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # at N=2^14 a batch of 3 is three groups on the torch path, one native call (chunked inside)
-    reference, engine = engines
+    _, engine = engines
     with _torch_path(monkeypatch):
-        keys = reference.generate_keys(rotation_steps=(1, -3), conjugation=True)
-        x = torch.rand(
-            3, reference.slot_count, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
-        )
-        ct = reference.encode_encrypt(x, keys.public)
-        expected = [
-            reference.rescale(reference.relinearize(reference.multiply(ct, ct), keys.relin())).data,
-            reference.rotate(ct, keys.rotation(1)).data,
-            reference.conjugate(ct, keys.conjugation).data,
-            *(c.data for c in reference.rotate_many(ct, [keys.rotation(1), keys.rotation(-3)])),
-        ]
+        keys, x, ct, expected = _torch_rotations(case)
     results = [
         engine.rescale(engine.relinearize(engine.multiply(ct, ct), keys.relin())).data,
         engine.rotate(ct, keys.rotation(1)).data,
@@ -257,6 +274,40 @@ def test_encryption_mod_down_and_encrypt_are_bit_identical(
         assert torch.equal(ct.data, expected_ct.data)
 
 
+class _IntegerEncryptions(NamedTuple):
+    x: torch.Tensor
+    expected: torch.Tensor  # encrypt(the residues x·multiplier mod q) by the torch reference
+    torch_ct: torch.Tensor  # the torch reference's encrypt_integers(x, multiplier=multiplier)
+
+
+@functools.cache
+def _torch_integer_encryptions(case: str) -> tuple[_IntegerEncryptions, ...]:
+    """The torch reference's side of the encrypt_integers test over CASES[CASE], for each batch and
+    multiplier in turn (x from one generator, each engine fresh with seed 5, as `_engines` makes them):
+    the same at every level, so made once per case. Call it on the torch path.
+    """
+    generator = torch.Generator().manual_seed(45)
+    made = []
+    for batch in ((), (3,), (2, 2)):
+        for multiplier in (1, 1 << 44, 3**40):
+            reference = CkksEngine(CASES[case], rng_seed=5)
+            plain_reference = CkksEngine(CASES[case], rng_seed=5)
+            assert reference.ntt.native_level == plain_reference.ntt.native_level == "torch"
+            n, ids = reference.ring_degree, reference.q_ids_at(0)
+            x = torch.randint(-(1 << 62) + 1, 1 << 62, (*batch, n), generator=generator)
+            x.view(-1)[:4] = torch.tensor([(1 << 62) - 1, -(1 << 62) + 1, 0, -1])  # the range's edges
+            q = plain_reference._mod(ids).q
+            factors = torch.tensor([[multiplier % p] for p in plain_reference.moduli_for(ids)])
+            residues = reference_mul(torch.remainder(x.unsqueeze(-2), q), factors, q)
+            plaintext = plain_reference.encode(torch.zeros(*batch, 1), domain="coefficient")
+            public = plain_reference.generate_keys(relinearization=False).public
+            expected = plain_reference.encrypt(plaintext.with_tensor(residues), public)
+            public = reference.generate_keys(relinearization=False).public
+            torch_ct = reference.encrypt_integers(x, public, scale=2.0**20, multiplier=multiplier)
+            made.append(_IntegerEncryptions(x, expected.data, torch_ct.data))
+    return tuple(made)
+
+
 @pytest.mark.parametrize("case", ["n64-17limbs", "n1024", "n2048-50bit"])
 def test_encrypt_integers_is_encrypt_of_their_residues_bit_for_bit(
     case: str, level: str, monkeypatch: pytest.MonkeyPatch
@@ -264,27 +315,17 @@ def test_encrypt_integers_is_encrypt_of_their_residues_bit_for_bit(
     """encrypt_integers(x, multiplier=f) == encrypt(the residues x·f mod q) from the same draws, at
     every level: native (the residues taken inside ModDown, the addend in c0 only) and torch.
     """
-    generator = torch.Generator().manual_seed(45)
-    for batch in ((), (3,), (2, 2)):
+    with _torch_path(monkeypatch):
+        references = iter(_torch_integer_encryptions(case))
+    for _batch in ((), (3,), (2, 2)):
         for multiplier in (1, 1 << 44, 3**40):
-            reference, engine = _engines(CASES[case], level, monkeypatch)
-            plain_reference, _ = _engines(CASES[case], level, monkeypatch)
-            n, ids = reference.ring_degree, reference.q_ids_at(0)
-            x = torch.randint(-(1 << 62) + 1, 1 << 62, (*batch, n), generator=generator)
-            x.view(-1)[:4] = torch.tensor([(1 << 62) - 1, -(1 << 62) + 1, 0, -1])  # the range's edges
-            with _torch_path(monkeypatch):
-                q = plain_reference._mod(ids).q
-                factors = torch.tensor([[multiplier % p] for p in plain_reference.moduli_for(ids)])
-                residues = reference_mul(torch.remainder(x.unsqueeze(-2), q), factors, q)
-                plaintext = plain_reference.encode(torch.zeros(*batch, 1), domain="coefficient")
-                public = plain_reference.generate_keys(relinearization=False).public
-                expected = plain_reference.encrypt(plaintext.with_tensor(residues), public)
-                public = reference.generate_keys(relinearization=False).public
-                torch_ct = reference.encrypt_integers(x, public, scale=2.0**20, multiplier=multiplier)
+            x, expected, torch_ct = next(references)
+            _, engine = _engines(CASES[case], level, monkeypatch)
+            n, ids = engine.ring_degree, engine.q_ids_at(0)
             native_public = engine.generate_keys(relinearization=False).public
             ct = engine.encrypt_integers(x, native_public, scale=2.0**20, multiplier=multiplier)
-            assert torch.equal(torch_ct.data, expected.data)
-            assert torch.equal(ct.data, expected.data)
+            assert torch.equal(torch_ct, expected)
+            assert torch.equal(ct.data, expected)
             assert ct.scale == 2.0**20 and ct.prime_ids == ids
     with pytest.raises(FheliumValueError, match="2\\^62"):
         engine.encrypt_integers(torch.full((n,), 1 << 62), native_public, scale=1.0)
