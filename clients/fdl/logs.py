@@ -8,8 +8,7 @@ Shows the per-rank log files that `fdl run` or `fdl join` wrote on this host (wi
 DIR is --log-dir, else `logs.dir` of fdl.yml. RUN defaults to the latest run in DIR (a unique prefix of
 its id is enough), the attempt to its latest. With one file to show its lines are printed as they are;
 with several, each line is prefixed `[HOST:rR:STREAM] `. --follow keeps printing what the ranks append
-(and, without --attempt, moves on to a restart's new attempt) until interrupted (SIGINT, Ctrl-C: exit 0,
-also where the shell that started it left SIGINT ignored).
+(and, without --attempt, moves on to a restart's new attempt) until interrupted.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -230,11 +228,6 @@ def main(args: argparse.Namespace) -> int:
     base = Path(directory)
     printer = Printer(_out)
     shown: Path | None = None
-    if args.follow:
-        # Ctrl-C ends --follow (exit 0) even where SIGINT came in ignored, as it does for `cmd &` started by
-        # a non-interactive shell (CI, scripts): Python then never raises KeyboardInterrupt, and the
-        # follower would outlive whoever started it. fdl run handles SIGINT itself in the same way.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             try:
