@@ -104,6 +104,29 @@ def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> 
     return out
 
 
+def _timed_aggregate(
+    session: ThresholdSession,
+    rows: torch.Tensor,
+    timings: Timings,
+    record: Callable[[str, torch.Tensor], None],
+    before_decrypt: Callable[[], None] | None,
+) -> tuple[torch.Tensor, int, float]:
+    """``session.aggregate`` timed as the "aggregate" phase, counting this rank's ciphertext bytes on
+    their way to ``record``: the aggregate, those bytes and the seconds it took.
+    """
+    nbytes = 0
+
+    def audit(name: str, tensor: torch.Tensor) -> None:
+        nonlocal nbytes
+        if name == "ciphertext":
+            nbytes += tensor.numel() * tensor.element_size()
+        record(name, tensor)
+
+    started = time.perf_counter()
+    total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
+    return total, nbytes, timings.measure("aggregate", started)
+
+
 def _fused_mean(
     session: ThresholdSession,
     rows: torch.Tensor,
@@ -117,22 +140,12 @@ def _fused_mean(
     c1 components, publish c0_i + h_i, decode one slice per rank, all-gather the decoded slots.
     Returns the flat mean and this rank's ciphertext bytes.
     """
-    nbytes = 0
-
-    def audit(name: str, tensor: torch.Tensor) -> None:
-        nonlocal nbytes
-        if name == "ciphertext":
-            nbytes += tensor.numel() * tensor.element_size()
-        record(name, tensor)
-
-    started = time.perf_counter()
     try:
-        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
+        total, nbytes, elapsed = _timed_aggregate(session, rows, timings, record, before_decrypt)
     except RuntimeError as error:
         raise WorldChangedError(
             f"the threshold aggregation failed, a rank probably left mid-run: {error}"
         ) from error
-    elapsed = timings.measure("aggregate", started)
     say(
         f"fused threshold aggregation over {world} rank(s) via process-group in {elapsed:.2f}s: "
         f"{rows.size(0)} ciphertexts ({nbytes / 2**20:.1f} MiB) encrypted, c1 summed, "
@@ -228,17 +241,7 @@ def _surviving_mean(
     still there and any t of them decrypt (fhelium.multiparty.dropout). Returns the flat mean over the
     contributors (``session.contributors``) and this rank's ciphertext bytes.
     """
-    nbytes = 0
-
-    def audit(name: str, tensor: torch.Tensor) -> None:
-        nonlocal nbytes
-        if name == "ciphertext":
-            nbytes += tensor.numel() * tensor.element_size()
-        record(name, tensor)
-
-    started = time.perf_counter()
-    total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
-    elapsed = timings.measure("aggregate", started)
+    total, nbytes, elapsed = _timed_aggregate(session, rows, timings, record, before_decrypt)
     covered = session.contributors
     say(
         f"t-out-of-N aggregation (threshold {session.threshold}) in {elapsed:.2f}s: the mean covers the "
