@@ -442,4 +442,5 @@ __all__ = [
     "reduce_signed",
     "reduce_sum_",
     "smudging_noise",
+    "sum_every_party",
 ]
