@@ -22,6 +22,7 @@ from fhelium.multiparty.channel import (
     EXCHANGES,
     MemberLostError,
     gather_from_store,
+    member_arrivals,
     missing_error,
 )
 from fhelium.multiparty.encoding import reduce_sum_
@@ -295,13 +296,7 @@ class RelayShareChannel:
         """
         members = sorted(members)
         descriptor = f"{list(residues.shape)}/{[str(q) for q in moduli]}".encode()
-        arrived = self.gather_members(f"{tag}/arrive", descriptor, members)
-        missing = [rank for rank in members if rank not in arrived]
-        if missing:
-            raise MemberLostError(
-                f"rank(s) {missing} did not arrive at the {tag!r} exchange within {self.timeout_s:g}s",
-                missing,
-            )
+        arrived = member_arrivals(self.gather_members, tag, descriptor, members, self.timeout_s)
         if any(other != descriptor for other in arrived.values()):
             raise AggregationError(f"the {tag!r} exchange was refused: ranks describe different payloads")
         if members == list(range(self.world_size)) and not self.relay_failed:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -104,54 +105,54 @@ def _gather_records(channel: ShareChannel, tag: str, record: dict[str, Any]) -> 
     return out
 
 
-def _fused_mean(
-    session: ThresholdSession,
-    rows: torch.Tensor,
-    world: int,
-    timings: Timings,
-    record: Callable[[str, torch.Tensor], None],
-    before_decrypt: Callable[[], None] | None,
-    say: Say,
-) -> tuple[torch.Tensor, int]:
+@dataclass
+class _MeanRun:
+    """What each road to the mean takes: the session, this rank's rows ``[rows, slots]``, the timings,
+    the audit hook, the hook before decryption and the progress line. ``nbytes``: this rank's
+    ciphertext bytes, counted by ``count``.
+    """
+
+    session: ThresholdSession
+    rows: torch.Tensor
+    timings: Timings
+    record: Callable[[str, torch.Tensor], None]
+    before_decrypt: Callable[[], None] | None
+    say: Say
+    nbytes: int = 0
+
+    def count(self, name: str, tensor: torch.Tensor) -> None:
+        """``record``, counting the bytes of this rank's ciphertexts on the way."""
+        if name == "ciphertext":
+            self.nbytes += tensor.numel() * tensor.element_size()
+        self.record(name, tensor)
+
+    def aggregate(self) -> tuple[torch.Tensor, float]:
+        """``session.aggregate`` of the rows with ``count`` as its audit, timed as the "aggregate" phase."""
+        started = time.perf_counter()
+        total = self.session.aggregate(self.rows, record=self.count, before_contribution=self.before_decrypt)
+        return total, self.timings.measure("aggregate", started)
+
+
+def _fused_mean(run: _MeanRun, world: int) -> tuple[torch.Tensor, int]:
     """The process-group road's fused protocol (``ThresholdSession.aggregate``): encrypt, sum only the
     c1 components, publish c0_i + h_i, decode one slice per rank, all-gather the decoded slots.
     Returns the flat mean and this rank's ciphertext bytes.
     """
-    nbytes = 0
-
-    def audit(name: str, tensor: torch.Tensor) -> None:
-        nonlocal nbytes
-        if name == "ciphertext":
-            nbytes += tensor.numel() * tensor.element_size()
-        record(name, tensor)
-
-    started = time.perf_counter()
     try:
-        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
+        total, elapsed = run.aggregate()
     except RuntimeError as error:
         raise WorldChangedError(
             f"the threshold aggregation failed, a rank probably left mid-run: {error}"
         ) from error
-    elapsed = timings.measure("aggregate", started)
-    say(
+    run.say(
         f"fused threshold aggregation over {world} rank(s) via process-group in {elapsed:.2f}s: "
-        f"{rows.size(0)} ciphertexts ({nbytes / 2**20:.1f} MiB) encrypted, c1 summed, "
+        f"{run.rows.size(0)} ciphertexts ({run.nbytes / 2**20:.1f} MiB) encrypted, c1 summed, "
         f"collective decryption from {world} decryption shares"
     )
-    return total.reshape(-1) / world, nbytes
+    return total.reshape(-1) / world, run.nbytes
 
 
-def _program_mean(
-    session: ThresholdSession,
-    transport: Transport,
-    rows: torch.Tensor,
-    values: int,
-    lower: bool,
-    timings: Timings,
-    record: Callable[[str, torch.Tensor], None],
-    before_decrypt: Callable[[], None] | None,
-    say: Say,
-) -> tuple[torch.Tensor, int]:
+def _program_mean(run: _MeanRun, transport: Transport, values: int, lower: bool) -> tuple[torch.Tensor, int]:
     """The relay road (and ``--lower``): the fused protocol with the compiled Program as the c1 sum.
 
     ``ThresholdSession.aggregate`` hands the Program this rank's ciphertext with c0 zeroed (c0 is
@@ -161,6 +162,7 @@ def _program_mean(
     contributions are checked the same way before decoding. No decryption share is ever made for a
     ciphertext the fold returned. Returns the flat mean and this rank's ciphertext bytes.
     """
+    session, rows, timings, say = run.session, run.rows, run.timings, run.say
     world = transport.world_size
     nbytes = 0
     executable: Any = None
@@ -192,7 +194,7 @@ def _program_mean(
 
     def audit(name: str, tensor: torch.Tensor) -> None:
         nonlocal started
-        record(name, tensor)
+        run.record(name, tensor)
         if name == "ciphertext":  # aggregate has just encrypted this rank's rows
             elapsed = timings.measure("encrypt", started)
             say(
@@ -203,7 +205,7 @@ def _program_mean(
             started = time.perf_counter()  # the decryption's time starts once the c1 sum is back
 
     try:
-        total = session.aggregate(rows, record=audit, before_contribution=before_decrypt, sum_c1=sum_c1)
+        total = session.aggregate(rows, record=audit, before_contribution=run.before_decrypt, sum_c1=sum_c1)
     except RuntimeError as error:
         raise WorldChangedError(
             f"the threshold aggregation failed, a rank probably left mid-run: {error}"
@@ -216,36 +218,20 @@ def _program_mean(
     return total.reshape(-1) / world, nbytes
 
 
-def _surviving_mean(
-    session: ThresholdSession,
-    rows: torch.Tensor,
-    timings: Timings,
-    record: Callable[[str, torch.Tensor], None],
-    before_decrypt: Callable[[], None] | None,
-    say: Say,
-) -> tuple[torch.Tensor, int]:
+def _surviving_mean(run: _MeanRun) -> tuple[torch.Tensor, int]:
     """t-out-of-N keys, either road: ``ThresholdSession.aggregate`` sums whole ciphertexts among the ranks
     still there and any t of them decrypt (fhelium.multiparty.dropout). Returns the flat mean over the
     contributors (``session.contributors``) and this rank's ciphertext bytes.
     """
-    nbytes = 0
-
-    def audit(name: str, tensor: torch.Tensor) -> None:
-        nonlocal nbytes
-        if name == "ciphertext":
-            nbytes += tensor.numel() * tensor.element_size()
-        record(name, tensor)
-
-    started = time.perf_counter()
-    total = session.aggregate(rows, record=audit, before_contribution=before_decrypt)
-    elapsed = timings.measure("aggregate", started)
+    session = run.session
+    total, elapsed = run.aggregate()
     covered = session.contributors
-    say(
+    run.say(
         f"t-out-of-N aggregation (threshold {session.threshold}) in {elapsed:.2f}s: the mean covers the "
         f"inputs of rank(s) {covered} ({len(covered)} of {session.channel.world_size}); decrypted by rank(s) "
         f"{session.alive}"
     )
-    return total.reshape(-1) / len(covered), nbytes
+    return total.reshape(-1) / len(covered), run.nbytes
 
 
 def aggregate_mean_threshold(
@@ -328,22 +314,14 @@ def aggregate_mean_threshold(
         padded = torch.zeros(rows * slots, dtype=torch.float64)
         padded[:values] = update.double()
         record("update", update)
+        run = _MeanRun(session, padded.view(rows, slots), timings, record, before_decrypt, say)
         if threshold is not None:
-            mean, nbytes = _surviving_mean(
-                session, padded.view(rows, slots), timings, record, before_decrypt, say
-            )
-            mean = mean[:values]
+            mean, nbytes = _surviving_mean(run)
         elif not isinstance(transport, RelayTransport) and not lower:
-            mean, nbytes = _fused_mean(
-                session, padded.view(rows, slots), world, timings, record, before_decrypt, say
-            )
-            mean = mean[:values]
+            mean, nbytes = _fused_mean(run, world)
         else:
-            mean, nbytes = _program_mean(
-                session, transport, padded.view(rows, slots), values, lower, timings, record, before_decrypt,
-                say,
-            )
-            mean = mean[:values]
+            mean, nbytes = _program_mean(run, transport, values, lower)
+        mean = mean[:values]
     except MultipartyError as error:
         if getattr(error, "missing", None) is not None:
             raise MissingSharesAggregationError(str(error)) from error

@@ -15,26 +15,34 @@ from fhelium.core import Ciphertext, FheliumValueError, MaximumDepthError, Plain
 from fhelium.engine.operations import EngineOperations
 
 
+def _pairwise(
+    engine: EngineOperations,
+    lhs: Ciphertext,
+    rhs: Ciphertext,
+    operation: str,
+    op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``op(lhs.data, rhs.data, q)`` over lhs's primes, once ``_check_pair`` accepts the pair."""
+    engine._check_pair(lhs, rhs, operation)
+    return op(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q)
+
+
 def add(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
-    engine._check_pair(lhs, rhs, "add")
-    return lhs.with_data(mod.add_mod(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q))
+    return lhs.with_data(_pairwise(engine, lhs, rhs, "add", mod.add_mod))
 
 
 def add_(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
     """In place: ``lhs += rhs`` in lhs's storage (also through a ``slice_limbs`` view); returns lhs."""
-    engine._check_pair(lhs, rhs, "add_")
-    mod.add_mod_(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q)
+    _pairwise(engine, lhs, rhs, "add_", mod.add_mod_)
     return lhs
 
 
 def sub(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
-    engine._check_pair(lhs, rhs, "sub")
-    return lhs.with_data(mod.sub_mod(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q))
+    return lhs.with_data(_pairwise(engine, lhs, rhs, "sub", mod.sub_mod))
 
 
 def sub_(engine: EngineOperations, lhs: Ciphertext, rhs: Ciphertext) -> Ciphertext:
-    engine._check_pair(lhs, rhs, "sub_")
-    mod.sub_mod_(lhs.data, rhs.data, engine._mod(lhs.prime_ids).q)
+    _pairwise(engine, lhs, rhs, "sub_", mod.sub_mod_)
     return lhs
 
 

@@ -118,6 +118,26 @@ def missing_error(
     )
 
 
+def member_arrivals(
+    gather_members: Callable[[str, bytes, Sequence[int]], dict[int, bytes]],
+    tag: str,
+    descriptor: bytes,
+    members: Sequence[int],
+    timeout_s: float,
+) -> dict[int, bytes]:
+    """Each member's arrival mark at the ``tag`` exchange (its payload's ``descriptor``), published and
+    read with the channel's ``gather_members``; MemberLostError naming the members that did not arrive
+    within ``timeout_s``.
+    """
+    arrived = gather_members(f"{tag}/arrive", descriptor, members)
+    missing = [rank for rank in members if rank not in arrived]
+    if missing:
+        raise MemberLostError(
+            f"rank(s) {missing} did not arrive at the {tag!r} exchange within {timeout_s:g}s", missing
+        )
+    return arrived
+
+
 class ProcessGroupChannel:
     """Records by ``all_gather``, residues by one SUM ``all_reduce`` plus a per-limb remainder.
 
@@ -361,13 +381,7 @@ class ProcessGroupChannel:
         descriptor = json.dumps(
             {"shape": list(residues.shape), "moduli": [str(q) for q in moduli]}, sort_keys=True
         ).encode()
-        arrived = self.gather_members(f"{tag}/arrive", descriptor, members)
-        missing = [rank for rank in members if rank not in arrived]
-        if missing:
-            raise MemberLostError(
-                f"rank(s) {missing} did not arrive at the {tag!r} exchange within {self.timeout_s:g}s",
-                missing,
-            )
+        arrived = member_arrivals(self.gather_members, tag, descriptor, members, self.timeout_s)
         differing = [rank for rank, other in arrived.items() if other != descriptor]
         if differing:
             raise MultipartyError(
@@ -468,5 +482,6 @@ __all__ = [
     "ProcessGroupChannel",
     "ShareChannel",
     "gather_from_store",
+    "member_arrivals",
     "missing_error",
 ]

@@ -20,7 +20,7 @@ from fhelium.engine import CkksEngine
 from fhelium.engine import modular as mod
 from fhelium.multiparty.errors import MissingSharesError
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
-from fhelium.multiparty.values import DecryptionShare
+from fhelium.multiparty.values import DecryptionShare, PublicKeyShare
 
 # Rows of a batched ciphertext processed per step of decryption_share / combine_decryption: the
 # temporaries of a block (8 rows x 2 primes x 8192 residues, 1 MiB each) stay in cache and are
@@ -133,6 +133,54 @@ def encrypt_values(
     )
 
 
+# what needs a share from every rank, what follows the missing ranks, and what a share that does not
+# fit was made for, per kind of share summed by sum_every_party
+_SHARE_SUMS: dict[str, tuple[str, str, str]] = {
+    "decryption": (
+        "N-out-of-N decryption needs a decryption share",
+        ": without every share the sum is noise",
+        "decryption share was made for another ciphertext",
+    ),
+    "public key": (
+        "the collective public key needs a key share",
+        "",
+        "key share was made for another seed or other parameters",
+    ),
+}
+
+
+def sum_every_party(
+    kind: str,
+    shares: Sequence[DecryptionShare] | Sequence[PublicKeyShare],
+    parties: int | None,
+    q: torch.Tensor,
+    shape: Sequence[int],
+    **expected: object,
+) -> torch.Tensor:
+    """Σ ``share.data`` mod ``q`` of one share from each of the ``parties`` ranks (default: the first
+    share's ``parties``), each of ``shape`` and with the ``expected`` field values: else
+    MissingSharesError naming the missing ranks or ParameterMismatchError naming the rank whose share
+    does not fit, worded for ``kind`` (a key of ``_SHARE_SUMS``). ``shares`` must not be empty.
+    """
+    needs, missing_tail, refusal = _SHARE_SUMS[kind]
+    count = shares[0].parties if parties is None else parties
+    ranks = sorted(share.party for share in shares)
+    if ranks != list(range(count)):
+        missing = sorted(set(range(count)) - set(ranks))
+        raise MissingSharesError(
+            f"{needs} from each of {count} ranks; missing rank(s) {missing}{missing_tail}", missing
+        )
+    for share in shares:
+        if share.data.shape != tuple(shape) or any(
+            getattr(share, name) != value for name, value in expected.items()
+        ):
+            raise ParameterMismatchError(f"rank {share.party}'s {refusal}")
+    total = shares[0].data.clone()
+    for share in shares[1:]:
+        mod.add_mod_(total, share.data, q)
+    return total
+
+
 def combine_decryption(
     engine: CkksEngine,
     ct: Ciphertext,
@@ -148,28 +196,10 @@ def combine_decryption(
     else:
         if not shares:
             raise MissingSharesError("decryption needs every party's share; got none", [])
-        count = shares[0].parties if parties is None else parties
-        ranks = sorted(share.party for share in shares)
-        if ranks != list(range(count)):
-            missing = sorted(set(range(count)) - set(ranks))
-            raise MissingSharesError(
-                f"N-out-of-N decryption needs a decryption share from each of {count} ranks; missing rank(s) "
-                f"{missing}: without every share the sum is noise",
-                missing,
-            )
         digest = ciphertext_digest(ct)
-        for share in shares:
-            if (
-                share.ciphertext_digest != digest
-                or share.prime_ids != ids
-                or share.data.shape != ct.data.shape[1:]
-            ):
-                raise ParameterMismatchError(
-                    f"rank {share.party}'s decryption share was made for another ciphertext"
-                )
-        total = shares[0].data.clone()
-        for share in shares[1:]:
-            mod.add_mod_(total, share.data, q)
+        total = sum_every_party(
+            "decryption", shares, parties, q, ct.data.shape[1:], ciphertext_digest=digest, prime_ids=ids
+        )
     if total.shape != ct.data.shape[1:]:
         raise ParameterMismatchError(
             f"summed decryption shares have shape {tuple(total.shape)}; expected {tuple(ct.data.shape[1:])}"
@@ -218,4 +248,5 @@ __all__ = [
     "encrypt_values",
     "reduce_signed",
     "reduce_sum_",
+    "sum_every_party",
 ]

@@ -42,6 +42,7 @@ from fhelium.multiparty.encoding import (
     encrypt_values,
     reduce_signed,
     reduce_sum_,
+    sum_every_party,
 )
 from fhelium.multiparty.errors import (
     FloodingBudgetError,
@@ -136,27 +137,8 @@ def combine_public_key(
     else:
         if not shares:
             raise MultipartyError("combine_public_key needs at least one share")
-        count = shares[0].parties if parties is None else parties
-        ranks = sorted(share.party for share in shares)
-        if ranks != list(range(count)):
-            missing = sorted(set(range(count)) - set(ranks))
-            raise MissingSharesError(
-                f"the collective public key needs a key share from each of {count} ranks; missing rank(s) "
-                f"{missing}",
-                missing,
-            )
-        for share in shares:
-            if (
-                share.seed != seed
-                or share.prime_ids != ids
-                or share.data.shape != (len(ids), engine.ring_degree)
-            ):
-                raise ParameterMismatchError(
-                    f"rank {share.party}'s key share was made for another seed or other parameters"
-                )
-        total = shares[0].data.clone()
-        for share in shares[1:]:
-            mod.add_mod_(total, share.data, q)
+        shape = (len(ids), engine.ring_degree)
+        total = sum_every_party("public key", shares, parties, q, shape, seed=seed, prime_ids=ids)
     return PublicKey(torch.stack((total, common_uniform(engine, seed))), ids, modulus_basis="QP")
 
 
@@ -460,4 +442,5 @@ __all__ = [
     "reduce_signed",
     "reduce_sum_",
     "smudging_noise",
+    "sum_every_party",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -79,8 +79,8 @@ def _check_data_shape(
 
 
 @dataclass(eq=False)
-class SecretKeyShare:
-    """Party ``party``'s ternary secret s_i over every QP prime, NTT domain (``data [limb, N]``)."""
+class _KeyShare:
+    """What both key shares hold: party ``party``'s ``data [limb, N]`` over ``prime_ids``, NTT domain."""
 
     data: torch.Tensor
     prime_ids: tuple[int, ...]
@@ -88,7 +88,7 @@ class SecretKeyShare:
     parties: int
 
     def __post_init__(self) -> None:
-        owner = "SecretKeyShare"
+        owner = type(self).__name__
         check_integer_tensor(owner, "data", self.data, min_ndim=2)
         self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
         if self.data.ndim != 2 or self.data.size(0) != len(self.prime_ids):
@@ -96,70 +96,69 @@ class SecretKeyShare:
                 f"{owner} data must be [limb={len(self.prime_ids)}, N]; got {tuple(self.data.shape)}"
             )
         _check_party(owner, self.party, self.parties)
+
+
+@dataclass(eq=False)
+class SecretKeyShare(_KeyShare):
+    """Party ``party``'s ternary secret s_i over every QP prime, NTT domain (``data [limb, N]``)."""
 
     def __repr__(self) -> str:
         return f"SecretKeyShare(party={self.party}/{self.parties}, prime_ids={list(self.prime_ids)})"
 
 
 @dataclass(eq=False)
-class PublicKeyShare:
+class PublicKeyShare(_KeyShare):
     """p_i = −a·s_i + e_i over every QP prime, NTT domain; ``a`` is expanded from ``seed`` (public)."""
 
-    data: torch.Tensor
-    prime_ids: tuple[int, ...]
-    party: int
-    parties: int
     seed: bytes
 
     def __post_init__(self) -> None:
-        owner = "PublicKeyShare"
-        check_integer_tensor(owner, "data", self.data, min_ndim=2)
-        self.prime_ids = coerce_prime_ids(owner, self.prime_ids)
-        if self.data.ndim != 2 or self.data.size(0) != len(self.prime_ids):
-            raise FheliumValueError(
-                f"{owner} data must be [limb={len(self.prime_ids)}, N]; got {tuple(self.data.shape)}"
-            )
-        _check_party(owner, self.party, self.parties)
+        super().__post_init__()
         if not isinstance(self.seed, bytes) or len(self.seed) != SEED_BYTES:
-            raise FheliumValueError(f"{owner} seed must be {SEED_BYTES} bytes")
+            raise FheliumValueError(f"PublicKeyShare seed must be {SEED_BYTES} bytes")
 
 
 # --------------------------------------------------------------------------- the common seed
 
 
 @dataclass(eq=False)
-class SeedCommitment:
+class _SeedRecord:
+    """What both seed records hold: party ``party``'s record in ``session``, and one bytes field."""
+
+    party: int
+    parties: int
+    session: str
+
+    # the subclass's bytes field and its length
+    BYTES_FIELD: ClassVar[tuple[str, int]]
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_party(owner, self.party, self.parties)
+        _check_session(owner, self.session)
+        field, nbytes = self.BYTES_FIELD
+        value = getattr(self, field)
+        if not isinstance(value, bytes) or len(value) != nbytes:
+            raise FheliumValueError(f"{owner} {field} must be {nbytes} bytes")
+
+
+@dataclass(eq=False)
+class SeedCommitment(_SeedRecord):
     """SHA-256 commitment of party ``party`` to its 32-byte seed contribution.
 
     See protocol.commitment_digest.
     """
 
-    party: int
-    parties: int
-    session: str
+    BYTES_FIELD = ("digest", DIGEST_BYTES)
     digest: bytes
-
-    def __post_init__(self) -> None:
-        _check_party("SeedCommitment", self.party, self.parties)
-        _check_session("SeedCommitment", self.session)
-        if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_BYTES:
-            raise FheliumValueError(f"SeedCommitment digest must be {DIGEST_BYTES} bytes")
 
 
 @dataclass(eq=False)
-class SeedReveal:
+class SeedReveal(_SeedRecord):
     """The opened contribution of party ``party`` (checked against its commitment)."""
 
-    party: int
-    parties: int
-    session: str
+    BYTES_FIELD = ("contribution", SEED_BYTES)
     contribution: bytes
-
-    def __post_init__(self) -> None:
-        _check_party("SeedReveal", self.party, self.parties)
-        _check_session("SeedReveal", self.session)
-        if not isinstance(self.contribution, bytes) or len(self.contribution) != SEED_BYTES:
-            raise FheliumValueError(f"SeedReveal contribution must be {SEED_BYTES} bytes")
 
 
 # --------------------------------------------------------------------------- decryption shares
