@@ -471,14 +471,14 @@ def test_a_sparse_region_is_mapped_without_populating_it_and_readies_no_accumula
         region = world.relay.shm.regions[0]
         assert not region.populated and region.size == size
         barrier = world.relay._barrier
-        assert barrier is None or barrier._spare.buffer is None
+        assert barrier is None or barrier.accumulators.spare.buffer is None
         assert os.fstat(fd).st_blocks * 512 < 1 << 20  # still sparse after the relay mapped it
         # The rank's own (populated) region readies the accumulator of its size.
         assert isinstance(offer(client, own_offer(like)), ShmAccepted)
         assert world.relay.shm.regions[0].populated
         barrier = world.relay._barrier
-        assert barrier is not None and barrier._spare.buffer is not None
-        assert barrier._spare.buffer.numel() == like.capacity
+        assert barrier is not None and barrier.accumulators.spare.buffer is not None
+        assert barrier.accumulators.spare.buffer.numel() == like.capacity
     finally:
         client.close()
         like.close()
