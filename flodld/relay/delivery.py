@@ -37,6 +37,7 @@ class Delivery:
         self.legs = legs
         self.regions = regions
         self._lost = lost
+        self.rounds = 0  # rounds whose result went down (counted at their first chunk)
 
     async def fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
         """`message` to every live leg of `channel`."""
@@ -51,6 +52,8 @@ class Delivery:
         round there (over its own, already folded, bytes of this chunk) with a small `ShmResult`; framed
         to the others.
         """
+        if message.offset == 0:
+            self.rounds += 1
         framed, shared, notice = self.regions.split(dict(self.legs[Channel.DATA]), message, parts)
         await asyncio.gather(
             self._fan_out_to(Channel.DATA, framed, message, parts),

@@ -17,6 +17,7 @@ class RankRegions:
 
     def __init__(self) -> None:
         self.enabled = shm_mode() != "off"
+        self.refused = 0  # offers refused (not a region this relay could map and check)
         self.regions: dict[int, MappedRegion] = {}
         self._round: dict[int, int] = {}
 

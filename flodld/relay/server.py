@@ -10,8 +10,10 @@ coordinator heartbeats / shutdown down, DeclareDead folds a rank out. A rank's l
 (RankGone up). The relay ends when every rank is gone, when the controller goes away, or on TERM.
 
 Its parts: the loopback listener and the legs' pre-authentication (`flodld.relay.listener`), the
-upstreams (`flodld.relay.upstream`), the ranks' shared-memory regions (`flodld.relay.regions`), the
-straggler clock (`flodld.relay.stragglers`) and a walk-in's entry (`flodld.relay.entry`).
+upstreams (`flodld.relay.upstream`), the fold of the deposits and where its chunks go
+(`flodld.relay.deposits`, with the straggler clock's shell in `flodld.relay.stragglers`), what goes down
+the legs (`flodld.relay.delivery`), the ranks' shared-memory regions (`flodld.relay.regions`) and a
+walk-in's entry (`flodld.relay.entry`).
 """
 
 from __future__ import annotations
@@ -24,19 +26,16 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
 
-from flodld.fold import round_barrier
 from flodld.net.dispatch import serve_frames
-from flodld.net.inorder import InOrder
 from flodld.net.shm import ShmError
 from flodld.net.stream import FramedStream
 from flodld.relay.delivery import Delivery, send_quietly
+from flodld.relay.deposits import DepositFold
 from flodld.relay.entry import WalkInEntry
 from flodld.relay.listener import RankListener, leg_end_level
 from flodld.relay.regions import RankRegions
 from flodld.relay.spec import RelayRoleSpec
-from flodld.relay.stragglers import StragglerWatch
 from flodld.relay.upstream import dial_controller
 from flodld.wire.control import CoordinatorHeartbeat, DeclareDead, Heartbeat, Shutdown
 from flodld.wire.data import (
@@ -45,7 +44,6 @@ from flodld.wire.data import (
     Deposit,
     Entry,
     HelloAck,
-    HostFrame,
     RankConnected,
     RankGone,
     RankHello,
@@ -60,9 +58,6 @@ from flodld.wire.handlers import HandlerTable
 from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
-if TYPE_CHECKING:
-    from flodld.fold.barrier import ChunkResult, RoundBarrier
-
 log = logging.getLogger("flodld.relay")
 
 
@@ -74,48 +69,17 @@ class _Leg:
     stream: FramedStream
 
 
-ChunkMessage = TypeVar("ChunkMessage", HostFrame, Broadcast)
-
-
-def chunk_message(kind: type[ChunkMessage], result: ChunkResult[int]) -> ChunkMessage:
-    """The header of a completed chunk, as a HostFrame (up) or a Broadcast (to the ranks)."""
-    return kind(
-        round=result.round,
-        fold=result.fold_spec,
-        weight=result.weight,
-        contributors=sorted(result.contributors),
-        tensors=list(result.specs),
-        offset=result.offset,
-    )
-
-
 class Relay:
     def __init__(self, spec: RelayRoleSpec) -> None:
         self.spec = spec
         self.salt = bytes.fromhex(spec.salt_hex)
         self.host_key = bytes.fromhex(spec.host_key_hex)
         self.ranks = sorted(spec.ranks)
-        # Folding needs torch; it loads with the first deposit, so a run that only uses the relay for
-        # liveness (gloo/nccl collectives) starts its relay without the import.
-        self._barrier: RoundBarrier[int] | None = None
-        # The world's only host (the controller says so in its DATA HelloAck): fold and broadcast here.
-        self.sole_host = False
-        self._failed_round: str | None = None  # why the sole host's fold could not finish a round
-        # Completed chunks leave in the order the fold made them, whichever task made them.
-        self._outbox = InOrder()
-        # cpu_cadence/cpu_async with a straggler_timeout: when a round stops waiting for its late ranks.
-        self._stragglers = StragglerWatch(
-            spec.straggler_timeout,
-            ship=lambda results: self._outbox.send(results, self._ship),
-            failed=lambda why: self._stop(why, 1),
-        )
         self.legs: dict[Channel, dict[int, FramedStream]] = {Channel.DATA: {}, Channel.CONTROL: {}}
         self.gone: set[int] = set()
         self.upstream: dict[Channel, FramedStream] = {}
         self.finished = asyncio.Event()
         self.exit_code = 0
-        self.rounds = 0
-        self.refused = 0
         self._warned_cleartext = False
         # The loopback listener for ranks: legs reach `_serve_leg` with a hello, pre-authenticated.
         self.listener = RankListener(len(self.ranks), self.salt, self._serve_leg)
@@ -125,6 +89,16 @@ class Relay:
         self._rank_data.register(ShmDeposit, self._on_shm_deposit)
         self.shm = RankRegions()
         self.down = Delivery(self.legs, self.shm, self._stopped_reading)
+        # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its entry round and state.
+        self.entry = WalkInEntry(spec.walk_in, self.ranks, self.gone)
+        self.deposits = DepositFold(
+            self.ranks,
+            self.gone,
+            self.entry,
+            self.down,
+            straggler_timeout=spec.straggler_timeout,
+            failed=lambda why: self._stop(why, 1),
+        )
         self._rank_control: HandlerTable[[_Leg, Frame], Awaitable[bool | None]] = HandlerTable(
             "rank control frame"
         )
@@ -138,8 +112,6 @@ class Relay:
         self._from_controller.register(DeclareDead, self._on_declare_dead)
         self._from_controller.register(DataPlaneError, self._on_refused)
         self._from_controller.register(Entry, self._on_entry)
-        # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its entry round and state.
-        self.entry = WalkInEntry(spec.walk_in, self.ranks, self.gone)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -173,7 +145,7 @@ class Relay:
         log.info(
             "relay: host %r shut down after %d round(s) (exit %d)",
             self.spec.host,
-            self.rounds,
+            self.down.rounds,
             self.exit_code,
         )
         return self.exit_code
@@ -194,21 +166,12 @@ class Relay:
         )
         self._warned_cleartext = self._warned_cleartext or warned
         if channel is Channel.DATA:
-            self.sole_host = ack.sole_host
-            if self.sole_host:
+            self.deposits.upstream = stream
+            self.deposits.sole_host = ack.sole_host
+            if ack.sole_host:
                 log.info("relay: host %r is the world's only host: rounds are broadcast here", self.spec.host)
             stream.read_directly()  # broadcasts go from the socket straight into their frame buffers
         return stream
-
-    def _ensure_barrier(self) -> RoundBarrier[int]:
-        if self._barrier is None:
-            # A sole host broadcasts from its accumulator as the controller does, so it keeps two (a rank
-            # that has all of a round may deposit the next while a send to a slower rank still reads it).
-            live = set(self.ranks) - self.gone
-            self._barrier = round_barrier(live, accumulators=2 if self.sole_host else 1)
-            if self.entry.entry is not None:
-                self._barrier.begin_at(self.entry.entry.round)
-        return self._barrier
 
     # --- ranks -----------------------------------------------------------------------------
 
@@ -265,10 +228,12 @@ class Relay:
 
     async def _on_deposit(self, message: Deposit, leg: _Leg, frame: Frame) -> bool:
         """Fold one chunk of a rank's deposit; ship every chunk it completes. True (stop) on a refusal."""
-        # Folded into the accumulator, the frame's buffer is free again.
-        return await self._fold(
-            leg, message, lambda: (frame.tail_view, functools.partial(leg.stream.conn.recycle, frame))
-        )
+
+        def take() -> tuple[memoryview, Callable[[], None]]:
+            # Folded into the accumulator, the frame's buffer is free again.
+            return frame.tail_view, functools.partial(leg.stream.conn.recycle, frame)
+
+        return await self.deposits.deposit(leg.rank, leg.stream, message, take)
 
     async def _on_shm_deposit(self, message: ShmDeposit, leg: _Leg, frame: Frame) -> bool:
         """Fold a chunk straight from the rank's region, as `_on_deposit` folds a framed one."""
@@ -281,38 +246,7 @@ class Relay:
             region.lend()
             return data, region.give_back
 
-        return await self._fold(leg, message, lend)
-
-    async def _fold(
-        self,
-        leg: _Leg,
-        message: Deposit | ShmDeposit,
-        take: Callable[[], tuple[memoryview, Callable[[], None]]],
-    ) -> bool:
-        """Fold a chunk of `leg`'s deposit (its bytes and their release from `take`); ship every chunk it
-        completes. Any decode or fold failure refuses this rank, never kills the relay: True, the leg stops.
-        """
-        barrier = self._ensure_barrier()
-        if self._failed_round is not None:
-            await send_quietly(leg.stream, DataPlaneError(reason=self._failed_round))
-            return True
-        release: Callable[[], None] | None = None
-        try:
-            data, release = take()
-            before = barrier.round
-            results = barrier.contribute_message(leg.rank, message, data, release)
-        except Exception as error:
-            if release is not None:
-                release()  # nothing of the chunk was kept: the region's loan or the frame's buffer is free
-            self.refused += 1
-            log.error("relay: refusing rank %d: %s: %s", leg.rank, type(error).__name__, error)
-            await send_quietly(leg.stream, DataPlaneError(reason=str(error)[:1024]))
-            return True
-        if isinstance(message, ShmDeposit) and message.round >= before:
-            self.shm.deposited(leg.rank, message.round)  # a late chunk's round was delivered framed already
-        self._stragglers.watch(barrier, before, leg.rank)
-        await self._outbox.send(results, self._ship)
-        return False
+        return await self.deposits.deposit(leg.rank, leg.stream, message, lend)
 
     async def _on_shm_offer(self, message: ShmOffer, leg: _Leg, frame: Frame) -> None:
         """Map and check the rank's region (flodld.net.shm), or refuse it: the leg goes on framed."""
@@ -322,7 +256,7 @@ class Relay:
         try:
             region = self.shm.map(message, leg.stream.writer)
         except ShmError as error:
-            self.refused += 1
+            self.shm.refused += 1
             log.warning("relay: refused rank %d's shared memory offer: %s", leg.rank, error)
             await leg.stream.send(ShmRefused(reason=str(error)[:1024]))
             return
@@ -333,7 +267,7 @@ class Relay:
         self.shm.keep(leg.rank, region)
         # The region's size is the rounds' to come: fault in their accumulator now, not chunk by chunk.
         if region.populated:  # the rank made its pages: its rounds are that big
-            self._ensure_barrier().prepare(region.capacity)
+            self.deposits.ensure().prepare(region.capacity)
         await leg.stream.send(ShmAccepted(size=message.size))
 
     async def _unexpected_on_data_leg(self, message: Message, leg: _Leg) -> bool:
@@ -355,10 +289,8 @@ class Relay:
             if leg is not None:
                 leg.close()
         self.shm.forget(rank)
-        in_round = self._barrier.round if self._barrier is not None else None  # before the leave completes it
-        results = self._barrier.leave(rank) if self._barrier is not None else []
         try:
-            await self._outbox.send(results, self._ship)
+            in_round = await self.deposits.leave(rank)
             if notify_upstream:
                 gone = RankGone(rank=rank, reason=reason[:1024], round=in_round)
                 await self.upstream[Channel.DATA].send(gone)
@@ -367,34 +299,6 @@ class Relay:
             return
         if self.gone >= set(self.ranks):
             self._stop("every local rank has left", 0)
-
-    async def _ship(self, result: ChunkResult[int]) -> None:
-        """One completed chunk up, sealed straight from the accumulator (scatter views, no copy first);
-        on the world's only host, finished and broadcast to the ranks instead.
-        """
-        if self.sole_host:
-            await self._broadcast_here(result)
-            return
-        await self.upstream[Channel.DATA].send(chunk_message(HostFrame, result), result.byte_views())
-
-    async def _broadcast_here(self, result: ChunkResult[int]) -> None:
-        """The sole host's completed chunk is the world's: finish it in place (what the controller would
-        do) and seal it from the accumulator into every live rank's leg. A fold that cannot finish (a mean
-        of total weight zero) is every rank's verdict: each gets the DataPlaneError, and later deposits too.
-        """
-        if self._failed_round is not None:
-            return
-        try:
-            result.finish()
-        except Exception as error:  # FoldError: the round has no value to broadcast
-            self.refused += 1
-            self._failed_round = f"round {result.round} cannot be finished: {error}"[:1024]
-            log.error("relay: %s", self._failed_round)
-            await self.down.tell_quietly(DataPlaneError(reason=self._failed_round))
-            return
-        if result.offset == 0:
-            self.rounds += 1
-        await self.down.deliver(chunk_message(Broadcast, result), result.byte_views())
 
     # --- controller ------------------------------------------------------------------------
 
@@ -418,7 +322,7 @@ class Relay:
 
     async def _on_entry(self, message: Entry, stream: FramedStream, frame: Frame) -> bool:
         """The controller lets this walk-in's ranks in at `message.round`; the state chunks follow."""
-        why = self.entry.enter(message, self._barrier)
+        why = self.entry.enter(message, self.deposits.barrier)
         if why is not None:
             self._stop(why, 1)
             return True
@@ -446,9 +350,7 @@ class Relay:
     async def _on_broadcast(self, message: Broadcast, stream: FramedStream, frame: Frame) -> bool | None:
         if self.entry.taking_state:
             return await self._take_state(message, stream, frame)
-        if message.offset == 0:
-            self.rounds += 1
-        self._stragglers.closed_above(self._barrier, message, frame.tail_view.nbytes)
+        self.deposits.closed_above(message, frame.tail_view.nbytes)
         await self.down.deliver(message, [frame.tail_view])
         stream.conn.recycle(frame)  # sealed into every leg's frame: its buffer is free
         return None

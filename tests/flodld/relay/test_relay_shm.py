@@ -195,7 +195,7 @@ def test_offers_that_name_the_wrong_memory_are_refused_with_a_reason(world: Plan
             reply = offer(client, message)
             assert isinstance(reply, ShmRefused) and reason in reply.reason, (reason, reply)
         plain.close()
-        assert world.relay.shm.regions == {} and world.relay.refused == len(cases)
+        assert world.relay.shm.regions == {} and world.relay.shm.refused == len(cases)
         # The leg is still good: the right offer is taken.
         assert isinstance(offer(client, own_offer(region)), ShmAccepted)
         assert list(world.relay.shm.regions) == [0]
@@ -470,13 +470,13 @@ def test_a_sparse_region_is_mapped_without_populating_it_and_readies_no_accumula
         assert isinstance(offer(client, own_offer(like, fd=fd, size=size)), ShmAccepted)
         region = world.relay.shm.regions[0]
         assert not region.populated and region.size == size
-        barrier = world.relay._barrier
+        barrier = world.relay.deposits.barrier
         assert barrier is None or barrier.accumulators.spare.buffer is None
         assert os.fstat(fd).st_blocks * 512 < 1 << 20  # still sparse after the relay mapped it
         # The rank's own (populated) region readies the accumulator of its size.
         assert isinstance(offer(client, own_offer(like)), ShmAccepted)
         assert world.relay.shm.regions[0].populated
-        barrier = world.relay._barrier
+        barrier = world.relay.deposits.barrier
         assert barrier is not None and barrier.accumulators.spare.buffer is not None
         assert barrier.accumulators.spare.buffer.numel() == like.capacity
     finally:
