@@ -5,7 +5,8 @@ first chunk; at the controller: a host's first chunk); a member that has not dep
 `timeout` seconds later is skipped for that round only (`RoundBarrier.skip`): the round closes over those
 who deposited, the skipped member stays a member, and its deposit of that round, when it comes, is late
 and dropped. The shells (the relay, the controller's data plane) call `opened` when a round takes its
-first chunk, `wake_at` to know when to look again, and `late` (or `due`) to know whom to skip now.
+first chunk and `wake_at` to know when to look again (or `arm`, both at once), and `late` (or `due`) to
+know whom to skip now.
 `cpu_sync` has no straggler timeout: every round waits for every live member.
 """
 
@@ -34,6 +35,15 @@ class StragglerClock:
         """A chunk of `round_number` was taken at `now`; the first one opens the round's clock."""
         if self._round != round_number:
             self._round, self._opened = round_number, now
+
+    def arm(self, round_number: int, now: float) -> float | None:
+        """A chunk of `round_number` was taken at `now`: when its stragglers are due, if this chunk opened
+        the round's clock (the shell sets its timer then); None if it was open already, or no timeout.
+        """
+        if self.timeout is None or self.wake_at(round_number) is not None:
+            return None
+        self.opened(round_number, now)
+        return self.wake_at(round_number)
 
     def wake_at(self, round_number: int) -> float | None:
         """When `round_number`'s stragglers are due to be skipped; None if it is not open or no timeout."""

@@ -51,10 +51,8 @@ class StragglerWatch:
         if self.clock.timeout is None or barrier.round != before or not barrier.started:
             return
         loop = asyncio.get_running_loop()
-        if self.clock.wake_at(before) is None:
-            self.clock.opened(before, loop.time())
-            wake = self.clock.wake_at(before)
-            assert wake is not None
+        wake = self.clock.arm(before, loop.time())
+        if wake is not None:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = loop.call_at(wake, self._due, barrier, before)
