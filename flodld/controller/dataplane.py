@@ -310,13 +310,9 @@ class DataPlane:
         """The timer: skip the hosts that still owe `round_number`, if it is still open."""
         self._straggler_timer = None
         barrier = self._barrier
-        if (
-            barrier is None
-            or barrier.round != round_number
-            or not self.stragglers.due(round_number, self.clock())
-        ):
+        late = self.stragglers.late(barrier, round_number, self.clock())
+        if barrier is None or late is None:
             return
-        late = sorted(barrier.waiting_for)
         log.warning(
             "event=round_skipped_hosts round=%d hosts=%s timeout=%g",
             round_number,

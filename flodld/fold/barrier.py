@@ -34,19 +34,18 @@ The accumulator is allocated once per schema and fold, and reused round after ro
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-import torch
-
+from flodld.fold.accumulators import Accumulators
 from flodld.fold.base import Bundle, Fold, FoldError, fold_from_spec
-from flodld.fold.chunks import Layout, Piece, Prefaulted, byte_views, held
+from flodld.fold.chunks import Layout, Piece, byte_views, held
 from flodld.fold.codec import encode_bundle
+from flodld.fold.late import SkippedRounds
+from flodld.fold.ordered import OrderedChunk
 from flodld.wire.data import TensorSpec
 
 Member = TypeVar("Member", bound=Hashable)
-MAX_LATE_ROUNDS = 4096
-"""Rounds remembered per member as skipped (its late chunks of older ones are refused as out of turn)."""
 Release = Callable[[], None]
 
 
@@ -115,17 +114,6 @@ class ChunkResult(Generic[Member]):
             self.fold.finish_slice(held(self.tensors, piece), self.weight, piece.span)
 
 
-@dataclass
-class _Chunk(Generic[Member]):
-    length: int
-    pieces: tuple[Piece, ...]
-    parked: dict[Member, tuple[list[torch.Tensor], float, Release | None]] = field(default_factory=dict)
-    position: int = 0  # index into the round's fold order
-    weight: float = 0.0
-    folded: set[Member] = field(default_factory=set)
-    complete: bool = False
-
-
 class RoundBarrier(Generic[Member]):
     """Sans-io barrier that folds contributions chunk by chunk into reused accumulators.
 
@@ -147,19 +135,15 @@ class RoundBarrier(Generic[Member]):
         self._live: set[Member] = set(members)
         if not self._live:
             raise RoundError("a round barrier needs at least one member")
-        if accumulators not in (1, 2):
-            raise ValueError(f"a round barrier keeps 1 or 2 accumulators, not {accumulators}")
+        self.accumulators = Accumulators(accumulators)
         self._gone: set[Member] = set()
         # Rounds each live member was skipped in and has not deposited past yet: its chunks of those
-        # rounds are late (dropped). At most MAX_LATE_ROUNDS are remembered per member.
-        self._skipped_rounds: dict[Member, set[int]] = {}
+        # rounds are late (dropped).
+        self._skipped_rounds: SkippedRounds[Member] = SkippedRounds()
         self.late_chunks = 0  # chunks dropped as late (their round closed without their member)
         self.skips = 0  # deposits skipped (member-rounds)
         self._weights_may_drop = weights_may_drop
         self.round = first_round
-        # The reused accumulators, by round parity: (fold spec, schema, tensors) or None.
-        self._kept: list[tuple[str, tuple[TensorSpec, ...], Bundle] | None] = [None] * accumulators
-        self._spare = Prefaulted()  # memory faulted in ahead for the next new accumulator
         self._reset()
 
     def _reset(self) -> None:
@@ -171,7 +155,7 @@ class RoundBarrier(Generic[Member]):
         self._weights: dict[Member, float] = {}
         self._paid: set[Member] = set()  # every chunk sent
         self._skipped: set[Member] = set()  # skipped for this round only (`skip`)
-        self._chunks: dict[int, _Chunk[Member]] = {}
+        self._chunks: dict[int, OrderedChunk[Member]] = {}
         self._emitted = 0  # bytes handed on
         self._touched = False
 
@@ -287,7 +271,7 @@ class RoundBarrier(Generic[Member]):
             )
         chunk = self._chunks.get(offset)
         if chunk is None:
-            chunk = _Chunk(length=data.nbytes, pieces=tuple(layout.pieces(offset, data.nbytes)))
+            chunk = OrderedChunk(length=data.nbytes, pieces=tuple(layout.pieces(offset, data.nbytes)))
         elif chunk.length != data.nbytes:
             raise FoldError(
                 f"{member!r} sent {data.nbytes} bytes at offset {offset} but its peers sent {chunk.length}: "
@@ -295,14 +279,14 @@ class RoundBarrier(Generic[Member]):
             )
         if data.readonly and data.nbytes:
             data = memoryview(bytearray(data))
-        accumulator = self._accumulator_for(fold, layout) if self._fold is None else self._accumulator
+        accumulator = (
+            self.accumulators.for_round(self.round, fold, layout) if self._fold is None else self._accumulator
+        )
         incoming = layout.incoming(data, chunk.pieces)
         for piece, tensor in zip(chunk.pieces, incoming, strict=True):
             fold.check_slice(tensor, piece.span)
         # Accepted: from here on the chunk is the round's.
-        skipped = self._skipped_rounds.get(member)
-        if skipped:  # deposits again: the rounds it missed before this one can no longer come
-            skipped.difference_update([number for number in skipped if number < round_number])
+        self._skipped_rounds.deposits(member, round_number)
         if self._fold is None:
             self._start(fold, layout, accumulator)
         assert self._layout is not None
@@ -321,7 +305,7 @@ class RoundBarrier(Generic[Member]):
             return []
         self._live.discard(member)
         self._gone.add(member)
-        self._skipped_rounds.pop(member, None)
+        self._skipped_rounds.forget(member)
         round_number = self.round
         results: list[ChunkResult[Member]] = []
         if self._fold is not None:
@@ -346,10 +330,7 @@ class RoundBarrier(Generic[Member]):
         round_number = self.round
         for member in chosen:
             self._skipped.add(member)
-            rounds = self._skipped_rounds.setdefault(member, set())
-            rounds.add(round_number)
-            if len(rounds) > MAX_LATE_ROUNDS:
-                rounds.discard(min(rounds))
+            self._skipped_rounds.skipped(member, round_number)
             self.skips += 1
         results: list[ChunkResult[Member]] = []
         if self._fold is not None:
@@ -374,7 +355,7 @@ class RoundBarrier(Generic[Member]):
             return False
         if round_number == self.round:
             return member in self._skipped
-        return round_number in self._skipped_rounds.get(member, ())
+        return self._skipped_rounds.was_skipped(member, round_number)
 
     def _check_member(self, member: Member, round_number: int, weight: float) -> None:
         if member in self._gone:
@@ -400,66 +381,20 @@ class RoundBarrier(Generic[Member]):
         otherwise be faulted in one by one while its round's first member is folded in. A relay calls this
         when a rank's shared-memory region tells it the size of the rounds to come.
         """
-        if not self._spare.holds(nbytes):
-            self._spare.fault_in(nbytes)
-
-    def _accumulator_for(self, fold: Fold, layout: Layout) -> Bundle:
-        """The kept accumulator when schema and fold are the round before's, else a new one, uninitialised:
-        `_drain` starts each chunk of it from its first member (`start_slice`, or zeroed and added to),
-        and a chunk nobody folded is never handed on. `identity` still judges the schema first (FoldError,
-        before anything is kept), on meta tensors (shapes and dtypes, no memory): a round whose schema
-        changed no longer allocates and zero-fills a whole accumulator only to start it again chunk by
-        chunk. A plugin fold whose `identity` cannot take meta tensors gets real ones.
-        """
-        slot = self.round % len(self._kept)
-        kept = self._kept[slot]
-        if kept is not None and kept[0] == fold.spec and kept[1] == layout.specs:
-            return kept[2]
-        self._kept[slot] = None  # drop the old accumulator before allocating the new one
-        try:
-            fold.identity(layout.empty(device="meta"))
-        except FoldError:
-            raise
-        except Exception:  # a fold that needs real memory to judge: its own identity
-            return fold.identity(layout.empty())
-        tensors = self._spare.take(layout)
-        return tensors if tensors is not None else layout.empty()
+        self.accumulators.prepare(nbytes)
 
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
-        self._kept[self.round % len(self._kept)] = (fold.spec, layout.specs, accumulator)
+        self.accumulators.keep(self.round, fold, layout, accumulator)
         self._fold, self._layout, self._accumulator = fold, layout, accumulator
         self._order = _fixed_order(self._live)
 
-    def _drain(self, chunk: _Chunk[Member]) -> None:
+    def _drain(self, chunk: OrderedChunk[Member]) -> None:
         """Fold the chunk's parked contributions in the fixed order, as far as they have arrived."""
         assert self._fold is not None
-        while chunk.position < len(self._order):
-            member = self._order[chunk.position]
-            parked = chunk.parked.pop(member, None)
-            if parked is None:
-                if member in self._live and member not in self._skipped:
-                    return  # its chunk is still to come
-                chunk.position += 1  # left (or was skipped) before sending this chunk
-                continue
-            incoming, weight, release = parked
-            # The accumulator is reused (and a new one uninitialised): the chunk's first member starts it,
-            # in one pass where the fold can (`start_slice`), else zeroed and added to.
-            start = getattr(self._fold, "start_slice", None) if not chunk.folded else None
-            for piece, tensor in zip(chunk.pieces, incoming, strict=True):
-                target = held(self._accumulator, piece)
-                if start is not None:
-                    start(target, tensor, piece.span)
-                    continue
-                if not chunk.folded:
-                    target.zero_()
-                self._fold.add_slice(target, tensor, piece.span)
-            del incoming
-            chunk.weight += weight
-            chunk.folded.add(member)
-            chunk.position += 1
-            if release is not None:
-                release()
-        chunk.complete = True
+        chunk.drain(self._fold, self._accumulator, self._order, self._coming)
+
+    def _coming(self, member: Member) -> bool:
+        return member in self._live and member not in self._skipped
 
     def _emit(self) -> list[ChunkResult[Member]]:
         assert self._fold is not None and self._layout is not None

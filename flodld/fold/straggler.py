@@ -5,13 +5,20 @@ first chunk; at the controller: a host's first chunk); a member that has not dep
 `timeout` seconds later is skipped for that round only (`RoundBarrier.skip`): the round closes over those
 who deposited, the skipped member stays a member, and its deposit of that round, when it comes, is late
 and dropped. The shells (the relay, the controller's data plane) call `opened` when a round takes its
-first chunk, `wake_at` to know when to look again, and `due` to know whether to skip now.
+first chunk and `wake_at` to know when to look again (or `arm`, both at once), and `late` (or `due`) to
+know whom to skip now.
 `cpu_sync` has no straggler timeout: every round waits for every live member.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from flodld.fold.barrier import RoundBarrier
+
+Member = TypeVar("Member", int, str)  # a relay's ranks, the controller's hosts
 
 
 class StragglerClock:
@@ -29,6 +36,15 @@ class StragglerClock:
         if self._round != round_number:
             self._round, self._opened = round_number, now
 
+    def arm(self, round_number: int, now: float) -> float | None:
+        """A chunk of `round_number` was taken at `now`: when its stragglers are due, if this chunk opened
+        the round's clock (the shell sets its timer then); None if it was open already, or no timeout.
+        """
+        if self.timeout is None or self.wake_at(round_number) is not None:
+            return None
+        self.opened(round_number, now)
+        return self.wake_at(round_number)
+
     def wake_at(self, round_number: int) -> float | None:
         """When `round_number`'s stragglers are due to be skipped; None if it is not open or no timeout."""
         if self.timeout is None or self._round != round_number:
@@ -39,3 +55,13 @@ class StragglerClock:
         """Whether `round_number`'s members that still owe their deposit are to be skipped now."""
         deadline = self.wake_at(round_number)
         return deadline is not None and now >= deadline
+
+    def late(
+        self, barrier: RoundBarrier[Member] | None, round_number: int, now: float
+    ) -> list[Member] | None:
+        """The members to skip now (sorted): those that still owe `round_number`, if it is still the
+        barrier's round and due; None if there is nothing to skip.
+        """
+        if barrier is None or barrier.round != round_number or not self.due(round_number, now):
+            return None
+        return sorted(barrier.waiting_for)

@@ -17,6 +17,7 @@ from typing import Any
 from flodld.membership import windowstate
 from flodld.membership.growth import RankJoin, growth_refusal
 from flodld.membership.ledger import Admitted, Ledger, Member, Refused, World
+from flodld.membership.lossbook import LossBook, RankLoss, describe_exit
 from flodld.membership.phase import (
     TERMINAL_PHASES,
     WINDOW_PHASES,
@@ -32,9 +33,6 @@ from flodld.membership.snapshot import DEFAULT_MEMBER_PAGE, LinkState, StateSnap
 from flodld.membership.switch import Armed, StartRefused, arm
 from flodld.membership.windowstate import MemberView as MemberView
 from flodld.wire.join import Hello
-
-NAMED_LOSSES = 5
-"""Lost ranks a degraded verdict names one by one (state.json `losses` lists every one)."""
 
 
 class LinkOutcome(Enum):
@@ -55,27 +53,6 @@ class LinkEnded:
     outcome: LinkOutcome
     ranks: tuple[int, ...] = ()
     why: str = ""
-
-
-@dataclass(frozen=True)
-class RankLoss:
-    """One lost rank (state.json `losses`): who, where, why, and the averaging round in progress (None when
-    the run does not average through the relays, or none had started).
-    """
-
-    rank: int
-    host: str
-    cause: str
-    at_secs: float  # since the window opened
-    round: int | None = None
-
-    def state(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "cause": self.cause, "round": self.round,
-                "at_secs": round(self.at_secs, 3)}  # fmt: skip
-
-    def sentence(self) -> str:
-        where = f" in round {self.round}" if self.round is not None else ""
-        return f"rank {self.rank} on {self.host!r} {self.cause}{where}"
 
 
 class JoinWindow:
@@ -125,14 +102,7 @@ class JoinWindow:
         self._open_links = 0
         self._link_counts: Counter[str] = Counter()
         self._changes = 0  # with the ledger's generation: bumps whenever state.json would differ
-        # host -> why it was declared lost, the first cause only: the one place loss reasons live. A cause
-        # given to `host_closed(why=...)` is named in the tolerance verdict; a lost join link (`link_ended`)
-        # in `final_reason`, after whatever verdict the run got.
-        self.loss_reasons: dict[str, str] = {}
-        self._link_losses: set[str] = set()
-        # rank -> how it was lost (first cause only): state.json `losses`, and the degraded verdict's names.
-        self.losses: dict[int, RankLoss] = {}
-        self._loss_rounds: dict[int, int] = {}  # rank -> the round its relay saw it leave in
+        self._lost = LossBook()  # how each rank and host was lost (flodld/membership/lossbook.py)
         # Growth (flodld.membership.growth): the bound on live ranks a walk-in may take the run to (None: no
         # walk-ins after formation), the ranks that walked in (state.json `joins`), and the ranks of a host's
         # earlier incarnation once it walked in again (lost with it, never its new link's).
@@ -332,7 +302,7 @@ class JoinWindow:
             )
         self._set_link(host, LinkState.LOST if lost else LinkState.CLOSED)
         if lost and why:
-            self.loss_reasons.setdefault(host, why)
+            self._lost.host_lost(host, why, link=False)
         if lost:
             cause = f"lost with its host: {self.loss_reasons.get(host) or why or 'the host link broke'}"
             for rank in self._unreported(host):
@@ -344,19 +314,13 @@ class JoinWindow:
         if self.world is None or rank in self.losses:
             return
         host = next((h for h, ranks in self.world.ranks.items() if rank in ranks), "?")
-        in_round = self._loss_rounds.get(rank, in_round)
-        self.losses[rank] = RankLoss(rank, host, cause, self.elapsed(now), in_round)
-        self._changes += 1
+        self._changes += self._lost.record(rank, host, cause, self.elapsed(now), in_round)
 
     def correct_loss_round(self, rank: int, in_round: int) -> None:
         """The round `rank` was lost in, as its relay saw it: replaces the estimate a loss was recorded with
         (its exit report can arrive first), and is kept for a loss recorded later.
         """
-        self._loss_rounds[rank] = in_round
-        loss = self.losses.get(rank)
-        if loss is not None and loss.round != in_round:
-            self.losses[rank] = replace(loss, round=in_round)
-            self._changes += 1
+        self._changes += self._lost.correct_round(rank, in_round)
 
     def rank_declared_dead(self, rank: int, now: float, *, why: str, in_round: int | None = None) -> Phase:
         """A rank silent past the heartbeat timeout, in a run that can lose a rank without its host (the
@@ -388,9 +352,8 @@ class JoinWindow:
         if clean and unreported:
             why = f"{why} with rank(s) {list(unreported)} unreported"
         lost = not clean or bool(unreported)
-        if lost and host not in self.loss_reasons:
-            self.loss_reasons[host] = why
-            self._link_losses.add(host)
+        if lost:
+            self._lost.host_lost(host, why, link=True)
         self.host_closed(host, now, lost=lost)
         return LinkEnded(LinkOutcome.LOST if lost else LinkOutcome.CLOSED, unreported, why)
 
@@ -415,7 +378,7 @@ class JoinWindow:
         self.rank_exits[rank] = code
         if code != 0:
             self._failed.add(rank)
-            self.record_loss(rank, f"exited with {_describe_exit(code)}", now, in_round=in_round)
+            self.record_loss(rank, f"exited with {describe_exit(code)}", now, in_round=in_round)
         else:  # a clean exit counts as success, even from a host whose link was since lost
             self._failed.discard(rank)
         return self._settle_training(now)
@@ -443,11 +406,17 @@ class JoinWindow:
     @property
     def final_reason(self) -> str:
         """The run's verdict sentence: `reason`, and after a failure the hosts whose join link was lost."""
-        lost = [(host, why) for host, why in self.loss_reasons.items() if host in self._link_losses]
-        if self.phase is not Phase.FAILED or not lost:
-            return self.reason
-        links = "; ".join(f"host {host!r}: {why}" for host, why in lost)
-        return f"{self.reason} — lost join link(s): " + links
+        return self._lost.final_reason(self.reason, failed=self.phase is Phase.FAILED)
+
+    @property
+    def losses(self) -> Mapping[int, RankLoss]:
+        """Rank -> how it was lost (the first cause only): state.json `losses`."""
+        return self._lost.losses
+
+    @property
+    def loss_reasons(self) -> Mapping[str, str]:
+        """Host -> why it was lost (the first cause only): named in the verdict, or in `final_reason`."""
+        return self._lost.host_reasons
 
     def failed_ranks(self) -> list[int]:
         """Ranks that exited non-zero, plus ranks of lost hosts that never reported."""
@@ -497,9 +466,7 @@ class JoinWindow:
     def _unreported(self, host: str) -> tuple[int, ...]:
         """`host`'s ranks in the formed world that have not reported their exit."""
         assert self.world is not None
-        return tuple(
-            r for r in self.world.ranks[host] if r not in self.rank_exits and r not in self._retired
-        )
+        return tuple(r for r in self.world.ranks[host] if r not in self.rank_exits and r not in self._retired)
 
     def _apply(self, event: Event, reason: str) -> None:
         self._changes += 1
@@ -513,11 +480,7 @@ class JoinWindow:
             return self.phase
         if self.missing_ranks() > self.tolerance:
             failed = self.failed_ranks()
-            causes = "".join(
-                f"; host {host!r} lost: {why}"
-                for host, why in self.loss_reasons.items()
-                if host not in self._link_losses
-            )
+            causes = self._lost.host_causes()
             if self.elastic_max_ranks is None:
                 count = f"{len(failed)} of {self.world_size()} ranks failed (ranks {failed})"
             else:
@@ -529,25 +492,7 @@ class JoinWindow:
                 )
             self._apply(Event.RANKS_FAILED, f"{count}, over the tolerance of {self.tolerance}{causes}")
         elif self._open_links == 0:
-            failed = self.failed_ranks()
-            known = [self.losses[rank].sentence() for rank in failed[:NAMED_LOSSES] if rank in self.losses]
-            extra = len(failed) - NAMED_LOSSES
-            more = f"; and {extra} more (state.json losses)" if extra > 0 else ""
-            named = "; ".join(known) + more
-            degraded = f"ranks {failed} lost{': ' + named if named else ''}" if failed else ""
-            healed = self.healed_in()
-            if failed and healed:
-                joins = [self.joins[rank] for rank in healed[:NAMED_LOSSES]]
-                extra = len(healed) - NAMED_LOSSES
-                named = "; ".join(f"rank {j.rank} on {j.host!r} in round {j.round}" for j in joins)
-                more = f"; and {extra} more (state.json joins)" if extra > 0 else ""
-                degraded += f"; ranks {healed} healed in: {named}{more}"
+            degraded = self._lost.degraded(self.failed_ranks(), self.healed_in(), self.joins)
             closed = "every host link closed"
             self._apply(Event.LINKS_CLOSED, f"{closed} (degraded: {degraded})" if degraded else closed)
         return self.phase
-
-
-def _describe_exit(code: int) -> str:
-    """'code 3' or 'signal 9' (negative codes are signals, as subprocess reports them)."""
-    return f"signal {-code}" if code < 0 else f"code {code}"
-

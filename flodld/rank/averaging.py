@@ -45,7 +45,8 @@ import torch
 from flodld.config.fields import AveragingMode
 from flodld.fold.base import Bundle
 from flodld.rank.env import in_flodld_rank, read_rank_environment
-from flodld.rank.relay_client import Membership, RelayClient, relay_client
+from flodld.rank.relay_client import RelayClient, relay_client
+from flodld.rank.results import Membership
 
 __all__ = [
     "AVERAGING_MODES",

@@ -23,17 +23,17 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from flodld.fold.base import Bundle
-from flodld.fold.chunks import Assembly, Layout, Prefaulted, chunk_bytes_from_env, split_parts
+from flodld.fold.chunks import Layout, Prefaulted, chunk_bytes_from_env, split_parts
 from flodld.fold.codec import decode_bundle, encode_bundle_parts
 from flodld.net.blocking import BlockingChannel
 from flodld.net.shm import OwnedRegion, ShmError, shm_mode
 from flodld.net.timeouts import scaled
 from flodld.rank.env import RankEnvironment
+from flodld.rank.results import ChunkedResult, Membership, Result, ResultError, RoundResults
 from flodld.wire.control import CoordinatorHeartbeat, Heartbeat, Shutdown
 from flodld.wire.data import (
     Broadcast,
@@ -47,7 +47,6 @@ from flodld.wire.data import (
     ShmOffer,
     ShmRefused,
     ShmResult,
-    TensorSpec,
 )
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
@@ -58,34 +57,10 @@ CONNECT_TIMEOUT_SECS = 30.0
 LOST_CONTROLLER_EXIT_CODE = 1
 STACK_DUMP_GRACE_SECS = 0.5  # what a lost-controller exit waits for a stack dump in flight (see `_lost`)
 log = logging.getLogger("flodld.rank")
-Result = Broadcast | ShmResult
 
 
 class RelayClientError(RuntimeError):
     """The data plane refused a deposit or went away; the message says why."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Who averages, as of the last completed round (docs/elastic-averaging.md): the ranks whose deposits
-    the round's result holds, this rank's index among them, and an epoch that grows by one whenever that
-    set changes (a rank lost, or, later, one admitted). A training loop that shards its data by member
-    reshards when `epoch` changes; `index` and `size` are what it shards by (not RANK and WORLD_SIZE,
-    which stay the formed world's).
-    """
-
-    epoch: int
-    members: tuple[int, ...]
-    rank: int
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def index(self) -> int:
-        """This rank's position among the members (its shard); -1 if it is not among them."""
-        return self.members.index(self.rank) if self.rank in self.members else -1
 
 
 def _open_leg(env: RankEnvironment, channel: Channel) -> BlockingChannel:
@@ -98,11 +73,6 @@ def _open_leg(env: RankEnvironment, channel: Channel) -> BlockingChannel:
         leg.close()
         raise RelayClientError(f"relay refused rank {env.rank} on the {channel} leg: {reply!r}")
     return leg
-
-
-def _schema(specs: Sequence[TensorSpec]) -> str:
-    """Shapes and dtypes, for messages: `[float32 (3,), float64 (2, 2)]`."""
-    return "[" + ", ".join(f"{spec.dtype} {tuple(spec.shape)}" for spec in specs) + "]"
 
 
 def _exit_now(message: str, code: int) -> None:
@@ -121,19 +91,11 @@ class RelayClient:
         self.control = _open_leg(env, Channel.CONTROL)
         self.step = 0
         self.next_round = 0
-        self._results: dict[int, tuple[Result, Bundle]] = {}
-        # The schema of each round this client deposited and whose result was not taken yet: a result is
-        # handed only to the round that asked for it, and only with the deposit's shapes and dtypes.
-        self._deposited: dict[int, tuple[TensorSpec, ...]] = {}
-        self._arrived = -1  # the newest round whose result is in (rounds complete in order)
-        # The newest result of any round, for diagnostics (which round, who contributed): never a call's
-        # value, which `wait_round` takes by its round number.
-        self.latest: tuple[Result, Bundle] | None = None
-        self._membership = Membership(0, tuple(range(env.world_size)), env.rank)
+        self._rounds = RoundResults(env.rank, env.world_size)  # under `_changed`
         self._error: str | None = None
         self.refused = 0
         self.chunk_bytes = chunk_bytes_from_env()
-        self._assembling: tuple[Result, Assembly] | None = None
+        self._assembling = ChunkedResult(self._take_spare)  # the reader thread's
         self._changed = threading.Condition()
         self.shm_mode = shm_mode()
         # Per deposit: whether to use the region (bench/relay.py turns it off to time the framed road).
@@ -196,7 +158,7 @@ class RelayClient:
                     Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset), tail
                 )
         with self._changed:
-            self._deposited[round_number] = tuple(specs)
+            self._rounds.deposited[round_number] = tuple(specs)
         self.next_round += 1
         return round_number
 
@@ -294,20 +256,16 @@ class RelayClient:
         """
         with self._changed:
             ok = self._changed.wait_for(
-                lambda: round_number in self._results or self._error is not None, timeout
+                lambda: round_number in self._rounds.kept or self._error is not None, timeout
             )
             if self._error is not None:
                 raise RelayClientError(self._error)
             if not ok:
                 raise TimeoutError(f"no broadcast for round {round_number} within {timeout}s")
-            message, tensors = self._results.pop(round_number)
-            deposited = self._deposited.pop(round_number, None)
-        if deposited is not None and tuple(message.tensors) != deposited:
-            raise RelayClientError(
-                f"the result of round {round_number} has tensors {_schema(message.tensors)} but this rank "
-                f"deposited {_schema(deposited)}: the ranks' averaging calls are out of step (every rank "
-                "must make the same averaging calls in the same order), or the data plane is broken"
-            )
+            try:
+                tensors = self._rounds.take(round_number)
+            except ResultError as error:
+                raise RelayClientError(str(error)) from None
         self.step += 1
         return tensors
 
@@ -315,7 +273,7 @@ class RelayClient:
         """Block until the results of every round up to `round_number` are in (kept for `wait_round`)."""
         with self._changed:
             ok = self._changed.wait_for(
-                lambda: self._arrived >= round_number or self._error is not None, timeout
+                lambda: self._rounds.arrived >= round_number or self._error is not None, timeout
             )
             if self._error is not None:
                 raise RelayClientError(self._error)
@@ -329,7 +287,15 @@ class RelayClient:
         """
         self._await_entry(None)
         with self._changed:
-            return self._membership
+            return self._rounds.membership
+
+    @property
+    def latest(self) -> tuple[Result, Bundle] | None:
+        """The newest result of any round, for diagnostics (which round, who contributed): never a call's
+        value, which `wait_round` takes by its round number.
+        """
+        with self._changed:
+            return self._rounds.latest
 
     def _await_entry(self, timeout: float | None) -> None:
         """A walk-in: block until its relay handed over the Entry and the state (at once for the others)."""
@@ -361,7 +327,7 @@ class RelayClient:
     def latest_completed_round(self) -> int:
         """The newest round whose result is in (every earlier one is in too); -1 before the first."""
         with self._changed:
-            return self._arrived
+            return self._rounds.arrived
 
     def close(self) -> None:
         self._closing = True
@@ -389,27 +355,8 @@ class RelayClient:
                     done = self._assemble(message, frame)
                     if done is None:
                         continue
-                    message, tensors = done
                     with self._changed:
-                        self._results[message.round] = (message, tensors)
-                        self._arrived = max(self._arrived, message.round)
-                        self.latest = (message, tensors)
-                        members = tuple(sorted(message.contributors))
-                        if members and members != self._membership.members:
-                            epoch = self._membership.epoch + 1
-                            self._membership = Membership(epoch, members, self.env.rank)
-                        # A deposited round's result waits for its caller, and so does one of a round
-                        # this rank has not deposited yet (it was late: the round closed without it, by
-                        # the straggler timeout, and its deposit will be dropped); one it skipped past
-                        # (a hand-made frame) is kept a while for a raw `wait_round`.
-                        for stale in [
-                            number
-                            for number in self._results
-                            if number < message.round - 64
-                            and number < self.next_round
-                            and number not in self._deposited
-                        ]:
-                            del self._results[stale]
+                        self._rounds.arrive(*done, self.next_round)
                         self._changed.notify_all()
                 elif isinstance(message, ShmAccepted | ShmRefused):
                     with self._changed:
@@ -434,8 +381,7 @@ class RelayClient:
         with self._changed:
             self._entry = entry
             self.next_round = entry.round
-            self._arrived = entry.round - 1
-            self._membership = Membership(entry.epoch, tuple(entry.members), self.env.rank)
+            self._rounds.enter(entry)
             if not entry.state:
                 self._entered = True
             self._changed.notify_all()
@@ -464,22 +410,12 @@ class RelayClient:
         else:
             view = frame.tail_view
             if message.offset == 0 and view.nbytes == sum(spec.nbytes() for spec in message.tensors):
-                self._assembling = None
+                self._assembling.reset()
                 return message, decode_bundle(message.tensors, view)
-        if message.offset == 0:
-            self._assembling = (message, Assembly(message.tensors, self._take_spare))
-        elif self._assembling is None or self._assembling[0].round != message.round:
-            raise ValueError(
-                f"a broadcast chunk of round {message.round} at offset {message.offset} without its start"
-            )
-        assembly = self._assembling[1]
-        complete = assembly.add(message.offset, view)
+        tensors = self._assembling.add(message, view)
         if not isinstance(message, ShmResult):
             self.data.conn.recycle(frame)  # copied into the round's tensors: its buffer is free
-        if not complete:
-            return None
-        self._assembling = None
-        return message, assembly.tensors
+        return None if tensors is None else (message, tensors)
 
     def _fail(self, reason: str) -> None:
         with self._changed:

@@ -498,23 +498,25 @@ def test_a_prepared_barrier_folds_its_next_new_accumulator_in_the_prepared_memor
     plain: RoundBarrier[int] = RoundBarrier(range(2))
     prepared: RoundBarrier[int] = RoundBarrier(range(2))
     prepared.prepare(total + 100)
-    spare = prepared._spare.buffer
+    spare = prepared.accumulators.spare.buffer
     assert spare is not None
     prepared.prepare(total)  # already big enough: the same memory
-    assert prepared._spare.buffer is spare
+    assert prepared.accumulators.spare.buffer is spare
     want = fold_chunked(plain, spec, deposits, weights, 100, seed=1)
     got = fold_chunked(prepared, spec, deposits, weights, 100, seed=1)
     assert_bitwise_equal(assemble(got, finish=True), assemble(want, finish=True))
     assert got[0].tensors[0].untyped_storage().data_ptr() == spare.untyped_storage().data_ptr()
-    assert prepared._spare.buffer is None  # taken once: a later new accumulator is fresh memory
+    assert prepared.accumulators.spare.buffer is None  # taken once: a later new accumulator is fresh memory
     # Too big a spare for the round (more than twice its bytes) stays for a bigger round.
     small: RoundBarrier[int] = RoundBarrier(range(2))
     small.prepare(4 * total)
     fold_chunked(small, spec, deposits, weights, 100, seed=2)
-    assert small._spare.buffer is not None and small._spare.buffer.numel() == 4 * total
+    assert (
+        small.accumulators.spare.buffer is not None and small.accumulators.spare.buffer.numel() == 4 * total
+    )
     # A schema whose tensors cannot lie in it on their element boundaries gets fresh memory too.
     unaligned: RoundBarrier[int] = RoundBarrier(range(2))
     floats = {rank: float_bundle(rank) for rank in range(2)}
     unaligned.prepare(Layout(encode_bundle_parts(list(floats[0]))[0]).total)
     fold_chunked(unaligned, "mean", floats, weights, 100, seed=3)
-    assert unaligned._spare.buffer is not None
+    assert unaligned.accumulators.spare.buffer is not None

@@ -96,3 +96,24 @@ def test_the_clock_opens_a_round_at_its_first_chunk_and_is_due_a_timeout_later()
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="straggler_timeout"):
             StragglerClock(bad)
+
+
+def test_arm_says_when_to_look_only_for_the_chunk_that_opens_the_round() -> None:
+    clock = StragglerClock(2.0)
+    assert clock.arm(0, now=10.0) == 12.0  # the round's first chunk: set the timer
+    assert clock.arm(0, now=11.0) is None  # open already: the deadline stays the first chunk's
+    assert clock.wake_at(0) == 12.0
+    assert clock.arm(1, now=13.0) == 15.0  # the next round opens its own clock
+    assert StragglerClock(None).arm(0, now=1.0) is None  # no timeout: no timer
+
+
+def test_late_names_the_members_still_owing_the_round_once_it_is_due_and_still_open() -> None:
+    clock = StragglerClock(1.0)
+    barrier: RoundBarrier[int] = RoundBarrier([2, 0, 1])
+    specs, data = chunks_of((torch.ones(4),), 1 << 20)
+    barrier.contribute_chunk(1, 0, "mean", specs, 0, data[0][1], 1.0)
+    clock.opened(0, 5.0)
+    assert clock.late(barrier, 0, now=5.5) is None  # not due yet
+    assert clock.late(barrier, 0, now=6.0) == [0, 2]  # due: the owing members, sorted
+    assert clock.late(barrier, 1, now=6.0) is None  # not the barrier's round
+    assert clock.late(None, 0, now=6.0) is None  # no barrier yet

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from flodld.relay.server import warn_if_public
+from flodld.relay.upstream import warn_if_public
 
 
 @pytest.mark.parametrize("peer", ["8.8.8.8", "2001:4860:4860::8888", "::ffff:1.1.1.1"])

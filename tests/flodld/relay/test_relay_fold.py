@@ -122,7 +122,8 @@ async def test_cpu_sync_average_is_the_mean_of_all_deposits_and_a_leaving_rank_i
         assert torch.allclose(average, expected)
     assert 3 in world.plane.stats().gone_ranks
     # Two hosts: every round crossed the controller (no relay was told it is the world's only host).
-    assert world.plane.stats().rounds == 2 and not any(relay.sole_host for relay in world.relays.values())
+    assert world.plane.stats().rounds == 2
+    assert not any(relay.deposits.sole_host for relay in world.relays.values())
 
 
 async def test_a_double_deposit_is_refused_and_the_rank_is_folded_out(world: World) -> None:
@@ -182,5 +183,5 @@ async def test_a_deposit_that_does_not_decode_is_refused_and_the_rank_is_folded_
         await deposit(legs[rank], 0, torch.full((2,), float(rank)))
     message, average = await receive_broadcast(legs[1])  # rank 0 was folded out: nobody waits for it
     assert message.contributors == [1, 2, 3] and torch.allclose(average, torch.full((2,), 2.0))
-    assert world.relays["host-a"].refused == 1
+    assert world.relays["host-a"].deposits.refused == 1
     assert 0 in world.plane.stats().gone_ranks

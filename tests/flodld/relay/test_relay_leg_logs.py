@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from flodld.relay.server import leg_end_level
+from flodld.relay.listener import leg_end_level
 from flodld.wire.errors import WireError
 
 from .test_averaging_modes import Plane

@@ -105,10 +105,10 @@ async def _until(predicate: object, timeout: float = 30.0) -> None:
 async def test_another_uid_is_closed_before_a_byte_is_read_or_sent(world: World) -> None:
     # The relay is told it serves some other uid: this test's own real connection then comes from
     # "another uid", found as such in /proc/net/tcp.
-    world.relay.rank_uid = os.getuid() + 4242
+    world.relay.listener.rank_uid = os.getuid() + 4242
     assert await _dial([sys.executable, "-c", _DIAL, str(world.relay_port), DATA_MAGIC.hex()]) == "reply=0"
-    assert world.relay.dropped["peer_uid"] == 1
-    world.relay.rank_uid = os.getuid()  # the ranks' own uid: served
+    assert world.relay.listener.dropped["peer_uid"] == 1
+    world.relay.listener.rank_uid = os.getuid()  # the ranks' own uid: served
     assert await _dial([sys.executable, "-c", _DIAL, str(world.relay_port), DATA_MAGIC.hex()]) != "reply=0"
     stream = await leg(world, Channel.CONTROL, 0)
     stream.close()
@@ -127,7 +127,7 @@ async def test_a_connection_from_another_real_uid_is_refused(world: World) -> No
     user = join_user()
     argv = as_join_user([_SYSTEM_PYTHON, "-c", _DIAL, str(world.relay_port), DATA_MAGIC.hex()], user)
     assert await _dial(argv) == "reply=0"
-    assert world.relay.dropped["peer_uid"] == 1
+    assert world.relay.listener.dropped["peer_uid"] == 1
     stream = await leg(world, Channel.DATA, 1)  # a rank (this uid) is served
     stream.close()
 
@@ -136,23 +136,23 @@ async def test_silent_connections_are_capped_and_dropped_at_the_deadline_while_r
     world: World,
 ) -> None:
     relay = world.relay
-    relay.preauth_deadline = 5.0  # long enough that none of the held ones expires during the flood
-    cap = relay.max_pending_legs
+    relay.listener.preauth_deadline = 5.0  # long enough that none of the held ones expires during the flood
+    cap = relay.listener.max_pending_legs
     assert cap < 64  # a small, fixed number for a 3-rank host, not "unbounded"
     # Hold all but two slots with connections that never send a byte; rank 0's two legs still connect.
     held = [await _silent(world.relay_port) for _ in range(cap - 2)]
-    await _until(lambda: relay.pending_legs == cap - 2)
+    await _until(lambda: relay.listener.pending_legs == cap - 2)
     legs = [await leg(world, channel, 0) for channel in (Channel.DATA, Channel.CONTROL)]
     # A flood past the cap: the relay holds `cap` at most and closes the rest at once, unread.
     flood = [await _silent(world.relay_port) for _ in range(2 * cap)]
-    await _until(lambda: relay.dropped["pending_cap"] == 2 * cap - 2)
-    assert relay.pending_legs == cap
-    assert relay.preauth_budget.limit == cap * PREAUTH_CONNECTION_BYTES
+    await _until(lambda: relay.listener.dropped["pending_cap"] == 2 * cap - 2)
+    assert relay.listener.pending_legs == cap
+    assert relay.listener.preauth_budget.limit == cap * PREAUTH_CONNECTION_BYTES
     # Every silent one is closed by the deadline, the relay having sent none of them a byte.
     replies = await asyncio.wait_for(asyncio.gather(*(_closed(r) for r, _ in held + flood)), 60)
     assert set(replies) == {b""}
-    await _until(lambda: relay.pending_legs == 0)
-    assert relay.preauth_budget.used == 0
+    await _until(lambda: relay.listener.pending_legs == 0)
+    assert relay.listener.preauth_budget.used == 0
     later = [await leg(world, channel, 1) for channel in (Channel.DATA, Channel.CONTROL)]
     for stream in legs + later:
         stream.close()
@@ -165,8 +165,8 @@ async def test_a_leg_that_sends_more_than_its_preauth_allowance_is_cut(world: Wo
     writer.write(DATA_MAGIC + os.urandom(PREAUTH_CONNECTION_BYTES + 4096))
     await asyncio.wait_for(_closed(reader), 30)
     writer.close()
-    await _until(lambda: world.relay.pending_legs == 0)
-    assert world.relay.dropped["preauth_overrun"] + world.relay.dropped["WireError"] == 1
-    assert world.relay.preauth_budget.used == 0
+    await _until(lambda: world.relay.listener.pending_legs == 0)
+    assert world.relay.listener.dropped["preauth_overrun"] + world.relay.listener.dropped["WireError"] == 1
+    assert world.relay.listener.preauth_budget.used == 0
     stream = await leg(world, Channel.DATA, 2)
     stream.close()

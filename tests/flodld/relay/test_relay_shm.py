@@ -117,7 +117,7 @@ def test_the_shared_memory_road_gives_the_framed_roads_results_bit_for_bit(
                 assert_bitwise_equal(got, want)
             assert_bitwise_equal(shared[rank][-1][1], shared[0][-1][1])
         for relay in world.relays.values():
-            assert sorted(relay.regions) == sorted(set(relay.ranks))
+            assert sorted(relay.shm.regions) == sorted(set(relay.ranks))
     finally:
         for client in clients.values():
             client.close()
@@ -195,10 +195,10 @@ def test_offers_that_name_the_wrong_memory_are_refused_with_a_reason(world: Plan
             reply = offer(client, message)
             assert isinstance(reply, ShmRefused) and reason in reply.reason, (reason, reply)
         plain.close()
-        assert world.relay.regions == {} and world.relay.refused == len(cases)
+        assert world.relay.shm.regions == {} and world.relay.shm.refused == len(cases)
         # The leg is still good: the right offer is taken.
         assert isinstance(offer(client, own_offer(region)), ShmAccepted)
-        assert list(world.relay.regions) == [0]
+        assert list(world.relay.shm.regions) == [0]
     finally:
         other.communicate("\n", timeout=10)
         client.close()
@@ -234,7 +234,7 @@ def test_a_shared_deposit_without_a_region_or_outside_it_is_refused(
 def test_without_a_usable_region_auto_warns_once_and_goes_framed(
     world: Plane, caplog: pytest.LogCaptureFixture
 ) -> None:
-    world.relay.shm_enabled = False  # the relay refuses every offer
+    world.relay.shm.enabled = False  # the relay refuses every offer
     clients = {rank: world.client(rank) for rank in (0, 1)}
     try:
         with caplog.at_level(logging.WARNING, logger="flodld.rank"):
@@ -251,7 +251,7 @@ def test_without_a_usable_region_auto_warns_once_and_goes_framed(
 
 
 def test_shm_on_makes_an_unusable_region_an_error(world: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
-    world.relay.shm_enabled = False
+    world.relay.shm.enabled = False
     monkeypatch.setenv("FLODL_SHM", "on")
     client = world.client(0)
     try:
@@ -269,7 +269,7 @@ def test_shm_off_offers_nothing(world: Plane, monkeypatch: pytest.MonkeyPatch) -
     try:
         results = run_rounds(world, clients, "sum", shm=True)
         assert all(kind is Broadcast for rank in clients for kind, _ in results[rank])
-        assert world.relay.regions == {} and clients[0].region is None
+        assert world.relay.shm.regions == {} and clients[0].region is None
     finally:
         for client in clients.values():
             client.close()
@@ -313,7 +313,7 @@ def test_a_rank_that_dies_mid_round_leaves_no_mapping_behind_and_the_round_compl
         (offset, length), first = ranges[0], next(split_parts(parts, ranges))
         region.write(offset, first)
         dying.data.send(ShmDeposit(round=0, fold="mean", weight=1.0, tensors=specs, offset=0, length=length))
-        mapped = world.relay.regions[2]
+        mapped = world.relay.shm.regions[2]
         dying.close()  # dies in the middle of its deposit: its first chunk waits for ranks 0 and 1
         for client in clients.values():
             client.chunk_bytes = chunk
@@ -324,7 +324,7 @@ def test_a_rank_that_dies_mid_round_leaves_no_mapping_behind_and_the_round_compl
             # Past rank 2's first chunk, every element is the mean of ranks 0 and 1 (as framed).
             want = (float_bundle(0)[0] + float_bundle(1)[0]) / 2
             assert torch.equal(got[0][chunk // 4 :], want[chunk // 4 :])
-        assert 2 not in world.relay.regions and mapped.closed
+        assert 2 not in world.relay.shm.regions and mapped.closed
         gc.collect()
         assert inode not in mapped_inodes() and inode not in fd_inodes()
     finally:
@@ -404,7 +404,7 @@ def test_a_reserved_region_is_ready_before_the_round_and_the_round_is_the_framed
             assert client.reserve(total)
         # Offered and accepted by reserve, before any round: the rounds take these regions as they are.
         for relay in world.relays.values():
-            assert sorted(relay.regions) == sorted(relay.ranks)
+            assert sorted(relay.shm.regions) == sorted(relay.ranks)
         regions = {rank: client.region for rank, client in clients.items()}
         spares = {rank: client._spare.buffer for rank, client in clients.items()}
         shared = run_rounds(world, clients, spec, shm=True)
@@ -450,7 +450,7 @@ def test_reserve_does_nothing_under_shm_off(world: Plane, monkeypatch: pytest.Mo
     client = world.client(0)
     try:
         assert not client.reserve(1 << 20) and client.region is None and client._spare.buffer is None
-        assert not world.relay.regions
+        assert not world.relay.shm.regions
     finally:
         client.close()
 
@@ -468,17 +468,17 @@ def test_a_sparse_region_is_mapped_without_populating_it_and_readies_no_accumula
         os.pwrite(fd, bytes(like.view[:64]), 0)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         assert isinstance(offer(client, own_offer(like, fd=fd, size=size)), ShmAccepted)
-        region = world.relay.regions[0]
+        region = world.relay.shm.regions[0]
         assert not region.populated and region.size == size
-        barrier = world.relay._barrier
-        assert barrier is None or barrier._spare.buffer is None
+        barrier = world.relay.deposits.barrier
+        assert barrier is None or barrier.accumulators.spare.buffer is None
         assert os.fstat(fd).st_blocks * 512 < 1 << 20  # still sparse after the relay mapped it
         # The rank's own (populated) region readies the accumulator of its size.
         assert isinstance(offer(client, own_offer(like)), ShmAccepted)
-        assert world.relay.regions[0].populated
-        barrier = world.relay._barrier
-        assert barrier is not None and barrier._spare.buffer is not None
-        assert barrier._spare.buffer.numel() == like.capacity
+        assert world.relay.shm.regions[0].populated
+        barrier = world.relay.deposits.barrier
+        assert barrier is not None and barrier.accumulators.spare.buffer is not None
+        assert barrier.accumulators.spare.buffer.numel() == like.capacity
     finally:
         client.close()
         like.close()

@@ -131,7 +131,7 @@ async def test_a_sole_host_broadcasts_the_multi_hop_roads_result_and_the_control
         for chunks, got in results:
             assert chunks == len(chunked(deposits[0], chunk_bytes)[0])
             assert_bitwise_equal(got, want)
-    assert world.relay.sole_host and world.relay.rounds == 3
+    assert world.relay.deposits.sole_host and world.relay.down.rounds == 3
     # The controller folded nothing, and nothing of the tensors crossed the relay's upstreams: each
     # direction of each connection carried at most its handshake and a few small frames.
     assert world.plane.stats().rounds == 0 and world.plane._barrier is None

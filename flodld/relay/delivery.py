@@ -1,0 +1,73 @@
+"""What goes down the ranks' legs: control words and result chunks fanned out to every live rank, a result
+chunk through the shared-memory region of each rank that deposited its round there (`RankRegions.split`)
+and framed to the others. A leg that cannot take its frame is the relay's to fold out (`lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from flodld.net.stream import FramedStream
+from flodld.relay.regions import RankRegions
+from flodld.wire.data import Broadcast
+from flodld.wire.errors import WireError
+from flodld.wire.frames import Tail
+from flodld.wire.magic import Channel
+from flodld.wire.messages import Message
+
+
+async def send_quietly(stream: FramedStream, message: Message) -> None:
+    """A last word to a leg that may be gone already (a refusal): its failure is not news."""
+    try:
+        await stream.send(message)
+    except (OSError, WireError):
+        pass
+
+
+class Delivery:
+    """Sends to the live legs in `legs` (by channel, then rank: the relay's, read as it changes)."""
+
+    def __init__(
+        self,
+        legs: dict[Channel, dict[int, FramedStream]],
+        regions: RankRegions,
+        lost: Callable[[int, Channel], Awaitable[None]],
+    ) -> None:
+        self.legs = legs
+        self.regions = regions
+        self._lost = lost
+        self.rounds = 0  # rounds whose result went down (counted at their first chunk)
+
+    async def fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
+        """`message` to every live leg of `channel`."""
+        await self._fan_out_to(channel, dict(self.legs[channel]), message, tail)
+
+    async def tell_quietly(self, message: Message) -> None:
+        """`message` to every live data leg, a failure to send it ignored."""
+        await asyncio.gather(*(send_quietly(leg, message) for leg in list(self.legs[Channel.DATA].values())))
+
+    async def deliver(self, message: Broadcast, parts: list[memoryview]) -> None:
+        """A result chunk to every live rank: written into the region of each rank that deposited this
+        round there (over its own, already folded, bytes of this chunk) with a small `ShmResult`; framed
+        to the others.
+        """
+        if message.offset == 0:
+            self.rounds += 1
+        framed, shared, notice = self.regions.split(dict(self.legs[Channel.DATA]), message, parts)
+        await asyncio.gather(
+            self._fan_out_to(Channel.DATA, framed, message, parts),
+            *([self._fan_out_to(Channel.DATA, shared, notice, b"")] if notice is not None else []),
+        )
+
+    async def _fan_out_to(
+        self, channel: Channel, legs: dict[int, FramedStream], message: Message, tail: Tail
+    ) -> None:
+        async def one(rank: int, leg: FramedStream) -> None:
+            try:
+                await leg.send(message, tail)
+            except (OSError, WireError):
+                await self._lost(rank, channel)
+
+        # Concurrently: the next leg's frame is sealed while the previous one drains into its rank.
+        await asyncio.gather(*(one(rank, leg) for rank, leg in legs.items()))
