@@ -296,10 +296,8 @@ class DataPlane:
         """After a host's chunk was taken: the round still open at `before` starts its straggler clock."""
         if self.stragglers.timeout is None or barrier.round != before or not barrier.started:
             return
-        if self.stragglers.wake_at(before) is None:
-            self.stragglers.opened(before, self.clock())
-            wake = self.stragglers.wake_at(before)
-            assert wake is not None
+        wake = self.stragglers.arm(before, self.clock())
+        if wake is not None:
             if self._straggler_timer is not None:
                 self._straggler_timer.cancel()
             self._straggler_timer = asyncio.get_running_loop().call_later(
