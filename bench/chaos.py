@@ -103,8 +103,16 @@ class Bench:
 
     def env(self, **extra: str) -> dict[str, str]:
         path = os.pathsep.join([str(REPO), str(REPO / "clients"), os.environ.get("PYTHONPATH", "")])
+        timeouts = {
+            name: f"{value:g}"
+            for name, value in (
+                ("FLODL_LIVENESS_TIMEOUT_SECS", self.args.liveness_timeout),
+                ("FLODL_HEARTBEAT_INTERVAL_SECS", self.args.heartbeat_interval),
+            )
+            if value is not None
+        }  # the controller, the agents and the ranks read the same two
         return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "CHAOS_MARK": self.mark, **extra}  # fmt: skip
+                "CHAOS_MARK": self.mark, **timeouts, **extra}  # fmt: skip
 
     def start(self) -> None:
         if self.lab is not None:
@@ -331,8 +339,12 @@ class Bench:
         where = "network-namespace hosts" if self.lab is not None else "local agents on loopback"
         shape = f"{self.args.hosts} hosts x {self.args.ranks_per_host} ranks ({where})"
         every = f"{self.args.duration:.0f} s per run, a fault every {self.args.fault_every:.0f} s"
+        beats = (
+            f", liveness timeout {self.args.liveness_timeout or 'default (5)'} s, heartbeat every "
+            f"{self.args.heartbeat_interval or 'default (1)'} s"
+        )
         print(f"\nchaos bench: {shape}, cpu_sync, {every}, "
-              f"tolerance {self.tolerance}, {os.cpu_count()} cores")  # fmt: skip
+              f"tolerance {self.tolerance}{beats}, {os.cpu_count()} cores")  # fmt: skip
         if joins is None:
             print("rejoin: not supported by this build (no controller.join.elastic_max_ranks): a host "
                   "brought back by its persist loop waits for the next run")  # fmt: skip
@@ -377,6 +389,14 @@ def main() -> int:
     )
     parser.add_argument(
         "--no-netns", dest="netns", action="store_false", help="local agents on loopback only"
+    )
+    parser.add_argument(
+        "--liveness-timeout", type=float, default=None,
+        help="FLODL_LIVENESS_TIMEOUT_SECS for the run: the silence that declares a rank dead (default 5)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=None,
+        help="FLODL_HEARTBEAT_INTERVAL_SECS for the run (default: 1 s)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke: 40 s runs, a fault every 8 s")
     parser.add_argument("--keep", action="store_true", help="keep the logs directory")
