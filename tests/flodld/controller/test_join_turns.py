@@ -138,7 +138,9 @@ def test_many_linked_hosts_are_frozen_out_of_the_collector_until_the_last_link_e
     assert frozen > 0
     for _ in range(2):
         linkheap.link_ended()
-    assert gc.get_freeze_count() >= frozen  # links still open: still frozen
+    # links still open: still frozen (the count itself may shrink: a frozen object freed by refcount, e.g.
+    # by another thread of this process, leaves the permanent generation; only unfreeze empties it)
+    assert linkheap.LinkedHeap.froze and gc.get_freeze_count() > 0
     linkheap.link_ended()
     assert gc.get_freeze_count() == 0  # the last link ended: everything back to the collector
 
