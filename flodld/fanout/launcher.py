@@ -191,7 +191,9 @@ class FanOut:
         self.failed: dict[str, FanOutError] = {}  # the hosts whose agent could not be started, and why
         self.exits: asyncio.Queue[AgentExit] = asyncio.Queue()
         self.on_exit = on_exit if on_exit is not None else self.exits.put_nowait
-        self._watchers: list[asyncio.Task[None]] = []
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # by host: each agent's end, to `on_exit`
+        self._reported: set[str] = set()  # hosts whose end this fan-out has reported to `on_exit`
+        self.watch_grace_s = 5.0  # at stop(), how long a closed session's end may take to come back
 
     async def start(self, *, keep_started: bool = False) -> None:
         """Start every agent; if any fails, stop those already started and raise the first FanOutError
@@ -225,12 +227,23 @@ class FanOut:
             )  # fmt: skip
         except Exception as exc:  # a boundary: whatever went wrong, the operator needs the host's name
             raise FanOutError(plan.host, str(exc) or type(exc).__name__) from exc
-        self.agents[plan.host] = agent
-        self._watchers.append(asyncio.create_task(self._watch(plan.host, agent)))
+        self.adopt(plan.host, agent)
+
+    def adopt(self, host: str, agent: RemoteAgent) -> None:
+        """`agent` (started, or handed over) is now this fan-out's: its end goes to `on_exit`."""
+        self.agents[host] = agent
+        self._reported.discard(host)
+        self._watchers[host] = asyncio.create_task(self._watch(host, agent))
 
     async def _watch(self, host: str, agent: RemoteAgent) -> None:
         code = await agent.wait()
-        self.on_exit(AgentExit(host, code, lost=agent.lost))
+        self._report(host, AgentExit(host, code, lost=agent.lost))
+
+    def _report(self, host: str, gone: AgentExit) -> None:
+        if host in self._reported or self.agents.get(host) is None:
+            return  # reported already, or handed over (the fan-out it went to reports it)
+        self._reported.add(host)
+        self.on_exit(gone)
 
     @property
     def running(self) -> int:
@@ -242,18 +255,25 @@ class FanOut:
         """
         for host in hosts:
             agent = self.agents.pop(host, None)
+            watcher = self._watchers.pop(host, None)
+            if watcher is not None:
+                watcher.cancel()  # its end is `to`'s to report (a cancelled wait leaves the output pump be)
             if agent is not None:
-                to.agents[host] = agent
-                to._watchers.append(asyncio.create_task(to._watch(host, agent)))
+                to.adopt(host, agent)
 
     async def stop(self) -> None:
         """Close every session: the remote supervisors TERM, then KILL, their agents' groups; each end is
-        reported (a watcher still waiting after the sessions closed is cancelled).
+        reported. A watcher still waiting after its session closed is cancelled and its agent reported with
+        its exit status, or 255 (as ssh says) where none came back: whoever waits on `on_exit` never waits
+        in vain.
         """
         await asyncio.gather(*(agent.stop(timeout=self.grace_s + 5.0) for agent in self.agents.values()))
         if self._watchers:
-            await asyncio.wait(self._watchers, timeout=5.0)
-        for watcher in self._watchers:
+            await asyncio.wait(self._watchers.values(), timeout=self.watch_grace_s)
+        for watcher in self._watchers.values():
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        for host, agent in self.agents.items():
+            status = agent.process.exit_status
+            self._report(host, AgentExit(host, status if status is not None else 255))

@@ -269,8 +269,10 @@ class RemoteAgent:
         except (OSError, asyncssh.Error):
             self.lost = True
             return 255
-        if self.output_task is not None:
-            await asyncio.gather(self.output_task, return_exceptions=True)
+        if self.output_task is not None:  # the last lines first; a cancelled wait leaves the pump running
+            await asyncio.wait({self.output_task})
+            if not self.output_task.cancelled():
+                self.output_task.exception()  # a session cut mid-line ends the pump with an error: seen, moot
         code = completed.exit_status
         if code is None and not completed.exit_signal:
             self.lost = True  # no status, no signal: the connection died (keepalives) or was cut

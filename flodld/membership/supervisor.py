@@ -24,7 +24,9 @@ Rules:
 - an interrupt (SIGINT/SIGTERM to `fdl run`) stops the attempt and the run: never restarted;
 - the verdict in, the shell collects the agents (TERM/KILL after `COLLECT_TIMEOUT_S`); then:
   done when the verdict is ok and no agent was killed, else the attempt failed with its *cause*
-  (the verdict's reason, or the killed agent);
+  (the verdict's reason, or the killed agent). An agent whose end is still unknown `COLLECT_DEADLINE_S`
+  after the verdict (a shell that could not learn it) is counted lost and named: the run never waits
+  without a word;
 - a failed attempt is followed by the next (`restart_count` + 1, a fresh world) while fewer than
   `max_restarts` restarts have been made and nobody interrupted (`next_attempt`, the one rule that
   `flodld serve` applies to its verdicts too); otherwise the run fails with a reason that lists every
@@ -53,6 +55,8 @@ from flodld.wire.handlers import HandlerTable
 __all__ = [
     "AGENTS_GONE_GRACE_S",
     "AGENT_DIED_GRACE_S",
+    "COLLECT_DEADLINE",
+    "COLLECT_DEADLINE_S",
     "COLLECT_TIMEOUT_S",
     "Action",
     "AgentExited",
@@ -80,6 +84,8 @@ __all__ = [
 AGENT_DIED_GRACE_S = 2.0  # an agent that died: the controller's moment to conclude from its link
 AGENTS_GONE_GRACE_S = 5.0  # every agent gone and no verdict: the controller's moment to conclude
 COLLECT_TIMEOUT_S = 15.0  # after the verdict, how long agents get to exit before they are killed
+COLLECT_DEADLINE_S = 90.0  # after the verdict, when an agent whose end is still unknown counts as lost
+COLLECT_DEADLINE = "collect-deadline"  # its timer's name
 
 EXIT_DONE = 0
 EXIT_FAILED = 1
@@ -280,6 +286,7 @@ class RunSupervisor:
         concluding.register(AgentExited, self._agent_exited_concluding)
         concluding.register(HostLost, self._host_lost_concluding)
         concluding.register(Interrupted, self._interrupted_event)
+        concluding.register(TimerExpired, self._collect_deadline)
         self._table = {SupervisorState.RUNNING: running, SupervisorState.CONCLUDING: concluding}
 
     @property
@@ -388,7 +395,7 @@ class RunSupervisor:
         self._kept = frozenset() if self._interrupted else frozenset(event.kept) & self._live
         self._live -= self._kept
         if self._live:
-            return [*report, CollectAgents(COLLECT_TIMEOUT_S)]
+            return [*report, CollectAgents(COLLECT_TIMEOUT_S), ArmTimer(COLLECT_DEADLINE, COLLECT_DEADLINE_S)]
         return [*report, *self._conclude()]
 
     # --- concluding -------------------------------------------------------------------------
@@ -400,6 +407,19 @@ class RunSupervisor:
 
     def _host_lost_concluding(self, event: HostLost) -> list[Action]:
         return self._agent_exited_concluding(AgentExited(event.host, LOST_CODE))
+
+    def _collect_deadline(self, event: TimerExpired) -> list[Action]:
+        if event.name != COLLECT_DEADLINE or not self._live:
+            return []
+        unknown = sorted(self._live)
+        for host in unknown:
+            self._gone(host, LOST_CODE)
+        named = ", ".join(repr(host) for host in unknown)
+        note = Say(
+            f"the end of the agent(s) of host(s) {named} is still unknown {COLLECT_DEADLINE_S:g}s after the "
+            "verdict; counted as lost"
+        )
+        return [note, *self._conclude()]
 
     def _cause(self) -> str | None:
         verdict = self._verdict

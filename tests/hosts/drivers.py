@@ -7,17 +7,31 @@ serve OPTIONS_JSON                      a bare controller (prints `listening HOS
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 
 
-def fanout(cluster_json: str, program: str, args: list[str]) -> int:
+def dump_tasks() -> None:
+    """Every asyncio task's stack and every thread's, to stderr (the launcher's log): what a test that timed
+    out sends SIGUSR1 for, so a hang is named by where it waits.
+    """
+    print("--- SIGUSR1: asyncio tasks ---", file=sys.stderr, flush=True)
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+
+
+async def _fanout(cluster_json: str, program: str, args: list[str]) -> int:
     from flodld.config.models import ClusterConfig
     from flodld.fanout.cluster_run import run_cluster_job
 
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     cluster = ClusterConfig.model_validate(json.loads(Path(cluster_json).read_text()))
-    return asyncio.run(run_cluster_job(program, args, cluster, grace_s=3))
+    return await run_cluster_job(program, args, cluster, grace_s=3)
 
 
 async def _serve(options_json: str) -> int:
@@ -37,7 +51,7 @@ async def _serve(options_json: str) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[0] == "fanout":
-        return fanout(argv[1], argv[2], argv[3:])
+        return asyncio.run(_fanout(argv[1], argv[2], argv[3:]))
     if argv[0] == "serve":
         return asyncio.run(_serve(argv[1]))
     raise SystemExit(f"unknown driver {argv[0]!r}; see the module docstring")

@@ -124,7 +124,10 @@ def _wait(process: subprocess.Popen[bytes], log: Path, timeout: float) -> str:
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"timed out; log so far:\n{log.read_text(errors='replace')[-6000:]}") from None
+        os.kill(process.pid, signal.SIGUSR1)  # the fan-out driver dumps its stacks (drivers.py); others end
+        time.sleep(2.0)
+        text = log.read_text(errors="replace")
+        raise AssertionError(f"timed out; log so far:\n{text[-12000:]}") from None
     return log.read_text(errors="replace")
 
 

@@ -223,3 +223,46 @@ async def test_a_restart_keeps_the_linked_hosts_ssh_session_and_relaunches_only_
     assert second["remote-b"] != first["remote-b"], (first, second)  # relaunched over SSH
     assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
     await _wait_no_process(str(program))
+
+
+# Attempt 1's ranks wait to be torn down (the test kills one host's agent); every later attempt's rank 0
+# fails. The last attempt then has one host kept linked and one relaunched over SSH.
+KEPT_THEN_FAILING_PROGRAM = PARENT_PROGRAM.replace(
+    "    return 0\n", "    return 3 if os.environ['RANK'] == '0' else 0\n"
+)
+
+
+@pytest.mark.timeout(240)
+async def test_exhausted_restarts_with_a_kept_and_a_relaunched_host_name_every_cause(
+    tmp_path: Path,
+) -> None:
+    # CI once saw this shape (one host kept linked, one relaunched, the last attempt failing) wait five
+    # minutes after its verdict without a word: every agent's end must reach the supervisor.
+    server = await start_local_ssh_server(tmp_path)
+    program = tmp_path / "kept_then_failing.py"
+    program.write_text(KEPT_THEN_FAILING_PROGRAM)
+    builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(join_timeout=60)
+    for host in ("remote-a", "remote-b"):
+        builder.worker(host, ["cpu"], ssh=_ssh(server), path=str(REPO), env={"OMP_NUM_THREADS": "1"})
+    said: list[str] = []
+    lines: list[str] = []
+    try:
+        job = asyncio.ensure_future(run_cluster_job(
+            str(program), [], builder.build(), max_restarts=1, say=said.append,
+            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
+        ))  # fmt: skip
+        end = time.monotonic() + 120
+        while sum("attempt 0 rank " in line for line in lines) < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        [victim] = [line for line in lines if line.startswith("remote-b ") and "attempt 0 rank " in line]
+        os.kill(int(victim.split(" agent ")[1].split()[0]), signal.SIGKILL)  # remote-b's agent dies mid-run
+        code = await asyncio.wait_for(job, 150)
+    finally:
+        server.close()
+    assert code == 1, "\n".join(said + lines)
+    assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
+    summary = said[-1]
+    assert summary.startswith("run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: "), said
+    assert "attempt 2: 1 of 2 ranks failed (ranks [0])" in summary, summary
+    assert not any("counted as lost" in line for line in said), said  # every end was reported, none guessed
+    await _wait_no_process(str(program))

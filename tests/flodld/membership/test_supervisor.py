@@ -12,6 +12,8 @@ import pytest
 
 from flodld.membership.supervisor import (
     AGENT_DIED_GRACE_S,
+    COLLECT_DEADLINE,
+    COLLECT_DEADLINE_S,
     COLLECT_TIMEOUT_S,
     AgentExited,
     ArmTimer,
@@ -52,6 +54,7 @@ def starts(actions: list[object]) -> list[int]:
 
 
 DONE = VerdictReached(True, "every host link closed")
+COLLECT = [CollectAgents(COLLECT_TIMEOUT_S), ArmTimer(COLLECT_DEADLINE, COLLECT_DEADLINE_S)]  # at a verdict
 FORMED = WorldFormed()
 LOST = "SSH session to host 'a' lost (keepalives unanswered)"
 SHELLS = ("fdl run", "fan-out", "serve")
@@ -196,7 +199,7 @@ def test_a_verdict_within_the_grace_needs_no_stop() -> None:
     supervisor.start()
     supervisor.handle(FORMED)
     supervisor.handle(AgentExited("a", 1))
-    assert supervisor.handle(VerdictReached(False, "rank 0 failed")) == [CollectAgents(COLLECT_TIMEOUT_S)]
+    assert supervisor.handle(VerdictReached(False, "rank 0 failed")) == COLLECT
     assert supervisor.handle(TimerExpired("agent-died:a")) == []  # the verdict came first
 
 
@@ -204,6 +207,24 @@ def test_a_lost_host_counts_as_gone_while_its_attempt_is_concluded() -> None:
     supervisor = RunSupervisor(["a", "b"])
     drive(supervisor, [FORMED, VerdictReached(False, "rank 0 failed"), AgentExited("a", 1)])
     assert supervisor.handle(HostLost("b", LOST)) == [Finish(1, "run FAILED: rank 0 failed")]
+
+
+def test_an_agent_whose_end_never_comes_is_counted_lost_at_the_deadline_and_named() -> None:
+    # A shell that cannot learn an agent's end (CI saw a fan-out wait 5 minutes without a word) does not
+    # hold the run: the deadline after the verdict concludes it, naming the host.
+    supervisor = RunSupervisor(["a", "b"], max_restarts=1)
+    actions = drive(supervisor, [FORMED, VerdictReached(False, "rank 0 failed"), AgentExited("a", 1)])
+    assert actions[-2:] == COLLECT and not starts(actions)[1:]
+    assert supervisor.handle(TimerExpired("agent-died:b")) == []  # another timer means nothing here
+    concluded: list[object] = list(supervisor.handle(TimerExpired(COLLECT_DEADLINE)))
+    assert concluded[0] == Say(
+        f"the end of the agent(s) of host(s) 'b' is still unknown {COLLECT_DEADLINE_S:g}s after the verdict; "
+        "counted as lost"
+    )
+    assert starts(concluded) == [1]  # the attempt concluded: the restart follows, b started afresh
+    assert [a for a in concluded if isinstance(a, StartAttempt)] == [StartAttempt(1, 1, kept=())]
+    assert supervisor.attempts[0].agent_codes == {"a": 1, "b": 255}
+    assert supervisor.handle(TimerExpired(COLLECT_DEADLINE)) == []  # a stale deadline in the next attempt
 
 
 def test_a_second_loss_while_stopping_stops_nothing_more() -> None:
@@ -247,9 +268,8 @@ def test_an_interrupt_asks_for_abort_and_keeps_no_host() -> None:
     assert [a for a in actions if isinstance(a, StopAttempt)] == [
         StopAttempt("interrupted (fdl run)", keep_links=False)
     ]
-    assert supervisor.handle(VerdictReached(False, "interrupted (fdl run)", kept=("a",))) == [
-        CollectAgents(COLLECT_TIMEOUT_S)
-    ]  # both collected: no attempt follows an interrupt
+    assert supervisor.handle(VerdictReached(False, "interrupted (fdl run)", kept=("a",))) == COLLECT
+    # both collected: no attempt follows an interrupt
 
 
 def test_a_failure_stop_lets_the_controller_keep_the_links() -> None:
@@ -272,7 +292,7 @@ def test_a_host_unreachable_at_a_restart_is_left_out_and_named_when_the_attempt_
     assert supervisor.attempt.left_out == {"b": refused}
     # below quorum at the window's cap: the attempt fails, the left-out host named in its cause
     capped = "quorum not met: 1 of 2 ranks joined after 20s hard cap"
-    assert supervisor.handle(VerdictReached(False, capped))[-1] == CollectAgents(COLLECT_TIMEOUT_S)
+    assert supervisor.handle(VerdictReached(False, capped))[-2:] == COLLECT
     supervisor.handle(AgentExited("a", 1))
     assert supervisor.attempts[1].cause == (
         f"quorum not met: 1 of 2 ranks joined after 20s hard cap (left out: host 'b': {refused})"
