@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Torch is installed by .ci/install-torch.sh: a CPU build only, never the multi-GB CUDA one.
 PYTEST_ARGS ?=
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist), a test file to a worker (its module fixtures,
+# servers and namespaces stay in one process); PYTEST_WORKERS=0 runs it in this one, in order.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv demo test lint typecheck pytest clean
 
@@ -27,7 +30,7 @@ typecheck: venv
 	$(BIN)/mypy
 
 pytest: venv
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

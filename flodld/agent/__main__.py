@@ -6,7 +6,8 @@ Launchers (`fdl run`, `fdl join`, the fan-out) start this, with the user's progr
 
 from __future__ import annotations
 
-from flodld.launcher import run_agent_role
-
 if __name__ == "__main__":
-    run_agent_role()
+    from flodld.agent.run import run_agent
+    from flodld.config.rolespec import run_role
+
+    run_role("agent", run_agent)

@@ -45,6 +45,9 @@ from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
+WORD_WAIT_SECS = 10.0
+"""How long a host that tore itself down waits for the controller's Reform or Abort before it closes its link
+(only where a restart may follow: `flodld.agent.supervision.AwaitWord`)."""
 
 
 T = TypeVar("T")
@@ -61,6 +64,7 @@ class AgentShell:
         # Set by every event that tears the host down (abort, lost link, signal, the relay's exit): a wait
         # before the ranks start (GROUP_RANK in the store) gives way to it instead of holding the teardown.
         self.stopping = asyncio.Event()
+        self.word = asyncio.Event()  # the controller's Abort or Reform came, the link dropped, or a signal
         self.reader: asyncio.Future[None] | None = None
         self.children: list[Child] = []
         self.forwarders: list[asyncio.Future[None]] = []
@@ -131,6 +135,7 @@ class AgentShell:
         """A fresh slate for the next attempt on the same link: no children, events or teardown left over."""
         self.events = asyncio.Queue()
         self.stopping = asyncio.Event()
+        self.word = asyncio.Event()
         self.reader = None
         self.reform = None
         self.children, self.forwarders, self.watchers, self.sinks = [], [], [], []
@@ -331,6 +336,8 @@ class AgentShell:
         """Queue an event for the supervisor; one that tears the host down also sets `stopping`."""
         if isinstance(event, sv.AbortReceived | sv.LinkLost | sv.Interrupted | sv.RelayExit):
             self.stopping.set()
+        if isinstance(event, sv.AbortReceived | sv.LinkLost | sv.Interrupted):
+            self.word.set()
         self.events.put_nowait(event)
 
     def _adopt(self, child: Child, prefix: str, sink: RankLogSink | None = None) -> None:
@@ -367,6 +374,7 @@ class AgentShell:
             list(joined.formed.envelope.ranks),
             has_relay=relay is not None,
             tolerance=relay.tolerance if relay is not None else 0,
+            may_restart=joined.formed.envelope.restart_count < joined.formed.envelope.max_restarts,
         )
         reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
         self.reader = reader
@@ -425,6 +433,11 @@ class AgentShell:
             case sv.KillOne(rank):
                 say(f"killing rank {rank} (declared dead)")
                 self._signal(lambda child: child.rank == rank, signal.SIGKILL)
+            case sv.AwaitWord():
+                # This host's failure ends the attempt and a restart may follow: the controller's Reform (stay
+                # linked) or Abort is on its way; `word` is set when either arrives, or the link drops.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.word.wait(), WORD_WAIT_SECS)
             case sv.CloseLink() if self.reform is not None:
                 with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
                     await joined.stream.send(Stopped())

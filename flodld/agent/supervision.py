@@ -20,7 +20,11 @@ Rules:
   or a signal to the agent tear the host down: TERM to every child, KILL after the grace period;
 - when no child is left, the join link is closed (the controller's "host done" event) and the
   agent exits 0 only if nothing tore the host down (in a run that survives losses, ranks may have failed:
-  the controller's verdict says whether the run survived them).
+  the controller's verdict says whether the run survived them);
+- a host that tore itself down (its own rank or relay failed) in an attempt a restart may follow first
+  waits a moment for the controller's word (AwaitWord): the failure it reported makes the controller send
+  Reform (this host stays linked for the next attempt, docs/restarts.md) or Abort; closing the link at once
+  would race that word and cost the host its link.
 """
 
 from __future__ import annotations
@@ -165,6 +169,13 @@ class KillOne:
 
 
 @dataclass(frozen=True)
+class AwaitWord:
+    """Before closing the link, wait (bounded) for the controller's Reform or Abort: this host's own
+    failure will end the attempt, and a restart may follow.
+    """
+
+
+@dataclass(frozen=True)
 class CloseLink:
     """Close the join link; the controller reads it as this host being done."""
 
@@ -175,7 +186,17 @@ class Finish:
     summary: str
 
 
-Action = ReportRankExit | TerminateRelay | TerminateAll | KillAll | DumpStack | KillOne | CloseLink | Finish
+Action = (
+    ReportRankExit
+    | TerminateRelay
+    | TerminateAll
+    | KillAll
+    | DumpStack
+    | KillOne
+    | AwaitWord
+    | CloseLink
+    | Finish
+)
 
 
 def describe_exit(code: int) -> str:
@@ -186,8 +207,12 @@ def describe_exit(code: int) -> str:
 class Supervisor:
     """Decides, event by event, what the agent's shell must do with its children and link."""
 
-    def __init__(self, host: str, ranks: list[int], *, has_relay: bool, tolerance: int = 0) -> None:
+    def __init__(
+        self, host: str, ranks: list[int], *, has_relay: bool, tolerance: int = 0, may_restart: bool = False
+    ) -> None:
         self.host = host
+        self.may_restart = may_restart  # restarts remain after this attempt (the controller may Reform)
+        self.own_teardown = False  # the teardown began here (a rank or the relay failed), not by a word
         # The relay folds a lost rank out of the rounds and the run survives `tolerance` losses: a failed
         # rank's host-mates keep running (a process group could not lose a member: torn down as before).
         self.keeps_survivors = has_relay and tolerance > 0
@@ -244,7 +269,8 @@ class Supervisor:
         if event.code != 0:
             self.failed_ranks[event.rank] = event.code
             if self.state is SupervisorState.RUNNING and not self.keeps_survivors:
-                actions += self._begin_teardown(f"rank {event.rank} exited with {describe_exit(event.code)}")
+                reason = f"rank {event.rank} exited with {describe_exit(event.code)}"
+                actions += self._begin_teardown(reason, own=True)
         relay_idle = not self.live_ranks and self.relay_live and not self._relay_stop_requested
         if relay_idle and self.state is SupervisorState.RUNNING:
             self._relay_stop_requested = True
@@ -261,7 +287,7 @@ class Supervisor:
         failed = event.code != 0 and not self._relay_stop_requested
         if self.state is SupervisorState.RUNNING and self.live_ranks and failed:
             actions += self._begin_teardown(
-                f"relay died ({describe_exit(event.code)}) while ranks were running"
+                f"relay died ({describe_exit(event.code)}) while ranks were running", own=True
             )
         return actions + self._finish_if_empty()
 
@@ -282,10 +308,11 @@ class Supervisor:
         }
         return self._begin_teardown(f"{prefix[type(event)]}: {event.reason}") + self._finish_if_empty()
 
-    def _begin_teardown(self, reason: str) -> list[Action]:
+    def _begin_teardown(self, reason: str, *, own: bool = False) -> list[Action]:
         self.state = SupervisorState.TEARING_DOWN
         self.teardown_reason = reason
         self.teardown_at = self._now
+        self.own_teardown = own
         return [TerminateAll(reason)] if self.children_live else []
 
     def _finish_if_empty(self) -> list[Action]:
@@ -293,7 +320,8 @@ class Supervisor:
             return []
         self.state = SupervisorState.DONE
         if self.teardown_reason is not None:
-            return [CloseLink(), Finish(1, f"host {self.host!r} torn down: {self.teardown_reason}")]
+            word: list[Action] = [AwaitWord()] if self.own_teardown and self.may_restart else []
+            return [*word, CloseLink(), Finish(1, f"host {self.host!r} torn down: {self.teardown_reason}")]
         if self.failed_ranks:
             # Within a run that survives losses, as it was asked to: the controller counts the failures and
             # says whether the run survived them (a launcher reads a non-zero agent as a host that died).

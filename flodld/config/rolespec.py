@@ -9,6 +9,9 @@ encodes and decodes that form, so the roles' spec modules depend on it and not o
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
@@ -32,3 +35,18 @@ def decode_hex_json(text: str, variable: str) -> object:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SpecError(f"{variable} decodes to invalid JSON: {error}") from None
+
+
+def run_role(name: str, run: Callable[[], int]) -> None:
+    """Run a worker role (`python -m flodld.agent`, the relay) to its exit code and leave; an escaping error
+    is printed, code 1. Interpreter teardown is skipped: torch's static destructors and lingering threads
+    only cost time there.
+    """
+    try:
+        code = run()
+    except Exception as error:
+        print(f"flodld {name}: {error}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,11 +10,11 @@ agent spec without `program`).
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import Enum
 
 from flodld.agent.spec import AGENT_ENV
+from flodld.config.rolespec import run_role
 from flodld.rank.env import claim_salt, in_flodld_rank
 from flodld.relay.spec import RELAY_ENV
 
@@ -47,30 +47,6 @@ def current_role(environ: Mapping[str, str] | None = None) -> Role:
     return Role.RANK if rank else Role.PLAIN
 
 
-def _exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: torch's static destructors and lingering threads only cost time here.
-    os._exit(code)
-
-
-def _run_role(name: str, run: Callable[[], int]) -> None:
-    """Run a worker role to its exit code and leave; an escaping error is printed, code 1."""
-    try:
-        code = run()
-    except Exception as error:
-        print(f"flodld {name}: {error}", file=sys.stderr)
-        code = 1
-    _exit(code)
-
-
-def run_agent_role() -> None:
-    """`python -m flodld.agent`: run the agent role to its exit code and leave."""
-    from flodld.agent.run import run_agent  # only in that role: `import flodld` stays light
-
-    _run_role("agent", run_agent)
-
-
 def exit_if_worker_role() -> None:
     """Run the agent or relay role and exit when this process is one; return otherwise.
 
@@ -83,8 +59,8 @@ def exit_if_worker_role() -> None:
     elif role is Role.AGENT:
         from flodld.agent.run import run_agent  # only in that role: `import flodld` stays light
 
-        _run_role("agent", run_agent)
+        run_role("agent", run_agent)
     elif role is Role.RELAY:
         from flodld.relay.server import run_relay  # only in that role: `import flodld` stays light
 
-        _run_role("relay", run_relay)
+        run_role("relay", run_relay)

@@ -136,6 +136,22 @@ def test_exhausted_restarts_fail_the_run_naming_every_attempts_cause_and_leave_n
     assert not any(pid_alive(pid) for pid in pids)
 
 
+def test_a_host_whose_last_child_is_the_failed_rank_stays_linked_for_the_restart() -> None:
+    # The failed rank is the host's only child: nothing is left to tear down, so the agent would close its
+    # link at once and race the controller's Reform (CI saw such a host relaunched instead of kept). It
+    # waits for the word; the same agent serves attempt 2.
+    run = Fdl(
+        "run", "--nproc-per-node", "1", "--max-restarts", "1",
+        str(PROGRAMS / "sleeper.py"), "--", "--fail-rank", "0", "--code", "3",
+    )  # fmt: skip
+    ready = run.wait_for(r"ready rank=(\d+) pid=(\d+) ppid=(\d+)", count=2)
+    assert run.wait() == 1, run.output
+    assert "staying linked for the next attempt" in run.output, run.output
+    assert ready[0][3] == ready[1][3], run.output  # both attempts' rank is the child of the same agent
+    summary = re.search(r"run FAILED after 2 attempts \(max_restarts \(1\) exhausted\): (.*)", run.output)
+    assert summary is not None and summary[1].count("1 of 1 ranks failed (ranks [0])") == 2, run.output
+
+
 def test_without_max_restarts_a_failure_still_ends_the_run(tmp_path: Path) -> None:
     args = [str(tmp_path), STEPS, EVERY, FAULT_STEP, FAULT_RANK]
     run = Fdl("run", "--nproc-per-node", "2", SCRIPT, "--", *args)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from flodld.agent.supervision import (
     AbortReceived,
+    AwaitWord,
     CloseLink,
     DumpStack,
     ExitDetail,
@@ -142,3 +143,30 @@ def test_a_rank_declared_dead_dumps_its_stack_once_then_is_killed_after_the_grac
     assert supervisor.handle(RankDeclaredDead(0, "x")) == [DumpStack(0, "x")]
     assert supervisor.handle(RankExit(0, -9)) == [ReportRankExit(0, -9), TerminateRelay()]
     assert supervisor.handle(StackGraceExpired(0)) == []
+
+
+def test_a_host_that_tore_itself_down_waits_for_the_word_where_a_restart_may_follow() -> None:
+    # Its own rank failed: the controller will answer with Reform (stay linked) or Abort; closing at once
+    # would race that word. The relay had already stopped, so the failed rank was the last child.
+    supervisor = Supervisor("h", [0], has_relay=True, may_restart=True)
+    assert supervisor.handle(RelayExit(0)) == []
+    assert supervisor.handle(RankExit(0, 3)) == [
+        ReportRankExit(0, 3),
+        AwaitWord(),
+        CloseLink(),
+        Finish(1, "host 'h' torn down: rank 0 exited with code 3"),
+    ]
+    # a dying relay is the host's own failure too
+    supervisor = Supervisor("h", [0], has_relay=True, may_restart=True)
+    supervisor.handle(RelayExit(1))
+    assert supervisor.handle(RankExit(0, -15))[1:3] == [AwaitWord(), CloseLink()]
+
+
+def test_no_wait_for_the_word_in_the_last_attempt_or_after_the_controllers_own_abort() -> None:
+    last = Supervisor("h", [0], has_relay=False, may_restart=False)
+    assert AwaitWord() not in last.handle(RankExit(0, 3))
+    aborted = Supervisor("h", [0], has_relay=False, may_restart=True)
+    aborted.handle(AbortReceived("another host failed"))
+    assert AwaitWord() not in aborted.handle(RankExit(0, -15))
+    clean = Supervisor("h", [0], has_relay=False, may_restart=True)
+    assert clean.handle(RankExit(0, 0))[1:] == [CloseLink(), Finish(0, "host 'h' finished cleanly")]
