@@ -186,7 +186,9 @@ class ProcessGroupChannel:
                         f"the rendezvous store failed during the {tag!r} exchange: {timeout}"
                     ) from timeout
                 raise missing_error(tag, self.world_size, pending, self.timeout_s) from timeout
-            theirs = [bytes(self.store.get(key)).decode(errors="replace") for key in keys]
+            multi_get = getattr(self.store, "multi_get", None)  # one round trip for every mark
+            values = multi_get(keys) if multi_get is not None else [self.store.get(key) for key in keys]
+            theirs = [bytes(value).decode(errors="replace") for value in values]
         except MultipartyError:
             raise
         except (RuntimeError, OSError, TimeoutError) as error:

@@ -42,15 +42,24 @@ def aggregate_sliced(
     own, mine_index, mine = _reduce_contributions(session,
         parts, sums, flooded, record=record, check_sums=check_sums
     )
+    verdict = 0
     if check_sums:
-        sumcheck.check_sliced_sums(
+        verdict = sumcheck.check_sliced_sums(
             session.channel, session.engine, session.party.session, round_number, own, mine_index, mine, ids)
-    decoded = torch.zeros(per, engine.slot_count, dtype=torch.float64)
-    if mine is not None:
+    # one row more than the slice: its first entry carries this rank's verdict on its slice, so the
+    # verdicts need no exchange of their own; a slice that failed its check is never decoded
+    decoded = torch.zeros(per + 1, engine.slot_count, dtype=torch.float64)
+    decoded[per, 0] = verdict
+    if mine is not None and verdict == 0:
         ct = parts[mine_index][1]
         decoded[: mine.size(0)] = decode_contributions(engine, mine, ct.prime_ids, ct.scale)
     pieces = session.channel.all_gather_tensor("decoded-slots", decoded)  # type: ignore[attr-defined]
-    return torch.cat(pieces)[:rows]
+    if check_sums:
+        verdicts = [int(piece[per, 0]) if piece.size(0) == per + 1 else -1 for piece in pieces]
+        refused = sumcheck.refuse_sliced(session.channel, session.party.session, round_number, verdicts)
+        if refused is not None:
+            raise refused
+    return torch.cat([piece[:per] for piece in pieces])[:rows]
 
 def _encrypt_slices(
     session: SessionState,

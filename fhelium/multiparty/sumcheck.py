@@ -81,17 +81,16 @@ def project(
 ) -> torch.Tensor:
     """Σ_r weights[r]·residues[r] mod q: ``[limbs, N]`` from ``[rows, limbs, N]`` residues, exact.
 
-    One pass over the rows (the native fused multiply-add-mod where it serves, else mul_mod and
-    add_mod): the cost of one modular product per residue.
+    One pass over the rows: natively (``native.project_rows``) one 64-bit product per residue, summed in
+    128 bits and reduced once; else the torch reference below, one modular product per residue
+    (mul_mod and add_mod), which the native result matches bit for bit.
     """
     rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
-    total = torch.zeros(rows.shape[1:], dtype=torch.int64, device=rows.device)
     if mod._native_elementwise(rows, weights, q):
         from fhelium import native
 
-        for row, weight in zip(rows, weights, strict=True):
-            total = native.mul_add_mod(row, weight, total, q)
-        return total
+        return native.project_rows(rows, weights.reshape(rows.size(0), rows.size(1)), q.reshape(-1))
+    total = torch.zeros(rows.shape[1:], dtype=torch.int64, device=rows.device)
     for row, weight in zip(rows, weights, strict=True):
         mod.add_mod_(total, mod.mul_mod(row, weight, q, q_inverse), q)
     return total
@@ -278,14 +277,17 @@ def check_sliced_sums(
     mine_index: int,
     mine: torch.Tensor | None,
     prime_ids: Sequence[int],
-) -> None:
-    """The summed contributions of the sliced path: slice k's sum is on rank k only.
+) -> int:
+    """The summed contributions of the sliced path: slice k's sum is on rank k only. Returns this rank's
+    verdict on its slice (``SLICE_VERDICTS``: 0 when it holds none or its sum checked out).
 
     Rank k, once it holds its sum, publishes a fresh 32-byte seed (slice k's challenge: rank k is
     the only one that checks slice k, so its own seed, drawn after the sum arrived, is all the
     randomness the check needs, and no commitment is needed), every rank publishes the projection of
-    its own contribution to every slice with that slice's challenge, rank k checks its slice, and
-    every rank's verdict is all-gathered so that every rank refuses together, naming the round.
+    its own contribution to every slice with that slice's challenge, and rank k checks its slice. The
+    verdicts travel with the decoded slices (``aggregate_sliced``): a rank whose slice failed decodes
+    nothing and publishes zeros, and every rank then refuses together with ``refuse_sliced``, naming the
+    round.
     """
     what = "decryption-contributions"
     ids = tuple(prime_ids)
@@ -311,36 +313,50 @@ def check_sliced_sums(
     projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
     record = b"".join(p.contiguous().cpu().numpy().tobytes() for p in projections)
     records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
-    verdict = b""
-    if mine is not None:
-        size = projections[mine_index].numel() * 8
-        total = torch.zeros_like(projections[mine_index])
-        for blob in records:
-            start = mine_index * size
-            theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
-            if theirs.numel() != total.numel():
-                verdict = b"a rank sent a truncated projection"
-                break
-            mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
-        else:
-            if (
-                mine.shape != own[mine_index].shape
-                or mine_bad
-                or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
-            ):
-                verdict = b"is not the sum of this round's contributions"
-    verdicts = channel.all_gather_bytes(f"{what}-verdict:{round_number}", verdict, max_bytes=256)
-    refused = [rank for rank, text in enumerate(verdicts) if text]
-    if refused:
-        raise refuse(
-            session,
-            channel.rank,
-            what,
-            round_number,
-            f"to rank(s) {refused} (the rank(s) decoding those slices) "
-            + verdicts[refused[0]].decode(errors="replace"),
-            refused,
-        )
+    if mine is None:
+        return 0
+    size = projections[mine_index].numel() * 8
+    total = torch.zeros_like(projections[mine_index])
+    for blob in records:
+        start = mine_index * size
+        theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
+        if theirs.numel() != total.numel():
+            return SLICE_TRUNCATED
+        mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
+    if (
+        mine.shape != own[mine_index].shape
+        or mine_bad
+        or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
+    ):
+        return SLICE_NOT_THE_SUM
+    return 0
+
+
+SLICE_NOT_THE_SUM = 1
+SLICE_TRUNCATED = 2
+SLICE_VERDICTS = {
+    SLICE_NOT_THE_SUM: "is not the sum of this round's contributions",
+    SLICE_TRUNCATED: "a rank sent a truncated projection",
+}
+"""A slice's verdict (``check_sliced_sums``) as it travels with the decoded slices, and its words."""
+
+
+def refuse_sliced(
+    channel: ShareChannel, session: str, round_number: int, verdicts: Sequence[int]
+) -> SumCheckError | None:
+    """The refusal every rank raises when a rank's verdict on its slice (all-gathered) is not 0."""
+    refused = [rank for rank, verdict in enumerate(verdicts) if verdict]
+    if not refused:
+        return None
+    words = SLICE_VERDICTS.get(verdicts[refused[0]], f"was refused (verdict {verdicts[refused[0]]})")
+    return refuse(
+        session,
+        channel.rank,
+        "decryption-contributions",
+        round_number,
+        f"to rank(s) {refused} (the rank(s) decoding those slices) {words}",
+        refused,
+    )
 
 
 def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
@@ -357,6 +373,9 @@ __all__ = [
     "CHALLENGE_DOMAIN",
     "DIGEST_BYTES",
     "SEED_BYTES",
+    "SLICE_NOT_THE_SUM",
+    "SLICE_TRUNCATED",
+    "SLICE_VERDICTS",
     "SUM_CHECK_DOMAIN",
     "SUM_LABELS",
     "SumCheckError",
@@ -368,5 +387,6 @@ __all__ = [
     "project",
     "projection_weights",
     "refuse",
+    "refuse_sliced",
     "seed_commitment",
 ]

@@ -37,6 +37,11 @@ def register() -> None:
     torch.library.register_fake("fhelium::sub_mod_")(in_place_fake)
     torch.library.register_fake("fhelium::ntt_tables")(tables_fake)
 
+    def project_rows_fake(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+
+    torch.library.register_fake("fhelium::project_rows")(project_rows_fake)
+
     def small_ntt_fake(
         x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
     ) -> torch.Tensor:

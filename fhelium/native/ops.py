@@ -48,6 +48,14 @@ def mul_add_mod(
     return result
 
 
+def project_rows(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σ_r w[r, l]·x[r, l, n] mod q_l: ``[L, N]`` from ``x [R, L, N]`` and ``w [R, L]``, both in [0, q), exact
+    (the sum checks' projection; products summed in 128 bits, reduced once per many rows).
+    """
+    result: torch.Tensor = torch.ops.fhelium.project_rows(x, w, q)
+    return result
+
+
 def add_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
     """(a + b) mod q elementwise with broadcasting, a, b in [0, q) (the torch reference's formula)."""
     result: torch.Tensor = torch.ops.fhelium.add_mod(a, b, q, code(level))

@@ -745,6 +745,71 @@ void sub_mod_(at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t l
   elementwise_<Elementwise::Sub>(a, {&b, &q}, level);
 }
 
+// ------------------------------------------------------------------------------------ projection
+// The sum checks' random projection (fhelium/multiparty/sumcheck.py `project`): out[l, n] =
+// Σ_r w[r, l]·x[r, l, n] mod q_l from x [R, L, N] and w [R, L] (both in [0, q_l)), exact. The products are
+// summed in 128 bits and reduced once every `chunk` rows (as many as the accumulator holds without
+// overflow for any 64-bit x: 2^14 rows for 50-bit primes), so a residue costs one 64x64 product and a 128-bit add instead
+// of a modular product. One task per limb and block of coefficients (at::parallel_for).
+at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kLong && w.scalar_type() == at::kLong &&
+                  q.scalar_type() == at::kLong,
+              "project_rows: x [R, L, N], w [R, L] and q [L] must be int64");
+  const int64_t rows = x.size(0), limbs = x.size(1), n = x.size(2);
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == limbs && q.dim() == 1 && q.size(0) == limbs,
+              "project_rows: w must be [R, L] and q [L] for x [R, L, N]");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous(), qc = q.contiguous();
+  at::Tensor out = at::empty({limbs, n}, x.options());
+  const u64* xs = reinterpret_cast<const u64*>(xc.data_ptr<int64_t>());
+  const u64* ws = reinterpret_cast<const u64*>(wc.data_ptr<int64_t>());
+  const int64_t* qs = qc.data_ptr<int64_t>();
+  u64* os = reinterpret_cast<u64*>(out.data_ptr<int64_t>());
+  for (int64_t l = 0; l < limbs; ++l) TORCH_CHECK(qs[l] > 1, "project_rows: every modulus must exceed 1");
+  constexpr int64_t kBlock = 512;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, limbs * blocks, 1, [&](int64_t begin, int64_t end) {
+    u128 acc[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t l = task / blocks, from = (task % blocks) * kBlock, to = std::min(n, from + kBlock);
+      const u64 q_l = static_cast<u64>(qs[l]);
+      // a product's bound for any 64-bit x (residues are < q_l, but an input out of range must not wrap)
+      const u128 largest = static_cast<u128>(~u64{0}) * (q_l - 1);
+      const u128 room = ~u128{0} / largest;  // products the accumulator holds
+      const int64_t chunk = static_cast<int64_t>(std::min<u128>(room, u128{1} << 30));
+      for (int64_t k = 0; k < to - from; ++k) acc[k] = 0;
+      int64_t since = 0;
+      for (int64_t r = 0; r < rows;) {
+        if (since + 4 > chunk) {  // fold the sums back below q before they could overflow
+          for (int64_t k = 0; k < to - from; ++k) acc[k] %= q_l;
+          since = 1;  // each folded sum is < q_l <= one product's bound
+        }
+        if (r + 4 <= rows && chunk >= 5) {  // four rows per pass over the accumulators
+          const u64 w0 = ws[r * limbs + l], w1 = ws[(r + 1) * limbs + l];
+          const u64 w2 = ws[(r + 2) * limbs + l], w3 = ws[(r + 3) * limbs + l];
+          const u64* x0 = xs + (r * limbs + l) * n + from;
+          const u64* x1 = x0 + limbs * n;
+          const u64* x2 = x1 + limbs * n;
+          const u64* x3 = x2 + limbs * n;
+          for (int64_t k = 0; k < to - from; ++k) {
+            acc[k] += static_cast<u128>(x0[k]) * w0 + static_cast<u128>(x1[k]) * w1;
+            acc[k] += static_cast<u128>(x2[k]) * w2 + static_cast<u128>(x3[k]) * w3;
+          }
+          r += 4;
+          since += 4;
+        } else {
+          const u64 weight = ws[r * limbs + l];
+          const u64* row = xs + (r * limbs + l) * n + from;
+          for (int64_t k = 0; k < to - from; ++k) acc[k] += static_cast<u128>(row[k]) * weight;
+          r += 1;
+          since += 1;
+        }
+      }
+      for (int64_t k = 0; k < to - from; ++k) os[l * n + from + k] = static_cast<u64>(acc[k] % q_l);
+    }
+  });
+  return out;
+}
+
 // ------------------------------------------------------------------------------------ RNS kernels
 // Coarse-grained CKKS steps (one call per multi-limb polynomial or batch), exact, so bit-identical
 // to the torch reference's compositions in fhelium/engine/engine.py: the hybrid key switch
@@ -1836,6 +1901,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("key_switch(Tensor x, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("smudging_noise(Tensor words, Tensor constants, int shift, float high_sigma, float low_sigma, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
+  m.def("project_rows(Tensor x, Tensor w, Tensor q) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
@@ -1858,4 +1924,5 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("key_switch", &key_switch);
   m.impl("key_switch_lifted", &key_switch_lifted);
   m.impl("smudging_noise", &smudging_noise);
+  m.impl("project_rows", &project_rows);
 }

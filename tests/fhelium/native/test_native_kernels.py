@@ -418,3 +418,42 @@ def test_require_native_turns_the_fallback_into_an_error(tmp_path: Path) -> None
     result = _run_without_compiler(tmp_path, require=True)
     assert result.returncode != 0
     assert "NativeUnavailableError" in result.stderr and "FHELIUM_REQUIRE_NATIVE=1" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("rows", "bits", "n"),
+    [(1, 50, 64), (3, 50, 600), (4, 50, 512), (9, 40, 1030), (130, 50, 256), (7, 61, 64), (13, 62, 64)],
+)
+def test_project_rows_is_the_exact_projection_for_every_prime_size_and_row_count(
+    rows: int, bits: int, n: int
+) -> None:
+    # Σ_r w[r, l]·x[r, l, n] mod q_l against Python's big integers: rows not a multiple of the kernel's four,
+    # coefficient counts not a multiple of its block, primes up to 62 bits (the accumulator is folded back
+    # below q every few rows there), and the extremes q - 1
+    q = [(1 << bits) - 57, (1 << (bits - 1)) + 3]
+    generator = torch.Generator().manual_seed(rows * 1000 + bits)
+    moduli = torch.tensor(q)
+    x = torch.remainder(torch.randint(0, 1 << 62, (rows, 2, n), generator=generator), moduli.view(1, 2, 1))
+    w = torch.remainder(torch.randint(0, 1 << 62, (rows, 2), generator=generator), moduli.view(1, 2))
+    x[0, :, :3] = (moduli - 1).view(2, 1)
+    w[0] = moduli - 1
+    out = native.project_rows(x, w, moduli)
+    for limb, prime in enumerate(q):
+        weights = [int(v) for v in w[:, limb]]
+        expected = [
+            sum(weights[r] * int(x[r, limb, k]) for r in range(rows)) % prime for k in range(n)
+        ]
+        assert out[limb].tolist() == expected, (limb, prime)
+
+
+def test_the_sum_checks_projection_is_the_native_kernel_and_matches_the_torch_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fhelium.multiparty.sumcheck import project, projection_weights
+
+    moduli = torch.tensor(_moduli(1024, 3)).view(3, 1)
+    x = _random([int(q) for q in moduli.view(-1)], 1024, (37,), seed=5)
+    weights = projection_weights(b"\x01" * 32, moduli, 37)
+    native_result = project(x, weights, moduli, 1.0 / moduli.double())
+    monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")  # the pure-torch path
+    assert torch.equal(project(x, weights, moduli, 1.0 / moduli.double()), native_result)
