@@ -183,46 +183,55 @@ sys.exit(flodld.run(main, init_process_group=False))
 """
 
 
-@pytest.mark.timeout(240)
-async def test_a_restart_keeps_the_linked_hosts_ssh_session_and_relaunches_only_the_lost_one(
-    tmp_path: Path,
-) -> None:
+def _agents(lines: list[str], attempt: int) -> dict[str, int]:
+    """Each host's agent PID in `attempt`, from its ranks' `attempt N rank R agent PID up` lines."""
+    found = {}
+    for line in list(lines):
+        host, _, text = line.partition(" ")
+        if f"attempt {attempt} rank " in text and text.endswith(" up"):
+            found[host] = int(text.split(" agent ")[1].split()[0])
+    return found
+
+
+async def _kill_b_in_attempt_1(tmp_path: Path, program_text: str) -> tuple[int, list[str], list[str]]:
+    """Run `program_text` on remote-a and remote-b (one CPU rank each, max_restarts 1) and SIGKILL
+    remote-b's agent once both ranks of attempt 1 are up: remote-a's answers Reform and stays linked,
+    remote-b is relaunched over SSH. Returns the exit code, what the launcher said and the hosts' lines.
+    """
     server = await start_local_ssh_server(tmp_path)
-    program = tmp_path / "kept_links.py"
-    program.write_text(PARENT_PROGRAM)
+    program = tmp_path / "two_hosts.py"
+    program.write_text(program_text)
     builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(join_timeout=60)
     for host in ("remote-a", "remote-b"):
         builder.worker(host, ["cpu"], ssh=_ssh(server), path=str(REPO), env={"OMP_NUM_THREADS": "1"})
     said: list[str] = []
     lines: list[str] = []
-
-    def agents(attempt: int) -> dict[str, int]:
-        found = {}
-        for line in list(lines):
-            host, _, text = line.partition(" ")
-            if f"attempt {attempt} rank " in text and text.endswith(" up"):
-                found[host] = int(text.split(" agent ")[1].split()[0])
-        return found
-
     try:
         job = asyncio.ensure_future(run_cluster_job(
             str(program), [], builder.build(), max_restarts=1, say=said.append,
             on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
         ))  # fmt: skip
         end = time.monotonic() + 120
-        while len(agents(0)) < 2 and time.monotonic() < end:
+        while len(_agents(lines, 0)) < 2 and time.monotonic() < end:
             await asyncio.sleep(0.1)
-        first = agents(0)
-        os.kill(first["remote-b"], signal.SIGKILL)  # remote-b's agent dies mid-run; remote-a's answers Reform
+        os.kill(_agents(lines, 0)["remote-b"], signal.SIGKILL)  # remote-b's agent dies mid-run
         code = await asyncio.wait_for(job, 150)
     finally:
         server.close()
+    await _wait_no_process(str(program))
+    return code, said, lines
+
+
+@pytest.mark.timeout(240)
+async def test_a_restart_keeps_the_linked_hosts_ssh_session_and_relaunches_only_the_lost_one(
+    tmp_path: Path,
+) -> None:
+    code, said, lines = await _kill_b_in_attempt_1(tmp_path, PARENT_PROGRAM)
     assert code == 0, "\n".join(said + lines)
-    second = agents(1)
+    first, second = _agents(lines, 0), _agents(lines, 1)
     assert second["remote-a"] == first["remote-a"], (first, second)  # the same agent: link and session kept
     assert second["remote-b"] != first["remote-b"], (first, second)  # relaunched over SSH
     assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
-    await _wait_no_process(str(program))
 
 
 # Attempt 1's ranks wait to be torn down (the test kills one host's agent); every later attempt's rank 0
@@ -238,31 +247,10 @@ async def test_exhausted_restarts_with_a_kept_and_a_relaunched_host_name_every_c
 ) -> None:
     # CI once saw this shape (one host kept linked, one relaunched, the last attempt failing) wait five
     # minutes after its verdict without a word: every agent's end must reach the supervisor.
-    server = await start_local_ssh_server(tmp_path)
-    program = tmp_path / "kept_then_failing.py"
-    program.write_text(KEPT_THEN_FAILING_PROGRAM)
-    builder = ClusterBuilder().controller("127.0.0.1", _free_port()).join(join_timeout=60)
-    for host in ("remote-a", "remote-b"):
-        builder.worker(host, ["cpu"], ssh=_ssh(server), path=str(REPO), env={"OMP_NUM_THREADS": "1"})
-    said: list[str] = []
-    lines: list[str] = []
-    try:
-        job = asyncio.ensure_future(run_cluster_job(
-            str(program), [], builder.build(), max_restarts=1, say=said.append,
-            on_output=lambda host, line: lines.append(f"{host} {line}"), grace_s=2,
-        ))  # fmt: skip
-        end = time.monotonic() + 120
-        while sum("attempt 0 rank " in line for line in lines) < 2 and time.monotonic() < end:
-            await asyncio.sleep(0.1)
-        [victim] = [line for line in lines if line.startswith("remote-b ") and "attempt 0 rank " in line]
-        os.kill(int(victim.split(" agent ")[1].split()[0]), signal.SIGKILL)  # remote-b's agent dies mid-run
-        code = await asyncio.wait_for(job, 150)
-    finally:
-        server.close()
+    code, said, lines = await _kill_b_in_attempt_1(tmp_path, KEPT_THEN_FAILING_PROGRAM)
     assert code == 1, "\n".join(said + lines)
     assert any("staying linked for the next attempt" in line for line in lines if line.startswith("remote-a"))
     summary = said[-1]
     assert summary.startswith("run FAILED after 2 attempts (max_restarts (1) exhausted): attempt 1: "), said
     assert "attempt 2: 1 of 2 ranks failed (ranks [0])" in summary, summary
     assert not any("counted as lost" in line for line in said), said  # every end was reported, none guessed
-    await _wait_no_process(str(program))
