@@ -281,6 +281,22 @@ def _through_server(
     return result, len(blob) + (world - 1) * len(result)
 
 
+def _star_row(
+    started: float, cpu_started: float, mean: torch.Tensor, truth: torch.Tensor, sent: int
+) -> dict[str, Any]:
+    """The row of a usual (star) pipeline once its mean is decrypted: every rank passes a barrier first,
+    so the time is the slowest rank's; two rounds (up to the server, back down).
+    """
+    dist.barrier()
+    return {
+        "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu_started,
+        "error": float((mean - truth).abs().max()),
+        "bytes_sent": sent,
+        "rounds": 2,
+    }
+
+
 def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
     from fhelium.serialization import value_from_bytes, value_to_bytes
 
@@ -319,16 +335,7 @@ def usual_on_our_engine(rank: int, world: int, update: torch.Tensor, truth: torc
     summed = value_from_bytes(result, engine=engine)
     assert isinstance(summed, Ciphertext)
     mean = decrypt_mean(engine, summed, secret, update.numel(), world)
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "error": float((mean - truth).abs().max()),
-        "bytes_sent": sent,
-        "rounds": 2,
-    }
+    return _star_row(started, cpu_started, mean, truth, sent)
 
 
 def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
@@ -370,13 +377,4 @@ def usual_with_tenseal(rank: int, world: int, update: torch.Tensor, truth: torch
     mean = (
         torch.tensor([x for vector in parse(result) for x in vector.decrypt()], dtype=torch.float64) / world
     )
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu_seconds = time.process_time() - cpu_started
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu_seconds,
-        "error": float((mean - truth).abs().max()),
-        "bytes_sent": sent,
-        "rounds": 2,
-    }
+    return _star_row(started, cpu_started, mean, truth, sent)
