@@ -323,13 +323,7 @@ class _FanOutShell:
     async def _stop_agents(self, keep: frozenset[str] = frozenset()) -> None:
         """Stop the attempt's agents, all but those of `keep` (kept linked for the next attempt)."""
         if self.fanout is not None:
-            if keep:
-                parked = FanOut([], grace_s=self.grace_s, on_exit=lambda gone: None)
-                self.fanout.hand_over(keep, parked)  # out of the stop; `_start` hands them on again
-                await self.fanout.stop()
-                parked.hand_over(keep, self.fanout)
-            else:
-                await self.fanout.stop()
+            await self.fanout.stop(keep=keep)
         for host, process in self.local_agents.items():
             if host not in keep:
                 await stop_local_agent(process, self.grace_s)

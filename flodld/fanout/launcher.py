@@ -261,19 +261,21 @@ class FanOut:
             if agent is not None:
                 to.adopt(host, agent)
 
-    async def stop(self) -> None:
-        """Close every session: the remote supervisors TERM, then KILL, their agents' groups; each end is
-        reported. A watcher still waiting after its session closed is cancelled and its agent reported with
-        its exit status, or 255 (as ssh says) where none came back: whoever waits on `on_exit` never waits
-        in vain.
+    async def stop(self, keep: Collection[str] = ()) -> None:
+        """Close every session but those of `keep` (agents kept linked across a restart, which go on): the
+        remote supervisors TERM, then KILL, their agents' groups; each end is reported. A watcher still
+        waiting after its session closed is cancelled and its agent reported with its exit status, or 255
+        (as ssh says) where none came back: whoever waits on `on_exit` never waits in vain.
         """
-        await asyncio.gather(*(agent.stop(timeout=self.grace_s + 5.0) for agent in self.agents.values()))
-        if self._watchers:
-            await asyncio.wait(self._watchers.values(), timeout=self.watch_grace_s)
-        for watcher in self._watchers.values():
+        stopping = {host: agent for host, agent in self.agents.items() if host not in keep}
+        await asyncio.gather(*(agent.stop(timeout=self.grace_s + 5.0) for agent in stopping.values()))
+        watchers = [self._watchers[host] for host in stopping if host in self._watchers]
+        if watchers:
+            await asyncio.wait(watchers, timeout=self.watch_grace_s)
+        for watcher in watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        for host, agent in self.agents.items():
+        for host, agent in stopping.items():
             status = agent.process.exit_status
             self._report(host, AgentExit(host, status if status is not None else 255))

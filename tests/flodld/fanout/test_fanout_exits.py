@@ -86,3 +86,16 @@ async def test_a_handed_over_agent_is_reported_by_the_fan_out_that_holds_it_and_
     assert new_reports == [AgentExit("a", 1)] and old_reports == []
     await new.stop()
     assert new_reports == [AgentExit("a", 1)]
+
+
+async def test_stop_leaves_the_kept_agents_running_and_unreported() -> None:
+    reports: list[AgentExit] = []
+    kept, stopped = _Session(), _Session()
+    fan = _fan_out(reports, {"kept": kept, "stopped": stopped})
+    await fan.stop(keep=["kept"])  # a restart that keeps "kept" linked
+    assert (kept.stops, stopped.stops) == (0, 1)
+    assert reports == [AgentExit("stopped", 255)]
+    kept.ended.set()  # the kept agent's end is still reported, once, when it comes
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert reports == [AgentExit("stopped", 255), AgentExit("kept", 0)]
