@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 ZYGOTE = Path(__file__).resolve()
 
@@ -68,6 +69,30 @@ class ForkedRank:
     @property
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def collect_results(
+    processes: Sequence[ForkedRank], scenario: str, timeout: float
+) -> list[dict[str, Any]]:
+    """Each rank's result, the last JSON line it printed, in rank order; every rank is killed afterwards
+    (a rank that never finishes, or prints no result, fails the test naming it and the scenario).
+    """
+    results = []
+    try:
+        for rank, process in enumerate(processes):
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                world = len(processes)
+                raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
+            output = process.output
+            lines = [line for line in output.splitlines() if line.startswith("{")]
+            assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
+            results.append(json.loads(lines[-1]))
+    finally:
+        for process in processes:
+            process.kill()
+    return results
 
 
 class Zygote:

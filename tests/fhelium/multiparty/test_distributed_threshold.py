@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import socket
-import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.rank_zygote import Zygote
+from tests.rank_zygote import Zygote, collect_results
 
 pytestmark = pytest.mark.multiproc
 
@@ -56,21 +54,7 @@ def _run_world(
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         processes.append(zygote.spawn(RANK, [scenario, str(timeout_s)], env, folder / f"rank{rank}.log"))
-    results = []
-    try:
-        for rank, process in enumerate(processes):
-            try:
-                process.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
-            output = process.output
-            lines = [line for line in output.splitlines() if line.startswith("{")]
-            assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
-            results.append(json.loads(lines[-1]))
-    finally:
-        for process in processes:
-            process.kill()
-    return results
+    return collect_results(processes, scenario, timeout=180)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests.rank_zygote import Zygote
+from tests.rank_zygote import Zygote, collect_results
 
 pytestmark = pytest.mark.multiproc
 
@@ -73,22 +73,10 @@ def _run_world(
                        "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         argv = [scenario, str(threshold), str(timeout_s)]
         processes.append(zygote.spawn(RANK, argv, environment, folder / f"rank{rank}.log"))
-    results = []
     try:
-        for rank, process in enumerate(processes):
-            try:
-                process.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"rank {rank} of {world} never finished (scenario {scenario})") from None
-            output = process.output
-            lines = [line for line in output.splitlines() if line.startswith("{")]
-            assert lines, f"rank {rank} printed no result:\n{output[-3000:]}"
-            results.append(json.loads(lines[-1]))
+        return collect_results(processes, scenario, timeout=240)
     finally:
-        for process in processes:
-            process.kill()
         del store
-    return results
 
 
 def _assert_rounds_ok(results: list[dict[str, Any]], survivors: list[int], contributors: list[int]) -> None:
