@@ -10,6 +10,7 @@ fhelium.multiparty.sumcheck.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,7 +19,6 @@ from fhelium.core import Ciphertext
 from fhelium.multiparty import sumcheck
 from fhelium.multiparty.encoding import decode_contributions
 from fhelium.multiparty.state import SessionState
-from fhelium.multiparty.sumcheck import out_of_range
 
 
 def aggregate_sliced(
@@ -31,6 +31,26 @@ def aggregate_sliced(
     check_sums: bool,
 ) -> torch.Tensor:
     """The fused protocol pipelined per slice of rows (the process group; see ``aggregate``)."""
+    try:
+        return _aggregate_sliced(
+            session, values, round_number, record=record, before_contribution=before_contribution,
+            check_sums=check_sums,
+        )
+    except BaseException:
+        # a collective of this round may still be writing into a kept copy: never reuse one
+        _kept_copies().clear()
+        raise
+
+
+def _aggregate_sliced(
+    session: SessionState,
+    values: torch.Tensor,
+    round_number: int,
+    *,
+    record: Callable[[str, torch.Tensor], None] | None,
+    before_contribution: Callable[[], None] | None,
+    check_sums: bool,
+) -> torch.Tensor:
     engine = session.engine
     rows, world = values.size(0), session.channel.world_size
     per = -(-rows // world)
@@ -85,13 +105,46 @@ def _encrypt_slices(
                 record("ciphertext", ct.data)
             moduli = engine.moduli_for(ct.prime_ids)
             # a copy goes to the in-place sum: this rank's own c1 is needed for the check
-            sent = ct.data[1].clone() if check_sums else ct.data[1]
+            sent = ct.data[1]
+            if check_sums:
+                sent = sent.clone() if record is not None else reusable_copy(k, sent)
             parts.append((k, ct, start_sum("ciphertext-c1", sent, moduli)))
     if record is None:
         flooded = [ct.data[0] for _, ct, _ in parts]
     else:
         flooded = [party.flooded_c0(ct.data[0], ct.prime_ids) for _, ct, _ in parts]
     return parts, flooded
+
+def reusable_copy(slice_index: int, source: torch.Tensor) -> torch.Tensor:
+    """``source`` copied into the buffer this thread keeps for slice ``slice_index`` from round to round.
+
+    The copy of c1 that goes to the in-place sum (tens of MiB at 1M values) cost several times its
+    memcpy in fresh pages every round (the allocator hands a buffer this large back to the system);
+    a kept buffer faults its pages in once, for every session the thread runs. A thread runs one
+    round at a time, and a round's sum lives in the buffer only until the round ends (nothing of it
+    is returned); a round that fails clears the thread's buffers (``aggregate_sliced``: a collective
+    may still be writing into one), and an audited round (``record``, which may keep what it is
+    shown) takes a fresh copy instead.
+    """
+    kept = _kept_copies()
+    buffer = kept.get(slice_index)
+    layout = (source.shape, source.dtype, source.device)
+    if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != layout:
+        buffer = torch.empty_like(source, memory_format=torch.contiguous_format)
+        kept[slice_index] = buffer
+    return buffer.copy_(source)
+
+
+_THREAD = threading.local()
+
+
+def _kept_copies() -> dict[int, torch.Tensor]:
+    """This thread's kept c1 copies, by slice."""
+    kept: dict[int, torch.Tensor] | None = getattr(_THREAD, "c1_copies", None)
+    if kept is None:
+        kept = _THREAD.c1_copies = {}
+    return kept
+
 
 def _sum_c1_slices(
     session: SessionState,
@@ -102,22 +155,18 @@ def _sum_c1_slices(
     record: Callable[[str, torch.Tensor], None] | None,
     check_sums: bool,
 ) -> list[torch.Tensor]:
-    """Each slice's c1 sum as it arrives (range-checked while the next is in flight), then checked."""
-    engine = session.engine
+    """Each slice's c1 sum as it arrives, then checked (``sumcheck.check_sums``)."""
     sums = []
-    bad: list[bool] = []
     for _, _, finish in parts:
         c1 = finish()
         if record is not None:
             record("c1_sum", c1)
         sums.append(c1)
-        if check_sums:  # while the next slice's sum is still in flight
-            bad.append(c1.numel() > 0 and out_of_range(c1, engine._mod(ids).q))
-    if check_sums:
+    if check_sums:  # each sum's range is checked in the pass that projects it
         own_parts = [ct.data[1] for _, ct, _ in parts]
         sumcheck.check_sums(
             session.channel, session.engine, session.party.session, "ciphertext-c1", round_number,
-            own_parts, sums, ids, bad,
+            own_parts, sums, ids,
         )
     return sums
 
@@ -159,4 +208,4 @@ def _reduce_contributions(
     return own, mine_index, mine
 
 
-__all__ = ["aggregate_sliced"]
+__all__ = ["aggregate_sliced", "reusable_copy"]

@@ -96,6 +96,25 @@ def project(
     return total
 
 
+def project_checked(
+    residues: torch.Tensor, weights: torch.Tensor, q: torch.Tensor, q_inverse: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """``project`` of ``residues`` and their ``out_of_range``, from one pass where the native kernel runs.
+
+    A sum is read once for both (``native.project_rows_checked``: one more compare per residue); the
+    torch path takes the two passes, with the same results.
+    """
+    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
+    if mod._native_elementwise(rows, weights, q):
+        from fhelium import native
+
+        projection, in_range = native.project_rows_checked(
+            rows, weights.reshape(rows.size(0), rows.size(1)), q.reshape(-1)
+        )
+        return projection, not in_range
+    return project(residues, weights, q, q_inverse), residues.numel() > 0 and out_of_range(residues, q)
+
+
 SUM_LABELS = {
     "ciphertext-c1": "c1 sum",
     "decryption-contributions": "sum of the decryption contributions",
@@ -191,12 +210,14 @@ def check_sums(
 ) -> None:
     """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
 
-    Every sum is range-checked, the ranks draw a challenge (``draw_challenge``: commit, reveal),
-    and one record exchange carries, per part, a fingerprint (SHA-256) of the projection of the
-    sum this rank holds and the projection of this rank's own residues. Every rank checks every
-    fingerprint against its own (different sums for different ranks are named) and the sum of the
-    projections against the projection of the sum. ``out_of_range_checked``: each sum's
-    ``out_of_range`` when the caller took it already (as each sum arrived).
+    The ranks draw a challenge (``draw_challenge``: commit, reveal), every sum is projected and
+    range-checked in one pass (``project_checked``), and one record exchange carries, per part, a
+    fingerprint (SHA-256) of the projection of the sum this rank holds and the projection of this
+    rank's own residues. Every rank checks every fingerprint against its own (different sums for
+    different ranks are named) and the sum of the projections against the projection of the sum. A
+    sum out of range is refused before this rank's check record (the first thing it publishes that
+    depends on the sum) is sent. ``out_of_range_checked``: each sum's ``out_of_range`` when the
+    caller took it already (refused then before the challenge).
     """
     ids = tuple(prime_ids)
     m = engine._mod(ids)
@@ -209,22 +230,20 @@ def check_sums(
                 round_number,
                 f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
             )
-    if out_of_range_checked is None:
-        out_of_range_checked = [s.numel() > 0 and out_of_range(s, m.q) for s in sums]
-    for part, bad in enumerate(out_of_range_checked):
-        # residues at or above their prime would be congruent to a checked value yet feed the
-        # modular kernels out of their range
-        if bad:
-            raise refuse(
-                session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
-            )
+    if out_of_range_checked is not None:
+        _refuse_out_of_range(channel, session, what, round_number, out_of_range_checked)
     challenge = draw_challenge(channel, session, what, round_number)
     weights = [
         challenge_weights(challenge, part, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
         for part, s in enumerate(sums)
     ]
     projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
-    expected = [project(s, w, m.q, m.q_inverse) for s, w in zip(sums, weights, strict=True)]
+    if out_of_range_checked is None:
+        checked = [project_checked(s, w, m.q, m.q_inverse) for s, w in zip(sums, weights, strict=True)]
+        _refuse_out_of_range(channel, session, what, round_number, [bad for _, bad in checked])
+        expected = [projection for projection, _ in checked]
+    else:
+        expected = [project(s, w, m.q, m.q_inverse) for s, w in zip(sums, weights, strict=True)]
     fingerprints = [hashlib.sha256(p.contiguous().cpu().numpy().data).digest() for p in expected]
     record = b"".join(
         f + p.contiguous().cpu().numpy().tobytes() for f, p in zip(fingerprints, projections, strict=True)
@@ -268,6 +287,18 @@ def check_sums(
             )
 
 
+def _refuse_out_of_range(
+    channel: ShareChannel, session: str, what: str, round_number: int, bad: Sequence[bool]
+) -> None:
+    # residues at or above their prime would be congruent to a checked value yet feed the modular
+    # kernels out of their range
+    for part, out in enumerate(bad):
+        if out:
+            raise refuse(
+                session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
+            )
+
+
 def check_sliced_sums(
     channel: ShareChannel,
     engine: CkksEngine,
@@ -292,10 +323,7 @@ def check_sliced_sums(
     what = "decryption-contributions"
     ids = tuple(prime_ids)
     m = engine._mod(ids)
-    seed, mine_bad = b"", False
-    if mine is not None:
-        seed = secrets.token_bytes(SEED_BYTES)
-        mine_bad = mine.numel() > 0 and out_of_range(mine, m.q)
+    seed = b"" if mine is None else secrets.token_bytes(SEED_BYTES)
     seeds = channel.all_gather_bytes(f"{what}-seed:{round_number}", seed, max_bytes=SEED_BYTES)
     # the ranks holding a slice are the first len(own) (slices are cut in rank order)
     weights = []
@@ -323,11 +351,10 @@ def check_sliced_sums(
         if theirs.numel() != total.numel():
             return SLICE_TRUNCATED
         mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
-    if (
-        mine.shape != own[mine_index].shape
-        or mine_bad
-        or not torch.equal(total, project(mine, weights[mine_index], m.q, m.q_inverse))
-    ):
+    if mine.shape != own[mine_index].shape:
+        return SLICE_NOT_THE_SUM
+    expected, mine_bad = project_checked(mine, weights[mine_index], m.q, m.q_inverse)
+    if mine_bad or not torch.equal(total, expected):
         return SLICE_NOT_THE_SUM
     return 0
 
@@ -385,6 +412,7 @@ __all__ = [
     "draw_challenge",
     "out_of_range",
     "project",
+    "project_checked",
     "projection_weights",
     "refuse",
     "refuse_sliced",

@@ -42,6 +42,13 @@ def register() -> None:
 
     torch.library.register_fake("fhelium::project_rows")(project_rows_fake)
 
+    def project_rows_checked_fake(
+        x: torch.Tensor, w: torch.Tensor, q: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return project_rows_fake(x, w, q), torch.empty((), dtype=torch.bool, device=x.device)
+
+    torch.library.register_fake("fhelium::project_rows_checked")(project_rows_checked_fake)
+
     def small_ntt_fake(
         x: torch.Tensor, moduli: torch.Tensor, tables: torch.Tensor, level: int
     ) -> torch.Tensor:

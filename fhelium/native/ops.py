@@ -56,6 +56,14 @@ def project_rows(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> torch.Ten
     return result
 
 
+def project_rows_checked(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``project_rows`` and whether every residue of ``x`` lies in [0, q_l), from the one pass that reads it
+    (the sum checks' range check of a sum, without a pass of its own).
+    """
+    projection, in_range = torch.ops.fhelium.project_rows_checked(x, w, q)
+    return projection, bool(in_range)
+
+
 def add_mod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, level: str | None = None) -> torch.Tensor:
     """(a + b) mod q elementwise with broadcasting, a, b in [0, q) (the torch reference's formula)."""
     result: torch.Tensor = torch.ops.fhelium.add_mod(a, b, q, code(level))

@@ -751,7 +751,9 @@ void sub_mod_(at::Tensor& a, const at::Tensor& b, const at::Tensor& q, int64_t l
 // summed in 128 bits and reduced once every `chunk` rows (as many as the accumulator holds without
 // overflow for any 64-bit x: 2^14 rows for 50-bit primes), so a residue costs one 64x64 product and a 128-bit add instead
 // of a modular product. One task per limb and block of coefficients (at::parallel_for).
-at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q) {
+// The projection, and with `in_range` whether every x[r, l, n] lies in [0, q_l) (one more compare per
+// residue of the pass that reads it anyway: the sum checks' range check costs no pass of its own).
+at::Tensor project_rows_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, bool* in_range) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kLong && w.scalar_type() == at::kLong &&
                   q.scalar_type() == at::kLong,
               "project_rows: x [R, L, N], w [R, L] and q [L] must be int64");
@@ -767,8 +769,10 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
   for (int64_t l = 0; l < limbs; ++l) TORCH_CHECK(qs[l] > 1, "project_rows: every modulus must exceed 1");
   constexpr int64_t kBlock = 512;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::atomic<bool> all_in_range{true};
   at::parallel_for(0, limbs * blocks, 1, [&](int64_t begin, int64_t end) {
     u128 acc[kBlock];
+    bool over = false;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t l = task / blocks, from = (task % blocks) * kBlock, to = std::min(n, from + kBlock);
       const u64 q_l = static_cast<u64>(qs[l]);
@@ -790,24 +794,46 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
           const u64* x1 = x0 + limbs * n;
           const u64* x2 = x1 + limbs * n;
           const u64* x3 = x2 + limbs * n;
+          u64 high = 0;
           for (int64_t k = 0; k < to - from; ++k) {
             acc[k] += static_cast<u128>(x0[k]) * w0 + static_cast<u128>(x1[k]) * w1;
             acc[k] += static_cast<u128>(x2[k]) * w2 + static_cast<u128>(x3[k]) * w3;
+            high = std::max(high, std::max(std::max(x0[k], x1[k]), std::max(x2[k], x3[k])));
           }
+          over |= high >= q_l;
           r += 4;
           since += 4;
         } else {
           const u64 weight = ws[r * limbs + l];
           const u64* row = xs + (r * limbs + l) * n + from;
-          for (int64_t k = 0; k < to - from; ++k) acc[k] += static_cast<u128>(row[k]) * weight;
+          u64 high = 0;
+          for (int64_t k = 0; k < to - from; ++k) {
+            acc[k] += static_cast<u128>(row[k]) * weight;
+            high = std::max(high, row[k]);
+          }
+          over |= high >= q_l;
           r += 1;
           since += 1;
         }
       }
       for (int64_t k = 0; k < to - from; ++k) os[l * n + from + k] = static_cast<u64>(acc[k] % q_l);
     }
+    if (over) all_in_range.store(false, std::memory_order_relaxed);
   });
+  if (in_range != nullptr) *in_range = all_in_range.load();
   return out;
+}
+
+at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q) {
+  return project_rows_into(x, w, q, nullptr);
+}
+
+// (the projection, a 0-dim bool tensor: every residue of x in [0, q_l))
+std::tuple<at::Tensor, at::Tensor> project_rows_checked(const at::Tensor& x, const at::Tensor& w,
+                                                        const at::Tensor& q) {
+  bool in_range = true;
+  at::Tensor projection = project_rows_into(x, w, q, &in_range);
+  return {projection, at::scalar_tensor(in_range, at::kBool)};
 }
 
 // ------------------------------------------------------------------------------------ RNS kernels
@@ -1902,6 +1928,7 @@ TORCH_LIBRARY(fhelium, m) {
   m.def("smudging_noise(Tensor words, Tensor constants, int shift, float high_sigma, float low_sigma, int level) -> Tensor");
   m.def("key_switch_lifted(Tensor lifted, Tensor key, Tensor key_digits, Tensor key_rows, Tensor moduli, Tensor tables, int level) -> Tensor");
   m.def("project_rows(Tensor x, Tensor w, Tensor q) -> Tensor");
+  m.def("project_rows_checked(Tensor x, Tensor w, Tensor q) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
@@ -1925,4 +1952,5 @@ TORCH_LIBRARY_IMPL(fhelium, CPU, m) {
   m.impl("key_switch_lifted", &key_switch_lifted);
   m.impl("smudging_noise", &smudging_noise);
   m.impl("project_rows", &project_rows);
+  m.impl("project_rows_checked", &project_rows_checked);
 }

@@ -28,9 +28,12 @@ from fhelium.multiparty import (
     required_smudging_sigma,
     smudging_noise,
 )
+from fhelium.multiparty.sliced import reusable_copy
 from fhelium.multiparty.sumcheck import (
     challenge_weights,
     out_of_range,
+    project_checked,
+    projection_weights,
     seed_commitment,
 )
 from fhelium.serialization import inspect_bytes, validate_value_description, value_from_bytes, value_to_bytes
@@ -435,11 +438,14 @@ def test_the_range_check_refuses_a_residue_at_or_above_its_own_limbs_prime_in_an
     shape: tuple[int, ...],
 ) -> None:
     """The range check of a sum refuses a residue at or above its own limb's prime, or negative, in any
-    row, while a residue between the smaller prime and the larger one in the larger prime's limb passes.
+    row, while a residue between the smaller prime and the larger one in the larger prime's limb passes;
+    the check the sum checks fuse into their projection (``project_checked``) says the same.
     """
     q = torch.tensor([[1125899905744897], [1125899906629633]], dtype=torch.int64)
     summed = torch.randint(0, 1 << 49, shape, dtype=torch.int64)
+    weights = projection_weights(b"\x03" * 32, q, summed.reshape(-1, *shape[-2:]).size(0))
     assert out_of_range(summed, q) is False
+    assert project_checked(summed, weights, q, 1.0 / q.double())[1] is False
     small, large = int(q[0]), int(q[1])
     for value, limb, bad in [
         (-1, 0, True),
@@ -454,6 +460,22 @@ def test_the_range_check_refuses_a_residue_at_or_above_its_own_limbs_prime_in_an
             changed = summed.clone()
             changed.view(-1, *shape[-2:])[row, limb, 5] = value
             assert out_of_range(changed, q) is bad
+            assert project_checked(changed, weights, q, 1.0 / q.double())[1] is bad
+
+
+def test_the_sliced_roads_copy_of_c1_reuses_its_buffer_per_slice_and_shape() -> None:
+    """The copy of c1 that goes to the in-place sum lands in the thread's kept buffer for its slice: the
+    same storage round after round, a new one when the shape changes, and never the source's.
+    """
+    first = torch.randint(0, 1 << 40, (4, 2, 64))
+    copy = reusable_copy(0, first)
+    assert torch.equal(copy, first) and copy.data_ptr() != first.data_ptr()
+    again = reusable_copy(0, first + 1)
+    assert again.data_ptr() == copy.data_ptr() and torch.equal(again, first + 1)
+    other_slice = reusable_copy(1, first)
+    assert other_slice.data_ptr() != copy.data_ptr()
+    resized = reusable_copy(0, torch.zeros(3, 2, 64, dtype=torch.int64))
+    assert resized.shape == (3, 2, 64) and not resized.any()
 
 
 def test_a_challenge_seed_commitment_binds_the_session_round_exchange_rank_and_world() -> None:

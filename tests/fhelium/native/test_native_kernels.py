@@ -457,3 +457,46 @@ def test_the_sum_checks_projection_is_the_native_kernel_and_matches_the_torch_re
     native_result = project(x, weights, moduli, 1.0 / moduli.double())
     monkeypatch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")  # the pure-torch path
     assert torch.equal(project(x, weights, moduli, 1.0 / moduli.double()), native_result)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (5, 600), (8, 1030)])
+def test_project_rows_checked_is_the_projection_and_flags_any_residue_out_of_range(rows: int, n: int) -> None:
+    # the sum checks' one pass: the same projection as project_rows, and "in range" false as soon as a
+    # single residue of any row, limb or coefficient is at or above its prime, or negative
+    q = [(1 << 50) - 27, (1 << 40) + 15]
+    moduli = torch.tensor(q)
+    generator = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.remainder(torch.randint(0, 1 << 62, (rows, 2, n), generator=generator), moduli.view(1, 2, 1))
+    w = torch.remainder(torch.randint(0, 1 << 62, (rows, 2), generator=generator), moduli.view(1, 2))
+    x[-1, 1, -1] = q[1] - 1  # the largest residue in range
+    projection, in_range = native.project_rows_checked(x, w, moduli)
+    assert in_range is True
+    assert torch.equal(projection, native.project_rows(x, w, moduli))
+    for row, limb, k, value in [
+        (0, 0, 0, q[0]),
+        (rows - 1, 1, n - 1, q[1]),
+        (rows // 2, 1, n // 2, q[0]),  # in range of the other limb's prime only
+        (rows - 1, 0, 3, -1),
+        (0, 1, n - 1, (1 << 63) - 1),
+    ]:
+        changed = x.clone()
+        changed[row, limb, k] = value
+        assert native.project_rows_checked(changed, w, moduli)[1] is False, (row, limb, k, value)
+
+
+def test_the_sum_checks_fused_range_check_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fhelium.multiparty.sumcheck import out_of_range, project_checked, projection_weights
+
+    moduli = torch.tensor(_moduli(1024, 3)).view(3, 1)
+    x = _random([int(q) for q in moduli.view(-1)], 1024, (9,), seed=11)
+    weights = projection_weights(b"\x02" * 32, moduli, 9)
+    lifted = x.clone()
+    lifted[4, 2, 100] += int(moduli[2])  # congruent, out of range
+    for residues, bad in ((x, False), (lifted, True)):
+        projection, flagged = project_checked(residues, weights, moduli, 1.0 / moduli.double())
+        assert flagged is bad and out_of_range(residues, moduli) is bad
+        with monkeypatch.context() as patch:
+            patch.setenv(native.LEVEL_ENVIRONMENT_VARIABLE, "torch")  # the two-pass torch path
+            reference, reference_flag = project_checked(residues, weights, moduli, 1.0 / moduli.double())
+        assert reference_flag is bad
+        assert torch.equal(reference, projection)
