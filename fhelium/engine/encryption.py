@@ -93,7 +93,7 @@ def encrypt(engine: EngineOperations, plaintext: Plaintext, public_key: PublicKe
     domain = plaintext.polynomial_domain
     if domain is None:
         raise FheliumValueError("encrypt needs a Plaintext in the coefficient or the NTT domain")
-    data = engine._public_encrypt(plaintext.data, domain, None, ids, public_key)
+    data = public_encrypt(engine, plaintext.data, domain, None, ids, public_key)
     return Ciphertext(data, plaintext.depth, plaintext.scale, ids, "ntt")
 
 
@@ -135,7 +135,7 @@ def encrypt_integers(
             raise FheliumValueError("encrypt_integers needs |integers| < 2^62")
     factors = torch.tensor([[multiplier % q for q in moduli]], dtype=torch.int64, device=engine.device)
     integers = integers.to(engine.device)
-    data = engine._public_encrypt(integers.unsqueeze(-2), "coefficient", factors, ids, public_key, c0_noise)
+    data = public_encrypt(engine, integers.unsqueeze(-2), "coefficient", factors, ids, public_key, c0_noise)
     return Ciphertext(data, depth, float(scale), ids, "ntt")
 
 
@@ -158,7 +158,7 @@ def public_encrypt(
         flat = message.reshape(math.prod(batch), *message.shape[-2:])
         data: torch.Tensor | None = None
         for g in groups:  # each part written into the output while it is still in cache
-            part = engine._public_encrypt(flat[g], domain, factors, ids, public_key, c0_noise)
+            part = public_encrypt(engine, flat[g], domain, factors, ids, public_key, c0_noise)
             if data is None:
                 data = part.new_empty(part.size(0), flat.size(0), *part.shape[-2:])
             data[:, g] = part

@@ -57,7 +57,6 @@ class CkksEngine(EngineOperations):
     uniform_from_seed = encryption.uniform_from_seed
     decrypt = encryption.decrypt
     decrypt_decode = encryption.decrypt_decode
-    _public_encrypt = encryption.public_encrypt
 
     # ------------------------------------------------------------ additive operations (evaluation.py)
     add = evaluation.add

@@ -16,7 +16,7 @@ One ``ThresholdParty`` per party. The protocol, as the distributed driver runs i
    Any N−1 shares leave −s_j·c1 in the sum, which is uniform-looking noise.
 
 The message codec and the residue reductions live in fhelium.multiparty.encoding, the errors in
-fhelium.multiparty.errors; this module re-exports their names.
+fhelium.multiparty.errors; this module re-exports their names (their ``__all__`` lists, whole).
 """
 
 from __future__ import annotations
@@ -32,24 +32,19 @@ from fhelium.engine import CkksEngine
 from fhelium.engine import modular as mod
 from fhelium.engine.parameters import ERROR_STANDARD_DEVIATION
 from fhelium.engine.sampling import RandomSource
+from fhelium.multiparty.encoding import *  # noqa: F403
 from fhelium.multiparty.encoding import (
     BLOCK_ROWS,
     ciphertext_digest,
     combine_decryption,
-    decode_contributions,
-    encode_integers,
-    encode_values,
     encrypt_values,
     reduce_signed,
-    reduce_sum_,
     sum_every_party,
 )
-from fhelium.multiparty.errors import (
-    FloodingBudgetError,
-    MissingSharesError,
-    MultipartyError,
-    SeedCommitmentError,
-)
+from fhelium.multiparty.encoding import __all__ as _encoding_all
+from fhelium.multiparty.errors import *  # noqa: F403
+from fhelium.multiparty.errors import FloodingBudgetError, MultipartyError, SeedCommitmentError
+from fhelium.multiparty.errors import __all__ as _errors_all
 from fhelium.multiparty.noise import smudging_noise_from_words
 from fhelium.multiparty.parameters import THRESHOLD_AGGREGATION, ThresholdParameters
 from fhelium.multiparty.values import (
@@ -420,27 +415,17 @@ class ThresholdParty:
         return combine_decryption(self.engine, ct, shares, parties=self.parties)
 
 
+# encoding's and errors' names are protocol's too (code written before the split imports them from here):
+# their `__all__` lists, whole (the star imports above bring exactly those names in).
 __all__ = [
-    "BLOCK_ROWS",
     "COMMITMENT_DOMAIN",
-    "FloodingBudgetError",
-    "MissingSharesError",
-    "MultipartyError",
-    "SeedCommitmentError",
     "ThresholdParty",
-    "ciphertext_digest",
-    "combine_decryption",
     "combine_public_key",
     "combine_seed",
     "commitment_digest",
     "common_uniform",
-    "decode_contributions",
-    "encode_integers",
-    "encode_values",
-    "encrypt_values",
     "noise_to_ntt",
-    "reduce_signed",
-    "reduce_sum_",
     "smudging_noise",
-    "sum_every_party",
+    *_encoding_all,
+    *_errors_all,
 ]

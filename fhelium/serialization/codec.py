@@ -22,7 +22,6 @@ import torch
 
 from fhelium.core import FheliumValueError, ParameterMismatchError
 from fhelium.serialization.value import (
-    VALUE_TYPES,
     FheliumValue,
     ValueEnvelope,
     is_secret_value,
@@ -250,7 +249,6 @@ def inspect_value(path: str | os.PathLike[str]) -> dict[str, Any]:
 __all__ = [
     "FILE_FORMAT",
     "FILE_SCHEMA_VERSION",
-    "VALUE_TYPES",
     "check_against_engine",
     "inspect_bytes",
     "inspect_value",

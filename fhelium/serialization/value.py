@@ -25,7 +25,6 @@ from fhelium.core import (
 )
 from fhelium.serialization.core_codecs import CORE_CODECS, KEY_CODEC_NAMES
 from fhelium.serialization.registry import (
-    MAX_SHAPE_SPAN_ELEMENTS,
     ValueCodec,
     ValueTypeExtension,
     check_metadata_fields,
@@ -151,7 +150,6 @@ class ValueEnvelope:
 
 __all__ = [
     "KEY_VALUE_TYPES",
-    "MAX_SHAPE_SPAN_ELEMENTS",
     "METADATA_FIELDS",
     "VALUE_SCHEMA_VERSION",
     "VALUE_TYPES",

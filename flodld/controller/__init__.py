@@ -12,8 +12,8 @@ Programmatic use (what `fdl run` and tests do):
 
 from __future__ import annotations
 
-from flodld.controller.driver import RunResult
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
+from flodld.controller.runparts import RunResult
 
 __all__ = ["Controller", "ControllerOptions", "RunResult"]

@@ -18,33 +18,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
-from flodld.controller.runparts import DriverRun
+from flodld.controller.runparts import DriverRun, RunResult
 from flodld.controller.shipper import ABORT_TIMEOUT_SECS, WorldShipper
 from flodld.controller.snapshot import StateCache
 from flodld.membership.phase import TERMINAL_PHASES, Phase
 from flodld.membership.policy import TrustMode
-from flodld.membership.snapshot import RootCause
 from flodld.membership.window import JoinWindow
 
 log = logging.getLogger("flodld.controller")  # the Controller's log: the run's phases read in one place
 
 PhaseListener = Callable[[Phase, str], object]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """How the run ended: `verdict` is done or failed; `reason` is the window's sentence."""
-
-    verdict: Phase
-    reason: str
-    root_cause: RootCause | None = None  # the first observed rank failure (flodld/membership/rootcause.py)
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict is Phase.DONE
 
 
 class WindowDriver:

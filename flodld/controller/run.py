@@ -35,12 +35,13 @@ from typing import Any
 
 from flodld.config.models import ClusterConfig
 from flodld.controller.admission import Admissions
-from flodld.controller.driver import PhaseListener, RunResult, WindowDriver
+from flodld.controller.driver import PhaseListener, WindowDriver
 from flodld.controller.join import HostLink, JoinProtocol
 from flodld.controller.losses import RankLosses
 from flodld.controller.metrics import ControllerCounters, RunMetrics
 from flodld.controller.mux import ChannelHandler, PortMux
 from flodld.controller.options import ControllerOptions
+from flodld.controller.runparts import RunResult
 from flodld.controller.runport import RUN_CHANNELS as RUN_CHANNELS
 from flodld.controller.runport import VERDICT_LINGER_SECS, RunPort, is_ip_literal, own_mux
 from flodld.controller.runport import RunChannel as RunChannel

@@ -3,12 +3,15 @@
 `Admissions` (admission.py), `RankLosses` (losses.py), `WorldShipper` (shipper.py), `RunPort` (runport.py),
 `RunStatus` (runstatus.py) and `WindowDriver` (driver.py) each hold the run they work for and call on it,
 through its own protocol here only, so none of them imports run.py (which imports them all). The Controller
-satisfies every one structurally; mypy checks that where run.py builds each part with `self`.
+satisfies every one structurally; mypy checks that where run.py builds each part with `self`. The shared
+views (`RunView`, `RunMilestones`, `RunCore`) are declared once and each part's protocol adds its own. How a
+run ends, `RunResult`, lives here too: the parts read it and the driver writes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from flodld.controller.join import HostLink, JoinRun
@@ -24,20 +27,54 @@ from flodld.membership.snapshot import RootCause
 from flodld.membership.window import JoinWindow
 
 
-class RunVerdict(Protocol):
-    """How a run ended (the Controller's `RunResult`)."""
+@dataclass(frozen=True)
+class RunResult:
+    """How the run ended: `verdict` is done or failed; `reason` is the window's sentence."""
+
+    verdict: Phase
+    reason: str
+    root_cause: RootCause | None = None  # the first observed rank failure (flodld/membership/rootcause.py)
 
     @property
-    def verdict(self) -> Phase: ...
+    def ok(self) -> bool:
+        return self.verdict is Phase.DONE
+
+
+class RunView(Protocol):
+    """What every part may read of the run: its options and id, the trust policy, the live host links and the
+    storm log.
+    """
 
     @property
-    def reason(self) -> str: ...
+    def options(self) -> ControllerOptions: ...
 
     @property
-    def root_cause(self) -> RootCause | None: ...
+    def run_id(self) -> str: ...
+
+    @property
+    def policy(self) -> WindowPolicy: ...
+
+    @property
+    def links(self) -> dict[str, HostLink]: ...
+
+    @property
+    def storm_log(self) -> StormLog: ...
 
 
-class RunCore(Protocol):
+class RunMilestones(Protocol):
+    """When the run started, formed its world and ended (None before each); `WindowDriver` stamps them."""
+
+    @property
+    def started_at(self) -> float | None: ...
+
+    @property
+    def formed_at(self) -> float | None: ...
+
+    @property
+    def ended_at(self) -> float | None: ...
+
+
+class RunCore(RunView, Protocol):
     """What the window's parts share: the window, the clock, the counters, and `settle()` after each call."""
 
     @property
@@ -57,25 +94,13 @@ class AdmissionRun(RunCore, Protocol):
     """What `Admissions` (admission.py) asks of the run."""
 
     @property
-    def storm_log(self) -> StormLog: ...
-
-    @property
-    def policy(self) -> WindowPolicy: ...
-
-    @property
     def salt(self) -> bytes: ...
 
     @property
     def salt_hex(self) -> str: ...
 
     @property
-    def run_id(self) -> str: ...
-
-    @property
-    def links(self) -> dict[str, HostLink]: ...
-
-    @property
-    def result(self) -> RunVerdict | None: ...
+    def result(self) -> RunResult | None: ...
 
     def walk_in(self, host: str, ranks: tuple[int, ...]) -> None:
         """A host walked into the training run: its relay is expected and its WorldFormed goes out."""
@@ -85,15 +110,6 @@ class LossRun(RunCore, Protocol):
     """What `RankLosses` (losses.py) asks of the run."""
 
     @property
-    def storm_log(self) -> StormLog: ...
-
-    @property
-    def options(self) -> ControllerOptions: ...
-
-    @property
-    def links(self) -> dict[str, HostLink]: ...
-
-    @property
     def round_in_progress(self) -> Callable[[int], int | None]: ...
 
 
@@ -101,16 +117,7 @@ class ShipperRun(RunCore, Protocol):
     """What `WorldShipper` (shipper.py) asks of the run."""
 
     @property
-    def options(self) -> ControllerOptions: ...
-
-    @property
     def address(self) -> tuple[str, int] | None: ...
-
-    @property
-    def run_id(self) -> str: ...
-
-    @property
-    def links(self) -> dict[str, HostLink]: ...
 
     @property
     def tolerance(self) -> int: ...
@@ -125,7 +132,7 @@ class ShipperRun(RunCore, Protocol):
     def announce(self, passed: Phase | None = None, why: str = "") -> None: ...
 
 
-class PortRun(JoinRun, StatusSource, Protocol):
+class PortRun(JoinRun, StatusSource, RunView, Protocol):
     """What `RunPort` (runport.py) asks of the run: the join channel's and the HTTP app's view of it, and the
     port's own. `listen()` sets `policy` (trust from the bound address) and `address`.
     """
@@ -134,41 +141,23 @@ class PortRun(JoinRun, StatusSource, Protocol):
     address: tuple[str, int] | None
 
     @property
-    def options(self) -> ControllerOptions: ...
-
-    @property
     def mux(self) -> PortMux: ...
 
     @property
     def store(self) -> StoreService: ...
 
     @property
-    def run_id(self) -> str: ...
-
-    @property
-    def links(self) -> dict[str, HostLink]: ...
-
-    @property
     def start_credential(self) -> str: ...
 
 
-class StatusRun(RunCore, Protocol):
+class StatusRun(RunMilestones, RunCore, Protocol):
     """What `RunStatus` (runstatus.py) asks of the run."""
-
-    @property
-    def options(self) -> ControllerOptions: ...
-
-    @property
-    def policy(self) -> WindowPolicy: ...
-
-    @property
-    def run_id(self) -> str: ...
 
     @property
     def run_metrics(self) -> RunMetrics: ...
 
     @property
-    def result(self) -> RunVerdict | None: ...
+    def result(self) -> RunResult | None: ...
 
     @property
     def phase(self) -> Phase | None: ...
@@ -179,17 +168,8 @@ class StatusRun(RunCore, Protocol):
     @property
     def start_credential(self) -> str: ...
 
-    @property
-    def started_at(self) -> float | None: ...
 
-    @property
-    def formed_at(self) -> float | None: ...
-
-    @property
-    def ended_at(self) -> float | None: ...
-
-
-class DriverRun(Protocol):
+class DriverRun(RunMilestones, RunView, Protocol):
     """What `WindowDriver` (driver.py) asks of the run: it opens the window and stamps the milestones."""
 
     window: JoinWindow | None
@@ -198,22 +178,10 @@ class DriverRun(Protocol):
     ended_at: float | None
 
     @property
-    def options(self) -> ControllerOptions: ...
-
-    @property
-    def policy(self) -> WindowPolicy: ...
-
-    @property
-    def run_id(self) -> str: ...
-
-    @property
     def address(self) -> tuple[str, int] | None: ...
 
     @property
     def clock(self) -> Callable[[], float]: ...
-
-    @property
-    def storm_log(self) -> StormLog: ...
 
     def root_cause(self) -> RootCause | None: ...
 

@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from flodld.controller.dataplane import attach_data_plane
-from flodld.controller.driver import PhaseListener, RunResult
+from flodld.controller.driver import PhaseListener
 from flodld.controller.historyfile import HistoryFile
 from flodld.controller.http import NO_STATE
 from flodld.controller.join import HostLink
@@ -35,6 +35,7 @@ from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller, serve_http
+from flodld.controller.runparts import RunResult
 from flodld.controller.runport import own_mux
 from flodld.controller.runstatus import render_status
 from flodld.controller.servicehistory import ServiceHistory

@@ -7,7 +7,7 @@ connection state machine on them.
   ChaCha20-Poly1305 otherwise (`choose_suite`).
 - One 32-byte key per direction with HKDF-SHA256: input key the run salt (or, after a rekey, a host
   key or the run salt of an open admission), HKDF salt the two nonces, info a label, the channel's
-  magic, the chosen suite and the direction byte (`direction_key`). Every connection has keys of its
+  magic, the chosen suite and the direction byte (`direction_keys`). Every connection has keys of its
   own: nothing captured on one connection decrypts on another, a connection keyed for one channel
   never decrypts on another, and the flags that chose the cipher are bound into the keys (flipping one
   on the path only makes every frame fail).
@@ -95,36 +95,6 @@ def channel_binding(channel: Channel | None) -> bytes:
     return _NO_CHANNEL if channel is None else magic_prefix(channel)
 
 
-def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
-    """RFC 5869 HKDF-SHA256 (extract, then expand) of at most 255 blocks."""
-    if not 0 < length <= 255 * 32:
-        raise ValueError(f"HKDF-SHA256 yields 1..{255 * 32} bytes, got a request for {length}")
-    prk = hmac.digest(salt, ikm, hashlib.sha256)
-    out, block, counter = b"", b"", 1
-    while len(out) < length:
-        block = hmac.digest(prk, block + info + bytes((counter,)), hashlib.sha256)
-        out += block
-        counter += 1
-    return out[:length]
-
-
-def direction_key(
-    key: bytes,
-    dialer_nonce: bytes,
-    listener_nonce: bytes,
-    channel: Channel | None,
-    suite: Suite,
-    sender: Role,
-) -> bytes:
-    """The 32-byte AEAD key of the frames `sender` writes on this connection.
-
-    HKDF-SHA256(ikm = key, salt = dialer nonce ‖ listener nonce,
-                info = "flodld/aead/v2" ‖ channel magic ‖ suite (1 byte) ‖ direction byte).
-    """
-    info = KEY_LABEL + channel_binding(channel) + bytes((int(suite),)) + DIRECTION[sender]
-    return hkdf_sha256(key, salt=dialer_nonce + listener_nonce, info=info)
-
-
 def direction_keys(
     key: bytes,
     dialer_nonce: bytes,
@@ -133,8 +103,12 @@ def direction_keys(
     suite: Suite,
     sender: Role,
 ) -> tuple[bytes, bytes]:
-    """`direction_key` of `sender`'s frames and of its peer's, with one HKDF extract for both (they share
-    the input key and salt; only the info differs). A 32-byte output is one expand block.
+    """The 32-byte AEAD keys of the frames `sender` writes on this connection and of those its peer writes.
+
+    Each is HKDF-SHA256(ikm = key, salt = dialer nonce ‖ listener nonce,
+                        info = "flodld/aead/v2" ‖ channel magic ‖ suite (1 byte) ‖ direction byte),
+    with one HKDF extract for both (they share the input key and salt; only the info differs). A 32-byte
+    output is one expand block.
     """
     prk = hmac.digest(dialer_nonce + listener_nonce, key, hashlib.sha256)
     info = KEY_LABEL + channel_binding(channel) + bytes((int(suite),))

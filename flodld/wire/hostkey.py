@@ -12,7 +12,7 @@ readmitted on a new join connection gets a new key. The agent hands its key to i
 environment; the relay proves it on each upstream channel with a `RelayHello.proof` over that
 connection's channel magic and nonces, and both sides then rekey the connection to the host key,
 so every later frame on it is encrypted and authenticated under keys derived from it
-(`flodld.wire.frames.direction_key`): readable and writable only by that host and the controller.
+(`flodld.wire.aead.direction_keys`): readable and writable only by that host and the controller.
 
 What this does not do: the join nonces cross the wire in the clear (they are exchanged before any key
 exists), so an on-path observer who also holds the salt can compute the key. The per-host key stops

@@ -1,7 +1,7 @@
 """Channel magics: the first 4 bytes of every connection to the controller's single port.
 
 The magic routes a connection to its subsystem. It is not authenticated by itself, but both ends
-bind it into the connection's keys (`flodld.wire.frames.direction_key`): a spoofed magic only
+bind it into the connection's keys (`flodld.wire.aead.direction_keys`): a spoofed magic only
 lands the bytes at a handler whose frame authentication rejects them, and frames keyed for one
 channel never verify on another.
 """

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flodld.wire.aead import choose_suite, direction_key, direction_keys, hkdf_sha256
+from flodld.wire.aead import channel_binding, choose_suite, direction_keys
 from flodld.wire.errors import WireError
 from flodld.wire.frames import (
     CLOSED,
@@ -55,10 +55,10 @@ def expect_error(receiver: FrameConnection, data: BytesLike, code: str) -> WireE
 # --- handshake --------------------------------------------------------------------------------------
 
 
-def test_hkdf_is_rfc5869_hkdf_sha256() -> None:
-    for ikm, salt, info in ((SALT, b"d" * 16 + b"l" * 16, b"info"), (b"k" * 32, b"", b"")):
-        reference = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt or None, info=info).derive(ikm)
-        assert hkdf_sha256(ikm, salt=salt or bytes(32), info=info) == reference
+def _reference_key(key: bytes, nonces: bytes, channel: Channel | None, suite: Suite, byte: bytes) -> bytes:
+    """The contract's key of one direction, by cryptography's RFC 5869 HKDF-SHA256."""
+    info = b"flodld/aead/v2" + channel_binding(channel) + bytes((int(suite),)) + byte
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=nonces, info=info).derive(key)
 
 
 def test_direction_keys_bind_salt_channel_suite_direction_and_both_nonces() -> None:
@@ -69,26 +69,28 @@ def test_direction_keys_bind_salt_channel_suite_direction_and_both_nonces() -> N
         algorithm=hashes.SHA256(), length=32, salt=dialer_nonce + listener_nonce,
         info=b"flodld/aead/v2" + magic + bytes((int(aes),)) + b"D",
     ).derive(SALT)
-    assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer) == expected
-    assert direction_key(SALT, listener_nonce, dialer_nonce, Channel.DATA, aes, dialer) != expected
-    assert direction_key(OTHER_SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer) != expected
-    assert direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, Role.LISTENER) != expected
+    assert direction_keys(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer)[0] == expected
+    assert direction_keys(SALT, listener_nonce, dialer_nonce, Channel.DATA, aes, dialer)[0] != expected
+    assert direction_keys(OTHER_SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, dialer)[0] != expected
+    assert direction_keys(SALT, dialer_nonce, listener_nonce, Channel.DATA, aes, Role.LISTENER)[0] != expected
     assert (
-        direction_key(SALT, dialer_nonce, listener_nonce, Channel.DATA, Suite.CHACHA20_POLY1305, dialer)
+        direction_keys(SALT, dialer_nonce, listener_nonce, Channel.DATA, Suite.CHACHA20_POLY1305, dialer)[0]
         != expected
     )
+    byte = {Role.DIALER: b"D", Role.LISTENER: b"L"}
     for sender, peer in ((Role.DIALER, Role.LISTENER), (Role.LISTENER, Role.DIALER)):
         for suite in Suite:
             for channel in (Channel.DATA, Channel.JOIN, None):
                 assert direction_keys(SALT, dialer_nonce, listener_nonce, channel, suite, sender) == (
-                    direction_key(SALT, dialer_nonce, listener_nonce, channel, suite, sender),
-                    direction_key(SALT, dialer_nonce, listener_nonce, channel, suite, peer),
+                    _reference_key(SALT, dialer_nonce + listener_nonce, channel, suite, byte[sender]),
+                    _reference_key(SALT, dialer_nonce + listener_nonce, channel, suite, byte[peer]),
                 )
     keys = {
-        direction_key(SALT, dialer_nonce, listener_nonce, channel, aes, dialer) for channel in CHANNEL_MAGICS
+        direction_keys(SALT, dialer_nonce, listener_nonce, channel, aes, dialer)[0]
+        for channel in CHANNEL_MAGICS
     }
     assert len(keys) == len(CHANNEL_MAGICS)  # every channel keys differently
-    assert direction_key(SALT, dialer_nonce, listener_nonce, None, aes, dialer) not in keys
+    assert direction_keys(SALT, dialer_nonce, listener_nonce, None, aes, dialer)[0] not in keys
 
 
 @pytest.mark.parametrize(
@@ -243,7 +245,7 @@ def test_frame_layout_is_header_then_aead_of_payload_and_tail(aes: bool) -> None
     assert PROTOCOL_VERSION == 2
     assert b"reason" not in wire and b"TAIL" not in wire  # encrypted
     suite = Suite.AES_256_GCM if aes else Suite.CHACHA20_POLY1305
-    key = direction_key(SALT, dialer.nonce, listener.nonce, None, suite, Role.DIALER)
+    key = direction_keys(SALT, dialer.nonce, listener.nonce, None, suite, Role.DIALER)[0]
     aead = AESGCM(key) if aes else ChaCha20Poly1305(key)
     nonce = b"D\x00\x00\x00" + (1).to_bytes(8, "little")  # direction, zeros, seq
     assert wire[HEADER_BYTES:] == aead.encrypt(nonce, b'{"reason":"x"}TAIL', wire[:HEADER_BYTES])

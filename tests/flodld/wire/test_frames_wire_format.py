@@ -41,7 +41,9 @@ def test_each_frame_is_the_header_then_the_aead_of_payload_and_tail_under_the_di
     sender = dialer if role is wf.Role.DIALER else listener
     suite = wire_aead.choose_suite(dialer.nonce, listener.nonce)
     assert suite is (wf.Suite.AES_256_GCM if aes else wf.Suite.CHACHA20_POLY1305)
-    sender_key = wire_aead.direction_key(key, dialer.nonce, listener.nonce, Channel.RENDEZVOUS, suite, role)
+    sender_key, _ = wire_aead.direction_keys(
+        key, dialer.nonce, listener.nonce, Channel.RENDEZVOUS, suite, role
+    )
     aead = AESGCM(sender_key) if aes else ChaCha20Poly1305(sender_key)
     direction = b"D" if role is wf.Role.DIALER else b"L"
     tails: list[bytes | bytearray | memoryview] = [
