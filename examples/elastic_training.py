@@ -22,6 +22,7 @@ Growth (docs/elastic-averaging.md, "Growth and healing"): with `controller.join.
 
 Its ranks start from the averaged weights every member holds (`walk_in_state()`), count their steps from
 the round they entered at (`entry_round()`), and everyone reshards over the grown membership.
+`--pause-until 3` pauses between steps only until the third rank has walked in, then trains at full speed.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def main() -> int:
     parser.add_argument("--crash-rank", type=int, default=-1, help="this rank kills itself (a demo)")
     parser.add_argument("--crash-step", type=int, default=20)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between steps (time to walk in)")
+    parser.add_argument(
+        "--pause-until",
+        type=int,
+        default=0,
+        metavar="MEMBERS",
+        help="pause only while fewer than MEMBERS ranks average (then train at full speed); 0: always",
+    )
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
@@ -94,8 +102,9 @@ def main() -> int:
         x, y = mine
         gradient = x.T @ (x @ weights - y) / len(y)
         (weights,) = averager.step([weights - args.lr * gradient])
-        time.sleep(args.pause)
         now = membership()
+        if now.size < args.pause_until or not args.pause_until:
+            time.sleep(args.pause)
         if now.epoch != seen.epoch:  # a rank lost or walked in: split the data among the members again
             print(f"rank {rank}: step {step}: members {list(now.members)} (epoch {now.epoch}), "
                   f"my shard {now.index + 1} of {now.size}", flush=True)  # fmt: skip

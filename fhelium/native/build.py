@@ -3,8 +3,9 @@
 The C++ source (``csrc/fhelium_native.cpp``, with the ``csrc/*.inc.cpp`` files it includes) is compiled
 on first use with the machine's C++ compiler against the torch already installed
 (``torch.utils.cpp_extension.load``: no build isolation, no download, no ``-march``), into a cache
-directory keyed by the torch version, the Python version and a hash of the sources and flags. Later
-processes only load the cached library (and mark it used). After compiling a new build, the cache's
+directory keyed by the torch version, the Python version and a hash of the sources, the flags and
+where the sources and torch are (one build per checkout and venv). Later processes only load the cached
+library (and mark it used). After compiling a new build, the cache's
 other builds not used for a day (``STALE_AFTER_S``) and not being built are removed.
 """
 
@@ -51,10 +52,16 @@ _state: dict[str, bool | str] = {}
 
 
 def _source_hash() -> str:
+    """The sources' and flags' hash, and where the sources and torch are: cpp_extension's build file names
+    both paths, and ninja rebuilds when its command line changes, so two checkouts (or venvs) of the same
+    sources sharing one build directory would recompile on every switch between them.
+    """
     digest = hashlib.sha256()
     for source in (*SOURCES, *INCLUDES):
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
+    for place in (*SOURCES, *INCLUDES, Path(torch.__file__)):
+        digest.update(b"\0" + str(place.resolve().parent).encode())
     return digest.hexdigest()[:16]
 
 

@@ -326,7 +326,8 @@ async def test_the_example_starts_a_walk_in_from_the_averaged_weights_and_reshar
     averaged weights at the others' step, and all three reshard over three members and finish.
     """
     example = Path(__file__).resolve().parents[2] / "examples" / "elastic_training.py"
-    args = ("--steps", "800", "--pause", "0.05")  # 40 s at least: time for a walk-in to start, loaded
+    # up to 40 s of pauses (800 x 0.05 s) for c to start and walk in, loaded; none once it is in
+    args = ("--steps", "800", "--pause", "0.05", "--pause-until", "3")
     two = JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2, elastic_max_ranks=3)
     async with fault_run(_options(bound=3).model_copy(update={"capacity": 2, "join": two})) as run:
         a = await _spawn_with_args(run, "a", 2, example, args)

@@ -261,6 +261,22 @@ def test_the_cache_key_covers_the_included_sources(tmp_path: Path, monkeypatch: 
     assert native.build_directory() != before and native.build_directory().parent == before.parent
 
 
+def test_the_cache_key_covers_where_the_sources_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Byte-identical sources in another checkout get a build of their own: cpp_extension's build file names
+    the sources' paths, so a shared directory was recompiled (~13 s) whenever another checkout had loaded it.
+    """
+    before = native.build_directory()
+    copies = []
+    for source in (*native_build.SOURCES, *native.INCLUDES):
+        copy = tmp_path / "csrc" / source.name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_bytes(source.read_bytes())
+        copies.append(copy)
+    monkeypatch.setattr(native_build, "SOURCES", tuple(copies[: len(native_build.SOURCES)]))
+    monkeypatch.setattr(native_build, "INCLUDES", tuple(copies[len(native_build.SOURCES) :]))
+    assert native.build_directory() != before and native.build_directory().parent == before.parent
+
+
 @pytest.mark.parametrize("level", _levels())
 def test_non_contiguous_inputs(level: str) -> None:
     n = 1024
