@@ -31,32 +31,17 @@ def aggregate_sliced(
     check_sums: bool,
 ) -> torch.Tensor:
     """The fused protocol pipelined per slice of rows (the process group; see ``aggregate``)."""
-    try:
-        return _aggregate_sliced(
-            session, values, round_number, record=record, before_contribution=before_contribution,
-            check_sums=check_sums,
-        )
-    except BaseException:
-        # a collective of this round may still be writing into a kept copy: never reuse one
-        _kept_copies().clear()
-        raise
-
-
-def _aggregate_sliced(
-    session: SessionState,
-    values: torch.Tensor,
-    round_number: int,
-    *,
-    record: Callable[[str, torch.Tensor], None] | None,
-    before_contribution: Callable[[], None] | None,
-    check_sums: bool,
-) -> torch.Tensor:
     engine = session.engine
     rows, world = values.size(0), session.channel.world_size
     per = -(-rows // world)
-    parts, flooded = _encrypt_slices(session, values, per, record=record, check_sums=check_sums)
-    ids = parts[0][1].prime_ids
-    sums = _sum_c1_slices(session, parts, round_number, ids, record=record, check_sums=check_sums)
+    try:
+        parts, flooded = _encrypt_slices(session, values, per, record=record, check_sums=check_sums)
+        ids = parts[0][1].prime_ids
+        sums = _sum_c1_slices(session, parts, round_number, ids, record=record, check_sums=check_sums)
+    except BaseException:
+        # a c1 sum of this round may still be in flight into a kept copy: never reuse one
+        _kept_copies().clear()
+        raise
     if before_contribution is not None:
         before_contribution()
     own, mine_index, mine = _reduce_contributions(session,
