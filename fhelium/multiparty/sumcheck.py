@@ -86,10 +86,11 @@ def project(
     (mul_mod and add_mod), which the native result matches bit for bit.
     """
     rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
-    if mod._native_elementwise(rows, weights, q):
+    operands = _native_operands(rows, weights, q)
+    if operands is not None:
         from fhelium import native
 
-        return native.project_rows(rows, weights.reshape(rows.size(0), rows.size(1)), q.reshape(-1))
+        return native.project_rows(*operands)
     total = torch.zeros(rows.shape[1:], dtype=torch.int64, device=rows.device)
     for row, weight in zip(rows, weights, strict=True):
         mod.add_mod_(total, mod.mul_mod(row, weight, q, q_inverse), q)
@@ -104,15 +105,24 @@ def project_checked(
     A sum is read once for both (``native.project_rows_checked``: one more compare per residue); the
     torch path takes the two passes, with the same results.
     """
-    rows = residues.reshape(-1, residues.size(-2), residues.size(-1))
-    if mod._native_elementwise(rows, weights, q):
+    operands = _native_operands(residues.reshape(-1, residues.size(-2), residues.size(-1)), weights, q)
+    if operands is not None:
         from fhelium import native
 
-        projection, in_range = native.project_rows_checked(
-            rows, weights.reshape(rows.size(0), rows.size(1)), q.reshape(-1)
-        )
+        projection, in_range = native.project_rows_checked(*operands)
         return projection, not in_range
     return project(residues, weights, q, q_inverse), residues.numel() > 0 and out_of_range(residues, q)
+
+
+def _native_operands(
+    rows: torch.Tensor, weights: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows ``[R, L, N]``, weights ``[R, L]``, q ``[L]``) for the native projection kernels, or None where
+    they do not serve (no extension, the torch level, another device).
+    """
+    if not mod._native_elementwise(rows, weights, q):
+        return None
+    return rows, weights.reshape(rows.size(0), rows.size(1)), q.reshape(-1)
 
 
 SUM_LABELS = {
@@ -206,7 +216,6 @@ def check_sums(
     own: Sequence[torch.Tensor],
     sums: Sequence[torch.Tensor],
     prime_ids: Sequence[int],
-    out_of_range_checked: Sequence[bool] | None = None,
 ) -> None:
     """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
 
@@ -216,8 +225,7 @@ def check_sums(
     rank's own residues. Every rank checks every fingerprint against its own (different sums for
     different ranks are named) and the sum of the projections against the projection of the sum. A
     sum out of range is refused before this rank's check record (the first thing it publishes that
-    depends on the sum) is sent. ``out_of_range_checked``: each sum's ``out_of_range`` when the
-    caller took it already (refused then before the challenge).
+    depends on the sum) is sent.
     """
     ids = tuple(prime_ids)
     m = engine._mod(ids)
@@ -230,20 +238,21 @@ def check_sums(
                 round_number,
                 f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
             )
-    if out_of_range_checked is not None:
-        _refuse_out_of_range(channel, session, what, round_number, out_of_range_checked)
     challenge = draw_challenge(channel, session, what, round_number)
     weights = [
         challenge_weights(challenge, part, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
         for part, s in enumerate(sums)
     ]
     projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
-    if out_of_range_checked is None:
-        checked = [project_checked(s, w, m.q, m.q_inverse) for s, w in zip(sums, weights, strict=True)]
-        _refuse_out_of_range(channel, session, what, round_number, [bad for _, bad in checked])
-        expected = [projection for projection, _ in checked]
-    else:
-        expected = [project(s, w, m.q, m.q_inverse) for s, w in zip(sums, weights, strict=True)]
+    expected = []
+    for part, (summed, w) in enumerate(zip(sums, weights, strict=True)):
+        projection, bad = project_checked(summed, w, m.q, m.q_inverse)
+        if bad:  # residues at or above their prime would be congruent to a checked value yet feed the
+            # modular kernels out of their range
+            raise refuse(
+                session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
+            )
+        expected.append(projection)
     fingerprints = [hashlib.sha256(p.contiguous().cpu().numpy().data).digest() for p in expected]
     record = b"".join(
         f + p.contiguous().cpu().numpy().tobytes() for f, p in zip(fingerprints, projections, strict=True)
@@ -284,18 +293,6 @@ def check_sums(
                 f"is not the sum of this round's {channel.world_size} inputs (slice {part}: the "
                 "random projections of every rank's own input do not add up to the projection of the "
                 "sum)",
-            )
-
-
-def _refuse_out_of_range(
-    channel: ShareChannel, session: str, what: str, round_number: int, bad: Sequence[bool]
-) -> None:
-    # residues at or above their prime would be congruent to a checked value yet feed the modular
-    # kernels out of their range
-    for part, out in enumerate(bad):
-        if out:
-            raise refuse(
-                session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
             )
 
 
