@@ -41,7 +41,7 @@ from flodld.controller.rankwatch import (
 from flodld.controller.relayadmission import RelayAdmission
 from flodld.controller.roundledger import RoundLedger
 from flodld.controller.walkins import WalkIns
-from flodld.fold import round_barrier
+from flodld.fold import fold_loaded, load_fold, round_barrier
 from flodld.fold.straggler import StragglerClock
 from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
@@ -191,6 +191,13 @@ class DataPlane:
     def live_hosts(self) -> set[str]:
         return {host for host, ranks in self.live_ranks.items() if ranks}
 
+    async def fold_ready(self) -> None:
+        """Load the fold (torch) in a worker thread if no fold ran in this process yet: this loop carries
+        every rank's heartbeat, and the import takes seconds on a loaded host (past a short liveness timeout).
+        """
+        if self._barrier is None and not fold_loaded():
+            await asyncio.to_thread(load_fold)
+
     def _ensure_barrier(self) -> RoundBarrier[str]:
         if self._barrier is None:
             # Two accumulators: a relay that has all of a round may start the next one while a send of
@@ -257,6 +264,7 @@ class DataPlane:
     async def _on_host_frame(self, message: HostFrame, relay: _Relay, frame: Frame) -> bool:
         """Fold one chunk of a host's partial fold; broadcast every chunk it completes. True on a refusal."""
         conn = relay.stream.conn
+        await self.fold_ready()
         try:
             owned = set(self.host_ranks[relay.host])
             if not set(message.contributors) <= owned:

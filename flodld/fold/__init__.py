@@ -3,7 +3,8 @@
 The reductions need torch, the liveness table does not: nothing here imports torch. Import the
 torch-backed names from their modules (`flodld.fold.base`, `.barrier`, `.chunks`, `.codec`); a process
 that folds only when a deposit arrives (the relay, the controller) builds its barrier through
-`round_barrier`, the one lazy, typed way in, which loads torch and sets the fold threads on first use;
+`round_barrier`, the one lazy, typed way in, which loads torch and sets the fold threads on first use
+(`load_fold` does that part ahead of time, in a worker thread of a shell whose loop must not stall);
 `register_fold` plugs a fold in (it loads torch too).
 """
 
@@ -25,14 +26,30 @@ def round_barrier(
     members: Iterable[Member], *, accumulators: int = 1, weights_may_drop: bool = False
 ) -> RoundBarrier[Member]:
     """A new `RoundBarrier` over `members`; the first call imports torch and applies `use_fold_threads`."""
-    global _threads_set
+    load_fold()
     from flodld.fold.barrier import RoundBarrier
-    from flodld.fold.base import use_fold_threads
 
+    return RoundBarrier(members, accumulators=accumulators, weights_may_drop=weights_may_drop)
+
+
+def fold_loaded() -> bool:
+    """Whether `load_fold` ran (torch and the barrier are imported, the fold threads set)."""
+    return _threads_set
+
+
+def load_fold() -> None:
+    """Import torch and the barrier, and apply `use_fold_threads`, once (a second caller racing the first
+    does it again, harmlessly). An event loop calls it in a worker thread before its first fold (the relay,
+    the controller's data plane): the import takes seconds on a loaded machine, and made on the loop it
+    would stall the ranks' heartbeats that loop forwards, past a short liveness timeout.
+    """
+    global _threads_set
     if not _threads_set:
+        from flodld.fold.barrier import RoundBarrier  # noqa: F401  the import is the point
+        from flodld.fold.base import use_fold_threads
+
         use_fold_threads()
         _threads_set = True
-    return RoundBarrier(members, accumulators=accumulators, weights_may_drop=weights_may_drop)
 
 
 def register_fold(name: str, factory: Callable[[str], Fold]) -> None:

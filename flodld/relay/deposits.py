@@ -2,17 +2,19 @@
 completed chunk goes: up to the controller as a HostFrame, sealed straight from the accumulator, or, on the
 world's only host (`sole_host`), finished here and delivered to the ranks. Completed chunks leave in the
 order the fold made them, whichever task made them (a deposit's handler, a leg closing, the straggler
-timer: `flodld.net.inorder`). Folding needs torch; the barrier loads with the first deposit, so a relay
-used only for liveness (gloo/nccl collectives) never imports it.
+timer: `flodld.net.inorder`). Folding needs torch; it loads, in a worker thread, with the first deposit or
+region offer, so a relay used only for liveness (gloo/nccl collectives) never imports it, and the import
+never stalls the loop that forwards the ranks' heartbeats.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Collection, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from flodld.fold import round_barrier
+from flodld.fold import fold_loaded, load_fold, round_barrier
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream
 from flodld.relay.delivery import Delivery, send_quietly
@@ -83,6 +85,14 @@ class DepositFold:
                 self.barrier.begin_at(self._entry.entry.round)
         return self.barrier
 
+    async def ready(self) -> RoundBarrier[int]:
+        """`ensure`, loading torch in a worker thread first if no fold ran in this process yet: the loop
+        that folds also forwards the ranks' heartbeats, and the import takes seconds on a loaded host.
+        """
+        if self.barrier is None and not fold_loaded():
+            await asyncio.to_thread(load_fold)
+        return self.ensure()
+
     def send(self, results: list[ChunkResult[int]]) -> Coroutine[Any, Any, None]:
         """A coroutine that ships `results`, in the fold's order: it takes its place now, before any await."""
         return self._outbox.send(results, self._ship)
@@ -93,7 +103,9 @@ class DepositFold:
         """Fold a chunk of `rank`'s deposit (its bytes and their release from `take`); ship every chunk it
         completes. Any decode or fold failure refuses this rank, never kills the relay: True, the leg stops.
         """
-        barrier = self.ensure()
+        barrier = await self.ready()
+        if rank in self._gone:  # it left while torch loaded: nothing of it is folded
+            return True
         if self.failed_round is not None:
             await send_quietly(stream, DataPlaneError(reason=self.failed_round))
             return True

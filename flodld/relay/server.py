@@ -267,7 +267,7 @@ class Relay:
         self.shm.keep(leg.rank, region)
         # The region's size is the rounds' to come: fault in their accumulator now, not chunk by chunk.
         if region.populated:  # the rank made its pages: its rounds are that big
-            self.deposits.ensure().prepare(region.capacity)
+            (await self.deposits.ready()).prepare(region.capacity)
         await leg.stream.send(ShmAccepted(size=message.size))
 
     async def _unexpected_on_data_leg(self, message: Message, leg: _Leg) -> bool:

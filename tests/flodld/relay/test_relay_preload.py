@@ -1,0 +1,78 @@
+"""The fold loads torch off the event loop (the relay's and the controller's data plane).
+
+The import takes seconds on a loaded host. Made at the first deposit (as it was), it ran on the loop that
+also forwards the ranks' heartbeats and the coordinator's: with a short liveness timeout every rank of a
+run was declared dead in round 0 (bench/chaos.py `--liveness-timeout 2`; asyncio's debug mode showed each
+relay's leg task holding its loop for ~3 s). Now the first fold of a process loads torch in a worker
+thread while the loop keeps turning.
+
+Each check runs in a fresh interpreter (torch not yet imported), with a task ticking every 5 ms beside the
+first fold's preparation: the loop must have turned while torch loaded (it never did when the import ran
+on it), and the fold must be ready after.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+_PROBE = textwrap.dedent(
+    """
+    import asyncio, socket, sys
+
+    import flodld.fold
+
+    async def ticking(prepare):
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        assert "torch" not in sys.modules, "torch was loaded before the fold's first preparation"
+        await prepare()
+        ticker.cancel()
+        print(f"ticks={ticks} loaded={flodld.fold.fold_loaded()} torch={'torch' in sys.modules}")
+
+    async def relay():
+        from flodld.relay.server import Relay
+        from flodld.relay.spec import RelayRoleSpec
+
+        door = socket.create_server(("127.0.0.1", 0))
+        spec = RelayRoleSpec(host="h", controller_host="127.0.0.1", controller_port=9, salt_hex="00" * 16,
+                             host_key_hex="11" * 16, ranks=[0, 1], listen_fd=door.detach())
+        fold = Relay(spec).deposits
+        await ticking(fold.ready)
+        assert fold.barrier is not None and fold.barrier.round == 0
+
+    async def controller():
+        from flodld.controller.dataplane import DataPlane
+
+        plane = DataPlane(bytes(16), {"a": [0], "b": [1]}, host_key={"a": bytes(16), "b": bytes(16)}.get,
+                          liveness_timeout=60.0, on_rank_dead=lambda rank, why: None)
+        await ticking(plane.fold_ready)
+
+    asyncio.run({"relay": relay, "controller": controller}[sys.argv[1]]())
+    """
+)
+
+
+@pytest.mark.parametrize("shell", ["relay", "controller"])
+def test_the_first_fold_loads_torch_while_the_loop_keeps_turning(shell: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, shell], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    fields = dict(field.split("=") for field in done.stdout.split())
+    assert fields["loaded"] == "True" and fields["torch"] == "True", done.stdout
+    # The import takes well over 15 ms anywhere; on the loop (before), the ticker never ran during it.
+    assert int(fields["ticks"]) >= 3, f"the loop stood still while torch loaded: {done.stdout}"
