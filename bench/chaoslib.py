@@ -222,6 +222,15 @@ def match_losses(faults: list[Fault], losses: list[dict[str, Any]], started_at: 
         fault.detected = min(times) if times else None
 
 
+def false_alarms(faults: list[Fault], losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The losses declared by heartbeat silence of ranks no fault touched: what a liveness timeout too short
+    for the machine costs (each one a healthy rank folded out, and its host back through its persist loop).
+    """
+    faulted = {rank for fault in faults for rank in fault.ranks}
+    silent = [loss for loss in losses if "no heartbeat" in str(loss.get("cause"))]
+    return [loss for loss in silent if loss["rank"] not in faulted]
+
+
 def match_joins(
     faults: list[Fault], joins: list[dict[str, Any]], started_at: float, round_times: dict[int, float]
 ) -> None:

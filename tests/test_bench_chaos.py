@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chaoslib import Fault, RankLog, match_joins, match_losses, read_logs, run_figures
+from chaoslib import Fault, RankLog, false_alarms, match_joins, match_losses, read_logs, run_figures
 
 
 def _log(rank: int, host: str, rounds: list[tuple[int, float, str]], samples: int = 64) -> RankLog:
@@ -49,6 +49,18 @@ def test_detection_is_the_first_loss_of_a_faulted_rank_and_rejoin_the_hosts_firs
     match_losses([missing], losses, started)
     match_joins([missing], joins, started, {})
     assert missing.detected is None and missing.rejoined is None
+
+
+def test_a_false_alarm_is_a_silence_loss_of_a_rank_no_fault_touched() -> None:
+    stop = Fault("rank SIGSTOP", "h2", [4], at=1040.0)
+    silent = "rank {} on 'h2' sent no heartbeat for 1.5s (round 9 in progress)"
+    losses = [
+        {"rank": 4, "host": "h2", "cause": silent.format(4), "at_secs": 41.5},  # the fault's: detected
+        {"rank": 5, "host": "h2", "cause": "lost with its host: host closed its join link", "at_secs": 60.0},
+        {"rank": 6, "host": "h3", "cause": silent.format(6), "at_secs": 70.0},  # nothing stopped it
+    ]
+    assert [loss["rank"] for loss in false_alarms([stop], losses)] == [6]
+    assert false_alarms([stop], losses[:2]) == []
 
 
 def test_logs_are_read_per_rank_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
