@@ -76,18 +76,13 @@ def broadcast_value(
     source_error: str | None = None,
 ) -> V:
     """Source returns its own object; every other rank returns a fresh copy on its local device."""
-    error = root_error(info, "src", src)
-    is_source = error is None and info.global_rank == src
-    descriptor: dict[str, Any] | None = None
-    if error is None:
-        if is_source:
-            error = source_error or type_error(value_or_none, accepts, f"source rank {src}")
-            if error is None:
-                descriptor, error = describe_or_error(value_or_none)
-        elif value_or_none is not None:
-            error = f"non-source rank {info.global_rank} must supply None; got {type(value_or_none).__name__}"
-    exchange = exchange_control(
-        info, operation, arguments={"src": _plain(src)}, error=error, body=rank_body(descriptor)
+
+    def describe_source() -> tuple[dict[str, Any] | None, str | None]:
+        error = source_error or type_error(value_or_none, accepts, f"source rank {src}")
+        return (None, error) if error is not None else describe_or_error(value_or_none)
+
+    exchange, is_source = _exchange_from_source(
+        value_or_none, describe_source, src=src, info=info, operation=operation
     )
     if info.size == 1:
         return cast(V, value_or_none)  # the only rank is the source, checked above
@@ -108,6 +103,36 @@ def broadcast_value(
     for transfer in transfers:
         transfer.run(src_global=src, info=info, operation=operation)
     return cast(V, result)
+
+
+def _exchange_from_source(
+    given: object,
+    describe_source: Callable[[], tuple[dict[str, Any] | list[dict[str, Any]] | None, str | None]],
+    *,
+    src: int,
+    info: GroupInfo,
+    operation: str,
+    refusal: str | None = None,
+) -> tuple[ControlExchange, bool]:
+    """The control exchange of a collective rooted at ``src``, and whether this rank is the source.
+
+    The root argument is checked, then ``refusal`` (a caller's own validation, on any rank); the source
+    describes its payload (``describe_source`` returns the body for the exchange or an error); every other
+    rank must have given None.
+    """
+    error = root_error(info, "src", src)
+    is_source = error is None and info.global_rank == src
+    error = error or refusal
+    body: dict[str, Any] | list[dict[str, Any]] | None = None
+    if error is None:
+        if is_source:
+            body, error = describe_source()
+        elif given is not None:
+            error = f"non-source rank {info.global_rank} must supply None; got {type(given).__name__}"
+    exchange = exchange_control(
+        info, operation, arguments={"src": _plain(src)}, error=error, body=rank_body(body)
+    )
+    return exchange, is_source
 
 
 def _plain(argument: object) -> object:
@@ -131,28 +156,23 @@ def scatter_values(
 
     ``source_error`` lets a caller that prepared ``values`` report its own validation failure.
     """
-    error = root_error(info, "src", src) or source_error
-    is_source = root_error(info, "src", src) is None and info.global_rank == src
-    descriptors: list[dict[str, Any]] | None = None
-    if error is None:
-        if is_source:
-            error = _scatter_source_error(values_or_none, accepts, info)
-            if error is None:
-                assert values_or_none is not None
-                descriptors = []
-                for position, item in enumerate(values_or_none):
-                    encoded, error = describe_or_error(item)
-                    if error is not None:
-                        error = f"values[{position}]: {error}"
-                        break
-                    assert encoded is not None
-                    descriptors.append(encoded)
-        elif values_or_none is not None:
-            error = (
-                f"non-source rank {info.global_rank} must supply None; got {type(values_or_none).__name__}"
-            )
-    exchange = exchange_control(
-        info, operation, arguments={"src": _plain(src)}, error=error, body=rank_body(descriptors)
+
+    def describe_source() -> tuple[list[dict[str, Any]] | None, str | None]:
+        error = _scatter_source_error(values_or_none, accepts, info)
+        if error is not None:
+            return None, error
+        assert values_or_none is not None
+        descriptors = []
+        for position, item in enumerate(values_or_none):
+            encoded, error = describe_or_error(item)
+            if error is not None:
+                return None, f"values[{position}]: {error}"
+            assert encoded is not None
+            descriptors.append(encoded)
+        return descriptors, None
+
+    exchange, is_source = _exchange_from_source(
+        values_or_none, describe_source, src=src, info=info, operation=operation, refusal=source_error
     )
     root = info.group_rank_of(src)
     assert root is not None and (not is_source or values_or_none is not None)

@@ -37,6 +37,51 @@ BATCH_BLOCK_RESIDUES = 1 << 17
 NATIVE_BATCH_BLOCK_RESIDUES = 1 << 21
 
 
+# What two operands of one operation must share, in the order checked: (attribute, its error, its name in
+# the message). A plaintext operand carries no modulus basis of its own: it is encoded over the Q primes.
+_Agreement = tuple[tuple[str, type[FheliumValueError], str], ...]
+_PLAINTEXT_AGREEMENT: _Agreement = (
+    ("depth", DepthMismatchError, "depths"),
+    ("prime_ids", PrimeMismatchError, "primes"),
+    ("polynomial_domain", ValueStateError, "polynomial_domain"),
+)
+_PAIR_AGREEMENT: _Agreement = (*_PLAINTEXT_AGREEMENT, ("modulus_basis", ValueStateError, "modulus_basis"))
+
+
+def _check_operands_agree(
+    operation: str,
+    lhs: tuple[str, object],
+    rhs: tuple[str, object],
+    agreement: _Agreement,
+) -> None:
+    """Raise the first disagreement of ``agreement``'s attributes between two named operands."""
+    (lhs_name, lhs_value), (rhs_name, rhs_value) = lhs, rhs
+    for field, error, noun in agreement:
+        left, right = getattr(lhs_value, field), getattr(rhs_value, field)
+        if left != right:
+            raise error(
+                f"{operation} requires equal {noun}: {lhs_name}.{field}={_shown(left)!r}, "
+                f"{rhs_name}.{field}={_shown(right)!r}"
+            )
+
+
+def _check_equal_scales(
+    operation: str, lhs: tuple[str, Ciphertext], rhs: tuple[str, Ciphertext | Plaintext]
+) -> None:
+    """Refuse two operands whose scales differ at all (CKKS adds only values at one scale)."""
+    (lhs_name, lhs_value), (rhs_name, rhs_value) = lhs, rhs
+    if lhs_value.scale != rhs_value.scale:
+        raise ScaleMismatchError(
+            f"{operation} requires exactly equal scales: {lhs_name}.scale={lhs_value.scale!r}, "
+            f"{rhs_name}.scale={rhs_value.scale!r}, ratio={lhs_value.scale / rhs_value.scale!r}"
+        )
+
+
+def _shown(value: object) -> object:
+    """Prime ids print as a list, as elsewhere in the messages."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 @dataclass(frozen=True)
 class _Moduli:
     q: torch.Tensor  # [rows, 1] int64
@@ -148,31 +193,14 @@ class EngineBase:
     ) -> None:
         self._check_ciphertext(lhs, "lhs")
         self._check_ciphertext(rhs, "rhs")
-        if lhs.depth != rhs.depth:
-            raise DepthMismatchError(
-                f"{operation} requires equal depths: lhs.depth={lhs.depth}, rhs.depth={rhs.depth}"
-            )
-        if lhs.prime_ids != rhs.prime_ids:
-            raise PrimeMismatchError(
-                f"{operation} requires the same primes: lhs.prime_ids={list(lhs.prime_ids)}, "
-                f"rhs.prime_ids={list(rhs.prime_ids)}"
-            )
-        for field in ("polynomial_domain", "modulus_basis"):
-            if getattr(lhs, field) != getattr(rhs, field):
-                raise ValueStateError(
-                    f"{operation} requires equal {field}: lhs={getattr(lhs, field)!r}, "
-                    f"rhs={getattr(rhs, field)!r}"
-                )
+        _check_operands_agree(operation, ("lhs", lhs), ("rhs", rhs), _PAIR_AGREEMENT)
         if components and lhs.component_count != rhs.component_count:
             raise ValueStateError(
                 f"{operation} requires equal component counts: lhs={lhs.component_count}, "
                 f"rhs={rhs.component_count}"
             )
-        if same_scale and lhs.scale != rhs.scale:
-            raise ScaleMismatchError(
-                f"{operation} requires exactly equal scales: lhs.scale={lhs.scale!r}, "
-                f"rhs.scale={rhs.scale!r}, ratio={lhs.scale / rhs.scale!r}"
-            )
+        if same_scale:
+            _check_equal_scales(operation, ("lhs", lhs), ("rhs", rhs))
         if components and lhs.data.shape != rhs.data.shape:
             raise ShapeMismatchError(
                 f"{operation} requires equal shapes: lhs={tuple(lhs.data.shape)}, rhs={tuple(rhs.data.shape)}"
@@ -184,27 +212,11 @@ class EngineBase:
                 f"{operation} needs an rns Plaintext from CkksEngine.encode; got "
                 f"{type(pt).__name__}{'' if not isinstance(pt, Plaintext) else ' ' + repr(pt.representation)}"
             )
-        if pt.depth != ct.depth:
-            raise DepthMismatchError(
-                f"{operation}: ciphertext depth {ct.depth} != plaintext depth {pt.depth}"
-            )
-        if pt.prime_ids != ct.prime_ids:
-            raise PrimeMismatchError(
-                f"{operation}: ciphertext prime_ids {list(ct.prime_ids)} != plaintext prime_ids "
-                f"{list(pt.prime_ids)}"
-            )
-        if pt.polynomial_domain != ct.polynomial_domain:
-            raise ValueStateError(
-                f"{operation}: ciphertext domain {ct.polynomial_domain!r} != plaintext domain "
-                f"{pt.polynomial_domain!r}"
-            )
+        _check_operands_agree(operation, ("ciphertext", ct), ("plaintext", pt), _PLAINTEXT_AGREEMENT)
         if pt.residue_representation != "standard":
             raise ValueStateError(f"{operation}: plaintext must use standard residues")
-        if same_scale and pt.scale != ct.scale:
-            raise ScaleMismatchError(
-                f"{operation} requires exactly equal scales: ciphertext.scale={ct.scale!r}, "
-                f"plaintext.scale={pt.scale!r}, ratio={ct.scale / pt.scale!r}"
-            )
+        if same_scale:
+            _check_equal_scales(operation, ("ciphertext", ct), ("plaintext", pt))
         return pt
 
     # ------------------------------------------------------------------ small helpers

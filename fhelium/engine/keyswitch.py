@@ -41,6 +41,22 @@ def _compiled_inner_product() -> Callable[..., torch.Tensor]:
     return compile_kernel(mod.digit_inner_product)
 
 
+def _native_key_switch(
+    engine: EngineOperations, operand: torch.Tensor, ids: tuple[int, ...], key: KeySwitchKey, *, lifted: bool
+) -> torch.Tensor:
+    """The native key switch of ``operand`` over ``ids``: an NTT polynomial, or (``lifted``) its digits."""
+    qp_ids = (*ids, engine.special_prime_id)
+    return _native.key_switch(
+        operand,
+        key.data,
+        _index_tensor(ids),
+        _index_tensor(qp_ids),
+        *engine.ntt._native_tables(qp_ids),
+        engine.ntt.native_level,
+        lifted=lifted,
+    )
+
+
 def check_switch_key(engine: EngineOperations, key: KeySwitchKey) -> None:
     if key.prime_ids != tuple(range(len(engine.moduli))) or key.digit_count != engine.q_count:
         raise ParameterMismatchError(
@@ -70,14 +86,7 @@ def inner_product(
     engine._check_switch_key(key)
     qp_ids = (*ids, engine.special_prime_id)
     if engine.ntt.native_level != "torch":
-        return _native.key_switch_lifted(
-            lifted,
-            key.data,
-            _index_tensor(ids),
-            _index_tensor(qp_ids),
-            *engine.ntt._native_tables(qp_ids),
-            engine.ntt.native_level,
-        )
+        return _native_key_switch(engine, lifted, ids, key, lifted=True)
     qp_mod = engine._mod(qp_ids)
     key_rows = key.data[list(ids)][:, :, list(qp_ids)]  # [L, 2, L+1, N]
     key_rows = key_rows.view(len(ids), 2, 1, len(qp_ids), engine.ring_degree)
@@ -97,15 +106,7 @@ def key_switch(
     """
     engine._check_switch_key(key)
     if engine.ntt.native_level != "torch":  # the whole pipeline in one native call
-        qp_ids = (*ids, engine.special_prime_id)
-        return _native.key_switch(
-            poly_ntt,
-            key.data,
-            _index_tensor(ids),
-            _index_tensor(qp_ids),
-            *engine.ntt._native_tables(qp_ids),
-            engine.ntt.native_level,
-        )
+        return _native_key_switch(engine, poly_ntt, ids, key, lifted=False)
     batch_shape = poly_ntt.shape[:-2]
     flat = poly_ntt.reshape(-1, *poly_ntt.shape[-2:])
     per_group = max(1, KEY_SWITCH_BLOCK_RESIDUES // (len(ids) * engine.ring_degree))

@@ -171,29 +171,16 @@ def key_switch(
     moduli: torch.Tensor,
     tables: torch.Tensor,
     level: str,
+    *,
+    lifted: bool = False,
 ) -> torch.Tensor:
     """Hybrid key switching in one call: NTT ``x [..., L, N]`` over ``moduli[:L]`` (``moduli`` = the L Q
     primes, then P) → ``[2, ..., L, N]`` = ModDown(Σ_j NTT(lift(digit_j))·key[key_digits[j], :, key_rows]).
+    ``lifted``: ``x`` is already decomposed digits ``[L, ..., L+1, N]`` (see ``decompose``; the
+    ``key_switch_lifted`` op).
     """
-    result: torch.Tensor = torch.ops.fhelium.key_switch(
-        x, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level]
-    )
-    return result
-
-
-def key_switch_lifted(
-    lifted: torch.Tensor,
-    key: torch.Tensor,
-    key_digits: torch.Tensor,
-    key_rows: torch.Tensor,
-    moduli: torch.Tensor,
-    tables: torch.Tensor,
-    level: str,
-) -> torch.Tensor:
-    """``key_switch`` from already decomposed digits ``[L, ..., L+1, N]`` (see ``decompose``)."""
-    result: torch.Tensor = torch.ops.fhelium.key_switch_lifted(
-        lifted, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level]
-    )
+    op = torch.ops.fhelium.key_switch_lifted if lifted else torch.ops.fhelium.key_switch
+    result: torch.Tensor = op(x, key, key_digits, key_rows, moduli, tables, LEVEL_CODES[level])
     return result
 
 
