@@ -18,6 +18,7 @@ this process exits (code 1) rather than hang forever inside a collective.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -471,6 +472,11 @@ def connect_relay(env: RankEnvironment) -> RelayClient:
     with _client_lock:
         if _client is None:
             _client = RelayClient(env)
+            # The legs close when the program is done, not when the process ends: the heartbeat thread stops
+            # as interpreter finalization begins, and tearing torch down can take longer than a short
+            # liveness timeout, which would declare a rank that finished dead. A closed leg is a clean leave.
+            # (atexit runs last what registers first: a launcher's handlers registered later run before.)
+            atexit.register(_client.close)
         return _client
 
 

@@ -6,7 +6,8 @@ every mean over any set of members is exact up to one correctly rounded division
 it. Each rank prints one line per round: the members of that round, the membership epoch, its index, the
 mean, and the mean's SHA-256. ELASTIC_STALL_RANK stops before depositing round ELASTIC_STALL_ROUND (in
 `stall_here`, which a stack dump names), so a test can kill or stop it while the others wait in that
-round (with ELASTIC_CRASH set, it SIGKILLs itself there instead). ELASTIC_LATE_RANK sleeps
+round (with ELASTIC_CRASH set, it SIGKILLs itself there instead). With ELASTIC_SLOW_EXIT_SECS every rank's
+interpreter takes that long to finalize after its last round. ELASTIC_LATE_RANK sleeps
 ELASTIC_LATE_SECS before depositing round ELASTIC_LATE_ROUND and goes on (a straggler, not a loss); with
 ELASTIC_SCALE=4 rank k's bundle is `arange(4) + 1000 * 4**k + r`, so the mean tells which ranks it holds.
 
@@ -81,7 +82,25 @@ def main() -> int:
     if averager is not None:
         (final,) = averager.finish([bundle])
         print(f"elastic-final {json.dumps({'rank': rank, 'value': final.tolist()})}", flush=True)
+    if os.environ.get("ELASTIC_SLOW_EXIT_SECS"):  # a finalization as slow as torch's on a loaded machine
+        global _slow_exit
+        _slow_exit = SlowExit(float(os.environ["ELASTIC_SLOW_EXIT_SECS"]))
     return 0
+
+
+class SlowExit:
+    """Sleeps in its finalizer: run when the interpreter clears this module, after the atexit handlers,
+    once daemon threads (the rank's heartbeats) no longer run.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __del__(self) -> None:
+        time.sleep(self.seconds)
+
+
+_slow_exit: SlowExit | None = None
 
 
 if __name__ == "__main__":
