@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.ranks import finish_all
+from tests.rank_zygote import Zygote
 
 WORKER = Path(__file__).with_name("_ir_rank_worker.py")
+REPO = Path(__file__).resolve().parents[3]
 MODULI = (1_000_003, 998_244_353, 754_974_721)
+# what _ir_rank_worker.py imports, loaded once in the zygote its ranks are forked from (tests/rank_zygote.py)
+PRELOAD = ["torch.distributed", "fhelium.distributed", "fhelium.backend", "fhelium.compile", "fhelium.ir"]
 
 
 def _fake_ciphertext_data(seed: int) -> torch.Tensor:
@@ -23,29 +25,41 @@ def _fake_ciphertext_data(seed: int) -> torch.Tensor:
     return torch.cat([torch.randint(0, q, (2, 1, 16), generator=generator) for q in MODULI], dim=1)
 
 
-def spawn_world(world: int, tmp_path: Path) -> list[dict[str, Any]]:
+def spawn_world(zygote: Zygote, world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    """Each rank's results: WORLD ranks of _ir_rank_worker.py forked from ZYGOTE, every one exited 0."""
     init_file = tmp_path / "rendezvous"
     outputs = [tmp_path / f"rank-{rank}.json" for rank in range(world)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    argv = [str(world), str(init_file)]
     processes = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(world), str(init_file), str(outputs[rank])],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(world)
+        zygote.spawn(WORKER, [str(rank), *argv, str(out)], env, tmp_path / f"rank-{rank}.log")
+        for rank, out in enumerate(outputs)
     ]
-    finish_all(processes, timeout=90)
+    try:
+        codes = [process.wait(timeout=90) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for rank, (code, process) in enumerate(zip(codes, processes, strict=True)):
+        assert code == 0, f"rank {rank} failed:\n{process.output}"
     return [json.loads(path.read_text()) for path in outputs]
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    forker = Zygote(PRELOAD, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        yield forker
+    finally:
+        forker.close()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda p: f"world{p}")
 def world(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, zygote: Zygote, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[int, list[dict[str, Any]]]:
     size = int(request.param)
-    return size, spawn_world(size, tmp_path_factory.mktemp(f"world{size}"))
+    return size, spawn_world(zygote, size, tmp_path_factory.mktemp(f"world{size}"))
 
 
 pytestmark = pytest.mark.multiproc

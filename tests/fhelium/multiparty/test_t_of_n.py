@@ -39,12 +39,18 @@ PRELOAD = [
     "fhelium.native.build:load",
 ]  # fmt: skip
 WorldRunner = Callable[..., list[dict[str, Any]]]
+# Every scenario with a SIGKILLed rank waits this long for it in one gather (the survivors cannot tell a dead
+# rank from a slow one sooner). Each rank is forked from the zygote with everything imported and passes
+# gloo's init barrier before its first gather, so a live rank is late by its compute between two gathers
+# (well under a second on a loaded 2-core box), never by an import: 3 s (it was 6 s when each rank imported
+# torch itself, before the zygote).
+SHARE_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def run_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorldRunner]:
-    """`run_world(world, scenario, threshold, timeout_s=6.0, env=None)`: each rank's JSON result, its ranks
-    forked from one zygote.
+    """`run_world(world, scenario, threshold, timeout_s=SHARE_TIMEOUT_S, env=None)`: each rank's JSON
+    result, its ranks forked from one zygote.
     """
     zygote = Zygote(PRELOAD, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     try:
@@ -59,7 +65,7 @@ def _run_world(
     world: int,
     scenario: str,
     threshold: int,
-    timeout_s: float = 6.0,
+    timeout_s: float = SHARE_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     port = _free_port()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fhelium import native
-from fhelium.core import Ciphertext, FheliumValueError
+from fhelium.core import Ciphertext, FheliumValueError, RelinearizationKey
 from fhelium.engine import CkksEngine, CkksParameters, KeySet
 from fhelium.engine.primes import primitive_root_of_unity
 
@@ -95,27 +95,52 @@ def _residues(engine: CkksEngine, ids: tuple[int, ...], batch: tuple[int, ...], 
     return torch.cat(rows, dim=-2)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_key_switching_and_mod_down_are_bit_identical(
-    engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    reference, engine = engines
-    with _torch_path(monkeypatch):
-        secret = reference.generate_secret_key()
-        key = reference.generate_relinearization_key(secret)
+class _KeySwitchStep(NamedTuple):
+    ids: tuple[int, ...]
+    batch: tuple[int, ...]
+    poly: torch.Tensor
+    values: torch.Tensor  # over the Q limbs of `ids` and P
+    switched: torch.Tensor  # the torch reference's _key_switch, _decompose, _inner_product and _mod_down
+    lifted: torch.Tensor
+    inner: torch.Tensor
+    down: torch.Tensor
+
+
+@functools.cache
+def _torch_key_switching(case: str) -> tuple[RelinearizationKey, list[_KeySwitchStep]]:
+    """The torch reference's relinearization key and, at depths 0, 1 and the last, its inputs and results
+    over CASES[CASE] (seed 5, as `engines` seeds it): the same at every level, so made once per case. Call
+    it on the torch path.
+    """
+    reference = CkksEngine(CASES[case], rng_seed=5)
+    assert reference.ntt.native_level == "torch"
+    secret = reference.generate_secret_key()
+    key = reference.generate_relinearization_key(secret)
+    steps = []
     depths = sorted({0, 1, reference.parameters.max_depth})
     for depth, batch in zip(depths, [(2,), (), (2, 2)], strict=False):
         ids = reference.q_ids_at(depth)
         qp_ids = (*ids, reference.special_prime_id)
         poly = _residues(reference, ids, batch, seed=depth + 1)
         values = _residues(reference, qp_ids, (2, *batch), seed=depth + 11)
-        with _torch_path(monkeypatch):
-            expected_switch = reference._key_switch(poly, ids, key)
-            expected_lifted = reference._decompose(poly, ids)
-            expected_inner = reference._inner_product(expected_lifted, ids, key)
-            expected_down = reference._mod_down(values, ids)
+        switched = reference._key_switch(poly, ids, key)
+        lifted = reference._decompose(poly, ids)
+        inner = reference._inner_product(lifted, ids, key)
+        down = reference._mod_down(values, ids)
+        steps.append(_KeySwitchStep(ids, batch, poly, values, switched, lifted, inner, down))
+    return key, steps
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_key_switching_and_mod_down_are_bit_identical(
+    case: str, engines: tuple[CkksEngine, CkksEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, engine = engines
+    with _torch_path(monkeypatch):
+        key, steps = _torch_key_switching(case)
+    for ids, batch, poly, values, expected_switch, expected_lifted, expected_inner, expected_down in steps:
         switched = engine._key_switch(poly, ids, key)
-        assert switched.shape == (2, *batch, len(ids), reference.ring_degree)
+        assert switched.shape == (2, *batch, len(ids), engine.ring_degree)
         assert torch.equal(switched, expected_switch)
         lifted = engine._decompose(poly, ids)
         assert torch.equal(lifted, expected_lifted)
