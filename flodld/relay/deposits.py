@@ -72,6 +72,7 @@ class DepositFold:
         self.refused = 0  # deposits refused, and rounds the sole host could not finish
         self.upstream: FramedStream | None = None
         self._outbox = InOrder()
+        self._loading: asyncio.Future[None] | None = None  # the fold's import in a worker thread
         # cpu_cadence/cpu_async with a straggler_timeout: when a round stops waiting for its late ranks.
         self.stragglers = StragglerWatch(straggler_timeout, ship=self.send, failed=failed)
 
@@ -85,12 +86,26 @@ class DepositFold:
                 self.barrier.begin_at(self._entry.entry.round)
         return self.barrier
 
-    async def ready(self) -> RoundBarrier[int]:
-        """`ensure`, loading torch in a worker thread first if no fold ran in this process yet: the loop
+    def preload(self) -> None:
+        """Start loading the fold (torch) now, in a worker thread: a walk-in's relay, whose host must fold
+        the moment it enters, or the round it entered waits for the import (seconds on a loaded host).
+        """
+        if self._loading is None and not fold_loaded():
+            self._loading = asyncio.ensure_future(asyncio.to_thread(load_fold))
+
+    async def loaded(self) -> None:
+        """Once the fold is loaded (in a worker thread, started now if `preload` did not start it): the loop
         that folds also forwards the ranks' heartbeats, and the import takes seconds on a loaded host.
         """
-        if self.barrier is None and not fold_loaded():
-            await asyncio.to_thread(load_fold)
+        if not fold_loaded():
+            self.preload()
+            assert self._loading is not None
+            await asyncio.shield(self._loading)
+
+    async def ready(self) -> RoundBarrier[int]:
+        """`ensure`, the fold loaded first (`loaded`)."""
+        if self.barrier is None:
+            await self.loaded()
         return self.ensure()
 
     def send(self, results: list[ChunkResult[int]]) -> Coroutine[Any, Any, None]:

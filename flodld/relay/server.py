@@ -117,6 +117,8 @@ class Relay:
 
     async def run(self) -> int:
         """Dial both upstreams, serve the ranks, return the process exit code."""
+        if self.entry.walk_in:  # it folds from the round it enters: load torch while its ranks start
+            self.deposits.preload()
         for channel in (Channel.DATA, Channel.CONTROL):
             self.upstream[channel] = await self._dial(channel)
         listener = socket.socket(fileno=self.spec.listen_fd)
@@ -192,7 +194,10 @@ class Relay:
         try:
             await stream.send(HelloAck())
             if channel is Channel.DATA and self.entry.walk_in and self.entry.entry is None:
-                # The controller lets a walk-in in once every rank of it is here to take the state.
+                # The controller lets a walk-in in once every rank of it is here to take the state, and
+                # the relay says a rank is here only once it can fold: the round the host enters must not
+                # wait for torch to load.
+                await self.deposits.loaded()
                 try:
                     await self.upstream[Channel.DATA].send(RankConnected(rank=rank))
                 except (OSError, WireError) as error:

@@ -8,7 +8,8 @@ thread while the loop keeps turning.
 
 Each check runs in a fresh interpreter (torch not yet imported), with a task ticking every 5 ms beside the
 first fold's preparation: the loop must have turned while torch loaded (it never did when the import ran
-on it), and the fold must be ready after.
+on it), and the fold must be ready after. A walk-in's relay starts loading as it starts (its host must
+fold from the round it enters, so it reports its ranks connected only once loaded).
 """
 
 from __future__ import annotations
@@ -61,12 +62,34 @@ _PROBE = textwrap.dedent(
                           liveness_timeout=60.0, on_rank_dead=lambda rank, why: None)
         await ticking(plane.fold_ready)
 
-    asyncio.run({"relay": relay, "controller": controller}[sys.argv[1]]())
+    async def walk_in():
+        # A walk-in's relay loads the fold as it starts, before its ranks connect or deposit: here it keeps
+        # dialing a controller that is not there, and the fold loads meanwhile.
+        from flodld.relay.server import Relay
+        from flodld.relay.spec import RelayRoleSpec
+
+        door = socket.create_server(("127.0.0.1", 0))
+        spec = RelayRoleSpec(host="h", controller_host="127.0.0.1", controller_port=9, salt_hex="00" * 16,
+                             host_key_hex="11" * 16, ranks=[0, 1], listen_fd=door.detach(), walk_in=True)
+        relay = Relay(spec)
+        running = asyncio.create_task(relay.run())
+        await ticking(lambda: until(flodld.fold.fold_loaded))
+        assert not running.done() and relay.deposits.barrier is None  # still dialing; nothing folded
+        running.cancel()
+
+    async def until(check):
+        for _ in range(6000):
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the walk-in's relay did not load its fold within 60 s")
+
+    asyncio.run({"relay": relay, "controller": controller, "walk-in": walk_in}[sys.argv[1]]())
     """
 )
 
 
-@pytest.mark.parametrize("shell", ["relay", "controller"])
+@pytest.mark.parametrize("shell", ["relay", "controller", "walk-in"])
 def test_the_first_fold_loads_torch_while_the_loop_keeps_turning(shell: str) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, shell], capture_output=True, text=True, timeout=120, check=False
