@@ -46,6 +46,9 @@ from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
 WORD_WAIT_SECS = 10.0
+# How long the agent waits, its end of the join link closed, for the controller to close its own (it has
+# then read every report): a controller that has gone away costs at most this at the host's exit.
+LINGER_SECS = 5.0
 """How long a host that tore itself down waits for the controller's Reform or Abort before it closes its link
 (only where a restart may follow: `flodld.agent.supervision.AwaitWord`)."""
 
@@ -442,13 +445,30 @@ class AgentShell:
                 with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
                     await joined.stream.send(Stopped())
             case sv.CloseLink():
-                await joined.stream.aclose()
+                await self._close_link(joined)
             case sv.Finish(exit_code, summary):
                 say(summary)
                 return exit_code
             case _:
                 assert_never(action)
         return None
+
+    async def _close_link(self, joined: Joined) -> None:
+        """Half-close the join link, then wait (at most LINGER_SECS) for the controller to close its end,
+        which it does once it has read everything before our end of stream: this host's last rank exits
+        included. Over `fdl join --ssh` the forward is torn down as soon as this agent exits; closing at
+        once let the ssh client die with those reports still in it (the run then failed: "host closed its
+        join link with rank(s) [0, 1] unreported").
+        """
+        writer = joined.stream.writer
+        with contextlib.suppress(OSError, RuntimeError):
+            if writer.can_write_eof() and not writer.is_closing():
+                writer.write_eof()
+                reader = self.reader
+                if reader is not None and not reader.done():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(reader), LINGER_SECS)
+        await joined.stream.aclose()
 
     def _dump_stack(self, rank: int) -> None:
         """The stack-dump signal to the rank's own process (its faulthandler writes to its stderr, which the
