@@ -46,11 +46,11 @@ from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
 STACK_GRACE_SECS = 1.0
 """How long a rank declared dead has to dump its stack (STACK_DUMP_SIGNAL, then CONT) before its KILL."""
 WORD_WAIT_SECS = 10.0
-# How long the agent waits, its end of the join link closed, for the controller to close its own (it has
-# then read every report): a controller that has gone away costs at most this at the host's exit.
-LINGER_SECS = 5.0
 """How long a host that tore itself down waits for the controller's Reform or Abort before it closes its link
 (only where a restart may follow: `flodld.agent.supervision.AwaitWord`)."""
+LINGER_SECS = 5.0
+"""How long the agent waits, its end of the join link closed, for the controller to close its own (it has
+then read every report): a controller that has gone away costs at most this at the host's exit."""
 
 
 T = TypeVar("T")
