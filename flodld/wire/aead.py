@@ -128,12 +128,32 @@ _INTO: Final = all(
 )
 
 
+def _in_place_allowed() -> bool:
+    """Whether this cryptography lets `encrypt_into`/`decrypt_into` write over their input. Releases 45-50
+    do; 51 refuses any overlap of input and output ("data and buf must not overlap"), exact in-place
+    included, so the frame's plaintext is copied out first there (one copy of the frame per seal or open).
+    """
+    if not _INTO:
+        return False
+    scratch = memoryview(bytearray(16 + TAG_BYTES))
+    try:
+        AESGCM(bytes(32)).encrypt_into(bytes(12), scratch[:16], b"", scratch)
+    except ValueError:
+        return False
+    return True
+
+
+_IN_PLACE: Final = _in_place_allowed()
+
+
 def seal_in_place(
     aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
 ) -> None:
     """Encrypt view[:size] in place and write the tag after it (view is size + TAG_BYTES long)."""
-    if _INTO:
+    if _IN_PLACE:
         aead.encrypt_into(nonce, view[:size], aad, view)
+    elif _INTO:  # cryptography >= 51: the input may not overlap the output
+        aead.encrypt_into(nonce, bytes(view[:size]), aad, view)
     else:  # pragma: no cover - older cryptography
         view[:] = aead.encrypt(nonce, view[:size], aad)
 
@@ -167,8 +187,10 @@ def open_in_place(
     aead: AESGCM | ChaCha20Poly1305, nonce: bytes, view: memoryview, size: int, aad: bytes
 ) -> None:
     """Check the tag at view[size:] and decrypt view[:size] in place (InvalidTag on failure)."""
-    if _INTO:
+    if _IN_PLACE:
         aead.decrypt_into(nonce, view, aad, view[:size])
+    elif _INTO:  # cryptography >= 51: the input may not overlap the output
+        aead.decrypt_into(nonce, bytes(view), aad, view[:size])
     else:  # pragma: no cover - older cryptography
         view[:size] = aead.decrypt(nonce, view, aad)
 

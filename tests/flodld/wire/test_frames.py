@@ -661,3 +661,29 @@ def test_a_large_claimed_body_commits_memory_only_for_what_arrived() -> None:
         listener.receive_data(bytes(64 * 1024))
         assert listener.next_event() is NEED_DATA
     assert rss() - before < 64 * 2**20, "a 1 GiB claim committed far more than the 1 MiB that arrived"
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_sealing_and_opening_in_place_agree_whether_or_not_cryptography_allows_overlap(
+    in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `cryptography` package from 51 on refuses `*_into` calls whose input overlaps their output
+    (in-place included); the frame code then copies the plaintext out first. Both roads give the same
+    sealed bytes and open them.
+    """
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from flodld.wire import aead
+
+    key, nonce, header = bytes(range(32)), bytes(range(12)), b"frame header"
+    plain = bytes(range(256)) * 5
+    frame = memoryview(bytearray(plain + bytes(aead.TAG_BYTES)))
+    if in_place and not aead._IN_PLACE:  # this release refuses it, as the probe found: the copy road runs
+        with pytest.raises(ValueError, match="overlap"):
+            AESGCM(key).encrypt_into(nonce, frame[: len(plain)], header, frame)
+        return
+    monkeypatch.setattr(aead, "_IN_PLACE", in_place)
+    aead.seal_in_place(AESGCM(key), nonce, frame, len(plain), header)
+    assert bytes(frame) == AESGCM(key).encrypt(nonce, plain, header)
+    aead.open_in_place(AESGCM(key), nonce, frame, len(plain), header)
+    assert bytes(frame[: len(plain)]) == plain
