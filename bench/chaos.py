@@ -104,14 +104,10 @@ class Bench:
 
     def env(self, **extra: str) -> dict[str, str]:
         path = os.pathsep.join([str(REPO), str(REPO / "clients"), os.environ.get("PYTHONPATH", "")])
-        timeouts = {
-            name: f"{value:g}"
-            for name, value in (
-                ("FLODL_LIVENESS_TIMEOUT_SECS", self.args.liveness_timeout),
-                ("FLODL_HEARTBEAT_INTERVAL_SECS", self.args.heartbeat_interval),
-            )
-            if value is not None
-        }  # the controller, the agents and the ranks read the same two
+        timeouts = {  # the controller, the agents and the ranks read the same two
+            "FLODL_LIVENESS_TIMEOUT_SECS": f"{self.args.liveness_timeout:g}",
+            "FLODL_HEARTBEAT_INTERVAL_SECS": f"{self.args.heartbeat_interval:g}",
+        }
         return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "CHAOS_MARK": self.mark, **timeouts, **extra}  # fmt: skip
 
@@ -341,8 +337,8 @@ class Bench:
         shape = f"{self.args.hosts} hosts x {self.args.ranks_per_host} ranks ({where})"
         every = f"{self.args.duration:.0f} s per run, a fault every {self.args.fault_every:.0f} s"
         beats = (
-            f", liveness timeout {self.args.liveness_timeout or 'default (5)'} s, heartbeat every "
-            f"{self.args.heartbeat_interval or 'default (1)'} s"
+            f", liveness timeout {self.args.liveness_timeout:g} s, heartbeat every "
+            f"{self.args.heartbeat_interval:g} s"
         )
         print(f"\nchaos bench: {shape}, cpu_sync, {every}, "
               f"tolerance {self.tolerance}{beats}, {os.cpu_count()} cores")  # fmt: skip

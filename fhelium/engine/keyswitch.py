@@ -84,9 +84,9 @@ def inner_product(
 ) -> torch.Tensor:
     """Σ_j digit_j · key_j over QP, then ModDown: ``[2, *batch, L, N]`` in the NTT domain."""
     engine._check_switch_key(key)
-    qp_ids = (*ids, engine.special_prime_id)
     if engine.ntt.native_level != "torch":
         return _native_key_switch(engine, lifted, ids, key, lifted=True)
+    qp_ids = (*ids, engine.special_prime_id)
     qp_mod = engine._mod(qp_ids)
     key_rows = key.data[list(ids)][:, :, list(qp_ids)]  # [L, 2, L+1, N]
     key_rows = key_rows.view(len(ids), 2, 1, len(qp_ids), engine.ring_degree)
