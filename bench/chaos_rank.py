@@ -1,7 +1,8 @@
 """The rank program of bench/chaos.py: a small MLP trained with `cpu_sync` averaging after every step.
 
-Every rank starts from the same weights (a fixed seed), takes one SGD step on its own synthetic batch,
-then averages its parameters with the others through flodld (`all_average`; no torch process group, so
+Every rank of the formed world starts from the same weights (a fixed seed), a walk-in from the averaged
+weights it is handed as it enters; each takes one SGD step on its own synthetic batch, then averages its
+parameters with the others through flodld (`all_average`; no torch process group, so
 the run can lose ranks). One extra scalar rides in every round: this rank's vote to stop (1 once
 `--duration` seconds have passed since its first round). Every rank receives the same mean, so every
 survivor sees the vote in the same round and stops after it: the run ends together without a barrier.
@@ -30,7 +31,7 @@ exit_if_worker_role()  # agent and relay roles run and exit here, before the tor
 import torch  # noqa: E402
 
 import flodld  # noqa: E402
-from flodld.rank.averaging import all_average, membership  # noqa: E402
+from flodld.rank.averaging import all_average, membership, walk_in_state  # noqa: E402
 from flodld.rank.env import in_flodld_rank  # noqa: E402
 from flodld.rank.relay_client import relay_client  # noqa: E402
 
@@ -60,6 +61,16 @@ def main() -> int:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1000 + rank)
     truth = torch.linspace(-1, 1, FEATURES)
+    params = [p.data for p in net.parameters()]
+    if in_flodld_rank() and relay_client().env.walk_in:
+        # A walk-in: one throwaway step first (a fresh process's first step pays for lazy set-up), then say
+        # it is ready and start from the averaged weights, so the round it enters at waits only for a
+        # warm step (docs/elastic-averaging.md, "What the loop must do").
+        net(torch.randn(BATCH, FEATURES)).sum().backward()
+        state = walk_in_state()
+        if state is not None:
+            for target, value in zip(params, state[:-1], strict=True):  # the last entry: the stop vote
+                target.copy_(value)
     started: float | None = None
     samples = 0
     while True:
@@ -70,7 +81,6 @@ def main() -> int:
         optimizer.step()
         samples += BATCH
         vote = 1.0 if started is not None and time.time() - started >= args.duration else 0.0
-        params = [p.data for p in net.parameters()]
         averaged = all_average([*params, torch.tensor([vote])])
         now = time.time()
         started = now if started is None else started

@@ -393,7 +393,7 @@ class DataPlane:
     # --- growth: walk-ins enter at a round boundary (WalkIns) ---------------------------------
 
     async def _on_rank_connected(self, message: RankConnected, relay: _Relay, frame: Frame) -> None:
-        """A walk-in's rank connected to its relay: once every one of its host's has, the host enters."""
+        """A walk-in's rank is ready to enter: once every one of its host's is, the host enters."""
         if self.walk_ins.rank_connected(relay.host, message.rank):
             await self._enter_at_boundary()
 

@@ -1,9 +1,10 @@
 """Growth at the data plane: a host admitted during training (a walk-in) enters the averaging at a round
 boundary (docs/elastic-averaging.md, "Growth and healing").
 
-A walk-in's ranks are expected (`expect`) when its host is admitted; they enter once every one of them has
-connected to its relay (`rank_connected`, told by RankConnected: the members never wait in a round for a
-walk-in's start-up) and the relay's DATA channel is up, at the first round not started. Its relay gets an
+A walk-in's ranks are expected (`expect`) when its host is admitted; they enter once every one of them is
+ready (`rank_connected`, told by RankConnected: the rank waits in its first averaging call, so the members
+never wait in a round for a walk-in's start-up) and the relay's DATA channel is up, at the first round not
+started. Its relay gets an
 Entry (round, epoch, members) and then the last round's result (`last_result`: the accumulator holds it
 until the round after next starts, which waits for the walk-in's deposit), in chunks of the run's chunk
 size: the bytes every member received. The epoch is the ranks' own count of membership changes, replayed
@@ -49,7 +50,7 @@ class WalkIns:
         self.metrics = metrics
         self.chunk_env = dict(chunk_env or {})  # FLODL_CHUNK_BYTES as the ranks read it (a walk-in's state)
         self.entering: dict[str, set[int]] = {}  # host -> its ranks still expected
-        self._connected: dict[str, set[int]] = {}  # host -> its ranks connected to its relay so far
+        self._connected: dict[str, set[int]] = {}  # host -> its ranks ready to enter so far
         self.on_entered: RanksEntered | None = None
         self._last_result: ChunkResult[str] | None = None
         self._members_seen = self._members()  # as the ranks count epochs
@@ -60,7 +61,9 @@ class WalkIns:
         self._connected[host] = set()
 
     def rank_connected(self, host: str, rank: int) -> bool:
-        """A walk-in's rank connected to its relay; True when that completes its host (it may enter now)."""
+        """A walk-in's rank is ready to enter (RankConnected); True when that completes its host (it may
+        enter now).
+        """
         pending = self.entering.get(host)
         if pending is None or rank not in pending:
             return False  # not a walk-in's rank waiting to enter (one gone already, or a late word)

@@ -43,6 +43,7 @@ from flodld.wire.data import (
     Entry,
     HelloAck,
     RankHello,
+    RankReady,
     ShmAccepted,
     ShmDeposit,
     ShmOffer,
@@ -110,6 +111,7 @@ class RelayClient:
         # round and its membership, and the last averaged result follows; its first deposit waits for both.
         self._entry: Entry | None = None
         self._entered = not env.walk_in
+        self._said_ready = False  # RankReady sent (a walk-in, at its first wait for the entry)
         self._entry_state: Bundle | None = None
         # A first sign of life now, not one interval later: the controller's liveness holds a rank never
         # heard from to the long startup grace, and a rank that stops early must be declared dead in time.
@@ -131,13 +133,15 @@ class RelayClient:
         round r is complete, so a caller that may have a round out first waits for it (`wait_arrived`, as
         `flodld.rank.averaging` does).
         """
-        self._await_entry(None)
         spec = fold or self.env.fold
         scaled = (
             [tensor * weight for tensor in tensors] if spec == "mean" and weight != 1.0 else list(tensors)
         )
         specs, parts = encode_bundle_parts(scaled)
         layout = Layout(specs)
+        if not self._entered and self.use_shm and self.shm_mode != "off":
+            self._region_of(layout.total)  # offered before the entry: its round waits for nothing else
+        self._await_entry(None)
         ranges = layout.ranges(self.chunk_bytes)
         round_number = self.next_round
         region = self._region_for(layout.total, round_number)
@@ -299,9 +303,16 @@ class RelayClient:
             return self._rounds.latest
 
     def _await_entry(self, timeout: float | None) -> None:
-        """A walk-in: block until its relay handed over the Entry and the state (at once for the others)."""
+        """A walk-in: say it is ready (RankReady, once), then block until its relay handed over the Entry
+        and the state (at once for the others). The controller lets the host in only once each of its ranks
+        is ready, so the members never wait in a round for a walk-in's start-up.
+        """
         if self._entered:
             return
+        with self._changed:
+            say, self._said_ready = not self._said_ready, True
+        if say:
+            self.data.send(RankReady())
         with self._changed:
             ok = self._changed.wait_for(lambda: self._entered or self._error is not None, timeout)
             if self._error is not None:

@@ -1,8 +1,9 @@
 """A walk-in relay's entry (docs/elastic-averaging.md, "Growth and healing").
 
-Its ranks enter at the round the controller's Entry names, and get the state that follows it (the last
-averaged result, round `entry.round - 1`, in Broadcast chunks) before their first deposit. The relay keeps
-that state until every local rank has it: ranks connect at their own pace.
+Each rank says when it waits to enter (RankReady, at its first averaging call); the controller's Entry
+comes once every one has. Its ranks enter at the round the Entry names, and get the state that follows it
+(the last averaged result, round `entry.round - 1`, in Broadcast chunks) before their first deposit. The
+relay keeps that state until every local rank has it.
 """
 
 from __future__ import annotations
@@ -34,15 +35,23 @@ class WalkInEntry:
         self._chunks: list[tuple[Broadcast, bytes]] = []
         self._bytes = 0
         self._handed: set[int] = set()
+        self._ready: set[int] = set()  # ranks that said RankReady
 
     @property
     def taking_state(self) -> bool:
         """Whether the controller's Broadcasts are still this walk-in's state, not rounds to deliver."""
         return self.walk_in and not self.complete
 
-    def owed(self, rank: int) -> bool:
-        """Whether `rank`, connecting now, is to be handed the entry at once."""
-        return self.complete and rank not in self._handed
+    def ready(self, rank: int) -> str | None:
+        """`rank` says it waits to enter (RankReady); why that is out of turn, or None (said once each)."""
+        if not self.walk_in:
+            return "to a relay that did not walk in"
+        if self.entry is not None:
+            return "after its host entered"
+        if rank in self._ready:
+            return "twice"
+        self._ready.add(rank)
+        return None
 
     def enter(self, message: Entry, barrier: RoundBarrier[int] | None) -> str | None:
         """The controller's Entry (the relay's barrier, if it has one, begins at its round); why the relay

@@ -47,6 +47,7 @@ from flodld.wire.data import (
     RankConnected,
     RankGone,
     RankHello,
+    RankReady,
     ShmAccepted,
     ShmDeposit,
     ShmOffer,
@@ -87,6 +88,7 @@ class Relay:
         self._rank_data.register(Deposit, self._on_deposit)
         self._rank_data.register(ShmOffer, self._on_shm_offer)
         self._rank_data.register(ShmDeposit, self._on_shm_deposit)
+        self._rank_data.register(RankReady, self._on_rank_ready)
         self.shm = RankRegions()
         self.down = Delivery(self.legs, self.shm, self._stopped_reading)
         # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its entry round and state.
@@ -193,18 +195,6 @@ class Relay:
         self.legs[channel][rank] = stream
         try:
             await stream.send(HelloAck())
-            if channel is Channel.DATA and self.entry.walk_in and self.entry.entry is None:
-                # The controller lets a walk-in in once every rank of it is here to take the state, and
-                # the relay says a rank is here only once it can fold: the round the host enters must not
-                # wait for torch to load.
-                await self.deposits.loaded()
-                try:
-                    await self.upstream[Channel.DATA].send(RankConnected(rank=rank))
-                except (OSError, WireError) as error:
-                    self._stop(f"controller data channel failed: {error}", 1)
-                    raise
-            if channel is Channel.DATA and self.entry.owed(rank):
-                await self._hand_entry({rank: stream})
             if channel is Channel.DATA:
                 stream.read_directly()  # deposits go from the socket straight into their frame buffers
             leg = _Leg(rank, stream)
@@ -274,6 +264,21 @@ class Relay:
         if region.populated:  # the rank made its pages: its rounds are that big
             (await self.deposits.ready()).prepare(region.capacity)
         await leg.stream.send(ShmAccepted(size=message.size))
+
+    async def _on_rank_ready(self, message: RankReady, leg: _Leg, frame: Frame) -> None:
+        """A walk-in's rank waits to enter: the controller hears of it (RankConnected) once the relay can
+        fold too, so the round the host enters waits neither for the rank's start-up nor for torch to load
+        here. Only a walk-in's rank, once, before the Entry.
+        """
+        why = self.entry.ready(leg.rank)
+        if why is not None:
+            raise WireError("bad_payload", f"rank {leg.rank} sent RankReady {why}")
+        await self.deposits.loaded()
+        try:
+            await self.upstream[Channel.DATA].send(RankConnected(rank=leg.rank))
+        except (OSError, WireError) as error:
+            self._stop(f"controller data channel failed: {error}", 1)
+            raise
 
     async def _unexpected_on_data_leg(self, message: Message, leg: _Leg) -> bool:
         raise WireError("bad_payload", f"rank {leg.rank} sent {type(message).__name__} on its data leg")

@@ -168,11 +168,21 @@ class Entry(Message):
 @register(0x030F)
 class RankConnected(Message):
     """A walk-in's relay → controller, before its Entry (docs/elastic-averaging.md, "Growth and healing"):
-    `rank` of this host connected its data leg. The controller lets the host in at a round boundary only
-    once every rank of it has (or has gone), so the members never wait in a round for a walk-in's start-up.
+    `rank` of this host is ready to enter (it sent RankReady, and the relay can fold). The controller lets
+    the host in at a round boundary only once every rank of it is (or has gone), so the members never wait
+    in a round for a walk-in's start-up.
     """
 
     rank: Rank
+
+
+@register(0x0310)
+class RankReady(Message):
+    """A walk-in's rank → its relay, on its data leg, once, before its Entry: the rank now waits to enter
+    (its first averaging call, `walk_in_state()` or `membership()`), its shared-memory region offered
+    already. Its start-up (imports, the script's set-up, a first training step) is over, so the round
+    it enters at waits for nothing but its deposit. No fields: the leg names the rank.
+    """
 
 
 # --- shared memory between a rank and its relay (same host; docs/protocol.md, "Shared memory") ---------

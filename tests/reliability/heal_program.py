@@ -12,6 +12,8 @@ HEAL_GATE_RANKS (a comma list) stops only those ranks at the gate: the others de
 in it, so a walk-in arriving then finds a round in progress.
 HEAL_START_GATE holds a rank before it starts (before `flodld.run`, so before it connects to its relay)
 until that file exists: a walk-in slow to start.
+HEAL_READY_GATE holds a rank after it connected to its relay, before its first averaging call (before
+`walk_in_state()`), until that file exists (`heal-connected`): a walk-in whose script is slow to set up.
 HEAL_GATE2_ROUND and HEAL_GATE2 are a second gate that stops every rank, walk-ins included (`heal-stall2`).
 With HEAL_MODE (cpu_cadence or cpu_async, cadence HEAL_CADENCE) the rank calls `Averager.step` instead.
 """
@@ -60,6 +62,10 @@ def main() -> int:
         return (result,)
 
     client.wait_round = wait_round  # type: ignore[method-assign,assignment]
+    if os.environ.get("HEAL_READY_GATE"):
+        print(f"heal-connected rank {rank}", flush=True)
+        while not Path(os.environ["HEAL_READY_GATE"]).exists():
+            time.sleep(0.05)
     state = walk_in_state()
     entry = client.entry
     first = entry.round if entry is not None else 0

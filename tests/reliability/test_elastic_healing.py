@@ -189,24 +189,31 @@ async def test_a_walk_in_arriving_in_a_round_in_progress_enters_after_it(
         await run.until_no_processes(10)
 
 
-async def test_a_walk_in_enters_once_its_ranks_are_ready_and_never_holds_the_members(tmp_path: Path) -> None:
-    """The walk-in's relay comes up while the members wait before round GATE, but its rank is slow to start
-    (it waits for a file before it even connects): the members go on through rounds GATE..later - 1 while
-    it sleeps (had it entered at GATE, they would wait in GATE for its deposit and never get there), and it
-    enters at the first round not started once its rank has connected, with the bytes of the round before.
+@pytest.mark.parametrize(
+    ("slow", "sign"), [("HEAL_START_GATE", "heal-sleep rank 3"), ("HEAL_READY_GATE", "heal-connected rank 3")]
+)
+async def test_a_walk_in_enters_once_its_ranks_are_ready_and_never_holds_the_members(
+    tmp_path: Path, slow: str, sign: str
+) -> None:
+    """The walk-in's relay comes up while the members wait before round GATE, but its rank is slow: it
+    waits for a file before it even connects (HEAL_START_GATE), or once connected, before its first
+    averaging call (HEAL_READY_GATE: a script slow to set up). The members go on through rounds
+    GATE..later - 1 while it sleeps (had it entered at GATE, they would wait in GATE for its deposit and
+    never get there), and it enters at the first round not started once its rank waits to enter, with the
+    bytes of the round before.
     """
     gate, gate2, awake = tmp_path / "gate", tmp_path / "gate2", tmp_path / "awake"
     later, rounds = GATE + 10, GATE + 13
     gates = {"HEAL_ROUNDS": str(rounds), "HEAL_GATE2_ROUND": str(later), "HEAL_GATE2": str(gate2)}
     async with fault_run(_options()) as run:
         a, b = await _form(run, gate, **gates)
-        c = await run.spawn_agent("c", ranks=1, program=PROGRAM, HEAL_START_GATE=str(awake), **gates)  # type: ignore[arg-type]
+        c = await run.spawn_agent("c", ranks=1, program=PROGRAM, **{slow: str(awake)}, **gates)  # type: ignore[arg-type]
         await c.wait_for("relay: host 'c' ranks [3] -> controller", FORMATION_BOUND_SECS)  # its DATA is up
-        await c.wait_for("heal-sleep rank 3", FORMATION_BOUND_SECS)
+        await c.wait_for(sign, FORMATION_BOUND_SECS)
         gate.touch()  # the members go on while the walk-in's rank sleeps
         for agent, rank in ((a, 0), (a, 1), (b, 2)):
             await agent.wait_for(f"heal-stall2 rank {rank} before round {later}", FORMATION_BOUND_SECS)
-        assert [j["round"] for j in run.state()["joins"]] == [None]  # its rank is not connected: not in
+        assert [j["round"] for j in run.state()["joins"]] == [None]  # its rank is not ready: not in
         awake.touch()
         await _until("c's entry", lambda: [j["round"] for j in run.state()["joins"]] == [later])
         gate2.touch()
