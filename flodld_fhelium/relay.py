@@ -147,14 +147,7 @@ class RelayTransport:
             )
         self.rank = env.rank
         self.world_size = env.world_size
-        self.store = ControllerStore(
-            env.controller_host,
-            env.controller_port,
-            env.salt,
-            env.run_id,
-            rank=env.rank,
-            timeout=timedelta(seconds=store_timeout),
-        )
+        self.store = ControllerStore.for_rank(env, timeout=timedelta(seconds=store_timeout))
         self.group = RelayGroup(env.rank, env.world_size)
         # One tiny round first: the relay and the controller load their fold machinery on the first
         # deposit, which would otherwise be billed to the aggregation's timing.

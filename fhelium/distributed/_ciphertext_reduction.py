@@ -34,13 +34,10 @@ import torch.distributed as dist
 from fhelium.core import Ciphertext
 from fhelium.distributed._collective_common import (
     GroupInfo,
-    agree,
-    check_identical_layouts,
+    agree_on_layout,
     collective_phase,
     describe_or_error,
-    exchange_control,
     group_info,
-    rank_body,
     root_error,
     type_error,
 )
@@ -121,8 +118,7 @@ def _validate(
     if error is None:
         assert isinstance(value, Ciphertext)
         error = _engine_refusal(cast(CiphertextAdder, engine), value)  # add_ checked callable above
-    exchange = exchange_control(info, operation, arguments=arguments, error=error, body=rank_body(descriptor))
-    agree(info, operation, lambda: check_identical_layouts(exchange, operation))
+    agree_on_layout(info, operation, arguments=arguments, error=error, descriptor=descriptor)
 
 
 # Engines already seen to add a given layout; the probe then costs nothing in a training loop.

@@ -389,6 +389,24 @@ def check_identical_layouts(exchange: ControlExchange, operation: str) -> Descri
     return decode_descriptor(first)
 
 
+def agree_on_layout(
+    info: GroupInfo,
+    operation: str,
+    *,
+    arguments: dict[str, Any],
+    error: str | None,
+    descriptor: dict[str, Any] | None,
+) -> Descriptor:
+    """The control exchange of a collective whose ranks must hold identical layouts, and its check.
+
+    Every rank announces ``descriptor`` (with its device type, :func:`rank_body`) and its local
+    ``error`` in one :func:`exchange_control`; then :func:`check_identical_layouts` runs under
+    :func:`agree`, so a mismatch raises the same error everywhere. Returns the common layout.
+    """
+    exchange = exchange_control(info, operation, arguments=arguments, error=error, body=rank_body(descriptor))
+    return agree(info, operation, lambda: check_identical_layouts(exchange, operation))
+
+
 def _difference(reference: dict[str, Any], other: dict[str, Any]) -> str:
     parts: list[str] = []
     for key in sorted(set(reference) | set(other)):

@@ -64,7 +64,7 @@ def scatter_ciphertext_limbs(
         src=src,
         info=info,
         operation="scatter_ciphertext_limbs",
-        source_error=error,
+        refusal=error,
     )
 
 

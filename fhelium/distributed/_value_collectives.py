@@ -150,11 +150,12 @@ def scatter_values(
     src: int,
     info: GroupInfo,
     operation: str,
-    source_error: str | None = None,
+    refusal: str | None = None,
 ) -> V:
     """Group rank ``i`` receives ``values[i]``; the source keeps its own element (no copy).
 
-    ``source_error`` lets a caller that prepared ``values`` report its own validation failure.
+    ``refusal`` lets a caller that prepared ``values`` report its own validation failure, on any rank
+    (a non-source rank's wrong arguments too), before the exchange.
     """
 
     def describe_source() -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -172,7 +173,7 @@ def scatter_values(
         return descriptors, None
 
     exchange, is_source = _exchange_from_source(
-        values_or_none, describe_source, src=src, info=info, operation=operation, refusal=source_error
+        values_or_none, describe_source, src=src, info=info, operation=operation, refusal=refusal
     )
     root = info.group_rank_of(src)
     assert root is not None and (not is_source or values_or_none is not None)

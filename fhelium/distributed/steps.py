@@ -4,7 +4,8 @@ A collective that moves fhelium values (or any tensors whose layout the ranks mu
 each rank describe its value (`describe_or_error`), exchanges those descriptions with the group's
 `ProcessGroup` facts in one small control all-gather (`group_info`, `rank_body`, `exchange_control`),
 then lets every rank decide the same thing from the same records (`agree`, with
-`check_identical_layouts` as the common check), so that a mismatch raises the same
+`check_identical_layouts` as the common check; `agree_on_layout` is that exchange and that check in one
+call, for ranks that must hold identical layouts), so that a mismatch raises the same
 `CollectiveArgumentError` on every rank before any payload moves and the group stays usable.
 fhelium.distributed's own collectives are built from these; so is the Backend's (a compiled
 Program's broadcast and all-reduce), which is why they are a public module rather than private names.
@@ -17,6 +18,7 @@ from fhelium.distributed._collective_common import (
     ControlExchange,
     GroupInfo,
     agree,
+    agree_on_layout,
     check_identical_layouts,
     describe_or_error,
     exchange_control,
@@ -29,6 +31,7 @@ __all__ = [
     "ControlExchange",
     "GroupInfo",
     "agree",
+    "agree_on_layout",
     "check_identical_layouts",
     "describe_or_error",
     "exchange_control",

@@ -54,9 +54,7 @@ def init_process_group(
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
     if env.relay_port is not None:
         connect_relay(env)
-    store = ControllerStore(
-        env.controller_host, env.controller_port, env.salt, env.run_id, rank=env.rank, timeout=timeout
-    )
+    store = ControllerStore.for_rank(env, timeout=timeout)
     chosen = backend or env.backend or default_backend(env.device)
     if chosen == "nccl":
         torch.cuda.set_device(rank_device(env))

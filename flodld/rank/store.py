@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from flodld.net.blocking import BlockingChannel
+from flodld.rank.env import RankEnvironment
 from flodld.wire import store as ws
 from flodld.wire.frames import MAX_PAYLOAD, Frame
 from flodld.wire.magic import Channel
@@ -99,6 +100,13 @@ class ControllerStore(Store):
             self._connect()
         with ControllerStore._alive_lock:
             ControllerStore._alive[id(self)] = self
+
+    @classmethod
+    def for_rank(cls, env: RankEnvironment, *, timeout: timedelta = DEFAULT_TIMEOUT) -> ControllerStore:
+        """The store of the run `env` belongs to (its controller address, salt and run id), as `env.rank`."""
+        return cls(
+            env.controller_host, env.controller_port, env.salt, env.run_id, rank=env.rank, timeout=timeout
+        )
 
     # --- plumbing ----------------------------------------------------------------------------
 

@@ -64,9 +64,7 @@ def check_equal_layout(op_name: str, value: torch.Tensor, group: ProcessGroupExe
     """
     info = steps.group_info(group.process_group)
     descriptor, error = steps.describe_or_error(value)
-    body = steps.rank_body(descriptor)
-    exchange = steps.exchange_control(info, op_name, arguments={}, error=error, body=body)
-    steps.agree(info, op_name, lambda: steps.check_identical_layouts(exchange, op_name))
+    steps.agree_on_layout(info, op_name, arguments={}, error=error, descriptor=descriptor)
 
 
 class TorchProcessGroupQueryImplementation(OperandResourcesOnly):
