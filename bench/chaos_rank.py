@@ -5,7 +5,9 @@ weights it is handed as it enters; each takes one SGD step on its own synthetic 
 parameters with the others through flodld (`all_average`; no torch process group, so
 the run can lose ranks). One extra scalar rides in every round: this rank's vote to stop (1 once
 `--duration` seconds have passed since its first round). Every rank receives the same mean, so every
-survivor sees the vote in the same round and stops after it: the run ends together without a barrier.
+survivor sees the vote in the same round and stops after it: the run ends together without a barrier. A
+walk-in whose state (the last averaged result) already carries the vote entered after that round and
+stops at once (its persist loop may dial in again just as the others finish).
 
 Per round each rank appends one JSON line to OUT/<run id>/r<rank>-<pid>.jsonl: the data plane's round
 number, the wall time the round's result arrived, the samples this rank trained on since its last line,
@@ -69,6 +71,9 @@ def main() -> int:
         net(torch.randn(BATCH, FEATURES)).sum().backward()
         state = walk_in_state()
         if state is not None:
+            if float(state[-1]) > 0:  # it entered after the others' last round: the run is over
+                log.close()
+                return 0
             for target, value in zip(params, state[:-1], strict=True):  # the last entry: the stop vote
                 target.copy_(value)
     started: float | None = None
