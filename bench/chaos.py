@@ -48,6 +48,7 @@ from chaoslib import (
     Fault,
     NetnsHosts,
     alive,
+    attribute_loss,
     children,
     false_alarms,
     marked_pids,
@@ -57,6 +58,7 @@ from chaoslib import (
     read_logs,
     run_figures,
     spread,
+    start_up_windows,
 )
 
 RANK_PROGRAM = Path(__file__).resolve().with_name("chaos_rank.py")
@@ -355,6 +357,14 @@ class Bench:
                   f"{run.smallest_world:>11}{len(run.inconsistent):>21}")  # fmt: skip
         kept = chaos.rate / base.rate if base.rate else 0.0
         print(f"\nthroughput kept: {100 * kept:.1f} % of the fault-free run (goal >= 95 %, stretch >= 98 %)")
+        windows = {
+            "detection stalls": [(f.at, f.at + f.detected) for f in faults if f.detected is not None],
+            "host start-ups": start_up_windows(joins or [], record["started_at"], chaos.round_times),
+        }
+        shares = attribute_loss(read_logs(self.out / chaos_id), base.rate, windows)
+        if shares:
+            print("where the loss goes (against the fault-free rate): " + ", ".join(
+                f"{kind} {100 * share:.1f} %" for kind, share in shares.items()))  # fmt: skip
         print(f"\n{'fault kind':<15}{'injected':>9}{'detected':>9}{'detection p50/max s':>21}"
               f"{'rejoin p50/max s':>19}")  # fmt: skip
         for kind in KINDS if self.lab is not None else KINDS[:2]:

@@ -253,6 +253,58 @@ def match_joins(
         fault.rejoined = min(times) if times else None
 
 
+def start_up_windows(
+    joins: list[dict[str, Any]], started_at: float, round_times: dict[int, float]
+) -> list[tuple[float, float]]:
+    """Per walked-in host: from its admission (state.json `joins` `at_secs`) to the arrival of the round it
+    entered at, the seconds its agent, relay and ranks start while the members train on (one window per
+    host and entry round).
+    """
+    windows: dict[tuple[str, int], tuple[float, float]] = {}
+    for join in joins:
+        entered = round_times.get(join.get("round"))  # type: ignore[arg-type]
+        if entered is None or not isinstance(join.get("at_secs"), int | float):
+            continue
+        windows[(str(join.get("host")), int(join["round"]))] = (started_at + float(join["at_secs"]), entered)
+    return sorted(windows.values())
+
+
+def attribute_loss(
+    logs: list[RankLog], base_rate: float, windows: dict[str, list[tuple[float, float]]]
+) -> dict[str, float]:
+    """Where the chaos run's samples went missing, as shares of what the fault-free rate would have trained
+    over the run (run_figures' span): per kind of window, the fault-free rate times the window's seconds
+    less the samples trained in it (a second in windows of two kinds counts for the first kind named);
+    `other`, the rest of the loss. Positive: samples lost.
+    """
+    lines = [line for log in logs for line in log.rounds]
+    if not lines or base_rate <= 0:
+        return {}
+    first = min(line["t"] for line in lines)
+    last = max(line["t"] for line in lines)
+    expected = base_rate * (last - first)
+    kinds = list(windows)
+
+    def kind_of(t: float) -> str | None:
+        return next((k for k in kinds if any(a <= t < b for a, b in windows[k])), None)
+
+    spans: dict[str, float] = {}
+    step = 0.01
+    for index in range(int((last - first) / step)):
+        kind = kind_of(first + (index + 0.5) * step)
+        if kind is not None:
+            spans[kind] = spans.get(kind, 0.0) + step
+    trained: dict[str | None, int] = {}
+    for line in lines:
+        if line["t"] > first:
+            kind = kind_of(line["t"])
+            trained[kind] = trained.get(kind, 0) + line["samples"]
+    shares = {k: (base_rate * spans.get(k, 0.0) - trained.get(k, 0)) / expected for k in kinds}
+    total = (expected - sum(trained.values())) / expected
+    shares["other"] = total - sum(shares.values())
+    return shares
+
+
 def p50_max(values: list[float]) -> str:
     if not values:
         return "-"

@@ -9,7 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chaoslib import Fault, RankLog, false_alarms, match_joins, match_losses, read_logs, run_figures
+from chaoslib import (
+    Fault,
+    RankLog,
+    attribute_loss,
+    false_alarms,
+    match_joins,
+    match_losses,
+    read_logs,
+    run_figures,
+    start_up_windows,
+)
 
 
 def _log(rank: int, host: str, rounds: list[tuple[int, float, str]], samples: int = 64) -> RankLog:
@@ -69,3 +79,31 @@ def test_logs_are_read_per_rank_and_a_torn_last_line_is_skipped(tmp_path: Path) 
     (tmp_path / "r3-77.jsonl").write_text(f'{json.dumps(header)}\n{json.dumps(line)}\n{{"round": 1, "t')
     (log,) = read_logs(tmp_path)
     assert (log.rank, log.host, log.pid, log.rounds) == (3, "h1", 77, [line])
+
+
+def test_the_loss_is_split_between_detection_stalls_host_start_ups_and_the_rest() -> None:
+    """Fault-free rate 100 samples/s. Over 10 s the chaos run trains nothing in [2, 3) (a stall), half the
+    rate in [5, 7) (a host starting), and loses 50 more samples elsewhere.
+    """
+    rounds: list[tuple[int, float, str]] = []
+    number = 0
+    for tenth in range(101):
+        t = tenth / 10
+        if 2 <= t < 3 or (5 <= t < 7 and tenth % 2):
+            continue
+        if tenth in (80, 81, 82, 83, 84):  # 5 rounds of 10 samples lost outside any window
+            continue
+        rounds.append((number, t, "x"))
+        number += 1
+    log = _log(0, "h0", rounds, samples=10)
+    shares = attribute_loss([log], 100.0, {"stalls": [(2.0, 3.0)], "start-ups": [(5.0, 7.0)]})
+    assert {k: round(v, 3) for k, v in shares.items()} == {"stalls": 0.1, "start-ups": 0.1, "other": 0.05}
+
+
+def test_a_hosts_start_up_runs_from_its_admission_to_the_round_it_entered_at() -> None:
+    joins = [
+        {"rank": 8, "host": "h1", "round": 40, "at_secs": 20.0},
+        {"rank": 9, "host": "h1", "round": 40, "at_secs": 20.0},
+        {"rank": 10, "host": "h2", "round": None, "at_secs": 30.0},  # admitted, never entered
+    ]
+    assert start_up_windows(joins, 1000.0, {40: 1026.5}) == [(1020.0, 1026.5)]
