@@ -23,11 +23,13 @@ list, and pins refuse outright).
 
 **Per round** (``round_challenge``): from the key, the session, the round, the exchange and the world
 size, with SHA-256 and the engine's ChaCha20 ``RandomSource``: one uniform multiplier per row and
-limb for each slice (``weights``); this rank's one-time mask ``M_r = U_r − U_{r+1 mod w}`` (plus
-``W`` on rank 0), so the masks add up to ``W`` and any set of fewer than all of them is uniform
-(``mask``, ``total_mask``); and ``flag``, a non-zero per-limb value a rank adds to its masked
-projection when it refused the c1 sum (``sum_verdict`` counts the flags). Each round and exchange
-derives fresh values: learning one round's multipliers or masks tells nothing about another's.
+limb for each slice (``weights``), which project a slice ``[rows, limbs, N]`` to ``[limbs, N]``, and
+one per limb and coefficient (``coefficients``), which ``compress`` that to one value per limb; this
+rank's one-time mask ``M_r = U_r − U_{r+1 mod w}`` (plus ``W`` on rank 0), so the masks add up to
+``W`` and all of them together are uniform (``mask``, ``total_mask``); and ``flag``, a non-zero
+per-limb value a rank adds to its masked projection when it refused the c1 sum (``sum_verdict``
+counts the flags). Each round and exchange derives fresh values: learning one round's multipliers
+or masks tells nothing about another's.
 
 docs/security.md, "Threshold aggregation", holds the model and the soundness argument.
 """
@@ -47,6 +49,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from fhelium.engine import modular as mod
 from fhelium.engine.sampling import RandomSource
 from fhelium.multiparty.dealing import NONCE_BYTES, PUBLIC_KEY_BYTES, TAG_BYTES, DealingIdentity
 from fhelium.multiparty.errors import MultipartyError
@@ -235,13 +238,15 @@ def check_confirmations(rank: int, confirmations: Sequence[bytes]) -> None:
 
 @dataclass(frozen=True)
 class RoundChallenge:
-    """One check of one round on one rank: multipliers per slice, this rank's mask, their sum, the flag.
+    """One check of one round on one rank: multipliers per slice and per coefficient, this rank's mask,
+    the masks' sum, the flag.
 
-    ``weights[part]`` ``[rows, limbs, 1]``; ``mask``, ``total_mask`` ``[parts, limbs, N]``; ``flag``
-    ``[parts, limbs, 1]``, every entry in [1, q).
+    ``weights[part]`` ``[rows, limbs, 1]``; ``coefficients`` ``[limbs, N]``; ``mask``, ``total_mask``
+    and ``flag`` ``[parts, limbs, 1]``, every flag in [1, q).
     """
 
     weights: list[torch.Tensor]
+    coefficients: torch.Tensor
     mask: torch.Tensor
     total_mask: torch.Tensor
     flag: torch.Tensor
@@ -272,7 +277,8 @@ def round_challenge(
     for part, rows in enumerate(part_rows):
         drawn = _source(sub_key, f"weights/{part}").uniform_below(q, (limbs, rows))
         weights.append(drawn.t().contiguous().unsqueeze(-1).to(moduli.device))
-    shape = (parts, limbs, ring_degree)
+    coefficients = _source(sub_key, "coefficients").uniform_below(q, (limbs, ring_degree))
+    shape = (parts, limbs, 1)
 
     def pad(label: str) -> torch.Tensor:
         return _source(sub_key, label).uniform_below(q, shape)
@@ -284,13 +290,37 @@ def round_challenge(
         mask = torch.remainder(mask + total, q)
     flag = _source(sub_key, "flag").uniform_below(q - 1, (parts, limbs, 1)) + 1
     device = moduli.device
-    return RoundChallenge(weights, mask.to(device), total.to(device), flag.to(device))
+    return RoundChallenge(
+        weights, coefficients.to(device), mask.to(device), total.to(device), flag.to(device)
+    )
+
+
+COMPRESS_CHUNK = 4096
+"""Coefficients summed at once by ``compress``: 4096 values below 2^50 stay below 2^62 in int64."""
+
+
+def compress(projection: torch.Tensor, coefficients: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σ_n coefficients[n]·projection[n] mod q per limb: ``[limbs, 1]`` from ``[limbs, N]``, exact.
+
+    The second stage of the check's projection: Σ_n σ_n·Σ_r ρ_r·δ[r, n] is a non-zero polynomial of
+    degree 2 in the uniform multipliers whenever δ ≠ 0, so it vanishes (or hits any fixed value) with
+    probability at most 2/q (Schwartz–Zippel).
+    """
+    moduli = q.reshape(-1, 1)
+    products = mod.mul_mod(projection, coefficients, moduli, 1.0 / moduli.double())
+    total = torch.zeros((products.size(0), 1), dtype=torch.int64, device=products.device)
+    for start in range(0, products.size(-1), COMPRESS_CHUNK):
+        total += products[:, start : start + COMPRESS_CHUNK].sum(-1, keepdim=True)
+        total = torch.remainder(total, moduli)
+    return total
 
 
 def masked(
     projections: Sequence[torch.Tensor], drawn: RoundChallenge, q: torch.Tensor, *, flagged: bool
 ) -> torch.Tensor:
-    """``[parts, limbs, N]``: each slice's projection plus this rank's mask (plus the flag if ``flagged``)."""
+    """``[parts, limbs, 1]``: each slice's compressed projection (``compress``) plus this rank's mask
+    (plus the flag if ``flagged``).
+    """
     stacked = torch.stack(list(projections)) + drawn.mask
     if flagged:
         stacked += drawn.flag
@@ -301,8 +331,9 @@ def sum_verdict(
     projection: torch.Tensor, summed: torch.Tensor, total_mask: torch.Tensor, flag: torch.Tensor,
     q: torch.Tensor, world: int,
 ) -> int:
-    """Whether ``projection`` (of the sum a rank holds, ``[limbs, N]``) matches ``summed`` (the fold's sum of
-    the masked projections): 0, ``NOT_THE_SUM``, or j > 0 when it matches up to j flags.
+    """Whether ``projection`` (the compressed projection of the sum a rank holds, ``[limbs, 1]``) matches
+    ``summed`` (the fold's sum of the masked projections): 0, ``NOT_THE_SUM``, or j > 0 when it matches
+    up to j flags.
     """
     moduli = q.reshape(-1, 1)
     difference = torch.remainder(summed - total_mask - projection, moduli)
@@ -326,6 +357,7 @@ __all__ = [
     "RoundChallenge",
     "challenge_key",
     "check_confirmations",
+    "compress",
     "confirmation",
     "fresh_seed",
     "masked",

@@ -144,13 +144,14 @@ class ThresholdSession:
         Verified sums (docs/security.md, "Threshold aggregation"): the channel's fold is not
         trusted. The ranks share a secret challenge key, agreed at ``generate_public_key``
         (fhelium.multiparty.challenge), from which each round derives fresh multipliers (one uniform
-        value per row and limb) and one-time masks. Before its c1 goes to the sum each rank projects
-        it, and the masked projections are summed beside the c1 components; once a rank holds its c1
+        value per row and limb, one per limb and coefficient) and one-time masks. Before its c1 goes
+        to the sum each rank projects it to one value per limb and slice, and the masked projections
+        are summed beside the c1 components; once a rank holds its c1
         sum it projects that (range-checking it in the same pass) and refuses unless the sum of the
         masked projections, less the masks, equals it exactly, modulo each prime. The fold never
         learns the multipliers, so a substituted ciphertext, a subset sum, an earlier round's sum, a
         scaled or negated sum, or different sums for different ranks pass with probability at most
-        1/q ≈ 2^-50 per rank. A rank that refuses publishes uniform residues instead of its
+        2/q ≈ 2^-49 per rank. A rank that refuses publishes uniform residues instead of its
         contribution and flags its projection of them; every rank finishes the round and then refuses
         it with ``SumCheckError`` naming the round. The summed contributions are checked the same way
         before they are decoded (the fold cannot bias the result unnoticed). Rounds are numbered

@@ -142,9 +142,7 @@ def _encrypt_slices(
             if draw_checks is not None:
                 checks = checks or draw_checks(ct.prime_ids)
                 m = engine._mod(ct.prime_ids)
-                projections.append(
-                    sumcheck.project(sent, checks.c1.weights[len(parts)], m.q, m.q_inverse)
-                )
+                projections.append(sumcheck.project_own(sent, checks.c1, len(parts), m.q, m.q_inverse))
                 if record is not None:  # the audit may keep the ciphertext it was shown
                     sent = sent.clone()
             parts.append((k, ct, start_sum("ciphertext-c1", sent, moduli)))
@@ -222,8 +220,10 @@ def _reduce_contributions(
             record("random_contribution" if refused else "decryption_share", contribution)
         if checks is not None:
             m = engine._mod(ct.prime_ids)
-            weights = checks.contributions.weights[len(projections)]
-            projections.append(sumcheck.project(contribution, weights, m.q, m.q_inverse))
+            part = len(projections)
+            projections.append(
+                sumcheck.project_own(contribution, checks.contributions, part, m.q, m.q_inverse)
+            )
         moduli = engine.moduli_for(ct.prime_ids)
         pending.append(start_reduce("decryption-contributions", contribution, moduli, k))
     masked_sum = None

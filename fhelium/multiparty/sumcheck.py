@@ -193,8 +193,21 @@ def masked_projections(
     plus the flag that says this rank refused the c1 sum). Taken before the input is summed in place.
     """
     m = engine._mod(tuple(prime_ids))
-    projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, drawn.weights, strict=True)]
+    projections = [project_own(o, drawn, part, m.q, m.q_inverse) for part, o in enumerate(own)]
     return challenge.masked(projections, drawn, m.q, flagged=flagged)
+
+
+def project_own(
+    residues: torch.Tensor,
+    drawn: challenge.RoundChallenge,
+    part: int,
+    q: torch.Tensor,
+    q_inverse: torch.Tensor,
+) -> torch.Tensor:
+    """``[limbs, 1]``: slice ``part`` of this rank's input projected over its rows and compressed over its
+    coefficients with the round's challenge (what its masked projection carries).
+    """
+    return challenge.compress(project(residues, drawn.weights[part], q, q_inverse), drawn.coefficients, q)
 
 
 def sum_verdicts(
@@ -214,7 +227,7 @@ def sum_verdicts(
     m = engine._mod(tuple(prime_ids))
     parts = len(own_shapes)
     verdicts: dict[int, tuple[int, str]] = {}
-    if tuple(summed_masked.shape) != (parts, len(tuple(prime_ids)), engine.ring_degree):
+    if tuple(summed_masked.shape) != (parts, len(tuple(prime_ids)), 1):
         reason = f"came with a sum of projections of shape {tuple(summed_masked.shape)}"
         return {part: (challenge.NOT_THE_SUM, reason) for part in sums}
     if summed_masked.numel() and out_of_range(summed_masked, m.q):
@@ -232,7 +245,12 @@ def sum_verdicts(
             verdicts[part] = (challenge.NOT_THE_SUM, f"has residues outside [0, q) in slice {part}")
             continue
         verdict = challenge.sum_verdict(
-            projection, summed_masked[part], drawn.total_mask[part], drawn.flag[part], m.q, world
+            challenge.compress(projection, drawn.coefficients, m.q),
+            summed_masked[part],
+            drawn.total_mask[part],
+            drawn.flag[part],
+            m.q,
+            world,
         )
         verdicts[part] = (
             verdict,
@@ -308,6 +326,7 @@ __all__ = [
     "out_of_range",
     "project",
     "project_checked",
+    "project_own",
     "projection_weights",
     "random_residues",
     "refuse",

@@ -106,7 +106,7 @@ def test_the_masks_add_up_to_the_total_and_every_round_and_exchange_draws_fresh_
     assert torch.equal(total, drawn[0].total_mask)
     for d in drawn:
         assert d.weights[0].shape == (4, 2, 1) and d.weights[1].shape == (3, 2, 1)
-        assert d.mask.shape == (2, 2, N) and d.flag.shape == (2, 2, 1)
+        assert d.mask.shape == (2, 2, 1) and d.flag.shape == (2, 2, 1) and d.coefficients.shape == (2, N)
         assert bool((d.flag > 0).all()) and bool((d.flag < Q).all()) and bool((d.mask < Q).all())
     others = [
         _challenge(key, 2, 0), _challenge(key, 1, 0, what="decryption-contributions"),
@@ -126,14 +126,18 @@ def _round(
     drawn = [_challenge(key, round_number, rank, world, rows=(inputs[0].size(0),)) for rank in range(world)]
     q_inverse = 1.0 / Q.double()
     masked = [
-        challenge.masked([project(x, d.weights[0], Q, q_inverse)], d, Q, flagged=rank in flagged)
+        challenge.masked(
+            [challenge.compress(project(x, d.weights[0], Q, q_inverse), d.coefficients, Q)], d, Q,
+            flagged=rank in flagged,
+        )
         for rank, (x, d) in enumerate(zip(inputs, drawn, strict=True))
     ]
     return drawn[0], torch.remainder(sum(masked), Q)
 
 
 def _verdict(drawn: challenge.RoundChallenge, summed: torch.Tensor, held: torch.Tensor, world: int) -> int:
-    projection = project(held, drawn.weights[0], Q, 1.0 / Q.double())
+    projected = project(held, drawn.weights[0], Q, 1.0 / Q.double())
+    projection = challenge.compress(projected, drawn.coefficients, Q)
     return challenge.sum_verdict(projection, summed[0], drawn.total_mask[0], drawn.flag[0], Q, world)
 
 
@@ -165,6 +169,20 @@ def test_a_fold_that_learned_the_previous_rounds_challenge_gains_nothing() -> No
     assert _verdict(second, summed_second, subset, 3) == challenge.NOT_THE_SUM
     flagged, summed_flagged = _round(key, 2, inputs, frozenset({1, 2}))
     assert _verdict(flagged, summed_flagged, honest, 3) == 2
+
     # the fold's view of a round's projections: every rank's masked projection is uniform to it; all of
     # them but one, or their sum less nothing, do not give the projection of anything
     assert not torch.equal(summed_second[0], project(honest, second.weights[0], Q, 1.0 / Q.double()))
+
+
+def test_compressing_a_projection_is_exact_modulo_each_prime() -> None:
+    """The second stage sums 8192 products below 2^50 in chunks: the result is the exact modular sum."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.tensor([[1125899905744897], [1125899906629633]], dtype=torch.int64)
+    projection = torch.remainder(torch.randint(0, 1 << 62, (2, 8192), generator=generator), q)
+    coefficients = torch.remainder(torch.randint(0, 1 << 62, (2, 8192), generator=generator), q)
+    expected = [
+        sum(int(a) * int(b) for a, b in zip(projection[limb], coefficients[limb], strict=True)) % int(q[limb])
+        for limb in range(2)
+    ]
+    assert challenge.compress(projection, coefficients, q).reshape(-1).tolist() == expected
