@@ -38,14 +38,8 @@ DECRYPTION_EXCHANGES = frozenset(
         "decryption-agreement",
         "ciphertext-c1",
         "ciphertext-c1-check",
-        "ciphertext-c1-commit",
-        "ciphertext-c1-reveal",
         "decryption-contributions",
         "decryption-contributions-check",
-        "decryption-contributions-commit",
-        "decryption-contributions-reveal",
-        "decryption-contributions-seed",
-        "decryption-contributions-verdict",
     }
 )
 
@@ -59,16 +53,12 @@ EXCHANGES = {
     "public-key-fingerprint": "the collective key's fingerprint",
     "decryption-shares": "a decryption share",
     "decryption-agreement": "the digest of the ciphertext it is asked to decrypt",
-    "ciphertext-c1-check": "its check of the c1 sum",
-    "ciphertext-c1-commit": "its commitment to its challenge seed for the check of the c1 sum",
-    "ciphertext-c1-reveal": "its challenge seed for the check of the c1 sum",
-    "decryption-contributions-commit": "its commitment to its challenge seed for the check of the "
-    "summed decryption contributions",
-    "decryption-contributions-reveal": "its challenge seed for the check of the summed decryption "
-    "contributions",
-    "decryption-contributions-seed": "the challenge seed for its slice's summed decryption contributions",
-    "decryption-contributions-check": "its check of the summed decryption contributions",
-    "decryption-contributions-verdict": "its verdict on its slice's summed decryption contributions",
+    "challenge-keys": "its public key for the sum checks' challenge key",
+    "challenge-seeds": "its challenge seeds sealed to every other rank",
+    "challenge-confirm": "its confirmation of the challenge key",
+    "ciphertext-c1-check": "its masked projection of its c1 (the check of the c1 sum)",
+    "decryption-contributions-check": "its masked projection of its decryption contribution (the check "
+    "of the summed contributions)",
     "ciphertext-c1": "its ciphertext's c1 component",
     "decryption-contributions": "its decryption share (c0_i + h_i)",
     "decoded-slots": "its slice of the decoded sum",

@@ -103,6 +103,7 @@ class ThresholdSession:
         self.engine = self.party.engine
         self.public: PublicKey | None = None
         self.common_seed = b""  # this key generation's common seed (public)
+        self.challenge_key: bytes | None = None  # the sum checks' secret (agreed at generate_public_key)
         self.key_share: PublicKeyShare | None = None
         self.round = 0  # aggregation rounds of this session (bound into every sum check)
         self.decryptions = 0  # explicit decrypt() calls of this session
@@ -141,17 +142,20 @@ class ThresholdSession:
         the true c1 sum.
 
         Verified sums (docs/security.md, "Threshold aggregation"): the channel's fold is not
-        trusted. Before publishing its contribution every rank checks that the c1 sum it was handed
-        is the same on every rank and is the sum of this round's c1 components (a random
-        projection: once every rank holds its sum the ranks draw a challenge by commit-reveal,
-        giving one uniform multiplier per row and limb; every rank all-gathers the projection of its
-        own c1 and a fingerprint of its projection of the sum, and the projections of the c1
-        components must add up to that of the sum, exactly, modulo each prime; a seed that does not
-        match its commitment is refused naming the rank). A substituted ciphertext, a subset sum, an earlier
-        round's sum, a scaled or negated sum, or different sums for different ranks are refused
-        with ``SumCheckError`` naming the round, before any contribution is published. The summed
-        contributions are checked the same way before they are decoded (the fold cannot bias the
-        result unnoticed). Rounds are numbered within the session.
+        trusted. The ranks share a secret challenge key, agreed at ``generate_public_key``
+        (fhelium.multiparty.challenge), from which each round derives fresh multipliers (one uniform
+        value per row and limb, one per limb and coefficient) and one-time masks. Before its c1 goes
+        to the sum each rank projects it to one value per limb and slice, and the masked projections
+        are summed beside the c1 components; once a rank holds its c1
+        sum it projects that (range-checking it in the same pass) and refuses unless the sum of the
+        masked projections, less the masks, equals it exactly, modulo each prime. The fold never
+        learns the multipliers, so a substituted ciphertext, a subset sum, an earlier round's sum, a
+        scaled or negated sum, or different sums for different ranks pass with probability at most
+        2/q ≈ 2^-49 per rank. A rank that refuses publishes uniform residues instead of its
+        contribution and flags its projection of them; every rank finishes the round and then refuses
+        it with ``SumCheckError`` naming the round. The summed contributions are checked the same way
+        before they are decoded (the fold cannot bias the result unnoticed). Rounds are numbered
+        within the session.
 
         On a channel with ``start_all_reduce_residues``, ``start_reduce_residues`` and
         ``all_gather_tensor`` (the process group) the rows are cut into one slice per rank:
@@ -162,10 +166,12 @@ class ThresholdSession:
         rank decodes every row. ``sum_c1(ct)``, when given, sums the c1 components instead of the
         channel (the flagship runs its compiled Program here): it gets this rank's ciphertext with
         c0 zeroed and returns the summed c1 ``[rows, limbs, N]``; the sum is checked all the same.
-        ``record(name, tensor)`` sees the ciphertext, the summed c1, this rank's contribution and the
-        summed contributions this rank decodes (the flagship's audit). ``before_contribution()`` runs
+        ``record(name, tensor)`` sees the ciphertext, the summed c1, this rank's contribution (named
+        "random_contribution" when it refused its c1 sum) and the summed contributions this rank
+        decodes (the flagship's audit). ``before_contribution()`` runs
         once every c1 sum has arrived and passed its check, before this rank publishes any
-        contribution (the flagship's fault injection: a rank leaving after encrypting).
+        contribution (the flagship's fault injection: a rank leaving after encrypting); a rank whose
+        c1 sum failed its check does not run it.
 
         Each aggregation spends ``rows`` of this key's flooding budget
         (``ThresholdParameters.decryption_row_budget``); past it ``FloodingBudgetError``.
@@ -200,7 +206,7 @@ class ThresholdSession:
         sum_c1: Callable[[Ciphertext], torch.Tensor] | None,
         check_sums: bool,
     ) -> torch.Tensor:
-        """``aggregate``; ``check_sums=False`` trusts the fold (no sum check, no copy kept for one).
+        """``aggregate``; ``check_sums=False`` trusts the fold (no sum check, no projections).
 
         ``check_sums=False`` exists for bench/aggregate.py's baseline only (it measures what the
         defence against a malicious fold costs); nothing else may call it so: an aggregator could
@@ -249,6 +255,16 @@ class ThresholdSession:
         if record is not None:
             record("ciphertext", ct.data)
         own_c1 = ct.data[1]
+        checks = None
+        if check_sums:  # the round's secret challenges; this rank's c1 projected before it is summed
+            checks = [
+                sumcheck.round_challenge(
+                    self.challenge_key, engine, party.session, what, round_number, channel.rank,
+                    channel.world_size, ids, [ct.data.size(1)],
+                )
+                for what in ("ciphertext-c1", "decryption-contributions")
+            ]
+            masked_c1 = sumcheck.masked_projections(engine, ids, checks[0], [own_c1])
         if sum_c1 is not None:  # only c1 leaves this rank: c0 is its one-time pad
             c1_only = Ciphertext(
                 torch.stack((torch.zeros_like(own_c1), own_c1)), ct.depth, ct.scale, ids, "ntt"
@@ -258,23 +274,42 @@ class ThresholdSession:
             c1 = channel.all_reduce_residues("ciphertext-c1", own_c1, moduli)
         if record is not None:
             record("c1_sum", c1)
-        if check_sums:
-            sumcheck.check_sums(
-                self.channel, self.engine, party.session, "ciphertext-c1", round_number, [own_c1], [c1], ids
-            )
-        if before_contribution is not None:
-            before_contribution()
-        contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
+        refusal: SumCheckError | None = None
+        if checks is not None:
+            summed = channel.all_reduce_residues("ciphertext-c1-check", masked_c1, moduli)
+            verdict, reason = sumcheck.sum_verdicts(
+                engine, ids, checks[0], {0: c1}, [own_c1.shape], summed, channel.world_size
+            )[0]
+            if verdict != 0:
+                refusal = sumcheck.refuse(party.session, channel.rank, "ciphertext-c1", round_number, reason)
+        if refusal is None:
+            if before_contribution is not None:
+                before_contribution()
+            contribution = party.add_decryption_share_(party.flooded_c0(ct.data[0], ids), c1, ids)
+        else:  # nothing derived from a wrong c1 sum, or from this rank's c0, leaves the rank
+            contribution = sumcheck.random_residues(engine, ids, ct.data[0])
         if record is not None:
-            record("decryption_share", contribution)
+            record("decryption_share" if refusal is None else "random_contribution", contribution)
+        if checks is not None:
+            masked_contribution = sumcheck.masked_projections(
+                engine, ids, checks[1], [contribution], flagged=refusal is not None
+            )
         total = channel.all_reduce_residues("decryption-contributions", contribution, moduli)
         if record is not None:
             record("decryption_sum", total)
-        if check_sums:
-            sumcheck.check_sums(
-                self.channel, engine, party.session, "decryption-contributions", round_number,
-                [contribution], [total], ids,
+        if checks is not None:
+            tag = "decryption-contributions-check"
+            summed = channel.all_reduce_residues(tag, masked_contribution, moduli)
+            if refusal is not None:
+                raise refusal
+            verdict, reason = sumcheck.sum_verdicts(
+                engine, ids, checks[1], {0: total}, [contribution.shape], summed, channel.world_size
+            )[0]
+            refused = sumcheck.refuse_contributions(
+                party.session, channel.rank, round_number, verdict, reason, channel.world_size
             )
+            if refused is not None:
+                raise refused
         return decode_contributions(engine, total, ids, ct.scale)
 
     def decrypt(

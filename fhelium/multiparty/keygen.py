@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fhelium.core import PublicKey
-from fhelium.multiparty import dealing, shamir
+from fhelium.multiparty import challenge, dealing, shamir
 from fhelium.multiparty.channel import ShareChannel
 from fhelium.multiparty.protocol import MultipartyError
 from fhelium.multiparty.state import SessionState
@@ -104,8 +104,47 @@ def generate_public_key(session: SessionState) -> PublicKey:
     session.common_seed = seed
     if session.threshold is not None:
         deal(session, seed)
+    else:
+        session.challenge_key = agree_challenge_key(session, seed)
     session.public = public
     return public
+
+
+def agree_challenge_key(session: SessionState, seed: bytes) -> bytes:
+    """N-out-of-N: the secret challenge key of the sum checks (fhelium.multiparty.challenge).
+
+    Three record exchanges: the public keys (this rank's dealing key, checked against the pins),
+    one seed per rank sealed to every other rank, and the confirmations (every rank must hold every
+    other rank's seed and key list as it does; a rank that dealt different seeds is named).
+    """
+    party, channel = session.party, session.channel
+    identity = session.dealing_identity or dealing.DealingIdentity.generate()
+    keys = channel.all_gather_bytes(
+        "challenge-keys", identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES
+    )
+    dealing.check_public_keys(keys, session.dealing_pins)
+    if keys[channel.rank] != identity.public_bytes:
+        raise challenge.ChallengeKeyError(
+            f"the transport returned another public key for rank {channel.rank} than its own",
+            [channel.rank],
+        )
+    mine = challenge.fresh_seed()
+    record = challenge.seal_seed(
+        identity, dict.fromkeys(range(channel.world_size), mine), keys, dealer=channel.rank,
+        session=party.session, common_seed=seed,
+    )
+    records = channel.all_gather_bytes("challenge-seeds", record, max_bytes=max(len(record), 1))
+    seeds = [
+        mine if dealer == channel.rank else challenge.open_seed(
+            identity, blob, keys, dealer=dealer, receiver=channel.rank, session=party.session,
+            common_seed=seed,
+        )
+        for dealer, blob in enumerate(records)
+    ]
+    confirmation = challenge.confirmation(party.session, seed, keys, seeds)
+    confirmations = channel.all_gather_bytes("challenge-confirm", confirmation, max_bytes=len(confirmation))
+    challenge.check_confirmations(channel.rank, confirmations)
+    return challenge.challenge_key(party.session, seed, keys, seeds)
 
 def deal(session: SessionState, seed: bytes) -> None:
     """t-out-of-N: deal this rank's Shamir points, sealed to each receiver's dealing key.
@@ -165,6 +204,7 @@ def deal(session: SessionState, seed: bytes) -> None:
 __all__ = [
     "KEY_SHARE_COMMITMENT_DOMAIN",
     "MAX_KEY_SHARE_BYTES",
+    "agree_challenge_key",
     "deal",
     "generate_public_key",
     "key_fingerprint",

@@ -30,6 +30,7 @@ class SessionState(Protocol):
     public: PublicKey | None
     key_share: PublicKeyShare | None
     common_seed: bytes
+    challenge_key: bytes | None  # the sum checks' secret challenge key (fhelium.multiparty.challenge)
     dealing_identity: DealingIdentity | None
     dealing_pins: dict[int, str]
     dealing_fingerprint: str | None

@@ -1,37 +1,33 @@
 """Verified sums: the checks that a sum the channel's fold returned is the sum of this round's inputs.
 
-The channel's fold is not trusted (docs/security.md, "Threshold aggregation"). Once every rank holds
-the sum it was handed, the ranks draw a random challenge the fold could not know when it fixed the
-sums: every rank commits (SHA-256, bound to the session, the round, the exchange and the rank) to a
-fresh 32-byte seed, then reveals it; a reveal that does not match its commitment is refused, naming
-the rank and the round. The challenge (every seed hashed in rank order) gives one uniform multiplier
-per row and limb: every rank all-gathers the projection of its own input and a fingerprint of the
-projection of the sum it holds (different sums for different ranks are named), and the projections
-of the inputs must add up to the projection of the sum, exactly, modulo each prime. No pass hashes
-a whole sum. ``ThresholdSession`` (fhelium.multiparty.distributed) runs them; the t-out-of-N round
-(``fhelium.multiparty.dropout``) draws its own members-only challenge the same way
-(``draw_member_challenge``) and expands it with ``projection_weights``.
+The channel's fold is not trusted (docs/security.md, "Threshold aggregation"). The ranks share a
+secret challenge key, agreed at key generation (fhelium.multiparty.challenge), from which every check
+of every round derives one uniform multiplier per row and limb of each slice and one-time masks.
+Before its input is summed (in place) each rank projects it (Σ_r ρ_r·x_r mod q, exact) and hands the
+fold the masked projection, summed beside the input (``masked_projections``); once a rank holds a
+sum it projects it, range-checking it in the same pass, and the sum of the masked projections, less
+the masks' sum, must equal that projection exactly, modulo each prime (``sum_verdicts``). The fold
+never sees the multipliers, which change every round. ``ThresholdSession`` (fhelium.multiparty.
+distributed, fhelium.multiparty.sliced) runs them; the t-out-of-N round (``fhelium.multiparty.dropout``)
+draws its own members-only challenge by commit-reveal (``draw_member_challenge``) and expands it with
+``projection_weights``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from fhelium.engine import CkksEngine
 from fhelium.engine import modular as mod
 from fhelium.engine.sampling import RandomSource
+from fhelium.multiparty import challenge
 from fhelium.multiparty.channel import ShareChannel
 from fhelium.multiparty.protocol import MultipartyError
 
 SUM_CHECK_DOMAIN = b"fhelium.multiparty.sum-check.v1"
-CHALLENGE_COMMIT_DOMAIN = b"fhelium.multiparty.sum-check-commit.v1"
-CHALLENGE_DOMAIN = b"fhelium.multiparty.sum-check-challenge.v1"
 DIGEST_BYTES = 32
-SEED_BYTES = 32
 
 
 class SumCheckError(MultipartyError):
@@ -132,15 +128,22 @@ SUM_LABELS = {
 
 
 def refuse(
-    session: str, rank: int, what: str, round_number: int, detail: str, ranks: Sequence[int] = ()
+    session: str,
+    rank: int,
+    what: str,
+    round_number: int,
+    detail: str,
+    ranks: Sequence[int] = (),
+    action: str | None = None,
 ) -> SumCheckError:
     """The ``SumCheckError`` of rank ``rank`` refusing the ``what`` sum of round ``round_number``."""
     label = SUM_LABELS.get(what, what)
-    action = (
-        "refuses to publish its decryption contribution"
-        if what == "ciphertext-c1"
-        else "refuses to decode it"
-    )
+    if action is None:
+        action = (
+            "refuses to publish its decryption contribution (it published random residues in its place)"
+            if what == "ciphertext-c1"
+            else "refuses to decode it"
+        )
     return SumCheckError(
         f"aggregation round {round_number} of session {session!r}: the {label} the channel "
         f"(the aggregator's fold) returned {detail}; rank {rank} {action}. The aggregator "
@@ -152,217 +155,145 @@ def refuse(
     )
 
 
-def seed_commitment(
-    session: str, round_number: int, what: str, rank: int, world: int, seed: bytes
-) -> bytes:
-    """SHA-256 commitment of rank ``rank`` to its challenge ``seed`` for one check of one round.
-
-    Bound to the session, the round, the exchange and the rank: an earlier round's commitment (or
-    its reveal) replayed into this round, or one rank's moved to another, no longer matches.
-    """
-    header = f"{len(session)}:{session}/{round_number}/{what}/{rank}/{world}".encode()
-    return hashlib.sha256(CHALLENGE_COMMIT_DOMAIN + len(header).to_bytes(4, "big") + header + seed).digest()
-
-
-def draw_challenge(channel: ShareChannel, session: str, what: str, round_number: int) -> bytes:
-    """The check's random challenge, drawn jointly once every rank holds the sum it was handed.
-
-    Two record exchanges: every rank all-gathers the commitment to a fresh 32-byte seed
-    (``seed_commitment``), then the seed itself; a reveal that does not match its rank's commitment
-    is refused, naming the rank and the round. Returns SHA-256 of every seed in rank order (bound
-    to the session, the round and the exchange): uniform as long as one rank's seed is, and unknown
-    to the fold until every rank has revealed, which an honest rank does only after it holds its sum.
-    """
-    rank, world = channel.rank, channel.world_size
-    seed = secrets.token_bytes(SEED_BYTES)
-    mine = seed_commitment(session, round_number, what, rank, world, seed)
-    commitments = channel.all_gather_bytes(f"{what}-commit:{round_number}", mine, max_bytes=DIGEST_BYTES)
-    seeds = channel.all_gather_bytes(f"{what}-reveal:{round_number}", seed, max_bytes=SEED_BYTES)
-    forged = [
-        other
-        for other, (commitment, revealed) in enumerate(zip(commitments, seeds, strict=True))
-        if len(revealed) != SEED_BYTES
-        or len(commitment) != DIGEST_BYTES
-        or seed_commitment(session, round_number, what, other, world, revealed) != commitment
-    ]
-    if forged:
-        label = SUM_LABELS.get(what, what)
-        raise SumCheckError(
-            f"aggregation round {round_number} of session {session!r}: rank(s) {forged} revealed a "
-            f"challenge seed for the check of the {label} that does not match the commitment it "
-            f"published for round {round_number}; rank {rank} refuses to go on with the round. A "
-            "rank (or whoever rewrote its records) changed its seed after seeing the others', or "
-            "replayed an earlier round's commitment or seed (docs/security.md, 'Threshold "
-            "aggregation'); run the round again without that rank",
-            round_number,
-            forged,
-        )
-    header = f"{len(session)}:{session}/{round_number}/{what}/{world}".encode()
-    joined = b"".join(seeds)
-    return hashlib.sha256(CHALLENGE_DOMAIN + len(header).to_bytes(4, "big") + header + joined).digest()
-
-
-def challenge_weights(challenge: bytes, part: int, moduli: torch.Tensor, rows: int) -> torch.Tensor:
-    """The multipliers ``[rows, limbs, 1]`` of slice ``part`` under a drawn ``challenge``."""
-    return projection_weights(hashlib.sha256(challenge + part.to_bytes(4, "big")).digest(), moduli, rows)
-
-
-def check_sums(
-    channel: ShareChannel,
+def round_challenge(
+    key: bytes | None,
     engine: CkksEngine,
     session: str,
     what: str,
     round_number: int,
-    own: Sequence[torch.Tensor],
-    sums: Sequence[torch.Tensor],
+    rank: int,
+    world: int,
     prime_ids: Sequence[int],
-) -> None:
-    """Refuse unless every rank holds the same ``sums`` and each is the sum of the ranks' ``own``.
+    part_rows: Sequence[int],
+) -> challenge.RoundChallenge:
+    """This rank's secret challenge for the check of ``what`` in one round (``challenge.round_challenge``).
 
-    The ranks draw a challenge (``draw_challenge``: commit, reveal), every sum is projected and
-    range-checked in one pass (``project_checked``), and one record exchange carries, per part, a
-    fingerprint (SHA-256) of the projection of the sum this rank holds and the projection of this
-    rank's own residues. Every rank checks every fingerprint against its own (different sums for
-    different ranks are named) and the sum of the projections against the projection of the sum. A
-    sum out of range is refused before this rank's check record (the first thing it publishes that
-    depends on the sum) is sent.
+    ``key`` is the session's challenge key, agreed at ``generate_public_key``.
     """
-    ids = tuple(prime_ids)
-    m = engine._mod(ids)
-    for part, (mine, summed) in enumerate(zip(own, sums, strict=True)):
-        if tuple(summed.shape) != tuple(mine.shape):
-            raise refuse(
-                session,
-                channel.rank,
-                what,
-                round_number,
-                f"has shape {tuple(summed.shape)} where slice {part} has {tuple(mine.shape)}",
+    if key is None:
+        raise MultipartyError(
+            "aggregate before the challenge key of the sum checks was agreed: call generate_public_key "
+            "first (it agrees the key with the collective public key)"
+        )
+    return challenge.round_challenge(
+        key, session=session, round_number=round_number, what=what, rank=rank, world=world,
+        moduli=engine._mod(tuple(prime_ids)).q, part_rows=part_rows, ring_degree=engine.ring_degree,
+    )
+
+
+def masked_projections(
+    engine: CkksEngine,
+    prime_ids: Sequence[int],
+    drawn: challenge.RoundChallenge,
+    own: Sequence[torch.Tensor],
+    *,
+    flagged: bool = False,
+) -> torch.Tensor:
+    """``[parts, limbs, N]``: the projection of each slice of this rank's own input, masked (``flagged``:
+    plus the flag that says this rank refused the c1 sum). Taken before the input is summed in place.
+    """
+    m = engine._mod(tuple(prime_ids))
+    projections = [project_own(o, drawn, part, m.q, m.q_inverse) for part, o in enumerate(own)]
+    return challenge.masked(projections, drawn, m.q, flagged=flagged)
+
+
+def project_own(
+    residues: torch.Tensor,
+    drawn: challenge.RoundChallenge,
+    part: int,
+    q: torch.Tensor,
+    q_inverse: torch.Tensor,
+) -> torch.Tensor:
+    """``[limbs, 1]``: slice ``part`` of this rank's input projected over its rows and compressed over its
+    coefficients with the round's challenge (what its masked projection carries).
+    """
+    return challenge.compress(project(residues, drawn.weights[part], q, q_inverse), drawn.coefficients, q)
+
+
+def sum_verdicts(
+    engine: CkksEngine,
+    prime_ids: Sequence[int],
+    drawn: challenge.RoundChallenge,
+    sums: Mapping[int, torch.Tensor],
+    own_shapes: Sequence[torch.Size],
+    summed_masked: torch.Tensor,
+    world: int,
+) -> dict[int, tuple[int, str]]:
+    """Each held slice's verdict: (``challenge.sum_verdict``, or ``NOT_THE_SUM`` with the reason), by slice.
+
+    ``sums`` maps a slice to the sum this rank holds of it; ``summed_masked`` is the fold's sum of every
+    rank's masked projections (``[parts, limbs, N]``). A sum is projected and range-checked in one pass.
+    """
+    m = engine._mod(tuple(prime_ids))
+    parts = len(own_shapes)
+    verdicts: dict[int, tuple[int, str]] = {}
+    if tuple(summed_masked.shape) != (parts, len(tuple(prime_ids)), 1):
+        reason = f"came with a sum of projections of shape {tuple(summed_masked.shape)}"
+        return {part: (challenge.NOT_THE_SUM, reason) for part in sums}
+    if summed_masked.numel() and out_of_range(summed_masked, m.q):
+        return {part: (challenge.NOT_THE_SUM, "came with a sum of projections out of range") for part in sums}
+    for part, summed in sums.items():
+        if tuple(summed.shape) != tuple(own_shapes[part]):
+            verdicts[part] = (
+                challenge.NOT_THE_SUM,
+                f"has shape {tuple(summed.shape)} where slice {part} has {tuple(own_shapes[part])}",
             )
-    challenge = draw_challenge(channel, session, what, round_number)
-    weights = [
-        challenge_weights(challenge, part, m.q, s.reshape(-1, len(ids), s.size(-1)).size(0))
-        for part, s in enumerate(sums)
-    ]
-    projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
-    expected = []
-    for part, (summed, w) in enumerate(zip(sums, weights, strict=True)):
-        projection, bad = project_checked(summed, w, m.q, m.q_inverse)
+            continue
+        projection, bad = project_checked(summed, drawn.weights[part], m.q, m.q_inverse)
         if bad:  # residues at or above their prime would be congruent to a checked value yet feed the
             # modular kernels out of their range
-            raise refuse(
-                session, channel.rank, what, round_number, f"has residues outside [0, q) in slice {part}"
-            )
-        expected.append(projection)
-    fingerprints = [hashlib.sha256(p.contiguous().cpu().numpy().data).digest() for p in expected]
-    record = b"".join(
-        f + p.contiguous().cpu().numpy().tobytes() for f, p in zip(fingerprints, projections, strict=True)
-    )
-    records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
-    differing = [
-        rank
-        for rank, blob in enumerate(records)
-        if len(blob) != len(record)
-        or any(
-            blob[offset : offset + DIGEST_BYTES] != fingerprint
-            for offset, fingerprint in zip(_offsets(projections), fingerprints, strict=True)
+            verdicts[part] = (challenge.NOT_THE_SUM, f"has residues outside [0, q) in slice {part}")
+            continue
+        verdict = challenge.sum_verdict(
+            challenge.compress(projection, drawn.coefficients, m.q),
+            summed_masked[part],
+            drawn.total_mask[part],
+            drawn.flag[part],
+            m.q,
+            world,
         )
-    ]
-    if differing:
-        raise refuse(
-            session,
-            channel.rank,
-            what,
-            round_number,
-            f"differs between ranks: rank(s) {differing} were handed another one than rank "
-            f"{channel.rank} (each rank's fingerprint of the projection of its sum, all-gathered)",
-            differing,
+        verdicts[part] = (
+            verdict,
+            f"is not the sum of this round's {world} inputs (slice {part}: the secret random projections "
+            "of every rank's own input do not add up to the projection of the sum)",
         )
-    for part, offset in enumerate(_offsets(projections)):
-        total = torch.zeros_like(projections[part])
-        size = projections[part].numel() * 8
-        for blob in records:
-            start = offset + DIGEST_BYTES
-            theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
-            mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
-        if not torch.equal(total, expected[part]):
-            raise refuse(
-                session,
-                channel.rank,
-                what,
-                round_number,
-                f"is not the sum of this round's {channel.world_size} inputs (slice {part}: the "
-                "random projections of every rank's own input do not add up to the projection of the "
-                "sum)",
-            )
+    return verdicts
 
 
-def check_sliced_sums(
-    channel: ShareChannel,
-    engine: CkksEngine,
-    session: str,
-    round_number: int,
-    own: Sequence[torch.Tensor],
-    mine_index: int,
-    mine: torch.Tensor | None,
-    prime_ids: Sequence[int],
-) -> int:
-    """The summed contributions of the sliced path: slice k's sum is on rank k only. Returns this rank's
-    verdict on its slice (``SLICE_VERDICTS``: 0 when it holds none or its sum checked out).
-
-    Rank k, once it holds its sum, publishes a fresh 32-byte seed (slice k's challenge: rank k is
-    the only one that checks slice k, so its own seed, drawn after the sum arrived, is all the
-    randomness the check needs, and no commitment is needed), every rank publishes the projection of
-    its own contribution to every slice with that slice's challenge, and rank k checks its slice. The
-    verdicts travel with the decoded slices (``aggregate_sliced``): a rank whose slice failed decodes
-    nothing and publishes zeros, and every rank then refuses together with ``refuse_sliced``, naming the
-    round.
+def refuse_contributions(
+    session: str, rank: int, round_number: int, verdict: int, reason: str, world: int
+) -> SumCheckError | None:
+    """The refusal of a round whose summed contributions got ``verdict`` (``challenge.sum_verdict``) on this
+    rank, or None: j > 0 flags say j ranks refused their c1 sum (this rank's checked out).
     """
-    what = "decryption-contributions"
-    ids = tuple(prime_ids)
-    m = engine._mod(ids)
-    seed = b"" if mine is None else secrets.token_bytes(SEED_BYTES)
-    seeds = channel.all_gather_bytes(f"{what}-seed:{round_number}", seed, max_bytes=SEED_BYTES)
-    # the ranks holding a slice are the first len(own) (slices are cut in rank order)
-    weights = []
-    header = f"{len(session)}:{session}/{round_number}/{what}".encode()
-    for part, contribution in enumerate(own):
-        if len(seeds[part]) != SEED_BYTES:
-            raise refuse(
-                session, channel.rank, what, round_number, f"was never announced by rank {part}", [part]
-            )
-        rows = contribution.reshape(-1, len(ids), contribution.size(-1)).size(0)
-        challenge = hashlib.sha256(
-            CHALLENGE_DOMAIN + len(header).to_bytes(4, "big") + header + seeds[part]
-        ).digest()
-        weights.append(challenge_weights(challenge, part, m.q, rows))
-    projections = [project(o, w, m.q, m.q_inverse) for o, w in zip(own, weights, strict=True)]
-    record = b"".join(p.contiguous().cpu().numpy().tobytes() for p in projections)
-    records = channel.all_gather_bytes(f"{what}-check:{round_number}", record, max_bytes=len(record))
-    if mine is None:
-        return 0
-    size = projections[mine_index].numel() * 8
-    total = torch.zeros_like(projections[mine_index])
-    for blob in records:
-        start = mine_index * size
-        theirs = torch.frombuffer(bytearray(blob[start : start + size]), dtype=torch.int64)
-        if theirs.numel() != total.numel():
-            return SLICE_TRUNCATED
-        mod.add_mod_(total, theirs.view_as(total).to(total.device), m.q)
-    if mine.shape != own[mine_index].shape:
-        return SLICE_NOT_THE_SUM
-    expected, mine_bad = project_checked(mine, weights[mine_index], m.q, m.q_inverse)
-    if mine_bad or not torch.equal(total, expected):
-        return SLICE_NOT_THE_SUM
-    return 0
+    if verdict == 0:
+        return None
+    if verdict > 0:
+        return refuse(
+            session, rank, "ciphertext-c1", round_number,
+            f"to {verdict} rank(s) is not the sum of this round's {world} inputs (they refused it and "
+            "published random residues in place of their decryption contributions)",
+            action=f"rank {rank}'s own checked out, but it refuses to decode the round",
+        )
+    return refuse(session, rank, "decryption-contributions", round_number, reason)
+
+
+def random_residues(engine: CkksEngine, prime_ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Uniform residues shaped as ``like``: what a rank that refused its c1 sum publishes instead of its
+    contribution (independent of every secret, so the fold learns nothing from it; it decodes to noise).
+    """
+    q = engine._mod(tuple(prime_ids)).q.reshape(-1, 1).cpu()
+    drawn = RandomSource(purpose="general").uniform_below(q, tuple(like.shape))
+    return drawn.to(like.device)
 
 
 SLICE_NOT_THE_SUM = 1
-SLICE_TRUNCATED = 2
+SLICE_FLAGGED = 3
 SLICE_VERDICTS = {
     SLICE_NOT_THE_SUM: "is not the sum of this round's contributions",
-    SLICE_TRUNCATED: "a rank sent a truncated projection",
+    SLICE_FLAGGED: "holds random residues of ranks that refused their c1 sum",
 }
-"""A slice's verdict (``check_sliced_sums``) as it travels with the decoded slices, and its words."""
+"""A slice's verdict (its decoding rank's check) as it travels with the decoded slices, and its words."""
 
 
 def refuse_sliced(
@@ -383,35 +314,24 @@ def refuse_sliced(
     )
 
 
-def _offsets(projections: Sequence[torch.Tensor]) -> list[int]:
-    """Where each part's fingerprint starts in a check record (fingerprint, then its projection)."""
-    offsets, at = [], 0
-    for projection in projections:
-        offsets.append(at)
-        at += DIGEST_BYTES + projection.numel() * 8
-    return offsets
-
-
 __all__ = [
-    "CHALLENGE_COMMIT_DOMAIN",
-    "CHALLENGE_DOMAIN",
     "DIGEST_BYTES",
-    "SEED_BYTES",
+    "SLICE_FLAGGED",
     "SLICE_NOT_THE_SUM",
-    "SLICE_TRUNCATED",
     "SLICE_VERDICTS",
     "SUM_CHECK_DOMAIN",
     "SUM_LABELS",
     "SumCheckError",
-    "challenge_weights",
-    "check_sliced_sums",
-    "check_sums",
-    "draw_challenge",
+    "masked_projections",
     "out_of_range",
     "project",
     "project_checked",
+    "project_own",
     "projection_weights",
+    "random_residues",
     "refuse",
+    "refuse_contributions",
     "refuse_sliced",
-    "seed_commitment",
+    "round_challenge",
+    "sum_verdicts",
 ]

@@ -320,14 +320,19 @@ def test_threshold_mode_shows_the_controller_only_residues_shares_and_the_final_
         (residues,) = decode_bundle(message.tensors, frame.tail)
         rounds.setdefault(message.round, []).append((message.contributors[0], residues))
         folds[message.round] = message.fold
-    # Three aggregation rounds, each with one frame per rank: key shares (QP), the c1-only ciphertexts
-    # and the decryption contributions c0_i + h_i (Q).
-    assert len(rounds) == 3 and all(
+    # Five aggregation rounds, each with one frame per rank: key shares (QP), the c1-only ciphertexts,
+    # the masked projections of the c1 components (the sum check), the decryption contributions
+    # c0_i + h_i and their masked projections (Q).
+    assert len(rounds) == 5 and all(
         sorted(rank for rank, _ in frames) == [0, 1] for frames in rounds.values()
     )
-    key_round, ct_round, share_round = sorted(rounds)
+    key_round, ct_round, ct_check_round, share_round, share_check_round = sorted(rounds)
     assert folds[key_round] == "modular:" + ",".join(map(str, qp))
-    assert folds[ct_round] == folds[share_round] == "modular:" + ",".join(map(str, q))
+    assert {folds[number] for number in sorted(rounds)[1:]} == {"modular:" + ",".join(map(str, q))}
+    # a check frame is one masked projection per slice and limb, [1, limbs, 1], uniform to the controller
+    for number in (ct_check_round, share_check_round):
+        for _, residues in rounds.pop(number):
+            assert residues.shape == (1, 2, 1) and residues.dtype == torch.int64
     expected_by_round = {key_round: key_shares, ct_round: c1_frames, share_round: contributions}
     for round_number, frames in rounds.items():
         for rank, residues in frames:

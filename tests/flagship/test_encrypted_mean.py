@@ -180,7 +180,8 @@ def test_a_malicious_controller_fold_is_refused_on_the_relay_road_before_any_sha
 ) -> None:
     # Issue 29: the controller answers the c1 sum with the victim's own frame (or the sum of the
     # others'); before the fix every rank published a decryption share for it and printed the victim's
-    # update as "the mean". Now every rank refuses, naming the round, and publishes nothing.
+    # update as "the mean". Now every rank refuses, naming the round, and publishes random residues in
+    # place of its contribution.
     run = Fdl(
         "run",
         "--ranks",
@@ -209,8 +210,10 @@ def test_a_malicious_controller_fold_is_refused_on_the_relay_road_before_any_sha
     assert sorted(int(rank) for rank in refusals) == [0, 1, 2], run.output
     assert "encrypted mean PASS" not in run.output and "encrypted mean FAIL" not in run.output
     assert "ThresholdSession.decrypt called" not in run.output
-    # nothing was published for the forged sum: no rank made a contribution (decryption share)
+    # nothing derived from the forged sum was published: no rank made a contribution (decryption share),
+    # each published uniform residues in its place
     assert sorted(path.name for path in tmp_path.glob("rank*-decryption_share.pt")) == []
+    assert len(list(tmp_path.glob("rank*-random_contribution.pt"))) == 3
     assert len(list(tmp_path.glob("rank*-c1_ciphertext.pt"))) == 3
 
 

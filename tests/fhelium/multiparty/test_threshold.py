@@ -28,13 +28,10 @@ from fhelium.multiparty import (
     required_smudging_sigma,
     smudging_noise,
 )
-from fhelium.multiparty.sliced import reusable_copy
 from fhelium.multiparty.sumcheck import (
-    challenge_weights,
     out_of_range,
     project_checked,
     projection_weights,
-    seed_commitment,
 )
 from fhelium.serialization import inspect_bytes, validate_value_description, value_from_bytes, value_to_bytes
 
@@ -461,45 +458,6 @@ def test_the_range_check_refuses_a_residue_at_or_above_its_own_limbs_prime_in_an
             changed.view(-1, *shape[-2:])[row, limb, 5] = value
             assert out_of_range(changed, q) is bad
             assert project_checked(changed, weights, q, 1.0 / q.double())[1] is bad
-
-
-def test_the_sliced_roads_copy_of_c1_reuses_its_buffer_per_slice_and_shape() -> None:
-    """The copy of c1 that goes to the in-place sum lands in the thread's kept buffer for its slice: the
-    same storage round after round, a new one when the shape changes, and never the source's.
-    """
-    first = torch.randint(0, 1 << 40, (4, 2, 64))
-    copy = reusable_copy(0, first)
-    assert torch.equal(copy, first) and copy.data_ptr() != first.data_ptr()
-    again = reusable_copy(0, first + 1)
-    assert again.data_ptr() == copy.data_ptr() and torch.equal(again, first + 1)
-    other_slice = reusable_copy(1, first)
-    assert other_slice.data_ptr() != copy.data_ptr()
-    resized = reusable_copy(0, torch.zeros(3, 2, 64, dtype=torch.int64))
-    assert resized.shape == (3, 2, 64) and not resized.any()
-
-
-def test_a_challenge_seed_commitment_binds_the_session_round_exchange_rank_and_world() -> None:
-    """A seed revealed for another round, exchange, rank, world or session than the one it was
-    committed for does not match (what refuses a replayed commitment or reveal); the multipliers a
-    challenge expands to are uniform below each limb's prime and differ per slice.
-    """
-    seed = bytes(range(32))
-    reference = seed_commitment("s", 2, "ciphertext-c1", 1, 3, seed)
-    assert reference == seed_commitment("s", 2, "ciphertext-c1", 1, 3, seed)
-    for other in [
-        seed_commitment("s", 1, "ciphertext-c1", 1, 3, seed),
-        seed_commitment("s", 2, "decryption-contributions", 1, 3, seed),
-        seed_commitment("s", 2, "ciphertext-c1", 0, 3, seed),
-        seed_commitment("s", 2, "ciphertext-c1", 1, 4, seed),
-        seed_commitment("t", 2, "ciphertext-c1", 1, 3, seed),
-        seed_commitment("s", 2, "ciphertext-c1", 1, 3, bytes(32)),
-    ]:
-        assert other != reference
-    q = torch.tensor([[1125899905744897], [1125899906629633]], dtype=torch.int64)
-    weights = challenge_weights(reference, 0, q, 64)
-    assert weights.shape == (64, 2, 1)
-    assert bool((weights >= 0).all()) and bool((weights < q.reshape(1, 2, 1)).all())
-    assert not torch.equal(weights, challenge_weights(reference, 1, q, 64))
 
 
 def test_the_names_split_off_distributed_stay_importable_from_it_as_the_same_objects() -> None:

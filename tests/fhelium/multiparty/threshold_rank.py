@@ -6,7 +6,8 @@ argv: scenario, timeout_s. Scenarios: "mean"; "aggregate" (the fused ThresholdSe
 share); "aggregate-hook" / "aggregate-hook:<rank>" (aggregate with a before_contribution hook, which
 records itself, or in which the rank leaves); "leave:<rank>" (leaves after encrypting); "shape:<rank>"
 (decrypts one row fewer); "rogue-sum:<rank>" (adds another key share to the sum than it committed to);
-"rogue-open:<rank>" (opens another key share than it committed to); "malicious:<attack>" /
+"rogue-open:<rank>" (opens another key share than it committed to); "equivocate:<rank>" (seals a
+different challenge seed to each other rank at key generation); "malicious:<attack>" /
 "malicious-blocking:<attack>" (the fused aggregate, sliced or blocking, over a MaliciousFold: see there).
 Prints one JSON line with the outcome.
 """
@@ -66,6 +67,15 @@ def main() -> int:
 
             channel.all_reduce_residues = rogue_reduce  # type: ignore[method-assign]
             channel.all_gather_bytes = rogue_gather  # type: ignore[method-assign]
+        if kind == "equivocate" and rank == int(target):
+            from fhelium.multiparty import challenge
+
+            honest_seal = challenge.seal_seed
+
+            def equivocating_seal(identity: Any, seeds: Any, keys: Any, **kwargs: Any) -> bytes:  # noqa: ANN401
+                return honest_seal(identity, {r: bytes([r]) * 32 for r in seeds}, keys, **kwargs)
+
+            challenge.seal_seed = equivocating_seal  # type: ignore[assignment]
         session.generate_public_key()
         if kind == "aggregate-blocking":
             session.channel = _BlockingChannel(channel)
@@ -178,10 +188,11 @@ class MaliciousFold(ProcessGroupChannel):
     plus the victim's c1), "replay" (round 1 honest, round 2 gets round 1's sum), "zero-replay"
     (round 1 gets 0, which would open every c0; round 2 gets this round's sum plus the victim's c1 of
     round 1), "tamper-sum" (honest c1 sums; each rank's summed contributions are the victim's alone).
-    Record attacks (honest sums; what a store that rewrites records could do to rank ``VICTIM``'s
-    challenge records in round 2 of the check of ``<exchange>``, default the c1 sum):
-    "reveal-forged[@<exchange>]" (another seed than it committed to), "reveal-replayed[@<exchange>]"
-    (its round-1 seed), "commitment-replayed[@<exchange>]" (its round-1 commitment and seed).
+    Attacks with a challenge the fold was handed (``leak(round, slice, rows)``: the multipliers of
+    that slice in that round, as a test's backdoor): "learned-challenge" (in round 2, the sum plus a
+    difference round 1's multipliers project to 0 in every slice of two rows or more: what a fold that
+    learned the previous round's challenge would try), "current-challenge" (the same with round 2's
+    own multipliers, what a fold colluding with a rank could do: the check cannot stop it).
     ``published`` keeps every contribution the ranks published, as the aggregator collected them.
     """
 
@@ -192,7 +203,7 @@ class MaliciousFold(ProcessGroupChannel):
         self.slice = 0
         self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.published: list[list[torch.Tensor]] = []
-        self.records: dict[str, list[bytes]] = {}  # every record exchange's records, by tag
+        self.leak: Callable[[int, int, int], torch.Tensor] | None = None
 
     def _answer(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         q = torch.tensor([int(m) for m in moduli], dtype=torch.int64).reshape(-1, 1)
@@ -226,25 +237,14 @@ class MaliciousFold(ProcessGroupChannel):
             if self.round == 1:
                 return torch.zeros_like(honest)
             return torch.remainder(honest + self.history[(1, key[1])][1], q)
+        if attack in ("learned-challenge", "current-challenge") and self.round == 2 and honest.size(0) > 1:
+            assert self.leak is not None
+            weights = self.leak(1 if attack == "learned-challenge" else 2, key[1], honest.size(0))
+            return torch.remainder(honest + _kernel_difference(weights, honest, q), q)
         return honest
 
     def all_reduce_residues(self, tag: str, residues: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
         return self._answer(tag, residues, moduli)
-
-    def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
-        records = super().all_gather_bytes(tag, data, max_bytes)
-        self.records[tag] = list(records)
-        forgery, _, exchange = self.attack.partition("@")
-        kind, _, number = tag.partition(":")
-        steps = {f"{exchange or 'ciphertext-c1'}-{step}": step for step in ("commit", "reveal")}
-        if number != "2" or kind not in steps:
-            return records
-        earlier = self.records[f"{kind}:1"][VICTIM]
-        if forgery == "reveal-forged" and steps[kind] == "reveal":
-            records[VICTIM] = bytes(b ^ 1 for b in records[VICTIM])
-        elif forgery == "commitment-replayed" or (forgery, steps[kind]) == ("reveal-replayed", "reveal"):
-            records[VICTIM] = earlier
-        return records
 
     def start_all_reduce_residues(
         self, tag: str, residues: torch.Tensor, moduli: Sequence[int]
@@ -257,6 +257,16 @@ class MaliciousFold(ProcessGroupChannel):
     ) -> Callable[[], torch.Tensor | None]:
         answer = self._answer(tag, residues, moduli)
         return lambda: answer if self.rank == dst else None
+
+
+def _kernel_difference(weights: torch.Tensor, like: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """δ with Σ_r weights[r]·δ[r] = 0 mod q per limb and coefficient, δ ≠ 0: 1 in row 0, −w0/w1 in row 1."""
+    delta = torch.zeros_like(like)
+    for limb, modulus in enumerate(int(m) for m in q.reshape(-1)):
+        w0, w1 = int(weights[0, limb, 0]), int(weights[1, limb, 0])
+        delta[0, limb] = 1
+        delta[1, limb] = (-w0 * pow(w1, -1, modulus)) % modulus
+    return delta
 
 
 def _malicious(scenario: str, rank: int, world: int, timeout_s: float, result: dict[str, object]) -> int:
@@ -276,6 +286,17 @@ def _malicious(scenario: str, rank: int, world: int, timeout_s: float, result: d
     if kind == "malicious-blocking":
         session.channel = _BlockingChannel(channel)  # type: ignore[assignment]
     rows = -(-MALICIOUS_COUNT // 4096)
+
+    def leak(round_number: int, part: int, part_rows: int) -> torch.Tensor:
+        from fhelium.multiparty import sumcheck
+
+        drawn = sumcheck.round_challenge(
+            session.challenge_key, session.engine, "test", "ciphertext-c1", round_number, rank, world, (0, 1),
+            [part_rows] * (part + 1),
+        )
+        return drawn.weights[part]
+
+    channel.leak = leak
     rounds = []
     for round_number in (1, 2):
         channel.round, channel.slice = round_number, 0
@@ -290,25 +311,27 @@ def _malicious(scenario: str, rank: int, world: int, timeout_s: float, result: d
             rounds.append({"ok": False, "error": type(error).__name__, "message": str(error)})
     engine, scale = session.engine, THRESHOLD_AGGREGATION.message_scale
     q = torch.tensor(engine.moduli_for((0, 1)), dtype=torch.int64).reshape(-1, 1)
-    decodes: dict[str, float] = {}
+    decodes: list[dict[str, float]] = []  # per round: what the aggregator decodes from that round
     # the published contributions, one list per exchange (a round, or a slice of one): rows stacked
-    if channel.published:
-        by_rank = [torch.cat([inputs[r] for inputs in channel.published]) for r in range(world)]
-        victims = torch.cat(
-            [update(VICTIM + 10 * n, MALICIOUS_COUNT) for n in (1, 2)][: len(by_rank[0]) // rows]
-        )
+    exchanges = len(channel.published) // 2
+    for number in (1, 2):
+        inputs_of_round = channel.published[(number - 1) * exchanges : number * exchanges]
+        if not inputs_of_round:
+            continue
+        by_rank = [torch.cat([inputs[r] for inputs in inputs_of_round]) for r in range(world)]
+        victim = update(VICTIM + 10 * number, MALICIOUS_COUNT)
 
-        def error_of(summed: torch.Tensor) -> float:
+        def error_of(summed: torch.Tensor, victim: torch.Tensor = victim) -> float:
             decoded = decode_contributions(engine, torch.remainder(summed, q), (0, 1), scale)
-            flat = decoded.reshape(-1, rows * 4096)[:, :MALICIOUS_COUNT].reshape(-1)
-            return float((flat - victims).abs().max())
+            return float((decoded.reshape(-1)[:MALICIOUS_COUNT] - victim).abs().max())
 
-        decodes["all"] = error_of(sum(by_rank, torch.zeros_like(by_rank[0])))
-        decodes["victim_alone"] = error_of(by_rank[VICTIM])
-        decodes["victim_twice"] = error_of(sum(by_rank, torch.zeros_like(by_rank[0])) + by_rank[VICTIM])
-        decodes["all_but_victim"] = error_of(
-            sum((b for r, b in enumerate(by_rank) if r != VICTIM), torch.zeros_like(by_rank[0]))
-        )
+        everything = sum(by_rank, torch.zeros_like(by_rank[0]))
+        decodes.append({
+            "all": error_of(everything),
+            "victim_alone": error_of(by_rank[VICTIM]),
+            "victim_twice": error_of(everything + by_rank[VICTIM]),
+            "all_but_victim": error_of(everything - by_rank[VICTIM]),
+        })
     result.update(ok=True, rounds=rounds, decodes=decodes, published=len(channel.published))
     print(json.dumps(result), flush=True)
     _hold_the_store_until_every_live_rank_finished(rank, world)
