@@ -37,21 +37,22 @@ docs/security.md, "Threshold aggregation", holds the model and the soundness arg
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fhelium.engine import modular as mod
 from fhelium.engine.sampling import RandomSource
-from fhelium.multiparty.dealing import NONCE_BYTES, PUBLIC_KEY_BYTES, TAG_BYTES, DealingIdentity
+from fhelium.multiparty.dealing import (
+    NONCE_BYTES,
+    PUBLIC_KEY_BYTES,
+    TAG_BYTES,
+    DealingIdentity,
+    open_from,
+    seal_to_each,
+)
 from fhelium.multiparty.errors import MultipartyError
 
 AGREEMENT_DOMAIN = b"fhelium.multiparty.sum-check-key.v1"
@@ -95,15 +96,6 @@ def seed_aad(
     )
 
 
-def _aead(private: X25519PrivateKey, other: bytes, dealer: int, receiver: int) -> ChaCha20Poly1305:
-    shared = private.exchange(X25519PublicKey.from_public_bytes(other))
-    key = HKDF(
-        algorithm=hashes.SHA256(), length=32, salt=None,
-        info=AGREEMENT_DOMAIN + f"/key/{dealer}->{receiver}".encode(),
-    ).derive(shared)
-    return ChaCha20Poly1305(key)
-
-
 def fresh_seed() -> bytes:
     return secrets.token_bytes(SEED_BYTES)
 
@@ -125,16 +117,16 @@ def seal_seed(
     world = len(keys)
     if keys[dealer] != identity.public_bytes:
         raise ChallengeKeyError(f"rank {dealer}'s own public key was replaced in the key list", [dealer])
-    out = bytearray()
-    for receiver in range(world):
-        if receiver == dealer:
-            continue
-        nonce = os.urandom(NONCE_BYTES)
-        aad = seed_aad(session, common_seed, world, dealer, receiver, keys[dealer], keys[receiver])
-        out += nonce + _aead(identity.private, keys[receiver], dealer, receiver).encrypt(
-            nonce, seeds[receiver], aad
-        )
-    return bytes(out)
+    return seal_to_each(
+        identity,
+        keys,
+        dealer,
+        seeds.__getitem__,
+        lambda receiver: seed_aad(
+            session, common_seed, world, dealer, receiver, keys[dealer], keys[receiver]
+        ),
+        AGREEMENT_DOMAIN,
+    )
 
 
 def open_seed(
@@ -157,20 +149,19 @@ def open_seed(
             f"{SEALED_SEED_BYTES * (world - 1)} ({world - 1} sealed seeds of {SEALED_SEED_BYTES})",
             [dealer],
         )
-    slot = receiver if receiver < dealer else receiver - 1
-    entry = record[slot * SEALED_SEED_BYTES : (slot + 1) * SEALED_SEED_BYTES]
     aad = seed_aad(session, common_seed, world, dealer, receiver, keys[dealer], keys[receiver])
-    try:
-        return _aead(identity.private, keys[dealer], dealer, receiver).decrypt(
-            entry[:NONCE_BYTES], entry[NONCE_BYTES:], aad
-        )
-    except InvalidTag:
+    seed = open_from(
+        identity, record, keys, dealer=dealer, receiver=receiver, entry_bytes=SEALED_SEED_BYTES, aad=aad,
+        domain=AGREEMENT_DOMAIN,
+    )
+    if seed is None:
         raise ChallengeKeyError(
             f"the challenge seed rank {dealer} sealed for rank {receiver} fails authentication: it was "
             "altered, re-addressed, or sealed for another session, key generation or public key; the "
             "collective key is refused",
             [dealer],
-        ) from None
+        )
+    return seed
 
 
 def challenge_key(session: str, common_seed: bytes, keys: Sequence[bytes], seeds: Sequence[bytes]) -> bytes:

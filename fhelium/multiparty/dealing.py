@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,13 +147,62 @@ def dealing_aad(
     return DEALING_DOMAIN + len(header).to_bytes(4, "big") + header + seed + dealer_key + receiver_key
 
 
-def _aead(private: X25519PrivateKey, other: bytes, dealer: int, receiver: int) -> ChaCha20Poly1305:
+def _aead(
+    private: X25519PrivateKey, other: bytes, dealer: int, receiver: int, domain: bytes
+) -> ChaCha20Poly1305:
     shared = private.exchange(X25519PublicKey.from_public_bytes(other))
     key = HKDF(
         algorithm=hashes.SHA256(), length=32, salt=None,
-        info=DEALING_DOMAIN + f"/key/{dealer}->{receiver}".encode(),
+        info=domain + f"/key/{dealer}->{receiver}".encode(),
     ).derive(shared)
     return ChaCha20Poly1305(key)
+
+
+def seal_to_each(
+    identity: DealingIdentity,
+    keys: Sequence[bytes],
+    dealer: int,
+    payload: Callable[[int], bytes],
+    aad: Callable[[int], bytes],
+    domain: bytes,
+) -> bytes:
+    """Dealer ``dealer``'s record: for every other rank in rank order, nonce ‖ ``payload(receiver)`` sealed
+    to that rank (ChaCha20-Poly1305 under HKDF-SHA256 of the pairwise X25519 secret, direction dealer →
+    receiver, ``domain`` naming the protocol; ``aad(receiver)`` bound in). The dealing of Shamir points
+    and the sum checks' challenge seeds (fhelium.multiparty.challenge) are both such records.
+    """
+    out = bytearray()
+    for receiver in range(len(keys)):
+        if receiver == dealer:
+            continue
+        nonce = os.urandom(NONCE_BYTES)
+        sealer = _aead(identity.private, keys[receiver], dealer, receiver, domain)
+        out += nonce + sealer.encrypt(nonce, payload(receiver), aad(receiver))
+    return bytes(out)
+
+
+def open_from(
+    identity: DealingIdentity,
+    record: bytes,
+    keys: Sequence[bytes],
+    *,
+    dealer: int,
+    receiver: int,
+    entry_bytes: int,
+    aad: bytes,
+    domain: bytes,
+) -> bytes | None:
+    """What ``dealer``'s record (``seal_to_each``) sealed for ``receiver`` (this rank), or None when it fails
+    authentication. The record's length is the caller's to check first: ``len(keys) - 1`` entries of
+    ``entry_bytes``.
+    """
+    slot = receiver if receiver < dealer else receiver - 1
+    entry = record[slot * entry_bytes : (slot + 1) * entry_bytes]
+    opener = _aead(identity.private, keys[dealer], dealer, receiver, domain)
+    try:
+        return opener.decrypt(entry[:NONCE_BYTES], entry[NONCE_BYTES:], aad)
+    except InvalidTag:
+        return None
 
 
 def point_bytes(limbs: int, ring_degree: int) -> int:
@@ -178,17 +227,16 @@ def seal_points(
     parties = len(keys)
     if keys[dealer] != identity.public_bytes:
         raise DealingError(f"rank {dealer}'s own dealing key was replaced in the key list", [dealer])
-    out = bytearray()
-    for receiver in range(parties):
-        if receiver == dealer:
-            continue
-        point = points[receiver].contiguous().cpu()
-        nonce = os.urandom(NONCE_BYTES)
-        aad = dealing_aad(session, seed, parties, threshold, dealer, receiver, keys[dealer], keys[receiver])
-        out += nonce + _aead(identity.private, keys[receiver], dealer, receiver).encrypt(
-            nonce, point.numpy().tobytes(), aad
-        )
-    return bytes(out)
+    return seal_to_each(
+        identity,
+        keys,
+        dealer,
+        lambda receiver: points[receiver].contiguous().cpu().numpy().tobytes(),
+        lambda receiver: dealing_aad(
+            session, seed, parties, threshold, dealer, receiver, keys[dealer], keys[receiver]
+        ),
+        DEALING_DOMAIN,
+    )
 
 
 def open_point(
@@ -213,18 +261,17 @@ def open_point(
             f"({parties - 1} sealed points of {size})",
             [dealer],
         )
-    slot = receiver if receiver < dealer else receiver - 1
-    entry = record[slot * size : (slot + 1) * size]
-    nonce, sealed = entry[:NONCE_BYTES], entry[NONCE_BYTES:]
     aad = dealing_aad(session, seed, parties, threshold, dealer, receiver, keys[dealer], keys[receiver])
-    try:
-        plain = _aead(identity.private, keys[dealer], dealer, receiver).decrypt(nonce, sealed, aad)
-    except InvalidTag:
+    plain = open_from(
+        identity, record, keys, dealer=dealer, receiver=receiver, entry_bytes=size, aad=aad,
+        domain=DEALING_DOMAIN,
+    )
+    if plain is None:
         raise DealingError(
             f"the Shamir point rank {dealer} dealt to rank {receiver} fails authentication: it was altered, "
             "re-addressed, or sealed for another session, key generation or dealing key; refused",
             [dealer],
-        ) from None
+        )
     point = torch.frombuffer(bytearray(plain), dtype=torch.int64).view(len(moduli), ring_degree)
     q = torch.tensor(list(moduli), dtype=torch.int64).unsqueeze(-1)
     if bool(((point < 0) | (point >= q)).any()):
