@@ -124,3 +124,39 @@ def test_the_rank_launcher_settles_torch_distributed_at_exit(tmp_path: Path) -> 
         "settle: initialized True",
         "settle: after False []",
     ], lines
+
+
+def test_the_rank_launcher_finalizes_cyclic_garbage_then_freezes_the_rest(tmp_path: Path) -> None:
+    """The launcher's last atexit handler collects once (a script's cyclic garbage still has its `__del__`
+    run, with the interpreter whole) and freezes what is left, so the interpreter's own shutdown does not
+    walk it again: an object freed while the modules are torn down sees the freeze.
+    """
+    import subprocess
+    import sys
+
+    out = tmp_path / "written.txt"
+    script = tmp_path / "cyclic_garbage_at_exit.py"
+    script.write_text(
+        "import gc, sys, types\n"
+        "class Node:\n"
+        "    def __init__(self): self.me, self.open, self.path = self, open, sys.argv[1]\n"
+        "    def __del__(self):\n"
+        "        with self.open(self.path, 'w') as f: f.write('finalized')\n"
+        "class Witness:  # freed with its module at shutdown, after every atexit handler\n"
+        "    def __init__(self):\n"
+        "        self.gc, self.out, self.open, self.path = gc, sys.stdout, open, sys.argv[1]\n"
+        "    def __del__(self):\n"
+        "        with self.open(self.path) as f: text = f.read()\n"
+        "        self.out.write(f'at shutdown: frozen {self.gc.get_freeze_count() > 0}, file {text}\\n')\n"
+        "keeper = types.ModuleType('witness_keeper'); keeper.witness = Witness()\n"
+        "sys.modules['witness_keeper'] = keeper\n"
+        "Node()  # garbage in a reference cycle: only a collection finalizes it\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "flodld.launcher.rank", str(script), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["at shutdown: frozen True, file finalized"], done.stdout
