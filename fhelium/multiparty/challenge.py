@@ -115,8 +115,6 @@ def seal_seed(
     same one (a dealer that does not is named by ``check_confirmations``).
     """
     world = len(keys)
-    if keys[dealer] != identity.public_bytes:
-        raise ChallengeKeyError(f"rank {dealer}'s own public key was replaced in the key list", [dealer])
     return seal_to_each(
         identity,
         keys,
@@ -126,6 +124,7 @@ def seal_seed(
             session, common_seed, world, dealer, receiver, keys[dealer], keys[receiver]
         ),
         AGREEMENT_DOMAIN,
+        ChallengeKeyError,
     )
 
 
@@ -142,17 +141,10 @@ def open_seed(
     """The seed ``dealer`` sealed for ``receiver`` (this rank), authenticated; else ChallengeKeyError
     naming the dealer.
     """
-    world = len(keys)
-    if len(record) != SEALED_SEED_BYTES * (world - 1):
-        raise ChallengeKeyError(
-            f"rank {dealer}'s sealed challenge seeds are {len(record)} bytes; expected "
-            f"{SEALED_SEED_BYTES * (world - 1)} ({world - 1} sealed seeds of {SEALED_SEED_BYTES})",
-            [dealer],
-        )
-    aad = seed_aad(session, common_seed, world, dealer, receiver, keys[dealer], keys[receiver])
+    aad = seed_aad(session, common_seed, len(keys), dealer, receiver, keys[dealer], keys[receiver])
     seed = open_from(
         identity, record, keys, dealer=dealer, receiver=receiver, entry_bytes=SEALED_SEED_BYTES, aad=aad,
-        domain=AGREEMENT_DOMAIN,
+        domain=AGREEMENT_DOMAIN, refuse=ChallengeKeyError, what="sealed challenge seeds",
     )
     if seed is None:
         raise ChallengeKeyError(

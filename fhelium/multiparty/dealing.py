@@ -158,6 +158,10 @@ def _aead(
     return ChaCha20Poly1305(key)
 
 
+Refusal = Callable[[str, list[int]], Exception]
+"""How a protocol of sealed records refuses: its own error type, from a message and the ranks at fault."""
+
+
 def seal_to_each(
     identity: DealingIdentity,
     keys: Sequence[bytes],
@@ -165,12 +169,16 @@ def seal_to_each(
     payload: Callable[[int], bytes],
     aad: Callable[[int], bytes],
     domain: bytes,
+    refuse: Refusal,
 ) -> bytes:
     """Dealer ``dealer``'s record: for every other rank in rank order, nonce ‖ ``payload(receiver)`` sealed
     to that rank (ChaCha20-Poly1305 under HKDF-SHA256 of the pairwise X25519 secret, direction dealer →
     receiver, ``domain`` naming the protocol; ``aad(receiver)`` bound in). The dealing of Shamir points
-    and the sum checks' challenge seeds (fhelium.multiparty.challenge) are both such records.
+    and the sum checks' challenge seeds (fhelium.multiparty.challenge) are both such records. Refused
+    (``refuse``) when this rank's own public key was replaced in ``keys``.
     """
+    if keys[dealer] != identity.public_bytes:
+        raise refuse(f"rank {dealer}'s own public key was replaced in the key list", [dealer])
     out = bytearray()
     for receiver in range(len(keys)):
         if receiver == dealer:
@@ -191,11 +199,20 @@ def open_from(
     entry_bytes: int,
     aad: bytes,
     domain: bytes,
+    refuse: Refusal,
+    what: str,
 ) -> bytes | None:
     """What ``dealer``'s record (``seal_to_each``) sealed for ``receiver`` (this rank), or None when it fails
-    authentication. The record's length is the caller's to check first: ``len(keys) - 1`` entries of
-    ``entry_bytes``.
+    authentication. Refused (``refuse``, naming the dealer) unless the record is ``len(keys) - 1`` entries
+    of ``entry_bytes`` (``what``: the entries' name, plural).
     """
+    entries = len(keys) - 1
+    if len(record) != entry_bytes * entries:
+        raise refuse(
+            f"rank {dealer}'s record is {len(record)} bytes; expected {entry_bytes * entries} "
+            f"({entries} {what} of {entry_bytes})",
+            [dealer],
+        )
     slot = receiver if receiver < dealer else receiver - 1
     entry = record[slot * entry_bytes : (slot + 1) * entry_bytes]
     opener = _aead(identity.private, keys[dealer], dealer, receiver, domain)
@@ -225,8 +242,6 @@ def seal_points(
 ) -> bytes:
     """Dealer ``dealer``'s record: for every other receiver in rank order, nonce ‖ sealed point."""
     parties = len(keys)
-    if keys[dealer] != identity.public_bytes:
-        raise DealingError(f"rank {dealer}'s own dealing key was replaced in the key list", [dealer])
     return seal_to_each(
         identity,
         keys,
@@ -236,6 +251,7 @@ def seal_points(
             session, seed, parties, threshold, dealer, receiver, keys[dealer], keys[receiver]
         ),
         DEALING_DOMAIN,
+        DealingError,
     )
 
 
@@ -254,17 +270,11 @@ def open_point(
 ) -> torch.Tensor:
     """The point dealer ``dealer`` sealed for ``receiver`` (this party), checked: authenticated, in range."""
     parties = len(keys)
-    size = sealed_bytes(len(moduli), ring_degree)
-    if len(record) != size * (parties - 1):
-        raise DealingError(
-            f"rank {dealer}'s dealing record is {len(record)} bytes; expected {size * (parties - 1)} "
-            f"({parties - 1} sealed points of {size})",
-            [dealer],
-        )
     aad = dealing_aad(session, seed, parties, threshold, dealer, receiver, keys[dealer], keys[receiver])
     plain = open_from(
-        identity, record, keys, dealer=dealer, receiver=receiver, entry_bytes=size, aad=aad,
-        domain=DEALING_DOMAIN,
+        identity, record, keys, dealer=dealer, receiver=receiver,
+        entry_bytes=sealed_bytes(len(moduli), ring_degree), aad=aad, domain=DEALING_DOMAIN,
+        refuse=DealingError, what="sealed points",
     )
     if plain is None:
         raise DealingError(

@@ -186,3 +186,16 @@ def test_compressing_a_projection_is_exact_modulo_each_prime() -> None:
         for limb in range(2)
     ]
     assert challenge.compress(projection, coefficients, q).reshape(-1).tolist() == expected
+
+
+def test_a_record_of_the_wrong_length_or_a_replaced_own_key_is_refused_naming_the_dealer() -> None:
+    identities = [DealingIdentity.generate() for _ in range(3)]
+    keys = [identity.public_bytes for identity in identities]
+    common = {"session": SESSION, "common_seed": COMMON}
+    record = challenge.seal_seed(identities[0], {1: b"a" * 32, 2: b"a" * 32}, keys, dealer=0, **common)  # type: ignore[arg-type]
+    short = r"rank 0's record is 119 bytes; expected 120"
+    with pytest.raises(challenge.ChallengeKeyError, match=short) as error:
+        challenge.open_seed(identities[1], record[:-1], keys, dealer=0, receiver=1, **common)  # type: ignore[arg-type]
+    assert error.value.ranks == [0]
+    with pytest.raises(challenge.ChallengeKeyError, match="own public key was replaced"):
+        challenge.seal_seed(identities[1], {1: b"a" * 32, 2: b"a" * 32}, keys, dealer=0, **common)  # type: ignore[arg-type]
