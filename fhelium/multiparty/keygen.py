@@ -110,6 +110,26 @@ def generate_public_key(session: SessionState) -> PublicKey:
     return public
 
 
+def _exchange_public_keys(
+    session: SessionState,
+    identity: dealing.DealingIdentity,
+    exchange: str,
+    refuse: dealing.Refusal,
+    what: str,
+) -> list[bytes]:
+    """Every rank's X25519 public key (`exchange`: the record exchange's name), checked against the pins
+    and refused (`refuse`) when the transport hands this rank back another key than its own.
+    """
+    channel = session.channel
+    keys = channel.all_gather_bytes(exchange, identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES)
+    dealing.check_public_keys(keys, session.dealing_pins)
+    if keys[channel.rank] != identity.public_bytes:
+        raise refuse(
+            f"the transport returned another {what} for rank {channel.rank} than its own", [channel.rank]
+        )
+    return keys
+
+
 def agree_challenge_key(session: SessionState, seed: bytes) -> bytes:
     """N-out-of-N: the secret challenge key of the sum checks (fhelium.multiparty.challenge).
 
@@ -119,15 +139,9 @@ def agree_challenge_key(session: SessionState, seed: bytes) -> bytes:
     """
     party, channel = session.party, session.channel
     identity = session.dealing_identity or dealing.DealingIdentity.generate()
-    keys = channel.all_gather_bytes(
-        "challenge-keys", identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES
+    keys = _exchange_public_keys(
+        session, identity, "challenge-keys", challenge.ChallengeKeyError, "public key"
     )
-    dealing.check_public_keys(keys, session.dealing_pins)
-    if keys[channel.rank] != identity.public_bytes:
-        raise challenge.ChallengeKeyError(
-            f"the transport returned another public key for rank {channel.rank} than its own",
-            [channel.rank],
-        )
     mine = challenge.fresh_seed()
     record = challenge.seal_seed(
         identity, dict.fromkeys(range(channel.world_size), mine), keys, dealer=channel.rank,
@@ -157,15 +171,7 @@ def deal(session: SessionState, seed: bytes) -> None:
     assert session.threshold is not None
     party, channel, t = session.party, session.channel, session.threshold
     identity = session.dealing_identity = session.dealing_identity or dealing.DealingIdentity.generate()
-    keys = channel.all_gather_bytes(
-        "dealing-keys", identity.public_bytes, max_bytes=dealing.PUBLIC_KEY_BYTES
-    )
-    dealing.check_public_keys(keys, session.dealing_pins)
-    if keys[channel.rank] != identity.public_bytes:
-        raise dealing.DealingError(
-            f"the transport returned another dealing key for rank {channel.rank} than its own",
-            [channel.rank],
-        )
+    keys = _exchange_public_keys(session, identity, "dealing-keys", dealing.DealingError, "dealing key")
     points = shamir.deal(party, t)
     if session.dealing_audit is not None:
         for receiver, point in points.items():
