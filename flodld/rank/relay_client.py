@@ -139,7 +139,7 @@ class RelayClient:
         )
         specs, parts = encode_bundle_parts(scaled)
         layout = Layout(specs)
-        if not self._entered and self.use_shm and self.shm_mode != "off":
+        if not self._entered and self._region_free(self.next_round - 1):
             self._region_of(layout.total)  # offered before the entry: its round waits for nothing else
         self._await_entry(None)
         ranges = layout.ranges(self.chunk_bytes)
