@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flodld.agent.envpolicy import parse_accept_env
+    from flodld.agent.forkserver import HostForkServer
     from flodld.agent.ranklogs import LogDirError, RankLogSpec, attempt_dir, component, prepare_log_dir
     from flodld.agent.spawn import agent_command
     from flodld.agent.spec import (
@@ -81,12 +82,13 @@ if TYPE_CHECKING:
     from flodld.membership.switch import start_credential
     from flodld.net import scaled
     from flodld.probe import HostReport, aggregate, probe_local, render
-    from flodld.rank.warm import WARM_ENV
+    from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV
     from flodld.wire.salt import OPEN_ADMISSION_KEY, SaltError, salt_from_hex
 
 # Where each public name is defined, grouped by module (the import above is the same list).
 _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.agent.envpolicy": ("parse_accept_env",),
+    "flodld.agent.forkserver": ("HostForkServer",),
     "flodld.agent.ranklogs": ("LogDirError", "RankLogSpec", "attempt_dir", "component", "prepare_log_dir"),
     "flodld.agent.spawn": ("agent_command",),
     "flodld.agent.spec": (
@@ -147,7 +149,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
-    "flodld.rank.warm": ("WARM_ENV",),
+    "flodld.rank.warm": ("FORK_SERVER_ENV", "WARM_ENV"),
     "flodld.wire.salt": ("OPEN_ADMISSION_KEY", "SaltError", "salt_from_hex"),
 }
 
@@ -157,6 +159,7 @@ __all__ = [
     "AGENT_ENV",
     "BASE_FILE",
     "DEFAULT_CONTROLLER_PORT",
+    "FORK_SERVER_ENV",
     "LOOPBACK_HOSTS",
     "OPEN_ADMISSION_KEY",
     "SPEC_ON_STDIN",
@@ -175,6 +178,7 @@ __all__ = [
     "EarlierAttempt",
     "Finish",
     "ForwardError",
+    "HostForkServer",
     "HostReport",
     "Interrupted",
     "JoinSshdRecipe",

@@ -11,7 +11,9 @@ Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 perman
 token for a controller that checks credentials, bad config, incompatible build) — for systemd's
 RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off
 5 s doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an
-attempt that lasted longer than 2 minutes); SIGTERM ends the loop, also during the back-off.
+attempt that lasted longer than 2 minutes); SIGTERM ends the loop, also during the back-off. A persist
+loop of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once and forks each attempt's
+ranks (--no-fork-server, or join.fork_server: false, starts them cold; docs/elastic-averaging.md).
 
 The controller's `env:` is filtered: a walk-in applies thread counts (OMP_NUM_THREADS, ...), NCCL_*/GLOO_*
 tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the names --accept-env (or
@@ -30,6 +32,7 @@ controller as seen from that host (default 127.0.0.1:1337). A refused key exits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -37,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -73,6 +76,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--devices", default=None, help="'cpu:4', '0,1', 'cpu,cpu' or 'all' (default: join.devices)"
     )
     parser.add_argument("--persist", action="store_true", default=None, help="re-dial forever with backoff")
+    parser.add_argument(
+        "--no-fork-server",
+        dest="fork_server",
+        action="store_false",
+        default=None,
+        help="with --persist, start every rank cold instead of forking it from a process that loaded torch "
+        "once (default: join.fork_server)",
+    )
     parser.add_argument("--project", default=".", help="directory holding fdl.yml (default: .)")
     parser.add_argument(
         "--ssh",
@@ -109,6 +120,8 @@ class JoinPlan:
     spec: api.AgentSpec
     persist: bool
     ssh: api.SshEndpoint | None = None  # --ssh: every attempt dials through its own fresh forward
+    fork_server: bool = False  # --persist keeps a fork server for its agents' CPU ranks
+    fork_server_path: str | None = None  # its socket, once started (join_loop)
 
 
 def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> JoinPlan:
@@ -181,9 +194,9 @@ def resolve_plan(args: argparse.Namespace, stdin_token: str | None = None) -> Jo
         logs=logs,
     )
     # The agent is flodld's own process; PROGRAM starts only as its ranks (a stock torchrun script works).
-    return JoinPlan(
-        api.agent_command(), spec, bool(args.persist) or block.persist, _ssh_endpoint(args, block)
-    )
+    persist = bool(args.persist) or block.persist
+    fork_server = persist and (block.fork_server if getattr(args, "fork_server", None) is None else False)
+    return JoinPlan(api.agent_command(), spec, persist, _ssh_endpoint(args, block), fork_server)
 
 
 def _ssh_endpoint(args: argparse.Namespace, block: api.WalkInConfig) -> api.SshEndpoint | None:
@@ -235,7 +248,7 @@ def _attempt_through_ssh(plan: JoinPlan) -> int:
         update={"controller_host": "127.0.0.1", "controller_port": forward.local_port}
     )
     try:
-        return attempt(JoinPlan(plan.command, spec, plan.persist))
+        return attempt(replace(plan, spec=spec, ssh=None))
     finally:
         forward.close()
 
@@ -246,6 +259,8 @@ def attempt(plan: JoinPlan) -> int:
         return _attempt_through_ssh(plan)
     env = {**os.environ, api.AGENT_ENV: api.encode_spec(plan.spec), "FLODL_HOST_NAME": plan.spec.host}
     env.pop(TOKEN_ENV, None)
+    if plan.fork_server_path is not None:
+        env[api.FORK_SERVER_ENV] = plan.fork_server_path
     try:
         child = subprocess.Popen(plan.command, env=env, stdin=subprocess.DEVNULL)
     except OSError as error:
@@ -291,9 +306,10 @@ def join_loop(
     re-armed 5 s after any run, done or failed, instead of at the doubled back-off of its idle dials.
     """
     backoff = api.scaled(BACKOFF_INITIAL_SECS)
-    with tempfile.TemporaryDirectory(prefix="fdl-join-") as marks:
+    with tempfile.TemporaryDirectory(prefix="fdl-join-") as marks, _fork_server(plan, marks) as forks:
         mark = Path(marks) / "formed"
-        marked = replace(plan, spec=plan.spec.model_copy(update={"formed_file": str(mark)}))
+        marked = replace(plan, spec=plan.spec.model_copy(update={"formed_file": str(mark)}),
+                         fork_server_path=forks.path if forks is not None else None)  # fmt: skip
         while True:
             mark.unlink(missing_ok=True)
             started = clock()
@@ -314,6 +330,29 @@ def join_loop(
             say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
             sleep(backoff)
             backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
+
+
+@contextlib.contextmanager
+def _fork_server(plan: JoinPlan, directory: str) -> Iterator[api.HostForkServer | None]:
+    """The fork server of a persist loop (in its private `directory`), stopped when the loop ends; None
+    when not asked for, or when this host's ranks are not CPU ranks named up front (they start cold).
+    """
+    forks = None
+    if plan.fork_server:
+        try:
+            forks = api.HostForkServer.start(plan.spec.devices, directory, os.environ, drop=(TOKEN_ENV,))
+            devices = plan.spec.devices
+            if forks is None and devices:
+                say(f"fork server not started, ranks start cold: devices {devices} are not all CPU ranks")
+            elif forks is None:
+                say("fork server not started, ranks start cold: name this host's CPU ranks (--devices cpu:N)")
+        except OSError as error:
+            say(f"fork server not started, ranks start cold: {error}")
+    try:
+        yield forks
+    finally:
+        if forks is not None:
+            forks.close()
 
 
 def main(args: argparse.Namespace) -> int:

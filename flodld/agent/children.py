@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from flodld.agent import supervision as sv
 from flodld.agent.ranklogs import RankLogSink
@@ -23,10 +24,26 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
+class ChildProcess(Protocol):
+    """What the agent uses of a child: a process it started, or a rank its host's fork server forked
+    (flodld.agent.forkserver.ForkedRank).
+    """
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+    @property
+    def stderr(self) -> asyncio.StreamReader | None: ...
+    async def wait(self) -> int: ...
+
+
 @dataclass
 class Child:
     label: str
-    process: asyncio.subprocess.Process
+    process: ChildProcess
     rank: int | None  # None for the relay
     tail: OutputTail | None = None  # a rank's last output lines, for its exit report
     error_file: Path | None = None  # the rank's TORCHELASTIC_ERROR_FILE

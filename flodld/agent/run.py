@@ -18,8 +18,9 @@ from typing import TypeVar, assert_never
 
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
-from flodld.agent.children import Child, exit_report, forward_output, say
+from flodld.agent.children import Child, ChildProcess, exit_report, forward_output, say
 from flodld.agent.exits import exit_event
+from flodld.agent.forkserver import ForkServer
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world, rejoin
 from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
 from flodld.agent.spawn import (
@@ -38,7 +39,7 @@ from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRe
 from flodld.agent.warmpool import WarmPool
 from flodld.membership.switch import start_credential
 from flodld.rank.env import STACK_DUMP_SIGNAL
-from flodld.rank.warm import WARM_ENV, warm_count
+from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
@@ -57,9 +58,16 @@ T = TypeVar("T")
 
 
 class AgentShell:
-    def __init__(self, spec: AgentSpec, devices: list[str], warm: WarmPool | None = None) -> None:
+    def __init__(
+        self,
+        spec: AgentSpec,
+        devices: list[str],
+        warm: WarmPool | None = None,
+        forks: ForkServer | None = None,
+    ) -> None:
         self.spec = spec
         self.devices = devices
+        self.forks = forks  # this host's fork server (fdl join --persist): ranks forked with torch loaded
         self.warm = warm  # ranks that loaded torch while this agent joined (flodld.rank.warm)
         self.warm_count = len(warm) if warm is not None else 0  # re-armed for each attempt on a kept link
         self.next_warm: asyncio.Task[WarmPool] | None = None  # the next attempt's, while this one trains
@@ -230,10 +238,10 @@ class AgentShell:
             spec = relay_spec_for(
                 formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno()
             )
-            process = await spawn_child(relay_command(), relay_environment(os.environ, spec),
-                                        pass_fds=[listener.fileno()])  # fmt: skip
+            relay = await spawn_child(relay_command(), relay_environment(os.environ, spec),
+                                      pass_fds=[listener.fileno()])  # fmt: skip
             listener.close()  # the relay owns it now
-            self._adopt(Child("relay", process, None), f"[{host}:relay] ")
+            self._adopt(Child("relay", relay, None), f"[{host}:relay] ")
         # After the relay started (it does not need it): a few store round trips in a world of several hosts,
         # given up as soon as the host is being torn down (its ranks then start only to be terminated).
         node = None
@@ -263,12 +271,15 @@ class AgentShell:
             error_file = Path(self.error_dir) / f"rank-{rank}.json"
             env[ERROR_FILE_ENV] = str(error_file)  # torch's @record writes the rank's exception there
             sink = sinks[local_rank]
-            # A warm rank's stderr shares its stdout pipe: logs that keep the streams apart want a cold one.
-            warm = None
-            if self.warm is not None and not sink.splits_streams:
-                warm = await self.warm.take(argv, env, say)
             split = sink.splits_streams
-            process = warm if warm is not None else await spawn_child(argv, env, split_stderr=split)
+            process: ChildProcess | None = None
+            # A warm rank's stderr shares its stdout pipe: logs that keep the streams apart want a cold one.
+            if self.warm is not None and not split:
+                process = await self.warm.take(argv, env, say)
+            if process is None and self.forks is not None:
+                process = await self.forks.take(argv, env, device=device, split_stderr=split, say=say)
+            if process is None:
+                process = await spawn_child(argv, env, split_stderr=split)
             child = Child(f"rank {rank}", process, rank, OutputTail(self.scrub), error_file)
             self._adopt(child, f"[{host}:{device}:r{rank}] ", sink)
         if self.warm is not None:
@@ -505,6 +516,8 @@ def run_agent(spec: AgentSpec | None = None) -> int:
 
 async def _run_agent(spec: AgentSpec | None, warm: int) -> int:
     pool = await WarmPool.start(warm, os.environ) if warm else None
+    fork_server = os.environ.pop(FORK_SERVER_ENV, None)
+    forks = await ForkServer.connect(fork_server, say) if fork_server else None
     try:
         try:
             if spec is None:  # the spec may come on stdin, later: read it off the event loop
@@ -513,7 +526,9 @@ async def _run_agent(spec: AgentSpec | None, warm: int) -> int:
         except (ValueError, DeviceError) as error:
             say(str(error))
             return ExitClass.PERMANENT
-        return await AgentShell(spec, devices, warm=pool).run()
+        return await AgentShell(spec, devices, warm=pool, forks=forks).run()
     finally:
         if pool is not None:
             await pool.close()
+        if forks is not None:
+            forks.close()  # the server kills any rank of ours still running

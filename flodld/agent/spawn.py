@@ -18,13 +18,14 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from flodld.agent.children import ChildProcess
 from flodld.agent.spec import AGENT_ENV, encode_spec
 from flodld.rank import env as rank_env
-from flodld.rank.warm import WARM_ENV, WARM_FLAG
+from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV, WARM_FLAG
 from flodld.relay.spec import RELAY_ENV, RelayRoleSpec
 from flodld.wire.join import WorldEnvelope, WorldFormed
 
-ROLE_VARIABLES = (AGENT_ENV, RELAY_ENV, WARM_ENV)
+ROLE_VARIABLES = (AGENT_ENV, RELAY_ENV, WARM_ENV, FORK_SERVER_ENV)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -260,8 +261,10 @@ def relay_spec_for(
     )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL if the agent dies, so no rank outlives its supervisor."""
+def die_with_parent() -> None:
+    """In a child (before exec, or after a fork server's fork): SIGKILL when its parent dies, so no rank
+    outlives its supervisor.
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -283,7 +286,7 @@ async def spawn_child(
         stderr=asyncio.subprocess.PIPE if split_stderr else asyncio.subprocess.STDOUT,
         start_new_session=True,
         pass_fds=tuple(pass_fds),
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )
 
 
@@ -296,11 +299,11 @@ async def spawn_warm(env: Mapping[str, str]) -> asyncio.subprocess.Process:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )
 
 
-def signal_group(process: asyncio.subprocess.Process, signum: int) -> None:
+def signal_group(process: ChildProcess, signum: int) -> None:
     """Send `signum` to the child's process group; a group already gone is fine."""
     try:
         os.killpg(process.pid, signum)

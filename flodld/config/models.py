@@ -121,6 +121,8 @@ class WalkInConfig(BaseModel):
     host: Host | None = None
     devices: DeviceSpec = ALL_DEVICES
     persist: Flag = False
+    # With persist: ranks forked from a server that loaded torch once (docs/elastic-averaging.md).
+    fork_server: Flag = True
     # Controller env names this walk-in applies beyond the safe set (flodld.agent.envpolicy).
     accept_env: tuple[
         Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], ...

@@ -14,6 +14,8 @@ rank that loaded torch then ends about twice as fast once its script is done (0.
 
 `python -m flodld.launcher.rank --warm` is a warm rank (`flodld.rank.warm`): it loads torch first, then
 reads its script, arguments and environment from one line on stdin and goes on as above.
+`python -m flodld.launcher.rank --fork-server` loads torch once and forks a rank per request
+(`flodld.launcher.forkserver`); each fork goes on as above.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import runpy
 import sys
 
 from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment, register_stack_dump
-from flodld.rank.warm import MAX_HANDOFF_BYTES, WARM_FLAG, HandoffError, decode_handoff
+from flodld.rank.warm import FORK_SERVER_FLAG, MAX_HANDOFF_BYTES, WARM_FLAG, HandoffError, decode_handoff
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == [FORK_SERVER_FLAG] and len(argv) == 2 and argv[1].isdigit():
+        argv = _serve_forks(int(argv[1]))  # returns in a forked child only
     atexit.register(_collect_once_before_shutdown)  # registered before any other of ours: runs after them
     if argv == [WARM_FLAG]:
         argv = _wait_warm()
@@ -77,6 +81,19 @@ def _wait_warm() -> list[str]:
     os.dup2(devnull, 0)
     os.close(devnull)
     return argv
+
+
+def _serve_forks(listen_fd: int) -> list[str]:
+    """The fork server (flodld.launcher.forkserver): load torch once, then fork ranks on request; the
+    argv of the rank this process has become.
+    """
+    import socket
+
+    from flodld.launcher import forkserver
+
+    forkserver.preload()
+    listener = socket.socket(fileno=listen_fd)
+    return forkserver.serve(listener)
 
 
 def _record_failure(error: BaseException) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 WARM_ENV: Final = "FLODL_AGENT_WARM_RANKS"
@@ -99,3 +100,98 @@ def decode_handoff(line: bytes) -> tuple[list[str], dict[str, str]]:
     ):
         raise HandoffError("hand-off env must map variable names (no '=') to strings (no NUL)")
     return argv, env
+
+
+# The fork server (`python -m flodld.launcher.rank --fork-server`): a warm rank that never becomes a rank
+# itself but forks one per request, so a host that starts ranks again and again (a `fdl join --persist`
+# loop re-admitted after each fault) pays torch's import once. The requests are hand-off lines (above)
+# sent over a unix SOCK_SEQPACKET socket with the rank's stdout (and stderr, when apart) as SCM_RIGHTS
+# descriptors; the replies below are one JSON object per packet.
+
+FORK_SERVER_ENV: Final = "FLODL_FORK_SERVER"
+"""On an agent: the path of its host's fork server socket (set by `fdl join`). Not inherited by its
+children."""
+
+FORK_SERVER_FLAG: Final = "--fork-server"
+"""`python -m flodld.launcher.rank --fork-server FD`: load torch, then fork ranks on request (FD listens)."""
+
+MAX_REPLY_BYTES: Final = 64 << 10
+MAX_REQUEST_BYTES: Final = 128 << 10
+"""A fork request's cap (one packet: within a unix socket's default send buffer); a rank whose hand-off is
+longer starts cold."""
+MAX_STREAM_FDS: Final = 2  # stdout, and stderr when the rank's log keeps the streams apart
+
+
+class ForkReplyError(ValueError):
+    """A fork server reply that is not one of `Ready`, `Forked`, `Refused`, `Exited`."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The server's first packet on a connection: its start-up variables (see `startup_differences`)."""
+
+    startup: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Forked:
+    """The request was served: the rank's pid (its own session, so its process group is its pid)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The request was not served (the agent starts the rank cold), and why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A rank this connection asked for has exited: its code as subprocess reports it (-N: signal N)."""
+
+    pid: int
+    code: int
+
+
+ForkReply = Ready | Forked | Refused | Exited
+
+_REPLY_FIELDS: Final[dict[str, tuple[type, dict[str, type]]]] = {
+    "ready": (Ready, {"startup": dict}),
+    "forked": (Forked, {"pid": int}),
+    "refused": (Refused, {"reason": str}),
+    "exited": (Exited, {"pid": int, "code": int}),
+}
+_REPLY_KIND: Final = {cls: kind for kind, (cls, _) in _REPLY_FIELDS.items()}
+
+
+def encode_reply(reply: ForkReply) -> bytes:
+    """One reply packet."""
+    packet = json.dumps({"kind": _REPLY_KIND[type(reply)], **vars(reply)}, separators=(",", ":")).encode()
+    if len(packet) > MAX_REPLY_BYTES:
+        raise ForkReplyError(f"a fork server reply of {len(packet)} bytes is over {MAX_REPLY_BYTES}")
+    return packet
+
+
+def decode_reply(packet: bytes) -> ForkReply:
+    """The reply in one packet; ForkReplyError naming what is wrong."""
+    if len(packet) > MAX_REPLY_BYTES:
+        raise ForkReplyError(f"fork server reply over the {MAX_REPLY_BYTES}-byte cap")
+    try:
+        message = json.loads(packet)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ForkReplyError(f"fork server reply is not JSON: {error}") from None
+    kind = message.get("kind") if isinstance(message, dict) else None
+    if kind not in _REPLY_FIELDS:
+        raise ForkReplyError(f"fork server reply of unknown kind {kind!r}")
+    cls, fields = _REPLY_FIELDS[kind]
+    values = {name: message.get(name) for name in fields}
+    if set(message) != {"kind", *fields} or not all(
+        isinstance(values[name], of) and not isinstance(values[name], bool) for name, of in fields.items()
+    ):
+        raise ForkReplyError(f"fork server {kind!r} reply must have exactly the fields {sorted(fields)}")
+    startup = values.get("startup")
+    if isinstance(startup, dict) and not all(isinstance(v, str) for v in startup.values()):
+        raise ForkReplyError("fork server 'ready' reply: startup must map names to strings")
+    return cls(**values)  # type: ignore[no-any-return]  # one of the four, by the table

@@ -106,6 +106,10 @@ def test_two_persist_walk_ins_carry_three_successive_runs_of_one_daemon(tmp_path
             assert walk_in.process.poll() is None
             # (its line may follow the run's end in the history by a moment on a loaded machine)
             walk_in.wait_for(r"re-dialing in", timeout=60, count=3)
+            # Each run's rank was forked by the loop's one fork server (torch loaded once), rank 1's failing
+            # fork of the second run included; none started cold.
+            assert walk_in.output.count("forked by this host's fork server") >= 3, walk_in.output[-3000:]
+            assert "starting it cold" not in walk_in.output, walk_in.output[-3000:]
         status = Fdl("status", "--addr", f"127.0.0.1:{port}", "--history")
         assert status.wait() == 0, status.output
         assert "persist-2" in status.output and "failed" in status.output, status.output

@@ -134,3 +134,54 @@ def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
 
     assert join_command.join_loop(plan, sleep=sleep, clock=lambda: now[0]) == 2
     assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0]
+
+
+@pytest.mark.parametrize(
+    ("block", "flags", "kept"),
+    [
+        ("  persist: true\n", [], True),
+        ("  persist: true\n", ["--no-fork-server"], False),
+        ("  persist: true\n  fork_server: false\n", [], False),
+        ("", [], False),  # one attempt: nothing to fork twice
+        ("", ["--persist"], True),
+    ],
+)
+def test_a_persist_loop_keeps_a_fork_server_unless_told_not_to(
+    tmp_path: Path, block: str, flags: list[str], kept: bool
+) -> None:
+    directory = project(tmp_path, f"join:\n  program: {tmp_path / 'train.py'}\n  devices: ['cpu:2']\n{block}")
+    assert join_command.resolve_plan(parse("--project", str(directory), *flags)).fork_server is kept
+
+
+def test_the_loops_agents_are_told_its_fork_server_which_ends_with_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "train.py").write_text("")
+    plan = join_command.resolve_plan(parse(
+        "--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist", "--devices", "cpu:2"
+    ))  # fmt: skip
+    seen: list[str | None] = []
+
+    def attempt(marked: join_command.JoinPlan) -> int:
+        seen.append(marked.fork_server_path)
+        assert marked.fork_server_path is not None and Path(marked.fork_server_path).is_socket()
+        return 2 if len(seen) == 2 else 1
+
+    monkeypatch.setattr(join_command, "attempt", attempt)
+    assert join_command.join_loop(plan, sleep=lambda _: None, clock=lambda: 0.0) == 2
+    assert len(seen) == 2 and seen[0] == seen[1]  # one server for every attempt of the loop
+    assert seen[0] is not None and not Path(seen[0]).exists()  # gone with the loop
+
+
+def test_an_attempt_hands_the_fork_server_to_its_agent_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "train.py").write_text("")
+    plan = join_command.resolve_plan(
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+    )
+    script = "import os, sys; sys.exit(3 if os.environ.get('FLODL_FORK_SERVER') == '/run/fs' else 4)"
+    from dataclasses import replace
+
+    marked = replace(plan, command=[sys.executable, "-c", script], fork_server_path="/run/fs")
+    assert join_command.attempt(marked) == 3
