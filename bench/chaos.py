@@ -51,6 +51,7 @@ from chaoslib import (
     attribute_loss,
     children,
     false_alarms,
+    is_agent,
     marked_pids,
     match_joins,
     match_losses,
@@ -264,7 +265,8 @@ class Bench:
         index = int(host[1:])
         ranks = [rank for rank, _ in live[host]]
         if kind == "agent SIGKILL":
-            agents = children(self.loops[index].pid)
+            # The loop's agent, not its fork server (the loop's other child: killing it kills the ranks only).
+            agents = [pid for pid in children(self.loops[index].pid) if is_agent(pid)]
             if not agents:
                 return f"{host}'s persist loop has no agent right now"
             at = time.time()

@@ -116,6 +116,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def is_agent(pid: int) -> bool:
+    """Whether `pid` is a flodld agent (`python -m flodld.agent`)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"flodld.agent" in argv
+
+
 def alive(pid: int) -> bool:
     try:
         return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()

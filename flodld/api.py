@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     from flodld.membership.switch import start_credential
     from flodld.net import scaled
     from flodld.probe import HostReport, aggregate, probe_local, render
-    from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV
+    from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV, startup_variables
     from flodld.wire.salt import OPEN_ADMISSION_KEY, SaltError, salt_from_hex
 
 # Where each public name is defined, grouped by module (the import above is the same list).
@@ -149,7 +149,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
-    "flodld.rank.warm": ("FORK_SERVER_ENV", "WARM_ENV"),
+    "flodld.rank.warm": ("FORK_SERVER_ENV", "WARM_ENV", "startup_variables"),
     "flodld.wire.salt": ("OPEN_ADMISSION_KEY", "SaltError", "salt_from_hex"),
 }
 
@@ -230,6 +230,7 @@ __all__ = [
     "salt_from_hex",
     "scaled",
     "start_credential",
+    "startup_variables",
     "verdict_event",
 ]
 

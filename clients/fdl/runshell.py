@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -91,10 +93,51 @@ def _warm_ranks(worker: Any, command: list[str]) -> int:  # noqa: ANN401  a Clus
     return len(devices) if all(device.startswith("cpu") for device in devices) else 0
 
 
+class _Forks:
+    """The run's fork server (flodld.agent.forkserver): one `import torch` for the CPU ranks of every local
+    agent of every attempt, instead of one per rank. It serves the agents whose ranks number what it was
+    started for and whose `env:` sets no start-up variable; the others keep their warm ranks.
+    """
+
+    def __init__(self, command: list[str], local: list[Any]) -> None:
+        counts = [_warm_ranks(worker, command) for worker in local]
+        fitting = [count for worker, count in zip(local, counts, strict=True)
+                   if count and not api.startup_variables(worker.env)]  # fmt: skip
+        self.ranks = max(set(fitting), key=fitting.count) if fitting else 0
+        self.directory = tempfile.mkdtemp(prefix="fdl-run-forks-") if self.ranks else None
+        self.server: api.HostForkServer | None = None
+        if self.directory is not None:
+            try:
+                self.server = api.HostForkServer.start([f"cpu:{self.ranks}"], self.directory, os.environ)
+            except OSError as error:
+                say(f"fork server not started, ranks start warm: {error}")
+
+    def serves(self, worker: Any, command: list[str]) -> bool:  # noqa: ANN401  a ClusterConfig worker
+        return (
+            self.server is not None
+            and _warm_ranks(worker, command) == self.ranks
+            and not api.startup_variables(worker.env)
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
 async def _spawn_agents(
-    command: list[str], local: list[Any], rank_filter: frozenset[int] | None
+    command: list[str], local: list[Any], rank_filter: frozenset[int] | None, forks: _Forks | None = None
 ) -> list[asyncio.subprocess.Process]:
-    """The local agents of one attempt, their spec to follow on stdin; each starts its warm ranks at once."""
+    """The local agents of one attempt, their spec to follow on stdin; each starts its warm ranks at once,
+    or is told the run's fork server.
+    """
+
+    def roles(worker: Any) -> dict[str, str]:  # noqa: ANN401  a ClusterConfig worker
+        if forks is not None and forks.server is not None and forks.serves(worker, command):
+            return {api.FORK_SERVER_ENV: forks.server.path}
+        return {api.WARM_ENV: str(_warm_ranks(worker, command))}
+
     return [
         await asyncio.create_subprocess_exec(
             *api.agent_command(),
@@ -102,7 +145,7 @@ async def _spawn_agents(
                 **os.environ,
                 **worker.env,
                 api.AGENT_ENV: api.SPEC_ON_STDIN,
-                api.WARM_ENV: str(_warm_ranks(worker, command)),
+                **roles(worker),
             },
             stdin=asyncio.subprocess.PIPE,
             stdout=None if rank_filter is None else asyncio.subprocess.PIPE,
@@ -131,6 +174,7 @@ async def _start_attempt(
     logs: api.RankLogSpec | None = None,
     on_formed: Callable[[], None] | None = None,
     kept: _Kept | None = None,
+    forks: _Forks | None = None,
 ) -> _Attempt:
     """A fresh world: a new controller run (run id, salt, keys) and the local agents dialing it.
 
@@ -142,7 +186,7 @@ async def _start_attempt(
     # Hosts kept linked from the attempt before need none: their agents serve this attempt too.
     kept_agents = kept.agents if kept is not None else {}
     launch = [worker for worker in local if worker.host not in kept_agents]
-    agents = await _spawn_agents(command, launch, rank_filter)
+    agents = await _spawn_agents(command, launch, rank_filter, forks)
     filters: list[asyncio.Future[None]] = [
         asyncio.ensure_future(_filter_rank_output(agent.stdout, rank_filter))
         for agent in agents
@@ -236,9 +280,10 @@ class _RunShell:
         *,
         rank_filter: frozenset[int] | None,
         logs: api.RankLogSpec | None,
+        forks: _Forks | None = None,
     ) -> None:
         self.command, self.cluster, self.local, self.overrides = command, cluster, local, overrides
-        self.rank_filter, self.logs = rank_filter, logs
+        self.rank_filter, self.logs, self.forks = rank_filter, logs, forks
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.attempt: _Attempt | None = None
@@ -276,7 +321,7 @@ class _RunShell:
             self.command, self.cluster, self.local, self.overrides,
             restart_count=action.restart_count, max_restarts=action.max_restarts,
             rank_filter=self.rank_filter, logs=self.logs,
-            on_formed=lambda: self.events.put_nowait(api.WorldFormed()), kept=kept,
+            on_formed=lambda: self.events.put_nowait(api.WorldFormed()), kept=kept, forks=self.forks,
         )  # fmt: skip
         if self.logs is not None and self.logs.run is None:  # the run's directory: its first attempt's id
             self.logs = self.logs.model_copy(update={"run": self.attempt.controller.run_id})
@@ -358,8 +403,12 @@ async def run_job(
     local = [worker for worker in cluster.workers if worker.is_local(cluster.controller.host)]
     bound = cluster.controller.join.max_restarts if max_restarts is None else max_restarts
     supervisor = api.RunSupervisor([worker.host for worker in local], max_restarts=bound)
-    shell = _RunShell(command, cluster, local, overrides, rank_filter=rank_filter, logs=logs)
-    return await api.drive_run(supervisor, shell)
+    forks = _Forks(command, local)
+    try:
+        shell = _RunShell(command, cluster, local, overrides, rank_filter=rank_filter, logs=logs, forks=forks)
+        return await api.drive_run(supervisor, shell)
+    finally:
+        await asyncio.to_thread(forks.close)  # after the agents: any rank still running goes with it
 
 
 OUTPUT_LINE_LIMIT = 1024 * 1024

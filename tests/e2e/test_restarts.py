@@ -74,9 +74,10 @@ def test_a_killed_rank_is_restarted_once_and_the_script_resumes_to_the_fault_fre
     assert re.search(r"run done: .*\(after 1 restart\(s\): attempt 1: ", run.output), run.output
     # attempt 1 started both ranks at step 1; attempt 2 (TORCHELASTIC_RESTART_COUNT=1) resumed after step 4
     assert attempts(tmp_path) == [(0, 0, 1), (0, 1, 5), (1, 0, 1), (1, 1, 5)]
-    # every rank of both attempts was warm (attempt 2's started by the kept agent while attempt 1 trained)
-    assert warm_flags(tmp_path) == [1, 1, 1, 1], (tmp_path / "attempts.txt").read_text()
-    assert "warm rank not used" not in run.output
+    # every rank of both attempts was forked by the run's fork server with torch loaded (attempt 2's by the
+    # same server, for the agent kept linked)
+    assert warm_flags(tmp_path) == [2, 2, 2, 2], (tmp_path / "attempts.txt").read_text()
+    assert "warm rank not used" not in run.output and "starting it cold" not in run.output
     assert torch.equal(torch.load(tmp_path / "final.pt"), fault_free)
 
 

@@ -8,7 +8,8 @@ bit for bit, as one that never failed. Arguments: OUT_DIR STEPS EVERY [FAULT_STE
 SIGKILLs itself at step FAULT_STEP. Rank 0 writes the
 final parameters to OUT_DIR/final.pt; every rank appends `rank restart_count start_step warm` to
 OUT_DIR/attempts.txt when it starts (`warm` 1 when the process started as a warm rank of flodld,
-`python -m flodld.launcher.rank --warm`, that loaded torch before its world formed). With
+`python -m flodld.launcher.rank --warm`, that loaded torch before its world formed; 2 when a fork server,
+`python -m flodld.launcher.rank --fork-server FD`, forked it with torch loaded; 0 a cold start). With
 CKPT_STEP_SECONDS set, every step sleeps that long first (a run long enough to lose a host in).
 """
 
@@ -42,7 +43,7 @@ def main() -> None:
         saved = torch.load(ckpt)
         w, start = saved["w"], saved["step"] + 1
     with open(out / "attempts.txt", "a") as log:
-        log.write(f"{rank} {restart} {start} {int('--warm' in sys.orig_argv)}\n")
+        log.write(f"{rank} {restart} {start} {1 if '--warm' in sys.orig_argv else 2 if '--fork-server' in sys.orig_argv else 0}\n")
     pause = float(os.environ.get("CKPT_STEP_SECONDS", "0"))
     for step in range(start, steps + 1):
         if pause:
