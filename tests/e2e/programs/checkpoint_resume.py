@@ -43,7 +43,8 @@ def main() -> None:
         saved = torch.load(ckpt)
         w, start = saved["w"], saved["step"] + 1
     with open(out / "attempts.txt", "a") as log:
-        log.write(f"{rank} {restart} {start} {1 if '--warm' in sys.orig_argv else 2 if '--fork-server' in sys.orig_argv else 0}\n")
+        warm = 1 if "--warm" in sys.orig_argv else 2 if "--fork-server" in sys.orig_argv else 0
+        log.write(f"{rank} {restart} {start} {warm}\n")
     pause = float(os.environ.get("CKPT_STEP_SECONDS", "0"))
     for step in range(start, steps + 1):
         if pause:

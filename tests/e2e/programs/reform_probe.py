@@ -2,8 +2,9 @@
 test_restarts.py; no flodld import). Arguments: OUT_DIR HOST (PROBE_HOST in the environment wins). Every
 rank appends `restart rank world agent_pid host` to OUT_DIR/attempts.txt once its process group formed
 (`agent_pid`: the agent that supervises it, so a host kept linked across a restart shows the same one
-twice: its parent, or, for a rank a fork server forked, the process reading its stdout). On the first attempt (TORCHELASTIC_RESTART_COUNT=0) the ranks all-reduce every 0.2 s for two
-minutes, a run long enough to lose a host in; on a later attempt they all-reduce three times and end.
+twice: its parent, or, for a rank a fork server forked, the process reading its stdout). On the
+first attempt (TORCHELASTIC_RESTART_COUNT=0) the ranks all-reduce every 0.2 s for two minutes, a run
+long enough to lose a host in; on a later attempt they all-reduce three times and end.
 """
 
 import os
