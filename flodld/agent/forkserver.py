@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from flodld.agent.spawn import die_with_parent, warm_environment, warm_handoff_argv, warm_rank_command
 from flodld.agent.spec import DeviceError, resolve_devices
@@ -26,15 +27,17 @@ from flodld.rank.warm import (
     FORK_SERVER_FLAG,
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
+    RELAY_HANDOFF,
     Exited,
     Forked,
     ForkReply,
     ForkReplyError,
+    ForkRequest,
     HandoffError,
     Ready,
     Refused,
     decode_reply,
-    encode_handoff,
+    encode_fork_request,
     startup_differences,
 )
 
@@ -116,31 +119,54 @@ class ForkServer:
             if not device.startswith("cpu")
             else None
         )
+        label = f"rank {env.get('RANK', '?')}"
         if why is None:
             assert handoff is not None
-            try:
-                differences = startup_differences(await self.startup(), env)
-                if differences:
-                    raise HandoffError(f"start-up variables differ ({', '.join(differences)})")
-                rank = await self._fork(encode_handoff(handoff, env), split_stderr)
-                say(f"rank {env.get('RANK', '?')} forked by this host's fork server (pid {rank.pid})")
-                return rank
-            except TimeoutError:
-                why = "the fork server did not answer in time"
-            except (OSError, HandoffError) as error:
-                why = str(error) or type(error).__name__
-        say(f"rank not forked by the fork server, starting it cold: {why}")
+            request = ForkRequest(handoff, dict(env), streams=2 if split_stderr else 1)
+            return await self._take(label, request, [], say)
+        say(f"{label} not forked by the fork server, starting it cold: {why}")
         return None
 
-    async def _fork(self, request: bytes, split_stderr: bool) -> ForkedRank:
-        if len(request) > MAX_REQUEST_BYTES:
-            raise HandoffError(f"its hand-off of {len(request)} bytes is over {MAX_REQUEST_BYTES}")
-        pipes = [os.pipe() for _ in range(2 if split_stderr else 1)]
+    async def take_relay(
+        self, env: Mapping[str, str], listener: int, say: Callable[[str], None]
+    ) -> ForkedRank | None:
+        """The relay (`env` names its role, its spec's rank listener at FIRST_PASSED_FD), forked by the
+        server with `listener` passed; None (said why) when it should start cold.
+        """
+        if self.closed:
+            say("relay not forked by the fork server, starting it cold: the fork server is gone")
+            return None
+        return await self._take("relay", ForkRequest(list(RELAY_HANDOFF), dict(env)), [listener], say)
+
+    async def _take(
+        self, label: str, request: ForkRequest, passed: list[int], say: Callable[[str], None]
+    ) -> ForkedRank | None:
+        try:
+            differences = startup_differences(await self.startup(), request.env)
+            if differences:
+                raise HandoffError(f"start-up variables differ ({', '.join(differences)})")
+            child = await self._fork(request, passed)
+        except TimeoutError:
+            why = "the fork server did not answer in time"
+        except (OSError, HandoffError) as error:
+            why = str(error) or type(error).__name__
+        else:
+            say(f"{label} forked by this host's fork server (pid {child.pid})")
+            return child
+        say(f"{label} not forked by the fork server, starting it cold: {why}")
+        return None
+
+    async def _fork(self, request: ForkRequest, passed: list[int]) -> ForkedRank:
+        packet = encode_fork_request(replace(request, passed=len(passed)))
+        if len(packet) > MAX_REQUEST_BYTES:
+            raise HandoffError(f"its hand-off of {len(packet)} bytes is over {MAX_REQUEST_BYTES}")
+        split_stderr = request.streams == 2
+        pipes = [os.pipe() for _ in range(request.streams)]
         try:
             reply: asyncio.Future[Forked | Refused] = asyncio.get_running_loop().create_future()
             self._pending.append(reply)
             try:
-                socket.send_fds(self._sock, [request], [write for _, write in pipes])
+                socket.send_fds(self._sock, [packet], [write for _, write in pipes] + passed)
             except OSError:
                 self._pending.remove(reply)
                 raise

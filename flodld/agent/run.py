@@ -18,7 +18,7 @@ from typing import TypeVar, assert_never
 
 from flodld.agent import envpolicy
 from flodld.agent import supervision as sv
-from flodld.agent.children import Child, ChildProcess, exit_report, forward_output, say
+from flodld.agent.children import Child, exit_report, forward_output, say
 from flodld.agent.exits import exit_event
 from flodld.agent.forkserver import ForkServer
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world, rejoin
@@ -27,13 +27,10 @@ from flodld.agent.spawn import (
     bind_relay_listener,
     rank_command,
     rank_environment,
-    relay_command,
-    relay_environment,
-    relay_spec_for,
     signal_group,
-    spawn_child,
 )
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.starts import start_rank, start_relay
 from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.agent.warmpool import WarmPool
@@ -235,12 +232,8 @@ class AgentShell:
             # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as
             # `host`).
             host_key = join_host_key(joined.salt, host=host, run_id=envelope.run_id, conn=joined.stream.conn)
-            spec = relay_spec_for(
-                formed, host=host, salt=joined.salt, host_key=host_key, listen_fd=listener.fileno()
-            )
-            relay = await spawn_child(relay_command(), relay_environment(os.environ, spec),
-                                      pass_fds=[listener.fileno()])  # fmt: skip
-            listener.close()  # the relay owns it now
+            relay = await start_relay(self.forks, formed, host=host, salt=joined.salt, host_key=host_key,
+                                      listener=listener, say=say)  # fmt: skip
             self._adopt(Child("relay", relay, None), f"[{host}:relay] ")
         # After the relay started (it does not need it): a few store round trips in a world of several hosts,
         # given up as soon as the host is being torn down (its ranks then start only to be terminated).
@@ -271,15 +264,8 @@ class AgentShell:
             error_file = Path(self.error_dir) / f"rank-{rank}.json"
             env[ERROR_FILE_ENV] = str(error_file)  # torch's @record writes the rank's exception there
             sink = sinks[local_rank]
-            split = sink.splits_streams
-            process: ChildProcess | None = None
-            # A warm rank's stderr shares its stdout pipe: logs that keep the streams apart want a cold one.
-            if self.warm is not None and not split:
-                process = await self.warm.take(argv, env, say)
-            if process is None and self.forks is not None:
-                process = await self.forks.take(argv, env, device=device, split_stderr=split, say=say)
-            if process is None:
-                process = await spawn_child(argv, env, split_stderr=split)
+            process = await start_rank(self.warm, self.forks, argv, env, device=device,
+                                       split_stderr=sink.splits_streams, say=say)  # fmt: skip
             child = Child(f"rank {rank}", process, rank, OutputTail(self.scrub), error_file)
             self._adopt(child, f"[{host}:{device}:r{rank}] ", sink)
         if self.warm is not None:

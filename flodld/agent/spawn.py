@@ -229,10 +229,16 @@ def visible_device_entry(parent: Mapping[str, str], index: int) -> str:
 
 
 def relay_environment(parent: Mapping[str, str], spec: RelayRoleSpec) -> dict[str, str]:
+    """The relay's environment: its role spec, no rank identity or salt, and the CPU ranks' thread count
+    (the fold's torch shares the host's cores with them; the same start-up variables as the host's fork
+    server, which can then fork the relay too).
+    """
     env = base_environment(parent)
     for name in (rank_env.RANK, rank_env.CONTROLLER, rank_env.SALT):
         env.pop(name, None)
     env[RELAY_ENV] = encode_spec(spec)
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, len(spec.ranks)))))
     return env
 
 

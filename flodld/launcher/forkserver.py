@@ -1,28 +1,30 @@
 """The fork server's loop: fork one rank per request, report each one's exit, kill an agent's ranks with it.
 
-`python -m flodld.launcher.rank --fork-server FD` (started by `fdl join`, see
+`python -m flodld.launcher.rank --fork-server FD` (started by `fdl join --persist` and `fdl run`, see
 `flodld.agent.forkserver.HostForkServer`) loads torch and what a rank with a relay opens first, then
 serves the unix SOCK_SEQPACKET socket FD it inherits. Who may speak: a process of this user (the socket
 lives in a directory only this user can enter, and every connection's peer credentials are checked);
-what it may cause: ranks started with the command line and environment it sends, as it could start
-them itself, only faster. Each connection is
-one agent. A request is a hand-off line (`flodld.rank.warm.encode_handoff`) with the rank's stdout (and
-stderr) as SCM_RIGHTS descriptors; the reply is `Forked(pid)` or `Refused(reason)`, and `Exited(pid,
-code)` follows when that rank ends. When the agent's connection closes (it exited, or was killed) every
-rank it asked for that still runs is killed with its process group: no rank outlives its agent, as a
-rank started by the agent itself gets SIGKILL when the agent dies.
+what it may cause: ranks (and relays) started with the command line and environment it sends, as it
+could start them itself, only faster. Each connection is one agent. A request is a `ForkRequest`
+(`flodld.rank.warm`: the hand-off, then how many output streams and passed descriptors ride with it as
+SCM_RIGHTS); the reply is `Forked(pid)` or `Refused(reason)`, and `Exited(pid, code)` follows when that
+child ends. `Forked` comes once the child has its own session and its death signal armed, so the
+agent's SIGKILL to its process group can never miss it. When the agent's connection closes (it exited,
+or was killed) every child it asked for that still runs is killed with its process group: no rank
+outlives its agent, as a rank started by the agent itself gets SIGKILL when the agent dies.
 
 The server is one thread and one `selectors` loop (so forking is safe: no lock of ours is held by
 another thread; torch's own import leaves one idle native thread, which a fork does not copy). The child
-leaves the loop by returning from `serve` with the rank's argv, its environment replaced, in a session of
-its own, its stdio the descriptors it was sent and a SIGKILL armed for the server's death; the launcher
-then runs the rank exactly as a cold `python -m flodld.launcher.rank SCRIPT.py` would. The server ends
-when its stdin reaches EOF (`fdl join` exited or closed it), killing every rank it started.
-"""
+leaves the loop by returning from `serve` with its argv, its environment replaced, in a session of its
+own, its stdio the streams it was sent, the passed descriptors from FIRST_PASSED_FD on, and a SIGKILL
+armed for the server's death; the launcher then runs the rank exactly as a cold `python -m
+flodld.launcher.rank SCRIPT.py` would (a relay: as `python -m flodld.launcher`). The server ends when its
+stdin reaches EOF (its starter exited or closed it), killing and reaping every child it started first."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import os
 import selectors
@@ -32,18 +34,22 @@ import sys
 
 from flodld.agent.spawn import die_with_parent
 from flodld.rank.warm import (
+    FIRST_PASSED_FD,
     MAX_REQUEST_BYTES,
-    MAX_STREAM_FDS,
+    MAX_REQUEST_FDS,
     Exited,
     Forked,
     ForkReply,
+    ForkRequest,
     HandoffError,
     Ready,
     Refused,
-    decode_handoff,
+    decode_fork_request,
     encode_reply,
     startup_variables,
 )
+
+_HIGH_FD = 64
 
 
 class _Connection:
@@ -134,7 +140,7 @@ class _Server:
     def _request(self, key: selectors.SelectorKey) -> None:
         connection = self.connections[key.fd]
         try:
-            packet, fds, flags, _ = socket.recv_fds(connection.sock, MAX_REQUEST_BYTES + 1, MAX_STREAM_FDS)
+            packet, fds, flags, _ = socket.recv_fds(connection.sock, MAX_REQUEST_BYTES + 1, MAX_REQUEST_FDS)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -145,24 +151,23 @@ class _Server:
         try:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(packet) > MAX_REQUEST_BYTES:
                 raise HandoffError(
-                    f"a fork request over {MAX_REQUEST_BYTES} bytes or {MAX_STREAM_FDS} descriptors"
+                    f"a fork request over {MAX_REQUEST_BYTES} bytes or {MAX_REQUEST_FDS} descriptors"
                 )
-            if not fds:
-                raise HandoffError("a fork request must carry the rank's stdout descriptor")
-            argv, env = decode_handoff(packet)
+            request = decode_fork_request(packet, len(fds))
         except HandoffError as error:
             for fd in fds:
                 os.close(fd)
             if not connection.send(Refused(str(error))):
                 self._drop(connection)
             return
-        self._fork(connection, argv, env, fds)
+        self._fork(connection, request, fds)
 
-    def _fork(self, connection: _Connection, argv: list[str], env: dict[str, str], fds: list[int]) -> None:
+    def _fork(self, connection: _Connection, request: ForkRequest, fds: list[int]) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # nothing buffered here may be written twice
         server_pid = os.getpid()
         try:
+            settled_read, settled_write = os.pipe()
             pid = os.fork()
         except OSError as error:
             for fd in fds:
@@ -172,18 +177,24 @@ class _Server:
             return
         if pid == 0:
             try:
-                self._become_rank(server_pid, env, fds)
+                os.close(settled_read)
+                self._become_rank(server_pid, request, fds, settled_write)
             except BaseException:  # never back into the server's loop
                 os._exit(70)
-            raise _ChildStarts(argv)
-        for fd in fds:
+            raise _ChildStarts(request.argv)
+        for fd in (*fds, settled_write):
             os.close(fd)
+        # Forked means: in its own session, its death signal armed. Until then its agent's SIGKILL to its
+        # process group (its pid) would find no group and miss it.
+        with contextlib.suppress(OSError):
+            os.read(settled_read, 1)  # a byte, or EOF if it died first (its exit is reported as any)
+        os.close(settled_read)
         self.owner[pid] = connection
         connection.ranks.add(pid)
         if not connection.send(Forked(pid)):
             self._drop(connection)
 
-    def _become_rank(self, server_pid: int, env: dict[str, str], fds: list[int]) -> None:
+    def _become_rank(self, server_pid: int, request: ForkRequest, fds: list[int], settled: int) -> None:
         """In the child: shed the server, take the rank's session, stdio and environment."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -195,15 +206,24 @@ class _Server:
         os.close(self.wake_write)
         os.setsid()  # its own process group, as the agent's cold children have: teardown reaches its tree
         _die_with(server_pid)
+        os.write(settled, b"\0")
+        os.close(settled)
+        # Out of the way of the numbers they take (0-2, then FIRST_PASSED_FD on) before any is placed.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, _HIGH_FD) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        streams, passed = high[: request.streams], high[request.streams :]
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[-1], 2)
-        for fd in fds:
+        os.dup2(streams[0], 1)
+        os.dup2(streams[-1], 2)
+        for number, fd in enumerate(passed, FIRST_PASSED_FD):
+            os.dup2(fd, number)  # inheritable, as the cold child's pass_fds
+        for fd in high:
             os.close(fd)
         os.environ.clear()  # exactly the rank's environment, as if it had been started with it
-        os.environ.update(env)
+        os.environ.update(request.env)
         # What the server loaded stays frozen (gc.freeze in `preload`): the rank's collections skip it, so
         # they neither spend CPU on torch's objects nor copy the pages the forks share.
 
@@ -237,15 +257,30 @@ class _Server:
         connection.ranks.clear()
 
     def shutdown(self) -> None:
+        """Kill every rank, reap each (reported to its agent, which then knows it gone), then hang up."""
+        for pid in self.owner:
+            _kill_group(pid)
+        for pid, connection in list(self.owner.items()):
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+            if connection is not None:
+                connection.send(Exited(pid, os.waitstatus_to_exitcode(status)))
+        self.owner.clear()
         for connection in list(self.connections.values()):
             self._drop(connection)
-        for pid in list(self.owner):
-            _kill_group(pid)
 
 
 def _kill_group(pid: int) -> None:
+    """SIGKILL a rank and its process group. The rank itself too: a rank killed right after its fork may
+    not have made its session yet (then there is no group of that id), and it is our child, unreaped, so
+    its pid is still its own.
+    """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _die_with(server_pid: int) -> None:

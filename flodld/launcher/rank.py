@@ -26,12 +26,22 @@ import runpy
 import sys
 
 from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment, register_stack_dump
-from flodld.rank.warm import FORK_SERVER_FLAG, MAX_HANDOFF_BYTES, WARM_FLAG, HandoffError, decode_handoff
+from flodld.rank.warm import (
+    FORK_SERVER_FLAG,
+    MAX_HANDOFF_BYTES,
+    RELAY_HANDOFF,
+    WARM_FLAG,
+    HandoffError,
+    decode_handoff,
+)
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == [FORK_SERVER_FLAG] and len(argv) == 2 and argv[1].isdigit():
         argv = _serve_forks(int(argv[1]))  # returns in a forked child only
+        if argv == RELAY_HANDOFF:  # a relay (`python -m flodld.launcher`), forked with torch loaded
+            runpy.run_module("flodld.launcher", run_name="__main__", alter_sys=True)
+            return
     atexit.register(_collect_once_before_shutdown)  # registered before any other of ours: runs after them
     if argv == [WARM_FLAG]:
         argv = _wait_warm()

@@ -73,9 +73,12 @@ def startup_differences(warm_env: Mapping[str, str], rank_env: Mapping[str, str]
     return sorted(name for name in warm.keys() | rank.keys() if warm.get(name) != rank.get(name))
 
 
-def encode_handoff(argv: Sequence[str], env: Mapping[str, str]) -> bytes:
-    """The line a warm rank reads: what the launcher's argv would be after `-m flodld.launcher.rank`."""
-    line = json.dumps({"argv": list(argv), "env": dict(env)}, separators=(",", ":")).encode() + b"\n"
+def encode_handoff(argv: Sequence[str], env: Mapping[str, str], **layout: int) -> bytes:
+    """The line a warm rank reads: what the launcher's argv would be after `-m flodld.launcher.rank`
+    (`layout`: a fork request's descriptor counts, see `encode_fork_request`).
+    """
+    message = {"argv": list(argv), "env": dict(env), **layout}
+    line = json.dumps(message, separators=(",", ":")).encode() + b"\n"
     if len(line) > MAX_HANDOFF_BYTES:
         raise HandoffError(f"hand-off of {len(line)} bytes is over the {MAX_HANDOFF_BYTES}-byte cap")
     return line
@@ -83,14 +86,23 @@ def encode_handoff(argv: Sequence[str], env: Mapping[str, str]) -> bytes:
 
 def decode_handoff(line: bytes) -> tuple[list[str], dict[str, str]]:
     """The (argv, env) of a hand-off line; HandoffError naming what is wrong."""
+    argv, env, _ = _decode_handoff(line, layout=())
+    return argv, env
+
+
+def _decode_handoff(line: bytes, layout: tuple[str, ...]) -> tuple[list[str], dict[str, str], dict[str, int]]:
     if len(line) > MAX_HANDOFF_BYTES:
         raise HandoffError(f"hand-off line over the {MAX_HANDOFF_BYTES}-byte cap")
     try:
         message = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise HandoffError(f"hand-off line is not JSON: {error}") from None
-    if not isinstance(message, dict) or set(message) != {"argv", "env"}:
-        raise HandoffError("hand-off line must be an object with exactly the keys argv and env")
+    keys = {"argv", "env", *layout}
+    if not isinstance(message, dict) or set(message) != keys:
+        raise HandoffError(f"hand-off line must be an object with exactly the keys {', '.join(sorted(keys))}")
+    counts = {name: message[name] for name in layout}
+    if not all(type(count) is int for count in counts.values()):
+        raise HandoffError(f"hand-off {', '.join(layout)} must be integers")
     argv, env = message["argv"], message["env"]
     if not isinstance(argv, list) or not argv or not all(isinstance(arg, str) for arg in argv):
         raise HandoffError("hand-off argv must be a non-empty list of strings (the script, then its args)")
@@ -99,7 +111,7 @@ def decode_handoff(line: bytes) -> tuple[list[str], dict[str, str]]:
         for name, value in env.items()
     ):
         raise HandoffError("hand-off env must map variable names (no '=') to strings (no NUL)")
-    return argv, env
+    return argv, env, counts
 
 
 # The fork server (`python -m flodld.launcher.rank --fork-server`): a warm rank that never becomes a rank
@@ -119,7 +131,44 @@ MAX_REPLY_BYTES: Final = 64 << 10
 MAX_REQUEST_BYTES: Final = 128 << 10
 """A fork request's cap (one packet: within a unix socket's default send buffer); a rank whose hand-off is
 longer starts cold."""
-MAX_STREAM_FDS: Final = 2  # stdout, and stderr when the rank's log keeps the streams apart
+FIRST_PASSED_FD: Final = 3
+"""Where a forked child finds the descriptors its request passed beyond its output streams (3, 4, ...):
+the relay's rank listener, whose number its spec names."""
+RELAY_HANDOFF: Final = ["-m", "flodld.launcher"]
+"""The argv of a fork request for a relay (`python -m flodld.launcher` with the relay role's environment);
+every other request's argv is a rank's script and arguments."""
+MAX_PASSED_FDS: Final = 1
+MAX_REQUEST_FDS: Final = 2 + MAX_PASSED_FDS  # stdout, stderr when apart, then the passed ones
+
+
+@dataclass(frozen=True)
+class ForkRequest:
+    """One fork: the hand-off (argv after `-m flodld.launcher.rank`, the whole environment) and how the
+    descriptors sent with it are laid out: `streams` output pipes (stdout; stderr when 2), then `passed`
+    descriptors the child finds at FIRST_PASSED_FD on.
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    streams: int = 1
+    passed: int = 0
+
+
+def encode_fork_request(request: ForkRequest) -> bytes:
+    return encode_handoff(request.argv, request.env, streams=request.streams, passed=request.passed)
+
+
+def decode_fork_request(packet: bytes, descriptors: int) -> ForkRequest:
+    """The request in one packet sent with `descriptors` descriptors; HandoffError naming what is wrong."""
+    argv, env, counts = _decode_handoff(packet, layout=("passed", "streams"))
+    streams, passed = counts["streams"], counts["passed"]
+    if streams not in (1, 2) or not 0 <= passed <= MAX_PASSED_FDS:
+        raise HandoffError(f"a fork request has 1 or 2 streams and up to {MAX_PASSED_FDS} passed descriptors")
+    if descriptors != streams + passed:
+        raise HandoffError(
+            f"a fork request of {streams} stream(s) and {passed} passed came with {descriptors} descriptor(s)"
+        )
+    return ForkRequest(argv, env, streams, passed)
 
 
 class ForkReplyError(ValueError):

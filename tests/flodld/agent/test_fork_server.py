@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,14 +24,17 @@ import pytest
 from flodld.agent.forkserver import ForkedRank, ForkServer, HostForkServer
 from flodld.agent.spawn import rank_command
 from flodld.rank.warm import (
+    FIRST_PASSED_FD,
     MAX_REPLY_BYTES,
     Exited,
     Forked,
     ForkReply,
     ForkReplyError,
+    ForkRequest,
     Ready,
     Refused,
     decode_reply,
+    encode_fork_request,
     encode_reply,
 )
 
@@ -257,7 +261,7 @@ def test_a_rank_that_a_fork_would_not_reproduce_starts_cold_with_a_word(
 
     rank, said, used = asyncio.run(main())
     assert rank is None and used == 0
-    assert len(said) == 1 and said[0].startswith("rank not forked by the fork server, starting it cold")
+    assert len(said) == 1 and re.match(r"rank \S+ not forked by the fork server, starting it cold", said[0])
     assert why in said[0]
 
 
@@ -279,7 +283,7 @@ def test_a_request_without_descriptors_or_not_a_handoff_is_refused(server: HostF
         assert isinstance(decode_reply(sock.recv(MAX_REPLY_BYTES)), Ready)
         sock.send(b'{"argv": ["x.py"], "env": {}}\n')  # no stdout descriptor
         refusal = decode_reply(sock.recv(MAX_REPLY_BYTES))
-        assert refusal == Refused("a fork request must carry the rank's stdout descriptor")
+        assert isinstance(refusal, Refused) and "keys argv, env, passed, streams" in refusal.reason
         read, write = os.pipe()
         socket.send_fds(sock, [b"not a hand-off\n"], [write])
         os.close(write)
@@ -340,3 +344,70 @@ async def _until(condition: object, seconds: float) -> None:
     while not condition():  # type: ignore[operator]  # a callable
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+PASSED_SCRIPT = """
+import os, socket, stat, sys
+mode = os.fstat(3).st_mode
+sock = socket.socket(fileno=3)
+print(stat.S_ISSOCK(mode), sock.getsockname()[1], os.get_inheritable(3), flush=True)
+"""
+
+
+def test_a_passed_descriptor_is_found_at_the_first_passed_fd(server: HostForkServer, tmp_path: Path) -> None:
+    """The relay's rank listener, as its spec names it (FIRST_PASSED_FD), whatever number it had here."""
+    script = tmp_path / "passed.py"
+    script.write_text(PASSED_SCRIPT)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    async def main() -> str:
+        forks = await ForkServer.connect(server.path, print)
+        assert forks is not None
+        request = ForkRequest([str(script)], _rank_env(await forks.startup()))
+        child = await forks._fork(request, [listener.fileno()])
+        assert child.stdout is not None
+        out = (await child.stdout.read()).decode()
+        assert await child.wait() == 0, out
+        forks.close()
+        return out
+
+    try:
+        assert FIRST_PASSED_FD == 3
+        assert asyncio.run(main()).split() == ["True", str(listener.getsockname()[1]), "True"]
+    finally:
+        listener.close()
+
+
+def test_a_request_whose_descriptors_do_not_match_its_layout_is_refused(server: HostForkServer) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(30)
+        sock.connect(server.path)
+        assert isinstance(decode_reply(sock.recv(MAX_REPLY_BYTES)), Ready)
+        read, write = os.pipe()
+        request = encode_fork_request(ForkRequest(["x.py"], {}, streams=1, passed=1))
+        socket.send_fds(sock, [request], [write])  # the passed descriptor is missing
+        os.close(write)
+        refused = decode_reply(sock.recv(MAX_REPLY_BYTES))
+        assert isinstance(refused, Refused) and "came with 1 descriptor" in refused.reason
+        assert os.read(read, 1) == b""
+        os.close(read)
+
+
+def test_a_rank_has_its_own_group_once_the_agent_hears_of_it(server: HostForkServer, script: Path) -> None:
+    """The agent's teardown (SIGKILL to the rank's process group, its pid) right after the fork reaches it."""
+
+    async def main() -> list[int]:
+        forks = await ForkServer.connect(server.path, print)
+        assert forks is not None
+        env = _rank_env(await forks.startup(), FORK_TEST_SLEEP="60")
+        codes = []
+        for _ in range(5):
+            rank = await forks.take(rank_command([sys.executable, str(script)]), env, device="cpu:0",
+                                    split_stderr=False, say=lambda _: None)  # fmt: skip
+            assert rank is not None
+            os.killpg(rank.pid, signal.SIGKILL)  # what the agent's signal_group does
+            codes.append(await asyncio.wait_for(rank.wait(), 30))
+        forks.close()
+        return codes
+
+    assert asyncio.run(main()) == [-signal.SIGKILL] * 5
