@@ -19,7 +19,8 @@ leaves the loop by returning from `serve` with its argv, its environment replace
 own, its stdio the streams it was sent, the passed descriptors from FIRST_PASSED_FD on, and a SIGKILL
 armed for the server's death; the launcher then runs the rank exactly as a cold `python -m
 flodld.launcher.rank SCRIPT.py` would (a relay: as `python -m flodld.launcher`). The server ends when its
-stdin reaches EOF (its starter exited or closed it), killing and reaping every child it started first."""
+stdin reaches EOF (its starter exited or closed it), killing and reaping every child it started first.
+"""
 
 from __future__ import annotations
 
