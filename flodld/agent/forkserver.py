@@ -21,13 +21,18 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from flodld.agent.spawn import die_with_parent, warm_environment, warm_handoff_argv, warm_rank_command
+from flodld.agent.spawn import (
+    RELAY_HANDOFF,
+    die_with_parent,
+    warm_environment,
+    warm_handoff_argv,
+    warm_rank_command,
+)
 from flodld.agent.spec import DeviceError, resolve_devices
 from flodld.rank.warm import (
     FORK_SERVER_FLAG,
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
-    RELAY_HANDOFF,
     Exited,
     Forked,
     ForkReply,

@@ -39,9 +39,14 @@ def agent_command(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "flodld.agent"]
 
 
+RELAY_HANDOFF = ["-m", "flodld.launcher"]
+"""The argv of a fork request for a relay (flodld.launcher.forkserver): its command line after the
+interpreter; every other request's argv is a rank's script and arguments."""
+
+
 def relay_command() -> list[str]:
     """How the agent starts its relay: flodld's role dispatch (the relay spec is in its environment)."""
-    return [sys.executable, "-m", "flodld.launcher"]
+    return [sys.executable, *RELAY_HANDOFF]
 
 
 def rank_command(program: Sequence[str] | None) -> list[str]:

@@ -29,7 +29,6 @@ from flodld.rank.env import claim_salt, in_flodld_rank, read_rank_environment, r
 from flodld.rank.warm import (
     FORK_SERVER_FLAG,
     MAX_HANDOFF_BYTES,
-    RELAY_HANDOFF,
     WARM_FLAG,
     HandoffError,
     decode_handoff,
@@ -39,8 +38,10 @@ from flodld.rank.warm import (
 def main(argv: list[str]) -> None:
     if argv[:1] == [FORK_SERVER_FLAG] and len(argv) == 2 and argv[1].isdigit():
         argv = _serve_forks(int(argv[1]))  # returns in a forked child only
+        from flodld.agent.spawn import RELAY_HANDOFF  # loaded by the fork server already
+
         if argv == RELAY_HANDOFF:  # a relay (`python -m flodld.launcher`), forked with torch loaded
-            runpy.run_module("flodld.launcher", run_name="__main__", alter_sys=True)
+            runpy.run_module(RELAY_HANDOFF[1], run_name="__main__", alter_sys=True)
             return
     atexit.register(_collect_once_before_shutdown)  # registered before any other of ours: runs after them
     if argv == [WARM_FLAG]:

@@ -134,9 +134,6 @@ longer starts cold."""
 FIRST_PASSED_FD: Final = 3
 """Where a forked child finds the descriptors its request passed beyond its output streams (3, 4, ...):
 the relay's rank listener, whose number its spec names."""
-RELAY_HANDOFF: Final = ["-m", "flodld.launcher"]
-"""The argv of a fork request for a relay (`python -m flodld.launcher` with the relay role's environment);
-every other request's argv is a rank's script and arguments."""
 MAX_PASSED_FDS: Final = 1
 MAX_REQUEST_FDS: Final = 2 + MAX_PASSED_FDS  # stdout, stderr when apart, then the passed ones
 
