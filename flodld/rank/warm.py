@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 WARM_ENV: Final = "FLODL_AGENT_WARM_RANKS"
 """On an agent: how many warm ranks to start before its spec is known (a decimal count, at most
@@ -90,13 +90,18 @@ def decode_handoff(line: bytes) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-def _decode_handoff(line: bytes, layout: tuple[str, ...]) -> tuple[list[str], dict[str, str], dict[str, int]]:
-    if len(line) > MAX_HANDOFF_BYTES:
-        raise HandoffError(f"hand-off line over the {MAX_HANDOFF_BYTES}-byte cap")
+def _load_json(data: bytes, cap: int, error: type[ValueError], what: str) -> Any:  # noqa: ANN401  JSON
+    """`data` parsed as JSON, refused (`error`) when over `cap` bytes or not JSON."""
+    if len(data) > cap:
+        raise error(f"{what} over the {cap}-byte cap")
     try:
-        message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HandoffError(f"hand-off line is not JSON: {error}") from None
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as reason:
+        raise error(f"{what} is not JSON: {reason}") from None
+
+
+def _decode_handoff(line: bytes, layout: tuple[str, ...]) -> tuple[list[str], dict[str, str], dict[str, int]]:
+    message = _load_json(line, MAX_HANDOFF_BYTES, HandoffError, "hand-off line")
     keys = {"argv", "env", *layout}
     if not isinstance(message, dict) or set(message) != keys:
         raise HandoffError(f"hand-off line must be an object with exactly the keys {', '.join(sorted(keys))}")
@@ -222,12 +227,7 @@ def encode_reply(reply: ForkReply) -> bytes:
 
 def decode_reply(packet: bytes) -> ForkReply:
     """The reply in one packet; ForkReplyError naming what is wrong."""
-    if len(packet) > MAX_REPLY_BYTES:
-        raise ForkReplyError(f"fork server reply over the {MAX_REPLY_BYTES}-byte cap")
-    try:
-        message = json.loads(packet)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ForkReplyError(f"fork server reply is not JSON: {error}") from None
+    message = _load_json(packet, MAX_REPLY_BYTES, ForkReplyError, "fork server reply")
     kind = message.get("kind") if isinstance(message, dict) else None
     if kind not in _REPLY_FIELDS:
         raise ForkReplyError(f"fork server reply of unknown kind {kind!r}")
