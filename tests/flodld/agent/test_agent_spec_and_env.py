@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -128,8 +129,11 @@ def test_relay_environment_has_only_the_relay_role() -> None:
         listen_fd=7,
     )
     env = relay_environment({AGENT_ENV: "x", "RANK": "1", "FLODL_CONTROLLER": "h:5"}, spec)
-    assert set(env) == {RELAY_ENV}
+    assert set(env) == {RELAY_ENV, "OMP_NUM_THREADS"}
     assert current_role(env) is Role.RELAY
+    # The fold shares the host's cores with its CPU ranks: their thread count (the fork server's too).
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // len(spec.ranks)))
+    assert relay_environment({"OMP_NUM_THREADS": "3"}, spec)["OMP_NUM_THREADS"] == "3"
 
 
 def test_role_dispatch_refuses_two_roles_at_once() -> None:
@@ -176,6 +180,23 @@ def test_a_spec_announced_as_coming_on_stdin_is_read_from_one_line_there(
         agent_spec_from_env(io.StringIO("a" * (2 << 20) + "\n"))
 
 
+AGENT_PID = """
+def agent_pid():
+    # The agent: the rank's parent, or (a rank forked by fdl run's fork server) whoever reads its stdout.
+    parent = os.getppid()
+    if b'--fork-server' not in open(f'/proc/{parent}/cmdline', 'rb').read():
+        return parent
+    pipe = os.readlink('/proc/self/fd/1')
+    for pid in (p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()):
+        try:
+            if any(os.readlink(f'/proc/{pid}/fd/{fd}') == pipe for fd in os.listdir(f'/proc/{pid}/fd')):
+                return int(pid)
+        except OSError:
+            continue
+    raise RuntimeError('no process reads this rank stdout')
+"""
+
+
 def test_fdl_runs_agent_has_no_salt_in_its_environment(tmp_path: Path) -> None:
     """Under `fdl run` the agent's /proc/PID/environ (readable by the same user, inherited by nothing
     of flodld's but visible) carries the role marker, not the spec and its salt.
@@ -188,9 +209,10 @@ def test_fdl_runs_agent_has_no_salt_in_its_environment(tmp_path: Path) -> None:
         "import os, sys\n"
         "import flodld\n"
         "from flodld.rank.env import read_rank_environment\n"
-        "def main():\n"
+        + AGENT_PID
+        + "def main():\n"
         "    salt = read_rank_environment().salt.hex()\n"
-        "    environ = open(f'/proc/{os.getppid()}/environ', 'rb').read().decode(errors='replace')\n"
+        "    environ = open(f'/proc/{agent_pid()}/environ', 'rb').read().decode(errors='replace')\n"
         "    spec = dict(v.split('=', 1) for v in environ.split('\\0') if '=' in "
         "v).get('FLODL_INTERNAL_AGENT_JSON')\n"
         "    marker = spec == '-'\n"
