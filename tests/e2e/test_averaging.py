@@ -78,6 +78,10 @@ def test_averaging_modes_keep_each_calls_result_and_async_converges_near_sync(tm
     code = run.wait(240)
     assert "crossed:" not in run.output, run.output[-6000:]
     assert code == 0, run.output[-6000:]
+    # The relay (its fold's torch) and both ranks came from the run's fork server, none cold.
+    assert "relay forked by this host's fork server" in run.output, run.output[-6000:]
+    assert run.output.count("forked by this host's fork server") == 3, run.output[-6000:]
+    assert "starting it cold" not in run.output, run.output[-6000:]
     parts = _results(run.output)
 
     # Mixing: every all_average is its own round's mean, every async step its own elastic update.
