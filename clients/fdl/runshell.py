@@ -93,6 +93,13 @@ def _warm_ranks(worker: Any, command: list[str]) -> int:  # noqa: ANN401  a Clus
     return len(devices) if all(device.startswith("cpu") for device in devices) else 0
 
 
+def _forkable(worker: Any, command: list[str]) -> int:  # noqa: ANN401  a ClusterConfig worker
+    """How many CPU ranks of a local `worker` a fork server could fork: its warm ranks, unless its `env:`
+    sets a variable read when torch loads (0: none).
+    """
+    return 0 if api.startup_variables(worker.env) else _warm_ranks(worker, command)
+
+
 class _Forks:
     """The run's fork server (flodld.agent.forkserver): one `import torch` for the CPU ranks of every local
     agent of every attempt, instead of one per rank. It serves the agents whose ranks number what it was
@@ -100,9 +107,7 @@ class _Forks:
     """
 
     def __init__(self, command: list[str], local: list[Any]) -> None:
-        counts = [_warm_ranks(worker, command) for worker in local]
-        fitting = [count for worker, count in zip(local, counts, strict=True)
-                   if count and not api.startup_variables(worker.env)]  # fmt: skip
+        fitting = [count for worker in local if (count := _forkable(worker, command))]
         self.ranks = max(set(fitting), key=fitting.count) if fitting else 0
         self.directory = tempfile.mkdtemp(prefix="fdl-run-forks-") if self.ranks else None
         self.server: api.HostForkServer | None = None
@@ -113,11 +118,7 @@ class _Forks:
                 say(f"fork server not started, ranks start warm: {error}")
 
     def serves(self, worker: Any, command: list[str]) -> bool:  # noqa: ANN401  a ClusterConfig worker
-        return (
-            self.server is not None
-            and _warm_ranks(worker, command) == self.ranks
-            and not api.startup_variables(worker.env)
-        )
+        return self.server is not None and _forkable(worker, command) == self.ranks
 
     def close(self) -> None:
         if self.server is not None:

@@ -115,20 +115,11 @@ class ForkServer:
     ) -> ForkedRank | None:
         """The rank `argv` with `env`, forked by the server; None (said why) when it should start cold."""
         handoff = warm_handoff_argv(argv)
-        why = (
-            "the fork server is gone"
-            if self.closed
-            else "the program is not a Python script"
-            if handoff is None
-            else f"device {device} is not a CPU"
-            if not device.startswith("cpu")
-            else None
-        )
         label = f"rank {env.get('RANK', '?')}"
-        if why is None:
-            assert handoff is not None
+        if handoff is not None and device.startswith("cpu"):
             request = ForkRequest(handoff, dict(env), streams=2 if split_stderr else 1)
             return await self._take(label, request, [], say)
+        why = "the program is not a Python script" if handoff is None else f"device {device} is not a CPU"
         say(f"{label} not forked by the fork server, starting it cold: {why}")
         return None
 
@@ -138,15 +129,14 @@ class ForkServer:
         """The relay (`env` names its role, its spec's rank listener at FIRST_PASSED_FD), forked by the
         server with `listener` passed; None (said why) when it should start cold.
         """
-        if self.closed:
-            say("relay not forked by the fork server, starting it cold: the fork server is gone")
-            return None
         return await self._take("relay", ForkRequest(list(RELAY_HANDOFF), dict(env)), [listener], say)
 
     async def _take(
         self, label: str, request: ForkRequest, passed: list[int], say: Callable[[str], None]
     ) -> ForkedRank | None:
         try:
+            if self.closed:
+                raise HandoffError("the fork server is gone")
             differences = startup_differences(await self.startup(), request.env)
             if differences:
                 raise HandoffError(f"start-up variables differ ({', '.join(differences)})")
