@@ -8,7 +8,6 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,12 +26,6 @@ pytestmark = pytest.mark.multiproc
 RANK = Path(__file__).with_name("tofn_rank.py")
 DEALING_CLI = Path(__file__).with_name("dealing_cli.py")
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # what tofn_rank.py imports, loaded once in the zygote its ranks are forked from (tests/rank_zygote.py)
@@ -77,10 +70,11 @@ def _run_world(
     timeout_s: float = SHARE_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    port = _free_port()
+    # Port 0: the store binds a port the OS picks, never one another test took after a probe released it.
     store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
+    port = store.port
     folder = Path(tempfile.mkdtemp(dir=logs))
     processes = []
     for rank in range(world):
