@@ -381,6 +381,12 @@ class Bench:
         alarms = false_alarms(faults, state.get("losses") or [])
         print(f"false alarms: {len(base_losses)} rank(s) lost in the fault-free run, {len(alarms)} in the "
               "chaos run declared dead by silence though no fault touched them")  # fmt: skip
+        gaps = [self.states.get(run_id, {}).get("heartbeats") for run_id in (base_id, chaos_id)]
+        print("longest heartbeat gap of a live rank: " + ", ".join(
+            f"{gap['longest_gap_secs']:.2f} s (rank {gap['longest_gap_rank']}) in the {name} run" if gap
+            else f"not reported in the {name} run"
+            for name, gap in zip(("fault-free", "chaos"), gaps, strict=True)
+        ) + f", against the {self.args.liveness_timeout:g} s timeout")  # fmt: skip
         print(f"chaos verdict: {record['reason']}")
         return not base.inconsistent and not chaos.inconsistent
 

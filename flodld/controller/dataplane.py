@@ -110,6 +110,7 @@ class DataPlane:
         # Rounds, round times, per-rank delays and reported rounds, tensor bytes (/metrics); the controller
         # passes its run's tally.
         self.metrics = metrics if metrics is not None else RunMetrics()
+        self.metrics.liveness_timeout, self.metrics.heartbeat_interval = liveness_timeout, heartbeat_interval
         self.host_ranks = {host: sorted(ranks) for host, ranks in host_ranks.items()}
         self.host_of = {rank: host for host, ranks in self.host_ranks.items() for rank in ranks}
         self.live_ranks = {host: set(ranks) for host, ranks in self.host_ranks.items()}
@@ -404,9 +405,9 @@ class DataPlane:
 
     async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
-            self.watch.liveness.heard(message.rank, self.clock())
+            gap = self.watch.liveness.heard(message.rank, self.clock())
             self.ledger.heard(message.rank, message.step)
-            self.metrics.heartbeat(message.rank, message.step)
+            self.metrics.heartbeat(message.rank, message.step, gap)
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message, tail: Tail = b"") -> None:

@@ -77,6 +77,12 @@ class RunMetrics:
         self.bytes_received = 0
         self.bytes_sent = 0
         self.dead_ranks = 0
+        # Heartbeats: the limits the plane runs with, and the longest silence a live rank ended by speaking
+        # again (the margin left under the timeout; state.json `heartbeats`).
+        self.liveness_timeout: float | None = None
+        self.heartbeat_interval: float | None = None
+        self.longest_gap = 0.0
+        self.longest_gap_rank: int | None = None
         self.ranks: dict[int, RankSeries] = {}
         self._opened: dict[int, float] = {}
 
@@ -126,8 +132,12 @@ class RunMetrics:
         """Tensor bytes of one Broadcast chunk written to one relay."""
         self.bytes_sent += nbytes
 
-    def heartbeat(self, rank: int, step: int) -> None:
-        """A rank's heartbeat: `step` is its count of completed rounds (it never goes down)."""
+    def heartbeat(self, rank: int, step: int, gap: float | None = None) -> None:
+        """A rank's heartbeat: `step` is its count of completed rounds (it never goes down); `gap`, the
+        silence it ended (None: its first).
+        """
+        if gap is not None and gap > self.longest_gap:
+            self.longest_gap, self.longest_gap_rank = gap, rank
         series = self._rank(rank)
         if series is not None and step > series.rounds:
             series.rounds = step
@@ -160,6 +170,20 @@ class RunMetrics:
             }
             for rank, series in timed[:count]
         ]
+
+
+    def heartbeats(self) -> dict[str, float | int] | None:
+        """state.json `heartbeats`: the timeout and interval, and the longest gap a live rank's heartbeats
+        left (with its rank); None before the plane set its limits or heard a rank twice.
+        """
+        if self.liveness_timeout is None or self.heartbeat_interval is None or self.longest_gap_rank is None:
+            return None
+        return {
+            "timeout_secs": self.liveness_timeout,
+            "interval_secs": self.heartbeat_interval,
+            "longest_gap_secs": round(self.longest_gap, 4),
+            "longest_gap_rank": self.longest_gap_rank,
+        }
 
 
 def _mean_delay(series: RankSeries) -> float:
@@ -289,6 +313,13 @@ _RUN_SCALARS: tuple[_RunScalar, ...] = (
         "counter",
         "Ranks the data plane declared dead after a heartbeat timeout.",
         lambda run: run.data.dead_ranks,
+    ),
+    (
+        "flodld_heartbeat_longest_gap_seconds",
+        "gauge",
+        "The longest silence between two heartbeats of one rank that spoke again (keep the liveness "
+        "timeout well above it).",
+        lambda run: run.data.longest_gap,
     ),
     (
         "flodld_rounds_total",

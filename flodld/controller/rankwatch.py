@@ -33,6 +33,9 @@ DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
 # relay: on a loaded box that can take far longer than the steady-state timeout, so it gets its own bound.
 DEFAULT_LIVENESS_STARTUP_SECS = 120.0
 
+# Past a deadline by this much before looking (expiry is "silent longer than", and timers fire a hair early).
+EXPIRY_SLACK_SECS = 0.002
+
 Send = Callable[[FramedStream, Message], Awaitable[None]]  # a send that shrugs off a closed relay
 RankLeft = Callable[[str, int, str], Awaitable[None]]  # (host, rank, reason): a rank declared dead leaves
 
@@ -94,14 +97,32 @@ class RankWatch:
         self.liveness.track(ranks, self.clock())
 
     async def _tick_forever(self) -> None:
+        """Beat every `interval`, and wake at the first silent rank's deadline too: a rank is declared dead
+        when its silence passes the timeout, not up to a beat later (every such wait holds a `cpu_sync`
+        round of the survivors).
+        """
+        next_beat = self.clock() + self.interval
         while True:
-            await asyncio.sleep(self.interval)
-            await self.tick()
+            due = self.liveness.next_expiry()
+            wake = next_beat if due is None else min(next_beat, due + EXPIRY_SLACK_SECS)
+            await asyncio.sleep(max(0.001, wake - self.clock()))
+            if self.clock() >= next_beat:
+                next_beat = max(next_beat + self.interval, self.clock())
+                await self.beat()
+            await self.expire()
 
     async def tick(self) -> None:
         """One coordinator beat: heartbeat every relay, declare silent ranks dead."""
+        await self.beat()
+        await self.expire()
+
+    async def beat(self) -> None:
+        """The coordinator heartbeat down every CONTROL relay (a rank that hears none gives up)."""
         for stream in list(self.control_relays.values()):
             await self._send(stream, CoordinatorHeartbeat())
+
+    async def expire(self) -> None:
+        """Declare every rank silent past its limit dead."""
         for rank, silence in self.liveness.expire_with_limits(self.clock()):
             host = self.host_of[rank]
             in_round = self._round_in_progress(rank)

@@ -98,6 +98,9 @@ class RunStatus:
         stragglers = self.run.run_metrics.slowest(STRAGGLERS_SHOWN)
         if stragglers:  # only runs that fold across hosts time their ranks
             state["stragglers"] = stragglers
+        heartbeats = self.run.run_metrics.heartbeats()
+        if heartbeats is not None:
+            state["heartbeats"] = heartbeats
         attempt = self.run.options.attempt_state()
         if attempt is not None:
             state["attempt"] = attempt.model_dump(mode="json")

@@ -28,11 +28,18 @@ class Liveness:
     def tracked(self) -> frozenset[int]:
         return frozenset(self._last_heard)
 
-    def heard(self, rank: int, now: float) -> None:
-        """Record a sign of life; ignored for ranks no longer tracked."""
-        if rank in self._last_heard:
-            self._last_heard[rank] = max(self._last_heard[rank], now)
-            self._silent_since_start.discard(rank)
+    def heard(self, rank: int, now: float) -> float | None:
+        """Record a sign of life; ignored for ranks no longer tracked. The silence it ends (seconds since the
+        rank's last sign of life; None for its first, or an untracked rank): how close a healthy rank came
+        to the timeout.
+        """
+        last = self._last_heard.get(rank)
+        if last is None:
+            return None
+        gap = None if rank in self._silent_since_start else max(0.0, now - last)
+        self._last_heard[rank] = max(last, now)
+        self._silent_since_start.discard(rank)
+        return gap
 
     def track(self, ranks: Iterable[int], now: float) -> None:
         """Start tracking `ranks` (walk-ins during training): their clock starts now, startup grace first."""
@@ -59,6 +66,10 @@ class Liveness:
         for rank, _ in dead:
             self.forget(rank)
         return dead
+
+    def next_expiry(self) -> float | None:
+        """When the first tracked rank still silent by then is declared dead (None: none is tracked)."""
+        return min((last + self._limit(rank) for rank, last in self._last_heard.items()), default=None)
 
     def _limit(self, rank: int) -> float:
         return self.startup if rank in self._silent_since_start else self.timeout

@@ -291,13 +291,27 @@ def _die_with(server_pid: int) -> None:
         os._exit(1)
 
 
+def warm_optimizer() -> None:
+    """Build a throwaway optimizer: torch.optim's first one imports what it needs lazily (torch._dynamo and
+    sympy in torch 2.x: about 0.7 CPU-seconds and 800 modules here), a cost every training rank would
+    otherwise pay on its first step, while the members it walks in beside train on the same cores. A torch
+    whose optimizer cannot be built here (a build without it) leaves that to the rank, as a cold start does.
+    """
+    import torch
+
+    try:
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    except Exception as error:  # the rank pays for it itself, as a cold start would
+        sys.stderr.write(f"flodld fork server: optimizer not preloaded ({type(error).__name__}: {error})\n")
+
+
 def preload() -> None:
     """What every rank would import first, loaded once here; then frozen, so the forks share its pages."""
-    import torch
     import torch.distributed  # noqa: F401
 
     import flodld.rank.averaging
     import flodld.rank.relay_client  # noqa: F401
 
+    warm_optimizer()
     gc.collect()
     gc.freeze()

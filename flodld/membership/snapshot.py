@@ -114,6 +114,18 @@ class StragglerState(_Model):
     )
 
 
+class HeartbeatState(_Model):
+    """How the run's heartbeats fare against its liveness timeout (`RunMetrics.heartbeats`)."""
+
+    timeout_secs: float = Field(description="A rank silent this long is declared dead.")
+    interval_secs: float = Field(description="How often ranks (and the controller) send a heartbeat.")
+    longest_gap_secs: float = Field(
+        description="The longest silence between two heartbeats of one rank that spoke again: the margin "
+        "under the timeout on this machine (size the timeout well above it)."
+    )
+    longest_gap_rank: int
+
+
 class RootCause(_Model):
     """The run's first observed failure, across hosts (flodld/membership/rootcause.py has the rules): the
     earliest non-zero rank exit that was not a consequence of our own teardown (a rank the agent TERMed
@@ -222,6 +234,11 @@ class RunRecord(_Model):
     rank_exits: list[RankExit] = Field(description="Exit codes the agents reported.")
     root_cause: RootCause | None = Field(
         default=None, description="The first observed failure (null: no rank failed on its own)."
+    )
+    heartbeats: HeartbeatState | None = Field(
+        default=None,
+        description="CPU averaging across hosts: the liveness timeout and heartbeat interval, and the "
+        "longest gap a live rank's heartbeats left (absent before a rank was heard twice).",
     )
     attempt: AttemptState | None = Field(
         default=None, description="The run's attempt and the earlier ones (null: no restarts configured)."

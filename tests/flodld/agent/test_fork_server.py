@@ -40,7 +40,14 @@ from flodld.rank.warm import (
 
 SCRIPT = """
 import json, os, sys, time
+optimizer_imports = None
+if "torch" in sys.modules:  # forked: what a training rank's first optimizer would still import
+    before = set(sys.modules)
+    import torch
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    optimizer_imports = sorted(set(sys.modules) - before)
 print(json.dumps({
+    "optimizer_imports": optimizer_imports,
     "argv": sys.argv,
     "mark": os.environ.get("FORK_TEST_MARK"),
     "server_only": os.environ.get("FORK_TEST_SERVER_ONLY"),
@@ -156,6 +163,7 @@ def test_a_forked_rank_runs_the_script_as_a_cold_start_would(server: HostForkSer
     assert seen["omp"] == startup["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     assert seen["stdin"] == ""  # /dev/null, as for a cold rank
     assert seen["torch_loaded_before_script"] is True  # the point: torch came with the fork
+    assert seen["optimizer_imports"] == []  # ... and what the first optimizer loads lazily (torch._dynamo)
     assert seen["own_session"] is True  # its process group is its pid: the agent's teardown reaches its tree
     assert seen["parent"] == server.process.pid
     assert seen["path0"] == str(script.parent)

@@ -187,20 +187,31 @@ async def test_a_two_host_world_shows_rounds_bytes_heartbeats_admissions_and_a_l
             for host in ("a", "b"):
                 message = (await data[host].recv(5)).message()
                 assert isinstance(message, Broadcast) and message.round == round_number
-        for host, rank in (("a", 0), ("b", 1)):
-            await control[host].send(Heartbeat(rank=rank, step=2))
+        for step in (1, 2):  # the second heartbeat of each rank ends a gap
+            for host, rank in (("a", 0), ("b", 1)):
+                await control[host].send(Heartbeat(rank=rank, step=step))
         await eventually(
             lambda: (
                 controller.run_metrics.ranks.get(1, None) is not None
                 and controller.run_metrics.ranks[1].rounds == 2
             )
         )
+        state = controller.state_json()
+        assert state is not None
+        heartbeats = state["heartbeats"]
+        assert heartbeats["longest_gap_rank"] in (0, 1)
+        assert heartbeats["timeout_secs"] == controller.run_metrics.liveness_timeout
+        assert heartbeats["timeout_secs"] > 0
+        assert 0 <= heartbeats["longest_gap_secs"] < heartbeats["timeout_secs"]
         await world.agents["b"].report_exit(1, 3)
         await eventually(lambda: controller.window is not None and controller.window.failed_ranks() == [1])
 
         families = parse_strict(await _http_metrics(port))
         who = {"run_id": controller.run_id}
         assert families["flodld_rounds_total"].value(**who) == 2
+        assert families["flodld_heartbeat_longest_gap_seconds"].value(**who) == pytest.approx(
+            heartbeats["longest_gap_secs"], abs=1e-3
+        )
         assert (
             families["flodld_round_duration_seconds"].value("flodld_round_duration_seconds_count", **who) == 2
         )
@@ -234,3 +245,21 @@ def test_the_slowest_ranks_are_those_whose_deposits_reach_the_fold_latest_on_ave
     metrics.skipped(1)
     metrics.skipped(3)
     assert [(row["rank"], row["skipped"]) for row in metrics.slowest(3)] == [(1, 1), (3, 1), (2, 0)]
+
+
+def test_heartbeats_keep_the_longest_gap_a_live_rank_left_against_the_limits() -> None:
+    data = RunMetrics()
+    data.heartbeat(0, 1, gap=None)
+    assert data.heartbeats() is None  # the plane has not set its limits
+    data.liveness_timeout, data.heartbeat_interval = 1.5, 0.25
+    assert data.heartbeats() is None  # no rank heard twice yet
+    data.heartbeat(0, 2, gap=0.26)
+    data.heartbeat(3, 2, gap=0.71)
+    data.heartbeat(0, 3, gap=0.3)
+    assert data.heartbeats() == {
+        "timeout_secs": 1.5,
+        "interval_secs": 0.25,
+        "longest_gap_secs": 0.71,
+        "longest_gap_rank": 3,
+    }
+    assert "flodld_heartbeat_longest_gap_seconds{run_id=\"run-1\"} 0.71" in _render(data)

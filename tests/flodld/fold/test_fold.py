@@ -178,3 +178,19 @@ def test_liveness_gives_ranks_never_heard_the_startup_grace_and_heard_ones_the_t
     assert liveness.expire(134.5) == [1]
     with pytest.raises(ValueError, match="startup grace must be >= the timeout"):
         Liveness([0], timeout=5.0, now=0.0, startup=1.0)
+
+
+def test_liveness_reports_the_silence_each_heartbeat_ends_and_its_next_deadline() -> None:
+    from flodld.fold.liveness import Liveness
+
+    liveness = Liveness([0, 1], timeout=2.0, now=100.0, startup=10.0)
+    assert liveness.next_expiry() == 110.0  # nobody heard yet: the startup grace
+    assert liveness.heard(0, 101.0) is None  # a first heartbeat ends no gap between heartbeats
+    assert liveness.next_expiry() == 103.0  # heard: the timeout from its last heartbeat
+    assert liveness.heard(0, 101.25) == pytest.approx(0.25)
+    assert liveness.heard(0, 101.25) == 0.0
+    assert liveness.heard(7, 101.5) is None  # not tracked
+    assert liveness.expire(103.3) == [0]
+    assert liveness.next_expiry() == 110.0
+    liveness.forget(1)
+    assert liveness.next_expiry() is None
