@@ -11,7 +11,9 @@ Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 perman
 token for a controller that checks credentials, bad config, incompatible build) — for systemd's
 RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off
 5 s doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an
-attempt that lasted longer than 2 minutes); SIGTERM ends the loop, also during the back-off. A persist
+attempt that lasted longer than 2 minutes); after a run of at least 10 s that ended for this host alone
+(its agent killed, its link or ranks lost: exit 1 once formed), it dials again after 0.5 s, doubling from
+there, since the run may go on and admit it back; SIGTERM ends the loop, also during the back-off. A persist
 loop of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once and forks each attempt's
 ranks (--no-fork-server, or join.fork_server: false, starts them cold; docs/elastic-averaging.md).
 
@@ -53,6 +55,11 @@ EXIT_DONE, EXIT_TRANSIENT, EXIT_PERMANENT = 0, 1, 2
 BACKOFF_INITIAL_SECS = 5.0
 BACKOFF_MAX_SECS = 60.0
 BACKOFF_RESET_AFTER_SECS = 120.0
+# A run this host was part of for a while ended for it alone (its agent killed, its link lost, its ranks
+# lost) while the run may still be training and admitting walk-ins: every second away is a second the run
+# trains without it, so the loop dials again at once, backing off from there if that dial fails.
+REDIAL_AFTER_LOSS_SECS = 0.5
+REDIAL_FAST_AFTER_RUN_SECS = 10.0  # shorter formed runs back off as usual: a host that fails fast, fails
 TOKEN_ENV = "FDL_JOIN_TOKEN"
 
 
@@ -322,7 +329,9 @@ def join_loop(
                 return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
             lasted = clock() - started
             formed = mark.exists()
-            if formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
+            if formed and code != EXIT_DONE and lasted >= api.scaled(REDIAL_FAST_AFTER_RUN_SECS):
+                backoff = api.scaled(REDIAL_AFTER_LOSS_SECS)
+            elif formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
                 backoff = api.scaled(BACKOFF_INITIAL_SECS)
             outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
             if formed and code != EXIT_DONE:

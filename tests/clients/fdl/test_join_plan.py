@@ -136,6 +136,37 @@ def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
     assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0]
 
 
+def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    plan = join_command.resolve_plan(
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+    )
+    # (exit code, formed, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
+    # two failed dials, a formed 30 s run that finished (exit 0), a formed run that failed after 3 s, a
+    # 10 s one that failed, then a permanent failure.
+    attempts = iter([(1, True, 30.0), (1, False, 0.0), (1, False, 0.0), (0, True, 30.0), (1, True, 3.0),
+                     (1, True, 10.0), (2, False, 0.0)])  # fmt: skip
+    now = [1000.0]
+
+    def attempt(marked: join_command.JoinPlan) -> int:
+        code, formed, lasted = next(attempts)
+        assert marked.spec.formed_file is not None
+        if formed:
+            Path(marked.spec.formed_file).write_text("run-1\n")
+        now[0] += lasted
+        return code
+
+    monkeypatch.setattr(join_command, "attempt", attempt)
+    sleeps: list[float] = []
+    assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: now[0]) == 2
+    # At once after the loss, doubling from there; the usual 5 s after a finished run and a run that
+    # failed fast; at once again after a 10 s run that ended for this host.
+    assert sleeps == [0.5, 1.0, 2.0, 5.0, 5.0, 0.5]
+
+
 @pytest.mark.parametrize(
     ("block", "flags", "kept"),
     [
