@@ -148,10 +148,10 @@ def agree_challenge_key(session: SessionState, seed: bytes) -> bytes:
         session=party.session, common_seed=seed,
     )
     records = channel.all_gather_bytes("challenge-seeds", record, max_bytes=max(len(record), 1))
+    me = dealing.Recipient(identity, channel.rank, keys)
     seeds = [
         mine if dealer == channel.rank else challenge.open_seed(
-            identity, blob, keys, dealer=dealer, receiver=channel.rank, session=party.session,
-            common_seed=seed,
+            me, blob, dealer=dealer, session=party.session, common_seed=seed
         )
         for dealer, blob in enumerate(records)
     ]
@@ -182,11 +182,12 @@ def deal(session: SessionState, seed: bytes) -> None:
     records = channel.all_gather_bytes("shamir-points", record, max_bytes=max(len(record), 1))
     ids = tuple(range(len(session.engine.moduli)))
     received = {channel.rank: points[channel.rank]}
+    me = dealing.Recipient(identity, channel.rank, keys)
     for dealer, blob in enumerate(records):
         if dealer != channel.rank:
             received[dealer] = dealing.open_point(
-                identity, blob, keys, dealer=dealer, receiver=channel.rank, session=party.session,
-                seed=seed, threshold=t, moduli=session.engine.moduli_for(ids),
+                me, blob, dealer=dealer, session=party.session, seed=seed, threshold=t,
+                moduli=session.engine.moduli_for(ids),
                 ring_degree=session.engine.ring_degree,
             ).to(session.engine.device)
     prepare = getattr(channel, "prepare_members", None)
