@@ -179,11 +179,12 @@ def dealing_bench(parties: int) -> None:
     sealed = time.perf_counter()
     for j, member in enumerate(members):
         received = {j: points[j][j]}
+        recipient = dealing.Recipient(identities[j], j, keys)
         for i in range(parties):
             if i != j:
                 received[i] = dealing.open_point(
-                    identities[j], records[i], keys, dealer=i, receiver=j, session="dealing-bench", seed=seed,
-                    threshold=t, moduli=engine.moduli, ring_degree=engine.ring_degree,
+                    recipient, records[i], dealer=i, session="dealing-bench", seed=seed, threshold=t,
+                    moduli=engine.moduli, ring_degree=engine.ring_degree,
                 )
         shamir.receive(member, received)
     opened = time.perf_counter()

@@ -11,7 +11,7 @@ import torch
 from fhelium.core.errors import FheliumValueError, ShapeMismatchError, ValueStateError
 from fhelium.core.resident import TensorResident
 from fhelium.core.state import (
-    LevelMetadata,
+    LeveledRnsFields,
     ModulusBasis,
     PolynomialDomain,
     ResidueRepresentation,
@@ -20,20 +20,21 @@ from fhelium.core.state import (
 
 
 @dataclass(eq=False)
-class Ciphertext(LevelMetadata, RnsTensor, TensorResident):
-    """A CKKS ciphertext (or a batch of them sharing one metadata record).
-
-    Limb row ``j`` holds residues modulo the prime with id ``prime_ids[j]``. Construction never
-    copies ``data``; it checks structure, not agreement with any engine.
-    """
+class _CiphertextData:
+    """A Ciphertext's leading constructor field (see ``LeveledRnsFields``)."""
 
     data: torch.Tensor
-    depth: int
-    scale: float
-    prime_ids: tuple[int, ...]
-    polynomial_domain: PolynomialDomain = "coefficient"
-    modulus_basis: ModulusBasis = "Q"
-    residue_representation: ResidueRepresentation = "standard"
+
+
+@dataclass(eq=False)
+class Ciphertext(LeveledRnsFields, _CiphertextData, RnsTensor, TensorResident):
+    """A CKKS ciphertext (or a batch of them sharing one metadata record).
+
+    ``Ciphertext(data, depth, scale, prime_ids, polynomial_domain="coefficient", modulus_basis="Q",
+    residue_representation="standard")``. Limb row ``j`` holds residues modulo the prime with id
+    ``prime_ids[j]``. Construction never copies ``data``; it checks structure, not agreement with any
+    engine.
+    """
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("data",)
 

@@ -13,11 +13,7 @@ from fhelium.core.resident import TensorResident
 from fhelium.core.state import (
     COMPRESSED_PLAINTEXT_LAYOUTS,
     CompressedPlaintextLayout,
-    LevelMetadata,
-    ModulusBasis,
-    PolynomialDomain,
-    ResidueRepresentation,
-    RnsMetadata,
+    LeveledRnsFields,
     check_choice,
     check_integer_tensor,
 )
@@ -30,23 +26,24 @@ def _is_power_of_two(value: int) -> bool:
 
 
 @dataclass(eq=False)
-class CompressedPlaintext(LevelMetadata, RnsMetadata, TensorResident):
-    """``data [*batch, limb, unique]`` expands losslessly to ``[*batch, limb, ring_dimension]``.
-
-    Layouts: ``cyclic`` repeats the whole pattern; ``contiguous`` repeats each entry in place;
-    ``strided_sparse`` puts ``data`` at positions ``::repeat_count`` and ``implicit_data``
-    (``[*batch, limb]``) everywhere else.
-    """
+class _CompressedLeading:
+    """A CompressedPlaintext's leading constructor fields (see ``LeveledRnsFields``)."""
 
     data: torch.Tensor
     ring_dimension: int
     compression_layout: CompressedPlaintextLayout
-    depth: int
-    scale: float
-    prime_ids: tuple[int, ...]
-    polynomial_domain: PolynomialDomain = "coefficient"
-    modulus_basis: ModulusBasis = "Q"
-    residue_representation: ResidueRepresentation = "standard"
+
+
+@dataclass(eq=False)
+class CompressedPlaintext(LeveledRnsFields, _CompressedLeading, TensorResident):
+    """``data [*batch, limb, unique]`` expands losslessly to ``[*batch, limb, ring_dimension]``.
+
+    ``CompressedPlaintext(data, ring_dimension, compression_layout, depth, scale, prime_ids, …,
+    implicit_data=None, compression_format_version=1)``. Layouts: ``cyclic`` repeats the whole pattern;
+    ``contiguous`` repeats each entry in place; ``strided_sparse`` puts ``data`` at positions
+    ``::repeat_count`` and ``implicit_data`` (``[*batch, limb]``) everywhere else.
+    """
+
     implicit_data: torch.Tensor | None = None
     compression_format_version: int = COMPRESSED_PLAINTEXT_FORMAT_VERSION
 

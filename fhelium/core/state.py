@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
 import torch
@@ -114,7 +115,8 @@ class LevelMetadata:
     """A value's depth and scale, and the one way they are checked.
 
     A mixin for the value dataclasses that carry them (Ciphertext, CompressedPlaintext, Plaintext,
-    SeededCiphertext): they declare the fields, then call ``_check_level`` from ``__post_init__``.
+    SeededCiphertext): they declare the fields (the first two through ``LeveledRnsFields``), then call
+    ``_check_level`` from ``__post_init__``.
     """
 
     depth: int
@@ -130,8 +132,8 @@ class RnsMetadata:
     """The RNS metadata of a value with a limb axis, and the one way it is checked.
 
     A mixin for the value dataclasses (Ciphertext, CompressedPlaintext, an ``rns`` Plaintext and every
-    key): they declare these fields with their own defaults, then call ``_check_rns_metadata`` from
-    ``__post_init__``.
+    key): they declare these fields with their own defaults (the first two through ``LeveledRnsFields``),
+    then call ``_check_rns_metadata`` from ``__post_init__``.
     """
 
     prime_ids: tuple[int, ...]
@@ -149,6 +151,24 @@ class RnsMetadata:
         self.polynomial_domain = check_domain(owner, self.polynomial_domain)
         self.modulus_basis = check_basis(owner, self.modulus_basis)
         self.residue_representation = check_residue(owner, self.residue_representation)
+
+
+@dataclass(eq=False)
+class LeveledRnsFields(LevelMetadata, RnsMetadata):
+    """The level and RNS metadata fields of a ciphertext-like value (Ciphertext, CompressedPlaintext), with
+    their defaults: coefficient domain, basis Q, standard residues.
+
+    A dataclass takes its bases' fields in reverse MRO order, then its own, so a value lists this base
+    first and a dataclass of its leading fields after it (``class Ciphertext(LeveledRnsFields,
+    _CiphertextData, ...)``): its constructor takes the leading fields, these six, then its own.
+    """
+
+    depth: int
+    scale: float
+    prime_ids: tuple[int, ...]
+    polynomial_domain: PolynomialDomain = "coefficient"
+    modulus_basis: ModulusBasis = "Q"
+    residue_representation: ResidueRepresentation = "standard"
 
 
 class RnsTensor(RnsMetadata):

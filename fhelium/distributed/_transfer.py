@@ -82,15 +82,12 @@ class TensorSpec(_Model):
         extents: ``[0] + [2**40 - 1] * 7`` overflows them (a RuntimeError in ``torch.empty``).
         Counting every extent as at least one bounds the strides by the cap as well.
         """
-        span = _DTYPES[self.dtype].itemsize
-        for extent in self.shape:
-            span *= max(extent, 1)
-            if span > MAX_TRANSFER_BYTES:
-                raise DescriptorError(
-                    f"{what} of shape {list(self.shape)} ({self.dtype}) spans over the "
-                    f"{MAX_TRANSFER_BYTES}-byte cap "
-                    "(zero extents counted as one, as torch's strides count them)"
-                )
+        span = _DTYPES[self.dtype].itemsize * math.prod(max(extent, 1) for extent in self.shape)
+        if span > MAX_TRANSFER_BYTES:
+            raise DescriptorError(
+                f"{what} of shape {list(self.shape)} ({self.dtype}) spans over the {MAX_TRANSFER_BYTES}-byte "
+                "cap (zero extents counted as one, as torch's strides count them)"
+            )
 
 
 class NamedTensorSpec(TensorSpec):

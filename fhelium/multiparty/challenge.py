@@ -50,6 +50,7 @@ from fhelium.multiparty.dealing import (
     PUBLIC_KEY_BYTES,
     TAG_BYTES,
     DealingIdentity,
+    Recipient,
     open_from,
     seal_to_each,
 )
@@ -129,31 +130,25 @@ def seal_seed(
 
 
 def open_seed(
-    identity: DealingIdentity,
+    recipient: Recipient,
     record: bytes,
-    keys: Sequence[bytes],
     *,
     dealer: int,
-    receiver: int,
     session: str,
     common_seed: bytes,
 ) -> bytes:
-    """The seed ``dealer`` sealed for ``receiver`` (this rank), authenticated; else ChallengeKeyError
+    """The seed ``dealer`` sealed for ``recipient`` (this rank), authenticated; else ChallengeKeyError
     naming the dealer.
     """
+    keys, receiver = recipient.keys, recipient.rank
     aad = seed_aad(session, common_seed, len(keys), dealer, receiver, keys[dealer], keys[receiver])
-    seed = open_from(
-        identity, record, keys, dealer=dealer, receiver=receiver, entry_bytes=SEALED_SEED_BYTES, aad=aad,
-        domain=AGREEMENT_DOMAIN, refuse=ChallengeKeyError, what="sealed challenge seeds",
+    return open_from(
+        recipient, record, dealer=dealer, entry_bytes=SEALED_SEED_BYTES, aad=aad, domain=AGREEMENT_DOMAIN,
+        refuse=ChallengeKeyError, what="sealed challenge seeds",
+        forged=f"the challenge seed rank {dealer} sealed for rank {receiver} fails authentication: it was "
+        "altered, re-addressed, or sealed for another session, key generation or public key; the "
+        "collective key is refused",
     )
-    if seed is None:
-        raise ChallengeKeyError(
-            f"the challenge seed rank {dealer} sealed for rank {receiver} fails authentication: it was "
-            "altered, re-addressed, or sealed for another session, key generation or public key; the "
-            "collective key is refused",
-            [dealer],
-        )
-    return seed
 
 
 def challenge_key(session: str, common_seed: bytes, keys: Sequence[bytes], seeds: Sequence[bytes]) -> bytes:

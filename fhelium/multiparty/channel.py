@@ -89,6 +89,18 @@ class ShareChannel(Protocol):
     ) -> torch.Tensor: ...
 
 
+def require_agreement(
+    channel: ShareChannel, tag: str, record: bytes, refuse: Callable[[list[int]], Exception]
+) -> None:
+    """All-gather this rank's fixed-length ``record`` (a digest, a fingerprint); refused with
+    ``refuse(ranks)`` naming, in rank order, the ranks whose record differs from this rank's.
+    """
+    records = channel.all_gather_bytes(tag, record, max_bytes=len(record))
+    differing = [rank for rank, other in enumerate(records) if other != record]
+    if differing:
+        raise refuse(differing)
+
+
 def missing_error(
     tag: str, world_size: int, missing: Sequence[int], waited: float | None
 ) -> MissingSharesError:
@@ -476,4 +488,5 @@ __all__ = [
     "gather_from_store",
     "member_arrivals",
     "missing_error",
+    "require_agreement",
 ]

@@ -189,23 +189,35 @@ def seal_to_each(
     return bytes(out)
 
 
+@dataclass(frozen=True)
+class Recipient:
+    """This rank as the receiver of sealed records: its dealing identity, its rank, and every rank's public
+    key in rank order (the list the records were sealed under).
+    """
+
+    identity: DealingIdentity
+    rank: int
+    keys: Sequence[bytes]
+
+
 def open_from(
-    identity: DealingIdentity,
+    recipient: Recipient,
     record: bytes,
-    keys: Sequence[bytes],
     *,
     dealer: int,
-    receiver: int,
     entry_bytes: int,
     aad: bytes,
     domain: bytes,
     refuse: Refusal,
     what: str,
-) -> bytes | None:
-    """What ``dealer``'s record (``seal_to_each``) sealed for ``receiver`` (this rank), or None when it fails
-    authentication. Refused (``refuse``, naming the dealer) unless the record is ``len(keys) - 1`` entries
-    of ``entry_bytes`` (``what``: the entries' name, plural).
+    forged: str,
+) -> bytes:
+    """What ``dealer``'s record (``seal_to_each``) sealed for ``recipient``, authenticated. Refused
+    (``refuse``, naming the dealer) unless the record is ``len(keys) - 1`` entries of ``entry_bytes``
+    (``what``: the entries' name, plural), and with the message ``forged`` when the entry fails
+    authentication.
     """
+    keys, receiver = recipient.keys, recipient.rank
     entries = len(keys) - 1
     if len(record) != entry_bytes * entries:
         raise refuse(
@@ -215,11 +227,11 @@ def open_from(
         )
     slot = receiver if receiver < dealer else receiver - 1
     entry = record[slot * entry_bytes : (slot + 1) * entry_bytes]
-    opener = _aead(identity.private, keys[dealer], dealer, receiver, domain)
+    opener = _aead(recipient.identity.private, keys[dealer], dealer, receiver, domain)
     try:
         return opener.decrypt(entry[:NONCE_BYTES], entry[NONCE_BYTES:], aad)
     except InvalidTag:
-        return None
+        raise refuse(forged, [dealer]) from None
 
 
 def point_bytes(limbs: int, ring_degree: int) -> int:
@@ -256,32 +268,25 @@ def seal_points(
 
 
 def open_point(
-    identity: DealingIdentity,
+    recipient: Recipient,
     record: bytes,
-    keys: Sequence[bytes],
     *,
     dealer: int,
-    receiver: int,
     session: str,
     seed: bytes,
     threshold: int,
     moduli: Sequence[int],
     ring_degree: int,
 ) -> torch.Tensor:
-    """The point dealer ``dealer`` sealed for ``receiver`` (this party), checked: authenticated, in range."""
-    parties = len(keys)
-    aad = dealing_aad(session, seed, parties, threshold, dealer, receiver, keys[dealer], keys[receiver])
+    """The point dealer ``dealer`` sealed for ``recipient`` (this party), checked: authenticated, in range."""
+    keys, receiver = recipient.keys, recipient.rank
+    aad = dealing_aad(session, seed, len(keys), threshold, dealer, receiver, keys[dealer], keys[receiver])
     plain = open_from(
-        identity, record, keys, dealer=dealer, receiver=receiver,
-        entry_bytes=sealed_bytes(len(moduli), ring_degree), aad=aad, domain=DEALING_DOMAIN,
-        refuse=DealingError, what="sealed points",
+        recipient, record, dealer=dealer, entry_bytes=sealed_bytes(len(moduli), ring_degree), aad=aad,
+        domain=DEALING_DOMAIN, refuse=DealingError, what="sealed points",
+        forged=f"the Shamir point rank {dealer} dealt to rank {receiver} fails authentication: it was "
+        "altered, re-addressed, or sealed for another session, key generation or dealing key; refused",
     )
-    if plain is None:
-        raise DealingError(
-            f"the Shamir point rank {dealer} dealt to rank {receiver} fails authentication: it was altered, "
-            "re-addressed, or sealed for another session, key generation or dealing key; refused",
-            [dealer],
-        )
     point = torch.frombuffer(bytearray(plain), dtype=torch.int64).view(len(moduli), ring_degree)
     q = torch.tensor(list(moduli), dtype=torch.int64).unsqueeze(-1)
     if bool(((point < 0) | (point >= q)).any()):
@@ -313,6 +318,7 @@ __all__ = [
     "DEALING_DOMAIN",
     "DealingError",
     "DealingIdentity",
+    "Recipient",
     "check_public_keys",
     "dealing_aad",
     "key_fingerprint",

@@ -32,6 +32,7 @@ from fhelium.multiparty.channel import (
     ShareChannel,
     gather_from_store,
     missing_error,
+    require_agreement,
 )
 from fhelium.multiparty.dealing import DealingIdentity
 from fhelium.multiparty.keygen import (
@@ -362,16 +363,16 @@ class ThresholdSession:
         digest = hashlib.sha256(
             DECRYPT_AGREEMENT_DOMAIN + header.encode() + ct.data.contiguous().cpu().numpy().tobytes()
         ).digest()
-        digests = self.channel.all_gather_bytes(
-            f"decryption-agreement:{self.decryptions}", digest, max_bytes=DIGEST_BYTES
-        )
-        differing = [rank for rank, other in enumerate(digests) if other != digest]
-        if differing:
-            raise MultipartyError(
+        require_agreement(
+            self.channel,
+            f"decryption-agreement:{self.decryptions}",
+            digest,
+            lambda differing: MultipartyError(
                 f"decryption {self.decryptions} of session {session!r} was refused before any share "
                 f"moved: rank(s) {differing} hold another ciphertext than rank {self.channel.rank} (decrypt "
                 "needs the same ciphertext on every rank)"
-            )
+            ),
+        )
         share = self.party.decryption_share(ct, digest=False)
         if record is not None:
             record("decryption_share", share.data)

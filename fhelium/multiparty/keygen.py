@@ -15,7 +15,7 @@ import torch
 
 from fhelium.core import PublicKey
 from fhelium.multiparty import challenge, dealing, shamir
-from fhelium.multiparty.channel import ShareChannel
+from fhelium.multiparty.channel import ShareChannel, require_agreement
 from fhelium.multiparty.protocol import MultipartyError
 from fhelium.multiparty.state import SessionState
 from fhelium.multiparty.values import PublicKeyShare, SeedCommitment, SeedReveal
@@ -92,15 +92,14 @@ def generate_public_key(session: SessionState) -> PublicKey:
             "refused"
         )
     public = party.combine_public_key(total, seed)
-    fingerprint = key_fingerprint(public)
-    prints = [
-        b.decode() for b in session.channel.all_gather_bytes("public-key-fingerprint", fingerprint.encode())
-    ]
-    wrong = [rank for rank, other in enumerate(prints) if other != fingerprint]
-    if wrong:
-        raise MultipartyError(
+    require_agreement(
+        session.channel,
+        "public-key-fingerprint",
+        key_fingerprint(public).encode(),
+        lambda wrong: MultipartyError(
             f"rank(s) {wrong} computed another collective public key; the residue exchange is corrupt"
-        )
+        ),
+    )
     session.common_seed = seed
     if session.threshold is not None:
         deal(session, seed)
@@ -148,10 +147,10 @@ def agree_challenge_key(session: SessionState, seed: bytes) -> bytes:
         session=party.session, common_seed=seed,
     )
     records = channel.all_gather_bytes("challenge-seeds", record, max_bytes=max(len(record), 1))
+    me = dealing.Recipient(identity, channel.rank, keys)
     seeds = [
         mine if dealer == channel.rank else challenge.open_seed(
-            identity, blob, keys, dealer=dealer, receiver=channel.rank, session=party.session,
-            common_seed=seed,
+            me, blob, dealer=dealer, session=party.session, common_seed=seed
         )
         for dealer, blob in enumerate(records)
     ]
@@ -182,26 +181,29 @@ def deal(session: SessionState, seed: bytes) -> None:
     records = channel.all_gather_bytes("shamir-points", record, max_bytes=max(len(record), 1))
     ids = tuple(range(len(session.engine.moduli)))
     received = {channel.rank: points[channel.rank]}
+    me = dealing.Recipient(identity, channel.rank, keys)
     for dealer, blob in enumerate(records):
         if dealer != channel.rank:
             received[dealer] = dealing.open_point(
-                identity, blob, keys, dealer=dealer, receiver=channel.rank, session=party.session,
-                seed=seed, threshold=t, moduli=session.engine.moduli_for(ids),
+                me, blob, dealer=dealer, session=party.session, seed=seed, threshold=t,
+                moduli=session.engine.moduli_for(ids),
                 ring_degree=session.engine.ring_degree,
             ).to(session.engine.device)
     prepare = getattr(channel, "prepare_members", None)
     if prepare is not None:  # before the last exchange: no rank leaves key generation while another
         prepare(session.alive)  # is still connecting the group to it
     fingerprint = dealing.transcript_fingerprint(party.session, seed, t, keys)
-    prints = channel.all_gather_bytes("dealing-transcript", fingerprint, max_bytes=len(fingerprint))
-    differing = [rank for rank, other in enumerate(prints) if other != fingerprint]
-    if differing:
-        raise dealing.DealingError(
+    require_agreement(
+        channel,
+        "dealing-transcript",
+        fingerprint,
+        lambda differing: dealing.DealingError(
             f"rank(s) {differing} saw other dealing keys than rank {channel.rank}: the transport showed "
             "ranks different keys (a substituted key would let it read the points sealed to it); the "
             "t-out-of-N keys are refused. Pin the dealing keys (docs/security.md, 't-out-of-N keys')",
             differing,
-        )
+        ),
+    )
     session.shamir_share = shamir.receive(party, received)
     party.secret = None  # the additive share is spent: decryption goes through the Shamir share
     session.dealing_fingerprint = fingerprint.hex()

@@ -35,21 +35,8 @@ from flodld.net.shm import OwnedRegion, ShmError, shm_mode
 from flodld.net.timeouts import scaled
 from flodld.rank.env import RankEnvironment
 from flodld.rank.results import ChunkedResult, Membership, Result, ResultError, RoundResults
+from flodld.wire import data as wire
 from flodld.wire.control import CoordinatorHeartbeat, Heartbeat, Shutdown
-from flodld.wire.data import (
-    Broadcast,
-    DataPlaneError,
-    Deposit,
-    Entry,
-    HelloAck,
-    RankHello,
-    RankReady,
-    ShmAccepted,
-    ShmDeposit,
-    ShmOffer,
-    ShmRefused,
-    ShmResult,
-)
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame
 from flodld.wire.magic import Channel
@@ -69,9 +56,9 @@ def _open_leg(env: RankEnvironment, channel: Channel) -> BlockingChannel:
     assert env.relay_port is not None
     timeout = scaled(CONNECT_TIMEOUT_SECS)
     leg = BlockingChannel.connect("127.0.0.1", env.relay_port, channel, env.salt, timeout=timeout)
-    leg.send(RankHello(rank=env.rank))
+    leg.send(wire.RankHello(rank=env.rank))
     reply = leg.recv(timeout).message()
-    if not isinstance(reply, HelloAck):
+    if not isinstance(reply, wire.HelloAck):
         leg.close()
         raise RelayClientError(f"relay refused rank {env.rank} on the {channel} leg: {reply!r}")
     return leg
@@ -103,13 +90,13 @@ class RelayClient:
         # Per deposit: whether to use the region (bench/relay.py turns it off to time the framed road).
         self.use_shm = self.shm_mode != "off"
         self.region: OwnedRegion | None = None
-        self._shm_reply: ShmAccepted | ShmRefused | None = None
+        self._shm_reply: wire.ShmAccepted | wire.ShmRefused | None = None
         self._spare = Prefaulted()  # result memory made ready by `reserve`
         self._closing = False
         self._closed = threading.Event()  # set by close(): a lost-controller exit in its grace stands down
         # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its relay's Entry names its first
         # round and its membership, and the last averaged result follows; its first deposit waits for both.
-        self._entry: Entry | None = None
+        self._entry: wire.Entry | None = None
         self._entered = not env.walk_in
         self._said_ready = False  # RankReady sent (a walk-in, at its first wait for the entry)
         self._entry_state: Bundle | None = None
@@ -149,7 +136,7 @@ class RelayClient:
             if region is not None:
                 region.write(offset, tail)
                 self.data.send(
-                    ShmDeposit(
+                    wire.ShmDeposit(
                         round=round_number,
                         fold=spec,
                         weight=weight,
@@ -160,7 +147,8 @@ class RelayClient:
                 )
             else:
                 self.data.send(
-                    Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset), tail
+                    wire.Deposit(round=round_number, fold=spec, weight=weight, tensors=specs, offset=offset),
+                    tail,
                 )
         with self._changed:
             self._rounds.deposited[round_number] = tuple(specs)
@@ -199,17 +187,17 @@ class RelayClient:
             return None
         with self._changed:
             self._shm_reply = None
-        self.data.send(ShmOffer(pid=os.getpid(), fd=region.fd, size=region.size, tag=region.tag.hex()))
+        self.data.send(wire.ShmOffer(pid=os.getpid(), fd=region.fd, size=region.size, tag=region.tag.hex()))
         with self._changed:
             self._changed.wait_for(
                 lambda: self._shm_reply is not None or self._error is not None, scaled(CONNECT_TIMEOUT_SECS)
             )
             reply, error_text = self._shm_reply, self._error
-        if not isinstance(reply, ShmAccepted):
+        if not isinstance(reply, wire.ShmAccepted):
             region.close()
             if error_text is not None:
                 raise RelayClientError(error_text)
-            why = reply.reason if isinstance(reply, ShmRefused) else "the relay did not answer the offer"
+            why = reply.reason if isinstance(reply, wire.ShmRefused) else "the relay did not answer the offer"
             self._without_shm(f"the relay refused the region: {why}")
             return None
         if self.region is not None:
@@ -312,7 +300,7 @@ class RelayClient:
         with self._changed:
             say, self._said_ready = not self._said_ready, True
         if say:
-            self.data.send(RankReady())
+            self.data.send(wire.RankReady())
         with self._changed:
             ok = self._changed.wait_for(lambda: self._entered or self._error is not None, timeout)
             if self._error is not None:
@@ -331,7 +319,7 @@ class RelayClient:
             return state
 
     @property
-    def entry(self) -> Entry | None:
+    def entry(self) -> wire.Entry | None:
         """The Entry a walk-in's relay handed over (its first round, membership); None on other ranks."""
         with self._changed:
             return self._entry
@@ -359,22 +347,22 @@ class RelayClient:
             while True:
                 frame = self.data.recv()
                 message = frame.message()
-                if isinstance(message, Entry):
+                if isinstance(message, wire.Entry):
                     self._enter(message)
-                elif not self._entered and isinstance(message, Broadcast):
+                elif not self._entered and isinstance(message, wire.Broadcast):
                     self._take_state(message, frame)
-                elif isinstance(message, Broadcast | ShmResult):
+                elif isinstance(message, wire.Broadcast | wire.ShmResult):
                     done = self._assemble(message, frame)
                     if done is None:
                         continue
                     with self._changed:
                         self._rounds.arrive(*done, self.next_round)
                         self._changed.notify_all()
-                elif isinstance(message, ShmAccepted | ShmRefused):
+                elif isinstance(message, wire.ShmAccepted | wire.ShmRefused):
                     with self._changed:
                         self._shm_reply = message
                         self._changed.notify_all()
-                elif isinstance(message, DataPlaneError):
+                elif isinstance(message, wire.DataPlaneError):
                     reason = f"the data plane refused this rank: {message.reason}"
                     return
         except (EOFError, OSError, WireError) as error:
@@ -386,7 +374,7 @@ class RelayClient:
         finally:
             self._fail(reason)
 
-    def _enter(self, entry: Entry) -> None:
+    def _enter(self, entry: wire.Entry) -> None:
         """The relay let this walk-in in: its rounds start at `entry.round` (the state, if any, follows)."""
         if not self.env.walk_in or self._entry is not None:
             raise ValueError("an Entry to a rank that did not walk in, or a second one")
@@ -398,7 +386,7 @@ class RelayClient:
                 self._entered = True
             self._changed.notify_all()
 
-    def _take_state(self, message: Broadcast, frame: Frame) -> None:
+    def _take_state(self, message: wire.Broadcast, frame: Frame) -> None:
         """A chunk of the walk-in's state (round `entry.round - 1`); whole, the walk-in has entered."""
         entry = self._entry
         if entry is None or not entry.state or message.round != entry.round - 1:
@@ -415,7 +403,7 @@ class RelayClient:
         """The round's value once its last chunk is in (an unchunked broadcast: at once, without a copy;
         a chunk in the region: copied out of it).
         """
-        if isinstance(message, ShmResult):
+        if isinstance(message, wire.ShmResult):
             if self.region is None:
                 raise ValueError(f"a shared-memory result of round {message.round} without a region")
             view = self.region.data(message.offset, message.length)
@@ -425,7 +413,7 @@ class RelayClient:
                 self._assembling.reset()
                 return message, decode_bundle(message.tensors, view)
         tensors = self._assembling.add(message, view)
-        if not isinstance(message, ShmResult):
+        if not isinstance(message, wire.ShmResult):
             self.data.conn.recycle(frame)  # copied into the round's tensors: its buffer is free
         return None if tensors is None else (message, tensors)
 

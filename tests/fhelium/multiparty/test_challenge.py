@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fhelium.multiparty import challenge
-from fhelium.multiparty.dealing import DealingIdentity
+from fhelium.multiparty.dealing import DealingIdentity, Recipient
 from fhelium.multiparty.sumcheck import project
 
 Q = torch.tensor([[1125899905744897], [1125899906629633]], dtype=torch.int64)
@@ -38,7 +38,7 @@ def _agree(
     for receiver in range(world):
         seeds = [
             own[receiver] if dealer == receiver else challenge.open_seed(
-                identities[receiver], records[dealer], keys, dealer=dealer, receiver=receiver,
+                Recipient(identities[receiver], receiver, keys), records[dealer], dealer=dealer,
                 session=SESSION, common_seed=COMMON,
             )
             for dealer in range(world)
@@ -73,19 +73,20 @@ def test_a_sealed_seed_opens_only_for_its_receiver_in_its_session_and_key_genera
     )
     assert seed not in record  # the transport carries no seed in the clear
     common = {"dealer": 0, "session": SESSION, "common_seed": COMMON}
-    assert challenge.open_seed(identities[2], record, keys, receiver=2, **common) == seed  # type: ignore[arg-type]
+    receiver = Recipient(identities[2], 2, keys)
+    assert challenge.open_seed(receiver, record, **common) == seed  # type: ignore[arg-type]
     tampered = bytearray(record)
     tampered[-1] ^= 1
     attempts = [
-        (identities[2], bytes(tampered), keys, {**common, "receiver": 2}),  # altered
-        (identities[1], record, keys, {**common, "receiver": 2}),  # another rank's key
-        (identities[2], record, keys, {**common, "receiver": 2, "session": "t"}),  # another session
-        (identities[2], record, keys, {**common, "receiver": 2, "common_seed": b"\x08" * 32}),  # key gen
-        (identities[2], record[:-1], keys, {**common, "receiver": 2}),  # truncated
+        (receiver, bytes(tampered), common),  # altered
+        (Recipient(identities[1], 2, keys), record, common),  # another rank's key
+        (receiver, record, {**common, "session": "t"}),  # another session
+        (receiver, record, {**common, "common_seed": b"\x08" * 32}),  # key gen
+        (receiver, record[:-1], common),  # truncated
     ]
-    for identity, blob, key_list, kwargs in attempts:
+    for recipient, blob, kwargs in attempts:
         with pytest.raises(challenge.ChallengeKeyError, match="rank 0") as caught:
-            challenge.open_seed(identity, blob, key_list, **kwargs)  # type: ignore[arg-type]
+            challenge.open_seed(recipient, blob, **kwargs)  # type: ignore[arg-type]
         assert caught.value.ranks == [0]
 
 
@@ -195,7 +196,7 @@ def test_a_record_of_the_wrong_length_or_a_replaced_own_key_is_refused_naming_th
     record = challenge.seal_seed(identities[0], {1: b"a" * 32, 2: b"a" * 32}, keys, dealer=0, **common)  # type: ignore[arg-type]
     short = r"rank 0's record is 119 bytes; expected 120"
     with pytest.raises(challenge.ChallengeKeyError, match=short) as error:
-        challenge.open_seed(identities[1], record[:-1], keys, dealer=0, receiver=1, **common)  # type: ignore[arg-type]
+        challenge.open_seed(Recipient(identities[1], 1, keys), record[:-1], dealer=0, **common)  # type: ignore[arg-type]
     assert error.value.ranks == [0]
     with pytest.raises(challenge.ChallengeKeyError, match="own public key was replaced"):
         challenge.seal_seed(identities[1], {1: b"a" * 32, 2: b"a" * 32}, keys, dealer=0, **common)  # type: ignore[arg-type]

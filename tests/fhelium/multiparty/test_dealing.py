@@ -17,6 +17,7 @@ from fhelium.multiparty import THRESHOLD_AGGREGATION, ThresholdParty, expected_m
 from fhelium.multiparty.dealing import (
     DealingError,
     DealingIdentity,
+    Recipient,
     check_public_keys,
     key_fingerprint,
     open_point,
@@ -44,27 +45,27 @@ def test_only_the_receiver_opens_its_point_and_any_change_of_binding_is_refused(
     record = seal_points(identities[0], points, keys, dealer=0, session="d", seed=seed, threshold=2)
     common = {"session": "d", "seed": seed, "threshold": 2, "moduli": engine.moduli,
               "ring_degree": engine.ring_degree}
-    opened = open_point(identities[1], record, keys, dealer=0, receiver=1, **common)  # type: ignore[arg-type]
+    opened = open_point(Recipient(identities[1], 1, keys), record, dealer=0, **common)  # type: ignore[arg-type]
     assert torch.equal(opened, points[1].cpu())
     assert points[1].contiguous().numpy().tobytes()[:64] not in record
     refusals: dict[str, tuple[DealingIdentity, dict[str, object]]] = {
-        "another rank": (identities[2], {"receiver": 1}),
+        "another rank": (identities[2], {}),
         "a key the transport made": (DealingIdentity.generate(), {}),
         "another session": (identities[1], {"session": "other"}),
         "another key generation": (identities[1], {"seed": bytes(32)}),
         "another threshold": (identities[1], {"threshold": 3}),
     }
     for name, (identity, change) in refusals.items():
-        arguments = {**common, "receiver": 1, **change}
+        arguments = {**common, **change}
         with pytest.raises(DealingError, match="rank 0 dealt to rank 1 fails authentication"):
-            open_point(identity, record, keys, dealer=0, **arguments)  # type: ignore[arg-type]
+            open_point(Recipient(identity, 1, keys), record, dealer=0, **arguments)  # type: ignore[arg-type]
         del name
     tampered = bytearray(record)
     tampered[-1] ^= 1
     with pytest.raises(DealingError, match="fails authentication"):
-        open_point(identities[2], bytes(tampered), keys, dealer=0, receiver=2, **common)  # type: ignore[arg-type]
+        open_point(Recipient(identities[2], 2, keys), bytes(tampered), dealer=0, **common)  # type: ignore[arg-type]
     with pytest.raises(DealingError, match="expected"):
-        open_point(identities[1], record[:-1], keys, dealer=0, receiver=1, **common)  # type: ignore[arg-type]
+        open_point(Recipient(identities[1], 1, keys), record[:-1], dealer=0, **common)  # type: ignore[arg-type]
 
 
 def test_pins_refuse_a_substituted_dealing_key_and_duplicates_are_refused(tmp_path: Path) -> None:

@@ -248,7 +248,8 @@ def _observe(
     ):
         assert identity is not None
         try:
-            dealing.open_point(identity, record, keys, dealer=dealer, receiver=receiver, **common)  # type: ignore[arg-type]
+            recipient = dealing.Recipient(identity, receiver, keys)
+            dealing.open_point(recipient, record, dealer=dealer, **common)  # type: ignore[arg-type]
             attempts[name] = "opened"
         except dealing.DealingError as error:
             attempts[name] = str(error)
