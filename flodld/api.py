@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from flodld.agent.spawn import agent_command
     from flodld.agent.spec import (
         AGENT_ENV,
+        LEFT_RUN_MARK,
         SPEC_ON_STDIN,
         AgentSpec,
         DeviceError,
@@ -93,6 +94,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.agent.spawn": ("agent_command",),
     "flodld.agent.spec": (
         "AGENT_ENV",
+        "LEFT_RUN_MARK",
         "SPEC_ON_STDIN",
         "AgentSpec",
         "DeviceError",
@@ -160,6 +162,7 @@ __all__ = [
     "BASE_FILE",
     "DEFAULT_CONTROLLER_PORT",
     "FORK_SERVER_ENV",
+    "LEFT_RUN_MARK",
     "LOOPBACK_HOSTS",
     "OPEN_ADMISSION_KEY",
     "SPEC_ON_STDIN",

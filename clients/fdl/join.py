@@ -7,15 +7,16 @@ top-level `join:` block of fdl.yml, so a golden image can boot into a bare `fdl 
 also come from the FDL_JOIN_TOKEN environment variable or from stdin (`--token -`), keeping it out
 of `ps`.
 
-Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token, no
-token for a controller that checks credentials, bad config, incompatible build) — for systemd's
-RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off
-5 s doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an
-attempt that lasted longer than 2 minutes); after a run of at least 10 s that ended for this host alone
-(its agent killed, its link or ranks lost: exit 1 once formed), it dials again after 0.5 s, doubling from
-there, since the run may go on and admit it back; SIGTERM ends the loop, also during the back-off. A persist
-loop of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once and forks each attempt's
-ranks (--no-fork-server, or join.fork_server: false, starts them cold; docs/elastic-averaging.md).
+Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 permanent (bad token, no token for
+a controller that checks credentials, bad config, incompatible build) — for systemd's
+RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off 5 s
+doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an attempt
+that lasted longer than 2 minutes); after a run of at least 10 s that ended for this host alone (its agent
+killed or its link lost: exit 1 once formed; or every rank lost, which the agent marks), it dials again
+after 0.5 s, doubling from there, since the run may go on and admit it back. SIGTERM ends the loop, also
+during the back-off. A persist loop of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once
+and forks each attempt's ranks (--no-fork-server, or join.fork_server: false, starts them cold;
+docs/elastic-averaging.md).
 
 The controller's `env:` is filtered: a walk-in applies thread counts (OMP_NUM_THREADS, ...), NCCL_*/GLOO_*
 tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the names --accept-env (or
@@ -329,16 +330,26 @@ def join_loop(
                 return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
             lasted = clock() - started
             formed = mark.exists()
-            if formed and code != EXIT_DONE and lasted >= api.scaled(REDIAL_FAST_AFTER_RUN_SECS):
+            left = formed and code == EXIT_DONE and api.LEFT_RUN_MARK in _lines(mark)
+            if formed and (code != EXIT_DONE or left) and lasted >= api.scaled(REDIAL_FAST_AFTER_RUN_SECS):
                 backoff = api.scaled(REDIAL_AFTER_LOSS_SECS)
             elif formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
                 backoff = api.scaled(BACKOFF_INITIAL_SECS)
             outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
             if formed and code != EXIT_DONE:
                 outcome = f"run ended (agent exit code {code})"
+            elif left:
+                outcome = "run went on without this host (every rank lost)"
             say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
             sleep(backoff)
             backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").split()
+    except OSError:
+        return []
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from flodld.agent.spawn import (
     rank_environment,
     signal_group,
 )
-from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.spec import LEFT_RUN_MARK, AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
 from flodld.agent.starts import start_rank, start_relay
 from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
@@ -159,7 +159,7 @@ class AgentShell:
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
             f"{envelope.ranks}; controller address {envelope.controller_host}:{envelope.controller_port}"
         )
-        self._mark_formed(envelope.run_id)
+        self._mark(envelope.run_id, first=True)
         if not self.spec.cluster_env:
             verdict = self._judge_env(envelope.env)
             if not verdict.ok:
@@ -189,15 +189,17 @@ class AgentShell:
             self.next_warm = asyncio.ensure_future(WarmPool.start(self.warm_count, os.environ))
         return await self._supervise(joined)
 
-    def _mark_formed(self, run_id: str) -> None:
-        """Tell the process that started this agent (`fdl join`) that a world formed, when it asked."""
+    def _mark(self, line: str, *, first: bool = False) -> None:
+        """A line for the process that started this agent (`fdl join`), when it asked: the run id once the
+        world formed (`first`), then LEFT_RUN_MARK if the run may go on without this host.
+        """
         if self.spec.formed_file is None:
             return
         try:
-            with open(self.spec.formed_file, "w", encoding="utf-8") as mark:
-                mark.write(run_id + "\n")
+            with open(self.spec.formed_file, "w" if first else "a", encoding="utf-8") as mark:
+                mark.write(line + "\n")
         except OSError as error:  # the run goes on; only the starter's back-off misses the news
-            say(f"could not write the formed mark {self.spec.formed_file}: {error}")
+            say(f"could not write the mark {self.spec.formed_file}: {error}")
 
     def _judge_env(self, env: dict[str, str]) -> envpolicy.EnvVerdict:
         """A walk-in applies only safe or accepted names, and none under open admission."""
@@ -443,8 +445,10 @@ class AgentShell:
                     await joined.stream.send(Stopped())
             case sv.CloseLink():
                 await self._close_link(joined)
-            case sv.Finish(exit_code, summary):
+            case sv.Finish(exit_code, summary, left_run):
                 say(summary)
+                if left_run:
+                    self._mark(LEFT_RUN_MARK)
                 return exit_code
             case _:
                 assert_never(action)

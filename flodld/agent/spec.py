@@ -21,10 +21,12 @@ from flodld.config.rolespec import SpecError, decode_hex_json, encode_spec
 
 AGENT_ENV: Final = "FLODL_INTERNAL_AGENT_JSON"
 SPEC_ON_STDIN: Final = "-"  # AGENT_ENV's value when the spec arrives as one line on stdin
+LEFT_RUN_MARK: Final = "left"  # the formed file's second line: the host lost every rank, the run goes on
 MAX_SPEC_LINE: Final = 1 << 20  # a spec is a few KiB of hex; anything longer is not one
 
 __all__ = [
     "AGENT_ENV",
+    "LEFT_RUN_MARK",
     "MAX_SPEC_LINE",
     "SPEC_ON_STDIN",
     "AgentSpec",
@@ -82,7 +84,8 @@ class AgentSpec(BaseModel):
         Annotated[list[Annotated[str, Field(max_length=65536)]], Field(min_length=1, max_length=4096)] | None
     ) = None
     # A file the agent writes the run id to once its world has formed: `fdl join --persist` resets its
-    # back-off after a run that formed, however it ended (the exit code alone cannot say so).
+    # back-off after a run that formed, however it ended (the exit code alone cannot say so); a second
+    # line, LEFT_RUN_MARK, when the host lost every rank and the run may go on without it.
     formed_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     # Per-rank log files (--log-dir/--redirects/--tee, or fdl.yml `logs:`): this host's own setting, set
     # by the launcher on this host (fdl run, fdl join), never by the controller (flodld.agent.ranklogs).

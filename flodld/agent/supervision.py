@@ -182,8 +182,13 @@ class CloseLink:
 
 @dataclass(frozen=True)
 class Finish:
+    """Exit with `exit_code`. `left_run`: this host lost every rank within the run's tolerance, so the run
+    may go on without it (`fdl join --persist` then dials again at once, see clients/fdl/join.py).
+    """
+
     exit_code: int
     summary: str
+    left_run: bool = False
 
 
 Action = (
@@ -218,6 +223,7 @@ class Supervisor:
         self.keeps_survivors = has_relay and tolerance > 0
         self.declared_dead: dict[int, str] = {}  # ranks asked for their stack, by the controller's reason
         self.state = SupervisorState.RUNNING
+        self.ranks = frozenset(ranks)
         self.live_ranks = set(ranks)
         self.relay_live = has_relay
         self.failed_ranks: dict[int, int] = {}
@@ -326,6 +332,9 @@ class Supervisor:
             # Within a run that survives losses, as it was asked to: the controller counts the failures and
             # says whether the run survived them (a launcher reads a non-zero agent as a host that died).
             lost = ", ".join(f"rank {r} ({describe_exit(c)})" for r, c in sorted(self.failed_ranks.items()))
+            if self.failed_ranks.keys() >= self.ranks:
+                summary = f"host {self.host!r} lost every rank: {lost}; the run may go on without it"
+                return [CloseLink(), Finish(0, summary, left_run=True)]
             summary = f"host {self.host!r} finished without {lost}; its other ranks ran on"
             return [CloseLink(), Finish(0, summary)]
         return [CloseLink(), Finish(0, f"host {self.host!r} finished cleanly")]

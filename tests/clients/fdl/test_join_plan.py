@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from fdl import join as join_command
 
+from flodld import api
 from tests.clients.fdl.join_args import parse, project
 
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -144,18 +145,20 @@ def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alon
     plan = join_command.resolve_plan(
         parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
     )
-    # (exit code, formed, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
+    # (exit code, mark, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
     # two failed dials, a formed 30 s run that finished (exit 0), a formed run that failed after 3 s, a
-    # 10 s one that failed, then a permanent failure.
-    attempts = iter([(1, True, 30.0), (1, False, 0.0), (1, False, 0.0), (0, True, 30.0), (1, True, 3.0),
-                     (1, True, 10.0), (2, False, 0.0)])  # fmt: skip
+    # 10 s one that failed, a 20 s one whose agent lost every rank (exit 0, marked), then a permanent
+    # failure.
+    attempts = iter([(1, "run-1\n", 30.0), (1, None, 0.0), (1, None, 0.0), (0, "run-1\n", 30.0),
+                     (1, "run-1\n", 3.0), (1, "run-1\n", 10.0), (0, f"run-1\n{api.LEFT_RUN_MARK}\n", 20.0),
+                     (2, None, 0.0)])  # fmt: skip
     now = [1000.0]
 
     def attempt(marked: join_command.JoinPlan) -> int:
-        code, formed, lasted = next(attempts)
+        code, mark, lasted = next(attempts)
         assert marked.spec.formed_file is not None
-        if formed:
-            Path(marked.spec.formed_file).write_text("run-1\n")
+        if mark is not None:
+            Path(marked.spec.formed_file).write_text(mark)
         now[0] += lasted
         return code
 
@@ -163,8 +166,8 @@ def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alon
     sleeps: list[float] = []
     assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: now[0]) == 2
     # At once after the loss, doubling from there; the usual 5 s after a finished run and a run that
-    # failed fast; at once again after a 10 s run that ended for this host.
-    assert sleeps == [0.5, 1.0, 2.0, 5.0, 5.0, 0.5]
+    # failed fast; at once again after a 10 s run that ended for this host, and after one it left.
+    assert sleeps == [0.5, 1.0, 2.0, 5.0, 5.0, 0.5, 0.5]
 
 
 @pytest.mark.parametrize(

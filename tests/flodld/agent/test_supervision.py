@@ -116,6 +116,20 @@ def test_a_run_that_tolerates_losses_keeps_a_failed_ranks_host_mates_running() -
     ]
 
 
+def test_a_tolerant_host_that_lost_every_rank_says_the_run_may_go_on_without_it() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=True, tolerance=2)
+    assert supervisor.handle(RankExit(0, -9)) == [ReportRankExit(0, -9)]
+    assert supervisor.handle(RankExit(1, 1)) == [ReportRankExit(1, 1), TerminateRelay()]
+    assert supervisor.handle(RelayExit(0)) == [
+        CloseLink(),
+        Finish(
+            0,
+            "host 'h' lost every rank: rank 0 (signal 9), rank 1 (code 1); the run may go on without it",
+            left_run=True,
+        ),
+    ]
+
+
 def test_the_controllers_abort_still_tears_a_tolerant_host_down() -> None:
     supervisor = Supervisor("h", [0, 1], has_relay=True, tolerance=1)
     assert supervisor.handle(RankExit(0, 3)) == [ReportRankExit(0, 3)]

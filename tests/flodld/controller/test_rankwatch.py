@@ -13,7 +13,6 @@ from flodld.net.stream import FramedStream
 from flodld.wire.control import CoordinatorHeartbeat
 from flodld.wire.messages import Message
 
-
 Dead = list[tuple[int, str, float]]
 
 
