@@ -51,13 +51,15 @@ class TwoHosts:
 
 
 @asynccontextmanager
-async def two_hosts() -> AsyncIterator[TwoHosts]:
-    """A formed cpu_sync world of hosts "a" (rank 0) and "b" (rank 1); both join links stay open."""
+async def two_hosts(environ: dict[str, str] | None = None) -> AsyncIterator[TwoHosts]:
+    """A formed cpu_sync world of hosts "a" (rank 0) and "b" (rank 1); both join links stay open.
+    `environ`: the run's env as the data plane reads it (liveness timeouts).
+    """
     opts = options(
         capacity=2, averaging="cpu_sync", join=JoinConfig(join_timeout=30, target_ranks=2, min_rank_start=2)
     )
     controller = Controller(opts)
-    attach_data_plane(controller, environ={})
+    attach_data_plane(controller, environ=environ or {})
     _, port = await controller.start()
     try:
         agents = {host: await join(port, controller.salt, host) for host in ("a", "b")}

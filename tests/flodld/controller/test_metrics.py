@@ -263,3 +263,27 @@ def test_heartbeats_keep_the_longest_gap_a_live_rank_left_against_the_limits() -
         "longest_gap_rank": 3,
     }
     assert "flodld_heartbeat_longest_gap_seconds{run_id=\"run-1\"} 0.71" in _render(data)
+
+
+async def test_a_live_ranks_heartbeat_gap_near_the_timeout_is_logged_once_per_new_longest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    environ = {"FLODL_LIVENESS_TIMEOUT_SECS": "4", "FLODL_HEARTBEAT_INTERVAL_SECS": "1"}
+    async with two_hosts(environ) as world:
+        controller, port = world.controller, world.port
+        control, ack = await open_relay(
+            port, controller.salt, world.keys["a"], Channel.CONTROL, host="a", ranks=[0]
+        )
+        assert isinstance(ack, HelloAck)
+        caplog.set_level("WARNING", logger="flodld.controller.dataplane")
+        await control.send(Heartbeat(rank=0, step=1))
+        await control.send(Heartbeat(rank=0, step=2))  # a short gap: nothing said
+        await asyncio.sleep(2.4)  # past half the 4 s timeout, short of it (with room for a loaded box)
+        await control.send(Heartbeat(rank=0, step=3))
+        await control.send(Heartbeat(rank=0, step=4))
+        await eventually(lambda: controller.run_metrics.ranks[0].rounds == 4)
+    warnings = [r.getMessage() for r in caplog.records if "heartbeat_gap_near_timeout" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    said = re.search(r"host=a rank=0 gap_secs=([0-9.]+) timeout_secs=4 ", warnings[0])
+    assert said is not None, warnings[0]
+    assert 2.0 < float(said.group(1)) < 4.0
