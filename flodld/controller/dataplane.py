@@ -65,10 +65,6 @@ HostKeyLookup = Callable[[str], bytes | None]
 """The key derived at `host`'s admission, or None when that host has no live admission."""
 
 
-# A live rank's heartbeat gap past this share of the liveness timeout is logged (a false alarm is near).
-GAP_WARNING_SHARE = 0.5
-
-
 @dataclass(frozen=True)
 class _Relay:
     """Whose frames a relay connection carries (the context of its dispatch table)."""
@@ -409,21 +405,9 @@ class DataPlane:
 
     async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
-            gap = self.watch.liveness.heard(message.rank, self.clock())
+            gap = self.watch.heard(relay.host, message.rank)
             self.ledger.heard(message.rank, message.step)
-            longest = self.metrics.longest_gap
             self.metrics.heartbeat(message.rank, message.step, gap)
-            timeout = self.watch.liveness.timeout
-            if gap is not None and gap > longest and gap > timeout * GAP_WARNING_SHARE:
-                # A live rank came this close to being declared dead: say so once per new longest gap.
-                log.warning(
-                    "event=heartbeat_gap_near_timeout host=%s rank=%d gap_secs=%.3f timeout_secs=%g "
-                    "hint='a longer FLODL_LIVENESS_TIMEOUT_SECS avoids declaring a slow rank dead'",
-                    relay.host,
-                    message.rank,
-                    gap,
-                    timeout,
-                )
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message, tail: Tail = b"") -> None:

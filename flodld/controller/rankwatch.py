@@ -33,6 +33,8 @@ DEFAULT_HEARTBEAT_INTERVAL_SECS = 1.0
 # relay: on a loaded box that can take far longer than the steady-state timeout, so it gets its own bound.
 DEFAULT_LIVENESS_STARTUP_SECS = 120.0
 
+# A live rank's heartbeat gap past this share of the liveness timeout is logged (a false alarm is near).
+GAP_WARNING_SHARE = 0.5
 # Past a deadline by this much before looking (expiry is "silent longer than", and timers fire a hair early).
 EXPIRY_SLACK_SECS = 0.002
 
@@ -67,6 +69,7 @@ class RankWatch:
         self._rank_left = rank_left
         self._round_in_progress = round_in_progress
         self._ticker: asyncio.Task[None] | None = None
+        self._longest_gap = 0.0
 
     def start(self) -> None:
         """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
@@ -91,6 +94,25 @@ class RankWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
             self._ticker = None
+
+    def heard(self, host: str, rank: int) -> float | None:
+        """A heartbeat of `rank` on `host`: the silence it ends (None: its first, or a rank not watched). A
+        live rank that came within GAP_WARNING_SHARE of the timeout is logged, once per new longest gap.
+        """
+        gap = self.liveness.heard(rank, self.clock())
+        timeout = self.liveness.timeout
+        if gap is not None and gap > self._longest_gap and gap > timeout * GAP_WARNING_SHARE:
+            log.warning(
+                "event=heartbeat_gap_near_timeout host=%s rank=%d gap_secs=%.3f timeout_secs=%g "
+                "hint='a longer FLODL_LIVENESS_TIMEOUT_SECS avoids declaring a slow rank dead'",
+                host,
+                rank,
+                gap,
+                timeout,
+            )
+        if gap is not None:
+            self._longest_gap = max(self._longest_gap, gap)
+        return gap
 
     def track(self, ranks: Iterable[int]) -> None:
         """Watch a walk-in's ranks, with the startup grace."""
