@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -55,6 +56,7 @@ from chaoslib import (
     marked_pids,
     match_joins,
     match_losses,
+    missing_rank_seconds,
     p50_max,
     read_logs,
     run_figures,
@@ -102,6 +104,8 @@ class Bench:
         self.stopped: set[int] = set()  # SIGSTOPped rank pids
         self.down: dict[int, float] = {}  # host index -> when its link comes back up
         self.polling = threading.Event()
+        # Which host each fault hits: from --seed, so two invocations (before/after a change) fault alike.
+        self.placement = random.Random(args.seed)
 
     # --- setup and teardown ----------------------------------------------------------------------
 
@@ -261,7 +265,7 @@ class Bench:
             return "no host left to fault (h0 is kept; lost hosts wait for the next run)"
         if taken > budget:
             return f"would take {taken} rank(s) with {budget} left of the tolerance"
-        host = candidates[int(time.time()) % len(candidates)]
+        host = self.placement.choice(candidates)
         index = int(host[1:])
         ranks = [rank for rank, _ in live[host]]
         if kind == "agent SIGKILL":
@@ -345,7 +349,8 @@ class Bench:
             f"{self.args.heartbeat_interval:g} s"
         )
         print(f"\nchaos bench: {shape}, cpu_sync, {every}, "
-              f"tolerance {self.tolerance}{beats}, {os.cpu_count()} cores")  # fmt: skip
+              f"tolerance {self.tolerance}{beats}, fault placement seed {self.args.seed}, "
+              f"{os.cpu_count()} cores")  # fmt: skip
         if joins is None:
             print("rejoin: not supported by this build (no controller.join.elastic_max_ranks): a host "
                   "brought back by its persist loop waits for the next run")  # fmt: skip
@@ -363,6 +368,9 @@ class Bench:
             "detection stalls": [(f.at, f.at + f.detected) for f in faults if f.detected is not None],
             "host start-ups": start_up_windows(joins or [], record["started_at"], chaos.round_times),
         }
+        missing, span = missing_rank_seconds(read_logs(self.out / chaos_id), self.world)
+        print(f"ranks missing: {missing:.0f} rank-seconds of {self.world * span:.0f} "
+              f"({100 * missing / (self.world * span) if span else 0:.1f} %)")  # fmt: skip
         shares = attribute_loss(read_logs(self.out / chaos_id), base.rate, windows)
         if shares:
             print("where the loss goes (against the fault-free rate): " + ", ".join(
@@ -419,6 +427,10 @@ def main() -> int:
     parser.add_argument(
         "--heartbeat-interval", type=float, default=0.2,
         help="FLODL_HEARTBEAT_INTERVAL_SECS for the run (default 0.2)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1,
+        help="seeds which host each fault hits (default 1: two invocations place their faults alike)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke: 40 s runs, a fault every 8 s")
     parser.add_argument("--keep", action="store_true", help="keep the logs directory")

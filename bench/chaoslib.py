@@ -8,6 +8,7 @@ the driver saw of the run (`losses`, and `joins` where the build has them).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -206,6 +207,22 @@ def run_figures(logs: list[RankLog], window: float) -> RunFigures:
         smallest_world=min(len(lines) for lines in by_round.values()),
         round_times=times,
     )
+
+
+def missing_rank_seconds(logs: list[RankLog], world: int) -> tuple[float, float]:
+    """(rank-seconds the run trained with fewer than `world` ranks, the seconds from its first round to its
+    last): each round's members (the ranks that logged it) held until the next round arrived.
+    """
+    arrivals: dict[int, tuple[float, int]] = {}
+    for log in logs:
+        for line in log.rounds:
+            t, count = arrivals.get(line["round"], (line["t"], 0))
+            arrivals[line["round"]] = (min(t, line["t"]), count + 1)
+    ordered = sorted(arrivals.values())
+    missing = sum(
+        max(0, world - count) * (later - t) for (t, count), (later, _) in itertools.pairwise(ordered)
+    )
+    return missing, (ordered[-1][0] - ordered[0][0]) if ordered else 0.0
 
 
 @dataclass

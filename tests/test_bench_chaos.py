@@ -16,6 +16,7 @@ from chaoslib import (
     false_alarms,
     match_joins,
     match_losses,
+    missing_rank_seconds,
     read_logs,
     run_figures,
     start_up_windows,
@@ -107,3 +108,11 @@ def test_a_hosts_start_up_runs_from_its_admission_to_the_round_it_entered_at() -
         {"rank": 10, "host": "h2", "round": None, "at_secs": 30.0},  # admitted, never entered
     ]
     assert start_up_windows(joins, 1000.0, {40: 1026.5}) == [(1020.0, 1026.5)]
+
+
+def test_missing_rank_seconds_hold_each_rounds_members_until_the_next_round() -> None:
+    a = _log(0, "h0", [(0, 10.0, "x"), (1, 11.0, "x"), (2, 13.0, "x"), (3, 14.0, "x")])
+    b = _log(1, "h1", [(0, 10.0, "x"), (3, 14.0, "x")])  # out for rounds 1 and 2, back at round 3
+    # A world of 3: rounds 0 (2 ranks, 1 s), 1 (1 rank, 2 s), 2 (1 rank, 1 s) -> 1 + 4 + 2 = 7.
+    assert missing_rank_seconds([a, b], world=3) == (7.0, 4.0)
+    assert missing_rank_seconds([], world=3) == (0.0, 0.0)
