@@ -108,14 +108,19 @@ def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
     assert len(set(marks)) == 1 and not Path(marks[0]).exists()  # one mark, gone with the loop
 
 
+def _unscaled_persist_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> join_command.JoinPlan:
+    """A --persist plan whose back-off is in plain seconds (no FLODL_NET_TIMEOUT_SCALE)."""
+    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    return join_command.resolve_plan(
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+    )
+
+
 def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
-    (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(
-        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
-    )
+    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
     # (exit code, seconds the attempt lasted): three quick failures, a 121 s run, a quick failure, a 120 s
     # run (not more than 2 minutes: no reset), then a permanent failure.
     attempts = iter([(1, 0.0), (1, 1.0), (1, 2.0), (0, 121.0), (1, 1.0), (0, 120.0), (2, 0.0)])
@@ -140,11 +145,7 @@ def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
 def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
-    (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(
-        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
-    )
+    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
     # (exit code, mark, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
     # two failed dials, a formed 30 s run that finished (exit 0), a formed run that failed after 3 s, a
     # 10 s one that failed, a 20 s one whose agent lost every rank (exit 0, marked), then a permanent

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from flodld.controller.rankwatch import RankWatch
 from flodld.net.stream import FramedStream
@@ -42,17 +43,20 @@ def _watch(
     return watch, sent, dead
 
 
+async def _rank_1_speaks(watch: RankWatch, *, until: Callable[[], bool], seconds: float) -> None:
+    """Rank 1's heartbeats every 10 ms, for `seconds` or until `until()`."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not until():
+        watch.liveness.heard(1, time.monotonic())
+        await asyncio.sleep(0.01)
+
+
 def test_a_silent_rank_is_declared_dead_at_its_deadline_not_at_the_next_beat() -> None:
     async def main() -> tuple[list[tuple[int, str, float]], float]:
         watch, _, dead = _watch(timeout=0.3, interval=60.0, relays={})
         started = time.monotonic()
         watch.start()
-        watch.liveness.heard(1, time.monotonic())
-        for _ in range(500):  # rank 1 keeps speaking; rank 0 never does
-            if len(dead) == 1:
-                break
-            watch.liveness.heard(1, time.monotonic())
-            await asyncio.sleep(0.01)
+        await _rank_1_speaks(watch, until=lambda: len(dead) == 1, seconds=5.0)  # rank 0 never does
         await watch.close()
         return dead, started
 
@@ -66,10 +70,7 @@ def test_the_coordinator_beat_keeps_its_interval_while_deadlines_wake_the_ticker
     async def main() -> tuple[list[Message], list[tuple[int, str, float]]]:
         watch, sent, dead = _watch(timeout=0.05, interval=0.2, relays={"a": object()})  # type: ignore[dict-item]
         watch.start()
-        end = time.monotonic() + 1.1
-        while time.monotonic() < end:  # rank 1 speaks every 10 ms: its deadline moves ~20 times a beat
-            watch.liveness.heard(1, time.monotonic())
-            await asyncio.sleep(0.01)
+        await _rank_1_speaks(watch, until=lambda: False, seconds=1.1)  # its deadline moves ~20 times a beat
         await watch.close()
         return sent, dead
 
