@@ -11,12 +11,12 @@ Exit codes: 0 the run finished, 1 transient failure (dial again later), 2 perman
 a controller that checks credentials, bad config, incompatible build) — for systemd's
 RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off 5 s
 doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an attempt
-that lasted longer than 2 minutes); after a run of at least 10 s that ended for this host alone (its agent
-killed or its link lost: exit 1 once formed; or every rank lost, which the agent marks), it dials again
-after 0.5 s, doubling from there, since the run may go on and admit it back. SIGTERM ends the loop, also
-during the back-off. A persist loop of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once
-and forks each attempt's ranks (--no-fork-server, or join.fork_server: false, starts them cold;
-docs/elastic-averaging.md).
+that lasted longer than 2 minutes); after a run that ended for this host alone (its agent killed or its link
+lost: exit 1 once formed; or every rank lost, which the agent marks), it dials again after 0.5 s, doubling
+from there, since the run may go on and admit it back (at most 3 such quick re-dials a minute: a host that
+keeps losing its runs backs off as usual). SIGTERM ends the loop, also during the back-off. A persist loop
+of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once and forks each attempt's ranks
+(--no-fork-server, or join.fork_server: false, starts them cold; docs/elastic-averaging.md).
 
 The controller's `env:` is filtered: a walk-in applies thread counts (OMP_NUM_THREADS, ...), NCCL_*/GLOO_*
 tuning (not plugins, files, paths or addresses) and torch debug knobs, plus the names --accept-env (or
@@ -60,7 +60,10 @@ BACKOFF_RESET_AFTER_SECS = 120.0
 # lost) while the run may still be training and admitting walk-ins: every second away is a second the run
 # trains without it, so the loop dials again at once, backing off from there if that dial fails.
 REDIAL_AFTER_LOSS_SECS = 0.5
-REDIAL_FAST_AFTER_RUN_SECS = 10.0  # shorter formed runs back off as usual: a host that fails fast, fails
+# ... but a host that keeps losing its runs is crash-looping, not unlucky: past this many quick re-dials in
+# this many seconds, it backs off as usual (systemd's StartLimitBurst, for the same reason).
+QUICK_REDIALS = 3
+QUICK_REDIALS_WINDOW_SECS = 60.0
 TOKEN_ENV = "FDL_JOIN_TOKEN"
 
 
@@ -314,6 +317,7 @@ def join_loop(
     re-armed 5 s after any run, done or failed, instead of at the doubled back-off of its idle dials.
     """
     backoff = api.scaled(BACKOFF_INITIAL_SECS)
+    quick: list[float] = []  # when the recent quick re-dials were made
     with tempfile.TemporaryDirectory(prefix="fdl-join-") as marks, _fork_server(plan, marks) as forks:
         mark = Path(marks) / "formed"
         marked = replace(plan, spec=plan.spec.model_copy(update={"formed_file": str(mark)}),
@@ -331,7 +335,10 @@ def join_loop(
             lasted = clock() - started
             formed = mark.exists()
             left = formed and code == EXIT_DONE and api.LEFT_RUN_MARK in _lines(mark)
-            if formed and (code != EXIT_DONE or left) and lasted >= api.scaled(REDIAL_FAST_AFTER_RUN_SECS):
+            now = clock()
+            quick = [at for at in quick if now - at < api.scaled(QUICK_REDIALS_WINDOW_SECS)]
+            if formed and (code != EXIT_DONE or left) and len(quick) < QUICK_REDIALS:
+                quick.append(now)
                 backoff = api.scaled(REDIAL_AFTER_LOSS_SECS)
             elif formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
                 backoff = api.scaled(BACKOFF_INITIAL_SECS)

@@ -104,7 +104,8 @@ def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
     monkeypatch.setattr(join_command, "attempt", attempt)
     sleeps: list[float] = []
     assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
-    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0, 5.0, 10.0]
+    # After the formed run that failed (exit 1: it ended for this host, maybe not for the run): at once.
+    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0, 0.5, 1.0]
     assert len(set(marks)) == 1 and not Path(marks[0]).exists()  # one mark, gone with the loop
 
 
@@ -146,12 +147,13 @@ def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alon
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plan = _unscaled_persist_plan(tmp_path, monkeypatch)
+    formed, left = "run-1\n", f"run-1\n{api.LEFT_RUN_MARK}\n"
     # (exit code, mark, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
-    # two failed dials, a formed 30 s run that finished (exit 0), a formed run that failed after 3 s, a
-    # 10 s one that failed, a 20 s one whose agent lost every rank (exit 0, marked), then a permanent
+    # two failed dials, a formed 30 s run that finished (exit 0: the usual 5 s), a 20 s run whose agent
+    # lost every rank (exit 0, marked), then four formed runs lost one after another, then a permanent
     # failure.
-    attempts = iter([(1, "run-1\n", 30.0), (1, None, 0.0), (1, None, 0.0), (0, "run-1\n", 30.0),
-                     (1, "run-1\n", 3.0), (1, "run-1\n", 10.0), (0, f"run-1\n{api.LEFT_RUN_MARK}\n", 20.0),
+    attempts = iter([(1, formed, 30.0), (1, None, 0.0), (1, None, 0.0), (0, formed, 30.0), (0, left, 20.0),
+                     (1, formed, 3.0), (1, formed, 3.0), (1, formed, 3.0), (1, formed, 3.0),
                      (2, None, 0.0)])  # fmt: skip
     now = [1000.0]
 
@@ -165,10 +167,16 @@ def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alon
 
     monkeypatch.setattr(join_command, "attempt", attempt)
     sleeps: list[float] = []
-    assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: now[0]) == 2
-    # At once after the loss, doubling from there; the usual 5 s after a finished run and a run that
-    # failed fast; at once again after a 10 s run that ended for this host, and after one it left.
-    assert sleeps == [0.5, 1.0, 2.0, 5.0, 5.0, 0.5, 0.5]
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    assert join_command.join_loop(plan, sleep=sleep, clock=lambda: now[0]) == 2
+    # At once after the loss, doubling from there; 5 s after the finished run; at once after the host left
+    # its run and after the next two losses (the first quick re-dial is over a minute old by then); the
+    # fourth and fifth quick ones within a minute are refused: the usual 5 s after a formed run.
+    assert sleeps == [0.5, 1.0, 2.0, 5.0, 0.5, 0.5, 0.5, 5.0, 5.0]
 
 
 @pytest.mark.parametrize(
