@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,17 +176,10 @@ def _run_child(request: dict[str, object]) -> None:
         os._exit(code)
 
 
-def _reap(logs: dict[int, str]) -> None:
-    while logs:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+def _reap(logs: dict[int, str], exited: Callable[[], Iterator[tuple[int, int]]]) -> None:
+    for pid, code in exited():  # the product fork server's reap (exited_children): every ended child
         log = logs.pop(pid, None)
         if log is not None:
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             Path(f"{log}.tmp").write_text(str(code))
             os.replace(f"{log}.tmp", f"{log}.exit")
 
@@ -194,6 +187,7 @@ def _reap(logs: dict[int, str]) -> None:
 def _serve() -> None:
     if sys.path and os.path.realpath(sys.path[0]) == str(ZYGOTE.parent):
         del sys.path[0]  # this file's folder, tests/: its tests/flodld would shadow the flodld package
+    from flodld.launcher.forkserver import exited_children  # only now: the flodld package, not tests/flodld
     for entry in sys.argv[1:]:  # "module", or "module:function" to call once imported
         module, _, function = entry.partition(":")
         loaded = importlib.import_module(module)
@@ -204,7 +198,7 @@ def _serve() -> None:
     pending = b""
     while True:
         ready, _, _ = select.select([stdin], [], [], 0.02)
-        _reap(logs)
+        _reap(logs, exited_children)
         if not ready:
             continue
         chunk = os.read(stdin, 1 << 16)

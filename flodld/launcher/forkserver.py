@@ -32,6 +32,7 @@ import selectors
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 
 from flodld.agent.spawn import die_with_parent
 from flodld.rank.warm import (
@@ -232,17 +233,11 @@ class _Server:
         with contextlib.suppress(BlockingIOError):
             while os.read(self.wake_read, 512):
                 pass
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, code in exited_children():
             connection = self.owner.pop(pid, None)
             if connection is not None:
                 connection.ranks.discard(pid)
-                if not connection.send(Exited(pid, os.waitstatus_to_exitcode(status))):
+                if not connection.send(Exited(pid, code)):
                     self._drop(connection)
 
     def _drop(self, connection: _Connection) -> None:
@@ -271,6 +266,20 @@ class _Server:
         self.owner.clear()
         for connection in list(self.connections.values()):
             self._drop(connection)
+
+
+def exited_children() -> Iterator[tuple[int, int]]:
+    """Reap, without blocking, every child that has ended: (pid, its exit code as subprocess reports it,
+    -N for signal N).
+    """
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def _kill_group(pid: int) -> None:
