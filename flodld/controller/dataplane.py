@@ -405,9 +405,10 @@ class DataPlane:
 
     async def _on_heartbeat(self, message: Heartbeat, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
-            gap = self.watch.heard(relay.host, message.rank)
+            gap = self.watch.heard(message.rank)
             self.ledger.heard(message.rank, message.step)
-            self.metrics.heartbeat(message.rank, message.step, gap)
+            if self.metrics.heartbeat(message.rank, message.step, gap) and gap is not None:
+                self.watch.longest_gap(relay.host, message.rank, gap)
 
     @staticmethod
     async def _send_quietly(stream: FramedStream, message: Message, tail: Tail = b"") -> None:

@@ -132,15 +132,17 @@ class RunMetrics:
         """Tensor bytes of one Broadcast chunk written to one relay."""
         self.bytes_sent += nbytes
 
-    def heartbeat(self, rank: int, step: int, gap: float | None = None) -> None:
+    def heartbeat(self, rank: int, step: int, gap: float | None = None) -> bool:
         """A rank's heartbeat: `step` is its count of completed rounds (it never goes down); `gap`, the
-        silence it ended (None: its first).
+        silence it ended (None: its first). True when that gap is the run's longest yet.
         """
+        longest = False
         if gap is not None and gap > self.longest_gap:
-            self.longest_gap, self.longest_gap_rank = gap, rank
+            self.longest_gap, self.longest_gap_rank, longest = gap, rank, True
         series = self._rank(rank)
         if series is not None and step > series.rounds:
             series.rounds = step
+        return longest
 
     def skipped(self, rank: int) -> None:
         """A round closed without `rank`'s deposit (late past the straggler timeout; it stays a member)."""

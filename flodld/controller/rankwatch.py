@@ -69,7 +69,6 @@ class RankWatch:
         self._rank_left = rank_left
         self._round_in_progress = round_in_progress
         self._ticker: asyncio.Task[None] | None = None
-        self._longest_gap = 0.0
 
     def start(self) -> None:
         """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
@@ -95,13 +94,16 @@ class RankWatch:
                 await self._ticker
             self._ticker = None
 
-    def heard(self, host: str, rank: int) -> float | None:
-        """A heartbeat of `rank` on `host`: the silence it ends (None: its first, or a rank not watched). A
-        live rank that came within GAP_WARNING_SHARE of the timeout is logged, once per new longest gap.
+    def heard(self, rank: int) -> float | None:
+        """A heartbeat of `rank`: the silence it ends (None: its first, or a rank not watched)."""
+        return self.liveness.heard(rank, self.clock())
+
+    def longest_gap(self, host: str, rank: int, gap: float) -> None:
+        """The run's longest heartbeat gap yet (RunMetrics keeps it): logged when a live rank came within
+        GAP_WARNING_SHARE of the timeout, before a slower one turns into a false alarm.
         """
-        gap = self.liveness.heard(rank, self.clock())
         timeout = self.liveness.timeout
-        if gap is not None and gap > self._longest_gap and gap > timeout * GAP_WARNING_SHARE:
+        if gap > timeout * GAP_WARNING_SHARE:
             log.warning(
                 "event=heartbeat_gap_near_timeout host=%s rank=%d gap_secs=%.3f timeout_secs=%g "
                 "hint='a longer FLODL_LIVENESS_TIMEOUT_SECS avoids declaring a slow rank dead'",
@@ -110,9 +112,6 @@ class RankWatch:
                 gap,
                 timeout,
             )
-        if gap is not None:
-            self._longest_gap = max(self._longest_gap, gap)
-        return gap
 
     def track(self, ranks: Iterable[int]) -> None:
         """Watch a walk-in's ranks, with the startup grace."""

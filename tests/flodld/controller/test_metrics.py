@@ -253,9 +253,9 @@ def test_heartbeats_keep_the_longest_gap_a_live_rank_left_against_the_limits() -
     assert data.heartbeats() is None  # the plane has not set its limits
     data.liveness_timeout, data.heartbeat_interval = 1.5, 0.25
     assert data.heartbeats() is None  # no rank heard twice yet
-    data.heartbeat(0, 2, gap=0.26)
-    data.heartbeat(3, 2, gap=0.71)
-    data.heartbeat(0, 3, gap=0.3)
+    assert data.heartbeat(0, 2, gap=0.26) is True  # the run's longest gap yet
+    assert data.heartbeat(3, 2, gap=0.71) is True
+    assert data.heartbeat(0, 3, gap=0.3) is False
     assert data.heartbeats() == {
         "timeout_secs": 1.5,
         "interval_secs": 0.25,
