@@ -69,10 +69,7 @@ def test_token_from_stdin_and_bad_input_are_usage_errors(tmp_path: Path) -> None
 def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(
-        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
-    )
+    plan = _persist_plan(tmp_path)
     codes = iter([1, 1, 1, 1, 1, 1, 1, 2])  # dials that never formed a world
     monkeypatch.setattr(join_command, "attempt", lambda _plan: next(codes))
     sleeps: list[float] = []
@@ -83,10 +80,7 @@ def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
 def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(
-        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
-    )
+    plan = _persist_plan(tmp_path)
     # (exit code, whether the world formed): idle dials, a short run that formed and finished, idle dials,
     # a formed run that failed (exit 1), idle dials, then a permanent failure. Every attempt takes 0 s.
     attempts = iter([(1, False), (1, False), (1, False), (0, True), (1, False), (1, False), (1, True),
@@ -109,58 +103,36 @@ def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
     assert len(set(marks)) == 1 and not Path(marks[0]).exists()  # one mark, gone with the loop
 
 
-def _unscaled_persist_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> join_command.JoinPlan:
-    """A --persist plan whose back-off is in plain seconds (no FLODL_NET_TIMEOUT_SCALE)."""
-    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
+def _persist_plan(tmp_path: Path, *flags: str) -> join_command.JoinPlan:
+    """`fdl join --persist` of an empty train.py in `tmp_path`, with `flags`."""
     (tmp_path / "train.py").write_text("")
     return join_command.resolve_plan(
-        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
+        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist", *flags)
     )
 
 
-def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
-    # (exit code, seconds the attempt lasted): three quick failures, a 121 s run, a quick failure, a 120 s
-    # run (not more than 2 minutes: no reset), then a permanent failure.
-    attempts = iter([(1, 0.0), (1, 1.0), (1, 2.0), (0, 121.0), (1, 1.0), (0, 120.0), (2, 0.0)])
-    now = [1000.0]
-
-    def attempt(_plan: object) -> int:
-        code, lasted = next(attempts)
-        now[0] += lasted  # the injected clock: the attempt took this long
-        return code
-
-    monkeypatch.setattr(join_command, "attempt", attempt)
-    sleeps: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        sleeps.append(seconds)
-        now[0] += seconds
-
-    assert join_command.join_loop(plan, sleep=sleep, clock=lambda: now[0]) == 2
-    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0]
+def _unscaled_persist_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> join_command.JoinPlan:
+    """A --persist plan whose back-off is in plain seconds (no FLODL_NET_TIMEOUT_SCALE)."""
+    monkeypatch.delenv("FLODL_NET_TIMEOUT_SCALE", raising=False)
+    return _persist_plan(tmp_path)
 
 
-def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
-    formed, left = "run-1\n", f"run-1\n{api.LEFT_RUN_MARK}\n"
-    # (exit code, mark, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
-    # two failed dials, a formed 30 s run that finished (exit 0: the usual 5 s), a 20 s run whose agent
-    # lost every rank (exit 0, marked), then four formed runs lost one after another, then a permanent
-    # failure.
-    attempts = iter([(1, formed, 30.0), (1, None, 0.0), (1, None, 0.0), (0, formed, 30.0), (0, left, 20.0),
-                     (1, formed, 3.0), (1, formed, 3.0), (1, formed, 3.0), (1, formed, 3.0),
-                     (2, None, 0.0)])  # fmt: skip
+def _clocked_loop(
+    plan: join_command.JoinPlan,
+    monkeypatch: pytest.MonkeyPatch,
+    attempts: list[tuple[int, str | None, float]],
+) -> list[float]:
+    """Run the persist loop over `attempts` (exit code, what the agent writes to its mark file or None,
+    seconds it lasted) on an injected clock that the attempts and the back-off advance; the back-offs slept.
+    The last attempt must end the loop (exit 2).
+    """
+    remaining = iter(attempts)
     now = [1000.0]
 
     def attempt(marked: join_command.JoinPlan) -> int:
-        code, mark, lasted = next(attempts)
+        code, mark, lasted = next(remaining)
         assert marked.spec.formed_file is not None
-        if mark is not None:
+        if mark is not None:  # what the agent does once its world has formed (and, marked, left it)
             Path(marked.spec.formed_file).write_text(mark)
         now[0] += lasted
         return code
@@ -173,6 +145,33 @@ def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alon
         now[0] += seconds
 
     assert join_command.join_loop(plan, sleep=sleep, clock=lambda: now[0]) == 2
+    return sleeps
+
+
+def test_persist_back_off_resets_after_a_run_that_lasted_more_than_2_minutes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
+    # (exit code, seconds the attempt lasted): three quick failures, a 121 s run, a quick failure, a 120 s
+    # run (not more than 2 minutes: no reset), then a permanent failure.
+    attempts = [(1, 0.0), (1, 1.0), (1, 2.0), (0, 121.0), (1, 1.0), (0, 120.0), (2, 0.0)]
+    sleeps = _clocked_loop(plan, monkeypatch, [(code, None, lasted) for code, lasted in attempts])
+    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0]
+
+
+def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
+    formed, left = "run-1\n", f"run-1\n{api.LEFT_RUN_MARK}\n"
+    # (exit code, mark, seconds): a 30 s run this host left with exit 1 (its agent killed, its link lost),
+    # two failed dials, a formed 30 s run that finished (exit 0: the usual 5 s), a 20 s run whose agent
+    # lost every rank (exit 0, marked), then four formed runs lost one after another, then a permanent
+    # failure.
+    sleeps = _clocked_loop(plan, monkeypatch, [
+        (1, formed, 30.0), (1, None, 0.0), (1, None, 0.0), (0, formed, 30.0), (0, left, 20.0),
+        (1, formed, 3.0), (1, formed, 3.0), (1, formed, 3.0), (1, formed, 3.0), (2, None, 0.0),
+    ])  # fmt: skip
     # At once after the loss, doubling from there; 5 s after the finished run; at once after the host left
     # its run and after the next two losses (the first quick re-dial is over a minute old by then); the
     # fourth and fifth quick ones within a minute are refused: the usual 5 s after a formed run.
@@ -199,10 +198,7 @@ def test_a_persist_loop_keeps_a_fork_server_unless_told_not_to(
 def test_the_loops_agents_are_told_its_fork_server_which_ends_with_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(parse(
-        "--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist", "--devices", "cpu:2"
-    ))  # fmt: skip
+    plan = _persist_plan(tmp_path, "--devices", "cpu:2")
     seen: list[str | None] = []
 
     def attempt(marked: join_command.JoinPlan) -> int:
@@ -219,10 +215,7 @@ def test_the_loops_agents_are_told_its_fork_server_which_ends_with_the_loop(
 def test_an_attempt_hands_the_fork_server_to_its_agent_in_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "train.py").write_text("")
-    plan = join_command.resolve_plan(
-        parse("--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--persist")
-    )
+    plan = _persist_plan(tmp_path)
     script = "import os, sys; sys.exit(3 if os.environ.get('FLODL_FORK_SERVER') == '/run/fs' else 4)"
     from dataclasses import replace
 
