@@ -53,6 +53,7 @@ from chaoslib import (
     children,
     false_alarms,
     is_agent,
+    machine,
     marked_pids,
     match_joins,
     match_losses,
@@ -241,17 +242,18 @@ class Bench:
     # --- faults ----------------------------------------------------------------------------------
 
     def live_ranks(self, run_id: str) -> dict[str, list[tuple[int, int]]]:
-        """Host -> [(rank, pid)] of the run's ranks still training: running, not stopped, not on a host whose
-        link is down, and not among the run's losses.
+        """Bench host -> [(rank, pid)] of the run's ranks still training: running, not stopped, not on a host
+        whose link is down, and not among the run's losses (a slot healed in as `h2+1` counts as h2's).
         """
         found: dict[str, list[tuple[int, int]]] = {}
         lost = {loss["rank"] for loss in self.states.get(run_id, {}).get("losses") or []}
         for log in read_logs(self.out / run_id):
             stale = not log.rounds or time.time() - float(log.rounds[-1]["t"]) > 10.0
-            if int(log.host[1:]) in self.down or (log.rank in lost and stale):
+            host = machine(log.host)
+            if int(host[1:]) in self.down or (log.rank in lost and stale):
                 continue
             if alive(log.pid) and log.pid not in self.stopped:
-                found.setdefault(log.host, []).append((log.rank, log.pid))
+                found.setdefault(host, []).append((log.rank, log.pid))
         return found
 
     def inject(self, kind: str, run_id: str, budget: int) -> Fault | str:

@@ -144,6 +144,13 @@ class RankLog:
     rounds: list[dict[str, Any]]
 
 
+def machine(host: str) -> str:
+    """The bench host a member host runs on: `h2` for `h2` and for `h2+1`, a slot of h2 healed in as a walk-in
+    of its own (flodld/agent/heal.py).
+    """
+    return host.split("+", 1)[0]
+
+
 def read_logs(directory: Path) -> list[RankLog]:
     """Every rank log of one run (a rank killed mid-line leaves a torn last line: skipped)."""
     logs = []
@@ -260,13 +267,13 @@ def false_alarms(faults: list[Fault], losses: list[dict[str, Any]]) -> list[dict
 def match_joins(
     faults: list[Fault], joins: list[dict[str, Any]], started_at: float, round_times: dict[int, float]
 ) -> None:
-    """Rejoin time of each fault: its injection to the first later join of its host (state.json `joins`:
-    the join's own time when it has one, else the arrival of the round it entered).
+    """Rejoin time of each fault: its injection to the first later join on its host (state.json `joins`:
+    the join's own time when it has one, else the arrival of the round it entered), a healed slot's included.
     """
     for fault in faults:
         times = []
         for join in joins:
-            if join.get("host") != fault.host:
+            if machine(str(join.get("host"))) != fault.host:
                 continue
             if isinstance(join.get("at_secs"), int | float):
                 when = started_at + float(join["at_secs"])

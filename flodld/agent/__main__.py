@@ -7,7 +7,7 @@ Launchers (`fdl run`, `fdl join`, the fan-out) start this, with the user's progr
 from __future__ import annotations
 
 if __name__ == "__main__":
-    from flodld.agent.run import run_agent
+    from flodld.agent.host import run_agent
     from flodld.config.rolespec import run_role
 
     run_role("agent", run_agent)

@@ -1,7 +1,8 @@
-"""The agent role's shell: join, spawn the relay and one rank per device, supervise, report.
+"""The agent's shell for one host: join, spawn the relay and one rank per device, supervise, report.
 
-All decisions live in `flodld.agent.supervision`; this file owns processes, signals, timers and
-the join link, and turns decisions into those.
+All decisions live in `flodld.agent.supervision`; this file owns processes, timers and the join link, and
+turns decisions into those. The agent process (flodld/agent/host.py) runs one such shell for its host, and
+one more per slot that heals in as a walk-in of its own; it owns the signals.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from flodld.agent.spawn import (
     rank_environment,
     signal_group,
 )
-from flodld.agent.spec import LEFT_RUN_MARK, AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.spec import LEFT_RUN_MARK, AgentSpec
 from flodld.agent.starts import start_rank, start_relay
 from flodld.agent.tail import ERROR_FILE_ENV, OutputTail, Scrubber
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, StoreRefused, node_rank
 from flodld.agent.warmpool import WarmPool
 from flodld.membership.switch import start_credential
 from flodld.rank.env import STACK_DUMP_SIGNAL
-from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV, warm_count
 from flodld.wire.errors import WireError
 from flodld.wire.hostkey import join_host_key
 from flodld.wire.join import Abort, Hello, KillRank, Reform, Stopped
@@ -83,11 +83,14 @@ class AgentShell:
         self.scrub = Scrubber()
         self.error_dir: str | None = None  # the ranks' error files (removed when the agent is done)
         self.reform: str | None = None  # a Reform's reason: this attempt ends, the link stays for the next
+        self.run_id: str | None = None  # the run whose world formed for this shell (under way, or over)
+        self.for_run: str | None = None  # a healed slot's shell serves only this run (its host's)
+        self.left_run = False  # every rank was lost and the run went on (Finish.left_run)
+        # Told a device whose rank failed or was declared dead while this host runs, in a run that grows
+        # (flodld/agent/host.py heals the slot in as a walk-in of its own); None: the slot stays empty.
+        self.on_free_slot: Callable[[str], None] | None = None
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(signum, self._post, sv.Interrupted(f"signal {signum.name}"))
         say(
             f"host {self.spec.host!r} dialing controller "
             f"{self.spec.controller_host}:{self.spec.controller_port} "
@@ -155,10 +158,15 @@ class AgentShell:
     async def _serve_attempt(self, joined: Joined) -> int:
         """One formed world: spawn this host's relay and ranks, supervise them, report; the exit code."""
         envelope = joined.formed.envelope
+        self.run_id = envelope.run_id
         say(
             f"world formed: run {envelope.run_id}, world size {envelope.world_size}, this host's ranks "
             f"{envelope.ranks}; controller address {envelope.controller_host}:{envelope.controller_port}"
         )
+        if self.for_run is not None and envelope.run_id != self.for_run:
+            say(f"this healed slot was for run {self.for_run}, which is over; leaving run {envelope.run_id}")
+            await joined.stream.aclose()  # no rank starts; the controller sees this host gone
+            return ExitClass.TRANSIENT
         self._mark(envelope.run_id, first=True)
         if not self.spec.cluster_env:
             verdict = self._judge_env(envelope.env)
@@ -334,7 +342,7 @@ class AgentShell:
             await task
         return None
 
-    def _post(self, event: sv.Event) -> None:
+    def post(self, event: sv.Event) -> None:
         """Queue an event for the supervisor; one that tears the host down also sets `stopping`."""
         if isinstance(event, sv.AbortReceived | sv.LinkLost | sv.Interrupted | sv.RelayExit):
             self.stopping.set()
@@ -350,24 +358,24 @@ class AgentShell:
         self.watchers.append(asyncio.ensure_future(self._watch_exit(child)))
 
     async def _watch_exit(self, child: Child) -> None:
-        self._post(await exit_event(child, self.forwarder_of.get(id(child)), self.scrub))
+        self.post(await exit_event(child, self.forwarder_of.get(id(child)), self.scrub))
 
     async def _read_link(self, joined: Joined) -> None:
         try:
             while True:
                 message = (await joined.stream.recv()).message()
                 if isinstance(message, Abort):
-                    self._post(sv.AbortReceived(message.reason))
+                    self.post(sv.AbortReceived(message.reason))
                 elif isinstance(message, Reform):  # torn down as at an Abort, then Stopped instead of a close
                     self.reform = message.reason
-                    self._post(sv.AbortReceived(message.reason))
+                    self.post(sv.AbortReceived(message.reason))
                     return  # nothing more comes before our Stopped: the next attempt's Accept is rejoin()'s
                 elif isinstance(message, KillRank):
-                    self._post(sv.RankDeclaredDead(message.rank, message.reason))
+                    self.post(sv.RankDeclaredDead(message.rank, message.reason))
         except EOFError:
-            self._post(sv.LinkLost("controller closed the join connection"))
+            self.post(sv.LinkLost("controller closed the join connection"))
         except (WireError, OSError) as error:
-            self._post(sv.LinkLost(f"join connection error: {error}"))
+            self.post(sv.LinkLost(f"join connection error: {error}"))
 
     async def _supervise(self, joined: Joined) -> int:
         relay = joined.formed.relay
@@ -377,6 +385,7 @@ class AgentShell:
             has_relay=relay is not None,
             tolerance=relay.tolerance if relay is not None else 0,
             may_restart=joined.formed.envelope.restart_count < joined.formed.envelope.max_restarts,
+            grows=relay is not None and relay.grows,
         )
         reader = self.reader if self.reader is not None else asyncio.ensure_future(self._read_link(joined))
         self.reader = reader
@@ -413,6 +422,10 @@ class AgentShell:
                 say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
                 with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
                     await joined.stream.send(exit_report(rank, code, torn_down, detail))
+            case sv.FreeSlot(rank):
+                if self.on_free_slot is not None:
+                    ranks = joined.formed.envelope.ranks
+                    self.on_free_slot(self.devices[ranks.index(rank)])
             case sv.TerminateRelay():
                 self._signal(lambda child: child.rank is None, signal.SIGTERM)
             case sv.TerminateAll(reason):
@@ -448,6 +461,7 @@ class AgentShell:
             case sv.Finish(exit_code, summary, left_run):
                 say(summary)
                 if left_run:
+                    self.left_run = True
                     self._mark(LEFT_RUN_MARK)
                 return exit_code
             case _:
@@ -487,38 +501,3 @@ class AgentShell:
         for child in sorted(self.children, key=lambda child: child.rank is None):
             if which(child) and child.process.returncode is None:
                 signal_group(child.process, signum)
-
-
-def run_agent(spec: AgentSpec | None = None) -> int:
-    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent).
-
-    Asked for warm ranks (`flodld.rank.warm.WARM_ENV`), it starts them before it reads its spec, so that
-    their `import torch` overlaps the wait for the spec, the join and the world's formation.
-    """
-    try:
-        warm = warm_count(os.environ)
-    except ValueError as error:
-        say(str(error))
-        return ExitClass.PERMANENT
-    os.environ.pop(WARM_ENV, None)
-    return asyncio.run(_run_agent(spec, warm))
-
-
-async def _run_agent(spec: AgentSpec | None, warm: int) -> int:
-    pool = await WarmPool.start(warm, os.environ) if warm else None
-    fork_server = os.environ.pop(FORK_SERVER_ENV, None)
-    forks = await ForkServer.connect(fork_server, say) if fork_server else None
-    try:
-        try:
-            if spec is None:  # the spec may come on stdin, later: read it off the event loop
-                spec = await asyncio.get_running_loop().run_in_executor(None, agent_spec_from_env)
-            devices = resolve_devices(spec.devices)
-        except (ValueError, DeviceError) as error:
-            say(str(error))
-            return ExitClass.PERMANENT
-        return await AgentShell(spec, devices, warm=pool, forks=forks).run()
-    finally:
-        if pool is not None:
-            await pool.close()
-        if forks is not None:
-            forks.close()  # the server kills any rank of ours still running

@@ -12,6 +12,9 @@ Rules:
   averages through the relay and tolerates losses (`tolerance` > 0, docs/elastic-averaging.md): the
   relay folds the rank out of its rounds, its host-mates keep training, and the controller, which counts
   failures across hosts, sends Abort once they exceed the tolerance;
+- in a run that also grows (`grows`: walk-ins enter during training), a rank that failed or was declared dead
+  while the host runs frees its slot (FreeSlot): the agent offers that device as a walk-in of its own
+  (flodld/agent/host.py), so the slot heals while its host-mates keep training;
 - a rank the controller declared dead (KillRank: silent past the heartbeat timeout) is asked for its
   Python stack (DumpStack: the stack signal, then CONT so a stopped rank runs its handler) and killed
   `stack_grace` seconds later (KillOne); its exit is then reported as any other;
@@ -135,6 +138,13 @@ class ReportRankExit:
 
 
 @dataclass(frozen=True)
+class FreeSlot:
+    """The rank failed on its own while this host runs, in a run that grows: its device may walk in again."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class TerminateRelay:
     """Stop the relay gracefully: the ranks are done with it."""
 
@@ -193,6 +203,7 @@ class Finish:
 
 Action = (
     ReportRankExit
+    | FreeSlot
     | TerminateRelay
     | TerminateAll
     | KillAll
@@ -213,7 +224,14 @@ class Supervisor:
     """Decides, event by event, what the agent's shell must do with its children and link."""
 
     def __init__(
-        self, host: str, ranks: list[int], *, has_relay: bool, tolerance: int = 0, may_restart: bool = False
+        self,
+        host: str,
+        ranks: list[int],
+        *,
+        has_relay: bool,
+        tolerance: int = 0,
+        may_restart: bool = False,
+        grows: bool = False,
     ) -> None:
         self.host = host
         self.may_restart = may_restart  # restarts remain after this attempt (the controller may Reform)
@@ -221,6 +239,7 @@ class Supervisor:
         # The relay folds a lost rank out of the rounds and the run survives `tolerance` losses: a failed
         # rank's host-mates keep running (a process group could not lose a member: torn down as before).
         self.keeps_survivors = has_relay and tolerance > 0
+        self.frees_slots = self.keeps_survivors and grows  # a lost rank's device may walk in again (FreeSlot)
         self.declared_dead: dict[int, str] = {}  # ranks asked for their stack, by the controller's reason
         self.state = SupervisorState.RUNNING
         self.ranks = frozenset(ranks)
@@ -277,6 +296,8 @@ class Supervisor:
             if self.state is SupervisorState.RUNNING and not self.keeps_survivors:
                 reason = f"rank {event.rank} exited with {describe_exit(event.code)}"
                 actions += self._begin_teardown(reason, own=True)
+            elif self.state is SupervisorState.RUNNING and self.frees_slots and not torn_down:
+                actions.append(FreeSlot(event.rank))
         relay_idle = not self.live_ranks and self.relay_live and not self._relay_stop_requested
         if relay_idle and self.state is SupervisorState.RUNNING:
             self._relay_stop_requested = True

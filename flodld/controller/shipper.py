@@ -116,6 +116,7 @@ class WorldShipper:
             cadence=self.run.options.cadence,
             tolerance=self.run.tolerance,
             straggler_timeout=self.run.options.straggler_timeout,
+            grows=self.run.options.growable,
         )
 
     async def ship(self, world: World) -> None:

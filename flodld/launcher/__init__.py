@@ -57,7 +57,7 @@ def exit_if_worker_role() -> None:
     if role is Role.RANK:
         claim_salt()
     elif role is Role.AGENT:
-        from flodld.agent.run import run_agent  # only in that role: `import flodld` stays light
+        from flodld.agent.host import run_agent  # only in that role: `import flodld` stays light
 
         run_role("agent", run_agent)
     elif role is Role.RELAY:

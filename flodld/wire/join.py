@@ -11,7 +11,9 @@ averaging, docs/elastic-averaging.md): a version 2 agent would refuse the first 
 second, so it is refused at its Hello instead. Version 5: `RelaySpec.walk_in` (growth during training,
 docs/elastic-averaging.md "Growth and healing"), which a version 4 agent would refuse, and `Reform` and
 `Stopped` (a restart keeps the join links, docs/restarts.md), on the first of which a version 4 agent would
-drop its link: either way it is refused at its Hello instead.
+drop its link: either way it is refused at its Hello instead. Version 6: `RelaySpec.grows` (a run that admits
+walk-ins during training: a rank lost on a host that keeps running heals in as a walk-in of its own,
+flodld/agent/host.py), which a version 5 agent would refuse.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from flodld.wire.messages import (
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
-JOIN_PROTOCOL_VERSION: Final = 5
+JOIN_PROTOCOL_VERSION: Final = 6
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[
@@ -195,6 +197,10 @@ class RelaySpec(WireModel):
     # Its relay enters the averaging at a round boundary (the controller's Entry) and hands its ranks the
     # last averaged state before their first deposit.
     walk_in: bool = False
+    # The run admits walk-ins during training (controller.join.elastic_max_ranks): the agent offers a slot it
+    # lost a rank from (the rank failed or was declared dead, its host-mates run on) as a walk-in of its own,
+    # `HOST+N` (flodld/agent/host.py), so the slot heals while the host keeps training.
+    grows: bool = False
 
 
 @register(0x0104)

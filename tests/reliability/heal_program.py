@@ -14,6 +14,8 @@ HEAL_START_GATE holds a rank before it starts (before `flodld.run`, so before it
 until that file exists: a walk-in slow to start.
 HEAL_READY_GATE holds a rank after it connected to its relay, before its first averaging call (before
 `walk_in_state()`), until that file exists (`heal-connected`): a walk-in whose script is slow to set up.
+HEAL_EXIT_RANK names a rank of the formed world that fails (exit code 3, `heal-exit`) on reaching the gate
+round instead of stopping there: a rank lost on a host that runs on.
 HEAL_GATE2_ROUND and HEAL_GATE2 are a second gate that stops every rank, walk-ins included (`heal-stall2`).
 With HEAL_MODE (cpu_cadence or cpu_async, cadence HEAL_CADENCE) the rank calls `Averager.step` instead.
 """
@@ -85,6 +87,9 @@ def main() -> int:
     cadence = averager.cadence if averager is not None and mode == "cpu_cadence" else 1
     bundle = torch.zeros(4, dtype=torch.float64)
     for number in range(first, rounds):
+        if number == gate_round and entry is None and os.environ.get("HEAL_EXIT_RANK") == str(rank):
+            print(f"heal-exit rank {rank} before round {number}", flush=True)
+            os._exit(3)
         if number == gate_round and gate is not None and entry is None:
             print(f"heal-stall rank {rank} before round {number}", flush=True)
             while not gate.exists():

@@ -252,6 +252,37 @@ async def test_a_replacement_heals_the_world_after_a_host_is_lost(tmp_path: Path
         await run.until_no_processes(10)
 
 
+async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_own(tmp_path: Path) -> None:
+    """Rank 1 of host a fails on its own before round GATE (tolerance 1, growth to three ranks). Its host-mate
+    rank 0 trains on, and a's agent offers the freed slot at once as walk-in host `a+1`
+    (flodld/agent/host.py): its rank 3 enters at GATE with round GATE - 1's averaged state, and the world is
+    back to three ranks without host a ever leaving the run.
+    """
+    gate = tmp_path / "gate"
+    program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate),
+               "HEAL_EXIT_RANK": "1"}  # fmt: skip
+    async with fault_run(_options(bound=3)) as run:
+        a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
+        await _until("admission of a", lambda: run.state()["joined_ranks"] >= 2)
+        b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
+        await a.wait_for(f"heal-exit rank 1 before round {GATE}", FORMATION_BOUND_SECS)
+        await _until("a+1's entry", lambda: any(j["round"] is not None for j in run.state()["joins"]))
+        gate.touch()
+        result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
+        assert result.verdict is Phase.DONE, (result, a.output[-3000:])
+        assert "degraded: ranks [1] lost" in result.reason, result.reason
+        assert "rank 3 on 'a+1' in round 3" in result.reason, result.reason
+        assert re.search(r"slot cpu:?1 heals in as walk-in host 'a\+1'", a.output), a.output[-3000:]
+        _check((a, b), before=[0, 1, 2], after=[0, 2, 3], walk_in=3, exact=True)
+        body = run.state()
+        joins = [(j["rank"], j["host"], j["round"]) for j in body["joins"]]
+        assert joins == [(3, "a+1", GATE)], joins
+        assert [loss["rank"] for loss in body["losses"]] == [1], body["losses"]
+        await asyncio.wait_for(a.process.wait(), 30)
+        assert a.process.returncode == 0, a.output[-3000:]  # one agent process served both hosts, and exits
+        await run.until_no_processes(10)
+
+
 async def test_with_growth_the_tolerance_bounds_the_ranks_missing_not_every_loss(tmp_path: Path) -> None:
     """Tolerance 1 and growth: host b is killed and heals back in (rank 3), then killed again and heals back
     again (rank 4). Two losses over the run, never more than one rank missing at a time: the run finishes

@@ -7,6 +7,7 @@ from flodld.agent.supervision import (
     DumpStack,
     ExitDetail,
     Finish,
+    FreeSlot,
     GraceExpired,
     KillAll,
     KillOne,
@@ -184,3 +185,25 @@ def test_no_wait_for_the_word_in_the_last_attempt_or_after_the_controllers_own_a
     assert AwaitWord() not in aborted.handle(RankExit(0, -15))
     clean = Supervisor("h", [0], has_relay=False, may_restart=True)
     assert clean.handle(RankExit(0, 0))[1:] == [CloseLink(), Finish(0, "host 'h' finished cleanly")]
+
+
+def test_in_a_run_that_grows_a_rank_that_failed_on_its_own_frees_its_slot() -> None:
+    """The slot heals in as a walk-in of its own (flodld/agent/host.py); a rank killed by our own teardown, a
+    clean exit, or a run that does not grow frees nothing.
+    """
+    supervisor = Supervisor("h", [0, 1, 2], has_relay=True, tolerance=1, grows=True)
+    assert supervisor.handle(RankExit(1, -9)) == [ReportRankExit(1, -9), FreeSlot(1)]
+    assert supervisor.handle(RankExit(0, 0)) == [ReportRankExit(0, 0)]
+    assert supervisor.handle(AbortReceived("over")) == [TerminateAll("abort from the controller: over")]
+    assert supervisor.handle(RankExit(2, -15), now=1.0) == [ReportRankExit(2, -15, torn_down=True)]
+    for grows, tolerance in ((False, 1), (True, 0)):
+        other = Supervisor("h", [0, 1], has_relay=True, tolerance=tolerance, grows=grows)
+        assert FreeSlot(0) not in other.handle(RankExit(0, 3))
+
+
+def test_a_declared_dead_rank_frees_its_slot_once_killed() -> None:
+    supervisor = Supervisor("h", [0, 1], has_relay=True, tolerance=1, grows=True)
+    assert supervisor.handle(RankDeclaredDead(0, "silent")) == [DumpStack(0, "silent")]
+    assert supervisor.handle(StackGraceExpired(0)) == [KillOne(0)]
+    assert supervisor.handle(RankExit(0, -9)) == [ReportRankExit(0, -9), FreeSlot(0)]
+    assert supervisor.state is SupervisorState.RUNNING

@@ -1,0 +1,135 @@
+"""The agent process: its host's own shell, and a walk-in shell for each slot that heals in.
+
+`run_agent` is the agent role's entry. It runs the host's shell (flodld/agent/run.py: join, spawn, supervise),
+owns the signals, and in a run that grows turns each freed slot (the shell's FreeSlot) into a walk-in of its
+own, `HOST+N`, as `flodld.agent.heal` decides (docs/elastic-averaging.md, "Slots heal in place").
+
+Lifetimes:
+- a signal tears every shell down (each gets Interrupted);
+- when the host's own shell finishes because its run ended for it (done, aborted, torn down, its link lost),
+  no slot heals any more, and a walk-in shell that has not formed yet is interrupted: it would otherwise join
+  the next run beside the host's own re-dial; one that formed lives on as the member it is, until its run
+  ends for it. When the host's own shell finishes because it lost every rank and the run went on (each of
+  them healing in), healing goes on;
+- a walk-in shell serves only the run its host was in: formed into another (a race with the run's end), it
+  leaves at once;
+- the process exits once every shell has, with the host's own shell's code (the one its starter reads, with
+  the mark file: clients/fdl/join.py). A walk-in shell writes no mark.
+- an agent killed outright takes its walk-in shells with it: they are coroutines of this process, and their
+  children die with it as the host's own do (PDEATHSIG, the fork server's closed connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from flodld.agent import supervision as sv
+from flodld.agent.children import say
+from flodld.agent.forkserver import ForkServer
+from flodld.agent.heal import Heal, SlotHeals
+from flodld.agent.join import ExitClass
+from flodld.agent.run import AgentShell
+from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
+from flodld.agent.warmpool import WarmPool
+from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV, warm_count
+
+WALK_IN_CONNECT_ATTEMPTS = 1
+"""A healed slot dials once: the controller is the one its host just spoke to; refused, the slot stays
+empty."""
+
+
+class AgentHost:
+    """The host's shell and its healed slots' shells, in one event loop."""
+
+    def __init__(
+        self, spec: AgentSpec, devices: list[str], warm: WarmPool | None, forks: ForkServer | None
+    ) -> None:
+        self.spec = spec
+        self.forks = forks
+        self.own = AgentShell(spec, devices, warm=warm, forks=forks)
+        self.own.on_free_slot = self._free_slot
+        self.heals = SlotHeals(spec.host)
+        self.walk_ins: dict[AgentShell, asyncio.Task[int]] = {}
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(signum, self._interrupt, f"signal {signum.name}")
+        code = await self.own.run()
+        if not self.own.left_run:
+            self.heals.close(f"host {self.spec.host!r}'s own run ended")
+            late = sv.Interrupted(f"host {self.spec.host!r}'s own run ended before this slot's world formed")
+            for shell in self.walk_ins:
+                if shell.run_id is None:
+                    shell.post(late)
+        while pending := [task for task in self.walk_ins.values() if not task.done()]:
+            await asyncio.wait(pending)  # a walk-in that loses its rank may heal its slot in turn
+        return code
+
+    def _interrupt(self, reason: str) -> None:
+        self.heals.close(f"the agent was interrupted ({reason})")
+        for shell in (self.own, *self.walk_ins):
+            shell.post(sv.Interrupted(reason))
+
+    def _free_slot(self, device: str) -> None:
+        decision = self.heals.freed(device, asyncio.get_running_loop().time())
+        if not isinstance(decision, Heal):
+            say(f"slot {device} stays empty: {decision.reason}")
+            return
+        say(f"slot {device} heals in as walk-in host {decision.host!r} (its host-mates keep training)")
+        spec = self.spec.model_copy(update={
+            "host": decision.host, "devices": [device], "formed_file": None,
+            "connect_attempts": WALK_IN_CONNECT_ATTEMPTS,
+        })  # fmt: skip
+        shell = AgentShell(spec, [device], forks=self.forks)
+        shell.on_free_slot = self._free_slot
+        shell.for_run = self.own.run_id
+        task = asyncio.ensure_future(shell.run())
+        task.add_done_callback(lambda done: say(_ended(decision.host, done)))
+        self.walk_ins[shell] = task
+
+
+def _ended(host: str, task: asyncio.Task[int]) -> str:
+    if task.cancelled():
+        return f"walk-in host {host!r} cancelled"
+    error = task.exception()
+    if error is not None:
+        return f"walk-in host {host!r} failed: {error!r}"
+    return f"walk-in host {host!r} done (exit code {task.result()})"
+
+
+def run_agent(spec: AgentSpec | None = None) -> int:
+    """Entry of the agent role; returns the process exit code (0 done, 1 transient, 2 permanent).
+
+    Asked for warm ranks (`flodld.rank.warm.WARM_ENV`), it starts them before it reads its spec, so that
+    their `import torch` overlaps the wait for the spec, the join and the world's formation.
+    """
+    try:
+        warm = warm_count(os.environ)
+    except ValueError as error:
+        say(str(error))
+        return ExitClass.PERMANENT
+    os.environ.pop(WARM_ENV, None)
+    return asyncio.run(_run_agent(spec, warm))
+
+
+async def _run_agent(spec: AgentSpec | None, warm: int) -> int:
+    pool = await WarmPool.start(warm, os.environ) if warm else None
+    fork_server = os.environ.pop(FORK_SERVER_ENV, None)
+    forks = await ForkServer.connect(fork_server, say) if fork_server else None
+    try:
+        try:
+            if spec is None:  # the spec may come on stdin, later: read it off the event loop
+                spec = await asyncio.get_running_loop().run_in_executor(None, agent_spec_from_env)
+            devices = resolve_devices(spec.devices)
+        except (ValueError, DeviceError) as error:
+            say(str(error))
+            return ExitClass.PERMANENT
+        return await AgentHost(spec, devices, pool, forks).run()
+    finally:
+        if pool is not None:
+            await pool.close()
+        if forks is not None:
+            forks.close()  # the server kills any rank of ours still running
