@@ -98,6 +98,12 @@ class EnvVerdict:
     def ok(self) -> bool:
         return not self.refused
 
+    def notice(self, where: str, accepted: tuple[str, ...] = ()) -> str | None:
+        """What the operator is told of controller `where`'s env: its refusal, what was dropped, or None."""
+        if self.refused:
+            return refusal_message(self.refused, where)
+        return dropped_message(self.dropped, where, accepted) if self.dropped else None
+
 
 def judge_controller_env(
     env: Mapping[str, str], *, authenticated: bool, accepted: Iterable[str] = ()

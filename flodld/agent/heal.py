@@ -21,7 +21,6 @@ Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
 
 from flodld.wire.messages import MAX_HOST_CHARS
@@ -48,20 +47,8 @@ class BurstLimit:
         return True
 
 
-@dataclass(frozen=True)
-class Heal:
-    """Start a walk-in named `host` for `device`."""
-
-    host: str
-    device: str
-
-
-@dataclass(frozen=True)
-class NoHeal:
-    """The slot stays empty; `reason` says why (the agent says it)."""
-
-    device: str
-    reason: str
+class SlotStaysEmpty(Exception):
+    """A freed slot does not heal in; the message says why (the agent says it)."""
 
 
 class SlotHeals:
@@ -73,20 +60,19 @@ class SlotHeals:
         self.healed = 0  # slots healed so far: the next walk-in is HOST+(healed+1)
         self.closed: str | None = None  # why no slot heals any more
 
-    def freed(self, device: str, now: float) -> Heal | NoHeal:
-        """A rank's slot on `device` was freed at `now`: heal it, or say why not."""
+    def freed(self, now: float) -> str:
+        """A rank's slot was freed at `now`: the host name its walk-in takes (SlotStaysEmpty: why none)."""
         if self.closed is not None:
-            return NoHeal(device, self.closed)
+            raise SlotStaysEmpty(self.closed)
         if not self.burst.allow(now):
-            return NoHeal(
-                device,
+            raise SlotStaysEmpty(
                 f"{self.burst.count} slots healed within {self.burst.window:g}s already: a rank that fails "
                 "at every start is a bug to fix, not a slot to fill; its slot stays empty until the host "
-                "re-joins",
+                "re-joins"
             )
         self.healed += 1
         suffix = f"{HEAL_SEPARATOR}{self.healed}"
-        return Heal(self.host[: MAX_HOST_CHARS - len(suffix)] + suffix, device)
+        return self.host[: MAX_HOST_CHARS - len(suffix)] + suffix
 
     def close(self, reason: str) -> None:
         """No slot heals from now on (the agent is stopping, or its host's own shell finished)."""

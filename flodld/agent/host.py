@@ -28,7 +28,7 @@ import signal
 from flodld.agent import supervision as sv
 from flodld.agent.children import say
 from flodld.agent.forkserver import ForkServer
-from flodld.agent.heal import Heal, SlotHeals
+from flodld.agent.heal import SlotHeals, SlotStaysEmpty
 from flodld.agent.join import ExitClass
 from flodld.agent.run import AgentShell
 from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resolve_devices
@@ -74,20 +74,21 @@ class AgentHost:
             shell.post(sv.Interrupted(reason))
 
     def _free_slot(self, device: str) -> None:
-        decision = self.heals.freed(device, asyncio.get_running_loop().time())
-        if not isinstance(decision, Heal):
-            say(f"slot {device} stays empty: {decision.reason}")
+        try:
+            host = self.heals.freed(asyncio.get_running_loop().time())
+        except SlotStaysEmpty as why:
+            say(f"slot {device} stays empty: {why}")
             return
-        say(f"slot {device} heals in as walk-in host {decision.host!r} (its host-mates keep training)")
+        say(f"slot {device} heals in as walk-in host {host!r} (its host-mates keep training)")
         spec = self.spec.model_copy(update={
-            "host": decision.host, "devices": [device], "formed_file": None,
+            "host": host, "devices": [device], "formed_file": None,
             "connect_attempts": WALK_IN_CONNECT_ATTEMPTS,
         })  # fmt: skip
         shell = AgentShell(spec, [device], forks=self.forks)
         shell.on_free_slot = self._free_slot
         shell.for_run = self.own.run_id
         task = asyncio.ensure_future(shell.run())
-        task.add_done_callback(lambda done: say(_ended(decision.host, done)))
+        task.add_done_callback(lambda done: say(_ended(host, done)))
         self.walk_ins[shell] = task
 
 

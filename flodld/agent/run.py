@@ -168,8 +168,14 @@ class AgentShell:
             await joined.stream.aclose()  # no rank starts; the controller sees this host gone
             return ExitClass.TRANSIENT
         self._mark(envelope.run_id, first=True)
-        if not self.spec.cluster_env:
-            verdict = self._judge_env(envelope.env)
+        if not self.spec.cluster_env:  # a walk-in applies only safe or accepted names (none: open admission)
+            accepted = tuple(self.spec.accept_env or ())
+            verdict = envpolicy.judge_controller_env(
+                envelope.env, authenticated=self.spec.salt_hex is not None, accepted=accepted
+            )
+            notice = verdict.notice(f"{self.spec.controller_host}:{self.spec.controller_port}", accepted)
+            if notice is not None:
+                say(notice)
             if not verdict.ok:
                 await joined.stream.aclose()  # no rank starts; the controller sees this host gone
                 return ExitClass.PERMANENT
@@ -208,19 +214,6 @@ class AgentShell:
                 mark.write(line + "\n")
         except OSError as error:  # the run goes on; only the starter's back-off misses the news
             say(f"could not write the mark {self.spec.formed_file}: {error}")
-
-    def _judge_env(self, env: dict[str, str]) -> envpolicy.EnvVerdict:
-        """A walk-in applies only safe or accepted names, and none under open admission."""
-        where = f"{self.spec.controller_host}:{self.spec.controller_port}"
-        accepted = tuple(self.spec.accept_env or ())
-        verdict = envpolicy.judge_controller_env(
-            env, authenticated=self.spec.salt_hex is not None, accepted=accepted
-        )
-        if verdict.refused:
-            say(envpolicy.refusal_message(verdict.refused, where))
-        elif verdict.dropped:
-            say(envpolicy.dropped_message(verdict.dropped, where, accepted))
-        return verdict
 
     async def _spawn_all(self, joined: Joined) -> None:
         formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host
