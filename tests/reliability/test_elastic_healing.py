@@ -252,20 +252,32 @@ async def test_a_replacement_heals_the_world_after_a_host_is_lost(tmp_path: Path
         await run.until_no_processes(10)
 
 
-async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_own(tmp_path: Path) -> None:
-    """Rank 1 of host a fails on its own before round GATE (tolerance 1, growth to three ranks). Its host-mate
-    rank 0 trains on, and a's agent offers the freed slot at once as walk-in host `a+1`
+@pytest.mark.parametrize("fault", ["exit", "stop"])
+async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_own(
+    tmp_path: Path, fault: str
+) -> None:
+    """Rank 1 of host a is lost before round GATE (tolerance 1, growth to three ranks): it fails on its own
+    (`exit`), or hangs (`stop`: SIGSTOP, declared dead by its silence, its stack dumped, killed). Its
+    host-mate rank 0 trains on, and a's agent offers the freed slot at once as walk-in host `a+1`
     (flodld/agent/host.py): its rank 3 enters at GATE with round GATE - 1's averaged state, and the world is
     back to three ranks without host a ever leaving the run.
     """
     gate = tmp_path / "gate"
-    program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate),
-               "HEAL_EXIT_RANK": "1"}  # fmt: skip
-    async with fault_run(_options(bound=3)) as run:
+    program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate)}
+    if fault == "exit":
+        program["HEAL_EXIT_RANK"] = "1"
+    options = _options(bound=3)
+    if fault == "stop":  # 5 s of silence (scaled by 0.2): declared dead long before the run's bound
+        options = options.model_copy(update={"env": {**options.env, "FLODL_LIVENESS_TIMEOUT_SECS": "25"}})
+    async with fault_run(options) as run:
         a = await run.spawn_agent("a", ranks=2, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
         await _until("admission of a", lambda: run.state()["joined_ranks"] >= 2)
         b = await run.spawn_agent("b", ranks=1, program=PROGRAM, **program)  # type: ignore[arg-type]  # env names only
-        await a.wait_for(f"heal-exit rank 1 before round {GATE}", FORMATION_BOUND_SECS)
+        if fault == "exit":
+            await a.wait_for(f"heal-exit rank 1 before round {GATE}", FORMATION_BOUND_SECS)
+        else:
+            await a.wait_for(f"heal-stall rank 1 before round {GATE}", FORMATION_BOUND_SECS)
+            os.kill(run.find(RANK="1").pid, signal.SIGSTOP)
         await _until("a+1's entry", lambda: any(j["round"] is not None for j in run.state()["joins"]))
         gate.touch()
         result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
@@ -277,7 +289,11 @@ async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_o
         body = run.state()
         joins = [(j["rank"], j["host"], j["round"]) for j in body["joins"]]
         assert joins == [(3, "a+1", GATE)], joins
-        assert [loss["rank"] for loss in body["losses"]] == [1], body["losses"]
+        (loss,) = body["losses"]
+        assert loss["rank"] == 1, loss
+        if fault == "stop":
+            assert loss["cause"].startswith("declared dead: rank 1 on 'a' sent no heartbeat"), loss
+            assert re.search(r'File ".*heal_program\.py", line \d+ in main', a.output), a.output[-3000:]
         await asyncio.wait_for(a.process.wait(), 30)
         assert a.process.returncode == 0, a.output[-3000:]  # one agent process served both hosts, and exits
         await run.until_no_processes(10)
