@@ -2,12 +2,12 @@
 carries it out; docs/elastic-averaging.md, "Slots heal in place").
 
 A run that grows (`RelaySpec.grows`) admits walk-ins during training. A rank that fails on its own or is
-declared dead there frees its device while its host-mates keep training (FreeSlot,
-flodld/agent/supervision.py).
-Folded out, it would cost the run that rank's share of every round until the whole host walked in again, which
-a host whose agent still runs never does. So the agent offers the freed device at once as a walk-in of its
-own, host `HOST+N`: it enters through the ordinary walk-in path (admission within `elastic_max_ranks`, Entry
-at a round boundary, the averaged state before its first deposit), with its own relay, on the same token.
+declared dead there frees its device while its host-mates keep training (ReportRankExit.frees_slot,
+flodld/agent/supervision.py). Folded out, it would cost the run that rank's share of every round until the
+whole host walked in again, which a host whose agent still runs never does. So the agent offers the freed
+device at once as a walk-in of its own, host `HOST+N`: it enters through the ordinary walk-in path (admission
+within `elastic_max_ranks`, Entry at a round boundary, the averaged state before its first deposit), with its
+own relay, on the same token.
 
 Rules:
 - at most `HEALS` slots per `HEALS_WINDOW_SECS` seconds: a rank that fails at every start is a bug, not bad

@@ -1,8 +1,9 @@
 """The agent process: its host's own shell, and a walk-in shell for each slot that heals in.
 
-`run_agent` is the agent role's entry. It runs the host's shell (flodld/agent/run.py: join, spawn, supervise),
-owns the signals, and in a run that grows turns each freed slot (the shell's FreeSlot) into a walk-in of its
-own, `HOST+N`, as `flodld.agent.heal` decides (docs/elastic-averaging.md, "Slots heal in place").
+`run_agent` is the agent role's entry. It runs the host's shell (flodld/agent/run.py: join, spawn,
+supervise), owns the signals, and in a run that grows turns each freed slot (ReportRankExit.frees_slot) into a
+walk-in of its own, `HOST+N`, as `flodld.agent.heal` decides (docs/elastic-averaging.md, "Slots heal in
+place").
 
 Lifetimes:
 - a signal tears every shell down (each gets Interrupted);

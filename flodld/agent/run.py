@@ -410,15 +410,13 @@ class AgentShell:
         """One action of the supervision table; the exit code once it says to finish, else None."""
         loop = asyncio.get_running_loop()
         match action:  # every Action kind, checked exhaustive by mypy (assert_never)
-            case sv.ReportRankExit(rank, code, torn_down, detail):
+            case sv.ReportRankExit(rank, code, torn_down, detail, frees_slot):
                 after = " (torn down)" if torn_down and code else ""
                 say(f"rank {rank} exited with {sv.describe_exit(code)}{after}")
                 with contextlib.suppress(OSError, WireError, TimeoutError, ValueError):
                     await joined.stream.send(exit_report(rank, code, torn_down, detail))
-            case sv.FreeSlot(rank):
-                if self.on_free_slot is not None:
-                    ranks = joined.formed.envelope.ranks
-                    self.on_free_slot(self.devices[ranks.index(rank)])
+                if frees_slot and self.on_free_slot is not None:
+                    self.on_free_slot(self.devices[joined.formed.envelope.ranks.index(rank)])
             case sv.TerminateRelay():
                 self._signal(lambda child: child.rank is None, signal.SIGTERM)
             case sv.TerminateAll(reason):

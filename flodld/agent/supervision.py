@@ -13,8 +13,8 @@ Rules:
   relay folds the rank out of its rounds, its host-mates keep training, and the controller, which counts
   failures across hosts, sends Abort once they exceed the tolerance;
 - in a run that also grows (`grows`: walk-ins enter during training), a rank that failed or was declared dead
-  while the host runs frees its slot (FreeSlot): the agent offers that device as a walk-in of its own
-  (flodld/agent/host.py), so the slot heals while its host-mates keep training;
+  while the host runs frees its slot (ReportRankExit.frees_slot): the agent offers that device as a walk-in
+  of its own (flodld/agent/host.py), so the slot heals while its host-mates keep training;
 - a rank the controller declared dead (KillRank: silent past the heartbeat timeout) is asked for its
   Python stack (DumpStack: the stack signal, then CONT so a stopped rank runs its handler) and killed
   `stack_grace` seconds later (KillOne); its exit is then reported as any other;
@@ -129,19 +129,15 @@ Event = (
 
 @dataclass(frozen=True)
 class ReportRankExit:
-    """Report the rank's exit up the join link; `torn_down`: it followed this host's teardown."""
+    """Report the rank's exit up the join link; `torn_down`: it followed this host's teardown. `frees_slot`:
+    it failed on its own while this host runs, in a run that grows, so its device may walk in again.
+    """
 
     rank: int
     code: int
     torn_down: bool = False
     detail: ExitDetail = field(default_factory=ExitDetail)
-
-
-@dataclass(frozen=True)
-class FreeSlot:
-    """The rank failed on its own while this host runs, in a run that grows: its device may walk in again."""
-
-    rank: int
+    frees_slot: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,7 +199,6 @@ class Finish:
 
 Action = (
     ReportRankExit
-    | FreeSlot
     | TerminateRelay
     | TerminateAll
     | KillAll
@@ -239,7 +234,7 @@ class Supervisor:
         # The relay folds a lost rank out of the rounds and the run survives `tolerance` losses: a failed
         # rank's host-mates keep running (a process group could not lose a member: torn down as before).
         self.keeps_survivors = has_relay and tolerance > 0
-        self.frees_slots = self.keeps_survivors and grows  # a lost rank's device may walk in again (FreeSlot)
+        self.frees_slots = self.keeps_survivors and grows  # a lost rank's device may walk in again
         self.declared_dead: dict[int, str] = {}  # ranks asked for their stack, by the controller's reason
         self.state = SupervisorState.RUNNING
         self.ranks = frozenset(ranks)
@@ -290,14 +285,14 @@ class Supervisor:
         # Torn down: the exit came after our teardown began. A rank that failed on its own just before (its
         # `at` is earlier, even if the event reached us later) is a failure in its own right.
         torn_down = self.teardown_at is not None and (event.at is None or event.at >= self.teardown_at)
-        actions: list[Action] = [ReportRankExit(event.rank, event.code, torn_down, event.detail)]
+        running = self.state is SupervisorState.RUNNING
+        frees = event.code != 0 and running and self.frees_slots and not torn_down
+        actions: list[Action] = [ReportRankExit(event.rank, event.code, torn_down, event.detail, frees)]
         if event.code != 0:
             self.failed_ranks[event.rank] = event.code
-            if self.state is SupervisorState.RUNNING and not self.keeps_survivors:
+            if running and not self.keeps_survivors:
                 reason = f"rank {event.rank} exited with {describe_exit(event.code)}"
                 actions += self._begin_teardown(reason, own=True)
-            elif self.state is SupervisorState.RUNNING and self.frees_slots and not torn_down:
-                actions.append(FreeSlot(event.rank))
         relay_idle = not self.live_ranks and self.relay_live and not self._relay_stop_requested
         if relay_idle and self.state is SupervisorState.RUNNING:
             self._relay_stop_requested = True

@@ -7,7 +7,6 @@ from flodld.agent.supervision import (
     DumpStack,
     ExitDetail,
     Finish,
-    FreeSlot,
     GraceExpired,
     KillAll,
     KillOne,
@@ -192,18 +191,18 @@ def test_in_a_run_that_grows_a_rank_that_failed_on_its_own_frees_its_slot() -> N
     clean exit, or a run that does not grow frees nothing.
     """
     supervisor = Supervisor("h", [0, 1, 2], has_relay=True, tolerance=1, grows=True)
-    assert supervisor.handle(RankExit(1, -9)) == [ReportRankExit(1, -9), FreeSlot(1)]
+    assert supervisor.handle(RankExit(1, -9)) == [ReportRankExit(1, -9, frees_slot=True)]
     assert supervisor.handle(RankExit(0, 0)) == [ReportRankExit(0, 0)]
     assert supervisor.handle(AbortReceived("over")) == [TerminateAll("abort from the controller: over")]
     assert supervisor.handle(RankExit(2, -15), now=1.0) == [ReportRankExit(2, -15, torn_down=True)]
     for grows, tolerance in ((False, 1), (True, 0)):
         other = Supervisor("h", [0, 1], has_relay=True, tolerance=tolerance, grows=grows)
-        assert FreeSlot(0) not in other.handle(RankExit(0, 3))
+        assert other.handle(RankExit(0, 3))[0] == ReportRankExit(0, 3)  # frees_slot False
 
 
 def test_a_declared_dead_rank_frees_its_slot_once_killed() -> None:
     supervisor = Supervisor("h", [0, 1], has_relay=True, tolerance=1, grows=True)
     assert supervisor.handle(RankDeclaredDead(0, "silent")) == [DumpStack(0, "silent")]
     assert supervisor.handle(StackGraceExpired(0)) == [KillOne(0)]
-    assert supervisor.handle(RankExit(0, -9)) == [ReportRankExit(0, -9), FreeSlot(0)]
+    assert supervisor.handle(RankExit(0, -9)) == [ReportRankExit(0, -9, frees_slot=True)]
     assert supervisor.state is SupervisorState.RUNNING
