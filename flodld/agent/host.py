@@ -7,11 +7,12 @@ place").
 
 Lifetimes:
 - a signal tears every shell down (each gets Interrupted);
-- when the host's own shell finishes because its run ended for it (done, aborted, torn down, its link lost),
-  no slot heals any more, and a walk-in shell that has not formed yet is interrupted: it would otherwise join
-  the next run beside the host's own re-dial; one that formed lives on as the member it is, until its run
-  ends for it. When the host's own shell finishes because it lost every rank and the run went on (each of
-  them healing in), healing goes on;
+- once the host's own shell has finished, healing goes on only while the host is still in its run: its own
+  shell lost every rank and the run went on, and a healed slot still trains in it. Otherwise (the run is
+  over, aborted, the host torn down or its link lost; or nothing of the host trains any more) no slot heals,
+  and a walk-in shell that has not formed yet is interrupted: it would otherwise join the next run beside
+  the host's own re-dial (`fdl join --persist` dials at once after a host that lost every rank). A walk-in
+  that formed lives on as the member it is, until its run ends for it;
 - a walk-in shell serves only the run its host was in: formed into another (a race with the run's end), it
   leaves at once;
 - the process exits once every shell has, with the host's own shell's code (the one its starter reads, with
@@ -59,15 +60,29 @@ class AgentHost:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, self._interrupt, f"signal {signum.name}")
         code = await self.own.run()
-        if not self.own.left_run:
-            self.heals.close(f"host {self.spec.host!r}'s own run ended")
-            late = sv.Interrupted(f"host {self.spec.host!r}'s own run ended before this slot's world formed")
-            for shell in self.walk_ins:
-                if shell.run_id is None:
-                    shell.post(late)
         while pending := [task for task in self.walk_ins.values() if not task.done()]:
-            await asyncio.wait(pending)  # a walk-in that loses its rank may heal its slot in turn
+            if not self._in_the_run():
+                self._stop_healing(f"host {self.spec.host!r}'s own run ended")
+            # a walk-in that loses its rank may heal its slot in turn
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         return code
+
+    def _in_the_run(self) -> bool:
+        """Whether this host is still in its run once its own shell finished: it lost every rank and the run
+        went on (Finish.left_run), and a healed slot still trains in it.
+        """
+        formed = (task for shell, task in self.walk_ins.items() if shell.run_id is not None)
+        return self.own.left_run and any(not task.done() for task in formed)
+
+    def _stop_healing(self, reason: str) -> None:
+        """No slot heals from now on, and the walk-ins still dialing stop (a formed one lives on)."""
+        if self.heals.closed is not None:
+            return
+        self.heals.close(reason)
+        late = sv.Interrupted(f"{reason} before this slot's world formed")
+        for shell in self.walk_ins:
+            if shell.run_id is None:
+                shell.post(late)
 
     def _interrupt(self, reason: str) -> None:
         self.heals.close(f"the agent was interrupted ({reason})")
