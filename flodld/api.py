@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flodld.agent.envpolicy import parse_accept_env
     from flodld.agent.forkserver import HostForkServer
+    from flodld.agent.heal import BurstLimit
     from flodld.agent.ranklogs import LogDirError, RankLogSpec, attempt_dir, component, prepare_log_dir
     from flodld.agent.spawn import agent_command
     from flodld.agent.spec import (
@@ -90,6 +91,7 @@ if TYPE_CHECKING:
 _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.agent.envpolicy": ("parse_accept_env",),
     "flodld.agent.forkserver": ("HostForkServer",),
+    "flodld.agent.heal": ("BurstLimit",),
     "flodld.agent.ranklogs": ("LogDirError", "RankLogSpec", "attempt_dir", "component", "prepare_log_dir"),
     "flodld.agent.spawn": ("agent_command",),
     "flodld.agent.spec": (
@@ -170,6 +172,7 @@ __all__ = [
     "AgentExited",
     "AgentSpec",
     "ArmTimer",
+    "BurstLimit",
     "ClusterBuilder",
     "ClusterConfig",
     "CollectAgents",

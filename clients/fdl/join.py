@@ -317,7 +317,7 @@ def join_loop(
     re-armed 5 s after any run, done or failed, instead of at the doubled back-off of its idle dials.
     """
     backoff = api.scaled(BACKOFF_INITIAL_SECS)
-    quick: list[float] = []  # when the recent quick re-dials were made
+    quick = api.BurstLimit(QUICK_REDIALS, api.scaled(QUICK_REDIALS_WINDOW_SECS))
     with tempfile.TemporaryDirectory(prefix="fdl-join-") as marks, _fork_server(plan, marks) as forks:
         mark = Path(marks) / "formed"
         marked = replace(plan, spec=plan.spec.model_copy(update={"formed_file": str(mark)}),
@@ -335,10 +335,7 @@ def join_loop(
             lasted = clock() - started
             formed = mark.exists()
             left = formed and code == EXIT_DONE and api.LEFT_RUN_MARK in _lines(mark)
-            now = clock()
-            quick = [at for at in quick if now - at < api.scaled(QUICK_REDIALS_WINDOW_SECS)]
-            if formed and (code != EXIT_DONE or left) and len(quick) < QUICK_REDIALS:
-                quick.append(now)
+            if formed and (code != EXIT_DONE or left) and quick.allow(clock()):
                 backoff = api.scaled(REDIAL_AFTER_LOSS_SECS)
             elif formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
                 backoff = api.scaled(BACKOFF_INITIAL_SECS)
