@@ -13,8 +13,9 @@ Rules:
 - at most `HEALS` slots per `HEALS_WINDOW_SECS` seconds: a rank that fails at every start is a bug, not bad
   luck, and its slot then stays empty, said, instead of crash-looping (the burst limit `fdl join --persist`
   puts on its quick re-dials, for the same reason, as systemd's StartLimitBurst does);
-- none once the agent is stopping (a signal) or its host's own shell has finished: a walk-in then would join
-  the next run beside the host's own re-dial;
+- none once the agent is stopping (a signal), or once its host's own shell has finished and nothing of the
+  host trains in the run any more (flodld/agent/host.py closes them): a walk-in then would join the next run
+  beside the host's own re-dial;
 - each healed slot gets a fresh name (`HOST+1`, `HOST+2`, ...): a slot that fails again heals under the next,
   so the controller never sees two live links with one host name.
 """
@@ -75,6 +76,6 @@ class SlotHeals:
         return self.host[: MAX_HOST_CHARS - len(suffix)] + suffix
 
     def close(self, reason: str) -> None:
-        """No slot heals from now on (the agent is stopping, or its host's own shell finished)."""
+        """No slot heals from now on (the agent is stopping, or nothing of its host trains in the run)."""
         if self.closed is None:
             self.closed = reason
