@@ -114,7 +114,7 @@ def controller_options(port: int, hosts: int, salt_hex: str, index: int) -> Cont
 
 async def controller_loop(port: int, runs: int, real_runs: int, hosts: int, salt_hex: str) -> None:
     """Host the runs' controllers in turn on `port`; report READY/RESULT lines on stdout."""
-    from flodld.controller.dataplane import attach_data_plane
+    from flodld.controller.attachplane import attach_data_plane
     from flodld.controller.run import Controller
 
     loop = asyncio.get_running_loop()

@@ -52,6 +52,7 @@ class AgentHost:
         self.forks = forks
         self.own = AgentShell(spec, devices, warm=warm, forks=forks)
         self.own.on_free_slot = self._free_slot
+        self.own.before_relay_stop = self._riders_done
         self.heals = SlotHeals(spec.host)
         self.walk_ins: dict[AgentShell, asyncio.Task[int]] = {}
 
@@ -103,9 +104,29 @@ class AgentHost:
         shell = AgentShell(spec, [device], forks=self.forks)
         shell.on_free_slot = self._free_slot
         shell.for_run = self.own.run_id
+        shell.rides = self._ride()
         task = asyncio.ensure_future(shell.run())
         task.add_done_callback(lambda done: say(_ended(host, done)))
         self.walk_ins[shell] = task
+
+
+    def _ride(self) -> tuple[str, int] | None:
+        """The host's own relay, for a healed slot's ranks to ride, while it serves the run (it started, it
+        runs, and the host is not being torn down); None: the slot starts a relay of its own.
+        """
+        own = self.own
+        relay, port = own.relay, own.relay_port
+        if relay is None or port is None or relay.process.returncode is not None or own.stopping.is_set():
+            return None
+        return self.spec.host, port
+
+    async def _riders_done(self) -> None:
+        """Once the healed slots riding the host's relay are done (those healing meanwhile too): the host's
+        own ranks are done and it is about to stop its relay.
+        """
+        while riders := [task for shell, task in self.walk_ins.items() if shell.rides and not task.done()]:
+            say(f"host {self.spec.host!r}'s relay serves {len(riders)} healed slot(s) until they are done")
+            await asyncio.wait(riders)
 
 
 def _ended(host: str, task: asyncio.Task[int]) -> str:

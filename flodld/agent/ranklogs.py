@@ -186,3 +186,26 @@ class RankLogSink:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def open_rank_sinks(
+    logs: RankLogSpec | None, *, run: str, attempt: int, host: str, ranks: list[int]
+) -> tuple[list[RankLogSink], str | None]:
+    """Each rank's sink under this host's own log directory (never one the controller names: the run id is
+    made one safe path component), and a line saying where they write, if any writes. An OSError
+    (LogDirError) names the path; the sinks opened before it are closed.
+    """
+    sinks: list[RankLogSink] = []
+    try:
+        for local_rank, rank in enumerate(ranks):
+            sinks.append(RankLogSink.for_rank(
+                logs, run=run, attempt=attempt, host=host, rank=rank, local_rank=local_rank
+            ))  # fmt: skip
+    except OSError:
+        for sink in sinks:
+            sink.close()
+        raise
+    if logs is None or not any(sink.fds for sink in sinks):
+        return sinks, None
+    where = attempt_dir(logs.dir, logs.run or run, attempt) / component(host)
+    return sinks, f"rank logs in {where} (redirects {logs.redirects}, tee {logs.tee})"

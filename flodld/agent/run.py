@@ -13,7 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TypeVar, assert_never
 
@@ -23,7 +23,7 @@ from flodld.agent.children import Child, exit_report, forward_output, say
 from flodld.agent.exits import exit_event
 from flodld.agent.forkserver import ForkServer
 from flodld.agent.join import ExitClass, Joined, JoinFailed, build_hello, join_world, rejoin
-from flodld.agent.ranklogs import RankLogSink, attempt_dir, component
+from flodld.agent.ranklogs import RankLogSink, open_rank_sinks
 from flodld.agent.spawn import (
     bind_relay_listener,
     rank_command,
@@ -89,6 +89,10 @@ class AgentShell:
         # Told a device whose rank failed or was declared dead while this host runs, in a run that grows
         # (flodld/agent/host.py heals the slot in as a walk-in of its own); None: the slot stays empty.
         self.on_free_slot: Callable[[str], None] | None = None
+        self.relay: Child | None = None  # this shell's relay, once started
+        self.relay_port: int | None = None  # where its ranks (and healed slots riding it) dial it
+        self.rides: tuple[str, int] | None = None  # a healed slot's: the relay it asks to ride (Hello.rides)
+        self.before_relay_stop: Callable[[], Awaitable[None]] | None = None  # its riders, once done
 
     async def run(self) -> int:
         say(
@@ -99,6 +103,8 @@ class AgentShell:
         )
         try:
             hello = build_hello(self.spec, self.devices)
+            if self.rides is not None:
+                hello = hello.model_copy(update={"rides": self.rides[0]})
             joined = await self._unless_stopping(join_world(self.spec, hello, warn=say))
         except JoinFailed as failure:
             say(str(failure))
@@ -218,7 +224,10 @@ class AgentShell:
     async def _spawn_all(self, joined: Joined) -> None:
         formed, envelope, host = joined.formed, joined.formed.envelope, self.spec.host
         argv = rank_command(self.spec.program)
-        sinks = self._open_sinks(envelope.run_id, envelope.restart_count, envelope.ranks)  # before any child
+        self.sinks, notice = open_rank_sinks(self.spec.logs, run=envelope.run_id, host=host,
+                                             attempt=envelope.restart_count, ranks=envelope.ranks)
+        if notice is not None:  # the sinks are open before any child starts
+            say(notice)
         # torch's env:// rendezvous (a stock script) reaches the controller's store through this loopback
         # endpoint.
         self.store_endpoint = AgentStoreEndpoint(
@@ -229,7 +238,13 @@ class AgentShell:
         )
         store_port = await self.store_endpoint.start()
         relay_port: int | None = None
-        if formed.relay is not None:
+        if formed.relay is not None and formed.relay.rides is not None:
+            if self.rides is None or formed.relay.rides != self.rides[0]:
+                raise OSError(f"the controller has this host ride host {formed.relay.rides!r}'s relay, "
+                              f"which it did not ask for (asked: {self.rides})")  # fmt: skip
+            relay_port = self.rides[1]
+            say(f"its rank(s) ride host {formed.relay.rides!r}'s relay (no relay of its own)")
+        elif formed.relay is not None:
             listener = bind_relay_listener()
             relay_port = listener.getsockname()[1]
             # The key this host's admission derived: the relay proves it on DATA and CONTROL (speaks only as
@@ -237,7 +252,9 @@ class AgentShell:
             host_key = join_host_key(joined.salt, host=host, run_id=envelope.run_id, conn=joined.stream.conn)
             relay = await start_relay(self.forks, formed, host=host, salt=joined.salt, host_key=host_key,
                                       listener=listener, say=say)  # fmt: skip
-            self._adopt(Child("relay", relay, None), f"[{host}:relay] ")
+            self.relay = Child("relay", relay, None)
+            self.relay_port = relay_port
+            self._adopt(self.relay, f"[{host}:relay] ")
         # After the relay started (it does not need it): a few store round trips in a world of several hosts,
         # given up as soon as the host is being torn down (its ranks then start only to be terminated).
         node = None
@@ -266,7 +283,7 @@ class AgentShell:
             )
             error_file = Path(self.error_dir) / f"rank-{rank}.json"
             env[ERROR_FILE_ENV] = str(error_file)  # torch's @record writes the rank's exception there
-            sink = sinks[local_rank]
+            sink = self.sinks[local_rank]
             process = await start_rank(self.warm, self.forks, argv, env, device=device,
                                        split_stderr=sink.splits_streams, say=say)  # fmt: skip
             child = Child(f"rank {rank}", process, rank, OutputTail(self.scrub), error_file)
@@ -274,20 +291,6 @@ class AgentShell:
         if self.warm is not None:
             await self.warm.close()  # the ones not needed go now
             self.warm = None  # a later attempt on this link starts its ranks cold
-
-    def _open_sinks(self, run_id: str, attempt: int, ranks: list[int]) -> list[RankLogSink]:
-        """Each rank's log files under this host's own log directory (never one the controller names: the
-        run id is made one safe path component). An OSError (LogDirError) names the path.
-        """
-        logs = self.spec.logs
-        for local_rank, rank in enumerate(ranks):
-            self.sinks.append(RankLogSink.for_rank(
-                logs, run=run_id, attempt=attempt, host=self.spec.host, rank=rank, local_rank=local_rank
-            ))  # fmt: skip
-        if logs is not None and any(sink.fds for sink in self.sinks):
-            where = attempt_dir(logs.dir, logs.run or run_id, attempt) / component(self.spec.host)
-            say(f"rank logs in {where} (redirects {logs.redirects}, tee {logs.tee})")
-        return self.sinks
 
     def _secrets(self, joined: Joined) -> list[str]:
         """What must never leave this host in a rank's tail: the run's salt (the join token), the start
@@ -376,6 +379,7 @@ class AgentShell:
             self.spec.host,
             list(joined.formed.envelope.ranks),
             has_relay=relay is not None,
+            own_relay=relay is None or relay.rides is None,
             tolerance=relay.tolerance if relay is not None else 0,
             may_restart=joined.formed.envelope.restart_count < joined.formed.envelope.max_restarts,
             grows=relay is not None and relay.grows,
@@ -418,6 +422,8 @@ class AgentShell:
                 if frees_slot and self.on_free_slot is not None:
                     self.on_free_slot(self.devices[joined.formed.envelope.ranks.index(rank)])
             case sv.TerminateRelay():
+                if self.before_relay_stop is not None:
+                    await self.before_relay_stop()  # healed slots riding it train on until they are done
                 self._signal(lambda child: child.rank is None, signal.SIGTERM)
             case sv.TerminateAll(reason):
                 say(

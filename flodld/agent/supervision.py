@@ -224,6 +224,7 @@ class Supervisor:
         ranks: list[int],
         *,
         has_relay: bool,
+        own_relay: bool = True,
         tolerance: int = 0,
         may_restart: bool = False,
         grows: bool = False,
@@ -239,7 +240,8 @@ class Supervisor:
         self.state = SupervisorState.RUNNING
         self.ranks = frozenset(ranks)
         self.live_ranks = set(ranks)
-        self.relay_live = has_relay
+        # A healed slot that rides its host's relay averages through a relay that is not its child.
+        self.relay_live = has_relay and own_relay
         self.failed_ranks: dict[int, int] = {}
         self.teardown_reason: str | None = None
         self.teardown_at: float | None = None  # when the teardown began (the `now` of its event)

@@ -105,7 +105,7 @@ class Admissions:
             detail=lambda: f"host={hello.host} joined_ranks={joined}",
         )
         if window.world is not None:  # a walk-in during training (docs/elastic-averaging.md, growth)
-            self.run.walk_in(hello.host, outcome.ranks)
+            self.run.walk_in(hello.host, outcome.ranks, hello.rides)
         self._settle_this_turn()
         return accept
 

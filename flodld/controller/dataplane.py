@@ -32,9 +32,7 @@ from typing import TYPE_CHECKING
 
 from flodld.controller.metrics import RunMetrics
 from flodld.controller.rankwatch import (
-    DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS,
     DEFAULT_HEARTBEAT_INTERVAL_SECS,
-    DEFAULT_LIVENESS_STARTUP_SECS,
     DEFAULT_LIVENESS_TIMEOUT_SECS,
     RankWatch,
 )
@@ -47,7 +45,7 @@ from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream
 from flodld.wire.control import Heartbeat
-from flodld.wire.data import Broadcast, DataPlaneError, HostFrame, RankConnected, RankGone
+from flodld.wire.data import Broadcast, DataPlaneError, HostFrame, RankConnected, RankExpected, RankGone
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
 from flodld.wire.handlers import HandlerTable
@@ -55,7 +53,6 @@ from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
 if TYPE_CHECKING:
-    from flodld.controller.run import Controller
     from flodld.fold.barrier import ChunkResult, RoundBarrier
 
 log = logging.getLogger("flodld.controller.dataplane")
@@ -176,18 +173,39 @@ class DataPlane:
     async def close(self) -> None:
         await self.watch.close()
 
-    def expect(self, host: str, ranks: Sequence[int]) -> None:
+    def expect(self, host: str, ranks: Sequence[int], rides: str | None = None) -> str | None:
         """A host walked into the training run: its relay may connect, its ranks are watched (with the
         startup grace), and they enter the averaging at a round boundary once its DATA channel is up.
+
+        A healed slot that asks to ride `rides`'s relay (Hello.rides) does, when that relay is in the
+        averaging (`can_ride`): its ranks are that host's from here on (its relay is told, RankExpected),
+        and no relay of `host` is seated. Returns the host whose relay the ranks ride, or None.
         """
         ranks = sorted(ranks)
-        self.host_ranks[host] = ranks
+        ride = rides if rides is not None and self.can_ride(rides) else None
+        seat = host if ride is None else ride
+        self.host_ranks[seat] = sorted({*self.host_ranks.get(seat, ()), *ranks}) if ride else ranks
         for rank in ranks:
-            self.host_of[rank] = host
-        self.live_ranks.setdefault(host, set())
+            self.host_of[rank] = seat
+        self.live_ranks.setdefault(seat, set())
         self.watch.track(ranks)
-        self.walk_ins.expect(host, ranks)
-        log.info("event=walk_in_expected host=%s ranks=%s", host, ranks)
+        self.walk_ins.expect(seat, ranks)
+        if ride is not None:
+            relay = self.relays[Channel.DATA][ride]
+            for rank in ranks:
+                relay.send_nowait(RankExpected(rank=rank))  # before its WorldFormed is even shipped
+        log.info("event=walk_in_expected host=%s ranks=%s rides=%s", host, ranks, ride)
+        return ride
+
+    def can_ride(self, host: str) -> bool:
+        """Whether `host`'s relay can take riders: in the averaging (its ranks entered, some live) with both
+        channels seated.
+        """
+        return (
+            bool(self.live_ranks.get(host))
+            and host not in self.walk_ins.entering
+            and all(host in self.relays[channel] for channel in (Channel.DATA, Channel.CONTROL))
+        )
 
     def live_hosts(self) -> set[str]:
         return {host for host, ranks in self.live_ranks.items() if ranks}
@@ -416,85 +434,3 @@ class DataPlane:
             await stream.send(message, tail)
         except (OSError, WireError, TimeoutError):
             pass
-
-
-def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | None = None) -> None:
-    """Serve DATA/CONTROL for `controller`'s run: built when the world forms, shut down when it ends.
-
-    Timeouts come from FLODL_LIVENESS_TIMEOUT_SECS / FLODL_HEARTBEAT_INTERVAL_SECS in the run's env
-    (the same values the ranks read), else the environment, scaled by FLODL_NET_TIMEOUT_SCALE; a rank
-    never heard from gets FLODL_LIVENESS_STARTUP_SECS (120 s, scaled, at least the timeout) to start.
-    A rank declared dead goes to `controller.rank_lost`: its host is lost and the run fails beyond
-    the tolerance, the reason naming rank and silence. A run that survives a rank's loss
-    (`controller.losses.survives_rank_loss`) declares a silent rank dead after 5 s by default instead of 30 s.
-    """
-    import os
-
-    from flodld.membership.phase import TERMINAL_PHASES
-    from flodld.net.timeouts import scaled
-
-    source = {**(environ if environ is not None else os.environ), **controller.options.env}
-
-    def seconds(name: str, default: float) -> float:
-        raw = source.get(name)
-        try:
-            value = float(raw) if raw else default
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-        return value if name == "FLODL_HEARTBEAT_INTERVAL_SECS" else scaled(value)
-
-    # Read (and refused if malformed) now; which default applies is known once the world formed (a
-    # tolerance given as a share of the world is a count only then).
-    timeouts = {
-        elastic: seconds("FLODL_LIVENESS_TIMEOUT_SECS", default)
-        for elastic, default in (
-            (False, DEFAULT_LIVENESS_TIMEOUT_SECS),
-            (True, DEFAULT_ELASTIC_LIVENESS_TIMEOUT_SECS),
-        )
-    }
-    startup_secs = seconds("FLODL_LIVENESS_STARTUP_SECS", DEFAULT_LIVENESS_STARTUP_SECS)
-    interval = seconds("FLODL_HEARTBEAT_INTERVAL_SECS", DEFAULT_HEARTBEAT_INTERVAL_SECS)
-    planes: list[DataPlane] = []
-
-    def on_phase(phase: object, reason: str) -> None:
-        window = controller.window
-        if (
-            not planes
-            and window is not None
-            and window.world is not None
-            and controller.options.cpu_averaging
-        ):
-            liveness = timeouts[controller.losses.survives_rank_loss]
-            startup = max(liveness, startup_secs)
-            plane = DataPlane(
-                controller.salt,
-                dict(window.world.ranks),
-                host_key=controller.host_key,
-                refusals=controller.counters.dropped,
-                liveness_timeout=liveness,
-                startup_timeout=startup,
-                heartbeat_interval=interval,
-                on_rank_dead=controller.rank_lost,  # a silent rank fails the run beyond the tolerance
-                metrics=controller.run_metrics,
-                straggler_timeout=controller.options.straggler_timeout,
-                growable=controller.options.growable,
-                chunk_env={key: source[key] for key in ("FLODL_CHUNK_BYTES",) if key in source},
-            )
-            controller.register_channels(
-                {Channel.DATA: plane.handle_data, Channel.CONTROL: plane.handle_control}
-            )
-            plane.start()
-            planes.append(plane)
-            controller.round_in_progress = plane.round_in_progress
-            plane.on_rank_round = controller.losses.rank_round
-            controller.expect_walk_in = plane.expect
-            plane.walk_ins.on_entered = controller.ranks_entered
-        if planes and phase in TERMINAL_PHASES:
-            task = asyncio.get_running_loop().create_task(planes[0].close())
-            _closing.add(task)
-            task.add_done_callback(_closing.discard)
-
-    controller.on_phase(on_phase)
-
-
-_closing: set[asyncio.Task[None]] = set()

@@ -101,7 +101,9 @@ class Controller:
         # The averaging round in progress (the data plane sets it when it is built): named with each loss.
         self.round_in_progress: Callable[[int], int | None] = lambda rank: None
         # Growth (docs/elastic-averaging.md): the data plane expects a walk-in's relay (set when it is built).
-        self.expect_walk_in: Callable[[str, tuple[int, ...]], None] = lambda host, ranks: None
+        self.expect_walk_in: Callable[[str, tuple[int, ...], str | None], str | None] = (
+            lambda host, ranks, rides: None
+        )
         self.window: JoinWindow | None = None
         self.address: tuple[str, int] | None = None
         self.links: dict[str, HostLink] = {}
@@ -187,13 +189,14 @@ class Controller:
     def link_closed(self, link: HostLink, why: str, *, lost: bool = False) -> None:
         self.losses.link_closed(link, why, lost=lost)
 
-    def walk_in(self, host: str, ranks: tuple[int, ...]) -> None:
-        """A host walked into the training run (its Accept is on the link): the data plane expects its relay,
-        and its WorldFormed goes out now.
+    def walk_in(self, host: str, ranks: tuple[int, ...], rides: str | None = None) -> None:
+        """A host walked into the training run (its Accept is on the link): the data plane expects its relay
+        (or its ranks on the relay of `rides`, a healed slot's host, when it can take them), and its
+        WorldFormed goes out now.
         """
         log.info("event=walk_in host=%s ranks=%s", host, list(ranks))
-        self.expect_walk_in(host, ranks)
-        self.driver.spawn(self.shipper.ship_walk_in(host))
+        riding = self.expect_walk_in(host, ranks, rides)
+        self.driver.spawn(self.shipper.ship_walk_in(host, rides=riding))
 
     def ranks_entered(self, ranks: tuple[int, ...], in_round: int) -> None:
         """The data plane let a walk-in's ranks into the averaging at `in_round` (state.json `joins`)."""

@@ -102,8 +102,10 @@ class AdmissionRun(RunCore, Protocol):
     @property
     def result(self) -> RunResult | None: ...
 
-    def walk_in(self, host: str, ranks: tuple[int, ...]) -> None:
-        """A host walked into the training run: its relay is expected and its WorldFormed goes out."""
+    def walk_in(self, host: str, ranks: tuple[int, ...], rides: str | None = None) -> None:
+        """A host walked into the training run: its relay (or its ride on `rides`'s relay) is expected and
+        its WorldFormed goes out.
+        """
 
 
 class LossRun(RunCore, Protocol):

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.attachplane import attach_data_plane
 from flodld.controller.driver import PhaseListener
 from flodld.controller.historyfile import HistoryFile
 from flodld.controller.http import NO_STATE

@@ -74,7 +74,7 @@ class WorldShipper:
             }
         )
 
-    async def ship_walk_in(self, host: str) -> None:
+    async def ship_walk_in(self, host: str, *, rides: str | None = None) -> None:
         """WorldFormed to a host that walked into the training run: its ranks (fresh ids), the world's id
         space as `world_size`, and a relay spec marked `walk_in` (its relay enters at a round boundary).
         A failed write is that host's loss, as at formation.
@@ -93,7 +93,7 @@ class WorldShipper:
                 "controller_host": self._controller_host_for(link),
             }
         )
-        walk_in = relay.model_copy(update={"walk_in": True}) if relay is not None else None
+        walk_in = relay.model_copy(update={"walk_in": True, "rides": rides}) if relay is not None else None
         message = WorldFormed(envelope=envelope, relay=walk_in)
         try:
             link.stream.send_nowait(message)

@@ -10,6 +10,13 @@ until the round after next starts, which waits for the walk-in's deposit), in ch
 size: the bytes every member received. The epoch is the ranks' own count of membership changes, replayed
 here from each round's contributors.
 
+A healed slot's rank that rides a relay already in the averaging (Hello.rides; docs/elastic-averaging.md,
+"Slots heal in place") is expected under that relay's host and enters the same way, alone: its Entry names
+it (`Entry.ranks`) and the relay admits it to its own fold at the round the Entry names. It enters only at
+the end of a round (`round_closed`), where the Entry reaches the relay before the round's last result
+chunk: none of the relay's ranks can have deposited for the next round yet, so the relay's fold is at that
+boundary too (a rank deposits round r + 1 only once it holds round r).
+
 `WalkIns` holds that bookkeeping for the data plane (controller/dataplane.py), which tells it each round's
 end (`round_closed`) and each rank's departure (`left_before_entry`).
 """
@@ -57,8 +64,9 @@ class WalkIns:
         self._epoch = 0
 
     def expect(self, host: str, ranks: Sequence[int]) -> None:
-        self.entering[host] = set(ranks)
-        self._connected[host] = set()
+        """`ranks` will enter through `host`'s relay: a walk-in's, or riders of a relay in the averaging."""
+        self.entering.setdefault(host, set()).update(ranks)
+        self._connected.setdefault(host, set())
 
     def rank_connected(self, host: str, rank: int) -> bool:
         """A walk-in's rank is ready to enter (RankConnected); True when that completes its host (it may
@@ -95,7 +103,7 @@ class WalkIns:
         if members and members != self._members_seen:  # the ranks' own epoch count, replayed here
             self._epoch += 1
             self._members_seen = members
-        return self._enter(barrier, result.round + 1)
+        return self._enter(barrier, result.round + 1, round_end=True)
 
     def at_boundary(self, barrier: RoundBarrier[str] | None) -> list[FramedStream]:
         """Walk-ins whose ranks are all connected enter now if the world is at a round boundary whose state
@@ -124,18 +132,27 @@ class WalkIns:
             except (OSError, WireError, TimeoutError) as error:
                 log.warning("event=walk_in_state_unsent error=%r", str(error))
 
-    def _enter(self, barrier: RoundBarrier[str] | None, round_number: int) -> list[FramedStream]:
-        sealed = [self._seal_entry(host, round_number) for host in self._enter_now(barrier, round_number)]
+    def _enter(
+        self, barrier: RoundBarrier[str] | None, round_number: int, *, round_end: bool = False
+    ) -> list[FramedStream]:
+        entered = self._enter_now(barrier, round_number, round_end=round_end)
+        sealed = [self._seal_entry(host, round_number, riders) for host, riders in entered]
         return [stream for stream in sealed if stream is not None]
 
-    def _enter_now(self, barrier: RoundBarrier[str] | None, round_number: int) -> list[str]:
+    def _enter_now(
+        self, barrier: RoundBarrier[str] | None, round_number: int, *, round_end: bool
+    ) -> list[tuple[str, list[int]]]:
         """Let every walk-in whose relay's DATA channel is up into the averaging from `round_number`, the
-        round that has not started (the caller is at its boundary). Returns the hosts that entered.
+        round that has not started (the caller is at its boundary; `round_end`: the round before has just
+        closed, its last chunk not sent yet). Riders of a relay in the averaging enter only at a round's
+        end. Returns the hosts that entered, each with its riders (empty: a walk-in host, all its ranks).
         """
         ready = [
             host
             for host in sorted(self.entering)
-            if host in self.data_relays and self.entering[host] <= self._connected.get(host, set())
+            if host in self.data_relays
+            and self.entering[host] <= self._connected.get(host, set())
+            and (round_end or not self.live_ranks.get(host))
         ]
         if not ready:
             return []
@@ -145,16 +162,18 @@ class WalkIns:
         for host in ready:
             ranks = self.entering.pop(host)
             self._connected.pop(host, None)
-            if barrier is not None:
+            riders = sorted(ranks) if self.live_ranks.get(host) else []
+            if barrier is not None and not riders:
                 barrier.admit(host)
-            self.live_ranks[host] = set(ranks)
-            entered.append(host)
-            log.info("event=walk_in_entered host=%s ranks=%s round=%d", host, sorted(ranks), round_number)
+            self.live_ranks.setdefault(host, set()).update(ranks)
+            entered.append((host, riders))
+            log.info("event=walk_in_entered host=%s ranks=%s round=%d riders=%s", host, sorted(ranks),
+                     round_number, bool(riders))  # fmt: skip
             if self.on_entered is not None:
                 self.on_entered(tuple(sorted(ranks)), round_number)
         return entered
 
-    def _seal_entry(self, host: str, round_number: int) -> FramedStream | None:
+    def _seal_entry(self, host: str, round_number: int, riders: list[int]) -> FramedStream | None:
         """Entry to a walk-in's relay, then (when a round was completed before) that round's result: the
         finished accumulator in chunks of the run's chunk size, the bytes every member received. Sealed
         here, without an await: no broadcast can come between them, and the accumulator may be reused as
@@ -169,7 +188,8 @@ class WalkIns:
         last = self._last_result if round_number > 0 else None
         state = last is not None and last.round == round_number - 1
         try:
-            stream.send_nowait(Entry(round=round_number, epoch=epoch, members=list(members), state=state))
+            entry = Entry(round=round_number, epoch=epoch, members=list(members), state=state, ranks=riders)
+            stream.send_nowait(entry)
             if state:
                 assert last is not None
                 from flodld.fold.chunks import Layout, byte_views, chunk_bytes_from_env  # torch: in by now

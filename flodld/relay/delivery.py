@@ -38,6 +38,8 @@ class Delivery:
         self.regions = regions
         self._lost = lost
         self.rounds = 0  # rounds whose result went down (counted at their first chunk)
+        # A rider's first round with a result for it (flodld.relay.entry): none before it entered.
+        self.first_round: dict[int, int] = {}
 
     async def fan_out(self, channel: Channel, message: Message, tail: Tail) -> None:
         """`message` to every live leg of `channel`."""
@@ -54,7 +56,13 @@ class Delivery:
         """
         if message.offset == 0:
             self.rounds += 1
-        framed, shared, notice = self.regions.split(dict(self.legs[Channel.DATA]), message, parts)
+        legs = dict(self.legs[Channel.DATA])
+        if self.first_round:
+            legs = {rank: leg for rank, leg in legs.items() if self.first_round.get(rank, 0) <= message.round}
+            if message.offset == 0:  # riders in by this round are ranks like the others from now on
+                for rank in [rank for rank, first in self.first_round.items() if first <= message.round]:
+                    del self.first_round[rank]
+        framed, shared, notice = self.regions.split(legs, message, parts)
         await asyncio.gather(
             self._fan_out_to(Channel.DATA, framed, message, parts),
             *([self._fan_out_to(Channel.DATA, shared, notice, b"")] if notice is not None else []),

@@ -19,6 +19,7 @@ walk-in's entry (`flodld.relay.entry`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -45,6 +46,7 @@ from flodld.wire.data import (
     Entry,
     HelloAck,
     RankConnected,
+    RankExpected,
     RankGone,
     RankHello,
     RankReady,
@@ -60,6 +62,11 @@ from flodld.wire.magic import Channel
 from flodld.wire.messages import Message
 
 log = logging.getLogger("flodld.relay")
+
+RIDER_HELLO_WAIT_SECS = 5.0
+"""How long a rank leg's hello naming a rank this relay does not know waits for the controller's
+RankExpected: a rider's hello and that word travel by different connections (docs/elastic-averaging.md,
+"Slots heal in place")."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class Relay:
         self.down = Delivery(self.legs, self.shm, self._stopped_reading)
         # A walk-in (docs/elastic-averaging.md, "Growth and healing"): its entry round and state.
         self.entry = WalkInEntry(spec.walk_in, self.ranks, self.gone)
+        self.down.first_round = self.entry.first_round  # a rider gets no result before its Entry's round
+        self._roster = asyncio.Event()  # set (and replaced) when a rider is expected: its hello may wait
         self.deposits = DepositFold(
             self.ranks,
             self.gone,
@@ -114,6 +123,7 @@ class Relay:
         self._from_controller.register(DeclareDead, self._on_declare_dead)
         self._from_controller.register(DataPlaneError, self._on_refused)
         self._from_controller.register(Entry, self._on_entry)
+        self._from_controller.register(RankExpected, self._on_rank_expected)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -181,6 +191,8 @@ class Relay:
 
     async def _serve_leg(self, channel: Channel, stream: FramedStream, hello: Message) -> None:
         """A pre-authenticated leg (`flodld.relay.listener`): its hello checked, then its frames served."""
+        if isinstance(hello, RankHello) and hello.rank not in self.ranks and hello.rank not in self.gone:
+            await self._expecting(hello.rank)
         refusal = (
             self._check_rank_hello(channel, hello)
             if isinstance(hello, RankHello)
@@ -210,6 +222,14 @@ class Relay:
         finally:
             # Always fold the rank out, whatever ended its leg: the barrier must not wait for it.
             await self._rank_gone(rank, f"rank {rank} closed its {channel} leg", notify_upstream=True)
+
+    async def _expecting(self, rank: int) -> None:
+        """Until `rank` is one of this relay's (a rider the controller expects), or RIDER_HELLO_WAIT_SECS."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RIDER_HELLO_WAIT_SECS
+        while rank not in self.ranks and (left := deadline - loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._roster.wait(), left)
 
     def _check_rank_hello(self, channel: Channel, hello: RankHello) -> str | None:
         """Why this rank's hello is refused, or None."""
@@ -299,8 +319,10 @@ class Relay:
             if leg is not None:
                 leg.close()
         self.shm.forget(rank)
+        self.entry.first_round.pop(rank, None)
+        entered = rank not in self.entry.expected  # a rider that never entered was lost in no round
         try:
-            in_round = await self.deposits.leave(rank)
+            in_round = await self.deposits.leave(rank) if entered else None
             if notify_upstream:
                 gone = RankGone(rank=rank, reason=reason[:1024], round=in_round)
                 await self.upstream[Channel.DATA].send(gone)
@@ -332,6 +354,9 @@ class Relay:
 
     async def _on_entry(self, message: Entry, stream: FramedStream, frame: Frame) -> bool:
         """The controller lets this walk-in's ranks in at `message.round`; the state chunks follow."""
+        if message.ranks:
+            await self._riders_enter(message)
+            return False
         why = self.entry.enter(message, self.deposits.barrier)
         if why is not None:
             self._stop(why, 1)
@@ -341,6 +366,33 @@ class Relay:
             await self._hand_entry(dict(self.legs[Channel.DATA]))
         return False
 
+    async def _on_rank_expected(self, message: RankExpected, stream: FramedStream, frame: Frame) -> None:
+        """A healed slot's rank will ride this relay: its legs are served from now on."""
+        why = self.entry.expect(message.rank)
+        if why is not None:
+            log.warning("relay: %s; ignored", why)
+            return
+        self.ranks = sorted([*self.ranks, message.rank])
+        log.info("relay: rank %d of a healed slot rides host %r's relay", message.rank, self.spec.host)
+        self._roster.set()
+        self._roster = asyncio.Event()
+
+    async def _riders_enter(self, message: Entry) -> None:
+        """Riders enter at `message.round` (the state follows when `message.state`); a rider the fold cannot
+        take there is refused and folded out, as a rank whose leg closed.
+        """
+        refused = self.entry.enter_riders(message, self.deposits.barrier)
+        for rank, why in refused.items():
+            log.warning("relay: refusing rank %d: %s", rank, why)
+            leg = self.legs[Channel.DATA].get(rank)
+            if leg is not None:
+                await send_quietly(leg, DataPlaneError(reason=why))
+            await self._rank_gone(rank, why, notify_upstream=True)
+        entering = sorted(set(message.ranks) - set(refused) - self.gone)
+        log.info("relay: rank(s) %s enter the averaging at round %d", entering, message.round)
+        if not self.entry.taking_state:
+            await self._hand_entry(dict(self.legs[Channel.DATA]))
+
     async def _take_state(self, message: Broadcast, stream: FramedStream, frame: Frame) -> bool:
         """A chunk of the walk-in's state (round `entry.round - 1`): kept, in order, until it is whole."""
         why = self.entry.take(message, frame.tail_view)
@@ -348,7 +400,7 @@ class Relay:
             self._stop(why, 1)
             return True
         stream.conn.recycle(frame)
-        if self.entry.complete:
+        if not self.entry.taking_state:
             log.info("relay: host %r has the state of round %d (%d bytes)", self.spec.host, message.round,
                      self.entry.state_bytes)  # fmt: skip
             await self._hand_entry(dict(self.legs[Channel.DATA]))

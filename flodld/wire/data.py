@@ -163,6 +163,19 @@ class Entry(Message):
     epoch: Count
     members: BoundedList[Rank]
     state: bool = False
+    # The ranks that enter: empty, every rank of the walk-in's host; else ranks that ride a relay already in
+    # the averaging (RankExpected), which enter alone while its other ranks go on.
+    ranks: BoundedList[Rank] = Field(default_factory=list)
+
+
+@register(0x0311)
+class RankExpected(Message):
+    """Controller → a relay in the averaging (docs/elastic-averaging.md, "Slots heal in place"): `rank`, a
+    healed slot's rank that rides this relay (Hello.rides), will dial it. The relay serves its legs from now
+    on, and it enters like a walk-in's rank: RankReady, RankConnected, then an Entry naming it.
+    """
+
+    rank: Rank
 
 
 @register(0x030F)

@@ -13,7 +13,9 @@ docs/elastic-averaging.md "Growth and healing"), which a version 4 agent would r
 `Stopped` (a restart keeps the join links, docs/restarts.md), on the first of which a version 4 agent would
 drop its link: either way it is refused at its Hello instead. Version 6: `RelaySpec.grows` (a run that admits
 walk-ins during training: a rank lost on a host that keeps running heals in as a walk-in of its own,
-flodld/agent/host.py), which a version 5 agent would refuse.
+flodld/agent/host.py), which a version 5 agent would refuse. Version 7: `Hello.rides` and `RelaySpec.rides`
+(a healed slot's rank rides its host's relay, docs/elastic-averaging.md "Slots heal in place"), which a
+version 6 controller would refuse.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from flodld.wire.messages import (
 )
 from flodld.wire.salt import salt_from_hex, salt_to_hex
 
-JOIN_PROTOCOL_VERSION: Final = 6
+JOIN_PROTOCOL_VERSION: Final = 7
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
 
 DeviceName = Annotated[
@@ -109,10 +111,19 @@ class Hello(Message):
     nccl_version: NcclVersion | None = None
     model_sig: HexDigest | None = None
     averaging: Name | None = None
+    # A healed slot (flodld/agent/host.py) asks for its ranks to ride the relay of the host it healed in
+    # from, named `HOST+N` after it: no relay of its own, one host less in every round. The controller
+    # grants it (RelaySpec.rides) only for that host while its relay serves the run.
+    rides: HostName | None = None
 
     @model_validator(mode="after")
     def _devices_consistent(self) -> Hello:
         _require_unique(self.devices, "devices")
+        if self.rides is not None and not self.host.startswith(self.rides + "+"):
+            raise ValueError(
+                f"host {self.host!r} asks to ride host {self.rides!r}'s relay; only a healed slot of that "
+                f"host, named {self.rides + '+N'!r}, may"
+            )
         if self.device_labels and len(self.device_labels) != len(self.devices):
             raise ValueError(
                 f"device_labels has {len(self.device_labels)} entries for {len(self.devices)} devices; "
@@ -201,6 +212,9 @@ class RelaySpec(WireModel):
     # lost a rank from (the rank failed or was declared dead, its host-mates run on) as a walk-in of its own,
     # `HOST+N` (flodld/agent/host.py), so the slot heals while the host keeps training.
     grows: bool = False
+    # Granted to a healed slot that asked (Hello.rides): its ranks use that host's relay (the same agent's),
+    # and no relay of this host's starts. None: the walk-in starts its own relay.
+    rides: HostName | None = None
 
 
 @register(0x0104)

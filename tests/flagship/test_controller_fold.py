@@ -21,7 +21,7 @@ import torch
 
 from flodld.agent.spec import AGENT_ENV, AgentSpec, encode_spec
 from flodld.config.join import JoinConfig
-from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.attachplane import attach_data_plane
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.fold.base import ModularFold

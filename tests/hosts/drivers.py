@@ -35,7 +35,7 @@ async def _fanout(cluster_json: str, program: str, args: list[str]) -> int:
 
 
 async def _serve(options_json: str) -> int:
-    from flodld.controller.dataplane import attach_data_plane
+    from flodld.controller.attachplane import attach_data_plane
     from flodld.controller.options import ControllerOptions
     from flodld.controller.run import Controller
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flodld.agent.spec import AgentSpec
-from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.attachplane import attach_data_plane
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.fanout.forward import ForwardError, open_forward, parse_ssh_target, run_agent_through_forward

@@ -254,14 +254,17 @@ async def test_a_replacement_heals_the_world_after_a_host_is_lost(tmp_path: Path
 
 @pytest.mark.parametrize("fault", ["exit", "stop"])
 async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_own(
-    tmp_path: Path, fault: str
+    tmp_path: Path, fault: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Rank 1 of host a is lost before round GATE (tolerance 1, growth to three ranks): it fails on its own
     (`exit`), or hangs (`stop`: SIGSTOP, declared dead by its silence, its stack dumped, killed). Its
     host-mate rank 0 trains on, and a's agent offers the freed slot at once as walk-in host `a+1`
-    (flodld/agent/host.py): its rank 3 enters at GATE with round GATE - 1's averaged state, and the world is
-    back to three ranks without host a ever leaving the run.
+    (flodld/agent/host.py), whose rank 3 rides host a's relay (no relay of its own). Ready while the members
+    wait before round GATE, it waits for a round's end (a rider never enters a round its relay may have
+    begun): it enters at GATE + 1 with round GATE's averaged state (the mean over ranks 0 and 2), and the
+    world is back to three ranks, on two relays, without host a ever leaving the run.
     """
+    caplog.set_level(logging.INFO, logger="flodld.controller.dataplane")
     gate = tmp_path / "gate"
     program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate)}
     if fault == "exit":
@@ -278,17 +281,20 @@ async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_o
         else:
             await a.wait_for(f"heal-stall rank 1 before round {GATE}", FORMATION_BOUND_SECS)
             os.kill(run.find(RANK="1").pid, signal.SIGSTOP)
-        await _until("a+1's entry", lambda: any(j["round"] is not None for j in run.state()["joins"]))
+        await _until("a+1's rank ready", lambda: "event=walk_in_ready host=a ranks=[3]" in caplog.text)
+        assert [j["round"] for j in run.state()["joins"]] == [None]  # no round ended since: it waits
         gate.touch()
         result = await asyncio.wait_for(run.controller.wait(), RUN_BOUND_SECS)
         assert result.verdict is Phase.DONE, (result, a.output[-3000:])
         assert "degraded: ranks [1] lost" in result.reason, result.reason
-        assert "rank 3 on 'a+1' in round 3" in result.reason, result.reason
+        assert f"rank 3 on 'a+1' in round {GATE + 1}" in result.reason, result.reason
         assert re.search(r"slot cpu:?1 heals in as walk-in host 'a\+1'", a.output), a.output[-3000:]
-        _check((a, b), before=[0, 1, 2], after=[0, 2, 3], walk_in=3, exact=True)
+        assert "its rank(s) ride host 'a''s relay (no relay of its own)" in a.output, a.output[-3000:]
+        assert "[a+1:relay]" not in a.output, a.output[-3000:]  # one relay for host a and its healed slot
+        _check((a, b), before=[0, 2], after=[0, 2, 3], walk_in=3, exact=True, entered=GATE + 1)
         body = run.state()
         joins = [(j["rank"], j["host"], j["round"]) for j in body["joins"]]
-        assert joins == [(3, "a+1", GATE)], joins
+        assert joins == [(3, "a+1", GATE + 1)], joins
         (loss,) = body["losses"]
         assert loss["rank"] == 1, loss
         if fault == "stop":

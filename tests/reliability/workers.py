@@ -20,7 +20,7 @@ from typing import Any
 
 from flodld.agent.spec import AgentSpec
 from flodld.config.join import JoinConfig
-from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.attachplane import attach_data_plane
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from tests.agent_proc import start_agent

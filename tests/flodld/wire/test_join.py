@@ -212,7 +212,7 @@ def test_encoded_hello_is_json_with_the_contract_field_names() -> None:
     _kind, payload = encode_message(Hello(**hello_fields()))
     assert set(json.loads(payload)) == {
         "host", "devices", "device_labels", "variant", "torch_version", "protocol_version",
-        "dataset_sig", "run_id", "nccl_version", "model_sig", "averaging",
+        "dataset_sig", "run_id", "nccl_version", "model_sig", "averaging", "rides",
     }  # fmt: skip
 
 
@@ -250,3 +250,13 @@ def test_arbitrary_json_decodes_or_is_bad_payload(kind: int, value: object) -> N
         assert error.code == "bad_payload"
     else:
         assert decode_message(*encode_message(message)) == message
+
+
+def test_only_a_healed_slot_of_a_host_may_ask_to_ride_its_relay() -> None:
+    """Hello.rides (docs/elastic-averaging.md, "Slots heal in place"): `a+1` may ask to ride a's relay; a host
+    that is not one of a's healed slots is refused at decode, naming the rule.
+    """
+    assert Hello(**hello_fields(host="a+1", rides="a")).rides == "a"
+    for host in ("b", "ab+1", "a"):
+        with pytest.raises(ValidationError, match="only a healed slot of that host"):
+            Hello(**hello_fields(host=host, rides="a"))
