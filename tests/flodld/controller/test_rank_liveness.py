@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 
 from flodld.config.join import JoinConfig
-from flodld.controller.dataplane import attach_data_plane
+from flodld.controller.attachplane import attach_data_plane
 from flodld.controller.run import Controller
 from flodld.membership.phase import Phase
 from flodld.net.stream import FramedStream
