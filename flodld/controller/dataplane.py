@@ -189,7 +189,7 @@ class DataPlane:
             self.host_of[rank] = seat
         self.live_ranks.setdefault(seat, set())
         self.watch.track(ranks)
-        self.walk_ins.expect(seat, ranks)
+        self.walk_ins.expect(seat, ranks, riders=ride is not None)
         if ride is not None:
             relay = self.relays[Channel.DATA][ride]
             for rank in ranks:

@@ -63,10 +63,16 @@ class WalkIns:
         self._members_seen = self._members()  # as the ranks count epochs
         self._epoch = 0
 
-    def expect(self, host: str, ranks: Sequence[int]) -> None:
-        """`ranks` will enter through `host`'s relay: a walk-in's, or riders of a relay in the averaging."""
-        self.entering.setdefault(host, set()).update(ranks)
-        self._connected.setdefault(host, set())
+    def expect(self, host: str, ranks: Sequence[int], *, riders: bool = False) -> None:
+        """`ranks` will enter through `host`'s relay: a walk-in's (an earlier incarnation's ranks still
+        expected are forgotten), or `riders` of a relay in the averaging (added to any expected already).
+        """
+        if riders:
+            self.entering.setdefault(host, set()).update(ranks)
+            self._connected.setdefault(host, set())
+        else:
+            self.entering[host] = set(ranks)
+            self._connected[host] = set()
 
     def rank_connected(self, host: str, rank: int) -> bool:
         """A walk-in's rank is ready to enter (RankConnected); True when that completes its host (it may

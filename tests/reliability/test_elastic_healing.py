@@ -252,9 +252,12 @@ async def test_a_replacement_heals_the_world_after_a_host_is_lost(tmp_path: Path
         await run.until_no_processes(10)
 
 
-@pytest.mark.parametrize("fault", ["exit", "stop"])
+@pytest.mark.parametrize(
+    ("fault", "mode", "cadence"),
+    [("exit", "cpu_sync", 1), ("stop", "cpu_sync", 1), ("exit", "cpu_cadence", 2), ("exit", "cpu_async", 1)],
+)
 async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_own(
-    tmp_path: Path, fault: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, fault: str, mode: str, cadence: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Rank 1 of host a is lost before round GATE (tolerance 1, growth to three ranks): it fails on its own
     (`exit`), or hangs (`stop`: SIGSTOP, declared dead by its silence, its stack dumped, killed). Its
@@ -262,14 +265,18 @@ async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_o
     (flodld/agent/host.py), whose rank 3 rides host a's relay (no relay of its own). Ready while the members
     wait before round GATE, it waits for a round's end (a rider never enters a round its relay may have
     begun): it enters at GATE + 1 with round GATE's averaged state (the mean over ranks 0 and 2), and the
-    world is back to three ranks, on two relays, without host a ever leaving the run.
+    world is back to three ranks, on two relays, without host a ever leaving the run. `cpu_cadence` and
+    `cpu_async` heal the same way at their own round boundaries (cpu_async's results are elastic updates,
+    so only their agreement is checked there, not the reference mean).
     """
     caplog.set_level(logging.INFO, logger="flodld.controller.dataplane")
     gate = tmp_path / "gate"
     program = {"HEAL_ROUNDS": str(ROUNDS), "HEAL_GATE_ROUND": str(GATE), "HEAL_GATE": str(gate)}
+    if mode != "cpu_sync":
+        program.update(HEAL_MODE=mode, HEAL_CADENCE=str(cadence))
     if fault == "exit":
         program["HEAL_EXIT_RANK"] = "1"
-    options = _options(bound=3)
+    options = _options(bound=3, mode=mode)
     if fault == "stop":  # 5 s of silence (scaled by 0.2): declared dead long before the run's bound
         options = options.model_copy(update={"env": {**options.env, "FLODL_LIVENESS_TIMEOUT_SECS": "25"}})
     async with fault_run(options) as run:
@@ -291,7 +298,7 @@ async def test_a_rank_lost_on_a_host_that_runs_on_heals_in_as_a_walk_in_of_its_o
         assert re.search(r"slot cpu:?1 heals in as walk-in host 'a\+1'", a.output), a.output[-3000:]
         assert "its rank(s) ride host 'a''s relay (no relay of its own)" in a.output, a.output[-3000:]
         assert "[a+1:relay]" not in a.output, a.output[-3000:]  # one relay for host a and its healed slot
-        _check((a, b), before=[0, 2], after=[0, 2, 3], walk_in=3, exact=True, entered=GATE + 1)
+        _check((a, b), before=[0, 2], after=[0, 2, 3], walk_in=3, exact=mode != "cpu_async", entered=GATE + 1)
         body = run.state()
         joins = [(j["rank"], j["host"], j["round"]) for j in body["joins"]]
         assert joins == [(3, "a+1", GATE + 1)], joins

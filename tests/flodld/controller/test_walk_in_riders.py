@@ -49,7 +49,7 @@ def test_a_rider_enters_alone_at_the_end_of_a_round_never_at_a_boundary_found_id
     walk_ins.on_entered = lambda ranks, number: entered.append((ranks, number))
     barrier: RoundBarrier[str] = RoundBarrier(["a", "b"])
     walk_ins.round_closed(_round(barrier, 0), {0, 1, 2}, barrier)
-    walk_ins.expect("a", [3])  # a's slot healed: rank 3 rides a's relay
+    walk_ins.expect("a", [3], riders=True)  # a's slot healed: rank 3 rides a's relay
     assert walk_ins.rank_connected("a", 3)
     assert walk_ins.at_boundary(barrier) == [] and live["a"] == {0, 1}  # idle boundary: it waits
     drained = walk_ins.round_closed(_round(barrier, 1), {0, 1, 2}, barrier)
