@@ -3,7 +3,8 @@
 `run_agent` is the agent role's entry. It runs the host's shell (flodld/agent/run.py: join, spawn,
 supervise), owns the signals, and in a run that grows turns each freed slot (ReportRankExit.frees_slot) into a
 walk-in of its own, `HOST+N`, as `flodld.agent.heal` decides (docs/elastic-averaging.md, "Slots heal in
-place").
+place"). While the host's own relay serves the run, the slot asks to ride it (Hello.rides): its rank then
+dials that relay and no relay of its own starts.
 
 Lifetimes:
 - a signal tears every shell down (each gets Interrupted);
@@ -19,6 +20,8 @@ Lifetimes:
   the mark file: clients/fdl/join.py). A walk-in shell writes no mark.
 - an agent killed outright takes its walk-in shells with it: they are coroutines of this process, and their
   children die with it as the host's own do (PDEATHSIG, the fork server's closed connection).
+- the host's relay outlives the host's own ranks while healed slots ride it: its shell stops it only once
+  every riding slot is done (`_riders_done`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from flodld.agent.spec import AgentSpec, DeviceError, agent_spec_from_env, resol
 from flodld.agent.warmpool import WarmPool
 from flodld.rank.warm import FORK_SERVER_ENV, WARM_ENV, warm_count
 
+RIDER_POLL_SECS = 0.1
+"""How often a host whose own ranks are done looks whether the healed slots riding its relay still need it."""
 WALK_IN_CONNECT_ATTEMPTS = 1
 """A healed slot dials once: the controller is the one its host just spoke to; refused, the slot stays
 empty."""
@@ -121,12 +126,26 @@ class AgentHost:
         return self.spec.host, port
 
     async def _riders_done(self) -> None:
-        """Once the healed slots riding the host's relay are done (those healing meanwhile too): the host's
-        own ranks are done and it is about to stop its relay.
+        """Once no healed slot rides the host's relay any more (those healing meanwhile too): the host's own
+        ranks are done and it is about to stop its relay. A slot is done with the relay once its rank has
+        exited (it may still be reporting, or waiting for the controller to close its link: up to
+        LINGER_SECS over a dead link, which the relay need not outlive) or its shell has ended.
         """
-        while riders := [task for shell, task in self.walk_ins.items() if shell.rides and not task.done()]:
-            say(f"host {self.spec.host!r}'s relay serves {len(riders)} healed slot(s) until they are done")
-            await asyncio.wait(riders)
+        said = False
+        while riders := [task for shell, task in self.walk_ins.items() if _rides_on(shell, task)]:
+            if not said:
+                said, host = True, self.spec.host
+                say(f"host {host!r}'s relay serves {len(riders)} healed slot(s) until they are done")
+            await asyncio.wait(riders, timeout=RIDER_POLL_SECS)  # a rank's exit ends no task: look again
+
+
+def _rides_on(shell: AgentShell, task: asyncio.Task[int]) -> bool:
+    """Whether the healed slot of `shell` (its shell's task) still needs the relay it rides."""
+    if not shell.rides or task.done():
+        return False
+    ranks = [child for child in shell.children if child.rank is not None]
+    started = len(ranks) == len(shell.devices)
+    return not started or any(child.process.returncode is None for child in ranks)
 
 
 def _ended(host: str, task: asyncio.Task[int]) -> str:

@@ -12,8 +12,8 @@ coordinator heartbeats / shutdown down, DeclareDead folds a rank out. A rank's l
 Its parts: the loopback listener and the legs' pre-authentication (`flodld.relay.listener`), the
 upstreams (`flodld.relay.upstream`), the fold of the deposits and where its chunks go
 (`flodld.relay.deposits`, with the straggler clock's shell in `flodld.relay.stragglers`), what goes down
-the legs (`flodld.relay.delivery`), the ranks' shared-memory regions (`flodld.relay.regions`) and a
-walk-in's entry (`flodld.relay.entry`).
+the legs (`flodld.relay.delivery`), the ranks' shared-memory regions (`flodld.relay.regions`) and the
+entry of a walk-in's ranks, or of a healed slot's rank riding this relay (`flodld.relay.entry`).
 """
 
 from __future__ import annotations
