@@ -59,6 +59,7 @@ from chaoslib import (
     match_losses,
     missing_rank_seconds,
     p50_max,
+    read_last_rounds,
     read_logs,
     run_figures,
     spread,
@@ -247,7 +248,7 @@ class Bench:
         """
         found: dict[str, list[tuple[int, int]]] = {}
         lost = {loss["rank"] for loss in self.states.get(run_id, {}).get("losses") or []}
-        for log in read_logs(self.out / run_id):
+        for log in read_last_rounds(self.out / run_id):
             stale = not log.rounds or time.time() - float(log.rounds[-1]["t"]) > 10.0
             host = machine(log.host)
             if int(host[1:]) in self.down or (log.rank in lost and stale):

@@ -17,6 +17,7 @@ from chaoslib import (
     match_joins,
     match_losses,
     missing_rank_seconds,
+    read_last_rounds,
     read_logs,
     run_figures,
     start_up_windows,
@@ -80,6 +81,19 @@ def test_logs_are_read_per_rank_and_a_torn_last_line_is_skipped(tmp_path: Path) 
     (tmp_path / "r3-77.jsonl").write_text(f'{json.dumps(header)}\n{json.dumps(line)}\n{{"round": 1, "t')
     (log,) = read_logs(tmp_path)
     assert (log.rank, log.host, log.pid, log.rounds) == (3, "h1", 77, [line])
+
+
+def test_a_faults_placement_reads_each_ranks_last_round_only(tmp_path: Path) -> None:
+    header = {"header": True, "rank": 5, "host": "h2+1", "pid": 78}
+    lines = [{"round": n, "t": float(n), "samples": 64, "members": [5], "sha": "ab"} for n in range(400)]
+    body = "".join(json.dumps(line) + "\n" for line in lines)
+    (tmp_path / "r5-78.jsonl").write_text(f'{json.dumps(header)}\n{body}{{"round": 400, "t')
+    (tmp_path / "r6-79.jsonl").write_text(json.dumps({**header, "rank": 6, "pid": 79}) + "\n")
+    logs = read_last_rounds(tmp_path)
+    assert [(log.rank, log.host, log.pid, log.rounds) for log in logs] == [
+        (5, "h2+1", 78, [lines[-1]]),  # the last whole line of a long log (the torn one skipped)
+        (6, "h2+1", 79, []),  # no round yet
+    ]
 
 
 def test_the_loss_is_split_between_detection_stalls_host_start_ups_and_the_rest() -> None:
