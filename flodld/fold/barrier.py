@@ -144,6 +144,7 @@ class RoundBarrier(Generic[Member]):
         self.skips = 0  # deposits skipped (member-rounds)
         self._weights_may_drop = weights_may_drop
         self.round = first_round
+        self._last_layout: Layout | None = None  # the layout of the last round that started
         self._reset()
 
     def _reset(self) -> None:
@@ -246,7 +247,7 @@ class RoundBarrier(Generic[Member]):
         data = memoryview(data).cast("B")
         if self._fold is None or self._layout is None:
             fold: Fold = fold_from_spec(fold_spec)
-            layout = Layout(specs)
+            layout = self._layout_of(specs)
         else:
             fold, layout = self._fold, self._layout
             if fold_spec != fold.spec:
@@ -271,7 +272,7 @@ class RoundBarrier(Generic[Member]):
             )
         chunk = self._chunks.get(offset)
         if chunk is None:
-            chunk = OrderedChunk(length=data.nbytes, pieces=tuple(layout.pieces(offset, data.nbytes)))
+            chunk = OrderedChunk(length=data.nbytes, pieces=layout.chunk_pieces(offset, data.nbytes))
         elif chunk.length != data.nbytes:
             raise FoldError(
                 f"{member!r} sent {data.nbytes} bytes at offset {offset} but its peers sent {chunk.length}: "
@@ -383,9 +384,15 @@ class RoundBarrier(Generic[Member]):
         """
         self.accumulators.prepare(nbytes)
 
+    def _layout_of(self, specs: Sequence[TensorSpec]) -> Layout:
+        """The layout of a round's schema: the last round's (and its chunks' pieces) when it is the same."""
+        last = self._last_layout
+        return last if last is not None and tuple(specs) == last.specs else Layout(specs)
+
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
         self.accumulators.keep(self.round, fold, layout, accumulator)
         self._fold, self._layout, self._accumulator = fold, layout, accumulator
+        self._last_layout = layout
         self._order = _fixed_order(self._live)
 
     def _drain(self, chunk: OrderedChunk[Member]) -> None:

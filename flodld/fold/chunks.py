@@ -23,6 +23,9 @@ from flodld.wire.data import TensorSpec
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 CHUNK_BYTES_ENV = "FLODL_CHUNK_BYTES"
 MIN_CHUNK_BYTES = 64
+# How many chunks' pieces a layout keeps (`Layout.chunk_pieces`): a round barrier reuses its layout round
+# after round, and peers may split each round differently.
+PIECES_KEPT = 1024
 
 
 def chunk_bytes_from_env(environ: dict[str, str] | None = None) -> int:
@@ -70,6 +73,7 @@ class Layout:
             self.itemsizes.append(dtype.itemsize)
             offset += spec.nbytes()
         self.total = offset
+        self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}  # `chunk_pieces`, chunk by chunk
 
     def empty(self, device: str = "cpu") -> Bundle:
         """Uninitialised tensors of this schema (fresh memory; on "meta": shapes and dtypes only)."""
@@ -140,6 +144,16 @@ class Layout:
                 )
             span = Span(index=index, shape=self.shapes[index], start=(lo - start) // item)
             pieces.append(Piece(span=span, count=(hi - lo) // item, at=lo - offset, nbytes=hi - lo))
+        return pieces
+
+    def chunk_pieces(self, offset: int, length: int) -> tuple[Piece, ...]:
+        """`pieces`, kept for the next rounds that split alike (at most `PIECES_KEPT` chunks' worth)."""
+        pieces = self._pieces.get((offset, length))
+        if pieces is None:
+            pieces = tuple(self.pieces(offset, length))
+            if len(self._pieces) >= PIECES_KEPT:
+                self._pieces.clear()
+            self._pieces[(offset, length)] = pieces
         return pieces
 
     def incoming(self, data: memoryview, pieces: Sequence[Piece]) -> list[torch.Tensor]:

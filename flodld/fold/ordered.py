@@ -35,6 +35,7 @@ class OrderedChunk(Generic[Member]):
     weight: float = 0.0
     folded: set[Member] = field(default_factory=set)
     complete: bool = False
+    targets: list[torch.Tensor] | None = None  # the accumulator's slices of `pieces`, once looked up
 
     def drain(
         self, fold: Fold, accumulator: Bundle, order: Sequence[Member], coming: Callable[[Member], bool]
@@ -52,8 +53,9 @@ class OrderedChunk(Generic[Member]):
                 continue
             incoming, weight, release = parked
             start = getattr(fold, "start_slice", None) if not self.folded else None
-            for piece, tensor in zip(self.pieces, incoming, strict=True):
-                target = held(accumulator, piece)
+            if self.targets is None:
+                self.targets = [held(accumulator, piece) for piece in self.pieces]
+            for piece, tensor, target in zip(self.pieces, incoming, self.targets, strict=True):
                 if start is not None:
                     start(target, tensor, piece.span)
                     continue

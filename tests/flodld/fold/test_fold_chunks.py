@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from flodld.fold import chunks
 from flodld.fold.barrier import ChunkResult, RoundBarrier, RoundError
 from flodld.fold.base import Bundle, FoldError, fold_from_spec
 from flodld.fold.chunks import Assembly, Layout, split_parts
@@ -286,6 +287,20 @@ def test_layout_ranges_end_on_element_boundaries_and_cover_every_byte() -> None:
         assert sum(length for _, length in ranges) == layout.total
         assert all(layout.pieces(offset, length) for offset, length in ranges)
         assert all(0 < length <= chunk_bytes for _, length in ranges)
+
+
+def test_a_layout_keeps_its_chunks_pieces_up_to_a_bound_and_refuses_a_bad_chunk_every_time() -> None:
+    specs, _ = encode_bundle_parts(float_bundle(0))
+    layout = Layout(specs)
+    offset, length = layout.ranges(13)[1]
+    kept = layout.chunk_pieces(offset, length)
+    assert kept == tuple(layout.pieces(offset, length)) and layout.chunk_pieces(offset, length) is kept
+    for _ in range(2):
+        with pytest.raises(CodecError):
+            layout.chunk_pieces(1, 4)  # splits an element: never kept, refused again
+    for start in range(0, 1031 * 4, 4):  # the float32 tensor first in the bundle, element by element
+        layout.chunk_pieces(start, 4)
+    assert len(layout._pieces) <= chunks.PIECES_KEPT
 
 
 @pytest.mark.parametrize(
