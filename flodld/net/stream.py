@@ -175,6 +175,14 @@ class FramedStream:
         else:
             self._put(data)
 
+    def takes_at_once(self, nbytes: int) -> bool:
+        """Whether `send_frame` of a frame of `nbytes` wire bytes returns without waiting: nothing is being
+        sent or queued on this stream, and the frame stays within the transport's high-water mark.
+        """
+        transport = self.writer.transport
+        free = not self._send_lock.locked() and not self._mid_frame and not transport.get_write_buffer_size()
+        return free and nbytes <= transport.get_write_buffer_limits()[1]
+
     async def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
         async with self._send_lock:
             await self._write(self.conn.send_frame(kind, payload, tail, buffer=self._reusable()))
@@ -471,14 +479,11 @@ async def connect_with_retry(
             last = error
         if attempt == 0 and total > 1 and on_first_failure is not None and last is not None:
             on_first_failure(last, (total - 1) * backoff)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     raise ConnectError(
-        f"{what}: connect to {_join_host_port(host, port)} ({channel} channel) failed after {total} attempts "
+        f"{what}: connect to {where} ({channel} channel) failed after {total} attempts "
         f"(~{total * backoff:.1f}s): {last!r}"
     )
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def read_channel_prefix(
