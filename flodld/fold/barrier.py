@@ -254,7 +254,7 @@ class RoundBarrier(Generic[Member]):
                 raise FoldError(
                     f"{member!r} folds with {fold_spec!r} but round {self.round} folds with {fold.spec!r}"
                 )
-            if tuple(specs) != layout.specs:
+            if not layout.holds(specs):
                 raise FoldError(
                     f"{member!r} deposits a schema that differs from round {self.round}'s: "
                     + _diff(specs, layout.specs)
@@ -387,7 +387,7 @@ class RoundBarrier(Generic[Member]):
     def _layout_of(self, specs: Sequence[TensorSpec]) -> Layout:
         """The layout of a round's schema: the last round's (and its chunks' pieces) when it is the same."""
         last = self._last_layout
-        return last if last is not None and tuple(specs) == last.specs else Layout(specs)
+        return last if last is not None and last.holds(specs) else Layout(specs)
 
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
         self.accumulators.keep(self.round, fold, layout, accumulator)

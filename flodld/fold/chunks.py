@@ -73,7 +73,14 @@ class Layout:
             self.itemsizes.append(dtype.itemsize)
             offset += spec.nbytes()
         self.total = offset
+        self._fields = [(spec.dtype, spec.shape) for spec in self.specs]  # what `holds` compares
         self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}  # `chunk_pieces`, chunk by chunk
+
+    def holds(self, specs: Sequence[TensorSpec]) -> bool:
+        """Whether `specs` is this layout's schema (`tuple(specs) == self.specs`, compared field by field:
+        a TensorSpec is its dtype and shape, and this spares a model comparison per tensor per chunk).
+        """
+        return [(spec.dtype, spec.shape) for spec in specs] == self._fields
 
     def empty(self, device: str = "cpu") -> Bundle:
         """Uninitialised tensors of this schema (fresh memory; on "meta": shapes and dtypes only)."""

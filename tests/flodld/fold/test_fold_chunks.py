@@ -289,6 +289,18 @@ def test_layout_ranges_end_on_element_boundaries_and_cover_every_byte() -> None:
         assert all(0 < length <= chunk_bytes for _, length in ranges)
 
 
+def test_a_layout_holds_exactly_the_schemas_equal_to_its_own() -> None:
+    specs, _ = encode_bundle_parts(float_bundle(0))
+    layout = Layout(specs)
+    assert set(TensorSpec.model_fields) == {"dtype", "shape"}, "Layout.holds compares these fields only"
+    same = [TensorSpec.model_validate(spec.model_dump()) for spec in specs]
+    assert layout.holds(same) and layout.holds(tuple(same))
+    other_dtype = [*specs[:-1], TensorSpec(dtype="float64", shape=list(specs[-1].shape))]
+    other_shape = [*specs[:-1], TensorSpec(dtype=specs[-1].dtype, shape=[*specs[-1].shape, 1])]
+    for other in (other_dtype, other_shape, specs[:-1], [*specs, specs[0]], []):
+        assert not layout.holds(other) and tuple(other) != layout.specs
+
+
 def test_a_layout_keeps_its_chunks_pieces_up_to_a_bound_and_refuses_a_bad_chunk_every_time() -> None:
     specs, _ = encode_bundle_parts(float_bundle(0))
     layout = Layout(specs)
