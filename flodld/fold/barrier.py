@@ -37,9 +37,11 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import torch
+
 from flodld.fold.accumulators import Accumulators
 from flodld.fold.base import Bundle, Fold, FoldError, fold_from_spec
-from flodld.fold.chunks import Layout, Piece, byte_views, held
+from flodld.fold.chunks import FlatBundle, Layout, Piece, Run, byte_views, held, run_view
 from flodld.fold.codec import encode_bundle
 from flodld.fold.late import SkippedRounds
 from flodld.fold.ordered import OrderedChunk
@@ -100,16 +102,24 @@ class ChunkResult(Generic[Member]):
     weight: float
     contributors: frozenset[Member]
     last: bool
+    runs: tuple[Run, ...] | None = None  # when its elementwise fold folded runs of `flat`, the tensors' bytes
+    flat: torch.Tensor | None = None
 
     @property
     def fold_spec(self) -> str:
         return self.fold.spec
 
     def byte_views(self) -> list[memoryview]:
+        if self.runs is not None and self.flat is not None:
+            return [memoryview(self.flat[run.start : run.start + run.nbytes].numpy()) for run in self.runs]
         return byte_views(self.tensors, self.pieces)
 
     def finish(self) -> None:
         """Apply the fold's `finish_slice` to this chunk in place (the top-level hop does, once)."""
+        if self.runs is not None and self.flat is not None:
+            for run in self.runs:
+                self.fold.finish_slice(run_view(self.flat, run), self.weight, run.span)
+            return
         for piece in self.pieces:
             self.fold.finish_slice(held(self.tensors, piece), self.weight, piece.span)
 
@@ -283,8 +293,13 @@ class RoundBarrier(Generic[Member]):
         accumulator = (
             self.accumulators.for_round(self.round, fold, layout) if self._fold is None else self._accumulator
         )
-        incoming = layout.incoming(data, chunk.pieces)
-        for piece, tensor in zip(chunk.pieces, incoming, strict=True):
+        # An elementwise fold into an accumulator laid out in one buffer folds runs of one dtype, not pieces.
+        elementwise = getattr(fold, "elementwise", False) is True  # its slices ignore spans: `_FloatSum`
+        flat = accumulator.flat if elementwise and isinstance(accumulator, FlatBundle) else None
+        runs = layout.chunk_runs(offset, data.nbytes) if flat is not None else None
+        slices = runs if runs is not None else chunk.pieces
+        incoming = layout.incoming(data, slices)
+        for piece, tensor in zip(slices, incoming, strict=True):
             fold.check_slice(tensor, piece.span)
         # Accepted: from here on the chunk is the round's.
         self._skipped_rounds.deposits(member, round_number)
@@ -292,6 +307,7 @@ class RoundBarrier(Generic[Member]):
             self._start(fold, layout, accumulator)
         assert self._layout is not None
         self._chunks[offset] = chunk
+        chunk.runs, chunk.flat = runs, flat  # alike for every member: the round's fold and accumulator
         self._weights[member] = weight
         self._next[member] = offset + data.nbytes
         if self._next[member] == self._layout.total:
@@ -423,6 +439,8 @@ class RoundBarrier(Generic[Member]):
                     length=chunk.length,
                     tensors=self._accumulator,
                     pieces=chunk.pieces,
+                    runs=chunk.runs,
+                    flat=chunk.flat,
                     weight=chunk.weight,
                     contributors=frozenset(chunk.folded),
                     last=last,

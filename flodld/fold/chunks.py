@@ -54,6 +54,26 @@ class Piece:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Run:
+    """Consecutive pieces of a chunk of one dtype, side by side in a bundle laid out in one buffer (a
+    `FlatBundle`): bytes [at, at + nbytes) of the chunk, [start, start + nbytes) of the bundle. `span` is
+    its first piece's (for an elementwise fold, which folds a run as one slice: `Layout.chunk_runs`).
+    """
+
+    dtype: torch.dtype
+    span: Span
+    at: int
+    start: int
+    nbytes: int
+
+
+class FlatBundle(tuple[torch.Tensor, ...]):
+    """A bundle whose tensors lie side by side in `flat` (1-D uint8) where their layout places them."""
+
+    flat: torch.Tensor
+
+
 class Layout:
     """The byte layout of a bundle schema (checked like `decode_bundle` checks it)."""
 
@@ -75,6 +95,7 @@ class Layout:
         self.total = offset
         self._fields = [(spec.dtype, spec.shape) for spec in self.specs]  # what `holds` compares
         self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}  # `chunk_pieces`, chunk by chunk
+        self._runs: dict[tuple[int, int], tuple[Run, ...]] = {}  # `chunk_runs`, likewise
 
     def holds(self, specs: Sequence[TensorSpec]) -> bool:
         """Whether `specs` is this layout's schema (`tuple(specs) == self.specs`, compared field by field:
@@ -98,10 +119,19 @@ class Layout:
         if any(start % itemsize for start, itemsize in zip(self.starts, self.itemsizes, strict=True)):
             return None
         parts = zip(self.starts, self.specs, self.dtypes, self.shapes, strict=True)
-        return tuple(
+        tensors = FlatBundle(
             buffer[start : start + spec.nbytes()].view(dtype).view(shape)
             for start, spec, dtype, shape in parts
         )
+        tensors.flat = buffer[: self.total]
+        return tensors
+
+    def empty_flat(self) -> Bundle:
+        """`empty()` side by side in one buffer (a `FlatBundle`), or `empty()` where a tensor would start
+        off its element boundary there.
+        """
+        tensors = self.within(torch.empty(self.total, dtype=torch.uint8))
+        return tensors if tensors is not None else self.empty()
 
     def ranges(self, chunk_bytes: int) -> list[tuple[int, int]]:
         """(offset, length) of each chunk at about `chunk_bytes` each, ends moved back to element boundaries.
@@ -163,13 +193,36 @@ class Layout:
             self._pieces[(offset, length)] = pieces
         return pieces
 
-    def incoming(self, data: memoryview, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+    def chunk_runs(self, offset: int, length: int) -> tuple[Run, ...]:
+        """`chunk_pieces` joined into runs of one dtype (kept alike): what an elementwise fold folds."""
+        runs = self._runs.get((offset, length))
+        if runs is None:
+            joined: list[Run] = []
+            for piece in self.chunk_pieces(offset, length):
+                dtype = self.dtypes[piece.span.index]
+                if joined and joined[-1].dtype == dtype:
+                    last = joined[-1]
+                    joined[-1] = Run(dtype, last.span, last.at, last.start, last.nbytes + piece.nbytes)
+                else:
+                    joined.append(Run(dtype, piece.span, piece.at, offset + piece.at, piece.nbytes))
+            runs = tuple(joined)
+            if len(self._runs) >= PIECES_KEPT:
+                self._runs.clear()
+            self._runs[(offset, length)] = runs
+        return runs
+
+    def incoming(self, data: memoryview, pieces: Sequence[Piece | Run]) -> list[torch.Tensor]:
         """1-D tensors over `data` (a chunk's bytes, writable: shared, not copied) for each piece."""
         out: list[torch.Tensor] = []
         for piece in pieces:
             raw = torch.frombuffer(data, dtype=torch.uint8, count=piece.nbytes, offset=piece.at)
             out.append(raw.view(self.dtypes[piece.span.index]))
         return out
+
+
+def run_view(flat: torch.Tensor, run: Run) -> torch.Tensor:
+    """The 1-D slice of a `FlatBundle`'s buffer `flat` that `run` covers, as its dtype."""
+    return flat[run.start : run.start + run.nbytes].view(run.dtype)
 
 
 def held(tensors: Bundle, piece: Piece) -> torch.Tensor:
