@@ -55,10 +55,11 @@ class Delivery:
         if message.offset == 0:
             self.rounds += 1
         framed, shared, notice = self.regions.split(dict(self.legs[Channel.DATA]), message, parts)
-        await asyncio.gather(
-            self._fan_out_to(Channel.DATA, framed, message, parts),
-            *([self._fan_out_to(Channel.DATA, shared, notice, b"")] if notice is not None else []),
-        )
+        sends = [self._fan_out_to(Channel.DATA, framed, message, parts)] if framed else []
+        if notice is not None:
+            sends.append(self._fan_out_to(Channel.DATA, shared, notice, b""))
+        # The framed and the shared-memory legs concurrently; either alone with no task to wrap it.
+        await (sends[0] if len(sends) == 1 else asyncio.gather(*sends))
 
     async def _fan_out_to(
         self, channel: Channel, legs: dict[int, FramedStream], message: Message, tail: Tail
