@@ -41,7 +41,7 @@ import torch
 
 from flodld.fold.accumulators import Accumulators
 from flodld.fold.base import Bundle, Fold, FoldError, fold_from_spec
-from flodld.fold.chunks import FlatBundle, Layout, Piece, Run, byte_views, held, run_view
+from flodld.fold.chunks import FlatBundle, Layout, Piece, Run, byte_views, held, run_bytes, run_view
 from flodld.fold.codec import encode_bundle
 from flodld.fold.late import SkippedRounds
 from flodld.fold.ordered import OrderedChunk
@@ -111,7 +111,7 @@ class ChunkResult(Generic[Member]):
 
     def byte_views(self) -> list[memoryview]:
         if self.runs is not None and self.flat is not None:
-            return [memoryview(self.flat[run.start : run.start + run.nbytes].numpy()) for run in self.runs]
+            return run_bytes(self.flat, self.runs)
         return byte_views(self.tensors, self.pieces)
 
     def finish(self) -> None:
@@ -297,7 +297,7 @@ class RoundBarrier(Generic[Member]):
         elementwise = getattr(fold, "elementwise", False) is True  # its slices ignore spans: `_FloatSum`
         flat = accumulator.flat if elementwise and isinstance(accumulator, FlatBundle) else None
         runs = layout.chunk_runs(offset, data.nbytes) if flat is not None else None
-        slices = runs if runs is not None else chunk.pieces
+        slices: tuple[Piece | Run, ...] = runs if runs is not None else chunk.pieces
         incoming = layout.incoming(data, slices)
         for piece, tensor in zip(slices, incoming, strict=True):
             fold.check_slice(tensor, piece.span)

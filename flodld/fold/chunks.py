@@ -225,6 +225,11 @@ def run_view(flat: torch.Tensor, run: Run) -> torch.Tensor:
     return flat[run.start : run.start + run.nbytes].view(run.dtype)
 
 
+def run_bytes(flat: torch.Tensor, runs: Sequence[Run]) -> list[memoryview]:
+    """Byte views (no copy) of the runs of `flat` (a `FlatBundle`'s buffer): a frame's scatter tail."""
+    return [memoryview(flat[run.start : run.start + run.nbytes].numpy()) for run in runs]  # type: ignore[arg-type]
+
+
 def held(tensors: Bundle, piece: Piece) -> torch.Tensor:
     """The 1-D slice of `tensors` (contiguous, this layout's schema) that `piece` covers."""
     return tensors[piece.span.index].view(-1)[piece.span.start : piece.span.start + piece.count]

@@ -180,10 +180,12 @@ async def test_a_stream_takes_a_frame_at_once_only_with_nothing_in_flight_within
         assert not sender.takes_at_once(high + 1)
         async with sender._send_lock:  # a send in flight
             assert not sender.takes_at_once(1024)
-        receiver.writer.transport.pause_reading()  # the receiver reads nothing: the sender's bytes pile up
+        receiving = receiver.writer.transport
+        assert isinstance(receiving, asyncio.Transport)
+        receiving.pause_reading()  # the receiver reads nothing: the sender's bytes pile up
         sending = asyncio.create_task(sender.send(Abort(reason="big"), b"z" * (32 * 1024 * 1024)))
         await asyncio.sleep(0.1)
         assert transport.get_write_buffer_size() and not sender.takes_at_once(1024)
-        receiver.writer.transport.resume_reading()
+        receiving.resume_reading()
         assert (await receiver.recv(5)).message() == Abort(reason="big")
         await sending
