@@ -23,6 +23,7 @@ Register with the mux: `mux.register(Channel.DATA, plane.handle_data)` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -50,7 +51,7 @@ from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
 from flodld.wire.handlers import HandlerTable
 from flodld.wire.magic import Channel
-from flodld.wire.messages import Message
+from flodld.wire.messages import Message, encode_message
 
 if TYPE_CHECKING:
     from flodld.fold.barrier import ChunkResult, RoundBarrier
@@ -338,12 +339,8 @@ class DataPlane:
         late = self.stragglers.late(barrier, round_number, self.clock())
         if barrier is None or late is None:
             return
-        log.warning(
-            "event=round_skipped_hosts round=%d hosts=%s timeout=%g",
-            round_number,
-            late,
-            self.stragglers.timeout,
-        )
+        log.warning("event=round_skipped_hosts round=%d hosts=%s timeout=%g", round_number, late,
+                    self.stragglers.timeout)  # fmt: skip
         sending = self._outbox.send(barrier.skip(late), self._broadcast)
         task = asyncio.get_running_loop().create_task(sending)
         self._straggler_tasks.add(task)
@@ -387,9 +384,8 @@ class DataPlane:
             offset=result.offset,
         )
         # Fixed before any await: a walk-in entering meanwhile gets this round as its state, not a chunk.
-        recipients = [
-            (host, stream) for host, stream in self.relays[Channel.DATA].items() if host in self.live_hosts()
-        ]
+        live = self.live_hosts()
+        recipients = [stream for host, stream in self.relays[Channel.DATA].items() if host in live]
         entered: list[FramedStream] = []
         if result.last:
             self.rounds += 1
@@ -402,10 +398,11 @@ class DataPlane:
             if self.stragglers.timeout is not None:
                 for rank in skipped:
                     self.metrics.skipped(rank)
-        tail = result.byte_views()
+        tail, (kind, payload) = result.byte_views(), encode_message(message)  # sealed per relay, encoded once
         nbytes = sum(view.nbytes for view in tail)
-        for _, stream in recipients:
-            await self._send_quietly(stream, message, tail)
+        for stream in recipients:
+            with contextlib.suppress(OSError, WireError, TimeoutError):  # as `_send_quietly`
+                await stream.send_frame(kind, payload, tail)
             self.metrics.sent(nbytes)
         await self.walk_ins.drain(entered)
 

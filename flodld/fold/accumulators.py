@@ -47,7 +47,7 @@ class Accumulators:
         except Exception:  # a fold that needs real memory to judge: its own identity
             return fold.identity(layout.empty())
         tensors = self.spare.take(layout)
-        return tensors if tensors is not None else layout.empty()
+        return tensors if tensors is not None else layout.empty_flat()
 
     def keep(self, round_number: int, fold: Fold, layout: Layout, tensors: Bundle) -> None:
         """`tensors` is the accumulator of `round_number` (its first chunk was accepted)."""

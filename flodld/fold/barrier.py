@@ -37,9 +37,11 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import torch
+
 from flodld.fold.accumulators import Accumulators
 from flodld.fold.base import Bundle, Fold, FoldError, fold_from_spec
-from flodld.fold.chunks import Layout, Piece, byte_views, held
+from flodld.fold.chunks import FlatBundle, Layout, Piece, Run, byte_views, held, run_bytes, run_view
 from flodld.fold.codec import encode_bundle
 from flodld.fold.late import SkippedRounds
 from flodld.fold.ordered import OrderedChunk
@@ -100,16 +102,24 @@ class ChunkResult(Generic[Member]):
     weight: float
     contributors: frozenset[Member]
     last: bool
+    runs: tuple[Run, ...] | None = None  # when its elementwise fold folded runs of `flat`, the tensors' bytes
+    flat: torch.Tensor | None = None
 
     @property
     def fold_spec(self) -> str:
         return self.fold.spec
 
     def byte_views(self) -> list[memoryview]:
+        if self.runs is not None and self.flat is not None:
+            return run_bytes(self.flat, self.runs)
         return byte_views(self.tensors, self.pieces)
 
     def finish(self) -> None:
         """Apply the fold's `finish_slice` to this chunk in place (the top-level hop does, once)."""
+        if self.runs is not None and self.flat is not None:
+            for run in self.runs:
+                self.fold.finish_slice(run_view(self.flat, run), self.weight, run.span)
+            return
         for piece in self.pieces:
             self.fold.finish_slice(held(self.tensors, piece), self.weight, piece.span)
 
@@ -144,6 +154,7 @@ class RoundBarrier(Generic[Member]):
         self.skips = 0  # deposits skipped (member-rounds)
         self._weights_may_drop = weights_may_drop
         self.round = first_round
+        self._last_layout: Layout | None = None  # the layout of the last round that started
         self._reset()
 
     def _reset(self) -> None:
@@ -246,14 +257,14 @@ class RoundBarrier(Generic[Member]):
         data = memoryview(data).cast("B")
         if self._fold is None or self._layout is None:
             fold: Fold = fold_from_spec(fold_spec)
-            layout = Layout(specs)
+            layout = self._layout_of(specs)
         else:
             fold, layout = self._fold, self._layout
             if fold_spec != fold.spec:
                 raise FoldError(
                     f"{member!r} folds with {fold_spec!r} but round {self.round} folds with {fold.spec!r}"
                 )
-            if tuple(specs) != layout.specs:
+            if not layout.holds(specs):
                 raise FoldError(
                     f"{member!r} deposits a schema that differs from round {self.round}'s: "
                     + _diff(specs, layout.specs)
@@ -271,7 +282,7 @@ class RoundBarrier(Generic[Member]):
             )
         chunk = self._chunks.get(offset)
         if chunk is None:
-            chunk = OrderedChunk(length=data.nbytes, pieces=tuple(layout.pieces(offset, data.nbytes)))
+            chunk = OrderedChunk(length=data.nbytes, pieces=layout.chunk_pieces(offset, data.nbytes))
         elif chunk.length != data.nbytes:
             raise FoldError(
                 f"{member!r} sent {data.nbytes} bytes at offset {offset} but its peers sent {chunk.length}: "
@@ -282,8 +293,13 @@ class RoundBarrier(Generic[Member]):
         accumulator = (
             self.accumulators.for_round(self.round, fold, layout) if self._fold is None else self._accumulator
         )
-        incoming = layout.incoming(data, chunk.pieces)
-        for piece, tensor in zip(chunk.pieces, incoming, strict=True):
+        # An elementwise fold into an accumulator laid out in one buffer folds runs of one dtype, not pieces.
+        elementwise = getattr(fold, "elementwise", False) is True  # its slices ignore spans: `_FloatSum`
+        flat = accumulator.flat if elementwise and isinstance(accumulator, FlatBundle) else None
+        runs = layout.chunk_runs(offset, data.nbytes) if flat is not None else None
+        slices: tuple[Piece | Run, ...] = runs if runs is not None else chunk.pieces
+        incoming = layout.incoming(data, slices)
+        for piece, tensor in zip(slices, incoming, strict=True):
             fold.check_slice(tensor, piece.span)
         # Accepted: from here on the chunk is the round's.
         self._skipped_rounds.deposits(member, round_number)
@@ -291,6 +307,7 @@ class RoundBarrier(Generic[Member]):
             self._start(fold, layout, accumulator)
         assert self._layout is not None
         self._chunks[offset] = chunk
+        chunk.runs, chunk.flat = runs, flat  # alike for every member: the round's fold and accumulator
         self._weights[member] = weight
         self._next[member] = offset + data.nbytes
         if self._next[member] == self._layout.total:
@@ -383,9 +400,15 @@ class RoundBarrier(Generic[Member]):
         """
         self.accumulators.prepare(nbytes)
 
+    def _layout_of(self, specs: Sequence[TensorSpec]) -> Layout:
+        """The layout of a round's schema: the last round's (and its chunks' pieces) when it is the same."""
+        last = self._last_layout
+        return last if last is not None and last.holds(specs) else Layout(specs)
+
     def _start(self, fold: Fold, layout: Layout, accumulator: Bundle) -> None:
         self.accumulators.keep(self.round, fold, layout, accumulator)
         self._fold, self._layout, self._accumulator = fold, layout, accumulator
+        self._last_layout = layout
         self._order = _fixed_order(self._live)
 
     def _drain(self, chunk: OrderedChunk[Member]) -> None:
@@ -416,6 +439,8 @@ class RoundBarrier(Generic[Member]):
                     length=chunk.length,
                     tensors=self._accumulator,
                     pieces=chunk.pieces,
+                    runs=chunk.runs,
+                    flat=chunk.flat,
                     weight=chunk.weight,
                     contributors=frozenset(chunk.folded),
                     last=last,

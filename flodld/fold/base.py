@@ -59,6 +59,8 @@ class Fold(Protocol):
     Every fold is a sum (associative, commutative, neutral element zero): `identity` returns zeros.
     The relay and the controller fold chunk by chunk through the slice methods, on flat 1-D slices
     (`Span` says which elements of which tensor); the bundle methods are the same fold on whole bundles.
+    A fold with `elementwise = True` promises its slice methods ignore the span: it may be handed a
+    slice that runs across tensors of one dtype (with the span of its first part).
     """
 
     @property
@@ -120,6 +122,10 @@ def check_same_schema(accumulator: Bundle, value: Bundle) -> None:
 
 class _FloatSum:
     """Element-wise sum of floating tensors (shared by the mean and sum folds)."""
+
+    # Its slice methods act element by element and ignore the span: a round barrier folds a chunk's
+    # consecutive slices of one dtype as one (flodld.fold.chunks.Run) where its accumulator allows.
+    elementwise = True
 
     def identity(self, like: Bundle) -> Bundle:
         for index, tensor in enumerate(like):

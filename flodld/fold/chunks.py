@@ -23,6 +23,9 @@ from flodld.wire.data import TensorSpec
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 CHUNK_BYTES_ENV = "FLODL_CHUNK_BYTES"
 MIN_CHUNK_BYTES = 64
+# How many chunks' pieces a layout keeps (`Layout.chunk_pieces`): a round barrier reuses its layout round
+# after round, and peers may split each round differently.
+PIECES_KEPT = 1024
 
 
 def chunk_bytes_from_env(environ: dict[str, str] | None = None) -> int:
@@ -51,6 +54,26 @@ class Piece:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Run:
+    """Consecutive pieces of a chunk of one dtype, side by side in a bundle laid out in one buffer (a
+    `FlatBundle`): bytes [at, at + nbytes) of the chunk, [start, start + nbytes) of the bundle. `span` is
+    its first piece's (for an elementwise fold, which folds a run as one slice: `Layout.chunk_runs`).
+    """
+
+    dtype: torch.dtype
+    span: Span
+    at: int
+    start: int
+    nbytes: int
+
+
+class FlatBundle(tuple[torch.Tensor, ...]):
+    """A bundle whose tensors lie side by side in `flat` (1-D uint8) where their layout places them."""
+
+    flat: torch.Tensor
+
+
 class Layout:
     """The byte layout of a bundle schema (checked like `decode_bundle` checks it)."""
 
@@ -70,6 +93,15 @@ class Layout:
             self.itemsizes.append(dtype.itemsize)
             offset += spec.nbytes()
         self.total = offset
+        self._fields = [(spec.dtype, spec.shape) for spec in self.specs]  # what `holds` compares
+        self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}  # `chunk_pieces`, chunk by chunk
+        self._runs: dict[tuple[int, int], tuple[Run, ...]] = {}  # `chunk_runs`, likewise
+
+    def holds(self, specs: Sequence[TensorSpec]) -> bool:
+        """Whether `specs` is this layout's schema (`tuple(specs) == self.specs`, compared field by field:
+        a TensorSpec is its dtype and shape, and this spares a model comparison per tensor per chunk).
+        """
+        return [(spec.dtype, spec.shape) for spec in specs] == self._fields
 
     def empty(self, device: str = "cpu") -> Bundle:
         """Uninitialised tensors of this schema (fresh memory; on "meta": shapes and dtypes only)."""
@@ -87,10 +119,19 @@ class Layout:
         if any(start % itemsize for start, itemsize in zip(self.starts, self.itemsizes, strict=True)):
             return None
         parts = zip(self.starts, self.specs, self.dtypes, self.shapes, strict=True)
-        return tuple(
+        tensors = FlatBundle(
             buffer[start : start + spec.nbytes()].view(dtype).view(shape)
             for start, spec, dtype, shape in parts
         )
+        tensors.flat = buffer[: self.total]
+        return tensors
+
+    def empty_flat(self) -> Bundle:
+        """`empty()` side by side in one buffer (a `FlatBundle`), or `empty()` where a tensor would start
+        off its element boundary there.
+        """
+        tensors = self.within(torch.empty(self.total, dtype=torch.uint8))
+        return tensors if tensors is not None else self.empty()
 
     def ranges(self, chunk_bytes: int) -> list[tuple[int, int]]:
         """(offset, length) of each chunk at about `chunk_bytes` each, ends moved back to element boundaries.
@@ -142,13 +183,51 @@ class Layout:
             pieces.append(Piece(span=span, count=(hi - lo) // item, at=lo - offset, nbytes=hi - lo))
         return pieces
 
-    def incoming(self, data: memoryview, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+    def chunk_pieces(self, offset: int, length: int) -> tuple[Piece, ...]:
+        """`pieces`, kept for the next rounds that split alike (at most `PIECES_KEPT` chunks' worth)."""
+        pieces = self._pieces.get((offset, length))
+        if pieces is None:
+            pieces = tuple(self.pieces(offset, length))
+            if len(self._pieces) >= PIECES_KEPT:
+                self._pieces.clear()
+            self._pieces[(offset, length)] = pieces
+        return pieces
+
+    def chunk_runs(self, offset: int, length: int) -> tuple[Run, ...]:
+        """`chunk_pieces` joined into runs of one dtype (kept alike): what an elementwise fold folds."""
+        runs = self._runs.get((offset, length))
+        if runs is None:
+            joined: list[Run] = []
+            for piece in self.chunk_pieces(offset, length):
+                dtype = self.dtypes[piece.span.index]
+                if joined and joined[-1].dtype == dtype:
+                    last = joined[-1]
+                    joined[-1] = Run(dtype, last.span, last.at, last.start, last.nbytes + piece.nbytes)
+                else:
+                    joined.append(Run(dtype, piece.span, piece.at, offset + piece.at, piece.nbytes))
+            runs = tuple(joined)
+            if len(self._runs) >= PIECES_KEPT:
+                self._runs.clear()
+            self._runs[(offset, length)] = runs
+        return runs
+
+    def incoming(self, data: memoryview, pieces: Sequence[Piece | Run]) -> list[torch.Tensor]:
         """1-D tensors over `data` (a chunk's bytes, writable: shared, not copied) for each piece."""
         out: list[torch.Tensor] = []
         for piece in pieces:
             raw = torch.frombuffer(data, dtype=torch.uint8, count=piece.nbytes, offset=piece.at)
             out.append(raw.view(self.dtypes[piece.span.index]))
         return out
+
+
+def run_view(flat: torch.Tensor, run: Run) -> torch.Tensor:
+    """The 1-D slice of a `FlatBundle`'s buffer `flat` that `run` covers, as its dtype."""
+    return flat[run.start : run.start + run.nbytes].view(run.dtype)
+
+
+def run_bytes(flat: torch.Tensor, runs: Sequence[Run]) -> list[memoryview]:
+    """Byte views (no copy) of the runs of `flat` (a `FlatBundle`'s buffer): a frame's scatter tail."""
+    return [memoryview(flat[run.start : run.start + run.nbytes].numpy()) for run in runs]  # type: ignore[arg-type]
 
 
 def held(tensors: Bundle, piece: Piece) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 import torch
 
 from flodld.fold.base import Bundle, Fold
-from flodld.fold.chunks import Piece, held
+from flodld.fold.chunks import Piece, Run, held, run_view
 
 Member = TypeVar("Member", bound=Hashable)
 Release = Callable[[], None]
@@ -35,6 +35,10 @@ class OrderedChunk(Generic[Member]):
     weight: float = 0.0
     folded: set[Member] = field(default_factory=set)
     complete: bool = False
+    # Runs of `flat` (a FlatBundle's bytes) instead of pieces, for an elementwise fold (set by the barrier).
+    runs: tuple[Run, ...] | None = None
+    flat: torch.Tensor | None = None
+    targets: list[torch.Tensor] | None = None  # the accumulator's slices of each piece or run, once looked up
 
     def drain(
         self, fold: Fold, accumulator: Bundle, order: Sequence[Member], coming: Callable[[Member], bool]
@@ -52,8 +56,14 @@ class OrderedChunk(Generic[Member]):
                 continue
             incoming, weight, release = parked
             start = getattr(fold, "start_slice", None) if not self.folded else None
-            for piece, tensor in zip(self.pieces, incoming, strict=True):
-                target = held(accumulator, piece)
+            slices: Sequence[Piece | Run] = self.pieces
+            if self.runs is not None and self.flat is not None:
+                slices = self.runs
+                if self.targets is None:
+                    self.targets = [run_view(self.flat, run) for run in self.runs]
+            elif self.targets is None:
+                self.targets = [held(accumulator, piece) for piece in self.pieces]
+            for piece, tensor, target in zip(slices, incoming, self.targets, strict=True):
                 if start is not None:
                     start(target, tensor, piece.span)
                     continue

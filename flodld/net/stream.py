@@ -50,10 +50,11 @@ class _DirectReceiver(asyncio.BufferedProtocol):
 
     Installed by `FramedStream.read_directly`: the kernel copies a frame's body into the buffer the frame
     is decrypted in, instead of into a bytes object, the StreamReader's buffer, a slice of it and then the
-    connection's buffer. Reading stays driven by `recv`: a request reads a header, or a frame's body to its
-    end (as many reads as the bytes come in, the reader woken once, when the body is complete), never past
-    the frame the connection is reading (`bytes_wanted`), the transport paused in between (back-pressure as
-    before).
+    connection's buffer. Reading stays driven by `recv`: a request reads one frame, its header and then
+    its body (the header parsed as soon as it is in: `FrameConnection.start_body`), as many reads as the
+    bytes come in, the reader woken once, when the frame is complete, never past it (`bytes_wanted`), the
+    transport paused in between (back-pressure as before). One pause, resume and wake-up per frame, not
+    one for its header and another for its body.
     Writing is untouched: flow control and the close waiter stay with the transport's previous protocol.
     """
 
@@ -81,13 +82,13 @@ class _DirectReceiver(asyncio.BufferedProtocol):
         try:
             if self._direct:
                 self._conn.receive_filled(nbytes)
-                if self._conn.bytes_wanted and not self._conn.at_boundary:
-                    # Still inside the body of the frame being read: keep reading into it, with no pause
-                    # and no wake-up of the reader per read (the next `get_buffer` is the body's rest, so
-                    # nothing past this frame is read). Reading pauses once the body is complete.
-                    return
             else:
                 self._conn.receive_data(bytes(self._scratch[:nbytes]))
+                self._conn.start_body()  # a header that came whole: its body is read straight in next
+            if self._conn.bytes_wanted:
+                # The frame being read is not complete: keep reading into it, with no wake-up of the reader
+                # per read (the next `get_buffer` is the rest of its header or body, nothing past it).
+                return
         except BaseException as error:  # a WireError: recv raises it from next_event
             self.error = error
         self._transport.pause_reading()
@@ -173,6 +174,14 @@ class FramedStream:
             self._deferred.append(data)  # goes out right after the large frame being written
         else:
             self._put(data)
+
+    def takes_at_once(self, nbytes: int) -> bool:
+        """Whether `send_frame` of a frame of `nbytes` wire bytes returns without waiting: nothing is being
+        sent or queued on this stream, and the frame stays within the transport's high-water mark.
+        """
+        transport = self.writer.transport
+        free = not self._send_lock.locked() and not self._mid_frame and not transport.get_write_buffer_size()
+        return free and nbytes <= transport.get_write_buffer_limits()[1]
 
     async def send_frame(self, kind: int, payload: bytes, tail: Tail = b"") -> None:
         async with self._send_lock:
@@ -470,14 +479,11 @@ async def connect_with_retry(
             last = error
         if attempt == 0 and total > 1 and on_first_failure is not None and last is not None:
             on_first_failure(last, (total - 1) * backoff)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     raise ConnectError(
-        f"{what}: connect to {_join_host_port(host, port)} ({channel} channel) failed after {total} attempts "
+        f"{what}: connect to {where} ({channel} channel) failed after {total} attempts "
         f"(~{total * backoff:.1f}s): {last!r}"
     )
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def read_channel_prefix(

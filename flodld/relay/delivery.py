@@ -12,9 +12,9 @@ from flodld.net.stream import FramedStream
 from flodld.relay.regions import RankRegions
 from flodld.wire.data import Broadcast
 from flodld.wire.errors import WireError
-from flodld.wire.frames import Tail
+from flodld.wire.frames import HEADER_BYTES, TAG_BYTES, Tail
 from flodld.wire.magic import Channel
-from flodld.wire.messages import Message
+from flodld.wire.messages import Message, encode_message
 
 
 async def send_quietly(stream: FramedStream, message: Message) -> None:
@@ -63,19 +63,44 @@ class Delivery:
                 for rank in [rank for rank, first in self.first_round.items() if first <= message.round]:
                     del self.first_round[rank]
         framed, shared, notice = self.regions.split(legs, message, parts)
-        await asyncio.gather(
-            self._fan_out_to(Channel.DATA, framed, message, parts),
-            *([self._fan_out_to(Channel.DATA, shared, notice, b"")] if notice is not None else []),
-        )
+        sends = [self._fan_out_to(Channel.DATA, framed, message, parts)] if framed else []
+        if notice is not None:
+            sends.append(self._fan_out_to(Channel.DATA, shared, notice, b""))
+        # The framed and the shared-memory legs concurrently; either alone with no task to wrap it.
+        await (sends[0] if len(sends) == 1 else asyncio.gather(*sends))
 
     async def _fan_out_to(
         self, channel: Channel, legs: dict[int, FramedStream], message: Message, tail: Tail
     ) -> None:
+        kind, payload = encode_message(message)  # once, for every leg
+
         async def one(rank: int, leg: FramedStream) -> None:
             try:
-                await leg.send(message, tail)
+                await leg.send_frame(kind, payload, tail)
             except (OSError, WireError):
                 await self._lost(rank, channel)
 
-        # Concurrently: the next leg's frame is sealed while the previous one drains into its rank.
-        await asyncio.gather(*(one(rank, leg) for rank, leg in legs.items()))
+        # Concurrently: the next leg's frame is sealed while the previous one drains into its rank. A leg
+        # that takes the frame at once (nothing in flight there, the frame within its transport's high-water
+        # mark: the send never waits) is sent it in turn, first, with no task; a leg it fails on is folded
+        # out with the others.
+        nbytes = HEADER_BYTES + len(payload) + _nbytes(tail) + TAG_BYTES
+        waiting: list[Awaitable[None]] = []
+        for rank, leg in legs.items():
+            if not leg.takes_at_once(nbytes):
+                waiting.append(one(rank, leg))
+                continue
+            try:
+                await leg.send_frame(kind, payload, tail)
+            except (OSError, WireError):
+                waiting.append(self._lost(rank, channel))
+        if waiting:
+            await asyncio.gather(*waiting)
+
+
+def _nbytes(tail: Tail) -> int:
+    if isinstance(tail, bytes | bytearray):
+        return len(tail)
+    if isinstance(tail, memoryview):
+        return tail.nbytes
+    return sum(memoryview(part).nbytes for part in tail)

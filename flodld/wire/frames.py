@@ -106,7 +106,6 @@ def _large_buffer(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))
 
 
-
 class FrameConnection:
     """One side of one framed connection; see the module docstring for the rules it enforces."""
 
@@ -291,30 +290,37 @@ class FrameConnection:
         if self._header is None:
             if len(self._buffer) < HEADER_BYTES:
                 return self._short(CLOSED if not self._buffer else None)
-            self._header = self._parse_header()
-            del self._buffer[:HEADER_BYTES]
-            self._body_total = self._header.body_bytes
-            take = min(len(self._buffer), self._body_total)
-            if self._recv_seq > 0 and self._body_total >= LARGE_FRAME:
-                # An authenticated peer's large frame: one buffer of the body's size, committed page
-                # by page as the bytes arrive (no regrowth, no copies of what arrived), or the buffer
-                # of an earlier frame given back with `recycle`.
-                recycled = self._take_recycled(self._body_total)
-                if recycled is not None:
-                    self._body = memoryview(recycled)[: self._body_total]
-                else:
-                    self._body = _large_buffer(self._body_total)
-                self._body[:take] = self._buffer[:take]
-            else:
-                self._body = bytearray(self._buffer[:take])
-            del self._buffer[:take]
-            self._filled = take
-        assert self._body is not None
+            self._take_header()
+        assert self._header is not None and self._body is not None
         if self._filled < self._body_total:
             return self._short(None)
         header, body, sealed = self._header, self._body, self._sealed
         self._header, self._body, self._sealed, self._filled, self._body_total = None, None, None, 0, 0
         return self._verify(header, body, sealed)
+
+    def start_body(self) -> None:
+        """Parse a header that arrived whole (as `next_event` would), so its body goes to `receive_buffer`."""
+        self._ensure_alive()
+        if self._peer_nonce is not None and self._header is None and len(self._buffer) >= HEADER_BYTES:
+            self._take_header()
+
+    def _take_header(self) -> None:
+        self._header = self._parse_header()
+        del self._buffer[:HEADER_BYTES]
+        self._body_total = self._header.body_bytes
+        take = min(len(self._buffer), self._body_total)
+        if self._recv_seq > 0 and self._body_total >= LARGE_FRAME:
+            # An authenticated peer's large frame: one buffer of the body's size, committed page by page
+            # as the bytes arrive (no regrowth, no copies), or the buffer of an earlier frame `recycle`d
+            # that is large enough (then no longer kept there).
+            fits = [index for index, kept in enumerate(self._recycled) if len(kept) >= self._body_total]
+            big = memoryview(self._recycled.pop(fits[0])) if fits else _large_buffer(self._body_total)
+            self._body = big[: self._body_total]
+            self._body[:take] = self._buffer[:take]
+        else:
+            self._body = bytearray(self._buffer[:take])
+        del self._buffer[:take]
+        self._filled = take
 
     def _short(self, at_boundary: Closed | None) -> NeedData | Closed:
         if not self._eof:
@@ -384,13 +390,6 @@ class FrameConnection:
                 if len(self._recycled[smallest]) < len(buffer):
                     self._recycled[smallest] = buffer
         frame.body = None
-
-    def _take_recycled(self, size: int) -> mmap.mmap | None:
-        """A recycled buffer of at least `size` bytes, no longer kept here (None when none is)."""
-        for index, buffer in enumerate(self._recycled):
-            if len(buffer) >= size:
-                return self._recycled.pop(index)
-        return None
 
     # --- sending ---------------------------------------------------------------------------------
 

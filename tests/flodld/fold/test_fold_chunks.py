@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from flodld.fold import base, chunks
 from flodld.fold.barrier import ChunkResult, RoundBarrier, RoundError
 from flodld.fold.base import Bundle, FoldError, fold_from_spec
 from flodld.fold.chunks import Assembly, Layout, split_parts
@@ -128,6 +129,45 @@ def test_one_level_chunked_fold_equals_the_unchunked_fold_bit_for_bit(
         assert [r.round for r in results] == [round_number] * len(results)
         assert all(r.weight == sum(weights.values()) and r.contributors == set(deposits) for r in results)
         assert_bitwise_equal(assemble(results, finish=True), want)
+
+
+def aligned_bundle(rank: int) -> Bundle:
+    """Tensors that lie side by side in one buffer on their element boundaries: float32 runs across
+    tensors, then a float64 and a float16 one (a run ends where the dtype changes).
+    """
+    generator = torch.Generator().manual_seed(3000 + rank)
+    return (
+        torch.randn(1031, generator=generator),
+        torch.randn(7, 13, generator=generator) * 1e3,
+        torch.randn(3, generator=generator),
+        torch.randn(1, generator=generator),  # 1031 + 91 + 3 + 1 float32s: the float64 starts at byte 4504
+        torch.randn(5, 5, dtype=torch.float64, generator=generator),
+        torch.randn(33, dtype=torch.float16, generator=generator),
+    )
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1000, 4099, 1 << 20])
+@pytest.mark.parametrize("spec", ["mean", "sum"])
+def test_an_elementwise_fold_folds_runs_of_one_dtype_bit_for_bit_as_piece_by_piece(
+    spec: str, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deposits = {rank: aligned_bundle(rank) for rank in range(3)}
+    weights = {rank: 1.0 + rank for rank in range(3)}
+    want = reference(spec, [deposits[r] for r in range(3)], [weights[r] for r in range(3)])
+    by_runs: RoundBarrier[int] = RoundBarrier(range(3))
+    for round_number in range(2):
+        results = fold_chunked(by_runs, spec, deposits, weights, chunk_bytes, seed=round_number)
+        assert all(result.runs is not None and result.flat is not None for result in results)
+        assert isinstance(results[0].tensors, chunks.FlatBundle)
+        if chunk_bytes == 1 << 20:  # one chunk: a run per dtype
+            dtypes = [run.dtype for run in results[0].runs or ()]
+            assert dtypes == [torch.float32, torch.float64, torch.float16]
+        assert_bitwise_equal(assemble(results, finish=True), want)
+    monkeypatch.setattr(base._FloatSum, "elementwise", False)
+    by_pieces: RoundBarrier[int] = RoundBarrier(range(3))
+    results = fold_chunked(by_pieces, spec, deposits, weights, chunk_bytes, seed=0)
+    assert all(result.runs is None for result in results)
+    assert_bitwise_equal(assemble(results, finish=True), want)
 
 
 @pytest.mark.parametrize("chunk_bytes", CHUNK_SIZES)
@@ -286,6 +326,32 @@ def test_layout_ranges_end_on_element_boundaries_and_cover_every_byte() -> None:
         assert sum(length for _, length in ranges) == layout.total
         assert all(layout.pieces(offset, length) for offset, length in ranges)
         assert all(0 < length <= chunk_bytes for _, length in ranges)
+
+
+def test_a_layout_holds_exactly_the_schemas_equal_to_its_own() -> None:
+    specs, _ = encode_bundle_parts(float_bundle(0))
+    layout = Layout(specs)
+    assert set(TensorSpec.model_fields) == {"dtype", "shape"}, "Layout.holds compares these fields only"
+    same = [TensorSpec.model_validate(spec.model_dump()) for spec in specs]
+    assert layout.holds(same) and layout.holds(tuple(same))
+    other_dtype = [*specs[:-1], TensorSpec(dtype="float64", shape=list(specs[-1].shape))]
+    other_shape = [*specs[:-1], TensorSpec(dtype=specs[-1].dtype, shape=[*specs[-1].shape, 1])]
+    for other in (other_dtype, other_shape, specs[:-1], [*specs, specs[0]], []):
+        assert not layout.holds(other) and tuple(other) != layout.specs
+
+
+def test_a_layout_keeps_its_chunks_pieces_up_to_a_bound_and_refuses_a_bad_chunk_every_time() -> None:
+    specs, _ = encode_bundle_parts(float_bundle(0))
+    layout = Layout(specs)
+    offset, length = layout.ranges(13)[1]
+    kept = layout.chunk_pieces(offset, length)
+    assert kept == tuple(layout.pieces(offset, length)) and layout.chunk_pieces(offset, length) is kept
+    for _ in range(2):
+        with pytest.raises(CodecError):
+            layout.chunk_pieces(1, 4)  # splits an element: never kept, refused again
+    for start in range(0, 1031 * 4, 4):  # the float32 tensor first in the bundle, element by element
+        layout.chunk_pieces(start, 4)
+    assert len(layout._pieces) <= chunks.PIECES_KEPT
 
 
 @pytest.mark.parametrize(

@@ -166,3 +166,26 @@ async def test_large_frames_are_built_in_spare_buffers_the_transport_no_longer_r
         await sending
         assert built_in_spare_while_queued > 0
         assert len(sender._spares) == 2
+
+
+async def test_a_stream_takes_a_frame_at_once_only_with_nothing_in_flight_within_its_high_water() -> None:
+    """`takes_at_once`: what a fan-out sends in turn, with no task, because that send cannot wait."""
+    async with connected() as (sender, receiver):
+        await sender.send(Abort(reason="first"))
+        await receiver.recv(5)  # authenticated: the receiver's normal caps apply
+        transport = sender.writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        high = transport.get_write_buffer_limits()[1]
+        assert sender.takes_at_once(1024) and sender.takes_at_once(high)
+        assert not sender.takes_at_once(high + 1)
+        async with sender._send_lock:  # a send in flight
+            assert not sender.takes_at_once(1024)
+        receiving = receiver.writer.transport
+        assert isinstance(receiving, asyncio.Transport)
+        receiving.pause_reading()  # the receiver reads nothing: the sender's bytes pile up
+        sending = asyncio.create_task(sender.send(Abort(reason="big"), b"z" * (32 * 1024 * 1024)))
+        await asyncio.sleep(0.1)
+        assert transport.get_write_buffer_size() and not sender.takes_at_once(1024)
+        receiving.resume_reading()
+        assert (await receiver.recv(5)).message() == Abort(reason="big")
+        await sending

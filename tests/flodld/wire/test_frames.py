@@ -542,6 +542,31 @@ def test_a_shell_may_read_the_body_straight_into_the_frame_buffer() -> None:
     assert isinstance(frame, Frame) and frame.tail == b"t" * 1000 and frame.payload == b"payload"
 
 
+def test_start_body_parses_a_whole_header_early_under_the_same_caps() -> None:
+    """`start_body` takes a header that has arrived whole, so its body goes to `receive_buffer` at once;
+    with part of a header it does nothing, and an over-cap header is refused there as `next_event` would.
+    """
+    dialer, listener = connected_pair(max_tail=2000, first_frame_caps=False)
+    wire = bytes(dialer.send_frame(4, b"payload", b"t" * 1000))
+    listener.receive_data(wire[: HEADER_BYTES - 1])
+    listener.start_body()
+    assert listener.receive_buffer() is None  # no header yet: nothing to read a body into
+    listener.receive_data(wire[HEADER_BYTES - 1 : HEADER_BYTES])
+    listener.start_body()
+    view = listener.receive_buffer()
+    assert view is not None and listener.bytes_wanted == len(wire) - HEADER_BYTES
+    view[: len(wire) - HEADER_BYTES] = wire[HEADER_BYTES:]
+    listener.receive_filled(len(wire) - HEADER_BYTES)
+    frame = listener.next_event()
+    assert isinstance(frame, Frame) and frame.tail == b"t" * 1000 and frame.payload == b"payload"
+    big = bytes(dialer.send_frame(4, b"", b"t" * 1000))
+    _, small_listener = connected_pair(max_tail=999, first_frame_caps=False)
+    small_listener.receive_data(big[:HEADER_BYTES])
+    with pytest.raises(WireError) as caught:
+        small_listener.start_body()
+    assert caught.value.code == "too_large"
+
+
 def test_sending_stops_before_a_sequence_number_could_repeat() -> None:
     dialer, _listener = connected_pair()
     dialer._send_seq = dialer._send_limit  # as if every sequence number this key may use were spent
