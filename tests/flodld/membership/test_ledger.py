@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from flodld.membership.ledger import ADMISSION_CHECKS, Admitted, Ledger, Refused
-from flodld.wire.join import Hello
+from flodld.wire.join import JOIN_PROTOCOL_VERSION, Hello
 from tests.flodld.membership.helpers import SIG_A, SIG_B, hello, policy
 
 
@@ -223,7 +223,7 @@ def test_the_first_failing_check_decides() -> None:
     fields: dict[str, Any] = {
         "host": "a",
         "devices": [],
-        "protocol_version": 7,
+        "protocol_version": JOIN_PROTOCOL_VERSION + 1,  # a version this build does not speak
         "dataset_sig": SIG_B,
         "run_id": "r2",
         "nccl_version": "2.26",
