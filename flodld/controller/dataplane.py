@@ -45,7 +45,7 @@ from flodld.fold.straggler import StragglerClock
 from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream
-from flodld.wire.control import Heartbeat
+from flodld.wire.control import DeclareDead, Heartbeat
 from flodld.wire.data import Broadcast, DataPlaneError, HostFrame, RankConnected, RankExpected, RankGone
 from flodld.wire.errors import WireError
 from flodld.wire.frames import Frame, Tail
@@ -370,6 +370,21 @@ class DataPlane:
         if not self.live_ranks[host]:
             results = self._barrier.leave(host) if self._barrier is not None else []
             await self._outbox.send(results, self._broadcast)
+            await self._drop_riders(host)
+
+    async def _drop_riders(self, host: str) -> None:
+        """Riders still expected on `host`, whose relay's own fold stopped (no rank of it left in the
+        averaging), cannot enter there: their relay folds them out and their slots heal again, on relays of
+        their own (docs/elastic-averaging.md, "Slots heal in place").
+        """
+        control = self.relays[Channel.CONTROL].get(host)
+        for rider in self.walk_ins.riders_of(host):
+            why = f"rank {rider} was to ride host {host!r}'s relay, which has no rank left in the averaging"
+            log.info("event=rider_dropped host=%s rank=%d", host, rider)
+            self.walk_ins.left_before_entry(host, rider)
+            self.watch.liveness.forget(rider)
+            if control is not None:
+                await self._send_quietly(control, DeclareDead(rank=rider, reason=why))
 
     async def _broadcast(self, result: ChunkResult[str]) -> None:
         """Finish one completed chunk in place; send it to every live relay, sealed from the accumulator."""

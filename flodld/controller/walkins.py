@@ -62,6 +62,11 @@ class WalkIns:
         self._last_result: ChunkResult[str] | None = None
         self._members_seen = self._members()  # as the ranks count epochs
         self._epoch = 0
+        self._riders: set[int] = set()  # expected ranks that ride a relay in the averaging
+
+    def riders_of(self, host: str) -> list[int]:
+        """`host`'s riders still expected (they can enter only while the relay's own ranks average)."""
+        return sorted(self.entering.get(host, set()) & self._riders)
 
     def expect(self, host: str, ranks: Sequence[int], *, riders: bool = False) -> None:
         """`ranks` will enter through `host`'s relay: a walk-in's (an earlier incarnation's ranks still
@@ -70,6 +75,7 @@ class WalkIns:
         if riders:
             self.entering.setdefault(host, set()).update(ranks)
             self._connected.setdefault(host, set())
+            self._riders.update(ranks)
         else:
             self.entering[host] = set(ranks)
             self._connected[host] = set()
@@ -93,6 +99,7 @@ class WalkIns:
         if pending is None or rank not in pending:
             return False
         pending.discard(rank)
+        self._riders.discard(rank)
         if not pending:
             del self.entering[host]
             self._connected.pop(host, None)
@@ -158,7 +165,8 @@ class WalkIns:
             for host in sorted(self.entering)
             if host in self.data_relays
             and self.entering[host] <= self._connected.get(host, set())
-            and (round_end or not self.live_ranks.get(host))
+            and (round_end or not self.riders_of(host))
+            and (self.live_ranks.get(host) or not self.riders_of(host))
         ]
         if not ready:
             return []
@@ -168,7 +176,8 @@ class WalkIns:
         for host in ready:
             ranks = self.entering.pop(host)
             self._connected.pop(host, None)
-            riders = sorted(ranks) if self.live_ranks.get(host) else []
+            riders = sorted(ranks & self._riders)
+            self._riders -= ranks
             if barrier is not None and not riders:
                 barrier.admit(host)
             self.live_ranks.setdefault(host, set()).update(ranks)

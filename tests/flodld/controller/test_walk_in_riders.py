@@ -74,3 +74,23 @@ def test_a_walk_in_host_still_enters_at_a_boundary_found_idle() -> None:
     entry = streams["c"].sent[0]
     assert isinstance(entry, Entry) and (entry.round, entry.ranks) == (1, [])  # every rank of host c
     assert barrier.live == frozenset({"a", "b", "c"}) and live["c"] == {3}
+
+
+def test_riders_of_a_relay_whose_own_ranks_are_gone_never_enter_it() -> None:
+    """A relay whose own ranks all left has stopped folding: its riders still expected are not let in (the
+    data plane folds them out, `riders_of` names them), while a walk-in host beside them still enters.
+    """
+    streams = {"a": _Stream(), "b": _Stream(), "c": _Stream()}
+    live = {"a": {0, 1}, "b": {2}}
+    walk_ins = WalkIns(streams, live, metrics=RunMetrics())  # type: ignore[arg-type]
+    barrier: RoundBarrier[str] = RoundBarrier(["a", "b"])
+    walk_ins.round_closed(_round(barrier, 0), {0, 1, 2}, barrier)
+    walk_ins.expect("a", [3], riders=True)
+    walk_ins.expect("c", [4])
+    assert walk_ins.rank_connected("a", 3) and walk_ins.rank_connected("c", 4)
+    live["a"].clear()  # ranks 0 and 1 left
+    barrier.leave("a")
+    assert walk_ins.riders_of("a") == [3] and walk_ins.riders_of("c") == []
+    drained = walk_ins.at_boundary(barrier)
+    assert drained == [streams["c"]] and streams["a"].sent == []  # type: ignore[comparison-overlap]
+    assert walk_ins.left_before_entry("a", 3) and walk_ins.riders_of("a") == []
