@@ -83,8 +83,7 @@ class WalkInEntry:
     @property
     def taking_state(self) -> bool:
         """Whether the controller's Broadcasts are still an Entry's state, not rounds to deliver."""
-        taking = (self.walk_in and not self.complete) or (self._ride is not None and not self._ride.complete)
-        return taking
+        return (self.walk_in and not self.complete) or (self._ride is not None and not self._ride.complete)
 
     def expect(self, rank: int) -> str | None:
         """A rider will dial (RankExpected); why the relay cannot take it, or None."""
@@ -182,7 +181,8 @@ class WalkInEntry:
     async def _hand(
         self, handover: _Handover, legs: dict[int, FramedStream], lost: Callable[[int], Awaitable[None]]
     ) -> None:
-        todo = {rank: leg for rank, leg in legs.items() if rank in handover.ranks - handover.handed}
+        owed = handover.ranks - handover.handed
+        todo = {rank: leg for rank, leg in legs.items() if rank in owed}
         handover.handed.update(todo)
 
         async def one(rank: int, leg: FramedStream) -> None:
