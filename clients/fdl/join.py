@@ -12,9 +12,12 @@ a controller that checks credentials, bad config, incompatible build) — for sy
 RestartPreventExitStatus=2. With --persist it never gives up on transient failures: it backs off 5 s
 doubling to 60 s and dials again (the backoff resets after a run whose world formed, and after an attempt
 that lasted longer than 2 minutes); after a run that ended for this host alone (its agent killed or its link
-lost: exit 1 once formed; or every rank lost, which the agent marks), it dials again after 0.5 s, doubling
+lost: exit 1 once formed; or every rank lost, which the agent marks), it dials again after 0.1 s, doubling
 from there, since the run may go on and admit it back (at most 3 such quick re-dials a minute: a host that
-keeps losing its runs backs off as usual). SIGTERM ends the loop, also during the back-off. A persist loop
+keeps losing its runs backs off as usual). Each next attempt's agent is started ahead, once the current
+attempt's world forms, and waits for its spec on stdin, so a re-dial pays no interpreter start-up; the spec
+(with the token) always reaches the agent on that pipe, never in its environment. SIGTERM ends the loop, also
+during the back-off, and stops that spare agent. A persist loop
 of CPU ranks (--devices cpu:N) keeps a fork server that loads torch once and forks each attempt's ranks
 (--no-fork-server, or join.fork_server: false, starts them cold; docs/elastic-averaging.md).
 
@@ -59,7 +62,7 @@ BACKOFF_RESET_AFTER_SECS = 120.0
 # A run this host was part of for a while ended for it alone (its agent killed, its link lost, its ranks
 # lost) while the run may still be training and admitting walk-ins: every second away is a second the run
 # trains without it, so the loop dials again at once, backing off from there if that dial fails.
-REDIAL_AFTER_LOSS_SECS = 0.5
+REDIAL_AFTER_LOSS_SECS = 0.1
 # ... but a host that keeps losing its runs is crash-looping, not unlucky: past this many quick re-dials in
 # this many seconds, it backs off as usual (systemd's StartLimitBurst, for the same reason).
 QUICK_REDIALS = 3
@@ -241,7 +244,7 @@ def host_key_remedy(ssh: api.SshEndpoint) -> str:
     )
 
 
-def _attempt_through_ssh(plan: JoinPlan) -> int:
+def _attempt_through_ssh(plan: JoinPlan, agent: Agent | None, spare: SpareAgent | None) -> int:
     """One attempt through a fresh forward; the agent dials its local end, which it then hands on."""
     assert plan.ssh is not None
     remote = (plan.spec.controller_host, plan.spec.controller_port)
@@ -249,6 +252,8 @@ def _attempt_through_ssh(plan: JoinPlan) -> int:
         forward = api.open_forward(plan.ssh, remote)
     except api.ForwardError as error:
         say(str(error))
+        if agent is not None:  # never told its spec: it is the loop's to stop
+            _stop_agent(agent)
         if any(sign in str(error) for sign in HOST_KEY_FAILURES):
             say(host_key_remedy(plan.ssh))
             return EXIT_PERMANENT  # only the operator can vouch for a host key: re-dialing never will
@@ -259,24 +264,78 @@ def _attempt_through_ssh(plan: JoinPlan) -> int:
         update={"controller_host": "127.0.0.1", "controller_port": forward.local_port}
     )
     try:
-        return attempt(replace(plan, spec=spec, ssh=None))
+        return attempt(replace(plan, spec=spec, ssh=None), agent, spare)
     finally:
         forward.close()
 
 
-def attempt(plan: JoinPlan) -> int:
-    """Run the program once in agent role; its exit code (0 done, 1 transient, 2 permanent)."""
-    if plan.ssh is not None:
-        return _attempt_through_ssh(plan)
-    env = {**os.environ, api.AGENT_ENV: api.encode_spec(plan.spec), "FLODL_HOST_NAME": plan.spec.host}
+Agent = subprocess.Popen[bytes]  # an agent process
+FORMED_POLL_SECS = 0.5  # how often a running attempt looks for its formed mark (to start the spare agent)
+
+
+def start_agent(plan: JoinPlan) -> Agent:
+    """Start an agent for `plan`'s loop; it imports flodld and meets the fork server, then waits for its spec
+    as one line on stdin (`attempt` sends it). Nothing secret is in its argv or environment: the token rides
+    in the spec, on the pipe. OSError when the command cannot start.
+    """
+    env = {**os.environ, api.AGENT_ENV: api.SPEC_ON_STDIN, "FLODL_HOST_NAME": plan.spec.host}
     env.pop(TOKEN_ENV, None)
     if plan.fork_server_path is not None:
         env[api.FORK_SERVER_ENV] = plan.fork_server_path
+    return subprocess.Popen(plan.command, env=env, stdin=subprocess.PIPE)
+
+
+def _stop_agent(agent: Agent) -> None:
+    agent.kill()
+    agent.wait()
+
+
+class SpareAgent:
+    """A persist loop's next agent, started ahead of need: once an attempt's world has formed (and before a
+    back-off), the loop starts the agent its next attempt will use, so that a host which loses its run (its
+    agent killed, its link cut, its ranks lost) dials back without paying an interpreter's start and
+    flodld's imports, which take a loaded machine half a second or more, while the run trains without it.
+    """
+
+    def __init__(self, plan: JoinPlan) -> None:
+        self.plan = plan
+        self.agent: Agent | None = None
+
+    def fill(self) -> None:
+        """Start the spare unless one is running (a failure to start is left to the attempt to report)."""
+        if self.agent is None or self.agent.poll() is not None:
+            self.agent = None
+            with contextlib.suppress(OSError):
+                self.agent = start_agent(self.plan)
+
+    def take(self) -> Agent | None:
+        """The running spare, now the caller's; None when there is none."""
+        agent, self.agent = self.agent, None
+        if agent is not None and agent.poll() is not None:
+            return None  # it died waiting (its own words are on stderr): the attempt starts afresh
+        return agent
+
+    def close(self) -> None:
+        if self.agent is not None:
+            _stop_agent(self.agent)
+            self.agent = None
+
+
+def attempt(plan: JoinPlan, agent: Agent | None = None, spare: SpareAgent | None = None) -> int:
+    """Run the program once in agent role; its exit code (0 done, 1 transient, 2 permanent). `agent` is one
+    started ahead (`start_agent`) that waits for its spec; `spare` is filled once this attempt's world forms.
+    """
+    if plan.ssh is not None:
+        return _attempt_through_ssh(plan, agent, spare)
     try:
-        child = subprocess.Popen(plan.command, env=env, stdin=subprocess.DEVNULL)
+        child = agent if agent is not None else start_agent(plan)
     except OSError as error:
         say(f"run {plan.command[0]}: {error}")
         return EXIT_PERMANENT
+    assert child.stdin is not None
+    with contextlib.suppress(OSError):  # it exited before reading its spec: its exit code says why
+        child.stdin.write(api.encode_spec(plan.spec).encode() + b"\n")
+        child.stdin.close()
 
     def forward(signum: int, _frame: object) -> None:
         # The agent tears its children down on TERM; then this loop stops instead of re-dialing.
@@ -285,7 +344,7 @@ def attempt(plan: JoinPlan) -> int:
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:
-        return child.wait()
+        return _wait(child, plan, spare)
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)
         child.wait()
@@ -295,6 +354,20 @@ def attempt(plan: JoinPlan) -> int:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _wait(child: Agent, plan: JoinPlan, spare: SpareAgent | None) -> int:
+    """The agent's exit code; meanwhile, once its world has formed, the spare is started."""
+    formed = Path(plan.spec.formed_file) if spare is not None and plan.spec.formed_file else None
+    while formed is not None:
+        try:
+            return child.wait(timeout=FORMED_POLL_SECS)
+        except subprocess.TimeoutExpired:
+            if formed.exists():
+                assert spare is not None
+                spare.fill()
+                formed = None
+    return child.wait()
 
 
 class Stopped(Exception):
@@ -322,31 +395,43 @@ def join_loop(
         mark = Path(marks) / "formed"
         marked = replace(plan, spec=plan.spec.model_copy(update={"formed_file": str(mark)}),
                          fork_server_path=forks.path if forks is not None else None)  # fmt: skip
-        while True:
-            mark.unlink(missing_ok=True)
-            started = clock()
-            code = attempt(marked)
-            if code == EXIT_PERMANENT:
-                if plan.persist:
-                    say("not re-dialing — retrying cannot fix this (exit 2)")
-                return EXIT_PERMANENT
-            if not plan.persist:
-                return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
-            lasted = clock() - started
-            formed = mark.exists()
-            left = formed and code == EXIT_DONE and api.LEFT_RUN_MARK in _lines(mark)
-            if formed and (code != EXIT_DONE or left) and quick.allow(clock()):
-                backoff = api.scaled(REDIAL_AFTER_LOSS_SECS)
-            elif formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
-                backoff = api.scaled(BACKOFF_INITIAL_SECS)
-            outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
-            if formed and code != EXIT_DONE:
-                outcome = f"run ended (agent exit code {code})"
-            elif left:
-                outcome = "run went on without this host (every rank lost)"
-            say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
-            sleep(backoff)
-            backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
+        spare = SpareAgent(marked) if plan.persist else None
+        try:
+            while True:
+                mark.unlink(missing_ok=True)
+                started = clock()
+                code = attempt(marked, spare.take() if spare is not None else None, spare)
+                if code == EXIT_PERMANENT:
+                    if plan.persist:
+                        say("not re-dialing — retrying cannot fix this (exit 2)")
+                    return EXIT_PERMANENT
+                if spare is None:
+                    return EXIT_TRANSIENT if code not in (EXIT_DONE, EXIT_TRANSIENT) else code
+                spare.fill()  # its start-up overlaps the back-off
+                backoff = _redial(mark, code, clock() - started, backoff, quick, clock)
+                sleep(backoff)
+                backoff = min(backoff * 2, api.scaled(BACKOFF_MAX_SECS))
+        finally:
+            if spare is not None:
+                spare.close()
+
+
+def _redial(mark: Path, code: int, lasted: float, backoff: float, quick: api.BurstLimit,
+            clock: Callable[[], float]) -> float:  # fmt: skip
+    """The back-off before the next dial after an attempt that ended with `code` (said on stderr)."""
+    formed = mark.exists()
+    left = formed and code == EXIT_DONE and api.LEFT_RUN_MARK in _lines(mark)
+    if formed and (code != EXIT_DONE or left) and quick.allow(clock()):
+        backoff = api.scaled(REDIAL_AFTER_LOSS_SECS)
+    elif formed or lasted > api.scaled(BACKOFF_RESET_AFTER_SECS):
+        backoff = api.scaled(BACKOFF_INITIAL_SECS)
+    outcome = "run finished" if code == EXIT_DONE else f"agent exited with code {code}"
+    if formed and code != EXIT_DONE:
+        outcome = f"run ended (agent exit code {code})"
+    elif left:
+        outcome = "run went on without this host (every rank lost)"
+    say(f"{outcome} after {lasted:.0f}s; re-dialing in {backoff:g}s (--persist)")
+    return backoff
 
 
 def _lines(path: Path) -> list[str]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,6 @@ from flodld import api
 from tests.clients.fdl.join_args import parse, project
 
 TOKEN = "0123456789abcdef0123456789abcdef"
-
 
 
 def test_a_bare_fdl_join_takes_everything_from_the_join_block(
@@ -71,7 +73,8 @@ def test_persist_backs_off_5_s_doubling_to_60_and_stops_on_a_permanent_failure(
 ) -> None:
     plan = _persist_plan(tmp_path)
     codes = iter([1, 1, 1, 1, 1, 1, 1, 2])  # dials that never formed a world
-    monkeypatch.setattr(join_command, "attempt", lambda _plan: next(codes))
+    monkeypatch.setattr(join_command, "attempt", lambda _plan, *_: next(codes))
+    _no_spare(monkeypatch)
     sleeps: list[float] = []
     assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
     assert sleeps == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
@@ -87,7 +90,7 @@ def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
                      (1, False), (2, False)])  # fmt: skip
     marks: list[str] = []
 
-    def attempt(marked: join_command.JoinPlan) -> int:
+    def attempt(marked: join_command.JoinPlan, *_: object) -> int:
         code, formed = next(attempts)
         assert marked.spec.formed_file is not None and marked.spec.host == plan.spec.host
         marks.append(marked.spec.formed_file)
@@ -96,11 +99,30 @@ def test_persist_back_off_resets_after_every_run_that_formed_done_or_failed(
         return code
 
     monkeypatch.setattr(join_command, "attempt", attempt)
+    _no_spare(monkeypatch)
     sleeps: list[float] = []
     assert join_command.join_loop(plan, sleep=sleeps.append, clock=lambda: 0.0) == 2
     # After the formed run that failed (exit 1: it ended for this host, maybe not for the run): at once.
-    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0, 0.5, 1.0]
+    assert sleeps == [5.0, 10.0, 20.0, 5.0, 10.0, 20.0, 0.1, 0.2]
     assert len(set(marks)) == 1 and not Path(marks[0]).exists()  # one mark, gone with the loop
+
+
+class _IdleAgent:
+    """A spare agent for loops whose attempts are scripted: it waits, and is stopped with the loop."""
+
+    def poll(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self) -> int:
+        return -9
+
+
+def _no_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spare agents (started ahead of each next attempt) cost nothing where the attempts are scripted."""
+    monkeypatch.setattr(join_command, "start_agent", lambda _plan: _IdleAgent())
 
 
 def _persist_plan(tmp_path: Path, *flags: str) -> join_command.JoinPlan:
@@ -129,7 +151,7 @@ def _clocked_loop(
     remaining = iter(attempts)
     now = [1000.0]
 
-    def attempt(marked: join_command.JoinPlan) -> int:
+    def attempt(marked: join_command.JoinPlan, *_: object) -> int:
         code, mark, lasted = next(remaining)
         assert marked.spec.formed_file is not None
         if mark is not None:  # what the agent does once its world has formed (and, marked, left it)
@@ -138,6 +160,7 @@ def _clocked_loop(
         return code
 
     monkeypatch.setattr(join_command, "attempt", attempt)
+    _no_spare(monkeypatch)
     sleeps: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -175,7 +198,7 @@ def test_persist_dials_again_at_once_after_a_formed_run_ended_for_this_host_alon
     # At once after the loss, doubling from there; 5 s after the finished run; at once after the host left
     # its run and after the next two losses (the first quick re-dial is over a minute old by then); the
     # fourth and fifth quick ones within a minute are refused: the usual 5 s after a formed run.
-    assert sleeps == [0.5, 1.0, 2.0, 5.0, 0.5, 0.5, 0.5, 5.0, 5.0]
+    assert sleeps == [0.1, 0.2, 0.4, 5.0, 0.1, 0.1, 0.1, 5.0, 5.0]
 
 
 @pytest.mark.parametrize(
@@ -201,12 +224,13 @@ def test_the_loops_agents_are_told_its_fork_server_which_ends_with_the_loop(
     plan = _persist_plan(tmp_path, "--devices", "cpu:2")
     seen: list[str | None] = []
 
-    def attempt(marked: join_command.JoinPlan) -> int:
+    def attempt(marked: join_command.JoinPlan, *_: object) -> int:
         seen.append(marked.fork_server_path)
         assert marked.fork_server_path is not None and Path(marked.fork_server_path).is_socket()
         return 2 if len(seen) == 2 else 1
 
     monkeypatch.setattr(join_command, "attempt", attempt)
+    _no_spare(monkeypatch)
     assert join_command.join_loop(plan, sleep=lambda _: None, clock=lambda: 0.0) == 2
     assert len(seen) == 2 and seen[0] == seen[1]  # one server for every attempt of the loop
     assert seen[0] is not None and not Path(seen[0]).exists()  # gone with the loop
@@ -221,3 +245,82 @@ def test_an_attempt_hands_the_fork_server_to_its_agent_in_the_environment(
 
     marked = replace(plan, command=[sys.executable, "-c", script], fork_server_path="/run/fs")
     assert join_command.attempt(marked) == 3
+
+
+# A stand-in agent (a real process): it notes its start, takes its spec from stdin as an agent does, notes
+# that; the first one marks its world formed and stays until the loop has started the next attempt's agent.
+STANDIN_AGENT = """
+import json, os, sys, time
+log = sys.argv[1]
+def note(word):
+    with open(log, "a") as file:
+        file.write(f"{os.getpid()} {word}\\n")
+def count(word):
+    with open(log) as file:
+        return sum(line.split()[1] == word for line in file)
+note("started " + os.environ[sys.argv[2]])
+spec = json.loads(bytes.fromhex(sys.stdin.readline().strip()))
+note("spec " + spec["host"] + (" token-in-env" if sys.argv[3] in os.environ else ""))
+if count("spec") == 1:
+    open(spec["formed_file"], "w").write("run-1\\n")
+    deadline = time.monotonic() + 20
+    while count("started") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(1)
+sys.exit(2)
+"""
+
+
+def _standin_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[join_command.JoinPlan, Path]:
+    from dataclasses import replace
+
+    monkeypatch.setenv(join_command.TOKEN_ENV, TOKEN)  # never handed on to an agent's environment
+    log = tmp_path / "agents.log"
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN_AGENT)
+    plan = _unscaled_persist_plan(tmp_path, monkeypatch)
+    command = [sys.executable, str(script), str(log), api.AGENT_ENV, join_command.TOKEN_ENV]
+    return replace(plan, command=command, fork_server=False), log
+
+
+def _notes(log: Path) -> list[tuple[int, str]]:
+    return [(int(pid), rest) for pid, rest in (line.split(" ", 1) for line in log.read_text().splitlines())]
+
+
+def test_a_persist_loop_starts_the_next_attempts_agent_while_a_run_trains_and_hands_it_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan, log = _standin_plan(tmp_path, monkeypatch)
+    started_by_sleep: list[int] = []
+
+    def sleep(seconds: float) -> None:
+        started_by_sleep.append(sum(rest.startswith("started") for _, rest in _notes(log)))
+
+    assert join_command.join_loop(plan, sleep=sleep, clock=time.monotonic) == 2
+    notes = _notes(log)
+    first, second = notes[0][0], notes[2][0]
+    # The second agent started while the first one's run trained (after its world formed), waited for
+    # its spec on stdin through the back-off, and dialed with it; neither saw the token in its environment.
+    assert notes == [
+        (first, f"started {api.SPEC_ON_STDIN}"), (first, f"spec {plan.spec.host}"),
+        (second, f"started {api.SPEC_ON_STDIN}"), (second, f"spec {plan.spec.host}"),
+    ]  # fmt: skip
+    assert first != second and started_by_sleep == [2]
+
+
+def test_a_persist_loop_stopped_during_its_back_off_stops_its_spare_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan, log = _standin_plan(tmp_path, monkeypatch)
+    spares: list[int] = []
+
+    def sleep(seconds: float) -> None:  # SIGTERM arrives during the back-off
+        spares.extend(pid for pid, rest in _notes(log)[2:] if rest.startswith("started"))
+        raise join_command.Stopped(signal.SIGTERM)
+
+    with pytest.raises(join_command.Stopped):
+        join_command.join_loop(plan, sleep=sleep, clock=time.monotonic)
+    assert len(spares) == 1
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no agent outlives its loop
+        os.kill(spares[0], 0)
+    assert [rest for _, rest in _notes(log)].count(f"spec {plan.spec.host}") == 1  # the spare never dialed
