@@ -5,7 +5,7 @@ Each violation carries the key path (relative to `cluster:`) of the key the oper
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from flodld.config.devices import spec_has_cpu
@@ -94,25 +94,25 @@ def _averaging_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
             "effect; remove cadence or choose cpu_cadence / cpu_async / nccl_cadence",
         )
     if controller.backend is Backend.NCCL:
-        for index, worker in enumerate(cluster.workers):
-            if spec_has_cpu(worker.local_devices):
-                yield RuleViolation(
-                    ("workers", index, "local_devices"),
-                    f"backend: nccl needs a CUDA device per rank, but {worker.host!r} lists CPU ranks; "
-                    "use CUDA devices or backend: gloo",
-                )
+        yield from _each_worker(
+            cluster,
+            "local_devices",
+            lambda worker: spec_has_cpu(worker.local_devices),
+            "backend: nccl needs a CUDA device per rank, but {host} lists CPU ranks; use CUDA devices or "
+            "backend: gloo",
+        )
 
 
 def _network_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
     controller = cluster.controller
     if cluster.spans_hosts and controller.backend is Backend.NCCL:
-        for index, worker in enumerate(cluster.workers):
-            if worker.nccl_socket_ifname is None:
-                yield RuleViolation(
-                    ("workers", index, "nccl_socket_ifname"),
-                    f"worker {worker.host!r} needs nccl_socket_ifname: (e.g. eth0) because the cluster "
-                    "spans several hosts and the backend is NCCL",
-                )
+        yield from _each_worker(
+            cluster,
+            "nccl_socket_ifname",
+            lambda worker: worker.nccl_socket_ifname is None,
+            "worker {host} needs nccl_socket_ifname: (e.g. eth0) because the cluster spans several hosts "
+            "and the backend is NCCL",
+        )
     if controller.port == 0:
         remote = [worker.host for worker in cluster.workers if not worker.is_local(controller.host)]
         if remote or controller.join.discovery:
@@ -173,10 +173,21 @@ def _tunnel_rules(cluster: _Cluster) -> Iterator[RuleViolation]:
                 f"tunnel_only needs a CPU averaging mode ({CPU_MODES_TEXT}); NCCL traffic cannot ride "
                 "tunnels",
             )
-        for index, worker in enumerate(cluster.workers):
-            if not worker.tunnel and not worker.is_local(controller.host):
-                yield RuleViolation(
-                    ("workers", index, "tunnel"),
-                    "join.tunnel_only binds the controller to loopback, so remote worker "
-                    f"{worker.host!r} must set tunnel: true to reach it",
-                )
+        yield from _each_worker(
+            cluster,
+            "tunnel",
+            lambda worker: not worker.tunnel and not worker.is_local(controller.host),
+            "join.tunnel_only binds the controller to loopback, so remote worker {host} must set tunnel: "
+            "true to reach it",
+        )
+
+
+def _each_worker(
+    cluster: _Cluster, key: str, breaks: Callable[[WorkerConfig], bool], why: str
+) -> Iterator[RuleViolation]:
+    """A violation at `workers[i].<key>` for each worker that `breaks` the rule, in roster order; `why` is
+    the sentence, its `{host}` the worker's host (quoted).
+    """
+    for index, worker in enumerate(cluster.workers):
+        if breaks(worker):
+            yield RuleViolation(("workers", index, key), why.format(host=repr(worker.host)))
