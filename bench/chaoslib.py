@@ -244,6 +244,12 @@ def run_figures(logs: list[RankLog], window: float) -> RunFigures:
     )
 
 
+def pooled_rate(runs: list[RunFigures]) -> float:
+    """Samples/s of `runs` taken as one: their samples over their seconds (a longer run weighs more)."""
+    seconds = sum(run.seconds for run in runs)
+    return sum(run.samples for run in runs) / seconds if seconds > 0 else 0.0
+
+
 def missing_rank_seconds(logs: list[RankLog], world: int) -> tuple[float, float]:
     """(rank-seconds the run trained with fewer than `world` ranks, the seconds from its first round to its
     last): each round's members (the ranks that logged it) held until the next round arrived.

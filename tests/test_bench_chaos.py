@@ -17,6 +17,7 @@ from chaoslib import (
     match_joins,
     match_losses,
     missing_rank_seconds,
+    pooled_rate,
     read_last_rounds,
     read_logs,
     run_figures,
@@ -130,3 +131,12 @@ def test_missing_rank_seconds_hold_each_rounds_members_until_the_next_round() ->
     # A world of 3: rounds 0 (2 ranks, 1 s), 1 (1 rank, 2 s), 2 (1 rank, 1 s) -> 1 + 4 + 2 = 7.
     assert missing_rank_seconds([a, b], world=3) == (7.0, 4.0)
     assert missing_rank_seconds([], world=3) == (0.0, 0.0)
+
+
+def test_the_fault_free_runs_around_a_chaos_run_pool_their_samples_over_their_seconds() -> None:
+    # 64 samples a round: 10 rounds a second for 10 s, then 5 a second for 20 s (after each first round).
+    fast = run_figures([_log(0, "h0", [(n, n / 10, "x") for n in range(101)])], window=5.0)
+    slow = run_figures([_log(0, "h0", [(n, n / 5, "x") for n in range(101)])], window=5.0)
+    assert (fast.rate, slow.rate) == (640.0, 320.0)
+    assert pooled_rate([fast, slow]) == 12800 / 30.0  # not 480, the mean of the rates: longer runs weigh more
+    assert pooled_rate([fast]) == fast.rate and pooled_rate([]) == 0.0
