@@ -160,14 +160,7 @@ class WalkIns:
         closed, its last chunk not sent yet). Riders of a relay in the averaging enter only at a round's
         end. Returns the hosts that entered, each with its riders (empty: a walk-in host, all its ranks).
         """
-        ready = [
-            host
-            for host in sorted(self.entering)
-            if host in self.data_relays
-            and self.entering[host] <= self._connected.get(host, set())
-            and (round_end or not self.riders_of(host))
-            and (self.live_ranks.get(host) or not self.riders_of(host))
-        ]
+        ready = [host for host in sorted(self.entering) if self._may_enter(host, round_end)]
         if not ready:
             return []
         if barrier is not None and (barrier.started or barrier.round != round_number):
@@ -187,6 +180,15 @@ class WalkIns:
             if self.on_entered is not None:
                 self.on_entered(tuple(sorted(ranks)), round_number)
         return entered
+
+    def _may_enter(self, host: str, round_end: bool) -> bool:
+        """Whether `host`'s expected ranks are all connected through its seated relay and may enter now: a
+        walk-in host at any boundary; riders only at a round's end, and only while their relay's own ranks
+        average (its fold has stopped otherwise).
+        """
+        if host not in self.data_relays or not self.entering[host] <= self._connected.get(host, set()):
+            return False
+        return not self.riders_of(host) or (round_end and bool(self.live_ranks.get(host)))
 
     def _seal_entry(self, host: str, round_number: int, riders: list[int]) -> FramedStream | None:
         """Entry to a walk-in's relay, then (when a round was completed before) that round's result: the
