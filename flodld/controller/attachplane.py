@@ -62,6 +62,8 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
 
     def on_phase(phase: object, reason: str) -> None:
         window = controller.window
+        if not planes and controller.options.cpu_averaging:
+            preload_fold()
         if (
             not planes
             and window is not None
@@ -102,3 +104,21 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
 
 
 _closing: set[asyncio.Task[None]] = set()
+_loading: set[asyncio.Future[None]] = set()
+
+
+def preload_fold() -> None:
+    """Start loading the fold (torch) in a worker thread now, while the window is open, if this process has
+    not: a CPU-averaging run folds from its first round. In a thread the import still holds the interpreter
+    lock through long stretches (a C extension's start-up), stalling this loop, and every rank heartbeat it
+    carries, by ~140 ms in one piece on an idle machine and several times that on a loaded one; at the first
+    deposit (as it was) that stall fell in round 0, with every rank's liveness clock running. Made now, it
+    is over before any rank starts.
+    """
+    from flodld.fold import fold_loaded, load_fold
+
+    if fold_loaded() or _loading:
+        return
+    future = asyncio.ensure_future(asyncio.to_thread(load_fold))
+    _loading.add(future)
+    future.add_done_callback(_loading.discard)

@@ -4,7 +4,10 @@ The import takes seconds on a loaded host. Made at the first deposit (as it was)
 also forwards the ranks' heartbeats and the coordinator's: with a short liveness timeout every rank of a
 run was declared dead in round 0 (bench/chaos.py `--liveness-timeout 2`; asyncio's debug mode showed each
 relay's leg task holding its loop for ~3 s). Now the first fold of a process loads torch in a worker
-thread while the loop keeps turning.
+thread while the loop keeps turning, and a CPU-averaging run's controller starts that load when its window
+opens, so the import is over before any rank's heartbeat depends on its loop (at the first deposit it still
+held the loop in round 0 through the import's long stretches under the interpreter lock: ~140 ms in one
+piece on an idle machine, several times that on a loaded one, with every rank's liveness clock running).
 
 Each check runs in a fresh interpreter (torch not yet imported), with a task ticking every 5 ms beside the
 first fold's preparation: the loop must have turned while torch loaded (it never did when the import ran
@@ -77,19 +80,41 @@ _PROBE = textwrap.dedent(
         assert not running.done() and relay.deposits.barrier is None  # still dialing; nothing folded
         running.cancel()
 
+    async def window():
+        # A CPU-averaging run's controller loads the fold while its window is open, before any host joins:
+        # at the first deposit (as it was) the import held the loop, and the ranks' heartbeats, in round 0.
+        from flodld.config.join import JoinConfig
+        from flodld.controller.attachplane import attach_data_plane
+        from flodld.controller.options import ControllerOptions
+        from flodld.controller.run import Controller
+
+        options = ControllerOptions.model_validate({
+            "bind_host": "127.0.0.1", "port": 0, "run_id": "preload", "capacity": 2,
+            "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2),
+        })
+        controller = Controller(options)
+        attach_data_plane(controller)
+        await controller.start()
+        try:
+            await ticking(lambda: until(flodld.fold.fold_loaded))
+            assert controller.window is not None and controller.window.world is None  # nobody joined
+        finally:
+            await controller.close()
+
     async def until(check):
         for _ in range(6000):
             if check():
                 return
             await asyncio.sleep(0.01)
-        raise AssertionError("the walk-in's relay did not load its fold within 60 s")
+        raise AssertionError("the fold did not load within 60 s")
 
-    asyncio.run({"relay": relay, "controller": controller, "walk-in": walk_in}[sys.argv[1]]())
+    shells = {"relay": relay, "controller": controller, "walk-in": walk_in, "window": window}
+    asyncio.run(shells[sys.argv[1]]())
     """
 )
 
 
-@pytest.mark.parametrize("shell", ["relay", "controller", "walk-in"])
+@pytest.mark.parametrize("shell", ["relay", "controller", "walk-in", "window"])
 def test_the_first_fold_loads_torch_while_the_loop_keeps_turning(shell: str) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, shell], capture_output=True, text=True, timeout=120, check=False
