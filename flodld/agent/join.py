@@ -7,11 +7,13 @@ and systemd's RestartPreventExitStatus=2 know when to stop.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.metadata
 import os
 import stat
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -42,6 +44,13 @@ PROTOCOL_VERSION = JOIN_PROTOCOL_VERSION  # the join messages' version (flodld.w
 REPLY_TIMEOUT_SECS = 30.0
 FORMATION_WAIT_MARGIN_SECS = 30.0
 REFORMATION_WAIT_SECS = 7 * 86400.0  # a kept host waits for the next attempt while its link lives
+# A host's previous join link, closed on its own side (its agent killed, or given up during a partition), can
+# still be open on the controller's: the controller learns of the close when the FIN arrives, after a
+# partition at TCP's next retransmission, a moment after this host's next hello. A hello refused as
+# `duplicate_host` is dialed again every DUPLICATE_RETRY_SECS for up to DUPLICATE_RETRY_BOUND_SECS (scaled)
+# in this agent, instead of ending it: `fdl join --persist` would back off and start a fresh agent.
+DUPLICATE_RETRY_SECS = 0.1
+DUPLICATE_RETRY_BOUND_SECS = 3.0
 
 # Reject codes that no amount of re-dialing fixes: this box's build or config is incompatible.
 PERMANENT_REJECT_CODES = frozenset({
@@ -71,6 +80,10 @@ class JoinFailed(Exception):
     def __init__(self, message: str, exit_class: ExitClass) -> None:
         super().__init__(message)
         self.exit_class = exit_class
+
+
+class DuplicateHost(JoinFailed):
+    """The controller refused the hello as `duplicate_host`: this host name's join link is open there."""
 
 
 @dataclass
@@ -195,8 +208,28 @@ def _stderr(message: str) -> None:
 async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], None] = _stderr) -> Joined:
     """Dial, get admitted, wait for formation; raises JoinFailed with an actionable message.
 
-    `warn` receives the cleartext warning when the controller's address is public.
+    `warn` receives the cleartext warning when the controller's address is public (once). A hello refused
+    as `duplicate_host` is dialed again for a moment (DUPLICATE_RETRY_BOUND_SECS): the host's own previous
+    link may not have closed on the controller's side yet.
     """
+    said: set[str] = set()
+
+    def warn_once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            warn(message)
+
+    deadline = time.monotonic() + scaled(DUPLICATE_RETRY_BOUND_SECS)
+    while True:
+        try:
+            return await _join_once(spec, hello, warn_once)
+        except DuplicateHost:
+            if time.monotonic() + DUPLICATE_RETRY_SECS > deadline:
+                raise
+        await asyncio.sleep(DUPLICATE_RETRY_SECS)
+
+
+async def _join_once(spec: AgentSpec, hello: Hello, warn: Callable[[str], None]) -> Joined:
     pre_shared = spec.salt_hex is not None
     key = salt_from_hex(spec.salt_hex) if spec.salt_hex is not None else OPEN_ADMISSION_KEY
     where = f"{spec.controller_host}:{spec.controller_port}"
@@ -228,7 +261,8 @@ async def join_world(spec: AgentSpec, hello: Hello, *, warn: Callable[[str], Non
         reply = await _receive(stream, scaled(REPLY_TIMEOUT_SECS), where, pre_shared, before_reply=True)
         if isinstance(reply, Reject):
             exit_class = ExitClass.PERMANENT if reply.code in PERMANENT_REJECT_CODES else ExitClass.TRANSIENT
-            raise JoinFailed(
+            failure = DuplicateHost if reply.code == "duplicate_host" else JoinFailed
+            raise failure(
                 f"controller {where} REJECTED host {spec.host!r} [{reply.code}]: {reply.reason}", exit_class
             )
         if not isinstance(reply, Accept):
