@@ -49,6 +49,13 @@ def load_fold() -> None:
         from flodld.fold.base import use_fold_threads
 
         use_fold_threads()
+        # Each new schema is judged on meta tensors first (flodld/fold/accumulators.py), and torch's first
+        # meta op imports its symbolic-shape machinery, sympy included: ~0.22 s under the interpreter lock
+        # on a loaded machine, which fell on the loop at the first round (the longest heartbeat gap of a
+        # chaos run). Done here, it falls in this worker thread.
+        import torch
+
+        torch.zeros_like(torch.empty(1, device="meta"))
         _threads_set = True
 
 

@@ -124,3 +124,33 @@ def test_the_first_fold_loads_torch_while_the_loop_keeps_turning(shell: str) -> 
     assert fields["loaded"] == "True" and fields["torch"] == "True", done.stdout
     # The import takes well over 15 ms anywhere; on the loop (before), the ticker never ran during it.
     assert int(fields["ticks"]) >= 3, f"the loop stood still while torch loaded: {done.stdout}"
+
+
+_FIRST_ROUND = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+
+    import flodld.fold
+
+    flodld.fold.load_fold()
+    before = set(sys.modules)
+    barrier = flodld.fold.round_barrier(["a", "b"], accumulators=2, weights_may_drop=True)
+    barrier.contribute("a", 0, "mean", [torch.ones(2178)], 1.0)
+    result = barrier.contribute("b", 0, "mean", [torch.ones(2178)], 1.0)
+    assert result is not None and torch.equal(result.tensors[0], torch.full((2178,), 2.0))  # a partial sum
+    print(" ".join(sorted(set(sys.modules) - before)) or "-")
+    """
+)
+
+
+def test_once_the_fold_is_loaded_its_first_round_imports_nothing() -> None:
+    # The first round runs on the loop that carries the heartbeats: an import there holds it. The first
+    # schema is judged on meta tensors, and torch's first meta op imported sympy (~0.22 s on a loaded
+    # machine: the longest heartbeat gap of every chaos run, in its first round); load_fold makes that op.
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_ROUND], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["-"], f"the first round imported: {done.stdout[:500]}"
