@@ -63,6 +63,7 @@ from chaoslib import (
     missing_rank_seconds,
     p50_max,
     pooled_rate,
+    quiet_pace,
     read_last_rounds,
     read_logs,
     run_figures,
@@ -391,6 +392,17 @@ class Bench:
         if shares:
             print("where the loss goes (against the fault-free rate): " + ", ".join(
                 f"{kind} {100 * share:.1f} %" for kind, share in shares.items()))  # fmt: skip
+        busy = windows["host start-ups"] + [(f.at - 1.0, f.at + 3.0) for f in faults] + [
+            (f.at + self.args.partition_secs - 1.0, f.at + self.args.partition_secs + 3.0)
+            for f in faults
+            if f.kind == "partition"
+        ]
+        paces = [quiet_pace(read_logs(self.out / run_id), self.world, busy if run is chaos else [])
+                 for _, run, run_id in runs]  # fmt: skip
+        print("machine pace (median rounds/s of its whole-world seconds away from faults): " + ", ".join(
+            f"{pace:.0f} in the {name} run" if pace is not None else f"none in the {name} run"
+            for (name, _, _), pace in zip(runs, paces, strict=True)
+        ))  # fmt: skip
         print(f"\n{'fault kind':<15}{'injected':>9}{'detected':>9}{'detection p50/max s':>21}"
               f"{'rejoin p50/max s':>19}")  # fmt: skip
         for kind in KINDS if self.lab is not None else KINDS[:2]:

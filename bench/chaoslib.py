@@ -372,6 +372,39 @@ def attribute_loss(
     return shares
 
 
+def quiet_pace(
+    logs: list[RankLog], world: int, busy: list[tuple[float, float]], *, skip: float = 3.0
+) -> float | None:
+    """The machine's own pace in one run: the median rounds per second over its whole seconds in which every
+    round had all `world` members and no `busy` window (a fault's and its aftermath's) began or ended, the
+    run's first and last `skip` seconds left out. The same figure in every run of an invocation shows the
+    shared machine's drift apart from the faults' cost: a chaos run whose quiet seconds ran slower than
+    the fault-free runs' lost that part of its throughput to the machine, not to a fault. None: no such
+    second.
+    """
+    members: dict[int, tuple[float, int]] = {}
+    for log in logs:
+        for line in log.rounds:
+            t, count = members.get(line["round"], (line["t"], 0))
+            members[line["round"]] = (min(t, line["t"]), count + 1)
+    if not members:
+        return None
+    first = min(t for t, _ in members.values())
+    last = max(t for t, _ in members.values())
+    seconds: dict[int, list[int]] = defaultdict(list)
+    for t, count in members.values():
+        seconds[int(t - first)].append(count)
+    quiet = [
+        len(counts)
+        for second, counts in seconds.items()
+        if skip <= second
+        and first + second + 1 <= last - skip
+        and min(counts) == world
+        and not any(a < first + second + 1 and b > first + second for a, b in busy)
+    ]
+    return statistics.median(quiet) if quiet else None
+
+
 def p50_max(values: list[float]) -> str:
     if not values:
         return "-"

@@ -18,6 +18,7 @@ from chaoslib import (
     match_losses,
     missing_rank_seconds,
     pooled_rate,
+    quiet_pace,
     read_last_rounds,
     read_logs,
     run_figures,
@@ -140,3 +141,19 @@ def test_the_fault_free_runs_around_a_chaos_run_pool_their_samples_over_their_se
     assert (fast.rate, slow.rate) == (640.0, 320.0)
     assert pooled_rate([fast, slow]) == 12800 / 30.0  # not 480, the mean of the rates: longer runs weigh more
     assert pooled_rate([fast]) == fast.rate and pooled_rate([]) == 0.0
+
+
+def test_the_quiet_pace_is_the_median_round_rate_of_whole_world_seconds_away_from_faults() -> None:
+    # 4 rounds a second for 20 s, but seconds 8-9 hold a fault (2 rounds a second there) and in second 14
+    # one rank is missing: neither counts, nor do the first and last 3 s (start-up, wind-down).
+    rounds = []
+    for index in range(80):
+        t = 100.0 + index * 0.25
+        if 108.0 <= t < 110.0 and index % 2:
+            continue
+        rounds.append((index, t, "aa"))
+    full = _log(0, "h0", rounds)
+    partial = _log(1, "h1", [r for r in rounds if not 114.0 <= r[1] < 115.0])
+    assert quiet_pace([full, partial], 2, [(108.0, 110.0)]) == 4
+    assert quiet_pace([full, partial], 2, [(100.0, 120.0)]) is None  # every second near a fault
+    assert quiet_pace([], 2, []) is None
