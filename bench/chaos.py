@@ -447,9 +447,9 @@ def main() -> int:
     )
     # Faster than the daemon's elastic defaults (5 s, 1 s): every hang or partition stalls each cpu_sync
     # round for the timeout (detection within 5 s is the bound). Pass 5 and 1 to measure the defaults, 0.8
-    # and 0.2 to compare with the figures of builds up to f5f8e00. The timeout keeps ~1.6x the
-    # longest live gap this machine showed at that interval (0.30-0.31 s at 0.1 s, a run's first round;
-    # 0.12-0.13 s after it); the report prints that gap for every run, and the false alarms.
+    # and 0.2 to compare with the figures of builds up to f5f8e00. The longest live gap this machine shows
+    # at 0.1 s is 0.12-0.15 s (0.30-0.32 s in a run's first round before af64a9a): the timeout leaves 4x
+    # that. The report prints that gap for every run, and the false alarms.
     parser.add_argument(
         "--liveness-timeout", type=float, default=0.5,
         help="FLODL_LIVENESS_TIMEOUT_SECS for the run: the silence that declares a rank dead (default 0.5)",

@@ -6,6 +6,8 @@ its DATA and CONTROL channels with the controller's mux, and closes it when the 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,9 @@ from flodld.wire.magic import Channel
 
 if TYPE_CHECKING:
     from flodld.controller.run import Controller
+
+# The data plane's log: the fold's load reads among the plane's events.
+log = logging.getLogger("flodld.controller.dataplane")
 
 
 def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | None = None) -> None:
@@ -119,6 +124,18 @@ def preload_fold() -> None:
 
     if fold_loaded() or _loading:
         return
+    started = time.monotonic()
     future = asyncio.ensure_future(asyncio.to_thread(load_fold))
     _loading.add(future)
-    future.add_done_callback(_loading.discard)
+
+    def loaded(done: asyncio.Future[None]) -> None:
+        _loading.discard(done)
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:  # the first deposit loads it again, and a failure there fails the round
+            log.warning("event=fold_load_failed error=%r", str(error))
+        else:
+            log.info("event=fold_loaded secs=%.2f", time.monotonic() - started)
+
+    future.add_done_callback(loaded)

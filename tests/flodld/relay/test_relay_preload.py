@@ -94,9 +94,13 @@ _PROBE = textwrap.dedent(
         })
         controller = Controller(options)
         attach_data_plane(controller)
-        await controller.start()
+
+        async def open_window():
+            await controller.start()
+            await until(flodld.fold.fold_loaded)
+
         try:
-            await ticking(lambda: until(flodld.fold.fold_loaded))
+            await ticking(open_window)
             assert controller.window is not None and controller.window.world is None  # nobody joined
         finally:
             await controller.close()
