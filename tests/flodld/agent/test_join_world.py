@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -16,14 +18,14 @@ from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller
 from flodld.net.timeouts import scaled
 from flodld.wire.salt import salt_from_hex
-from tests.flodld.controller.agents import join
+from tests.flodld.controller.agents import Agent, join
 
 
-def controller(token: str | None) -> Controller:
+def controller(token: str | None, ranks: int = 1) -> Controller:
     # A loopback bind without a token is open admission: reachability is the credential.
     return Controller(ControllerOptions(
         advertised_host="10.9.9.9", port=0, loopback_bind=True, averaging="cpu_sync",
-        join=JoinConfig(discovery=True, min_rank_start=1, target_ranks=1, token=token),
+        join=JoinConfig(discovery=True, min_rank_start=ranks, target_ranks=ranks, token=token),
     ))
 
 
@@ -85,46 +87,43 @@ async def test_no_controller_is_a_transient_failure() -> None:
     assert failure.value.exit_class is ExitClass.TRANSIENT
 
 
+@asynccontextmanager
+async def walker_linked() -> AsyncIterator[tuple[Controller, AgentSpec, Agent]]:
+    """A window for two ranks with host "walker" joined on a raw link that stays open (its old link), and
+    the spec of an agent that dials as "walker" again.
+    """
+    token = secrets.token_hex(16)
+    ctl = controller(token, ranks=2)  # the window stays open for a second host
+    _, port = await ctl.start()
+    try:
+        old = await join(port, salt_from_hex(token), "walker")
+        assert old.accepted.ranks == [0]
+        yield ctl, spec(port, token), old
+    finally:
+        await ctl.stop("test over")
+
+
 async def test_a_hello_refused_while_this_hosts_old_link_is_still_open_there_is_dialed_again() -> None:
     # After a partition the host's old join link, closed on its side, stays open on the controller's until
     # TCP's next retransmission brings the close; the next hello used to end its agent with duplicate_host
     # (fdl join --persist then backed off and started another agent, ~0.5 s). Now the agent dials again
     # for a moment and is admitted once the old link is gone.
-    token = secrets.token_hex(16)
-    ctl = Controller(ControllerOptions(
-        port=0, loopback_bind=True, averaging="cpu_sync",
-        join=JoinConfig(discovery=True, min_rank_start=2, target_ranks=2, token=token),
-    ))
-    _, port = await ctl.start()
-    try:
-        old = await join(port, salt_from_hex(token), "walker")
-        assert old.accepted.ranks == [0]
-        agent = spec(port, token)
+    async with walker_linked() as (ctl, agent, old):
         second = asyncio.create_task(join_world(agent, build_hello(agent, ["cpu:0"])))
         await asyncio.sleep(0.35)  # a few refused hellos
         assert not second.done(), "the hello refused as duplicate_host ended the join at once"
         assert ctl.window is not None and ctl.window.ledger.refused_counts["duplicate_host"] >= 2
         await old.stream.aclose()  # the old link's close reaches the controller
-        other = await join(port, salt_from_hex(token), "other")
+        other = await join(agent.controller_port, salt_from_hex(agent.salt_hex or ""), "other")
         assert other.accepted.ranks  # the ranks the old link returned go to whoever comes first
         joined = await asyncio.wait_for(second, 5)
         assert joined.formed.envelope.world_size == 2
         await joined.stream.aclose()
         await other.stream.aclose()
-    finally:
-        await ctl.stop("test over")
 
 
 async def test_a_duplicate_host_that_stays_is_still_refused_after_the_retries() -> None:
-    token = secrets.token_hex(16)
-    ctl = Controller(ControllerOptions(
-        port=0, loopback_bind=True, averaging="cpu_sync",
-        join=JoinConfig(discovery=True, min_rank_start=2, target_ranks=2, token=token),
-    ))
-    _, port = await ctl.start()
-    try:
-        old = await join(port, salt_from_hex(token), "walker")
-        agent = spec(port, token)
+    async with walker_linked() as (_, agent, old):
         began = time.monotonic()
         with pytest.raises(JoinFailed, match=r"\[duplicate_host\]") as failure:
             await join_world(agent, build_hello(agent, ["cpu:0"]))
@@ -132,5 +131,3 @@ async def test_a_duplicate_host_that_stays_is_still_refused_after_the_retries() 
         retried = time.monotonic() - began
         assert retried >= scaled(joining.DUPLICATE_RETRY_BOUND_SECS) - joining.DUPLICATE_RETRY_SECS
         await old.stream.aclose()
-    finally:
-        await ctl.stop("test over")
