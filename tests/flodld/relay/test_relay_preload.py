@@ -158,3 +158,44 @@ def test_once_the_fold_is_loaded_its_first_round_imports_nothing() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["-"], f"the first round imported: {done.stdout[:500]}"
+
+
+_STOP_WHILE_LOADING = textwrap.dedent(
+    """
+    import asyncio, sys, time
+
+    import flodld.fold
+    from flodld.config.join import JoinConfig
+    from flodld.controller.attachplane import attach_data_plane
+    from flodld.controller.options import ControllerOptions
+    from flodld.controller.run import Controller
+
+    async def main():
+        options = ControllerOptions.model_validate({
+            "bind_host": "127.0.0.1", "port": 0, "run_id": "stop", "capacity": 2,
+            "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2),
+        })
+        controller = Controller(options)
+        attach_data_plane(controller)
+        await controller.start()
+        await controller.stop("stopped at once")
+
+    began = time.monotonic()
+    asyncio.run(main())
+    print(f"loaded={flodld.fold.fold_loaded()} secs={time.monotonic() - began:.2f}")
+    """
+)
+
+
+def test_a_controller_stopped_while_its_fold_loads_does_not_wait_for_the_import() -> None:
+    # The window's preload used the loop's executor, whose threads asyncio.run joins when the loop ends: a
+    # daemon stopped right after its window opened (systemctl stop, SIGTERM in CI) waited for torch to load,
+    # past the lifecycle test's 5 s on a loaded machine. The load now runs in a daemon thread, and the
+    # interpreter exits cleanly with it unfinished.
+    done = subprocess.run(
+        [sys.executable, "-c", _STOP_WHILE_LOADING], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Fatal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    fields = dict(field.split("=") for field in done.stdout.split())
+    assert fields["loaded"] == "False", f"the loop's end waited for the fold to load: {done.stdout}"
