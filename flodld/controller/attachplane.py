@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -68,14 +67,13 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
 
     def on_phase(phase: object, reason: str) -> None:
         window = controller.window
-        if not planes and controller.options.cpu_averaging:
-            preload_fold()
         if (
             not planes
             and window is not None
             and window.world is not None
             and controller.options.cpu_averaging
         ):
+            preload_fold()
             liveness = timeouts[controller.losses.survives_rank_loss]
             startup = max(liveness, startup_secs)
             plane = DataPlane(
@@ -110,34 +108,38 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
 
 
 _closing: set[asyncio.Task[None]] = set()
-_preloads: list[threading.Thread] = []
+_loading: set[asyncio.Future[None]] = set()
 
 
 def preload_fold() -> None:
-    """Start loading the fold (torch, and torch's first meta op) in a thread of its own now, while the
-    window is open, if this process has not: a CPU-averaging run folds from its first round. Even off the
-    loop the import holds the interpreter lock through long stretches (a C extension's start-up), stalling
-    the loop and every rank heartbeat it carries, by ~140 ms in one piece on an idle machine and several
-    times that on a loaded one; at the first deposit (as it was) that stall fell in round 0, with every
-    rank's liveness clock running. Made now, it is over before any rank starts.
+    """Start loading the fold (torch, and torch's first meta op) in a worker thread now, as the world forms,
+    if this process has not: the relays' first deposits come once the hosts have started their ranks. Even
+    off the loop the import holds the interpreter lock through long stretches (a C extension's start-up),
+    stalling the loop and every rank heartbeat it carries, by ~140 ms in one piece on an idle machine and
+    several times that on a loaded one; at the first deposit (as it was) that stall fell in round 0, with
+    every rank's liveness clock running.
 
-    A daemon thread, not the loop's executor: asyncio.run joins the executor's threads when the loop ends,
-    so a daemon stopped (SIGTERM) while torch loaded waited seconds for the import to finish.
+    Not earlier, at the window's opening: asyncio.run joins the executor's threads when the loop ends, so a
+    daemon stopped while torch loaded waits for the import (past 5 s on a loaded machine), and a window
+    that never forms should not load torch at all; a daemon thread instead was aborted (SIGABRT) when the
+    interpreter finalized in the middle of the import.
     """
     from flodld.fold import fold_loaded, load_fold
 
-    if fold_loaded() or any(thread.is_alive() for thread in _preloads):
+    if fold_loaded() or _loading:
         return
     started = time.monotonic()
+    future = asyncio.ensure_future(asyncio.to_thread(load_fold))
+    _loading.add(future)
 
-    def load() -> None:
-        try:
-            load_fold()
-        except Exception as error:  # the first deposit loads it again, and a failure there fails the round
+    def loaded(done: asyncio.Future[None]) -> None:
+        _loading.discard(done)
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:  # the first deposit loads it again, and a failure there fails the round
             log.warning("event=fold_load_failed error=%r", str(error))
         else:
             log.info("event=fold_loaded secs=%.2f", time.monotonic() - started)
 
-    thread = threading.Thread(target=load, name="flodld-fold-preload", daemon=True)
-    _preloads[:] = [thread]
-    thread.start()
+    future.add_done_callback(loaded)
