@@ -250,16 +250,21 @@ def pooled_rate(runs: list[RunFigures]) -> float:
     return sum(run.samples for run in runs) / seconds if seconds > 0 else 0.0
 
 
-def missing_rank_seconds(logs: list[RankLog], world: int) -> tuple[float, float]:
-    """(rank-seconds the run trained with fewer than `world` ranks, the seconds from its first round to its
-    last): each round's members (the ranks that logged it) held until the next round arrived.
-    """
+def round_arrivals(logs: list[RankLog]) -> dict[int, tuple[float, int]]:
+    """Per round: its earliest arrival and how many ranks logged it (its members)."""
     arrivals: dict[int, tuple[float, int]] = {}
     for log in logs:
         for line in log.rounds:
             t, count = arrivals.get(line["round"], (line["t"], 0))
             arrivals[line["round"]] = (min(t, line["t"]), count + 1)
-    ordered = sorted(arrivals.values())
+    return arrivals
+
+
+def missing_rank_seconds(logs: list[RankLog], world: int) -> tuple[float, float]:
+    """(rank-seconds the run trained with fewer than `world` ranks, the seconds from its first round to its
+    last): each round's members (the ranks that logged it) held until the next round arrived.
+    """
+    ordered = sorted(round_arrivals(logs).values())
     missing = sum(
         max(0, world - count) * (later - t) for (t, count), (later, _) in itertools.pairwise(ordered)
     )
@@ -382,11 +387,7 @@ def quiet_pace(
     the fault-free runs' lost that part of its throughput to the machine, not to a fault. None: no such
     second.
     """
-    members: dict[int, tuple[float, int]] = {}
-    for log in logs:
-        for line in log.rounds:
-            t, count = members.get(line["round"], (line["t"], 0))
-            members[line["round"]] = (min(t, line["t"]), count + 1)
+    members = round_arrivals(logs)
     if not members:
         return None
     first = min(t for t, _ in members.values())
