@@ -341,9 +341,10 @@ class Bench:
 
     def report(self, base_ids: list[str], chaos_id: str, faults: list[Fault], skipped: list[str]) -> bool:
         window = float(self.args.fault_every)
-        bases = [run_figures(read_logs(self.out / base_id), window) for base_id in base_ids]
+        logs = {run_id: read_logs(self.out / run_id) for run_id in [*base_ids, chaos_id]}  # each read once
+        bases = [run_figures(logs[base_id], window) for base_id in base_ids]
         rate = pooled_rate(bases)
-        chaos = run_figures(read_logs(self.out / chaos_id), window)
+        chaos = run_figures(logs[chaos_id], window)
         record = self.history[chaos_id]
         state = self.states.get(chaos_id, {})
         match_losses(faults, state.get("losses") or [], record["started_at"])
@@ -385,10 +386,10 @@ class Bench:
             "detection stalls": [(f.at, f.at + f.detected) for f in faults if f.detected is not None],
             "host start-ups": start_up_windows(joins or [], record["started_at"], chaos.round_times),
         }
-        missing, span = missing_rank_seconds(read_logs(self.out / chaos_id), self.world)
+        missing, span = missing_rank_seconds(logs[chaos_id], self.world)
         print(f"ranks missing: {missing:.0f} rank-seconds of {self.world * span:.0f} "
               f"({100 * missing / (self.world * span) if span else 0:.1f} %)")  # fmt: skip
-        shares = attribute_loss(read_logs(self.out / chaos_id), rate, windows)
+        shares = attribute_loss(logs[chaos_id], rate, windows)
         if shares:
             print("where the loss goes (against the fault-free rate): " + ", ".join(
                 f"{kind} {100 * share:.1f} %" for kind, share in shares.items()))  # fmt: skip
@@ -397,7 +398,7 @@ class Bench:
             for f in faults
             if f.kind == "partition"
         ]
-        paces = [quiet_pace(read_logs(self.out / run_id), self.world, busy if run is chaos else [])
+        paces = [quiet_pace(logs[run_id], self.world, busy if run is chaos else [])
                  for _, run, run_id in runs]  # fmt: skip
         print("machine pace (median rounds/s of its whole-world seconds away from faults): " + ", ".join(
             f"{pace:.0f} in the {name} run" if pace is not None else f"none in the {name} run"

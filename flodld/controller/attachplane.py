@@ -6,8 +6,6 @@ its DATA and CONTROL channels with the controller's mux, and closes it when the 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -22,9 +20,6 @@ from flodld.wire.magic import Channel
 
 if TYPE_CHECKING:
     from flodld.controller.run import Controller
-
-# The data plane's log: the fold's load reads among the plane's events.
-log = logging.getLogger("flodld.controller.dataplane")
 
 
 def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | None = None) -> None:
@@ -73,7 +68,6 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
             and window.world is not None
             and controller.options.cpu_averaging
         ):
-            preload_fold()
             liveness = timeouts[controller.losses.survives_rank_loss]
             startup = max(liveness, startup_secs)
             plane = DataPlane(
@@ -108,38 +102,3 @@ def attach_data_plane(controller: Controller, *, environ: Mapping[str, str] | No
 
 
 _closing: set[asyncio.Task[None]] = set()
-_loading: set[asyncio.Future[None]] = set()
-
-
-def preload_fold() -> None:
-    """Start loading the fold (torch, and torch's first meta op) in a worker thread now, as the world forms,
-    if this process has not: the relays' first deposits come once the hosts have started their ranks. Even
-    off the loop the import holds the interpreter lock through long stretches (a C extension's start-up),
-    stalling the loop and every rank heartbeat it carries, by ~140 ms in one piece on an idle machine and
-    several times that on a loaded one; at the first deposit (as it was) that stall fell in round 0, with
-    every rank's liveness clock running.
-
-    Not earlier, at the window's opening: asyncio.run joins the executor's threads when the loop ends, so a
-    daemon stopped while torch loaded waits for the import (past 5 s on a loaded machine), and a window
-    that never forms should not load torch at all; a daemon thread instead was aborted (SIGABRT) when the
-    interpreter finalized in the middle of the import.
-    """
-    from flodld.fold import fold_loaded, load_fold
-
-    if fold_loaded() or _loading:
-        return
-    started = time.monotonic()
-    future = asyncio.ensure_future(asyncio.to_thread(load_fold))
-    _loading.add(future)
-
-    def loaded(done: asyncio.Future[None]) -> None:
-        _loading.discard(done)
-        if done.cancelled():
-            return
-        error = done.exception()
-        if error is not None:  # the first deposit loads it again, and a failure there fails the round
-            log.warning("event=fold_load_failed error=%r", str(error))
-        else:
-            log.info("event=fold_loaded secs=%.2f", time.monotonic() - started)
-
-    future.add_done_callback(loaded)

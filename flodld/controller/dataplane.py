@@ -40,11 +40,12 @@ from flodld.controller.rankwatch import (
 from flodld.controller.relayadmission import RelayAdmission
 from flodld.controller.roundledger import RoundLedger
 from flodld.controller.walkins import WalkIns
-from flodld.fold import fold_loaded, load_fold, round_barrier
+from flodld.fold import round_barrier
 from flodld.fold.straggler import StragglerClock
 from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream
+from flodld.relay.foldload import FoldLoad
 from flodld.wire.control import DeclareDead, Heartbeat
 from flodld.wire.data import Broadcast, DataPlaneError, HostFrame, RankConnected, RankExpected, RankGone
 from flodld.wire.errors import WireError
@@ -123,9 +124,11 @@ class DataPlane:
         self.walk_ins = WalkIns(
             self.relays[Channel.DATA], self.live_ranks, metrics=self.metrics, chunk_env=chunk_env
         )
-        # The fold machinery (torch) loads with the first host frame: a run that never averages
-        # through the relays never pays for it, and formation is not delayed by the import.
+        # The fold machinery (torch) loads in a worker thread from `start` (the world formed) unless the
+        # relays fold (a sole host): a run that never averages through the relays never pays for it, and
+        # the import is over before the first host frame, not in round 0 with every liveness clock running.
         self._barrier: RoundBarrier[str] | None = None
+        self._fold = FoldLoad()
         self.clock = clock
         self.watch = RankWatch(
             self.host_of,
@@ -164,8 +167,17 @@ class DataPlane:
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the liveness clock and the coordinator heartbeat (call inside the event loop)."""
+        """Start the liveness clock and the coordinator heartbeat, and the fold's load where this plane
+        folds (call inside the event loop, as the world forms).
+
+        The load runs in the loop's executor, not a daemon thread of its own: an interpreter that finalizes
+        in the middle of torch's import in a daemon thread aborts (SIGABRT). asyncio.run joins the executor
+        at the loop's end, so a daemon stopped while torch loads waits for the import; hence not earlier,
+        at the window's opening, and not at all for a window that never forms.
+        """
         self.watch.start()
+        if not self.sole_host:
+            self._fold.start()
 
     async def shutdown(self, reason: str) -> None:
         """Tell every rank the run is over (they exit), then stop the ticker."""
@@ -212,11 +224,11 @@ class DataPlane:
         return {host for host, ranks in self.live_ranks.items() if ranks}
 
     async def fold_ready(self) -> None:
-        """Load the fold (torch) in a worker thread if no fold ran in this process yet: this loop carries
-        every rank's heartbeat, and the import takes seconds on a loaded host (past a short liveness timeout).
+        """Once the fold (torch) is loaded, in a worker thread (the load `start` began, or one begun now):
+        this loop carries every rank's heartbeat, and the import takes seconds on a loaded host.
         """
-        if self._barrier is None and not fold_loaded():
-            await asyncio.to_thread(load_fold)
+        if self._barrier is None:
+            await self._fold.ready()
 
     def _ensure_barrier(self) -> RoundBarrier[str]:
         if self._barrier is None:

@@ -9,16 +9,16 @@ never stalls the loop that forwards the ranks' heartbeats.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Collection, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from flodld.fold import fold_loaded, load_fold, round_barrier
+from flodld.fold import round_barrier
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream
 from flodld.relay.delivery import Delivery, send_quietly
 from flodld.relay.entry import WalkInEntry
+from flodld.relay.foldload import FoldLoad
 from flodld.relay.stragglers import StragglerWatch
 from flodld.wire.data import Broadcast, DataPlaneError, Deposit, HostFrame, ShmDeposit
 
@@ -72,7 +72,7 @@ class DepositFold:
         self.refused = 0  # deposits refused, and rounds the sole host could not finish
         self.upstream: FramedStream | None = None
         self._outbox = InOrder()
-        self._loading: asyncio.Future[None] | None = None  # the fold's import in a worker thread
+        self._fold = FoldLoad()  # the fold's import, in a worker thread
         # cpu_cadence/cpu_async with a straggler_timeout: when a round stops waiting for its late ranks.
         self.stragglers = StragglerWatch(straggler_timeout, ship=self.send, failed=failed)
 
@@ -90,17 +90,13 @@ class DepositFold:
         """Start loading the fold (torch) now, in a worker thread: a walk-in's relay, whose host must fold
         the moment it enters, or the round it entered waits for the import (seconds on a loaded host).
         """
-        if self._loading is None and not fold_loaded():
-            self._loading = asyncio.ensure_future(asyncio.to_thread(load_fold))
+        self._fold.start()
 
     async def loaded(self) -> None:
         """Once the fold is loaded (in a worker thread, started now if `preload` did not start it): the loop
         that folds also forwards the ranks' heartbeats, and the import takes seconds on a loaded host.
         """
-        if not fold_loaded():
-            self.preload()
-            assert self._loading is not None
-            await asyncio.shield(self._loading)
+        await self._fold.ready()
 
     async def ready(self) -> RoundBarrier[int]:
         """`ensure`, the fold loaded first (`loaded`)."""

@@ -67,9 +67,8 @@ async def test_unauthenticated_floods_on_every_channel_leave_rss_near_idle_and_t
             await asyncio.sleep(0.05)
         for _ in range(5):
             await state(port)
-        # A CPU-averaging run's controller loads torch for its fold as its world forms, in a worker thread:
-        # its idle size is measured once that is over.
-        daemon.wait_for_line("event=fold_loaded", timeout=60)
+        # A one-host world's relay folds its own rounds, so this controller never loads torch for a fold
+        # (tests/flodld/relay/test_relay_preload.py): nothing loads inside the measured window.
         await asyncio.sleep(0.3)
         idle = daemon.rss_bytes()
 

@@ -5,7 +5,7 @@ also forwards the ranks' heartbeats and the coordinator's: with a short liveness
 run was declared dead in round 0 (bench/chaos.py `--liveness-timeout 2`; asyncio's debug mode showed each
 relay's leg task holding its loop for ~3 s). Now the first fold of a process loads torch in a worker
 thread while the loop keeps turning, and a CPU-averaging run's controller starts that load when its world
-forms, so the import is over before any relay deposits (at the first deposit it still
+forms (unless its one host's relay folds), so the import is over before any relay deposits (at the first deposit it still
 held the loop in round 0 through the import's long stretches under the interpreter lock: ~140 ms in one
 piece on an idle machine, several times that on a loaded one, with every rank's liveness clock running).
 
@@ -92,16 +92,17 @@ _PROBE = textwrap.dedent(
 
         token = "ab" * 16
         options = ControllerOptions.model_validate({
-            "bind_host": "127.0.0.1", "port": 0, "run_id": "preload", "capacity": 1,
-            "join": JoinConfig(join_timeout=60, target_ranks=1, min_rank_start=1, token=token),
+            "bind_host": "127.0.0.1", "port": 0, "run_id": "preload", "capacity": 2,
+            "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2, token=token),
         })
         controller = Controller(options)
         attach_data_plane(controller)
         _, port = await controller.start()
 
         async def form():
-            agent = await join(port, salt_from_hex(token), "h")
-            await agent.world()
+            agents = [await join(port, salt_from_hex(token), host) for host in ("a", "b")]
+            for agent in agents:
+                await agent.world()
             await until(flodld.fold.fold_loaded)
 
         try:
@@ -165,7 +166,7 @@ def test_once_the_fold_is_loaded_its_first_round_imports_nothing() -> None:
     assert done.stdout.split() == ["-"], f"the first round imported: {done.stdout[:500]}"
 
 
-_NEVER_FORMED = textwrap.dedent(
+_FOLDS_NOTHING = textwrap.dedent(
     """
     import asyncio, sys
 
@@ -174,30 +175,50 @@ _NEVER_FORMED = textwrap.dedent(
     from flodld.controller.options import ControllerOptions
     from flodld.controller.run import Controller
 
-    async def main():
+    async def main(case):
+        # "never": no host comes; "sole": one host forms a world of its own, whose relay folds its rounds.
+        token = "ab" * 16
         options = ControllerOptions.model_validate({
             "bind_host": "127.0.0.1", "port": 0, "run_id": "stop", "capacity": 2,
-            "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2),
+            "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2, token=token)
+            if case == "never" else JoinConfig(join_timeout=60, target_ranks=1, min_rank_start=1, token=token),
         })
         controller = Controller(options)
         attach_data_plane(controller)
-        await controller.start()
-        await asyncio.sleep(0.5)
-        await controller.stop("stopped before any host came")
+        _, port = await controller.start()
+        if case == "sole":
+            from flodld.wire.salt import salt_from_hex
+            from tests.flodld.controller.agents import join
 
-    asyncio.run(main())
+            agent = await join(port, salt_from_hex(token), "h")
+            await agent.world()
+            def attached():  # the data plane, once built, lends the controller its round_in_progress
+                return getattr(controller.round_in_progress, "__self__", None) is not None
+
+            for _ in range(500):
+                if attached():
+                    break
+                await asyncio.sleep(0.01)
+            assert attached(), "the data plane was never attached"
+        await asyncio.sleep(0.5)
+        await controller.stop("stopped")
+
+    asyncio.run(main(sys.argv[1]))
     print(f"torch={'torch' in sys.modules}")
     """
 )
 
 
-def test_a_window_that_never_forms_loads_no_torch() -> None:
+@pytest.mark.parametrize("case", ["never", "sole"])
+def test_a_controller_that_folds_nothing_loads_no_torch(case: str) -> None:
     # The preload once started with the window: a daemon stopped soon after (systemctl stop, the SIGTERM
     # lifecycle test) then waited for torch to load, since asyncio.run joins the executor's threads, and
     # a daemon thread instead was aborted (SIGABRT) when the interpreter finalized mid-import. It starts
-    # as the world forms now, as the first deposit's load did before it.
+    # as the world forms now, as the first deposit's load did before it; and only where the controller
+    # folds: a one-host world's relay folds its own rounds (HelloAck sole_host), so its controller never
+    # needs torch (it loaded it anyway, ~60 MiB and seconds of CPU, before the load moved into the plane).
     done = subprocess.run(
-        [sys.executable, "-c", _NEVER_FORMED], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", _FOLDS_NOTHING, case], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["torch=False"], done.stdout
