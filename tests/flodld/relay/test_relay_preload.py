@@ -5,9 +5,10 @@ also forwards the ranks' heartbeats and the coordinator's: with a short liveness
 run was declared dead in round 0 (bench/chaos.py `--liveness-timeout 2`; asyncio's debug mode showed each
 relay's leg task holding its loop for ~3 s). Now the first fold of a process loads torch in a worker
 thread while the loop keeps turning, and a CPU-averaging run's controller starts that load when its world
-forms (unless its one host's relay folds), so the import is over before any relay deposits (at the first deposit it still
-held the loop in round 0 through the import's long stretches under the interpreter lock: ~140 ms in one
-piece on an idle machine, several times that on a loaded one, with every rank's liveness clock running).
+forms (unless its one host's relay folds), so the import is over before any relay deposits (at the first
+deposit it still held the loop in round 0 through the import's long stretches under the interpreter lock:
+~140 ms in one piece on an idle machine, several times that on a loaded one, with every rank's liveness
+clock running).
 
 Each check runs in a fresh interpreter (torch not yet imported), with a task ticking every 5 ms beside the
 first fold's preparation: the loop must have turned while torch loaded (it never did when the import ran
@@ -178,10 +179,10 @@ _FOLDS_NOTHING = textwrap.dedent(
     async def main(case):
         # "never": no host comes; "sole": one host forms a world of its own, whose relay folds its rounds.
         token = "ab" * 16
+        ranks = 2 if case == "never" else 1
         options = ControllerOptions.model_validate({
             "bind_host": "127.0.0.1", "port": 0, "run_id": "stop", "capacity": 2,
-            "join": JoinConfig(join_timeout=60, target_ranks=2, min_rank_start=2, token=token)
-            if case == "never" else JoinConfig(join_timeout=60, target_ranks=1, min_rank_start=1, token=token),
+            "join": JoinConfig(join_timeout=60, target_ranks=ranks, min_rank_start=ranks, token=token),
         })
         controller = Controller(options)
         attach_data_plane(controller)
