@@ -128,7 +128,7 @@ class DataPlane:
         # relays fold (a sole host): a run that never averages through the relays never pays for it, and
         # the import is over before the first host frame, not in round 0 with every liveness clock running.
         self._barrier: RoundBarrier[str] | None = None
-        self._fold = FoldLoad()
+        self._fold = FoldLoad(loaded_level=logging.INFO)  # event=fold_loaded in the controller's log
         self.clock = clock
         self.watch = RankWatch(
             self.host_of,

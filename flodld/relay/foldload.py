@@ -23,11 +23,14 @@ class FoldLoad:
     """One shell's load of the fold: `start` begins it (once), `ready` awaits it (starting it if need be).
 
     A load that failed is started again by the next `ready`, whose caller's round fails with the error (an
-    import failure is logged `event=fold_load_failed` either way).
+    import failure is logged `event=fold_load_failed`, a warning, either way). `loaded_level`: the level of
+    the `event=fold_loaded secs=…` line; the controller's log keeps it (INFO), a relay's output, which
+    reaches the operator's terminal through its agent, does not (DEBUG).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, loaded_level: int = logging.DEBUG) -> None:
         self._loading: asyncio.Future[None] | None = None
+        self._loaded_level = loaded_level
 
     def start(self) -> None:
         """Begin loading in a worker thread, unless loaded or loading (call inside the event loop)."""
@@ -43,7 +46,7 @@ class FoldLoad:
             if error is not None:
                 log.warning("event=fold_load_failed error=%r", str(error))
             else:
-                log.info("event=fold_loaded secs=%.2f", time.monotonic() - started)
+                log.log(self._loaded_level, "event=fold_loaded secs=%.2f", time.monotonic() - started)
 
         self._loading.add_done_callback(loaded)
 
