@@ -170,10 +170,8 @@ class DataPlane:
         """Start the liveness clock and the coordinator heartbeat, and the fold's load where this plane
         folds (call inside the event loop, as the world forms).
 
-        The load runs in the loop's executor, not a daemon thread of its own: an interpreter that finalizes
-        in the middle of torch's import in a daemon thread aborts (SIGABRT). asyncio.run joins the executor
-        at the loop's end, so a daemon stopped while torch loads waits for the import; hence not earlier,
-        at the window's opening, and not at all for a window that never forms.
+        Not earlier, at the window's opening: a daemon stopped while torch loads waits for the import
+        (`FoldLoad.start`), and a window that never forms should load no torch at all.
         """
         self.watch.start()
         if not self.sole_host:

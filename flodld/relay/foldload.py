@@ -33,7 +33,12 @@ class FoldLoad:
         self._loaded_level = loaded_level
 
     def start(self) -> None:
-        """Begin loading in a worker thread, unless loaded or loading (call inside the event loop)."""
+        """Begin loading in a worker thread, unless loaded or loading (call inside the event loop).
+
+        The thread is the loop's executor's, not a daemon thread of its own: an interpreter that finalizes
+        in the middle of torch's import in a daemon thread aborts (SIGABRT). The price: asyncio.run joins
+        the executor at the loop's end, so a shell stopped while torch loads waits for the import.
+        """
         if fold_loaded() or (self._loading is not None and not self._loading.done()):
             return
         started = time.monotonic()
