@@ -41,11 +41,11 @@ from flodld.controller.relayadmission import RelayAdmission
 from flodld.controller.roundledger import RoundLedger
 from flodld.controller.walkins import WalkIns
 from flodld.fold import round_barrier
-from flodld.fold.straggler import StragglerClock
 from flodld.net.dispatch import serve_frames
 from flodld.net.inorder import InOrder
 from flodld.net.stream import FramedStream
 from flodld.relay.foldload import FoldLoad
+from flodld.relay.stragglers import RoundStragglers
 from flodld.wire.control import DeclareDead, Heartbeat
 from flodld.wire.data import Broadcast, DataPlaneError, HostFrame, RankConnected, RankExpected, RankGone
 from flodld.wire.errors import WireError
@@ -144,13 +144,18 @@ class DataPlane:
         )
         self.rounds = 0
         self.ledger = RoundLedger()
+        self._outbox = InOrder()  # broadcast chunks leave in the order the fold made them
         # cpu_cadence/cpu_async with a straggler_timeout: a round stops waiting for late hosts after twice
         # the timeout, so that a host whose relay is waiting out its own late rank (the timeout, from its
         # own first deposit) is not skipped with it: the relays skip late ranks, the controller late hosts.
-        self.stragglers = StragglerClock(2 * straggler_timeout if straggler_timeout is not None else None)
-        self._straggler_timer: asyncio.TimerHandle | None = None
-        self._straggler_tasks: set[asyncio.Task[None]] = set()
-        self._outbox = InOrder()  # broadcast chunks leave in the order the fold made them
+        late_after = 2 * straggler_timeout if straggler_timeout is not None else None
+        self.stragglers: RoundStragglers[str] = RoundStragglers(
+            late_after, lambda results: self._outbox.send(results, self._broadcast),
+            skipped=lambda round_number, hosts: log.warning(
+                "event=round_skipped_hosts round=%d hosts=%s timeout=%g", round_number, hosts, late_after
+            ),
+            clock=clock,
+        )
         self.dead_ranks: list[int] = []
         self.gone_ranks: list[int] = []
         # Told the round a rank left in, once its relay says (a loss recorded earlier is corrected with it).
@@ -167,11 +172,9 @@ class DataPlane:
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the liveness clock and the coordinator heartbeat, and the fold's load where this plane
-        folds (call inside the event loop, as the world forms).
-
-        Not earlier, at the window's opening: a daemon stopped while torch loads waits for the import
-        (`FoldLoad.start`), and a window that never forms should load no torch at all.
+        """Start the liveness clock, the coordinator heartbeat and, where this plane folds, the fold's load
+        (inside the event loop, as the world forms: not at the window's opening, since a daemon stopped while
+        torch loads waits for the import, and a window that never forms should load no torch).
         """
         self.watch.start()
         if not self.sole_host:
@@ -222,9 +225,7 @@ class DataPlane:
         return {host for host, ranks in self.live_ranks.items() if ranks}
 
     async def fold_ready(self) -> None:
-        """Once the fold (torch) is loaded, in a worker thread (the load `start` began, or one begun now):
-        this loop carries every rank's heartbeat, and the import takes seconds on a loaded host.
-        """
+        """Once the fold (torch) is loaded, off the loop that carries the heartbeats (`FoldLoad`)."""
         if self._barrier is None:
             await self._fold.ready()
 
@@ -326,35 +327,9 @@ class DataPlane:
         self.metrics.host_chunk(
             message.round, message.offset, message.contributors, frame.tail_view.nbytes, self.clock()
         )
-        self._watch_stragglers(barrier, before)
+        self.stragglers.arm(barrier, before)
         await self._outbox.send(results, self._broadcast)
         return False
-
-    def _watch_stragglers(self, barrier: RoundBarrier[str], before: int) -> None:
-        """After a host's chunk was taken: the round still open at `before` starts its straggler clock."""
-        if self.stragglers.timeout is None or barrier.round != before or not barrier.started:
-            return
-        wake = self.stragglers.arm(before, self.clock())
-        if wake is not None:
-            if self._straggler_timer is not None:
-                self._straggler_timer.cancel()
-            self._straggler_timer = asyncio.get_running_loop().call_later(
-                max(0.0, wake - self.clock()), self._stragglers_due, before
-            )
-
-    def _stragglers_due(self, round_number: int) -> None:
-        """The timer: skip the hosts that still owe `round_number`, if it is still open."""
-        self._straggler_timer = None
-        barrier = self._barrier
-        late = self.stragglers.late(barrier, round_number, self.clock())
-        if barrier is None or late is None:
-            return
-        log.warning("event=round_skipped_hosts round=%d hosts=%s timeout=%g", round_number, late,
-                    self.stragglers.timeout)  # fmt: skip
-        sending = self._outbox.send(barrier.skip(late), self._broadcast)
-        task = asyncio.get_running_loop().create_task(sending)
-        self._straggler_tasks.add(task)
-        task.add_done_callback(self._straggler_tasks.discard)
 
     async def _on_rank_gone(self, message: RankGone, relay: _Relay, frame: Frame) -> None:
         if self.host_of.get(message.rank) == relay.host:
@@ -420,7 +395,7 @@ class DataPlane:
             # Live ranks whose deposit the round went without: skipped here (their host) or at their
             # relay (the host's frame left them out), by the straggler timeout.
             skipped = self.ledger.round_done(set().union(*self.live_ranks.values()))
-            if self.stragglers.timeout is not None:
+            if self.stragglers.clock.timeout is not None:
                 for rank in skipped:
                     self.metrics.skipped(rank)
         tail, (kind, payload) = result.byte_views(), encode_message(message)  # sealed per relay, encoded once
