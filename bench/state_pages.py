@@ -25,8 +25,8 @@ from typing import Any
 from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
-from flodld.controller.page import render_page
 from flodld.controller.run import Controller
+from flodld.controller.status.page import render_page
 from flodld.membership.policy import derive_policy
 from flodld.membership.window import JoinWindow
 from flodld.wire.join import JOIN_PROTOCOL_VERSION, Hello

@@ -5,7 +5,7 @@
 One `flodld serve --once` with its window open (so state.json has state), polled the way
 `bench/join_storm.py`'s pollers poll: a new TCP connection per request, `Connection: close`, read to EOF,
 `--clients` requests in flight. Rounds alternate `GET /state.json` (answered by the port itself from the
-cached bytes, `flodld.controller.fastget`) and `GET /nope` (routed, answered and closed by aiohttp: the
+cached bytes, `flodld.controller.status.fastget`) and `GET /nope` (routed, answered and closed by aiohttp: the
 baseline). Per round: requests/s and the controller's CPU per request (user + system, from /proc; the
 kernel's share of a loopback connection included). Last line: the medians' ratio, state.json over 404.
 

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from flodld.config.yamlsource import read_yaml
     from flodld.controller.options import ControllerOptions
     from flodld.controller.service import assemble_controller
+    from flodld.controller.status.summary import summarise
     from flodld.fanout.cluster_run import run_cluster_job
     from flodld.fanout.drive import drive_run
     from flodld.fanout.forward import ForwardError, open_forward
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from flodld.fanout.sshd_recipe import JoinSshdRecipe, RecipeError
     from flodld.membership import PolicyError, derive_policy
     from flodld.membership.rootcause import root_cause_lines
-    from flodld.membership.snapshot import EarlierAttempt, attempt_texts
+    from flodld.membership.snapshot import EarlierAttempt
     from flodld.membership.supervisor import (
         AgentExited,
         ArmTimer,
@@ -125,6 +126,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.config.yamlsource": ("read_yaml",),
     "flodld.controller.options": ("ControllerOptions",),
     "flodld.controller.service": ("assemble_controller",),
+    "flodld.controller.status.summary": ("summarise",),
     "flodld.fanout.cluster_run": ("run_cluster_job",),
     "flodld.fanout.drive": ("drive_run",),
     "flodld.fanout.forward": ("ForwardError", "open_forward"),
@@ -149,7 +151,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "verdict_event",
     ),
     "flodld.membership.rootcause": ("root_cause_lines",),
-    "flodld.membership.snapshot": ("EarlierAttempt", "attempt_texts"),
+    "flodld.membership.snapshot": ("EarlierAttempt",),
     "flodld.membership.switch": ("start_credential",),
     "flodld.net": ("scaled",),
     "flodld.probe": ("HostReport", "aggregate", "probe_local", "render"),
@@ -209,7 +211,6 @@ __all__ = [
     "aggregate",
     "assemble_controller",
     "attempt_dir",
-    "attempt_texts",
     "available_envs",
     "component",
     "config_overlay_file",
@@ -237,6 +238,7 @@ __all__ = [
     "scaled",
     "start_credential",
     "startup_variables",
+    "summarise",
     "verdict_event",
 ]
 

@@ -43,6 +43,8 @@ SANS_IO = (
     "flodld.config",
     "flodld.agent.supervision",
     "flodld.controller.roundledger",
+    "flodld.controller.status.summary",  # and the row wordings it uses: `fdl status` loads them
+    "flodld.controller.status.wording",
     "flodld.fanout.sshd_recipe",
     "fhelium.distributed._schedule",
 )

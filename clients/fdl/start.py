@@ -27,7 +27,7 @@ from flodld import api
 
 TOKEN_ENV = "FDL_START_TOKEN"
 JOIN_TOKEN_ENV = "FDL_JOIN_TOKEN"
-START_HEADER = "X-Flodld-Start"  # flodld.controller.http.START_HEADER
+START_HEADER = "X-Flodld-Start"  # flodld.controller.status.http.START_HEADER
 _JOIN_TOKEN = re.compile(r"[0-9a-fA-F]{32}")
 
 

@@ -88,35 +88,21 @@ def device_summary(labels: list[str]) -> str:
     return ", ".join(labels)
 
 
-def _countdown(value: float | None) -> str:
-    return "expired" if value is None else f"{value:.0f}s left"
-
-
 def render(state: dict[str, Any], address: str, *, colour: bool = False, list_all: bool = False) -> str:
     """The pretty form of state.json (`list_all`: every host of the page, as `--members` asked)."""
+    from flodld import api  # the summariser is pure: no controller (aiohttp) loads with it
+
+    words = api.summarise(state)  # the headline in the page's words (flodld/controller/status/summary.py)
     phase = str(state.get("phase", "?"))
     lines = [
         f"run {state.get('run_id') or '?'} @ {address} — {_paint(phase, _COLOURS.get(phase, '0'), colour)}"
+        + (f" ({words.note})" if words.note else "")
     ]
-    target = state.get("target")
-    lines.append(
-        f"  ranks: {state.get('joined_ranks', 0)} joined across {state.get('joined_hosts', 0)} host(s)   "
-        f"(quorum {state.get('quorum')}, target {target if target is not None else 'none'})"
-    )
+    lines.append(f"  ranks: {words.ranks}")
     if phase in WINDOW_PHASES:
-        lines.append(
-            f"  window: {_countdown(state.get('window_remaining_secs'))}   "
-            f"hard cap: {_countdown(state.get('cap_remaining_secs'))}"
-        )
-        mode = state.get("start_mode", "auto")
-        if mode != "auto":
-            if state.get("start_armed"):
-                what = "armed (forming at the next tick)"
-            elif phase == "staging":
-                what = "roster startable, fire with `fdl start`"
-            else:
-                what = "waiting for quorum"
-            lines.append(f"  start: {mode} — {what}")
+        lines.append(f"  window: {words.window}   hard cap: {words.cap}")
+        if state.get("start_mode", "auto") != "auto":
+            lines.append(f"  start: {words.start}")
     members = [m for m in state.get("members") or [] if isinstance(m, dict)]
     page = state.get("members_page") if isinstance(state.get("members_page"), dict) else None
     total = int(page.get("total", len(members))) if page else len(members)
@@ -156,24 +142,20 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
         lines.append(f"  missing: {', '.join(missing)}")
     if state.get("reason"):
         lines.append(f"  reason: {state['reason']}")
-    lines += attempt_lines(state.get("attempt"))
+    lines += [f"  {line}" for line in words.attempts[:1]] + [f"    {line}" for line in words.attempts[1:]]
     cause = state.get("root_cause")
     if isinstance(cause, dict):  # the first observed failure, across hosts
         lines += ["  " + line for line in _root_cause_lines(cause, tail_lines=ROOT_CAUSE_TAIL_LINES)]
-    lines += _service_lines(state)
+    lines += _service_lines(state, words.service)
     return "\n".join(lines)
 
 
-def _service_lines(state: dict[str, Any]) -> list[str]:
-    """`flodld serve`: between runs, the previous run (and its root cause), a failed config reload."""
-    lines: list[str] = []
+def _service_lines(state: dict[str, Any], headline: str) -> list[str]:
+    """`flodld serve`: its runs (between runs: when the next window opens), the previous run (and its root
+    cause), a failed config reload.
+    """
+    lines: list[str] = [f"  {headline}"] if headline else []
     service = state.get("service") or {}
-    if service.get("between_runs"):
-        remaining = service.get("next_window_in_secs")
-        lines.append(
-            "  between runs: the next window opens "
-            + (f"in {remaining:.0f}s" if isinstance(remaining, int | float) else "shortly")
-        )
     history = [h for h in (state.get("history") or []) if isinstance(h, dict)]
     if history and not service.get("between_runs"):
         last = history[0]
@@ -186,16 +168,6 @@ def _service_lines(state: dict[str, Any]) -> list[str]:
     if service.get("config_error"):
         lines.append(f"  config reload failed (previous config in force): {service['config_error']}")
     return lines
-
-
-def attempt_lines(attempt: object) -> list[str]:
-    """`attempt N of at most M` and one line per earlier attempt with its cause (restarts configured)."""
-    if attempt is None:
-        return []
-    from flodld import api  # only with restarts configured: `fdl status` stays light otherwise
-
-    texts = api.attempt_texts(attempt)
-    return [f"  {line}" for line in texts[:1]] + [f"    {line}" for line in texts[1:]]
 
 
 ROOT_CAUSE_TAIL_LINES = 20

@@ -2,18 +2,16 @@
 
 Programmatic use (what `fdl run` and tests do):
 
+    from flodld.controller.options import ControllerOptions
+    from flodld.controller.run import Controller
+
     controller = Controller(ControllerOptions(...))   # or Controller(cluster_config)
     host, port = await controller.start()
     result = await controller.wait()                  # RunResult(verdict, reason)
     await controller.close()
 
 `flodld serve` (flodld.controller.daemon) wraps the same object with signals and systemd readiness.
+
+This file imports nothing: importing a module of the package, such as the pure
+`flodld.controller.status.summary` that `fdl status` uses, does not load the controller (aiohttp).
 """
-
-from __future__ import annotations
-
-from flodld.controller.options import ControllerOptions
-from flodld.controller.run import Controller
-from flodld.controller.runparts import RunResult
-
-__all__ = ["Controller", "ControllerOptions", "RunResult"]

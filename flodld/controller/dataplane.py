@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flodld.controller.metrics import RunMetrics
 from flodld.controller.rankwatch import (
     DEFAULT_HEARTBEAT_INTERVAL_SECS,
     DEFAULT_LIVENESS_TIMEOUT_SECS,
@@ -39,6 +38,7 @@ from flodld.controller.rankwatch import (
 )
 from flodld.controller.relayadmission import RelayAdmission
 from flodld.controller.roundledger import RoundLedger
+from flodld.controller.status.metrics import RunMetrics
 from flodld.controller.walkins import WalkIns
 from flodld.fold import round_barrier
 from flodld.net.dispatch import serve_frames

@@ -22,7 +22,7 @@ from typing import Any
 
 from flodld.controller.runparts import DriverRun, RunResult
 from flodld.controller.shipper import ABORT_TIMEOUT_SECS, WorldShipper
-from flodld.controller.snapshot import StateCache
+from flodld.controller.status.snapshot import StateCache
 from flodld.membership.phase import TERMINAL_PHASES, Phase
 from flodld.membership.policy import TrustMode
 from flodld.membership.window import JoinWindow

@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Protocol
 
 from flodld.controller.linkheap import link_ended, link_opened
-from flodld.controller.metrics import ControllerCounters
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.net.gated import GatedProtocol, ShellPort
 from flodld.net.keepalive import keep_alive, tcp_socket
 from flodld.net.turns import join_turns

@@ -4,8 +4,8 @@ Each connection gets its own protocol object, so a silent or slow peer only ever
 own deadline timer, never the accept loop. Until the magic is in, bytes are buffered here;
 then the transport is handed to the channel's handler (asyncio streams) or, for HTTP, to the
 aiohttp protocol, with the buffered bytes replayed so nothing is lost. A plain `GET /state.json` is
-answered here from the status source's bytes when the port has them (`flodld.controller.fastget`); every
-other request still goes to aiohttp.
+answered here from the status source's bytes when the port has them
+(`flodld.controller.status.fastget`); every other request still goes to aiohttp.
 
 Until a stream connection's first frame verifies (the peer proved it holds the key), it keeps its
 address's pre-admission gate slot (join: until admitted), and every byte it sends is counted
@@ -18,7 +18,7 @@ that reads slowly or not at all) count against one global budget too (`http_budg
 share of a quarter of it): an answer that would queue past either is cut at once and counted
 (`http_budget`), not queued. Every HTTP connection, whichever path answers it, is aborted at
 `http_lifetime`, even one already closing with bytes unsent. One HTTP connection's protocol and its
-share of the budget are `flodld.controller.httpconn`; accepting in batches under uvloop is
+share of the budget are `flodld.controller.status.httpconn`; accepting in batches under uvloop is
 `flodld.controller.accept`.
 """
 
@@ -36,15 +36,15 @@ from dataclasses import dataclass
 
 from flodld.controller.accept import AcceptDrain
 from flodld.controller.addresses import CleartextWarner, is_loopback_address, is_private_address
-from flodld.controller.fastget import Direct, HttpDate, answer_head, busy_answer
-from flodld.controller.httpconn import (
+from flodld.controller.status.fastget import Direct, HttpDate, answer_head, busy_answer
+from flodld.controller.status.httpconn import (
     HTTP_WRITE_BUDGET_BYTES,
     HttpProtocolFactory,
     HttpQueued,
     LimitedLifetime,
 )
-from flodld.controller.metrics import ControllerCounters
-from flodld.controller.snapshot import MemberRange, RenderRefused
+from flodld.controller.status.metrics import ControllerCounters
+from flodld.controller.status.snapshot import MemberRange, RenderRefused
 from flodld.net.deadlines import Deadline, DeadlineQueue
 from flodld.net.keepalive import Inherited, listen_with
 from flodld.net.preauth import GatedReader, PreAuthBudget
@@ -184,7 +184,7 @@ class PortMux:
 
     def set_http(self, factory: HttpProtocolFactory | None, *, state_body: StateBody | None = None) -> None:
         """Serve HTTP with `factory` (aiohttp's server); with `state_body`, answer a plain `GET /state.json`
-        with its bytes directly (see `flodld.controller.fastget`: a 200 only; anything else, aiohttp).
+        with its bytes directly (see `flodld.controller.status.fastget`: a 200 only; anything else, aiohttp).
         """
         self._http_factory = factory
         self._state_body = state_body if factory is not None else None

@@ -38,7 +38,6 @@ from flodld.controller.admission import Admissions
 from flodld.controller.driver import PhaseListener, WindowDriver
 from flodld.controller.join import HostLink, JoinProtocol
 from flodld.controller.losses import RankLosses
-from flodld.controller.metrics import ControllerCounters, RunMetrics
 from flodld.controller.mux import ChannelHandler, PortMux
 from flodld.controller.options import ControllerOptions
 from flodld.controller.runparts import RunResult
@@ -48,8 +47,9 @@ from flodld.controller.runport import RunChannel as RunChannel
 from flodld.controller.runport import serve_http as serve_http
 from flodld.controller.runstatus import RunStatus
 from flodld.controller.shipper import WorldShipper
-from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, StormLog
-from flodld.controller.source import HttpAnswer
+from flodld.controller.status.metrics import ControllerCounters, RunMetrics
+from flodld.controller.status.snapshot import DEFAULT_MEMBERS, MemberRange, StormLog
+from flodld.controller.status.source import HttpAnswer
 from flodld.controller.store import StoreService
 from flodld.membership.phase import Phase
 from flodld.membership.policy import TrustMode

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from flodld.controller.join import HostLink, JoinRun
-from flodld.controller.metrics import ControllerCounters, RunMetrics
 from flodld.controller.mux import PortMux
 from flodld.controller.options import ControllerOptions
-from flodld.controller.snapshot import StormLog
-from flodld.controller.source import StatusSource
+from flodld.controller.status.metrics import ControllerCounters, RunMetrics
+from flodld.controller.status.snapshot import StormLog
+from flodld.controller.status.source import StatusSource
 from flodld.controller.store import StoreService
 from flodld.membership.phase import Phase
 from flodld.membership.policy import WindowPolicy

@@ -18,13 +18,13 @@ from typing import Final
 from aiohttp import web
 
 from flodld.controller.addresses import CleartextWarner
-from flodld.controller.http import HttpRefusalLog, build_app
 from flodld.controller.join import JoinProtocol, JoinRun
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import ChannelHandler, ChannelProtocolFactory, PortMux, PreAdmissionGate
 from flodld.controller.options import ControllerOptions
 from flodld.controller.runparts import PortRun
-from flodld.controller.source import StatusSource
+from flodld.controller.status.http import HttpRefusalLog, build_app
+from flodld.controller.status.metrics import ControllerCounters
+from flodld.controller.status.source import StatusSource
 from flodld.membership.policy import PolicyError, WindowPolicy, derive_policy, is_loopback_literal
 from flodld.wire.magic import Channel
 
@@ -75,7 +75,7 @@ async def serve_http(source: StatusSource, mux: PortMux, counters: ControllerCou
     malformed request a counted warning (`HttpRefusalLog`). The caller cleans the runner up.
 
     A source with `state_body` (the cached bytes) also lets the mux answer a plain `GET /state.json` itself,
-    from those same bytes, without aiohttp (`flodld.controller.fastget`).
+    from those same bytes, without aiohttp (`flodld.controller.status.fastget`).
     """
     runner = web.AppRunner(
         build_app(source), access_log=None, handle_signals=False, logger=HttpRefusalLog(counters.dropped)

@@ -1,7 +1,7 @@
 """The run's status source: state.json, the status page, /metrics, the run record and `POST /start`.
 
-What the HTTP app (`StatusSource`, flodld/controller/source.py), `fdl status` and the Service read of a run.
-state.json comes from a `StateCache` (one build per change and per 200 ms, encoded once for all readers);
+What the HTTP app (`StatusSource`, flodld/controller/status/source.py), `fdl status` and the Service read of a
+run. state.json comes from a `StateCache` (one build per change and per 200 ms, encoded once for all readers);
 member rows are encoded again only when their member, ranks or link state changed.
 """
 
@@ -14,11 +14,11 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from flodld.controller.http import NO_STATE
-from flodld.controller.metrics import ControllerCounters, RunSeries, render_prometheus
-from flodld.controller.page import render_page
 from flodld.controller.runparts import StatusRun
-from flodld.controller.snapshot import (
+from flodld.controller.status.http import NO_STATE
+from flodld.controller.status.metrics import ControllerCounters, RunSeries, render_prometheus
+from flodld.controller.status.page import render_page
+from flodld.controller.status.snapshot import (
     DEFAULT_MEMBERS,
     CachedState,
     MemberRange,
@@ -26,7 +26,8 @@ from flodld.controller.snapshot import (
     RenderBudget,
     StateCache,
 )
-from flodld.controller.source import HttpAnswer
+from flodld.controller.status.source import HttpAnswer
+from flodld.controller.status.summary import summarised
 from flodld.membership.ledger import Member
 from flodld.membership.snapshot import LinkState, RankExit, RootCause, RunRecord
 from flodld.membership.switch import Armed, forbidden, token_matches
@@ -107,7 +108,7 @@ class RunStatus:
         # Drops are also listed among the refusals with a prefix, as before `connections` existed.
         for reason, count in connections["dropped"].items():
             state["refused"][f"connection_{reason}"] = count
-        return state
+        return summarised(state)
 
     def _member_rows(self, window: JoinWindow, view: MemberView, begin: int, end: int) -> list[bytes]:
         """Rows `begin` to `end` of `view` as state.json text, each encoded only if its member, ranks or link

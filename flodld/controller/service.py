@@ -29,9 +29,7 @@ from aiohttp import web
 from flodld.controller.attachplane import attach_data_plane
 from flodld.controller.driver import PhaseListener
 from flodld.controller.historyfile import HistoryFile
-from flodld.controller.http import NO_STATE
 from flodld.controller.join import HostLink
-from flodld.controller.metrics import ControllerCounters, render_prometheus
 from flodld.controller.mux import PortMux
 from flodld.controller.options import ControllerOptions
 from flodld.controller.run import Controller, serve_http
@@ -39,8 +37,11 @@ from flodld.controller.runparts import RunResult
 from flodld.controller.runport import own_mux
 from flodld.controller.runstatus import render_status
 from flodld.controller.servicehistory import ServiceHistory
-from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudget, StateCache
-from flodld.controller.source import HttpAnswer
+from flodld.controller.status.http import NO_STATE
+from flodld.controller.status.metrics import ControllerCounters, render_prometheus
+from flodld.controller.status.snapshot import DEFAULT_MEMBERS, MemberRange, RenderBudget, StateCache
+from flodld.controller.status.source import HttpAnswer
+from flodld.controller.status.summary import summarised
 from flodld.membership.history import record_run
 from flodld.membership.phase import Phase
 from flodld.membership.snapshot import EarlierAttempt, RunRecord, ServiceState
@@ -378,7 +379,7 @@ class Service:
             self._history_json = [record.model_dump(mode="json") for record in self.history]
         state["history"] = self._history_json
         state["service"] = service.model_dump(mode="json")
-        return state
+        return summarised(state)  # worded again: the service's part is in the headline too
 
     def metrics_text(self) -> str:
         runs = None if self.once else {v.value: self.runs[v.value] for v in (Phase.DONE, Phase.FAILED)}

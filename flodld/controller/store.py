@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from flodld.controller.kvstate import KeyValueState, NotAnInteger, StoreFull
-from flodld.controller.metrics import ControllerCounters
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.net.stream import FramedStream, accept_channel
 from flodld.wire import store as ws
 from flodld.wire.errors import WireError

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from flodld.controller.metrics import RunMetrics
+from flodld.controller.status.metrics import RunMetrics
 from flodld.net.stream import FramedStream
 from flodld.wire.data import Broadcast, Entry
 from flodld.wire.errors import WireError

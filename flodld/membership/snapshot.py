@@ -1,7 +1,7 @@
 """`state.json`: the run's membership state as served on the controller port.
 
 Built at `now`, so the countdowns are live rather than frozen at the last event (the controller caches
-one build per state change and per interval, see flodld/controller/snapshot.py). `members` is one page
+one build per state change and per interval, see flodld/controller/status/snapshot.py). `members` is one page
 (by default the first `DEFAULT_MEMBER_PAGE` hosts in admission order; `?members=A..B` or `?members=all`
 asks for others) and `members_page` says which; `member_counts` summarizes every member. It never
 carries the salt or the token. `docs/state-schema.json` is `state_schema()`; regenerate it with
@@ -11,7 +11,6 @@ carries the salt or the token. `docs/state-schema.json` is `state_schema()`; reg
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -196,24 +195,6 @@ class AttemptState(_Model):
     )
 
 
-def attempt_texts(attempt: object) -> list[str]:
-    """state.json's `attempt` as lines: `attempt N of at most M`, then each earlier attempt with its run,
-    hosts and cause ([] without one). What `fdl status` prints and the status page shows (its JS twin:
-    attemptTexts in flodld/controller/static/status.js.in).
-    """
-    if not isinstance(attempt, Mapping):
-        return []
-    texts = [f"attempt {attempt.get('number')} of at most {attempt.get('max_attempts')}"]
-    for earlier in attempt.get("earlier") or []:
-        if isinstance(earlier, Mapping):
-            hosts = ", ".join(str(h) for h in earlier.get("hosts") or []) or "-"
-            texts.append(
-                f"attempt {earlier.get('number')} (run {earlier.get('run_id')}, hosts {hosts}) failed: "
-                f"{earlier.get('cause')}"
-            )
-    return texts
-
-
 class RunRecord(_Model):
     """One finished run in the `flodld serve` history. Times are unix seconds."""
 
@@ -279,6 +260,24 @@ class ServiceState(_Model):
         description="Why the history file was not (fully) read or written: damaged lines skipped, a "
         "newer flodld's file, a failed write; null when all is well.",
     )
+
+
+class StatusSummary(_Model):
+    """state.json's headline in words, as the status page, its script and `fdl status` show it (one pure
+    summariser words it: flodld/controller/status/summary.py).
+    """
+
+    note: str = Field(description="The phase's gloss (a staging window past its clock is held: fdl start).")
+    ranks: str = Field(description="Ranks joined, hosts, quorum and target in one line.")
+    window: str = Field(description="The window's clock: `42s left`, or `closed`.")
+    cap: str = Field(description="The hard cap's clock: `3m 05s left`, or `closed`.")
+    start: str = Field(description="The start switch: its mode; armed, startable, waiting or closed.")
+    start_go: bool = Field(description="`fdl start` would arm, or has: the page marks the switch.")
+    attempts: list[str] = Field(
+        description="With restarts configured: `attempt N of at most M`, then each earlier attempt and its "
+        "cause; empty without restarts."
+    )
+    service: str = Field(description="`flodld serve`: its runs, and whether it is between runs; else empty.")
 
 
 class StateSnapshot(_Model):
@@ -354,6 +353,11 @@ class StateSnapshot(_Model):
     )
     service: ServiceState | None = Field(
         default=None, description="`flodld serve` only: the daemon around the runs (absent for a single run)."
+    )
+    summary: StatusSummary | None = Field(
+        default=None,
+        description="The headline in words (absent from older controllers): what the page and `fdl status` "
+        "show.",
     )
 
 

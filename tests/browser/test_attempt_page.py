@@ -11,9 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-from flodld.controller.http import build_app
-from flodld.controller.page import attempt_texts, render_page
-from flodld.controller.source import HttpAnswer
+from flodld.controller.status.http import build_app
+from flodld.controller.status.page import render_page
+from flodld.controller.status.source import HttpAnswer
+from flodld.controller.status.summary import attempt_texts, summarised
 from tests.conftest import require_binary
 
 from .cdp import headless_page
@@ -39,7 +40,7 @@ EXPECTED = [
 
 class _Fixed:
     def state_json(self) -> dict[str, Any] | None:
-        return STATE
+        return summarised(dict(STATE))  # as the run and the service add it to each build
 
     def metrics_text(self) -> str:
         return ""

@@ -179,7 +179,10 @@ async def test_status_page_in_headless_chromium_history_then_waiting_to_staging(
             "Array.from(document.querySelectorAll('#refused tbody tr')).map(r => r.innerText.split('\\t'))"
         )
         # Only the duplicate: the page's own polling never leaves a keep-alive connection for the mux to cut
-        # (that would count as connection_http_lifetime).
+        # (that would count as connection_http_lifetime). A connection closed before any byte is not the
+        # page's (a browser's request sends its bytes): on a loaded CI machine another test's process may
+        # probe a port number that this daemon now holds, and the mux counts that too.
+        refused = [row for row in refused if row[0] != "connection_eof_before_magic"]
         assert refused == [["duplicate_host", "1"]], refused
         assert await page.evaluate("document.title") == "flodld · sweep-2 · staging"
         assert seconds_left(await page.text("#window")) <= later

@@ -46,12 +46,14 @@ async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(t
         ]
         code, out, _ = await fdl("status", "--addr", addr)
         assert code == 0
-        assert "— staging" in out and "ranks: 3 joined across 2 host(s)   (quorum 2, target none)" in out
-        assert "roster startable, fire with `fdl start`" in out
+        assert "— staging" in out and "ranks: 3 joined across 2 host(s) — quorum 2, no target" in out
+        assert "start: manual — startable — fire with `fdl start`" in out  # the page's words (summary.py)
         assert "node-b  ranks [1, 2]  2x cpu:0, cpu:1" not in out  # distinct devices are listed, not counted
         assert "node-b  ranks [1, 2]  cpu:0, cpu:1  variant cpu  joined +" in out
         code, out, _ = await fdl("status", "--json", "--addr", addr)
-        assert code == 0 and StateSnapshot.model_validate(json.loads(out)).joined_ranks == 3
+        served = StateSnapshot.model_validate(json.loads(out))
+        assert code == 0 and served.joined_ranks == 3 and served.summary is not None
+        assert served.summary.start == "manual — startable — fire with `fdl start`"
         code, _, err = await fdl("start", "--addr", addr, "--token", "00" * 32)
         # Loopback needs no credential (fdl start sends X-Flodld-Start), but one that is given is checked:
         # a wrong one is refused, not ignored (issue 29, point 7).

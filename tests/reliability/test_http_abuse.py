@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from flodld.config.join import JoinConfig
-from flodld.controller.http import build_app
 from flodld.controller.run import Controller
+from flodld.controller.status.http import build_app
 from tests.conftest import require_capability
 
 from .daemon import (

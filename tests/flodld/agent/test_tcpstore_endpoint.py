@@ -21,8 +21,8 @@ from datetime import timedelta
 import pytest
 
 from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, socket_owner_uid
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.controller.store import StoreService
 from flodld.rank.store import ControllerStore
 from flodld.wire.magic import Channel

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from fdl.status import attempt_lines, render
+from typing import Any
+
+from fdl.status import render
 
 from flodld.controller.options import ControllerOptions
+from flodld.controller.status.summary import attempt_texts
 from flodld.membership.snapshot import EarlierAttempt, RunRecord, StateSnapshot
 
 
@@ -31,9 +34,9 @@ def test_an_attempt_names_its_number_its_bound_and_every_earlier_cause() -> None
             {"number": 1, "run_id": "r1", "cause": "1 of 2 ranks failed (ranks [1])", "hosts": ["a", "b"]}
         ],
     }
-    assert attempt_lines(state.model_dump(mode="json")) == [
-        "  attempt 2 of at most 3",
-        "    attempt 1 (run r1, hosts a, b) failed: 1 of 2 ranks failed (ranks [1])",
+    assert attempt_texts(state.model_dump(mode="json")) == [
+        "attempt 2 of at most 3",
+        "attempt 1 (run r1, hosts a, b) failed: 1 of 2 ranks failed (ranks [1])",
     ]
     # it validates as part of state.json's schema
     StateSnapshot.model_validate(
@@ -45,13 +48,16 @@ def test_an_attempt_names_its_number_its_bound_and_every_earlier_cause() -> None
             "attempt": state.model_dump(mode="json"),
         }
     )  # fmt: skip
-    assert attempt_lines(None) == []
+    assert attempt_texts(None) == []
 
 
 def test_fdl_status_prints_the_attempt_under_the_phase() -> None:
-    state = {
+    state: dict[str, Any] = {
         "phase": "training", "reason": "world formed", "run_id": "r2", "controller": "h:1", "joined_ranks": 2,
         "joined_hosts": 2, "quorum": 2, "target": 2, "members": [], "missing": [], "refused": {},
         "rank_exits": [], "attempt": {"number": 2, "max_attempts": 3, "earlier": []},
     }  # fmt: skip
     assert "  attempt 2 of at most 3" in render(state, "h:1").splitlines()
+    earlier = {"number": 1, "run_id": "r1", "cause": "1 of 2 ranks failed", "hosts": ["a"]}
+    lines = render({**state, "attempt": {**state["attempt"], "earlier": [earlier]}}, "h:1").splitlines()
+    assert "    attempt 1 (run r1, hosts a) failed: 1 of 2 ranks failed" in lines

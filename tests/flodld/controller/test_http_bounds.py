@@ -17,15 +17,16 @@ import pytest
 from aiohttp import web
 
 from flodld.config.join import JoinConfig
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
 from flodld.controller.run import Controller
-from flodld.controller.snapshot import DEFAULT_MEMBERS, MemberRange
+from flodld.controller.status.metrics import ControllerCounters
+from flodld.controller.status.snapshot import DEFAULT_MEMBERS, MemberRange
 from flodld.net.preauth import PreAuthBudget
 from tests.flodld.controller.agents import join, options, started
 
 BODY = b'{"members":[' + b'"x",' * (2 << 20) + b'"x"]}'  # ~8 MiB: far more than the sockets buffer
-HTTP_PEER_SHARE = 4  # flodld.controller.httpconn.HTTP_PEER_SHARE: an address holds a quarter of the budget
+# flodld.controller.status.httpconn.HTTP_PEER_SHARE: an address holds a quarter of the budget
+HTTP_PEER_SHARE = 4
 POLL = b"GET /state.json HTTP/1.1\r\nHost: t\r\n\r\n"
 VIA_AIOHTTP = b"GET /big HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"  # the same body, via aiohttp
 

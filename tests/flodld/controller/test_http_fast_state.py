@@ -15,11 +15,19 @@ import pytest
 from aiohttp import web
 
 from flodld.config.join import JoinConfig
-from flodld.controller.fastget import HEAD_CAP, MAX_FIELDS, Direct, HeadReader, HttpDate, Verdict, decide
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
 from flodld.controller.run import Controller, serve_http
-from flodld.controller.snapshot import ALL_MEMBERS, DEFAULT_MEMBERS
+from flodld.controller.status.fastget import (
+    HEAD_CAP,
+    MAX_FIELDS,
+    Direct,
+    HeadReader,
+    HttpDate,
+    Verdict,
+    decide,
+)
+from flodld.controller.status.metrics import ControllerCounters
+from flodld.controller.status.snapshot import ALL_MEMBERS, DEFAULT_MEMBERS
 from tests.flodld.controller.agents import options, server_transports
 
 POLL = b"GET /state.json HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"  # bench/join_storm.py's poll

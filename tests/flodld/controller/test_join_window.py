@@ -9,10 +9,10 @@ import pytest
 
 from flodld.config.join import JoinConfig
 from flodld.controller.join import JoinProtocol
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
 from flodld.controller.run import Controller
-from flodld.controller.snapshot import STATE_MAX_AGE_SECS
+from flodld.controller.status.metrics import ControllerCounters
+from flodld.controller.status.snapshot import STATE_MAX_AGE_SECS
 from flodld.membership.phase import Phase
 from flodld.net.keepalive import Inherited
 from flodld.wire.errors import WireError

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodld.controller.metrics import (
+from flodld.controller.status.metrics import (
     RANK_SERIES_CAP,
     ControllerCounters,
     RunMetrics,

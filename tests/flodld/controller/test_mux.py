@@ -8,8 +8,8 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import MAGIC_DEADLINE_SECS, PortMux, PreAdmissionGate
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.wire.magic import Channel, magic_prefix
 from tests.flodld.controller.agents import server_transports
 

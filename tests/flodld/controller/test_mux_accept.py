@@ -15,8 +15,8 @@ import time
 import uvloop
 
 from flodld.controller.accept import ACCEPT_PER_READY, ADOPT_PER_TURN
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.wire.magic import Channel, magic_prefix
 
 QUEUED = 300

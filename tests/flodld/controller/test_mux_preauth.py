@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux, PreAdmissionGate
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.net.preauth import PREAUTH_CONNECTION_BYTES, PreAuthBudget
 from flodld.net.stream import FramedStream, accept_channel, open_channel
 from flodld.wire.errors import WireError

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import ChannelHandler, PortMux
 from flodld.controller.run import RUN_CHANNELS, Controller
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.wire.magic import Channel, magic_prefix
 
 from .agents import eventually, options

@@ -14,7 +14,7 @@ import pytest
 from flodld.config.join import JoinConfig
 from flodld.controller.options import ControllerOptions
 from flodld.controller.service import Service
-from flodld.controller.snapshot import (
+from flodld.controller.status.snapshot import (
     ALL_MEMBERS,
     DEFAULT_MEMBERS,
     STATE_INTERVAL_SECS,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import typing
 
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.controller.store import NOWAIT_REPLY_BYTES, StoreService
 from flodld.net.stream import open_channel
 from flodld.wire.magic import Channel

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from flodld.controller.metrics import RunMetrics
+from flodld.controller.status.metrics import RunMetrics
 from flodld.controller.walkins import WalkIns
 from flodld.fold.barrier import ChunkResult, RoundBarrier
 from flodld.wire.data import Broadcast, Entry

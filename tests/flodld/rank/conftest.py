@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.controller.store import StoreService
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt, salt_to_hex

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flodld.controller.dataplane import DataPlane
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.rank.averaging import Averager, all_average
 from flodld.rank.env import RankEnvironment
 from flodld.rank.relay_client import RelayClient

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from flodld.controller.dataplane import DataPlane
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.fold.base import Bundle, fold_from_spec
 from flodld.fold.chunks import Assembly, Layout, split_parts
 from flodld.fold.codec import encode_bundle_parts

@@ -10,8 +10,8 @@ import socket
 import torch
 
 from flodld.controller.dataplane import DataPlane
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.fold.codec import decode_bundle, encode_bundle_parts
 from flodld.net.stream import FramedStream, open_channel
 from flodld.relay.server import Relay

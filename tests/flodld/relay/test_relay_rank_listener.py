@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from flodld.controller.dataplane import DataPlane
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.net.preauth import PREAUTH_CONNECTION_BYTES
 from flodld.relay.server import Relay
 from flodld.relay.spec import RelayRoleSpec

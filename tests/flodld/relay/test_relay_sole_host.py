@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from flodld.controller.dataplane import DataPlane
-from flodld.controller.metrics import ControllerCounters
 from flodld.controller.mux import PortMux
+from flodld.controller.status.metrics import ControllerCounters
 from flodld.fold.base import Bundle
 from flodld.net.stream import FramedStream, open_channel
 from flodld.relay.server import Relay

@@ -1,6 +1,6 @@
 """One HTTP connection on the controller port, after the mux routed it: its fixed lifetime, the direct
-answer to a plain `GET /state.json` (`flodld.controller.fastget`), the hand-over to aiohttp for anything
-else, and the answer bytes it leaves queued, counted against the port's HTTP write budget.
+answer to a plain `GET /state.json` (`flodld.controller.status.fastget`), the hand-over to aiohttp for
+anything else, and the answer bytes it leaves queued, counted against the port's HTTP write budget.
 
 HTTP is unauthenticated end to end, so the bytes an HTTP answer leaves queued in its transport (a reader
 that reads slowly or not at all) count against one global budget (`PortMux.http_budget`) with a
@@ -16,7 +16,7 @@ import typing
 from collections import Counter
 from collections.abc import Callable
 
-from flodld.controller.fastget import Direct, HeadReader, Verdict
+from flodld.controller.status.fastget import Direct, HeadReader, Verdict
 from flodld.net.deadlines import Deadline
 from flodld.net.preauth import PreAuthBudget
 

@@ -31,7 +31,7 @@ from typing import Final
 
 from aiohttp.http import SERVER_SOFTWARE
 
-from flodld.controller.snapshot import BadMembersQuery, MemberRange, parse_members
+from flodld.controller.status.snapshot import BadMembersQuery, MemberRange, parse_members
 
 HEAD_CAP: Final = 8 * 1024
 """A head not complete within this many bytes is aiohttp's to judge (its own limit is 8190 per line)."""
@@ -154,8 +154,9 @@ def answer_head(direct: Direct, length: int, date: bytes) -> bytes:
 
 
 def busy_answer(direct: Direct, retry_after: int, detail: str, date: bytes) -> bytes:
-    """The whole 429 to a direct request past the render budget (`flodld.controller.snapshot.RenderBudget`):
-    the status and body aiohttp's handler gives (`flodld.controller.page_routes.busy_answer`), closing.
+    """The whole 429 to a direct request past the render budget
+    (`flodld.controller.status.snapshot.RenderBudget`): the status and body aiohttp's handler gives
+    (`flodld.controller.status.page_routes.busy_answer`), closing.
     """
     body = json.dumps({"error": detail, "code": "render_budget"}, separators=(",", ":")).encode()
     return (

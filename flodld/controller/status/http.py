@@ -16,11 +16,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from flodld.controller.addresses import is_loopback_address
-from flodld.controller.page_routes import PAGE_ENDPOINTS, add_routes, busy_answer, close_after_answer
-from flodld.controller.snapshot import BadMembersQuery, RenderRefused, parse_members
-from flodld.controller.source import StatusSource
+from flodld.controller.status.page_routes import PAGE_ENDPOINTS, add_routes, busy_answer, close_after_answer
+from flodld.controller.status.snapshot import BadMembersQuery, RenderRefused, parse_members
+from flodld.controller.status.source import StatusSource
 
-log = logging.getLogger("flodld.controller.http")
+log = logging.getLogger("flodld.controller.status.http")
 
 ENDPOINTS = ["GET /", "GET /state.json", "GET /metrics", "POST /start", *PAGE_ENDPOINTS]
 NO_STATE = "no membership state published yet"
@@ -52,7 +52,7 @@ class HttpRefusalLog:
 
     def __init__(self, dropped: Counter[str], logger: logging.Logger | None = None) -> None:
         self.dropped = dropped
-        self.logger = logger or logging.getLogger("flodld.controller.http")
+        self.logger = logger or logging.getLogger("flodld.controller.status.http")
 
     def exception(
         self,

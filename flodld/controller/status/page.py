@@ -1,12 +1,13 @@
 """The status page as a pure function of state.json: `render_page` (the whole document) and
-`render_state` (its sections), plus the wordings `fdl status` and the page's script share.
+`render_state` (its sections). The headline's wording is the summariser's (`summary.py`), which the
+page's script and `fdl status` show too; the rows' wordings are `wording.py`'s.
 
 One self-contained page: no external asset, no CDN, no build step. The server renders the whole state
 into the HTML, escaping every value, so the page reads fine with JavaScript off (a `<noscript>` refresh
 reloads it every few seconds). With JavaScript on, `/status.js` polls `/state.json` at most once a
 second (every ten seconds while the tab is hidden), redraws the same sections from it, and ticks the
 countdowns between polls. Serving it (routes, security headers, the assets) is
-`flodld.controller.page_routes`.
+`flodld.controller.status.page_routes`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import html
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flodld.controller.wording import (
+from flodld.controller.status.summary import Summary, summarise
+from flodld.controller.status.wording import (
     as_int,
     count_text,
     duration_secs,
@@ -29,7 +31,6 @@ from flodld.controller.wording import (
     hosts_summary,
     reason_with_cause,
 )
-from flodld.membership.snapshot import attempt_texts
 
 MAX_ROWS = 500  # hosts, missing names, rank exits rendered; the rest is a "N more" note (paging: issue 18)
 MAX_HISTORY = 50
@@ -39,16 +40,6 @@ HIDDEN_POLL_SECS = 10.0
 NOSCRIPT_REFRESH_SECS = 5
 NO_STATE_TEXT = "no membership state published yet"
 
-PHASE_NOTES = {
-    "waiting": "window open, quorum not met yet",
-    "staging": "quorum met, window still open",
-    "forming": "the world is being formed",
-    "training": "the world formed; ranks are running",
-    "done": "every host link closed cleanly",
-    "failed": "the run failed",
-}
-# Staging with the window's clock run out: only a manual start holds a window past expiry.
-HELD_NOTE = "quorum met, window expired: held until `fdl start` (or the hard cap)"
 
 
 def _e(value: object) -> str:
@@ -73,30 +64,20 @@ def _entries(state: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
     return [entry for entry in (state.get(key) or []) if isinstance(entry, Mapping)]
 
 
-def phase_note(state: Mapping[str, Any]) -> str:
-    """The phase's gloss; a staging window whose clock has run out is held, not open."""
+def _head(state: Mapping[str, Any], words: Summary) -> str:
     phase = str(state.get("phase") or "?")
-    if phase == "staging" and not isinstance(state.get("window_remaining_secs"), int | float):
-        return HELD_NOTE
-    return PHASE_NOTES.get(phase, "")
-
-
-def _head(state: Mapping[str, Any]) -> str:
-    phase = str(state.get("phase") or "?")
-    note = phase_note(state)
     return (
         f'<section id="head"><h1>run <span id="run-id">{_e(state.get("run_id") or "?")}</span></h1>'
         f'<p><span id="phase" class="phase phase-{_e(phase)}">{_e(phase)}</span> '
-        f'<span class="note">{_e(note)}</span></p>'
+        f'<span class="note">{_e(words.note)}</span></p>'
         f'<p id="reason" class="reason">{_e(state.get("reason") or "")}</p>'
         f'<p class="meta">controller <span id="controller">{_e(state.get("controller") or "?")}</span>'
-        f'{_service(state)}</p>{_config_error(state)}</section>'
+        f'{_service(words)}</p>{_config_error(state)}</section>'
     )
 
 
-def _service(state: Mapping[str, Any]) -> str:
-    text = service_text(state)
-    return f' · <span id="service">{_e(text)}</span>' if text else ""
+def _service(words: Summary) -> str:
+    return f' · <span id="service">{_e(words.service)}</span>' if words.service else ""
 
 
 def _config_error(state: Mapping[str, Any]) -> str:
@@ -108,60 +89,33 @@ def _config_error(state: Mapping[str, Any]) -> str:
             f"{_e(error)}</p>")
 
 
-def _clock(state: Mapping[str, Any]) -> str:
-    cells = []
-    clocks = (("window", "window", "window_remaining_secs"), ("cap", "hard cap", "cap_remaining_secs"))
-    for key, label, field in clocks:
-        value = state.get(field)
-        text = fmt_secs(value) + " left" if isinstance(value, int | float) else "closed"
-        cells.append(
-            f'<div class="clock"><span class="label">{label}</span> <span id="{key}">{_e(text)}</span></div>'
-        )
+def _clock(words: Summary) -> str:
+    cells = (
+        f'<div class="clock"><span class="label">{label}</span> <span id="{key}">{_e(text)}</span></div>'
+        for key, label, text in (("window", "window", words.window), ("cap", "hard cap", words.cap))
+    )
     return f'<section id="clock">{"".join(cells)}</section>'
 
 
-def _ranks(state: Mapping[str, Any]) -> str:
+def _ranks(state: Mapping[str, Any], words: Summary) -> str:
     joined, quorum = as_int(state.get("joined_ranks")), as_int(state.get("quorum"))
-    target = state.get("target")
-    target_n = as_int(target, 0)
-    scale = max(target_n, quorum, joined, 1)
+    scale = max(as_int(state.get("target")), quorum, joined, 1)
     fill = _pct(joined, scale)
     mark = _pct(quorum, scale)
     met = "met" if joined >= quorum else "short"
-    target_text = f"target {target_n}" if target_n else "no target"
     return (
-        '<section id="ranks"><h2>ranks</h2>'
-        f'<p id="rank-count"><b>{joined}</b> joined across {as_int(state.get("joined_hosts"))} host(s) — '
-        f"quorum {quorum}, {_e(target_text)}</p>"
+        f'<section id="ranks"><h2>ranks</h2><p id="rank-count">{_e(words.ranks)}</p>'
         f'<div class="bar {met}" role="img" aria-label="{joined} of {scale} ranks">'
         f'<div class="fill w{fill}"></div><div class="mark l{mark}" title="quorum"></div></div></section>'
     )
 
 
-def start_text(state: Mapping[str, Any]) -> str:
-    """What the start switch says: the same wording as `fdl status`."""
-    mode = str(state.get("start_mode") or "auto")
-    phase = str(state.get("phase") or "")
-    if mode == "auto":
-        return "auto — the window closes by itself once quorum and target (or the window's end) allow"
-    if state.get("start_armed"):
-        what = "armed — forming at the next tick"
-    elif state.get("startable"):
-        what = "startable — fire with `fdl start`"
-    elif phase in ("waiting", "staging"):
-        joined, quorum = as_int(state.get("joined_ranks")), as_int(state.get("quorum"))
-        what = f"waiting for quorum ({joined} of {quorum} ranks)"
-    else:
-        what = "window closed"
-    return f"{mode} — {what}"
-
-
-def _start(state: Mapping[str, Any]) -> str:
+def _start(state: Mapping[str, Any], words: Summary) -> str:
     armed = "yes" if state.get("start_armed") else "no"
-    cls = "go" if state.get("startable") or state.get("start_armed") else ""
+    cls = "go" if words.start_go else ""
     return (
         '<section id="start"><h2>start switch</h2><p id="start-text" '
-        f'class="{cls}">{_e(start_text(state))}</p>'
+        f'class="{cls}">{_e(words.start)}</p>'
         f'<p class="meta">mode <span id="start-mode">{_e(state.get("start_mode") or "auto")}</span>, '
         f'armed <span id="start-armed">{armed}</span></p></section>'
     )
@@ -334,9 +288,9 @@ def _stragglers(state: Mapping[str, Any]) -> str:
     return _listed_section(state, "stragglers", "slowest ranks", headers, _straggler_row)
 
 
-def _attempt(state: Mapping[str, Any]) -> str:
+def _attempt(words: Summary) -> str:
     """The run among its restarts: this attempt and each earlier one's cause."""
-    texts = attempt_texts(state.get("attempt"))
+    texts = words.attempts
     if not texts:
         return ""
     earlier = "".join(f'<li class="bad">{_e(text)}</li>' for text in texts[1:])
@@ -374,34 +328,15 @@ def _history(state: Mapping[str, Any]) -> str:
     return _table_section("history", f"history ({len(history)})", headers, "".join(rows), more)
 
 
-def service_text(state: Mapping[str, Any]) -> str:
-    """The daemon around the runs (`flodld serve` without --once), one line; '' for a single run."""
-    service = state.get("service")
-    if not isinstance(service, Mapping):
-        return ""
-    given = service.get("runs")
-    runs: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
-    parts = [
-        f"service: run {as_int(service.get('runs_started'))}",
-        f"{as_int(runs.get('done'))} done, {as_int(runs.get('failed'))} failed",
-    ]
-    if service.get("between_runs"):
-        wait = service.get("next_window_in_secs")
-        parts.append(
-            "between runs" + (f" — next window in {fmt_secs(wait)}" if isinstance(wait, int | float) else "")
-        )
-    return " · ".join(parts)
-
-
 def render_state(state: Mapping[str, Any] | None) -> str:
     """The page's content for one state.json dict (None: no state yet). Every value is HTML-escaped."""
     if state is None:
         return (
             f'<section id="head"><h1>flodld</h1><p id="reason" class="reason">{NO_STATE_TEXT}</p></section>'
         )
-    parts = [_head(state), _attempt(state), _root_cause(state), _losses(state), _joins(state), _clock(state)]
-    parts.append(_ranks(state))
-    parts.append(_start(state))
+    words = summarise(state)  # the headline's wording, as the script and `fdl status` show it
+    parts = [_head(state, words), _attempt(words), _root_cause(state), _losses(state), _joins(state)]
+    parts += [_clock(words), _ranks(state, words), _start(state, words)]
     parts.append(_hosts(state))
     parts.append(_missing(state))
     parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _stragglers(state)]

@@ -22,8 +22,8 @@ class StatusSource(Protocol):
         """The snapshot as JSON-ready data, or None before the window has state (shared: do not change it).
 
         A source may also offer `state_body(members, source) -> bytes | None`: the same as JSON text, for the
-        member page `members` (flodld.controller.snapshot.MemberRange), encoded once for every reader, work
-        past its cache charged to the reader's address `source` (`RenderRefused` past the render budget);
+        member page `members` (flodld.controller.status.snapshot.MemberRange), encoded once for every reader,
+        work past its cache charged to the reader's address `source` (`RenderRefused` past the render budget);
         and `status_html(source) -> bytes`, the status page rendered once per build.
         """
 

@@ -1,6 +1,6 @@
 """Serving the status page on the controller port: `GET /` (and `/status`), `/status.js`, `/status.css`,
-with the headers that keep it read-only. The page itself is `flodld.controller.page` (a pure function
-of state.json); its script and style are package data in flodld/controller/static.
+with the headers that keep it read-only. The page itself is `flodld.controller.status.page` (a pure function
+of state.json); its script and style are package data in flodld/controller/status/static.
 
 Read-only by construction: the page carries no token, offers no start button and sends nothing but GETs
 to its own origin. The Content-Security-Policy allows script and style only from the page's origin (no
@@ -16,23 +16,21 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from flodld.controller.page import (
-    HELD_NOTE,
+from flodld.controller.status.page import (
     HIDDEN_POLL_SECS,
     MAX_HISTORY,
     MAX_ROWS,
     MAX_TAIL_LINES,
     NO_STATE_TEXT,
-    PHASE_NOTES,
     POLL_SECS,
     render_page,
 )
-from flodld.controller.snapshot import RenderRefused
+from flodld.controller.status.snapshot import RenderRefused
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from flodld.controller.source import StatusSource
+    from flodld.controller.status.source import StatusSource
 
     Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -54,8 +52,8 @@ PAGE_ENDPOINTS = ["GET /status", "GET /status.js", "GET /status.css"]
 
 
 def _asset(name: str) -> str:
-    """The page's script and style, package data in flodld/controller/static (loaded once, at import)."""
-    return resources.files("flodld.controller").joinpath("static", name).read_text(encoding="utf-8")
+    """The page's script and style, package data in flodld/controller/status/static (loaded at import)."""
+    return resources.files("flodld.controller.status").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def _width_classes() -> str:
@@ -85,8 +83,6 @@ STATUS_JS = _fill(
         "POLL_MS": int(POLL_SECS * 1000),
         "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000),
         "NO_STATE": NO_STATE_TEXT,
-        "NOTES": PHASE_NOTES,
-        "HELD_NOTE": HELD_NOTE,
     },
 )
 

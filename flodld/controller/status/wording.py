@@ -1,12 +1,13 @@
 """Plain-text wordings of state.json values: countdowns, rank lists, devices, times and the run history's
-summaries. Pure functions of the values, shared by the status page (`flodld.controller.page`), which
-escapes what they return, and its tests; no HTML here.
+summaries. Pure functions of the values (no clock: a time is the value's own), shared by the status page
+(`flodld.controller.status.page`), which escapes what they return, and the headline's summariser
+(`summary.py`); no HTML here.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -49,7 +50,7 @@ def fmt_devices(member: Mapping[str, Any]) -> str:
 def fmt_time(value: object) -> str:
     """History times: epoch seconds become UTC 'YYYY-MM-DD HH:MM:SSZ'; anything else is shown as given."""
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 1e8:
-        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(value))
+        return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
     return "—" if value is None or value == "" else str(value)
 
 
