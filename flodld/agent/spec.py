@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from flodld.agent.ranklogs import RankLogSpec
 from flodld.config.fields import AveragingMode
 from flodld.config.rolespec import SpecError, decode_hex_json, encode_spec
+from flodld.wire.salt import SaltHex
 
 AGENT_ENV: Final = "FLODL_INTERNAL_AGENT_JSON"
 SPEC_ON_STDIN: Final = "-"  # AGENT_ENV's value when the spec arrives as one line on stdin
@@ -49,7 +50,7 @@ class AgentSpec(BaseModel):
     host: Annotated[str, Field(min_length=1, max_length=253)]
     controller_host: Annotated[str, Field(min_length=1, max_length=253)]
     controller_port: Annotated[int, Field(ge=1, le=65535)]
-    salt_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-fA-F]{32}$")] | None = None
+    salt_hex: SaltHex | None = None
     devices: Annotated[list[str], Field(max_length=4096)] | None = None
     run_id: Annotated[str, Field(max_length=128)] | None = None
     averaging: AveragingMode | None = None

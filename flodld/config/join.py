@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from flodld.wire.salt import salt_from_hex, salt_to_hex
+from flodld.wire.salt import SaltHex
 
 
 class JoinConfig(BaseModel):
@@ -24,7 +24,7 @@ class JoinConfig(BaseModel):
     max_join_timeout: float | None = Field(default=None, gt=0, description="Hard cap in seconds.")
     open_admission: bool = False
     discovery: bool = False
-    token: str | None = Field(default=None, description="Pre-shared session salt, 32 hex characters.")
+    token: SaltHex | None = Field(default=None, description="Pre-shared session salt, 32 hex characters.")
     tunnel_only: bool = False
     start: Literal["auto", "manual", "hybrid"] = "auto"
     max_restarts: int = Field(
@@ -40,10 +40,3 @@ class JoinConfig(BaseModel):
         description="Growth bound of an elastic run (docs/elastic-averaging.md, 'Growth and healing'): "
         "walk-ins are admitted during training while the live ranks stay at or below it. None: no growth.",
     )
-
-    @field_validator("token")
-    @classmethod
-    def _token_is_salt_hex(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        return salt_to_hex(salt_from_hex(value))

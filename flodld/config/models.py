@@ -33,7 +33,7 @@ from flodld.config.rules import cluster_violations
 from flodld.config.sections import DEFAULT_CONTROLLER_PORT as DEFAULT_CONTROLLER_PORT  # re-exported
 from flodld.config.sections import ControllerConfig as ControllerConfig  # re-exported
 from flodld.config.sections import WorkerConfig as WorkerConfig  # re-exported
-from flodld.wire.salt import salt_from_hex, salt_to_hex
+from flodld.wire.salt import SaltHex
 
 
 class ClusterConfig(BaseModel):
@@ -114,7 +114,7 @@ class WalkInConfig(BaseModel):
 
     address: Annotated[str, StringConstraints(min_length=1, max_length=300)] | None = None
     ssh: SshConfig | None = None
-    token: str | None = None
+    token: SaltHex | None = None
     # `bin:` is the golden-image recipe's spelling (and `fdl join --bin`'s); both are accepted.
     program: Text | None = Field(default=None, validation_alias=AliasChoices("program", "bin"))
     args: tuple[Annotated[str, StringConstraints(max_length=65536)], ...] = ()
@@ -144,11 +144,6 @@ class WalkInConfig(BaseModel):
         if value is not None:
             parse_address(value)
         return value
-
-    @field_validator("token")
-    @classmethod
-    def _token_is_salt_hex(cls, value: str | None) -> str | None:
-        return None if value is None else salt_to_hex(salt_from_hex(value))
 
     @model_validator(mode="after")
     def _ssh_needs_target(self) -> WalkInConfig:

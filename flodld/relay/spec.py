@@ -16,6 +16,7 @@ from typing import Annotated, Final
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flodld.config.rolespec import SpecError, decode_hex_json
+from flodld.wire.salt import SaltHex
 
 RELAY_ENV: Final = "FLODL_INTERNAL_RELAY_JSON"
 
@@ -26,8 +27,8 @@ class RelayRoleSpec(BaseModel):
     host: Annotated[str, Field(min_length=1, max_length=253)]
     controller_host: Annotated[str, Field(min_length=1, max_length=253)]
     controller_port: Annotated[int, Field(ge=1, le=65535)]
-    salt_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
-    host_key_hex: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+    salt_hex: SaltHex
+    host_key_hex: SaltHex  # the host key (flodld.wire.hostkey) has a salt's form: 16 bytes
     ranks: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=4096)]
     listen_fd: Annotated[int, Field(ge=0)]
     connect_attempts: Annotated[int, Field(ge=1)] | None = None

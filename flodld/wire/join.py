@@ -41,7 +41,7 @@ from flodld.wire.messages import (
     WireModel,
     register,
 )
-from flodld.wire.salt import salt_from_hex, salt_to_hex
+from flodld.wire.salt import SaltHex
 
 JOIN_PROTOCOL_VERSION: Final = 7
 MAX_RESTARTS: Final = 1000  # the most restarts a run may be configured for (controller.join.max_restarts)
@@ -66,11 +66,6 @@ def _no_nul(value: str) -> str:
 
 
 EnvValue = Annotated[str, StringConstraints(max_length=16384), AfterValidator(_no_nul)]
-
-SaltHex = Annotated[
-    str, StringConstraints(max_length=64), AfterValidator(lambda text: salt_to_hex(salt_from_hex(text)))
-]
-"""A session salt as 32 hex characters, normalised to lowercase."""
 
 Seconds = Annotated[float, Field(ge=0, le=10**9)]
 ExitCode = Annotated[int, Field(ge=-128, le=255)]

@@ -1,12 +1,19 @@
 """Session salts: 16 random bytes per run, the input key from which every connection's AEAD keys are derived.
 
-A configured `join.token` is a salt written as 32 hex characters.
+A configured `join.token` is a salt written as 32 hex characters. Every text form of a salt is read by
+`salt_from_hex`, and every model that carries one declares it `SaltHex`: the join token of the config, the
+wire's Accept, the agent's and the relay's role specs (which carry the host key in the same form). Only a
+rank checks the salt its agent put in its environment on its own (`flodld.rank.env`, which loads nothing
+of flodld: a rank starts without pydantic).
 """
 
 from __future__ import annotations
 
 import secrets
 import string
+from typing import Annotated
+
+from pydantic import AfterValidator, StringConstraints
 
 SALT_BYTES = 16
 SALT_HEX_CHARS = SALT_BYTES * 2
@@ -48,3 +55,12 @@ def salt_from_hex(text: str) -> bytes:
                 "only 0-9 and a-f are allowed"
             )
     return bytes.fromhex(cleaned)
+
+
+def _normalised(text: str) -> str:
+    return salt_to_hex(salt_from_hex(text))
+
+
+SaltHex = Annotated[str, StringConstraints(max_length=64), AfterValidator(_normalised)]
+"""A session salt (or a key of the same 16 bytes) as 32 hex characters, either case in, lowercase out; a
+malformed one is refused with `salt_from_hex`'s message (what is wrong, and how to make one)."""
