@@ -57,7 +57,8 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     out = tmp_path_factory.mktemp("fault-free")
     run = Fdl("run", "--nproc-per-node", "2", SCRIPT, "--", str(out), STEPS, EVERY)
     assert run.wait() == 0, run.output
-    return torch.load(out / "final.pt")
+    final: torch.Tensor = torch.load(out / "final.pt")
+    return final
 
 
 def test_a_killed_rank_is_restarted_once_and_the_script_resumes_to_the_fault_free_result(

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,10 +151,11 @@ def yaml_port(project: Path) -> str:
     )
 
 
-def _state(port: int) -> dict[str, object] | None:
+def _state(port: int) -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=10) as reply:
-            return json.loads(reply.read())  # type: ignore[no-any-return]
+            state: dict[str, Any] = json.loads(reply.read())
+            return state
     except (urllib.error.URLError, ConnectionError):
         return None
 

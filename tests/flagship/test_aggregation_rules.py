@@ -62,5 +62,5 @@ def test_the_sum_of_encrypted_updates_decrypts_to_the_mean_within_the_bound(engi
 
 def test_the_lowered_form_is_refused_on_the_relay_path_with_the_reason(engine: CkksEngine) -> None:
     with pytest.raises(errors.AggregationError, match="--lower needs the process-group transport"):
-        relay: Transport = SimpleNamespace(name="relay")  # type: ignore[assignment]
+        relay: Transport = SimpleNamespace(name="relay")
         aggregation.link_program(relay, engine, lower=True)

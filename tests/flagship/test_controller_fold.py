@@ -134,6 +134,11 @@ def _relay_host(hello_frame: Frame) -> str:
     return hello.host
 
 
+def _always(key: bytes) -> Callable[[Frame], bytes | None]:
+    """A `host_key` that names `key` whatever the frame."""
+    return lambda frame: key
+
+
 def data_plane_frames(
     captures: list[Capture], salt: bytes, run_id: str
 ) -> tuple[list[tuple[Frame, HostFrame]], list[tuple[Frame, Broadcast]]]:
@@ -161,8 +166,8 @@ def data_plane_frames(
                 host_frames.append((frame, message))
         key = keys[_relay_host(up[0])]
         for frame in decode_direction(
-            bytes(capture.down), salt, Role.DIALER, dialer_nonce, Channel.DATA, lambda frame, key=key: key
-        ):  # type: ignore[misc]
+            bytes(capture.down), salt, Role.DIALER, dialer_nonce, Channel.DATA, _always(key)
+        ):
             message = frame.message()
             if isinstance(message, Broadcast):
                 broadcasts.append((frame, message))

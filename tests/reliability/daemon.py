@@ -61,7 +61,7 @@ class RawJoin:
     sent: bytearray = field(default_factory=bytearray)
     received: bytearray = field(default_factory=bytearray)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self.sent += data
         self.writer.write(data)
 
@@ -132,7 +132,8 @@ def status_of(response: bytes) -> int:
 
 def json_of(response: bytes) -> dict[str, Any]:
     """The JSON object in an HTTP response's body (every endpoint answers one)."""
-    return json.loads(response.partition(b"\r\n\r\n")[2])
+    body: dict[str, Any] = json.loads(response.partition(b"\r\n\r\n")[2])
+    return body
 
 
 async def state(port: int, *, host: str = "127.0.0.1") -> dict[str, Any]:

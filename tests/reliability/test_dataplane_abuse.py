@@ -24,7 +24,14 @@ from flodld.wire.salt import new_salt
 
 from .daemon import CLOSE_BOUND_SECS, RawJoin, hello, options, raw_join, state
 
-RUN_ID = options().run_id
+
+def _run_id() -> str:
+    run_id = options().run_id
+    assert run_id is not None
+    return run_id
+
+
+RUN_ID = _run_id()
 
 
 TWO_HOSTS = (("h", 2), ("g", 1))

@@ -31,7 +31,7 @@ def _pair(salt: bytes) -> tuple[wf.FrameConnection, wf.FrameConnection]:
 
 
 def _feed(
-    conn: wf.FrameConnection, data: bytes, chunk: int, eof: bool
+    conn: wf.FrameConnection, data: bytes | bytearray | memoryview, chunk: int, eof: bool
 ) -> tuple[list[wf.Frame], WireError | None]:
     """Feed in chunks, draining events after each; the unit the decoder asks for never exceeds the caps."""
     frames: list[wf.Frame] = []

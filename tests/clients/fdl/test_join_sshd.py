@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def test_write_names_the_privsep_directory_root_sshd_needs(
 ) -> None:
     missing = tmp_path / "no-privsep"
     monkeypatch.setattr(join_sshd, "PRIVSEP_DIR", missing)
-    monkeypatch.setattr(join_sshd.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # the os module join_sshd imported
     key = [str(_key(tmp_path))]
     assert join_sshd.main(_args("write", directory=str(tmp_path / "door"), key=key)) == 0
     assert f"sshd run as root needs {missing}: mkdir -m 755 {missing}" in capsys.readouterr().err

@@ -132,7 +132,12 @@ def test_a_torchrun_walk_in_writes_its_logs_on_its_own_side(
     program: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plans: list[join_command.JoinPlan] = []
-    monkeypatch.setattr(join_command, "join_loop", lambda plan: plans.append(plan) or 0)
+
+    def join_loop(plan: join_command.JoinPlan) -> int:
+        plans.append(plan)
+        return 0
+
+    monkeypatch.setattr(join_command, "join_loop", join_loop)
     monkeypatch.setenv("FDL_JOIN_TOKEN", "ab" * 16)
     words = ["--rdzv-endpoint", "10.0.0.5:4000", "--log-dir", str(tmp_path / "w"), "--tee", "3"]
     assert fdl_main(["run", "--nproc-per-node", "2", *words, str(program)]) == 0

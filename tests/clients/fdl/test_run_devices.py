@@ -8,6 +8,7 @@ instead of skipping).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -105,7 +106,7 @@ def test_mixed_devices_become_one_worker_entry_list_the_agent_resolves_back() ->
 
 def test_run_and_join_refuse_a_bad_device_list_with_the_same_message(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("")
-    parser = join_command.argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
     join_command.configure_parser(parser)
     args = parser.parse_args(
         ["--project", str(tmp_path), "--bin", str(tmp_path / "train.py"), "--devices", " , "]
@@ -246,7 +247,7 @@ def test_probe_reports_what_fdl_run_would_start(program: Path, capsys: pytest.Ca
     assert (
         host["facts"]["fdl_run"]
         == runplan.plan_run(
-            runplan.argparse.Namespace(ranks=3, devices=None, nproc_per_node=None, project=".")
+            argparse.Namespace(ranks=3, devices=None, nproc_per_node=None, project=".")
         )[1]
     )
     assert host["facts"]["fdl_run"].startswith(

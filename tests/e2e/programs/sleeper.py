@@ -29,7 +29,8 @@ def main() -> int:
     dist.barrier()
     print(f"ready rank={rank} pid={os.getpid()} ppid={os.getppid()}", flush=True)
     if rank == args.fail_rank:
-        return args.code
+        code: int = args.code
+        return code
     time.sleep(600)
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -67,14 +68,21 @@ def split_group(rank: int, world: int) -> None:
     assert t.item() == (1.0 if rank < 2 else 5.0), t
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _weight_grad(layer: nn.Module) -> torch.Tensor:
+    """The gradient of a Linear layer's weight, which the backward pass has set."""
+    assert isinstance(layer, nn.Linear) and layer.weight.grad is not None
+    return layer.weight.grad
 
 
 def fsdp2_hsdp(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     reference, model = _model(), _model()
@@ -92,12 +100,13 @@ def fsdp2_hsdp(rank: int, world: int) -> None:
     (reference(batches.reshape(-1, 8)).sum() / world).backward()
     ref_optim.step()
     for (name, sharded), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
-        full = sharded.full_tensor()
+        full = cast(DTensor, sharded).full_tensor()  # fully_shard made every parameter a DTensor
         assert torch.allclose(full, ref, atol=1e-5), name
 
 
 def tensor_parallel(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
@@ -109,8 +118,8 @@ def tensor_parallel(rank: int, world: int) -> None:
     assert torch.allclose(out, reference(x), atol=1e-5), (out, reference(x))
     out.sum().backward()
     reference(x).sum().backward()
-    grad = model[0].weight.grad.full_tensor()
-    assert torch.allclose(grad, reference[0].weight.grad, atol=1e-5)
+    grad = cast(DTensor, _weight_grad(model[0])).full_tensor()  # ColwiseParallel sharded it
+    assert torch.allclose(grad, _weight_grad(reference[0]), atol=1e-5)
 
 
 def pipelining(rank: int, world: int) -> None:
@@ -136,14 +145,16 @@ def pipelining(rank: int, world: int) -> None:
 
 
 def checkpoint(rank: int, world: int) -> None:
-    import torch.distributed.checkpoint as dcp
+    # torch.distributed.checkpoint re-exports these without `as` (not exported to mypy); the same functions
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     directory = sys.argv[2]
     state = {"weights": torch.full((4,), float(rank)), "step": torch.tensor([7 + rank])}
     sharded = {"model": {"w": state["weights"]}, "extra": {"rank_step": state["step"]}}
-    dcp.save({"model": {"w": torch.arange(6.0)}, f"rank{rank}": sharded["extra"]}, checkpoint_id=directory)
+    save({"model": {"w": torch.arange(6.0)}, f"rank{rank}": sharded["extra"]}, checkpoint_id=directory)
     loaded = {"model": {"w": torch.zeros(6)}, f"rank{rank}": {"rank_step": torch.zeros(1, dtype=torch.long)}}
-    dcp.load(loaded, checkpoint_id=directory)
+    load(loaded, checkpoint_id=directory)
     assert torch.equal(loaded["model"]["w"], torch.arange(6.0))
     assert loaded[f"rank{rank}"]["rank_step"].item() == 7 + rank
 

@@ -21,7 +21,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+# torch.distributed re-exports these without `as`, which mypy does not count as exported; this is where
+# they are defined (the same class objects as `torch.distributed.FileStore` and `.Store`).
+from torch._C._distributed_c10d import FileStore, Store
 
 torch.set_num_threads(1)
 
@@ -32,7 +35,7 @@ import fhelium.distributed as fdist  # noqa: E402
 
 
 def run_rank(
-    suite: str, result_dir: Path, timeout_s: float, store: dist.Store | None, rank: int, world: int
+    suite: str, result_dir: Path, timeout_s: float, store: Store | None, rank: int, world: int
 ) -> int:
     backend = os.environ.get("FHELIUM_TEST_BACKEND") or None
     if store is None:
@@ -95,7 +98,7 @@ def main() -> int:
                     )
                 elif rendezvous == "store":
                     os.environ["LOCAL_RANK"] = local_rank
-                    store = dist.FileStore(str(result_dir / "rendezvous"), world_size)
+                    store = FileStore(str(result_dir / "rendezvous"), world_size)
                 code = run_rank(suite, result_dir, timeout_s, store, rank, world_size)
             except BaseException:
                 traceback.print_exc()

@@ -28,7 +28,7 @@ from fhelium_dist_values import (
 )
 
 import fhelium.distributed as fdist
-from fhelium.core import Ciphertext
+from fhelium.core import Ciphertext, PublicKey, SecretKey
 from fhelium.distributed import CollectiveArgumentError, CollectiveFailure, ReductionTrace
 from fhelium.distributed._collective_common import group_info
 from fhelium.distributed._value_collectives import broadcast_value
@@ -187,7 +187,8 @@ def _broadcast_errors_on(ctx: RankContext, case: GroupCase) -> list[str]:
     wrong_type = plaintext_slots(1) if ctx.rank == src else None
     texts.append(
         expect_group_error(
-            lambda: fdist.broadcast_ciphertext(wrong_type, src=src, group=group),
+            # deliberately a Plaintext: the collective's own type check is under test
+            lambda: fdist.broadcast_ciphertext(wrong_type, src=src, group=group),  # type: ignore[arg-type]
             "must supply Ciphertext",
             "got Plaintext",
         )
@@ -277,7 +278,8 @@ def _layout_mismatch_on(ctx: RankContext, case: GroupCase) -> list[str]:
             f"group rank {size - 1}",
         ),
         expect_group_error(
-            lambda: fdist.gather_ciphertexts(odd_type, dst=first, group=group),
+            # deliberately a Plaintext on the last rank: the collective's own type check is under test
+            lambda: fdist.gather_ciphertexts(odd_type, dst=first, group=group),  # type: ignore[arg-type]
             "must supply Ciphertext",
         ),
         expect_group_error(
@@ -493,12 +495,14 @@ def _encrypted_sum_on(ctx: RankContext, case: GroupCase) -> float:
     root, engine = case.members[0], ctx.engine
     secret = engine.generate_secret_key() if ctx.rank == root else None
     public = engine.generate_public_key(secret) if secret is not None else None
-    public = fdist.broadcast_key(public, src=root, group=case.group)
-    value = engine.encrypt(engine.encode(_slot_values(ctx.rank)), public)
+    shared_public = fdist.broadcast_key(public, src=root, group=case.group)
+    assert isinstance(shared_public, PublicKey)
+    value = engine.encrypt(engine.encode(_slot_values(ctx.rank)), shared_public)
     fdist.all_reduce_ciphertext(value, engine=engine, group=case.group)
     # Tests only: every rank checks its own copy of the sum.
-    secret = fdist.broadcast_key(secret, src=root, group=case.group, allow_secret_key=True)
-    decoded = engine.decrypt_decode(value, secret).real
+    shared_secret = fdist.broadcast_key(secret, src=root, group=case.group, allow_secret_key=True)
+    assert isinstance(shared_secret, SecretKey)
+    decoded = engine.decrypt_decode(value, shared_secret).real
     expected = sum((_slot_values(member) for member in case.members), torch.zeros(8, dtype=torch.float64))
     error = float((decoded - expected).abs().max())
     assert error < 1e-5 * len(case.members), f"decrypted sum is off by {error}"
@@ -584,7 +588,9 @@ def _forging(
     """On ``forgers``, make the typed collectives announce a doctored descriptor (a hostile peer)."""
     from fhelium.distributed import _value_collectives
 
-    honest = _value_collectives.describe_or_error
+    # describe_or_error is a private import there (not re-exported), so patch the module's namespace
+    namespace = vars(_value_collectives)
+    honest: Describe = namespace["describe_or_error"]
     if ctx.rank not in forgers:
         return honest
 
@@ -594,14 +600,14 @@ def _forging(
         forge(descriptor)
         return descriptor, None
 
-    _value_collectives.describe_or_error = forged  # type: ignore[assignment]
+    namespace["describe_or_error"] = forged
     return honest
 
 
 def _restore(honest: Describe) -> None:
     from fhelium.distributed import _value_collectives
 
-    _value_collectives.describe_or_error = honest
+    vars(_value_collectives)["describe_or_error"] = honest
 
 
 def _still_in_step(ctx: RankContext) -> None:
@@ -659,14 +665,14 @@ def all_gather_total_cap(ctx: RankContext) -> dict[str, str]:
     """With the total cap at 2 KiB, an all-gather of 3 x 768 bytes is refused, a gather of 2 x 768 not."""
     from fhelium.distributed import _transfer
 
-    saved = getattr(_transfer, "MAX_RECEIVE_BYTES", None)
-    _transfer.MAX_RECEIVE_BYTES = 2048  # type: ignore[attr-defined]
+    saved = _transfer.MAX_RECEIVE_BYTES
+    _transfer.MAX_RECEIVE_BYTES = 2048
     try:
         message = _group_error(lambda: fdist.all_gather_ciphertexts(ciphertext(3 + ctx.rank)))
         gathered = fdist.gather_ciphertexts(ciphertext(3 + ctx.rank), dst=0)
         assert (gathered is not None) == (ctx.rank == 0)
     finally:
-        _transfer.MAX_RECEIVE_BYTES = saved  # type: ignore[attr-defined]
+        _transfer.MAX_RECEIVE_BYTES = saved
     _still_in_step(ctx)
     return {"all_gather": message}
 

@@ -34,7 +34,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> WorldRun:
 def _same_everywhere(world: WorldRun, scenario: str) -> dict[str, str]:
     per_rank = world.assert_ok(scenario)
     assert all(messages == per_rank[0] for messages in per_rank), f"ranks raised different errors: {per_rank}"
-    return per_rank[0]
+    first: dict[str, str] = per_rank[0]
+    return first
 
 
 def test_zero_element_descriptor_with_huge_extents_is_refused_on_every_rank(world: WorldRun) -> None:

@@ -42,13 +42,18 @@ def _wire(value: object) -> dict[str, Any]:
     return wire
 
 
-VALUES = {
+def _returning(value: object) -> Callable[[], object]:
+    """A factory that hands back `value` itself, the same object on every call."""
+    return lambda: value
+
+
+VALUES: dict[str, Callable[[], object]] = {
     "batched-ciphertext": lambda: ciphertext(batch=(2, 3), prime_ids=(2, 3, 4), depth=2),
     "slots-plaintext": plaintext_slots,
     "rns-plaintext": plaintext_rns,
     "sparse-compressed-plaintext": compressed_sparse,
     "secret-key": secret_key,
-    **{f"key-{type(k).__name__}": (lambda k=k: k) for k in keys()},
+    **{f"key-{type(k).__name__}": _returning(k) for k in keys()},
 }
 
 

@@ -6,6 +6,8 @@ uniform in [-1, 1]. Measured values are printed (``pytest -s``) and recorded as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def engine_and_keys() -> tuple[CkksEngine, KeySet]:
 
 
 def test_precision_at_n16384_scale40(
-    engine_and_keys: tuple[CkksEngine, KeySet], record_property: pytest.RecordProperty
+    engine_and_keys: tuple[CkksEngine, KeySet], record_property: Callable[[str, object], None]
 ) -> None:
     engine, keys = engine_and_keys
     assert engine.ring_degree == 2**14 and len(engine.q_ids_at(0)) == 5 and engine.default_scale == 2.0**40

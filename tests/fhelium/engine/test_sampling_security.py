@@ -11,12 +11,13 @@ import hashlib
 import json
 import struct
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-from fhelium.core import FheliumValueError
+from fhelium.core import FheliumValueError, SeededCiphertext
 from fhelium.engine import CkksEngine, sampling
 from fhelium.engine.parameters import Preset
 from fhelium.engine.sampling import RandomSource
@@ -235,7 +236,10 @@ def test_the_attack_recovers_the_secret_from_the_old_overlapping_keystream(
 
 def test_purposes_under_one_seed_share_no_8_byte_window() -> None:
     source = RandomSource(SEED)
-    streams = {purpose: bytes(source.stream(purpose)._bytes(4096)) for purpose in sampling.PURPOSES}
+    streams = {
+        purpose: bytes(source.stream(cast(sampling.Purpose, purpose))._bytes(4096))
+        for purpose in sampling.PURPOSES
+    }
     names = sorted(streams)
     for i, left in enumerate(names):
         for right in names[i + 1 :]:
@@ -262,6 +266,7 @@ def test_seeded_ciphertext_expands_identically_on_the_receiver() -> None:
     values = torch.linspace(-1, 1, sender.slot_count, dtype=torch.float64)
     seeded = sender.encrypt_seeded(sender.encode(values), keys.secret)
     received = value_from_bytes(value_to_bytes(seeded))
+    assert isinstance(received, SeededCiphertext)
     expanded_there = receiver.expand_seeded(received)
     expanded_here = sender.expand_seeded(seeded)
     assert torch.equal(expanded_there.data, expanded_here.data)

@@ -6,11 +6,12 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Protocol, cast
 
 import pytest
 import torch
 
-from fhelium.core import FheliumValueError
+from fhelium.core import FheliumValueError, PublicKey
 from fhelium.engine.sampling import RandomSource
 from fhelium.multiparty import (
     THRESHOLD_AGGREGATION,
@@ -36,7 +37,7 @@ from fhelium.multiparty.sumcheck import (
 from fhelium.serialization import inspect_bytes, validate_value_description, value_from_bytes, value_to_bytes
 
 
-def _world(parties: int, session: str = "test") -> tuple[list[ThresholdParty], bytes, object]:
+def _world(parties: int, session: str = "test") -> tuple[list[ThresholdParty], bytes, PublicKey]:
     members = [
         ThresholdParty(rank, parties, session=session, rng_seed=1000 + rank) for rank in range(parties)
     ]
@@ -46,6 +47,12 @@ def _world(parties: int, session: str = "test") -> tuple[list[ThresholdParty], b
     shares = [member.key_share(seed) for member in members]
     public = members[0].combine_public_key(shares, seed)
     return members, seed, public
+
+
+class _HasData(Protocol):
+    """A value whose payload is one tensor (`hasattr(value, "data")`)."""
+
+    data: torch.Tensor
 
 
 def _updates(parties: int, rows: int = 2) -> list[torch.Tensor]:
@@ -90,7 +97,7 @@ def test_any_n_minus_1_decryption_shares_give_noise_not_the_sum(parties: int) ->
     updates = _updates(parties)
     engine = members[0].engine
     total = engine.sum([m.encrypt(u, public) for m, u in zip(members, updates, strict=True)])
-    truth = sum(updates)
+    truth = cast(torch.Tensor, sum(updates))  # a tensor: there is at least one update
     shares = [member.decryption_share(total) for member in members]
     q = engine._mod(total.prime_ids).q
     for left_out in range(parties):
@@ -121,7 +128,7 @@ def _fused_contributions(
     for ct in cts[1:]:
         c1 = torch.remainder(c1 + ct.data[1], q)
     contributions = [member.decryption_contribution(ct, c1) for member, ct in zip(members, cts, strict=True)]
-    return members, contributions, sum(updates), q
+    return members, contributions, cast(torch.Tensor, sum(updates)), q
 
 
 @pytest.mark.parametrize("parties", [2, 3, 5])
@@ -234,7 +241,7 @@ def test_every_value_round_trips_through_bytes_and_the_secret_share_needs_allow_
         again = value_from_bytes(blob, engine=engine, expected_type=type(value).__name__)
         assert type(again) is type(value)
         if hasattr(value, "data"):
-            assert torch.equal(again.data, value.data)  # type: ignore[attr-defined]
+            assert torch.equal(cast(_HasData, again).data, cast(_HasData, value).data)
     assert member.secret is not None
     with pytest.raises(PermissionError, match="SecretKeyShare"):
         value_to_bytes(member.secret, engine=engine)
@@ -336,7 +343,7 @@ def test_blocked_decryption_share_and_combine_fit_any_batch(rows: int | None) ->
     shares = [member.decryption_share(total) for member in members]
     assert shares[0].data.shape == total.data.shape[1:]
     slots = combine_decryption(engine, total, shares).real
-    assert float((slots.reshape(-1) - sum(updates).reshape(-1)).abs().max()) < 1e-6
+    assert float((slots.reshape(-1) - cast(torch.Tensor, sum(updates)).reshape(-1)).abs().max()) < 1e-6
 
 
 @pytest.mark.parametrize("level", ["torch", "auto"])

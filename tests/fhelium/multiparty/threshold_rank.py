@@ -75,7 +75,7 @@ def main() -> int:
             def equivocating_seal(identity: Any, seeds: Any, keys: Any, **kwargs: Any) -> bytes:  # noqa: ANN401
                 return honest_seal(identity, {r: bytes([r]) * 32 for r in seeds}, keys, **kwargs)
 
-            challenge.seal_seed = equivocating_seal  # type: ignore[assignment]
+            challenge.seal_seed = equivocating_seal
         session.generate_public_key()
         if kind == "aggregate-blocking":
             session.channel = _BlockingChannel(channel)
@@ -118,6 +118,10 @@ class _BlockingChannel:
     @property
     def bytes_sent(self) -> int:
         return self.inner.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:  # ShareChannel's bytes_sent is a settable attribute
+        self.inner.bytes_sent = value
 
     def all_gather_bytes(self, tag: str, data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
         return self.inner.all_gather_bytes(tag, data, max_bytes)
@@ -284,7 +288,7 @@ def _malicious(scenario: str, rank: int, world: int, timeout_s: float, result: d
     session = ThresholdSession(channel, session="test")
     session.generate_public_key()
     if kind == "malicious-blocking":
-        session.channel = _BlockingChannel(channel)  # type: ignore[assignment]
+        session.channel = _BlockingChannel(channel)
     rows = -(-MALICIOUS_COUNT // 4096)
 
     def leak(round_number: int, part: int, part_rows: int) -> torch.Tensor:
@@ -297,7 +301,7 @@ def _malicious(scenario: str, rank: int, world: int, timeout_s: float, result: d
         return drawn.weights[part]
 
     channel.leak = leak
-    rounds = []
+    rounds: list[dict[str, object]] = []
     for round_number in (1, 2):
         channel.round, channel.slice = round_number, 0
         padded = torch.zeros(rows * 4096, dtype=torch.float64)

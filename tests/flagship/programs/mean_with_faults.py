@@ -23,6 +23,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from flodld.launcher import exit_if_worker_role
@@ -57,25 +58,27 @@ def play_malicious_fold(transport: RelayTransport, attack: str, *, victim: int) 
     deposit, wait_round = client.deposit, client.wait_round
     attacked: dict[int, tuple[torch.Tensor, str]] = {}
 
-    def spying_deposit(tensors: object, **options: object) -> int:
-        number: int = deposit(tensors, **options)  # type: ignore[arg-type]
-        (tensor,) = tensors  # type: ignore[misc]
-        if tensor.ndim == 4 and not attacked and options.get("fold", "").startswith("modular:"):
-            attacked[number] = (tensor, str(options["fold"]))
+    def spying_deposit(
+        tensors: Sequence[torch.Tensor], *, weight: float = 1.0, fold: str | None = None
+    ) -> int:
+        number = deposit(tensors, weight=weight, fold=fold)
+        (tensor,) = tensors
+        if tensor.ndim == 4 and not attacked and (fold or "").startswith("modular:"):
+            attacked[number] = (tensor, str(fold))
             if transport.rank == victim:
                 buffer = io.BytesIO()
                 torch.save(tensor.clone(), buffer)
                 store.set("malicious-fold/victim", buffer.getvalue())
         return number
 
-    def lying_wait_round(number: int, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
-        honest = wait_round(number, timeout)
-        if number not in attacked:
+    def lying_wait_round(round_number: int, timeout: float | None = None) -> tuple[torch.Tensor, ...]:
+        honest = wait_round(round_number, timeout)
+        if round_number not in attacked:
             return honest
         store.wait(["malicious-fold/victim"])
         victims = torch.load(io.BytesIO(store.get("malicious-fold/victim")))
-        moduli = torch.tensor([int(q) for q in attacked[number][1].removeprefix("modular:").split(",")])
-        print(f"rank {transport.rank}: the fold answers round {number} with a {attack} sum", flush=True)
+        moduli = torch.tensor([int(q) for q in attacked[round_number][1].removeprefix("modular:").split(",")])
+        print(f"rank {transport.rank}: the fold answers round {round_number} with a {attack} sum", flush=True)
         q = moduli.reshape(-1, 1)
         if attack == "substitute":
             return (victims,)
@@ -126,6 +129,7 @@ def main() -> int:
     transport = cli.open_transport(cli.choose_transport(args.transport))
     rank = transport.rank
     if fault_args.malicious_fold:
+        assert isinstance(transport, RelayTransport), "--malicious-fold plays the relay road's fold"
         play_malicious_fold(transport, fault_args.malicious_fold, victim=fault_args.fault_rank)
     faulty = fault_args.fault if rank == fault_args.fault_rank else None
     values = args.values + 1 if faulty == "values" else args.values

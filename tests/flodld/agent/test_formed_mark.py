@@ -44,7 +44,7 @@ async def test_the_agent_writes_the_run_id_to_its_formed_mark_once_the_world_for
     _, port = await controller.start()
     mark = tmp_path / "formed"
     spec = AgentSpec(host="walker", controller_host="127.0.0.1", controller_port=port, salt_hex=token,
-                     devices=["cpu"], averaging="nccl_sync", formed_file=str(mark))  # type: ignore[arg-type]  # fmt: skip
+                     devices=["cpu"], averaging="nccl_sync", formed_file=str(mark))  # fmt: skip
     try:
         code, output = await _agent_exit(spec)
     finally:

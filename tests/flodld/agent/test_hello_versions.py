@@ -45,4 +45,5 @@ def test_a_real_gpu_hello_reports_the_nccl_torch_loads() -> None:
     import torch
 
     hello = build_hello(_spec("a"), ["cuda:0"])
-    assert hello.nccl_version == ".".join(str(part) for part in torch.cuda.nccl.version())
+    nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    assert hello.nccl_version == ".".join(str(part) for part in nccl)

@@ -20,10 +20,11 @@ from datetime import timedelta
 
 import pytest
 
-from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress, socket_owner_uid
+from flodld.agent.tcpstore import AgentStoreEndpoint, ControllerAddress
 from flodld.controller.mux import PortMux
 from flodld.controller.status.metrics import ControllerCounters
 from flodld.controller.store import StoreService
+from flodld.net.peeruid import socket_owner_uid
 from flodld.rank.store import ControllerStore
 from flodld.wire.magic import Channel
 from flodld.wire.salt import new_salt

@@ -57,7 +57,7 @@ async def run_agent(
         name: value for name, value in (("cluster_env", cluster_env), ("accept_env", accept_env)) if value
     }
     spec = AgentSpec(host="walker", controller_host="127.0.0.1", controller_port=port, salt_hex=token,
-                     devices=["cpu"], averaging="nccl_sync", **extra)  # type: ignore[arg-type]  # fmt: skip
+                     devices=["cpu"], averaging="nccl_sync", **extra)  # fmt: skip
     # The agent's own PYTHONPATH (where flodld is) stays: only the controller's values are under test.
     environ = {
         name: value for name, value in os.environ.items() if name not in REPORTED or name == "PYTHONPATH"

@@ -5,7 +5,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from flodld.config.devices import DeviceSpec, rank_labels, spec_has_cpu, spec_rank_count
 
-SPEC: TypeAdapter[object] = TypeAdapter(DeviceSpec)
+SPEC: TypeAdapter[DeviceSpec] = TypeAdapter(DeviceSpec)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +48,7 @@ def test_bad_devices_are_refused_with_the_accepted_forms(written: object, fragme
 
 def test_rank_labels_keep_cuda_ids_and_number_cpu_ranks_per_host() -> None:
     entries = SPEC.validate_python([1, "cpu:2", 0, "cpu"])
+    assert isinstance(entries, tuple)
     assert rank_labels(entries) == ["cuda:1", "cpu:0", "cpu:1", "cuda:0", "cpu:2"]
 
 

@@ -251,9 +251,8 @@ def test_ssh_target_defaults_to_the_worker_host() -> None:
 
 @pytest.mark.parametrize("key", ["docker", "arch"])
 def test_controller_docker_and_arch_are_refused_as_not_implemented(key: str) -> None:
-    found = failures(
-        ClusterBuilder().controller("10.0.0.1", **{key: "cuda"}).worker("127.0.0.1", devices=["cpu"])
-    )
+    setting: dict[str, Any] = {key: "cuda"}  # a YAML-shaped `controller:` setting
+    found = failures(ClusterBuilder().controller("10.0.0.1", **setting).worker("127.0.0.1", devices=["cpu"]))
     assert (
         "not implemented" in found[f"controller.{key}"] and f"workers[].{key}" in found[f"controller.{key}"]
     )

@@ -4,6 +4,7 @@ from typing import Any
 
 import pytest
 
+from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.membership.policy import (
     OPEN_ADMISSION_WARNING,
@@ -88,59 +89,61 @@ def test_tunnel_only_binds_loopback() -> None:
     assert policy(discovery=True, min_rank_start=1, tunnel_only=True).loopback_bind
 
 
-CONTRADICTIONS: list[tuple[str, dict[str, Any], int, str, tuple[str, ...]]] = [
-    ("discovery_without_quorum", {"discovery": True}, 0, "cpu_sync", ("discovery", "min_rank_start")),
+CPU_SYNC, NCCL_SYNC = AveragingMode.CPU_SYNC, AveragingMode.NCCL_SYNC
+
+CONTRADICTIONS: list[tuple[str, dict[str, Any], int, AveragingMode, tuple[str, ...]]] = [
+    ("discovery_without_quorum", {"discovery": True}, 0, CPU_SYNC, ("discovery", "min_rank_start")),
     (
         "manual_with_target",
         {"start": "manual", "target_ranks": 2},
         2,
-        "cpu_sync",
+        CPU_SYNC,
         ("start: manual", "target_ranks"),
     ),
     (
         "token_and_open_admission",
         {"token": TOKEN, "open_admission": True},
         2,
-        "cpu_sync",
+        CPU_SYNC,
         ("token", "open_admission"),
     ),
-    ("tunnel_only_without_discovery", {"tunnel_only": True}, 2, "cpu_sync", ("tunnel_only", "discovery")),
+    ("tunnel_only_without_discovery", {"tunnel_only": True}, 2, CPU_SYNC, ("tunnel_only", "discovery")),
     (
         "tunnel_only_under_nccl",
         {"tunnel_only": True, "discovery": True, "min_rank_start": 1},
         0,
-        "nccl_sync",
+        NCCL_SYNC,
         ("tunnel_only", "averaging", "cpu_sync"),
     ),
     (
         "quorum_above_target",
         {"min_rank_start": 3, "target_ranks": 2},
         4,
-        "cpu_sync",
+        CPU_SYNC,
         ("min_rank_start", "target_ranks"),
     ),
     (
         "quorum_above_capacity",
         {"min_rank_start": 3},
         2,
-        "cpu_sync",
+        CPU_SYNC,
         ("min_rank_start", "target_ranks", "capacity 2"),
     ),
     (
         "discovery_quorum_above_target",
         {"discovery": True, "min_rank_start": 3, "target_ranks": 2},
         0,
-        "cpu_sync",
+        CPU_SYNC,
         ("min_rank_start", "target_ranks"),
     ),
     (
         "cap_below_window",
         {"join_timeout": 300, "max_join_timeout": 200},
         2,
-        "cpu_sync",
+        CPU_SYNC,
         ("max_join_timeout", "join_timeout"),
     ),
-    ("empty_roster_without_discovery", {}, 0, "cpu_sync", ("workers", "discovery")),
+    ("empty_roster_without_discovery", {}, 0, CPU_SYNC, ("workers", "discovery")),
 ]
 
 
@@ -150,7 +153,7 @@ CONTRADICTIONS: list[tuple[str, dict[str, Any], int, str, tuple[str, ...]]] = [
     ids=[row[0] for row in CONTRADICTIONS],
 )
 def test_every_knob_contradiction_names_both_knobs(
-    knobs: dict[str, Any], capacity: int, averaging: str, named: tuple[str, ...]
+    knobs: dict[str, Any], capacity: int, averaging: AveragingMode, named: tuple[str, ...]
 ) -> None:
     with pytest.raises(PolicyError) as caught:
         derive_policy(JoinConfig(**knobs), capacity=capacity, loopback_bind=False, averaging=averaging)
@@ -160,7 +163,7 @@ def test_every_knob_contradiction_names_both_knobs(
 
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(PolicyError, match="capacity"):
-        derive_policy(JoinConfig(), capacity=-1, loopback_bind=False, averaging="cpu_sync")
+        derive_policy(JoinConfig(), capacity=-1, loopback_bind=False, averaging=CPU_SYNC)
 
 
 def test_summary_states_the_window_for_the_log() -> None:
@@ -212,7 +215,7 @@ def test_trust_follows_the_bound_address(
     trust: TrustMode,
     network_warning: bool,
 ) -> None:
-    p = derive_policy(JoinConfig(**knobs), capacity=2, loopback_bind=loopback_bind, averaging="cpu_sync",
+    p = derive_policy(JoinConfig(**knobs), capacity=2, loopback_bind=loopback_bind, averaging=CPU_SYNC,
                       bound_address=bound, preshared=preshared)  # fmt: skip
     assert p.trust is trust
     assert p.loopback_bind is (bound in ("127.0.0.1", "::1", "::ffff:127.0.0.1", "127.0.0.2"))
@@ -223,7 +226,7 @@ def test_trust_follows_the_bound_address(
 def test_tunnel_only_on_a_non_loopback_bind_names_both_knobs_and_the_fix(bound: str) -> None:
     with pytest.raises(PolicyError) as caught:
         derive_policy(JoinConfig(discovery=True, min_rank_start=1, tunnel_only=True), capacity=0,
-                      loopback_bind=False, averaging="cpu_sync", bound_address=bound)  # fmt: skip
+                      loopback_bind=False, averaging=CPU_SYNC, bound_address=bound)  # fmt: skip
     text = str(caught.value)
     for word in ("tunnel_only", "--tunnel-only", "--bind", bound, "127.0.0.1", "--token"):
         assert word in text

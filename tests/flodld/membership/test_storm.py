@@ -10,6 +10,7 @@ from types import FrameType
 
 import pytest
 
+from flodld.config.fields import AveragingMode
 from flodld.config.join import JoinConfig
 from flodld.membership import phase as phase_module
 from flodld.membership.ledger import Ledger, Refused
@@ -18,7 +19,7 @@ from flodld.membership.policy import MAX_WORLD_RANKS, PolicyError, derive_policy
 from flodld.membership.snapshot import StateSnapshot
 from flodld.membership.window import JoinWindow
 
-from .helpers import hello, policy
+from .helpers import hello, phase_of, policy
 
 T0 = 10.0
 
@@ -44,7 +45,7 @@ def test_deferred_hellos_skip_the_verdict_until_the_target_and_never_overshoot_i
     calls = verdict_calls(lambda: [w.hello(hello(f"h{i:04d}"), T0 + 1, evaluate=False) for i in range(999)])
     assert calls == 0 and w.phase is Phase.WAITING and w.ledger.joined_ranks == 999
     assert verdict_calls(lambda: w.hello(hello("h0999"), T0 + 1, evaluate=False)) == 1
-    assert w.phase is Phase.FORMING  # the hello that reached the target closed the window at once
+    assert phase_of(w) is Phase.FORMING  # the hello that reached the target closed the window at once
     late = w.hello(hello("late"), T0 + 1, evaluate=False)
     assert isinstance(late, Refused) and late.code == "window_closed"
     assert w.form(T0 + 2).world_size == 1000
@@ -73,7 +74,7 @@ def test_a_host_past_the_world_limit_is_refused_with_world_full() -> None:
 def test_a_window_sized_past_the_world_limit_never_opens() -> None:
     join = JoinConfig(discovery=True, min_rank_start=1, target_ranks=MAX_WORLD_RANKS + 1)
     with pytest.raises(PolicyError, match="largest world"):
-        derive_policy(join, capacity=0, loopback_bind=True, averaging="cpu_sync")
+        derive_policy(join, capacity=0, loopback_bind=True, averaging=AveragingMode.CPU_SYNC)
 
 
 def test_state_lists_one_page_and_counts_every_member() -> None:

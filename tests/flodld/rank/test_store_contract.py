@@ -9,11 +9,17 @@ import gc
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Protocol, cast
 
 import pytest
 import torch.distributed as dist
+
+# torch.distributed re-exports these without `as`, which mypy does not count as exported; this is where
+# they are defined (the same class objects: `dist.Store is Store`).
+from torch._C._distributed_c10d import PrefixStore, Store
 
 from flodld.rank.store import ControllerStore, StoreRequestError
 from flodld.wire.store import MAX_KEY_CHARS
@@ -27,21 +33,34 @@ TORCH_STORE_METHODS = [
 ]
 
 
+class TorchStore(Protocol):
+    """The parts of torch 2.13's Store that its type stub (torch/_C/_distributed_c10d.pyi) leaves out."""
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    def append(self, key: str, value: str) -> None: ...
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None: ...
+
+    def clone(self) -> Store: ...
+
+
 @pytest.fixture
-def store(store_server: StoreServer) -> ControllerStore:
+def store(store_server: StoreServer) -> Iterator[ControllerStore]:
     client = ControllerStore("127.0.0.1", store_server.port, store_server.salt, store_server.run_id,
                              timeout=timedelta(seconds=300))
-    yield client  # type: ignore[misc]
+    yield client
     client.close()
 
 
 def test_every_method_of_torch_store_is_overridden() -> None:
     # Whatever this torch's Store has (a newer torch adding a method fails here until we implement it).
-    public = {name for name in dir(dist.Store) if not name.startswith("_")}
+    public = {name for name in dir(Store) if not name.startswith("_")}
     assert public <= set(TORCH_STORE_METHODS), public - set(TORCH_STORE_METHODS)
     for name in sorted(public - {"timeout"}):  # `timeout`: the base's property, kept in sync by set_timeout
-        assert getattr(ControllerStore, name) is not getattr(dist.Store, name), name
-    assert issubclass(ControllerStore, dist.Store)
+        assert getattr(ControllerStore, name) is not getattr(Store, name), name
+    assert issubclass(ControllerStore, Store)
 
 
 def test_set_get_check(store: ControllerStore) -> None:
@@ -100,7 +119,7 @@ def test_numkeys_delkeys_and_get_timeout(store: ControllerStore) -> None:
     assert store.delete_key("key") is True
     assert store.num_keys() == 3
     store.set_timeout(timedelta(seconds=0.1))
-    assert store.timeout == timedelta(seconds=0.1)
+    assert cast(TorchStore, store).timeout == timedelta(seconds=0.1)  # the base's property
     started = time.monotonic()
     with pytest.raises(dist.DistStoreError, match="wait timeout after 100ms, keys: \\['key'\\]"):
         store.get("key")
@@ -240,7 +259,7 @@ def test_two_blocked_consumers_get_one_item_each(store: ControllerStore) -> None
 
 def test_clone_is_an_independent_connection_to_the_same_store(store: ControllerStore) -> None:
     clone = store.clone()
-    assert isinstance(clone, dist.Store) and clone is not store
+    assert isinstance(clone, Store) and clone is not store
     assert clone.client_id != store.client_id
     store.set("foo", "bar")
     assert clone.get("foo") == b"bar"
@@ -280,7 +299,7 @@ def test_torch_python_store_check_through_the_cpp_trampoline(store: ControllerSt
 
 
 def test_prefix_store_over_it_reaches_every_method_from_cpp(store: ControllerStore) -> None:
-    prefixed = dist.PrefixStore("p", store)
+    prefixed = PrefixStore("p", store)
     prefixed.set("k", "v")
     assert store.get("p/k") == b"v"
     assert prefixed.add("n", 5) == 5
@@ -288,19 +307,19 @@ def test_prefix_store_over_it_reaches_every_method_from_cpp(store: ControllerSto
     assert prefixed.check(["k"]) and not prefixed.check(["absent"])
     assert prefixed.num_keys() == 2  # C++ calls getNumKeys on the Python store
     assert prefixed.delete_key("n")
-    prefixed.append("k", "x")
-    prefixed.multi_set(["m1", "m2"], ["1", "2"])
+    cast(TorchStore, prefixed).append("k", "x")
+    cast(TorchStore, prefixed).multi_set(["m1", "m2"], ["1", "2"])
     assert prefixed.multi_get(["k", "m1"]) == [b"wx", b"1"]
     with pytest.raises(RuntimeError, match="timeout"):
         prefixed.wait(["never"], timedelta(seconds=0.1))
 
 
 def test_a_store_handed_only_to_torch_survives_garbage_collection(store_server: StoreServer) -> None:
-    prefixed = dist.PrefixStore(
+    prefixed = PrefixStore(
         "gc", ControllerStore("127.0.0.1", store_server.port, store_server.salt, store_server.run_id,
                               timeout=timedelta(seconds=10))
     )
-    clone = prefixed.clone()  # torch's C++ clone: the Python clone is held only by C++
+    clone = cast(TorchStore, prefixed).clone()  # torch's C++ clone: the Python clone is held only by C++
     gc.collect()
     prefixed.set("k", "v")
     assert clone.get("k") == b"v"  # the clone is a PrefixStore("gc") over a clone of ours

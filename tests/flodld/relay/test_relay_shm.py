@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 import torch
@@ -374,7 +375,7 @@ def test_an_observer_on_the_rank_legs_sees_no_plaintext_on_the_shared_memory_roa
 
         futures = {rank: in_thread(lambda rank=rank: one(rank)) for rank in clients}
         for future in futures.values():
-            kind, (mean,) = future.result(30)  # type: ignore[misc]
+            kind, (mean,) = cast(tuple[type, Bundle], future.result(30))  # what `one` returns
             assert kind is ShmResult and torch.equal(mean, torch.full((4096,), 1235.0))
     finally:
         for client in clients.values():
