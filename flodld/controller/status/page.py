@@ -41,7 +41,6 @@ NOSCRIPT_REFRESH_SECS = 5
 NO_STATE_TEXT = "no membership state published yet"
 
 
-
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
