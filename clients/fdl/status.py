@@ -188,76 +188,15 @@ def _ago(when: object) -> str:
     return f"at {stamp} ({seconds:.0f}s ago)"
 
 
-def _exits(entry: dict[str, Any]) -> str:
-    exits = [e for e in entry.get("rank_exits") or [] if isinstance(e, dict)]
-    bad = [f"{e.get('rank')}:{e.get('code')}" for e in exits if e.get("code") != 0]
-    if not exits:
-        return "-"
-    return f"{len(exits)}x 0" if not bad else " ".join(f"rank {b}" for b in bad)
-
-
-def _hosts_cell(entry: dict[str, Any], limit: int = 8) -> str:
-    hosts = [str(x) for x in entry.get("hosts") or []]
-    count = entry.get("host_count")
-    total = count if isinstance(count, int) else len(hosts)
-    if not total:
-        return "-"
-    listed = ",".join(hosts[:limit])
-    return listed if total <= limit and len(hosts) == total else f"{listed},… ({total} hosts)"
-
-
-def _earlier_cell(h: dict[str, Any]) -> str:
-    """A restarted run's earlier attempts and their causes (the history keeps one entry per run)."""
-    attempt = h.get("attempt")
-    earlier = attempt.get("earlier") if isinstance(attempt, dict) else None
-    if not isinstance(earlier, list) or not earlier:
-        return ""
-    return " — after " + "; ".join(
-        f"attempt {e.get('number')} failed: {e.get('cause')}" for e in earlier if isinstance(e, dict)
-    )
-
-
 def render_history(state: dict[str, Any]) -> str:
-    """The finished runs as a table, newest first."""
+    """The finished runs as a table, newest first, every one, in the status page's words."""
+    from flodld import api
+
     if "history" not in state:
         return "no run history here (a single run: `fdl run` or `flodld serve --once`)"
-    history = [h for h in state.get("history") or [] if isinstance(h, dict)]
-    if not history:
+    rows = [tuple(column.upper() for column in api.HISTORY_COLUMNS), *api.history_rows(state)]
+    if len(rows) == 1:
         return "no finished runs yet"
-    rows = [("RUN", "VERDICT", "STARTED", "FORMED+", "DURATION", "RANKS", "HOSTS", "EXITS", "REASON")]
-    for h in history:
-        started, formed, ended = h.get("started_at"), h.get("formed_at"), h.get("ended_at")
-        number = (int, float)
-        rows.append(
-            (
-                str(h.get("run_id", "?")),
-                str(h.get("verdict", "?")),
-                time.strftime("%H:%M:%S", time.localtime(float(started)))
-                if isinstance(started, number)
-                else "-",
-                f"{formed - started:.1f}s"
-                if isinstance(formed, number) and isinstance(started, number)
-                else "-",
-                f"{ended - started:.1f}s"
-                if isinstance(ended, number) and isinstance(started, number)
-                else "-",
-                str(h.get("ranks", "-")),
-                _hosts_cell(h),
-                _exits(h),
-                (
-                    f"[attempt {h['attempt'].get('number')}/{h['attempt'].get('max_attempts')}] "
-                    if isinstance(h.get("attempt"), dict)
-                    else ""
-                )
-                + str(h.get("reason", ""))
-                + (
-                    f" — root cause: {h['root_cause'].get('summary')}"
-                    if isinstance(h.get("root_cause"), dict)
-                    else ""
-                )
-                + _earlier_cell(h),
-            )
-        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]

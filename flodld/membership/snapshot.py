@@ -278,6 +278,11 @@ class StatusSummary(_Model):
         "cause; empty without restarts."
     )
     service: str = Field(description="`flodld serve`: its runs, and whether it is between runs; else empty.")
+    history: list[list[str]] | None = Field(
+        default=None,
+        description="`flodld serve`: the newest 50 finished runs in words, a row each (run, verdict, ended, "
+        "formed, duration, ranks, hosts, rank exits, reason); null for a single run.",
+    )
 
 
 class StateSnapshot(_Model):

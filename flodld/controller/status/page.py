@@ -16,24 +16,15 @@ import html
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flodld.controller.status.summary import Summary, summarise
+from flodld.controller.status.summary import HISTORY_COLUMNS, MAX_HISTORY, Summary, summarise
 from flodld.controller.status.wording import (
     as_int,
-    count_text,
-    duration_secs,
-    exits_summary,
-    first_of,
     fmt_devices,
     fmt_ranks,
-    fmt_secs,
     fmt_time,
-    formed_after,
-    hosts_summary,
-    reason_with_cause,
 )
 
 MAX_ROWS = 500  # hosts, missing names, rank exits rendered; the rest is a "N more" note (paging: issue 18)
-MAX_HISTORY = 50
 MAX_TAIL_LINES = 40  # the root cause's output lines shown (state.json carries at most 40)
 POLL_SECS = 1.0  # the fastest the page polls state.json (the issue's "at most once per second per tab")
 HIDDEN_POLL_SECS = 10.0
@@ -300,31 +291,19 @@ def _attempt(words: Summary) -> str:
     )
 
 
-def _history(state: Mapping[str, Any]) -> str:
-    if "history" not in state or state.get("history") is None:
+def _history(state: Mapping[str, Any], words: Summary) -> str:
+    if words.history is None:
         return ""
-    history = _entries(state, "history")
-    if not history:
+    if not words.history:
         return _empty_section("history", "history", "no finished runs yet")
     rows = []
-    for h in history[:MAX_HISTORY]:
-        verdict = str(first_of(h, "verdict", "phase") or "?")
-        duration = duration_secs(h)
-        rows.append(
-            f'<tr><td>{_e(h.get("run_id") or "?")}</td><td class="phase '
-            f'phase-{_e(verdict)}">{_e(verdict)}</td>'
-            f"<td>{_e(fmt_time(first_of(h, 'ended_at', 'end')))}</td><td>{_e(formed_after(h))}</td>"
-            f"<td>{_e(fmt_secs(duration) if duration is not None else '—')}</td>"
-            f"<td>{_e(count_text(h.get('ranks')))}</td><td>{_e(hosts_summary(h.get('hosts')))}</td>"
-            f"<td>{_e(exits_summary(h.get('rank_exits')))}</td><td>{_e(reason_with_cause(h))}</td></tr>"
-        )
-    more = (
-        f'<p class="more">{len(history) - MAX_HISTORY} older runs not shown.</p>'
-        if len(history) > MAX_HISTORY
-        else ""
-    )
-    headers = ("run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason")
-    return _table_section("history", f"history ({len(history)})", headers, "".join(rows), more)
+    for row in words.history:
+        cells = [f"<td>{_e(cell)}</td>" for cell in row]
+        cells[1] = f'<td class="phase phase-{_e(row[1])}">{_e(row[1])}</td>'  # the verdict, coloured
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    total = len(_entries(state, "history"))
+    more = f'<p class="more">{total - MAX_HISTORY} older runs not shown.</p>' if total > MAX_HISTORY else ""
+    return _table_section("history", f"history ({total})", HISTORY_COLUMNS, "".join(rows), more)
 
 
 def render_state(state: Mapping[str, Any] | None) -> str:
@@ -339,7 +318,7 @@ def render_state(state: Mapping[str, Any] | None) -> str:
     parts.append(_hosts(state))
     parts.append(_missing(state))
     parts += ['<div class="cols">', _refused(state), _exits(state), "</div>", _stragglers(state)]
-    parts.append(_history(state))
+    parts.append(_history(state, words))
     return "".join(parts)
 
 

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from flodld.controller.status.page import (
     HIDDEN_POLL_SECS,
-    MAX_HISTORY,
     MAX_ROWS,
     MAX_TAIL_LINES,
     NO_STATE_TEXT,
@@ -26,6 +25,7 @@ from flodld.controller.status.page import (
     render_page,
 )
 from flodld.controller.status.snapshot import RenderRefused
+from flodld.controller.status.summary import HISTORY_COLUMNS, MAX_HISTORY
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -79,6 +79,7 @@ STATUS_JS = _fill(
     {
         "MAX_ROWS": MAX_ROWS,
         "MAX_HISTORY": MAX_HISTORY,
+        "HISTORY_COLUMNS": list(HISTORY_COLUMNS),
         "MAX_TAIL_LINES": MAX_TAIL_LINES,
         "POLL_MS": int(POLL_SECS * 1000),
         "HIDDEN_MS": int(HIDDEN_POLL_SECS * 1000),

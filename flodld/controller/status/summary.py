@@ -1,4 +1,5 @@
-"""The one summariser of state.json: the wording of its headline, as a pure function of the state.
+"""The one summariser of state.json: the wording of its headline and of its finished runs (`flodld serve`'s
+history), as a pure function of the state.
 
 Every reader that words the state shows these texts, so none of them decides a wording (or a condition,
 such as when a manual window is startable) on its own:
@@ -18,7 +19,19 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flodld.controller.status.wording import as_int, fmt_secs
+from flodld.controller.status.wording import (
+    as_int,
+    count_text,
+    duration_secs,
+    exits_summary,
+    first_of,
+    fmt_duration,
+    fmt_secs,
+    fmt_time,
+    formed_after,
+    hosts_summary,
+    reason_with_cause,
+)
 
 PHASE_NOTES = {
     "waiting": "window open, quorum not met yet",
@@ -31,6 +44,8 @@ PHASE_NOTES = {
 # Staging with the window's clock run out: only a manual start holds a window past expiry.
 HELD_NOTE = "quorum met, window expired: held until `fdl start` (or the hard cap)"
 AUTO_START = "auto — the window closes by itself once quorum and target (or the window's end) allow"
+MAX_HISTORY = 50  # finished runs the page lists and state.json's summary words (fdl status --history: all)
+HISTORY_COLUMNS = ("run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason")
 
 
 @dataclass(frozen=True)
@@ -47,10 +62,14 @@ class Summary:
     start_go: bool
     attempts: tuple[str, ...]
     service: str
+    history: tuple[tuple[str, ...], ...] | None
+    """`flodld serve`: the newest `MAX_HISTORY` finished runs, a row of `HISTORY_COLUMNS` each; None for a
+    single run (state.json has no `history`)."""
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["attempts"] = list(self.attempts)
+        data["history"] = None if self.history is None else [list(row) for row in self.history]
         return data
 
 
@@ -65,6 +84,7 @@ def summarise(state: Mapping[str, Any]) -> Summary:
         start_go=bool(state.get("startable") or state.get("start_armed")),
         attempts=tuple(attempt_texts(state.get("attempt"))),
         service=service_text(state),
+        history=None if state.get("history") is None else history_rows(state, MAX_HISTORY),
     )
 
 
@@ -150,3 +170,43 @@ def service_text(state: Mapping[str, Any]) -> str:
             "between runs" + (f" — next window in {fmt_secs(wait)}" if isinstance(wait, int | float) else "")
         )
     return " · ".join(parts)
+
+
+def history_rows(state: Mapping[str, Any], limit: int | None = None) -> tuple[tuple[str, ...], ...]:
+    """The finished runs of `flodld serve` (state.json's `history`, newest first, the first `limit`), each a
+    row of `HISTORY_COLUMNS`: the page's table and `fdl status --history`.
+    """
+    given = state.get("history")
+    entries = [entry for entry in given if isinstance(entry, Mapping)] if isinstance(given, list) else []
+    return tuple(history_row(entry) for entry in entries[:limit])
+
+
+def history_row(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    """One finished run in words (`HISTORY_COLUMNS`): any field may be missing or malformed."""
+    duration = duration_secs(entry)
+    return (
+        str(entry.get("run_id") or "?"),
+        str(first_of(entry, "verdict", "phase") or "?"),
+        fmt_time(first_of(entry, "ended_at", "end")),
+        formed_after(entry),
+        fmt_duration(duration) if duration is not None else "—",
+        count_text(entry.get("ranks")),
+        hosts_summary(entry.get("hosts"), total=entry.get("host_count")),
+        exits_summary(entry.get("rank_exits")),
+        history_reason(entry),
+    )
+
+
+def history_reason(entry: Mapping[str, Any]) -> str:
+    """A finished run's reason: its attempt (a restarted run), the verdict's sentence with its root cause,
+    and each earlier attempt's cause (the history keeps one entry per run, its last attempt).
+    """
+    attempt = entry.get("attempt")
+    if not isinstance(attempt, Mapping):
+        return reason_with_cause(entry)
+    earlier = [e for e in attempt.get("earlier") or [] if isinstance(e, Mapping)]
+    after = "; ".join(f"attempt {e.get('number')} failed: {e.get('cause')}" for e in earlier)
+    return (
+        f"[attempt {attempt.get('number')}/{attempt.get('max_attempts')}] {reason_with_cause(entry)}"
+        + (f" — after {after}" if after else "")
+    )

@@ -23,6 +23,13 @@ def fmt_secs(value: object) -> str:
     return f"{secs // 3600}h {secs % 3600 // 60:02d}m"
 
 
+def fmt_duration(value: object) -> str:
+    """How long something took: tenths under a minute (0.9s, 42.5s), then as `fmt_secs` (12m 34s)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 60:
+        return f"{int(value * 10) / 10:.1f}s"  # truncated, as fmt_secs truncates
+    return fmt_secs(value)
+
+
 def fmt_ranks(ranks: Iterable[object]) -> str:
     """[0, 1, 2, 3, 7] -> '0–3, 7' (contiguous runs collapsed)."""
     values = sorted(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
@@ -113,15 +120,19 @@ def formed_after(entry: Mapping[str, Any]) -> str:
     if formed is None and "formed_at" in entry:
         return "never"
     if isinstance(start, int | float) and isinstance(formed, int | float):
-        return "+" + fmt_secs(float(formed) - float(start))
+        return "+" + fmt_duration(float(formed) - float(start))
     return "—"
 
 
-def hosts_summary(value: object, limit: int = 6) -> str:
-    """A finished run's hosts: 'node-a, node-b' (a count past `limit` names)."""
+def hosts_summary(value: object, limit: int = 6, total: object = None) -> str:
+    """A finished run's hosts: 'node-a, node-b', or the first `limit` and how many more. `total`: the run's
+    host count when the record lists only some of its hosts (a history record keeps the first 500).
+    """
     if not isinstance(value, list):
         return count_text(value)
     names = [str(v) for v in value]
-    if not names:
+    count = max(as_int(total), len(names))
+    if not count:
         return "—"
-    return ", ".join(names[:limit]) + (f" +{len(names) - limit} more" if len(names) > limit else "")
+    shown = names[:limit]
+    return ", ".join(shown) + (f" +{count - len(shown)} more" if count > len(shown) else "")

@@ -244,4 +244,4 @@ def test_fdl_status_prints_the_counts_and_the_first_hosts_of_a_large_world() -> 
     assert f"hosts 0..{LISTED_HOSTS - 1} of 5000 (more: fdl status --members A..B)" in text
     assert "h0049" in text and "h0050" not in text
     assert "h0499" in render(state, "127.0.0.1:1337", list_all=True)
-    assert "h0000,h0001,… (5000 hosts)" in render_history(state)
+    assert "h0000, h0001 +4998 more" in render_history(state)  # the record lists 2 of its 5000 hosts

@@ -1,5 +1,6 @@
 """One summariser of state.json (flodld/controller/status/summary.py): the status page, state.json's
-`summary` (what the page's script shows) and `fdl status` word the headline alike, for every state.
+`summary` (what the page's script shows) and `fdl status` word the headline and the finished runs alike,
+for every state.
 
 Before it, the three decided on their own: `fdl status` called a manual window "roster startable" on its
 phase, "armed (forming at the next tick)", "waiting for quorum" without the counts, and its ranks line and
@@ -15,12 +16,12 @@ from html.parser import HTMLParser
 from typing import Any
 
 import pytest
-from fdl.status import render
+from fdl.status import render, render_history
 
 from flodld.config.join import JoinConfig
 from flodld.controller.status.page import render_page
 from flodld.controller.status.page_routes import STATUS_JS
-from flodld.controller.status.summary import HELD_NOTE, Summary, summarise
+from flodld.controller.status.summary import HELD_NOTE, HISTORY_COLUMNS, Summary, summarise
 from flodld.membership.snapshot import StateSnapshot, StatusSummary
 
 from .agents import http, join, options, started
@@ -51,9 +52,42 @@ STATES: dict[str, dict[str, Any]] = {
         "service": {"runs_started": 2, "runs": {"done": 1, "failed": 1}, "between_runs": True,
                     "next_window_in_secs": 4.2, "config": None, "config_loaded_at": 1.0,
                     "config_error": None, "history_limit": 20},
-        "history": [],
+        "history": [
+            {"run_id": "s-2", "verdict": "failed", "reason": "1 of 2 ranks failed", "started_at": 1.7e9,
+             "formed_at": 1.7e9 + 12.5, "ended_at": 1.7e9 + 754, "ranks": 2, "hosts": ["a", "b"],
+             "host_count": 9,
+             "rank_exits": [{"rank": 0, "code": 0}, {"rank": 1, "code": 3}],
+             "root_cause": {"summary": "rank 1 on host 'b' (exit code 3): <i>boom</i>"},
+             "attempt": {"number": 2, "max_attempts": 3, "earlier": [
+                 {"number": 1, "run_id": "s-1", "cause": "host 'c' lost", "hosts": ["c"]}]}},
+            {"run_id": "s-0", "verdict": "done", "reason": "every host link closed", "ended_at": None,
+             "formed_at": None, "ranks": [0, 1], "hosts": [], "rank_exits": []},
+        ],
     },
 }  # fmt: skip
+
+
+class _Cells(HTMLParser):
+    """The text of each table cell (th and td), in order."""
+
+    def __init__(self, document: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.cells: list[str] = []
+        self._inside = False
+        self.feed(document)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("td", "th"):
+            self.cells.append("")
+            self._inside = True
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th"):
+            self._inside = False
+
+    def handle_data(self, data: str) -> None:
+        if self._inside:
+            self.cells[-1] += data
 
 
 class _ById(HTMLParser):
@@ -106,7 +140,7 @@ def test_the_page_state_json_and_fdl_status_word_the_headline_alike(name: str) -
         assert f"  {words.service}" in lines, lines
 
     # what the script shows: state.json's `summary`, valid against the schema of state.json
-    served = StateSnapshot.model_validate({**state, "summary": words.as_json()})
+    served = StateSnapshot.model_validate({**state, "history": None, "summary": words.as_json()})
     assert served.summary == StatusSummary(**words.as_json())
 
 
@@ -120,6 +154,7 @@ def test_each_wording_once() -> None:
         start_go=False,
         attempts=(),
         service="",
+        history=None,
     )
     assert summarise(STATES["startable"]).start == "hybrid — startable — fire with `fdl start`"
     assert summarise(STATES["startable"]).start_go
@@ -134,6 +169,33 @@ def test_each_wording_once() -> None:
     assert summarise(STATES["between runs"]).service == (
         "service: run 2 · 1 done, 1 failed · between runs — next window in 4s"
     )
+    assert summarise(STATES["between runs"]).history == (
+        (
+            "s-2", "failed", "2023-11-14 22:25:54Z", "+12.5s", "12m 34s", "2", "a, b +7 more", "rank 1: 3",
+            "[attempt 2/3] 1 of 2 ranks failed — root cause: rank 1 on host 'b' (exit code 3): <i>boom</i>"
+            " — after attempt 1 failed: host 'c' lost",
+        ),
+        ("s-0", "done", "—", "never", "—", "2", "—", "—", "every host link closed"),
+    )
+    assert summarise({**BASE, "history": []}).history == () and summarise(BASE).history is None
+
+
+def test_the_page_and_fdl_status_list_the_finished_runs_alike() -> None:
+    """Before, `fdl status --history` had its own columns and words ("2x 0", "a,b,… (9 hosts)", local
+    start times) and the page showed no attempt of a restarted run.
+    """
+    state = STATES["between runs"]
+    words = summarise(state)
+    assert words.history is not None
+    document = render_page(state)
+    section = document.split('<section id="history">', 1)[1].split("</section>", 1)[0]
+    cells = _Cells(section).cells
+    assert cells[: len(HISTORY_COLUMNS)] == list(HISTORY_COLUMNS)
+    assert cells[len(HISTORY_COLUMNS) :] == [cell for row in words.history for cell in row]
+    table = render_history(state).splitlines()
+    assert table[0].split() == [word for column in HISTORY_COLUMNS for word in column.upper().split()]
+    for line, row in zip(table[1:], words.history, strict=True):
+        assert [cell.strip() for cell in line.split("  ") if cell.strip()] == list(row), (line, row)
 
 
 def test_fdl_status_takes_startable_from_the_window_not_from_the_phase() -> None:
@@ -156,8 +218,11 @@ def test_a_malformed_state_is_worded_never_raised_on(junk: dict[str, Any]) -> No
     assert words.start.startswith("auto — ")
 
 
-def test_the_script_words_no_headline_itself() -> None:
-    for wording in ("window still open", "held until", "fire with", "forming at the next", "joined across"):
+def test_the_script_words_no_headline_and_no_finished_run_itself() -> None:
+    for wording in (
+        "window still open", "held until", "fire with", "forming at the next", "joined across", "exited 0",
+        "root cause: ", "+ \" more\"", "[attempt ",
+    ):
         assert wording not in STATUS_JS, wording
     assert "s.summary" in STATUS_JS
 
