@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from flodld.config.yamlsource import read_yaml
     from flodld.controller.options import ControllerOptions
     from flodld.controller.service import assemble_controller
-    from flodld.controller.status.summary import HISTORY_COLUMNS, history_rows, summarise
+    from flodld.controller.status.summary import HISTORY_COLUMNS, history_rows, member_row, summarise
     from flodld.fanout.cluster_run import run_cluster_job
     from flodld.fanout.drive import drive_run
     from flodld.fanout.forward import ForwardError, open_forward
@@ -126,7 +126,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "flodld.config.yamlsource": ("read_yaml",),
     "flodld.controller.options": ("ControllerOptions",),
     "flodld.controller.service": ("assemble_controller",),
-    "flodld.controller.status.summary": ("HISTORY_COLUMNS", "history_rows", "summarise"),
+    "flodld.controller.status.summary": ("HISTORY_COLUMNS", "history_rows", "member_row", "summarise"),
     "flodld.fanout.cluster_run": ("run_cluster_job",),
     "flodld.fanout.drive": ("drive_run",),
     "flodld.fanout.forward": ("ForwardError", "open_forward"),
@@ -223,6 +223,7 @@ __all__ = [
     "load_config",
     "load_config_file",
     "load_text",
+    "member_row",
     "open_forward",
     "parse_accept_env",
     "parse_address",

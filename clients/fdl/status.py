@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import webbrowser
-from collections import Counter
 from typing import Any, TextIO
 
 from fdl.address import Candidates, format_address, resolve_candidates
@@ -79,15 +78,6 @@ def _paint(text: str, code: str, colour: bool) -> str:
     return f"\033[{code}m{text}\033[0m" if colour else text
 
 
-def device_summary(labels: list[str]) -> str:
-    if not labels:
-        return "no devices listed"
-    counts = Counter(labels)
-    if len(counts) == 1:
-        return f"{len(labels)}x {labels[0]}"
-    return ", ".join(labels)
-
-
 def render(state: dict[str, Any], address: str, *, colour: bool = False, list_all: bool = False) -> str:
     """The pretty form of state.json (`list_all`: every host of the page, as `--members` asked)."""
     from flodld import api  # the summariser is pure: no controller (aiohttp) loads with it
@@ -128,14 +118,12 @@ def render(state: dict[str, Any], address: str, *, colour: bool = False, list_al
                 "(more: fdl status --members A..B):"
             )
         width = max((len(m["host"]) for m in shown), default=0)
-        for m in shown:
-            ranks = "[" + ", ".join(str(r) for r in m["ranks"]) + "]"
-            summary = device_summary(list(m.get("device_labels") or m.get("devices") or []))
-            name = _paint(m["host"].ljust(width), "1", colour)
-            link = "" if m.get("link", "open") == "open" else f"  link {m['link']}"
+        for m in shown:  # each host in the page's words (flodld/controller/status/summary.py member_row)
+            host, ranks, devices, variant, joined, link = api.member_row(m)
+            name = _paint(host.ljust(width), "1", colour)
+            state_of_link = "" if link == "open" else f"  link {link}"
             lines.append(
-                f"    {name}  ranks {ranks}  {summary}  variant {m.get('variant') or '-'}  "
-                f"joined +{m.get('joined_at_secs', 0):.0f}s{link}"
+                f"    {name}  ranks {ranks}  {devices}  variant {variant}  joined {joined}{state_of_link}"
             )
     missing = state.get("missing") or []
     if missing:

@@ -170,6 +170,15 @@ async def test_status_page_in_headless_chromium_history_then_waiting_to_staging(
             ["node-b", "1–2", "cpu:0, cpu:1", "cpu", "open"],
         ]
         assert all(re.fullmatch(r"\+\d+s", row[4]) for row in rows), rows  # joined, seconds into the window
+        # The same rows and headline as the server renders them (JavaScript off): the script's twins of the
+        # row wordings agree with flodld/controller/status/summary.py, and the headline is the summary's.
+        async with headless_page(chromium, tmp_path / "profile-plain", javascript=False) as plain:
+            await plain.navigate(f"{origin}/status")
+            assert await plain.evaluate("document.getElementById('app').dataset.source") == "server"
+            served = await plain.evaluate(_HOST_ROWS)
+            assert [row[:4] + row[5:] for row in served] == [row[:4] + row[5:] for row in rows], served
+            for element in ("#rank-count", "#start-text", "#phase"):
+                assert await plain.text(element) == await page.text(element), element
         assert (await page.text("#rank-count") or "").startswith(
             "3 joined across 2 host(s) — quorum 3, target 6"
         )

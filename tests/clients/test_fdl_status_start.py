@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fdl.address import resolve_candidates
 from fdl.main import split_env
-from fdl.status import device_summary, render, render_history
+from fdl.status import render, render_history
 
 from flodld.membership.snapshot import StateSnapshot
 from flodld.wire.salt import new_salt, salt_from_hex
@@ -48,8 +48,8 @@ async def test_status_pretty_and_json_against_a_live_daemon_then_start_arms_it(t
         assert code == 0
         assert "— staging" in out and "ranks: 3 joined across 2 host(s) — quorum 2, no target" in out
         assert "start: manual — startable — fire with `fdl start`" in out  # the page's words (summary.py)
-        assert "node-b  ranks [1, 2]  2x cpu:0, cpu:1" not in out  # distinct devices are listed, not counted
-        assert "node-b  ranks [1, 2]  cpu:0, cpu:1  variant cpu  joined +" in out
+        assert "node-a  ranks 0  1× cpu:0  variant cpu  joined +" in out  # the page's words for a host
+        assert "node-b  ranks 1–2  cpu:0, cpu:1  variant cpu  joined +" in out  # distinct devices listed
         code, out, _ = await fdl("status", "--json", "--addr", addr)
         served = StateSnapshot.model_validate(json.loads(out))
         assert code == 0 and served.joined_ranks == 3 and served.summary is not None
@@ -182,9 +182,13 @@ def test_env_selector_rules() -> None:
     assert split_env(["status", "@lab"]) == (None, ["status", "@lab"])  # @env only before the command
 
 
-def test_device_summary_and_render_shapes() -> None:
-    assert device_summary(["cuda:0", "cuda:0"]) == "2x cuda:0"
-    assert device_summary([]) == "no devices listed"
+def test_host_lines_and_render_shapes() -> None:
+    member = {"host": "g", "ranks": [4, 5, 6], "device_labels": ["cuda:0"] * 3, "variant": "cu12",
+              "joined_at_secs": 7.9, "link": "lost"}  # fmt: skip
+    lines = render({"phase": "training", "members": [member]}, "h:1").splitlines()
+    assert "    g  ranks 4–6  3× cuda:0  variant cu12  joined +7s  link lost" in lines
+    bare = render({"phase": "training", "members": [{"host": "b", "ranks": []}]}, "h:1").splitlines()
+    assert "    b  ranks —  no devices listed  variant -  joined —" in bare
     text = render(
         {
             "phase": "failed",

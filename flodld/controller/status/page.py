@@ -16,11 +16,16 @@ import html
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flodld.controller.status.summary import HISTORY_COLUMNS, MAX_HISTORY, Summary, summarise
+from flodld.controller.status.summary import (
+    HISTORY_COLUMNS,
+    MAX_HISTORY,
+    MEMBER_COLUMNS,
+    Summary,
+    member_row,
+    summarise,
+)
 from flodld.controller.status.wording import (
     as_int,
-    fmt_devices,
-    fmt_ranks,
     fmt_time,
 )
 
@@ -141,20 +146,16 @@ def _hosts(state: Mapping[str, Any]) -> str:
     if not members:
         return _empty_section("hosts", "hosts", "none joined yet")
     rows = []
-    for m in members[:MAX_ROWS]:
-        link = str(m.get("link") or "open")
-        joined = m.get("joined_at_secs")
-        joined_text = f"+{int(joined)}s" if isinstance(joined, int | float) else "—"
+    for member in members[:MAX_ROWS]:
+        *cells, link = member_row(member)
         rows.append(
-            f"<tr><td>{_e(m.get('host', '?'))}</td><td>{_e(fmt_ranks(m.get('ranks') or []))}</td>"
-            f"<td>{_e(fmt_devices(m))}</td><td>{_e(m.get('variant') or '-')}</td><td>{_e(joined_text)}</td>"
-            f'<td class="link-{_e(link)}">{_e(link)}</td></tr>'
+            "<tr>" + "".join(f"<td>{_e(cell)}</td>" for cell in cells)
+            + f'<td class="link-{_e(link)}">{_e(link)}</td></tr>'
         )
     total = _member_total(state, len(members))
     shown = min(len(members), MAX_ROWS)
     more = _not_shown(total, "hosts", shown)
-    headers = ("host", "ranks", "devices", "variant", "joined", "link")
-    return _table_section("hosts", f"hosts ({total})", headers, "".join(rows), more)
+    return _table_section("hosts", f"hosts ({total})", MEMBER_COLUMNS, "".join(rows), more)
 
 
 def _missing(state: Mapping[str, Any]) -> str:

@@ -25,7 +25,9 @@ from flodld.controller.status.wording import (
     duration_secs,
     exits_summary,
     first_of,
+    fmt_devices,
     fmt_duration,
+    fmt_ranks,
     fmt_secs,
     fmt_time,
     formed_after,
@@ -46,6 +48,7 @@ HELD_NOTE = "quorum met, window expired: held until `fdl start` (or the hard cap
 AUTO_START = "auto — the window closes by itself once quorum and target (or the window's end) allow"
 MAX_HISTORY = 50  # finished runs the page lists and state.json's summary words (fdl status --history: all)
 HISTORY_COLUMNS = ("run", "verdict", "ended", "formed", "duration", "ranks", "hosts", "rank exits", "reason")
+MEMBER_COLUMNS = ("host", "ranks", "devices", "variant", "joined", "link")
 
 
 @dataclass(frozen=True)
@@ -209,4 +212,23 @@ def history_reason(entry: Mapping[str, Any]) -> str:
     return (
         f"[attempt {attempt.get('number')}/{attempt.get('max_attempts')}] {reason_with_cause(entry)}"
         + (f" — after {after}" if after else "")
+    )
+
+
+def member_row(member: Mapping[str, Any]) -> tuple[str, ...]:
+    """One host of state.json's `members` in words (`MEMBER_COLUMNS`): the page's hosts table and `fdl
+    status`'s host lines.
+
+    The page's script words its live rows with its twins of `fmt_ranks` and `fmt_devices`, since state.json
+    carries no text per member (a page of 500 hosts would double); tests/browser checks both renderings agree.
+    """
+    joined = member.get("joined_at_secs")
+    ranks = member.get("ranks")
+    return (
+        str(member.get("host", "?")),
+        fmt_ranks(ranks if isinstance(ranks, list) else []),
+        fmt_devices(member),
+        str(member.get("variant") or "-"),
+        f"+{int(joined)}s" if isinstance(joined, int | float) and not isinstance(joined, bool) else "—",
+        str(member.get("link") or "open"),
     )
