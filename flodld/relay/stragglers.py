@@ -71,12 +71,11 @@ class RoundStragglers(Generic[Member]):
         sending = self._ship(barrier.skip(late))
 
         async def ship() -> None:
-            if self._failed is None:
-                await sending
-                return
             try:
                 await sending
             except (OSError, WireError) as error:
+                if self._failed is None:
+                    raise
                 self._failed(f"controller data channel failed: {error}")
 
         task = loop.create_task(ship())

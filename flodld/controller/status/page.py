@@ -24,10 +24,7 @@ from flodld.controller.status.summary import (
     member_row,
     summarise,
 )
-from flodld.controller.status.wording import (
-    as_int,
-    fmt_time,
-)
+from flodld.controller.status.wording import as_int, fmt_time
 
 MAX_ROWS = 500  # hosts, missing names, rank exits rendered; the rest is a "N more" note (paging: issue 18)
 MAX_TAIL_LINES = 40  # the root cause's output lines shown (state.json carries at most 40)

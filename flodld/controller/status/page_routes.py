@@ -50,7 +50,6 @@ SECURITY_HEADERS = {
 PAGE_ENDPOINTS = ["GET /status", "GET /status.js", "GET /status.css"]
 
 
-
 def _asset(name: str) -> str:
     """The page's script and style, package data in flodld/controller/status/static (loaded at import)."""
     return resources.files("flodld.controller.status").joinpath("static", name).read_text(encoding="utf-8")

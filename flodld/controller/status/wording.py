@@ -1,7 +1,7 @@
-"""Plain-text wordings of state.json values: countdowns, rank lists, devices, times and the run history's
-summaries. Pure functions of the values (no clock: a time is the value's own), shared by the status page
-(`flodld.controller.status.page`), which escapes what they return, and the headline's summariser
-(`summary.py`); no HTML here.
+"""Plain-text wordings of state.json values: countdowns, durations, rank lists, devices, times and the run
+history's summaries. Pure functions of the values (no clock: a time is the value's own), the formatters of
+the summariser (`summary.py`) and of the status page (`flodld.controller.status.page`, which escapes what
+they return); no HTML here.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def exits_summary(value: object) -> str:
 
 
 def formed_after(entry: Mapping[str, Any]) -> str:
-    """How long the run's window took to form the world: '+12s', or 'never'."""
+    """How long the run's window took to form the world: '+12.5s', '+2m 05s', or 'never'."""
     start, formed = entry.get("started_at"), entry.get("formed_at")
     if formed is None and "formed_at" in entry:
         return "never"
